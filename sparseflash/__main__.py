@@ -1,0 +1,3 @@
+from sparseflash.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""`sparseflash.attention`: input validation and dispatch to the Triton kernels or the reference."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from sparseflash.mask import BlockMask
+
+__all__ = ["attention", "resolve_backend"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Which implementation ``backend`` means for tensors on ``device``."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" or (device.type == "cpu" and _interpreting()):
+        return "triton"
+    return "reference"
+
+
+def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, Hq, Nq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [batch, heads_kv, seq_k, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
+    Bk, Hkv, Nk, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"k must have batch {B} like q, got shape {tuple(k.shape)}")
+    if Dk != D:
+        raise ValueError(f"k and v must have head_dim {D} like q, got {Dk}")
+    if min(B, Hq, Hkv, D) == 0 or Nq == 0 or Nk == 0:
+        raise ValueError(f"q, k, v must be non-empty, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"heads of q ({Hq}) must be a multiple of heads of k/v ({Hkv}) for grouped-query attention")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p <= 1.0):
+        raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
+    if mask is not None:
+        if not isinstance(mask, BlockMask):
+            raise TypeError(
+                f"mask must be a sparseflash.BlockMask or None, got {type(mask).__name__} "
+                f"(wrap a block layout with BlockMask.from_layout or a token mask with BlockMask.from_dense)"
+            )
+        if (mask.seq_q, mask.seq_k) != (Nq, Nk):
+            raise ValueError(
+                f"mask was built for seq_q={mask.seq_q}, seq_k={mask.seq_k} but q has seq {Nq} and k has seq {Nk}"
+            )
+        mask._check_broadcast(B, Hq, "mask")
+    if key_lengths is not None:
+        if not isinstance(key_lengths, torch.Tensor):
+            raise TypeError(f"key_lengths must be an integer torch.Tensor [batch], got {type(key_lengths).__name__}")
+        if key_lengths.dtype.is_floating_point or key_lengths.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise TypeError(f"key_lengths must have an integer dtype, got {key_lengths.dtype}")
+        if key_lengths.shape != (B,):
+            raise ValueError(f"key_lengths must have shape [batch] = [{B}], got {tuple(key_lengths.shape)}")
+        if key_lengths.device != q.device:
+            raise ValueError(f"key_lengths must be on q's device {q.device}, got {key_lengths.device}")
+        if not _capturing():
+            lo, hi = int(key_lengths.min()), int(key_lengths.max())
+            if lo < 0 or hi > Nk:
+                raise ValueError(f"key_lengths must lie in [0, seq_k={Nk}], got values in [{lo}, {hi}]")
+
+
+def _capturing() -> bool:
+    """True under torch.compile tracing or CUDA-graph capture, where reading values would sync or break."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | None = None, *,
+              causal: bool = False, scale: float | None = None, key_lengths: torch.Tensor | None = None,
+              return_lse: bool = False, dropout_p: float = 0.0, generator: torch.Generator | None = None,
+              backend: str = "auto"):
+    """Block-sparse (or dense) scaled dot-product attention.
+
+    Args:
+        q: ``[batch, heads_q, seq_q, head_dim]``.
+        k, v: ``[batch, heads_kv, seq_k, head_dim]``; ``heads_q`` a multiple of ``heads_kv``
+            (query head ``h`` reads kv head ``h // (heads_q // heads_kv)``).
+        mask: a `BlockMask` built for ``(seq_q, seq_k)`` whose layout broadcasts to
+            ``[batch, heads_q, q_blocks, k_blocks]``; ``None`` means dense attention. A mask on
+            another device is moved (and its index form cached) on first use.
+        causal: also require ``j <= i + seq_k - seq_q`` (bottom-right aligned).
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        key_lengths: int tensor ``[batch]``; keys ``j >= key_lengths[b]`` are not attended.
+        return_lse: also return the float32 log-sum-exp ``[batch, heads_q, seq_q]`` of the scaled
+            scores (``-inf`` for rows that attend to nothing). It is differentiable.
+        dropout_p: attention dropout on the normalised probabilities (pass 0 at eval).
+        generator: torch.Generator whose Philox state seeds dropout (default: the device's).
+        backend: ``"auto"`` (CUDA, or CPU with ``TRITON_INTERPRET=1`` -> ``"triton"``; CPU ->
+            ``"reference"``), ``"triton"`` or ``"reference"``.
+
+    Returns:
+        ``out`` ``[batch, heads_q, seq_q, head_dim]`` in q's dtype, or ``(out, lse)``.
+        Rows that attend to nothing are 0 and get zero gradients.
+    """
+    _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p)
+    backend = resolve_backend(backend, q.device)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = float(scale)
+    dropout_p = float(dropout_p)
+
+    if backend == "reference":
+        keep = None
+        if dropout_p > 0:
+            from sparseflash import dropout as _dropout
+
+            seed, offset = _dropout.next_seed_offset(q.device, q.shape, k.shape[2], generator)
+            keep = _dropout.keep_mask(seed, offset, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, device=q.device)
+        from sparseflash import reference
+
+        return reference.attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
+                                   return_lse=return_lse, dropout_p=dropout_p, dropout_keep=keep)
+
+    from sparseflash.flash import flash_attention
+
+    return flash_attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
+                           return_lse=return_lse, dropout_p=dropout_p, generator=generator)
