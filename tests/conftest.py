@@ -1,0 +1,53 @@
+"""Test configuration shared by every test file.
+
+Without a GPU the Triton kernels run under the interpreter: TRITON_INTERPRET=1 must be in the
+environment before triton compiles anything, so it is set here, before any test module imports
+sparseflash or triton. On a GPU machine the same files run the kernels compiled, at full sizes.
+"""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def _has_cuda() -> bool:
+    # Decide without importing torch (importing torch first is harmless, but keep this cheap).
+    if os.environ.get("SPARSEFLASH_FORCE_CPU") == "1":
+        return False
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+HAS_CUDA = _has_cuda()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+    config.addinivalue_line("markers", "slow: long on CPU; runs only with SPARSEFLASH_SLOW=1 (always on GPU)")
+
+
+def pytest_collection_modifyitems(config, items):
+    run_slow = os.environ.get("SPARSEFLASH_SLOW") == "1" or HAS_CUDA
+    skip_slow = pytest.mark.skip(reason="slow on CPU: set SPARSEFLASH_SLOW=1 to run")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device():
+    """'cuda' on a GPU machine, else 'cpu' (kernels then run under the Triton interpreter)."""
+    return "cuda" if HAS_CUDA else "cpu"
