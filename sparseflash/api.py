@@ -19,12 +19,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Which implementation ``backend`` means for tensors on ``device``."""
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = torch.float16) -> str:
+    """Which implementation ``backend`` means for tensors on ``device`` of ``dtype``."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
+    if dtype == torch.float64:
+        return "reference"  # the kernels take fp16 / bf16 / fp32
     if device.type == "cuda" or (device.type == "cpu" and _interpreting()):
         return "triton"
     return "reference"
@@ -122,7 +124,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         Rows that attend to nothing are 0 and get zero gradients.
     """
     _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p)
-    backend = resolve_backend(backend, q.device)
+    backend = resolve_backend(backend, q.device, q.dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scale = float(scale)
@@ -133,7 +135,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         if dropout_p > 0:
             from sparseflash import dropout as _dropout
 
-            seed, offset = _dropout.next_seed_offset(q.device, q.shape, k.shape[2], generator)
+            seed, offset = _dropout.next_seed_offset(q.device, generator)
             keep = _dropout.keep_mask(seed, offset, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, device=q.device)
         from sparseflash import reference
 

@@ -70,11 +70,13 @@ def _chunk(q, k, v, allowed, scale, keep, dropout_p):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | None = None, *,
               causal: bool = False, scale: float | None = None, key_lengths: torch.Tensor | None = None,
               return_lse: bool = False, dropout_p: float = 0.0, dropout_keep: torch.Tensor | None = None,
-              chunk_rows: int | None = None):
+              chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None):
     """Reference block-sparse attention. Shapes as `sparseflash.attention`; no input validation
     beyond what the computation needs (`sparseflash.attention` validates).
 
     ``dropout_keep`` (bool ``[B, Hq, seq_q, seq_k]``) is required when ``dropout_p > 0``.
+    ``compute_dtype`` overrides the float32 / float64 computation (e.g. ``q.dtype`` to measure
+    what the same computation in bf16 costs in accuracy, as the tests do).
     Returns ``out`` or ``(out, lse)`` with ``lse`` float32 ``[B, Hq, seq_q]``.
     """
     B, Hq, Nq, D = q.shape
@@ -85,7 +87,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         raise ValueError("reference attention with dropout_p > 0 needs dropout_keep (see sparseflash.dropout.keep_mask)")
     if dropout_p >= 1.0:
         dropout_keep = None  # everything dropped: output is exactly zero below
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    compute = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     group = Hq // Hkv
     qc = q.to(compute)
     kc = k.to(compute).repeat_interleave(group, dim=1) if group > 1 else k.to(compute)
@@ -112,7 +114,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         out = out * 0.0
     out = out.to(q.dtype)
     if return_lse:
-        return out, lse.float() if compute == torch.float32 else lse
+        return out, lse if compute == torch.float64 else lse.float()
     return out
 
 

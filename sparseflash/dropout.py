@@ -1,0 +1,79 @@
+"""Attention dropout: the seed/offset bookkeeping and the keep-mask, shared by kernels and reference.
+
+The keep decision for query row i, key column j of (batch b, query head h) is
+
+    r = Philox4x32-10(key=(seed_lo, seed_hi), counter=(j // 4, i, b * heads_q + h, offset))[j % 4]
+    keep = (r >> 1) >= round(p * 2**31)
+
+computed by the Triton kernels in registers (forward and, regenerated, backward) and by
+`keep_mask` below in NumPy, bit for bit, so tests can compare kernels and reference exactly.
+
+Seeds follow torch's generators, so ``torch.manual_seed`` controls dropout: on CUDA the
+generator's Philox (seed, offset) is used and the offset advanced, as torch's own CUDA random
+ops do; on CPU a 62-bit seed is drawn from the generator. Each call therefore gets fresh bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["keep_mask", "next_seed_offset", "threshold"]
+
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
+_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def threshold(p: float) -> int:
+    """Integer threshold on 31 random bits: drop iff bits < threshold."""
+    return min(int(round(p * 2**31)), 2**31)
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    return seed & 0x7FFFFFFF, (seed >> 31) & 0x7FFFFFFF
+
+
+def next_seed_offset(device: torch.device, generator: torch.Generator | None = None) -> tuple[int, int]:
+    """(62-bit seed, 31-bit offset) for one dropout call; advances the generator."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        gen = generator if generator is not None else torch.cuda.default_generators[
+            device.index if device.index is not None else torch.cuda.current_device()]
+        offset = gen.get_offset()
+        gen.set_offset(offset + 4)
+        return gen.initial_seed() & ((1 << 62) - 1), (offset // 4) & 0x7FFFFFFF
+    gen = generator if generator is not None else torch.default_generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen, dtype=torch.int64))
+    return seed, 0
+
+
+def _philox(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 on uint32 arrays (NumPy, arithmetic in uint64)."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in (c0, c1, c2, c3))
+    k0, k1 = np.uint64(k0), np.uint64(k1)
+    for _ in range(10):
+        p0 = _M0 * c0
+        p1 = _M1 * c2
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _MASK32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _MASK32)
+        k0 = (k0 + np.uint64(_W0)) & _MASK32
+        k1 = (k1 + np.uint64(_W1)) & _MASK32
+    return c0, c1, c2, c3
+
+
+def keep_mask(seed: int, offset: int, batch: int, heads_q: int, seq_q: int, seq_k: int, p: float,
+              device=None) -> torch.Tensor:
+    """The kernels' keep-mask as a bool tensor ``[batch, heads_q, seq_q, seq_k]`` (for testing and
+    the reference path; materialises every pair, so keep it to modest sizes)."""
+    seed_lo, seed_hi = split_seed(seed)
+    thresh = threshold(p)
+    cols = np.arange(seq_k, dtype=np.uint64)
+    rows = np.arange(seq_q, dtype=np.uint64)
+    out = np.empty((batch * heads_q, seq_q, seq_k), dtype=bool)
+    for bh in range(batch * heads_q):
+        c0 = np.broadcast_to(cols[None, :] // np.uint64(4), (seq_q, seq_k))
+        c1 = np.broadcast_to(rows[:, None], (seq_q, seq_k))
+        r = _philox(c0, c1, np.uint64(bh), np.uint64(offset), seed_lo, seed_hi)
+        pick = np.choose((cols % np.uint64(4)).astype(np.int64)[None, :], r)
+        out[bh] = (pick >> np.uint64(1)).astype(np.int64) >= thresh
+    return torch.from_numpy(out.reshape(batch, heads_q, seq_q, seq_k)).to(device or "cpu")

@@ -1,0 +1,133 @@
+"""Autograd and torch.library wrappers around the launchers, and `flash_attention`.
+
+Two custom ops, ``sparseflash::flash_fwd`` and ``sparseflash::flash_bwd``, carry the kernels
+(with fake implementations, so ``torch.compile`` traces models that call them without a graph
+break); `FlashAttentionFunction` (a ``torch.autograd.Function``) ties them together. The mask
+enters as its compressed index tensors, so the ops see only tensors and scalars.
+
+Dropout bits are keyed by a (seed, offset) pair that the forward op draws from torch's generator
+when none is passed, and returns as a small int64 tensor that backward reuses.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from sparseflash.flash import launch
+from sparseflash.mask import BlockMask
+
+__all__ = ["flash_attention", "FlashAttentionFunction"]
+
+
+def _rng_pair(rng: Optional[Tensor], dropout_p: float, device) -> tuple[int, int, Tensor]:
+    if dropout_p <= 0.0:
+        return 0, 0, torch.zeros(2, dtype=torch.int64)
+    if rng is None:
+        from sparseflash.dropout import next_seed_offset
+
+        seed, offset = next_seed_offset(device)
+        rng = torch.tensor([seed, offset], dtype=torch.int64)
+    seed, offset = (int(x) for x in rng.tolist())
+    return seed, offset, rng.clone()
+
+
+@torch.library.custom_op("sparseflash::flash_fwd", mutates_args=())
+def _flash_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor], kv_idx: Optional[Tensor],
+               key_lengths: Optional[Tensor], rng: Optional[Tensor], scale: float, causal: bool,
+               mask_bq: int, mask_bk: int, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+    seed, offset, rng_out = _rng_pair(rng, dropout_p, q.device)
+    o, lse = launch.fwd(q, k, v, kv_num, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None,
+                        dropout_p, seed, offset)
+    return o, lse, rng_out
+
+
+@_flash_fwd.register_fake
+def _(q, k, v, kv_num, kv_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p):
+    B, Hq, Nq, _ = q.shape
+    return (torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32),
+            torch.empty(2, dtype=torch.int64))
+
+
+@torch.library.custom_op("sparseflash::flash_bwd", mutates_args=())
+def _flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
+               kv_num: Optional[Tensor], kv_idx: Optional[Tensor], q_num: Optional[Tensor], q_idx: Optional[Tensor],
+               key_lengths: Optional[Tensor], rng: Tensor, scale: float, causal: bool, mask_bq: int, mask_bk: int,
+               dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+    seed, offset = (int(x) for x in rng.tolist()) if dropout_p > 0.0 else (0, 0)
+    return launch.bwd(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, key_lengths, scale, causal,
+                      mask_bq or None, mask_bk or None, dropout_p, seed, offset)
+
+
+@_flash_bwd.register_fake
+def _(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk,
+      dropout_p):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """o, lse = FlashAttentionFunction.apply(q, k, v, kv_num, kv_idx, q_num, q_idx, key_lengths, rng,
+    scale, causal, mask_bq, mask_bk, dropout_p); lse holds +inf for rows that attend to nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kv_num, kv_idx, q_num, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk,
+                dropout_p):
+        o, lse, rng = torch.ops.sparseflash.flash_fwd(q, k, v, kv_num, kv_idx, key_lengths, rng, scale, causal,
+                                                       mask_bq, mask_bk, dropout_p)
+        ctx.save_for_backward(q, k, v, o, lse, rng, kv_num, kv_idx, q_num, q_idx, key_lengths)
+        ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p)
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, rng, kv_num, kv_idx, q_num, q_idx, key_lengths = ctx.saved_tensors
+        scale, causal, mask_bq, mask_bk, dropout_p = ctx.params
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = torch.ops.sparseflash.flash_bwd(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx,
+                                                     key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+def _check_runnable(q: Tensor) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"the triton backend takes float16, bfloat16 or float32 inputs, got {q.dtype} "
+                        f"(use backend='reference' for float64)")
+    if q.shape[-1] > 256:
+        raise ValueError(f"the triton backend supports head_dim up to 256, got {q.shape[-1]}")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise RuntimeError("the triton backend on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                           "in the environment before triton is imported, or use backend='reference'")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"the triton backend runs on CUDA tensors (or CPU under TRITON_INTERPRET=1), got {q.device}")
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = None, *, causal: bool = False,
+                    scale: float, key_lengths: Tensor | None = None, return_lse: bool = False,
+                    dropout_p: float = 0.0, generator: torch.Generator | None = None):
+    """The Triton path of `sparseflash.attention` (inputs already validated there)."""
+    _check_runnable(q)
+    if mask is None:
+        kv_num = kv_idx = q_num = q_idx = None
+        mask_bq = mask_bk = 0
+    else:
+        index = mask.index(q.device)
+        kv_num, kv_idx, q_num, q_idx = index.kv_num, index.kv_idx, index.q_num, index.q_idx
+        mask_bq, mask_bk = mask.block_size
+        launch._fit(16, mask_bq, "block_q"), launch._fit(16, mask_bk, "block_k")  # clear error early
+    rng = None
+    if dropout_p > 0.0 and generator is not None:
+        from sparseflash.dropout import next_seed_offset
+
+        rng = torch.tensor(next_seed_offset(q.device, generator), dtype=torch.int64)
+    if key_lengths is not None:
+        key_lengths = key_lengths.contiguous()
+    o, lse = FlashAttentionFunction.apply(q, k, v, kv_num, kv_idx, q_num, q_idx, key_lengths, rng, scale, causal,
+                                          mask_bq, mask_bk, float(dropout_p))
+    if return_lse:
+        return o, torch.where(lse == float("inf"), float("-inf"), lse)
+    return o

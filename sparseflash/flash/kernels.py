@@ -1,0 +1,468 @@
+"""Triton kernels: block-sparse FlashAttention forward and backward (dense = every block on).
+
+Algorithm (FlashAttention-2, restricted to the nonzero blocks of a `BlockMask`):
+
+- Forward: one program per (q tile of BLOCK_M rows, batch*head). The Q tile stays in registers;
+  the loop runs over the k-blocks listed for the tile's q-block row (``kv_idx``), so the trip
+  count is the number of nonzero blocks, never a scan over zero blocks. Online softmax in the
+  log2 domain (``exp2`` with ``scale * log2(e)`` folded into the scores), fp32 running max / sum,
+  one normalisation at the end; the natural-log LSE is stored for backward.
+- Backward: ``delta = rowsum(dO * O) - dLSE`` (preprocess); dK/dV programs own a k tile and walk
+  its column list (``q_idx``, the transposed index) for every query head of its GQA group; dQ
+  programs own a q tile and walk the row list. No atomics, so results are bitwise reproducible.
+
+Element masks only where a tile needs them. The lists are sorted, and every element-level
+condition here is a threshold on the column (``j < kv_end``; causal ``j <= i + seq_k - seq_q``),
+so along a row list the tiles split into a mask-free prefix, a masked band, and a tail that is
+skipped; along a column list (dK/dV) into a skipped prefix, a masked band and a mask-free
+rest. Each kernel loads its list once as a vector, counts the three parts, and runs two loops:
+the mask-free one and the masked one. Tail rows (``i >= seq_q``) need no mask: they load zeros
+and, in backward, an LSE of +inf, which makes their probabilities exactly 0. Columns at or past
+``kv_end`` only matter in dK/dV through what is stored, so they are zeroed at the store.
+
+Rows that attend to nothing keep a finite pivot (never ``-inf - -inf``): their output is 0, the
+LSE buffer holds +inf (the public API reports -inf), and backward gives them zero gradient.
+
+Dropout (optional, compiled out when off): keep(i, j) is decided by Philox-4x32-10 keyed by
+(seed) with counter (j // 4, i, batch*head, offset), taking output ``j % 4`` and keeping when its
+top 31 bits are >= ``p * 2**31``; backward regenerates the same bits. `sparseflash.dropout`
+holds the same function in NumPy for tests.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PREC: tl.constexpr):
+    """tl.dot; "upcast" multiplies in fp32 (exact bf16 products, as tensor cores give): the
+    Triton interpreter's bf16 dot is wrong, so CPU runs of bf16 inputs use this."""
+    if DOT_PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+# ----------------------------------------------------------------------------- dropout bits
+@triton.jit
+def _philox_keep(seed_lo, seed_hi, offset, bh, rows, start_n, thresh,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep-mask [BLOCK_M, BLOCK_N] for rows `rows` and columns start_n .. start_n + BLOCK_N."""
+    o_g = (start_n // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.uint32)
+    zero = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32)
+    c0 = zero + o_g[None, :]
+    c1 = zero + rows.to(tl.uint32)[:, None]
+    c2 = zero + bh.to(tl.uint32)
+    c3 = zero + offset.to(tl.uint32)
+    k0 = seed_lo.to(tl.uint32)
+    k1 = seed_hi.to(tl.uint32)
+    for _ in tl.static_range(10):
+        _c0 = c0
+        _c2 = c2
+        c0 = tl.umulhi(_c2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(_c0, 0xD2511F53) ^ c3 ^ k1
+        c1 = _c2 * 0xCD9E8D57
+        c3 = _c0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    # column 4g + t takes output t: [M, N/4, 2, 2] with [.., a, b] = out[2a + b]
+    r = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+    r = tl.reshape(r, [BLOCK_M, BLOCK_N])
+    return (r >> 1).to(tl.int32, bitcast=True) >= thresh
+
+
+# ----------------------------------------------------------------------------- list parts
+@triton.jit
+def _row_parts(p_idx, n, full_end, valid_end, MASK_BK: tl.constexpr, NB_P2: tl.constexpr):
+    """For a sorted k-block list: (#entries fully inside [0, full_end), #entries starting below valid_end)."""
+    o_t = tl.arange(0, NB_P2)
+    m_t = o_t < n
+    b_idx = tl.load(p_idx + o_t, mask=m_t, other=0)
+    n_full = tl.sum((m_t & ((b_idx + 1) * MASK_BK <= full_end)).to(tl.int32), axis=0)
+    n_valid = tl.sum((m_t & (b_idx * MASK_BK < valid_end)).to(tl.int32), axis=0)
+    return n_full, n_valid
+
+
+@triton.jit
+def _col_parts(p_idx, n, skip_below, full_from, MASK_BQ: tl.constexpr, NB_P2: tl.constexpr):
+    """For a sorted q-block list: (#entries whose rows all lie below skip_below, #entries with a row below full_from)."""
+    o_t = tl.arange(0, NB_P2)
+    m_t = o_t < n
+    b_idx = tl.load(p_idx + o_t, mask=m_t, other=0)
+    n_skip = tl.sum((m_t & ((b_idx + 1) * MASK_BQ <= skip_below)).to(tl.int32), axis=0)
+    n_part = tl.sum((m_t & (b_idx * MASK_BQ < full_from)).to(tl.int32), axis=0)
+    return n_skip, n_part
+
+
+@triton.jit
+def _tile_start(p_idx, j, DENSE: tl.constexpr, MASK_B: tl.constexpr, BLOCK: tl.constexpr):
+    """Token start of the j-th kernel tile of a list (dense: the j-th tile of the axis)."""
+    if DENSE:
+        return j * BLOCK
+    else:
+        SUB: tl.constexpr = MASK_B // BLOCK
+        b = tl.load(p_idx + j // SUB)
+        return b * MASK_B + (j % SUB) * BLOCK
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, j_lo, j_hi, o_m, o_d, seq_k, kv_end, causal_off,
+               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
+               MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+    o_n = tl.arange(0, BLOCK_N)
+    m_d = o_d < HEAD_DIM
+    for j in range(j_lo, j_hi):
+        start_n = _tile_start(p_idx, j, DENSE, MASK_BK, BLOCK_N)
+        off_kv = start_n.to(tl.int64)
+        if MASKED:
+            m_kv = ((start_n + o_n) < seq_k)[:, None] & m_d[None, :]
+        else:
+            m_kv = m_d[None, :]
+        b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+        b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            m_s = ((start_n + o_n) < kv_end)[None, :]
+            if CAUSAL:
+                m_s = m_s & ((start_n + o_n)[None, :] <= o_m[:, None] + causal_off)
+            b_s = tl.where(m_s, b_s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            m_pivot = m_new
+        b_p = tl.math.exp2(b_s - m_pivot[:, None])
+        alpha = tl.math.exp2(m_i - m_pivot)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, o_m, start_n, drop_thresh, BLOCK_M, BLOCK_N)
+            b_p = tl.where(keep, b_p, 0.0)
+        b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = _dot(b_p.to(b_v.dtype), b_v, acc, DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, KV_NUM, KV_IDX, KEY_LEN,
+                stride_qb, stride_qh, stride_qm, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_ob, stride_oh, stride_om, stride_od,
+                stride_nb, stride_nh, stride_nm,
+                stride_ib, stride_ih, stride_im,
+                H_Q, GROUP, seq_q, seq_k, qk_scale,
+                seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr,
+                DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H_Q).to(tl.int64)
+    i_h = (i_bh % H_Q).to(tl.int64)
+    i_hk = i_h // GROUP
+    start_m = i_m * BLOCK_M
+    o_m = start_m + tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+
+    p_q = Q + i_b * stride_qb + i_h * stride_qh + start_m.to(tl.int64) * stride_qm \
+        + tl.arange(0, BLOCK_M)[:, None] * stride_qm + o_d[None, :] * stride_qd
+    q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
+    p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
+
+    # Column thresholds: tiles ending at or below full_end need no element mask; tiles starting
+    # at or past valid_end are skipped.
+    kv_end = seq_k
+    if HAS_KEYLEN:
+        kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
+    full_end = kv_end
+    valid_end = kv_end
+    causal_off = seq_k - seq_q
+    if CAUSAL:
+        full_end = tl.minimum(full_end, start_m + causal_off + 1)
+        valid_end = tl.minimum(valid_end, tl.minimum(start_m + BLOCK_M, seq_q) + causal_off)
+
+    if DENSE:
+        p_idx = KV_IDX  # unused
+        j_full = tl.maximum(full_end, 0) // BLOCK_N
+        j_valid = tl.cdiv(tl.maximum(valid_end, 0), BLOCK_N)
+    else:
+        SUB: tl.constexpr = MASK_BK // BLOCK_N
+        q_blk = start_m // MASK_BQ
+        n = tl.load(KV_NUM + i_b * stride_nb + i_h * stride_nh + q_blk * stride_nm)
+        p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
+        n_full, n_valid = _row_parts(p_idx, n, full_end, valid_end, MASK_BK, NB_P2)
+        j_full = n_full * SUB
+        j_valid = n_valid * SUB
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, 0, j_full, o_m, o_d, seq_k, kv_end, causal_off,
+                               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
+                               False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, j_full, j_valid, o_m, o_d, seq_k, kv_end, causal_off,
+                               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
+                               True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    acc = acc * (drop_scale / l_safe)[:, None]
+    lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(l_safe)) * LN2, float("inf"))
+    p_o = O + i_b * stride_ob + i_h * stride_oh + start_m.to(tl.int64) * stride_om \
+        + tl.arange(0, BLOCK_M)[:, None] * stride_om + o_d[None, :] * stride_od
+    tl.store(p_o, acc.to(O.dtype.element_ty), mask=(o_m < seq_q)[:, None] & m_d[None, :])
+    tl.store(LSE + i_bh.to(tl.int64) * seq_q + o_m, lse, mask=o_m < seq_q)
+
+
+# ----------------------------------------------------------------------------- backward
+@triton.jit
+def _bwd_preprocess(O, DO, DLSE, DELTA,
+                    stride_ob, stride_oh, stride_om, stride_od,
+                    stride_dob, stride_doh, stride_dom, stride_dod,
+                    H_Q, seq_q,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H_Q).to(tl.int64)
+    i_h = (i_bh % H_Q).to(tl.int64)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    m = (o_m < seq_q)[:, None] & (o_d < HEAD_DIM)[None, :]
+    b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + o_m.to(tl.int64)[:, None] * stride_om + o_d[None, :] * stride_od,
+                  mask=m, other=0.0).to(tl.float32)
+    b_do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :] * stride_dod,
+                   mask=m, other=0.0).to(tl.float32)
+    delta = tl.sum(b_o * b_do, 1)  # [BLOCK_M]
+    p_row = i_bh.to(tl.int64) * seq_q + o_m
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
+    tl.store(DELTA + p_row, delta, mask=o_m < seq_q)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
+                stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
+                MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, MASK_BQ: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr):
+    m_d = o_d < HEAD_DIM
+    for j in range(j_lo, j_hi):
+        start_m = _tile_start(p_idx, j, DENSE, MASK_BQ, BLOCK_M)
+        o_m = start_m + tl.arange(0, BLOCK_M)
+        m_row = o_m < seq_q
+        off_q = start_m.to(tl.int64)
+        b_q = tl.load(p_q + off_q * stride_qm, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf")) * LOG2E
+        b_sT = _dot(b_k, tl.trans(b_q), None, DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+        b_pT = tl.math.exp2(b_sT - b_lse[None, :])
+        if MASKED:
+            b_pT = tl.where(o_n[:, None] <= o_m[None, :] + causal_off, b_pT, 0.0)
+        b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        b_dpT = _dot(b_v, tl.trans(b_do), None, DOT_PREC)  # [BLOCK_N, BLOCK_M]
+        if DROPOUT:
+            keepT = tl.trans(_philox_keep(seed_lo, seed_hi, rng_off, bh, o_m, start_n, drop_thresh, BLOCK_M, BLOCK_N))
+            b_pdT = tl.where(keepT, b_pT * drop_scale, 0.0)
+            dv = _dot(b_pdT.to(b_do.dtype), b_do, dv, DOT_PREC)
+            b_dpT = tl.where(keepT, b_dpT * drop_scale, 0.0)
+        else:
+            dv = _dot(b_pT.to(b_do.dtype), b_do, dv, DOT_PREC)
+        b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
+        b_dsT = b_pT * (b_dpT - b_delta[None, :])
+        dk = _dot(b_dsT.to(b_q.dtype), b_q, dk, DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_NUM, Q_IDX, KEY_LEN,
+                     stride_qb, stride_qh, stride_qm, stride_qd,
+                     stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd,
+                     stride_dob, stride_doh, stride_dom, stride_dod,
+                     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                     stride_nb, stride_nh, stride_nn,
+                     stride_ib, stride_ih, stride_in,
+                     H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
+                     seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr,
+                     DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
+    i_n = tl.program_id(0)
+    i_bhk = tl.program_id(1)
+    i_b = (i_bhk // H_KV).to(tl.int64)
+    i_hk = (i_bhk % H_KV).to(tl.int64)
+    start_n = i_n * BLOCK_N
+    o_n = start_n + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    m_kv = (o_n < seq_k)[:, None] & m_d[None, :]
+    b_k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :] * stride_kd,
+                  mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+    b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :] * stride_vd,
+                  mask=m_kv, other=0.0)
+    kv_end = seq_k
+    if HAS_KEYLEN:
+        kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
+    causal_off = seq_k - seq_q
+    # Rows below skip_below see none of this tile's columns; rows from full_from on see all of them.
+    skip_below = 0
+    full_from = 0
+    if CAUSAL:
+        skip_below = start_n - causal_off
+        full_from = start_n + BLOCK_N - 1 - causal_off
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if start_n < kv_end:
+        o_mt = tl.arange(0, BLOCK_M)
+        for g in range(0, GROUP):
+            i_h = i_hk * GROUP + g
+            i_bh = i_b * H_Q + i_h
+            p_q = Q + i_b * stride_qb + i_h * stride_qh + o_mt[:, None] * stride_qm + o_d[None, :] * stride_qd
+            p_do = DO + i_b * stride_dob + i_h * stride_doh + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod
+            p_lse = LSE + i_bh * seq_q
+            p_delta = DELTA + i_bh * seq_q
+            if DENSE:
+                p_idx = Q_IDX  # unused
+                j_skip = tl.maximum(skip_below, 0) // BLOCK_M
+                j_part = tl.minimum(tl.cdiv(tl.maximum(full_from, 0), BLOCK_M), tl.cdiv(seq_q, BLOCK_M))
+                j_end = tl.cdiv(seq_q, BLOCK_M)
+            else:
+                SUB: tl.constexpr = MASK_BQ // BLOCK_M
+                k_blk = start_n // MASK_BK
+                n = tl.load(Q_NUM + i_b * stride_nb + i_h * stride_nh + k_blk * stride_nn)
+                p_idx = Q_IDX + i_b * stride_ib + i_h * stride_ih + k_blk.to(tl.int64) * stride_in
+                n_skip, n_part = _col_parts(p_idx, n, skip_below, full_from, MASK_BQ, NB_P2)
+                j_skip = n_skip * SUB
+                j_part = tl.maximum(n_part, n_skip) * SUB
+                j_end = n * SUB
+            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, j_skip, j_part, start_n, o_n, o_d,
+                                 seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
+                                 i_bh, drop_thresh, drop_scale,
+                                 CAUSAL, DENSE, DROPOUT, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC)
+            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, j_part, j_end, start_n, o_n, o_d,
+                                 seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
+                                 i_bh, drop_thresh, drop_scale,
+                                 False, DENSE, DROPOUT, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC)
+    # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
+    m_keep = (o_n < kv_end)[:, None]
+    dk = tl.where(m_keep, dk * sm_scale, 0.0)
+    dv = tl.where(m_keep, dv, 0.0)
+    tl.store(DK + i_b * stride_dkb + i_hk * stride_dkh + o_n.to(tl.int64)[:, None] * stride_dkn + o_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=m_kv)
+    tl.store(DV + i_b * stride_dvb + i_hk * stride_dvh + o_n.to(tl.int64)[:, None] * stride_dvn + o_d[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, j_lo, j_hi, o_m, o_d, seq_k, kv_end, causal_off,
+              stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
+              MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr):
+    o_n = tl.arange(0, BLOCK_N)
+    m_d = o_d < HEAD_DIM
+    for j in range(j_lo, j_hi):
+        start_n = _tile_start(p_idx, j, DENSE, MASK_BK, BLOCK_N)
+        off_kv = start_n.to(tl.int64)
+        if MASKED:
+            m_kv = ((start_n + o_n) < seq_k)[:, None] & m_d[None, :]
+        else:
+            m_kv = m_d[None, :]
+        b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+        b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)
+        b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+        b_p = tl.math.exp2(b_s - b_lse[:, None])
+        if MASKED:
+            m_s = ((start_n + o_n) < kv_end)[None, :]
+            if CAUSAL:
+                m_s = m_s & ((start_n + o_n)[None, :] <= o_m[:, None] + causal_off)
+            b_p = tl.where(m_s, b_p, 0.0)
+        b_dp = _dot(do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
+        if DROPOUT:
+            keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, o_m, start_n, drop_thresh, BLOCK_M, BLOCK_N)
+            b_dp = tl.where(keep, b_dp * drop_scale, 0.0)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        dq = _dot(b_ds.to(b_k.dtype), b_k, dq, DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_NUM, KV_IDX, KEY_LEN,
+                   stride_qb, stride_qh, stride_qm, stride_qd,
+                   stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd,
+                   stride_dob, stride_doh, stride_dom, stride_dod,
+                   stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                   stride_nb, stride_nh, stride_nm,
+                   stride_ib, stride_ih, stride_im,
+                   H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
+                   seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr,
+                   DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    i_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H_Q).to(tl.int64)
+    i_h = (i_bh % H_Q).to(tl.int64)
+    i_hk = i_h // GROUP
+    start_m = i_m * BLOCK_M
+    o_m = start_m + tl.arange(0, BLOCK_M)
+    o_mt = tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    m_q = (o_m < seq_q)[:, None] & m_d[None, :]
+    off_m = start_m.to(tl.int64)
+    q = tl.load(Q + i_b * stride_qb + i_h * stride_qh + off_m * stride_qm + o_mt[:, None] * stride_qm + o_d[None, :] * stride_qd,
+                mask=m_q, other=0.0)
+    do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + off_m * stride_dom + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod,
+                 mask=m_q, other=0.0)
+    p_row = i_bh.to(tl.int64) * seq_q + o_m
+    b_lse = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * LOG2E
+    b_delta = tl.load(DELTA + p_row, mask=o_m < seq_q, other=0.0)
+    p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
+    p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
+
+    kv_end = seq_k
+    if HAS_KEYLEN:
+        kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
+    full_end = kv_end
+    valid_end = kv_end
+    causal_off = seq_k - seq_q
+    if CAUSAL:
+        full_end = tl.minimum(full_end, start_m + causal_off + 1)
+        valid_end = tl.minimum(valid_end, tl.minimum(start_m + BLOCK_M, seq_q) + causal_off)
+    if DENSE:
+        p_idx = KV_IDX  # unused
+        j_full = tl.maximum(full_end, 0) // BLOCK_N
+        j_valid = tl.cdiv(tl.maximum(valid_end, 0), BLOCK_N)
+    else:
+        SUB: tl.constexpr = MASK_BK // BLOCK_N
+        q_blk = start_m // MASK_BQ
+        n = tl.load(KV_NUM + i_b * stride_nb + i_h * stride_nh + q_blk * stride_nm)
+        p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
+        n_full, n_valid = _row_parts(p_idx, n, full_end, valid_end, MASK_BK, NB_P2)
+        j_full = n_full * SUB
+        j_valid = n_valid * SUB
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, 0, j_full, o_m, o_d, seq_k, kv_end, causal_off,
+                   stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
+                   False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC)
+    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, j_full, j_valid, o_m, o_d, seq_k, kv_end, causal_off,
+                   stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
+                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC)
+    tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_q)

@@ -1,0 +1,224 @@
+"""Host launchers for the kernels in kernels.py: tile choice, grids, strides, outputs.
+
+Tiles: the kernels walk the mask's block lists in kernel tiles, so a tile must divide the mask
+block (``block_q % BLOCK_M == 0`` for q tiles, ``block_k % BLOCK_N == 0`` for k tiles). The
+launcher takes the configured tile and halves it until it divides the mask block; a mask block
+that is not a multiple of 16 (the smallest tile `tl.dot` takes) is refused with a clear error.
+Dense attention (no mask) has no such constraint.
+
+Configs were chosen by measurement on an H100 (experiments/bench/tune_tiles.py); under the
+Triton interpreter small tiles keep CPU tests fast. `tile_config(...)` overrides them (tests use
+it to cover several tilings; the tuning script to search).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from sparseflash.flash import kernels
+
+__all__ = ["TileConfig", "tile_config", "fwd", "bwd"]
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+_OVERRIDE: dict[str, TileConfig] = {}
+
+# Tests set this to fill every output with NaN before the kernels run, so that an element a
+# kernel fails to write cannot pass as a plausible value.
+POISON_OUTPUTS = False
+
+
+def _new(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    t = torch.empty_like(like) if shape is None else torch.empty(shape, device=like.device, dtype=dtype)
+    return t.fill_(float("nan")) if POISON_OUTPUTS else t
+
+
+@contextlib.contextmanager
+def tile_config(fwd: TileConfig | None = None, dkdv: TileConfig | None = None, dq: TileConfig | None = None):
+    """Temporarily use these tiles (each still shrunk to divide the mask block)."""
+    saved = dict(_OVERRIDE)
+    for name, cfg in (("fwd", fwd), ("dkdv", dkdv), ("dq", dq)):
+        if cfg is not None:
+            _OVERRIDE[name] = cfg
+    try:
+        yield
+    finally:
+        _OVERRIDE.clear()
+        _OVERRIDE.update(saved)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _default_config(kind: str, head_dim: int, device: torch.device) -> TileConfig:
+    if device.type != "cuda" or _interpreting():
+        return TileConfig(32, 32, 4, 1)
+    # H100 (sm90) measurements; see the module docstring.
+    if kind == "fwd":
+        if head_dim <= 64:
+            return TileConfig(128, 64, 4, 3)
+        if head_dim <= 128:
+            return TileConfig(128, 64, 8, 3)
+        return TileConfig(64, 64, 4, 2)
+    if kind == "dkdv":  # block_n = k tile held on chip, block_m = q tile streamed
+        if head_dim <= 64:
+            return TileConfig(64, 128, 8, 2)
+        if head_dim <= 128:
+            return TileConfig(32, 128, 8, 2)
+        return TileConfig(32, 64, 8, 1)
+    # dq: block_m = q tile held, block_n = k tile streamed
+    if head_dim <= 64:
+        return TileConfig(128, 64, 8, 2)
+    if head_dim <= 128:
+        return TileConfig(128, 32, 8, 2)
+    return TileConfig(64, 32, 8, 1)
+
+
+def _fit(tile: int, mask_block: int | None, what: str) -> int:
+    if mask_block is None:
+        return tile
+    if mask_block % 16:
+        raise ValueError(
+            f"the Triton kernels need mask block sizes that are multiples of 16 (the smallest kernel tile), "
+            f"got {what}={mask_block}; build the mask with block_size a multiple of 16"
+        )
+    while mask_block % tile:
+        tile //= 2
+    return tile
+
+
+def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None) -> TileConfig:
+    cfg = _OVERRIDE.get(kind) or _default_config(kind, head_dim, device)
+    bm = _fit(cfg.block_m, mask_bq, "block_q")
+    bn = _fit(cfg.block_n, mask_bk, "block_k")
+    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get full-precision dots (like torch's default matmul), not tf32. The interpreter
+    # multiplies 16-bit inputs in fp32 (what tensor cores do; its own bf16 dot is wrong).
+    if dtype == torch.float32:
+        return "ieee"
+    return "upcast" if _interpreting() else "tf32"
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _nb_p2(n: int) -> int:
+    return max(2, triton.next_power_of_2(n))
+
+
+def _index_args(num, idx, B, H):
+    """Index tensors expanded to [B, H, ...] (stride 0 where the mask is shared) and their strides."""
+    num = num.expand(B, H, num.shape[-1])
+    idx = idx.expand(B, H, *idx.shape[-2:])
+    return num, idx, num.stride()[:3], idx.stride()[:3]
+
+
+def _rng_args(dropout_p: float, seed: int, offset: int):
+    if dropout_p <= 0.0:
+        return 0, 0, 0, 0, 1.0
+    from sparseflash.dropout import split_seed, threshold
+
+    lo, hi = split_seed(seed)
+    return lo, hi, offset, threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+
+
+def fwd(q, k, v, kv_num, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
+        dropout_p: float, seed: int, offset: int):
+    """Forward launch. Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows)."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    dense = kv_idx is None
+    cfg = _config("fwd", D, q.device, mask_bq, mask_bk)
+    o = _new(q)
+    lse = _new(q, (B, Hq, Nq), torch.float32)
+    if dense:
+        kv_num = kv_idx = torch.zeros((1, 1, 1, 1), device=q.device, dtype=torch.int32)
+        n_strides = i_strides = (0, 0, 0)
+        nb_p2 = 1
+    else:
+        kv_num, kv_idx, n_strides, i_strides = _index_args(kv_num, kv_idx, B, Hq)
+        nb_p2 = _nb_p2(kv_idx.shape[-1])
+    seed_lo, seed_hi, rng_off, thresh, drop_scale = _rng_args(dropout_p, seed, offset)
+    grid = (triton.cdiv(Nq, cfg.block_m), B * Hq)
+    kernels._fwd_kernel[grid](
+        q, k, v, o, lse, kv_num, kv_idx, key_lengths if key_lengths is not None else kv_num,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *n_strides, *i_strides,
+        Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
+        seed_lo, seed_hi, rng_off, thresh, drop_scale,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2,
+        DENSE=dense, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
+        DOT_PREC=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return o, lse
+
+
+def bwd(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, key_lengths, scale: float, causal: bool,
+        mask_bq: int | None, mask_bk: int | None, dropout_p: float, seed: int, offset: int):
+    """Backward launches (preprocess, dK/dV, dQ). Returns (dq, dk, dv)."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    dense = kv_idx is None
+    block_d = _block_d(D)
+    delta = _new(lse)
+    pre_m = 64
+    kernels._bwd_preprocess[(triton.cdiv(Nq, pre_m), B * Hq)](
+        o, do, dlse if dlse is not None else lse, delta, *o.stride(), *do.stride(), Hq, Nq,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
+    )
+    seed_lo, seed_hi, rng_off, thresh, drop_scale = _rng_args(dropout_p, seed, offset)
+    common = dict(HEAD_DIM=D, BLOCK_D=block_d, DENSE=dense, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
+                  DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype))
+    dummy = torch.zeros((1, 1, 1, 1), device=q.device, dtype=torch.int32)
+    klen = key_lengths if key_lengths is not None else dummy
+
+    dk = _new(k)
+    dv = _new(v)
+    cfg = _config("dkdv", D, q.device, mask_bq, mask_bk)
+    if dense:
+        cn, ci, cn_s, ci_s, nb_p2 = dummy, dummy, (0, 0, 0), (0, 0, 0), 1
+    else:
+        cn, ci, cn_s, ci_s = _index_args(q_num, q_idx, B, Hq)
+        nb_p2 = _nb_p2(ci.shape[-1])
+    kernels._bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.block_n), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, cn, ci, klen,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *cn_s, *ci_s,
+        Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale,
+        seed_lo, seed_hi, rng_off, thresh, drop_scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
+        NB_P2=nb_p2, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+    )
+
+    dq = _new(q)
+    cfg = _config("dq", D, q.device, mask_bq, mask_bk)
+    if dense:
+        rn, ri, rn_s, ri_s, nb_p2 = dummy, dummy, (0, 0, 0), (0, 0, 0), 1
+    else:
+        rn, ri, rn_s, ri_s = _index_args(kv_num, kv_idx, B, Hq)
+        nb_p2 = _nb_p2(ri.shape[-1])
+    kernels._bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m), B * Hq)](
+        q, k, v, do, lse, delta, dq, rn, ri, klen,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *rn_s, *ri_s,
+        Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale,
+        seed_lo, seed_hi, rng_off, thresh, drop_scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
+        NB_P2=nb_p2, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+    )
+    return dq, dk, dv
