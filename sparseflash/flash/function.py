@@ -126,6 +126,12 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
         rng = torch.tensor(next_seed_offset(q.device, generator), dtype=torch.int64)
     if key_lengths is not None:
         key_lengths = key_lengths.contiguous()
+    # Self-attention may pass one tensor as q, k and v; dynamo cannot trace an autograd.Function
+    # given the same tensor twice, so give each role its own (free) view.
+    if k is q:
+        k = k.view_as(k)
+    if v is q or v is k:
+        v = v.view_as(v)
     o, lse = FlashAttentionFunction.apply(q, k, v, kv_num, kv_idx, q_num, q_idx, key_lengths, rng, scale, causal,
                                           mask_bq, mask_bk, float(dropout_p))
     if return_lse:

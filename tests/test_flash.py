@@ -1,0 +1,253 @@
+"""Triton kernels against the float64 reference (interpreter on CPU at small sizes; compiled at
+real sizes on a GPU). Every case checks the output and dq, dk, dv within 2x PyTorch's own error
+in the same dtype, with outputs poisoned with NaN before the kernels run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _attn_check import check_attention, make_qkv
+
+import sparseflash
+from sparseflash import BlockMask
+from sparseflash.flash import TileConfig, launch, tile_config
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+
+
+def triton_impl(mask=None, **kw):
+    def f(q, k, v):
+        return sparseflash.attention(q, k, v, mask=mask, backend="triton", **kw)
+
+    return f
+
+
+def random_mask(Hm, Bm, Nq, Nk, block, density, seed, empty_row=False):
+    g = torch.Generator().manual_seed(seed)
+    bq, bk = (block, block) if isinstance(block, int) else block
+    qb, kb = math.ceil(Nq / bq), math.ceil(Nk / bk)
+    layout = torch.rand(Bm, Hm, qb, kb, generator=g) < density
+    if empty_row:
+        layout[..., qb // 2, :] = False
+    return BlockMask.from_layout(layout, block_size=(bq, bk), seq_q=Nq, seq_k=Nk)
+
+
+def _id(p):
+    return str(p).replace("torch.", "")
+
+
+# ---------------------------------------------------------------- dense (mask=None)
+DENSE_CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, causal
+    (1, 2, 2, 1, 1, 16, False),
+    (2, 2, 1, 17, 17, 40, False),
+    (1, 4, 2, 63, 63, 64, True),
+    (1, 2, 2, 100, 37, 32, True),  # causal with seq_q > seq_k: leading rows attend nothing
+    (1, 2, 2, 37, 100, 80, True),
+    (2, 3, 1, 65, 100, 16, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: "B{}-H{}/{}-N{}x{}-D{}-{}".format(*c[:6], "causal" if c[6] else "full"))
+def test_dense(case, dtype, device):
+    B, Hq, Hkv, Nq, Nk, D, causal = case
+    q, k, v, do = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, device)
+    check_attention(triton_impl(causal=causal), q, k, v, do, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=_id)
+def test_dense_key_lengths(dtype, device):
+    q, k, v, do = make_qkv(3, 2, 2, 50, 70, 32, dtype, device, seed=1)
+    kl = torch.tensor([0, 33, 70], device=device)  # batch 0 attends to nothing
+    for causal in (False, True):
+        check_attention(triton_impl(causal=causal, key_lengths=kl), q, k, v, do, causal=causal, key_lengths=kl)
+
+
+def test_dense_matches_sdpa(device):
+    q, k, v, _ = make_qkv(2, 4, 4, 96, 96, 64, torch.float32, device, seed=2)
+    for causal in (False, True):
+        o = sparseflash.attention(q, k, v, causal=causal, backend="triton")
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(o, ref, atol=2e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- block-sparse
+SPARSE_CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, block, mask heads, mask batch, causal
+    (1, 2, 2, 100, 100, 32, 32, 1, 1, False),
+    (2, 4, 2, 100, 100, 32, 32, 4, 2, False),  # per-head, per-batch masks with GQA
+    (1, 2, 1, 127, 127, 40, 32, 2, 1, True),
+    (1, 2, 2, 100, 70, 16, (64, 32), 2, 1, True),  # non-square blocks, causal, seq_q > seq_k
+    (1, 2, 2, 63, 130, 64, 16, 1, 1, False),
+    (2, 2, 2, 130, 130, 16, 64, 2, 2, True),  # mask block of 64 over 32-wide tiles
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: "B{}-H{}/{}-N{}x{}-D{}-blk{}-mh{}-mb{}-{}".format(*c[:9], "causal" if c[9] else "full"))
+def test_block_sparse(case, dtype, device):
+    B, Hq, Hkv, Nq, Nk, D, block, Hm, Bm, causal = case
+    mask = random_mask(Hm, Bm, Nq, Nk, block, 0.5, seed=Nq + D, empty_row=True).to(device)
+    q, k, v, do = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, device, seed=3)
+    check_attention(triton_impl(mask, causal=causal), q, k, v, do, mask=mask, causal=causal)
+
+
+@pytest.mark.parametrize("tiles", [(16, 16), (32, 16), (16, 32), (64, 64)], ids=lambda t: f"tile{t[0]}x{t[1]}")
+def test_tilings(tiles, device):
+    """The same mask walked with kernel tiles smaller than, and equal to, its 64-blocks."""
+    cfg = TileConfig(*tiles)
+    mask = random_mask(2, 1, 150, 150, 64, 0.6, seed=5, empty_row=True).to(device)
+    q, k, v, do = make_qkv(1, 2, 1, 150, 150, 32, torch.float32, device, seed=4)
+    kl = torch.tensor([111], device=device)
+    with tile_config(fwd=cfg, dkdv=cfg, dq=cfg):
+        check_attention(triton_impl(mask, causal=True, key_lengths=kl), q, k, v, do, mask=mask, causal=True,
+                        key_lengths=kl)
+
+
+def test_sparse_key_lengths_and_empty(device):
+    mask = random_mask(1, 1, 96, 96, 32, 0.7, seed=6, empty_row=True).to(device)
+    q, k, v, do = make_qkv(3, 2, 2, 96, 96, 32, torch.bfloat16, device, seed=5)
+    kl = torch.tensor([0, 40, 96], device=device)
+    check_attention(triton_impl(mask, key_lengths=kl), q, k, v, do, mask=mask, key_lengths=kl)
+
+
+def test_patterns(device):
+    from sparseflash import patterns
+
+    q, k, v, do = make_qkv(1, 2, 2, 200, 200, 32, torch.float16, device, seed=7)
+    for mask in (patterns.butterfly(200, block_size=32), patterns.butterfly(200, block_size=16, n_factors=2)):
+        mask = mask.to(device)
+        check_attention(triton_impl(mask), q, k, v, do, mask=mask)
+
+
+def test_full_mask_equals_dense(device):
+    q, k, v, do = make_qkv(1, 2, 2, 96, 96, 32, torch.float32, device, seed=8)
+    full = BlockMask.from_layout(torch.ones(3, 3, dtype=torch.bool), block_size=32, seq_q=96).to(device)
+    a = sparseflash.attention(q, k, v, mask=full, causal=True, backend="triton")
+    b = sparseflash.attention(q, k, v, causal=True, backend="triton")
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_empty_mask_gives_zero(device):
+    layout = torch.zeros(2, 2, dtype=torch.bool)
+    mask = BlockMask.from_layout(layout, block_size=32, seq_q=64).to(device)
+    q, k, v, do = make_qkv(1, 1, 1, 64, 64, 16, torch.float16, device, seed=9)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o, lse = sparseflash.attention(q, k, v, mask=mask, return_lse=True, backend="triton")
+    o.backward(do)
+    assert torch.equal(o, torch.zeros_like(o)) and bool(torch.isneginf(lse).all())
+    for t in (q, k, v):
+        assert torch.equal(t.grad, torch.zeros_like(t.grad))
+
+
+def test_lse_and_its_gradient(device):
+    """return_lse matches the reference, and gradients flow through lse as well as out."""
+    mask = random_mask(1, 1, 80, 80, 16, 0.5, seed=10, empty_row=True).to(device)
+    q, k, v, do = make_qkv(1, 2, 2, 80, 80, 32, torch.float32, device, seed=11)
+    dl = torch.randn(1, 2, 80, generator=torch.Generator().manual_seed(0)).to(device)
+    grads = []
+    for backend in ("triton", "reference"):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o, lse = sparseflash.attention(qq, kk, vv, mask=mask, causal=True, return_lse=True, backend=backend)
+        finite = torch.isfinite(lse)
+        ((o * do).sum() + (torch.where(finite, lse, 0) * dl).sum()).backward()
+        grads.append((o, lse, qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_arbitrary_strides(device):
+    """q, k, v as [B, N, H, D] views (the layout of a fused qkv projection) need no copy."""
+    B, N, H, D = 2, 70, 2, 32
+    g = torch.Generator().manual_seed(12)
+    qkv = torch.randn(B, N, 3, H, D, generator=g).to(device)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    assert not q.is_contiguous()
+    do = torch.randn(B, H, N, D, generator=g).to(device)
+    mask = random_mask(1, 1, N, N, 32, 0.6, seed=13).to(device)
+    check_attention(triton_impl(mask, causal=True), q, k, v, do, mask=mask, causal=True)
+
+
+def test_deterministic_backward(device):
+    mask = random_mask(2, 1, 128, 128, 32, 0.5, seed=14).to(device)
+    q, k, v, do = make_qkv(1, 2, 1, 128, 128, 32, torch.bfloat16, device, seed=15)
+    runs = []
+    for _ in range(2):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        sparseflash.attention(qq, kk, vv, mask=mask, backend="triton").backward(do)
+        runs.append((qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_no_graph_break(device):
+    mask = random_mask(1, 1, 64, 64, 32, 0.7, seed=16).to(device)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32)
+
+        def forward(self, x):  # x [B, H, N, D]
+            return self.proj(sparseflash.attention(x, x, x, mask=mask, causal=True)).sum()
+
+    torch.manual_seed(0)
+    model = Block().to(device)
+    x = torch.randn(1, 2, 64, 32, device=device, requires_grad=True)
+    eager = model(x)
+    eager.backward()
+    g_eager = x.grad.clone()
+    x.grad = None
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.backward()
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(x.grad, g_eager)
+
+
+def test_clear_errors(device):
+    q, k, v, _ = make_qkv(1, 1, 1, 40, 40, 16, torch.float32, device)
+    bad = BlockMask.from_layout(torch.ones(5, 5, dtype=torch.bool), block_size=8, seq_q=40)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        sparseflash.attention(q, k, v, mask=bad, backend="triton")
+    with pytest.raises(TypeError, match="float64"):
+        sparseflash.attention(q.double(), k.double(), v.double(), backend="triton")
+    big = torch.randn(1, 1, 8, 320, device=device)
+    with pytest.raises(ValueError, match="head_dim up to 256"):
+        sparseflash.attention(big, big, big, backend="triton")
+
+
+# ---------------------------------------------------------------- real sizes (GPU)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("N", [1024, 4096, 16384 - 37])
+def test_gpu_real_sizes(N, D, dtype):
+    from sparseflash.patterns import butterfly
+
+    B, H = max(1, 8192 // N), 4
+    q, k, v, do = make_qkv(B, H, H // 2, N, N, D, dtype, "cuda", seed=N + D)
+    for mask, causal in ((None, True), (butterfly(N).to("cuda"), False), (random_mask(H, 1, N, N, 128, 0.25, seed=1).to("cuda"), True)):
+        check_attention(triton_impl(mask, causal=causal), q, k, v, do, mask=mask, causal=causal)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_large():
+    N, D = 8192, 128
+    q, k, v, do = make_qkv(2, 8, 8, N, N, D, torch.bfloat16, "cuda", seed=3)
+    mask = random_mask(8, 1, N, N, 128, 0.3, seed=2).to("cuda")
+    runs = []
+    for _ in range(2):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        sparseflash.attention(qq, kk, vv, mask=mask, causal=True).backward(do)
+        runs.append((qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
