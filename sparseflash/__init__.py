@@ -10,8 +10,19 @@ the pure-PyTorch reference (reference.py), the Triton kernels, launchers and aut
 benchmarks and LRA experiments (`sparseflash.experiments`), the CLI (cli.py).
 """
 
-from sparseflash.api import attention
-from sparseflash.mask import BlockIndex, BlockMask
+import os as _os
+
+# In a source checkout run in place (no install, or a legacy editable install), the
+# sub-packages sparseflash.patterns and sparseflash.experiments are the top-level folders
+# patterns/ and experiments/ beside this package: let the import system find them there.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "patterns")) and all(
+    _os.path.isfile(_os.path.join(_root, *p)) for p in (("pyproject.toml",), ("patterns", "__init__.py"))
+):
+    __path__.append(_root)
+
+from sparseflash.api import attention  # noqa: E402
+from sparseflash.mask import BlockIndex, BlockMask  # noqa: E402
 
 __version__ = "0.1.0"
 

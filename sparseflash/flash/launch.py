@@ -66,25 +66,26 @@ def _interpreting() -> bool:
 def _default_config(kind: str, head_dim: int, device: torch.device) -> TileConfig:
     if device.type != "cuda" or _interpreting():
         return TileConfig(32, 32, 4, 1)
-    # H100 (sm90) measurements; see the module docstring.
+    # H100 (sm90), bf16, measured by experiments/bench/tune_tiles.py (experiments/results/tune/):
+    # the fastest config per kernel and head_dim at N=4096, 16 heads.
     if kind == "fwd":
         if head_dim <= 64:
-            return TileConfig(128, 64, 4, 3)
-        if head_dim <= 128:
             return TileConfig(128, 64, 8, 3)
-        return TileConfig(64, 64, 4, 2)
+        if head_dim <= 128:
+            return TileConfig(64, 64, 4, 3)
+        return TileConfig(64, 32, 4, 2)
     if kind == "dkdv":  # block_n = k tile held on chip, block_m = q tile streamed
         if head_dim <= 64:
-            return TileConfig(64, 128, 8, 2)
+            return TileConfig(32, 128, 4, 3)
         if head_dim <= 128:
-            return TileConfig(32, 128, 8, 2)
-        return TileConfig(32, 64, 8, 1)
+            return TileConfig(64, 128, 8, 3)
+        return TileConfig(32, 64, 8, 2)
     # dq: block_m = q tile held, block_n = k tile streamed
     if head_dim <= 64:
-        return TileConfig(128, 64, 8, 2)
+        return TileConfig(64, 64, 4, 3)
     if head_dim <= 128:
-        return TileConfig(128, 32, 8, 2)
-    return TileConfig(64, 32, 8, 1)
+        return TileConfig(128, 64, 8, 3)
+    return TileConfig(64, 32, 8, 2)
 
 
 def _fit(tile: int, mask_block: int | None, what: str) -> int:
@@ -173,25 +174,43 @@ def fwd(q, k, v, kv_num, kv_idx, key_lengths, scale: float, causal: bool, mask_b
 def bwd(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, key_lengths, scale: float, causal: bool,
         mask_bq: int | None, mask_bk: int | None, dropout_p: float, seed: int, offset: int):
     """Backward launches (preprocess, dK/dV, dQ). Returns (dq, dk, dv)."""
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    dense = kv_idx is None
-    block_d = _block_d(D)
+    delta = bwd_preprocess(o, do, lse, dlse)
+    args = (do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seed, offset)
+    dk, dv = bwd_dkdv(*args, q_num, q_idx)
+    dq = bwd_dq(*args, kv_num, kv_idx)
+    return dq, dk, dv
+
+
+def bwd_preprocess(o, do, lse, dlse):
+    """delta = rowsum(dO * O) - dLSE, float32 [B, Hq, Nq]."""
+    B, Hq, Nq, D = o.shape
     delta = _new(lse)
     pre_m = 64
     kernels._bwd_preprocess[(triton.cdiv(Nq, pre_m), B * Hq)](
         o, do, dlse if dlse is not None else lse, delta, *o.stride(), *do.stride(), Hq, Nq,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
+        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
     )
-    seed_lo, seed_hi, rng_off, thresh, drop_scale = _rng_args(dropout_p, seed, offset)
-    common = dict(HEAD_DIM=D, BLOCK_D=block_d, DENSE=dense, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
-                  DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype))
-    dummy = torch.zeros((1, 1, 1, 1), device=q.device, dtype=torch.int32)
-    klen = key_lengths if key_lengths is not None else dummy
+    return delta
 
-    dk = _new(k)
-    dv = _new(v)
+
+def _bwd_common(q, key_lengths, causal, dropout_p, seed, offset):
+    D = q.shape[-1]
+    dummy = torch.zeros((1, 1, 1, 1), device=q.device, dtype=torch.int32)
+    constexprs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
+                      DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype))
+    klen = key_lengths if key_lengths is not None else dummy
+    return dummy, klen, constexprs, _rng_args(dropout_p, seed, offset)
+
+
+def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seed, offset,
+             q_num, q_idx):
+    """dK, dV: one program per (k tile, batch * kv head), walking the column lists."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    dummy, klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
+    dk, dv = _new(k), _new(v)
     cfg = _config("dkdv", D, q.device, mask_bq, mask_bk)
+    dense = q_idx is None
     if dense:
         cn, ci, cn_s, ci_s, nb_p2 = dummy, dummy, (0, 0, 0), (0, 0, 0), 1
     else:
@@ -200,14 +219,22 @@ def bwd(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, key_lengths, sc
     kernels._bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.block_n), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, cn, ci, klen,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *cn_s, *ci_s,
-        Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale,
-        seed_lo, seed_hi, rng_off, thresh, drop_scale,
+        Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
-        NB_P2=nb_p2, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        NB_P2=nb_p2, DENSE=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
     )
+    return dk, dv
 
+
+def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seed, offset,
+           kv_num, kv_idx):
+    """dQ: one program per (q tile, batch * q head), walking the row lists."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    dummy, klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
     dq = _new(q)
     cfg = _config("dq", D, q.device, mask_bq, mask_bk)
+    dense = kv_idx is None
     if dense:
         rn, ri, rn_s, ri_s, nb_p2 = dummy, dummy, (0, 0, 0), (0, 0, 0), 1
     else:
@@ -216,9 +243,8 @@ def bwd(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, key_lengths, sc
     kernels._bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m), B * Hq)](
         q, k, v, do, lse, delta, dq, rn, ri, klen,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *rn_s, *ri_s,
-        Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale,
-        seed_lo, seed_hi, rng_off, thresh, drop_scale,
+        Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
-        NB_P2=nb_p2, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        NB_P2=nb_p2, DENSE=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
     )
-    return dq, dk, dv
+    return dq
