@@ -1,0 +1,111 @@
+"""Attention dropout: the kernels' keep-mask against its NumPy definition, exact agreement of
+outputs and gradients with the reference given that mask, statistics, and edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _attn_check import check_attention, make_qkv
+
+import sparseflash
+from sparseflash import BlockMask
+from sparseflash.dropout import keep_mask, next_seed_offset
+from sparseflash.flash import launch
+
+
+def _gen(device, seed):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def test_keep_mask_statistics():
+    p = 0.3
+    keep = keep_mask(1234, 7, 2, 3, 256, 256, p)
+    n = keep.numel()
+    frac = keep.float().mean().item()
+    assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)  # binomial 5-sigma bound
+    # No row or column structure: per-row / per-column kept fractions spread like binomials.
+    for dim in (-1, -2):
+        per = keep.float().mean(dim=dim)
+        sigma = math.sqrt(p * (1 - p) / keep.shape[dim])
+        assert (per - (1 - p)).abs().max().item() < 6 * sigma
+        assert per.std().item() < 1.5 * sigma
+    # Neighbours (within a Philox group of 4 columns and across rows) are uncorrelated.
+    x = keep.float() - (1 - p)
+    for a, b in ((x[..., :-1], x[..., 1:]), (x[..., :-1, :], x[..., 1:, :])):
+        corr = (a * b).mean() / (x * x).mean()
+        assert abs(corr.item()) < 0.02
+    # Different heads, offsets and seeds give different bits.
+    assert not torch.equal(keep[0, 0], keep[0, 1])
+    assert not torch.equal(keep, keep_mask(1234, 8, 2, 3, 256, 256, p))
+    assert not torch.equal(keep, keep_mask(1235, 7, 2, 3, 256, 256, p))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_matches_reference_with_same_keep_mask(causal, dtype, device):
+    B, Hq, Hkv, N, D, p = 2, 2, 1, 70, 32, 0.25
+    layout = torch.rand(1, 2, 3, 3, generator=torch.Generator().manual_seed(0)) < 0.7
+    mask = BlockMask.from_layout(layout, block_size=32, seq_q=N).to(device)
+    q, k, v, do = make_qkv(B, Hq, Hkv, N, N, D, dtype, device, seed=1)
+    seed, offset = next_seed_offset(device, _gen(device, 99))
+    keep = keep_mask(seed, offset, B, Hq, N, N, p, device=device)
+
+    def impl(q, k, v):
+        return sparseflash.attention(q, k, v, mask=mask, causal=causal, dropout_p=p, generator=_gen(device, 99),
+                                     backend="triton")
+
+    check_attention(impl, q, k, v, do, mask=mask, causal=causal, ref_kwargs=dict(dropout_p=p, dropout_keep=keep))
+
+
+def test_dense_dropout_and_dlse(device, monkeypatch):
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    q, k, v, do = make_qkv(1, 2, 2, 50, 50, 16, torch.float32, device, seed=2)
+    outs = []
+    for backend in ("triton", "reference"):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o, lse = sparseflash.attention(qq, kk, vv, dropout_p=0.5, generator=_gen(device, 5), return_lse=True,
+                                       backend=backend)
+        ((o * do).sum() + lse.sum()).backward()
+        outs.append((o, lse, qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_p0_is_bitwise_no_dropout(device):
+    q, k, v, _ = make_qkv(1, 2, 2, 40, 40, 16, torch.float16, device)
+    a = sparseflash.attention(q, k, v, dropout_p=0.0, backend="triton")
+    b = sparseflash.attention(q, k, v, backend="triton")
+    assert torch.equal(a, b)
+
+
+def test_p1_gives_zero_without_nan(device):
+    q, k, v, do = make_qkv(1, 2, 2, 40, 40, 16, torch.float32, device)
+    for backend in ("triton", "reference"):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o = sparseflash.attention(qq, kk, vv, dropout_p=1.0, backend=backend)
+        o.backward(do)
+        assert torch.equal(o, torch.zeros_like(o)), backend
+        for t in (qq, kk, vv):
+            assert torch.equal(t.grad, torch.zeros_like(t.grad)), backend
+
+
+def test_seed_reproducibility(device):
+    q, k, v, _ = make_qkv(1, 2, 2, 40, 40, 16, torch.float32, device)
+    run = lambda **kw: sparseflash.attention(q, k, v, dropout_p=0.2, backend="triton", **kw)  # noqa: E731
+    assert torch.equal(run(generator=_gen(device, 3)), run(generator=_gen(device, 3)))
+    assert not torch.equal(run(generator=_gen(device, 3)), run(generator=_gen(device, 4)))
+    torch.manual_seed(11)
+    a1, a2 = run(), run()  # two calls in one step get different bits
+    torch.manual_seed(11)
+    b1, b2 = run(), run()
+    assert not torch.equal(a1, a2)
+    assert torch.equal(a1, b1) and torch.equal(a2, b2)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan"), "0.1"])
+def test_invalid_p(p):
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="dropout_p"):
+        sparseflash.attention(q, q, q, dropout_p=p)
