@@ -17,6 +17,7 @@ class Progress:
         self.start = self._last = time.perf_counter()
         self.postfix = ""
         self.disable = disable
+        self._drawn = -1  # self.n at the last draw
 
     def __enter__(self):
         return self
@@ -39,6 +40,7 @@ class Progress:
     def _draw(self, now: float, end: str = "") -> None:
         if self.disable:
             return
+        self._drawn = self.n
         elapsed = now - self.start
         rate = self.n / elapsed if elapsed > 0 else 0.0
         if self.total:
@@ -57,7 +59,10 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
-        self._draw(time.perf_counter(), end="\n" if self.tty else "")
+        if self.tty:
+            self._draw(time.perf_counter(), end="\n")
+        elif self._drawn != self.n:
+            self._draw(time.perf_counter())
 
 
 def progress(iterable, total: int | None = None, desc: str = "", **kw):
