@@ -1,0 +1,11 @@
+"""Benchmarks: runtime vs sparsity and sequence length against the baselines, with plots.
+
+    sparseflash bench sparsity [...]   sparsity.py   density sweep of each pattern's own parameter
+    sparseflash bench seqlen [...]     seqlen.py     runtime / peak memory vs sequence length
+    sparseflash plot RESULTS --out D   plots.py      every figure, redrawn from saved rows
+
+providers.py (every implementation compared), masks.py (the pattern table, density targets,
+mask build timing), flops.py (effective FLOPs and densities), timing.py (do_bench / CPU timing,
+peak memory), runner.py (jobs -> rows, failures recorded), results.py (CSV / JSON / tables),
+config.py (GPU and CPU defaults, presets), cli.py (arguments).
+"""

@@ -1,0 +1,156 @@
+"""Timing and peak memory of one benchmark callable.
+
+GPU: ``triton.testing.do_bench`` (CUDA events, median; it also zeroes a 256 MB buffer before each
+run, so L2 is cold), after warm-up calls made outside the numbers (first call: compilation and
+autotuning). The callable rotates over several input sets whose total size is several times
+the L2 cache, so even without do_bench's flush a timed call never finds its inputs cached.
+Peak memory is ``torch.cuda.max_memory_allocated`` over one untimed call with one input set
+(reset just before it), minus what was allocated before the provider prepared anything: the
+footprint of the operation including its inputs, outputs, saved activations and any mask or
+converted mask it holds.
+
+CPU (the labelled CPU mode only): ``time.perf_counter`` over repeated calls, median.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TimingConfig", "Measurement", "is_oom", "free_memory", "l2_bytes", "rotation_count", "measure"]
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    """``warmup_ms`` / ``rep_ms``: do_bench budgets on GPU (per measurement); on CPU the timed loop
+    runs for ``rep_ms`` (at least ``min_runs`` calls) after one warm-up call."""
+
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    min_runs: int = 1
+    l2_multiple: float = 4.0  # rotate input sets until their total is this many times L2
+    max_sets: int = 8
+
+    def __post_init__(self):
+        if not (self.warmup_ms >= 0 and self.rep_ms > 0):
+            raise ValueError(f"warmup_ms must be >= 0 and rep_ms > 0, got {self.warmup_ms}, {self.rep_ms}")
+        if self.min_runs < 1 or self.max_sets < 1:
+            raise ValueError("min_runs and max_sets must be at least 1")
+
+
+@dataclass
+class Measurement:
+    ms: float
+    peak_bytes: int | None
+    n_sets: int
+    prep_ms: float
+    first_ms: float  # the first call: compilation, autotuning, allocator warm-up
+    after: object = None
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Out of device (or host) memory, whichever library raised it."""
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "outofmemory" in text
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+
+
+def rotation_count(set_bytes: int, device: torch.device, cfg: TimingConfig) -> int:
+    """Input sets to rotate so that their total is at least ``cfg.l2_multiple`` x L2."""
+    l2 = l2_bytes(device)
+    if l2 == 0 or set_bytes <= 0:
+        return 1
+    return max(1, min(cfg.max_sets, math.ceil(cfg.l2_multiple * l2 / set_bytes)))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(prepare, make_inputs, make_step, device: torch.device, cfg: TimingConfig, after=None) -> Measurement:
+    """Time ``make_step(ctx, inputs)()``; ``ctx = prepare()`` is built once and timed separately.
+
+    ``prepare()`` builds what the provider needs besides the inputs (a converted mask, a token
+    mask), after the memory baseline is taken so that it counts in the footprint.
+    ``make_inputs()`` returns one fresh input set (a tuple of tensors); ``make_step(ctx, inputs)``
+    returns a zero-argument callable running the operation on that set (it may precompute, e.g.
+    a forward pass to time backward alone). ``after(ctx)``, if given, runs once the timing is done
+    and the input sets are freed (its result lands in ``Measurement.after``). Exceptions (OOM
+    included) propagate to the caller.
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    _sync(device)
+    t0 = time.perf_counter()
+    ctx = prepare()
+    _sync(device)
+    prep_ms = (time.perf_counter() - t0) * 1000
+    first = make_inputs()
+    set_bytes = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
+    steps = [make_step(ctx, first)]
+    t0 = time.perf_counter()
+    steps[0]()  # warm-up outside the numbers: compilation, autotuning, caches
+    _sync(device)
+    first_ms = (time.perf_counter() - t0) * 1000
+    peak = None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        steps[0]()
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        short = False
+        try:
+            for _ in range(rotation_count(set_bytes, device, cfg) - 1):
+                steps.append(make_step(ctx, make_inputs()))
+        except Exception as e:  # a nearly full device still gets measured, on fewer sets
+            if not is_oom(e):
+                raise
+            short = True
+        if short:
+            free_memory()
+    counter = [0]
+
+    def step():
+        s = steps[counter[0] % len(steps)]
+        counter[0] += 1
+        s()
+
+    if cuda:
+        import triton.testing
+
+        for s in steps[1:]:  # every set warm once
+            s()
+        ms = float(triton.testing.do_bench(step, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"))
+    else:
+        times = []
+        deadline = time.perf_counter() + cfg.rep_ms / 1000
+        while len(times) < cfg.min_runs or (time.perf_counter() < deadline and len(times) < 1000):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1000)
+        ms = statistics.median(times)
+    n_sets = len(steps)
+    del steps, step, first
+    return Measurement(ms=ms, peak_bytes=peak, n_sets=n_sets, prep_ms=prep_ms, first_ms=first_ms,
+                       after=None if after is None else after(ctx))

@@ -1,0 +1,344 @@
+"""Tests of the benchmark suite (sparseflash.experiments.bench): FLOP / density accounting against
+hand counts, the pattern sweep, the FlexAttention mask conversion, failure handling, and the
+CLI end to end on the CPU (CSV / JSON / PNG outputs, the plot command)."""
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparseflash import BlockMask
+from sparseflash.cli import main
+from sparseflash.experiments.bench import masks, providers, runner
+from sparseflash.experiments.bench.config import BenchConfig, defaults
+from sparseflash.experiments.bench.flops import attended_pairs, attention_flops, dense_pairs, densities
+from sparseflash.experiments.bench.results import CPU_NOTE, COLUMNS, load_results
+from sparseflash.experiments.bench.timing import TimingConfig
+
+
+# ----------------------------------------------------------------------------- accounting
+def _brute_pairs(layout, block, seq_q, seq_k, causal, batch, heads):
+    """Count attended pairs by materialising the token mask."""
+    m = BlockMask.from_layout(layout, block, seq_q, seq_k).to_dense().expand(batch, heads, seq_q, seq_k)
+    if causal:
+        i = torch.arange(seq_q)[:, None]
+        j = torch.arange(seq_k)[None, :]
+        m = m & (j <= i + seq_k - seq_q)
+    return int(m.sum())
+
+
+def test_dense_pairs_hand_counts():
+    assert dense_pairs(4, 4) == 16
+    assert dense_pairs(4, 4, causal=True) == 10  # 1 + 2 + 3 + 4
+    assert dense_pairs(3, 5, causal=True) == 3 + 4 + 5  # bottom-right: row i sees j <= i + 2
+    assert dense_pairs(5, 3, causal=True) == 0 + 0 + 1 + 2 + 3  # rows 0, 1 see nothing
+    assert dense_pairs(1, 1, causal=True) == 1
+    for sq, sk in [(7, 7), (1, 9), (9, 1), (13, 6), (6, 13)]:
+        full = torch.ones(1, 1, dtype=torch.bool)
+        assert dense_pairs(sq, sk, True) == _brute_pairs(full, (sq, sk), sq, sk, True, 1, 1)
+
+
+def test_attended_pairs_hand_counts_tails_and_causal():
+    # seq 5, block 2: a 3 x 3 grid whose last row / column hold one token.
+    layout = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    m = BlockMask.from_layout(layout, 2, seq_q=5)
+    # blocks (0,0), (1,0), (1,1): 2x2 each; (2,2): the 1x1 tail
+    assert attended_pairs(m, 1, 1, 5, 5) == 4 + 4 + 4 + 1
+    # causal: (0,0) keeps 3 of 4, (1,0) all 4, (1,1) 3 of 4, (2,2) its single pair
+    assert attended_pairs(m, 1, 1, 5, 5, causal=True) == 3 + 4 + 3 + 1
+    assert attention_flops(13, 64, "fwd") == 4 * 13 * 64
+    assert attention_flops(13, 64, "fwdbwd") == pytest.approx(3.5 * 4 * 13 * 64)
+    assert attention_flops(13, 64, "bwd") == pytest.approx(2.5 * 4 * 13 * 64)
+    d = densities(m, 1, 1, causal=False)
+    assert d["density"] == pytest.approx(4 / 9)
+    assert d["token_density"] == pytest.approx(13 / 25)
+    assert d["rel_density"] == pytest.approx(13 / 25)
+    dc = densities(m, 1, 1, causal=True)
+    assert dc["token_density"] == pytest.approx(11 / 25)
+    assert dc["rel_density"] == pytest.approx(11 / 15)  # dense causal at 5 tokens: 15 pairs
+
+
+def test_attended_pairs_per_head_and_batch_masks():
+    g = torch.Generator().manual_seed(0)
+    layout = torch.rand(2, 3, 4, 4, generator=g) > 0.5  # per batch and head; seq 7 -> tails
+    m = BlockMask(layout, 2, 7, 7)
+    for causal in (False, True):
+        assert attended_pairs(m, 2, 3, 7, 7, causal) == _brute_pairs(layout, 2, 7, 7, causal, 2, 3)
+    shared = BlockMask(layout[:1, :1], 2, 7, 7)  # broadcast over batch 2 x heads 3
+    assert attended_pairs(shared, 2, 3, 7, 7, True) == 6 * _brute_pairs(layout[:1, :1], 2, 7, 7, True, 1, 1)
+    with pytest.raises(ValueError, match="broadcast"):
+        attended_pairs(m, 2, 4, 7, 7)
+    with pytest.raises(ValueError, match="mode"):
+        attention_flops(1, 64, "forward")
+    with pytest.raises(ValueError, match="seq_q"):
+        attended_pairs(m, 2, 3, 8, 8)
+
+
+# ----------------------------------------------------------------------------- masks
+def test_sweep_points_reach_targets_and_skip_missing_patterns(monkeypatch):
+    pts = masks.sweep_points("random", 2048, 64, causal=False, targets=(1.0, 0.25, 1 / 32))
+    assert [p.param for p in pts] == ["blocks_per_row=32", "blocks_per_row=8", "blocks_per_row=1"]
+    assert [p.rel_density for p in pts] == pytest.approx([1.0, 0.25, 1 / 32])
+    local = masks.sweep_points("local", 4096, 128, causal=True)
+    assert local[0].rel_density == pytest.approx(1.0)
+    dens = [p.rel_density for p in local]
+    assert dens == sorted(dens, reverse=True) and dens[-1] < 0.05
+    bf = masks.sweep_points("butterfly", 4096, 128, causal=False, targets=(1.0, 0.5, 0.1))
+    assert [round(p.rel_density, 4) for p in bf] == [1.0, 0.5, round(3 / 32, 4)]
+    with pytest.raises(ValueError, match="pattern must be one of"):
+        masks.sweep_points("nope", 1024, 128, False)
+    import sparseflash.patterns as zoo
+
+    monkeypatch.delattr(zoo, "local")
+    with pytest.raises(masks.PatternUnavailable, match="local"):
+        masks.sweep_points("local", 1024, 128, False)
+    notes = []
+    cfg = BenchConfig(**{**defaults("sparsity", "cpu"), "patterns": ("local", "random"), "seq_lens": (256,),
+                         "targets": (1.0, 0.5)})
+    from sparseflash.experiments.bench import sparsity
+
+    pts = sparsity.mask_points(cfg, notes)
+    assert {p.pattern for p in pts[256]} == {"random"}
+    assert any("pattern local skipped" in n for n in notes)
+    assert all(p.mask_ms >= 0 for p in pts[256])
+
+
+def test_flex_block_mask_conversion_is_identical():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    g = torch.Generator().manual_seed(1)
+    layout = torch.rand(1, 2, 5, 5, generator=g) > 0.4
+    m = BlockMask(layout, 32, 150, 150)  # tail block of 22 tokens
+    for causal in (False, True):
+        fb = providers.to_flex_block_mask(m, causal)
+        assert isinstance(fb, flex.BlockMask)
+        attended = m.pair_counts(causal)
+        total = m.pair_counts(False)
+
+        def blocks(num, idx):
+            return {(h, i, int(j)) for h in range(2) for i in range(5) for j in idx[0, h, i, : num[0, h, i]]}
+
+        full = blocks(fb.full_kv_num_blocks, fb.full_kv_indices)
+        partial = blocks(fb.kv_num_blocks, fb.kv_indices)
+        on = {(h, i, j) for h in range(2) for i in range(5) for j in range(5)
+              if layout[0, h, i, j] and attended[i, j] > 0}
+        assert full | partial == on and not full & partial
+        assert full == {b for b in on if attended[b[1], b[2]] == total[b[1], b[2]]}
+        assert (not causal) == (not partial)
+        assert fb.BLOCK_SIZE == (32, 32)
+
+
+# ----------------------------------------------------------------------------- runner failures
+def _fake(name, kind="sparse", check=None, forward=None):
+    def fwd(ctx, s, q, k, v):
+        return forward(q) if forward else q + k + v
+
+    return providers.Provider(name, name, kind, "test provider", check or (lambda s: None), lambda s: None, fwd)
+
+
+def test_failures_become_rows_and_the_sweep_goes_on():
+    def boom(q):
+        raise ValueError("boom")
+
+    def oom(q):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB")
+
+    provs = [_fake("boom", forward=boom), _fake("oom", forward=oom), _fake("gone", check=lambda s: "no such device"),
+             _fake("fine")]
+    mp = masks.sweep_points("random", 128, 32, False, targets=(0.5, 0.25))
+    pts = [runner.Point(p.pattern, p.param, p.mask, p.density, p.token_density, p.rel_density) for p in mp]
+    jobs = []
+    for mode in ("fwd", "fwdbwd"):
+        shape = runner.Shape(1, 1, 128, 16, "fp32", False, mode, 32)
+        jobs += runner.jobs_for(shape, pts, provs)
+    env = {"device": "cpu", "device_name": "test"}
+    rows = runner.run_jobs(jobs, env, "sparsity", torch.device("cpu"), "reference", TimingConfig(rep_ms=1),
+                           show_progress=False)
+    by = {}
+    for r in rows:
+        by.setdefault(r["provider"], []).append(r)
+    assert {r["status"] for r in by["boom"]} == {"error: ValueError: boom"}
+    assert {r["status"] for r in by["oom"]} == {"OOM"}
+    assert len(by["gone"]) == 1 and by["gone"][0]["status"] == "unavailable: no such device"
+    assert len(by["fine"]) == 4 and all(r["status"] == "ok" and r["ms"] > 0 for r in by["fine"])
+    assert all(math.isnan(r["ms"]) for r in by["boom"] + by["oom"])
+    assert all(r["note"] == CPU_NOTE for r in rows)
+    assert all(r["max_err"] is None for r in rows)  # nothing checked unless asked
+    # with check=True the output is compared with the reference: q + k + v is not attention
+    checked = runner.run_jobs(runner.jobs_for(shape, pts, [_fake("fine")]), env, "sparsity", torch.device("cpu"),
+                              "reference", TimingConfig(rep_ms=1), show_progress=False, check=True)
+    assert all(r["max_err"] > 0.5 for r in checked)
+
+
+def test_bad_configuration_is_rejected():
+    base = defaults("sparsity", "cpu")
+    with pytest.raises(ValueError, match="seq_lens"):
+        BenchConfig(**{**base, "seq_lens": (0,)})
+    with pytest.raises(ValueError, match="modes"):
+        BenchConfig(**{**base, "modes": ("backward",)})
+    with pytest.raises(ValueError, match="target densities"):
+        BenchConfig(**{**base, "targets": (1.5,)})
+    with pytest.raises(ValueError, match="providers must be names"):
+        providers.get_providers("sparseflash,nope")
+    with pytest.raises(ValueError, match="warmup_ms"):
+        TimingConfig(rep_ms=0)
+    with pytest.raises(SystemExit):
+        main(["bench", "sparsity", "--densities", "2"])
+
+
+# ----------------------------------------------------------------------------- end to end (CPU)
+_TINY = ["--device", "cpu", "--seq-len", "128", "--tokens", "256", "--heads", "2", "--head-dim", "16",
+         "--block-size", "32", "--rep-ms", "1", "--no-progress"]
+
+
+def _png_ok(path):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        assert im.size[0] > 200 and im.size[1] > 200
+
+
+def test_sparsity_cli_end_to_end_on_cpu(tmp_path, capsys):
+    out = tmp_path / "sparsity"
+    rc = main(["bench", "sparsity", *_TINY, "--pattern", "butterfly", "random", "--densities", "1", "0.25",
+               "--mode", "fwd", "fwdbwd", "--backend", "reference", "--dtype", "fp32", "--out", str(out),
+               "--providers", "sparseflash,sparseflash-dense,torch,torch-masked,sdpa-flash,sdpa-cudnn,flex"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert CPU_NOTE in text and "possible mismatch" not in text
+    data = json.loads((out / "sparsity.json").read_text())
+    rows = data["rows"]
+    with open(out / "sparsity.csv", newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(rows) and tuple(csv_rows[0]) == COLUMNS
+    assert data["meta"]["note"] == CPU_NOTE and data["meta"]["command"].startswith("sparseflash bench sparsity")
+    assert all(r["device"] == "cpu" and CPU_NOTE in r["note"] for r in rows)
+    # CUDA-only providers: skipped with one row and a note each, not crashed on
+    for name in ("sdpa-cudnn", "flex"):
+        skipped = [r for r in rows if r["provider"] == name]
+        assert len(skipped) == 1 and skipped[0]["status"].startswith("unavailable")
+        assert any(n.startswith(f"provider {name} skipped") for n in data["meta"]["notes"])
+    ok = [r for r in rows if r["status"] == "ok"]
+    # dense providers once per mode; sparse ones per mask point (2 patterns x 2 densities x 2 modes)
+    assert sorted({r["provider"] for r in ok}) == ["sdpa-flash", "sparseflash", "sparseflash-dense", "torch",
+                                                  "torch-masked"]
+    assert len([r for r in ok if r["provider"] == "sparseflash"]) == 8
+    assert len([r for r in ok if r["provider"] == "sparseflash-dense"]) == 2
+    for r in ok:
+        assert r["ms"] > 0 and r["tflops"] > 0 and r["max_err"] < 1e-4, r
+        pairs = r["flops"] / (4 * r["head_dim"] * {"fwd": 1, "fwdbwd": 3.5}[r["mode"]])
+        assert pairs == pytest.approx(r["token_density"] * r["batch"] * r["heads"] * 128 * 128)
+        assert r["tflops"] == pytest.approx(r["flops"] / r["ms"] / 1e9)
+        if r["pattern"] == "dense":
+            factor = {"fwd": 1, "fwdbwd": 3.5}[r["mode"]]
+            assert r["rel_density"] == 1.0 and r["flops"] == 4 * 2 * 2 * 128 * 128 * 16 * factor
+        else:
+            assert r["mask_ms"] >= 0 and r["batch"] == 2
+    quarter = [r for r in ok if r["pattern"] == "random" and r["param"] == "blocks_per_row=1"]
+    assert quarter and all(r["rel_density"] == pytest.approx(0.25) for r in quarter)
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    kinds, pats = ("runtime", "speedup", "tflops"), ("butterfly", "random")
+    assert pngs == sorted(f"sparsity_{k}_{p}.png" for k in kinds for p in pats)
+    for p in out.glob("*.png"):
+        _png_ok(p)
+    assert "| provider |" in (out / "sparsity_table.md").read_text()
+
+    # the plot command redraws the same figures from the saved JSON, and from the CSV alone
+    redraw = tmp_path / "redraw"
+    assert main(["plot", str(out), "--out", str(redraw)]) == 0
+    assert sorted(p.name for p in redraw.glob("*.png")) == pngs
+    only_csv = tmp_path / "csv_only"
+    only_csv.mkdir()
+    (only_csv / "sparsity.csv").write_text((out / "sparsity.csv").read_text())
+    rows_csv, _ = load_results(only_csv)
+    assert len(rows_csv) == len(rows) and rows_csv[0]["causal"] is False and isinstance(rows_csv[0]["seq_len"], int)
+    assert main(["plot", str(only_csv / "sparsity.csv"), "--out", str(tmp_path / "redraw_csv")]) == 0
+    assert sorted(p.name for p in (tmp_path / "redraw_csv").glob("*.png")) == pngs
+
+
+def test_seqlen_cli_end_to_end_with_interpreter_or_reference(tmp_path, capsys):
+    out = tmp_path / "seqlen"
+    rc = main(["bench", "seqlen", *_TINY[2:], "--device", "cpu", "--seq-len", "64", "128", "--mode", "fwd",
+               "--causal", "--providers", "sparseflash,sparseflash-dense,torch-masked,sdpa-efficient",
+               "--out", str(out)])
+    assert rc == 0
+    assert CPU_NOTE in capsys.readouterr().out
+    rows, metas = load_results(out)
+    assert metas[0]["bench"] == "seqlen"
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {r["seq_len"] for r in ok} == {64, 128}
+    assert all(r["causal"] for r in rows)
+    sf = [r for r in rows if r["provider"] == "sparseflash"]
+    assert {r["pattern"] for r in sf} == {"butterfly"} and len(sf) == 2
+    import os
+
+    expect = "triton-interpreter" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "reference"
+    assert {r["backend"] for r in sf} == {expect}
+    assert all(r["status"] == "ok" for r in sf), [r["status"] for r in sf]
+    for r in ok:
+        assert r["max_err"] < 0.06, r  # bf16 outputs against the float32 reference
+    assert sorted(p.name for p in out.glob("*.png")) == ["seqlen_memory.png", "seqlen_runtime.png"]
+    for p in out.glob("*.png"):
+        _png_ok(p)
+    # without --check nothing is compared, and nothing is reported as a mismatch
+    rc = main(["bench", "seqlen", *_TINY, "--seq-len", "64", "--mode", "fwd", "--providers", "torch",
+               "--no-check", "--no-plot", "--out", str(tmp_path / "nocheck")])
+    assert rc == 0 and "possible mismatch" not in capsys.readouterr().out
+    rows, _ = load_results(tmp_path / "nocheck")
+    assert rows and all(r["status"] == "ok" and math.isnan(r["max_err"]) for r in rows)
+
+
+def test_oom_rows_are_kept_and_plotted(tmp_path):
+    from sparseflash.experiments.bench.plots import plot_rows
+
+    base = {c: None for c in COLUMNS}
+    rows = []
+    for n, status in ((256, "ok"), (512, "ok"), (1024, "OOM")):
+        for prov, kind, pattern in (("torch", "dense", "dense"), ("sparseflash", "sparse", "butterfly")):
+            st = status if prov == "torch" else "ok"
+            rows.append({**base, "bench": "seqlen", "device": "cuda", "device_name": "fake GPU", "provider": prov,
+                         "label": prov, "kind": kind, "pattern": pattern, "seq_len": n, "batch": 1, "heads": 1,
+                         "head_dim": 16, "dtype": "bf16", "causal": False, "mode": "fwd", "status": st,
+                         "ms": 1.0 * n if st == "ok" else float("nan"),
+                         "peak_mem_mb": n / 8 if st == "ok" else float("nan"), "rel_density": 1.0})
+    written = plot_rows(rows, tmp_path)
+    assert sorted(Path(p).name for p in written) == ["seqlen_memory.png", "seqlen_runtime.png"]
+    from sparseflash.experiments.bench.results import seqlen_table
+
+    header, lines = seqlen_table(rows, "fwd")
+    torch_line = next(line for line in lines if line[0] == "torch")
+    assert torch_line[header.index("1024")] == "OOM"
+
+
+def test_presets_and_defaults_resolve_without_a_gpu():
+    from sparseflash.cli import build_parser
+    from sparseflash.experiments.bench.cli import command_line, config_from_args
+
+    parse = build_parser().parse_args
+    cfg = config_from_args(parse(["bench", "sparsity", "--preset", "kernel-check", "--device", "cuda"]))
+    assert (cfg.seq_lens, cfg.head_dims, cfg.heads, cfg.tokens) == ((4096, 16384), (64, 128), 16, 16384)
+    assert cfg.dtype == "bf16"
+    assert cfg.patterns == ("random", "butterfly") and cfg.targets == (1.0, 0.5, 0.25, 0.1)
+    assert cfg.providers == ("sparseflash", "sparseflash-dense", "sdpa-flash", "sdpa-cudnn", "flex")
+    assert cfg.modes == ("fwd", "fwdbwd") and cfg.check and not cfg.causal
+    assert [cfg.batch_for(n) for n in cfg.seq_lens] == [4, 1]
+    # explicit options win over the preset; "all" modes expand
+    cfg = config_from_args(parse(["bench", "sparsity", "--preset", "kernel-check", "--device", "cuda",
+                                  "--seq-len", "8K", "--mode", "all", "--providers", "sparseflash", "flex",
+                                  "--rep-ms", "50"]))
+    assert cfg.seq_lens == (8192,) and cfg.modes == ("fwd", "bwd", "fwdbwd")
+    assert cfg.providers == ("sparseflash", "flex") and cfg.timing.rep_ms == 50 and cfg.timing.warmup_ms == 25
+    # the GPU full sweep of the issue, and the command line that reruns it
+    full = config_from_args(parse(["bench", "sparsity", "--device", "cuda"]))
+    assert full.patterns == ("butterfly", "local", "random") and full.seq_lens == (4096, 16384)
+    assert full.head_dims == (64, 128) and full.modes == ("fwd", "fwdbwd") and not full.check
+    again = config_from_args(parse(command_line(full).split()[1:]))
+    assert again.as_dict() == full.as_dict()
+    seq = config_from_args(parse(["bench", "seqlen", "--device", "cuda"]))
+    assert seq.seq_lens == tuple(512 * 2**i for i in range(8)) and seq.patterns == ("butterfly",)
+    with pytest.raises(ValueError, match="providers must be names"):
+        config_from_args(parse(["bench", "seqlen", "--providers", "sdpa-fast"]))
