@@ -35,14 +35,16 @@ def _rng_pair(rng: Optional[Tensor], dropout_p: float, device) -> tuple[int, int
     return seed, offset, rng.clone()
 
 
-@torch.library.custom_op("sparseflash::flash_fwd", mutates_args=())
-def _flash_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor], kv_idx: Optional[Tensor],
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor], kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], scale: float, causal: bool,
                mask_bq: int, mask_bk: int, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
     seed, offset, rng_out = _rng_pair(rng, dropout_p, q.device)
     o, lse = launch.fwd(q, k, v, kv_num, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None,
                         dropout_p, seed, offset)
     return o, lse, rng_out
+
+
+_flash_fwd = torch.library.custom_op("sparseflash::flash_fwd", _fwd_impl, mutates_args=())
 
 
 @_flash_fwd.register_fake
@@ -52,8 +54,7 @@ def _(q, k, v, kv_num, kv_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk
             torch.empty(2, dtype=torch.int64))
 
 
-@torch.library.custom_op("sparseflash::flash_bwd", mutates_args=())
-def _flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
+def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
                kv_num: Optional[Tensor], kv_idx: Optional[Tensor], q_num: Optional[Tensor], q_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Tensor, scale: float, causal: bool, mask_bq: int, mask_bk: int,
                dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -62,10 +63,19 @@ def _flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tens
                       mask_bq or None, mask_bk or None, dropout_p, seed, offset)
 
 
+_flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutates_args=())
+
+
 @_flash_bwd.register_fake
 def _(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk,
       dropout_p):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _op(custom, impl):
+    """The registered op while torch.compile traces; in eager mode its implementation directly,
+    which skips the dispatcher's per-call cost (tens of microseconds, as much as a small kernel)."""
+    return custom if torch.compiler.is_compiling() else impl
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -75,7 +85,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kv_num, kv_idx, q_num, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk,
                 dropout_p):
-        o, lse, rng = torch.ops.sparseflash.flash_fwd(q, k, v, kv_num, kv_idx, key_lengths, rng, scale, causal,
+        o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_impl)(q, k, v, kv_num, kv_idx, key_lengths, rng, scale, causal,
                                                        mask_bq, mask_bk, dropout_p)
         ctx.save_for_backward(q, k, v, o, lse, rng, kv_num, kv_idx, q_num, q_idx, key_lengths)
         ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p)
@@ -88,7 +98,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         scale, causal, mask_bq, mask_bk, dropout_p = ctx.params
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = torch.ops.sparseflash.flash_bwd(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx,
+        dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, _bwd_impl)(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx,
                                                      key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 

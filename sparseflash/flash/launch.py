@@ -101,8 +101,24 @@ def _fit(tile: int, mask_block: int | None, what: str) -> int:
     return tile
 
 
-def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None) -> TileConfig:
-    cfg = _OVERRIDE.get(kind) or _default_config(kind, head_dim, device)
+def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
+    """fp32 tiles take twice the shared memory of bf16: halve the streamed tile, at most 2 stages."""
+    bm, bn = cfg.block_m, cfg.block_n
+    for _ in range(2 if head_dim > 128 else 1):
+        if kind == "dkdv":
+            bm = max(16, bm // 2)
+        else:
+            bn = max(16, bn // 2)
+    return TileConfig(bm, bn, cfg.num_warps, min(cfg.num_stages, 2))
+
+
+def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None,
+            dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+    cfg = _OVERRIDE.get(kind)
+    if cfg is None:
+        cfg = _default_config(kind, head_dim, device)
+        if dtype == torch.float32 and device.type == "cuda" and not _interpreting():
+            cfg = _fp32_config(cfg, kind, head_dim)
     bm = _fit(cfg.block_m, mask_bq, "block_q")
     bn = _fit(cfg.block_n, mask_bk, "block_k")
     return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages)
@@ -147,11 +163,11 @@ def fwd(q, k, v, kv_num, kv_idx, key_lengths, scale: float, causal: bool, mask_b
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = kv_idx is None
-    cfg = _config("fwd", D, q.device, mask_bq, mask_bk)
+    cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
     if dense:
-        kv_num = kv_idx = torch.zeros((1, 1, 1, 1), device=q.device, dtype=torch.int32)
+        kv_num = kv_idx = _dummy(q.device)
         n_strides = i_strides = (0, 0, 0)
         nb_p2 = 1
     else:
@@ -194,9 +210,20 @@ def bwd_preprocess(o, do, lse, dlse):
     return delta
 
 
+_DUMMY: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    """A small int32 tensor passed for pointer arguments a kernel variant never reads."""
+    t = _DUMMY.get(device)
+    if t is None:
+        t = _DUMMY[device] = torch.zeros((1, 1, 1, 1), device=device, dtype=torch.int32)
+    return t
+
+
 def _bwd_common(q, key_lengths, causal, dropout_p, seed, offset):
     D = q.shape[-1]
-    dummy = torch.zeros((1, 1, 1, 1), device=q.device, dtype=torch.int32)
+    dummy = _dummy(q.device)
     constexprs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
                       DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype))
     klen = key_lengths if key_lengths is not None else dummy
@@ -210,7 +237,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     Hkv, Nk = k.shape[1], k.shape[2]
     dummy, klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
     dk, dv = _new(k), _new(v)
-    cfg = _config("dkdv", D, q.device, mask_bq, mask_bk)
+    cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype)
     dense = q_idx is None
     if dense:
         cn, ci, cn_s, ci_s, nb_p2 = dummy, dummy, (0, 0, 0), (0, 0, 0), 1
@@ -234,7 +261,7 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
     Hkv, Nk = k.shape[1], k.shape[2]
     dummy, klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
     dq = _new(q)
-    cfg = _config("dq", D, q.device, mask_bq, mask_bk)
+    cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype)
     dense = kv_idx is None
     if dense:
         rn, ri, rn_s, ri_s, nb_p2 = dummy, dummy, (0, 0, 0), (0, 0, 0), 1
