@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.25, 0.1])
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--tiles", action="store_true", help="also time the sparse forward under several tiles")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import triton
@@ -85,9 +86,11 @@ def main(argv=None) -> int:
         def fwdbwd():
             torch.autograd.grad(fwd(), (q, k, v), do)
 
-        flops = 4 * B * H * D * (N * N if mask is None else float(mask.attended_pairs(args.causal).sum()) * B * H / mask.layout.shape[0] / mask.layout.shape[1])
-        if mask is None and args.causal:
-            flops /= 2
+        if mask is None:
+            flops = 4 * B * H * D * N * N * (0.5 if args.causal else 1.0)
+        else:  # attended pairs summed over the layout's slices, scaled to batch x heads
+            slices = mask.layout.shape[0] * mask.layout.shape[1]
+            flops = 4 * D * float(mask.attended_pairs(args.causal).sum()) * B * H / slices
         r = dict(density="dense" if dens is None else round(mask.density(), 4), B=B, H=H, N=N, D=D)
         with torch.no_grad():
             r["fwd_eager"] = bench(fwd)
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
         r["fwd_tflops_graph"] = flops / r["fwd_graph"] * 1e-9
         r["fwdbwd_tflops_graph"] = 3.5 * flops / r["fwdbwd_graph"] * 1e-9
         r["kernels"] = _kernel_ms(fwdbwd)
-        if dens is not None:
+        if dens is not None and args.tiles:
             idx = mask.index("cuda")
             tiles = {}
             for cfg in ((64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)):

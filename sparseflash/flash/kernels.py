@@ -83,7 +83,7 @@ def _row_parts(p_idx, n, full_end, valid_end, MASK_BK: tl.constexpr, NB_P2: tl.c
     b_idx = tl.load(p_idx + o_t, mask=m_t, other=0)
     n_full = tl.sum((m_t & ((b_idx + 1) * MASK_BK <= full_end)).to(tl.int32), axis=0)
     n_valid = tl.sum((m_t & (b_idx * MASK_BK < valid_end)).to(tl.int32), axis=0)
-    return n_full, n_valid
+    return n_full, n_valid, b_idx
 
 
 @triton.jit
@@ -94,31 +94,41 @@ def _col_parts(p_idx, n, skip_below, full_from, MASK_BQ: tl.constexpr, NB_P2: tl
     b_idx = tl.load(p_idx + o_t, mask=m_t, other=0)
     n_skip = tl.sum((m_t & ((b_idx + 1) * MASK_BQ <= skip_below)).to(tl.int32), axis=0)
     n_part = tl.sum((m_t & (b_idx * MASK_BQ < full_from)).to(tl.int32), axis=0)
-    return n_skip, n_part
+    return n_skip, n_part, b_idx
 
 
 @triton.jit
-def _tile_start(p_idx, j, DENSE: tl.constexpr, MASK_B: tl.constexpr, BLOCK: tl.constexpr):
-    """Token start of the j-th kernel tile of a list (dense: the j-th tile of the axis)."""
+def _tile_start(p_idx, b_list, j, DENSE: tl.constexpr, GATHER: tl.constexpr, MASK_B: tl.constexpr,
+                BLOCK: tl.constexpr, NB_P2: tl.constexpr):
+    """Token start of the j-th kernel tile of a list (dense: the j-th tile of the axis).
+
+    GATHER picks the list entry out of the list already held in registers (b_list) instead of
+    loading it: the tile address then depends only on the loop counter, so the software pipeliner
+    can prefetch K/V tiles several iterations ahead (a loaded index makes it drain every step).
+    """
     if DENSE:
         return j * BLOCK
     else:
         SUB: tl.constexpr = MASK_B // BLOCK
-        b = tl.load(p_idx + j // SUB)
+        if GATHER:
+            b = tl.sum(tl.where(tl.arange(0, NB_P2) == j // SUB, b_list, 0), axis=0)
+        else:
+            b = tl.load(p_idx + j // SUB)
         return b * MASK_B + (j % SUB) * BLOCK
 
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, j_lo, j_hi, o_m, o_d, seq_k, kv_end, causal_off,
+def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, o_m, o_d, seq_k, kv_end, causal_off,
                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
                MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+               GATHER: tl.constexpr, NB_P2: tl.constexpr):
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
     for j in range(j_lo, j_hi):
-        start_n = _tile_start(p_idx, j, DENSE, MASK_BK, BLOCK_N)
+        start_n = _tile_start(p_idx, b_list, j, DENSE, GATHER, MASK_BK, BLOCK_N, NB_P2)
         off_kv = start_n.to(tl.int64)
         if MASKED:
             m_kv = ((start_n + o_n) < seq_k)[:, None] & m_d[None, :]
@@ -160,7 +170,7 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_NUM, KV_IDX, KEY_LEN,
                 H_Q, GROUP, seq_q, seq_k, qk_scale,
                 seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr,
+                MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                 DOT_PREC: tl.constexpr):
     i_m = tl.program_id(0)
@@ -194,6 +204,7 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_NUM, KV_IDX, KEY_LEN,
 
     if DENSE:
         p_idx = KV_IDX  # unused
+        b_list = tl.zeros([NB_P2], dtype=tl.int32)
         j_full = tl.maximum(full_end, 0) // BLOCK_N
         j_valid = tl.cdiv(tl.maximum(valid_end, 0), BLOCK_N)
     else:
@@ -201,19 +212,19 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_NUM, KV_IDX, KEY_LEN,
         q_blk = start_m // MASK_BQ
         n = tl.load(KV_NUM + i_b * stride_nb + i_h * stride_nh + q_blk * stride_nm)
         p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
-        n_full, n_valid = _row_parts(p_idx, n, full_end, valid_end, MASK_BK, NB_P2)
+        n_full, n_valid, b_list = _row_parts(p_idx, n, full_end, valid_end, MASK_BK, NB_P2)
         j_full = n_full * SUB
         j_valid = n_valid * SUB
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, 0, j_full, o_m, o_d, seq_k, kv_end, causal_off,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, o_m, o_d, seq_k, kv_end, causal_off,
                                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                               False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, j_full, j_valid, o_m, o_d, seq_k, kv_end, causal_off,
+                               False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_full, j_valid, o_m, o_d, seq_k, kv_end, causal_off,
                                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                               True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC)
+                               True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc * (drop_scale / l_safe)[:, None]
@@ -250,13 +261,14 @@ def _bwd_preprocess(O, DO, DLSE, DELTA,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
+def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
                 stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
                 MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, MASK_BQ: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+               GATHER: tl.constexpr, NB_P2: tl.constexpr):
     m_d = o_d < HEAD_DIM
     for j in range(j_lo, j_hi):
-        start_m = _tile_start(p_idx, j, DENSE, MASK_BQ, BLOCK_M)
+        start_m = _tile_start(p_idx, b_list, j, DENSE, GATHER, MASK_BQ, BLOCK_M, NB_P2)
         o_m = start_m + tl.arange(0, BLOCK_M)
         m_row = o_m < seq_q
         off_q = start_m.to(tl.int64)
@@ -294,7 +306,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_NUM, Q_IDX, KEY_LEN,
                      H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
                      seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr,
+                     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                      DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                      DOT_PREC: tl.constexpr):
     i_n = tl.program_id(0)
@@ -334,6 +346,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_NUM, Q_IDX, KEY_LEN,
             p_delta = DELTA + i_bh * seq_q
             if DENSE:
                 p_idx = Q_IDX  # unused
+                b_list = tl.zeros([NB_P2], dtype=tl.int32)
                 j_skip = tl.maximum(skip_below, 0) // BLOCK_M
                 j_part = tl.minimum(tl.cdiv(tl.maximum(full_from, 0), BLOCK_M), tl.cdiv(seq_q, BLOCK_M))
                 j_end = tl.cdiv(seq_q, BLOCK_M)
@@ -342,18 +355,18 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_NUM, Q_IDX, KEY_LEN,
                 k_blk = start_n // MASK_BK
                 n = tl.load(Q_NUM + i_b * stride_nb + i_h * stride_nh + k_blk * stride_nn)
                 p_idx = Q_IDX + i_b * stride_ib + i_h * stride_ih + k_blk.to(tl.int64) * stride_in
-                n_skip, n_part = _col_parts(p_idx, n, skip_below, full_from, MASK_BQ, NB_P2)
+                n_skip, n_part, b_list = _col_parts(p_idx, n, skip_below, full_from, MASK_BQ, NB_P2)
                 j_skip = n_skip * SUB
                 j_part = tl.maximum(n_part, n_skip) * SUB
                 j_end = n * SUB
-            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, j_skip, j_part, start_n, o_n, o_d,
+            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_skip, j_part, start_n, o_n, o_d,
                                  seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                  i_bh, drop_thresh, drop_scale,
-                                 CAUSAL, DENSE, DROPOUT, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC)
-            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, j_part, j_end, start_n, o_n, o_d,
+                                 CAUSAL, DENSE, DROPOUT, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
+            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_part, j_end, start_n, o_n, o_d,
                                  seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                  i_bh, drop_thresh, drop_scale,
-                                 False, DENSE, DROPOUT, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC)
+                                 False, DENSE, DROPOUT, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
     m_keep = (o_n < kv_end)[:, None]
     dk = tl.where(m_keep, dk * sm_scale, 0.0)
@@ -365,15 +378,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_NUM, Q_IDX, KEY_LEN,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, j_lo, j_hi, o_m, o_d, seq_k, kv_end, causal_off,
+def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, o_m, o_d, seq_k, kv_end, causal_off,
               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
               MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr):
+              HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+               GATHER: tl.constexpr, NB_P2: tl.constexpr):
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
     for j in range(j_lo, j_hi):
-        start_n = _tile_start(p_idx, j, DENSE, MASK_BK, BLOCK_N)
+        start_n = _tile_start(p_idx, b_list, j, DENSE, GATHER, MASK_BK, BLOCK_N, NB_P2)
         off_kv = start_n.to(tl.int64)
         if MASKED:
             m_kv = ((start_n + o_n) < seq_k)[:, None] & m_d[None, :]
@@ -409,7 +423,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_NUM, KV_IDX, KEY_LEN,
                    H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
                    seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr,
+                   MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                    DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                    DOT_PREC: tl.constexpr):
     i_m = tl.program_id(0)
@@ -446,6 +460,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_NUM, KV_IDX, KEY_LEN,
         valid_end = tl.minimum(valid_end, tl.minimum(start_m + BLOCK_M, seq_q) + causal_off)
     if DENSE:
         p_idx = KV_IDX  # unused
+        b_list = tl.zeros([NB_P2], dtype=tl.int32)
         j_full = tl.maximum(full_end, 0) // BLOCK_N
         j_valid = tl.cdiv(tl.maximum(valid_end, 0), BLOCK_N)
     else:
@@ -453,16 +468,16 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_NUM, KV_IDX, KEY_LEN,
         q_blk = start_m // MASK_BQ
         n = tl.load(KV_NUM + i_b * stride_nb + i_h * stride_nh + q_blk * stride_nm)
         p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
-        n_full, n_valid = _row_parts(p_idx, n, full_end, valid_end, MASK_BK, NB_P2)
+        n_full, n_valid, b_list = _row_parts(p_idx, n, full_end, valid_end, MASK_BK, NB_P2)
         j_full = n_full * SUB
         j_valid = n_valid * SUB
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, 0, j_full, o_m, o_d, seq_k, kv_end, causal_off,
+    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, o_m, o_d, seq_k, kv_end, causal_off,
                    stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                   False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC)
-    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, j_full, j_valid, o_m, o_d, seq_k, kv_end, causal_off,
+                   False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
+    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_full, j_valid, o_m, o_d, seq_k, kv_end, causal_off,
                    stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC)
+                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
     tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_q)

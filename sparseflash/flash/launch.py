@@ -140,6 +140,15 @@ def _nb_p2(n: int) -> int:
     return max(2, triton.next_power_of_2(n))
 
 
+# Lists up to this many entries are read from registers in the loop (GATHER), longer ones from
+# memory; see kernels._tile_start. SPARSEFLASH_GATHER_MAX overrides it (for measurement).
+GATHER_MAX = int(os.environ.get("SPARSEFLASH_GATHER_MAX", "512"))
+
+
+def _gather(nb_p2: int) -> bool:
+    return nb_p2 <= GATHER_MAX
+
+
 def _index_args(num, idx, B, H):
     """Index tensors expanded to [B, H, ...] (stride 0 where the mask is shared) and their strides."""
     num = num.expand(B, H, num.shape[-1])
@@ -181,7 +190,7 @@ def fwd(q, k, v, kv_num, kv_idx, key_lengths, scale: float, causal: bool, mask_b
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
         seed_lo, seed_hi, rng_off, thresh, drop_scale,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2,
+        MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
         DENSE=dense, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
         DOT_PREC=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -249,7 +258,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *cn_s, *ci_s,
         Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
-        NB_P2=nb_p2, DENSE=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
+        NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
     )
     return dk, dv
 
@@ -273,6 +282,6 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *rn_s, *ri_s,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
-        NB_P2=nb_p2, DENSE=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
+        NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
     )
     return dq
