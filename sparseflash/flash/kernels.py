@@ -46,6 +46,11 @@ def _dot(a, b, acc, DOT_PREC: tl.constexpr):
         return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
 
+# Dropout seeds and offsets change every call: never specialise on their values (a seed equal to
+# 1 would turn into a constant, and every value divisible by 16 would compile a new variant).
+_RNG_ARGS = ["seed_lo", "seed_hi", "rng_off", "drop_thresh"]
+
+
 # ----------------------------------------------------------------------------- dropout bits
 @triton.jit
 def _philox_keep(seed_lo, seed_hi, offset, bh, rows, start_n, thresh,
@@ -159,7 +164,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, o_m, o_d, 
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RNG_ARGS)
 def _fwd_kernel(Q, K, V, O, LSE, KV_NUM, KV_IDX, KEY_LEN,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
@@ -293,7 +298,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RNG_ARGS)
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_NUM, Q_IDX, KEY_LEN,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
@@ -411,7 +416,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, o_
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RNG_ARGS)
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_NUM, KV_IDX, KEY_LEN,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
