@@ -1,0 +1,477 @@
+"""The LRA / Path-X model: a pre-LayerNorm Transformer encoder classifier whose attention goes
+through one switch.
+
+    tokens -> token embedding + position embedding -> [pre-LN block] x L -> LayerNorm -> pool -> MLP head
+
+- ``attention``: ``"sparseflash"`` (`sparseflash.attention`, optionally block-sparse through a
+  pattern of `sparseflash.patterns`), ``"torch"`` (the textbook softmax(QK^T)V in PyTorch ops, the
+  "standard attention" of the FlashAttention paper), ``"sdpa"``
+  (`torch.nn.functional.scaled_dot_product_attention`) or ``"flex"`` (FlexAttention).
+  Every backend computes the same function: the pattern (if any) and the padding mask apply to all
+  of them, so one set of weights gives the same logits under each (tests check this).
+- Padding: keys ``j >= length`` are excluded (``key_lengths`` for sparseflash, a boolean mask for
+  torch / sdpa, a ``mask_mod`` for flex) and mean pooling averages only real tokens, so the values
+  of padded tokens cannot change the output. A query row that attends to nothing (possible with a
+  pattern and padding) outputs 0, sparseflash's rule; torch / sdpa get the same by letting such a
+  row see key 0 and zeroing its output, which keeps their softmax free of NaN.
+- Position embeddings: ``"learned"`` (one vector per position), ``"sinusoidal"`` (fixed),
+  ``"grid"`` (a learned ``[H, W, d]`` table for pixel tasks, read row-major; `upsample_grid` maps
+  it to a finer grid, which is how the Path-X / Path-256 recipe initialises a larger model).
+- Pooling: ``"mean"`` over real tokens or ``"cls"`` (a learned token prepended, so the encoder
+  sees ``seq_len + 1`` positions and the pattern is built for that length).
+- ``dual=True`` (Retrieval): both documents go through the same encoder and the head sees
+  ``[u, v, u * v, u - v]``.
+
+Attention dropout is applied only in training. FlexAttention has no dropout: with ``flex`` the
+attention dropout is ignored (a warning says so); the residual / FFN dropout still applies.
+On CPU ``backend="auto"`` runs sparseflash through its PyTorch reference (running a whole model
+under the Triton interpreter would take minutes per step); on CUDA through the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparseflash.mask import BlockMask
+
+__all__ = [
+    "ATTENTIONS", "ModelConfig", "LRAClassifier", "AttentionKernel", "build_pattern", "parse_pattern_spec",
+    "upsample_grid", "load_pretrained",
+]
+
+ATTENTIONS = ("sparseflash", "torch", "sdpa", "flex")
+POS_EMBS = ("learned", "sinusoidal", "grid", "none")
+POOLINGS = ("mean", "cls")
+SPARSEFLASH_BACKENDS = ("auto", "triton", "reference")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0  # including the pad token (id 0); 0 = take it from the dataset
+    num_classes: int = 2
+    seq_len: int = 1024  # tokens per input (per document for dual)
+    d_model: int = 64
+    n_heads: int = 2
+    n_layers: int = 2
+    d_ff: int = 128
+    dropout: float = 0.1
+    attn_dropout: float = 0.1
+    pos_emb: str = "learned"
+    grid: tuple[int, int] | None = None  # (H, W) with H * W == seq_len, for pos_emb="grid"
+    pooling: str = "mean"
+    dual: bool = False
+    head_hidden: int | None = None  # hidden width of the classifier MLP (default d_ff)
+    attention: str = "sparseflash"
+    pattern: str | None = None  # a generator of sparseflash.patterns; None or "dense": dense
+    pattern_kwargs: dict = field(default_factory=dict)
+    block_size: int = 128
+    backend: str = "auto"  # sparseflash backend: auto | triton | reference
+
+    def validate(self) -> "ModelConfig":
+        for name in ("vocab_size", "num_classes", "seq_len", "d_model", "n_heads", "n_layers", "d_ff", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"model.{name} must be a positive int, got {v!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        for name in ("dropout", "attn_dropout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ValueError(f"model.{name} must be a float in [0, 1), got {v!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"model.attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.pos_emb not in POS_EMBS:
+            raise ValueError(f"model.pos_emb must be one of {POS_EMBS}, got {self.pos_emb!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"model.pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.backend not in SPARSEFLASH_BACKENDS:
+            raise ValueError(f"model.backend must be one of {SPARSEFLASH_BACKENDS}, got {self.backend!r}")
+        if self.pos_emb == "grid":
+            g = self.grid
+            if (not isinstance(g, (tuple, list)) or len(g) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in g)):
+                raise ValueError(f"model.grid must be a pair (H, W) of positive ints for pos_emb='grid', got {g!r}")
+            if g[0] * g[1] != self.seq_len:
+                raise ValueError(f"model.grid {tuple(g)} has {g[0] * g[1]} cells but model.seq_len is {self.seq_len}")
+        if self.head_hidden is not None and (not isinstance(self.head_hidden, int) or self.head_hidden <= 0):
+            raise ValueError(f"model.head_hidden must be a positive int or None, got {self.head_hidden!r}")
+        if not isinstance(self.pattern_kwargs, dict):
+            raise TypeError(f"model.pattern_kwargs must be a dict, got {type(self.pattern_kwargs).__name__}")
+        if self.pattern is not None and not isinstance(self.pattern, str):
+            raise TypeError(f"model.pattern must be a pattern name or None, got {self.pattern!r}")
+        return self
+
+    @property
+    def attn_len(self) -> int:
+        """Positions the encoder attends over: seq_len, plus one with a CLS token."""
+        return self.seq_len + (self.pooling == "cls")
+
+
+# ---------------------------------------------------------------------------------------- patterns
+def parse_pattern_spec(spec: str | None) -> tuple[str | None, dict]:
+    """``"butterfly:n_factors=2,global_blocks=1"`` -> ``("butterfly", {"n_factors": 2, "global_blocks": 1})``.
+
+    ``None``, ``""`` and ``"dense"`` mean no pattern. Values are Python literals, else strings.
+    """
+    if spec is None or spec == "" or spec == "dense":
+        return None, {}
+    if not isinstance(spec, str):
+        raise TypeError(f"pattern spec must be a string like 'butterfly:n_factors=2', got {spec!r}")
+    name, _, rest = spec.partition(":")
+    kwargs = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"pattern argument {item!r} in {spec!r} must look like key=value")
+        kwargs[key.strip()] = _literal(value.strip())
+    return name.strip(), kwargs
+
+
+def _literal(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def build_pattern(name: str | None, seq_len: int, block_size: int = 128, device=None, **kwargs) -> BlockMask | None:
+    """The `BlockMask` of pattern ``name`` (a generator of `sparseflash.patterns`) for ``seq_len``
+    tokens, or ``None`` for dense (``name`` None or ``"dense"``)."""
+    if name is None or name == "dense":
+        return None
+    import sparseflash.patterns as zoo
+
+    available = sorted(getattr(zoo, "__all__", []))
+    gen = getattr(zoo, name, None) if name in available else None
+    if not callable(gen):
+        raise ValueError(f"unknown pattern {name!r}: sparseflash.patterns provides {available} (or 'dense')")
+    try:
+        mask = gen(seq_len, block_size=block_size, device=device, **kwargs)
+    except TypeError as e:
+        if "device" not in str(e):
+            raise ValueError(f"pattern {name!r} rejected its arguments {kwargs}: {e}") from None
+        mask = gen(seq_len, block_size=block_size, **kwargs).to(device or "cpu")
+    if not isinstance(mask, BlockMask):
+        raise TypeError(f"pattern {name!r} returned {type(mask).__name__}, expected a sparseflash.BlockMask")
+    return mask
+
+
+# --------------------------------------------------------------------------------------- attention
+_FLEX = {}
+
+
+def _flex_fns(device: torch.device):
+    """(flex_attention, create_block_mask); flex_attention is compiled on CUDA (eager flex is an
+    unfused O(N^2) fallback meant for debugging) and eager elsewhere."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if device.type != "cuda":
+        return flex_attention, create_block_mask
+    if "cuda" not in _FLEX:
+        import torch._dynamo
+
+        # Sweeps over shapes would otherwise hit the recompile limit and fall back to the slow path.
+        cfg = torch._dynamo.config
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, knob):
+                setattr(cfg, knob, max(getattr(cfg, knob), 64))
+        _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["cuda"], create_block_mask
+
+
+class AttentionKernel:
+    """Attention of one kind for one batch: the masks each backend needs are built once here and
+    shared by every layer.
+
+    ``mask`` is the block pattern for the attended length (or None), ``key_lengths`` int ``[batch]``
+    (or None: no padding). Call with ``q, k, v`` ``[batch, heads, seq, head_dim]`` and ``dropout_p``.
+    """
+
+    def __init__(self, kind: str, seq_len: int, batch: int, device, *, mask: BlockMask | None = None,
+                 key_lengths: torch.Tensor | None = None, backend: str = "auto", flex_cache: dict | None = None):
+        if kind not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {kind!r}")
+        device = torch.device(device)
+        self.kind, self.mask, self.key_lengths = kind, mask, key_lengths
+        self.allowed = self.empty = self.flex_mask = None
+        if mask is not None:
+            mask = self.mask = mask.to(device)
+            if (mask.seq_q, mask.seq_k) != (seq_len, seq_len):
+                raise ValueError(f"pattern was built for {mask.seq_q} tokens, attention runs over {seq_len}")
+        if kind == "sparseflash":
+            if backend == "auto":
+                backend = "triton" if device.type == "cuda" else "reference"
+            self.backend = backend
+        elif kind in ("torch", "sdpa"):
+            self._build_bool_mask(seq_len, device)
+        else:
+            self._build_flex_mask(seq_len, batch, device, flex_cache)
+
+    def _build_bool_mask(self, n: int, device) -> None:
+        allowed = None
+        if self.mask is not None:
+            allowed = self.mask.to_dense()  # [B', H', n, n]
+        if self.key_lengths is not None:
+            keys = torch.arange(n, device=device)[None, :] < self.key_lengths.to(device)[:, None]
+            keys = keys[:, None, None, :]  # [B, 1, 1, n]
+            allowed = keys if allowed is None else allowed & keys
+        if allowed is None:
+            return
+        empty = ~allowed.any(dim=-1, keepdim=True)
+        # Rows that see nothing look at key 0 instead (output zeroed below): no NaN from softmax.
+        first = torch.zeros(n, dtype=torch.bool, device=device)
+        first[0] = True
+        self.allowed = allowed | (empty & first)
+        self.empty = empty
+
+    def _build_flex_mask(self, n: int, batch: int, device, cache: dict | None) -> None:
+        if self.mask is None and self.key_lengths is None:
+            return
+        _, create_block_mask = _flex_fns(device)
+        key = None
+        if self.key_lengths is None and cache is not None:
+            key = (n, str(device))
+            if key in cache:
+                self.flex_mask = cache[key]
+                return
+        layout = self.mask.layout if self.mask is not None else None
+        bq, bk = self.mask.block_size if self.mask is not None else (128, 128)
+        lengths = self.key_lengths.to(device) if self.key_lengths is not None else None
+        many_b = layout is not None and layout.shape[0] > 1
+        many_h = layout is not None and layout.shape[1] > 1
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            ok = q_idx >= 0
+            if layout is not None:
+                ok = ok & layout[b if many_b else 0, h if many_h else 0, q_idx // bq, kv_idx // bk]
+            if lengths is not None:
+                ok = ok & (kv_idx < lengths[b])
+            return ok
+
+        if lengths is None and bq == bk and bq % 128 == 0 and n % bq == 0:
+            # Whole blocks, no padding: give flex our block index (every on block is full, so the
+            # compiled kernel never calls mask_mod) instead of evaluating mask_mod on N^2 pairs.
+            # mask_mod still goes along: eager flex (CPU) applies only mask_mod.
+            from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
+
+            idx = self.mask.index(device)
+            self.flex_mask = FlexBlockMask.from_kv_blocks(torch.zeros_like(idx.kv_num), idx.kv_idx, idx.kv_num, idx.kv_idx,
+                                                          BLOCK_SIZE=bq, mask_mod=mask_mod, seq_lengths=(n, n))
+            if key is not None:
+                cache[key] = self.flex_mask
+            return
+        heads = layout.shape[1] if many_h else None
+        b = batch if (lengths is not None or many_b) else None
+        # mask_mod is exact at token level, so flex's own tile only decides what it can skip; its
+        # compiled kernels want multiples of 128 (smaller tiles fail to lower in torch 2.11).
+        tile = (bq, bk) if bq % 128 == 0 and bk % 128 == 0 else 128
+        self.flex_mask = create_block_mask(mask_mod, b, heads, n, n, device=device, BLOCK_SIZE=tile)
+        if key is not None:
+            cache[key] = self.flex_mask
+
+    def __call__(self, q, k, v, dropout_p: float = 0.0) -> torch.Tensor:
+        if self.kind == "sparseflash":
+            import sparseflash
+
+            return sparseflash.attention(q, k, v, self.mask, key_lengths=self.key_lengths, dropout_p=dropout_p,
+                                         backend=self.backend)
+        if self.kind == "flex":
+            flex_attention, _ = _flex_fns(q.device)
+            return flex_attention(q, k, v, block_mask=self.flex_mask)
+        if self.kind == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed, dropout_p=dropout_p)
+        else:
+            s = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+            if self.allowed is not None:
+                s = s.masked_fill(~self.allowed, float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            if dropout_p > 0:
+                p = F.dropout(p, dropout_p)
+            out = torch.matmul(p.to(v.dtype), v)
+        if self.empty is not None:
+            out = out.masked_fill(self.empty, 0.0)
+        return out
+
+
+# ------------------------------------------------------------------------------------------ model
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.p = cfg.n_heads, cfg.attn_dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor, attend: AttentionKernel) -> torch.Tensor:
+        B, N, D = x.shape
+        q, k, v = self.qkv(x).view(B, N, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        o = attend(q.contiguous(), k.contiguous(), v.contiguous(), self.p if self.training else 0.0)
+        return self.proj(o.transpose(1, 2).reshape(B, N, D))
+
+
+class Block(nn.Module):
+    """Pre-LN: x + Drop(Attn(LN(x))), then x + Drop(FFN(LN(x)))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.attn = SelfAttention(cfg)
+        self.ffn = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_ff), nn.GELU(), nn.Dropout(cfg.dropout),
+                                 nn.Linear(cfg.d_ff, cfg.d_model))
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, attend):
+        x = x + self.drop(self.attn(self.ln1(x), attend))
+        return x + self.drop(self.ffn(self.ln2(x)))
+
+
+class PositionEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind = cfg.pos_emb
+        n, d = cfg.seq_len, cfg.d_model
+        if self.kind == "learned":
+            self.table = nn.Parameter(torch.randn(n, d) * 0.02)
+        elif self.kind == "grid":
+            self.grid = nn.Parameter(torch.randn(*cfg.grid, d) * 0.02)
+        elif self.kind == "sinusoidal":
+            pos = torch.arange(n, dtype=torch.float64)[:, None]
+            freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float64) / d)
+            table = torch.zeros(n, d, dtype=torch.float64)
+            table[:, 0::2] = torch.sin(pos * freq)
+            table[:, 1::2] = torch.cos(pos * freq[: d // 2])
+            self.register_buffer("table", table.float(), persistent=False)
+
+    def forward(self, n: int) -> torch.Tensor | None:
+        if self.kind == "none":
+            return None
+        table = self.grid.flatten(0, 1) if self.kind == "grid" else self.table
+        if n > table.shape[0] or (self.kind == "grid" and n != table.shape[0]):
+            raise ValueError(f"input has {n} tokens but the {self.kind} position embedding covers {table.shape[0]}")
+        return table[:n]
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.pos = PositionEmbedding(cfg)
+        self.cls = nn.Parameter(torch.randn(cfg.d_model) * 0.02) if cfg.pooling == "cls" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self._masks: dict = {}  # (attended length, device) -> BlockMask | None
+        self._flex_cache: dict = {}
+
+    def pattern_mask(self, n: int, device) -> BlockMask | None:
+        """The block pattern for ``n`` attended positions on ``device`` (built once, cached)."""
+        key = (n, str(device))
+        if key not in self._masks:
+            cfg = self.cfg
+            self._masks[key] = build_pattern(cfg.pattern, n, cfg.block_size, device=device, **cfg.pattern_kwargs)
+        return self._masks[key]
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+        B, N = tokens.shape
+        x = self.embed(tokens)
+        pos = self.pos(N)
+        if pos is not None:
+            x = x + pos.to(x.dtype)
+        if self.cls is not None:
+            x = torch.cat([self.cls.to(x.dtype).expand(B, 1, -1), x], dim=1)
+            lengths = None if lengths is None else lengths + 1
+        x = self.drop(x)
+        n = x.shape[1]
+        if lengths is not None and not torch.compiler.is_compiling() and bool((lengths >= n).all()):
+            lengths = None  # nothing is padding: skip building masks (pixel tasks, speed runs)
+        attend = AttentionKernel(self.cfg.attention, n, B, x.device, mask=self.pattern_mask(n, x.device),
+                                 key_lengths=lengths, backend=self.cfg.backend, flex_cache=self._flex_cache)
+        for block in self.blocks:
+            x = block(x, attend)
+        x = self.norm(x)
+        if self.cls is not None:
+            return x[:, 0]
+        if lengths is None:
+            return x.mean(dim=1)
+        valid = (torch.arange(n, device=x.device)[None, :] < lengths[:, None]).to(x.dtype)
+        return (x * valid[..., None]).sum(1) / lengths.clamp(min=1)[:, None].to(x.dtype)
+
+
+class LRAClassifier(nn.Module):
+    """Encoder + MLP head. ``forward(tokens, lengths=None)`` with tokens ``[B, N]`` (``[B, 2, N]``
+    and lengths ``[B, 2]`` when ``dual``) returns logits ``[B, num_classes]``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        if cfg.attention == "flex" and cfg.attn_dropout > 0:
+            warnings.warn(f"FlexAttention has no attention dropout: attn_dropout={cfg.attn_dropout} is ignored "
+                          f"(residual and FFN dropout still apply)", stacklevel=2)
+        self.encoder = Encoder(cfg)
+        hidden = cfg.head_hidden or cfg.d_ff
+        width = 4 * cfg.d_model if cfg.dual else cfg.d_model
+        self.head = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, cfg.num_classes))
+
+    def pattern_mask(self, device="cpu") -> BlockMask | None:
+        return self.encoder.pattern_mask(self.cfg.attn_len, device)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        want = 3 if cfg.dual else 2
+        if tokens.dim() != want or (cfg.dual and tokens.shape[1] != 2):
+            raise ValueError(f"tokens must be {'[batch, 2, seq]' if cfg.dual else '[batch, seq]'}, got {tuple(tokens.shape)}")
+        if lengths is not None and lengths.shape != tokens.shape[:-1]:
+            raise ValueError(f"lengths must have shape {tuple(tokens.shape[:-1])}, got {tuple(lengths.shape)}")
+        if not cfg.dual:
+            return self.head(self.encoder(tokens, lengths))
+        B = tokens.shape[0]
+        # Both documents in one pass of the shared encoder: [2B, N], rows 0..B-1 are the first docs.
+        z = self.encoder(tokens.transpose(0, 1).flatten(0, 1),
+                         None if lengths is None else lengths.transpose(0, 1).flatten())
+        u, v = z[:B], z[B:]
+        return self.head(torch.cat([u, v, u * v, u - v], dim=-1))
+
+
+# ------------------------------------------------------------------------------- pretrained weights
+def upsample_grid(grid: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Upsample a ``[H, W, d]`` grid of embeddings to ``[H', W', d]`` by integer factors, copying
+    each cell into an ``(H'/H) x (W'/W)`` block (2x2 duplication from Path-64 to Path-X)."""
+    if not isinstance(grid, torch.Tensor) or grid.dim() != 3:
+        raise ValueError(f"grid must be a [H, W, d] tensor, got {getattr(grid, 'shape', type(grid).__name__)}")
+    H, W, _ = grid.shape
+    H2, W2 = size
+    if H2 % H or W2 % W or H2 < H or W2 < W:
+        raise ValueError(f"cannot upsample a {H}x{W} grid to {H2}x{W2}: each side must grow by an integer factor")
+    return grid.repeat_interleave(H2 // H, dim=0).repeat_interleave(W2 // W, dim=1)
+
+
+def load_pretrained(model: LRAClassifier, state_dict: dict) -> list[str]:
+    """Copy ``state_dict`` into ``model``; a 2-D position grid of another size is upsampled
+    grid-wise (`upsample_grid`). Any other missing, unexpected or mis-shaped tensor is an error.
+    Returns one note per upsampled tensor."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+    notes, new = [], {}
+    for name, t in state_dict.items():
+        target = own[name]
+        if t.shape == target.shape:
+            new[name] = t
+        elif name.endswith("pos.grid") and t.dim() == 3 and t.shape[-1] == target.shape[-1]:
+            new[name] = upsample_grid(t, tuple(target.shape[:2]))
+            notes.append(f"{name}: upsampled {tuple(t.shape[:2])} -> {tuple(target.shape[:2])}")
+        else:
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(target.shape)}")
+    model.load_state_dict(new)
+    return notes

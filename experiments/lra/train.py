@@ -1,0 +1,536 @@
+"""Training of the LRA / Path-X classifiers, on one device or data-parallel under ``torchrun``.
+
+    sparseflash lra train --task listops --config quick --data DIR --attention sparseflash \\
+        --pattern butterfly --out runs/listops-bf [--max-steps N] [--device cpu|cuda]
+    torchrun --nproc-per-node 4 -m sparseflash.experiments.lra.train ...      (same flags)
+
+What a run does: bf16 autocast on CUDA, AdamW (no decay on biases, norms and embeddings), warm-up
+then linear / cosine / inverse-sqrt decay, gradient clipping; evaluation on val every
+``eval_every`` steps, and at the end on test with the final and the best-on-val weights;
+checkpoints ``OUT/checkpoints/{last,best}.pt``; ``OUT/metrics.jsonl`` plus ``train.csv`` /
+``eval.csv``; ``OUT/config.json`` and ``OUT/summary.json``.
+
+Reproducibility. The data order is a pure function of (seed, step): epoch e is a permutation drawn
+from (seed, e), and step s takes batch ``s mod steps_per_epoch`` of epoch ``s // steps_per_epoch``.
+A checkpoint stores model, optimizer, scheduler, step, and the RNG states of torch (CPU and CUDA),
+NumPy and Python of every rank, so ``--resume`` continues bit-identically (on CPU; on a GPU as
+far as its kernels are deterministic). ``--max-steps`` stops early without changing the schedule,
+which is defined by ``train.steps`` (or ``train.epochs``).
+
+Data parallel. ``torchrun`` sets WORLD_SIZE; each rank then takes a contiguous slice of size
+``batch_size / world`` of the same global batch, DDP averages gradients (NCCL on CUDA, gloo on
+CPU), so the effective batch and the update equal a single-process run (up to float summation
+order; dropout masks differ per rank). Only rank 0 logs and writes files.
+
+Path-X / Path-256: ``--init-from CKPT`` loads a model trained at a smaller resolution and
+upsamples its 2-D position grid (2x2 duplication from Path-64 to Path-X).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from sparseflash.experiments.lra.configs import TASKS, VARIANTS, ExperimentConfig, config_from_dict, get_config
+from sparseflash.experiments.lra.model import ATTENTIONS, LRAClassifier, load_pretrained, parse_pattern_spec
+
+__all__ = ["train", "evaluate", "StepBatches", "collate", "lr_factor", "register_lra", "main"]
+
+_TRAIN_COLS = ("step", "epoch", "lr", "loss", "acc", "grad_norm", "step_ms", "tokens_per_s", "mem_gb", "time_s")
+_EVAL_COLS = ("step", "split", "weights", "loss", "acc", "n", "time_s")
+
+
+# ------------------------------------------------------------------------------------------- data
+class StepBatches:
+    """Infinite batch sampler: the indices of this rank for every step from ``start_step`` on."""
+
+    def __init__(self, n: int, global_batch: int, seed: int, rank: int = 0, world: int = 1, start_step: int = 0):
+        if n < global_batch:
+            raise ValueError(f"the training set has {n} examples, fewer than one batch of {global_batch}")
+        self.n, self.global_batch, self.seed = n, global_batch, seed
+        self.rank, self.world, self.start_step = rank, world, start_step
+        self.per_rank = global_batch // world
+        self.steps_per_epoch = n // global_batch  # the last partial batch of an epoch is dropped
+
+    def order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def __iter__(self):
+        step, cached = self.start_step, (None, None)
+        while True:
+            epoch, i = divmod(step, self.steps_per_epoch)
+            if cached[0] != epoch:
+                cached = (epoch, self.order(epoch))
+            batch = cached[1][i * self.global_batch:(i + 1) * self.global_batch]
+            yield batch[self.rank * self.per_rank:(self.rank + 1) * self.per_rank].tolist()
+            step += 1
+
+
+def collate(items: list[dict]) -> dict:
+    """Stack loader items: tokens ``[B, N]`` (``[B, 2, N]`` for Retrieval), lengths, labels."""
+    return {
+        "tokens": torch.stack([torch.as_tensor(it["tokens"], dtype=torch.long) for it in items]),
+        "lengths": torch.stack([torch.as_tensor(it["length"], dtype=torch.long) for it in items]),
+        "labels": torch.tensor([int(it["label"]) for it in items], dtype=torch.long),
+    }
+
+
+def load_datasets(cfg: ExperimentConfig, root, cache_dir=None) -> dict:
+    from sparseflash.experiments.lra.data import get_dataset  # written alongside; imported when needed
+
+    return {split: get_dataset(cfg.task, root, split, cache_dir=cache_dir, **cfg.data) for split in ("train", "val", "test")}
+
+
+def fit_to_data(cfg: ExperimentConfig, ds) -> None:
+    """Take vocabulary, classes and length from the training set; check single vs dual input."""
+    m = cfg.model
+    m.vocab_size, m.num_classes = int(ds.vocab_size), int(ds.num_classes)
+    if int(ds.seq_len) != m.seq_len:
+        m.seq_len = int(ds.seq_len)
+        if m.pos_emb == "grid":
+            side = math.isqrt(m.seq_len)
+            if side * side != m.seq_len:
+                raise ValueError(f"dataset length {m.seq_len} is not a square image, but the model uses a 2-D grid")
+            m.grid = (side, side)
+    dual = torch.as_tensor(ds[0]["tokens"]).dim() == 2
+    if dual != m.dual:
+        raise ValueError(f"task {cfg.task}: dataset gives {'pairs of' if dual else 'single'} sequences but model.dual={m.dual}")
+
+
+# --------------------------------------------------------------------------------------- schedule
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float = 0.0) -> float:
+    """Multiplier of the base lr for the update after ``step`` completed steps."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    if schedule == "inverse_sqrt":
+        return math.sqrt(max(warmup, 1) / (step + 1))
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return min_ratio + (1 - min_ratio) * (1 - progress)
+    if schedule == "cosine":
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def _optimizer(model, tc, device):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        # Matrices of linear layers decay; biases, norms, embeddings and position tables do not.
+        (decay if p.dim() >= 2 and "embed" not in name and ".pos." not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=tuple(tc.betas), eps=tc.eps, **kw)
+
+
+# ------------------------------------------------------------------------------ distributed, state
+def _dist_setup(device: str | None):
+    """(rank, world, device); initialises the process group under torchrun if not done yet."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    if world > 1 and not dist.is_initialized():
+        if device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if world > 1 else "cuda"
+    return rank, world, torch.device(device)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def _set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])
+
+
+def _gather(obj, world):
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class _Logs:
+    """metrics.jsonl plus train.csv / eval.csv in OUT (rank 0 only)."""
+
+    def __init__(self, out: Path, enabled: bool):
+        self.out, self.enabled = out, enabled
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records later than ``step`` (left by a run that died after its last checkpoint)."""
+        if not self.enabled:
+            return
+        path = self.out / "metrics.jsonl"
+        if path.exists():
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+            path.write_text("".join(ln + "\n" for ln in keep))
+        for name in ("train.csv", "eval.csv"):
+            p = self.out / name
+            if p.exists():
+                with p.open() as f:
+                    rows = list(csv.DictReader(f))
+                cols = _TRAIN_COLS if name == "train.csv" else _EVAL_COLS
+                with p.open("w", newline="") as f:
+                    w = csv.DictWriter(f, cols)
+                    w.writeheader()
+                    w.writerows(r for r in rows if int(r["step"]) <= step)
+
+    def write(self, kind: str, record: dict) -> None:
+        if not self.enabled:
+            return
+        with (self.out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"kind": kind, **record}) + "\n")
+        path = self.out / f"{kind}.csv"
+        new = not path.exists()
+        with path.open("a", newline="") as f:
+            w = csv.DictWriter(f, _TRAIN_COLS if kind == "train" else _EVAL_COLS, extrasaction="ignore")
+            if new:
+                w.writeheader()
+            w.writerow(record)
+
+
+# ----------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate(model, ds, *, batch_size: int, max_batches: int | None, device, autocast, rank: int = 0, world: int = 1,
+             num_workers: int = 0) -> dict:
+    """Loss and accuracy over the first ``max_batches * batch_size`` examples of ``ds`` (all of it
+    if None), sharded over ranks and summed exactly."""
+    n = len(ds) if max_batches is None else min(len(ds), max_batches * batch_size)
+    shard = list(range(rank, n, world))
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, shard), batch_size=max(1, batch_size // world),
+                                         collate_fn=collate, num_workers=num_workers,
+                                         generator=torch.Generator().manual_seed(0))
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+    for b in loader:
+        labels = b["labels"].to(device)
+        with autocast:
+            logits = model(b["tokens"].to(device), b["lengths"].to(device))
+        sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        sums[1] += (logits.argmax(-1) == labels).sum()
+        sums[2] += labels.numel()
+    if world > 1:
+        dist.all_reduce(sums)
+    model.train(was_training)
+    loss, correct, count = sums.tolist()
+    return {"loss": loss / max(count, 1), "acc": correct / max(count, 1), "n": int(count)}
+
+
+# ------------------------------------------------------------------------------------------ train
+def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_root=None, cache_dir=None,
+          device: str | None = None, max_steps: int | None = None, resume: str | None = None,
+          init_from: str | None = None, compile: bool = False, precision: str | None = None,
+          num_workers: int = 0, show_progress: bool = True) -> dict:
+    """Train ``cfg`` and write everything under ``out_dir``; returns the summary dict.
+
+    ``datasets``: ``{"train", "val"[, "test"]}`` objects with the loader interface (default: load
+    ``cfg.task`` from ``data_root``). ``resume``: a checkpoint path, or ``"auto"`` for
+    ``out_dir/checkpoints/last.pt`` if it exists. ``precision``: ``"bf16"`` (default on CUDA:
+    autocast) or ``"fp32"`` (default on CPU).
+    """
+    t_start = time.perf_counter()
+    rank, world, device = _dist_setup(device)
+    lead = rank == 0
+    out = Path(out_dir)
+    ckpt_dir = out / "checkpoints"
+    if lead:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0):
+        raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
+    precision = precision or ("bf16" if device.type == "cuda" else "fp32")
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+    if datasets is None:
+        if data_root is None:
+            raise ValueError("give the data directory (--data DIR) or datasets=")
+        datasets = load_datasets(cfg, data_root, cache_dir)
+    cfg = config_from_dict(cfg.to_dict())  # resolved copy; the caller's config is left alone
+    fit_to_data(cfg, datasets["train"])
+    tc = cfg.train
+    steps_per_epoch = len(datasets["train"]) // tc.batch_size
+    if tc.epochs is not None:
+        tc.steps = max(1, round(tc.epochs * steps_per_epoch))
+    if tc.warmup_epochs is not None:
+        tc.warmup_steps = round(tc.warmup_epochs * steps_per_epoch)
+    cfg.validate()
+    if tc.batch_size % world:
+        raise ValueError(f"train.batch_size ({tc.batch_size}) must be divisible by the number of ranks ({world})")
+    stop = tc.steps if max_steps is None else min(max_steps, tc.steps)
+
+    _seed_all(tc.seed)  # the same initial weights on every rank
+    model = LRAClassifier(cfg.model)
+    if init_from:
+        state = torch.load(init_from, map_location="cpu", weights_only=False)
+        notes = load_pretrained(model, state.get("model", state))
+        if lead:
+            print(f"initialised from {init_from}" + "".join(f"\n  {n}" for n in notes), file=sys.stderr)
+    model.to(device)
+    opt = _optimizer(model, tc, device)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, tc.steps, tc.warmup_steps, tc.schedule, tc.min_lr_ratio))
+    _seed_all(tc.seed + 1 + rank)  # dropout streams differ per rank
+
+    logs = _Logs(out, lead)
+    step, best, best_state = 0, {"acc": -1.0, "step": None}, None
+    if resume == "auto":
+        resume = str(ckpt_dir / "last.pt") if (ckpt_dir / "last.pt").exists() else None
+    if resume:
+        ck = torch.load(resume, map_location="cpu", weights_only=False)
+        saved, ours = ck["config"], cfg.to_dict()
+        diff = sorted(f"{s}.{k}" for s in ("model", "train") for k in ours[s] if saved[s].get(k) != ours[s][k])
+        diff += [k for k in ("task", "data") if saved[k] != ours[k]]
+        if diff:
+            raise ValueError(f"cannot resume {resume}: its config differs in {diff}")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        step, best = ck["step"], ck["best"]
+        rngs = ck["rng"]
+        if len(rngs) == world:
+            _set_rng_state(rngs[rank])
+        elif lead:
+            print(f"warning: checkpoint has RNG states of {len(rngs)} ranks, running {world}: dropout streams restart",
+                  file=sys.stderr)
+        if (ckpt_dir / "best.pt").exists():
+            best_state = torch.load(ckpt_dir / "best.pt", map_location="cpu", weights_only=False)["model"]
+        logs.truncate_after(step)
+    if lead:
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    net = model
+    if world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if compile:
+        net = torch.compile(net)
+
+    sampler = StepBatches(len(datasets["train"]), tc.batch_size, tc.seed, rank, world, start_step=step)
+    loader = torch.utils.data.DataLoader(datasets["train"], batch_sampler=sampler, collate_fn=collate,
+                                         num_workers=num_workers, pin_memory=device.type == "cuda",
+                                         generator=torch.Generator().manual_seed(tc.seed))
+    eval_kw = dict(batch_size=tc.eval_batch_size or tc.batch_size, max_batches=tc.eval_batches, device=device,
+                   autocast=autocast, rank=rank, world=world, num_workers=num_workers)
+    tokens_per_step = tc.batch_size * cfg.model.seq_len * (2 if cfg.model.dual else 1)
+
+    def checkpoint(path: Path, with_state: bool) -> None:
+        rngs = _gather(_rng_state(), world)  # every rank takes part
+        if not lead:
+            return
+        obj = {"model": model.state_dict(), "step": step, "config": cfg.to_dict(), "best": best}
+        if with_state:
+            obj.update(optimizer=opt.state_dict(), scheduler=sched.state_dict(), rng=rngs, world_size=world,
+                       data={"epoch": step // sampler.steps_per_epoch, "batch_in_epoch": step % sampler.steps_per_epoch,
+                             "steps_per_epoch": sampler.steps_per_epoch, "order_seed": tc.seed})
+        _atomic_save(obj, path)
+
+    mask = model.pattern_mask()
+    desc = f"{cfg.task} {cfg.model.attention}/{cfg.model.pattern or 'dense'}"
+    from sparseflash._progress import Progress
+
+    bar = Progress(stop, desc, disable=not (lead and show_progress))
+    bar.n = step
+    window = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, count, grad-norm sum
+    win_steps, t_last, paused = 0, time.perf_counter(), 0.0  # paused: eval / checkpoint time, not step time
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    net.train()
+    batches = iter(loader)
+    while step < stop:
+        b = next(batches)
+        tokens, lengths = b["tokens"].to(device, non_blocking=True), b["lengths"].to(device, non_blocking=True)
+        labels = b["labels"].to(device, non_blocking=True)
+        with autocast:
+            logits = net(tokens, lengths)
+        loss = F.cross_entropy(logits.float(), labels, label_smoothing=tc.label_smoothing)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if tc.grad_clip > 0:
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        else:
+            gnorm = torch.zeros((), device=device)
+        lr_used = opt.param_groups[0]["lr"]
+        opt.step()
+        sched.step()
+        step += 1
+        win_steps += 1
+        with torch.no_grad():
+            window += torch.stack([loss.detach().double() * labels.numel(), (logits.argmax(-1) == labels).sum().double(),
+                                   torch.tensor(labels.numel(), dtype=torch.float64, device=device), gnorm.double()])
+
+        postfix = None
+        if step % tc.log_every == 0 or step == stop:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            if world > 1:
+                dist.all_reduce(window)
+            ls, correct, count, gsum = window.tolist()
+            dt = (now - t_last - paused) / win_steps
+            rec = {"step": step, "epoch": round(step / sampler.steps_per_epoch, 4), "lr": lr_used,
+                   "loss": ls / count, "acc": correct / count, "grad_norm": gsum / (win_steps * world),
+                   "step_ms": 1e3 * dt, "tokens_per_s": tokens_per_step / dt,
+                   "mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+                   "time_s": now - t_start}
+            logs.write("train", rec)
+            postfix = f"loss {rec['loss']:.3f} acc {rec['acc']:.3f} lr {rec['lr']:.2e} {rec['step_ms']:.0f} ms/step"
+            window.zero_()
+            win_steps, t_last, paused = 0, now, 0.0
+        t_pause = time.perf_counter()
+        if step % tc.eval_every == 0 or step == stop:
+            r = evaluate(model, datasets["val"], **eval_kw)
+            logs.write("eval", {"step": step, "split": "val", "weights": "current", **r, "time_s": time.perf_counter() - t_start})
+            if r["acc"] > best["acc"]:
+                best = {"acc": r["acc"], "loss": r["loss"], "step": step}
+                best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+                checkpoint(ckpt_dir / "best.pt", with_state=False)
+            postfix = (postfix or bar.postfix) + f" | val {r['acc']:.3f} (best {best['acc']:.3f})"
+        if step % tc.save_every == 0 or step == stop:
+            checkpoint(ckpt_dir / "last.pt", with_state=True)
+        paused += time.perf_counter() - t_pause
+        bar.update(1, postfix=postfix)
+    bar.close()
+
+    summary = {"task": cfg.task, "variant": cfg.variant, "attention": cfg.model.attention,
+               "pattern": cfg.model.pattern or "dense", "pattern_kwargs": cfg.model.pattern_kwargs,
+               "block_size": cfg.model.block_size, "density": mask.density() if mask is not None else 1.0,
+               "token_density": mask.token_density() if mask is not None else 1.0,
+               "params": sum(p.numel() for p in model.parameters()), "steps": step, "schedule_steps": tc.steps,
+               "world_size": world, "precision": precision, "device": str(device),
+               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+               "torch": torch.__version__, "best_val": best, "wall_s": None}
+    if "test" in datasets and datasets["test"] is not None:
+        now_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        for weights, state in (("final", now_state), ("best", best_state)):
+            if state is None:
+                continue
+            model.load_state_dict(state)
+            r = evaluate(model, datasets["test"], **eval_kw)
+            logs.write("eval", {"step": step, "split": "test", "weights": weights, **r,
+                                "time_s": time.perf_counter() - t_start})
+            summary[f"test_{weights}"] = r
+        model.load_state_dict(now_state)
+    summary["wall_s"] = time.perf_counter() - t_start
+    if lead:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+# -------------------------------------------------------------------------------------------- CLI
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--config", default="quick", choices=VARIANTS, help="settings variant (default: quick)")
+    p.add_argument("--data", help="data root directory given to the loaders")
+    p.add_argument("--cache-dir", help="cache directory for the loaders")
+    p.add_argument("--out", required=True, help="output directory (metrics, checkpoints, summary)")
+    p.add_argument("--attention", choices=ATTENTIONS, help="attention implementation (default: the config's)")
+    p.add_argument("--pattern", help="block pattern of sparseflash.patterns, e.g. butterfly or "
+                                     "'butterfly:n_factors=3'; 'dense' for none")
+    p.add_argument("--pattern-arg", action="append", default=[], metavar="KEY=VALUE", help="pattern parameter (repeatable)")
+    p.add_argument("--block-size", type=int, help="block size of the pattern (default 128)")
+    p.add_argument("--max-steps", type=int, help="stop after this step (the schedule is unchanged)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), help="default: bf16 autocast on CUDA, fp32 on CPU")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--resume", nargs="?", const="auto", help="resume from CHECKPOINT (default OUT/checkpoints/last.pt)")
+    p.add_argument("--init-from", metavar="CHECKPOINT", help="initialise weights (upsampling a 2-D position grid)")
+    p.add_argument("--seed", type=int, help="training seed (default: the config's)")
+    p.add_argument("--num-workers", type=int, default=2, help="data-loader workers (default 2)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a config field, e.g. --set train.lr=3e-4 --set model.n_layers=4 (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args) -> ExperimentConfig:
+    overrides = list(args.set)
+    if args.attention:
+        overrides.append(f"model.attention={args.attention!r}")
+    if args.block_size is not None:
+        overrides.append(f"model.block_size={args.block_size}")
+    if args.seed is not None:
+        overrides.append(f"train.seed={args.seed}")
+    cfg = get_config(args.task, args.config, overrides)
+    if args.pattern is not None:
+        cfg.model.pattern, cfg.model.pattern_kwargs = parse_pattern_spec(args.pattern)
+    for item in args.pattern_arg:
+        _, kw = parse_pattern_spec(f"x:{item}")
+        cfg.model.pattern_kwargs.update(kw)
+    return cfg
+
+
+def _cmd_train(args) -> int:
+    cfg = config_from_args(args)
+    summary = train(cfg, args.out, data_root=args.data, cache_dir=args.cache_dir, device=args.device,
+                    max_steps=args.max_steps, resume=args.resume, init_from=args.init_from, compile=args.compile,
+                    precision=args.precision, num_workers=args.num_workers, show_progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        best = summary["best_val"]
+        line = f"{cfg.task}: {summary['steps']} steps, best val acc {best['acc']:.4f} at step {best['step']}"
+        if "test_best" in summary:
+            line += f", test acc {summary['test_best']['acc']:.4f} (best-val weights)"
+        print(line + f"; results in {args.out}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def register_lra(subparsers) -> None:
+    """Declare ``sparseflash lra train`` (called by experiments/lra/cli.py)."""
+    p = subparsers.add_parser("train", help="train an LRA / Path-X classifier",
+                              description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(p)
+    p.set_defaults(func=_cmd_train)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sparseflash.experiments.lra.train", description=__doc__.split("\n\n")[0])
+    add_train_arguments(parser)
+    return _cmd_train(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

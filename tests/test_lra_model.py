@@ -1,0 +1,275 @@
+"""LRA model: shapes, padding, agreement of the attention backends, position-grid upsampling."""
+
+import math
+
+import pytest
+import torch
+
+from sparseflash.experiments.lra.model import (
+    ATTENTIONS, LRAClassifier, ModelConfig, build_pattern, load_pretrained, parse_pattern_spec, upsample_grid,
+)
+
+
+def _flex_forward_ok() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+BACKENDS = [a if a != "flex" or _flex_forward_ok() else pytest.param(a, marks=pytest.mark.skip("no FlexAttention"))
+            for a in ATTENTIONS]
+
+
+def _cfg(**kw):
+    base = dict(vocab_size=11, num_classes=3, seq_len=80, d_model=32, n_heads=2, n_layers=2, d_ff=48, dropout=0.0,
+                attn_dropout=0.0, block_size=16)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _inputs(cfg, batch=3, seed=0, min_len=5):
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, 2, cfg.seq_len) if cfg.dual else (batch, cfg.seq_len)
+    tokens = torch.randint(1, cfg.vocab_size, shape, generator=g)
+    lengths = torch.randint(min_len, cfg.seq_len + 1, shape[:-1], generator=g)
+    lengths.view(-1)[0] = cfg.seq_len  # one full-length input
+    pad = torch.arange(cfg.seq_len) >= lengths[..., None]
+    return tokens.masked_fill(pad, 0), lengths
+
+
+def _logits(model, attention, tokens, lengths):
+    model.cfg.attention = attention
+    with torch.no_grad():
+        return model(tokens, lengths)
+
+
+@pytest.mark.parametrize("dual", [False, True], ids=["single", "dual"])
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_shapes(dual, pooling):
+    cfg = _cfg(dual=dual, pooling=pooling, pattern="butterfly")
+    model = LRAClassifier(cfg)
+    tokens, lengths = _inputs(cfg, batch=4)
+    out = model(tokens, lengths)
+    assert out.shape == (4, 3) and torch.isfinite(out).all()
+    assert model(tokens).shape == (4, 3)  # no lengths: nothing is padding
+    assert model.pattern_mask().seq_q == cfg.seq_len + (pooling == "cls")
+    with pytest.raises(ValueError, match="tokens must be"):
+        model(tokens[..., 0])
+    with pytest.raises(ValueError, match="lengths must have shape"):
+        model(tokens, lengths[:2])
+
+
+@pytest.mark.parametrize("attention", BACKENDS)
+@pytest.mark.parametrize("pattern", [None, "butterfly"], ids=["dense", "butterfly"])
+@pytest.mark.parametrize("dual", [False, True], ids=["single", "dual"])
+def test_padded_tokens_cannot_change_output(attention, pattern, dual):
+    torch.manual_seed(0)
+    cfg = _cfg(dual=dual, pattern=pattern, attention=attention)
+    model = LRAClassifier(cfg).eval()
+    tokens, lengths = _inputs(cfg, seed=1)
+    pad = torch.arange(cfg.seq_len) >= lengths[..., None]
+    assert pad.any()
+    scrambled = torch.where(pad, torch.randint(1, cfg.vocab_size, tokens.shape), tokens)
+    a, b = _logits(model, attention, tokens, lengths), _logits(model, attention, scrambled, lengths)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # ...while a real token does change it
+    changed = tokens.clone()
+    changed.view(-1)[0] = 1 + changed.view(-1)[0] % (cfg.vocab_size - 1)
+    assert (_logits(model, attention, changed, lengths) - a).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("pattern", [None, "butterfly", "butterfly:n_factors=0", "butterfly:global_blocks=1"],
+                         ids=["dense", "butterfly", "diagonal", "global"])
+def test_backends_agree(pattern, pooling):
+    """One set of weights, the same logits (and gradients) through every attention backend.
+    The diagonal-only pattern with padding leaves query rows with no key at all."""
+    torch.manual_seed(0)
+    name, kw = parse_pattern_spec(pattern)
+    cfg = _cfg(pattern=name, pattern_kwargs=kw, pooling=pooling)
+    model = LRAClassifier(cfg).eval()
+    tokens, lengths = _inputs(cfg, batch=4, seed=2, min_len=3)
+    ref = _logits(model, "torch", tokens, lengths)
+    assert torch.isfinite(ref).all()
+    for attention in ATTENTIONS:
+        if attention == "flex" and not _flex_forward_ok():
+            continue
+        torch.testing.assert_close(_logits(model, attention, tokens, lengths), ref, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{attention}: {m}")
+    grads = {}
+    for attention in ("torch", "sdpa", "sparseflash"):  # FlexAttention has no CPU backward
+        model.zero_grad()
+        model.cfg.attention = attention
+        model(tokens, lengths).square().sum().backward()
+        grads[attention] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for attention in ("sdpa", "sparseflash"):
+        for n, g in grads[attention].items():
+            assert torch.isfinite(g).all(), (attention, n)
+            torch.testing.assert_close(g, grads["torch"][n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{attention} {n}: {m}")
+
+
+@pytest.mark.skipif(not _flex_forward_ok(), reason="no FlexAttention")
+@pytest.mark.parametrize("pattern", ["butterfly:n_factors=1", "local:window=200"])
+def test_flex_from_block_index(pattern):
+    """Unpadded inputs in whole 128-blocks: flex gets our block index directly (all blocks full)."""
+    torch.manual_seed(0)
+    name, kw = parse_pattern_spec(pattern)
+    cfg = _cfg(seq_len=512, block_size=128, pattern=name, pattern_kwargs=kw)
+    model = LRAClassifier(cfg).eval()
+    tokens = torch.randint(1, cfg.vocab_size, (2, 512))
+    full = torch.full((2,), 512)
+    ref = _logits(model, "torch", tokens, full)
+    torch.testing.assert_close(_logits(model, "flex", tokens, full), ref, rtol=1e-5, atol=1e-5)
+    (flex_mask,) = model.encoder._flex_cache.values()
+    assert int(flex_mask.kv_num_blocks.sum()) == 0
+    assert int(flex_mask.full_kv_num_blocks.sum()) == int(model.pattern_mask().layout.sum()) < 16
+
+
+def test_pattern_changes_the_function():
+    """Block sparsity is real: with padding absent, butterfly and dense differ."""
+    torch.manual_seed(0)
+    cfg = _cfg(seq_len=128)
+    model = LRAClassifier(cfg).eval()
+    tokens, _ = _inputs(cfg)
+    dense = _logits(model, "torch", tokens, None)
+    model.cfg.pattern = "butterfly"
+    model.encoder._masks.clear()
+    assert model.pattern_mask().density() < 1
+    assert (_logits(model, "torch", tokens, None) - dense).abs().max() > 1e-4
+
+
+def test_attention_dropout_only_in_training(monkeypatch):
+    import sparseflash
+
+    seen = []
+    real = sparseflash.attention
+
+    def spy(*a, dropout_p=0.0, **kw):
+        seen.append(dropout_p)
+        return real(*a, dropout_p=0.0, **kw)
+
+    monkeypatch.setattr(sparseflash, "attention", spy)
+    cfg = _cfg(attn_dropout=0.25, attention="sparseflash")
+    model = LRAClassifier(cfg)
+    tokens, lengths = _inputs(cfg)
+    model.train()(tokens, lengths)
+    assert seen == [0.25] * cfg.n_layers
+    seen.clear()
+    with torch.no_grad():
+        model.eval()(tokens, lengths)
+    assert seen == [0.0] * cfg.n_layers
+
+
+@pytest.mark.parametrize("attention", ["torch", "sdpa"])
+def test_attention_dropout_torch_backends(attention):
+    torch.manual_seed(0)
+    cfg = _cfg(attn_dropout=0.5, attention=attention)
+    model = LRAClassifier(cfg)
+    tokens, lengths = _inputs(cfg)
+    with torch.no_grad():
+        a, b = model.train()(tokens, lengths), model.train()(tokens, lengths)
+        c, d = model.eval()(tokens, lengths), model.eval()(tokens, lengths)
+    assert not torch.equal(a, b) and torch.equal(c, d)
+
+
+def test_flex_warns_that_it_has_no_dropout():
+    with pytest.warns(UserWarning, match="no attention dropout"):
+        LRAClassifier(_cfg(attention="flex", attn_dropout=0.1))
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "grid", "none"])
+def test_position_embeddings(pos_emb):
+    cfg = _cfg(seq_len=64, pos_emb=pos_emb, grid=(8, 8) if pos_emb == "grid" else None)
+    model = LRAClassifier(cfg)
+    tokens, lengths = _inputs(cfg)
+    assert model(tokens, lengths).shape == (3, 3)
+    table = model.encoder.pos(64)
+    if pos_emb == "none":
+        assert table is None
+    else:
+        assert table.shape == (64, 32) and len({tuple(r.tolist()) for r in table}) == 64
+    if pos_emb == "sinusoidal":
+        assert torch.allclose(table[3, 0], torch.tensor(math.sin(3.0))) and torch.allclose(table[3, 1], torch.tensor(math.cos(3.0)))
+
+
+def test_upsample_grid_maps_cells():
+    H, W, d = 3, 4, 5
+    grid = torch.arange(H * W * d, dtype=torch.float32).reshape(H, W, d)
+    for fh, fw in ((2, 2), (3, 1), (1, 4)):
+        up = upsample_grid(grid, (H * fh, W * fw))
+        assert up.shape == (H * fh, W * fw, d)
+        for i in range(H * fh):
+            for j in range(W * fw):
+                assert torch.equal(up[i, j], grid[i // fh, j // fw])
+    for bad in ((5, 8), (6, 6), (2, 4)):
+        with pytest.raises(ValueError, match="integer factor"):
+            upsample_grid(grid, bad)
+    with pytest.raises(ValueError, match=r"\[H, W, d\]"):
+        upsample_grid(grid.flatten(0, 1), (6, 8))
+
+
+def test_load_pretrained_upsamples_position_grid():
+    torch.manual_seed(0)
+    small = LRAClassifier(_cfg(seq_len=16, pos_emb="grid", grid=(4, 4)))
+    big = LRAClassifier(_cfg(seq_len=64, pos_emb="grid", grid=(8, 8)))
+    notes = load_pretrained(big, small.state_dict())
+    assert len(notes) == 1 and "(4, 4) -> (8, 8)" in notes[0]
+    pos_small, pos_big = small.encoder.pos(16), big.encoder.pos(64)
+    for r in range(8):  # pixel (r, c) of the 8x8 image reads cell (r // 2, c // 2) of the 4x4 one
+        for c in range(8):
+            assert torch.equal(pos_big[r * 8 + c], pos_small[(r // 2) * 4 + c // 2])
+    for name, t in small.state_dict().items():
+        if not name.endswith("pos.grid"):
+            assert torch.equal(big.state_dict()[name], t)
+    other = LRAClassifier(_cfg(seq_len=16, pos_emb="grid", grid=(4, 4), d_ff=64))
+    with pytest.raises(ValueError, match="shape"):
+        load_pretrained(other, small.state_dict())
+    with pytest.raises(ValueError, match="missing"):
+        load_pretrained(LRAClassifier(_cfg(seq_len=16, pooling="cls")), LRAClassifier(_cfg(seq_len=16)).state_dict())
+
+
+def test_pattern_spec_and_errors():
+    assert parse_pattern_spec("butterfly:n_factors=2, global_blocks=1") == ("butterfly", {"n_factors": 2, "global_blocks": 1})
+    assert parse_pattern_spec("dense") == (None, {}) and parse_pattern_spec(None) == (None, {})
+    with pytest.raises(ValueError, match="key=value"):
+        parse_pattern_spec("butterfly:n_factors")
+    with pytest.raises(ValueError, match="unknown pattern 'nope'"):
+        build_pattern("nope", 64, 16)
+    with pytest.raises(ValueError, match="rejected its arguments"):
+        build_pattern("butterfly", 64, 16, wrong=1)
+    assert build_pattern("butterfly", 64, 16).seq_q == 64
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(d_model=30, n_heads=4), "divisible"),
+    (dict(attention="xformers"), "model.attention"),
+    (dict(pooling="max"), "model.pooling"),
+    (dict(pos_emb="grid", grid=(8, 8)), "cells"),
+    (dict(pos_emb="grid"), "model.grid"),
+    (dict(dropout=1.0), "model.dropout"),
+    (dict(vocab_size=0), "model.vocab_size"),
+    (dict(backend="cuda"), "model.backend"),
+])
+def test_config_errors(bad, match):
+    with pytest.raises(ValueError, match=match):
+        LRAClassifier(_cfg(**bad))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", [None, "butterfly"])
+def test_backends_agree_bf16_cuda(pattern):
+    """On the GPU in bf16 autocast: the Triton kernels, SDPA and compiled flex against fp32 torch.
+    Bound: twice torch's own bf16 error plus a small floor."""
+    torch.manual_seed(0)
+    cfg = _cfg(seq_len=1000, block_size=128, pattern=pattern, d_model=128, n_heads=2)
+    model = LRAClassifier(cfg).cuda().eval()
+    tokens, lengths = _inputs(cfg, batch=4)
+    tokens, lengths = tokens.cuda(), lengths.cuda()
+    ref = _logits(model, "torch", tokens, lengths)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        bf16 = {a: _logits(model, a, tokens, lengths).float() for a in ATTENTIONS}
+    bound = 2 * (bf16["torch"] - ref).abs().max() + 1e-2
+    for a in ATTENTIONS:
+        assert (bf16[a] - ref).abs().max() <= bound, a

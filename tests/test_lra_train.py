@@ -1,0 +1,308 @@
+"""LRA training: schedules, data order, configs, a learning run, bit-identical resume, DDP (gloo),
+the Path-X initialisation, and the command line. Small in-memory datasets stand in for the
+loaders (same interface)."""
+
+import argparse
+import csv
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from sparseflash.experiments.lra import train as T
+from sparseflash.experiments.lra.configs import TASKS, VARIANTS, apply_overrides, config_from_dict, get_config
+
+
+class Majority:
+    """A learnable toy task with the loader interface: each sequence is drawn mostly from token 1
+    or mostly from token 2 (plus noise tokens); label 1 iff token 1 outnumbers token 2 among the
+    real tokens (dual: iff both documents have the same majority). Padding is 0."""
+
+    def __init__(self, n, seq_len=32, vocab=6, dual=False, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        docs = (n, 2) if dual else (n,)
+        self.lengths = torch.randint(seq_len // 2, seq_len + 1, docs, generator=g)
+        p1 = torch.where(torch.rand(docs, generator=g) < 0.5, 0.2, 0.6)[..., None]
+        u = torch.rand(*docs, seq_len, generator=g)
+        noise = torch.randint(3, vocab, (*docs, seq_len), generator=g)
+        self.tokens = torch.where(u < p1, 1, torch.where(u < 0.8, 2, noise))
+        self.tokens[torch.arange(seq_len) >= self.lengths[..., None]] = 0
+        major = ((self.tokens == 1).sum(-1) > (self.tokens == 2).sum(-1)).long()
+        self.labels = (major[:, 0] == major[:, 1]).long() if dual else major
+        self.seq_len, self.vocab_size, self.num_classes, self.pad_id = seq_len, vocab, 2, 0
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        length = self.lengths[i] if self.lengths.dim() == 2 else int(self.lengths[i])
+        return {"tokens": self.tokens[i], "length": length, "label": int(self.labels[i])}
+
+
+def toy_datasets(n=256, **kw):
+    return {"train": Majority(n, seed=0, **kw), "val": Majority(64, seed=1, **kw), "test": Majority(64, seed=2, **kw)}
+
+
+def toy_config(task="listops", **over):
+    cfg = get_config(task, "quick")
+    apply_overrides(cfg, {"model.d_model": 32, "model.d_ff": 64, "model.block_size": 8, "model.attention": "sparseflash",
+                          "model.pattern": "butterfly", "model.dropout": 0.0, "model.attn_dropout": 0.0,
+                          "train.batch_size": 16, "train.steps": 40, "train.lr": 3e-3, "train.warmup_steps": 4,
+                          "train.eval_every": 20, "train.log_every": 5, "train.save_every": 100, **over})
+    return cfg
+
+
+def _params(out):
+    return torch.load(os.path.join(out, "checkpoints", "last.pt"), map_location="cpu", weights_only=False)
+
+
+# ------------------------------------------------------------------------------------- pieces
+def test_lr_factor_schedules():
+    f = T.lr_factor
+    assert [f(s, 100, 4, "cosine") for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4, 100, 4, "cosine") == pytest.approx(1.0) and f(100, 100, 4, "cosine") == pytest.approx(0.0)
+    assert f(52, 100, 4, "cosine") == pytest.approx(0.5)
+    assert f(52, 100, 4, "linear") == pytest.approx(0.5) and f(52, 100, 4, "linear", 0.2) == pytest.approx(0.6)
+    assert f(15, 100, 4, "inverse_sqrt") == pytest.approx(0.5)
+    assert f(99, 100, 0, "constant") == 1.0
+    seq = [f(s, 100, 10, "cosine") for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(seq, seq[1:]))
+
+
+def test_step_batches_order_and_sharding():
+    s = T.StepBatches(50, 8, seed=3)
+    assert s.steps_per_epoch == 6
+    it = iter(s)
+    first = [next(it) for _ in range(12)]
+    epoch0 = sum(first[:6], [])
+    assert len(set(epoch0)) == 48 and set(epoch0) <= set(range(50))
+    assert first[6:] != first[:6]  # a new permutation each epoch
+    resumed = iter(T.StepBatches(50, 8, seed=3, start_step=7))
+    assert next(resumed) == first[7]
+    shards = [iter(T.StepBatches(50, 8, seed=3, rank=r, world=2, start_step=4)) for r in range(2)]
+    assert next(shards[0]) + next(shards[1]) == first[4]
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        T.StepBatches(5, 8, seed=0)
+
+
+def test_collate_single_and_dual():
+    b = T.collate([Majority(4)[i] for i in range(3)])
+    assert b["tokens"].shape == (3, 32) and b["lengths"].shape == (3,) and b["labels"].shape == (3,)
+    b = T.collate([Majority(4, dual=True)[i] for i in range(3)])
+    assert b["tokens"].shape == (3, 2, 32) and b["lengths"].shape == (3, 2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("task", TASKS)
+def test_every_config_loads(task, variant):
+    cfg = get_config(task, variant)
+    m = cfg.model
+    assert cfg.task == task and cfg.variant == variant and m.dual == (task == "retrieval")
+    assert (m.pos_emb == "grid") == (task in ("image", "pathfinder32", "pathfinder64", "pathx", "path256"))
+    if m.grid:
+        assert m.grid[0] * m.grid[1] == m.seq_len
+    assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    from sparseflash.experiments.lra.model import LRAClassifier
+
+    if m.seq_len <= 4096:
+        LRAClassifier(m)  # builds
+
+
+def test_config_overrides_and_errors():
+    cfg = get_config("image", "faithful", ["model.n_layers=4", "train.lr=1", "train.betas=[0.9,0.98]",
+                                           "model.pattern=butterfly", "data.difficulty=easy", "train.eval_batches=None"])
+    assert cfg.model.n_layers == 4 and cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.train.betas == (0.9, 0.98) and cfg.model.pattern == "butterfly" and cfg.data["difficulty"] == "easy"
+    assert get_config("pathx", "faithful").init_from_task == "pathfinder64"
+    for bad, match in [(["model.nope=1"], "no field 'nope'"), (["model.n_layers=two"], "expected"),
+                       (["optim.lr=1"], "section"), (["model.n_layers"], "section.field=value"),
+                       (["train.schedule=step"], "train.schedule"), (["model.n_heads=3"], "divisible")]:
+        with pytest.raises(ValueError, match=match):
+            get_config("listops", "quick", bad)
+    with pytest.raises(ValueError, match="task must be one of"):
+        get_config("cifar", "quick")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        get_config("listops", "slow")
+
+
+def test_cli_flags_reach_the_config():
+    p = argparse.ArgumentParser()
+    T.add_train_arguments(p)
+    args = p.parse_args(["--task", "pathx", "--config", "faithful", "--out", "x", "--attention", "flex",
+                         "--pattern", "butterfly:n_factors=3", "--pattern-arg", "global_blocks=1", "--block-size", "64",
+                         "--seed", "7", "--set", "train.lr=2e-4"])
+    cfg = T.config_from_args(args)
+    assert (cfg.model.attention, cfg.model.pattern, cfg.model.block_size) == ("flex", "butterfly", 64)
+    assert cfg.model.pattern_kwargs == {"n_factors": 3, "global_blocks": 1}
+    assert cfg.train.seed == 7 and cfg.train.lr == 2e-4 and cfg.variant == "faithful"
+    lra = argparse.ArgumentParser().add_subparsers()
+    T.register_lra(lra)
+    assert lra.choices["train"].parse_args(["--task", "listops", "--out", "o"]).func is T._cmd_train
+
+
+# ---------------------------------------------------------------------------------- training
+def test_tiny_run_learns(tmp_path):
+    torch.manual_seed(0)
+    summary = T.train(toy_config(**{"train.steps": 30, "train.eval_every": 15, "train.log_every": 2}), tmp_path,
+                      datasets=toy_datasets(), device="cpu", show_progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == list(range(2, 31, 2))
+    assert train_rows[0]["loss"] > 0.55  # chance is ln 2 = 0.69
+    assert np.mean([r["loss"] for r in train_rows[-3:]]) < 0.2
+    assert summary["best_val"]["acc"] > 0.9 and summary["test_best"]["acc"] > 0.9
+    assert summary["density"] < 1 and summary["steps"] == 30
+    with (tmp_path / "eval.csv").open() as f:
+        evals = list(csv.DictReader(f))
+    assert [(r["step"], r["split"], r["weights"]) for r in evals] == [
+        ("15", "val", "current"), ("30", "val", "current"), ("30", "test", "final"), ("30", "test", "best")]
+    for name in ("config.json", "summary.json", "train.csv", "checkpoints/last.pt", "checkpoints/best.pt"):
+        assert (tmp_path / name).exists(), name
+
+
+def test_dual_task_trains(tmp_path):
+    summary = T.train(toy_config("retrieval", **{"train.steps": 4, "model.attention": "sdpa"}), tmp_path,
+                      datasets=toy_datasets(64, dual=True), device="cpu", show_progress=False)
+    assert summary["steps"] == 4 and math.isfinite(summary["test_final"]["loss"])
+
+
+def test_resume_is_bit_identical(tmp_path):
+    """8 steps straight == 4 steps, stop, resume, 4 more: parameters, optimizer state and logs.
+    Dropout is on, so the restored RNG streams matter; the data order crosses an epoch boundary."""
+    over = {"model.attention": "torch", "model.dropout": 0.1, "model.attn_dropout": 0.1, "train.steps": 8,
+            "train.eval_every": 3, "train.log_every": 1, "train.schedule": "cosine"}
+    data = toy_datasets(80)  # 5 steps per epoch
+    T.train(toy_config(**over), tmp_path / "straight", datasets=data, device="cpu", show_progress=False)
+    T.train(toy_config(**over), tmp_path / "split", datasets=data, device="cpu", max_steps=4, show_progress=False)
+    # a run that died after its checkpoint left a log line for step 5; resume drops it
+    with (tmp_path / "split" / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"kind": "train", "step": 5, "loss": 9.9}) + "\n")
+    T.train(toy_config(**over), tmp_path / "split", datasets=data, device="cpu", resume="auto", show_progress=False)
+    a, b = _params(tmp_path / "straight"), _params(tmp_path / "split")
+    assert a["step"] == b["step"] == 8
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    for (ka, sa), (kb, sb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items()):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    losses = [[json.loads(x)["loss"] for x in (p / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+              for p in (tmp_path / "straight", tmp_path / "split")]
+    assert losses[0] == losses[1] and len(losses[0]) == 8
+    with pytest.raises(ValueError, match=r"config differs in \['model.d_model'\]"):
+        T.train(toy_config(**over, **{"model.d_model": 64}), tmp_path / "split", datasets=data, device="cpu",
+                resume="auto", show_progress=False)
+
+
+def test_init_from_upsamples_position_grid(tmp_path):
+    small = {k: Majority(n, seq_len=16, seed=s) for k, n, s in (("train", 32, 0), ("val", 16, 1), ("test", 16, 2))}
+    big = {k: Majority(n, seq_len=64, seed=s) for k, n, s in (("train", 32, 0), ("val", 16, 1), ("test", 16, 2))}
+    over = {"train.steps": 2, "model.block_size": 8}
+    T.train(toy_config("pathfinder32", **over), tmp_path / "small", datasets=small, device="cpu", show_progress=False)
+    pre = _params(tmp_path / "small")["model"]["encoder.pos.grid"]
+    assert pre.shape == (4, 4, 32)
+    over["train.lr"] = 1e-12  # keep the initialisation visible after the steps
+    T.train(toy_config("pathfinder32", **over), tmp_path / "big", datasets=big, device="cpu",
+            init_from=str(tmp_path / "small" / "checkpoints" / "last.pt"), show_progress=False)
+    post = _params(tmp_path / "big")["model"]["encoder.pos.grid"]
+    assert post.shape == (8, 8, 32)
+    torch.testing.assert_close(post, pre.repeat_interleave(2, 0).repeat_interleave(2, 1), rtol=0, atol=1e-9)
+
+
+def _ddp_worker(rank, world, init_file, out):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        T.train(toy_config(**_DDP_OVER), out, datasets=toy_datasets(96), device="cpu", show_progress=False)
+    finally:
+        dist.destroy_process_group()
+
+
+# Adam eps well above float noise: the key bias has an exactly-zero true gradient (softmax ignores a
+# per-row shift), and Adam would blow its rounding noise, which differs between the runs, up to lr.
+_DDP_OVER = {"train.steps": 6, "train.eval_every": 3, "train.log_every": 2, "model.attention": "torch", "train.eps": 1e-3}
+
+
+def test_ddp_two_cpu_processes_match_single(tmp_path):
+    """Two gloo ranks with half the batch each == one process with the whole batch."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "ddp")), nprocs=2, join=True)
+    single = T.train(toy_config(**_DDP_OVER), tmp_path / "single", datasets=toy_datasets(96), device="cpu",
+                     show_progress=False)
+    a, b = _params(tmp_path / "ddp"), _params(tmp_path / "single")
+    assert a["world_size"] == 2 and len(a["rng"]) == 2
+    for name, t in a["model"].items():
+        torch.testing.assert_close(t, b["model"][name], rtol=1e-5, atol=1e-6)
+    ddp_summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert ddp_summary["world_size"] == 2
+    assert ddp_summary["test_final"]["n"] == single["test_final"]["n"] == 64  # every example counted once
+    assert ddp_summary["test_final"]["acc"] == pytest.approx(single["test_final"]["acc"])
+
+
+def test_command_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(T, "load_datasets", lambda cfg, root, cache_dir=None: toy_datasets(64))
+    rc = T.main(["--task", "listops", "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--attention", "sparseflash",
+                 "--pattern", "butterfly", "--block-size", "8", "--max-steps", "3", "--device", "cpu", "--num-workers", "0",
+                 "--no-progress", "--set", "model.d_model=32", "--set", "train.batch_size=16", "--set", "train.eval_batches=1"])
+    assert rc == 0 and "listops: 3 steps" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["schedule_steps"] == get_config("listops", "quick").train.steps
+    assert summary["pattern"] == "butterfly" and summary["test_final"]["n"] == 16
+    with pytest.raises(ValueError, match="device must be"):
+        T.main(["--task", "listops", "--data", str(tmp_path), "--out", str(tmp_path / "x"), "--device", "tpu"])
+
+
+# ---------------------------------------------------------------- the speed experiment (speed.py)
+def test_speed_summary_speedups_and_geomean():
+    from sparseflash.experiments.lra.speed import summarize
+
+    def row(task, provider, ms, status="ok"):
+        return {"task": task, "provider": provider, "pattern": "dense", "density": 1.0, "status": status,
+                "step_ms": ms if status == "ok" else None, "attn_ms": ms / 4 if status == "ok" else None}
+
+    rows = [row("listops", "torch", 10), row("listops", "sdpa", 5), row("listops", "sparseflash", 4),
+            row("text", "torch", 30), row("text", "sdpa", 20), row("text", "sparseflash", 10),
+            row("pathx", "torch", 0, "oom"), row("pathx", "sdpa", 40), row("pathx", "sparseflash", 20)]
+    s = {(r["task"], r["provider"]): r for r in summarize(rows)}
+    assert s["listops", "sparseflash"]["speedup_vs_torch"] == pytest.approx(2.5)
+    assert s["pathx", "sparseflash"]["speedup_vs_torch"] is None and s["pathx", "sparseflash"]["speedup_vs_sdpa"] == 2.0
+    g = s["geomean(LRA)", "sparseflash"]
+    assert g["speedup_vs_torch"] == pytest.approx(math.sqrt(2.5 * 3.0)) and g["tasks"] == 2
+    assert s["geomean(all)", "sdpa"]["speedup_vs_sdpa"] == pytest.approx(1.0)
+    assert ("pathx", "torch") not in s
+
+
+def test_speed_tiny_cpu_run(tmp_path):
+    from sparseflash.experiments.lra import speed
+
+    result = speed.run_speed(["listops"], tmp_path, device="cpu", tiny=True, providers=["torch", "sdpa", "flex", "sparseflash/butterfly"],
+                             warmup=0, repeats=1, show_progress=False)
+    rows = {r["provider"]: r for r in result["rows"]}
+    assert set(rows) == {"torch", "sdpa", "flex", "sparseflash/butterfly", "flex/butterfly"}
+    assert all(r["mode"] == "tiny" and r["seq_len"] == 256 and r["batch"] == 2 for r in rows.values())
+    bf = rows["sparseflash/butterfly"]
+    assert bf["status"] == "ok" and bf["step_ms"] > 0 and bf["attn_ms"] > 0 and 0 < bf["density"] < 1
+    assert rows["torch"]["tokens_per_s"] == pytest.approx(2 * 256 / (rows["torch"]["step_ms"] / 1e3))
+    if rows["flex"]["status"] != "ok":  # no FlexAttention backward on CPU: recorded, not raised
+        assert rows["flex"]["status"] == "unsupported" and "backward" in rows["flex"]["error"]
+    with (tmp_path / "speed.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 5
+    for name in ("speedup.csv", "speed.json", "step_time_vs_density.png", "attn_time_vs_density.png", "speedup.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert json.loads((tmp_path / "speed.json").read_text())["environment"]["mode"] == "tiny"
+    with pytest.raises(ValueError, match="unknown task"):
+        speed.run_speed(["cifar"], tmp_path, device="cpu", tiny=True)
+
+
+def test_butterfly_sweep_densities():
+    from sparseflash.experiments.lra.model import build_pattern
+    from sparseflash.experiments.lra.speed import butterfly_sweep
+
+    for n, expect in ((1024, [0.25, 0.375, 0.5, 0.75]), (16384, [2 / 128, 5 / 128, 8 / 128, 14 / 128])):
+        got = [build_pattern("butterfly", n, 128, **kw).density() for kw in butterfly_sweep(n, 128)]
+        assert got == pytest.approx(expect)
+    assert butterfly_sweep(128, 128) == [{}]
