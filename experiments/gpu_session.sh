@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU runs behind experiments/results/, in stages that each fit one call of a lent H100:
+#   experiments/gpu_session.sh OUT STAGE [STAGE ...]
+# Stages: sweep (bench sparsity, full GPU defaults), seqlen (bench seqlen), dropout, tests (GPU
+# test files), lra-speed, lra-train. Each stage writes OUT/<stage>/ and a log; everything is
+# packed into OUT/<stage>.tgz so a call brings back few files.
+set -uo pipefail
+out=$1; shift
+export PYTHONUNBUFFERED=1
+export SPARSEFLASH_COMMIT=${SPARSEFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+py=${PYTHON:-python3}
+for stage in "$@"; do
+    d=$out/$stage; mkdir -p "$d"
+    echo "=== $stage ($(date -u +%H:%M:%S))"
+    case $stage in
+        sweep)   $py -m sparseflash bench sparsity --out "$d" ;;
+        seqlen)  $py -m sparseflash bench seqlen --out "$d" ;;
+        dropout) $py -m sparseflash.experiments.bench.dropout --out "$d" ;;
+        tests)   $py -m pytest -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py -k "gpu or float32 or bfloat16 or dropout or compile or determin" ;;
+        lra-speed) $py -m sparseflash lra speed --task all --out "$d" ;;
+        lra-train) bash experiments/lra/run_quick.sh "$d" ;;
+        *) echo "unknown stage $stage"; exit 2 ;;
+    esac 2>&1 | tee "$d/log.txt" | tail -n 60
+    tar czf "$out/$stage.tgz" -C "$out" "$stage" && rm -rf "$d"
+done
