@@ -137,6 +137,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
 
             seed, offset = _dropout.next_seed_offset(q.device, generator)
             keep = _dropout.keep_mask(seed, offset, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, device=q.device)
+            dropout_p = _dropout.effective_p(dropout_p)  # what the 16-bit threshold applies
         from sparseflash import reference
 
         return reference.attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,

@@ -2,9 +2,14 @@
 
 The keep decision for query row i, key column j of (batch b, query head h) is
 
-    r = Philox4x32-10(key=(seed_lo, seed_hi), counter=(j // 4, i, b * heads_q + h, offset))[j % 4]
-    keep = (r >> 1) >= round(p * 2**31)
+    words = Philox4x32-7(key=(seed_lo, seed_hi), counter=(j // 8, i, b * heads_q + h, offset))
+    u = 16-bit half (j % 2) of words[(j % 8) // 2]          (low half first)
+    keep = u >= round(p * 2**16)
 
+so each Philox call decides 8 elements (the RNG is the main cost of dropout in the kernels;
+7 rounds pass BigCrush, Salmon et al. 2011). The dropout probability actually applied is
+``round(p * 2**16) / 2**16`` (within 8e-6 of p), and kept values are scaled by the inverse of
+its complement, so the expectation is exact.
 computed by the Triton kernels in registers (forward and, regenerated, backward) and by
 `keep_mask` below in NumPy, bit for bit, so tests can compare kernels and reference exactly.
 
@@ -18,16 +23,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["keep_mask", "next_seed_offset", "threshold"]
+__all__ = ["keep_mask", "next_seed_offset", "threshold", "effective_p"]
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
 _MASK32 = np.uint64(0xFFFFFFFF)
 
 
+ROUNDS = 7
+
+
 def threshold(p: float) -> int:
-    """Integer threshold on 31 random bits: drop iff bits < threshold."""
-    return min(int(round(p * 2**31)), 2**31)
+    """Integer threshold on 16 random bits: drop iff bits < threshold."""
+    return min(int(round(p * 2**16)), 2**16)
+
+
+def effective_p(p: float) -> float:
+    """The dropout probability the 16-bit threshold applies."""
+    return threshold(p) / 2**16
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -49,10 +62,10 @@ def next_seed_offset(device: torch.device, generator: torch.Generator | None = N
 
 
 def _philox(c0, c1, c2, c3, k0, k1):
-    """Philox4x32-10 on uint32 arrays (NumPy, arithmetic in uint64)."""
+    """Philox4x32 (ROUNDS rounds) on uint32 arrays (NumPy, arithmetic in uint64)."""
     c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in (c0, c1, c2, c3))
     k0, k1 = np.uint64(k0), np.uint64(k1)
-    for _ in range(10):
+    for _ in range(ROUNDS):
         p0 = _M0 * c0
         p1 = _M1 * c2
         c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _MASK32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _MASK32)
@@ -70,10 +83,12 @@ def keep_mask(seed: int, offset: int, batch: int, heads_q: int, seq_q: int, seq_
     cols = np.arange(seq_k, dtype=np.uint64)
     rows = np.arange(seq_q, dtype=np.uint64)
     out = np.empty((batch * heads_q, seq_q, seq_k), dtype=bool)
+    t = (cols % np.uint64(8)).astype(np.int64)
+    word, shift = t // 2, (t % 2).astype(np.uint64) * np.uint64(16)
     for bh in range(batch * heads_q):
-        c0 = np.broadcast_to(cols[None, :] // np.uint64(4), (seq_q, seq_k))
+        c0 = np.broadcast_to(cols[None, :] // np.uint64(8), (seq_q, seq_k))
         c1 = np.broadcast_to(rows[:, None], (seq_q, seq_k))
         r = _philox(c0, c1, np.uint64(bh), np.uint64(offset), seed_lo, seed_hi)
-        pick = np.choose((cols % np.uint64(4)).astype(np.int64)[None, :], r)
-        out[bh] = (pick >> np.uint64(1)).astype(np.int64) >= thresh
+        pick = np.choose(word[None, :], r)
+        out[bh] = ((pick >> shift[None, :]) & np.uint64(0xFFFF)).astype(np.int64) >= thresh
     return torch.from_numpy(out.reshape(batch, heads_q, seq_q, seq_k)).to(device or "cpu")

@@ -23,10 +23,10 @@ and, in backward, an LSE of +inf, which makes their probabilities exactly 0. Col
 Rows that attend to nothing keep a finite pivot (never ``-inf - -inf``): their output is 0, the
 LSE buffer holds +inf (the public API reports -inf), and backward gives them zero gradient.
 
-Dropout (optional, compiled out when off): keep(i, j) is decided by Philox-4x32-10 keyed by
-(seed) with counter (j // 4, i, batch*head, offset), taking output ``j % 4`` and keeping when its
-top 31 bits are >= ``p * 2**31``; backward regenerates the same bits. `sparseflash.dropout`
-holds the same function in NumPy for tests.
+Dropout (optional, compiled out when off): keep(i, j) is decided by Philox4x32-7 keyed by the
+seed with counter (j // 8, i, batch*head, offset); column j takes the 16-bit value j % 8 of its
+call's 128 bits and is kept when that value is >= ``round(p * 2**16)``; backward regenerates the
+same bits. `sparseflash.dropout` holds the same function in NumPy for tests.
 """
 
 import triton
@@ -53,18 +53,21 @@ _RNG_ARGS = ["seed_lo", "seed_hi", "rng_off", "drop_thresh"]
 
 # ----------------------------------------------------------------------------- dropout bits
 @triton.jit
-def _philox_keep(seed_lo, seed_hi, offset, bh, rows, start_n, thresh,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keep-mask [BLOCK_M, BLOCK_N] for rows `rows` and columns start_n .. start_n + BLOCK_N."""
-    o_g = (start_n // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.uint32)
-    zero = tl.zeros([BLOCK_M, BLOCK_N // 4], dtype=tl.uint32)
+def _philox_u16(seed_lo, seed_hi, offset, bh, rows, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """16-bit random values [BLOCK_M, BLOCK_N] (int32) for rows `rows`, columns start_n + [0, BLOCK_N);
+    an element is kept when its value is >= the threshold.
+
+    One Philox4x32-7 call per 8 columns: column 8g + t takes 16-bit half t % 2 of word t // 2.
+    """
+    o_g = (start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)
+    zero = tl.zeros([BLOCK_M, BLOCK_N // 8], dtype=tl.uint32)
     c0 = zero + o_g[None, :]
     c1 = zero + rows.to(tl.uint32)[:, None]
     c2 = zero + bh.to(tl.uint32)
     c3 = zero + offset.to(tl.uint32)
     k0 = seed_lo.to(tl.uint32)
     k1 = seed_hi.to(tl.uint32)
-    for _ in tl.static_range(10):
+    for _ in tl.static_range(7):
         _c0 = c0
         _c2 = c2
         c0 = tl.umulhi(_c2, 0xCD9E8D57) ^ c1 ^ k0
@@ -73,10 +76,14 @@ def _philox_keep(seed_lo, seed_hi, offset, bh, rows, start_n, thresh,
         c3 = _c0 * 0xD2511F53
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
-    # column 4g + t takes output t: [M, N/4, 2, 2] with [.., a, b] = out[2a + b]
-    r = tl.join(tl.join(c0, c2), tl.join(c1, c3))
-    r = tl.reshape(r, [BLOCK_M, BLOCK_N])
-    return (r >> 1).to(tl.int32, bitcast=True) >= thresh
+    # Column 8g + 4a + 2b + c takes half c of word 2a + b: build [M, N/8, a, b, c] by joins
+    # (each join adds the next, faster axis), then flatten.
+    words = (c0, c1, c2, c3)
+    lo = [(w & 0xFFFF).to(tl.int32) for w in words]
+    hi = [(w >> 16).to(tl.int32) for w in words]
+    b0 = tl.join(tl.join(lo[0], lo[2]), tl.join(lo[1], lo[3]))  # c = 0: [M, N/8, a, b]
+    b1 = tl.join(tl.join(hi[0], hi[2]), tl.join(hi[1], hi[3]))  # c = 1
+    return tl.reshape(tl.join(b0, b1), [BLOCK_M, BLOCK_N])
 
 
 # ----------------------------------------------------------------------------- list parts
@@ -156,7 +163,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, o_m, o_d, 
         l_i = l_i * alpha + tl.sum(b_p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, o_m, start_n, drop_thresh, BLOCK_M, BLOCK_N)
+            keep = _philox_u16(seed_lo, seed_hi, rng_off, bh, o_m, start_n, BLOCK_M, BLOCK_N) >= drop_thresh
             b_p = tl.where(keep, b_p, 0.0)
         b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = _dot(b_p.to(b_v.dtype), b_v, acc, DOT_PREC)
@@ -286,7 +293,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
         b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         b_dpT = _dot(b_v, tl.trans(b_do), None, DOT_PREC)  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
-            keepT = tl.trans(_philox_keep(seed_lo, seed_hi, rng_off, bh, o_m, start_n, drop_thresh, BLOCK_M, BLOCK_N))
+            keepT = tl.trans(_philox_u16(seed_lo, seed_hi, rng_off, bh, o_m, start_n, BLOCK_M, BLOCK_N)) >= drop_thresh
             b_pdT = tl.where(keepT, b_pT * drop_scale, 0.0)
             dv = _dot(b_pdT.to(b_do.dtype), b_do, dv, DOT_PREC)
             b_dpT = tl.where(keepT, b_dpT * drop_scale, 0.0)
@@ -409,7 +416,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, o_
             b_p = tl.where(m_s, b_p, 0.0)
         b_dp = _dot(do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
-            keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, o_m, start_n, drop_thresh, BLOCK_M, BLOCK_N)
+            keep = _philox_u16(seed_lo, seed_hi, rng_off, bh, o_m, start_n, BLOCK_M, BLOCK_N) >= drop_thresh
             b_dp = tl.where(keep, b_dp * drop_scale, 0.0)
         b_ds = b_p * (b_dp - b_delta[:, None])
         dq = _dot(b_ds.to(b_k.dtype), b_k, dq, DOT_PREC)

@@ -162,8 +162,10 @@ def _rng_args(dropout_p: float, seed: int, offset: int):
     from sparseflash.dropout import split_seed, threshold
 
     lo, hi = split_seed(seed)
-    # p = 1 drops everything: the threshold keeps nothing and the scale is 0 (not 1/0).
-    return lo, hi, offset, threshold(dropout_p), (1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0)
+    # Scale by the probability the 16-bit threshold really applies; p = 1 keeps nothing and
+    # scales by 0 (not 1/0).
+    thresh = threshold(dropout_p)
+    return lo, hi, offset, thresh, (1.0 / (1.0 - thresh / 2**16) if thresh < 2**16 else 0.0)
 
 
 def fwd(q, k, v, kv_num, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
