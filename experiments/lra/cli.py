@@ -1,0 +1,163 @@
+"""``sparseflash lra ...``: the LRA / Path-X command group.
+
+    sparseflash lra data listops --out DIR [--train 96000 --val 2000 --test 2000] [--seed S] [--workers N]
+    sparseflash lra data pathfinder --resolution {32,64,128,256} --difficulty {easy,medium,hard,all} \\
+        --out DIR --num N [--seed S] [--workers N]
+    sparseflash lra show listops DIR            samples, evaluated labels, length / depth / label histograms
+    sparseflash lra show pathfinder DIR         a grid of images with their labels
+    sparseflash lra train ... / speed ...       from experiments/lra/train.py and speed.py, when present
+
+Other modules add subcommands to the group through a ``register_lra(lra_subparsers)`` function; the
+modules in `EXTENSIONS` are asked when the parser is built (a module that does not exist is skipped).
+Heavy imports happen inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+__all__ = ["register", "EXTENSIONS"]
+
+EXTENSIONS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.lra.speed"]
+
+
+def _positive(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return v
+
+
+def _cmd_data_listops(args) -> int:
+    import time
+    from pathlib import Path
+
+    from sparseflash.experiments.lra.data.listops import write_listops
+
+    t0 = time.perf_counter()
+    summary = write_listops(args.out, train=args.train, val=args.val, test=args.test, seed=args.seed,
+                            min_len=args.min_len, max_len=args.max_len, max_depth=args.max_depth,
+                            max_args=args.max_args, workers=args.workers, show_progress=not args.no_progress)
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    summary["args"] = {k: v for k, v in vars(args).items() if k not in ("func",)}
+    (Path(args.out) / "listops-1000" / "generator.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"wrote {', '.join(summary['paths'].values())} in {summary['seconds']:.1f}s: acceptance "
+          f"{summary['acceptance']:.3f}, mean length {summary['mean_length']:.0f}, labels {summary['labels']}")
+    return 0
+
+
+def _cmd_data_pathfinder(args) -> int:
+    import time
+    from pathlib import Path
+
+    from sparseflash.experiments.lra.data.pathfinder import DIFFICULTIES, write_pathfinder
+
+    for difficulty in (DIFFICULTIES if args.difficulty == "all" else [args.difficulty]):
+        t0 = time.perf_counter()
+        summary = write_pathfinder(args.out, args.resolution, difficulty, args.num, seed=args.seed,
+                                   workers=args.workers, per_batch=args.per_batch, overwrite=args.overwrite,
+                                   show_progress=not args.no_progress)
+        summary["seconds"] = round(time.perf_counter() - t0, 2)
+        summary["workers"] = args.workers
+        (Path(summary["folder"]) / "generator.json").write_text(json.dumps(summary, indent=1))
+        print(f"wrote {summary['num']} images to {summary['folder']} in {summary['seconds']:.1f}s "
+              f"({summary['num'] / max(summary['seconds'], 1e-9):.1f} images/s); label 1: {summary['label_ones']}")
+    return 0
+
+
+def _cmd_show_listops(args) -> int:
+    from sparseflash.experiments.lra.data.show import show_listops
+
+    show_listops(args.dir, out=args.out, num=args.num, split=args.split)
+    return 0
+
+
+def _cmd_show_pathfinder(args) -> int:
+    from sparseflash.experiments.lra.data.show import show_pathfinder
+
+    show_pathfinder(args.dir, out=args.out, num=args.num, resolution=args.resolution, difficulty=args.difficulty,
+                    seed=args.seed)
+    return 0
+
+
+def _register_data(sub) -> None:
+    p = sub.add_parser("data", help="generate ListOps / Pathfinder data in the LRA release layout")
+    dsub = p.add_subparsers(dest="lra_data", metavar="DATASET", required=True)
+    from sparseflash.experiments.lra.data._parallel import default_workers
+
+    lo = dsub.add_parser("listops", help="write listops-1000/basic_{train,val,test}.tsv",
+                         description="LRA's ListOps generator: MIN, MAX, MED, SM trees, min-len < length < max-len.")
+    lo.add_argument("--out", required=True, help="output root (listops-1000/ is created inside)")
+    lo.add_argument("--train", type=_non_negative, default=96000)
+    lo.add_argument("--val", type=_non_negative, default=2000)
+    lo.add_argument("--test", type=_non_negative, default=2000)
+    lo.add_argument("--seed", type=_non_negative, default=0)
+    lo.add_argument("--min-len", type=_non_negative, default=500)
+    lo.add_argument("--max-len", type=_positive, default=2000)
+    lo.add_argument("--max-depth", type=_positive, default=10)
+    lo.add_argument("--max-args", type=_positive, default=10)
+    lo.add_argument("--workers", type=_positive, default=default_workers())
+    lo.add_argument("--no-progress", action="store_true")
+    lo.set_defaults(func=_cmd_data_listops)
+
+    pf = dsub.add_parser("pathfinder", help="write pathfinder{R}/<difficulty>/{imgs,metadata}",
+                         description="Pathfinder / Path-X / Path-256 images with LRA's per-resolution parameters.")
+    pf.add_argument("--resolution", type=int, choices=(32, 64, 128, 256), required=True)
+    pf.add_argument("--difficulty", choices=("easy", "medium", "hard", "all"), required=True,
+                    help="easy = curv_baseline, medium = curv_contour_length_9, hard = curv_contour_length_14")
+    pf.add_argument("--out", required=True, help="output root (pathfinder{R}/ is created inside)")
+    pf.add_argument("--num", type=_positive, required=True, help="images per difficulty (the release has 200000)")
+    pf.add_argument("--seed", type=_non_negative, default=0)
+    pf.add_argument("--workers", type=_positive, default=default_workers())
+    pf.add_argument("--per-batch", type=_positive, default=1000, help="images per imgs/<batch> folder")
+    pf.add_argument("--overwrite", action="store_true", help="replace existing metadata in the output folder")
+    pf.add_argument("--no-progress", action="store_true")
+    pf.set_defaults(func=_cmd_data_pathfinder)
+
+
+def _register_show(sub) -> None:
+    p = sub.add_parser("show", help="look at ListOps / Pathfinder data")
+    ssub = p.add_subparsers(dest="lra_show", metavar="DATASET", required=True)
+    lo = ssub.add_parser("listops", help="samples with evaluated labels; length / depth / label histograms")
+    lo.add_argument("dir", help="a folder holding listops-1000/ (or the listops-1000 folder)")
+    lo.add_argument("--out", default=None, help="PNG path (default listops_summary.png)")
+    lo.add_argument("--num", type=_non_negative, default=5, help="samples to print")
+    lo.add_argument("--split", choices=("train", "val", "test"), default="train")
+    lo.set_defaults(func=_cmd_show_listops)
+    pf = ssub.add_parser("pathfinder", help="a PNG grid of images with their labels")
+    pf.add_argument("dir", help="a data root, a pathfinder{R} folder or one difficulty folder")
+    pf.add_argument("--out", default=None, help="PNG path (default pathfinder_samples.png)")
+    pf.add_argument("--num", type=_positive, default=16)
+    pf.add_argument("--resolution", type=int, choices=(32, 64, 128, 256), default=None)
+    pf.add_argument("--difficulty", choices=("easy", "medium", "hard"), default=None)
+    pf.add_argument("--seed", type=_non_negative, default=0, help="which images are picked")
+    pf.set_defaults(func=_cmd_show_pathfinder)
+
+
+def register(subparsers):
+    """Declare ``sparseflash lra`` and its subcommands; returns the ``lra`` sub-subparsers."""
+    p = subparsers.add_parser("lra", help="LRA / Path-X: data, pictures, training, speed",
+                              description="LRA / Path-X: generate data in the release layout (data), look at it "
+                                          "(show), train classifiers (train) and time them (speed).")
+    sub = p.add_subparsers(dest="lra_command", metavar="LRA_COMMAND")
+    p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
+    _register_data(sub)
+    _register_show(sub)
+    for name in EXTENSIONS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and name.startswith(e.name):
+                continue  # that subcommand is not written (or not installed) yet
+            raise
+        module.register_lra(sub)
+    return sub
