@@ -12,14 +12,17 @@ py=${PYTHON:-python3}
 for stage in "$@"; do
     d=$out/$stage; mkdir -p "$d"
     echo "=== $stage ($(date -u +%H:%M:%S))"
+    # STAGE_TIMEOUT (seconds) bounds each command, so one slow stage cannot eat a whole call
+    t="timeout ${STAGE_TIMEOUT:-86400}"
     case $stage in
-        sweep)   $py -m sparseflash bench sparsity --out "$d" ;;
-        seqlen)  $py -m sparseflash bench seqlen --out "$d" ;;
-        dropout) $py -m sparseflash.experiments.bench.dropout --out "$d" ;;
-        tests)   $py -m pytest -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py -k "gpu or float32 or bfloat16 or dropout or compile or determin" ;;
-        lra-speed) $py -m sparseflash lra speed --task all --out "$d" ;;
-        lra-train) bash experiments/lra/run_quick.sh "$d" ;;
+        sweep)   $t $py -m sparseflash bench sparsity --out "$d" ;;
+        seqlen)  $t $py -m sparseflash bench seqlen --providers sparseflash sparseflash-dense sdpa-flash sdpa-cudnn torch --out "$d" ;;
+        dropout) $t $py -m pytest -q -x -p no:cacheprovider tests/test_dropout.py --tb=short
+                 $t $py -m sparseflash.experiments.bench.dropout --out "$d" ;;
+        tests)   $t $py -m pytest -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py ;;
+        lra-speed) $t $py -m sparseflash lra speed --task all --max-seconds 5 --repeats 5 --out "$d" ;;
+        lra-train) $t bash experiments/lra/run_quick.sh "$d" ;;
         *) echo "unknown stage $stage"; exit 2 ;;
-    esac 2>&1 | tee "$d/log.txt" | tail -n 60
+    esac 2>&1 | tee "$d/log.txt" | tail -n 40
     tar czf "$out/$stage.tgz" -C "$out" "$stage" && rm -rf "$d"
 done
