@@ -49,6 +49,7 @@ def check_attention(impl, q, k, v, do, *, mask=None, causal=False, scale=None, k
     kl64 = None if key_lengths is None else key_lengths.cpu()
     mask64 = None if mask is None else mask.to("cpu")
     kw64 = dict(kw, key_lengths=kl64, mask=mask64)
+    kw64.update({k: v.cpu() for k, v in kw64.items() if isinstance(v, torch.Tensor)})  # e.g. a dropout keep-mask
     o_ref, _, g_ref = _run(lambda a, b, c: reference.attention(a, b, c, **kw64), q64, k64, v64, do64, grads)
     # The same computation in PyTorch, in the input dtype (on the input device).
     o_pt, _, g_pt = _run(lambda a, b, c: reference.attention(a, b, c, compute_dtype=q.dtype, **kw), q, k, v, do, grads)
