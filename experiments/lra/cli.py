@@ -20,7 +20,7 @@ import json
 
 __all__ = ["register", "EXTENSIONS"]
 
-EXTENSIONS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.lra.speed"]
+EXTENSIONS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.lra.speed", "sparseflash.experiments.lra.curves"]
 
 
 def _positive(text: str) -> int:

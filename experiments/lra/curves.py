@@ -1,0 +1,103 @@
+"""Accuracy curves of finished training runs: ``sparseflash lra curves RUNS_DIR --out PNG``.
+
+Reads every ``RUNS_DIR/*/eval.csv`` written by `sparseflash lra train` (columns step, split,
+weights, loss, acc) and ``config.json`` / ``summary.json`` beside it, and draws validation
+accuracy against step, one panel per task, one line per run (labelled with its attention pattern
+and block density). Prints a table of each run's best validation and test accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+__all__ = ["load_runs", "plot_curves", "register_lra", "main"]
+
+
+def load_runs(root) -> list[dict]:
+    runs = []
+    for ev in sorted(Path(root).glob("*/eval.csv")):
+        d = ev.parent
+        rows = list(csv.DictReader(ev.open()))
+        val = [(int(r["step"]), float(r["acc"])) for r in rows if r["split"] == "val" and r.get("weights", "current") == "current"]
+        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
+        config = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+        task = summary.get("task") or config.get("task") or d.name.split("_")[0]
+        model = config.get("model", {})
+        pattern = summary.get("pattern") or model.get("pattern") or "dense"
+        kwargs = summary.get("pattern_kwargs", model.get("pattern_kwargs")) or {}
+        if kwargs:
+            pattern += ":" + ",".join(f"{k}={v}" for k, v in kwargs.items())
+        runs.append(dict(name=d.name, task=task, val=val, summary=summary, pattern=pattern,
+                         density=summary.get("density"), finished=bool(summary)))
+    return runs
+
+
+def plot_curves(runs: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in runs})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for r in (r for r in runs if r["task"] == task):
+            if not r["val"]:
+                continue
+            steps, acc = zip(*r["val"])
+            dens = f", density {r['density']:.2f}" if r["density"] is not None else ""
+            label = f"{r['pattern']}{dens}" + ("" if r["finished"] else " (stopped early)")
+            ax.plot(steps, [100 * a for a in acc], marker="o", ms=3, label=label)
+        ax.set_title(f"{task}: validation accuracy")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _table(runs) -> str:
+    lines = [f"{'run':36s} {'task':13s} {'pattern':22s} {'density':>7s} {'best val':>8s} {'test':>6s} {'steps':>6s}"]
+    for r in runs:
+        s = r["summary"]
+        best = s.get("best_val", {}).get("acc")
+        test = s.get("test_best", {}).get("acc")
+        fmt = lambda x: f"{100 * x:.1f}" if x is not None else "-"  # noqa: E731
+        dens = f"{r['density']:.3f}" if r["density"] is not None else "-"
+        lines.append(f"{r['name']:36s} {r['task']:13s} {str(r['pattern']):22s} {dens:>7s} {fmt(best):>8s} "
+                     f"{fmt(test):>6s} {str(s.get('steps', '-')):>6s}")
+    return "\n".join(lines)
+
+
+def _cmd(args) -> int:
+    runs = load_runs(args.runs)
+    if not runs:
+        raise SystemExit(f"no runs with eval.csv under {args.runs}")
+    out = Path(args.out) if args.out else Path(args.runs) / "curves.png"
+    plot_curves(runs, out)
+    print(_table(runs))
+    print(f"figure: {out}")
+    return 0
+
+
+def register_lra(sub) -> None:
+    p = sub.add_parser("curves", help="draw validation-accuracy curves of finished training runs")
+    p.add_argument("runs", help="a directory whose sub-directories are `lra train` outputs")
+    p.add_argument("--out", default=None, help="PNG path (default RUNS/curves.png)")
+    p.set_defaults(func=_cmd)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    register_lra(sub)
+    return _cmd(ap.parse_args(["curves", *(argv or [])]) if argv is not None else ap.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
