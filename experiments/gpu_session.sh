@@ -7,6 +7,7 @@
 set -uo pipefail
 out=$1; shift
 export PYTHONUNBUFFERED=1
+# The device machine has no git checkout: pass SPARSEFLASH_COMMIT=$(git rev-parse --short HEAD) from here.
 export SPARSEFLASH_COMMIT=${SPARSEFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 py=${PYTHON:-python3}
 for stage in "$@"; do
