@@ -129,6 +129,42 @@ def _tile_start(p_idx, b_list, j, DENSE: tl.constexpr, GATHER: tl.constexpr, MAS
         return b * MASK_B + (j % SUB) * BLOCK
 
 
+@triton.jit
+def _row_range(KV_NUM, KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_nb, stride_nh, stride_nm,
+               stride_ib, stride_ih, stride_im, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, DENSE: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr):
+    """The k tiles a q tile visits (forward and dQ): its row list, the list in registers, and the
+    tile counts of the mask-free prefix (j < j_full) and of the whole walk (j < j_valid).
+
+    Tiles ending at or below full_end need no element mask; tiles starting at or past valid_end
+    are skipped.
+    """
+    kv_end = seq_k
+    if HAS_KEYLEN:
+        kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
+    full_end = kv_end
+    valid_end = kv_end
+    causal_off = seq_k - seq_q
+    if CAUSAL:
+        full_end = tl.minimum(full_end, start_m + causal_off + 1)
+        valid_end = tl.minimum(valid_end, tl.minimum(start_m + BLOCK_M, seq_q) + causal_off)
+    if DENSE:
+        p_idx = KV_IDX  # unused
+        b_list = tl.zeros([NB_P2], dtype=tl.int32)
+        j_full = tl.maximum(full_end, 0) // BLOCK_N
+        j_valid = tl.cdiv(tl.maximum(valid_end, 0), BLOCK_N)
+    else:
+        SUB: tl.constexpr = MASK_BK // BLOCK_N
+        q_blk = start_m // MASK_BQ
+        n = tl.load(KV_NUM + i_b * stride_nb + i_h * stride_nh + q_blk * stride_nm)
+        p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
+        n_full, n_valid, b_list = _row_parts(p_idx, n, full_end, valid_end, MASK_BK, NB_P2)
+        j_full = n_full * SUB
+        j_valid = n_valid * SUB
+    return p_idx, b_list, j_full, j_valid, kv_end, causal_off
+
+
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, o_m, o_d, seq_k, kv_end, causal_off,
@@ -202,31 +238,9 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_NUM, KV_IDX, KEY_LEN,
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
 
-    # Column thresholds: tiles ending at or below full_end need no element mask; tiles starting
-    # at or past valid_end are skipped.
-    kv_end = seq_k
-    if HAS_KEYLEN:
-        kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
-    full_end = kv_end
-    valid_end = kv_end
-    causal_off = seq_k - seq_q
-    if CAUSAL:
-        full_end = tl.minimum(full_end, start_m + causal_off + 1)
-        valid_end = tl.minimum(valid_end, tl.minimum(start_m + BLOCK_M, seq_q) + causal_off)
-
-    if DENSE:
-        p_idx = KV_IDX  # unused
-        b_list = tl.zeros([NB_P2], dtype=tl.int32)
-        j_full = tl.maximum(full_end, 0) // BLOCK_N
-        j_valid = tl.cdiv(tl.maximum(valid_end, 0), BLOCK_N)
-    else:
-        SUB: tl.constexpr = MASK_BK // BLOCK_N
-        q_blk = start_m // MASK_BQ
-        n = tl.load(KV_NUM + i_b * stride_nb + i_h * stride_nh + q_blk * stride_nm)
-        p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
-        n_full, n_valid, b_list = _row_parts(p_idx, n, full_end, valid_end, MASK_BK, NB_P2)
-        j_full = n_full * SUB
-        j_valid = n_valid * SUB
+    p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
+        KV_NUM, KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_nb, stride_nh, stride_nm,
+        stride_ib, stride_ih, stride_im, BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -461,28 +475,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_NUM, KV_IDX, KEY_LEN,
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
 
-    kv_end = seq_k
-    if HAS_KEYLEN:
-        kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
-    full_end = kv_end
-    valid_end = kv_end
-    causal_off = seq_k - seq_q
-    if CAUSAL:
-        full_end = tl.minimum(full_end, start_m + causal_off + 1)
-        valid_end = tl.minimum(valid_end, tl.minimum(start_m + BLOCK_M, seq_q) + causal_off)
-    if DENSE:
-        p_idx = KV_IDX  # unused
-        b_list = tl.zeros([NB_P2], dtype=tl.int32)
-        j_full = tl.maximum(full_end, 0) // BLOCK_N
-        j_valid = tl.cdiv(tl.maximum(valid_end, 0), BLOCK_N)
-    else:
-        SUB: tl.constexpr = MASK_BK // BLOCK_N
-        q_blk = start_m // MASK_BQ
-        n = tl.load(KV_NUM + i_b * stride_nb + i_h * stride_nh + q_blk * stride_nm)
-        p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
-        n_full, n_valid, b_list = _row_parts(p_idx, n, full_end, valid_end, MASK_BK, NB_P2)
-        j_full = n_full * SUB
-        j_valid = n_valid * SUB
+    p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
+        KV_NUM, KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_nb, stride_nh, stride_nm,
+        stride_ib, stride_ih, stride_im, BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, o_m, o_d, seq_k, kv_end, causal_off,
