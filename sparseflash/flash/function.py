@@ -128,7 +128,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
         index = mask.index(q.device)
         kv_num, kv_idx, q_num, q_idx = index.kv_num, index.kv_idx, index.q_num, index.q_idx
         mask_bq, mask_bk = mask.block_size
-        launch._fit(16, mask_bq, "block_q"), launch._fit(16, mask_bk, "block_k")  # clear error early
+        launch._fit(16, mask_bq, "block_q")  # a mask block the kernels cannot tile: say so early
+        launch._fit(16, mask_bk, "block_k")
     rng = None
     if dropout_p > 0.0 and generator is not None:
         from sparseflash.dropout import next_seed_offset

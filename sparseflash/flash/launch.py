@@ -149,11 +149,15 @@ def _gather(nb_p2: int) -> bool:
     return nb_p2 <= GATHER_MAX
 
 
-def _index_args(num, idx, B, H):
-    """Index tensors expanded to [B, H, ...] (stride 0 where the mask is shared) and their strides."""
+def _list_args(num, idx, B, H, device):
+    """(counts, lists, their strides, NB_P2) for a kernel; the lists expanded to [B, H, ...] (stride 0
+    where the mask is shared). Dense attention (idx None) passes placeholders the kernel never reads."""
+    if idx is None:
+        d = _dummy(device)
+        return d, d, (0, 0, 0), (0, 0, 0), 1
     num = num.expand(B, H, num.shape[-1])
     idx = idx.expand(B, H, *idx.shape[-2:])
-    return num, idx, num.stride()[:3], idx.stride()[:3]
+    return num, idx, num.stride()[:3], idx.stride()[:3], _nb_p2(idx.shape[-1])
 
 
 def _rng_args(dropout_p: float, seed: int, offset: int):
@@ -177,13 +181,7 @@ def fwd(q, k, v, kv_num, kv_idx, key_lengths, scale: float, causal: bool, mask_b
     cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
-    if dense:
-        kv_num = kv_idx = _dummy(q.device)
-        n_strides = i_strides = (0, 0, 0)
-        nb_p2 = 1
-    else:
-        kv_num, kv_idx, n_strides, i_strides = _index_args(kv_num, kv_idx, B, Hq)
-        nb_p2 = _nb_p2(kv_idx.shape[-1])
+    kv_num, kv_idx, n_strides, i_strides, nb_p2 = _list_args(kv_num, kv_idx, B, Hq, q.device)
     seed_lo, seed_hi, rng_off, thresh, drop_scale = _rng_args(dropout_p, seed, offset)
     grid = (triton.cdiv(Nq, cfg.block_m), B * Hq)
     kernels._fwd_kernel[grid](
@@ -234,11 +232,10 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 def _bwd_common(q, key_lengths, causal, dropout_p, seed, offset):
     D = q.shape[-1]
-    dummy = _dummy(q.device)
     constexprs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
                       DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype))
-    klen = key_lengths if key_lengths is not None else dummy
-    return dummy, klen, constexprs, _rng_args(dropout_p, seed, offset)
+    klen = key_lengths if key_lengths is not None else _dummy(q.device)
+    return klen, constexprs, _rng_args(dropout_p, seed, offset)
 
 
 def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seed, offset,
@@ -246,15 +243,11 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     """dK, dV: one program per (k tile, batch * kv head), walking the column lists."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    dummy, klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
+    klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
     dk, dv = _new(k), _new(v)
     cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype)
     dense = q_idx is None
-    if dense:
-        cn, ci, cn_s, ci_s, nb_p2 = dummy, dummy, (0, 0, 0), (0, 0, 0), 1
-    else:
-        cn, ci, cn_s, ci_s = _index_args(q_num, q_idx, B, Hq)
-        nb_p2 = _nb_p2(ci.shape[-1])
+    cn, ci, cn_s, ci_s, nb_p2 = _list_args(q_num, q_idx, B, Hq, q.device)
     kernels._bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.block_n), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, cn, ci, klen,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *cn_s, *ci_s,
@@ -270,15 +263,11 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
     """dQ: one program per (q tile, batch * q head), walking the row lists."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    dummy, klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
+    klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
     dq = _new(q)
     cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype)
     dense = kv_idx is None
-    if dense:
-        rn, ri, rn_s, ri_s, nb_p2 = dummy, dummy, (0, 0, 0), (0, 0, 0), 1
-    else:
-        rn, ri, rn_s, ri_s = _index_args(kv_num, kv_idx, B, Hq)
-        nb_p2 = _nb_p2(ri.shape[-1])
+    rn, ri, rn_s, ri_s, nb_p2 = _list_args(kv_num, kv_idx, B, Hq, q.device)
     kernels._bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m), B * Hq)](
         q, k, v, do, lse, delta, dq, rn, ri, klen,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *rn_s, *ri_s,
