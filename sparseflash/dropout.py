@@ -2,16 +2,20 @@
 
 The keep decision for query row i, key column j of (batch b, query head h) is
 
-    words = Philox4x32-7(key=(seed_lo, seed_hi), counter=(j // 8, i, b * heads_q + h, offset))
-    u = 16-bit half (j % 2) of words[(j % 8) // 2]          (low half first)
+    row(i) = (i // 16) * 8 + i % 8,   col(j) = (j // 16) * 4 + (j % 8) // 2
+    words = Philox4x32-7(key=(seed_lo, seed_hi), counter=(col(j), row(i), b * heads_q + h, offset))
+    u = 16-bit half (j % 2) of words[2 * ((i // 8) % 2) + (j // 8) % 2]      (low half first)
     keep = u >= round(p * 2**16)
 
-so each Philox call decides 8 elements (the RNG is the main cost of dropout in the kernels;
-7 rounds pass BigCrush, Salmon et al. 2011). The dropout probability actually applied is
-``round(p * 2**16) / 2**16`` (within 8e-6 of p), and kept values are scaled by the inverse of
-its complement, so the expectation is exact.
-computed by the Triton kernels in registers (forward and, regenerated, backward) and by
-`keep_mask` below in NumPy, bit for bit, so tests can compare kernels and reference exactly.
+One Philox call decides the eight elements {i, i + 8} x {j, j + 1, j + 8, j + 9}, which one
+thread holds in the tensor-core accumulator layout of a [queries, keys] tile: the forward and dQ
+kernels build their masks without moving data between threads (dK/dV, whose tiles are
+[keys, queries], transposes the boolean mask). The RNG is the main cost of dropout in the
+kernels; 7 rounds pass BigCrush (Salmon et al. 2011). The dropout probability actually applied
+is ``round(p * 2**16) / 2**16`` (within 8e-6 of p), and kept values are scaled by the inverse of
+its complement, so the expectation is exact. The Triton kernels compute these bits in registers
+(forward and, regenerated, backward) and `keep_mask` below computes them in NumPy, bit for bit,
+so tests compare kernels and reference exactly.
 
 Seeds follow torch's generators, so ``torch.manual_seed`` controls dropout: on CUDA the
 generator's Philox (seed, offset) is used and the offset advanced, as torch's own CUDA random
@@ -33,14 +37,17 @@ _MASK32 = np.uint64(0xFFFFFFFF)
 ROUNDS = 7
 
 
+BITS = 16
+
+
 def threshold(p: float) -> int:
     """Integer threshold on 16 random bits: drop iff bits < threshold."""
-    return min(int(round(p * 2**16)), 2**16)
+    return min(int(round(p * 2**BITS)), 2**BITS)
 
 
 def effective_p(p: float) -> float:
     """The dropout probability the 16-bit threshold applies."""
-    return threshold(p) / 2**16
+    return threshold(p) / 2**BITS
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -80,15 +87,15 @@ def keep_mask(seed: int, offset: int, batch: int, heads_q: int, seq_q: int, seq_
     the reference path; materialises every pair, so keep it to modest sizes)."""
     seed_lo, seed_hi = split_seed(seed)
     thresh = threshold(p)
-    cols = np.arange(seq_k, dtype=np.uint64)
-    rows = np.arange(seq_q, dtype=np.uint64)
+    u = lambda x: np.uint64(x)  # noqa: E731
+    rows = np.arange(seq_q, dtype=np.uint64)[:, None]
+    cols = np.arange(seq_k, dtype=np.uint64)[None, :]
+    c0 = np.broadcast_to((cols // u(16)) * u(4) + (cols % u(8)) // u(2), (seq_q, seq_k))
+    c1 = np.broadcast_to((rows // u(16)) * u(8) + rows % u(8), (seq_q, seq_k))
+    word = (u(2) * ((rows // u(8)) % u(2)) + (cols // u(8)) % u(2)).astype(np.int64)
+    shift = (cols % u(2)) * u(16)
     out = np.empty((batch * heads_q, seq_q, seq_k), dtype=bool)
-    t = (cols % np.uint64(8)).astype(np.int64)
-    word, shift = t // 2, (t % 2).astype(np.uint64) * np.uint64(16)
     for bh in range(batch * heads_q):
-        c0 = np.broadcast_to(cols[None, :] // np.uint64(8), (seq_q, seq_k))
-        c1 = np.broadcast_to(rows[:, None], (seq_q, seq_k))
-        r = _philox(c0, c1, np.uint64(bh), np.uint64(offset), seed_lo, seed_hi)
-        pick = np.choose(word[None, :], r)
-        out[bh] = ((pick >> shift[None, :]) & np.uint64(0xFFFF)).astype(np.int64) >= thresh
+        r = _philox(c0, c1, u(bh), u(offset), seed_lo, seed_hi)
+        out[bh] = ((np.choose(word, r) >> shift) & u(0xFFFF)).astype(np.int64) >= thresh
     return torch.from_numpy(out.reshape(batch, heads_q, seq_q, seq_k)).to(device or "cpu")

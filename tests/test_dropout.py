@@ -11,7 +11,7 @@ from _attn_check import check_attention, make_qkv
 
 import sparseflash
 from sparseflash import BlockMask
-from sparseflash.dropout import keep_mask, next_seed_offset
+from sparseflash.dropout import effective_p, keep_mask, next_seed_offset
 from sparseflash.flash import launch
 
 
@@ -31,9 +31,10 @@ def test_keep_mask_statistics():
         sigma = math.sqrt(p * (1 - p) / keep.shape[dim])
         assert (per - (1 - p)).abs().max().item() < 6 * sigma
         assert per.std().item() < 1.5 * sigma
-    # Neighbours (within a Philox group of 4 columns and across rows) are uncorrelated.
+    # Neighbours, and elements of one Philox call ({i, i + 8} x {j, j + 1, j + 8, j + 9}), are uncorrelated.
     x = keep.float() - (1 - p)
-    for a, b in ((x[..., :-1], x[..., 1:]), (x[..., :-1, :], x[..., 1:, :])):
+    for a, b in ((x[..., :-1], x[..., 1:]), (x[..., :-1, :], x[..., 1:, :]),
+                 (x[..., :-8], x[..., 8:]), (x[..., :-8, :], x[..., 8:, :]), (x[..., :-8, :-8], x[..., 8:, 8:])):
         corr = (a * b).mean() / (x * x).mean()
         assert abs(corr.item()) < 0.02
     # Different heads, offsets and seeds give different bits.
@@ -57,6 +58,26 @@ def test_kernel_matches_reference_with_same_keep_mask(causal, dtype, device):
                                      backend="triton")
 
     check_attention(impl, q, k, v, do, mask=mask, causal=causal, ref_kwargs=dict(dropout_p=p, dropout_keep=keep))
+
+
+@pytest.mark.parametrize("tiles", [((16, 16), (16, 16), (16, 16)), ((64, 32), (32, 64), (16, 64))], ids=str)
+def test_keep_mask_does_not_depend_on_tiles(tiles, device, monkeypatch):
+    """Each kernel builds the mask from its own tiling (rows = keys in dK/dV): all must agree
+    with the NumPy definition, odd lengths and a 16-block mask included."""
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    B, H, Nq, Nk, D, p = 1, 2, 75, 90, 16, 0.4
+    layout = torch.rand(1, 2, 5, 6, generator=torch.Generator().manual_seed(3)) < 0.6
+    mask = BlockMask.from_layout(layout, block_size=16, seq_q=Nq, seq_k=Nk).to(device) if tiles[0][0] == 16 else None
+    q, k, v, do = make_qkv(B, H, H, Nq, Nk, D, torch.float32, device, seed=4)
+    seed, offset = next_seed_offset(device, _gen(device, 21))
+    keep = keep_mask(seed, offset, B, H, Nq, Nk, p, device=device)
+    cfg = [launch.TileConfig(bm, bn, 4, 1) for bm, bn in tiles]
+
+    def impl(q, k, v):
+        with launch.tile_config(*cfg):
+            return sparseflash.attention(q, k, v, mask=mask, dropout_p=p, generator=_gen(device, 21), backend="triton")
+
+    check_attention(impl, q, k, v, do, mask=mask, ref_kwargs=dict(dropout_p=effective_p(p), dropout_keep=keep))
 
 
 def test_dense_dropout_and_dlse(device, monkeypatch):

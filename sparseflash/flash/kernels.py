@@ -24,9 +24,11 @@ Rows that attend to nothing keep a finite pivot (never ``-inf - -inf``): their o
 LSE buffer holds +inf (the public API reports -inf), and backward gives them zero gradient.
 
 Dropout (optional, compiled out when off): keep(i, j) is decided by Philox4x32-7 keyed by the
-seed with counter (j // 8, i, batch*head, offset); column j takes the 16-bit value j % 8 of its
-call's 128 bits and is kept when that value is >= ``round(p * 2**16)``; backward regenerates the
-same bits. `sparseflash.dropout` holds the same function in NumPy for tests.
+seed; one call decides {i, i + 8} x {j, j + 1, j + 8, j + 9}, which one thread holds in the
+accumulator layout of a [queries, keys] tile, so the forward and dQ kernels move no data between
+threads (`_philox_keep`; dK/dV transposes the boolean mask); an element is kept when its 16 bits
+are >= ``round(p * 2**16)``; backward regenerates the same bits.
+`sparseflash.dropout` defines the mask and computes it in NumPy for tests.
 """
 
 import triton
@@ -53,16 +55,23 @@ _RNG_ARGS = ["seed_lo", "seed_hi", "rng_off", "drop_thresh"]
 
 # ----------------------------------------------------------------------------- dropout bits
 @triton.jit
-def _philox_u16(seed_lo, seed_hi, offset, bh, rows, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """16-bit random values [BLOCK_M, BLOCK_N] (int32) for rows `rows`, columns start_n + [0, BLOCK_N);
-    an element is kept when its value is >= the threshold.
+def _philox_keep(seed_lo, seed_hi, offset, bh, start_m, start_n, drop_thresh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep-mask [BLOCK_M, BLOCK_N] (bool) of queries start_m + [0, BLOCK_M) and keys
+    start_n + [0, BLOCK_N) (starts multiples of 16).
 
-    One Philox4x32-7 call per 8 columns: column 8g + t takes 16-bit half t % 2 of word t // 2.
+    Query i and key j are decided by the call with counter (col(j), row(i), bh, offset), with
+    row(i) = (i // 16) * 8 + i % 8 and col(j) = (j // 16) * 4 + (j % 8) // 2; word
+    2 * ((i // 8) % 2) + (j // 8) % 2, 16-bit half j % 2, kept when >= drop_thresh. A call's
+    eight elements {i, i + 8} x {j, j + 1, j + 8, j + 9} are held by one thread in the
+    tensor-core accumulator layout of a [queries, keys] tile, so the forward and dQ kernels
+    build the mask without moving data between threads.
     """
-    o_g = (start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)
-    zero = tl.zeros([BLOCK_M, BLOCK_N // 8], dtype=tl.uint32)
-    c0 = zero + o_g[None, :]
-    c1 = zero + rows.to(tl.uint32)[:, None]
+    # query r = 16a + 8b + u, key c = 16x + 8y + 2z + e: calls are indexed by (a, u, x, z)
+    call_r = start_m // 2 + 8 * tl.arange(0, BLOCK_M // 16)[:, None] + tl.arange(0, 8)[None, :]  # [M/16, 8]
+    call_c = start_n // 4 + 4 * tl.arange(0, BLOCK_N // 16)[:, None] + tl.arange(0, 4)[None, :]  # [N/16, 4]
+    zero = tl.zeros([BLOCK_M // 16, 8, BLOCK_N // 16, 4], dtype=tl.uint32)
+    c0 = zero + call_c.to(tl.uint32)[None, None, :, :]
+    c1 = zero + call_r.to(tl.uint32)[:, :, None, None]
     c2 = zero + bh.to(tl.uint32)
     c3 = zero + offset.to(tl.uint32)
     k0 = seed_lo.to(tl.uint32)
@@ -76,14 +85,13 @@ def _philox_u16(seed_lo, seed_hi, offset, bh, rows, start_n, BLOCK_M: tl.constex
         c3 = _c0 * 0xD2511F53
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
-    # Column 8g + 4a + 2b + c takes half c of word 2a + b: build [M, N/8, a, b, c] by joins
-    # (each join adds the next, faster axis), then flatten.
-    words = (c0, c1, c2, c3)
-    lo = [(w & 0xFFFF).to(tl.int32) for w in words]
-    hi = [(w >> 16).to(tl.int32) for w in words]
-    b0 = tl.join(tl.join(lo[0], lo[2]), tl.join(lo[1], lo[3]))  # c = 0: [M, N/8, a, b]
-    b1 = tl.join(tl.join(hi[0], hi[2]), tl.join(hi[1], hi[3]))  # c = 1
-    return tl.reshape(tl.join(b0, b1), [BLOCK_M, BLOCK_N])
+    # word (b, y) -> [a, u, x, z, e]: halves e = 0 (low 16 bits), 1 (high)
+    w00 = tl.join((c0 & 0xFFFF).to(tl.int32) >= drop_thresh, (c0 >> 16).to(tl.int32) >= drop_thresh)
+    w01 = tl.join((c1 & 0xFFFF).to(tl.int32) >= drop_thresh, (c1 >> 16).to(tl.int32) >= drop_thresh)
+    w10 = tl.join((c2 & 0xFFFF).to(tl.int32) >= drop_thresh, (c2 >> 16).to(tl.int32) >= drop_thresh)
+    w11 = tl.join((c3 & 0xFFFF).to(tl.int32) >= drop_thresh, (c3 >> 16).to(tl.int32) >= drop_thresh)
+    t = tl.join(tl.join(w00, w01), tl.join(w10, w11))  # [a, u, x, z, e, y, b]
+    return tl.reshape(tl.permute(t, 0, 6, 1, 2, 5, 3, 4), [BLOCK_M, BLOCK_N])  # [a, b, u, x, y, z, e]
 
 
 # ----------------------------------------------------------------------------- list parts
@@ -167,7 +175,7 @@ def _row_range(KV_NUM, KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, o_m, o_d, seq_k, kv_end, causal_off,
+def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
                MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -199,7 +207,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, o_m, o_d, 
         l_i = l_i * alpha + tl.sum(b_p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            keep = _philox_u16(seed_lo, seed_hi, rng_off, bh, o_m, start_n, BLOCK_M, BLOCK_N) >= drop_thresh
+            keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N)
             b_p = tl.where(keep, b_p, 0.0)
         b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = _dot(b_p.to(b_v.dtype), b_v, acc, DOT_PREC)
@@ -245,10 +253,10 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_NUM, KV_IDX, KEY_LEN,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, o_m, o_d, seq_k, kv_end, causal_off,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
                                False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_full, j_valid, o_m, o_d, seq_k, kv_end, causal_off,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_full, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
                                True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2)
 
@@ -307,7 +315,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
         b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         b_dpT = _dot(b_v, tl.trans(b_do), None, DOT_PREC)  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
-            keepT = tl.trans(_philox_u16(seed_lo, seed_hi, rng_off, bh, o_m, start_n, BLOCK_M, BLOCK_N)) >= drop_thresh
+            keepT = tl.trans(_philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N))
             b_pdT = tl.where(keepT, b_pT * drop_scale, 0.0)
             dv = _dot(b_pdT.to(b_do.dtype), b_do, dv, DOT_PREC)
             b_dpT = tl.where(keepT, b_dpT * drop_scale, 0.0)
@@ -404,7 +412,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_NUM, Q_IDX, KEY_LEN,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, o_m, o_d, seq_k, kv_end, causal_off,
+def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
               MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -430,7 +438,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, o_
             b_p = tl.where(m_s, b_p, 0.0)
         b_dp = _dot(do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
-            keep = _philox_u16(seed_lo, seed_hi, rng_off, bh, o_m, start_n, BLOCK_M, BLOCK_N) >= drop_thresh
+            keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N)
             b_dp = tl.where(keep, b_dp * drop_scale, 0.0)
         b_ds = b_p * (b_dp - b_delta[:, None])
         dq = _dot(b_ds.to(b_k.dtype), b_k, dq, DOT_PREC)
@@ -480,10 +488,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_NUM, KV_IDX, KEY_LEN,
         stride_ib, stride_ih, stride_im, BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, o_m, o_d, seq_k, kv_end, causal_off,
+    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                    stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
                    False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
-    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_full, j_valid, o_m, o_d, seq_k, kv_end, causal_off,
+    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_full, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                    stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
                    True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
     tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,

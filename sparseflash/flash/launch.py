@@ -163,13 +163,13 @@ def _list_args(num, idx, B, H, device):
 def _rng_args(dropout_p: float, seed: int, offset: int):
     if dropout_p <= 0.0:
         return 0, 0, 0, 0, 1.0
-    from sparseflash.dropout import split_seed, threshold
+    from sparseflash.dropout import effective_p, split_seed, threshold
 
     lo, hi = split_seed(seed)
     # Scale by the probability the 16-bit threshold really applies; p = 1 keeps nothing and
     # scales by 0 (not 1/0).
-    thresh = threshold(dropout_p)
-    return lo, hi, offset, thresh, (1.0 / (1.0 - thresh / 2**16) if thresh < 2**16 else 0.0)
+    p = effective_p(dropout_p)
+    return lo, hi, offset, threshold(dropout_p), (1.0 / (1.0 - p) if p < 1.0 else 0.0)
 
 
 def fwd(q, k, v, kv_num, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
