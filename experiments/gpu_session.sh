@@ -2,7 +2,7 @@
 # The GPU runs behind experiments/results/, in stages that each fit one call of a lent H100:
 #   experiments/gpu_session.sh OUT STAGE [STAGE ...]
 # Stages: sweep (bench sparsity, full GPU defaults), seqlen (bench seqlen), dropout, tests (GPU
-# test files), lra-speed, lra-train. Each stage writes OUT/<stage>/ and a log; everything is
+# test files, in SHARDS processes), lra-speed, lra-train. Each stage writes OUT/<stage>/ and a log; everything is
 # packed into OUT/<stage>.tgz so a call brings back few files.
 set -uo pipefail
 out=$1; shift
@@ -20,7 +20,16 @@ for stage in "$@"; do
         seqlen)  $t $py -m sparseflash bench seqlen --providers sparseflash sparseflash-dense sdpa-flash sdpa-cudnn torch --out "$d" ;;
         dropout) $t $py -m pytest -q -x -p no:cacheprovider tests/test_dropout.py --tb=short
                  $t $py -m sparseflash.experiments.bench.dropout --out "$d" ;;
-        tests)   $t $py -m pytest -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py ;;
+        tests)   # SHARDS pytest processes side by side (compiling the many kernel variants is the slow part)
+                 $py -m pytest --collect-only -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py \
+                     | grep '::' > "$d/ids.txt"
+                 split -n "r/${SHARDS:-8}" "$d/ids.txt" "$d/shard_"
+                 for f in "$d"/shard_*; do
+                     mapfile -t ids < "$f"
+                     $t $py -m pytest -q -p no:cacheprovider --durations=5 "${ids[@]}" > "$f.log" 2>&1 &
+                 done
+                 wait
+                 for f in "$d"/shard_*.log; do echo "--- $f"; tail -n 12 "$f"; done ;;
         lra-speed) $t $py -m sparseflash lra speed --task all --max-seconds 5 --repeats 5 --out "$d" ;;
         lra-train) $t bash experiments/lra/run_quick.sh "$d" ;;
         *) echo "unknown stage $stage"; exit 2 ;;

@@ -338,6 +338,10 @@ def test_presets_and_defaults_resolve_without_a_gpu():
     assert full.head_dims == (64, 128) and full.modes == ("fwd", "fwdbwd") and not full.check
     again = config_from_args(parse(command_line(full).split()[1:]))
     assert again.as_dict() == full.as_dict()
+    graph = config_from_args(parse(["bench", "sparsity", "--preset", "kernel-check", "--device", "cuda", "--cuda-graph"]))
+    assert graph.timing.cuda_graph and not full.timing.cuda_graph and graph.timing.rep_ms == full.timing.rep_ms
+    rerun = config_from_args(parse(command_line(graph).split()[1:])).as_dict()
+    assert rerun == {**graph.as_dict(), "preset": None}  # the spelled-out command names no preset
     seq = config_from_args(parse(["bench", "seqlen", "--device", "cuda"]))
     assert seq.seq_lens == tuple(512 * 2**i for i in range(8)) and seq.patterns == ("butterfly",)
     with pytest.raises(ValueError, match="providers must be names"):

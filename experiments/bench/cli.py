@@ -88,6 +88,8 @@ def _add_common(p: argparse.ArgumentParser, bench: str) -> None:
                    help="backend= of sparseflash.attention (auto: Triton on CUDA, reference on CPU)")
     h.add_argument("--warmup-ms", type=float, help="do_bench warm-up per measurement (GPU default 25)")
     h.add_argument("--rep-ms", type=float, help="do_bench repetition time per measurement (GPU default 100)")
+    h.add_argument("--cuda-graph", action="store_true",
+                   help="GPU: time CUDA-graph replays (the kernels' GPU time, no Python/launch overhead)")
     h.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                    help="compare each provider's output with the float32 reference (max_err column; default: on "
                         "for CPU runs and the kernel-check preset, off otherwise)")
@@ -143,10 +145,11 @@ def config_from_args(args):
     if args.providers:
         explicit["providers"] = tuple(n.strip() for x in args.providers for n in x.split(",") if n.strip())
     fields.update({k: tuple(v) if isinstance(v, list) else v for k, v in explicit.items() if v is not None})
-    if args.warmup_ms is not None or args.rep_ms is not None:
+    if args.warmup_ms is not None or args.rep_ms is not None or args.cuda_graph:
         t = fields["timing"]
         fields["timing"] = TimingConfig(warmup_ms=t.warmup_ms if args.warmup_ms is None else args.warmup_ms,
-                                        rep_ms=t.rep_ms if args.rep_ms is None else args.rep_ms, min_runs=t.min_runs)
+                                        rep_ms=t.rep_ms if args.rep_ms is None else args.rep_ms, min_runs=t.min_runs,
+                                        cuda_graph=args.cuda_graph)
     fields.update(sf_backend=args.backend, seed=args.seed)
     if "providers" in fields:
         from sparseflash.experiments.bench.providers import get_providers
@@ -167,6 +170,8 @@ def command_line(cfg) -> str:
         parts += ["--densities", *(f"{x:.6g}" for x in cfg.targets), "--masked-densities", cfg.masked_points]
     parts += ["--check" if cfg.check else "--no-check", "--device", cfg.device, "--backend", cfg.sf_backend,
               "--warmup-ms", f"{t.warmup_ms:g}", "--rep-ms", f"{t.rep_ms:g}", "--seed", str(cfg.seed)]
+    if t.cuda_graph:
+        parts.append("--cuda-graph")
     return " ".join(shlex.quote(p) for p in parts)
 
 

@@ -203,8 +203,12 @@ CHECK_TOL = {"bf16": 0.06, "fp16": 0.01, "fp32": 1e-3}
 def run_job(job: Job, env: dict, bench: str, device: torch.device, sf_backend: str, cfg: TimingConfig,
             checker: _Checker | None = None) -> dict:
     s = _setting(job, device, sf_backend)
-    timing_label = (f"do_bench median, warmup {cfg.warmup_ms:g} ms, rep {cfg.rep_ms:g} ms" if device.type == "cuda"
-                    else f"perf_counter median over {cfg.rep_ms:g} ms")
+    if device.type != "cuda":
+        timing_label = f"perf_counter median over {cfg.rep_ms:g} ms"
+    elif cfg.cuda_graph:
+        timing_label = f"do_bench_cudagraph median (kernels only, no host overhead), rep {cfg.rep_ms:g} ms"
+    else:
+        timing_label = f"do_bench median, warmup {cfg.warmup_ms:g} ms, rep {cfg.rep_ms:g} ms"
     row = _row(env, bench, job, s, timing_label)
     reason = job.provider.check(s)
     if reason is not None:
