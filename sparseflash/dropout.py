@@ -37,17 +37,14 @@ _MASK32 = np.uint64(0xFFFFFFFF)
 ROUNDS = 7
 
 
-BITS = 16
-
-
 def threshold(p: float) -> int:
     """Integer threshold on 16 random bits: drop iff bits < threshold."""
-    return min(int(round(p * 2**BITS)), 2**BITS)
+    return min(int(round(p * 2**16)), 2**16)
 
 
 def effective_p(p: float) -> float:
     """The dropout probability the 16-bit threshold applies."""
-    return threshold(p) / 2**BITS
+    return threshold(p) / 2**16
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -87,7 +84,7 @@ def keep_mask(seed: int, offset: int, batch: int, heads_q: int, seq_q: int, seq_
     the reference path; materialises every pair, so keep it to modest sizes)."""
     seed_lo, seed_hi = split_seed(seed)
     thresh = threshold(p)
-    u = lambda x: np.uint64(x)  # noqa: E731
+    u = np.uint64
     rows = np.arange(seq_q, dtype=np.uint64)[:, None]
     cols = np.arange(seq_k, dtype=np.uint64)[None, :]
     c0 = np.broadcast_to((cols // u(16)) * u(4) + (cols % u(8)) // u(2), (seq_q, seq_k))

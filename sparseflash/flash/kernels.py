@@ -55,6 +55,12 @@ _RNG_ARGS = ["seed_lo", "seed_hi", "rng_off", "drop_thresh"]
 
 # ----------------------------------------------------------------------------- dropout bits
 @triton.jit
+def _keep_halves(word, drop_thresh):
+    """Keep decisions of a word's two 16-bit halves, stacked on a new last axis (low half first)."""
+    return tl.join((word & 0xFFFF).to(tl.int32) >= drop_thresh, (word >> 16).to(tl.int32) >= drop_thresh)
+
+
+@triton.jit
 def _philox_keep(seed_lo, seed_hi, offset, bh, start_m, start_n, drop_thresh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keep-mask [BLOCK_M, BLOCK_N] (bool) of queries start_m + [0, BLOCK_M) and keys
     start_n + [0, BLOCK_N) (starts multiples of 16).
@@ -85,12 +91,9 @@ def _philox_keep(seed_lo, seed_hi, offset, bh, start_m, start_n, drop_thresh, BL
         c3 = _c0 * 0xD2511F53
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
-    # word (b, y) -> [a, u, x, z, e]: halves e = 0 (low 16 bits), 1 (high)
-    w00 = tl.join((c0 & 0xFFFF).to(tl.int32) >= drop_thresh, (c0 >> 16).to(tl.int32) >= drop_thresh)
-    w01 = tl.join((c1 & 0xFFFF).to(tl.int32) >= drop_thresh, (c1 >> 16).to(tl.int32) >= drop_thresh)
-    w10 = tl.join((c2 & 0xFFFF).to(tl.int32) >= drop_thresh, (c2 >> 16).to(tl.int32) >= drop_thresh)
-    w11 = tl.join((c3 & 0xFFFF).to(tl.int32) >= drop_thresh, (c3 >> 16).to(tl.int32) >= drop_thresh)
-    t = tl.join(tl.join(w00, w01), tl.join(w10, w11))  # [a, u, x, z, e, y, b]
+    # word (b, y) = c0, c1, c2, c3 for (0, 0), (0, 1), (1, 0), (1, 1); each gives [a, u, x, z, e]
+    t = tl.join(tl.join(_keep_halves(c0, drop_thresh), _keep_halves(c1, drop_thresh)),
+                tl.join(_keep_halves(c2, drop_thresh), _keep_halves(c3, drop_thresh)))  # [a, u, x, z, e, y, b]
     return tl.reshape(tl.permute(t, 0, 6, 1, 2, 5, 3, 4), [BLOCK_M, BLOCK_N])  # [a, b, u, x, y, z, e]
 
 
