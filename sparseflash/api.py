@@ -63,6 +63,9 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p):
             raise TypeError(f"scale must be a finite float or None, got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p <= 1.0):
         raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
+    from sparseflash.dropout import check_p
+
+    check_p(float(dropout_p))
     if mask is not None:
         if not isinstance(mask, BlockMask):
             raise TypeError(
@@ -114,7 +117,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         key_lengths: int tensor ``[batch]``; keys ``j >= key_lengths[b]`` are not attended.
         return_lse: also return the float32 log-sum-exp ``[batch, heads_q, seq_q]`` of the scaled
             scores (``-inf`` for rows that attend to nothing). It is differentiable.
-        dropout_p: attention dropout on the normalised probabilities (pass 0 at eval).
+        dropout_p: attention dropout on the normalised probabilities (pass 0 at eval). Applied in
+            steps of 1/256 (8 random bits per decision, as FlashAttention-2):
+            ``sparseflash.dropout.effective_p(p)`` is the probability used, and kept values are
+            scaled by its complement's inverse.
         generator: torch.Generator whose Philox state seeds dropout (default: the device's).
         backend: ``"auto"`` (CUDA, or CPU with ``TRITON_INTERPRET=1`` -> ``"triton"``; CPU ->
             ``"reference"``), ``"triton"`` or ``"reference"``.
@@ -137,7 +143,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
 
             seed, offset = _dropout.next_seed_offset(q.device, generator)
             keep = _dropout.keep_mask(seed, offset, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, device=q.device)
-            dropout_p = _dropout.effective_p(dropout_p)  # what the 16-bit threshold applies
+            dropout_p = _dropout.effective_p(dropout_p)  # what the 8-bit threshold applies
         from sparseflash import reference
 
         return reference.attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,

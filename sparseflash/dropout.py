@@ -2,20 +2,25 @@
 
 The keep decision for query row i, key column j of (batch b, query head h) is
 
-    row(i) = (i // 16) * 8 + i % 8,   col(j) = (j // 16) * 4 + (j % 8) // 2
+    row(i) = (i // 16) * 8 + i % 8,   col(j) = (j // 32) * 4 + (j % 8) // 2
     words = Philox4x32-7(key=(seed_lo, seed_hi), counter=(col(j), row(i), b * heads_q + h, offset))
-    u = 16-bit half (j % 2) of words[2 * ((i // 8) % 2) + (j // 8) % 2]      (low half first)
-    keep = u >= round(p * 2**16)
+    u = byte 2 * ((i // 8) % 2) + j % 2 of words[(j // 8) % 4]      (byte 0 the lowest)
+    keep = u >= round(p * 256)
 
-One Philox call decides the eight elements {i, i + 8} x {j, j + 1, j + 8, j + 9}, which one
-thread holds in the tensor-core accumulator layout of a [queries, keys] tile: the forward and dQ
-kernels build their masks without moving data between threads (dK/dV, whose tiles are
-[keys, queries], transposes the boolean mask). The RNG is the main cost of dropout in the
-kernels; 7 rounds pass BigCrush (Salmon et al. 2011). The dropout probability actually applied
-is ``round(p * 2**16) / 2**16`` (within 8e-6 of p), and kept values are scaled by the inverse of
-its complement, so the expectation is exact. The Triton kernels compute these bits in registers
-(forward and, regenerated, backward) and `keep_mask` below computes them in NumPy, bit for bit,
-so tests compare kernels and reference exactly.
+One Philox call decides the sixteen elements {i, i + 8} x {j, j + 1, j + 8, j + 9, j + 16, j + 17,
+j + 24, j + 25}, which one thread holds in the tensor-core accumulator layout of a [queries, keys]
+tile: the forward and dQ kernels build their masks without moving data between threads (dK/dV,
+whose tiles are [keys, queries], moves each call's words to the threads that hold its elements).
+The RNG is the main cost of dropout in the kernels; 7 rounds pass BigCrush (Salmon et al. 2011).
+
+Resolution: each decision uses 8 random bits, as FlashAttention-2 does (PyTorch's SDPA flash
+dropout), which halves the RNG work against 16 bits. The probability actually applied is
+``effective_p(p) = round(p * 256) / 256`` (0.1 -> 0.1016, 0.2 -> 0.1992), and kept values are scaled
+by ``1 / (1 - effective_p(p))``, so the expectation is exact. A p that would round to 0 or to 1
+without being 0 or 1 (0 < p < 1/512 or 1 - 1/512 <= p < 1) is refused rather than silently turned
+off or into "drop everything". The Triton kernels compute these bits in registers (forward and,
+regenerated, backward) and `keep_mask` below computes them in NumPy, bit for bit, so tests
+compare kernels and reference exactly.
 
 Seeds follow torch's generators, so ``torch.manual_seed`` controls dropout: on CUDA the
 generator's Philox (seed, offset) is used and the offset advanced, as torch's own CUDA random
@@ -27,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["keep_mask", "next_seed_offset", "threshold", "effective_p"]
+__all__ = ["keep_mask", "next_seed_offset", "threshold", "effective_p", "check_p", "LEVELS"]
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
@@ -35,16 +40,25 @@ _MASK32 = np.uint64(0xFFFFFFFF)
 
 
 ROUNDS = 7
+LEVELS = 256  # each keep decision compares 8 random bits with round(p * LEVELS)
+
+
+def check_p(p: float) -> None:
+    """Refuse a dropout probability the 8-bit decisions cannot represent without turning dropout
+    off (0 < p < 1/512) or into dropping everything (1 - 1/512 <= p < 1)."""
+    if 0.0 < p < 1.0 and threshold(p) in (0, LEVELS):
+        raise ValueError(f"dropout_p={p} is outside what the kernels' 8-bit dropout can apply (steps of 1/{LEVELS}): "
+                         f"pass 0, a value in [1/{2 * LEVELS}, 1 - 1/{2 * LEVELS}), or 1")
 
 
 def threshold(p: float) -> int:
-    """Integer threshold on 16 random bits: drop iff bits < threshold."""
-    return min(int(round(p * 2**16)), 2**16)
+    """Integer threshold on 8 random bits: drop iff bits < threshold."""
+    return min(int(round(p * LEVELS)), LEVELS)
 
 
 def effective_p(p: float) -> float:
-    """The dropout probability the 16-bit threshold applies."""
-    return threshold(p) / 2**16
+    """The dropout probability the 8-bit threshold applies: round(p * 256) / 256."""
+    return threshold(p) / LEVELS
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -87,12 +101,12 @@ def keep_mask(seed: int, offset: int, batch: int, heads_q: int, seq_q: int, seq_
     u = np.uint64
     rows = np.arange(seq_q, dtype=np.uint64)[:, None]
     cols = np.arange(seq_k, dtype=np.uint64)[None, :]
-    c0 = np.broadcast_to((cols // u(16)) * u(4) + (cols % u(8)) // u(2), (seq_q, seq_k))
+    c0 = np.broadcast_to((cols // u(32)) * u(4) + (cols % u(8)) // u(2), (seq_q, seq_k))
     c1 = np.broadcast_to((rows // u(16)) * u(8) + rows % u(8), (seq_q, seq_k))
-    word = (u(2) * ((rows // u(8)) % u(2)) + (cols // u(8)) % u(2)).astype(np.int64)
-    shift = (cols % u(2)) * u(16)
+    word = np.broadcast_to(((cols // u(8)) % u(4)).astype(np.int64), (seq_q, seq_k))
+    shift = u(16) * ((rows // u(8)) % u(2)) + u(8) * (cols % u(2))
     out = np.empty((batch * heads_q, seq_q, seq_k), dtype=bool)
     for bh in range(batch * heads_q):
         r = _philox(c0, c1, u(bh), u(offset), seed_lo, seed_hi)
-        out[bh] = ((np.choose(word, r) >> shift) & u(0xFFFF)).astype(np.int64) >= thresh
+        out[bh] = ((np.choose(word, r) >> shift) & u(0xFF)).astype(np.int64) >= thresh
     return torch.from_numpy(out.reshape(batch, heads_q, seq_q, seq_k)).to(device or "cpu")

@@ -21,26 +21,59 @@ def _gen(device, seed):
 
 def test_keep_mask_statistics():
     p = 0.3
+    pe = effective_p(p)  # 77 / 256: what the 8-bit threshold applies
+    assert pe == 77 / 256
     keep = keep_mask(1234, 7, 2, 3, 256, 256, p)
     n = keep.numel()
     frac = keep.float().mean().item()
-    assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)  # binomial 5-sigma bound
+    assert abs(frac - (1 - pe)) < 5 * math.sqrt(pe * (1 - pe) / n)  # binomial 5-sigma bound
     # No row or column structure: per-row / per-column kept fractions spread like binomials.
     for dim in (-1, -2):
         per = keep.float().mean(dim=dim)
-        sigma = math.sqrt(p * (1 - p) / keep.shape[dim])
-        assert (per - (1 - p)).abs().max().item() < 6 * sigma
+        sigma = math.sqrt(pe * (1 - pe) / keep.shape[dim])
+        assert (per - (1 - pe)).abs().max().item() < 6 * sigma
         assert per.std().item() < 1.5 * sigma
-    # Neighbours, and elements of one Philox call ({i, i + 8} x {j, j + 1, j + 8, j + 9}), are uncorrelated.
-    x = keep.float() - (1 - p)
-    for a, b in ((x[..., :-1], x[..., 1:]), (x[..., :-1, :], x[..., 1:, :]),
-                 (x[..., :-8], x[..., 8:]), (x[..., :-8, :], x[..., 8:, :]), (x[..., :-8, :-8], x[..., 8:, 8:])):
+    # Neighbours, and the elements one Philox call decides ({i, i + 8} x {j, j + 1, j + 8, j + 9,
+    # j + 16, j + 17, j + 24, j + 25}: other bytes of the same words), are uncorrelated.
+    x = keep.float() - (1 - pe)
+    shifts = [(0, 1), (1, 0), (0, 8), (8, 0), (8, 8), (0, 16), (0, 24), (8, 16), (8, 25), (0, 32), (16, 0)]
+    for di, dj in shifts:
+        a = x[..., : x.shape[-2] - di, : x.shape[-1] - dj]
+        b = x[..., di:, dj:]
         corr = (a * b).mean() / (x * x).mean()
-        assert abs(corr.item()) < 0.02
+        assert abs(corr.item()) < 0.02, (di, dj)
     # Different heads, offsets and seeds give different bits.
     assert not torch.equal(keep[0, 0], keep[0, 1])
     assert not torch.equal(keep, keep_mask(1234, 8, 2, 3, 256, 256, p))
     assert not torch.equal(keep, keep_mask(1235, 7, 2, 3, 256, 256, p))
+
+
+def test_keep_mask_definition():
+    """keep_mask against a literal, element-by-element transcription of the documented rule."""
+
+    def philox(c, k):
+        c, k = list(c), list(k)
+        for _ in range(7):
+            p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+            c = [(p1 >> 32) ^ c[1] ^ k[0], p1 & 0xFFFFFFFF, (p0 >> 32) ^ c[3] ^ k[1], p0 & 0xFFFFFFFF]
+            k = [(k[0] + 0x9E3779B9) & 0xFFFFFFFF, (k[1] + 0xBB67AE85) & 0xFFFFFFFF]
+        return c
+
+    seed, offset, p = (5 << 31) | 77, 3, 0.25
+    keep = keep_mask(seed, offset, 1, 2, 40, 70, p)
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        h, i, j = (int(torch.randint(0, n, (1,), generator=rng)) for n in (2, 40, 70))
+        words = philox(((j // 32) * 4 + (j % 8) // 2, (i // 16) * 8 + i % 8, h, offset), (77, 5))
+        byte = (words[(j // 8) % 4] >> (8 * (2 * ((i // 8) % 2) + j % 2))) & 0xFF
+        assert bool(keep[0, h, i, j]) == (byte >= round(p * 256)), (h, i, j)
+
+
+@pytest.mark.parametrize("p", [1e-3, 0.999])
+def test_p_below_resolution_is_refused(p):
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="dropout_p"):
+        sparseflash.attention(q, q, q, dropout_p=p)
 
 
 @pytest.mark.parametrize("causal", [False, True])

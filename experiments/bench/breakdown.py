@@ -105,7 +105,7 @@ def main(argv=None) -> int:
             tiles = {}
             for cfg in ((64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)):
                 with tile_config(fwd=TileConfig(*cfg)), torch.no_grad():
-                    tiles[str(cfg)] = bench(lambda: launch.fwd(q, k, v, idx.kv_num, idx.kv_idx, None, D ** -0.5,
+                    tiles[str(cfg)] = bench(lambda: launch.fwd(q, k, v, idx.kv_idx, None, D ** -0.5,
                                                                args.causal, 128, 128, 0.0, 0, 0))
             r["fwd_tiles"] = tiles
         rows.append(r)

@@ -35,11 +35,11 @@ def _rng_pair(rng: Optional[Tensor], dropout_p: float, device) -> tuple[int, int
     return seed, offset, rng.clone()
 
 
-def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_num: Optional[Tensor], kv_idx: Optional[Tensor],
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], scale: float, causal: bool,
                mask_bq: int, mask_bk: int, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
     seed, offset, rng_out = _rng_pair(rng, dropout_p, q.device)
-    o, lse = launch.fwd(q, k, v, kv_num, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None,
+    o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None,
                         dropout_p, seed, offset)
     return o, lse, rng_out
 
@@ -48,18 +48,18 @@ _flash_fwd = torch.library.custom_op("sparseflash::flash_fwd", _fwd_impl, mutate
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, kv_num, kv_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p):
+def _(q, k, v, kv_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p):
     B, Hq, Nq, _ = q.shape
     return (torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32),
             torch.empty(2, dtype=torch.int64))
 
 
 def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
-               kv_num: Optional[Tensor], kv_idx: Optional[Tensor], q_num: Optional[Tensor], q_idx: Optional[Tensor],
+               kv_idx: Optional[Tensor], q_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Tensor, scale: float, causal: bool, mask_bq: int, mask_bk: int,
                dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
     seed, offset = (int(x) for x in rng.tolist()) if dropout_p > 0.0 else (0, 0)
-    return launch.bwd(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, key_lengths, scale, causal,
+    return launch.bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale, causal,
                       mask_bq or None, mask_bk or None, dropout_p, seed, offset)
 
 
@@ -67,8 +67,7 @@ _flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutate
 
 
 @_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk,
-      dropout_p):
+def _(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -79,28 +78,27 @@ def _op(custom, impl):
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """o, lse = FlashAttentionFunction.apply(q, k, v, kv_num, kv_idx, q_num, q_idx, key_lengths, rng,
-    scale, causal, mask_bq, mask_bk, dropout_p); lse holds +inf for rows that attend to nothing."""
+    """o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, scale, causal,
+    mask_bq, mask_bk, dropout_p); lse holds +inf for rows that attend to nothing."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kv_num, kv_idx, q_num, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk,
-                dropout_p):
-        o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_impl)(q, k, v, kv_num, kv_idx, key_lengths, rng, scale, causal,
-                                                       mask_bq, mask_bk, dropout_p)
-        ctx.save_for_backward(q, k, v, o, lse, rng, kv_num, kv_idx, q_num, q_idx, key_lengths)
+    def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p):
+        o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_impl)(q, k, v, kv_idx, key_lengths, rng, scale, causal,
+                                                                      mask_bq, mask_bk, dropout_p)
+        ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths)
         ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, rng, kv_num, kv_idx, q_num, q_idx, key_lengths = ctx.saved_tensors
+        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths = ctx.saved_tensors
         scale, causal, mask_bq, mask_bk, dropout_p = ctx.params
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, _bwd_impl)(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx,
-                                                     key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+        dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, _bwd_impl)(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths,
+                                                                     rng, scale, causal, mask_bq, mask_bk, dropout_p)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _check_runnable(q: Tensor) -> None:
@@ -122,11 +120,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
     """The Triton path of `sparseflash.attention` (inputs already validated there)."""
     _check_runnable(q)
     if mask is None:
-        kv_num = kv_idx = q_num = q_idx = None
+        kv_idx = q_idx = None
         mask_bq = mask_bk = 0
     else:
         index = mask.index(q.device)
-        kv_num, kv_idx, q_num, q_idx = index.kv_num, index.kv_idx, index.q_num, index.q_idx
+        kv_idx, q_idx = index.kv_idx, index.q_idx
         mask_bq, mask_bk = mask.block_size
         launch._fit(16, mask_bq, "block_q")  # a mask block the kernels cannot tile: say so early
         launch._fit(16, mask_bk, "block_k")
@@ -143,8 +141,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
         k = k.view_as(k)
     if v is q or v is k:
         v = v.view_as(v)
-    o, lse = FlashAttentionFunction.apply(q, k, v, kv_num, kv_idx, q_num, q_idx, key_lengths, rng, scale, causal,
-                                          mask_bq, mask_bk, float(dropout_p))
+    o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk,
+                                          float(dropout_p))
     if return_lse:
         return o, torch.where(lse == float("inf"), float("-inf"), lse)
     return o

@@ -7,9 +7,13 @@ Algorithm (FlashAttention-2, restricted to the nonzero blocks of a `BlockMask`):
   count is the number of nonzero blocks, never a scan over zero blocks. Online softmax in the
   log2 domain (``exp2`` with ``scale * log2(e)`` folded into the scores), fp32 running max / sum,
   one normalisation at the end; the natural-log LSE is stored for backward.
-- Backward: ``delta = rowsum(dO * O) - dLSE`` (preprocess); dK/dV programs own a k tile and walk
-  its column list (``q_idx``, the transposed index) for every query head of its GQA group; dQ
-  programs own a q tile and walk the row list. No atomics, so results are bitwise reproducible.
+- Backward: dQ programs own a q tile and walk the row list; they first compute
+  ``delta = rowsum(dO * O) - dLSE`` of their rows and store it. Then dK/dV programs own a k tile
+  and walk its column list (``q_idx``, the transposed index) for every query head of its GQA
+  group, reading delta. No atomics, so results are bitwise reproducible.
+- Lists: a row (column) list holds the sorted nonzero block indices, then padding that compares
+  above every index, so each part of a walk is a count of entries below a bound and no kernel
+  loads the lists' lengths (one dependent load fewer before the first K/V tile).
 
 Element masks only where a tile needs them. The lists are sorted, and every element-level
 condition here is a threshold on the column (``j < kv_end``; causal ``j <= i + seq_k - seq_q``),
@@ -24,18 +28,23 @@ Rows that attend to nothing keep a finite pivot (never ``-inf - -inf``): their o
 LSE buffer holds +inf (the public API reports -inf), and backward gives them zero gradient.
 
 Dropout (optional, compiled out when off): keep(i, j) is decided by Philox4x32-7 keyed by the
-seed; one call decides {i, i + 8} x {j, j + 1, j + 8, j + 9}, which one thread holds in the
-accumulator layout of a [queries, keys] tile, so the forward and dQ kernels move no data between
-threads (`_philox_keep`; dK/dV transposes the boolean mask); an element is kept when its 16 bits
-are >= ``round(p * 2**16)``; backward regenerates the same bits.
+seed; one call decides the 16 elements {i, i + 8} x {j, j + 1, j + 8, j + 9, ..., j + 24, j + 25},
+which one thread holds in the accumulator layout of a [queries, keys] tile, so the forward and dQ
+kernels move no data between threads (`_philox_keep`; dK/dV moves each call's words to the
+threads holding its [keys, queries] elements); an element is kept when its 8 bits are
+>= ``round(p * 256)``; backward regenerates the same bits.
 `sparseflash.dropout` defines the mask and computes it in NumPy for tests.
 """
+
+import os
 
 import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# Under the Triton interpreter inline PTX cannot run: helpers take a plain path there.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
 @triton.jit
@@ -55,69 +64,119 @@ _RNG_ARGS = ["seed_lo", "seed_hi", "rng_off", "drop_thresh"]
 
 # ----------------------------------------------------------------------------- dropout bits
 @triton.jit
-def _keep_halves(word, drop_thresh):
-    """Keep decisions of a word's two 16-bit halves, stacked on a new last axis (low half first)."""
-    return tl.join((word & 0xFFFF).to(tl.int32) >= drop_thresh, (word >> 16).to(tl.int32) >= drop_thresh)
+def _mul_wide(a, b):
+    """(high, low) 32-bit halves of the 64-bit product of uint32 a and b: one IMAD.WIDE.U32 on the
+    GPU, where umulhi and a separate low multiply cost two; the interpreter computes the same in uint64."""
+    if INTERPRET:
+        p = a.to(tl.uint64) * b.to(tl.uint64)
+        return (p >> 32).to(tl.uint32), p.to(tl.uint32)
+    else:
+        return tl.inline_asm_elementwise("{ .reg .u64 t; mul.wide.u32 t, $2, $3; mov.b64 {$1, $0}, t; }",
+                                         "=r,=r,r,r", [a, b], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
 
 
 @triton.jit
-def _philox_keep(seed_lo, seed_hi, offset, bh, start_m, start_n, drop_thresh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keep-mask [BLOCK_M, BLOCK_N] (bool) of queries start_m + [0, BLOCK_M) and keys
-    start_n + [0, BLOCK_N) (starts multiples of 16).
-
-    Query i and key j are decided by the call with counter (col(j), row(i), bh, offset), with
-    row(i) = (i // 16) * 8 + i % 8 and col(j) = (j // 16) * 4 + (j % 8) // 2; word
-    2 * ((i // 8) % 2) + (j // 8) % 2, 16-bit half j % 2, kept when >= drop_thresh. A call's
-    eight elements {i, i + 8} x {j, j + 1, j + 8, j + 9} are held by one thread in the
-    tensor-core accumulator layout of a [queries, keys] tile, so the forward and dQ kernels
-    build the mask without moving data between threads.
-    """
-    # query r = 16a + 8b + u, key c = 16x + 8y + 2z + e: calls are indexed by (a, u, x, z)
-    call_r = start_m // 2 + 8 * tl.arange(0, BLOCK_M // 16)[:, None] + tl.arange(0, 8)[None, :]  # [M/16, 8]
-    call_c = start_n // 4 + 4 * tl.arange(0, BLOCK_N // 16)[:, None] + tl.arange(0, 4)[None, :]  # [N/16, 4]
-    zero = tl.zeros([BLOCK_M // 16, 8, BLOCK_N // 16, 4], dtype=tl.uint32)
+def _philox_words(seed_lo, seed_hi, offset, bh, start_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The Philox4x32-7 words of queries start_m + [0, BLOCK_M) and keys start_n + [0, BLOCK_N)
+    (start_m a multiple of 16, start_n and BLOCK_N of 32), as [a, u, x, z, y % 2, y // 2] for query
+    16a + 8b + u and key 32x + 8y + 2z + e (the call is (a, u, x, z); y picks the word)."""
+    call_r = start_m // 2 + 8 * tl.arange(0, BLOCK_M // 16)[:, None] + tl.arange(0, 8)[None, :]  # [M/16, 8]: row(i)
+    call_c = start_n // 8 + 4 * tl.arange(0, BLOCK_N // 32)[:, None] + tl.arange(0, 4)[None, :]  # [N/32, 4]: col(j)
+    zero = tl.zeros([BLOCK_M // 16, 8, BLOCK_N // 32, 4], dtype=tl.uint32)
     c0 = zero + call_c.to(tl.uint32)[None, None, :, :]
     c1 = zero + call_r.to(tl.uint32)[:, :, None, None]
     c2 = zero + bh.to(tl.uint32)
     c3 = zero + offset.to(tl.uint32)
     k0 = seed_lo.to(tl.uint32)
     k1 = seed_hi.to(tl.uint32)
+    m0 = zero + 0xD2511F53
+    m1 = zero + 0xCD9E8D57
     for _ in tl.static_range(7):
-        _c0 = c0
-        _c2 = c2
-        c0 = tl.umulhi(_c2, 0xCD9E8D57) ^ c1 ^ k0
-        c2 = tl.umulhi(_c0, 0xD2511F53) ^ c3 ^ k1
-        c1 = _c2 * 0xCD9E8D57
-        c3 = _c0 * 0xD2511F53
+        hi0, lo0 = _mul_wide(c0, m0)
+        hi1, lo1 = _mul_wide(c2, m1)
+        c0 = hi1 ^ c1 ^ k0
+        c2 = hi0 ^ c3 ^ k1
+        c1 = lo1
+        c3 = lo0
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
-    # word (b, y) = c0, c1, c2, c3 for (0, 0), (0, 1), (1, 0), (1, 1); each gives [a, u, x, z, e]
-    t = tl.join(tl.join(_keep_halves(c0, drop_thresh), _keep_halves(c1, drop_thresh)),
-                tl.join(_keep_halves(c2, drop_thresh), _keep_halves(c3, drop_thresh)))  # [a, u, x, z, e, y, b]
-    return tl.reshape(tl.permute(t, 0, 6, 1, 2, 5, 3, 4), [BLOCK_M, BLOCK_N])  # [a, b, u, x, y, z, e]
+    return tl.join(tl.join(c0, c1), tl.join(c2, c3))
+
+
+@triton.jit
+def _philox_keep32(seed_lo, seed_hi, offset, bh, start_m, start_n, drop_thresh, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+    """`_philox_keep` for BLOCK_N a multiple of 32 (start_n too): each element takes its call's
+    word and picks its byte, so every thread works only on the elements it holds."""
+    w = _philox_words(seed_lo, seed_hi, offset, bh, start_m, start_n, BLOCK_M, BLOCK_N)  # [a, u, x, z, y%2, y//2]
+    o_m = tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    if TRANS:  # [keys, queries]: key 32x + 8y + 2z + e, query 16a + 8b + u
+        w = tl.permute(w, 2, 5, 4, 3, 0, 1)  # [x, y//2, y%2, z, a, u]
+        w = tl.broadcast_to(w[:, :, :, :, None, :, None, :], [BLOCK_N // 32, 2, 2, 4, 2, BLOCK_M // 16, 2, 8])
+        w = tl.reshape(w, [BLOCK_N, BLOCK_M])
+        shift = 16 * ((o_m[None, :] // 8) % 2) + 8 * (o_n[:, None] % 2)
+    else:  # [queries, keys]
+        w = tl.permute(w, 0, 1, 2, 5, 4, 3)  # [a, u, x, y//2, y%2, z]
+        w = tl.broadcast_to(w[:, None, :, :, :, :, :, None], [BLOCK_M // 16, 2, 8, BLOCK_N // 32, 2, 2, 4, 2])
+        w = tl.reshape(w, [BLOCK_M, BLOCK_N])
+        shift = 16 * ((o_m[:, None] // 8) % 2) + 8 * (o_n[None, :] % 2)
+    return ((w >> shift.to(tl.uint32)) & 0xFF).to(tl.int32) >= drop_thresh
+
+
+@triton.jit
+def _philox_keep(seed_lo, seed_hi, offset, bh, start_m, start_n, drop_thresh, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+    """Keep-mask (bool) of queries start_m + [0, BLOCK_M) and keys start_n + [0, BLOCK_N) (starts
+    multiples of 16), [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with TRANS (the dK/dV tiles).
+
+    Query i and key j are decided by the Philox4x32-7 call with counter (col(j), row(i), bh,
+    offset), row(i) = (i // 16) * 8 + i % 8 and col(j) = (j // 32) * 4 + (j % 8) // 2: byte
+    2 * ((i // 8) % 2) + j % 2 of word (j // 8) % 4, kept when >= drop_thresh. A call's sixteen
+    elements {i, i + 8} x {j, j + 1, j + 8, j + 9, j + 16, j + 17, j + 24, j + 25} are held by one
+    thread in the tensor-core accumulator layout of a [queries, keys] tile, so the forward and dQ
+    kernels build the mask without moving data between threads.
+    """
+    if BLOCK_N >= 32:
+        return _philox_keep32(seed_lo, seed_hi, offset, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, TRANS)
+    else:  # a 16-key tile: the half of its 32-key span that it covers
+        base = start_n - start_n % 32
+        t = _philox_keep32(seed_lo, seed_hi, offset, bh, start_m, base, drop_thresh, BLOCK_M, 32, TRANS)
+        if TRANS:
+            lo, hi = tl.split(tl.permute(tl.reshape(t, [2, 16, BLOCK_M]), 1, 2, 0))
+        else:
+            lo, hi = tl.split(tl.permute(tl.reshape(t, [BLOCK_M, 2, 16]), 0, 2, 1))
+        return tl.where(start_n == base, lo, hi)
 
 
 # ----------------------------------------------------------------------------- list parts
 @triton.jit
-def _row_parts(p_idx, n, full_end, valid_end, MASK_BK: tl.constexpr, NB_P2: tl.constexpr):
-    """For a sorted k-block list: (#entries fully inside [0, full_end), #entries starting below valid_end)."""
+def _list(p_idx, n_blocks, NB_P2: tl.constexpr):
+    """A sorted block list as a vector [NB_P2]: its entries, then padding that compares above every
+    block index (the stored padding is n_blocks, positions past the row read 2**30). No count is
+    needed: every part of a walk is counted from the entries themselves, so the list load does
+    not wait for another load."""
     o_t = tl.arange(0, NB_P2)
-    m_t = o_t < n
-    b_idx = tl.load(p_idx + o_t, mask=m_t, other=0)
-    n_full = tl.sum((m_t & ((b_idx + 1) * MASK_BK <= full_end)).to(tl.int32), axis=0)
-    n_valid = tl.sum((m_t & (b_idx * MASK_BK < valid_end)).to(tl.int32), axis=0)
-    return n_full, n_valid, b_idx
+    return tl.load(p_idx + o_t, mask=o_t < n_blocks, other=1 << 30)
 
 
 @triton.jit
-def _col_parts(p_idx, n, skip_below, full_from, MASK_BQ: tl.constexpr, NB_P2: tl.constexpr):
-    """For a sorted q-block list: (#entries whose rows all lie below skip_below, #entries with a row below full_from)."""
-    o_t = tl.arange(0, NB_P2)
-    m_t = o_t < n
-    b_idx = tl.load(p_idx + o_t, mask=m_t, other=0)
-    n_skip = tl.sum((m_t & ((b_idx + 1) * MASK_BQ <= skip_below)).to(tl.int32), axis=0)
-    n_part = tl.sum((m_t & (b_idx * MASK_BQ < full_from)).to(tl.int32), axis=0)
-    return n_skip, n_part, b_idx
+def _row_parts(b_idx, full_end, valid_end, MASK_BK: tl.constexpr):
+    """For a sorted k-block list: (#entries fully inside [0, full_end), #entries starting below valid_end).
+    (Integer division truncates towards zero, so a negative bound counts nothing.)"""
+    n_full = tl.sum((b_idx < full_end // MASK_BK).to(tl.int32), axis=0)
+    n_valid = tl.sum((b_idx < (valid_end + MASK_BK - 1) // MASK_BK).to(tl.int32), axis=0)
+    return n_full, n_valid
+
+
+@triton.jit
+def _col_parts(b_idx, n_blocks, skip_below, full_from, MASK_BQ: tl.constexpr):
+    """For a sorted q-block list: (#entries whose rows all lie below skip_below, #entries with a row
+    below full_from, #entries)."""
+    n_skip = tl.sum((b_idx < skip_below // MASK_BQ).to(tl.int32), axis=0)
+    n_part = tl.sum((b_idx < (full_from + MASK_BQ - 1) // MASK_BQ).to(tl.int32), axis=0)
+    n = tl.sum((b_idx < n_blocks).to(tl.int32), axis=0)
+    return n_skip, n_part, n
 
 
 @triton.jit
@@ -141,8 +200,7 @@ def _tile_start(p_idx, b_list, j, DENSE: tl.constexpr, GATHER: tl.constexpr, MAS
 
 
 @triton.jit
-def _row_range(KV_NUM, KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_nb, stride_nh, stride_nm,
-               stride_ib, stride_ih, stride_im, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, DENSE: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr):
     """The k tiles a q tile visits (forward and dQ): its row list, the list in registers, and the
@@ -168,9 +226,9 @@ def _row_range(KV_NUM, KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_
     else:
         SUB: tl.constexpr = MASK_BK // BLOCK_N
         q_blk = start_m // MASK_BQ
-        n = tl.load(KV_NUM + i_b * stride_nb + i_h * stride_nh + q_blk * stride_nm)
         p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
-        n_full, n_valid, b_list = _row_parts(p_idx, n, full_end, valid_end, MASK_BK, NB_P2)
+        b_list = _list(p_idx, tl.cdiv(seq_k, MASK_BK), NB_P2)
+        n_full, n_valid = _row_parts(b_list, full_end, valid_end, MASK_BK)
         j_full = n_full * SUB
         j_valid = n_valid * SUB
     return p_idx, b_list, j_full, j_valid, kv_end, causal_off
@@ -210,7 +268,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         l_i = l_i * alpha + tl.sum(b_p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N)
+            keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
             b_p = tl.where(keep, b_p, 0.0)
         b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = _dot(b_p.to(b_v.dtype), b_v, acc, DOT_PREC)
@@ -219,12 +277,11 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def _fwd_kernel(Q, K, V, O, LSE, KV_NUM, KV_IDX, KEY_LEN,
+def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_ob, stride_oh, stride_om, stride_od,
-                stride_nb, stride_nh, stride_nm,
                 stride_ib, stride_ih, stride_im,
                 H_Q, GROUP, seq_q, seq_k, qk_scale,
                 seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
@@ -250,8 +307,7 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_NUM, KV_IDX, KEY_LEN,
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
-        KV_NUM, KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_nb, stride_nh, stride_nm,
-        stride_ib, stride_ih, stride_im, BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
+        KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im, BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -274,30 +330,6 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_NUM, KV_IDX, KEY_LEN,
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit
-def _bwd_preprocess(O, DO, DLSE, DELTA,
-                    stride_ob, stride_oh, stride_om, stride_od,
-                    stride_dob, stride_doh, stride_dom, stride_dod,
-                    H_Q, seq_q,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
-    i_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = (i_bh // H_Q).to(tl.int64)
-    i_h = (i_bh % H_Q).to(tl.int64)
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_d = tl.arange(0, BLOCK_D)
-    m = (o_m < seq_q)[:, None] & (o_d < HEAD_DIM)[None, :]
-    b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + o_m.to(tl.int64)[:, None] * stride_om + o_d[None, :] * stride_od,
-                  mask=m, other=0.0).to(tl.float32)
-    b_do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :] * stride_dod,
-                   mask=m, other=0.0).to(tl.float32)
-    delta = tl.sum(b_o * b_do, 1)  # [BLOCK_M]
-    p_row = i_bh.to(tl.int64) * seq_q + o_m
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
-    tl.store(DELTA + p_row, delta, mask=o_m < seq_q)
-
-
-@triton.jit
 def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
                 stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
                 MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, MASK_BQ: tl.constexpr,
@@ -318,7 +350,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
         b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         b_dpT = _dot(b_v, tl.trans(b_do), None, DOT_PREC)  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
-            keepT = tl.trans(_philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N))
+            keepT = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, True)
             b_pdT = tl.where(keepT, b_pT * drop_scale, 0.0)
             dv = _dot(b_pdT.to(b_do.dtype), b_do, dv, DOT_PREC)
             b_dpT = tl.where(keepT, b_dpT * drop_scale, 0.0)
@@ -331,14 +363,13 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_NUM, Q_IDX, KEY_LEN,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_dob, stride_doh, stride_dom, stride_dod,
                      stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                      stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                     stride_nb, stride_nh, stride_nn,
                      stride_ib, stride_ih, stride_in,
                      H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
                      seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
@@ -390,9 +421,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_NUM, Q_IDX, KEY_LEN,
             else:
                 SUB: tl.constexpr = MASK_BQ // BLOCK_M
                 k_blk = start_n // MASK_BK
-                n = tl.load(Q_NUM + i_b * stride_nb + i_h * stride_nh + k_blk * stride_nn)
                 p_idx = Q_IDX + i_b * stride_ib + i_h * stride_ih + k_blk.to(tl.int64) * stride_in
-                n_skip, n_part, b_list = _col_parts(p_idx, n, skip_below, full_from, MASK_BQ, NB_P2)
+                n_qb = tl.cdiv(seq_q, MASK_BQ)
+                b_list = _list(p_idx, n_qb, NB_P2)
+                n_skip, n_part, n = _col_parts(b_list, n_qb, skip_below, full_from, MASK_BQ)
                 j_skip = n_skip * SUB
                 j_part = tl.maximum(n_part, n_skip) * SUB
                 j_end = n * SUB
@@ -441,7 +473,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
             b_p = tl.where(m_s, b_p, 0.0)
         b_dp = _dot(do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
-            keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N)
+            keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
             b_dp = tl.where(keep, b_dp * drop_scale, 0.0)
         b_ds = b_p * (b_dp - b_delta[:, None])
         dq = _dot(b_ds.to(b_k.dtype), b_k, dq, DOT_PREC)
@@ -449,20 +481,22 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_NUM, KV_IDX, KEY_LEN,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_dob, stride_doh, stride_dom, stride_dod,
+                   stride_ob, stride_oh, stride_om, stride_od,
                    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                   stride_nb, stride_nh, stride_nm,
                    stride_ib, stride_ih, stride_im,
                    H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
                    seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                    DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+                   HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
+    dK/dV kernel (launched after it): no separate preprocessing pass over O and dO."""
     i_m = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H_Q).to(tl.int64)
@@ -480,15 +514,19 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_NUM, KV_IDX, KEY_LEN,
                 mask=m_q, other=0.0)
     do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + off_m * stride_dom + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod,
                  mask=m_q, other=0.0)
+    b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + off_m * stride_om + o_mt[:, None] * stride_om + o_d[None, :] * stride_od,
+                  mask=m_q, other=0.0)
     p_row = i_bh.to(tl.int64) * seq_q + o_m
     b_lse = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * LOG2E
-    b_delta = tl.load(DELTA + p_row, mask=o_m < seq_q, other=0.0)
+    b_delta = tl.sum(b_o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
+    if HAS_DLSE:
+        b_delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
+    tl.store(DELTA + p_row, b_delta, mask=o_m < seq_q)
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
-        KV_NUM, KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_nb, stride_nh, stride_nm,
-        stride_ib, stride_ih, stride_im, BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
+        KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im, BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,

@@ -22,7 +22,7 @@ import triton
 
 from sparseflash.flash import kernels
 
-__all__ = ["TileConfig", "tile_config", "fwd", "bwd"]
+__all__ = ["TileConfig", "tile_config", "fwd", "bwd", "bwd_dq", "bwd_dkdv"]
 
 
 @dataclass(frozen=True)
@@ -149,15 +149,13 @@ def _gather(nb_p2: int) -> bool:
     return nb_p2 <= GATHER_MAX
 
 
-def _list_args(num, idx, B, H, device):
-    """(counts, lists, their strides, NB_P2) for a kernel; the lists expanded to [B, H, ...] (stride 0
-    where the mask is shared). Dense attention (idx None) passes placeholders the kernel never reads."""
+def _list_args(idx, B, H, device):
+    """(lists, their strides, NB_P2) for a kernel; the lists expanded to [B, H, ...] (stride 0 where
+    the mask is shared). Dense attention (idx None) passes a placeholder the kernel never reads."""
     if idx is None:
-        d = _dummy(device)
-        return d, d, (0, 0, 0), (0, 0, 0), 1
-    num = num.expand(B, H, num.shape[-1])
+        return _dummy(device), (0, 0, 0), 1
     idx = idx.expand(B, H, *idx.shape[-2:])
-    return num, idx, num.stride()[:3], idx.stride()[:3], _nb_p2(idx.shape[-1])
+    return idx, idx.stride()[:3], _nb_p2(idx.shape[-1])
 
 
 def _rng_args(dropout_p: float, seed: int, offset: int):
@@ -166,13 +164,13 @@ def _rng_args(dropout_p: float, seed: int, offset: int):
     from sparseflash.dropout import effective_p, split_seed, threshold
 
     lo, hi = split_seed(seed)
-    # Scale by the probability the 16-bit threshold really applies; p = 1 keeps nothing and
+    # Scale by the probability the 8-bit threshold really applies; p = 1 keeps nothing and
     # scales by 0 (not 1/0).
     p = effective_p(dropout_p)
     return lo, hi, offset, threshold(dropout_p), (1.0 / (1.0 - p) if p < 1.0 else 0.0)
 
 
-def fwd(q, k, v, kv_num, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
+def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
         dropout_p: float, seed: int, offset: int):
     """Forward launch. Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows)."""
     B, Hq, Nq, D = q.shape
@@ -181,12 +179,12 @@ def fwd(q, k, v, kv_num, kv_idx, key_lengths, scale: float, causal: bool, mask_b
     cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
-    kv_num, kv_idx, n_strides, i_strides, nb_p2 = _list_args(kv_num, kv_idx, B, Hq, q.device)
+    kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q.device)
     seed_lo, seed_hi, rng_off, thresh, drop_scale = _rng_args(dropout_p, seed, offset)
     grid = (triton.cdiv(Nq, cfg.block_m), B * Hq)
     kernels._fwd_kernel[grid](
-        q, k, v, o, lse, kv_num, kv_idx, key_lengths if key_lengths is not None else kv_num,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *n_strides, *i_strides,
+        q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *i_strides,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
         seed_lo, seed_hi, rng_off, thresh, drop_scale,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -197,26 +195,14 @@ def fwd(q, k, v, kv_num, kv_idx, key_lengths, scale: float, causal: bool, mask_b
     return o, lse
 
 
-def bwd(do, q, k, v, o, lse, dlse, kv_num, kv_idx, q_num, q_idx, key_lengths, scale: float, causal: bool,
+def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
         mask_bq: int | None, mask_bk: int | None, dropout_p: float, seed: int, offset: int):
-    """Backward launches (preprocess, dK/dV, dQ). Returns (dq, dk, dv)."""
-    delta = bwd_preprocess(o, do, lse, dlse)
-    args = (do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seed, offset)
-    dk, dv = bwd_dkdv(*args, q_num, q_idx)
-    dq = bwd_dq(*args, kv_num, kv_idx)
-    return dq, dk, dv
-
-
-def bwd_preprocess(o, do, lse, dlse):
-    """delta = rowsum(dO * O) - dLSE, float32 [B, Hq, Nq]."""
-    B, Hq, Nq, D = o.shape
+    """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv)."""
     delta = _new(lse)
-    pre_m = 64
-    kernels._bwd_preprocess[(triton.cdiv(Nq, pre_m), B * Hq)](
-        o, do, dlse if dlse is not None else lse, delta, *o.stride(), *do.stride(), Hq, Nq,
-        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=pre_m, HAS_DLSE=dlse is not None,
-    )
-    return delta
+    args = (do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seed, offset)
+    dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse)
+    dk, dv = bwd_dkdv(*args, q_idx)
+    return dq, dk, dv
 
 
 _DUMMY: dict[torch.device, torch.Tensor] = {}
@@ -238,19 +224,18 @@ def _bwd_common(q, key_lengths, causal, dropout_p, seed, offset):
     return klen, constexprs, _rng_args(dropout_p, seed, offset)
 
 
-def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seed, offset,
-             q_num, q_idx):
-    """dK, dV: one program per (k tile, batch * kv head), walking the column lists."""
+def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seed, offset, q_idx):
+    """dK, dV: one program per (k tile, batch * kv head), walking the column lists (delta from `bwd_dq`)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
     dk, dv = _new(k), _new(v)
     cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype)
     dense = q_idx is None
-    cn, ci, cn_s, ci_s, nb_p2 = _list_args(q_num, q_idx, B, Hq, q.device)
+    ci, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q.device)
     kernels._bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.block_n), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, cn, ci, klen,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *cn_s, *ci_s,
+        q, k, v, do, lse, delta, dk, dv, ci, klen,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *ci_s,
         Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
@@ -258,21 +243,23 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     return dk, dv
 
 
-def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seed, offset,
-           kv_num, kv_idx):
-    """dQ: one program per (q tile, batch * q head), walking the row lists."""
+def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seed, offset, kv_idx,
+           *, o, dlse=None):
+    """dQ: one program per (q tile, batch * q head), walking the row lists. It first writes
+    delta = rowsum(dO * O) - dLSE (float32 [B, Hq, Nq]) into ``delta``, for `bwd_dkdv`."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
     dq = _new(q)
     cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype)
     dense = kv_idx is None
-    rn, ri, rn_s, ri_s, nb_p2 = _list_args(kv_num, kv_idx, B, Hq, q.device)
+    ri, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q.device)
     kernels._bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m), B * Hq)](
-        q, k, v, do, lse, delta, dq, rn, ri, klen,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *rn_s, *ri_s,
+        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, ri, klen,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *o.stride(), *dq.stride(), *ri_s,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
-        NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
+        NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, HAS_DLSE=dlse is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
     )
     return dq
