@@ -1,0 +1,196 @@
+"""Compile the attention kernels for Hopper (sm_90a) on a machine without a GPU, and report what
+the compiler made of them: registers, spills, shared memory, layout conversions, instruction mix.
+
+    python -m sparseflash.experiments.bench.inspect_kernels [--head-dim 128] [--dropout 0.1]
+        [--mask-block 128] [--kernels fwd dkdv dq] [--dump DIR]
+
+It drives the real launchers (so tiles, constexprs and specialisations are exactly what a GPU run
+would compile) with a stand-in Triton driver that targets sm_90 and a compile hook that stops
+before the launch. Needs triton's bundled ptxas/cuobjdump (present in the Linux wheels). Useful
+to check a kernel change costs no extra layout conversion or spill before spending GPU time on
+it; `--dump DIR` writes each kernel's TTGIR, PTX and SASS for reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+
+TARGET_ARCH = 90
+
+
+class _HopperStandIn:
+    """Just enough of a Triton driver to compile (never launch) for sm_90 without a GPU."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", TARGET_ARCH, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def map_python_to_cpp_type(self, ty):  # only used for launchers, which we never build
+        raise NotImplementedError
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.path.exists(path) else name
+
+
+def _resources(cubin: bytes) -> dict:
+    """Registers and local memory (spills) of the compiled kernel, from its cubin."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    val = lambda key: int(m.group(1)) if (m := re.search(key + r":(\d+)", text)) else None  # noqa: E731
+    return dict(regs=val("REG"), stack=val("STACK"), local=val("LOCAL"))
+
+
+def _sass(cubin: bytes) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+
+
+def _opcodes(sass: str) -> collections.Counter:
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1).split(".")[0]] += 1
+    return ops
+
+
+def _loops(sass: str) -> list[int]:
+    """Instruction counts of the loops (a backward branch and what it jumps over), in code order."""
+    addr, out = [], []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*)", line)
+        if not m:
+            continue
+        pc = int(m.group(1), 16)
+        addr.append(pc)
+        b = re.search(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", m.group(2))
+        if b and int(b.group(1), 16) < pc:
+            target = int(b.group(1), 16)
+            out.append(sum(1 for a in addr if target <= a <= pc))
+    return out
+
+
+def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024, dtype=torch.bfloat16):
+    """Compile the launchers' kernels for sm_90 and return {kernel name: CompiledKernel-like asm dict}."""
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    from sparseflash.flash import launch
+    from sparseflash.mask import BlockMask
+
+    compiled = {}
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        src = ASTSource(fn.jit_function, compile["signature"], compile["constants"], compile["configs"][0])
+        opts = dict(num_warps=compile["num_warps"], num_stages=compile["num_stages"], num_ctas=compile["num_ctas"])
+        compiled[fn.name] = triton.compile(src, target=_HopperStandIn().target, options=opts)
+        return True  # compiled here: skip the launch
+
+    saved_hook, saved_driver = knobs.runtime.jit_cache_hook, triton.runtime.driver._active
+    triton.runtime.driver.set_active(_HopperStandIn())
+    knobs.runtime.jit_cache_hook = hook
+    saved_interp = launch._interpreting
+    launch._interpreting = lambda: False
+    try:
+        B, H, N, D = 1, 2, seq, head_dim
+        q, k, v, do = (torch.randn(B, H, N, D, dtype=dtype) for _ in range(4))
+        scale = D ** -0.5
+        cuda = torch.device("cuda")
+        if mask_block:
+            nb = triton.cdiv(N, mask_block)
+            mask = BlockMask.from_layout(torch.ones(nb, nb, dtype=torch.bool), block_size=mask_block, seq_q=N, seq_k=N)
+            idx = mask.index("cpu")
+            lists = (idx.kv_idx, idx.q_idx)
+        else:
+            lists = (None, None)
+        cfgs = {kind: launch._default_config(kind, D, cuda) for kind in ("fwd", "dkdv", "dq")}
+        if dtype == torch.float32:
+            cfgs = {kind: launch._fp32_config(c, kind, D) for kind, c in cfgs.items()}
+        mb = mask_block or None
+        lse = torch.zeros(B, H, N)
+        with launch.tile_config(**cfgs):
+            if "fwd" in kinds:
+                launch.fwd(q, k, v, lists[0], None, scale, causal, mb, mb, dropout, 1, 0)
+            bargs = (do, q, k, v, lse, lse, None, scale, causal, mb, mb, dropout, 1, 0)
+            if "dkdv" in kinds:
+                launch.bwd_dkdv(*bargs, lists[1])
+            if "dq" in kinds:
+                launch.bwd_dq(*bargs, lists[0], o=q)
+    finally:
+        knobs.runtime.jit_cache_hook = saved_hook
+        triton.runtime.driver._active = saved_driver
+        launch._interpreting = saved_interp
+    return compiled
+
+
+def report(compiled, dump: str | None = None) -> list[dict]:
+    rows = []
+    for name, ck in compiled.items():
+        ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
+        sass = _sass(ck.asm["cubin"])
+        ops = _opcodes(sass)
+        row = dict(kernel=name, shared=ck.metadata.shared, **_resources(ck.asm["cubin"]),
+                   convert_layout=ttgir.count("ttg.convert_layout"), local_alloc=ttgir.count("ttg.local_alloc"),
+                   sass_total=sum(ops.values()), loops="/".join(map(str, _loops(sass))), **{op: ops.get(op, 0) for op in ("HGMMA", "MUFU", "IMAD", "LOP3", "ISETP", "FSEL", "SHF", "BAR", "LDS", "STS")})
+        rows.append(row)
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            for ext, text in (("ttgir", ttgir), ("ptx", ptx), ("sass", sass)):
+                with open(os.path.join(dump, f"{name}.{ext}"), "w") as f:
+                    f.write(text)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--mask-block", type=int, default=128, help="0: dense kernels (mask=None)")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--fp32", action="store_true")
+    ap.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
+    ap.add_argument("--dump", default=None, help="write TTGIR, PTX and SASS of each kernel here")
+    args = ap.parse_args(argv)
+    compiled = compile_kernels(args.kernels, args.head_dim, args.dropout, args.mask_block, args.causal,
+                               dtype=torch.float32 if args.fp32 else torch.bfloat16)
+    rows = report(compiled, args.dump)
+    cols = list(rows[0].keys())
+    print(" ".join(f"{c:>14s}" if i == 0 else f"{c:>7s}" for i, c in enumerate(cols)))
+    for r in rows:
+        print(" ".join(f"{str(r[c]):>14s}" if i == 0 else f"{str(r[c]):>7s}" for i, c in enumerate(cols)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
