@@ -1,10 +1,16 @@
-"""Search kernel tile configs on a GPU: each of fwd, dK/dV and dQ alone, per head_dim, beside SDPA.
+"""Search kernel tile configs on a GPU: each of fwd, dK/dV and dQ alone, dense and block-sparse.
 
-    python -m sparseflash.experiments.bench.tune_tiles --out DIR [--seq-len 4096] [--head-dims 64 128]
+    python -m sparseflash.experiments.bench.tune_tiles --out DIR [--seq-lens 4096] [--head-dims 64 128]
+        [--blocks-per-row 0 3] [--kinds fwd dkdv dq] [--jobs 16] [--sdpa]
 
-Times each kernel with triton.testing.do_bench (median) on bf16 [B, 16, N, D] with B*N = 16K
-tokens, dense non-causal and causal, writes DIR/tune_tiles.json and prints the best config per
-kernel and head_dim; launch.py's defaults are set from these results.
+For every kernel, head_dim, sequence length and mask (``--blocks-per-row 0``: dense, mask=None;
+``k``: a `random` mask with k of the 128-blocks per row) it times each candidate config of the
+kernel alone, in GPU time (``do_bench_cudagraph``: replays of a CUDA graph, no host overhead),
+on bf16 [B, 16, N, D] with B*N = 16K tokens. Effective TFLOP/s count only computed blocks. All
+variants are compiled first in ``--jobs`` processes in parallel (Triton's on-disk cache then
+serves the timing process), so a full search fits in one short GPU session. Writes
+DIR/tune_tiles.json and prints the best config per setting; launch.py's defaults come from these
+results (experiments/results/tune/).
 """
 
 from __future__ import annotations
@@ -13,84 +19,152 @@ import argparse
 import json
 import math
 import os
+import time
 
 import torch
 
+# (block_m, block_n, num_warps, num_stages); fwd/dq: block_m = q tile held, block_n = k tile streamed;
+# dkdv: block_n = k tile held, block_m = q tile streamed.
 FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
-       (64, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4)]
+       (64, 128, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3)]
 DKDV = [(32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 2),
-        (128, 128, 8, 2), (16, 128, 4, 3), (64, 128, 8, 3)]
+        (128, 128, 8, 2), (16, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 2)]
 DQ = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 4, 2),
-      (128, 128, 8, 2), (128, 64, 8, 3)]
+      (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 128, 4, 2)]
+CONFIGS = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
+MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}  # per tile pair: fwd S, PV; dK/dV S, dV, dP, dK; dQ S, dP, dQ
+
+
+def _setting(kind, D, N, bpr, heads, batch, device, dtype=torch.bfloat16, seed=0):
+    """Inputs and a zero-argument call running one kernel (with its current tile config)."""
+    from sparseflash.flash import launch
+    from sparseflash.patterns import random as random_mask
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v, do = (torch.randn(batch, heads, N, D, device=device, dtype=dtype, generator=g) for _ in range(4))
+    scale = 1 / math.sqrt(D)
+    if bpr:
+        mask = random_mask(N, bpr, seed=seed, device=device)
+        idx = mask.index(device)
+        kv_idx, q_idx, mb = idx.kv_idx, idx.q_idx, 128
+        pairs = mask.attended_pairs()
+    else:
+        kv_idx = q_idx = mb = None
+        pairs = N * N
+    o, lse = launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, 0.0, 0, 0)
+    delta = torch.empty_like(lse)
+    bargs = (do, q, k, v, lse, delta, None, scale, False, mb, mb, 0.0, 0, 0)
+    launch.bwd_dq(*bargs, kv_idx, o=o)  # fills delta
+    calls = {
+        "fwd": lambda: launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, 0.0, 0, 0),
+        "dkdv": lambda: launch.bwd_dkdv(*bargs, q_idx),
+        "dq": lambda: launch.bwd_dq(*bargs, kv_idx, o=o),
+    }
+    flops = 2 * MATMULS[kind] * batch * heads * float(pairs) * D
+    return calls[kind], flops
+
+
+def _compile_one(spec):
+    """Worker: compile one (kind, D, N, blocks per row, config) by running it once at a small batch."""
+    kind, D, N, bpr, cfg = spec
+    try:
+        from sparseflash.flash.launch import TileConfig, tile_config
+
+        with tile_config(**{kind: TileConfig(*cfg)}):
+            call, _ = _setting(kind, D, N, bpr, heads=2, batch=1, device="cuda")
+            call()
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # out of resources etc.: reported again by the timing pass
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def _precompile(specs, jobs):
+    if jobs <= 1:
+        return
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+        failed = sum(r is not None for r in ex.map(_compile_one, specs))
+    print(f"compiled {len(specs)} variants in {jobs} processes in {time.time() - t0:.0f} s ({failed} failed)", flush=True)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="tune_out")
-    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--blocks-per-row", type=int, nargs="+", default=[0, 3],
+                    help="0: dense (mask=None); k: random mask with k 128-blocks per row")
+    ap.add_argument("--kinds", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--rep", type=float, default=60.0, help="do_bench_cudagraph budget per config, ms")
+    ap.add_argument("--sdpa", action="store_true", help="also time SDPA flash / cuDNN dense (fwd, bwd)")
     args = ap.parse_args(argv)
     import triton
+    import triton.testing
 
-    from sparseflash.flash import launch
     from sparseflash.flash.launch import TileConfig, tile_config
 
     os.makedirs(args.out, exist_ok=True)
-    N, H = args.seq_len, args.heads
-    B = max(1, 16384 // N)
+    settings = [(kind, D, N, bpr) for kind in args.kinds for D in args.head_dims for N in args.seq_lens
+                for bpr in args.blocks_per_row]
+    _precompile([(kind, D, N, bpr, cfg) for kind, D, N, bpr in settings for cfg in CONFIGS[kind]], args.jobs)
     rows = []
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
-    for D in args.head_dims:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-        scale = 1 / math.sqrt(D)
-        flops = 4 * B * H * N * N * D * (0.5 if args.causal else 1.0)
-        o, lse = launch.fwd(q, k, v, None, None, None, scale, args.causal, None, None, 0.0, 0, 0)
-        delta = launch.bwd_preprocess(o, do, lse, None)
-        bargs = (do, q, k, v, lse, delta, None, scale, args.causal, None, None, 0.0, 0, 0)
-        for kind, cfgs, f_mult, call in (
-            ("fwd", FWD, 1.0, lambda: launch.fwd(q, k, v, None, None, None, scale, args.causal, None, None, 0.0, 0, 0)),
-            ("dkdv", DKDV, 2.0, lambda: launch.bwd_dkdv(*bargs, None, None)),   # 4 matmuls: S recompute, dV, dP, dK
-            ("dq", DQ, 1.5, lambda: launch.bwd_dq(*bargs, None, None)),          # 3 matmuls: S recompute, dP, dQ
-        ):
-            for cfg in cfgs:
-                tc = TileConfig(*cfg)
-                try:
-                    with tile_config(**{kind: tc}):
-                        ms = bench(call)
-                    rows.append(dict(kind=kind, D=D, N=N, cfg=cfg, ms=ms, tflops=f_mult * flops / ms * 1e-9))  # executed FLOPs
-                except Exception as e:  # out of resources etc.
-                    rows.append(dict(kind=kind, D=D, N=N, cfg=cfg, ms=None, error=str(e).splitlines()[0][:120]))
-                r = rows[-1]
-                print(f"{kind:5s} D={D:3d} {cfg}: " + (f"{r['ms']:.3f} ms {r['tflops']:.0f} TF" if r["ms"] else r["error"]), flush=True)
+    for kind, D, N, bpr in settings:
+        B = max(1, 16384 // N)
+        for cfg in CONFIGS[kind]:
+            r = dict(kind=kind, D=D, N=N, blocks_per_row=bpr, cfg=cfg)
+            try:
+                with tile_config(**{kind: TileConfig(*cfg)}):
+                    call, flops = _setting(kind, D, N, bpr, args.heads, B, "cuda")
+                    call()
+                    s = torch.cuda.Stream()
+                    with torch.cuda.stream(s):
+                        ms = float(triton.testing.do_bench_cudagraph(call, rep=args.rep, return_mode="median"))
+                r.update(ms=ms, tflops=flops / ms * 1e-9)
+            except Exception as e:
+                r.update(ms=None, error=str(e).splitlines()[0][:160])
+            rows.append(r)
+            print(f"{kind:5s} D={D:3d} N={N:5d} bpr={bpr:2d} {cfg}: "
+                  + (f"{r['ms']:.4f} ms {r['tflops']:.0f} TF" if r["ms"] else r["error"]), flush=True)
+            torch.cuda.empty_cache()
+    if args.sdpa:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        for name, be in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
-            try:
-                with sdpa_kernel(be):
-                    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-                    f = lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=args.causal)  # noqa: E731
-                    ms_f = bench(f)
-                    out = f()
-                    ms_b = bench(lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True))
-                rows.append(dict(kind=name, D=D, N=N, fwd_ms=ms_f, bwd_ms=ms_b, fwd_tflops=flops / ms_f * 1e-9,
-                                 bwd_tflops=2.5 * flops / ms_b * 1e-9))
-                print(f"{name} D={D}: fwd {ms_f:.3f} ms ({flops / ms_f * 1e-9:.0f} TF), bwd {ms_b:.3f} ms "
-                      f"({2.5 * flops / ms_b * 1e-9:.0f} TF)", flush=True)
-            except Exception as e:
-                print(f"{name}: unavailable ({e})")
+        for D in args.head_dims:
+            for N in args.seq_lens:
+                B = max(1, 16384 // N)
+                q, k, v, do = (torch.randn(B, args.heads, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                flops = 4 * B * args.heads * N * N * D
+                for name, be in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    try:
+                        with sdpa_kernel(be):
+                            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+                            f = lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, vv)  # noqa: E731
+                            ms_f = triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")
+                            out = f()
+                            ms_b = triton.testing.do_bench(lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True),
+                                                           warmup=25, rep=100, return_mode="median")
+                        rows.append(dict(kind=name, D=D, N=N, fwd_ms=ms_f, bwd_ms=ms_b, fwd_tflops=flops / ms_f * 1e-9,
+                                         bwd_tflops=2.5 * flops / ms_b * 1e-9))
+                        print(f"{name} D={D} N={N}: fwd {ms_f:.3f} ms, bwd {ms_b:.3f} ms", flush=True)
+                    except Exception as e:
+                        print(f"{name}: unavailable ({e})")
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                commit=os.environ.get("SPARSEFLASH_COMMIT", "unknown"), date=time.strftime("%Y-%m-%d"),
+                timing="do_bench_cudagraph median (GPU time)", heads=args.heads, tokens=16384)
     with open(os.path.join(args.out, "tune_tiles.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       causal=args.causal, rows=rows), f, indent=1)
-    print("\nbest per kernel:")
-    for D in args.head_dims:
-        for kind in ("fwd", "dkdv", "dq"):
-            ok = [r for r in rows if r["kind"] == kind and r["D"] == D and r.get("ms")]
-            if ok:
-                b = min(ok, key=lambda r: r["ms"])
-                print(f"  {kind:5s} D={D:3d} best {b['cfg']} {b['ms']:.3f} ms")
+        json.dump(dict(meta, rows=rows), f, indent=1)
+    print(f"\nbest per setting ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; GPU time):")
+    for kind, D, N, bpr in settings:
+        ok = [r for r in rows if (r["kind"], r["D"], r["N"], r["blocks_per_row"]) == (kind, D, N, bpr) and r.get("ms")]
+        if ok:
+            b = min(ok, key=lambda r: r["ms"])
+            print(f"  {kind:5s} D={D:3d} N={N:5d} bpr={bpr:2d} best {b['cfg']} {b['ms']:.4f} ms {b['tflops']:.0f} TF")
     return 0
 
 
