@@ -44,13 +44,10 @@ def check_attention(impl, q, k, v, do, *, mask=None, causal=False, scale=None, k
     """impl(q, k, v) -> out or (out, lse). Asserts |impl - ref64| <= factor * |torch_dtype - ref64| + floor
     for the output and (if grads) dq, dk, dv, and that nothing is NaN. Returns the errors."""
     kw = dict(mask=mask, causal=causal, scale=scale, key_lengths=key_lengths, **(ref_kwargs or {}))
-    dev = q.device
-    q64, k64, v64, do64 = (t.detach().cpu().double() for t in (q, k, v, do))
-    kl64 = None if key_lengths is None else key_lengths.cpu()
-    mask64 = None if mask is None else mask.to("cpu")
-    kw64 = dict(kw, key_lengths=kl64, mask=mask64)
-    kw64.update({k: v.cpu() for k, v in kw64.items() if isinstance(v, torch.Tensor)})  # e.g. a dropout keep-mask
-    o_ref, _, g_ref = _run(lambda a, b, c: reference.attention(a, b, c, **kw64), q64, k64, v64, do64, grads)
+    # The float64 reference runs on the inputs' device (float64 arithmetic is the same on a GPU,
+    # and there it takes seconds at 16K tokens where the CPU takes minutes).
+    q64, k64, v64, do64 = (t.detach().double() for t in (q, k, v, do))
+    o_ref, _, g_ref = _run(lambda a, b, c: reference.attention(a, b, c, **kw), q64, k64, v64, do64, grads)
     # The same computation in PyTorch, in the input dtype (on the input device).
     o_pt, _, g_pt = _run(lambda a, b, c: reference.attention(a, b, c, compute_dtype=q.dtype, **kw), q, k, v, do, grads)
     o_k, _, g_k = _run(impl, q, k, v, do, grads)
@@ -61,7 +58,7 @@ def check_attention(impl, q, k, v, do, *, mask=None, causal=False, scale=None, k
         pairs += [(n, a, b, c) for n, a, b, c in zip(("dq", "dk", "dv"), g_k, g_pt, g_ref)]
     for name, got, pt, ref in pairs:
         assert not torch.isnan(got).any(), f"{name} has NaN"
-        e_k, e_pt = _err(got.cpu(), ref), _err(pt.cpu(), ref)
+        e_k, e_pt = _err(got, ref), _err(pt, ref)
         floor = FLOOR[q.dtype] + torch.finfo(q.dtype).eps * (ref.abs().max().item() if ref.numel() else 0.0)
         errs[name] = (e_k, e_pt)
         if REPORT is not None:
