@@ -2,7 +2,9 @@
 # The GPU runs behind experiments/results/, in stages that each fit one call of a lent H100:
 #   experiments/gpu_session.sh OUT STAGE [STAGE ...]
 # Stages: sweep (bench sparsity, full GPU defaults), seqlen (bench seqlen), dropout, tests (GPU
-# test files, in SHARDS processes), lra-speed, lra-train. Each stage writes OUT/<stage>/ and a log; everything is
+# test files, in SHARDS processes), tune (tile search, dense and density 0.1), kernel-check (issue
+# 3's check against the baselines, GPU time and eager), ab (the kernel check, sparseflash only, in
+# GPU time, for the source tree in AB_OLD and for this one), lra-speed, lra-train. Each stage writes OUT/<stage>/ and a log; everything is
 # packed into OUT/<stage>.tgz so a call brings back few files.
 set -uo pipefail
 out=$1; shift
@@ -23,13 +25,21 @@ for stage in "$@"; do
         tests)   # SHARDS pytest processes side by side (compiling the many kernel variants is the slow part)
                  $py -m pytest --collect-only -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py \
                      | grep '::' > "$d/ids.txt"
-                 split -n "r/${SHARDS:-8}" "$d/ids.txt" "$d/shard_"
+                 split -n "r/${SHARDS:-12}" "$d/ids.txt" "$d/shard_"
                  for f in "$d"/shard_*; do
                      mapfile -t ids < "$f"
                      $t $py -m pytest -q -p no:cacheprovider --durations=5 "${ids[@]}" > "$f.log" 2>&1 &
                  done
                  wait
                  for f in "$d"/shard_*.log; do echo "--- $f"; tail -n 12 "$f"; done ;;
+        tune)    $t $py -m sparseflash.experiments.bench.tune_tiles --seq-lens 4096 16384 --densities 1 0.1 --out "$d" ;;
+        kernel-check)
+                 $t $py -m sparseflash bench sparsity --preset kernel-check --cuda-graph --out "$d/graph"
+                 $t $py -m sparseflash bench sparsity --preset kernel-check --seq-len 4096 --out "$d/eager-4k" ;;
+        ab)      # AB_OLD: a source tree of an earlier commit (git archive), carried with the call
+                 ab="--preset kernel-check --providers sparseflash sparseflash-dense --densities 1 0.1 --cuda-graph --no-plot"
+                 (cd "${AB_OLD:?set AB_OLD}" && $t $py -m sparseflash bench sparsity $ab --out "$d/old")
+                 $t $py -m sparseflash bench sparsity $ab --out "$d/new" ;;
         lra-speed) $t $py -m sparseflash lra speed --task all --max-seconds 5 --repeats 5 --out "$d" ;;
         lra-train) $t bash experiments/lra/run_quick.sh "$d" ;;
         *) echo "unknown stage $stage"; exit 2 ;;

@@ -1,10 +1,10 @@
 """Search kernel tile configs on a GPU: each of fwd, dK/dV and dQ alone, dense and block-sparse.
 
     python -m sparseflash.experiments.bench.tune_tiles --out DIR [--seq-lens 4096] [--head-dims 64 128]
-        [--blocks-per-row 0 3] [--kinds fwd dkdv dq] [--jobs 16] [--sdpa]
+        [--densities 1 0.1] [--kinds fwd dkdv dq] [--jobs 16] [--sdpa]
 
-For every kernel, head_dim, sequence length and mask (``--blocks-per-row 0``: dense, mask=None;
-``k``: a `random` mask with k of the 128-blocks per row) it times each candidate config of the
+For every kernel, head_dim, sequence length and density (1: dense, mask=None; below 1: a
+`random` mask with round(density * blocks) of the 128-blocks per row) it times each candidate config of the
 kernel alone, in GPU time (``do_bench_cudagraph``: replays of a CUDA graph, no host overhead),
 on bf16 [B, 16, N, D] with B*N = 16K tokens. Effective TFLOP/s count only computed blocks. All
 variants are compiled first in ``--jobs`` processes in parallel (Triton's on-disk cache then
@@ -65,13 +65,13 @@ def _setting(kind, D, N, bpr, heads, batch, device, dtype=torch.bfloat16, seed=0
 
 
 def _compile_one(spec):
-    """Worker: compile one (kind, D, N, blocks per row, config) by running it once at a small batch."""
+    """Worker: compile one (kind, D, N, blocks per row, config) by running it once at batch 1."""
     kind, D, N, bpr, cfg = spec
     try:
         from sparseflash.flash.launch import TileConfig, tile_config
 
         with tile_config(**{kind: TileConfig(*cfg)}):
-            call, _ = _setting(kind, D, N, bpr, heads=2, batch=1, device="cuda")
+            call, _ = _setting(kind, D, N, bpr, heads=16, batch=1, device="cuda")  # same specialisation as timed
             call()
         torch.cuda.synchronize()
         return None
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="tune_out")
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--blocks-per-row", type=int, nargs="+", default=[0, 3],
-                    help="0: dense (mask=None); k: random mask with k 128-blocks per row")
+    ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.1],
+                    help="1: dense (mask=None); below 1: random mask with that share of 128-blocks per row")
     ap.add_argument("--kinds", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
@@ -110,8 +110,8 @@ def main(argv=None) -> int:
     from sparseflash.flash.launch import TileConfig, tile_config
 
     os.makedirs(args.out, exist_ok=True)
-    settings = [(kind, D, N, bpr) for kind in args.kinds for D in args.head_dims for N in args.seq_lens
-                for bpr in args.blocks_per_row]
+    settings = [(kind, D, N, 0 if d >= 1 else max(1, round(d * math.ceil(N / 128))))
+                for kind in args.kinds for D in args.head_dims for N in args.seq_lens for d in args.densities]
     _precompile([(kind, D, N, bpr, cfg) for kind, D, N, bpr in settings for cfg in CONFIGS[kind]], args.jobs)
     rows = []
     for kind, D, N, bpr in settings:
