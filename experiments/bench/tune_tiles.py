@@ -23,14 +23,17 @@ import time
 
 import torch
 
-# (block_m, block_n, num_warps, num_stages); fwd/dq: block_m = q tile held, block_n = k tile streamed;
-# dkdv: block_n = k tile held, block_m = q tile streamed.
+# (block_m, block_n, num_warps, num_stages[, maxnreg]); fwd/dq: block_m = q tile held, block_n = k
+# tile streamed; dkdv: block_n = k tile held, block_m = q tile streamed. A register cap (maxnreg)
+# lets more programs share an SM, which hides the per-program start and end of short rows.
 FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
-       (64, 128, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3)]
+       (64, 128, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3),
+       (64, 64, 4, 2, 168), (64, 64, 4, 3, 168), (64, 32, 4, 3, 168), (64, 64, 4, 3, 128)]
 DKDV = [(32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 2),
-        (128, 128, 8, 2), (16, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 2)]
+        (128, 128, 8, 2), (16, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 2),
+        (64, 64, 4, 2, 168), (32, 64, 4, 3, 128)]
 DQ = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 4, 2),
-      (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 128, 4, 2)]
+      (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 4, 2, 168), (64, 32, 4, 3, 128)]
 CONFIGS = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
 MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}  # per tile pair: fwd S, PV; dK/dV S, dV, dP, dK; dQ S, dP, dQ
 

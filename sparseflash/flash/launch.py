@@ -31,6 +31,13 @@ class TileConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    maxnreg: int | None = None  # register cap per thread (more programs per SM), None: the compiler's choice
+
+    def launch_options(self) -> dict:
+        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg is not None and not _interpreting():
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
 _OVERRIDE: dict[str, TileConfig] = {}
@@ -109,7 +116,7 @@ def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
             bm = max(16, bm // 2)
         else:
             bn = max(16, bn // 2)
-    return TileConfig(bm, bn, cfg.num_warps, min(cfg.num_stages, 2))
+    return TileConfig(bm, bn, cfg.num_warps, min(cfg.num_stages, 2), cfg.maxnreg)
 
 
 def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None,
@@ -121,7 +128,7 @@ def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int 
             cfg = _fp32_config(cfg, kind, head_dim)
     bm = _fit(cfg.block_m, mask_bq, "block_q")
     bn = _fit(cfg.block_n, mask_bk, "block_k")
-    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages)
+    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages, cfg.maxnreg)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -190,7 +197,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
         DENSE=dense, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-        DOT_PREC=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(),
     )
     return o, lse
 
@@ -238,7 +245,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *ci_s,
         Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
-        NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
+        NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, **cfg.launch_options(), **constexprs,
     )
     return dk, dv
 
@@ -260,6 +267,6 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, HAS_DLSE=dlse is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
+        **cfg.launch_options(), **constexprs,
     )
     return dq
