@@ -121,7 +121,11 @@ def _philox_keep32(seed_lo, seed_hi, offset, bh, start_m, start_n, drop_thresh, 
         w = tl.broadcast_to(w[:, None, :, :, :, :, :, None], [BLOCK_M // 16, 2, 8, BLOCK_N // 32, 2, 2, 4, 2])
         w = tl.reshape(w, [BLOCK_M, BLOCK_N])
         shift = 16 * ((o_m[:, None] // 8) % 2) + 8 * (o_n[None, :] % 2)
-    return ((w >> shift.to(tl.uint32)) & 0xFF).to(tl.int32) >= drop_thresh
+    # byte >= t  <=>  (word << (24 - 8 * byte)) >= t << 24 (unsigned; the byte's lower neighbours
+    # cannot lift a smaller byte over t << 24): a shift and a compare, no mask
+    # (p = 1 has threshold 256, which does not fit: 255 keeps 1/256 of the elements, and the scale,
+    # 1 / (1 - p) taken as 0, zeroes them.)
+    return (w << (24 - shift).to(tl.uint32)) >= (tl.minimum(drop_thresh, 255).to(tl.uint32) << 24)
 
 
 @triton.jit

@@ -70,16 +70,22 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _default_config(kind: str, head_dim: int, device: torch.device) -> TileConfig:
+def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: int | None = None) -> TileConfig:
+    """The tile of a kernel. ``k_blocks``: the mask's key blocks (None: dense), the proxy for row
+    length that needs no look at the mask's contents (longer sequences, longer rows)."""
     if device.type != "cuda" or _interpreting():
         return TileConfig(32, 32, 4, 1)
-    # H100 (sm90), bf16, measured by experiments/bench/tune_tiles.py (experiments/results/tune/):
-    # the fastest config per kernel and head_dim at N=4096, 16 heads.
+    # H100 (sm90), bf16, measured by experiments/bench/tune_tiles.py in GPU time, dense and at
+    # density 0.1, N = 4K and 16K, 16 heads (experiments/results/tune/).
+    sparse = k_blocks is not None
     if kind == "fwd":
         if head_dim <= 64:
             return TileConfig(128, 64, 8, 3)
         if head_dim <= 128:
-            return TileConfig(64, 64, 4, 3)
+            if not sparse:
+                return TileConfig(128, 64, 8, 3)
+            # rows of ~13 blocks (16K tokens): 7% faster with 128-key tiles; rows of ~3 (4K): 64 x 64
+            return TileConfig(128, 128, 8, 3) if k_blocks >= 64 else TileConfig(64, 64, 4, 3)
         return TileConfig(64, 32, 4, 2)
     if kind == "dkdv":  # block_n = k tile held on chip, block_m = q tile streamed
         if head_dim <= 64:
@@ -89,7 +95,7 @@ def _default_config(kind: str, head_dim: int, device: torch.device) -> TileConfi
         return TileConfig(32, 64, 8, 2)
     # dq: block_m = q tile held, block_n = k tile streamed
     if head_dim <= 64:
-        return TileConfig(64, 64, 4, 3)
+        return TileConfig(64, 64, 4, 3) if sparse else TileConfig(128, 64, 8, 3)
     if head_dim <= 128:
         return TileConfig(128, 64, 8, 3)
     return TileConfig(64, 32, 8, 2)
@@ -120,10 +126,10 @@ def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
 
 
 def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None,
-            dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+            dtype: torch.dtype = torch.bfloat16, k_blocks: int | None = None) -> TileConfig:
     cfg = _OVERRIDE.get(kind)
     if cfg is None:
-        cfg = _default_config(kind, head_dim, device)
+        cfg = _default_config(kind, head_dim, device, k_blocks)
         if dtype == torch.float32 and device.type == "cuda" and not _interpreting():
             cfg = _fp32_config(cfg, kind, head_dim)
     bm = _fit(cfg.block_m, mask_bq, "block_q")
@@ -183,7 +189,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = kv_idx is None
-    cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype)
+    cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1])
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
     kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q.device)
@@ -237,7 +243,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     Hkv, Nk = k.shape[1], k.shape[2]
     klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
     dk, dv = _new(k), _new(v)
-    cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype)
+    cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2])
     dense = q_idx is None
     ci, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q.device)
     kernels._bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.block_n), B * Hkv)](
@@ -258,7 +264,7 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
     Hkv, Nk = k.shape[1], k.shape[2]
     klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, seed, offset)
     dq = _new(q)
-    cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype)
+    cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1])
     dense = kv_idx is None
     ri, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q.device)
     kernels._bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m), B * Hq)](
