@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -114,6 +115,9 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         src = ASTSource(fn.jit_function, compile["signature"], compile["constants"], compile["configs"][0])
         opts = dict(num_warps=compile["num_warps"], num_stages=compile["num_stages"], num_ctas=compile["num_ctas"])
+        maxnreg = json.loads(compile["specialization_data"]).get("options", {}).get("maxnreg")
+        if maxnreg:
+            opts["maxnreg"] = maxnreg
         compiled[fn.name] = triton.compile(src, target=_HopperStandIn().target, options=opts)
         return True  # compiled here: skip the launch
 
