@@ -80,7 +80,9 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
     sparse = k_blocks is not None
     if kind == "fwd":
         if head_dim <= 64:
-            return TileConfig(128, 64, 8, 3)
+            # at most 128 registers: two 8-warp programs per SM (the sparse kernel with dropout
+            # otherwise takes 130 and halves that)
+            return TileConfig(128, 64, 8, 3, maxnreg=128)
         if head_dim <= 128:
             if not sparse:
                 return TileConfig(128, 64, 8, 3)
