@@ -138,7 +138,7 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
             lists = (idx.kv_idx, idx.q_idx)
         else:
             lists = (None, None)
-        cfgs = {kind: launch._default_config(kind, D, cuda, triton.cdiv(N, mask_block) if mask_block else None)
+        cfgs = {kind: launch._default_config(kind, D, cuda, triton.cdiv(N, mask_block) if mask_block else None, dropout > 0)
                 for kind in ("fwd", "dkdv", "dq")}
         if dtype == torch.float32:
             cfgs = {kind: launch._fp32_config(c, kind, D) for kind, c in cfgs.items()}

@@ -70,7 +70,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: int | None = None) -> TileConfig:
+def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: int | None = None,
+                    dropout: bool = False) -> TileConfig:
     """The tile of a kernel. ``k_blocks``: the mask's key blocks (None: dense), the proxy for row
     length that needs no look at the mask's contents (longer sequences, longer rows)."""
     if device.type != "cuda" or _interpreting():
@@ -80,9 +81,10 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
     sparse = k_blocks is not None
     if kind == "fwd":
         if head_dim <= 64:
-            # at most 128 registers: two 8-warp programs per SM (the sparse kernel with dropout
-            # otherwise takes 130 and halves that)
-            return TileConfig(128, 64, 8, 3, maxnreg=128)
+            # With dropout, at most 128 registers: two 8-warp programs per SM (the kernel takes
+            # 128-130 and the sparse one ran alone; capped, p = 0.1 costs +30-35% instead of
+            # +58-62%); without dropout the cap costs 1-2%, so it stays off.
+            return TileConfig(128, 64, 8, 3, maxnreg=128 if dropout else None)
         if head_dim <= 128:
             if not sparse:
                 return TileConfig(128, 64, 8, 3)
@@ -128,10 +130,10 @@ def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
 
 
 def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None,
-            dtype: torch.dtype = torch.bfloat16, k_blocks: int | None = None) -> TileConfig:
+            dtype: torch.dtype = torch.bfloat16, k_blocks: int | None = None, dropout: bool = False) -> TileConfig:
     cfg = _OVERRIDE.get(kind)
     if cfg is None:
-        cfg = _default_config(kind, head_dim, device, k_blocks)
+        cfg = _default_config(kind, head_dim, device, k_blocks, dropout)
         if dtype == torch.float32 and device.type == "cuda" and not _interpreting():
             cfg = _fp32_config(cfg, kind, head_dim)
     bm = _fit(cfg.block_m, mask_bq, "block_q")
@@ -191,7 +193,8 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = kv_idx is None
-    cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1])
+    cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
+                  dropout_p > 0.0)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
     kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q.device)
