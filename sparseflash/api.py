@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from sparseflash.dropout import check_p as check_dropout_p
 from sparseflash.mask import BlockMask
 
 __all__ = ["attention", "resolve_backend"]
@@ -63,9 +64,7 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p):
             raise TypeError(f"scale must be a finite float or None, got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p <= 1.0):
         raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
-    from sparseflash.dropout import check_p
-
-    check_p(float(dropout_p))
+    check_dropout_p(float(dropout_p))
     if mask is not None:
         if not isinstance(mask, BlockMask):
             raise TypeError(

@@ -14,6 +14,9 @@ Kernels read the compressed index form (computed once per device, vectorised, ca
   the first ``kv_num[..., i]`` entries of ``kv_idx[..., i, :]`` are its nonzero k-blocks in
   increasing order (the rest is padding, set to ``KB``).
 - columns: ``q_num [B', H', KB]`` and ``q_idx [B', H', KB, QB]``: the transpose, for backward.
+
+The Triton kernels read only ``kv_idx`` and ``q_idx``: they count a list's parts from its entries,
+which relies on the padding comparing above every block index (it is ``KB``, resp. ``QB``).
 """
 
 from __future__ import annotations

@@ -54,17 +54,17 @@ def _setting(kind, D, N, bpr, heads, batch, device, dtype=torch.bfloat16, seed=0
     else:
         kv_idx = q_idx = mb = None
         pairs = N * N
-    o, lse = launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, 0.0, 0, 0)
+    flops = 2 * MATMULS[kind] * batch * heads * float(pairs) * D
+    fwd = lambda: launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, 0.0, 0, 0)  # noqa: E731
+    if kind == "fwd":
+        return fwd, flops
+    o, lse = fwd()
     delta = torch.empty_like(lse)
     bargs = (do, q, k, v, lse, delta, None, scale, False, mb, mb, 0.0, 0, 0)
     launch.bwd_dq(*bargs, kv_idx, o=o)  # fills delta
-    calls = {
-        "fwd": lambda: launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, 0.0, 0, 0),
-        "dkdv": lambda: launch.bwd_dkdv(*bargs, q_idx),
-        "dq": lambda: launch.bwd_dq(*bargs, kv_idx, o=o),
-    }
-    flops = 2 * MATMULS[kind] * batch * heads * float(pairs) * D
-    return calls[kind], flops
+    if kind == "dkdv":
+        return (lambda: launch.bwd_dkdv(*bargs, q_idx)), flops
+    return (lambda: launch.bwd_dq(*bargs, kv_idx, o=o)), flops
 
 
 def _compile_one(spec):
