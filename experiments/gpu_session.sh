@@ -9,8 +9,14 @@
 set -uo pipefail
 out=$1; shift
 export PYTHONUNBUFFERED=1
-# The device machine has no git checkout: pass SPARSEFLASH_COMMIT=$(git rev-parse --short HEAD) from here.
-export SPARSEFLASH_COMMIT=${SPARSEFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The device's copy of the tree has no trustworthy git history (a stale .git gives a wrong id):
+# results must carry the commit they ran, so pass SPARSEFLASH_COMMIT=$(git rev-parse --short HEAD)
+# from the checkout the tree came from.
+if [ -z "${SPARSEFLASH_COMMIT:-}" ]; then
+    echo "gpu_session.sh: set SPARSEFLASH_COMMIT to the commit of this tree (git rev-parse --short HEAD where it was made)" >&2
+    exit 2
+fi
+export SPARSEFLASH_COMMIT
 py=${PYTHON:-python3}
 for stage in "$@"; do
     d=$out/$stage; mkdir -p "$d"
@@ -32,7 +38,8 @@ for stage in "$@"; do
                  done
                  wait
                  for f in "$d"/shard_*.log; do echo "--- $f"; tail -n 12 "$f"; done ;;
-        tune)    $t $py -m sparseflash.experiments.bench.tune_tiles --seq-lens 4096 16384 --densities 1 0.1 --out "$d" ;;
+        tune)    # TUNE_ARGS replaces the default search (e.g. --kinds dkdv --dropout 0 0.1 --configs ...)
+                 $t $py -m sparseflash.experiments.bench.tune_tiles ${TUNE_ARGS:---seq-lens 4096 16384 --densities 1 0.1} --out "$d" ;;
         kernel-check)
                  $t $py -m sparseflash bench sparsity --preset kernel-check --cuda-graph --out "$d/graph"
                  $t $py -m sparseflash bench sparsity --preset kernel-check --seq-len 4096 --out "$d/eager-4k" ;;

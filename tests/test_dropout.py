@@ -93,10 +93,12 @@ def test_kernel_matches_reference_with_same_keep_mask(causal, dtype, device):
     check_attention(impl, q, k, v, do, mask=mask, causal=causal, ref_kwargs=dict(dropout_p=p, dropout_keep=keep))
 
 
-@pytest.mark.parametrize("tiles", [((16, 16), (16, 16), (16, 16)), ((64, 32), (32, 64), (16, 64))], ids=str)
+@pytest.mark.parametrize("tiles", [((16, 16), (16, 16), (16, 16)), ((64, 32), (32, 64), (16, 64)),
+                                   ((16, 16), (16, 16, 4, 1, None, True), (16, 16)),
+                                   ((64, 32), (32, 64, 4, 1, None, True), (16, 64))], ids=str)
 def test_keep_mask_does_not_depend_on_tiles(tiles, device, monkeypatch):
-    """Each kernel builds the mask from its own tiling (rows = keys in dK/dV): all must agree
-    with the NumPy definition, odd lengths and a 16-block mask included."""
+    """Each kernel builds the mask from its own tiling (rows = keys in dK/dV, or queries with
+    q_rows): all must agree with the NumPy definition, odd lengths and a 16-block mask included."""
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
     B, H, Nq, Nk, D, p = 1, 2, 75, 90, 16, 0.4
     layout = torch.rand(1, 2, 5, 6, generator=torch.Generator().manual_seed(3)) < 0.6
@@ -104,7 +106,7 @@ def test_keep_mask_does_not_depend_on_tiles(tiles, device, monkeypatch):
     q, k, v, do = make_qkv(B, H, H, Nq, Nk, D, torch.float32, device, seed=4)
     seed, offset = next_seed_offset(device, _gen(device, 21))
     keep = keep_mask(seed, offset, B, H, Nq, Nk, p, device=device)
-    cfg = [launch.TileConfig(bm, bn, 4, 1) for bm, bn in tiles]
+    cfg = [launch.TileConfig(*t) if len(t) > 2 else launch.TileConfig(*t, 4, 1) for t in tiles]
 
     def impl(q, k, v):
         with launch.tile_config(*cfg):

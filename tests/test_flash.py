@@ -100,14 +100,16 @@ def test_block_sparse(case, dtype, device):
     check_attention(triton_impl(mask, causal=causal), q, k, v, do, mask=mask, causal=causal)
 
 
-@pytest.mark.parametrize("tiles", [(16, 16), (32, 16), (16, 32), (64, 64)], ids=lambda t: f"tile{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tiles", [(16, 16), (32, 16), (16, 32), (64, 64), (32, 16, True), (16, 64, True)],
+                         ids=lambda t: f"tile{t[0]}x{t[1]}" + ("-qrows" if len(t) > 2 else ""))
 def test_tilings(tiles, device):
-    """The same mask walked with kernel tiles smaller than, and equal to, its 64-blocks."""
-    cfg = TileConfig(*tiles)
+    """The same mask walked with kernel tiles smaller than, and equal to, its 64-blocks (and dK/dV
+    in both orientations)."""
+    cfg = TileConfig(*tiles[:2])
     mask = random_mask(2, 1, 150, 150, 64, 0.6, seed=5, empty_row=True).to(device)
     q, k, v, do = make_qkv(1, 2, 1, 150, 150, 32, torch.float32, device, seed=4)
     kl = torch.tensor([111], device=device)
-    with tile_config(fwd=cfg, dkdv=cfg, dq=cfg):
+    with tile_config(fwd=cfg, dkdv=TileConfig(*tiles[:2], q_rows=len(tiles) > 2), dq=cfg):
         check_attention(triton_impl(mask, causal=True, key_lengths=kl), q, k, v, do, mask=mask, causal=True,
                         key_lengths=kl)
 

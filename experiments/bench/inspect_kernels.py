@@ -101,8 +101,9 @@ def _loops(sass: str) -> list[int]:
     return out
 
 
-def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024, dtype=torch.bfloat16):
-    """Compile the launchers' kernels for sm_90 and return {kernel name: CompiledKernel-like asm dict}."""
+def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024, dtype=torch.bfloat16, tiles=None):
+    """Compile the launchers' kernels for sm_90 and return {kernel name: CompiledKernel-like asm dict}.
+    ``tiles``: {kind: TileConfig} in place of the launchers' defaults."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
@@ -142,6 +143,7 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
                 for kind in ("fwd", "dkdv", "dq")}
         if dtype == torch.float32:
             cfgs = {kind: launch._fp32_config(c, kind, D) for kind, c in cfgs.items()}
+        cfgs.update(tiles or {})
         mb = mask_block or None
         lse = torch.zeros(B, H, N)
         with launch.tile_config(**cfgs):
@@ -185,10 +187,18 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
+    ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG]",
+                    help="compile KIND (fwd, dkdv, dq) with this tile instead of the default; repeatable")
     ap.add_argument("--dump", default=None, help="write TTGIR, PTX and SASS of each kernel here")
     args = ap.parse_args(argv)
+    tiles = {}
+    for spec in args.tile:
+        from sparseflash.flash.launch import TileConfig
+
+        kind, _, nums = spec.partition("=")
+        tiles[kind] = TileConfig(*map(int, nums.split(",")))
     compiled = compile_kernels(args.kernels, args.head_dim, args.dropout, args.mask_block, args.causal,
-                               dtype=torch.float32 if args.fp32 else torch.bfloat16)
+                               dtype=torch.float32 if args.fp32 else torch.bfloat16, tiles=tiles)
     rows = report(compiled, args.dump)
     cols = list(rows[0].keys())
     print(" ".join(f"{c:>14s}" if i == 0 else f"{c:>7s}" for i, c in enumerate(cols)))

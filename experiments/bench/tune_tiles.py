@@ -31,14 +31,17 @@ FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64
        (64, 64, 4, 2, 168), (64, 64, 4, 3, 168), (64, 32, 4, 3, 168), (64, 64, 4, 3, 128)]
 DKDV = [(32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 2),
         (128, 128, 8, 2), (16, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 2),
-        (64, 64, 4, 2, 168), (32, 64, 4, 3, 128)]
+        (64, 64, 4, 2, 168), (32, 64, 4, 3, 128),
+        # q_rows: S and dP as [queries, keys] tiles (the forward's orientation, so dropout bits need no shuffle)
+        (128, 64, 8, 2, None, True), (128, 64, 8, 3, None, True), (64, 64, 4, 3, None, True),
+        (64, 64, 4, 2, None, True), (128, 32, 4, 3, None, True), (64, 32, 4, 3, None, True)]
 DQ = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 4, 2),
       (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 4, 2, 168), (64, 32, 4, 3, 128)]
 CONFIGS = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
 MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}  # per tile pair: fwd S, PV; dK/dV S, dV, dP, dK; dQ S, dP, dQ
 
 
-def _setting(kind, D, N, bpr, heads, batch, device, dtype=torch.bfloat16, seed=0):
+def _setting(kind, D, N, bpr, heads, batch, device, dtype=torch.bfloat16, seed=0, dropout=0.0):
     """Inputs and a zero-argument call running one kernel (with its current tile config)."""
     from sparseflash.flash import launch
     from sparseflash.patterns import random as random_mask
@@ -55,12 +58,12 @@ def _setting(kind, D, N, bpr, heads, batch, device, dtype=torch.bfloat16, seed=0
         kv_idx = q_idx = mb = None
         pairs = N * N
     flops = 2 * MATMULS[kind] * batch * heads * float(pairs) * D
-    fwd = lambda: launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, 0.0, 0, 0)  # noqa: E731
+    fwd = lambda: launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, dropout, 12345, 0)  # noqa: E731
     if kind == "fwd":
         return fwd, flops
     o, lse = fwd()
     delta = torch.empty_like(lse)
-    bargs = (do, q, k, v, lse, delta, None, scale, False, mb, mb, 0.0, 0, 0)
+    bargs = (do, q, k, v, lse, delta, None, scale, False, mb, mb, dropout, 12345, 0)
     launch.bwd_dq(*bargs, kv_idx, o=o)  # fills delta
     if kind == "dkdv":
         return (lambda: launch.bwd_dkdv(*bargs, q_idx)), flops
@@ -69,12 +72,12 @@ def _setting(kind, D, N, bpr, heads, batch, device, dtype=torch.bfloat16, seed=0
 
 def _compile_one(spec):
     """Worker: compile one (kind, D, N, blocks per row, config) by running it once at batch 1."""
-    kind, D, N, bpr, cfg = spec
+    kind, D, N, bpr, cfg, dropout = spec
     try:
         from sparseflash.flash.launch import TileConfig, tile_config
 
         with tile_config(**{kind: TileConfig(*cfg)}):
-            call, _ = _setting(kind, D, N, bpr, heads=16, batch=1, device="cuda")  # same specialisation as timed
+            call, _ = _setting(kind, D, N, bpr, heads=16, batch=1, device="cuda", dropout=dropout)  # as timed
             call()
         torch.cuda.synchronize()
         return None
@@ -105,6 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--rep", type=float, default=60.0, help="do_bench_cudagraph budget per config, ms")
+    ap.add_argument("--dropout", type=float, nargs="+", default=[0.0], help="dropout_p values to time each config at")
+    ap.add_argument("--configs", nargs="+", default=None, metavar="M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]]",
+                    help="time only these configs (an empty MAXNREG: none; Q_ROWS 1: dK/dV in the forward's orientation)")
     ap.add_argument("--sdpa", action="store_true", help="also time SDPA flash / cuDNN dense (fwd, bwd)")
     args = ap.parse_args(argv)
     import triton
@@ -113,17 +119,23 @@ def main(argv=None) -> int:
     from sparseflash.flash.launch import TileConfig, tile_config
 
     os.makedirs(args.out, exist_ok=True)
+    if args.configs:
+        cfgs = [tuple(int(x) if x else None for x in c.split(",")) for c in args.configs]
+        cfgs = [c[:5] + (bool(c[5]),) if len(c) > 5 else c for c in cfgs]
+        for kind in args.kinds:
+            CONFIGS[kind] = cfgs
     settings = [(kind, D, N, 0 if d >= 1 else max(1, round(d * math.ceil(N / 128))))
                 for kind in args.kinds for D in args.head_dims for N in args.seq_lens for d in args.densities]
-    _precompile([(kind, D, N, bpr, cfg) for kind, D, N, bpr in settings for cfg in CONFIGS[kind]], args.jobs)
+    settings = [s + (p,) for s in settings for p in args.dropout]
+    _precompile([(kind, D, N, bpr, cfg, p) for kind, D, N, bpr, p in settings for cfg in CONFIGS[kind]], args.jobs)
     rows = []
-    for kind, D, N, bpr in settings:
+    for kind, D, N, bpr, p in settings:
         B = max(1, 16384 // N)
         for cfg in CONFIGS[kind]:
-            r = dict(kind=kind, D=D, N=N, blocks_per_row=bpr, cfg=cfg)
+            r = dict(kind=kind, D=D, N=N, blocks_per_row=bpr, dropout_p=p, cfg=cfg)
             try:
                 with tile_config(**{kind: TileConfig(*cfg)}):
-                    call, flops = _setting(kind, D, N, bpr, args.heads, B, "cuda")
+                    call, flops = _setting(kind, D, N, bpr, args.heads, B, "cuda", dropout=p)
                     call()
                     s = torch.cuda.Stream()
                     with torch.cuda.stream(s):
@@ -132,7 +144,7 @@ def main(argv=None) -> int:
             except Exception as e:
                 r.update(ms=None, error=str(e).splitlines()[0][:160])
             rows.append(r)
-            print(f"{kind:5s} D={D:3d} N={N:5d} bpr={bpr:2d} {cfg}: "
+            print(f"{kind:5s} D={D:3d} N={N:5d} bpr={bpr:2d} p={p:g} {cfg}: "
                   + (f"{r['ms']:.4f} ms {r['tflops']:.0f} TF" if r["ms"] else r["error"]), flush=True)
             torch.cuda.empty_cache()
     if args.sdpa:
@@ -163,11 +175,12 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "tune_tiles.json"), "w") as f:
         json.dump(dict(meta, rows=rows), f, indent=1)
     print(f"\nbest per setting ({meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}; GPU time):")
-    for kind, D, N, bpr in settings:
-        ok = [r for r in rows if (r["kind"], r["D"], r["N"], r["blocks_per_row"]) == (kind, D, N, bpr) and r.get("ms")]
+    for kind, D, N, bpr, p in settings:
+        ok = [r for r in rows if (r["kind"], r["D"], r["N"], r["blocks_per_row"], r["dropout_p"]) == (kind, D, N, bpr, p)
+              and r.get("ms")]
         if ok:
             b = min(ok, key=lambda r: r["ms"])
-            print(f"  {kind:5s} D={D:3d} N={N:5d} bpr={bpr:2d} best {b['cfg']} {b['ms']:.4f} ms {b['tflops']:.0f} TF")
+            print(f"  {kind:5s} D={D:3d} N={N:5d} bpr={bpr:2d} p={p:g} best {b['cfg']} {b['ms']:.4f} ms {b['tflops']:.0f} TF")
     return 0
 
 

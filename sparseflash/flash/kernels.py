@@ -337,7 +337,7 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
 @triton.jit
 def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
                 stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
-                MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, MASK_BQ: tl.constexpr,
+                MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, Q_ROWS: tl.constexpr, MASK_BQ: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
                GATHER: tl.constexpr, NB_P2: tl.constexpr):
     m_d = o_d < HEAD_DIM
@@ -348,22 +348,40 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
         off_q = start_m.to(tl.int64)
         b_q = tl.load(p_q + off_q * stride_qm, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf")) * LOG2E
-        b_sT = _dot(b_k, tl.trans(b_q), None, DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
-        b_pT = tl.math.exp2(b_sT - b_lse[None, :])
-        if MASKED:
-            b_pT = tl.where(o_n[:, None] <= o_m[None, :] + causal_off, b_pT, 0.0)
-        b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-        b_dpT = _dot(b_v, tl.trans(b_do), None, DOT_PREC)  # [BLOCK_N, BLOCK_M]
-        if DROPOUT:
-            keepT = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, True)
-            b_pdT = tl.where(keepT, b_pT * drop_scale, 0.0)
-            dv = _dot(b_pdT.to(b_do.dtype), b_do, dv, DOT_PREC)
-            b_dpT = tl.where(keepT, b_dpT * drop_scale, 0.0)
+        if Q_ROWS:
+            b_s = _dot(b_q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+            b_p = tl.math.exp2(b_s - b_lse[:, None])
+            if MASKED:
+                b_p = tl.where(o_n[None, :] <= o_m[:, None] + causal_off, b_p, 0.0)
+            b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+            b_dp = _dot(b_do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
+            if DROPOUT:
+                keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
+                b_pd = tl.where(keep, b_p * drop_scale, 0.0)
+                dv = _dot(tl.trans(b_pd.to(b_do.dtype)), b_do, dv, DOT_PREC)
+                b_dp = tl.where(keep, b_dp * drop_scale, 0.0)
+            else:
+                dv = _dot(tl.trans(b_p.to(b_do.dtype)), b_do, dv, DOT_PREC)
+            b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            dk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, dk, DOT_PREC)
         else:
-            dv = _dot(b_pT.to(b_do.dtype), b_do, dv, DOT_PREC)
-        b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
-        b_dsT = b_pT * (b_dpT - b_delta[None, :])
-        dk = _dot(b_dsT.to(b_q.dtype), b_q, dk, DOT_PREC)
+            b_sT = _dot(b_k, tl.trans(b_q), None, DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+            b_pT = tl.math.exp2(b_sT - b_lse[None, :])
+            if MASKED:
+                b_pT = tl.where(o_n[:, None] <= o_m[None, :] + causal_off, b_pT, 0.0)
+            b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+            b_dpT = _dot(b_v, tl.trans(b_do), None, DOT_PREC)  # [BLOCK_N, BLOCK_M]
+            if DROPOUT:
+                keepT = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, True)
+                b_pdT = tl.where(keepT, b_pT * drop_scale, 0.0)
+                dv = _dot(b_pdT.to(b_do.dtype), b_do, dv, DOT_PREC)
+                b_dpT = tl.where(keepT, b_dpT * drop_scale, 0.0)
+            else:
+                dv = _dot(b_pT.to(b_do.dtype), b_do, dv, DOT_PREC)
+            b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
+            b_dsT = b_pT * (b_dpT - b_delta[None, :])
+            dk = _dot(b_dsT.to(b_q.dtype), b_q, dk, DOT_PREC)
     return dk, dv
 
 
@@ -381,7 +399,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                      DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
+                     DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False):
     i_n = tl.program_id(0)
     i_bhk = tl.program_id(1)
     i_b = (i_bhk // H_KV).to(tl.int64)
@@ -436,11 +454,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
             dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_skip, j_part, start_n, o_n, o_d,
                                  seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                  i_bh, drop_thresh, drop_scale,
-                                 CAUSAL, DENSE, DROPOUT, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
+                                 CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
             dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_part, j_end, start_n, o_n, o_d,
                                  seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                  i_bh, drop_thresh, drop_scale,
-                                 False, DENSE, DROPOUT, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
+                                 False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
     m_keep = (o_n < kv_end)[:, None]
     dk = tl.where(m_keep, dk * sm_scale, 0.0)

@@ -32,6 +32,9 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     maxnreg: int | None = None  # register cap per thread (more programs per SM), None: the compiler's choice
+    # dK/dV only: compute S and dP as [queries, keys] tiles (the forward's orientation) and feed
+    # P^T, dS^T to the tensor cores from shared memory, instead of [keys, queries] tiles in registers
+    q_rows: bool = False
 
     def launch_options(self) -> dict:
         opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -126,7 +129,7 @@ def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
             bm = max(16, bm // 2)
         else:
             bn = max(16, bn // 2)
-    return TileConfig(bm, bn, cfg.num_warps, min(cfg.num_stages, 2), cfg.maxnreg)
+    return TileConfig(bm, bn, cfg.num_warps, min(cfg.num_stages, 2), cfg.maxnreg, cfg.q_rows)
 
 
 def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None,
@@ -138,7 +141,7 @@ def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int 
             cfg = _fp32_config(cfg, kind, head_dim)
     bm = _fit(cfg.block_m, mask_bq, "block_q")
     bn = _fit(cfg.block_n, mask_bk, "block_k")
-    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.q_rows)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -257,6 +260,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
         Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, **cfg.launch_options(), **constexprs,
+        Q_ROWS=cfg.q_rows,
     )
     return dk, dv
 
