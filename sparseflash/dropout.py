@@ -22,9 +22,11 @@ off or into "drop everything". The Triton kernels compute these bits in register
 regenerated, backward) and `keep_mask` below computes them in NumPy, bit for bit, so tests
 compare kernels and reference exactly.
 
-Seeds follow torch's generators, so ``torch.manual_seed`` controls dropout: on CUDA the
-generator's Philox (seed, offset) is used and the offset advanced, as torch's own CUDA random
-ops do; on CPU a 62-bit seed is drawn from the generator. Each call therefore gets fresh bits.
+Seeds follow torch's generators, so ``torch.manual_seed`` controls dropout: each call draws its
+(seed_lo, seed_hi, offset) with one small torch random op on the inputs' device (`draw_rng`) and
+so advances the generator as torch's own random ops do. The kernels read the draw from device
+memory, and backward reuses it: a call captured in a CUDA graph (``torch.compile`` with
+``mode="reduce-overhead"``, ``torch.cuda.graphs``) gets fresh bits on every replay.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["keep_mask", "next_seed_offset", "threshold", "effective_p", "check_p", "LEVELS"]
+__all__ = ["keep_mask", "draw_rng", "rng_values", "next_seed_offset", "threshold", "effective_p", "check_p", "LEVELS"]
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
@@ -65,18 +67,25 @@ def split_seed(seed: int) -> tuple[int, int]:
     return seed & 0x7FFFFFFF, (seed >> 31) & 0x7FFFFFFF
 
 
-def next_seed_offset(device: torch.device, generator: torch.Generator | None = None) -> tuple[int, int]:
-    """(62-bit seed, 31-bit offset) for one dropout call; advances the generator."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        gen = generator if generator is not None else torch.cuda.default_generators[
-            device.index if device.index is not None else torch.cuda.current_device()]
-        offset = gen.get_offset()
-        gen.set_offset(offset + 4)
-        return gen.initial_seed() & ((1 << 62) - 1), (offset // 4) & 0x7FFFFFFF
-    gen = generator if generator is not None else torch.default_generator
-    seed = int(torch.randint(0, 2**62, (1,), generator=gen, dtype=torch.int64))
-    return seed, 0
+def draw_rng(device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One dropout call's key and counter offset, drawn from torch's RNG on ``device``: an int64
+    tensor [3] (seed_lo, seed_hi, offset), each in [0, 2**31). The kernels read it from device
+    memory, so the draw is an ordinary torch random op: ``torch.manual_seed`` (or ``generator``)
+    controls it, each call advances the generator, and inside a CUDA graph every replay draws
+    anew (torch's graph-safe Philox), where reading the generator on the host would freeze one
+    mask into the graph."""
+    return torch.randint(0, 2**31, (3,), device=device, dtype=torch.int64, generator=generator)
+
+
+def rng_values(rng: torch.Tensor) -> tuple[int, int]:
+    """(62-bit seed, offset) of a `draw_rng` tensor, as `keep_mask` takes them (syncs with the device)."""
+    lo, hi, offset = (int(x) for x in rng.tolist())
+    return lo | (hi << 31), offset
+
+
+def next_seed_offset(device, generator: torch.Generator | None = None) -> tuple[int, int]:
+    """(seed, offset) of the next dropout call: `rng_values` of `draw_rng` (advances the generator)."""
+    return rng_values(draw_rng(device, generator))
 
 
 def _philox(c0, c1, c2, c3, k0, k1):

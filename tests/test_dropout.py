@@ -165,3 +165,57 @@ def test_invalid_p(p):
     q = torch.randn(1, 1, 8, 16)
     with pytest.raises(ValueError, match="dropout_p"):
         sparseflash.attention(q, q, q, dropout_p=p)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_draw_fresh_bits(monkeypatch):
+    """A forward+backward captured in a CUDA graph draws new dropout bits on every replay (the
+    kernels read the draw from device memory), and each replay computes exactly what an eager call
+    with that replay's draw computes."""
+    from sparseflash import dropout
+    from sparseflash.flash.function import FlashAttentionFunction
+
+    q, k, v, do = make_qkv(2, 4, 2, 300, 300, 64, torch.bfloat16, "cuda", seed=8)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    mask = BlockMask.from_layout(torch.rand(3, 3, generator=torch.Generator().manual_seed(1)) < 0.7,
+                                 block_size=128, seq_q=300, seq_k=300).to("cuda")
+    drawn = []
+    real = dropout.draw_rng
+    monkeypatch.setattr(dropout, "draw_rng", lambda *a, **kw: drawn.append(real(*a, **kw)) or drawn[-1])
+
+    def step():
+        o = sparseflash.attention(q, k, v, mask=mask, dropout_p=0.3, backend="triton")
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    drawn.clear()
+    with torch.cuda.graph(graph):
+        outs = step()
+    assert len(drawn) == 1, "one draw per forward"
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append((drawn[0].clone(), [t.clone() for t in outs]))
+    assert not torch.equal(replays[0][0], replays[1][0]), "a replay reused the previous draw"
+    assert not torch.equal(replays[0][1][0], replays[1][1][0])
+    index = mask.index("cuda")
+    for rng, got in replays:
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o, _ = FlashAttentionFunction.apply(qq, kk, vv, index.kv_idx, index.q_idx, None, rng, 64 ** -0.5, False,
+                                            128, 128, 0.3)
+        want = (o, *torch.autograd.grad(o, (qq, kk, vv), do))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), name
+
+
+def test_launch_refuses_a_bad_rng(device):
+    q = torch.randn(1, 1, 32, 16, device=device)
+    for rng in (None, torch.zeros(2, dtype=torch.int64, device=device), torch.zeros(3, dtype=torch.int32, device=device)):
+        with pytest.raises(ValueError, match="rng must be an int64 tensor"):
+            launch.fwd(q, q, q, None, None, 0.25, False, None, None, 0.1, rng)

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
             for cfg in ((64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3)):
                 with tile_config(fwd=TileConfig(*cfg)), torch.no_grad():
                     tiles[str(cfg)] = bench(lambda: launch.fwd(q, k, v, idx.kv_idx, None, D ** -0.5,
-                                                               args.causal, 128, 128, 0.0, 0, 0))
+                                                               args.causal, 128, 128, 0.0, None))
             r["fwd_tiles"] = tiles
         rows.append(r)
         print(json.dumps(r), flush=True)

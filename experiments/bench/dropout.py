@@ -1,11 +1,15 @@
 """What attention dropout costs: sparseflash with dropout_p = 0.1 against no dropout.
 
     python -m sparseflash.experiments.bench.dropout --out DIR [--seq-lens 4096 16384] [--head-dims 64 128]
+        [--cuda-graph]
 
 Dense (mask=None) and block-sparse (butterfly; random at ~25%), forward and forward+backward,
 beside the fused dropout of PyTorch's SDPA flash (FlashAttention-2) and cuDNN backends (dense),
-bf16, 16 heads, batch*seq = 16K tokens, do_bench medians (CUDA events) on one input set. Writes
-DIR/dropout.csv and .json and prints a table with the overhead in percent.
+bf16, 16 heads, batch*seq = 16K tokens, do_bench medians (CUDA events) on one input set, or with
+``--cuda-graph`` medians of CUDA-graph replays (GPU time, no host cost: short calls are
+host-bound in eager mode, which hides what dropout costs the kernels). In a graph the dropout seed
+and offset are those of the capture, so every replay draws the same bits: right for timing, not
+for training. Writes DIR/dropout.csv and .json and prints a table with the overhead in percent.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--p", type=float, default=0.1)
+    ap.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (GPU time) instead of eager calls")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("dropout benchmark: needs a CUDA GPU (nothing measured)")
@@ -52,7 +57,13 @@ def main(argv=None) -> int:
 
     from sparseflash.patterns import butterfly, random
 
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    def bench(fn):
+        if not args.cuda_graph:
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        fn()  # compile outside the capture
+        with torch.cuda.stream(torch.cuda.Stream()):  # graphs are captured off the default stream
+            return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
     commit = os.environ.get("SPARSEFLASH_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     rows = []
@@ -69,7 +80,8 @@ def main(argv=None) -> int:
             cases += [(prov, "dense", None) for prov in ("sdpa-flash", "sdpa-cudnn")]  # the fused dropout others have
             for prov, name, mask in cases:
                 row = dict(provider=prov, seq_len=N, batch=B, heads=H, head_dim=D, mask=name,
-                           density=1.0 if mask is None else round(mask.density(), 4), p=args.p)
+                           density=1.0 if mask is None else round(mask.density(), 4), p=args.p,
+                           timing="cuda-graph" if args.cuda_graph else "eager")
                 try:
                     for p in (0.0, args.p):
                         fwd = _call(prov, q, k, v, mask, p)
@@ -94,7 +106,8 @@ def main(argv=None) -> int:
         w.writeheader()
         for r in rows:
             w.writerow({**r, **meta})
-    print(f"\n{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, bf16, dropout p={args.p} vs 0; ms")
+    print(f"\n{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, bf16, dropout p={args.p} vs 0; ms "
+          f"({'GPU time, CUDA-graph replays' if args.cuda_graph else 'eager'})")
     print(f"{'provider':>11} {'N':>6} {'D':>4} {'mask':>11} {'dens':>6} {'fwd p=0':>8} {'fwd p':>8} {'+%':>6} {'fb p=0':>8} {'fb p':>8} {'+%':>6}")
     for r in rows:
         print(f"{r['provider']:>11} {r['seq_len']:6d} {r['head_dim']:4d} {r['mask']:>11} {r['density']:6.3f} {r['fwd_ms_p0.0']:8.3f} "

@@ -146,10 +146,11 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
         cfgs.update(tiles or {})
         mb = mask_block or None
         lse = torch.zeros(B, H, N)
+        rng = torch.zeros(3, dtype=torch.int64)  # dropout's (seed_lo, seed_hi, offset)
         with launch.tile_config(**cfgs):
             if "fwd" in kinds:
-                launch.fwd(q, k, v, lists[0], None, scale, causal, mb, mb, dropout, 1, 0)
-            bargs = (do, q, k, v, lse, lse, None, scale, causal, mb, mb, dropout, 1, 0)
+                launch.fwd(q, k, v, lists[0], None, scale, causal, mb, mb, dropout, rng)
+            bargs = (do, q, k, v, lse, lse, None, scale, causal, mb, mb, dropout, rng)
             if "dkdv" in kinds:
                 launch.bwd_dkdv(*bargs, lists[1])
             if "dq" in kinds:

@@ -58,12 +58,15 @@ def _setting(kind, D, N, bpr, heads, batch, device, dtype=torch.bfloat16, seed=0
         kv_idx = q_idx = mb = None
         pairs = N * N
     flops = 2 * MATMULS[kind] * batch * heads * float(pairs) * D
-    fwd = lambda: launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, dropout, 12345, 0)  # noqa: E731
+    from sparseflash.dropout import draw_rng
+
+    rng = draw_rng(device, torch.Generator(device=device).manual_seed(seed))
+    fwd = lambda: launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, dropout, rng)  # noqa: E731
     if kind == "fwd":
         return fwd, flops
     o, lse = fwd()
     delta = torch.empty_like(lse)
-    bargs = (do, q, k, v, lse, delta, None, scale, False, mb, mb, dropout, 12345, 0)
+    bargs = (do, q, k, v, lse, delta, None, scale, False, mb, mb, dropout, rng)
     launch.bwd_dq(*bargs, kv_idx, o=o)  # fills delta
     if kind == "dkdv":
         return (lambda: launch.bwd_dkdv(*bargs, q_idx)), flops

@@ -5,8 +5,9 @@ Two custom ops, ``sparseflash::flash_fwd`` and ``sparseflash::flash_bwd``, carry
 break); `FlashAttentionFunction` (a ``torch.autograd.Function``) ties them together. The mask
 enters as its compressed index tensors, so the ops see only tensors and scalars.
 
-Dropout bits are keyed by a (seed, offset) pair that the forward op draws from torch's generator
-when none is passed, and returns as a small int64 tensor that backward reuses.
+Dropout bits are keyed by (seed_lo, seed_hi, offset), an int64 [3] tensor on the inputs' device
+that the forward op draws from torch's generator when none is passed (`sparseflash.dropout.draw_rng`)
+and returns for backward; the kernels read it from memory, so CUDA graphs replay fresh draws.
 """
 
 from __future__ import annotations
@@ -23,25 +24,23 @@ from sparseflash.mask import BlockMask
 __all__ = ["flash_attention", "FlashAttentionFunction"]
 
 
-def _rng_pair(rng: Optional[Tensor], dropout_p: float, device) -> tuple[int, int, Tensor]:
+def _rng_for(rng: Optional[Tensor], dropout_p: float, device) -> Tensor:
+    """The op's rng output: a fresh draw (or a copy of the one passed), int64 [3] on ``device``."""
     if dropout_p <= 0.0:
-        return 0, 0, torch.zeros(2, dtype=torch.int64)
+        return torch.empty(3, dtype=torch.int64, device=device)  # never read
     if rng is None:
-        from sparseflash.dropout import next_seed_offset
+        from sparseflash.dropout import draw_rng
 
-        seed, offset = next_seed_offset(device)
-        rng = torch.tensor([seed, offset], dtype=torch.int64)
-    seed, offset = (int(x) for x in rng.tolist())
-    return seed, offset, rng.clone()
+        return draw_rng(device)
+    return rng.clone()  # an op's output may not alias its input
 
 
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], scale: float, causal: bool,
                mask_bq: int, mask_bk: int, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
-    seed, offset, rng_out = _rng_pair(rng, dropout_p, q.device)
-    o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None,
-                        dropout_p, seed, offset)
-    return o, lse, rng_out
+    rng = _rng_for(rng, dropout_p, q.device)
+    o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None, dropout_p, rng)
+    return o, lse, rng
 
 
 _flash_fwd = torch.library.custom_op("sparseflash::flash_fwd", _fwd_impl, mutates_args=())
@@ -51,16 +50,15 @@ _flash_fwd = torch.library.custom_op("sparseflash::flash_fwd", _fwd_impl, mutate
 def _(q, k, v, kv_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p):
     B, Hq, Nq, _ = q.shape
     return (torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32),
-            torch.empty(2, dtype=torch.int64))
+            torch.empty(3, dtype=torch.int64, device=q.device))
 
 
 def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
                kv_idx: Optional[Tensor], q_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Tensor, scale: float, causal: bool, mask_bq: int, mask_bk: int,
                dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
-    seed, offset = (int(x) for x in rng.tolist()) if dropout_p > 0.0 else (0, 0)
     return launch.bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale, causal,
-                      mask_bq or None, mask_bk or None, dropout_p, seed, offset)
+                      mask_bq or None, mask_bk or None, dropout_p, rng)
 
 
 _flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutates_args=())
@@ -130,9 +128,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
         launch._fit(16, mask_bk, "block_k")
     rng = None
     if dropout_p > 0.0 and generator is not None:
-        from sparseflash.dropout import next_seed_offset
+        from sparseflash.dropout import draw_rng
 
-        rng = torch.tensor(next_seed_offset(q.device, generator), dtype=torch.int64)
+        rng = draw_rng(q.device, generator)
     if key_lengths is not None:
         key_lengths = key_lengths.contiguous()
     # Self-attention may pass one tensor as q, k and v; dynamo cannot trace an autograd.Function

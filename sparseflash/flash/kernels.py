@@ -57,12 +57,22 @@ def _dot(a, b, acc, DOT_PREC: tl.constexpr):
         return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
 
-# Dropout seeds and offsets change every call: never specialise on their values (a seed equal to
-# 1 would turn into a constant, and every value divisible by 16 would compile a new variant).
-_RNG_ARGS = ["seed_lo", "seed_hi", "rng_off", "drop_thresh"]
+# The dropout threshold varies with p: never specialise on its value (1 would turn into a
+# constant, and every value divisible by 16 would compile a new variant).
+_RNG_ARGS = ["drop_thresh"]
 
 
 # ----------------------------------------------------------------------------- dropout bits
+@triton.jit
+def _rng_state(RNG, DROPOUT: tl.constexpr):
+    """(seed_lo, seed_hi, offset) of this call's dropout bits: the int64 [3] tensor the forward op
+    drew on the device (read here, not passed by value, so a CUDA graph replays fresh draws)."""
+    if DROPOUT:
+        return tl.load(RNG), tl.load(RNG + 1), tl.load(RNG + 2)
+    else:
+        return 0, 0, 0
+
+
 @triton.jit
 def _mul_wide(a, b):
     """(high, low) 32-bit halves of the 64-bit product of uint32 a and b: one IMAD.WIDE.U32 on the
@@ -288,12 +298,13 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
                 stride_ob, stride_oh, stride_om, stride_od,
                 stride_ib, stride_ih, stride_im,
                 H_Q, GROUP, seq_q, seq_k, qk_scale,
-                seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
+                RNG, drop_thresh, drop_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                 DOT_PREC: tl.constexpr):
     i_m = tl.program_id(0)
+    seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H_Q).to(tl.int64)
     i_h = (i_bh % H_Q).to(tl.int64)
@@ -395,12 +406,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
                      stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                      stride_ib, stride_ih, stride_in,
                      H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
-                     seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
+                     RNG, drop_thresh, drop_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                      DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                      DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False):
     i_n = tl.program_id(0)
+    seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
     i_bhk = tl.program_id(1)
     i_b = (i_bhk // H_KV).to(tl.int64)
     i_hk = (i_bhk % H_KV).to(tl.int64)
@@ -513,7 +525,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
                    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                    stride_ib, stride_ih, stride_im,
                    H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
-                   seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
+                   RNG, drop_thresh, drop_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                    DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
@@ -521,6 +533,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO."""
     i_m = tl.program_id(0)
+    seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H_Q).to(tl.int64)
     i_h = (i_bh % H_Q).to(tl.int64)
