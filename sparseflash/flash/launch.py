@@ -97,7 +97,7 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
     if kind == "dkdv":  # block_n = k tile held on chip, block_m = q tile streamed
         if head_dim <= 64:
             # With dropout, [queries, keys] tiles (the bits as the forward draws them, no shuffle):
-            # 13-19% faster than the default with dropout, 4-16% slower without it (tune/, db13cfb).
+            # 13-19% faster than the default with dropout, 3-15% slower without it (tune/dropout/).
             # At d=128 the same orientation gains nothing with dropout (within 2%) and costs without.
             return TileConfig(64, 64, 4, 3, q_rows=True) if dropout else TileConfig(32, 128, 4, 3)
         if head_dim <= 128:
