@@ -18,7 +18,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from sparseflash.flash import kernels
 
@@ -157,12 +156,22 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "upcast" if _interpreting() else "tf32"
 
 
+# Plain integer helpers: triton.cdiv / next_power_of_2 are ConstexprFunction objects in newer
+# Triton, whose call costs microseconds on every launch.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _p2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, _p2(head_dim))
 
 
 def _nb_p2(n: int) -> int:
-    return max(2, triton.next_power_of_2(n))
+    return max(2, _p2(n))
 
 
 # Lists up to this many entries are read from registers in the loop (GATHER), longer ones from
@@ -211,7 +220,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     lse = _new(q, (B, Hq, Nq), torch.float32)
     kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q.device)
     rng, thresh, drop_scale = _rng_args(dropout_p, rng, q.device)
-    grid = (triton.cdiv(Nq, cfg.block_m), B * Hq)
+    grid = (_cdiv(Nq, cfg.block_m), B * Hq)
     kernels._fwd_kernel[grid](
         q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *i_strides,
@@ -264,7 +273,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
                   dropout=dropout_p > 0)
     dense = q_idx is None
     ci, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q.device)
-    kernels._bwd_dkdv_kernel[(triton.cdiv(Nk, cfg.block_n), B * Hkv)](
+    kernels._bwd_dkdv_kernel[(_cdiv(Nk, cfg.block_n), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, ci, klen,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *ci_s,
         Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
@@ -287,7 +296,7 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
                   dropout=dropout_p > 0)
     dense = kv_idx is None
     ri, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q.device)
-    kernels._bwd_dq_kernel[(triton.cdiv(Nq, cfg.block_m), B * Hq)](
+    kernels._bwd_dq_kernel[(_cdiv(Nq, cfg.block_m), B * Hq)](
         q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, ri, klen,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *o.stride(), *dq.stride(), *ri_s,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
