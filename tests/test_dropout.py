@@ -219,3 +219,36 @@ def test_launch_refuses_a_bad_rng(device):
     for rng in (None, torch.zeros(2, dtype=torch.int64, device=device), torch.zeros(3, dtype=torch.int32, device=device)):
         with pytest.raises(ValueError, match="rng must be an int64 tensor"):
             launch.fwd(q, q, q, None, None, 0.25, False, None, None, 0.1, rng)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_compiled_reduce_overhead_draws_fresh_bits():
+    """torch.compile(mode="reduce-overhead") (Inductor's CUDA graphs) around a model with dropout:
+    the graphs are not skipped, and each step draws new dropout bits."""
+    from torch._dynamo.utils import counters
+
+    mask = BlockMask.from_layout(torch.ones(2, 2, dtype=torch.bool), block_size=128, seq_q=256, seq_k=256).to("cuda")
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64)
+
+        def forward(self, x):  # [B, H, N, D]
+            return self.proj(sparseflash.attention(x, x, x, mask=mask, dropout_p=0.3))
+
+    torch.manual_seed(0)
+    model = Block().to("cuda", torch.bfloat16)
+    x = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    counters.clear()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    outs, grads = [], []
+    for _ in range(4):  # Inductor records the graph on a later call and replays it after
+        out = compiled(x)
+        (g,) = torch.autograd.grad(out.float().square().sum(), (x,))
+        outs.append(out.detach().clone())
+        grads.append(g.clone())
+    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+    for a, b in zip(outs, outs[1:]):
+        assert not torch.equal(a, b), "two steps drew the same dropout bits"
+    assert all(torch.isfinite(g).all() for g in grads)
