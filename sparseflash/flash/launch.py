@@ -183,19 +183,24 @@ def _gather(nb_p2: int) -> bool:
     return nb_p2 <= GATHER_MAX
 
 
-def _list_args(idx, B, H, device):
+# Pointer arguments a kernel variant never reads (no lists when dense, no key_lengths, no
+# dropout) get an input tensor of the call as a placeholder. Never a cached tensor allocated on
+# first use: under torch.compile's CUDA graphs that first use can fall inside the graph's memory
+# pool, which then holds a live allocation it does not track and refuses to run.
+def _list_args(idx, B, H, placeholder: torch.Tensor):
     """(lists, their strides, NB_P2) for a kernel; the lists expanded to [B, H, ...] (stride 0 where
-    the mask is shared). Dense attention (idx None) passes a placeholder the kernel never reads."""
+    the mask is shared). Dense attention (idx None) passes the placeholder."""
     if idx is None:
-        return _dummy(device), (0, 0, 0), 1
+        return placeholder, (0, 0, 0), 1
     idx = idx.expand(B, H, *idx.shape[-2:])
     return idx, idx.stride()[:3], _nb_p2(idx.shape[-1])
 
 
-def _rng_args(dropout_p: float, rng: torch.Tensor | None, device: torch.device):
+def _rng_args(dropout_p: float, rng: torch.Tensor | None, placeholder: torch.Tensor):
     """Kernel arguments of dropout: the (seed_lo, seed_hi, offset) tensor, threshold, scale."""
+    device = placeholder.device
     if dropout_p <= 0.0:
-        return _dummy(device), 0, 1.0
+        return placeholder, 0, 1.0
     from sparseflash.dropout import effective_p, threshold
 
     if not (isinstance(rng, torch.Tensor) and rng.dtype == torch.int64 and rng.shape == (3,) and rng.device == device):
@@ -218,8 +223,8 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
                   dropout_p > 0.0)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
-    kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q.device)
-    rng, thresh, drop_scale = _rng_args(dropout_p, rng, q.device)
+    kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q)
+    rng, thresh, drop_scale = _rng_args(dropout_p, rng, q)
     grid = (_cdiv(Nq, cfg.block_m), B * Hq)
     kernels._fwd_kernel[grid](
         q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx,
@@ -244,23 +249,12 @@ def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, cau
     return dq, dk, dv
 
 
-_DUMMY: dict[torch.device, torch.Tensor] = {}
-
-
-def _dummy(device: torch.device) -> torch.Tensor:
-    """A small int32 tensor passed for pointer arguments a kernel variant never reads."""
-    t = _DUMMY.get(device)
-    if t is None:
-        t = _DUMMY[device] = torch.zeros((1, 1, 1, 1), device=device, dtype=torch.int32)
-    return t
-
-
 def _bwd_common(q, key_lengths, causal, dropout_p, rng):
     D = q.shape[-1]
     constexprs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
                       DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype))
-    klen = key_lengths if key_lengths is not None else _dummy(q.device)
-    return klen, constexprs, _rng_args(dropout_p, rng, q.device)
+    klen = key_lengths if key_lengths is not None else q
+    return klen, constexprs, _rng_args(dropout_p, rng, q)
 
 
 def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, q_idx):
@@ -272,7 +266,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                   dropout=dropout_p > 0)
     dense = q_idx is None
-    ci, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q.device)
+    ci, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q)
     kernels._bwd_dkdv_kernel[(_cdiv(Nk, cfg.block_n), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, ci, klen,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *ci_s,
@@ -295,7 +289,7 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
     cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                   dropout=dropout_p > 0)
     dense = kv_idx is None
-    ri, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q.device)
+    ri, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q)
     kernels._bwd_dq_kernel[(_cdiv(Nq, cfg.block_m), B * Hq)](
         q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, ri, klen,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *o.stride(), *dq.stride(), *ri_s,
