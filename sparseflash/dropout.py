@@ -9,8 +9,10 @@ The keep decision for query row i, key column j of (batch b, query head h) is
 
 One Philox call decides the sixteen elements {i, i + 8} x {j, j + 1, j + 8, j + 9, j + 16, j + 17,
 j + 24, j + 25}, which one thread holds in the tensor-core accumulator layout of a [queries, keys]
-tile: the forward and dQ kernels build their masks without moving data between threads (dK/dV,
-whose tiles are [keys, queries], moves each call's words to the threads that hold its elements).
+tile: the forward and dQ kernels build their masks without moving data between threads (dK/dV
+on [keys, queries] tiles moves each call's words to the threads that hold its elements; with
+``TileConfig(q_rows=True)``, its default at head_dim <= 64 with dropout, it draws them as the
+forward does).
 The RNG is the main cost of dropout in the kernels; 7 rounds pass BigCrush (Salmon et al. 2011).
 
 Resolution: each decision uses 8 random bits, as FlashAttention-2 does (PyTorch's SDPA flash
