@@ -30,8 +30,9 @@ LSE buffer holds +inf (the public API reports -inf), and backward gives them zer
 Dropout (optional, compiled out when off): keep(i, j) is decided by Philox4x32-7 keyed by the
 seed; one call decides the 16 elements {i, i + 8} x {j, j + 1, j + 8, j + 9, ..., j + 24, j + 25},
 which one thread holds in the accumulator layout of a [queries, keys] tile, so the forward and dQ
-kernels move no data between threads (`_philox_keep`; dK/dV moves each call's words to the
-threads holding its [keys, queries] elements); an element is kept when its 8 bits are
+kernels move no data between threads (`_philox_keep`; dK/dV on [keys, queries] tiles moves each
+call's words to the threads holding its elements, and with Q_ROWS works on [queries, keys] tiles
+as the forward does); the seed and offset are read from a device tensor; an element is kept when its 8 bits are
 >= ``round(p * 256)``; backward regenerates the same bits.
 `sparseflash.dropout` defines the mask and computes it in NumPy for tests.
 """
@@ -359,37 +360,35 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
         off_q = start_m.to(tl.int64)
         b_q = tl.load(p_q + off_q * stride_qm, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf")) * LOG2E
-        if Q_ROWS:
-            b_s = _dot(b_q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
-            b_p = tl.math.exp2(b_s - b_lse[:, None])
+        # (the loads of dO and delta stay after the first dot in each branch: hoisted above it, the
+        # d=128 kernel spills more in an sm_90 compile, 112 bytes instead of 72)
+        if Q_ROWS:  # [queries, keys] tiles, as the forward's: P^T and dS^T go to the MMAs via shared memory
+            b_p = tl.math.exp2(_dot(b_q, tl.trans(b_k), None, DOT_PREC) * qk_scale - b_lse[:, None])  # [BLOCK_M, BLOCK_N]
             if MASKED:
                 b_p = tl.where(o_n[None, :] <= o_m[:, None] + causal_off, b_p, 0.0)
             b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
             b_dp = _dot(b_do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
+            b_pd = b_p
             if DROPOUT:
                 keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
                 b_pd = tl.where(keep, b_p * drop_scale, 0.0)
-                dv = _dot(tl.trans(b_pd.to(b_do.dtype)), b_do, dv, DOT_PREC)
                 b_dp = tl.where(keep, b_dp * drop_scale, 0.0)
-            else:
-                dv = _dot(tl.trans(b_p.to(b_do.dtype)), b_do, dv, DOT_PREC)
+            dv = _dot(tl.trans(b_pd.to(b_do.dtype)), b_do, dv, DOT_PREC)
             b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
             b_ds = b_p * (b_dp - b_delta[:, None])
             dk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, dk, DOT_PREC)
-        else:
-            b_sT = _dot(b_k, tl.trans(b_q), None, DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
-            b_pT = tl.math.exp2(b_sT - b_lse[None, :])
+        else:  # [keys, queries] tiles: P^T and dS^T are MMA operands straight from registers
+            b_pT = tl.math.exp2(_dot(b_k, tl.trans(b_q), None, DOT_PREC) * qk_scale - b_lse[None, :])  # [BLOCK_N, BLOCK_M]
             if MASKED:
                 b_pT = tl.where(o_n[:, None] <= o_m[None, :] + causal_off, b_pT, 0.0)
             b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
             b_dpT = _dot(b_v, tl.trans(b_do), None, DOT_PREC)  # [BLOCK_N, BLOCK_M]
+            b_pdT = b_pT
             if DROPOUT:
                 keepT = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, True)
                 b_pdT = tl.where(keepT, b_pT * drop_scale, 0.0)
-                dv = _dot(b_pdT.to(b_do.dtype), b_do, dv, DOT_PREC)
                 b_dpT = tl.where(keepT, b_dpT * drop_scale, 0.0)
-            else:
-                dv = _dot(b_pT.to(b_do.dtype), b_do, dv, DOT_PREC)
+            dv = _dot(b_pdT.to(b_do.dtype), b_do, dv, DOT_PREC)
             b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
             b_dsT = b_pT * (b_dpT - b_delta[None, :])
             dk = _dot(b_dsT.to(b_q.dtype), b_q, dk, DOT_PREC)

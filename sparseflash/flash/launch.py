@@ -215,7 +215,8 @@ def _rng_args(dropout_p: float, rng: torch.Tensor | None, placeholder: torch.Ten
 
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
         dropout_p: float, rng: torch.Tensor | None):
-    """Forward launch (``rng``: `sparseflash.dropout.draw_rng`'s tensor, read when dropout_p > 0). Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows)."""
+    """Forward launch. Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows).
+    ``rng``: the `sparseflash.dropout.draw_rng` tensor, read when dropout_p > 0."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = kv_idx is None
