@@ -7,9 +7,8 @@ Dense (mask=None) and block-sparse (butterfly; random at ~25%), forward and forw
 beside the fused dropout of PyTorch's SDPA flash (FlashAttention-2) and cuDNN backends (dense),
 bf16, 16 heads, batch*seq = 16K tokens, do_bench medians (CUDA events) on one input set, or with
 ``--cuda-graph`` medians of CUDA-graph replays (GPU time, no host cost: short calls are
-host-bound in eager mode, which hides what dropout costs the kernels). In a graph the dropout seed
-and offset are those of the capture, so every replay draws the same bits: right for timing, not
-for training. Writes DIR/dropout.csv and .json and prints a table with the overhead in percent.
+host-bound in eager mode, which hides what dropout costs the kernels; each replay draws fresh
+dropout bits, as in training). Writes DIR/dropout.csv and .json and prints a table with the overhead in percent.
 """
 
 from __future__ import annotations

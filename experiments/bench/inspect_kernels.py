@@ -188,16 +188,17 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
-    ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG]",
+    ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]]",
                     help="compile KIND (fwd, dkdv, dq) with this tile instead of the default; repeatable")
     ap.add_argument("--dump", default=None, help="write TTGIR, PTX and SASS of each kernel here")
     args = ap.parse_args(argv)
     tiles = {}
     for spec in args.tile:
+        from sparseflash.experiments.bench.tune_tiles import parse_config
         from sparseflash.flash.launch import TileConfig
 
         kind, _, nums = spec.partition("=")
-        tiles[kind] = TileConfig(*map(int, nums.split(",")))
+        tiles[kind] = TileConfig(*parse_config(nums))
     compiled = compile_kernels(args.kernels, args.head_dim, args.dropout, args.mask_block, args.causal,
                                dtype=torch.float32 if args.fp32 else torch.bfloat16, tiles=tiles)
     rows = report(compiled, args.dump)

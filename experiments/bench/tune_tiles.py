@@ -38,6 +38,14 @@ DKDV = [(32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 3), (32, 
 DQ = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 4, 2),
       (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 4, 2, 168), (64, 32, 4, 3, 128)]
 CONFIGS = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
+
+
+def parse_config(spec: str) -> tuple:
+    """"M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]]" -> a TileConfig tuple (an empty MAXNREG: no cap)."""
+    c = tuple(int(x) if x else None for x in spec.split(","))
+    if not 4 <= len(c) <= 6 or None in c[:4]:
+        raise ValueError(f"a tile config is M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]], got {spec!r}")
+    return c[:5] + (bool(c[5]),) if len(c) > 5 else c
 MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}  # per tile pair: fwd S, PV; dK/dV S, dV, dP, dK; dQ S, dP, dQ
 
 
@@ -123,8 +131,7 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     if args.configs:
-        cfgs = [tuple(int(x) if x else None for x in c.split(",")) for c in args.configs]
-        cfgs = [c[:5] + (bool(c[5]),) if len(c) > 5 else c for c in cfgs]
+        cfgs = [parse_config(c) for c in args.configs]
         for kind in args.kinds:
             CONFIGS[kind] = cfgs
     settings = [(kind, D, N, 0 if d >= 1 else max(1, round(d * math.ceil(N / 128))))
