@@ -5,6 +5,9 @@ CLI end to end on the CPU (CSV / JSON / PNG outputs, the plot command)."""
 import csv
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -346,3 +349,32 @@ def test_presets_and_defaults_resolve_without_a_gpu():
     assert seq.seq_lens == tuple(512 * 2**i for i in range(8)) and seq.patterns == ("butterfly",)
     with pytest.raises(ValueError, match="providers must be names"):
         config_from_args(parse(["bench", "seqlen", "--providers", "sdpa-fast"]))
+
+
+def _ptxas_available() -> bool:
+    import triton
+
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a no-GPU check: on a GPU the prefetching kernels run compiled "
+                    "in test_flash.py::test_prefetch_changes_nothing")
+@pytest.mark.skipif(not _ptxas_available(), reason="needs the ptxas bundled with Linux triton wheels")
+def test_inspect_kernels_compiles_l2_prefetch_for_hopper():
+    """The L2 prefetch of TileConfig.prefetch is skipped by the interpreter, so its GPU code is
+    checked here: compiled for sm_90 (no GPU needed), the kernels issue prefetch instructions
+    (SASS CCTL) with it and none without, and no kernel needs more than 255 registers."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+    def compile_rows(*tiles):
+        cmd = [sys.executable, "-m", "sparseflash.experiments.bench.inspect_kernels", "--json", "--head-dim", "64",
+               "--kernels", *[t.split("=")[0] for t in tiles]] + [a for t in tiles for a in ("--tile", t)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return {r["kernel"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+
+    on = compile_rows("fwd=64,64,4,2,,0,200", "dkdv=64,64,4,2,,0,200", "dq=64,64,4,2,,0,200")
+    off = compile_rows("fwd=64,64,4,2")
+    assert all(on[k]["CCTL"] > 0 for k in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")), on
+    assert off["_fwd_kernel"]["CCTL"] == 0
+    assert all(r["regs"] <= 255 for r in on.values())

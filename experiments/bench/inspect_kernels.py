@@ -170,7 +170,7 @@ def report(compiled, dump: str | None = None) -> list[dict]:
         ops = _opcodes(sass)
         row = dict(kernel=name, shared=ck.metadata.shared, **_resources(ck.asm["cubin"]),
                    convert_layout=ttgir.count("ttg.convert_layout"), local_alloc=ttgir.count("ttg.local_alloc"),
-                   sass_total=sum(ops.values()), loops="/".join(map(str, _loops(sass))), **{op: ops.get(op, 0) for op in ("HGMMA", "MUFU", "IMAD", "LOP3", "ISETP", "FSEL", "SHF", "BAR", "LDS", "STS")})
+                   sass_total=sum(ops.values()), loops="/".join(map(str, _loops(sass))), **{op: ops.get(op, 0) for op in ("HGMMA", "MUFU", "IMAD", "LOP3", "ISETP", "FSEL", "SHF", "BAR", "LDS", "STS", "CCTL")})
         rows.append(row)
         if dump:
             os.makedirs(dump, exist_ok=True)
@@ -188,10 +188,13 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
-    ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]]",
+    ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS[,PREFETCH]]]",
                     help="compile KIND (fwd, dkdv, dq) with this tile instead of the default; repeatable")
     ap.add_argument("--dump", default=None, help="write TTGIR, PTX and SASS of each kernel here")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        ap.error("TRITON_INTERPRET is set: the kernels would run under the interpreter, not compile; unset it")
     tiles = {}
     for spec in args.tile:
         from sparseflash.experiments.bench.tune_tiles import parse_config
@@ -202,6 +205,9 @@ def main(argv=None) -> int:
     compiled = compile_kernels(args.kernels, args.head_dim, args.dropout, args.mask_block, args.causal,
                                dtype=torch.float32 if args.fp32 else torch.bfloat16, tiles=tiles)
     rows = report(compiled, args.dump)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
     cols = list(rows[0].keys())
     print(" ".join(f"{c:>14s}" if i == 0 else f"{c:>7s}" for i, c in enumerate(cols)))
     for r in rows:

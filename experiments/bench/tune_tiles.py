@@ -40,12 +40,18 @@ DQ = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32
 CONFIGS = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
 
 
+CONFIG_FORMAT = "M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS[,PREFETCH]]]"
+
+
 def parse_config(spec: str) -> tuple:
-    """"M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]]" -> a TileConfig tuple (an empty MAXNREG: no cap)."""
+    """CONFIG_FORMAT -> a TileConfig tuple (empty MAXNREG: no cap; Q_ROWS 0/1; PREFETCH: programs
+    ahead, 0 off)."""
     c = tuple(int(x) if x else None for x in spec.split(","))
-    if not 4 <= len(c) <= 6 or None in c[:4]:
-        raise ValueError(f"a tile config is M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]], got {spec!r}")
-    return c[:5] + (bool(c[5]),) if len(c) > 5 else c
+    if not 4 <= len(c) <= 7 or None in c[:4]:
+        raise ValueError(f"a tile config is {CONFIG_FORMAT}, got {spec!r}")
+    if len(c) > 5:
+        c = c[:5] + (bool(c[5]),) + tuple(int(x or 0) for x in c[6:])
+    return c
 MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}  # per tile pair: fwd S, PV; dK/dV S, dV, dP, dK; dQ S, dP, dQ
 
 
@@ -120,8 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--rep", type=float, default=60.0, help="do_bench_cudagraph budget per config, ms")
     ap.add_argument("--dropout", type=float, nargs="+", default=[0.0], help="dropout_p values to time each config at")
-    ap.add_argument("--configs", nargs="+", default=None, metavar="M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]]",
-                    help="time only these configs (an empty MAXNREG: none; Q_ROWS 1: dK/dV in the forward's orientation)")
+    ap.add_argument("--configs", nargs="+", default=None, metavar=CONFIG_FORMAT,
+                    help="time only these configs (an empty MAXNREG: none; Q_ROWS 1: dK/dV in the forward's "
+                         "orientation; PREFETCH d: L2 prefetch for the program d places ahead)")
     ap.add_argument("--sdpa", action="store_true", help="also time SDPA flash / cuDNN dense (fwd, bwd)")
     args = ap.parse_args(argv)
     import triton

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,6 +34,9 @@ class TileConfig:
     # dK/dV only: compute S and dP as [queries, keys] tiles (the forward's orientation) and feed
     # P^T, dS^T to the tensor cores from shared memory, instead of [keys, queries] tiles in registers
     q_rows: bool = False
+    # Each program asks the L2 cache for the inputs of the program this many places after it in
+    # launch order (kernels._prefetch_l2); 0: off
+    prefetch: int = 0
 
     def launch_options(self) -> dict:
         opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -133,7 +136,7 @@ def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
             bm = max(16, bm // 2)
         else:
             bn = max(16, bn // 2)
-    return TileConfig(bm, bn, cfg.num_warps, min(cfg.num_stages, 2), cfg.maxnreg, cfg.q_rows)
+    return replace(cfg, block_m=bm, block_n=bn, num_stages=min(cfg.num_stages, 2))
 
 
 def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None,
@@ -145,7 +148,7 @@ def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int 
             cfg = _fp32_config(cfg, kind, head_dim)
     bm = _fit(cfg.block_m, mask_bq, "block_q")
     bn = _fit(cfg.block_n, mask_bk, "block_k")
-    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.q_rows)
+    return replace(cfg, block_m=bm, block_n=bn)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -172,6 +175,12 @@ def _block_d(head_dim: int) -> int:
 
 def _nb_p2(n: int) -> int:
     return max(2, _p2(n))
+
+
+def _prefetch_args(cfg: TileConfig, t: torch.Tensor) -> dict:
+    """The prefetch constexprs: distance, elements per 128-byte line, lines per row (a power of 2)."""
+    line = 128 // t.element_size()
+    return dict(PREFETCH=cfg.prefetch, PF_LINE=line, PF_LINES=_p2(_cdiv(t.shape[-1], line)))
 
 
 # Lists up to this many entries are read from registers in the loop (GATHER), longer ones from
@@ -235,7 +244,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
         DENSE=dense, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-        DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(),
+        DOT_PREC=_dot_precision(q.dtype), **_prefetch_args(cfg, q), **cfg.launch_options(),
     )
     return o, lse
 
@@ -274,7 +283,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
         Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, **cfg.launch_options(), **constexprs,
-        Q_ROWS=cfg.q_rows,
+        Q_ROWS=cfg.q_rows, **_prefetch_args(cfg, q),
     )
     return dk, dv
 
@@ -297,6 +306,6 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, HAS_DLSE=dlse is not None,
-        **cfg.launch_options(), **constexprs,
+        **_prefetch_args(cfg, q), **cfg.launch_options(), **constexprs,
     )
     return dq
