@@ -4,7 +4,8 @@
 # Stages: sweep (bench sparsity, full GPU defaults), seqlen (bench seqlen), dropout, tests (GPU
 # test files, in SHARDS processes), tune (tile search, dense and density 0.1), kernel-check (issue
 # 3's check against the baselines, GPU time and eager), ab (the kernel check, sparseflash only, in
-# GPU time, for the source tree in AB_OLD and for this one), lra-speed, lra-train. Each stage writes OUT/<stage>/ and a log; everything is
+# GPU time, for the source tree in AB_OLD and for this one), prefetch (each kernel's default tile
+# with L2 prefetch distances PREFETCH_DISTS, GPU time, dense and density 0.1), lra-speed, lra-train. Each stage writes OUT/<stage>/ and a log; everything is
 # packed into OUT/<stage>.tgz so a call brings back few files.
 set -uo pipefail
 out=$1; shift
@@ -40,6 +41,8 @@ for stage in "$@"; do
                  for f in "$d"/shard_*.log; do echo "--- $f"; tail -n 12 "$f"; done ;;
         tune)    # TUNE_ARGS replaces the default search (e.g. --kinds dkdv --dropout 0 0.1 --configs ...)
                  $t $py -m sparseflash.experiments.bench.tune_tiles ${TUNE_ARGS:---seq-lens 4096 16384 --densities 1 0.1} --out "$d" ;;
+        prefetch) $t $py -m sparseflash.experiments.bench.tune_tiles --seq-lens 4096 16384 --densities 1 0.1 \
+                     --prefetch ${PREFETCH_DISTS:-0 66 132 264 528} --out "$d" ;;
         kernel-check)
                  $t $py -m sparseflash bench sparsity --preset kernel-check --cuda-graph --out "$d/graph"
                  $t $py -m sparseflash bench sparsity --preset kernel-check --seq-len 4096 --out "$d/eager-4k" ;;

@@ -378,3 +378,22 @@ def test_inspect_kernels_compiles_l2_prefetch_for_hopper():
     assert all(on[k]["CCTL"] > 0 for k in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")), on
     assert off["_fwd_kernel"]["CCTL"] == 0
     assert all(r["regs"] <= 255 for r in on.values())
+
+
+def test_tune_configs_parse_and_prefetch_candidates(monkeypatch):
+    from sparseflash.experiments.bench import tune_tiles
+    from sparseflash.flash import launch
+
+    assert tune_tiles.parse_config("64,64,4,3") == (64, 64, 4, 3)
+    assert tune_tiles.parse_config("64,64,4,3,,1,264") == (64, 64, 4, 3, None, True, 264)
+    assert launch.TileConfig(*tune_tiles.parse_config("128,64,8,3,128,0,66")).prefetch == 66
+    for bad in ("64,64,4", "64,64,4,3,,1,2,9", "64,,4,3"):
+        with pytest.raises(ValueError, match="tile config"):
+            tune_tiles.parse_config(bad)
+    # --prefetch times the GPU default tile of each setting at each distance
+    monkeypatch.setattr(launch, "_interpreting", lambda: False)
+    cands = tune_tiles.candidates("fwd", 128, 4096, 3, 0.0, prefetch=[0, 264])
+    base = launch._default_config("fwd", 128, torch.device("cuda"), 32)
+    assert [launch.TileConfig(*c) for c in cands] == [base, launch.TileConfig(64, 64, 4, 3, prefetch=264)]
+    assert base == launch.TileConfig(64, 64, 4, 3)
+    assert tune_tiles.candidates("dq", 64, 4096, 0, 0.0) is tune_tiles.CONFIGS["dq"]

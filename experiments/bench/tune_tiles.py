@@ -16,6 +16,7 @@ results (experiments/results/tune/).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -52,6 +53,19 @@ def parse_config(spec: str) -> tuple:
     if len(c) > 5:
         c = c[:5] + (bool(c[5]),) + tuple(int(x or 0) for x in c[6:])
     return c
+
+
+def candidates(kind: str, D: int, N: int, bpr: int, dropout_p: float, prefetch: list[int] | None = None) -> list[tuple]:
+    """The configs timed for one setting: the search list of ``kind``, or with ``prefetch`` the
+    setting's default tile (launch.py, as a GPU run picks it) at each of those prefetch distances."""
+    if prefetch is None:
+        return CONFIGS[kind]
+    from sparseflash.flash.launch import _default_config
+
+    base = _default_config(kind, D, torch.device("cuda"), math.ceil(N / 128) if bpr else None, dropout_p > 0)
+    return [dataclasses.astuple(dataclasses.replace(base, prefetch=d)) for d in prefetch]
+
+
 MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}  # per tile pair: fwd S, PV; dK/dV S, dV, dP, dK; dQ S, dP, dQ
 
 
@@ -129,6 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=None, metavar=CONFIG_FORMAT,
                     help="time only these configs (an empty MAXNREG: none; Q_ROWS 1: dK/dV in the forward's "
                          "orientation; PREFETCH d: L2 prefetch for the program d places ahead)")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=None, metavar="DIST",
+                    help="time each setting's default tile (launch.py) with these L2 prefetch distances "
+                         "(programs ahead; 0: off) instead of a tile search")
     ap.add_argument("--sdpa", action="store_true", help="also time SDPA flash / cuDNN dense (fwd, bwd)")
     args = ap.parse_args(argv)
     import triton
@@ -144,11 +161,12 @@ def main(argv=None) -> int:
     settings = [(kind, D, N, 0 if d >= 1 else max(1, round(d * math.ceil(N / 128))))
                 for kind in args.kinds for D in args.head_dims for N in args.seq_lens for d in args.densities]
     settings = [s + (p,) for s in settings for p in args.dropout]
-    _precompile([(kind, D, N, bpr, cfg, p) for kind, D, N, bpr, p in settings for cfg in CONFIGS[kind]], args.jobs)
+    _precompile([(kind, D, N, bpr, cfg, p) for kind, D, N, bpr, p in settings
+                 for cfg in candidates(kind, D, N, bpr, p, args.prefetch)], args.jobs)
     rows = []
     for kind, D, N, bpr, p in settings:
         B = max(1, 16384 // N)
-        for cfg in CONFIGS[kind]:
+        for cfg in candidates(kind, D, N, bpr, p, args.prefetch):
             r = dict(kind=kind, D=D, N=N, blocks_per_row=bpr, dropout_p=p, cfg=cfg)
             try:
                 with tile_config(**{kind: TileConfig(*cfg)}):
