@@ -397,3 +397,11 @@ def test_tune_configs_parse_and_prefetch_candidates(monkeypatch):
     assert [launch.TileConfig(*c) for c in cands] == [base, launch.TileConfig(64, 64, 4, 3, prefetch=264)]
     assert base == launch.TileConfig(64, 64, 4, 3)
     assert tune_tiles.candidates("dq", 64, 4096, 0, 0.0) is tune_tiles.CONFIGS["dq"]
+    # SPARSEFLASH_PREFETCH (read at import into launch.PREFETCH) sets it on every default tile,
+    # not on tiles given with tile_config
+    monkeypatch.setattr(launch, "PREFETCH", 132)
+    cuda = torch.device("cuda")
+    assert launch._config("fwd", 128, cuda, 128, 128, k_blocks=32) == launch.TileConfig(64, 64, 4, 3, prefetch=132)
+    assert launch._config("dkdv", 64, cuda, None, None).prefetch == 132
+    with launch.tile_config(dq=launch.TileConfig(64, 32)):
+        assert launch._config("dq", 64, cuda, None, None).prefetch == 0

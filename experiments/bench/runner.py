@@ -8,6 +8,7 @@ status (``OOM``, ``unavailable: ...`` when SDPA finds no kernel for the inputs, 
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -151,8 +152,15 @@ def _row(env, bench, job: Job, s: Setting, timing_label: str) -> dict:
         "flops": attention_flops(pairs, sh.head_dim, sh.mode), "ms": float("nan"), "tflops": float("nan"),
         "peak_mem_mb": float("nan"), "mask_ms": pt.mask_ms, "prep_ms": float("nan"), "first_ms": float("nan"),
         "n_sets": None, "max_err": None,
-        "status": "", "note": CPU_NOTE if env["device"] == "cpu" else "", "timing": timing_label,
+        "status": "", "note": "; ".join(n for n in (CPU_NOTE if env["device"] == "cpu" else "", _env_note()) if n),
+        "timing": timing_label,
     }
+
+
+def _env_note() -> str:
+    """Kernel settings taken from the environment (measurement switches), so rows say what ran."""
+    return "; ".join(f"{k}={os.environ[k]}" for k in ("SPARSEFLASH_PREFETCH", "SPARSEFLASH_GATHER_MAX")
+                     if os.environ.get(k))
 
 
 def _note(row: dict, text: str) -> None:

@@ -281,8 +281,9 @@ def _prefetch_rows(base, row_lo, row_hi, stride_r, stride_d, HEAD_DIM: tl.conste
 
 @triton.jit
 def _prefetch_span(base, lo, hi, LINE: tl.constexpr, N_LINES: tl.constexpr):
-    """Prefetch elements [lo, hi) of a contiguous vector of LINE elements per 128 bytes (at most
-    N_LINES lines)."""
+    """Prefetch elements [lo, hi) of a contiguous vector, LINE elements per 128 bytes, at most
+    N_LINES requests (lines counted from ``base``: where it is not 128-byte aligned, some lines
+    are missed, which only makes the hint weaker)."""
     o = lo - lo % LINE + tl.arange(0, N_LINES) * LINE  # the lines' first elements
     _prefetch_l2(base + tl.maximum(o, lo), o < hi)
 
@@ -294,7 +295,6 @@ def _prefetch_target(i_tile, i_bh, DIST: tl.constexpr):
     n_t = tl.num_programs(0)
     tgt = i_bh * n_t + i_tile + DIST
     return tgt < n_t * tl.num_programs(1), tgt % n_t, tgt // n_t
-
 
 
 @triton.jit

@@ -71,6 +71,11 @@ def tile_config(fwd: TileConfig | None = None, dkdv: TileConfig | None = None, d
         _OVERRIDE.update(saved)
 
 
+# SPARSEFLASH_PREFETCH=d sets the L2 prefetch distance of every default tile (for measurement:
+# the defaults keep it off until a GPU run decides; tile_config overrides still win).
+PREFETCH = int(os.environ["SPARSEFLASH_PREFETCH"]) if os.environ.get("SPARSEFLASH_PREFETCH") else None
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -146,6 +151,8 @@ def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int 
         cfg = _default_config(kind, head_dim, device, k_blocks, dropout)
         if dtype == torch.float32 and device.type == "cuda" and not _interpreting():
             cfg = _fp32_config(cfg, kind, head_dim)
+        if PREFETCH is not None:
+            cfg = replace(cfg, prefetch=PREFETCH)
     bm = _fit(cfg.block_m, mask_bq, "block_q")
     bn = _fit(cfg.block_n, mask_bk, "block_k")
     return replace(cfg, block_m=bm, block_n=bn)
