@@ -203,6 +203,30 @@ def test_arbitrary_strides(device):
     check_attention(triton_impl(mask, causal=True), q, k, v, do, mask=mask, causal=True)
 
 
+def test_row_alignment_hint(device):
+    """Row strides that are multiples of 2, 4 or 8 but not 16 (head_dim 40, 20; a fused-projection
+    layout) reach the kernels divided by that alignment and multiplied back inside; results stay
+    exact, and the alignment is only claimed where it holds."""
+    t = lambda *shape: torch.empty(*shape, device=device)  # noqa: E731
+    assert launch._row_align(t(2, 3, 50, 40)) == 8
+    assert launch._row_align(t(2, 3, 50, 20)) == 4
+    assert launch._row_align(t(2, 3, 50, 64), t(2, 3, 50, 128)) == 1  # divisible by 16: Triton knows
+    assert launch._row_align(t(2, 3, 50, 40), t(2, 3, 50, 20)) == 4
+    assert launch._row_align(t(2, 3, 50, 40).transpose(-1, -2)) == 1  # no unit last stride
+    assert launch._row_align(t(2, 1, 50, 40).expand(2, 3, 50, 40)) == 8  # stride 0
+    assert launch._row_align(t(2, 3, 51, 41)) == 1
+    B, N, H, D = 2, 70, 2, 40
+    g = torch.Generator().manual_seed(14)
+    qkv = torch.randn(B, N, 3, H, D, generator=g).to(device, torch.float16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # row stride 3 * H * D = 240
+    assert launch._row_align(q, k, v) == 8
+    do = torch.randn(B, H, N, D, generator=g).to(device, torch.float16)
+    mask = random_mask(1, 1, N, N, 32, 0.6, seed=15).to(device)
+    check_attention(triton_impl(mask, causal=True), q, k, v, do, mask=mask, causal=True)
+    q, k, v, do = make_qkv(1, 2, 2, 33, 33, 20, torch.bfloat16, device, seed=16)  # alignment 4
+    check_attention(triton_impl(), q, k, v, do)
+
+
 def test_deterministic_backward(device):
     mask = random_mask(2, 1, 128, 128, 32, 0.5, seed=14).to(device)
     q, k, v, do = make_qkv(1, 2, 1, 128, 128, 32, torch.bfloat16, device, seed=15)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -101,9 +102,11 @@ def _loops(sass: str) -> list[int]:
     return out
 
 
-def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024, dtype=torch.bfloat16, tiles=None):
+def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024, dtype=torch.bfloat16, tiles=None,
+                    prefetch=None):
     """Compile the launchers' kernels for sm_90 and return {kernel name: CompiledKernel-like asm dict}.
-    ``tiles``: {kind: TileConfig} in place of the launchers' defaults."""
+    ``tiles``: {kind: TileConfig} in place of the launchers' defaults; ``prefetch``: the L2 prefetch
+    distance of the default tiles (default: launch.PREFETCH, i.e. SPARSEFLASH_PREFETCH)."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
@@ -111,6 +114,7 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
     from sparseflash.flash import launch
     from sparseflash.mask import BlockMask
 
+    prefetch = launch.PREFETCH if prefetch is None else prefetch
     compiled = {}
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
@@ -143,6 +147,8 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
                 for kind in ("fwd", "dkdv", "dq")}
         if dtype == torch.float32:
             cfgs = {kind: launch._fp32_config(c, kind, D) for kind, c in cfgs.items()}
+        if prefetch is not None:
+            cfgs = {kind: dataclasses.replace(c, prefetch=prefetch) for kind, c in cfgs.items()}
         cfgs.update(tiles or {})
         mb = mask_block or None
         lse = torch.zeros(B, H, N)
@@ -190,6 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
     ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS[,PREFETCH]]]",
                     help="compile KIND (fwd, dkdv, dq) with this tile instead of the default; repeatable")
+    ap.add_argument("--prefetch", type=int, default=None, metavar="DIST",
+                    help="L2 prefetch distance of the default tiles (default: SPARSEFLASH_PREFETCH, else off)")
     ap.add_argument("--dump", default=None, help="write TTGIR, PTX and SASS of each kernel here")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = ap.parse_args(argv)
@@ -203,7 +211,7 @@ def main(argv=None) -> int:
         kind, _, nums = spec.partition("=")
         tiles[kind] = TileConfig(*parse_config(nums))
     compiled = compile_kernels(args.kernels, args.head_dim, args.dropout, args.mask_block, args.causal,
-                               dtype=torch.float32 if args.fp32 else torch.bfloat16, tiles=tiles)
+                               dtype=torch.float32 if args.fp32 else torch.bfloat16, tiles=tiles, prefetch=args.prefetch)
     rows = report(compiled, args.dump)
     if args.json:
         print(json.dumps(rows))

@@ -63,6 +63,15 @@ def _dot(a, b, acc, DOT_PREC: tl.constexpr):
 _RNG_ARGS = ["drop_thresh"]
 
 
+@triton.jit
+def _aligned(stride_b, stride_h, stride_r, ALIGN: tl.constexpr):
+    """A tensor's batch, head and row strides, which the launcher passes divided by ALIGN (the
+    largest power of two <= 16 dividing them all, `launch._row_align`): multiplied back here, the
+    compiler knows every row starts ALIGN-aligned. Triton's own specialisation only recognises
+    strides divisible by 16, so a head_dim of 40 would get element-wise loads without it."""
+    return stride_b * ALIGN, stride_h * ALIGN, stride_r * ALIGN
+
+
 # ----------------------------------------------------------------------------- dropout bits
 @triton.jit
 def _rng_state(RNG, DROPOUT: tl.constexpr):
@@ -374,7 +383,11 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
                 MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                 DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
-                PF_LINES: tl.constexpr = 2):
+                PF_LINES: tl.constexpr = 2, ALIGN: tl.constexpr = 1):
+    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
+    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
+    stride_ob, stride_oh, stride_om = _aligned(stride_ob, stride_oh, stride_om, ALIGN)
     i_m = tl.program_id(0)
     seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
     i_bh = tl.program_id(1)
@@ -491,7 +504,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
                      MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                      DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                      DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                     PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 2):
+                     PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 2, ALIGN: tl.constexpr = 1):
+    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
+    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
+    stride_dob, stride_doh, stride_dom = _aligned(stride_dob, stride_doh, stride_dom, ALIGN)
+    stride_dkb, stride_dkh, stride_dkn = _aligned(stride_dkb, stride_dkh, stride_dkn, ALIGN)
+    stride_dvb, stride_dvh, stride_dvn = _aligned(stride_dvb, stride_dvh, stride_dvn, ALIGN)
     i_n = tl.program_id(0)
     seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
     i_bhk = tl.program_id(1)
@@ -637,9 +656,15 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                    DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                    HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                   PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 2):
+                   PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 2, ALIGN: tl.constexpr = 1):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO."""
+    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
+    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
+    stride_dob, stride_doh, stride_dom = _aligned(stride_dob, stride_doh, stride_dom, ALIGN)
+    stride_ob, stride_oh, stride_om = _aligned(stride_ob, stride_oh, stride_om, ALIGN)
+    stride_dqb, stride_dqh, stride_dqm = _aligned(stride_dqb, stride_dqh, stride_dqm, ALIGN)
     i_m = tl.program_id(0)
     seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
     i_bh = tl.program_id(1)
