@@ -52,8 +52,9 @@ for stage in "$@"; do
         kernel-check)
                  $t $py -m sparseflash bench sparsity --preset kernel-check --cuda-graph --out "$d/graph"
                  $t $py -m sparseflash bench sparsity --preset kernel-check --seq-len 4096 --out "$d/eager-4k" ;;
-        ab)      # AB_OLD: a source tree of an earlier commit (git archive), carried with the call
-                 ab="--preset kernel-check --providers sparseflash sparseflash-dense --densities 1 0.1 --cuda-graph --no-plot"
+        ab)      # AB_OLD: a source tree of an earlier commit (git archive), carried with the call;
+                 # AB_ARGS: extra options for both (e.g. --head-dim 40 80 for the row-alignment hint)
+                 ab="--preset kernel-check --providers sparseflash sparseflash-dense --densities 1 0.1 --cuda-graph --no-plot ${AB_ARGS:-}"
                  (cd "${AB_OLD:?set AB_OLD}" && $t $py -m sparseflash bench sparsity $ab --out "$d/old")
                  $t $py -m sparseflash bench sparsity $ab --out "$d/new" ;;
         lra-speed) $t $py -m sparseflash lra speed --task all --max-seconds 5 --repeats 5 --out "$d" ;;
