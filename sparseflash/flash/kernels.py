@@ -298,12 +298,23 @@ def _prefetch_span(base, lo, hi, LINE: tl.constexpr, N_LINES: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_target(i_tile, i_bh, DIST: tl.constexpr):
-    """(exists, tile, batch*head) of the program DIST places after this one in launch order
-    (grid (tiles, batch*heads), tiles fastest)."""
+def _prefetch_target(i_tile, i_bh, H, DIST: tl.constexpr):
+    """(exists, tile, batch, head, batch*H + head) of the program DIST places after this one in
+    launch order (grid (tiles, batch*H), tiles fastest)."""
     n_t = tl.num_programs(0)
     tgt = i_bh * n_t + i_tile + DIST
-    return tgt < n_t * tl.num_programs(1), tgt % n_t, tgt // n_t
+    t_bh = (tgt // n_t).to(tl.int64)
+    return tgt < n_t * tl.num_programs(1), tgt % n_t, t_bh // H, t_bh % H, t_bh
+
+
+@triton.jit
+def _prefetch_kv(K, V, t_b, t_hk, lo, hi, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
+                 stride_vd, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, PF_LINE: tl.constexpr, PF_LINES: tl.constexpr):
+    """Prefetch keys [lo, hi) of K and V of (batch t_b, kv head t_hk)."""
+    _prefetch_rows(K + t_b * stride_kb + t_hk * stride_kh, lo, hi, stride_kn, stride_kd, HEAD_DIM, BLOCK_R,
+                   PF_LINE, PF_LINES)
+    _prefetch_rows(V + t_b * stride_vb + t_hk * stride_vh, lo, hi, stride_vn, stride_vd, HEAD_DIM, BLOCK_R,
+                   PF_LINE, PF_LINES)
 
 
 @triton.jit
@@ -321,11 +332,8 @@ def _prefetch_row_inputs(K, V, KV_IDX, t_b, t_h, t_m, GROUP, seq_k,
         share = tl.cdiv(seq_k, tl.num_programs(0))
         lo = t_m * share
         hi = tl.minimum(lo + share, seq_k)
-        t_hk = t_h // GROUP
-        _prefetch_rows(K + t_b * stride_kb + t_hk * stride_kh, lo, hi, stride_kn, stride_kd, HEAD_DIM, BLOCK_M,
-                       PF_LINE, PF_LINES)
-        _prefetch_rows(V + t_b * stride_vb + t_hk * stride_vh, lo, hi, stride_vn, stride_vd, HEAD_DIM, BLOCK_M,
-                       PF_LINE, PF_LINES)
+        _prefetch_kv(K, V, t_b, t_h // GROUP, lo, hi, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+                     stride_vn, stride_vd, HEAD_DIM, BLOCK_M, PF_LINE, PF_LINES)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -410,10 +418,8 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
     if PREFETCH > 0:  # the inputs of a program one wave or so ahead (see _prefetch_l2)
-        pf_ok, t_m, t_bh = _prefetch_target(i_m, i_bh, PREFETCH)
+        pf_ok, t_m, t_b, t_h, t_bh = _prefetch_target(i_m, i_bh, H_Q, PREFETCH)
         if pf_ok:
-            t_b = (t_bh // H_Q).to(tl.int64)
-            t_h = (t_bh % H_Q).to(tl.int64)
             _prefetch_rows(Q + t_b * stride_qb + t_h * stride_qh, t_m * BLOCK_M, tl.minimum(t_m * BLOCK_M + BLOCK_M, seq_q),
                            stride_qm, stride_qd, HEAD_DIM, BLOCK_M, PF_LINE, PF_LINES)
             _prefetch_row_inputs(K, V, KV_IDX, t_b, t_h, t_m, GROUP, seq_k, stride_kb, stride_kh, stride_kn, stride_kd,
@@ -536,16 +542,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
         skip_below = start_n - causal_off
         full_from = start_n + BLOCK_N - 1 - causal_off
     if PREFETCH > 0:  # the inputs of a program one wave or so ahead (see _prefetch_l2)
-        pf_ok, t_n, t_bhk = _prefetch_target(i_n, i_bhk, PREFETCH)
+        pf_ok, t_n, t_b, t_hk, t_bhk = _prefetch_target(i_n, i_bhk, H_KV, PREFETCH)
         if pf_ok:
-            t_b = (t_bhk // H_KV).to(tl.int64)
-            t_hk = (t_bhk % H_KV).to(tl.int64)
             c_lo = t_n * BLOCK_N
-            c_hi = tl.minimum(c_lo + BLOCK_N, seq_k)
-            _prefetch_rows(K + t_b * stride_kb + t_hk * stride_kh, c_lo, c_hi, stride_kn, stride_kd,
-                           HEAD_DIM, BLOCK_N, PF_LINE, PF_LINES)
-            _prefetch_rows(V + t_b * stride_vb + t_hk * stride_vh, c_lo, c_hi, stride_vn, stride_vd,
-                           HEAD_DIM, BLOCK_N, PF_LINE, PF_LINES)
+            _prefetch_kv(K, V, t_b, t_hk, c_lo, tl.minimum(c_lo + BLOCK_N, seq_k), stride_kb, stride_kh, stride_kn,
+                         stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM, BLOCK_N, PF_LINE, PF_LINES)
             share = tl.cdiv(seq_q, tl.num_programs(0))  # its tile's share of each head's Q-side rows
             r_lo = t_n * share
             r_hi = tl.minimum(r_lo + share, seq_q)
@@ -698,10 +699,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
     if PREFETCH > 0:  # the inputs of a program one wave or so ahead (see _prefetch_l2)
-        pf_ok, t_m, t_bh = _prefetch_target(i_m, i_bh, PREFETCH)
+        pf_ok, t_m, t_b, t_h, t_bh = _prefetch_target(i_m, i_bh, H_Q, PREFETCH)
         if pf_ok:
-            t_b = (t_bh // H_Q).to(tl.int64)
-            t_h = (t_bh % H_Q).to(tl.int64)
             r_lo = t_m * BLOCK_M
             r_hi = tl.minimum(r_lo + BLOCK_M, seq_q)
             _prefetch_rows(Q + t_b * stride_qb + t_h * stride_qh, r_lo, r_hi, stride_qm, stride_qd,
@@ -710,9 +709,9 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
                            HEAD_DIM, BLOCK_M, PF_LINE, PF_LINES)
             _prefetch_rows(O + t_b * stride_ob + t_h * stride_oh, r_lo, r_hi, stride_om, stride_od,
                            HEAD_DIM, BLOCK_M, PF_LINE, PF_LINES)
-            _prefetch_span(LSE + t_bh.to(tl.int64) * seq_q, r_lo, r_hi, 32, BLOCK_M // 16)
+            _prefetch_span(LSE + t_bh * seq_q, r_lo, r_hi, 32, BLOCK_M // 16)
             if HAS_DLSE:
-                _prefetch_span(DLSE + t_bh.to(tl.int64) * seq_q, r_lo, r_hi, 32, BLOCK_M // 16)
+                _prefetch_span(DLSE + t_bh * seq_q, r_lo, r_hi, 32, BLOCK_M // 16)
             _prefetch_row_inputs(K, V, KV_IDX, t_b, t_h, t_m, GROUP, seq_k, stride_kb, stride_kh, stride_kn, stride_kd,
                                  stride_vb, stride_vh, stride_vn, stride_vd, stride_ib, stride_ih, stride_im,
                                  HEAD_DIM, BLOCK_M, MASK_BQ, MASK_BK, NB_P2, DENSE, PF_LINE, PF_LINES)
