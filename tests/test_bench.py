@@ -374,10 +374,11 @@ def test_inspect_kernels_compiles_l2_prefetch_for_hopper():
         return {r["kernel"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
 
     on = compile_rows("fwd=64,64,4,2,,0,200", "dkdv=64,64,4,2,,0,200", "dq=64,64,4,2,,0,200")
-    off = compile_rows("fwd=64,64,4,2")
-    assert all(on[k]["CCTL"] > 0 for k in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")), on
-    assert off["_fwd_kernel"]["CCTL"] == 0
-    assert all(r["regs"] <= 255 for r in on.values())
+    off = compile_rows("fwd=64,64,4,2", "dkdv=64,64,4,2", "dq=64,64,4,2")
+    for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
+        assert on[name]["CCTL"] > 0 and off[name]["CCTL"] == 0, (on[name], off[name])
+        # the requests sit before the main loop and hold no registers: at most a few more spilled bytes
+        assert on[name]["stack"] <= off[name]["stack"] + 32, (on[name], off[name])
 
 
 def test_tune_configs_parse_and_prefetch_candidates(monkeypatch):

@@ -8,11 +8,13 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl  # noqa: F401  (the interpreter wants it visible to _prefetch_recorder)
 from _attn_check import check_attention, make_qkv
 
 import sparseflash
 from sparseflash import BlockMask
-from sparseflash.flash import TileConfig, launch, tile_config
+from sparseflash.flash import TileConfig, kernels, launch, tile_config
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -139,6 +141,63 @@ def test_prefetch_changes_nothing(dist, device):
             assert torch.equal(a, b), f"{name} changed with prefetch={dist}"
 
 
+_PREFETCHED: list[int] = []  # addresses the recording stand-in of kernels._prefetch_l2 saw
+
+
+def _record_prefetch(ptrs, mask):
+    import numpy as np
+
+    addr, on = np.asarray(ptrs.handle.data).ravel(), np.asarray(mask.handle.data).ravel().astype(bool)
+    _PREFETCHED.extend(int(a) for a in addr[on])
+
+
+@triton.jit
+def _prefetch_recorder(ptrs, mask):
+    _record_prefetch(ptrs, mask)  # interpreter only: plain Python called from the kernel
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+@pytest.mark.skipif(not launch._interpreting(), reason="records the requests under the interpreter (a GPU issues them)")
+@pytest.mark.parametrize("shape", [(2, 4, 2, 10, 256), (2, 2, 1, 200, 40), (2, 4, 4, 96, 96)],
+                         ids=lambda s: "B{}-H{}/{}-N{}x{}".format(*s))
+def test_prefetch_addresses_stay_inside_their_tensors(shape, monkeypatch, device):
+    """Every L2 prefetch request of every kernel lies inside one of that launch's tensors (checked
+    by recording them, as the interpreter otherwise skips them), with seq_q < seq_k and > seq_k,
+    GQA, batch 2, sparse causal with key_lengths, and dense."""
+    monkeypatch.setattr(kernels, "_prefetch_l2", _prefetch_recorder)
+    B, Hq, Hkv, Nq, Nk = shape
+    q, k, v, do = make_qkv(B, Hq, Hkv, Nq, Nk, 40, torch.float16, device, seed=17)
+    mask = random_mask(Hq, 1, Nq, Nk, 32, 0.5, seed=17).to(device)
+    kl = torch.tensor([Nk, max(1, Nk // 3)], device=device)
+    cfg = TileConfig(32, 32, prefetch=1)
+    for m, causal, klen in ((mask, True, kl), (None, False, None)):
+        idx = None if m is None else m.index(device)
+        kv_idx, q_idx, mb = (None, None, None) if idx is None else (idx.kv_idx, idx.q_idx, 32)
+        lists = [] if idx is None else [kv_idx, q_idx]
+        extras = lists + ([] if klen is None else [klen])
+        with tile_config(fwd=cfg, dkdv=cfg, dq=cfg):
+            _PREFETCHED.clear()
+            o, lse = launch.fwd(q, k, v, kv_idx, klen, 0.2, causal, mb, mb, 0.0, None)
+            launches = [("fwd", list(_PREFETCHED), [q, k, v, o, lse] + extras)]
+            delta = torch.empty_like(lse)
+            args = (do, q, k, v, lse, delta, klen, 0.2, causal, mb, mb, 0.0, None)
+            _PREFETCHED.clear()
+            dq = launch.bwd_dq(*args, kv_idx, o=o)
+            launches.append(("dq", list(_PREFETCHED), [q, k, v, o, do, lse, delta, dq] + extras))
+            _PREFETCHED.clear()
+            dk, dv = launch.bwd_dkdv(*args, q_idx)
+            launches.append(("dkdv", list(_PREFETCHED), [q, k, v, do, lse, delta, dk, dv] + extras))
+        for name, addrs, tensors in launches:
+            spans = [_extent(t) for t in tensors]
+            outside = [a for a in addrs if not any(lo <= a < hi for lo, hi in spans)]
+            assert addrs, f"{name}: no prefetch requests recorded"
+            assert not outside, f"{name}: {len(outside)} of {len(addrs)} requests outside the launch's tensors"
+
+
 def test_sparse_key_lengths_and_empty(device):
     mask = random_mask(1, 1, 96, 96, 32, 0.7, seed=6, empty_row=True).to(device)
     q, k, v, do = make_qkv(3, 2, 2, 96, 96, 32, torch.bfloat16, device, seed=5)
@@ -215,6 +274,8 @@ def test_row_alignment_hint(device):
     assert launch._row_align(t(2, 3, 50, 40).transpose(-1, -2)) == 1  # no unit last stride
     assert launch._row_align(t(2, 1, 50, 40).expand(2, 3, 50, 40)) == 8  # stride 0
     assert launch._row_align(t(2, 3, 51, 41)) == 1
+    big = torch.empty_strided((2, 1, 1, 40), (2**31 + 8, 40, 40, 1), device="meta")
+    assert launch._row_align(big) == 1  # divided, the stride would pass as int32 and wrap
     B, N, H, D = 2, 70, 2, 40
     g = torch.Generator().manual_seed(14)
     qkv = torch.randn(B, N, 3, H, D, generator=g).to(device, torch.float16)
@@ -224,6 +285,11 @@ def test_row_alignment_hint(device):
     mask = random_mask(1, 1, N, N, 32, 0.6, seed=15).to(device)
     check_attention(triton_impl(mask, causal=True), q, k, v, do, mask=mask, causal=True)
     q, k, v, do = make_qkv(1, 2, 2, 33, 33, 20, torch.bfloat16, device, seed=16)  # alignment 4
+    check_attention(triton_impl(), q, k, v, do)
+    # one tensor less aligned than the rest sets the launch's alignment: dO with row stride 44
+    q, k, v, _ = make_qkv(1, 2, 2, 33, 33, 40, torch.float16, device, seed=18)
+    do = torch.randn(1, 2, 33, 44, generator=g).to(device, torch.float16)[..., :40]
+    assert launch._row_align(q, k, v, do) == 4
     check_attention(triton_impl(), q, k, v, do)
 
 

@@ -317,6 +317,7 @@ def execute(cfg, points_by_seq: dict[int, list[Point]], notes: list[str], comman
     notes = notes + [f"provider {p} skipped: {s[len('unavailable: '):]}" for p, s in unavailable]
     meta = {"bench": cfg.bench, "command": command, "config": cfg.as_dict(), "notes": notes, **env,
             "estimate_s": round(est, 1), "wall_s": round(time.perf_counter() - t0, 1)}
-    if device.type == "cpu":
-        meta["note"] = CPU_NOTE
+    note = "; ".join(n for n in (CPU_NOTE if device.type == "cpu" else "", _env_note()) if n)
+    if note:
+        meta["note"] = note
     return rows, meta

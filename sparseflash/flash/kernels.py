@@ -278,14 +278,13 @@ def _prefetch_l2(ptrs, mask):
 @triton.jit
 def _prefetch_rows(base, row_lo, row_hi, stride_r, stride_d, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                    PF_LINE: tl.constexpr, PF_LINES: tl.constexpr):
-    """Prefetch rows [row_lo, row_hi) of a [rows, HEAD_DIM] matrix: one request per PF_LINE
-    elements (128 bytes) of each row, BLOCK_R rows at a time."""
-    o_r = tl.arange(0, BLOCK_R)
+    """Prefetch rows [row_lo, min(row_hi, row_lo + BLOCK_R)) of a [rows, HEAD_DIM] matrix: one
+    request per PF_LINE elements (128 bytes) of each row. (At most BLOCK_R rows, so that a share
+    of a long sequence, e.g. seq_q << seq_k, never turns into a long loop of requests.)"""
+    rows = row_lo + tl.arange(0, BLOCK_R)
     o_c = tl.arange(0, PF_LINES) * PF_LINE
-    for r in range(row_lo, row_hi, BLOCK_R):
-        rows = r + o_r
-        _prefetch_l2(base + rows.to(tl.int64)[:, None] * stride_r + o_c[None, :] * stride_d,
-                     (rows < row_hi)[:, None] & (o_c < HEAD_DIM)[None, :])
+    _prefetch_l2(base + rows.to(tl.int64)[:, None] * stride_r + o_c[None, :] * stride_d,
+                 (rows < row_hi)[:, None] & (o_c < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -293,8 +292,8 @@ def _prefetch_span(base, lo, hi, LINE: tl.constexpr, N_LINES: tl.constexpr):
     """Prefetch elements [lo, hi) of a contiguous vector, LINE elements per 128 bytes, at most
     N_LINES requests (lines counted from ``base``: where it is not 128-byte aligned, some lines
     are missed, which only makes the hint weaker)."""
-    o = lo - lo % LINE + tl.arange(0, N_LINES) * LINE  # the lines' first elements
-    _prefetch_l2(base + tl.maximum(o, lo), o < hi)
+    o = tl.maximum(lo - lo % LINE + tl.arange(0, N_LINES) * LINE, lo)  # the lines' first elements
+    _prefetch_l2(base + o, o < hi)
 
 
 @triton.jit

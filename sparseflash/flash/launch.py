@@ -192,12 +192,15 @@ def _row_align(*ts: torch.Tensor) -> int:
     knows where rows start: Triton's own specialisation only recognises strides divisible by 16,
     and a head_dim of 40 (row stride 40) would otherwise get element-wise loads, no async copies
     and spills (sm_90 compile: dQ 255 registers and 551 instructions per step instead of 155 and
-    285). Strides divisible by 16 need no help (ALIGN 1: the same kernel as without it)."""
+    285). Strides divisible by 16 need no help (ALIGN 1: the same kernel as without it), nor can
+    strides of 2**31 or more have it: divided, one could pass as int32 and wrap when multiplied back."""
     g = 16
     for t in ts:
         if t.stride(-1) != 1:
             return 1
         for s in t.stride()[:-1]:
+            if s >= 2**31:
+                return 1
             g = math.gcd(g, s)
     return g if g < 16 else 1
 
