@@ -35,6 +35,11 @@ call's words to the threads holding its elements, and with Q_ROWS works on [quer
 as the forward does); the seed and offset are read from a device tensor; an element is kept when its 8 bits are
 >= ``round(p * 256)``; backward regenerates the same bits.
 `sparseflash.dropout` defines the mask and computes it in NumPy for tests.
+
+Addressing: batch, head and row strides arrive divided by ALIGN and are multiplied back
+(`_aligned`), so the compiler sees row alignments that Triton's divisible-by-16 specialisation
+misses (head_dim 40). Optional L2 prefetch (PREFETCH > 0, off by default): each program first
+asks L2 for the inputs of a program one wave or so ahead (`_prefetch_l2`).
 """
 
 import os

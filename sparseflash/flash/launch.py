@@ -8,7 +8,12 @@ Dense attention (no mask) has no such constraint.
 
 Configs were chosen by measurement on an H100 (experiments/bench/tune_tiles.py); under the
 Triton interpreter small tiles keep CPU tests fast. `tile_config(...)` overrides them (tests use
-it to cover several tilings; the tuning script to search).
+it to cover several tilings; the tuning script to search). A config also carries the register
+cap, the dK/dV orientation (q_rows) and the L2 prefetch distance (off until measured; the
+SPARSEFLASH_PREFETCH switch sets it on every default tile).
+
+Strides: the leading strides of each launch's tensors are passed divided by their common
+power-of-two alignment when it is 2, 4 or 8 (`_row_align`), for the kernels to multiply back.
 """
 
 from __future__ import annotations
