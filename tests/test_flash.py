@@ -268,6 +268,8 @@ def test_row_alignment_hint(device):
     exact, and the alignment is only claimed where it holds."""
     t = lambda *shape: torch.empty(*shape, device=device)  # noqa: E731
     assert launch._row_align(t(2, 3, 50, 40)) == 8
+    assert launch._aligned_strides(t(2, 3, 50, 40), t(2, 3, 50, 40)) == ((750, 250, 5, 1) * 2, 8)
+    assert launch._aligned_strides(t(2, 3, 50, 64)) == ((9600, 3200, 64, 1), 1)
     assert launch._row_align(t(2, 3, 50, 20)) == 4
     assert launch._row_align(t(2, 3, 50, 64), t(2, 3, 50, 128)) == 1  # divisible by 16: Triton knows
     assert launch._row_align(t(2, 3, 50, 40), t(2, 3, 50, 20)) == 4

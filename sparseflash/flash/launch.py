@@ -13,13 +13,12 @@ cap, the dK/dV orientation (q_rows) and the L2 prefetch distance (off until meas
 SPARSEFLASH_PREFETCH switch sets it on every default tile).
 
 Strides: the leading strides of each launch's tensors are passed divided by their common
-power-of-two alignment when it is 2, 4 or 8 (`_row_align`), for the kernels to multiply back.
+power-of-two alignment when it is 2, 4 or 8 (`_aligned_strides`), for the kernels to multiply back.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from dataclasses import dataclass, replace
 
@@ -161,7 +160,9 @@ def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int 
             cfg = replace(cfg, prefetch=PREFETCH)
     bm = _fit(cfg.block_m, mask_bq, "block_q")
     bn = _fit(cfg.block_n, mask_bk, "block_k")
-    return replace(cfg, block_m=bm, block_n=bn)
+    if (bm, bn) == (cfg.block_m, cfg.block_n):
+        return cfg
+    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.q_rows, cfg.prefetch)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -190,30 +191,33 @@ def _nb_p2(n: int) -> int:
     return max(2, _p2(n))
 
 
-def _row_align(*ts: torch.Tensor) -> int:
-    """The ALIGN constexpr of a launch: the largest power of two dividing every stride but the last
-    of each tensor, when each has a unit last stride and that power is 2, 4 or 8 (else 1). The
-    kernels take those strides divided by it and multiply back (kernels._aligned), so the compiler
-    knows where rows start: Triton's own specialisation only recognises strides divisible by 16,
-    and a head_dim of 40 (row stride 40) would otherwise get element-wise loads, no async copies
-    and spills (sm_90 compile: dQ 255 registers and 551 instructions per step instead of 155 and
-    285). Strides divisible by 16 need no help (ALIGN 1: the same kernel as without it), nor can
-    strides of 2**31 or more have it: divided, one could pass as int32 and wrap when multiplied back."""
-    g = 16
+def _aligned_strides(*ts: torch.Tensor) -> tuple[tuple, int]:
+    """The strides of 4-D tensors ``ts`` as kernel arguments, and the ALIGN constexpr: the largest
+    power of two dividing every stride but the last of each tensor, when each has a unit last
+    stride and that power is 2, 4 or 8 (else 1), with the leading strides then divided by it for
+    the kernels to multiply back (kernels._aligned). The compiler then knows where rows start:
+    Triton's own specialisation only recognises strides divisible by 16, and a head_dim of 40 (row
+    stride 40) would otherwise get element-wise loads, no async copies and spills (sm_90 compile:
+    dQ 255 registers and 551 instructions per step instead of 155 and 285). Strides divisible by
+    16 need no help (ALIGN 1: the same kernel as without it), nor can strides of 2**31 or more
+    have it: divided, one could pass as int32 and wrap when multiplied back."""
+    strides = ()
+    lead = 0  # OR of the leading strides: its lowest set bit is their common power-of-two alignment
     for t in ts:
-        if t.stride(-1) != 1:
-            return 1
-        for s in t.stride()[:-1]:
-            if s >= 2**31:
-                return 1
-            g = math.gcd(g, s)
-    return g if g < 16 else 1
+        sb, sh, sm, sd = st = t.stride()
+        if sd != 1:
+            return tuple(x for t in ts for x in t.stride()), 1
+        lead |= sb | sh | sm
+        strides += st
+    align = lead & -lead
+    if not lead & 15 or align == 1 or max(strides) >= 2**31:
+        return strides, 1
+    return tuple(x if i % 4 == 3 else x // align for i, x in enumerate(strides)), align
 
 
-def _strides(t: torch.Tensor, align: int) -> tuple:
-    """t's strides, the leading ones divided by ``align`` (a kernel's ALIGN multiplies them back)."""
-    *lead, last = t.stride()
-    return (*(s // align for s in lead), last)
+def _row_align(*ts: torch.Tensor) -> int:
+    """The ALIGN constexpr of a launch over ``ts`` (see `_aligned_strides`)."""
+    return _aligned_strides(*ts)[1]
 
 
 def _prefetch_args(cfg: TileConfig, t: torch.Tensor) -> dict:
@@ -275,10 +279,9 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q)
     rng, thresh, drop_scale = _rng_args(dropout_p, rng, q)
     grid = (_cdiv(Nq, cfg.block_m), B * Hq)
-    align = _row_align(q, k, v, o)
+    strides, align = _aligned_strides(q, k, v, o)
     kernels._fwd_kernel[grid](
-        q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx,
-        *(s for t in (q, k, v, o) for s in _strides(t, align)), *i_strides,
+        q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx, *strides, *i_strides,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
         rng, thresh, drop_scale,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -317,10 +320,9 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
                   dropout=dropout_p > 0)
     dense = q_idx is None
     ci, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q)
-    align = _row_align(q, k, v, do, dk, dv)
+    strides, align = _aligned_strides(q, k, v, do, dk, dv)
     kernels._bwd_dkdv_kernel[(_cdiv(Nk, cfg.block_n), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, ci, klen,
-        *(s for t in (q, k, v, do, dk, dv) for s in _strides(t, align)), *ci_s,
+        q, k, v, do, lse, delta, dk, dv, ci, klen, *strides, *ci_s,
         Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, **cfg.launch_options(), **constexprs,
@@ -341,10 +343,9 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
                   dropout=dropout_p > 0)
     dense = kv_idx is None
     ri, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q)
-    align = _row_align(q, k, v, do, o, dq)
+    strides, align = _aligned_strides(q, k, v, do, o, dq)
     kernels._bwd_dq_kernel[(_cdiv(Nq, cfg.block_m), B * Hq)](
-        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, ri, klen,
-        *(s for t in (q, k, v, do, o, dq) for s in _strides(t, align)), *ri_s,
+        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, ri, klen, *strides, *ri_s,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, HAS_DLSE=dlse is not None,
