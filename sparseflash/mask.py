@@ -219,7 +219,13 @@ class BlockMask:
         return dense[..., : self.seq_q, : self.seq_k]
 
     def index(self, device=None) -> BlockIndex:
-        """The compressed index form on ``device`` (default: the mask's), computed once and cached."""
+        """The compressed index form on ``device`` (default: the mask's), computed once and cached.
+
+        Inside a ``torch.compile`` trace the index is computed in the graph and not cached: a cached
+        tensor made by the graph would be one of its outputs, which Inductor's CUDA graphs
+        (``mode="reduce-overhead"``) overwrite on the next replay. Call ``mask.index(device)`` once
+        outside the compiled code to keep the sort out of the graph.
+        """
         device = self.layout.device if device is None else torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -229,7 +235,8 @@ class BlockMask:
             kv_num, kv_idx = _sorted_nonzero(layout)
             q_num, q_idx = _sorted_nonzero(layout.transpose(-1, -2))
             cached = BlockIndex(kv_num, kv_idx, q_num, q_idx)
-            self._index_cache[device] = cached
+            if not torch.compiler.is_compiling():
+                self._index_cache[device] = cached
         return cached
 
     def expand_as_heads(self, batch: int, heads: int) -> "BlockMask":

@@ -332,6 +332,22 @@ def test_torch_compile_no_graph_break(device):
     torch.testing.assert_close(x.grad, g_eager)
 
 
+def test_torch_compile_does_not_cache_graph_tensors(device):
+    """A mask first used inside a compiled function: its index is computed in the graph and not
+    cached on the mask (a graph-made tensor kept there is overwritten by the next CUDA-graph
+    replay under mode="reduce-overhead"; GPU test test_compiled_reduce_overhead_draws_fresh_bits)."""
+    mask = random_mask(1, 1, 64, 64, 32, 0.7, seed=17).to(device)
+    q, k, v, _ = make_qkv(1, 2, 2, 64, 64, 32, torch.float32, device)
+    compiled = torch.compile(lambda q, k, v: sparseflash.attention(q, k, v, mask=mask), fullgraph=True,
+                             backend="aot_eager")
+    outs = [compiled(q, k, v) for _ in range(2)]
+    assert not mask._index_cache, "the compiled call cached a tensor made inside the graph"
+    eager = sparseflash.attention(q, k, v, mask=mask)
+    assert len(mask._index_cache) == 1  # an eager call still caches
+    for out in outs:
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
 def test_clear_errors(device):
     q, k, v, _ = make_qkv(1, 1, 1, 40, 40, 16, torch.float32, device)
     bad = BlockMask.from_layout(torch.ones(5, 5, dtype=torch.bool), block_size=8, seq_q=40)
