@@ -406,3 +406,19 @@ def test_tune_configs_parse_and_prefetch_candidates(monkeypatch):
     assert launch._config("dkdv", 64, cuda, None, None).prefetch == 132
     with launch.tile_config(dq=launch.TileConfig(64, 32)):
         assert launch._config("dq", 64, cuda, None, None).prefetch == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_timing_of_every_mode(tmp_path):
+    """--cuda-graph times fwd, bwd (backward alone, its forward made outside the graph) and fwdbwd;
+    mode bwd once invalidated the capture (its forward ran on the default stream) and the broken
+    capture then failed every later row."""
+    out = tmp_path / "graph"
+    rc = main(["bench", "sparsity", "--device", "cuda", "--seq-len", "512", "--tokens", "1024", "--heads", "2",
+               "--head-dim", "64", "--pattern", "random", "--densities", "1", "0.5", "--mode", "all",
+               "--providers", "sparseflash", "--cuda-graph", "--rep-ms", "5", "--no-plot", "--no-progress",
+               "--out", str(out)])
+    assert rc == 0
+    rows = json.loads((out / "sparsity.json").read_text())["rows"]
+    assert sorted({r["mode"] for r in rows}) == ["bwd", "fwd", "fwdbwd"] and len(rows) == 6
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows), [(r["mode"], r["note"]) for r in rows]

@@ -105,6 +105,16 @@ def measure(prepare, make_inputs, make_step, device: torch.device, cfg: TimingCo
     included) propagate to the caller.
     """
     device = torch.device(device)
+    if device.type == "cuda" and cfg.cuda_graph:
+        # Everything on a side stream, not the legacy default one: autograd runs a backward on the
+        # stream its forward ran on, and mode "bwd" makes its forward here, outside the graph; a
+        # backward on the default stream cannot join do_bench_cudagraph's capture (it invalidated it).
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            return _measure(prepare, make_inputs, make_step, device, cfg, after)
+    return _measure(prepare, make_inputs, make_step, device, cfg, after)
+
+
+def _measure(prepare, make_inputs, make_step, device: torch.device, cfg: TimingConfig, after) -> Measurement:
     cuda = device.type == "cuda"
     base = torch.cuda.memory_allocated(device) if cuda else 0
     _sync(device)
@@ -147,9 +157,8 @@ def measure(prepare, make_inputs, make_step, device: torch.device, cfg: TimingCo
 
         for s in steps[1:]:  # every set warm once
             s()
-        if cfg.cuda_graph:
-            with torch.cuda.stream(torch.cuda.Stream(device)):  # graphs are captured off the default stream
-                ms = float(triton.testing.do_bench_cudagraph(step, rep=cfg.rep_ms, return_mode="median"))
+        if cfg.cuda_graph:  # captured on do_bench_cudagraph's own stream
+            ms = float(triton.testing.do_bench_cudagraph(step, rep=cfg.rep_ms, return_mode="median"))
         else:
             ms = float(triton.testing.do_bench(step, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"))
     else:
