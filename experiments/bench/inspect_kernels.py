@@ -103,10 +103,12 @@ def _loops(sass: str) -> list[int]:
 
 
 def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024, dtype=torch.bfloat16, tiles=None,
-                    prefetch=None):
+                    prefetch=None, batch=1, heads=2):
     """Compile the launchers' kernels for sm_90 and return {kernel name: CompiledKernel-like asm dict}.
     ``tiles``: {kind: TileConfig} in place of the launchers' defaults; ``prefetch``: the L2 prefetch
-    distance of the default tiles (default: launch.PREFETCH, i.e. SPARSEFLASH_PREFETCH)."""
+    distance of the default tiles (default: launch.PREFETCH, i.e. SPARSEFLASH_PREFETCH). ``seq``,
+    ``batch``, ``heads``: the launch's shape (Triton specialises integer arguments that equal 1 or
+    divide by 16, so these can change the kernel that compiles)."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
@@ -132,7 +134,7 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
     saved_interp = launch._interpreting
     launch._interpreting = lambda: False
     try:
-        B, H, N, D = 1, 2, seq, head_dim
+        B, H, N, D = batch, heads, seq, head_dim
         q, k, v, do = (torch.randn(B, H, N, D, dtype=dtype) for _ in range(4))
         scale = D ** -0.5
         cuda = torch.device("cuda")
@@ -192,6 +194,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--mask-block", type=int, default=128, help="0: dense kernels (mask=None)")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--seq", type=int, default=1024, help="sequence length of the launch (default 1024)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
     ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS[,PREFETCH]]]",
@@ -211,7 +216,8 @@ def main(argv=None) -> int:
         kind, _, nums = spec.partition("=")
         tiles[kind] = TileConfig(*parse_config(nums))
     compiled = compile_kernels(args.kernels, args.head_dim, args.dropout, args.mask_block, args.causal,
-                               dtype=torch.float32 if args.fp32 else torch.bfloat16, tiles=tiles, prefetch=args.prefetch)
+                               dtype=torch.float32 if args.fp32 else torch.bfloat16, tiles=tiles, prefetch=args.prefetch,
+                               seq=args.seq, batch=args.batch, heads=args.heads)
     rows = report(compiled, args.dump)
     if args.json:
         print(json.dumps(rows))

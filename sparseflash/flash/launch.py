@@ -99,6 +99,11 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
             # With dropout, at most 128 registers: two 8-warp programs per SM (the kernel takes
             # 128-130 and the sparse one ran alone; capped, p = 0.1 costs +30-35% instead of
             # +58-62%); without dropout the cap costs 1-2%, so it stays off.
+            if head_dim < 64 and _block_d(head_dim) != head_dim and not dropout:
+                # head dims padded to 64 (40, 48, 56): 4 warps. At d=40 (16K, sparse path) 8 warps
+                # took 28-38% longer (4.0 vs 2.9 ms full mask, 0.45 vs 0.32 at density 0.1); 4 warps
+                # is as fast or faster everywhere there. At d=64 4 warps costs 5-8% dense: 8 stay.
+                return TileConfig(128, 64, 4, 3)
             return TileConfig(128, 64, 8, 3, maxnreg=128 if dropout else None)
         if head_dim <= 128:
             if not sparse:
