@@ -2,13 +2,11 @@
 # The GPU runs behind experiments/results/, in stages that each fit one call of a lent H100:
 #   experiments/gpu_session.sh OUT STAGE [STAGE ...]
 # Stages: sweep (bench sparsity, full GPU defaults), seqlen (bench seqlen), dropout, tests (GPU
-# test files, in SHARDS processes), tune (tile search, dense and density 0.1), kernel-check (issue
+# test files and the bench tests, in SHARDS processes), tune (tile search, dense and density 0.1), kernel-check (issue
 # 3's check against the baselines, GPU time and eager), ab (the kernel check, sparseflash only, in
-# GPU time, for the source tree in AB_OLD and for this one), prefetch (each kernel's default tile
-# with L2 prefetch distances PREFETCH_DISTS, GPU time, dense and density 0.1), prefetch-ab (the
-# kernel check, sparseflash only, GPU time, without and with SPARSEFLASH_PREFETCH=PREFETCH_AB),
-# lra-speed, lra-train. Each stage writes OUT/<stage>/ and a log; everything is
-# packed into OUT/<stage>.tgz so a call brings back few files.
+# GPU time, for the source tree in AB_OLD and for this one), lra-speed, lra-train. Each stage
+# writes OUT/<stage>/ and a log; everything is packed into OUT/<stage>.tgz so a call brings back
+# few files.
 set -uo pipefail
 out=$1; shift
 export PYTHONUNBUFFERED=1
@@ -32,7 +30,7 @@ for stage in "$@"; do
         dropout) $t $py -m pytest -q -x -p no:cacheprovider tests/test_dropout.py --tb=short
                  $t $py -m sparseflash.experiments.bench.dropout --out "$d" ;;
         tests)   # SHARDS pytest processes side by side (compiling the many kernel variants is the slow part)
-                 $py -m pytest --collect-only -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py \
+                 $py -m pytest --collect-only -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py tests/test_bench.py \
                      | grep '::' > "$d/ids.txt"
                  split -n "r/${SHARDS:-12}" "$d/ids.txt" "$d/shard_"
                  for f in "$d"/shard_*; do
@@ -43,12 +41,6 @@ for stage in "$@"; do
                  for f in "$d"/shard_*.log; do echo "--- $f"; tail -n 12 "$f"; done ;;
         tune)    # TUNE_ARGS replaces the default search (e.g. --kinds dkdv --dropout 0 0.1 --configs ...)
                  $t $py -m sparseflash.experiments.bench.tune_tiles ${TUNE_ARGS:---seq-lens 4096 16384 --densities 1 0.1} --out "$d" ;;
-        prefetch) $t $py -m sparseflash.experiments.bench.tune_tiles --seq-lens 4096 16384 --densities 1 0.1 \
-                     --prefetch ${PREFETCH_DISTS:-0 66 132 264 528} --out "$d" ;;
-        prefetch-ab) # whole calls (fwd, fwd+bwd) in GPU time, every kernel prefetching PREFETCH_AB programs ahead vs none
-                 ab="--preset kernel-check --providers sparseflash sparseflash-dense --densities 1 0.1 --cuda-graph --no-plot"
-                 $t $py -m sparseflash bench sparsity $ab --out "$d/off"
-                 SPARSEFLASH_PREFETCH=${PREFETCH_AB:-264} $t $py -m sparseflash bench sparsity $ab --out "$d/on" ;;
         kernel-check)
                  $t $py -m sparseflash bench sparsity --preset kernel-check --cuda-graph --out "$d/graph"
                  $t $py -m sparseflash bench sparsity --preset kernel-check --seq-len 4096 --out "$d/eager-4k" ;;

@@ -8,13 +8,11 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl  # noqa: F401  (the interpreter wants it visible to _prefetch_recorder)
 from _attn_check import check_attention, make_qkv
 
 import sparseflash
 from sparseflash import BlockMask
-from sparseflash.flash import TileConfig, kernels, launch, tile_config
+from sparseflash.flash import TileConfig, launch, tile_config
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -114,88 +112,6 @@ def test_tilings(tiles, device):
     with tile_config(fwd=cfg, dkdv=TileConfig(*tiles[:2], q_rows=len(tiles) > 2), dq=cfg):
         check_attention(triton_impl(mask, causal=True, key_lengths=kl), q, k, v, do, mask=mask, causal=True,
                         key_lengths=kl)
-
-
-@pytest.mark.parametrize("dist", [1, 10_000], ids=lambda d: f"ahead{d}")
-def test_prefetch_changes_nothing(dist, device):
-    """L2 prefetch (TileConfig.prefetch: each program requests the inputs of the one ``dist`` places
-    ahead; 10_000 lies past the grid) is a hint: outputs and gradients are bitwise those without it,
-    and within the bound of the reference, over GQA, a per-head sparse mask, causal and key_lengths,
-    and dense. (Under the interpreter the requests themselves are skipped; the addressing runs.)"""
-    mask = random_mask(4, 1, 110, 110, 32, 0.5, seed=9, empty_row=True).to(device)
-    q, k, v, do = make_qkv(1, 4, 2, 110, 110, 40, torch.float16, device, seed=9)
-    kl = torch.tensor([77], device=device)
-    for m, causal in ((mask, True), (None, False)):
-        runs = []
-        for pf in (0, dist):
-            cfg = TileConfig(32, 32, prefetch=pf)
-            with tile_config(fwd=cfg, dkdv=cfg, dq=cfg):
-                impl = triton_impl(m, causal=causal, key_lengths=kl)
-                if pf and dist == 1:
-                    check_attention(impl, q, k, v, do, mask=m, causal=causal, key_lengths=kl)
-                qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-                o = impl(qq, kk, vv)
-                o.backward(do)
-                runs.append((o, qq.grad, kk.grad, vv.grad))
-        for name, a, b in zip(("out", "dq", "dk", "dv"), *runs):
-            assert torch.equal(a, b), f"{name} changed with prefetch={dist}"
-
-
-_PREFETCHED: list[int] = []  # addresses the recording stand-in of kernels._prefetch_l2 saw
-
-
-def _record_prefetch(ptrs, mask):
-    import numpy as np
-
-    addr, on = np.asarray(ptrs.handle.data).ravel(), np.asarray(mask.handle.data).ravel().astype(bool)
-    _PREFETCHED.extend(int(a) for a in addr[on])
-
-
-@triton.jit
-def _prefetch_recorder(ptrs, mask):
-    _record_prefetch(ptrs, mask)  # interpreter only: plain Python called from the kernel
-
-
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
-@pytest.mark.skipif(not launch._interpreting(), reason="records the requests under the interpreter (a GPU issues them)")
-@pytest.mark.parametrize("shape", [(2, 4, 2, 10, 256), (2, 2, 1, 200, 40), (2, 4, 4, 96, 96)],
-                         ids=lambda s: "B{}-H{}/{}-N{}x{}".format(*s))
-def test_prefetch_addresses_stay_inside_their_tensors(shape, monkeypatch, device):
-    """Every L2 prefetch request of every kernel lies inside one of that launch's tensors (checked
-    by recording them, as the interpreter otherwise skips them), with seq_q < seq_k and > seq_k,
-    GQA, batch 2, sparse causal with key_lengths, and dense."""
-    monkeypatch.setattr(kernels, "_prefetch_l2", _prefetch_recorder)
-    B, Hq, Hkv, Nq, Nk = shape
-    q, k, v, do = make_qkv(B, Hq, Hkv, Nq, Nk, 40, torch.float16, device, seed=17)
-    mask = random_mask(Hq, 1, Nq, Nk, 32, 0.5, seed=17).to(device)
-    kl = torch.tensor([Nk, max(1, Nk // 3)], device=device)
-    cfg = TileConfig(32, 32, prefetch=1)
-    for m, causal, klen in ((mask, True, kl), (None, False, None)):
-        idx = None if m is None else m.index(device)
-        kv_idx, q_idx, mb = (None, None, None) if idx is None else (idx.kv_idx, idx.q_idx, 32)
-        lists = [] if idx is None else [kv_idx, q_idx]
-        extras = lists + ([] if klen is None else [klen])
-        with tile_config(fwd=cfg, dkdv=cfg, dq=cfg):
-            _PREFETCHED.clear()
-            o, lse = launch.fwd(q, k, v, kv_idx, klen, 0.2, causal, mb, mb, 0.0, None)
-            launches = [("fwd", list(_PREFETCHED), [q, k, v, o, lse] + extras)]
-            delta = torch.empty_like(lse)
-            args = (do, q, k, v, lse, delta, klen, 0.2, causal, mb, mb, 0.0, None)
-            _PREFETCHED.clear()
-            dq = launch.bwd_dq(*args, kv_idx, o=o)
-            launches.append(("dq", list(_PREFETCHED), [q, k, v, o, do, lse, delta, dq] + extras))
-            _PREFETCHED.clear()
-            dk, dv = launch.bwd_dkdv(*args, q_idx)
-            launches.append(("dkdv", list(_PREFETCHED), [q, k, v, do, lse, delta, dk, dv] + extras))
-        for name, addrs, tensors in launches:
-            spans = [_extent(t) for t in tensors]
-            outside = [a for a in addrs if not any(lo <= a < hi for lo, hi in spans)]
-            assert addrs, f"{name}: no prefetch requests recorded"
-            assert not outside, f"{name}: {len(outside)} of {len(addrs)} requests outside the launch's tensors"
 
 
 def test_sparse_key_lengths_and_empty(device):

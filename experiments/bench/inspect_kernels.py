@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import os
 import re
@@ -103,12 +102,11 @@ def _loops(sass: str) -> list[int]:
 
 
 def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024, dtype=torch.bfloat16, tiles=None,
-                    prefetch=None, batch=1, heads=2):
+                    batch=1, heads=2):
     """Compile the launchers' kernels for sm_90 and return {kernel name: CompiledKernel-like asm dict}.
-    ``tiles``: {kind: TileConfig} in place of the launchers' defaults; ``prefetch``: the L2 prefetch
-    distance of the default tiles (default: launch.PREFETCH, i.e. SPARSEFLASH_PREFETCH). ``seq``,
-    ``batch``, ``heads``: the launch's shape (Triton specialises integer arguments that equal 1 or
-    divide by 16, so these can change the kernel that compiles)."""
+    ``tiles``: {kind: TileConfig} in place of the launchers' defaults. ``seq``, ``batch``, ``heads``:
+    the launch's shape (Triton specialises integer arguments that equal 1 or divide by 16, so these
+    can change the kernel that compiles)."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
@@ -116,7 +114,6 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
     from sparseflash.flash import launch
     from sparseflash.mask import BlockMask
 
-    prefetch = launch.PREFETCH if prefetch is None else prefetch
     compiled = {}
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
@@ -149,8 +146,6 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
                 for kind in ("fwd", "dkdv", "dq")}
         if dtype == torch.float32:
             cfgs = {kind: launch._fp32_config(c, kind, D) for kind, c in cfgs.items()}
-        if prefetch is not None:
-            cfgs = {kind: dataclasses.replace(c, prefetch=prefetch) for kind, c in cfgs.items()}
         cfgs.update(tiles or {})
         mb = mask_block or None
         lse = torch.zeros(B, H, N)
@@ -178,7 +173,7 @@ def report(compiled, dump: str | None = None) -> list[dict]:
         ops = _opcodes(sass)
         row = dict(kernel=name, shared=ck.metadata.shared, **_resources(ck.asm["cubin"]),
                    convert_layout=ttgir.count("ttg.convert_layout"), local_alloc=ttgir.count("ttg.local_alloc"),
-                   sass_total=sum(ops.values()), loops="/".join(map(str, _loops(sass))), **{op: ops.get(op, 0) for op in ("HGMMA", "MUFU", "IMAD", "LOP3", "ISETP", "FSEL", "SHF", "BAR", "LDS", "STS", "CCTL")})
+                   sass_total=sum(ops.values()), loops="/".join(map(str, _loops(sass))), **{op: ops.get(op, 0) for op in ("HGMMA", "MUFU", "IMAD", "LOP3", "ISETP", "FSEL", "SHF", "BAR", "LDS", "STS")})
         rows.append(row)
         if dump:
             os.makedirs(dump, exist_ok=True)
@@ -199,10 +194,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
-    ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS[,PREFETCH]]]",
+    ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]]",
                     help="compile KIND (fwd, dkdv, dq) with this tile instead of the default; repeatable")
-    ap.add_argument("--prefetch", type=int, default=None, metavar="DIST",
-                    help="L2 prefetch distance of the default tiles (default: SPARSEFLASH_PREFETCH, else off)")
     ap.add_argument("--dump", default=None, help="write TTGIR, PTX and SASS of each kernel here")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = ap.parse_args(argv)
@@ -216,7 +209,7 @@ def main(argv=None) -> int:
         kind, _, nums = spec.partition("=")
         tiles[kind] = TileConfig(*parse_config(nums))
     compiled = compile_kernels(args.kernels, args.head_dim, args.dropout, args.mask_block, args.causal,
-                               dtype=torch.float32 if args.fp32 else torch.bfloat16, tiles=tiles, prefetch=args.prefetch,
+                               dtype=torch.float32 if args.fp32 else torch.bfloat16, tiles=tiles,
                                seq=args.seq, batch=args.batch, heads=args.heads)
     rows = report(compiled, args.dump)
     if args.json:

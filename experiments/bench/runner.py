@@ -159,8 +159,7 @@ def _row(env, bench, job: Job, s: Setting, timing_label: str) -> dict:
 
 def _env_note() -> str:
     """Kernel settings taken from the environment (measurement switches), so rows say what ran."""
-    return "; ".join(f"{k}={os.environ[k]}" for k in ("SPARSEFLASH_PREFETCH", "SPARSEFLASH_GATHER_MAX")
-                     if os.environ.get(k))
+    return "; ".join(f"{k}={os.environ[k]}" for k in ("SPARSEFLASH_GATHER_MAX",) if os.environ.get(k))
 
 
 def _note(row: dict, text: str) -> None:

@@ -16,7 +16,6 @@ results (experiments/results/tune/).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -41,29 +40,17 @@ DQ = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32
 CONFIGS = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
 
 
-CONFIG_FORMAT = "M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS[,PREFETCH]]]"
+CONFIG_FORMAT = "M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]]"
 
 
 def parse_config(spec: str) -> tuple:
-    """CONFIG_FORMAT -> a TileConfig tuple (empty MAXNREG: no cap; Q_ROWS 0/1; PREFETCH: programs
-    ahead, 0 off)."""
+    """CONFIG_FORMAT -> a TileConfig tuple (empty MAXNREG: no cap; Q_ROWS 0/1)."""
     c = tuple(int(x) if x else None for x in spec.split(","))
-    if not 4 <= len(c) <= 7 or None in c[:4]:
-        raise ValueError(f"a tile config is {CONFIG_FORMAT}, got {spec!r}")
+    if not 4 <= len(c) <= 6 or None in c[:4]:
+        raise ValueError(f"a tile config is {CONFIG_FORMAT} (4 to 6 fields), got {spec!r}")
     if len(c) > 5:
-        c = c[:5] + (bool(c[5]),) + tuple(int(x or 0) for x in c[6:])
+        c = c[:5] + (bool(c[5]),)
     return c
-
-
-def candidates(kind: str, D: int, N: int, bpr: int, dropout_p: float, prefetch: list[int] | None = None) -> list[tuple]:
-    """The configs timed for one setting: the search list of ``kind``, or with ``prefetch`` the
-    setting's default tile (launch.py, as a GPU run picks it) at each of those prefetch distances."""
-    if prefetch is None:
-        return CONFIGS[kind]
-    from sparseflash.flash.launch import _default_config
-
-    base = _default_config(kind, D, torch.device("cuda"), math.ceil(N / 128) if bpr else None, dropout_p > 0)
-    return [dataclasses.astuple(dataclasses.replace(base, prefetch=d)) for d in prefetch]
 
 
 MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3}  # per tile pair: fwd S, PV; dK/dV S, dV, dP, dK; dQ S, dP, dQ
@@ -142,10 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dropout", type=float, nargs="+", default=[0.0], help="dropout_p values to time each config at")
     ap.add_argument("--configs", nargs="+", default=None, metavar=CONFIG_FORMAT,
                     help="time only these configs (an empty MAXNREG: none; Q_ROWS 1: dK/dV in the forward's "
-                         "orientation; PREFETCH d: L2 prefetch for the program d places ahead)")
-    ap.add_argument("--prefetch", type=int, nargs="+", default=None, metavar="DIST",
-                    help="time each setting's default tile (launch.py) with these L2 prefetch distances "
-                         "(programs ahead; 0: off) instead of a tile search")
+                         "orientation)")
     ap.add_argument("--sdpa", action="store_true", help="also time SDPA flash / cuDNN dense (fwd, bwd)")
     args = ap.parse_args(argv)
     import triton
@@ -161,12 +145,11 @@ def main(argv=None) -> int:
     settings = [(kind, D, N, 0 if d >= 1 else max(1, round(d * math.ceil(N / 128))))
                 for kind in args.kinds for D in args.head_dims for N in args.seq_lens for d in args.densities]
     settings = [s + (p,) for s in settings for p in args.dropout]
-    _precompile([(kind, D, N, bpr, cfg, p) for kind, D, N, bpr, p in settings
-                 for cfg in candidates(kind, D, N, bpr, p, args.prefetch)], args.jobs)
+    _precompile([(kind, D, N, bpr, cfg, p) for kind, D, N, bpr, p in settings for cfg in CONFIGS[kind]], args.jobs)
     rows = []
     for kind, D, N, bpr, p in settings:
         B = max(1, 16384 // N)
-        for cfg in candidates(kind, D, N, bpr, p, args.prefetch):
+        for cfg in CONFIGS[kind]:
             r = dict(kind=kind, D=D, N=N, blocks_per_row=bpr, dropout_p=p, cfg=cfg)
             try:
                 with tile_config(**{kind: TileConfig(*cfg)}):

@@ -38,8 +38,7 @@ as the forward does); the seed and offset are read from a device tensor; an elem
 
 Addressing: batch, head and row strides arrive divided by ALIGN and are multiplied back
 (`_aligned`), so the compiler sees row alignments that Triton's divisible-by-16 specialisation
-misses (head_dim 40). Optional L2 prefetch (PREFETCH > 0, off by default): each program first
-asks L2 for the inputs of a program one wave or so ahead (`_prefetch_l2`).
+misses (head_dim 40).
 """
 
 import os
@@ -215,7 +214,7 @@ def _tile_start(p_idx, b_list, j, DENSE: tl.constexpr, GATHER: tl.constexpr, MAS
 
     GATHER picks the list entry out of the list already held in registers (b_list) instead of
     loading it: the tile address then depends only on the loop counter, so the software pipeliner
-    can prefetch K/V tiles several iterations ahead (a loaded index makes it drain every step).
+    can load K/V tiles several iterations ahead (a loaded index makes it drain every step).
     """
     if DENSE:
         return j * BLOCK
@@ -261,83 +260,6 @@ def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stri
         j_full = n_full * SUB
         j_valid = n_valid * SUB
     return p_idx, b_list, j_full, j_valid, kv_end, causal_off
-
-
-# ----------------------------------------------------------------------------- L2 prefetch
-# A q-tile program of a short sparse row spends much of its time waiting for its first bytes: its
-# Q tile, its list and the K/V of its head come from DRAM when it starts, and every program of a
-# wave asks at once. With PREFETCH = d > 0, each program first asks the L2 cache for the inputs
-# of the program d places after it in launch order (which starts about d / (programs per wave)
-# waves later): its Q-side tiles, its block list, and a 1/(tiles per head) share of its head's
-# K/V. The requests are hints (PTX prefetch.global.L2): no registers, no waiting, no effect on
-# results; the interpreter skips them.
-@triton.jit
-def _prefetch_l2(ptrs, mask):
-    """Ask L2 for the 128-byte lines holding ``ptrs`` where ``mask`` (GPU only)."""
-    if not INTERPRET:
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                                  "=r,l,r", [ptrs.to(tl.int64), mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
-@triton.jit
-def _prefetch_rows(base, row_lo, row_hi, stride_r, stride_d, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                   PF_LINE: tl.constexpr, PF_LINES: tl.constexpr):
-    """Prefetch rows [row_lo, min(row_hi, row_lo + BLOCK_R)) of a [rows, HEAD_DIM] matrix: one
-    request per PF_LINE elements (128 bytes) of each row. (At most BLOCK_R rows, so that a share
-    of a long sequence, e.g. seq_q << seq_k, never turns into a long loop of requests.)"""
-    rows = row_lo + tl.arange(0, BLOCK_R)
-    o_c = tl.arange(0, PF_LINES) * PF_LINE
-    _prefetch_l2(base + rows.to(tl.int64)[:, None] * stride_r + o_c[None, :] * stride_d,
-                 (rows < row_hi)[:, None] & (o_c < HEAD_DIM)[None, :])
-
-
-@triton.jit
-def _prefetch_span(base, lo, hi, LINE: tl.constexpr, N_LINES: tl.constexpr):
-    """Prefetch elements [lo, hi) of a contiguous vector, LINE elements per 128 bytes, at most
-    N_LINES requests (lines counted from ``base``: where it is not 128-byte aligned, some lines
-    are missed, which only makes the hint weaker)."""
-    o = tl.maximum(lo - lo % LINE + tl.arange(0, N_LINES) * LINE, lo)  # the lines' first elements
-    _prefetch_l2(base + o, o < hi)
-
-
-@triton.jit
-def _prefetch_target(i_tile, i_bh, H, DIST: tl.constexpr):
-    """(exists, tile, batch, head, batch*H + head) of the program DIST places after this one in
-    launch order (grid (tiles, batch*H), tiles fastest)."""
-    n_t = tl.num_programs(0)
-    tgt = i_bh * n_t + i_tile + DIST
-    t_bh = (tgt // n_t).to(tl.int64)
-    return tgt < n_t * tl.num_programs(1), tgt % n_t, t_bh // H, t_bh % H, t_bh
-
-
-@triton.jit
-def _prefetch_kv(K, V, t_b, t_hk, lo, hi, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
-                 stride_vd, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, PF_LINE: tl.constexpr, PF_LINES: tl.constexpr):
-    """Prefetch keys [lo, hi) of K and V of (batch t_b, kv head t_hk)."""
-    _prefetch_rows(K + t_b * stride_kb + t_hk * stride_kh, lo, hi, stride_kn, stride_kd, HEAD_DIM, BLOCK_R,
-                   PF_LINE, PF_LINES)
-    _prefetch_rows(V + t_b * stride_vb + t_hk * stride_vh, lo, hi, stride_vn, stride_vd, HEAD_DIM, BLOCK_R,
-                   PF_LINE, PF_LINES)
-
-
-@triton.jit
-def _prefetch_row_inputs(K, V, KV_IDX, t_b, t_h, t_m, GROUP, seq_k,
-                         stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                         stride_ib, stride_ih, stride_im,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
-                         NB_P2: tl.constexpr, DENSE: tl.constexpr, PF_LINE: tl.constexpr, PF_LINES: tl.constexpr):
-    """What the q-tile program (t_b, t_h, t_m) of the forward or dQ reads besides its own rows: its
-    block list, and (from the first q head of a kv group only) its tile's share of K and V."""
-    if not DENSE:
-        _prefetch_span(KV_IDX + t_b * stride_ib + t_h * stride_ih + ((t_m * BLOCK_M) // MASK_BQ).to(tl.int64) * stride_im,
-                       0, tl.cdiv(seq_k, MASK_BK), 32, NB_P2)
-    if t_h % GROUP == 0:
-        share = tl.cdiv(seq_k, tl.num_programs(0))
-        lo = t_m * share
-        hi = tl.minimum(lo + share, seq_k)
-        _prefetch_kv(K, V, t_b, t_h // GROUP, lo, hi, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-                     stride_vn, stride_vd, HEAD_DIM, BLOCK_M, PF_LINE, PF_LINES)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -394,8 +316,7 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
-                PF_LINES: tl.constexpr = 2, ALIGN: tl.constexpr = 1):
+                DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1):
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -421,14 +342,6 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
-    if PREFETCH > 0:  # the inputs of a program one wave or so ahead (see _prefetch_l2)
-        pf_ok, t_m, t_b, t_h, t_bh = _prefetch_target(i_m, i_bh, H_Q, PREFETCH)
-        if pf_ok:
-            _prefetch_rows(Q + t_b * stride_qb + t_h * stride_qh, t_m * BLOCK_M, tl.minimum(t_m * BLOCK_M + BLOCK_M, seq_q),
-                           stride_qm, stride_qd, HEAD_DIM, BLOCK_M, PF_LINE, PF_LINES)
-            _prefetch_row_inputs(K, V, KV_IDX, t_b, t_h, t_m, GROUP, seq_k, stride_kb, stride_kh, stride_kn, stride_kd,
-                                 stride_vb, stride_vh, stride_vn, stride_vd, stride_ib, stride_ih, stride_im,
-                                 HEAD_DIM, BLOCK_M, MASK_BQ, MASK_BK, NB_P2, DENSE, PF_LINE, PF_LINES)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -513,8 +426,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                      DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                     DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                     PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 2, ALIGN: tl.constexpr = 1):
+                     DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1):
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -545,27 +457,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
     if CAUSAL:
         skip_below = start_n - causal_off
         full_from = start_n + BLOCK_N - 1 - causal_off
-    if PREFETCH > 0:  # the inputs of a program one wave or so ahead (see _prefetch_l2)
-        pf_ok, t_n, t_b, t_hk, t_bhk = _prefetch_target(i_n, i_bhk, H_KV, PREFETCH)
-        if pf_ok:
-            c_lo = t_n * BLOCK_N
-            _prefetch_kv(K, V, t_b, t_hk, c_lo, tl.minimum(c_lo + BLOCK_N, seq_k), stride_kb, stride_kh, stride_kn,
-                         stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM, BLOCK_N, PF_LINE, PF_LINES)
-            share = tl.cdiv(seq_q, tl.num_programs(0))  # its tile's share of each head's Q-side rows
-            r_lo = t_n * share
-            r_hi = tl.minimum(r_lo + share, seq_q)
-            for g in range(0, GROUP):
-                t_h = t_hk * GROUP + g
-                t_bh = t_b * H_Q + t_h
-                if not DENSE:
-                    _prefetch_span(Q_IDX + t_b * stride_ib + t_h * stride_ih + (c_lo // MASK_BK).to(tl.int64) * stride_in,
-                                   0, tl.cdiv(seq_q, MASK_BQ), 32, NB_P2)
-                _prefetch_rows(Q + t_b * stride_qb + t_h * stride_qh, r_lo, r_hi, stride_qm, stride_qd,
-                               HEAD_DIM, BLOCK_N, PF_LINE, PF_LINES)
-                _prefetch_rows(DO + t_b * stride_dob + t_h * stride_doh, r_lo, r_hi, stride_dom, stride_dod,
-                               HEAD_DIM, BLOCK_N, PF_LINE, PF_LINES)
-                _prefetch_span(LSE + t_bh * seq_q, r_lo, r_hi, 32, BLOCK_N // 16)
-                _prefetch_span(DELTA + t_bh * seq_q, r_lo, r_hi, 32, BLOCK_N // 16)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -660,8 +551,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                    DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                   HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                   PF_LINE: tl.constexpr = 64, PF_LINES: tl.constexpr = 2, ALIGN: tl.constexpr = 1):
+                   HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
@@ -702,23 +592,6 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
-    if PREFETCH > 0:  # the inputs of a program one wave or so ahead (see _prefetch_l2)
-        pf_ok, t_m, t_b, t_h, t_bh = _prefetch_target(i_m, i_bh, H_Q, PREFETCH)
-        if pf_ok:
-            r_lo = t_m * BLOCK_M
-            r_hi = tl.minimum(r_lo + BLOCK_M, seq_q)
-            _prefetch_rows(Q + t_b * stride_qb + t_h * stride_qh, r_lo, r_hi, stride_qm, stride_qd,
-                           HEAD_DIM, BLOCK_M, PF_LINE, PF_LINES)
-            _prefetch_rows(DO + t_b * stride_dob + t_h * stride_doh, r_lo, r_hi, stride_dom, stride_dod,
-                           HEAD_DIM, BLOCK_M, PF_LINE, PF_LINES)
-            _prefetch_rows(O + t_b * stride_ob + t_h * stride_oh, r_lo, r_hi, stride_om, stride_od,
-                           HEAD_DIM, BLOCK_M, PF_LINE, PF_LINES)
-            _prefetch_span(LSE + t_bh * seq_q, r_lo, r_hi, 32, BLOCK_M // 16)
-            if HAS_DLSE:
-                _prefetch_span(DLSE + t_bh * seq_q, r_lo, r_hi, 32, BLOCK_M // 16)
-            _prefetch_row_inputs(K, V, KV_IDX, t_b, t_h, t_m, GROUP, seq_k, stride_kb, stride_kh, stride_kn, stride_kd,
-                                 stride_vb, stride_vh, stride_vn, stride_vd, stride_ib, stride_ih, stride_im,
-                                 HEAD_DIM, BLOCK_M, MASK_BQ, MASK_BK, NB_P2, DENSE, PF_LINE, PF_LINES)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,

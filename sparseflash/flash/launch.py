@@ -9,8 +9,7 @@ Dense attention (no mask) has no such constraint.
 Configs were chosen by measurement on an H100 (experiments/bench/tune_tiles.py); under the
 Triton interpreter small tiles keep CPU tests fast. `tile_config(...)` overrides them (tests use
 it to cover several tilings; the tuning script to search). A config also carries the register
-cap, the dK/dV orientation (q_rows) and the L2 prefetch distance (off until measured; the
-SPARSEFLASH_PREFETCH switch sets it on every default tile).
+cap and the dK/dV orientation (q_rows).
 
 Strides: the leading strides of each launch's tensors are passed divided by their common
 power-of-two alignment when it is 2, 4 or 8 (`_aligned_strides`), for the kernels to multiply back.
@@ -39,9 +38,6 @@ class TileConfig:
     # dK/dV only: compute S and dP as [queries, keys] tiles (the forward's orientation) and feed
     # P^T, dS^T to the tensor cores from shared memory, instead of [keys, queries] tiles in registers
     q_rows: bool = False
-    # Each program asks the L2 cache for the inputs of the program this many places after it in
-    # launch order (kernels._prefetch_l2); 0: off
-    prefetch: int = 0
 
     def launch_options(self) -> dict:
         opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -74,11 +70,6 @@ def tile_config(fwd: TileConfig | None = None, dkdv: TileConfig | None = None, d
     finally:
         _OVERRIDE.clear()
         _OVERRIDE.update(saved)
-
-
-# SPARSEFLASH_PREFETCH=d sets the L2 prefetch distance of every default tile (for measurement:
-# the defaults keep it off until a GPU run decides; tile_config overrides still win).
-PREFETCH = int(os.environ["SPARSEFLASH_PREFETCH"]) if os.environ.get("SPARSEFLASH_PREFETCH") else None
 
 
 def _interpreting() -> bool:
@@ -161,13 +152,11 @@ def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int 
         cfg = _default_config(kind, head_dim, device, k_blocks, dropout)
         if dtype == torch.float32 and device.type == "cuda" and not _interpreting():
             cfg = _fp32_config(cfg, kind, head_dim)
-        if PREFETCH is not None:
-            cfg = replace(cfg, prefetch=PREFETCH)
     bm = _fit(cfg.block_m, mask_bq, "block_q")
     bn = _fit(cfg.block_n, mask_bk, "block_k")
     if (bm, bn) == (cfg.block_m, cfg.block_n):
         return cfg
-    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.q_rows, cfg.prefetch)
+    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.q_rows)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -223,12 +212,6 @@ def _aligned_strides(*ts: torch.Tensor) -> tuple[tuple, int]:
 def _row_align(*ts: torch.Tensor) -> int:
     """The ALIGN constexpr of a launch over ``ts`` (see `_aligned_strides`)."""
     return _aligned_strides(*ts)[1]
-
-
-def _prefetch_args(cfg: TileConfig, t: torch.Tensor) -> dict:
-    """The prefetch constexprs: distance, elements per 128-byte line, lines per row (a power of 2)."""
-    line = 128 // t.element_size()
-    return dict(PREFETCH=cfg.prefetch, PF_LINE=line, PF_LINES=_p2(_cdiv(t.shape[-1], line)))
 
 
 # Lists up to this many entries are read from registers in the loop (GATHER), longer ones from
@@ -292,7 +275,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
         DENSE=dense, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-        DOT_PREC=_dot_precision(q.dtype), **_prefetch_args(cfg, q), **cfg.launch_options(), ALIGN=align,
+        DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align,
     )
     return o, lse
 
@@ -331,7 +314,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
         Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, **cfg.launch_options(), **constexprs,
-        Q_ROWS=cfg.q_rows, **_prefetch_args(cfg, q), ALIGN=align,
+        Q_ROWS=cfg.q_rows, ALIGN=align,
     )
     return dk, dv
 
@@ -354,6 +337,6 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, HAS_DLSE=dlse is not None,
-        **_prefetch_args(cfg, q), **cfg.launch_options(), **constexprs, ALIGN=align,
+        **cfg.launch_options(), **constexprs, ALIGN=align,
     )
     return dq
