@@ -407,9 +407,13 @@ def test_inspect_kernels_row_alignment_for_hopper():
 
     d40, d64 = compile_rows(40), compile_rows(64)
     assert sorted(d40) == ["_bwd_dkdv_kernel", "_bwd_dq_kernel", "_fwd_kernel"]
+    problems = []
     for name, a in d40.items():
         b = d64[name]
-        assert a["regs"] <= 255 and a["shared"] == b["shared"], (name, a, b)
-        assert a["stack"] <= b["stack"] + 16, (name, a, b)
         loop_a, loop_b = (int(r["loops"].split("/")[0]) for r in (a, b))
-        assert loop_a <= 1.05 * loop_b, (name, a["loops"], b["loops"])
+        # spills vary a little with the triton version (dK/dV at 3.9: 32 vs 24 bytes; at 3.6: 144
+        # vs 104); without the hint d=40 dK/dV spilled 840 bytes
+        if not (a["regs"] <= 255 and a["shared"] == b["shared"] and a["stack"] <= b["stack"] + 64
+                and loop_a <= 1.05 * loop_b):
+            problems.append((name, {k: (a[k], b[k]) for k in ("regs", "shared", "stack", "loops")}))
+    assert not problems, problems
