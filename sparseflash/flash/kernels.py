@@ -362,6 +362,100 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
     tl.store(LSE + i_bh.to(tl.int64) * seq_q + o_m, lse, mask=o_m < seq_q)
 
 
+@triton.jit
+def _fwd_rows_kernel(Q, K, V, O, LSE, KV_IDX,
+                     stride_qb, stride_qh, stride_qm, stride_qd,
+                     stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd,
+                     stride_ob, stride_oh, stride_om, stride_od,
+                     stride_ib, stride_ih, stride_im,
+                     H_Q, GROUP, seq_q, seq_k, qk_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, DENSE: tl.constexpr,
+                     ROWS: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1):
+    """The forward with ROWS q tiles of one head per program and one loop over all their k tiles
+    (experimental: TileConfig.rows). A row's first steps then overlap the previous row's last ones
+    in the software pipeline (its Q tile is loaded per step, like K and V), where one program per
+    row pays its start and end alone. Only for walks without element masks: not causal, no
+    key_lengths, no dropout, seq_k a multiple of BLOCK_N (the launcher checks)."""
+    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
+    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
+    stride_ob, stride_oh, stride_om = _aligned(stride_ob, stride_oh, stride_om, ALIGN)
+    i_grp = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // H_Q).to(tl.int64)
+    i_h = (i_bh % H_Q).to(tl.int64)
+    i_hk = i_h // GROUP
+    o_r = tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    o_g = tl.arange(0, ROWS)
+    tile_g = i_grp * ROWS + o_g  # [ROWS] the q tiles of this program
+    row_ok = tile_g * BLOCK_M < seq_q
+    if DENSE:
+        steps_g = tl.where(row_ok, seq_k // BLOCK_N, 0)
+        b_lists = tl.zeros([ROWS, NB_P2], dtype=tl.int32)
+    else:
+        SUB: tl.constexpr = MASK_BK // BLOCK_N
+        o_t = tl.arange(0, NB_P2)
+        q_blk = (tile_g * BLOCK_M) // MASK_BQ
+        p_rows = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk[:, None].to(tl.int64) * stride_im + o_t[None, :]
+        n_kb = tl.cdiv(seq_k, MASK_BK)
+        b_lists = tl.load(p_rows, mask=row_ok[:, None] & (o_t < n_kb)[None, :], other=1 << 30)  # [ROWS, NB_P2]
+        steps_g = tl.sum((b_lists < n_kb).to(tl.int32), axis=1) * SUB
+    ends = tl.cumsum(steps_g, 0)  # [ROWS] step count up to and including each row
+    n_steps = tl.sum(steps_g, 0)
+
+    # rows with no step (empty mask rows): O = 0, LSE = +inf
+    for r in tl.static_range(ROWS):
+        if tl.sum(tl.where(o_g == r, steps_g, 0), 0) == 0:  # (rows past seq_q too: their stores are masked)
+            o_m = (i_grp * ROWS + r) * BLOCK_M + o_r
+            p_o = O + i_b * stride_ob + i_h * stride_oh + o_m[:, None].to(tl.int64) * stride_om + o_d[None, :] * stride_od
+            tl.store(p_o, tl.zeros([BLOCK_M, BLOCK_D], dtype=O.dtype.element_ty),
+                     mask=(o_m < seq_q)[:, None] & m_d[None, :])
+            tl.store(LSE + i_bh.to(tl.int64) * seq_q + o_m, tl.full([BLOCK_M], float("inf"), tl.float32),
+                     mask=o_m < seq_q)
+
+    p_q = Q + i_b * stride_qb + i_h * stride_qh + o_r[:, None] * stride_qm + o_d[None, :] * stride_qd
+    p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
+    p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for t in range(0, n_steps):
+        g = tl.sum((ends <= t).to(tl.int32), 0)  # the row of step t
+        row_end = tl.sum(tl.where(o_g == g, ends, 0), 0)
+        j = t - (row_end - tl.sum(tl.where(o_g == g, steps_g, 0), 0))  # the step within its row
+        start_m = (i_grp * ROWS + g) * BLOCK_M
+        if DENSE:
+            start_n = j * BLOCK_N
+        else:
+            b = tl.sum(tl.sum(tl.where((o_g == g)[:, None] & (o_t == j // SUB)[None, :], b_lists, 0), 1), 0)
+            start_n = b * MASK_BK + (j % SUB) * BLOCK_N
+        q = tl.load(p_q + start_m.to(tl.int64) * stride_qm, mask=((start_m + o_r) < seq_q)[:, None] & m_d[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_D]
+        off_kv = start_n.to(tl.int64)
+        b_k = tl.load(p_k + off_kv * stride_kn, mask=m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+        m_i = tl.where(j == 0, float("-inf"), m_i)  # a new row: alpha below is 0, dropping the old sums
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        b_p = tl.math.exp2(b_s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        acc = acc * alpha[:, None]
+        b_v = tl.load(p_v + off_kv * stride_vn, mask=m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = _dot(b_p.to(b_v.dtype), b_v, acc, DOT_PREC)
+        m_i = m_new
+        if t == row_end - 1:  # the row's last step: write it out
+            o_m = start_m + o_r
+            lse = (m_i + tl.math.log2(l_i)) * LN2
+            p_o = O + i_b * stride_ob + i_h * stride_oh + o_m[:, None].to(tl.int64) * stride_om + o_d[None, :] * stride_od
+            tl.store(p_o, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=(o_m < seq_q)[:, None] & m_d[None, :])
+            tl.store(LSE + i_bh.to(tl.int64) * seq_q + o_m, lse, mask=o_m < seq_q)
+
+
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
