@@ -114,58 +114,6 @@ def test_tilings(tiles, device):
                         key_lengths=kl)
 
 
-ROWS_CASES = [
-    # B, Hq, Hkv, Nq, Nk, D, block (None: dense), mask heads, mask batch, rows, fwd tile
-    (1, 2, 2, 100, 96, 32, 32, 1, 1, 2, (16, 16)),  # a last group with one row past seq_q
-    (2, 4, 2, 150, 128, 40, 32, 4, 2, 4, (32, 16)),  # per-head/batch masks, GQA, padded head dim
-    (1, 2, 1, 63, 192, 16, (16, 64), 2, 1, 4, (16, 32)),  # mask blocks of 64 keys over 32-key tiles
-    (2, 2, 2, 77, 64, 64, None, 1, 1, 2, (32, 32)),  # dense
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
-@pytest.mark.parametrize("case", ROWS_CASES, ids=lambda c: "B{}-H{}/{}-N{}x{}-D{}-blk{}-mh{}-mb{}-rows{}".format(*c[:10]))
-def test_forward_rows_per_program(case, dtype, device):
-    """TileConfig(rows=R): R q tiles per program in one flattened loop (forward only), with empty
-    mask rows (0 out, zero gradients) and rows past seq_q; the backward runs as usual."""
-    B, Hq, Hkv, Nq, Nk, D, block, Hm, Bm, rows, tile = case
-    mask = None if block is None else random_mask(Hm, Bm, Nq, Nk, block, 0.5, seed=Nq + rows, empty_row=True).to(device)
-    q, k, v, do = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, device, seed=7)
-    with tile_config(fwd=TileConfig(*tile, rows=rows)):
-        check_attention(triton_impl(mask), q, k, v, do, mask=mask)
-        _, lse = sparseflash.attention(q, k, v, mask=mask, backend="triton", return_lse=True)
-    _, lse_ref = sparseflash.attention(q, k, v, mask=mask, backend="triton", return_lse=True)
-    torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-5)  # +inf on empty rows in both
-
-
-def test_forward_rows_falls_back_where_tiles_need_masks(device, monkeypatch):
-    """Causal, key_lengths, dropout or a key length that is not a whole number of mask blocks: the
-    one-row kernel runs (the flattened one has no element masks)."""
-    from sparseflash.flash import kernels
-
-    calls = []
-    real = kernels._fwd_rows_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(kernels, "_fwd_rows_kernel", Spy())
-    mask = random_mask(1, 1, 64, 64, 32, 0.7, seed=8).to(device)
-    q, k, v, do = make_qkv(1, 2, 2, 64, 64, 16, torch.float32, device, seed=8)
-    with tile_config(fwd=TileConfig(16, 16, rows=2)):
-        sparseflash.attention(q, k, v, mask=mask, backend="triton")
-        assert len(calls) == 1
-        sparseflash.attention(q, k, v, mask=mask, backend="triton", causal=True)
-        sparseflash.attention(q, k, v, mask=mask, backend="triton", key_lengths=torch.tensor([40], device=device))
-        sparseflash.attention(q, k, v, mask=mask, backend="triton", dropout_p=0.1)
-        mask60 = random_mask(1, 1, 64, 60, 32, 0.7, seed=8).to(device)
-        q2, k2, v2, _ = make_qkv(1, 2, 2, 64, 60, 16, torch.float32, device, seed=8)
-        sparseflash.attention(q2, k2, v2, mask=mask60, backend="triton")
-    assert len(calls) == 1
-
-
 def test_sparse_key_lengths_and_empty(device):
     mask = random_mask(1, 1, 96, 96, 32, 0.7, seed=6, empty_row=True).to(device)
     q, k, v, do = make_qkv(3, 2, 2, 96, 96, 32, torch.bfloat16, device, seed=5)

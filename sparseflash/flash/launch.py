@@ -38,9 +38,6 @@ class TileConfig:
     # dK/dV only: compute S and dP as [queries, keys] tiles (the forward's orientation) and feed
     # P^T, dS^T to the tensor cores from shared memory, instead of [keys, queries] tiles in registers
     q_rows: bool = False
-    # forward only, experimental: q tiles per program, walked in one flattened loop
-    # (kernels._fwd_rows_kernel); used where no tile needs an element mask, else 1
-    rows: int = 1
 
     def launch_options(self) -> dict:
         opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -159,7 +156,7 @@ def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int 
     bn = _fit(cfg.block_n, mask_bk, "block_k")
     if (bm, bn) == (cfg.block_m, cfg.block_n):
         return cfg
-    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.q_rows, cfg.rows)
+    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.q_rows)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -269,17 +266,8 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     lse = _new(q, (B, Hq, Nq), torch.float32)
     kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q)
     rng, thresh, drop_scale = _rng_args(dropout_p, rng, q)
-    strides, align = _aligned_strides(q, k, v, o)
-    if cfg.rows > 1 and not causal and key_lengths is None and dropout_p == 0.0 and Nk % (mask_bk or cfg.block_n) == 0:
-        grid = (_cdiv(_cdiv(Nq, cfg.block_m), cfg.rows), B * Hq)
-        kernels._fwd_rows_kernel[grid](
-            q, k, v, o, lse, kv_idx, *strides, *i_strides, Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
-            HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, DENSE=dense,
-            ROWS=cfg.rows, DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align,
-        )
-        return o, lse
     grid = (_cdiv(Nq, cfg.block_m), B * Hq)
+    strides, align = _aligned_strides(q, k, v, o)
     kernels._fwd_kernel[grid](
         q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx, *strides, *i_strides,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
