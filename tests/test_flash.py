@@ -183,22 +183,22 @@ def test_row_alignment_hint(device):
     layout) reach the kernels divided by that alignment and multiplied back inside; results stay
     exact, and the alignment is only claimed where it holds."""
     t = lambda *shape: torch.empty(*shape, device=device)  # noqa: E731
-    assert launch._row_align(t(2, 3, 50, 40)) == 8
+    assert launch._aligned_strides(t(2, 3, 50, 40))[1] == 8
     assert launch._aligned_strides(t(2, 3, 50, 40), t(2, 3, 50, 40)) == ((750, 250, 5, 1) * 2, 8)
     assert launch._aligned_strides(t(2, 3, 50, 64)) == ((9600, 3200, 64, 1), 1)
-    assert launch._row_align(t(2, 3, 50, 20)) == 4
-    assert launch._row_align(t(2, 3, 50, 64), t(2, 3, 50, 128)) == 1  # divisible by 16: Triton knows
-    assert launch._row_align(t(2, 3, 50, 40), t(2, 3, 50, 20)) == 4
-    assert launch._row_align(t(2, 3, 50, 40).transpose(-1, -2)) == 1  # no unit last stride
-    assert launch._row_align(t(2, 1, 50, 40).expand(2, 3, 50, 40)) == 8  # stride 0
-    assert launch._row_align(t(2, 3, 51, 41)) == 1
+    assert launch._aligned_strides(t(2, 3, 50, 20))[1] == 4
+    assert launch._aligned_strides(t(2, 3, 50, 64), t(2, 3, 50, 128))[1] == 1  # divisible by 16: Triton knows
+    assert launch._aligned_strides(t(2, 3, 50, 40), t(2, 3, 50, 20))[1] == 4
+    assert launch._aligned_strides(t(2, 3, 50, 40).transpose(-1, -2))[1] == 1  # no unit last stride
+    assert launch._aligned_strides(t(2, 1, 50, 40).expand(2, 3, 50, 40))[1] == 8  # stride 0
+    assert launch._aligned_strides(t(2, 3, 51, 41))[1] == 1
     big = torch.empty_strided((2, 1, 1, 40), (2**31 + 8, 40, 40, 1), device="meta")
-    assert launch._row_align(big) == 1  # divided, the stride would pass as int32 and wrap
+    assert launch._aligned_strides(big)[1] == 1  # divided, the stride would pass as int32 and wrap
     B, N, H, D = 2, 70, 2, 40
     g = torch.Generator().manual_seed(14)
     qkv = torch.randn(B, N, 3, H, D, generator=g).to(device, torch.float16)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # row stride 3 * H * D = 240
-    assert launch._row_align(q, k, v) == 8
+    assert launch._aligned_strides(q, k, v)[1] == 8
     do = torch.randn(B, H, N, D, generator=g).to(device, torch.float16)
     mask = random_mask(1, 1, N, N, 32, 0.6, seed=15).to(device)
     check_attention(triton_impl(mask, causal=True), q, k, v, do, mask=mask, causal=True)
@@ -207,7 +207,7 @@ def test_row_alignment_hint(device):
     # one tensor less aligned than the rest sets the launch's alignment: dO with row stride 44
     q, k, v, _ = make_qkv(1, 2, 2, 33, 33, 40, torch.float16, device, seed=18)
     do = torch.randn(1, 2, 33, 44, generator=g).to(device, torch.float16)[..., :40]
-    assert launch._row_align(q, k, v, do) == 4
+    assert launch._aligned_strides(q, k, v, do)[1] == 4
     check_attention(triton_impl(), q, k, v, do)
 
 

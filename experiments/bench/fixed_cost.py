@@ -29,9 +29,8 @@ from pathlib import Path
 __all__ = ["fit_fixed_cost", "main"]
 
 
-def _key(r: dict) -> tuple:
-    return (r["provider"], r["pattern"], int(r["seq_len"]), int(r["head_dim"]), r["mode"], r["dtype"],
-            bool(r["causal"]) if not isinstance(r["causal"], str) else r["causal"] == "True")
+def _key(r: dict) -> tuple:  # rows as load_results gives them (typed, from CSV or JSON)
+    return r["provider"], r["pattern"], r["seq_len"], r["head_dim"], r["mode"], r["dtype"], bool(r["causal"])
 
 
 def fit_fixed_cost(rows: list[dict], min_points: int = 3) -> list[dict]:

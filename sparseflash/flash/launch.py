@@ -155,8 +155,8 @@ def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int 
     bm = _fit(cfg.block_m, mask_bq, "block_q")
     bn = _fit(cfg.block_n, mask_bk, "block_k")
     if (bm, bn) == (cfg.block_m, cfg.block_n):
-        return cfg
-    return TileConfig(bm, bn, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.q_rows)
+        return cfg  # the common case, without dataclasses.replace's cost on every launch
+    return replace(cfg, block_m=bm, block_n=bn)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -207,11 +207,6 @@ def _aligned_strides(*ts: torch.Tensor) -> tuple[tuple, int]:
     if not lead & 15 or align == 1 or max(strides) >= 2**31:
         return strides, 1
     return tuple(x if i % 4 == 3 else x // align for i, x in enumerate(strides)), align
-
-
-def _row_align(*ts: torch.Tensor) -> int:
-    """The ALIGN constexpr of a launch over ``ts`` (see `_aligned_strides`)."""
-    return _aligned_strides(*ts)[1]
 
 
 # Lists up to this many entries are read from registers in the loop (GATHER), longer ones from
