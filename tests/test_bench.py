@@ -359,13 +359,12 @@ def test_tune_configs_parse():
     assert tune_tiles.parse_config("64,64,4,3,168") == (64, 64, 4, 3, 168)
     assert tune_tiles.parse_config("64,64,4,3,,1") == (64, 64, 4, 3, None, True)
     assert launch.TileConfig(*tune_tiles.parse_config("128,64,8,3,128,0")) == launch.TileConfig(128, 64, 8, 3, 128, False)
-    assert launch.TileConfig(*tune_tiles.parse_config("64,64,4,3,,0,2")) == launch.TileConfig(64, 64, 4, 3, persist=2)
-    for bad in ("64,64,4", "64,,4,3", "64,64,4,3,,0,"):
+    for bad in ("64,64,4", "64,,4,3"):
         with pytest.raises(ValueError, match="tile config"):
             tune_tiles.parse_config(bad)
-    # 8 fields: more than a tile has
-    with pytest.raises(ValueError, match=r"tile config is M,N,WARPS,STAGES\[,MAXNREG\[,Q_ROWS\[,PERSIST\]\]\] \(4 to 7"):
-        tune_tiles.parse_config("64,64,4,3,,1,2,264")
+    # 7 fields: more than a tile has
+    with pytest.raises(ValueError, match=r"tile config is M,N,WARPS,STAGES\[,MAXNREG\[,Q_ROWS\]\] \(4 to 6 fields\)"):
+        tune_tiles.parse_config("64,64,4,3,,1,264")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

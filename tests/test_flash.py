@@ -5,7 +5,6 @@ in the same dtype, with outputs poisoned with NaN before the kernels run."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
@@ -113,39 +112,6 @@ def test_tilings(tiles, device):
     with tile_config(fwd=cfg, dkdv=TileConfig(*tiles[:2], q_rows=len(tiles) > 2), dq=cfg):
         check_attention(triton_impl(mask, causal=True, key_lengths=kl), q, k, v, do, mask=mask, causal=True,
                         key_lengths=kl)
-
-
-PERSIST_CASES = [
-    # B, Hq, Hkv, Nq, Nk, D, block (None: dense), mask heads, mask batch, causal, key_lengths
-    (2, 4, 2, 100, 100, 32, 32, 4, 2, False, (0, 77)),  # per-head/batch masks, GQA, an empty batch
-    (1, 2, 2, 127, 127, 40, 32, 2, 1, True, None),
-    (1, 2, 2, 100, 70, 16, (64, 32), 2, 1, True, (53,)),  # seq_q > seq_k, non-square blocks
-    (2, 3, 1, 65, 100, 16, None, 1, 1, False, (100, 9)),  # dense
-    (1, 2, 2, 37, 100, 64, None, 1, 1, True, None),
-]
-
-
-@pytest.mark.parametrize("persist", [1, 3])
-@pytest.mark.parametrize("case", PERSIST_CASES, ids=lambda c: "B{}-H{}/{}-N{}x{}-D{}-blk{}".format(*c[:7]))
-def test_persistent_forward(case, persist, device):
-    """The persistent forward (programs that each walk several q tiles, prefetching the next
-    one's Q and list) gives bitwise the output and LSE of one program per tile with the same
-    tiles, and passes the reference check with its gradients."""
-    B, Hq, Hkv, Nq, Nk, D, block, Hm, Bm, causal, kl = case
-    mask = None if block is None else random_mask(Hm, Bm, Nq, Nk, block, 0.5, seed=Nq + D, empty_row=True).to(device)
-    kl = None if kl is None else torch.tensor(kl, device=device)
-    q, k, v, do = make_qkv(B, Hq, Hkv, Nq, Nk, D, torch.float16, device, seed=15)
-    f = triton_impl(mask, causal=causal, key_lengths=kl, return_lse=True)
-    cfg = TileConfig(16, 16)
-    if not launch._interpreting():
-        cfg = launch._config("fwd", D, torch.device(device), None, None)
-    with tile_config(fwd=cfg):
-        o0, lse0 = f(q, k, v)
-    with tile_config(fwd=replace(cfg, persist=persist)):
-        o1, lse1 = f(q, k, v)
-        assert torch.equal(o0, o1) and torch.equal(lse0, lse1)
-        impl = triton_impl(mask, causal=causal, key_lengths=kl)
-        check_attention(impl, q, k, v, do, mask=mask, causal=causal, key_lengths=kl)
 
 
 def test_sparse_key_lengths_and_empty(device):

@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
-    ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS[,PERSIST]]]",
+    ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]]",
                     help="compile KIND (fwd, dkdv, dq) with this tile instead of the default; repeatable")
     ap.add_argument("--dump", default=None, help="write TTGIR, PTX and SASS of each kernel here")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")

@@ -40,17 +40,16 @@ DQ = [(128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32
 CONFIGS = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
 
 
-CONFIG_FORMAT = "M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS[,PERSIST]]]"
+CONFIG_FORMAT = "M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]]"
 
 
 def parse_config(spec: str) -> tuple:
-    """CONFIG_FORMAT -> a TileConfig tuple (empty MAXNREG: no cap; Q_ROWS 0/1; PERSIST: forward
-    programs per SM, 0 for one program per q tile)."""
+    """CONFIG_FORMAT -> a TileConfig tuple (empty MAXNREG: no cap; Q_ROWS 0/1)."""
     c = tuple(int(x) if x else None for x in spec.split(","))
-    if not 4 <= len(c) <= 7 or None in c[:4] or (len(c) == 7 and c[6] is None):
-        raise ValueError(f"a tile config is {CONFIG_FORMAT} (4 to 7 fields), got {spec!r}")
+    if not 4 <= len(c) <= 6 or None in c[:4]:
+        raise ValueError(f"a tile config is {CONFIG_FORMAT} (4 to 6 fields), got {spec!r}")
     if len(c) > 5:
-        c = c[:5] + (bool(c[5]),) + c[6:]
+        c = c[:5] + (bool(c[5]),)
     return c
 
 

@@ -228,37 +228,18 @@ def _tile_start(p_idx, b_list, j, DENSE: tl.constexpr, GATHER: tl.constexpr, MAS
 
 
 @triton.jit
-def _row_load(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_k, stride_ib, stride_ih, stride_im,
-              MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, DENSE: tl.constexpr,
-              HAS_KEYLEN: tl.constexpr):
-    """The loads behind a q tile's walk (its row list, its key length), issued without waiting
-    for them: `_row_bounds` is what uses the values (the persistent forward issues the next
-    tile's loads before it computes the current tile)."""
-    klen = seq_k
-    if HAS_KEYLEN:
-        klen = tl.load(KEY_LEN + i_b).to(tl.int32)
-    if DENSE:
-        p_idx = KV_IDX  # unused
-        b_list = tl.zeros([NB_P2], dtype=tl.int32)
-    else:
-        q_blk = start_m // MASK_BQ
-        p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
-        b_list = _list(p_idx, tl.cdiv(seq_k, MASK_BK), NB_P2)
-    return p_idx, b_list, klen
-
-
-@triton.jit
-def _row_bounds(b_list, klen, start_m, seq_q, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK_BK: tl.constexpr, DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr):
-    """The tile counts of a q tile's walk: the mask-free prefix (j < j_full) and the whole walk
-    (j < j_valid), with the key end and the causal offset.
+def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
+               NB_P2: tl.constexpr, DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr):
+    """The k tiles a q tile visits (forward and dQ): its row list, the list in registers, and the
+    tile counts of the mask-free prefix (j < j_full) and of the whole walk (j < j_valid).
 
     Tiles ending at or below full_end need no element mask; tiles starting at or past valid_end
     are skipped.
     """
-    kv_end = klen
+    kv_end = seq_k
     if HAS_KEYLEN:
-        kv_end = tl.minimum(tl.maximum(klen, 0), seq_k)
+        kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
     full_end = kv_end
     valid_end = kv_end
     causal_off = seq_k - seq_q
@@ -266,26 +247,18 @@ def _row_bounds(b_list, klen, start_m, seq_q, seq_k, BLOCK_M: tl.constexpr, BLOC
         full_end = tl.minimum(full_end, start_m + causal_off + 1)
         valid_end = tl.minimum(valid_end, tl.minimum(start_m + BLOCK_M, seq_q) + causal_off)
     if DENSE:
+        p_idx = KV_IDX  # unused
+        b_list = tl.zeros([NB_P2], dtype=tl.int32)
         j_full = tl.maximum(full_end, 0) // BLOCK_N
         j_valid = tl.cdiv(tl.maximum(valid_end, 0), BLOCK_N)
     else:
         SUB: tl.constexpr = MASK_BK // BLOCK_N
+        q_blk = start_m // MASK_BQ
+        p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
+        b_list = _list(p_idx, tl.cdiv(seq_k, MASK_BK), NB_P2)
         n_full, n_valid = _row_parts(b_list, full_end, valid_end, MASK_BK)
         j_full = n_full * SUB
         j_valid = n_valid * SUB
-    return j_full, j_valid, kv_end, causal_off
-
-
-@triton.jit
-def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
-               NB_P2: tl.constexpr, DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr):
-    """The k tiles a q tile visits (forward and dQ): its row list, the list in registers, and the
-    tile counts of the mask-free prefix and of the whole walk (`_row_load`, then `_row_bounds`)."""
-    p_idx, b_list, klen = _row_load(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_k, stride_ib, stride_ih, stride_im,
-                                    MASK_BQ, MASK_BK, NB_P2, DENSE, HAS_KEYLEN)
-    j_full, j_valid, kv_end, causal_off = _row_bounds(b_list, klen, start_m, seq_q, seq_k, BLOCK_M, BLOCK_N,
-                                                      MASK_BK, DENSE, CAUSAL, HAS_KEYLEN)
     return p_idx, b_list, j_full, j_valid, kv_end, causal_off
 
 
@@ -331,39 +304,44 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
     return acc, l_i, m_i
 
 
-@triton.jit
-def _fwd_coords(i_m, i_bh, H_Q, GROUP, BLOCK_M: tl.constexpr):
-    """(batch, q head, kv head, first row) of q tile i_m of head i_bh (= batch * H_Q + head)."""
+@triton.jit(do_not_specialize=_RNG_ARGS)
+def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
+                stride_qb, stride_qh, stride_qm, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_ob, stride_oh, stride_om, stride_od,
+                stride_ib, stride_ih, stride_im,
+                H_Q, GROUP, seq_q, seq_k, qk_scale,
+                RNG, drop_thresh, drop_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
+                DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
+                DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1):
+    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
+    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
+    stride_ob, stride_oh, stride_om = _aligned(stride_ob, stride_oh, stride_om, ALIGN)
+    i_m = tl.program_id(0)
+    seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
+    i_bh = tl.program_id(1)
     i_b = (i_bh // H_Q).to(tl.int64)
     i_h = (i_bh % H_Q).to(tl.int64)
-    return i_b, i_h, i_h // GROUP, i_m * BLOCK_M
-
-
-@triton.jit
-def _fwd_q(Q, i_b, i_h, start_m, seq_q, stride_qb, stride_qh, stride_qm, stride_qd,
-           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    o_m = start_m + tl.arange(0, BLOCK_M)
-    o_d = tl.arange(0, BLOCK_D)
-    p_q = Q + i_b * stride_qb + i_h * stride_qh + start_m.to(tl.int64) * stride_qm \
-        + tl.arange(0, BLOCK_M)[:, None] * stride_qm + o_d[None, :] * stride_qd
-    return tl.load(p_q, mask=(o_m < seq_q)[:, None] & (o_d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-
-
-@triton.jit
-def _fwd_tile(q, K, V, O, LSE, i_b, i_h, i_hk, i_bh, start_m, p_idx, b_list, j_full, j_valid, kv_end, causal_off,
-              stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-              stride_ob, stride_oh, stride_om, stride_od, seq_q, seq_k, qk_scale,
-              seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr, DENSE: tl.constexpr,
-              CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One q tile's walk over its k tiles (mask-free, then masked) and its O / LSE epilogue."""
+    i_hk = i_h // GROUP
+    start_m = i_m * BLOCK_M
     o_m = start_m + tl.arange(0, BLOCK_M)
     o_n = tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
+
+    p_q = Q + i_b * stride_qb + i_h * stride_qh + start_m.to(tl.int64) * stride_qm \
+        + tl.arange(0, BLOCK_M)[:, None] * stride_qm + o_d[None, :] * stride_qd
+    q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
+
+    p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
+        KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
+        BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -382,67 +360,6 @@ def _fwd_tile(q, K, V, O, LSE, i_b, i_h, i_hk, i_bh, start_m, p_idx, b_list, j_f
         + tl.arange(0, BLOCK_M)[:, None] * stride_om + o_d[None, :] * stride_od
     tl.store(p_o, acc.to(O.dtype.element_ty), mask=(o_m < seq_q)[:, None] & m_d[None, :])
     tl.store(LSE + i_bh.to(tl.int64) * seq_q + o_m, lse, mask=o_m < seq_q)
-
-
-@triton.jit(do_not_specialize=_RNG_ARGS)
-def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
-                stride_qb, stride_qh, stride_qm, stride_qd,
-                stride_kb, stride_kh, stride_kn, stride_kd,
-                stride_vb, stride_vh, stride_vn, stride_vd,
-                stride_ob, stride_oh, stride_om, stride_od,
-                stride_ib, stride_ih, stride_im,
-                H_Q, GROUP, seq_q, seq_k, qk_scale,
-                RNG, drop_thresh, drop_scale, TILES,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
-                DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, PERSIST: tl.constexpr = False):
-    """Grid (q tiles, batch * H_Q): one program per q tile. PERSIST: grid (programs,), each program
-    walks q tiles t = pid, pid + programs, ... < TILES (tile t: q tile t % n_m of head t // n_m),
-    issuing the next tile's Q, list and key-length loads before it computes the current tile, so
-    their latency hides behind the current tile's work."""
-    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
-    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
-    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
-    stride_ob, stride_oh, stride_om = _aligned(stride_ob, stride_oh, stride_om, ALIGN)
-    seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
-    if PERSIST:
-        n_m = tl.cdiv(seq_q, BLOCK_M)
-        n_prog = tl.num_programs(0)
-        t0 = tl.program_id(0)
-        i_b, i_h, i_hk, start_m = _fwd_coords(t0 % n_m, t0 // n_m, H_Q, GROUP, BLOCK_M)
-        q = _fwd_q(Q, i_b, i_h, start_m, seq_q, stride_qb, stride_qh, stride_qm, stride_qd, HEAD_DIM, BLOCK_M, BLOCK_D)
-        p_idx, b_list, klen = _row_load(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_k, stride_ib, stride_ih, stride_im,
-                                        MASK_BQ, MASK_BK, NB_P2, DENSE, HAS_KEYLEN)
-        for t in range(t0, TILES, n_prog):
-            # the next tile's loads (the last program's last step reloads its own tile: never out of range)
-            t_n = tl.minimum(t + n_prog, TILES - 1)
-            i_b_n, i_h_n, i_hk_n, start_m_n = _fwd_coords(t_n % n_m, t_n // n_m, H_Q, GROUP, BLOCK_M)
-            q_n = _fwd_q(Q, i_b_n, i_h_n, start_m_n, seq_q, stride_qb, stride_qh, stride_qm, stride_qd,
-                         HEAD_DIM, BLOCK_M, BLOCK_D)
-            p_idx_n, b_list_n, klen_n = _row_load(KV_IDX, KEY_LEN, i_b_n, i_h_n, start_m_n, seq_k, stride_ib, stride_ih,
-                                                  stride_im, MASK_BQ, MASK_BK, NB_P2, DENSE, HAS_KEYLEN)
-            j_full, j_valid, kv_end, causal_off = _row_bounds(b_list, klen, start_m, seq_q, seq_k, BLOCK_M, BLOCK_N,
-                                                              MASK_BK, DENSE, CAUSAL, HAS_KEYLEN)
-            _fwd_tile(q, K, V, O, LSE, i_b, i_h, i_hk, t // n_m, start_m, p_idx, b_list, j_full, j_valid, kv_end, causal_off,
-                      stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                      stride_ob, stride_oh, stride_om, stride_od, seq_q, seq_k, qk_scale,
-                      seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
-                      HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASK_BK, NB_P2, GATHER, DENSE, CAUSAL, DROPOUT, DOT_PREC)
-            q, p_idx, b_list, klen = q_n, p_idx_n, b_list_n, klen_n
-            i_b, i_h, i_hk, start_m = i_b_n, i_h_n, i_hk_n, start_m_n
-    else:
-        i_bh = tl.program_id(1)
-        i_b, i_h, i_hk, start_m = _fwd_coords(tl.program_id(0), i_bh, H_Q, GROUP, BLOCK_M)
-        q = _fwd_q(Q, i_b, i_h, start_m, seq_q, stride_qb, stride_qh, stride_qm, stride_qd, HEAD_DIM, BLOCK_M, BLOCK_D)
-        p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
-            KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
-            BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
-        _fwd_tile(q, K, V, O, LSE, i_b, i_h, i_hk, i_bh, start_m, p_idx, b_list, j_full, j_valid, kv_end, causal_off,
-                  stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                  stride_ob, stride_oh, stride_om, stride_od, seq_q, seq_k, qk_scale,
-                  seed_lo, seed_hi, rng_off, drop_thresh, drop_scale,
-                  HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, MASK_BK, NB_P2, GATHER, DENSE, CAUSAL, DROPOUT, DOT_PREC)
 
 
 # ----------------------------------------------------------------------------- backward

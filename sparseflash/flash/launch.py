@@ -38,9 +38,6 @@ class TileConfig:
     # dK/dV only: compute S and dP as [queries, keys] tiles (the forward's orientation) and feed
     # P^T, dS^T to the tensor cores from shared memory, instead of [keys, queries] tiles in registers
     q_rows: bool = False
-    # forward only: 0, one program per q tile; n > 0, a persistent grid of n programs per SM, each
-    # walking q tiles and loading the next tile's Q and list while it computes the current one
-    persist: int = 0
 
     def launch_options(self) -> dict:
         opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -180,20 +177,6 @@ def _p2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a device (cached); 1 under the interpreter, so that a
-    persistent grid there is a few programs that each walk several tiles."""
-    if device.type != "cuda" or _interpreting():
-        return 1
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNT[i]
-
-
 def _block_d(head_dim: int) -> int:
     return max(16, _p2(head_dim))
 
@@ -278,17 +261,16 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     lse = _new(q, (B, Hq, Nq), torch.float32)
     kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q)
     rng, thresh, drop_scale = _rng_args(dropout_p, rng, q)
-    tiles = _cdiv(Nq, cfg.block_m) * B * Hq
-    grid = (min(tiles, cfg.persist * _sm_count(q.device)),) if cfg.persist else (_cdiv(Nq, cfg.block_m), B * Hq)
+    grid = (_cdiv(Nq, cfg.block_m), B * Hq)
     strides, align = _aligned_strides(q, k, v, o)
     kernels._fwd_kernel[grid](
         q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx, *strides, *i_strides,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
-        rng, thresh, drop_scale, tiles,
+        rng, thresh, drop_scale,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
         DENSE=dense, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-        DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, PERSIST=cfg.persist > 0,
+        DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align,
     )
     return o, lse
 
