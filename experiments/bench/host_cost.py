@@ -35,20 +35,25 @@ import torch
 SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU sleep: longer than issuing any batch below
 
 
-def host_us(fn, calls: int) -> float:
-    """Host microseconds per call of ``fn``, issued while the GPU sleeps."""
+def host_us(fn, calls: int, repeats: int = 5) -> float:
+    """Host microseconds per call of ``fn``, issued while the GPU sleeps: the median over
+    ``repeats`` batches of ``calls`` calls (few enough that CUDA's launch queue never fills, which
+    would make a launch wait for the sleeping GPU)."""
     fn()
     torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    pending = not torch.cuda.current_stream().query()  # still sleeping: no call waited for the GPU
-    torch.cuda.synchronize()
-    if not pending:
-        raise RuntimeError("the GPU finished its sleep before the calls were issued: raise SLEEP_CYCLES")
-    return (t1 - t0) / calls * 1e6
+    times = []
+    for _ in range(repeats):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        pending = not torch.cuda.current_stream().query()  # still sleeping: no call waited for the GPU
+        torch.cuda.synchronize()
+        if not pending:
+            raise RuntimeError("the GPU finished its sleep before the calls were issued: raise SLEEP_CYCLES")
+        times.append((t1 - t0) / calls * 1e6)
+    return sorted(times)[len(times) // 2]
 
 
 def gpu_us(fn) -> float:
@@ -88,7 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--blocks-per-row", type=int, default=3, help="random mask of 128-blocks; 0: mask=None")
-    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -114,6 +119,12 @@ def main(argv=None) -> int:
     def fwd_bwd():
         sparseflash.attention(qg, kg, vg, mask=mask).backward(do)
 
+    def fwd_grad():
+        return sparseflash.attention(qg, kg, vg, mask=mask)
+
+    def fwd_autograd_grad():
+        torch.autograd.grad(sparseflash.attention(qg, kg, vg, mask=mask), (qg, kg, vg), do)
+
     idx = mask.index(dev) if mask is not None else None
     kv_idx, q_idx = (idx.kv_idx, idx.q_idx) if idx is not None else (None, None)
     mb = 128 if mask is not None else None
@@ -131,13 +142,15 @@ def main(argv=None) -> int:
     rows = []
 
     def row(name, fn, gpu=True):
-        with torch.no_grad() if name.endswith("fwd") else torch.enable_grad():
+        with torch.no_grad() if name.endswith(" fwd") else torch.enable_grad():
             h = host_us(fn, args.calls)
             gu = gpu_us(fn) if gpu else None
         rows.append(dict(layer=name, host_us=h, gpu_us=gu))
         print(f"{name:28s} host {h:8.1f} us" + (f"   GPU {gu:8.1f} us" if gu is not None else ""), flush=True)
 
     row("attention fwd+bwd", fwd_bwd)
+    row("attention fwd+autograd.grad", fwd_autograd_grad)
+    row("attention fwd, grad on", fwd_grad, gpu=False)
     row("attention fwd", fwd)
     row("launch fwd", l_fwd)
     row("launch bwd", l_bwd)
