@@ -12,6 +12,8 @@ loop over calls. Layers, from the outside in:
 - ``launch fwd`` / ``launch bwd``: the launchers in `sparseflash.flash.launch`, no autograd;
 - ``kernel <name>``: each Triton kernel launched again with the arguments the launcher passed
   (Triton's own launch path: argument binding, specialisation key, cache lookup, driver call);
+- ``Function.backward, direct``: the autograd.Function's backward called without the engine;
+  ``trivial Function fwd+bwd``: a do-nothing autograd.Function through the engine (its own cost);
 - ``sdpa fwd+bwd``: torch's SDPA (flash backend) for comparison.
 
 Also profiles the fwd+bwd call with cProfile (top functions by own time) and reports the GPU
@@ -136,6 +138,28 @@ def main(argv=None) -> int:
     def l_bwd():
         launch.bwd(do, q, k, v, o, lse, None, kv_idx, q_idx, None, scale, False, mb, mb, 0.0, None)
 
+    class _Trivial(torch.autograd.Function):  # the engine's own cost: one Python node, 3 accumulations
+        @staticmethod
+        def forward(ctx, a, b, c):
+            return torch.empty_like(a)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, g, g
+
+    def trivial():
+        _Trivial.apply(qg, kg, vg).backward(do)
+
+    from types import SimpleNamespace
+
+    from sparseflash.flash.function import FlashAttentionFunction
+
+    ctx = SimpleNamespace(saved_tensors=(q, k, v, o, lse, torch.empty(3, dtype=torch.int64, device=dev), kv_idx, q_idx,
+                                         None), params=(scale, False, mb or 0, mb or 0, 0.0))
+
+    def fn_bwd():
+        FlashAttentionFunction.backward(ctx, do, None)
+
     def sdpa():
         torch.nn.functional.scaled_dot_product_attention(qg, kg, vg).backward(do)
 
@@ -152,6 +176,8 @@ def main(argv=None) -> int:
     row("attention fwd+autograd.grad", fwd_autograd_grad)
     row("attention fwd, grad on", fwd_grad, gpu=False)
     row("attention fwd", fwd)
+    row("Function.backward, direct", fn_bwd, gpu=False)
+    row("trivial Function fwd+bwd", trivial, gpu=False)
     row("launch fwd", l_fwd)
     row("launch bwd", l_bwd)
     for kern, grid, a, kw in _recorded_launches(lambda: (l_fwd(), l_bwd())):
