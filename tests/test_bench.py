@@ -417,3 +417,29 @@ def test_inspect_kernels_row_alignment_for_hopper():
                 and loop_a <= 1.05 * loop_b):
             problems.append((name, {k: (a[k], b[k]) for k in ("regs", "shared", "stack", "loops")}))
     assert not problems, problems
+
+
+def test_host_cost_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    from sparseflash.experiments.bench import host_cost
+
+    with pytest.raises(SystemExit):
+        host_cost.main([])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times CUDA launches")
+def test_host_cost_rows(tmp_path):
+    """Every layer gets a positive host time (the GPU still asleep when the calls were issued) and
+    the end-to-end rows a GPU time; the profile is written."""
+    from sparseflash.experiments.bench import host_cost
+
+    assert host_cost.main(["--seq-len", "512", "--heads", "2", "--tokens", "512", "--calls", "5",
+                           "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "host_cost.json").read_text())
+    layers = {r["layer"]: r for r in res["rows"]}
+    for name in ("attention fwd+bwd", "attention fwd", "launch fwd", "launch bwd", "kernel _fwd_kernel",
+                 "kernel _bwd_dq_kernel", "kernel _bwd_dkdv_kernel", "trivial Function fwd+bwd"):
+        assert layers[name]["host_us"] > 0, name
+    assert layers["attention fwd+bwd"]["gpu_us"] > 0
+    assert "run_backward" in (tmp_path / "host_cost_profile.txt").read_text()
