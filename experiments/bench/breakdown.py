@@ -52,11 +52,10 @@ def _kernel_ms(fn, reps=20):
 
 
 def main(argv=None) -> int:
+    from sparseflash.experiments.bench.config import add_shape_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=16384)
+    add_shape_args(ap)
     ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.25, 0.1])
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--tiles", action="store_true", help="also time the sparse forward under several tiles")

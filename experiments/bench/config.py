@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from sparseflash.experiments.bench.timing import TimingConfig
 
-__all__ = ["BenchConfig", "PRESETS", "defaults", "MODES"]
+__all__ = ["BenchConfig", "PRESETS", "defaults", "MODES", "add_shape_args"]
 
 MODES = ("fwd", "bwd", "fwdbwd")
 
@@ -76,6 +76,15 @@ class BenchConfig:
         d = dataclasses.asdict(self)
         d["timing"] = dataclasses.asdict(self.timing)
         return d
+
+
+def add_shape_args(ap, seq_len: int = 4096, head_dim: int = 64) -> None:
+    """The one-setting options of the single-purpose scripts (breakdown, host_cost): sequence
+    length, head dim, heads, and tokens per batch (batch = max(1, tokens // seq_len))."""
+    ap.add_argument("--seq-len", type=int, default=seq_len)
+    ap.add_argument("--head-dim", type=int, default=head_dim)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=16384)
 
 
 def _interpreting() -> bool:

@@ -89,11 +89,10 @@ def _recorded_launches(fn):
 
 
 def main(argv=None) -> int:
+    from sparseflash.experiments.bench.config import add_shape_args
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=16384)
+    add_shape_args(ap)
     ap.add_argument("--blocks-per-row", type=int, default=3, help="random mask of 128-blocks; 0: mask=None")
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--out", default=None)
