@@ -34,6 +34,8 @@ import time
 
 import torch
 
+from sparseflash.experiments.bench.timing import graph_ms
+
 SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU sleep: longer than issuing any batch below
 
 
@@ -56,15 +58,6 @@ def host_us(fn, calls: int, repeats: int = 5) -> float:
             raise RuntimeError("the GPU finished its sleep before the calls were issued: raise SLEEP_CYCLES")
         times.append((t1 - t0) / calls * 1e6)
     return sorted(times)[len(times) // 2]
-
-
-def gpu_us(fn) -> float:
-    import triton.testing
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")) * 1e3
 
 
 def _recorded_launches(fn):
@@ -164,10 +157,9 @@ def main(argv=None) -> int:
 
     rows = []
 
-    def row(name, fn, gpu=True):
-        with torch.no_grad() if name.endswith(" fwd") else torch.enable_grad():
-            h = host_us(fn, args.calls)
-            gu = gpu_us(fn) if gpu else None
+    def row(name, fn, gpu=True):  # (the "fwd" rows take q, k, v without grad: no graph is recorded)
+        h = host_us(fn, args.calls)
+        gu = graph_ms(fn, rep_ms=50) * 1e3 if gpu else None
         rows.append(dict(layer=name, host_us=h, gpu_us=gu))
         print(f"{name:28s} host {h:8.1f} us" + (f"   GPU {gu:8.1f} us" if gu is not None else ""), flush=True)
 

@@ -22,14 +22,9 @@ from pathlib import Path
 
 import torch
 
+from sparseflash.experiments.bench.timing import graph_ms as _ms
+
 __all__ = ["main"]
-
-
-def _ms(fn) -> float:
-    import triton.testing
-
-    with torch.cuda.stream(torch.cuda.Stream()):
-        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
 
 def _time(q, k, v, mask, mode: str) -> float:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TimingConfig", "Measurement", "is_oom", "free_memory", "l2_bytes", "rotation_count", "measure"]
+__all__ = ["TimingConfig", "Measurement", "is_oom", "free_memory", "l2_bytes", "rotation_count", "measure", "graph_ms"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,18 @@ def rotation_count(set_bytes: int, device: torch.device, cfg: TimingConfig) -> i
     if l2 == 0 or set_bytes <= 0:
         return 1
     return max(1, min(cfg.max_sets, math.ceil(cfg.l2_multiple * l2 / set_bytes)))
+
+
+def graph_ms(fn, rep_ms: float = 100.0) -> float:
+    """GPU ms per call of ``fn`` alone: ``do_bench_cudagraph`` median (CUDA-graph replays, no host
+    cost), captured on a side stream that first waits for the current one (a graph cannot be
+    captured on the legacy default stream). For one-off scripts; `measure` is the bench's timer."""
+    import triton.testing
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
 
 
 def _sync(device: torch.device) -> None:
