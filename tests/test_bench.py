@@ -443,3 +443,28 @@ def test_host_cost_rows(tmp_path):
         assert layers[name]["host_us"] > 0, name
     assert layers["attention fwd+bwd"]["gpu_us"] > 0
     assert "run_backward" in (tmp_path / "host_cost_profile.txt").read_text()
+
+
+@pytest.mark.parametrize("pattern", ["dense", "sparse"])
+@pytest.mark.parametrize("ws,gather", [(False, False), (True, False), (True, True)])
+def test_ws_probe_forward_matches_reference(pattern, ws, gather):
+    """The warp-specialisation probe's stripped forward computes attention (its timings would mean
+    nothing otherwise): against the float64 reference, within twice PyTorch's own error."""
+    from sparseflash import reference
+    from sparseflash.experiments.bench.ws_probe import probe_forward
+    from sparseflash.patterns import random as random_mask
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need sm_90")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    B, H, N, D = (2, 4, 1024, 64) if dev == "cuda" else (1, 2, 256, 32)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, device=dev, dtype=dtype) for _ in range(3))
+    mask = None if pattern == "dense" else random_mask(N, 1 if dev == "cpu" else 3, block_size=128, seed=1, device=dev)
+    o, lse = probe_forward(q, k, v, mask, 64, 32, 4, 2, ws, gather)
+    ref, ref_lse = reference.attention(q.double(), k.double(), v.double(), mask, scale=D ** -0.5, return_lse=True)
+    own = reference.attention(q, k, v, mask, scale=D ** -0.5)
+    own_err = (own.double() - ref).abs().max().item()
+    assert (o.double() - ref).abs().max().item() <= 2 * own_err + 1e-6
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-4)
