@@ -16,7 +16,7 @@ without ``warp_specialize``, timed in GPU time (CUDA-graph replays) beside the p
 forward on the same inputs and mask, and checked against it (max |difference|). Each variant
 that fails to compile or run is reported with its error instead of stopping the probe.
 
-Prints a table; with --out writes ws_probe.json.
+Prints a table; with --out writes ws_probe_<seq>.json.
 """
 
 from __future__ import annotations
@@ -112,10 +112,24 @@ def probe_forward(q, k, v, mask, block_m: int, block_n: int, num_warps: int, sta
     return o, lse
 
 
-# (block_m, block_n, num_warps, stages, warp_specialize, gather)
+# (block_m, block_n, num_warps, stages, warp_specialize, gather); --variant takes "128x64:w8:s3:ws:gather"
 VARIANTS = [(128, 64, 8, 3, False, False), (128, 64, 8, 3, True, False), (128, 64, 8, 3, True, True),
             (128, 64, 4, 3, True, False), (128, 128, 8, 2, True, False), (64, 64, 4, 3, True, False),
             (128, 64, 8, 2, True, False)]
+
+
+def parse_variant(spec: str) -> tuple:
+    """"128x64:w8:s3[:ws][:gather]" -> (128, 64, 8, 3, ws, gather)."""
+    parts = spec.split(":")
+    try:
+        bm, bn = (int(x) for x in parts[0].split("x"))
+        opts = {p[0]: int(p[1:]) for p in parts[1:] if p[:1] in "ws" and p[1:].isdigit()}
+        flags = {p for p in parts[1:] if not (p[:1] in "ws" and p[1:].isdigit())}
+        if not flags <= {"ws", "gather"} or set(opts) != {"w", "s"}:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--variant must look like 128x64:w8:s3[:ws][:gather], got {spec!r}") from None
+    return bm, bn, opts["w"], opts["s"], "ws" in flags, "gather" in flags
 
 
 def main(argv=None) -> int:
@@ -128,8 +142,11 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--blocks", type=int, default=3, help="key blocks of 128 per q-block row of the sparse mask")
+    ap.add_argument("--variant", action="append", default=None, metavar="SPEC",
+                    help="a probe variant, 128x64:w8:s3[:ws][:gather] (repeatable; default: the built-in list)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    variants = [parse_variant(v) for v in args.variant] if args.variant else VARIANTS
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     if torch.cuda.get_device_capability()[0] < 9:
@@ -148,7 +165,7 @@ def main(argv=None) -> int:
                 base_ms = graph_ms(lambda: sparseflash.attention(q, k, v, mask=mask))
             rows.append(dict(head_dim=d, mask=name, variant="sparseflash", ms=base_ms, max_diff=0.0, error=None))
             print(f"d={d} {name:7s} sparseflash                      {base_ms:.4f} ms", flush=True)
-            for bm, bn, w, st, ws, ga in VARIANTS:
+            for bm, bn, w, st, ws, ga in variants:
                 label = f"probe {bm}x{bn} w{w} s{st}{' WS' if ws else ''}{' gather' if ga else ''}"
                 row = dict(head_dim=d, mask=name, variant=label, block_m=bm, block_n=bn, num_warps=w, stages=st,
                            warp_specialize=ws, gather=ga, ms=None, max_diff=None, error=None)
@@ -178,7 +195,7 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "ws_probe.json").write_text(json.dumps({"meta": environment(torch.device("cuda")), "args": vars(args),
+        (out / f"ws_probe_{N}.json").write_text(json.dumps({"meta": environment(torch.device("cuda")), "args": vars(args),
                                                        "rows": rows}, indent=1, default=str))
     return 0
 
