@@ -276,6 +276,85 @@ def test_clear_errors(device):
         sparseflash.attention(big, big, big, backend="triton")
 
 
+# ---------------------------------------------------------------- TMA forward loads
+@pytest.fixture
+def tma_on(monkeypatch):
+    """TMA descriptors wherever the inputs allow (the interpreter runs them on CPU); records each
+    forward launch's choice, so a test can check the path it meant to cover was taken."""
+    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    taken = []
+    real = launch._tma_args
+
+    def spy(*a):
+        args, tma = real(*a)
+        taken.append(tma)
+        return args, tma
+
+    monkeypatch.setattr(launch, "_tma_args", spy)
+    return taken
+
+
+TMA_CASES = [
+    # B, Hq, Hkv, Nq, Nk, D, dtype, mask block (None: dense), causal, key_lengths
+    (2, 2, 1, 100, 100, 32, torch.float16, None, True, None),  # GQA, tails in both axes
+    (1, 2, 2, 37, 130, 40, torch.bfloat16, None, True, None),  # head_dim padded to 64, seq_q < seq_k
+    (2, 4, 2, 130, 130, 64, torch.float16, 32, True, [70, 130]),
+    (1, 2, 2, 96, 96, 16, torch.bfloat16, 32, False, None),
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: "B{}-H{}/{}-N{}x{}-D{}-{}-blk{}-{}-kl{}".format(
+    *c[:6], _id(c[6]), c[7], "causal" if c[8] else "full", c[9] is not None))
+def test_tma_forward(case, device, tma_on):
+    B, Hq, Hkv, Nq, Nk, D, dtype, block, causal, kl = case
+    mask = None if block is None else random_mask(Hq, B, Nq, Nk, block, 0.6, seed=Nq + D, empty_row=True).to(device)
+    kl = None if kl is None else torch.tensor(kl, device=device)
+    q, k, v, do = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, device, seed=21)
+    check_attention(triton_impl(mask, causal=causal, key_lengths=kl), q, k, v, do, mask=mask, causal=causal,
+                    key_lengths=kl)
+    assert tma_on and all(tma_on), "the forward did not take the TMA path"
+
+
+def test_tma_expanded_and_strided_kv(device, tma_on):
+    """K/V broadcast over heads (stride 0, MQA by expand) read one head's rows for every head; a
+    [B, N, H, D] view (heads not whole rows apart) and float32 fall back to pointer loads."""
+    q, k, v, do = make_qkv(2, 4, 1, 70, 70, 32, torch.float16, device, seed=22)
+    ke, ve = k.expand(2, 4, 70, 32), v.expand(2, 4, 70, 32)
+    check_attention(triton_impl(), q, ke, ve, do, grads=False)
+    assert tma_on == [True]
+    qkv = torch.randn(2, 70, 3, 2, 32, generator=torch.Generator().manual_seed(23)).to(device, torch.float16)
+    qs, ks, vs = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    check_attention(triton_impl(), qs, ks, vs, do[:, :2], grads=False)
+    assert tma_on[-1] is False
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    check_attention(triton_impl(), q32, k32, v32, do.float(), grads=False)
+    assert tma_on[-1] is False
+
+
+def test_tma_rows_view_rules(device):
+    t = lambda *shape, dtype=torch.float16: torch.empty(*shape, device=device, dtype=dtype)  # noqa: E731
+    assert launch._rows_view(t(2, 3, 50, 64)) == (2 * 3 * 50, 150, 50)
+    assert launch._rows_view(t(1, 3, 50, 40)) == (150, 0, 50)  # row stride 80 bytes: aligned
+    assert launch._rows_view(t(2, 1, 50, 64).expand(2, 3, 50, 64)) == (100, 50, 0)
+    assert launch._rows_view(t(2, 50, 3, 64).transpose(1, 2)) is None  # head stride 64 < row stride 192
+    assert launch._rows_view(t(2, 3, 50, 20)) is None  # 40-byte rows: TMA needs 16-byte multiples
+    assert launch._rows_view(t(2, 3, 50, 64).transpose(-1, -2)) is None
+    assert launch._rows_view(t(2, 3, 50, 65)[..., 1:]) is None  # base 2 bytes past alignment
+    cfg = TileConfig(32, 32)
+    k = t(1, 2, 64, 32)
+    with pytest.raises(ValueError, match="TMA_MODE"):
+        try:
+            launch.TMA_MODE = "yes"
+            launch._tma_args(k, k, cfg, 32)
+        finally:
+            launch.TMA_MODE = "auto"
+    launch.TMA_MODE = "off"
+    try:
+        assert launch._tma_args(k, k, cfg, 32)[1] is False
+    finally:
+        launch.TMA_MODE = "auto"
+
+
 # ---------------------------------------------------------------- real sizes (GPU)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)

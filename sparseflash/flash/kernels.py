@@ -266,10 +266,15 @@ def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stri
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh,
+               DESC_K, DESC_V, row_k, row_v,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
                MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-               GATHER: tl.constexpr, NB_P2: tl.constexpr):
+               GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr):
+    # TMA: the mask-free tiles' K/V come through tensor descriptors (Hopper's bulk copies) of the
+    # inputs seen as [rows, head_dim] (row_k, row_v: this head's first row); those tiles lie inside
+    # [0, seq_k) of this head, so no descriptor read crosses into another head. The masked tiles,
+    # which may run past seq_k, keep the pointer loads with their row mask.
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
     for j in range(j_lo, j_hi):
@@ -279,7 +284,10 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
             m_kv = ((start_n + o_n) < seq_k)[:, None] & m_d[None, :]
         else:
             m_kv = m_d[None, :]
-        b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if TMA and not MASKED:
+            b_k = DESC_K.load([row_k + start_n, 0])  # [BLOCK_N, BLOCK_D], columns past HEAD_DIM zero
+        else:
+            b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED:
             m_s = ((start_n + o_n) < kv_end)[None, :]
@@ -298,7 +306,10 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         if DROPOUT:
             keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
             b_p = tl.where(keep, b_p, 0.0)
-        b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if TMA and not MASKED:
+            b_v = DESC_V.load([row_v + start_n, 0])
+        else:
+            b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = _dot(b_p.to(b_v.dtype), b_v, acc, DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -313,10 +324,14 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
                 stride_ib, stride_ih, stride_im,
                 H_Q, GROUP, seq_q, seq_k, qk_scale,
                 RNG, drop_thresh, drop_scale,
+                DESC_K, DESC_V, rows_kb, rows_kh, rows_vb, rows_vh,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1):
+                DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False):
+    """DESC_K, DESC_V (TMA): descriptors of K and V as [rows, HEAD_DIM] matrices with block
+    [BLOCK_N, BLOCK_D]; rows_kb, rows_kh (rows_vb, rows_vh): batch and head strides in rows. Without
+    TMA they are unused placeholders."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -343,15 +358,25 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
 
+    row_k = 0
+    row_v = 0
+    if TMA:  # rows fit int32 (the launcher checks), as TMA coordinates must
+        row_k = (i_b * rows_kb + i_hk * rows_kh).to(tl.int32)
+        row_v = (i_b * rows_vb + i_hk * rows_vh).to(tl.int32)
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                               False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2)
+                               DESC_K, DESC_V, row_k, row_v,
+                               False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2,
+                               TMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_full, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                               True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2)
+                               DESC_K, DESC_V, row_k, row_v,
+                               True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2,
+                               TMA)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc * (drop_scale / l_safe)[:, None]

@@ -248,6 +248,54 @@ def _rng_args(dropout_p: float, rng: torch.Tensor | None, placeholder: torch.Ten
     return rng, threshold(dropout_p), (1.0 / (1.0 - p) if p < 1.0 else 0.0)
 
 
+# Forward K/V loads through TMA tensor descriptors (Hopper): "auto" on sm_90+ GPUs when the
+# inputs allow it (`_tma_args`), "off" never, "on" wherever they allow it, the Triton interpreter
+# included (tests use it to cover the path on CPU). SPARSEFLASH_TMA sets the starting value.
+TMA_MODE = os.environ.get("SPARSEFLASH_TMA", "auto")
+_TMA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _tma_wanted(device: torch.device) -> bool:
+    if TMA_MODE not in ("auto", "on", "off"):
+        raise ValueError(f"launch.TMA_MODE (SPARSEFLASH_TMA) must be 'auto', 'on' or 'off', got {TMA_MODE!r}")
+    if TMA_MODE == "off":
+        return False
+    if TMA_MODE == "on":
+        return True
+    return device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _rows_view(t: torch.Tensor):
+    """(rows, batch stride in rows, head stride in rows) of a [B, H, N, D] tensor seen as a
+    [rows, D] matrix whose row r starts at r * stride_n, or None when it cannot be one."""
+    B, H, N, _ = t.shape
+    sb, sh, sn, sd = t.stride()
+    sb, sh = (0 if B == 1 else sb), (0 if H == 1 else sh)
+    if sd != 1 or sn <= 0 or sb % sn or sh % sn or (sn * t.element_size()) % 16 or t.data_ptr() % 16:
+        return None
+    rb, rh = sb // sn, sh // sn
+    rows = (B - 1) * rb + (H - 1) * rh + N
+    return (rows, rb, rh) if rows < 2**31 else None
+
+
+def _tma_args(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, block_d: int):
+    """Kernel arguments (DESC_K, DESC_V, rows_kb, rows_kh, rows_vb, rows_vh) and the TMA flag:
+    descriptors when TMA is wanted, the dtype is 16-bit, head_dim <= 128 (the measured range), and
+    K and V have unit last strides, 16-byte aligned bases and rows, and batch/head strides that are
+    whole rows; otherwise placeholders and False."""
+    if k.dtype in _TMA_DTYPES and block_d <= 128 and _tma_wanted(k.device):
+        rk, rv = _rows_view(k), _rows_view(v)
+        if rk is not None and rv is not None:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            D = k.shape[-1]
+            block = [cfg.block_n, block_d]
+            dk = TensorDescriptor(k, [rk[0], D], [k.stride(2), 1], block)
+            dv = TensorDescriptor(v, [rv[0], D], [v.stride(2), 1], block)
+            return (dk, dv, rk[1], rk[2], rv[1], rv[2]), True
+    return (k, v, 0, 0, 0, 0), False
+
+
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
         dropout_p: float, rng: torch.Tensor | None):
     """Forward launch. Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows).
@@ -263,14 +311,15 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     rng, thresh, drop_scale = _rng_args(dropout_p, rng, q)
     grid = (_cdiv(Nq, cfg.block_m), B * Hq)
     strides, align = _aligned_strides(q, k, v, o)
+    tma_args, tma = _tma_args(k, v, cfg, _block_d(D))
     kernels._fwd_kernel[grid](
         q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx, *strides, *i_strides,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
-        rng, thresh, drop_scale,
+        rng, thresh, drop_scale, *tma_args,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
         DENSE=dense, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-        DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align,
+        DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma,
     )
     return o, lse
 
