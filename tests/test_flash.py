@@ -331,7 +331,7 @@ def test_tma_expanded_and_strided_kv(device, tma_on):
     assert tma_on[-1] is False
 
 
-def test_tma_rows_view_rules(device):
+def test_tma_rows_view_rules(device, monkeypatch):
     t = lambda *shape, dtype=torch.float16: torch.empty(*shape, device=device, dtype=dtype)  # noqa: E731
     assert launch._rows_view(t(2, 3, 50, 64)) == (2 * 3 * 50, 150, 50)
     assert launch._rows_view(t(1, 3, 50, 40)) == (150, 0, 50)  # row stride 80 bytes: aligned
@@ -342,17 +342,15 @@ def test_tma_rows_view_rules(device):
     assert launch._rows_view(t(2, 3, 50, 65)[..., 1:]) is None  # base 2 bytes past alignment
     cfg = TileConfig(32, 32)
     k = t(1, 2, 64, 32)
+    monkeypatch.setattr(launch, "TMA_MODE", "yes")
     with pytest.raises(ValueError, match="TMA_MODE"):
-        try:
-            launch.TMA_MODE = "yes"
-            launch._tma_args(k, k, cfg, 32)
-        finally:
-            launch.TMA_MODE = "auto"
-    launch.TMA_MODE = "off"
-    try:
-        assert launch._tma_args(k, k, cfg, 32)[1] is False
-    finally:
-        launch.TMA_MODE = "auto"
+        launch._tma_args(k, k, cfg, 32)
+    monkeypatch.setattr(launch, "TMA_MODE", "off")
+    assert launch._tma_args(k, k, cfg, 32)[1] is False
+    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    assert launch._tma_args(k, k, cfg, 32)[1] is True
+    assert launch._tma_args(k.float(), k.float(), cfg, 32)[1] is False  # 16-bit inputs only
+    assert launch._tma_args(t(1, 2, 64, 256), t(1, 2, 64, 256), cfg, 256)[1] is False  # head_dim <= 128
 
 
 # ---------------------------------------------------------------- real sizes (GPU)

@@ -251,7 +251,10 @@ def _rng_args(dropout_p: float, rng: torch.Tensor | None, placeholder: torch.Ten
 # Forward K/V loads through TMA tensor descriptors (Hopper): "auto" on sm_90+ GPUs when the
 # inputs allow it (`_tma_args`), "off" never, "on" wherever they allow it, the Triton interpreter
 # included (tests use it to cover the path on CPU). SPARSEFLASH_TMA sets the starting value.
-TMA_MODE = os.environ.get("SPARSEFLASH_TMA", "auto")
+# Off by default: on the H100 (triton 3.6, experiments/results/tma/) it made the dense forward
+# 3% slower and the 4K d=128 sparse one 30% slower (16K d=128 sparse: 3.5% faster), although a
+# stripped all-descriptor forward (bench/ws_probe.py) ran 7-12% faster than ours at density 0.1.
+TMA_MODE = os.environ.get("SPARSEFLASH_TMA", "off")
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
