@@ -276,6 +276,17 @@ def test_clear_errors(device):
         sparseflash.attention(big, big, big, backend="triton")
 
 
+def test_list_args_read_shared_lists_with_stride_zero(device):
+    """Lists shared over batch or heads are read in place with stride 0 (no expanded view per
+    launch); lists that cannot broadcast are refused."""
+    idx = torch.zeros(1, 3, 4, 5, dtype=torch.int32, device=device)
+    lists, strides, nb_p2 = launch._list_args(idx, 2, 3, idx)
+    assert lists is idx and strides == (0, 20, 5) and nb_p2 == 8
+    assert launch._list_args(idx[:, :1], 2, 3, idx)[1] == (0, 0, 5)
+    with pytest.raises(ValueError, match="broadcast"):
+        launch._list_args(idx, 2, 4, idx)
+
+
 # ---------------------------------------------------------------- TMA forward loads
 @pytest.fixture
 def tma_on(monkeypatch):

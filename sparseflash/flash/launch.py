@@ -18,6 +18,7 @@ power-of-two alignment when it is 2, 4 or 8 (`_aligned_strides`), for the kernel
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -72,8 +73,13 @@ def tile_config(fwd: TileConfig | None = None, dkdv: TileConfig | None = None, d
         _OVERRIDE.update(saved)
 
 
+# Read once, when kernels.py is imported (as kernels.INTERPRET is, and as Triton decides whether
+# its kernels are interpreted): not an environment lookup on every launch.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRETING
 
 
 def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: int | None = None,
@@ -148,10 +154,20 @@ def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
 def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None,
             dtype: torch.dtype = torch.bfloat16, k_blocks: int | None = None, dropout: bool = False) -> TileConfig:
     cfg = _OVERRIDE.get(kind)
-    if cfg is None:
-        cfg = _default_config(kind, head_dim, device, k_blocks, dropout)
-        if dtype == torch.float32 and device.type == "cuda" and not _interpreting():
-            cfg = _fp32_config(cfg, kind, head_dim)
+    if cfg is None:  # the defaults depend only on these values: computed once per combination
+        return _default_fitted(kind, head_dim, device.type, mask_bq, mask_bk, dtype, k_blocks, dropout, _interpreting())
+    return _fitted(cfg, mask_bq, mask_bk)
+
+
+@functools.lru_cache(maxsize=1024)
+def _default_fitted(kind, head_dim, device_type, mask_bq, mask_bk, dtype, k_blocks, dropout, interpreting) -> TileConfig:
+    cfg = _default_config(kind, head_dim, torch.device(device_type), k_blocks, dropout)
+    if dtype == torch.float32 and device_type == "cuda" and not interpreting:
+        cfg = _fp32_config(cfg, kind, head_dim)
+    return _fitted(cfg, mask_bq, mask_bk)
+
+
+def _fitted(cfg: TileConfig, mask_bq: int | None, mask_bk: int | None) -> TileConfig:
     bm = _fit(cfg.block_m, mask_bq, "block_q")
     bn = _fit(cfg.block_n, mask_bk, "block_k")
     if (bm, bn) == (cfg.block_m, cfg.block_n):
@@ -195,12 +211,18 @@ def _aligned_strides(*ts: torch.Tensor) -> tuple[tuple, int]:
     dQ 255 registers and 551 instructions per step instead of 155 and 285). Strides divisible by
     16 need no help (ALIGN 1: the same kernel as without it), nor can strides of 2**31 or more
     have it: divided, one could pass as int32 and wrap when multiplied back."""
+    return _align_plan(tuple(t.stride() for t in ts))
+
+
+@functools.lru_cache(maxsize=1024)
+def _align_plan(all_strides: tuple[tuple[int, ...], ...]) -> tuple[tuple, int]:
+    """`_aligned_strides` on the tensors' stride tuples (cached: a model calls with few layouts)."""
     strides = ()
     lead = 0  # OR of the leading strides: its lowest set bit is their common power-of-two alignment
-    for t in ts:
-        sb, sh, sm, sd = st = t.stride()
+    for st in all_strides:
+        sb, sh, sm, sd = st
         if sd != 1:
-            return tuple(x for t in ts for x in t.stride()), 1
+            return tuple(x for st in all_strides for x in st), 1
         lead |= sb | sh | sm
         strides += st
     align = lead & -lead
@@ -223,12 +245,14 @@ def _gather(nb_p2: int) -> bool:
 # first use: under torch.compile's CUDA graphs that first use can fall inside the graph's memory
 # pool, which then holds a live allocation it does not track and refuses to run.
 def _list_args(idx, B, H, placeholder: torch.Tensor):
-    """(lists, their strides, NB_P2) for a kernel; the lists expanded to [B, H, ...] (stride 0 where
-    the mask is shared). Dense attention (idx None) passes the placeholder."""
+    """(lists, their strides, NB_P2) for a kernel; the lists' [B', H', ...] read as [B, H, ...]
+    (stride 0 where the mask is shared). Dense attention (idx None) passes the placeholder."""
     if idx is None:
         return placeholder, (0, 0, 0), 1
-    idx = idx.expand(B, H, *idx.shape[-2:])
-    return idx, idx.stride()[:3], _nb_p2(idx.shape[-1])
+    (ib, ih, _, nb), (sb, sh, sr, _) = idx.shape, idx.stride()
+    if ib not in (1, B) or ih not in (1, H):
+        raise ValueError(f"block lists of shape {tuple(idx.shape)} do not broadcast to batch {B}, heads {H}")
+    return idx, (0 if ib == 1 else sb, 0 if ih == 1 else sh, sr), _nb_p2(nb)
 
 
 def _rng_args(dropout_p: float, rng: torch.Tensor | None, placeholder: torch.Tensor):
@@ -296,7 +320,7 @@ def _tma_args(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, block_d: int):
             dk = TensorDescriptor(k, [rk[0], D], [k.stride(2), 1], block)
             dv = TensorDescriptor(v, [rv[0], D], [v.stride(2), 1], block)
             return (dk, dv, rk[1], rk[2], rv[1], rv[2]), True
-    return (k, v, 0, 0, 0, 0), False
+    return (None,) * 6, False  # constexpr None: nothing for Triton to specialise on each launch
 
 
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
