@@ -320,7 +320,7 @@ def _tma_args(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, block_d: int):
             dk = TensorDescriptor(k, [rk[0], D], [k.stride(2), 1], block)
             dv = TensorDescriptor(v, [rv[0], D], [v.stride(2), 1], block)
             return (dk, dv, rk[1], rk[2], rv[1], rv[2]), True
-    return (None,) * 6, False  # constexpr None: nothing for Triton to specialise on each launch
+    return (k, v, 0, 0, 0, 0), False
 
 
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
