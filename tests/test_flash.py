@@ -342,6 +342,21 @@ def test_tma_expanded_and_strided_kv(device, tma_on):
     assert tma_on[-1] is False
 
 
+def test_tma_tail_tiles_ignore_the_next_heads_rows(device, tma_on):
+    """A tail tile read through a descriptor runs into the next head's rows: inf and NaN there
+    (in Q, K and V) must not reach this head's output."""
+    from sparseflash import reference
+
+    q, k, v, _ = make_qkv(1, 2, 2, 40, 40, 32, torch.float16, device, seed=24)
+    q[:, 1], k[:, 1], v[:, 1] = float("nan"), float("nan"), float("inf")
+    for causal in (False, True):
+        o = sparseflash.attention(q, k, v, causal=causal, backend="triton")[:, :1]
+        ref = reference.attention(q[:, :1].double(), k[:, :1].double(), v[:, :1].double(), causal=causal)
+        assert torch.isfinite(o).all()
+        torch.testing.assert_close(o.double(), ref, atol=2e-3, rtol=0)
+    assert tma_on and all(tma_on)
+
+
 def test_tma_rows_view_rules(device, monkeypatch):
     t = lambda *shape, dtype=torch.float16: torch.empty(*shape, device=device, dtype=dtype)  # noqa: E731
     assert launch._rows_view(t(2, 3, 50, 64)) == (2 * 3 * 50, 150, 50)
@@ -355,13 +370,13 @@ def test_tma_rows_view_rules(device, monkeypatch):
     k = t(1, 2, 64, 32)
     monkeypatch.setattr(launch, "TMA_MODE", "yes")
     with pytest.raises(ValueError, match="TMA_MODE"):
-        launch._tma_args(k, k, cfg, 32)
+        launch._tma_args(k, k, k, cfg, 32)
     monkeypatch.setattr(launch, "TMA_MODE", "off")
-    assert launch._tma_args(k, k, cfg, 32)[1] is False
+    assert launch._tma_args(k, k, k, cfg, 32)[1] is False
     monkeypatch.setattr(launch, "TMA_MODE", "on")
-    assert launch._tma_args(k, k, cfg, 32)[1] is True
-    assert launch._tma_args(k.float(), k.float(), cfg, 32)[1] is False  # 16-bit inputs only
-    assert launch._tma_args(t(1, 2, 64, 256), t(1, 2, 64, 256), cfg, 256)[1] is False  # head_dim <= 128
+    assert launch._tma_args(k, k, k, cfg, 32)[1] is True
+    assert launch._tma_args(k.float(), k.float(), k.float(), cfg, 32)[1] is False  # 16-bit inputs only
+    assert launch._tma_args(*[t(1, 2, 64, 256)] * 3, cfg, 256)[1] is False  # head_dim <= 128
 
 
 # ---------------------------------------------------------------- real sizes (GPU)

@@ -271,10 +271,11 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
                MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
                GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr):
-    # TMA: the mask-free tiles' K/V come through tensor descriptors (Hopper's bulk copies) of the
-    # inputs seen as [rows, head_dim] (row_k, row_v: this head's first row); those tiles lie inside
-    # [0, seq_k) of this head, so no descriptor read crosses into another head. The masked tiles,
-    # which may run past seq_k, keep the pointer loads with their row mask.
+    # TMA: K/V tiles come through tensor descriptors (Hopper's bulk copies) of the inputs seen as
+    # [rows, head_dim] (row_k, row_v: this head's first row). Mask-free tiles lie inside [0, seq_k)
+    # of this head; a masked tile may run past seq_k into the next head's rows (or past the
+    # tensor, which reads zeros): their scores are masked to -inf, and the V rows are zeroed, so
+    # that an inf or NaN there cannot reach this row through p = 0.
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
     for j in range(j_lo, j_hi):
@@ -284,7 +285,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
             m_kv = ((start_n + o_n) < seq_k)[:, None] & m_d[None, :]
         else:
             m_kv = m_d[None, :]
-        if TMA and not MASKED:
+        if TMA:
             b_k = DESC_K.load([row_k + start_n, 0])  # [BLOCK_N, BLOCK_D], columns past HEAD_DIM zero
         else:
             b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -306,8 +307,10 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         if DROPOUT:
             keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
             b_p = tl.where(keep, b_p, 0.0)
-        if TMA and not MASKED:
+        if TMA:
             b_v = DESC_V.load([row_v + start_n, 0])
+            if MASKED:
+                b_v = tl.where(((start_n + o_n) < seq_k)[:, None], b_v, 0.0)
         else:
             b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = _dot(b_p.to(b_v.dtype), b_v, acc, DOT_PREC)
@@ -324,14 +327,15 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
                 stride_ib, stride_ih, stride_im,
                 H_Q, GROUP, seq_q, seq_k, qk_scale,
                 RNG, drop_thresh, drop_scale,
-                DESC_K, DESC_V, rows_kb, rows_kh, rows_vb, rows_vh,
+                DESC_Q, DESC_K, DESC_V, rows_qb, rows_qh, rows_kb, rows_kh, rows_vb, rows_vh,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                 DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False):
-    """DESC_K, DESC_V (TMA): descriptors of K and V as [rows, HEAD_DIM] matrices with block
-    [BLOCK_N, BLOCK_D]; rows_kb, rows_kh (rows_vb, rows_vh): batch and head strides in rows. Without
-    TMA they are unused placeholders."""
+    """DESC_Q, DESC_K, DESC_V (TMA): descriptors of Q, K and V as [rows, HEAD_DIM] matrices with
+    blocks [BLOCK_M or BLOCK_N, BLOCK_D]; rows_qb, rows_qh (and K's, V's): batch and head strides in
+    rows. Without TMA they are unused placeholders. (Q rows past seq_q may come from the next
+    head: each row is computed on its own and those are never stored.)"""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -348,9 +352,12 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
 
-    p_q = Q + i_b * stride_qb + i_h * stride_qh + start_m.to(tl.int64) * stride_qm \
-        + tl.arange(0, BLOCK_M)[:, None] * stride_qm + o_d[None, :] * stride_qd
-    q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if TMA:
+        q = DESC_Q.load([(i_b * rows_qb + i_h * rows_qh).to(tl.int32) + start_m, 0])  # [BLOCK_M, BLOCK_D]
+    else:
+        p_q = Q + i_b * stride_qb + i_h * stride_qh + start_m.to(tl.int64) * stride_qm \
+            + tl.arange(0, BLOCK_M)[:, None] * stride_qm + o_d[None, :] * stride_qd
+        q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
 

@@ -275,9 +275,11 @@ def _rng_args(dropout_p: float, rng: torch.Tensor | None, placeholder: torch.Ten
 # Forward K/V loads through TMA tensor descriptors (Hopper): "auto" on sm_90+ GPUs when the
 # inputs allow it (`_tma_args`), "off" never, "on" wherever they allow it, the Triton interpreter
 # included (tests use it to cover the path on CPU). SPARSEFLASH_TMA sets the starting value.
-# Off by default: on the H100 (triton 3.6, experiments/results/tma/) it made the dense forward
-# 3% slower and the 4K d=128 sparse one 30% slower (16K d=128 sparse: 3.5% faster), although a
-# stripped all-descriptor forward (bench/ws_probe.py) ran 7-12% faster than ours at density 0.1.
+# Off by default: on the H100 (triton 3.6, experiments/results/tma/) a first version (K/V of the
+# mask-free tiles only) made the dense forward 3% slower and the 4K d=128 sparse one 30% slower
+# (16K d=128 sparse: 3.5% faster), although a stripped all-descriptor forward (bench/ws_probe.py)
+# ran 7-12% faster than ours at density 0.1. This version (Q, K and V through descriptors in both
+# loops) is tested but not yet timed on a GPU: `bench/tma_ab.py` decides.
 TMA_MODE = os.environ.get("SPARSEFLASH_TMA", "off")
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -305,22 +307,21 @@ def _rows_view(t: torch.Tensor):
     return (rows, rb, rh) if rows < 2**31 else None
 
 
-def _tma_args(k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, block_d: int):
-    """Kernel arguments (DESC_K, DESC_V, rows_kb, rows_kh, rows_vb, rows_vh) and the TMA flag:
-    descriptors when TMA is wanted, the dtype is 16-bit, head_dim <= 128 (the measured range), and
-    K and V have unit last strides, 16-byte aligned bases and rows, and batch/head strides that are
-    whole rows; otherwise placeholders and False."""
-    if k.dtype in _TMA_DTYPES and block_d <= 128 and _tma_wanted(k.device):
-        rk, rv = _rows_view(k), _rows_view(v)
-        if rk is not None and rv is not None:
+def _tma_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, block_d: int):
+    """Kernel arguments (DESC_Q, DESC_K, DESC_V, rows_qb, rows_qh, rows_kb, rows_kh, rows_vb,
+    rows_vh) and the TMA flag: descriptors when TMA is wanted, the dtype is 16-bit, head_dim <= 128
+    (the measured range), and Q, K and V have unit last strides, 16-byte aligned bases and rows,
+    and batch/head strides that are whole rows; otherwise placeholders and False."""
+    if q.dtype in _TMA_DTYPES and block_d <= 128 and _tma_wanted(q.device):
+        views = [_rows_view(t) for t in (q, k, v)]
+        if None not in views:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
-            D = k.shape[-1]
-            block = [cfg.block_n, block_d]
-            dk = TensorDescriptor(k, [rk[0], D], [k.stride(2), 1], block)
-            dv = TensorDescriptor(v, [rv[0], D], [v.stride(2), 1], block)
-            return (dk, dv, rk[1], rk[2], rv[1], rv[2]), True
-    return (k, v, 0, 0, 0, 0), False
+            D = q.shape[-1]
+            descs = tuple(TensorDescriptor(t, [rows, D], [t.stride(2), 1], [bl, block_d])
+                          for t, (rows, _, _), bl in zip((q, k, v), views, (cfg.block_m, cfg.block_n, cfg.block_n)))
+            return descs + tuple(x for _, rb, rh in views for x in (rb, rh)), True
+    return (q, k, v, 0, 0, 0, 0, 0, 0), False
 
 
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
@@ -338,7 +339,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     rng, thresh, drop_scale = _rng_args(dropout_p, rng, q)
     grid = (_cdiv(Nq, cfg.block_m), B * Hq)
     strides, align = _aligned_strides(q, k, v, o)
-    tma_args, tma = _tma_args(k, v, cfg, _block_d(D))
+    tma_args, tma = _tma_args(q, k, v, cfg, _block_d(D))
     kernels._fwd_kernel[grid](
         q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx, *strides, *i_strides,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
