@@ -4,7 +4,8 @@
 # Stages: sweep (bench sparsity, full GPU defaults), seqlen (bench seqlen), dropout, tests (GPU
 # test files and the bench tests, in SHARDS processes), tune (tile search, dense and density 0.1), kernel-check (issue
 # 3's check against the baselines, GPU time and eager), ab (the kernel check, sparseflash only, in
-# GPU time, for the source tree in AB_OLD and for this one), lra-speed, lra-train. Each stage
+# GPU time, for the source tree in AB_OLD and for this one), tma (forward TMA loads vs pointer
+# loads: tma_ab and a forward tile search per mode), lra-speed, lra-train. Each stage
 # writes OUT/<stage>/ and a log; everything is packed into OUT/<stage>.tgz so a call brings back
 # few files.
 set -uo pipefail
@@ -49,6 +50,14 @@ for stage in "$@"; do
                  ab="--preset kernel-check --providers sparseflash sparseflash-dense --densities 1 0.1 --cuda-graph --no-plot ${AB_ARGS:-}"
                  (cd "${AB_OLD:?set AB_OLD}" && $t $py -m sparseflash bench sparsity $ab --out "$d/old")
                  $t $py -m sparseflash bench sparsity $ab --out "$d/new" ;;
+        tma)     # the forward through TMA descriptors against pointer loads (experiments/results/tma/):
+                 # tma_ab at the default tiles, then the forward tile search once per mode
+                 # (TMA_TUNE_ARGS: extra tune_tiles options, e.g. --configs ...)
+                 $t $py -m sparseflash.experiments.bench.tma_ab --out "$d"
+                 for m in off auto; do
+                     SPARSEFLASH_TMA=$m $t $py -m sparseflash.experiments.bench.tune_tiles --kinds fwd \
+                         --seq-lens 4096 16384 --densities 1 0.1 --rep 40 ${TMA_TUNE_ARGS:-} --out "$d/tune-$m"
+                 done ;;
         lra-speed) $t $py -m sparseflash lra speed --task all --max-seconds 5 --repeats 5 --out "$d" ;;
         lra-train) $t bash experiments/lra/run_quick.sh "$d" ;;
         *) echo "unknown stage $stage"; exit 2 ;;
