@@ -468,3 +468,14 @@ def test_ws_probe_forward_matches_reference(pattern, ws, gather):
     own_err = (own.double() - ref).abs().max().item()
     assert (o.double() - ref).abs().max().item() <= 2 * own_err + 1e-6
     torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-4)
+
+
+def test_host_python_times_without_launching():
+    """The Python-side host timer runs on any machine and puts the real kernels back afterwards."""
+    from sparseflash.experiments.bench import host_python
+    from sparseflash.flash import kernels
+
+    before = {name: getattr(kernels, name) for name in host_python._KERNELS}
+    r = host_python.measure(seq_len=256, head_dim=32, blocks=1, batch=1, heads=2, calls=5, repeats=2)
+    assert r["fwd_us"] > 0 and r["fwd_bwd_us"] > r["fwd_us"]
+    assert {name: getattr(kernels, name) for name in host_python._KERNELS} == before
