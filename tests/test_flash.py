@@ -344,6 +344,7 @@ def test_tma_expanded_and_strided_kv(device, tma_on):
     assert tma_on[-1] is False
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 def test_tma_tail_tiles_ignore_the_next_heads_rows(device, tma_on):
     """A tail tile read through a descriptor runs into the next head's rows: inf and NaN there
     (in Q, K and V) must not reach this head's output."""
