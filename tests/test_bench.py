@@ -476,6 +476,24 @@ def test_host_python_times_without_launching():
     from sparseflash.flash import kernels
 
     before = {name: getattr(kernels, name) for name in host_python._KERNELS}
+    interp = os.environ.get("TRITON_INTERPRET")
     r = host_python.measure(seq_len=256, head_dim=32, blocks=1, batch=1, heads=2, calls=5, repeats=2)
     assert r["fwd_us"] > 0 and r["fwd_bwd_us"] > r["fwd_us"]
     assert {name: getattr(kernels, name) for name in host_python._KERNELS} == before
+    assert os.environ.get("TRITON_INTERPRET") == interp  # the environment is left as it was
+
+
+def test_tma_ab_knows_which_path_ran(monkeypatch):
+    """tma_ab refuses to report a TMA row that ran on pointer loads: its check follows the launcher."""
+    from sparseflash.experiments.bench import tma_ab
+    from sparseflash.flash import launch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need sm_90 or newer")
+    q, k, v = (torch.randn(1, 2, 64, 32, device=dev, dtype=torch.float16) for _ in range(3))
+    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    assert tma_ab._takes_tma(launch, q, k, v, None)
+    assert not tma_ab._takes_tma(launch, q.float(), k.float(), v.float(), None)  # fp32: pointer loads
+    monkeypatch.setattr(launch, "TMA_MODE", "off")
+    assert not tma_ab._takes_tma(launch, q, k, v, None)

@@ -313,6 +313,8 @@ TMA_CASES = [
     (1, 2, 2, 37, 130, 40, torch.bfloat16, None, True, None),  # head_dim padded to 64, seq_q < seq_k
     (2, 4, 2, 130, 130, 64, torch.float16, 32, True, [70, 130]),
     (1, 2, 2, 96, 96, 16, torch.bfloat16, 32, False, None),
+    (1, 2, 1, 70, 70, 128, torch.bfloat16, 64, True, None),  # 256-byte rows; mask blocks of two tiles past seq_k
+    (2, 2, 2, 50, 50, 96, torch.float16, None, False, [33, 50]),  # head_dim padded to 128
 ]
 
 
@@ -358,6 +360,33 @@ def test_tma_tail_tiles_ignore_the_next_heads_rows(device, tma_on):
         assert torch.isfinite(o).all()
         torch.testing.assert_close(o.double(), ref, atol=2e-3, rtol=0)
     assert tma_on and all(tma_on)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_tma_kv_cache_slice_and_dropout(device, tma_on):
+    """K/V as the first rows of a longer cache whose unused rows hold NaN/inf (an eligible view
+    that is not contiguous), causal; and dropout on the TMA path draws the same bits as without."""
+    from sparseflash import reference
+
+    q, _, _, do = make_qkv(2, 2, 2, 40, 40, 32, torch.float16, device, seed=25)
+    cache = torch.randn(2, 2, 64, 2, 32, generator=torch.Generator().manual_seed(26)).to(device, torch.float16)
+    cache[:, :, 40:] = float("nan")
+    cache[:, :, 40:, 1] = float("inf")
+    k, v = cache[:, :, :40, 0], cache[:, :, :40, 1]
+    assert not k.is_contiguous() and launch._rows_view(k) is not None
+    o = sparseflash.attention(q, k, v, causal=True, backend="triton")
+    ref = reference.attention(q.double(), k.double(), v.double(), causal=True)
+    assert torch.isfinite(o).all()
+    torch.testing.assert_close(o.double(), ref, atol=2e-3, rtol=0)
+    assert tma_on == [True]
+    q, k, v, _ = make_qkv(1, 2, 2, 70, 70, 32, torch.bfloat16, device, seed=27)
+    outs = []
+    for mode in ("on", "off"):
+        launch.TMA_MODE = mode  # (the tma_on fixture restores it)
+        g = torch.Generator(device=device).manual_seed(5)
+        outs.append(sparseflash.attention(q, k, v, dropout_p=0.2, generator=g, backend="triton"))
+    assert tma_on[-2:] == [True, False]
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_tma_rows_view_rules(device, monkeypatch):

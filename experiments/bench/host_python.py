@@ -15,17 +15,31 @@ one machine, not a GPU-host figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path (never launched here)
-
-import torch  # noqa: E402
+import torch
 
 __all__ = ["measure", "main"]
 
 _KERNELS = ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel")
+
+
+@contextlib.contextmanager
+def _triton_on_cpu():
+    """Let CPU tensors take the Triton path for the run (the API asks for TRITON_INTERPRET; no
+    kernel is interpreted, none is launched), and restore the environment afterwards."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 class _NoLaunch:
@@ -56,7 +70,9 @@ def measure(seq_len: int = 4096, head_dim: int = 64, blocks: int = 3, batch: int
         torch.autograd.grad(sparseflash.attention(q, k, v, mask=mask), (q, k, v), do)
 
     saved = {name: getattr(kernels, name) for name in _KERNELS}
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_triton_on_cpu())
+        stack.callback(lambda: [setattr(kernels, name, k_) for name, k_ in saved.items()])
         for name in _KERNELS:
             setattr(kernels, name, _NoLaunch())
         out = {}
@@ -71,9 +87,6 @@ def measure(seq_len: int = 4096, head_dim: int = 64, blocks: int = 3, batch: int
                 runs.append((time.perf_counter() - t0) / calls * 1e6)
             out[label] = statistics.median(runs)
         return out
-    finally:
-        for name, k_ in saved.items():
-            setattr(kernels, name, k_)
 
 
 def main(argv=None) -> int:

@@ -3,8 +3,9 @@
     python -m sparseflash.experiments.bench.tma_ab [--out DIR]
 
 Times `sparseflash.attention`'s forward in GPU time (CUDA-graph replays) with
-``launch.TMA_MODE = "off"`` (pointer loads) and ``"auto"`` (K/V of the mask-free tiles through
-tensor descriptors on sm_90+), on the same inputs and masks: bf16, 16 heads, batch * seq = 16K
+``launch.TMA_MODE = "off"`` (pointer loads) and ``"auto"`` (Q, K and V through tensor
+descriptors on sm_90+; at 0c3f1e8, the first measured version, K/V of the mask-free tiles only),
+on the same inputs and masks, and stops if a TMA row did not take the descriptor path: bf16, 16 heads, batch * seq = 16K
 tokens, head_dim 64 and 128, seq 4K and 16K, dense and a random block mask at density ~0.1
 (3 of 32 blocks of 128 per row at 4K, 13 of 128 at 16K). Checks the two outputs agree (max |diff|).
 Prints a table; with --out writes tma_ab.json.
@@ -19,6 +20,25 @@ from pathlib import Path
 import torch
 
 __all__ = ["main"]
+
+
+def _takes_tma(launch, q, k, v, mask) -> bool:
+    """Whether a forward call on these inputs launches with TMA (the launcher's own decision)."""
+    taken, real = [], launch._tma_args
+
+    def spy(*a):
+        args, tma = real(*a)
+        taken.append(tma)
+        return args, tma
+
+    launch._tma_args = spy
+    try:
+        import sparseflash
+
+        sparseflash.attention(q, k, v, mask=mask)
+    finally:
+        launch._tma_args = real
+    return taken == [True]
 
 
 def main(argv=None) -> int:
@@ -51,6 +71,8 @@ def main(argv=None) -> int:
                         launch.TMA_MODE = mode
                         with torch.no_grad():
                             out[mode] = sparseflash.attention(q, k, v, mask=mask)
+                            if mode == "auto" and not _takes_tma(launch, q, k, v, mask):
+                                raise SystemExit(f"the TMA path was not taken at N={n}, d={d} ({name})")
                             t[mode] = graph_ms(lambda: sparseflash.attention(q, k, v, mask=mask))
                     row = dict(seq=n, head_dim=d, mask=name, density=1.0 if mask is None else mask.density(),
                                pointer_ms=t["off"], tma_ms=t["auto"], speedup=t["off"] / t["auto"],

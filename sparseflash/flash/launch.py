@@ -304,7 +304,8 @@ def _rows_view(t: torch.Tensor):
         return None
     rb, rh = sb // sn, sh // sn
     rows = (B - 1) * rb + (H - 1) * rh + N
-    return (rows, rb, rh) if rows < 2**31 else None
+    # (a masked tile may ask for rows up to a mask block past the last one: keep a margin in int32)
+    return (rows, rb, rh) if rows < 2**31 - 2**16 else None
 
 
 def _tma_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, block_d: int):
@@ -312,7 +313,7 @@ def _tma_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileConfig
     rows_vh) and the TMA flag: descriptors when TMA is wanted, the dtype is 16-bit, head_dim <= 128
     (the measured range), and Q, K and V have unit last strides, 16-byte aligned bases and rows,
     and batch/head strides that are whole rows; otherwise placeholders and False."""
-    if q.dtype in _TMA_DTYPES and block_d <= 128 and _tma_wanted(q.device):
+    if _tma_wanted(q.device) and q.dtype in _TMA_DTYPES and block_d <= 128:
         views = [_rows_view(t) for t in (q, k, v)]
         if None not in views:
             from triton.tools.tensor_descriptor import TensorDescriptor
