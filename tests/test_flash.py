@@ -348,7 +348,7 @@ def test_tma_expanded_and_strided_kv(device, tma_on):
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 def test_tma_tail_tiles_ignore_the_next_heads_rows(device, tma_on):
-    """A tail tile read through a descriptor runs into the next head's rows: inf and NaN there
+    """Tail tiles read through descriptors end at their head: inf and NaN in the next head's rows
     (in Q, K and V) must not reach this head's output."""
     from sparseflash import reference
 
@@ -373,7 +373,7 @@ def test_tma_kv_cache_slice_and_dropout(device, tma_on):
     cache[:, :, 40:] = float("nan")
     cache[:, :, 40:, 1] = float("inf")
     k, v = cache[:, :, :40, 0], cache[:, :, :40, 1]
-    assert not k.is_contiguous() and launch._rows_view(k) is not None
+    assert not k.is_contiguous() and launch._tma_ok(k)
     o = sparseflash.attention(q, k, v, causal=True, backend="triton")
     ref = reference.attention(q.double(), k.double(), v.double(), causal=True)
     assert torch.isfinite(o).all()
@@ -389,15 +389,21 @@ def test_tma_kv_cache_slice_and_dropout(device, tma_on):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_tma_rows_view_rules(device, monkeypatch):
+def test_tma_eligibility_rules(device, monkeypatch):
     t = lambda *shape, dtype=torch.float16: torch.empty(*shape, device=device, dtype=dtype)  # noqa: E731
-    assert launch._rows_view(t(2, 3, 50, 64)) == (2 * 3 * 50, 150, 50)
-    assert launch._rows_view(t(1, 3, 50, 40)) == (150, 0, 50)  # row stride 80 bytes: aligned
-    assert launch._rows_view(t(2, 1, 50, 64).expand(2, 3, 50, 64)) == (100, 50, 0)
-    assert launch._rows_view(t(2, 50, 3, 64).transpose(1, 2)) is None  # head stride 64 < row stride 192
-    assert launch._rows_view(t(2, 3, 50, 20)) is None  # 40-byte rows: TMA needs 16-byte multiples
-    assert launch._rows_view(t(2, 3, 50, 64).transpose(-1, -2)) is None
-    assert launch._rows_view(t(2, 3, 50, 65)[..., 1:]) is None  # base 2 bytes past alignment
+    assert launch._tma_ok(t(2, 3, 50, 64))
+    assert launch._tma_ok(t(1, 3, 50, 40))  # rows of 80 bytes: 16-byte multiples
+    assert launch._tma_ok(t(2, 3, 64, 64)[:, :, :50])  # a slice of a longer cache
+    assert launch._tma_ok(t(2, 1, 50, 64)) and launch._tma_ok(t(1, 1, 1, 64))  # size-1 dimensions
+    assert not launch._tma_ok(t(2, 1, 50, 64).expand(2, 3, 50, 64))  # heads expanded (stride 0)
+    assert not launch._tma_ok(t(2, 50, 3, 64).transpose(1, 2))  # heads inside rows
+    assert not launch._tma_ok(t(2, 3, 50, 20))  # 40-byte rows
+    assert not launch._tma_ok(t(2, 3, 50, 64).transpose(-1, -2))
+    assert not launch._tma_ok(t(2, 3, 50, 65)[..., 1:])  # base 2 bytes past alignment
+    assert launch._tma_ok(t(1, 1, 1, 36))  # one row of 72 bytes: its stride is never used
+    d = launch._tma_desc(t(1, 1, 1, 36), 32, 64)  # size-1 dimensions get strides TMA accepts
+    assert d.strides == [40, 40, 40, 1] and d.block_shape == [1, 1, 32, 64]
+    assert not launch._tma_ok(t(1, 1, 2, 36))
     cfg = TileConfig(32, 32)
     k = t(1, 2, 64, 32)
     monkeypatch.setattr(launch, "TMA_MODE", "yes")

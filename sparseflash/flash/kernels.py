@@ -266,16 +266,16 @@ def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stri
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh,
-               DESC_K, DESC_V, row_k, row_v,
+               DESC_K, DESC_V, i_b, i_hk, j_mask,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
                MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
                GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr):
-    # TMA: K/V tiles come through tensor descriptors (Hopper's bulk copies) of the inputs seen as
-    # [rows, head_dim] (row_k, row_v: this head's first row). Mask-free tiles lie inside [0, seq_k)
-    # of this head; a masked tile may run past seq_k into the next head's rows (or past the
-    # tensor, which reads zeros): their scores are masked to -inf, and the V rows are zeroed, so
-    # that an inf or NaN there cannot reach this row through p = 0.
+    # TMA: K/V tiles come through 4-D tensor descriptors (Hopper's bulk copies) at (i_b, i_hk,
+    # start_n); rows past seq_k and columns past HEAD_DIM read as zeros, as the pointer loads'
+    # masks give. With TMA the kernel runs one loop (MASKED), applying the element mask from tile
+    # j_mask on: two loops of descriptor loads cost 1 KB more shared memory (sm_90 compile),
+    # enough to drop a d=128 64x64 3-stage kernel from two programs per SM to one.
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
     for j in range(j_lo, j_hi):
@@ -285,12 +285,24 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
             m_kv = ((start_n + o_n) < seq_k)[:, None] & m_d[None, :]
         else:
             m_kv = m_d[None, :]
-        if TMA:
-            b_k = DESC_K.load([row_k + start_n, 0])  # [BLOCK_N, BLOCK_D], columns past HEAD_DIM zero
+        if TMA:  # K and V issued together: one barrier per stage for both
+            b_k = DESC_K.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # rows past seq_k, columns past HEAD_DIM: 0
+            b_v = DESC_V.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
             b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if MASKED:
+        if MASKED and TMA:  # one loop: the element mask only from tile j_mask on (a branch per tile)
+            if j >= j_mask:
+                m_s = ((start_n + o_n) < kv_end)[None, :]
+                if CAUSAL:
+                    m_s = m_s & ((start_n + o_n)[None, :] <= o_m[:, None] + causal_off)
+                b_s = tl.where(m_s, b_s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(b_s, 1))
+                m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+            else:
+                m_new = tl.maximum(m_i, tl.max(b_s, 1))
+                m_pivot = m_new
+        elif MASKED:
             m_s = ((start_n + o_n) < kv_end)[None, :]
             if CAUSAL:
                 m_s = m_s & ((start_n + o_n)[None, :] <= o_m[:, None] + causal_off)
@@ -307,11 +319,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         if DROPOUT:
             keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
             b_p = tl.where(keep, b_p, 0.0)
-        if TMA:
-            b_v = DESC_V.load([row_v + start_n, 0])
-            if MASKED:
-                b_v = tl.where(((start_n + o_n) < seq_k)[:, None], b_v, 0.0)
-        else:
+        if not TMA:
             b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = _dot(b_p.to(b_v.dtype), b_v, acc, DOT_PREC)
         m_i = m_new
@@ -327,15 +335,13 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
                 stride_ib, stride_ih, stride_im,
                 H_Q, GROUP, seq_q, seq_k, qk_scale,
                 RNG, drop_thresh, drop_scale,
-                DESC_Q, DESC_K, DESC_V, rows_qb, rows_qh, rows_kb, rows_kh, rows_vb, rows_vh,
+                DESC_Q, DESC_K, DESC_V,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                 DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False):
-    """DESC_Q, DESC_K, DESC_V (TMA): descriptors of Q, K and V as [rows, HEAD_DIM] matrices with
-    blocks [BLOCK_M or BLOCK_N, BLOCK_D]; rows_qb, rows_qh (and K's, V's): batch and head strides in
-    rows. Without TMA they are unused placeholders. (Q rows past seq_q may come from the next
-    head: each row is computed on its own and those are never stored.)"""
+    """DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
+    [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are unused placeholders."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -353,7 +359,7 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
     m_d = o_d < HEAD_DIM
 
     if TMA:
-        q = DESC_Q.load([(i_b * rows_qb + i_h * rows_qh).to(tl.int32) + start_m, 0])  # [BLOCK_M, BLOCK_D]
+        q = DESC_Q.load([i_b.to(tl.int32), i_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
         p_q = Q + i_b * stride_qb + i_h * stride_qh + start_m.to(tl.int64) * stride_qm \
             + tl.arange(0, BLOCK_M)[:, None] * stride_qm + o_d[None, :] * stride_qd
@@ -365,25 +371,27 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
 
-    row_k = 0
-    row_v = 0
-    if TMA:  # rows fit int32 (the launcher checks), as TMA coordinates must
-        row_k = (i_b * rows_kb + i_hk * rows_kh).to(tl.int32)
-        row_v = (i_b * rows_vb + i_hk * rows_vh).to(tl.int32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                               DESC_K, DESC_V, row_k, row_v,
-                               False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2,
-                               TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_full, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                               DESC_K, DESC_V, row_k, row_v,
-                               True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2,
-                               TMA)
+    if TMA:  # one loop over every tile: two pipelines of descriptor loads cost 1 KB more shared memory
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_valid, start_m, o_m, o_d, seq_k, kv_end,
+                                   causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
+                                   DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full,
+                                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
+                                   GATHER, NB_P2, TMA)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
+                                   stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
+                                   DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), 0,
+                                   False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2,
+                                   TMA)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_full, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
+                                   stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
+                                   DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), 0,
+                                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2,
+                                   TMA)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc * (drop_scale / l_safe)[:, None]

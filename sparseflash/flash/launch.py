@@ -278,8 +278,8 @@ def _rng_args(dropout_p: float, rng: torch.Tensor | None, placeholder: torch.Ten
 # Off by default: on the H100 (triton 3.6, experiments/results/tma/) a first version (K/V of the
 # mask-free tiles only) made the dense forward 3% slower and the 4K d=128 sparse one 30% slower
 # (16K d=128 sparse: 3.5% faster), although a stripped all-descriptor forward (bench/ws_probe.py)
-# ran 7-12% faster than ours at density 0.1. This version (Q, K and V through descriptors in both
-# loops) is tested but not yet timed on a GPU: `bench/tma_ab.py` decides.
+# ran 7-12% faster than ours at density 0.1. This version (Q, K and V through 4-D descriptors, one
+# loop) is tested but not yet timed on a GPU: `bench/tma_ab.py` decides.
 TMA_MODE = os.environ.get("SPARSEFLASH_TMA", "off")
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -294,35 +294,44 @@ def _tma_wanted(device: torch.device) -> bool:
     return device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _rows_view(t: torch.Tensor):
-    """(rows, batch stride in rows, head stride in rows) of a [B, H, N, D] tensor seen as a
-    [rows, D] matrix whose row r starts at r * stride_n, or None when it cannot be one."""
-    B, H, N, _ = t.shape
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether a [B, H, N, D] tensor can be a TMA descriptor: unit last stride, 16-byte aligned
+    base and strides, laid out row-major (each dimension of more than one element at least as far
+    apart as the whole of the next one: packed, padded or sliced, never expanded or transposed)."""
+    B, H, N, D = t.shape
     sb, sh, sn, sd = t.stride()
-    sb, sh = (0 if B == 1 else sb), (0 if H == 1 else sh)
-    if sd != 1 or sn <= 0 or sb % sn or sh % sn or (sn * t.element_size()) % 16 or t.data_ptr() % 16:
-        return None
-    rb, rh = sb // sn, sh // sn
-    rows = (B - 1) * rb + (H - 1) * rh + N
-    # (a masked tile may ask for rows up to a mask block past the last one: keep a margin in int32)
-    return (rows, rb, rh) if rows < 2**31 - 2**16 else None
+    esz = t.element_size()
+    if sd != 1 or t.data_ptr() % 16:
+        return False
+    # size-1 dimensions: their strides are never used (`_tma_desc` substitutes valid ones)
+    sn = sn if N > 1 else D + (-D) % (16 // esz)
+    sh = sh if H > 1 else N * sn
+    sb = sb if B > 1 else H * sh
+    return all((x * esz) % 16 == 0 for x in (sb, sh, sn)) and sn >= D and sh >= N * sn and sb >= H * sh
+
+
+def _tma_desc(t: torch.Tensor, rows: int, block_d: int):
+    """A 4-D descriptor of ``t`` with blocks [1, 1, rows, block_d]; size-1 dimensions get strides
+    TMA accepts (their coordinate is always 0)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, H, N, D = t.shape
+    sb, sh, sn, _ = t.stride()
+    sn = sn if N > 1 else D + (-D) % (16 // t.element_size())
+    sh = sh if H > 1 else N * sn
+    sb = sb if B > 1 else H * sh
+    return TensorDescriptor(t, [B, H, N, D], [sb, sh, sn, 1], [1, 1, rows, block_d])
 
 
 def _tma_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, block_d: int):
-    """Kernel arguments (DESC_Q, DESC_K, DESC_V, rows_qb, rows_qh, rows_kb, rows_kh, rows_vb,
-    rows_vh) and the TMA flag: descriptors when TMA is wanted, the dtype is 16-bit, head_dim <= 128
-    (the measured range), and Q, K and V have unit last strides, 16-byte aligned bases and rows,
-    and batch/head strides that are whole rows; otherwise placeholders and False."""
-    if _tma_wanted(q.device) and q.dtype in _TMA_DTYPES and block_d <= 128:
-        views = [_rows_view(t) for t in (q, k, v)]
-        if None not in views:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            D = q.shape[-1]
-            descs = tuple(TensorDescriptor(t, [rows, D], [t.stride(2), 1], [bl, block_d])
-                          for t, (rows, _, _), bl in zip((q, k, v), views, (cfg.block_m, cfg.block_n, cfg.block_n)))
-            return descs + tuple(x for _, rb, rh in views for x in (rb, rh)), True
-    return (q, k, v, 0, 0, 0, 0, 0, 0), False
+    """Kernel arguments (DESC_Q, DESC_K, DESC_V) and the TMA flag: 4-D descriptors (rows past
+    each head's end and columns past head_dim read as zeros) when TMA is wanted, the dtype is
+    16-bit, head_dim <= 128 (the measured range) and Q, K, V pass `_tma_ok`; otherwise the
+    tensors as placeholders and False."""
+    if _tma_wanted(q.device) and q.dtype in _TMA_DTYPES and block_d <= 128 and all(map(_tma_ok, (q, k, v))):
+        return (_tma_desc(q, cfg.block_m, block_d), _tma_desc(k, cfg.block_n, block_d),
+                _tma_desc(v, cfg.block_n, block_d)), True
+    return (q, k, v), False
 
 
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
