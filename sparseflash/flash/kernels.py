@@ -264,6 +264,18 @@ def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stri
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
+def _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.constexpr):
+    """A score tile with keys at or past kv_end (and, causal, above the diagonal) set to -inf; the
+    new running max, and the pivot to subtract (0 for rows that have seen no key yet)."""
+    m_s = ((start_n + o_n) < kv_end)[None, :]
+    if CAUSAL:
+        m_s = m_s & ((start_n + o_n)[None, :] <= o_m[:, None] + causal_off)
+    b_s = tl.where(m_s, b_s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    return b_s, m_new, tl.where(m_new == float("-inf"), 0.0, m_new)
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh,
                DESC_K, DESC_V, i_b, i_hk, j_mask,
@@ -293,22 +305,12 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED and TMA:  # one loop: the element mask only from tile j_mask on (a branch per tile)
             if j >= j_mask:
-                m_s = ((start_n + o_n) < kv_end)[None, :]
-                if CAUSAL:
-                    m_s = m_s & ((start_n + o_n)[None, :] <= o_m[:, None] + causal_off)
-                b_s = tl.where(m_s, b_s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(b_s, 1))
-                m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+                b_s, m_new, m_pivot = _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL)
             else:
                 m_new = tl.maximum(m_i, tl.max(b_s, 1))
                 m_pivot = m_new
         elif MASKED:
-            m_s = ((start_n + o_n) < kv_end)[None, :]
-            if CAUSAL:
-                m_s = m_s & ((start_n + o_n)[None, :] <= o_m[:, None] + causal_off)
-            b_s = tl.where(m_s, b_s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(b_s, 1))
-            m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+            b_s, m_new, m_pivot = _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL)
         else:
             m_new = tl.maximum(m_i, tl.max(b_s, 1))
             m_pivot = m_new
