@@ -373,7 +373,7 @@ def test_tma_kv_cache_slice_and_dropout(device, tma_on):
     cache[:, :, 40:] = float("nan")
     cache[:, :, 40:, 1] = float("inf")
     k, v = cache[:, :, :40, 0], cache[:, :, :40, 1]
-    assert not k.is_contiguous() and launch._tma_ok(k)
+    assert not k.is_contiguous() and launch._tma_strides(k) is not None
     o = sparseflash.attention(q, k, v, causal=True, backend="triton")
     ref = reference.attention(q.double(), k.double(), v.double(), causal=True)
     assert torch.isfinite(o).all()
@@ -391,19 +391,22 @@ def test_tma_kv_cache_slice_and_dropout(device, tma_on):
 
 def test_tma_eligibility_rules(device, monkeypatch):
     t = lambda *shape, dtype=torch.float16: torch.empty(*shape, device=device, dtype=dtype)  # noqa: E731
-    assert launch._tma_ok(t(2, 3, 50, 64))
-    assert launch._tma_ok(t(1, 3, 50, 40))  # rows of 80 bytes: 16-byte multiples
-    assert launch._tma_ok(t(2, 3, 64, 64)[:, :, :50])  # a slice of a longer cache
-    assert launch._tma_ok(t(2, 1, 50, 64)) and launch._tma_ok(t(1, 1, 1, 64))  # size-1 dimensions
-    assert not launch._tma_ok(t(2, 1, 50, 64).expand(2, 3, 50, 64))  # heads expanded (stride 0)
-    assert not launch._tma_ok(t(2, 50, 3, 64).transpose(1, 2))  # heads inside rows
-    assert not launch._tma_ok(t(2, 3, 50, 20))  # 40-byte rows
-    assert not launch._tma_ok(t(2, 3, 50, 64).transpose(-1, -2))
-    assert not launch._tma_ok(t(2, 3, 50, 65)[..., 1:])  # base 2 bytes past alignment
-    assert launch._tma_ok(t(1, 1, 1, 36))  # one row of 72 bytes: its stride is never used
-    d = launch._tma_desc(t(1, 1, 1, 36), 32, 64)  # size-1 dimensions get strides TMA accepts
+    assert launch._tma_strides(t(2, 3, 50, 64)) is not None
+    assert launch._tma_strides(t(1, 3, 50, 40)) is not None  # rows of 80 bytes: 16-byte multiples
+    assert launch._tma_strides(t(2, 3, 64, 64)[:, :, :50]) is not None  # a slice of a longer cache
+    assert launch._tma_strides(t(2, 1, 50, 64)) is not None  # size-1 dimensions
+    assert launch._tma_strides(t(1, 1, 1, 64)) is not None
+    assert launch._tma_strides(t(2, 1, 50, 64).expand(2, 3, 50, 64)) is None  # heads expanded (stride 0)
+    assert launch._tma_strides(t(2, 50, 3, 64).transpose(1, 2)) is None  # heads inside rows
+    assert launch._tma_strides(t(2, 3, 50, 20)) is None  # 40-byte rows
+    assert launch._tma_strides(t(2, 3, 50, 64).transpose(-1, -2)) is None
+    assert launch._tma_strides(t(2, 3, 50, 65)[..., 1:]) is None  # base 2 bytes past alignment
+    assert launch._tma_strides(t(1, 1, 1, 36)) is not None  # one row of 72 bytes: its stride is never used
+    one = t(1, 1, 1, 36)
+    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    (d, _, _), _ = launch._tma_args(one, one, one, TileConfig(32, 32), 64)  # size-1 dims get strides TMA accepts
     assert d.strides == [40, 40, 40, 1] and d.block_shape == [1, 1, 32, 64]
-    assert not launch._tma_ok(t(1, 1, 2, 36))
+    assert launch._tma_strides(t(1, 1, 2, 36)) is None
     cfg = TileConfig(32, 32)
     k = t(1, 2, 64, 32)
     monkeypatch.setattr(launch, "TMA_MODE", "yes")

@@ -373,27 +373,22 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
 
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if TMA:  # one loop over every tile: two pipelines of descriptor loads cost 1 KB more shared memory
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_valid, start_m, o_m, o_d, seq_k, kv_end,
+    j_lo = 0  # TMA: one loop over every tile, masking from j_full on (see _fwd_inner)
+    if not TMA:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end,
                                    causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
                                    DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full,
-                                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
+                                   False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
                                    GATHER, NB_P2, TMA)
-    else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                                   stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                                   DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), 0,
-                                   False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2,
-                                   TMA)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_full, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                                   stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                                   DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), 0,
-                                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2,
-                                   TMA)
+        j_lo = j_full
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end,
+                               causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
+                               DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full,
+                               True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
+                               GATHER, NB_P2, TMA)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc * (drop_scale / l_safe)[:, None]

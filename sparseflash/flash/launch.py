@@ -291,46 +291,45 @@ def _tma_wanted(device: torch.device) -> bool:
         return False
     if TMA_MODE == "on":
         return True
-    return device.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and not _interpreting() and _sm_major(device.index) >= 9
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """Whether a [B, H, N, D] tensor can be a TMA descriptor: unit last stride, 16-byte aligned
-    base and strides, laid out row-major (each dimension of more than one element at least as far
-    apart as the whole of the next one: packed, padded or sliced, never expanded or transposed)."""
+@functools.lru_cache(maxsize=None)
+def _sm_major(index: int | None) -> int:
+    """The compute capability's major number of a CUDA device (asked once per device)."""
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _tma_strides(t: torch.Tensor):
+    """The strides of a [B, H, N, D] tensor as a TMA descriptor takes them, or None when it cannot
+    be one. Needs a unit last stride, a 16-byte aligned base and strides, and a row-major layout:
+    each dimension of more than one element at least as far apart as the whole of the next one
+    (packed, padded or sliced; never expanded or transposed). Size-1 dimensions get strides TMA
+    accepts (their coordinate is always 0)."""
     B, H, N, D = t.shape
     sb, sh, sn, sd = t.stride()
     esz = t.element_size()
     if sd != 1 or t.data_ptr() % 16:
-        return False
-    # size-1 dimensions: their strides are never used (`_tma_desc` substitutes valid ones)
+        return None
     sn = sn if N > 1 else D + (-D) % (16 // esz)
     sh = sh if H > 1 else N * sn
     sb = sb if B > 1 else H * sh
-    return all((x * esz) % 16 == 0 for x in (sb, sh, sn)) and sn >= D and sh >= N * sn and sb >= H * sh
-
-
-def _tma_desc(t: torch.Tensor, rows: int, block_d: int):
-    """A 4-D descriptor of ``t`` with blocks [1, 1, rows, block_d]; size-1 dimensions get strides
-    TMA accepts (their coordinate is always 0)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    B, H, N, D = t.shape
-    sb, sh, sn, _ = t.stride()
-    sn = sn if N > 1 else D + (-D) % (16 // t.element_size())
-    sh = sh if H > 1 else N * sn
-    sb = sb if B > 1 else H * sh
-    return TensorDescriptor(t, [B, H, N, D], [sb, sh, sn, 1], [1, 1, rows, block_d])
+    ok = all((x * esz) % 16 == 0 for x in (sb, sh, sn)) and sn >= D and sh >= N * sn and sb >= H * sh
+    return [sb, sh, sn, 1] if ok else None
 
 
 def _tma_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, block_d: int):
     """Kernel arguments (DESC_Q, DESC_K, DESC_V) and the TMA flag: 4-D descriptors (rows past
     each head's end and columns past head_dim read as zeros) when TMA is wanted, the dtype is
-    16-bit, head_dim <= 128 (the measured range) and Q, K, V pass `_tma_ok`; otherwise the
+    16-bit, head_dim <= 128 (the measured range) and Q, K, V pass `_tma_strides`; otherwise the
     tensors as placeholders and False."""
-    if _tma_wanted(q.device) and q.dtype in _TMA_DTYPES and block_d <= 128 and all(map(_tma_ok, (q, k, v))):
-        return (_tma_desc(q, cfg.block_m, block_d), _tma_desc(k, cfg.block_n, block_d),
-                _tma_desc(v, cfg.block_n, block_d)), True
+    if _tma_wanted(q.device) and q.dtype in _TMA_DTYPES and block_d <= 128:
+        strides = [_tma_strides(t) for t in (q, k, v)]
+        if None not in strides:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            return tuple(TensorDescriptor(t, list(t.shape), st, [1, 1, rows, block_d])
+                         for t, st, rows in zip((q, k, v), strides, (cfg.block_m, cfg.block_n, cfg.block_n))), True
     return (q, k, v), False
 
 
