@@ -4,8 +4,8 @@
 # Stages: sweep (bench sparsity, full GPU defaults), seqlen (bench seqlen), dropout, tests (GPU
 # test files and the bench tests, in SHARDS processes), tune (tile search, dense and density 0.1), kernel-check (issue
 # 3's check against the baselines, GPU time and eager), ab (the kernel check, sparseflash only, in
-# GPU time, for the source tree in AB_OLD and for this one), tma (forward TMA loads vs pointer
-# loads: tma_ab and a forward tile search per mode), lra-speed, lra-train. Each stage
+# GPU time, for the source tree in AB_OLD and for this one), tma (TMA loads vs pointer loads:
+# tma_ab and a tile search per kernel and mode), lra-speed, lra-train. Each stage
 # writes OUT/<stage>/ and a log; everything is packed into OUT/<stage>.tgz so a call brings back
 # few files.
 set -uo pipefail
@@ -50,13 +50,15 @@ for stage in "$@"; do
                  ab="--preset kernel-check --providers sparseflash sparseflash-dense --densities 1 0.1 --cuda-graph --no-plot ${AB_ARGS:-}"
                  (cd "${AB_OLD:?set AB_OLD}" && $t $py -m sparseflash bench sparsity $ab --out "$d/old")
                  $t $py -m sparseflash bench sparsity $ab --out "$d/new" ;;
-        tma)     # the forward through TMA descriptors against pointer loads (experiments/results/tma/):
-                 # tma_ab at the default tiles, then the forward tile search once per mode
-                 # (TMA_TUNE_ARGS: extra tune_tiles options, e.g. --configs ...)
-                 $t $py -m sparseflash.experiments.bench.tma_ab --out "$d"
-                 for m in off auto; do
-                     SPARSEFLASH_TMA=$m $t $py -m sparseflash.experiments.bench.tune_tiles --kinds fwd \
-                         --seq-lens 4096 16384 --densities 1 0.1 --rep 40 ${TMA_TUNE_ARGS:-} --out "$d/tune-$m"
+        tma)     # TMA descriptor loads against pointer loads (experiments/results/tma/): tma_ab at the
+                 # default tiles, then the tile search of each kernel in TMA_KINDS once per mode
+                 # (TMA_TUNE_ARGS: extra tune_tiles options, e.g. --configs ...; TMA_AB=0 skips tma_ab)
+                 [ "${TMA_AB:-1}" = 1 ] && $t $py -m sparseflash.experiments.bench.tma_ab --out "$d"
+                 for kind in ${TMA_KINDS:-fwd dq dkdv}; do
+                     for m in off on; do
+                         SPARSEFLASH_TMA=$m $t $py -m sparseflash.experiments.bench.tune_tiles --kinds $kind \
+                             --seq-lens 4096 16384 --densities 1 0.1 --rep 40 ${TMA_TUNE_ARGS:-} --out "$d/tune-$kind-$m"
+                     done
                  done ;;
         lra-speed) $t $py -m sparseflash lra speed --task all --max-seconds 5 --repeats 5 --out "$d" ;;
         lra-train) $t bash experiments/lra/run_quick.sh "$d" ;;

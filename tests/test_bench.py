@@ -491,9 +491,19 @@ def test_tma_ab_knows_which_path_ran(monkeypatch):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA descriptors need sm_90 or newer")
-    q, k, v = (torch.randn(1, 2, 64, 32, device=dev, dtype=torch.float16) for _ in range(3))
+    import sparseflash
+
+    q, k, v = (torch.randn(1, 2, 64, 32, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(3))
+
+    def fwd_bwd(*t):
+        return lambda: sparseflash.attention(*t, backend="triton").backward(torch.ones_like(t[0]))
+
     monkeypatch.setattr(launch, "TMA_MODE", "on")
-    assert tma_ab._takes_tma(launch, q, k, v, None)
-    assert not tma_ab._takes_tma(launch, q.float(), k.float(), v.float(), None)  # fp32: pointer loads
+    assert tma_ab._takes_tma(launch, fwd_bwd(q, k, v)) == [True] * 3  # forward, dQ, dK/dV
+    # .sum().backward() hands the backward an expanded dO (stride 0): pointer loads there
+    assert tma_ab._takes_tma(launch, lambda: sparseflash.attention(q, k, v, backend="triton").sum().backward()) \
+        == [True, False, False]
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    assert tma_ab._takes_tma(launch, fwd_bwd(q32, k32, v32)) == [False] * 3  # fp32: pointer loads
     monkeypatch.setattr(launch, "TMA_MODE", "off")
-    assert not tma_ab._takes_tma(launch, q, k, v, None)
+    assert tma_ab._takes_tma(launch, fwd_bwd(q, k, v)) == [False] * 3

@@ -287,11 +287,12 @@ def test_list_args_read_shared_lists_with_stride_zero(device):
         launch._list_args(idx, 2, 4, idx)
 
 
-# ---------------------------------------------------------------- TMA forward loads
+# ---------------------------------------------------------------- TMA loads (forward, dQ, dK/dV)
 @pytest.fixture
 def tma_on(monkeypatch, device):
     """TMA descriptors wherever the inputs allow (the interpreter runs them on CPU); records each
-    forward launch's choice, so a test can check the path it meant to cover was taken."""
+    launch's choice (forward, then dQ and dK/dV when there is a backward), so a test can check
+    the path it meant to cover was taken."""
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA descriptors need sm_90 or newer")
     monkeypatch.setattr(launch, "TMA_MODE", "on")
@@ -320,14 +321,17 @@ TMA_CASES = [
 
 @pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: "B{}-H{}/{}-N{}x{}-D{}-{}-blk{}-{}-kl{}".format(
     *c[:6], _id(c[6]), c[7], "causal" if c[8] else "full", c[9] is not None))
-def test_tma_forward(case, device, tma_on):
+def test_tma_kernels(case, device, tma_on):
+    """Output and gradients with every kernel on TMA loads; the dK/dV kernel in both orientations."""
     B, Hq, Hkv, Nq, Nk, D, dtype, block, causal, kl = case
     mask = None if block is None else random_mask(Hq, B, Nq, Nk, block, 0.6, seed=Nq + D, empty_row=True).to(device)
     kl = None if kl is None else torch.tensor(kl, device=device)
     q, k, v, do = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, device, seed=21)
-    check_attention(triton_impl(mask, causal=causal, key_lengths=kl), q, k, v, do, mask=mask, causal=causal,
-                    key_lengths=kl)
-    assert tma_on and all(tma_on), "the forward did not take the TMA path"
+    for q_rows in (False, True):
+        with tile_config(dkdv=TileConfig(32, 32, q_rows=q_rows)):
+            check_attention(triton_impl(mask, causal=causal, key_lengths=kl), q, k, v, do, mask=mask, causal=causal,
+                            key_lengths=kl)
+    assert len(tma_on) == 6 and all(tma_on), f"a kernel did not take the TMA path: {tma_on}"
 
 
 def test_tma_expanded_and_strided_kv(device, tma_on):
@@ -352,20 +356,28 @@ def test_tma_tail_tiles_ignore_the_next_heads_rows(device, tma_on):
     (in Q, K and V) must not reach this head's output."""
     from sparseflash import reference
 
-    q, k, v, _ = make_qkv(1, 2, 2, 40, 40, 32, torch.float16, device, seed=24)
-    q[:, 1], k[:, 1], v[:, 1] = float("nan"), float("nan"), float("inf")
+    q, k, v, do = make_qkv(1, 2, 2, 40, 40, 32, torch.float16, device, seed=24)
+    q[:, 1], k[:, 1], v[:, 1], do[:, 1] = float("nan"), float("nan"), float("inf"), float("nan")
     for causal in (False, True):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        sparseflash.attention(qq, kk, vv, causal=causal, backend="triton").backward(do)
         o = sparseflash.attention(q, k, v, causal=causal, backend="triton")[:, :1]
-        ref = reference.attention(q[:, :1].double(), k[:, :1].double(), v[:, :1].double(), causal=causal)
+        r64 = [t[:, :1].double().requires_grad_() for t in (q, k, v)]
+        ref = reference.attention(*r64, causal=causal)
+        ref.backward(do[:, :1].double())
         assert torch.isfinite(o).all()
-        torch.testing.assert_close(o.double(), ref, atol=2e-3, rtol=0)
-    assert tma_on and all(tma_on)
+        torch.testing.assert_close(o.double(), ref.detach(), atol=2e-3, rtol=0)
+        for got, want in zip((qq.grad, kk.grad, vv.grad), r64):
+            assert torch.isfinite(got[:, :1]).all()
+            torch.testing.assert_close(got[:, :1].double(), want.grad, atol=4e-3, rtol=0)
+    assert len(tma_on) == 8 and all(tma_on)
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 def test_tma_kv_cache_slice_and_dropout(device, tma_on):
     """K/V as the first rows of a longer cache whose unused rows hold NaN/inf (an eligible view
-    that is not contiguous), causal; and dropout on the TMA path draws the same bits as without."""
+    that is not contiguous), causal; and dropout on the TMA path draws the same bits as without,
+    output and gradients bitwise equal in both dK/dV orientations."""
     from sparseflash import reference
 
     q, _, _, do = make_qkv(2, 2, 2, 40, 40, 32, torch.float16, device, seed=25)
@@ -379,14 +391,21 @@ def test_tma_kv_cache_slice_and_dropout(device, tma_on):
     assert torch.isfinite(o).all()
     torch.testing.assert_close(o.double(), ref, atol=2e-3, rtol=0)
     assert tma_on == [True]
-    q, k, v, _ = make_qkv(1, 2, 2, 70, 70, 32, torch.bfloat16, device, seed=27)
+    q, k, v, do = make_qkv(1, 2, 2, 70, 70, 32, torch.bfloat16, device, seed=27)
     outs = []
     for mode in ("on", "off"):
         launch.TMA_MODE = mode  # (the tma_on fixture restores it)
-        g = torch.Generator(device=device).manual_seed(5)
-        outs.append(sparseflash.attention(q, k, v, dropout_p=0.2, generator=g, backend="triton"))
-    assert tma_on[-2:] == [True, False]
-    assert torch.equal(outs[0], outs[1])
+        for q_rows in (False, True):
+            with tile_config(dkdv=TileConfig(32, 32, q_rows=q_rows)):
+                g = torch.Generator(device=device).manual_seed(5)
+                qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                o = sparseflash.attention(qq, kk, vv, dropout_p=0.2, generator=g, causal=True, backend="triton")
+                o.backward(do)
+                outs.append((o, qq.grad, kk.grad, vv.grad))
+    assert tma_on[-12:] == [True] * 6 + [False] * 6
+    for got in outs[1:]:
+        for a, b in zip(outs[0], got):
+            assert torch.equal(a, b)
 
 
 def test_tma_eligibility_rules(device, monkeypatch):
@@ -404,20 +423,20 @@ def test_tma_eligibility_rules(device, monkeypatch):
     assert launch._tma_strides(t(1, 1, 1, 36)) is not None  # one row of 72 bytes: its stride is never used
     one = t(1, 1, 1, 36)
     monkeypatch.setattr(launch, "TMA_MODE", "on")
-    (d, _, _), _ = launch._tma_args(one, one, one, TileConfig(32, 32), 64)  # size-1 dims get strides TMA accepts
+    (d, _, _), _ = launch._tma_args(TileConfig(32, 32), 64, *[(one, 32)] * 3)  # size-1 dims get strides TMA accepts
     assert d.strides == [40, 40, 40, 1] and d.block_shape == [1, 1, 32, 64]
     assert launch._tma_strides(t(1, 1, 2, 36)) is None
     cfg = TileConfig(32, 32)
     k = t(1, 2, 64, 32)
     monkeypatch.setattr(launch, "TMA_MODE", "yes")
     with pytest.raises(ValueError, match="TMA_MODE"):
-        launch._tma_args(k, k, k, cfg, 32)
+        launch._tma_args(cfg, 32, (k, 32), (k, 32), (k, 32))
     monkeypatch.setattr(launch, "TMA_MODE", "off")
-    assert launch._tma_args(k, k, k, cfg, 32)[1] is False
+    assert launch._tma_args(cfg, 32, (k, 32), (k, 32), (k, 32))[1] is False
     monkeypatch.setattr(launch, "TMA_MODE", "on")
-    assert launch._tma_args(k, k, k, cfg, 32)[1] is True
-    assert launch._tma_args(k.float(), k.float(), k.float(), cfg, 32)[1] is False  # 16-bit inputs only
-    assert launch._tma_args(*[t(1, 2, 64, 256)] * 3, cfg, 256)[1] is False  # head_dim <= 128
+    assert launch._tma_args(cfg, 32, (k, 32), (k, 32), (k, 32))[1] is True
+    assert launch._tma_args(cfg, 32, *[(k.float(), 32)] * 3)[1] is False  # 16-bit inputs only
+    assert launch._tma_args(cfg, 256, *[(t(1, 2, 64, 256), 32)] * 3)[1] is False  # head_dim <= 128
 
 
 # ---------------------------------------------------------------- real sizes (GPU)

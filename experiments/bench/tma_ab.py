@@ -1,14 +1,15 @@
-"""The forward with and without TMA descriptor loads, side by side (issue 3)
+"""Pointer loads against TMA descriptor loads, side by side (issue 3)
 
-    python -m sparseflash.experiments.bench.tma_ab [--out DIR]
+    python -m sparseflash.experiments.bench.tma_ab [--out DIR] [--head-dims 64 128] [--seqs 4096 16384]
 
-Times `sparseflash.attention`'s forward in GPU time (CUDA-graph replays) with
-``launch.TMA_MODE = "off"`` (pointer loads) and ``"auto"`` (Q, K and V through tensor
-descriptors on sm_90+; at 0c3f1e8, the first measured version, K/V of the mask-free tiles only),
-on the same inputs and masks, and stops if a TMA row did not take the descriptor path: bf16, 16 heads, batch * seq = 16K
-tokens, head_dim 64 and 128, seq 4K and 16K, dense and a random block mask at density ~0.1
-(3 of 32 blocks of 128 per row at 4K, 13 of 128 at 16K). Checks the two outputs agree (max |diff|).
-Prints a table; with --out writes tma_ab.json.
+Times `sparseflash.attention` in GPU time (CUDA-graph replays), the forward alone and forward +
+backward, with ``launch.TMA_MODE = "off"`` (pointer loads in every kernel) and ``"on"`` (every
+kernel's tiles through tensor descriptors where the inputs allow), at the default tiles of each
+setting, on the same inputs and masks; it stops if an "on" call ran a kernel on pointer loads.
+bf16, 16 heads, batch * seq = 16K tokens, head_dim 64 and 128, seq 4K and 16K, dense and a
+random block mask at density ~0.1 (3 of 32 blocks of 128 per row at 4K, 13 of 128 at 16K).
+Checks the two agree (max |diff| of the output and of dQ, dK, dV). Prints a table; with --out
+writes tma_ab.json. (Until 953b949 it compared the forward only, "off" against "auto".)
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 __all__ = ["main"]
 
 
-def _takes_tma(launch, q, k, v, mask) -> bool:
-    """Whether a forward call on these inputs launches with TMA (the launcher's own decision)."""
+def _takes_tma(launch, fn) -> list[bool]:
+    """Each kernel launch's choice of TMA (the launcher's own decision) while ``fn()`` runs."""
     taken, real = [], launch._tma_args
 
     def spy(*a):
@@ -33,12 +34,10 @@ def _takes_tma(launch, q, k, v, mask) -> bool:
 
     launch._tma_args = spy
     try:
-        import sparseflash
-
-        sparseflash.attention(q, k, v, mask=mask)
+        fn()
     finally:
         launch._tma_args = real
-    return taken == [True]
+    return taken
 
 
 def main(argv=None) -> int:
@@ -65,31 +64,43 @@ def main(argv=None) -> int:
                 torch.manual_seed(0)
                 q, k, v = (torch.randn(max(1, 16384 // n), 16, n, d, device="cuda", dtype=torch.bfloat16)
                            for _ in range(3))
+                do = torch.randn_like(q)
+                qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+                def fwd_bwd(mask):
+                    o = sparseflash.attention(qg, kg, vg, mask=mask)
+                    return o, torch.autograd.grad(o, (qg, kg, vg), do)
+
                 for name, mask in (("dense", None), ("random 0.1", sparse)):
                     t, out = {}, {}
-                    for mode in ("off", "auto"):
+                    for mode in ("off", "on"):
                         launch.TMA_MODE = mode
+                        o, grads = fwd_bwd(mask)
+                        out[mode] = (o.detach(), *grads)
+                        if mode == "on" and _takes_tma(launch, lambda: fwd_bwd(mask)) != [True] * 3:
+                            raise SystemExit(f"a kernel did not take the TMA path at N={n}, d={d} ({name})")
                         with torch.no_grad():
-                            out[mode] = sparseflash.attention(q, k, v, mask=mask)
-                            if mode == "auto" and not _takes_tma(launch, q, k, v, mask):
-                                raise SystemExit(f"the TMA path was not taken at N={n}, d={d} ({name})")
-                            t[mode] = graph_ms(lambda: sparseflash.attention(q, k, v, mask=mask))
-                    row = dict(seq=n, head_dim=d, mask=name, density=1.0 if mask is None else mask.density(),
-                               pointer_ms=t["off"], tma_ms=t["auto"], speedup=t["off"] / t["auto"],
-                               max_diff=float((out["off"].float() - out["auto"].float()).abs().max()))
-                    rows.append(row)
-                    print(f"N={n:5d} d={d:3d} {name:10s} pointer {t['off']:.4f} ms  tma {t['auto']:.4f} ms  "
-                          f"x{row['speedup']:.3f}  max |diff| {row['max_diff']:.1e}", flush=True)
+                            t[mode, "fwd"] = graph_ms(lambda: sparseflash.attention(q, k, v, mask=mask))
+                        t[mode, "fwd+bwd"] = graph_ms(lambda: fwd_bwd(mask))
+                    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(out["off"], out["on"]))
+                    for what in ("fwd", "fwd+bwd"):
+                        row = dict(seq=n, head_dim=d, mask=name, density=1.0 if mask is None else mask.density(),
+                                   what=what, pointer_ms=t["off", what], tma_ms=t["on", what],
+                                   speedup=t["off", what] / t["on", what], max_diff=diff)
+                        rows.append(row)
+                        print(f"N={n:5d} d={d:3d} {name:10s} {what:7s} pointer {row['pointer_ms']:.4f} ms  "
+                              f"tma {row['tma_ms']:.4f} ms  x{row['speedup']:.3f}  max |diff| {diff:.1e}", flush=True)
     finally:
         launch.TMA_MODE = saved
-    print("\nsparse rate as % of the dense rate at the same seq and head_dim (the 80% bar):")
+    print("\nsparse rate as % of the dense rate at the same seq, head_dim and pass (the 80% bar):")
     for r in rows:
         if r["mask"] == "dense":
             continue
-        dense = next(x for x in rows if x["mask"] == "dense" and (x["seq"], x["head_dim"]) == (r["seq"], r["head_dim"]))
-        for key in ("pointer_ms", "tma_ms"):
-            pct = 100 * dense[key] * r["density"] / r[key]
-            print(f"  N={r['seq']:5d} d={r['head_dim']:3d} {key[:-3]:7s}: {pct:.0f}%")
+        dense = next(x for x in rows if x["mask"] == "dense"
+                     and (x["seq"], x["head_dim"], x["what"]) == (r["seq"], r["head_dim"], r["what"]))
+        pct = {key: 100 * dense[key] * r["density"] / r[key] for key in ("pointer_ms", "tma_ms")}
+        print(f"  N={r['seq']:5d} d={r['head_dim']:3d} {r['what']:7s} pointer {pct['pointer_ms']:.0f}%  "
+              f"tma {pct['tma_ms']:.0f}%")
     if args.out:
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -403,24 +403,34 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
 @triton.jit
 def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
                 stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
+                DESC_Q, DESC_DO, i_b, i_h, j_mask,
                 MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, Q_ROWS: tl.constexpr, MASK_BQ: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
-               GATHER: tl.constexpr, NB_P2: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                DOT_PREC: tl.constexpr, GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr):
+    # TMA: Q and dO tiles through descriptors (rows past seq_q read as zeros) in one loop that
+    # applies the causal mask (MASKED) only below tile j_mask.
     m_d = o_d < HEAD_DIM
     for j in range(j_lo, j_hi):
         start_m = _tile_start(p_idx, b_list, j, DENSE, GATHER, MASK_BQ, BLOCK_M, NB_P2)
         o_m = start_m + tl.arange(0, BLOCK_M)
         m_row = o_m < seq_q
         off_q = start_m.to(tl.int64)
-        b_q = tl.load(p_q + off_q * stride_qm, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        if TMA:
+            b_q = DESC_Q.load([i_b, i_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        else:
+            b_q = tl.load(p_q + off_q * stride_qm, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         b_lse = tl.load(p_lse + o_m, mask=m_row, other=float("inf")) * LOG2E
         # (the loads of dO and delta stay after the first dot in each branch: hoisted above it, the
         # d=128 kernel spills more in an sm_90 compile, 112 bytes instead of 72)
         if Q_ROWS:  # [queries, keys] tiles, as the forward's: P^T and dS^T go to the MMAs via shared memory
             b_p = tl.math.exp2(_dot(b_q, tl.trans(b_k), None, DOT_PREC) * qk_scale - b_lse[:, None])  # [BLOCK_M, BLOCK_N]
             if MASKED:
-                b_p = tl.where(o_n[None, :] <= o_m[:, None] + causal_off, b_p, 0.0)
-            b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+                if (not TMA) or j < j_mask:
+                    b_p = tl.where(o_n[None, :] <= o_m[:, None] + causal_off, b_p, 0.0)
+            if TMA:
+                b_do = DESC_DO.load([i_b, i_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+            else:
+                b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
             b_dp = _dot(b_do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
             b_pd = b_p
             if DROPOUT:
@@ -434,8 +444,12 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
         else:  # [keys, queries] tiles: P^T and dS^T are MMA operands straight from registers
             b_pT = tl.math.exp2(_dot(b_k, tl.trans(b_q), None, DOT_PREC) * qk_scale - b_lse[None, :])  # [BLOCK_N, BLOCK_M]
             if MASKED:
-                b_pT = tl.where(o_n[:, None] <= o_m[None, :] + causal_off, b_pT, 0.0)
-            b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+                if (not TMA) or j < j_mask:
+                    b_pT = tl.where(o_n[:, None] <= o_m[None, :] + causal_off, b_pT, 0.0)
+            if TMA:
+                b_do = DESC_DO.load([i_b, i_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+            else:
+                b_do = tl.load(p_do + off_q * stride_dom, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
             b_dpT = _dot(b_v, tl.trans(b_do), None, DOT_PREC)  # [BLOCK_N, BLOCK_M]
             b_pdT = b_pT
             if DROPOUT:
@@ -460,10 +474,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
                      stride_ib, stride_ih, stride_in,
                      H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
                      RNG, drop_thresh, drop_scale,
+                     DESC_Q, DESC_K, DESC_V, DESC_DO,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                      DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                     DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1):
+                     DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1,
+                     TMA: tl.constexpr = False):
+    """DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
+    without TMA unused placeholders."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -480,10 +498,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     m_kv = (o_n < seq_k)[:, None] & m_d[None, :]
-    b_k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :] * stride_kd,
-                  mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-    b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :] * stride_vd,
-                  mask=m_kv, other=0.0)
+    if TMA:
+        b_k = DESC_K.load([i_b.to(tl.int32), i_hk.to(tl.int32), start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        b_v = DESC_V.load([i_b.to(tl.int32), i_hk.to(tl.int32), start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        b_k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :] * stride_kd,
+                      mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+        b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :] * stride_vd,
+                      mask=m_kv, other=0.0)
     kv_end = seq_k
     if HAS_KEYLEN:
         kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
@@ -522,14 +544,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
                 j_skip = n_skip * SUB
                 j_part = tl.maximum(n_part, n_skip) * SUB
                 j_end = n * SUB
-            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_skip, j_part, start_n, o_n, o_d,
+            i_b32 = i_b.to(tl.int32)
+            i_h32 = i_h.to(tl.int32)
+            j_hi = j_end if TMA else j_part  # TMA: one loop, the causal mask below j_part
+            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_skip, j_hi, start_n, o_n, o_d,
                                  seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
-                                 i_bh, drop_thresh, drop_scale,
-                                 CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
-            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_part, j_end, start_n, o_n, o_d,
-                                 seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
-                                 i_bh, drop_thresh, drop_scale,
-                                 False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
+                                 i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part,
+                                 CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
+                                 GATHER, NB_P2, TMA)
+            if not TMA:
+                dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_part, j_end, start_n, o_n,
+                                     o_d, seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
+                                     i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part,
+                                     False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
+                                     GATHER, NB_P2, TMA)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
     m_keep = (o_n < kv_end)[:, None]
     dk = tl.where(m_keep, dk * sm_scale, 0.0)
@@ -543,28 +571,35 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
 @triton.jit
 def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
+              DESC_K, DESC_V, i_b, i_hk, j_mask,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
               MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
-               GATHER: tl.constexpr, NB_P2: tl.constexpr):
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+              GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr):
+    # TMA: as in _fwd_inner, K/V through descriptors in one loop masking from tile j_mask on.
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
     for j in range(j_lo, j_hi):
         start_n = _tile_start(p_idx, b_list, j, DENSE, GATHER, MASK_BK, BLOCK_N, NB_P2)
-        off_kv = start_n.to(tl.int64)
-        if MASKED:
-            m_kv = ((start_n + o_n) < seq_k)[:, None] & m_d[None, :]
+        if TMA:
+            b_k = DESC_K.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # rows past seq_k, columns past HEAD_DIM: 0
+            b_v = DESC_V.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
-            m_kv = m_d[None, :]
-        b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-        b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)
+            off_kv = start_n.to(tl.int64)
+            if MASKED:
+                m_kv = ((start_n + o_n) < seq_k)[:, None] & m_d[None, :]
+            else:
+                m_kv = m_d[None, :]
+            b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+            b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)
         b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
         b_p = tl.math.exp2(b_s - b_lse[:, None])
         if MASKED:
-            m_s = ((start_n + o_n) < kv_end)[None, :]
-            if CAUSAL:
-                m_s = m_s & ((start_n + o_n)[None, :] <= o_m[:, None] + causal_off)
-            b_p = tl.where(m_s, b_p, 0.0)
+            if (not TMA) or j >= j_mask:
+                m_s = ((start_n + o_n) < kv_end)[None, :]
+                if CAUSAL:
+                    m_s = m_s & ((start_n + o_n)[None, :] <= o_m[:, None] + causal_off)
+                b_p = tl.where(m_s, b_p, 0.0)
         b_dp = _dot(do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
             keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
@@ -585,12 +620,15 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
                    stride_ib, stride_ih, stride_im,
                    H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
                    RNG, drop_thresh, drop_scale,
+                   DESC_Q, DESC_K, DESC_V, DESC_DO, DESC_O,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                    DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                   HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1):
+                   HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
-    dK/dV kernel (launched after it): no separate preprocessing pass over O and dO."""
+    dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
+    DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
+    without TMA unused placeholders."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -611,12 +649,17 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
     m_d = o_d < HEAD_DIM
     m_q = (o_m < seq_q)[:, None] & m_d[None, :]
     off_m = start_m.to(tl.int64)
-    q = tl.load(Q + i_b * stride_qb + i_h * stride_qh + off_m * stride_qm + o_mt[:, None] * stride_qm + o_d[None, :] * stride_qd,
-                mask=m_q, other=0.0)
-    do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + off_m * stride_dom + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod,
-                 mask=m_q, other=0.0)
-    b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + off_m * stride_om + o_mt[:, None] * stride_om + o_d[None, :] * stride_od,
-                  mask=m_q, other=0.0)
+    if TMA:  # rows past seq_q and columns past HEAD_DIM read as zeros, as the masked loads give
+        q = DESC_Q.load([i_b.to(tl.int32), i_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        do = DESC_DO.load([i_b.to(tl.int32), i_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        b_o = DESC_O.load([i_b.to(tl.int32), i_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q = tl.load(Q + i_b * stride_qb + i_h * stride_qh + off_m * stride_qm + o_mt[:, None] * stride_qm + o_d[None, :] * stride_qd,
+                    mask=m_q, other=0.0)
+        do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + off_m * stride_dom + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod,
+                     mask=m_q, other=0.0)
+        b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + off_m * stride_om + o_mt[:, None] * stride_om + o_d[None, :] * stride_od,
+                      mask=m_q, other=0.0)
     p_row = i_bh.to(tl.int64) * seq_q + o_m
     b_lse = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * LOG2E
     b_delta = tl.sum(b_o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
@@ -631,11 +674,18 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
+    i_b32 = i_b.to(tl.int32)
+    i_hk32 = i_hk.to(tl.int32)
+    j_lo = 0  # TMA: one loop over every tile, masking from j_full on
+    if not TMA:
+        dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
+                       stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
+                       DESC_K, DESC_V, i_b32, i_hk32, j_full,
+                       False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA)
+        j_lo = j_full
+    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                    stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                   False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
-    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_full, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                   stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, NB_P2)
+                   DESC_K, DESC_V, i_b32, i_hk32, j_full,
+                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA)
     tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_q)

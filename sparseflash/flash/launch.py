@@ -9,7 +9,7 @@ Dense attention (no mask) has no such constraint.
 Configs were chosen by measurement on an H100 (experiments/bench/tune_tiles.py); under the
 Triton interpreter small tiles keep CPU tests fast. `tile_config(...)` overrides them (tests use
 it to cover several tilings; the tuning script to search). A config also carries the register
-cap and the dK/dV orientation (q_rows).
+cap, the dK/dV orientation (q_rows) and whether its tiles load through TMA descriptors (tma).
 
 Strides: the leading strides of each launch's tensors are passed divided by their common
 power-of-two alignment when it is 2, 4 or 8 (`_aligned_strides`), for the kernels to multiply back.
@@ -39,6 +39,9 @@ class TileConfig:
     # dK/dV only: compute S and dP as [queries, keys] tiles (the forward's orientation) and feed
     # P^T, dS^T to the tensor cores from shared memory, instead of [keys, queries] tiles in registers
     q_rows: bool = False
+    # Tensor-memory-accelerator loads (Hopper): the streamed and held tiles through tensor
+    # descriptors where launch.TMA_MODE is "auto" and the inputs allow it (`_tma_args`)
+    tma: bool = False
 
     def launch_options(self) -> dict:
         opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -92,6 +95,9 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
     # density 0.1, N = 4K and 16K, 16 heads (experiments/results/tune/).
     sparse = k_blocks is not None
     if kind == "fwd":
+        # TMA loads (tma=True) where they measured faster without dropout, at head_dim 64 and 128
+        # (experiments/results/tma/, 2026-11-23; with dropout and at padded head dims untimed)
+        tma = not dropout and head_dim in (64, 128)
         if head_dim <= 64:
             # With dropout, at most 128 registers: two 8-warp programs per SM (the kernel takes
             # 128-130 and the sparse one ran alone; capped, p = 0.1 costs +30-35% instead of
@@ -101,12 +107,16 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
                 # took 28-38% longer (4.0 vs 2.9 ms full mask, 0.45 vs 0.32 at density 0.1); 4 warps
                 # is as fast or faster everywhere there. At d=64 4 warps costs 5-8% dense: 8 stay.
                 return TileConfig(128, 64, 4, 3)
+            if sparse and tma:  # TMA, 4 warps: 4K 0.0894 ms vs 0.0936 (pointer, 8 warps), 16K 0.311 vs 0.330
+                return TileConfig(128, 64, 4, 3, tma=True)
+            # dense: pointer loads (TMA's best tile is 4% slower at 4K, level at 16K)
             return TileConfig(128, 64, 8, 3, maxnreg=128 if dropout else None)
         if head_dim <= 128:
-            if not sparse:
-                return TileConfig(128, 64, 8, 3)
-            # rows of ~13 blocks (16K tokens): 7% faster with 128-key tiles; rows of ~3 (4K): 64 x 64
-            return TileConfig(128, 128, 8, 3) if k_blocks >= 64 else TileConfig(64, 64, 4, 3)
+            if not sparse:  # TMA 128 x 128: 3% faster than pointer loads' best (128 x 64)
+                return TileConfig(128, 128, 8, 3, tma=True) if tma else TileConfig(128, 64, 8, 3)
+            # rows of ~13 blocks (16K tokens): 7% faster with 128-key tiles; rows of ~3 (4K): 64 x 64;
+            # TMA 6-9% faster in both
+            return TileConfig(128, 128, 8, 3, tma=tma) if k_blocks >= 64 else TileConfig(64, 64, 4, 3, tma=tma)
         return TileConfig(64, 32, 4, 2)
     if kind == "dkdv":  # block_n = k tile held on chip, block_m = q tile streamed
         if head_dim <= 64:
@@ -272,26 +282,23 @@ def _rng_args(dropout_p: float, rng: torch.Tensor | None, placeholder: torch.Ten
     return rng, threshold(dropout_p), (1.0 / (1.0 - p) if p < 1.0 else 0.0)
 
 
-# Forward K/V loads through TMA tensor descriptors (Hopper): "auto" on sm_90+ GPUs when the
-# inputs allow it (`_tma_args`), "off" never, "on" wherever they allow it, the Triton interpreter
-# included (tests use it to cover the path on CPU). SPARSEFLASH_TMA sets the starting value.
-# Off by default: on the H100 (triton 3.6, experiments/results/tma/) a first version (K/V of the
-# mask-free tiles only) made the dense forward 3% slower and the 4K d=128 sparse one 30% slower
-# (16K d=128 sparse: 3.5% faster), although a stripped all-descriptor forward (bench/ws_probe.py)
-# ran 7-12% faster than ours at density 0.1. This version (Q, K and V through 4-D descriptors, one
-# loop) is tested but not yet timed on a GPU: `bench/tma_ab.py` decides.
-TMA_MODE = os.environ.get("SPARSEFLASH_TMA", "off")
+# Tile loads through TMA tensor descriptors (Hopper's bulk copies): "auto" where the kernel's
+# tile config says so (`TileConfig.tma`, set where it measured faster) on sm_90+ GPUs, "on"
+# wherever the inputs allow it, the Triton interpreter included (tests cover the path on CPU with
+# it; tune_tiles times every config both ways with it), "off" never. SPARSEFLASH_TMA sets the
+# starting value. Measured on the H100 (triton 3.6, experiments/results/tma/).
+TMA_MODE = os.environ.get("SPARSEFLASH_TMA", "auto")
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _tma_wanted(device: torch.device) -> bool:
+def _tma_wanted(cfg: TileConfig, device: torch.device) -> bool:
     if TMA_MODE not in ("auto", "on", "off"):
         raise ValueError(f"launch.TMA_MODE (SPARSEFLASH_TMA) must be 'auto', 'on' or 'off', got {TMA_MODE!r}")
     if TMA_MODE == "off":
         return False
     if TMA_MODE == "on":
         return True
-    return device.type == "cuda" and not _interpreting() and _sm_major(device.index) >= 9
+    return cfg.tma and device.type == "cuda" and not _interpreting() and _sm_major(device.index) >= 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,19 +325,21 @@ def _tma_strides(t: torch.Tensor):
     return [sb, sh, sn, 1] if ok else None
 
 
-def _tma_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: TileConfig, block_d: int):
-    """Kernel arguments (DESC_Q, DESC_K, DESC_V) and the TMA flag: 4-D descriptors (rows past
-    each head's end and columns past head_dim read as zeros) when TMA is wanted, the dtype is
-    16-bit, head_dim <= 128 (the measured range) and Q, K, V pass `_tma_strides`; otherwise the
-    tensors as placeholders and False."""
-    if _tma_wanted(q.device) and q.dtype in _TMA_DTYPES and block_d <= 128:
-        strides = [_tma_strides(t) for t in (q, k, v)]
+def _tma_args(cfg: TileConfig, block_d: int, *tiles):
+    """Kernel arguments for the tensors of ``tiles``, (tensor, rows per tile) pairs, and the TMA
+    flag: 4-D descriptors (blocks [1, 1, rows, block_d]; rows past each head's end and columns past
+    head_dim read as zeros) when TMA is wanted (`_tma_wanted`), the dtype is 16-bit,
+    head_dim <= 128 (the measured range) and every tensor passes `_tma_strides`; otherwise the
+    tensors themselves as placeholders and False."""
+    ts = [t for t, _ in tiles]
+    if _tma_wanted(cfg, ts[0].device) and ts[0].dtype in _TMA_DTYPES and block_d <= 128:
+        strides = [_tma_strides(t) for t in ts]
         if None not in strides:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             return tuple(TensorDescriptor(t, list(t.shape), st, [1, 1, rows, block_d])
-                         for t, st, rows in zip((q, k, v), strides, (cfg.block_m, cfg.block_n, cfg.block_n))), True
-    return (q, k, v), False
+                         for (t, rows), st in zip(tiles, strides)), True
+    return tuple(ts), False
 
 
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
@@ -348,7 +357,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     rng, thresh, drop_scale = _rng_args(dropout_p, rng, q)
     grid = (_cdiv(Nq, cfg.block_m), B * Hq)
     strides, align = _aligned_strides(q, k, v, o)
-    tma_args, tma = _tma_args(q, k, v, cfg, _block_d(D))
+    tma_args, tma = _tma_args(cfg, _block_d(D), (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))
     kernels._fwd_kernel[grid](
         q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx, *strides, *i_strides,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
@@ -390,12 +399,14 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     dense = q_idx is None
     ci, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q)
     strides, align = _aligned_strides(q, k, v, do, dk, dv)
+    bm, bn = cfg.block_m, cfg.block_n
+    tma_args, tma = _tma_args(cfg, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm))
     kernels._bwd_dkdv_kernel[(_cdiv(Nk, cfg.block_n), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, ci, klen, *strides, *ci_s,
-        Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
+        Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng, *tma_args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, **cfg.launch_options(), **constexprs,
-        Q_ROWS=cfg.q_rows, ALIGN=align,
+        Q_ROWS=cfg.q_rows, ALIGN=align, TMA=tma,
     )
     return dk, dv
 
@@ -413,11 +424,13 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
     dense = kv_idx is None
     ri, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q)
     strides, align = _aligned_strides(q, k, v, do, o, dq)
+    bm, bn = cfg.block_m, cfg.block_n
+    tma_args, tma = _tma_args(cfg, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))
     kernels._bwd_dq_kernel[(_cdiv(Nq, cfg.block_m), B * Hq)](
         q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, ri, klen, *strides, *ri_s,
-        Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng,
+        Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng, *tma_args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, HAS_DLSE=dlse is not None,
-        **cfg.launch_options(), **constexprs, ALIGN=align,
+        **cfg.launch_options(), **constexprs, ALIGN=align, TMA=tma,
     )
     return dq
