@@ -423,20 +423,51 @@ def test_tma_eligibility_rules(device, monkeypatch):
     assert launch._tma_strides(t(1, 1, 1, 36)) is not None  # one row of 72 bytes: its stride is never used
     one = t(1, 1, 1, 36)
     monkeypatch.setattr(launch, "TMA_MODE", "on")
-    (d, _, _), _ = launch._tma_args(TileConfig(32, 32), 64, *[(one, 32)] * 3)  # size-1 dims get strides TMA accepts
+    plan = launch._tma_plan(64, one, one, one)
+    (d, _, _), _ = launch._tma_args(TileConfig(32, 32), plan, 64, *[(one, 32)] * 3)  # size-1 dims: strides TMA accepts
     assert d.strides == [40, 40, 40, 1] and d.block_shape == [1, 1, 32, 64]
     assert launch._tma_strides(t(1, 1, 2, 36)) is None
-    cfg = TileConfig(32, 32)
     k = t(1, 2, 64, 32)
     monkeypatch.setattr(launch, "TMA_MODE", "yes")
     with pytest.raises(ValueError, match="TMA_MODE"):
-        launch._tma_args(cfg, 32, (k, 32), (k, 32), (k, 32))
+        launch._tma_plan(32, k.float())  # refused whatever the inputs
     monkeypatch.setattr(launch, "TMA_MODE", "off")
-    assert launch._tma_args(cfg, 32, (k, 32), (k, 32), (k, 32))[1] is False
+    assert launch._tma_plan(32, k, k, k) is None
     monkeypatch.setattr(launch, "TMA_MODE", "on")
-    assert launch._tma_args(cfg, 32, (k, 32), (k, 32), (k, 32))[1] is True
-    assert launch._tma_args(cfg, 32, *[(k.float(), 32)] * 3)[1] is False  # 16-bit inputs only
-    assert launch._tma_args(cfg, 256, *[(t(1, 2, 64, 256), 32)] * 3)[1] is False  # head_dim <= 128
+    assert launch._tma_plan(32, k, k, k) is not None
+    assert launch._tma_plan(32, k.float(), k.float()) is None  # 16-bit inputs only
+    assert launch._tma_plan(256, t(1, 2, 64, 256)) is None  # head_dim <= 128
+    assert launch._tma_plan(32, k, k.transpose(1, 2).contiguous().transpose(1, 2)) is None  # one tensor not eligible
+    plan = launch._tma_plan(32, k)
+    pointer_tile, tma_tile = TileConfig(32, 32), TileConfig(32, 32, tma=True)
+    assert launch._tma_args(pointer_tile, plan, 32, (k, 32))[1] is True  # "on": any tile
+    assert launch._tma_args(pointer_tile, None, 32, (k, 32))[1] is False
+    monkeypatch.setattr(launch, "TMA_MODE", "auto")
+    assert launch._tma_args(pointer_tile, plan, 32, (k, 32))[1] is False  # "auto": the tile decides
+    assert launch._tma_args(tma_tile, plan, 32, (k, 32))[1] is True
+    assert launch._tma_args(tma_tile, None, 32, (k, 32)) == ((k,), False)
+    if device == "cpu":
+        assert launch._tma_plan(32, k) is None  # "auto" needs a CUDA device of compute capability >= 9
+
+
+def test_tma_default_tiles(monkeypatch):
+    """With inputs TMA can read, the defaults take the tiles measured fastest with TMA where it
+    won, and the pointer loads' own tiles where it did not, with dropout, at other head dims, or
+    when the inputs cannot be descriptors (a pointer-tuned tile must never run on TMA by default)."""
+    monkeypatch.setattr(launch, "_INTERPRETING", False)  # (the interpreter has its own small tiles)
+    cuda = torch.device("cuda")
+    for kind in ("fwd", "dq", "dkdv"):
+        for D in (64, 128):
+            for k_blocks in (None, 32, 128):
+                pointer = launch._default_config(kind, D, cuda, k_blocks, False, tma=False)
+                assert not pointer.tma
+                tma = launch._default_config(kind, D, cuda, k_blocks, False, tma=True)
+                assert tma == (launch._tma_config(kind, D, k_blocks) or pointer)
+                assert launch._default_config(kind, D, cuda, k_blocks, True, tma=True) == \
+                    launch._default_config(kind, D, cuda, k_blocks, True, tma=False)  # dropout: untimed with TMA
+        assert not launch._default_config(kind, 96, cuda, None, False, tma=True).tma
+    assert launch._tma_config("fwd", 64, None) is None  # d=64 dense forward: TMA measured slower
+    assert launch._tma_config("fwd", 128, None).tma
 
 
 # ---------------------------------------------------------------- real sizes (GPU)

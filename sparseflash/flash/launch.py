@@ -39,8 +39,8 @@ class TileConfig:
     # dK/dV only: compute S and dP as [queries, keys] tiles (the forward's orientation) and feed
     # P^T, dS^T to the tensor cores from shared memory, instead of [keys, queries] tiles in registers
     q_rows: bool = False
-    # Tensor-memory-accelerator loads (Hopper): the streamed and held tiles through tensor
-    # descriptors where launch.TMA_MODE is "auto" and the inputs allow it (`_tma_args`)
+    # Tensor-memory-accelerator loads (Hopper): the kernel's tiles through tensor descriptors
+    # when launch.TMA_MODE is "auto" and the inputs allow it (`_tma_plan`)
     tma: bool = False
 
     def launch_options(self) -> dict:
@@ -85,19 +85,48 @@ def _interpreting() -> bool:
     return _INTERPRETING
 
 
+def _tma_config(kind: str, head_dim: int, k_blocks: int | None) -> TileConfig | None:
+    """The tile of a kernel that loads through TMA descriptors, where that measured faster than
+    pointer loads at their own best tile; None elsewhere (pointer loads then). H100, triton 3.6,
+    bf16, GPU time, `tune_tiles` with SPARSEFLASH_TMA=on and =off, dense and density 0.1 at 4K and
+    16K (experiments/results/tma/, 2026-11-23), head_dim 64 and 128 without dropout only.
+    Times (ms) TMA vs pointer defaults: 4K dense / 4K sparse / 16K dense / 16K sparse."""
+    sparse = k_blocks is not None
+    long_rows = sparse and k_blocks >= 64  # rows of ~13 blocks (16K tokens) against ~3 (4K)
+    if kind == "fwd":
+        if head_dim == 64:
+            # dense: TMA's best tile is 4% slower at 4K (0.688 vs 0.660), level at 16K
+            return TileConfig(128, 64, 4, 3, tma=True) if sparse else None  # 0.0894/0.0936, 0.311/0.330
+        if sparse and not long_rows:
+            return TileConfig(64, 64, 4, 3, tma=True)  # 0.158/0.173
+        return TileConfig(128, 128, 8, 3, tma=True)  # 1.148/1.187, 4.396/4.551, 0.522/0.557
+    if kind == "dq":
+        if sparse and not long_rows:  # d=64: level with pointer loads (0.1136/0.1134)
+            return TileConfig(128, 32, 4, 3, tma=True) if head_dim == 128 else None  # 0.223/0.231
+        # d=64 0.738/0.745, 2.776/2.839, 0.347/0.389; d=128 1.428/1.495, 5.268/5.338, 0.694/0.728
+        return TileConfig(128, 64, 8, 3, tma=True)
+    if head_dim == 64 and sparse and not long_rows:
+        return TileConfig(64, 64, 4, 3, tma=True)  # 0.145/0.159
+    # d=64 1.097/1.135, 4.334/4.669, 0.520/0.584; d=128 1.941/1.962, 0.263/0.283, 7.271/7.526, 0.914/0.936
+    return TileConfig(64, 64, 4, 2, tma=True)
+
+
 def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: int | None = None,
-                    dropout: bool = False) -> TileConfig:
+                    dropout: bool = False, tma: bool = False) -> TileConfig:
     """The tile of a kernel. ``k_blocks``: the mask's key blocks (None: dense), the proxy for row
-    length that needs no look at the mask's contents (longer sequences, longer rows)."""
+    length that needs no look at the mask's contents (longer sequences, longer rows). ``tma``:
+    the inputs can be read through TMA descriptors (`_tma_plan`); a config measured faster with
+    them then comes from `_tma_config`, else the pointer loads' own best."""
     if device.type != "cuda" or _interpreting():
         return TileConfig(32, 32, 4, 1)
-    # H100 (sm90), bf16, measured by experiments/bench/tune_tiles.py in GPU time, dense and at
-    # density 0.1, N = 4K and 16K, 16 heads (experiments/results/tune/).
+    if tma and not dropout and head_dim in (64, 128):
+        cfg = _tma_config(kind, head_dim, k_blocks)
+        if cfg is not None:
+            return cfg
+    # H100 (sm90), bf16, pointer loads, measured by experiments/bench/tune_tiles.py in GPU time,
+    # dense and at density 0.1, N = 4K and 16K, 16 heads (experiments/results/tune/).
     sparse = k_blocks is not None
     if kind == "fwd":
-        # TMA loads (tma=True) where they measured faster without dropout, at head_dim 64 and 128
-        # (experiments/results/tma/, 2026-11-23; with dropout and at padded head dims untimed)
-        tma = not dropout and head_dim in (64, 128)
         if head_dim <= 64:
             # With dropout, at most 128 registers: two 8-warp programs per SM (the kernel takes
             # 128-130 and the sparse one ran alone; capped, p = 0.1 costs +30-35% instead of
@@ -107,16 +136,12 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
                 # took 28-38% longer (4.0 vs 2.9 ms full mask, 0.45 vs 0.32 at density 0.1); 4 warps
                 # is as fast or faster everywhere there. At d=64 4 warps costs 5-8% dense: 8 stay.
                 return TileConfig(128, 64, 4, 3)
-            if sparse and tma:  # TMA, 4 warps: 4K 0.0894 ms vs 0.0936 (pointer, 8 warps), 16K 0.311 vs 0.330
-                return TileConfig(128, 64, 4, 3, tma=True)
-            # dense: pointer loads (TMA's best tile is 4% slower at 4K, level at 16K)
             return TileConfig(128, 64, 8, 3, maxnreg=128 if dropout else None)
         if head_dim <= 128:
-            if not sparse:  # TMA 128 x 128: 3% faster than pointer loads' best (128 x 64)
-                return TileConfig(128, 128, 8, 3, tma=True) if tma else TileConfig(128, 64, 8, 3)
-            # rows of ~13 blocks (16K tokens): 7% faster with 128-key tiles; rows of ~3 (4K): 64 x 64;
-            # TMA 6-9% faster in both
-            return TileConfig(128, 128, 8, 3, tma=tma) if k_blocks >= 64 else TileConfig(64, 64, 4, 3, tma=tma)
+            if not sparse:
+                return TileConfig(128, 64, 8, 3)
+            # rows of ~13 blocks (16K tokens): 7% faster with 128-key tiles; rows of ~3 (4K): 64 x 64
+            return TileConfig(128, 128, 8, 3) if k_blocks >= 64 else TileConfig(64, 64, 4, 3)
         return TileConfig(64, 32, 4, 2)
     if kind == "dkdv":  # block_n = k tile held on chip, block_m = q tile streamed
         if head_dim <= 64:
@@ -162,16 +187,19 @@ def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
 
 
 def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None,
-            dtype: torch.dtype = torch.bfloat16, k_blocks: int | None = None, dropout: bool = False) -> TileConfig:
+            dtype: torch.dtype = torch.bfloat16, k_blocks: int | None = None, dropout: bool = False,
+            tma: bool = False) -> TileConfig:
     cfg = _OVERRIDE.get(kind)
     if cfg is None:  # the defaults depend only on these values: computed once per combination
-        return _default_fitted(kind, head_dim, device.type, mask_bq, mask_bk, dtype, k_blocks, dropout, _interpreting())
+        return _default_fitted(kind, head_dim, device.type, mask_bq, mask_bk, dtype, k_blocks, dropout, tma,
+                               _interpreting())
     return _fitted(cfg, mask_bq, mask_bk)
 
 
 @functools.lru_cache(maxsize=1024)
-def _default_fitted(kind, head_dim, device_type, mask_bq, mask_bk, dtype, k_blocks, dropout, interpreting) -> TileConfig:
-    cfg = _default_config(kind, head_dim, torch.device(device_type), k_blocks, dropout)
+def _default_fitted(kind, head_dim, device_type, mask_bq, mask_bk, dtype, k_blocks, dropout, tma,
+                    interpreting) -> TileConfig:
+    cfg = _default_config(kind, head_dim, torch.device(device_type), k_blocks, dropout, tma)
     if dtype == torch.float32 and device_type == "cuda" and not interpreting:
         cfg = _fp32_config(cfg, kind, head_dim)
     return _fitted(cfg, mask_bq, mask_bk)
@@ -282,23 +310,14 @@ def _rng_args(dropout_p: float, rng: torch.Tensor | None, placeholder: torch.Ten
     return rng, threshold(dropout_p), (1.0 / (1.0 - p) if p < 1.0 else 0.0)
 
 
-# Tile loads through TMA tensor descriptors (Hopper's bulk copies): "auto" where the kernel's
-# tile config says so (`TileConfig.tma`, set where it measured faster) on sm_90+ GPUs, "on"
-# wherever the inputs allow it, the Triton interpreter included (tests cover the path on CPU with
-# it; tune_tiles times every config both ways with it), "off" never. SPARSEFLASH_TMA sets the
-# starting value. Measured on the H100 (triton 3.6, experiments/results/tma/).
+# Tile loads through TMA tensor descriptors (Hopper's bulk copies). "auto": on sm_90+ GPUs, for
+# inputs that allow it (`_tma_plan`), with the tiles measured fastest that way (`_tma_config`;
+# TileConfig.tma) where TMA won, pointer loads elsewhere. "on": TMA wherever the inputs allow
+# it, whatever the tile, the Triton interpreter included (tests cover the path on CPU with it;
+# tune_tiles times every config both ways with it). "off": never. SPARSEFLASH_TMA sets the
+# starting value.
 TMA_MODE = os.environ.get("SPARSEFLASH_TMA", "auto")
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _tma_wanted(cfg: TileConfig, device: torch.device) -> bool:
-    if TMA_MODE not in ("auto", "on", "off"):
-        raise ValueError(f"launch.TMA_MODE (SPARSEFLASH_TMA) must be 'auto', 'on' or 'off', got {TMA_MODE!r}")
-    if TMA_MODE == "off":
-        return False
-    if TMA_MODE == "on":
-        return True
-    return cfg.tma and device.type == "cuda" and not _interpreting() and _sm_major(device.index) >= 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -325,21 +344,32 @@ def _tma_strides(t: torch.Tensor):
     return [sb, sh, sn, 1] if ok else None
 
 
-def _tma_args(cfg: TileConfig, block_d: int, *tiles):
+def _tma_plan(block_d: int, *ts: torch.Tensor):
+    """The descriptor strides of every tensor of a launch when its tiles can load through TMA, or
+    None: TMA_MODE allows it ("auto": a CUDA device of compute capability 9 or more), the dtype is
+    16-bit, head_dim <= 128 (the measured range) and each tensor passes `_tma_strides`."""
+    if TMA_MODE not in ("auto", "on", "off"):
+        raise ValueError(f"launch.TMA_MODE (SPARSEFLASH_TMA) must be 'auto', 'on' or 'off', got {TMA_MODE!r}")
+    t0 = ts[0]
+    if TMA_MODE == "off" or t0.dtype not in _TMA_DTYPES or block_d > 128:
+        return None
+    if TMA_MODE == "auto" and (t0.device.type != "cuda" or _interpreting() or _sm_major(t0.device.index) < 9):
+        return None
+    strides = [_tma_strides(t) for t in ts]
+    return None if None in strides else strides
+
+
+def _tma_args(cfg: TileConfig, plan, block_d: int, *tiles):
     """Kernel arguments for the tensors of ``tiles``, (tensor, rows per tile) pairs, and the TMA
     flag: 4-D descriptors (blocks [1, 1, rows, block_d]; rows past each head's end and columns past
-    head_dim read as zeros) when TMA is wanted (`_tma_wanted`), the dtype is 16-bit,
-    head_dim <= 128 (the measured range) and every tensor passes `_tma_strides`; otherwise the
-    tensors themselves as placeholders and False."""
-    ts = [t for t, _ in tiles]
-    if _tma_wanted(cfg, ts[0].device) and ts[0].dtype in _TMA_DTYPES and block_d <= 128:
-        strides = [_tma_strides(t) for t in ts]
-        if None not in strides:
-            from triton.tools.tensor_descriptor import TensorDescriptor
+    head_dim read as zeros) when there is a `_tma_plan` and the tile takes TMA (TileConfig.tma, or
+    any tile with TMA_MODE "on"); otherwise the tensors themselves as placeholders and False."""
+    if plan is not None and (cfg.tma or TMA_MODE == "on"):
+        from triton.tools.tensor_descriptor import TensorDescriptor
 
-            return tuple(TensorDescriptor(t, list(t.shape), st, [1, 1, rows, block_d])
-                         for (t, rows), st in zip(tiles, strides)), True
-    return tuple(ts), False
+        return tuple(TensorDescriptor(t, list(t.shape), st, [1, 1, rows, block_d])
+                     for (t, rows), st in zip(tiles, plan)), True
+    return tuple(t for t, _ in tiles), False
 
 
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
@@ -349,15 +379,16 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = kv_idx is None
+    plan = _tma_plan(_block_d(D), q, k, v)
     cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
-                  dropout_p > 0.0)
+                  dropout_p > 0.0, plan is not None)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
     kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q)
     rng, thresh, drop_scale = _rng_args(dropout_p, rng, q)
     grid = (_cdiv(Nq, cfg.block_m), B * Hq)
     strides, align = _aligned_strides(q, k, v, o)
-    tma_args, tma = _tma_args(cfg, _block_d(D), (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))
+    tma_args, tma = _tma_args(cfg, plan, _block_d(D), (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))
     kernels._fwd_kernel[grid](
         q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx, *strides, *i_strides,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
@@ -394,13 +425,14 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     Hkv, Nk = k.shape[1], k.shape[2]
     klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng)
     dk, dv = _new(k), _new(v)
+    plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do)
     cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
-                  dropout=dropout_p > 0)
+                  dropout_p > 0, plan is not None)
     dense = q_idx is None
     ci, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q)
     strides, align = _aligned_strides(q, k, v, do, dk, dv)
     bm, bn = cfg.block_m, cfg.block_n
-    tma_args, tma = _tma_args(cfg, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm))
+    tma_args, tma = _tma_args(cfg, plan, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm))
     kernels._bwd_dkdv_kernel[(_cdiv(Nk, cfg.block_n), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, ci, klen, *strides, *ci_s,
         Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng, *tma_args,
@@ -419,13 +451,14 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
     Hkv, Nk = k.shape[1], k.shape[2]
     klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng)
     dq = _new(q)
+    plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do, o)
     cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
-                  dropout=dropout_p > 0)
+                  dropout_p > 0, plan is not None)
     dense = kv_idx is None
     ri, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q)
     strides, align = _aligned_strides(q, k, v, do, o, dq)
     bm, bn = cfg.block_m, cfg.block_n
-    tma_args, tma = _tma_args(cfg, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))
+    tma_args, tma = _tma_args(cfg, plan, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))
     kernels._bwd_dq_kernel[(_cdiv(Nq, cfg.block_m), B * Hq)](
         q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, ri, klen, *strides, *ri_s,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng, *tma_args,
