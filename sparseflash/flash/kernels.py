@@ -337,15 +337,13 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
                 stride_ib, stride_ih, stride_im,
                 H_Q, GROUP, seq_q, seq_k, qk_scale,
                 RNG, drop_thresh, drop_scale,
-                DESC_K, DESC_V,
+                DESC_Q, DESC_K, DESC_V,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                 DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False):
-    """DESC_K, DESC_V (TMA): 4-D descriptors of K and V ([B, H, N, HEAD_DIM], blocks
-    [1, 1, BLOCK_N, BLOCK_D]), the streamed tiles; without TMA unused placeholders. The tile held
-    all along (Q) loads through pointers either way: a descriptor costs host time on every launch
-    (triton 3.6 encodes each one per launch) and saves nothing on a load made once."""
+    """DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
+    [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are unused placeholders."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -362,9 +360,12 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
 
-    p_q = Q + i_b * stride_qb + i_h * stride_qh + start_m.to(tl.int64) * stride_qm \
-        + tl.arange(0, BLOCK_M)[:, None] * stride_qm + o_d[None, :] * stride_qd
-    q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if TMA:
+        q = DESC_Q.load([i_b.to(tl.int32), i_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        p_q = Q + i_b * stride_qb + i_h * stride_qh + start_m.to(tl.int64) * stride_qm \
+            + tl.arange(0, BLOCK_M)[:, None] * stride_qm + o_d[None, :] * stride_qd
+        q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
 
@@ -473,14 +474,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
                      stride_ib, stride_ih, stride_in,
                      H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
                      RNG, drop_thresh, drop_scale,
-                     DESC_Q, DESC_DO,
+                     DESC_Q, DESC_K, DESC_V, DESC_DO,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                      DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                      DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1,
                      TMA: tl.constexpr = False):
-    """DESC_Q, DESC_DO (TMA): descriptors of the streamed Q and dO tiles (BLOCK_M rows), as the
-    forward's of K/V; K and V, held all along, load through pointers."""
+    """DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
+    without TMA unused placeholders."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -497,10 +498,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     m_kv = (o_n < seq_k)[:, None] & m_d[None, :]
-    b_k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :] * stride_kd,
-                  mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-    b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :] * stride_vd,
-                  mask=m_kv, other=0.0)
+    if TMA:
+        b_k = DESC_K.load([i_b.to(tl.int32), i_hk.to(tl.int32), start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        b_v = DESC_V.load([i_b.to(tl.int32), i_hk.to(tl.int32), start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        b_k = tl.load(K + i_b * stride_kb + i_hk * stride_kh + o_n.to(tl.int64)[:, None] * stride_kn + o_d[None, :] * stride_kd,
+                      mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+        b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :] * stride_vd,
+                      mask=m_kv, other=0.0)
     kv_end = seq_k
     if HAS_KEYLEN:
         kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
@@ -615,14 +620,15 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
                    stride_ib, stride_ih, stride_im,
                    H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
                    RNG, drop_thresh, drop_scale,
-                   DESC_K, DESC_V,
+                   DESC_Q, DESC_K, DESC_V, DESC_DO, DESC_O,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                    DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                    HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
-    DESC_K, DESC_V (TMA): descriptors of the streamed K/V tiles, as the forward's."""
+    DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
+    without TMA unused placeholders."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -643,12 +649,17 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
     m_d = o_d < HEAD_DIM
     m_q = (o_m < seq_q)[:, None] & m_d[None, :]
     off_m = start_m.to(tl.int64)
-    q = tl.load(Q + i_b * stride_qb + i_h * stride_qh + off_m * stride_qm + o_mt[:, None] * stride_qm + o_d[None, :] * stride_qd,
-                mask=m_q, other=0.0)
-    do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + off_m * stride_dom + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod,
-                 mask=m_q, other=0.0)
-    b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + off_m * stride_om + o_mt[:, None] * stride_om + o_d[None, :] * stride_od,
-                  mask=m_q, other=0.0)
+    if TMA:  # rows past seq_q and columns past HEAD_DIM read as zeros, as the masked loads give
+        q = DESC_Q.load([i_b.to(tl.int32), i_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        do = DESC_DO.load([i_b.to(tl.int32), i_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        b_o = DESC_O.load([i_b.to(tl.int32), i_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q = tl.load(Q + i_b * stride_qb + i_h * stride_qh + off_m * stride_qm + o_mt[:, None] * stride_qm + o_d[None, :] * stride_qd,
+                    mask=m_q, other=0.0)
+        do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + off_m * stride_dom + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod,
+                     mask=m_q, other=0.0)
+        b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + off_m * stride_om + o_mt[:, None] * stride_om + o_d[None, :] * stride_od,
+                      mask=m_q, other=0.0)
     p_row = i_bh.to(tl.int64) * seq_q + o_m
     b_lse = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * LOG2E
     b_delta = tl.sum(b_o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]

@@ -384,7 +384,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = kv_idx is None
-    plan = _tma_plan(_block_d(D), k, v)
+    plan = _tma_plan(_block_d(D), q, k, v)
     cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                   dropout_p > 0.0, plan is not None)
     o = _new(q)
@@ -393,7 +393,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     rng, thresh, drop_scale = _rng_args(dropout_p, rng, q)
     grid = (_cdiv(Nq, cfg.block_m), B * Hq)
     strides, align = _aligned_strides(q, k, v, o)
-    tma_args, tma = _tma_args(cfg, plan, _block_d(D), (k, cfg.block_n), (v, cfg.block_n))
+    tma_args, tma = _tma_args(cfg, plan, _block_d(D), (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))
     kernels._fwd_kernel[grid](
         q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx, *strides, *i_strides,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
@@ -430,13 +430,14 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     Hkv, Nk = k.shape[1], k.shape[2]
     klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng)
     dk, dv = _new(k), _new(v)
-    plan = _tma_plan(constexprs["BLOCK_D"], q, do)
+    plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do)
     cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                   dropout_p > 0, plan is not None)
     dense = q_idx is None
     ci, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q)
     strides, align = _aligned_strides(q, k, v, do, dk, dv)
-    tma_args, tma = _tma_args(cfg, plan, constexprs["BLOCK_D"], (q, cfg.block_m), (do, cfg.block_m))
+    bm, bn = cfg.block_m, cfg.block_n
+    tma_args, tma = _tma_args(cfg, plan, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm))
     kernels._bwd_dkdv_kernel[(_cdiv(Nk, cfg.block_n), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, ci, klen, *strides, *ci_s,
         Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng, *tma_args,
@@ -455,13 +456,14 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
     Hkv, Nk = k.shape[1], k.shape[2]
     klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng)
     dq = _new(q)
-    plan = _tma_plan(constexprs["BLOCK_D"], k, v)
+    plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do, o)
     cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                   dropout_p > 0, plan is not None)
     dense = kv_idx is None
     ri, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q)
     strides, align = _aligned_strides(q, k, v, do, o, dq)
-    tma_args, tma = _tma_args(cfg, plan, constexprs["BLOCK_D"], (k, cfg.block_n), (v, cfg.block_n))
+    bm, bn = cfg.block_m, cfg.block_n
+    tma_args, tma = _tma_args(cfg, plan, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))
     kernels._bwd_dq_kernel[(_cdiv(Nq, cfg.block_m), B * Hq)](
         q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, ri, klen, *strides, *ri_s,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng, *tma_args,
