@@ -76,6 +76,9 @@ class BlockIndex:
     kv_idx: torch.Tensor  # [B', H', QB, KB] int32
     q_num: torch.Tensor  # [B', H', KB] int32
     q_idx: torch.Tensor  # [B', H', KB, QB] int32
+    # fraction of the layout's blocks that are on, read once when the index is built (None when
+    # built inside a torch.compile trace or a CUDA-graph capture, where reading it would break them)
+    density: float | None = None
 
 
 class BlockMask:
@@ -234,7 +237,9 @@ class BlockMask:
             layout = self.layout.to(device)
             kv_num, kv_idx = _sorted_nonzero(layout)
             q_num, q_idx = _sorted_nonzero(layout.transpose(-1, -2))
-            cached = BlockIndex(kv_num, kv_idx, q_num, q_idx)
+            tracing = torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+            density = None if tracing else int(kv_num.sum()) / max(1, kv_num.numel() * layout.shape[-1])
+            cached = BlockIndex(kv_num, kv_idx, q_num, q_idx, density)
             if not torch.compiler.is_compiling():
                 self._index_cache[device] = cached
         return cached

@@ -470,6 +470,26 @@ def test_tma_default_tiles(monkeypatch):
     assert launch._tma_config("fwd", 128, None).tma
 
 
+def test_tma_eager_work_threshold(device, monkeypatch):
+    """Eager calls pass their estimated forward FLOPs over the mask's on blocks to every launch;
+    below TMA_MIN_EAGER_WORK (and not capturing a CUDA graph) "auto" keeps pointer loads."""
+    assert launch._worth_descriptors(-1.0) and launch._worth_descriptors(launch.TMA_MIN_EAGER_WORK)
+    assert not launch._worth_descriptors(launch.TMA_MIN_EAGER_WORK / 2)
+    seen = []
+    for name in ("fwd", "bwd_dq", "bwd_dkdv"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, _real=real, **kw: seen.append(kw["work"]) or _real(*a, **kw))
+    B, H, N, D = 1, 2, 64, 16
+    layout = torch.zeros(H, 4, 4, dtype=torch.bool)
+    layout[:, :, :2] = True  # half the blocks
+    mask = BlockMask.from_layout(layout, 16)
+    q, k, v, do = make_qkv(B, H, H, N, N, D, torch.float16, device, seed=30)
+    q.requires_grad_()
+    sparseflash.attention(q, k, v, mask=mask, backend="triton").backward(do)
+    sparseflash.attention(q, k, v, backend="triton")
+    assert seen == [4.0 * B * H * N * N * D * 0.5] * 3 + [4.0 * B * H * N * N * D]
+
+
 # ---------------------------------------------------------------- real sizes (GPU)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_id)

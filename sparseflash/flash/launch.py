@@ -349,17 +349,39 @@ def _tma_layout(shape: tuple, stride: tuple, esz: int, aligned: bool):
     return [sb, sh, sn, 1] if ok else None
 
 
-def _tma_plan(block_d: int, *ts: torch.Tensor):
+# Below this many estimated forward FLOPs a call's launches in eager mode keep pointer loads:
+# triton 3.6 encodes every descriptor on the host per launch, which made an eager 4K d=64 call at
+# density 0.094 (2.6e10 FLOPs, ~0.09 ms of forward on the GPU) host-bound and slower
+# (H100 host_cost, 2026-11-23: fwd+bwd host 0.93 -> 1.22 ms with TMA; eager bench: fwd 0.14 ->
+# 0.23 ms), while calls of ~1e11 FLOPs and more keep the GPU busy longer than the host takes.
+# Under CUDA-graph capture the host work happens once, so TMA is taken whatever the size.
+TMA_MIN_EAGER_WORK = 1e11
+
+
+def _worth_descriptors(work: float) -> bool:
+    """Whether a call of ``work`` estimated FLOPs (-1: unknown) hides TMA's host cost: a large or
+    unknown one, or any while a CUDA graph is captured."""
+    if not 0 <= work < TMA_MIN_EAGER_WORK:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _tma_plan(block_d: int, *ts: torch.Tensor, work: float = -1.0):
     """The descriptor strides of every tensor of a launch when its tiles can load through TMA, or
-    None: TMA_MODE allows it ("auto": a CUDA device of compute capability 9 or more), the dtype is
-    16-bit, head_dim <= 128 (the measured range) and each tensor passes `_tma_strides`."""
+    None: TMA_MODE allows it ("auto": a CUDA device of compute capability 9 or more, and a call
+    of at least TMA_MIN_EAGER_WORK estimated FLOPs (``work``; -1 unknown) unless a CUDA graph is
+    being captured), the dtype is 16-bit, head_dim <= 128 (the measured range) and each tensor
+    passes `_tma_strides`."""
     if TMA_MODE not in ("auto", "on", "off"):
         raise ValueError(f"launch.TMA_MODE (SPARSEFLASH_TMA) must be 'auto', 'on' or 'off', got {TMA_MODE!r}")
     t0 = ts[0]
     if TMA_MODE == "off" or t0.dtype not in _TMA_DTYPES or block_d > 128:
         return None
-    if TMA_MODE == "auto" and (t0.device.type != "cuda" or _interpreting() or _sm_major(t0.device.index) < 9):
-        return None
+    if TMA_MODE == "auto":
+        if t0.device.type != "cuda" or _interpreting() or _sm_major(t0.device.index) < 9:
+            return None
+        if not _worth_descriptors(work):
+            return None
     strides = [_tma_strides(t) for t in ts]
     return None if None in strides else strides
 
@@ -378,13 +400,14 @@ def _tma_args(cfg: TileConfig, plan, block_d: int, *tiles):
 
 
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
-        dropout_p: float, rng: torch.Tensor | None):
+        dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0):
     """Forward launch. Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows).
-    ``rng``: the `sparseflash.dropout.draw_rng` tensor, read when dropout_p > 0."""
+    ``rng``: the `sparseflash.dropout.draw_rng` tensor, read when dropout_p > 0. ``work``: the
+    call's estimated forward FLOPs, -1 unknown (`_tma_plan`)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = kv_idx is None
-    plan = _tma_plan(_block_d(D), q, k, v)
+    plan = _tma_plan(_block_d(D), q, k, v, work=work)
     cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                   dropout_p > 0.0, plan is not None)
     o = _new(q)
@@ -407,12 +430,12 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
 
 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
-        mask_bq: int | None, mask_bk: int | None, dropout_p: float, rng: torch.Tensor | None):
+        mask_bq: int | None, mask_bk: int | None, dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0):
     """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv)."""
     delta = _new(lse)
     args = (do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng)
-    dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse)
-    dk, dv = bwd_dkdv(*args, q_idx)
+    dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse, work=work)
+    dk, dv = bwd_dkdv(*args, q_idx, work=work)
     return dq, dk, dv
 
 
@@ -424,13 +447,14 @@ def _bwd_common(q, key_lengths, causal, dropout_p, rng):
     return klen, constexprs, _rng_args(dropout_p, rng, q)
 
 
-def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, q_idx):
+def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, q_idx, *,
+             work: float = -1.0):
     """dK, dV: one program per (k tile, batch * kv head), walking the column lists (delta from `bwd_dq`)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng)
     dk, dv = _new(k), _new(v)
-    plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do)
+    plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do, work=work)
     cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                   dropout_p > 0, plan is not None)
     dense = q_idx is None
@@ -449,14 +473,14 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
 
 
 def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, kv_idx,
-           *, o, dlse=None):
+           *, o, dlse=None, work: float = -1.0):
     """dQ: one program per (q tile, batch * q head), walking the row lists. It first writes
     delta = rowsum(dO * O) - dLSE (float32 [B, Hq, Nq]) into ``delta``, for `bwd_dkdv`."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng)
     dq = _new(q)
-    plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do, o)
+    plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do, o, work=work)
     cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                   dropout_p > 0, plan is not None)
     dense = kv_idx is None
