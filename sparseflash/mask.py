@@ -22,7 +22,7 @@ which relies on the padding comparing above every block index (it is ``KB``, res
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,6 +53,11 @@ def _check_len(value, name: str) -> int:
     return value
 
 
+def _tracing() -> bool:
+    """Inside a torch.compile trace or a CUDA-graph capture (where reading a device value breaks them)."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def _sorted_nonzero(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of a bool [..., R, C] tensor: (count [..., R] int32, indices [..., R, C] int32).
 
@@ -76,8 +81,8 @@ class BlockIndex:
     kv_idx: torch.Tensor  # [B', H', QB, KB] int32
     q_num: torch.Tensor  # [B', H', KB] int32
     q_idx: torch.Tensor  # [B', H', KB, QB] int32
-    # fraction of the layout's blocks that are on, read once when the index is built (None when
-    # built inside a torch.compile trace or a CUDA-graph capture, where reading it would break them)
+    # fraction of the layout's blocks that are on (host float), read once outside torch.compile
+    # traces and CUDA-graph captures (None when built inside one, until a later call outside)
     density: float | None = None
 
 
@@ -237,12 +242,17 @@ class BlockMask:
             layout = self.layout.to(device)
             kv_num, kv_idx = _sorted_nonzero(layout)
             q_num, q_idx = _sorted_nonzero(layout.transpose(-1, -2))
-            tracing = torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-            density = None if tracing else int(kv_num.sum()) / max(1, kv_num.numel() * layout.shape[-1])
-            cached = BlockIndex(kv_num, kv_idx, q_num, q_idx, density)
+            cached = BlockIndex(kv_num, kv_idx, q_num, q_idx, None if _tracing() else self._on_fraction())
             if not torch.compiler.is_compiling():
                 self._index_cache[device] = cached
+        elif cached.density is None and not _tracing():
+            cached = self._index_cache[device] = replace(cached, density=self._on_fraction())
         return cached
+
+    def _on_fraction(self) -> float:
+        """The fraction of the layout's blocks that are on, read from the layout where it lives
+        (no device sync for a layout on the CPU)."""
+        return int(self.layout.sum()) / max(1, self.layout.numel())
 
     def expand_as_heads(self, batch: int, heads: int) -> "BlockMask":
         """A mask whose layout is materialised to ``[batch, heads, QB, KB]``."""

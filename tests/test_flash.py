@@ -467,14 +467,36 @@ def test_tma_default_tiles(monkeypatch):
                     launch._default_config(kind, D, cuda, k_blocks, True, tma=False)  # dropout: untimed with TMA
         assert not launch._default_config(kind, 96, cuda, None, False, tma=True).tma
     assert launch._tma_config("fwd", 64, None) is None  # d=64 dense forward: TMA measured slower
-    assert launch._tma_config("fwd", 128, None).tma
+    # a few measured choices, spelled out (experiments/results/tma/SUMMARY.txt part 4)
+    assert launch._default_config("dkdv", 128, cuda, None, False, tma=True) == TileConfig(64, 64, 4, 2, tma=True)
+    assert launch._default_config("dkdv", 128, cuda, None, False, tma=False) == TileConfig(64, 128, 8, 3)
+    assert launch._default_config("fwd", 128, cuda, 32, False, tma=True) == TileConfig(64, 64, 4, 3, tma=True)
+    assert launch._default_config("fwd", 64, cuda, None, False, tma=True) == TileConfig(128, 64, 8, 3)
+    assert launch._default_config("dq", 64, cuda, 32, False, tma=True) == TileConfig(64, 64, 4, 3)  # level: pointer
 
 
-def test_tma_eager_work_threshold(device, monkeypatch):
-    """Eager calls pass their estimated forward FLOPs over the mask's on blocks to every launch;
-    below TMA_MIN_EAGER_WORK (and not capturing a CUDA graph) "auto" keeps pointer loads."""
-    assert launch._worth_descriptors(-1.0) and launch._worth_descriptors(launch.TMA_MIN_EAGER_WORK)
-    assert not launch._worth_descriptors(launch.TMA_MIN_EAGER_WORK / 2)
+def test_tma_work_threshold(device, monkeypatch):
+    """"auto" takes descriptors on sm_90+ GPUs for calls of at least TMA_MIN_WORK estimated forward
+    FLOPs (the same rule inside CUDA-graph capture, so capture runs the kernel warm-up loaded); the
+    ops estimate a call's work from the mask's density, which the index reads once."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(launch, "_INTERPRETING", False)
+    monkeypatch.setattr(launch, "_sm_major", lambda index: 9)
+    assert launch._tma_auto(cuda, -1.0) and launch._tma_auto(cuda, launch.TMA_MIN_WORK)
+    assert not launch._tma_auto(cuda, launch.TMA_MIN_WORK / 2)
+    assert not launch._tma_auto(torch.device("cpu"), launch.TMA_MIN_WORK)
+    monkeypatch.setattr(launch, "_sm_major", lambda index: 8)
+    assert not launch._tma_auto(cuda, launch.TMA_MIN_WORK)
+    # _tma_plan follows the rule in "auto" (and "on" ignores it)
+    k = torch.empty(1, 2, 64, 32, dtype=torch.float16, device=device)
+    decided = []
+    monkeypatch.setattr(launch, "_tma_auto", lambda dev, work: decided.append(work) or work >= 5)
+    monkeypatch.setattr(launch, "TMA_MODE", "auto")
+    assert launch._tma_plan(32, k, work=4.0) is None and launch._tma_plan(32, k, work=5.0) is not None
+    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    assert launch._tma_plan(32, k, work=4.0) is not None
+    assert decided == [4.0, 5.0]
+    # every launch gets the call's work: 4 B H Nq Nk D x the mask's density
     seen = []
     for name in ("fwd", "bwd_dq", "bwd_dkdv"):
         real = getattr(launch, name)
@@ -488,6 +510,19 @@ def test_tma_eager_work_threshold(device, monkeypatch):
     sparseflash.attention(q, k, v, mask=mask, backend="triton").backward(do)
     sparseflash.attention(q, k, v, backend="triton")
     assert seen == [4.0 * B * H * N * N * D * 0.5] * 3 + [4.0 * B * H * N * N * D]
+    assert mask.index(device).density == 0.5
+
+
+def test_index_density_filled_after_tracing(monkeypatch):
+    """An index first built inside a trace or capture has no density; the next call outside one fills it."""
+    from sparseflash import mask as mask_mod
+
+    m = BlockMask.from_layout(torch.tensor([[True, False], [True, True]]), 16)
+    monkeypatch.setattr(mask_mod, "_tracing", lambda: True)
+    assert m.index("cpu").density is None
+    monkeypatch.setattr(mask_mod, "_tracing", lambda: False)
+    assert m.index("cpu").density == 0.75
+    assert m.index("cpu") is m.index("cpu")  # cached again
 
 
 # ---------------------------------------------------------------- real sizes (GPU)
@@ -502,6 +537,34 @@ def test_gpu_real_sizes(N, D, dtype):
     q, k, v, do = make_qkv(B, H, H // 2, N, N, D, dtype, "cuda", seed=N + D)
     for mask, causal in ((None, True), (butterfly(N).to("cuda"), False), (random_mask(H, 1, N, N, 128, 0.25, seed=1).to("cuda"), True)):
         check_attention(triton_impl(mask, causal=causal), q, k, v, do, mask=mask, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [512, 4096])
+def test_gpu_graph_capture_after_eager_warmup(N):
+    """Warm up eagerly, then capture fwd+bwd in a CUDA graph, without dropout, below and above the
+    TMA work threshold: capture must run the kernels the warm-up loaded (a first load during
+    capture fails) and replay them bitwise equal to the eager call."""
+    q, k, v, do = make_qkv(4, 16, 16, N, N, 128, torch.bfloat16, "cuda", seed=31)
+    for mask in (None, random_mask(16, 1, N, N, 128, 0.1, seed=4).to("cuda")):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+
+        def step():
+            o = sparseflash.attention(qq, kk, vv, mask=mask)
+            return (o, *torch.autograd.grad(o, (qq, kk, vv), do))
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            want = [t.clone() for t in step()]
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                got = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -35,12 +35,22 @@ def _rng_for(rng: Optional[Tensor], dropout_p: float, device) -> Tensor:
     return rng.clone()  # an op's output may not alias its input
 
 
+def _work(q: Tensor, k: Tensor, density: float) -> float:
+    """A call's estimated forward FLOPs, 4 B Hq Nq Nk D x the mask's density (causal and
+    key_lengths not counted: an upper bound); -1 when the density is unknown. Computed in the ops'
+    implementations, where shapes are concrete even under torch.compile."""
+    if density < 0:
+        return -1.0
+    B, Hq, Nq, D = q.shape
+    return 4.0 * B * Hq * Nq * k.shape[2] * D * density
+
+
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], scale: float, causal: bool,
-               mask_bq: int, mask_bk: int, dropout_p: float, work: float) -> tuple[Tensor, Tensor, Tensor]:
+               mask_bq: int, mask_bk: int, dropout_p: float, density: float) -> tuple[Tensor, Tensor, Tensor]:
     rng = _rng_for(rng, dropout_p, q.device)
     o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None, dropout_p, rng,
-                        work=work)
+                        work=_work(q, k, density))
     return o, lse, rng
 
 
@@ -48,7 +58,7 @@ _flash_fwd = torch.library.custom_op("sparseflash::flash_fwd", _fwd_impl, mutate
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, kv_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p, work):
+def _(q, k, v, kv_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p, density):
     B, Hq, Nq, _ = q.shape
     return (torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32),
             torch.empty(3, dtype=torch.int64, device=q.device))
@@ -57,16 +67,16 @@ def _(q, k, v, kv_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropou
 def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
                kv_idx: Optional[Tensor], q_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Tensor, scale: float, causal: bool, mask_bq: int, mask_bk: int,
-               dropout_p: float, work: float) -> tuple[Tensor, Tensor, Tensor]:
+               dropout_p: float, density: float) -> tuple[Tensor, Tensor, Tensor]:
     return launch.bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale, causal,
-                      mask_bq or None, mask_bk or None, dropout_p, rng, work=work)
+                      mask_bq or None, mask_bk or None, dropout_p, rng, work=_work(q, k, density))
 
 
 _flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutates_args=())
 
 
 @_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p, work):
+def _(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p, density):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -78,27 +88,27 @@ def _op(custom, impl):
 
 class FlashAttentionFunction(torch.autograd.Function):
     """o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, scale, causal,
-    mask_bq, mask_bk, dropout_p, work); lse holds +inf for rows that attend to nothing. ``work``:
-    the forward's estimated FLOPs (-1: unknown), for the launchers' choice of loads
-    (`launch._tma_plan`)."""
+    mask_bq, mask_bk, dropout_p, density); lse holds +inf for rows that attend to nothing.
+    ``density``: the mask's fraction of on blocks (1 dense, -1 unknown), for the launchers'
+    estimate of the call's work (`_work`, `launch._tma_plan`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p, work):
+    def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p, density):
         o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_impl)(q, k, v, kv_idx, key_lengths, rng, scale, causal,
-                                                                      mask_bq, mask_bk, dropout_p, work)
+                                                                      mask_bq, mask_bk, dropout_p, density)
         ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths)
-        ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p, work)
+        ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p, density)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths = ctx.saved_tensors
-        scale, causal, mask_bq, mask_bk, dropout_p, work = ctx.params
+        scale, causal, mask_bq, mask_bk, dropout_p, density = ctx.params
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, _bwd_impl)(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths,
-                                                                     rng, scale, causal, mask_bq, mask_bk, dropout_p, work)
+                                                                     rng, scale, causal, mask_bq, mask_bk, dropout_p, density)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
@@ -127,7 +137,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
     else:
         index = mask.index(q.device)
         kv_idx, q_idx = index.kv_idx, index.q_idx
-        density = index.density
+        density = -1.0 if index.density is None else index.density
         mask_bq, mask_bk = mask.block_size
         launch._fit(16, mask_bq, "block_q")  # a mask block the kernels cannot tile: say so early
         launch._fit(16, mask_bk, "block_k")
@@ -144,12 +154,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
         k = k.view_as(k)
     if v is q or v is k:
         v = v.view_as(v)
-    B, Hq, Nq, D = q.shape
-    # the forward's FLOPs over the mask's blocks (causal and key_lengths not counted: an upper bound)
-    # (-1, unknown, while torch.compile traces: the shapes may be symbolic there)
-    work = -1.0 if density is None or torch.compiler.is_compiling() else 4.0 * B * Hq * Nq * k.shape[2] * D * density
     o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk,
-                                          float(dropout_p), work)
+                                          float(dropout_p), float(density))
     if return_lse:
         return o, torch.where(lse == float("inf"), float("-inf"), lse)
     return o

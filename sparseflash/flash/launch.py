@@ -349,39 +349,36 @@ def _tma_layout(shape: tuple, stride: tuple, esz: int, aligned: bool):
     return [sb, sh, sn, 1] if ok else None
 
 
-# Below this many estimated forward FLOPs a call's launches in eager mode keep pointer loads:
-# triton 3.6 encodes every descriptor on the host per launch, which made an eager 4K d=64 call at
-# density 0.094 (2.6e10 FLOPs, ~0.09 ms of forward on the GPU) host-bound and slower
-# (H100 host_cost, 2026-11-23: fwd+bwd host 0.93 -> 1.22 ms with TMA; eager bench: fwd 0.14 ->
-# 0.23 ms), while calls of ~1e11 FLOPs and more keep the GPU busy longer than the host takes.
-# Under CUDA-graph capture the host work happens once, so TMA is taken whatever the size.
-TMA_MIN_EAGER_WORK = 1e11
+# Below this many estimated forward FLOPs a call keeps pointer loads in "auto": triton 3.6 builds
+# and encodes every descriptor on the host at each launch. On the H100 (2026-11-23) that made eager
+# 4K d=64 density-0.094 calls (2.6e10 FLOPs, ~0.09 ms of forward on the GPU) host-bound and slower
+# (host_cost fwd+bwd host time 0.93 -> 1.22 ms; eager bench fwd 0.14 -> 0.23 ms, fwd+bwd 0.94 ->
+# 1.25), while at 4K d=128 (5.2e10) eager calls were level (0.170 / 1.007 ms -> 0.177 / 1.020) and
+# graph replays 7-9% faster. The same rule holds inside CUDA-graph capture, so a captured call runs
+# the kernel its eager warm-up loaded (a kernel loaded for the first time during capture fails);
+# CUDA-graph users of small calls who want TMA's 4-5% of GPU time there set TMA_MODE "on".
+TMA_MIN_WORK = 4e10
 
 
-def _worth_descriptors(work: float) -> bool:
-    """Whether a call of ``work`` estimated FLOPs (-1: unknown) hides TMA's host cost: a large or
-    unknown one, or any while a CUDA graph is captured."""
-    if not 0 <= work < TMA_MIN_EAGER_WORK:
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def _tma_auto(device: torch.device, work: float) -> bool:
+    """TMA_MODE "auto"'s rule: a CUDA device of compute capability 9 or more, and a call of at
+    least TMA_MIN_WORK estimated forward FLOPs (``work``; -1: unknown, taken as large)."""
+    if device.type != "cuda" or _interpreting() or _sm_major(device.index) < 9:
+        return False
+    return not 0 <= work < TMA_MIN_WORK
 
 
 def _tma_plan(block_d: int, *ts: torch.Tensor, work: float = -1.0):
     """The descriptor strides of every tensor of a launch when its tiles can load through TMA, or
-    None: TMA_MODE allows it ("auto": a CUDA device of compute capability 9 or more, and a call
-    of at least TMA_MIN_EAGER_WORK estimated FLOPs (``work``; -1 unknown) unless a CUDA graph is
-    being captured), the dtype is 16-bit, head_dim <= 128 (the measured range) and each tensor
-    passes `_tma_strides`."""
+    None: TMA_MODE allows it ("on", or "auto" and `_tma_auto`), the dtype is 16-bit, head_dim <=
+    128 (the measured range) and each tensor passes `_tma_strides`."""
     if TMA_MODE not in ("auto", "on", "off"):
         raise ValueError(f"launch.TMA_MODE (SPARSEFLASH_TMA) must be 'auto', 'on' or 'off', got {TMA_MODE!r}")
     t0 = ts[0]
     if TMA_MODE == "off" or t0.dtype not in _TMA_DTYPES or block_d > 128:
         return None
-    if TMA_MODE == "auto":
-        if t0.device.type != "cuda" or _interpreting() or _sm_major(t0.device.index) < 9:
-            return None
-        if not _worth_descriptors(work):
-            return None
+    if TMA_MODE == "auto" and not _tma_auto(t0.device, work):
+        return None
     strides = [_tma_strides(t) for t in ts]
     return None if None in strides else strides
 
