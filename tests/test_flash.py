@@ -567,6 +567,39 @@ def test_gpu_graph_capture_after_eager_warmup(N):
             assert torch.equal(a, b)
 
 
+def test_fp32_dots_follow_torch_matmul_precision(monkeypatch):
+    """fp32 inputs take tf32 dots exactly when torch.matmul would (set_float32_matmul_precision
+    "high" or "medium"); never under the interpreter; 16-bit inputs are unaffected."""
+    saved = torch.get_float32_matmul_precision()
+    monkeypatch.setattr(launch, "_INTERPRETING", False)
+    try:
+        for prec, want in (("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")):
+            torch.set_float32_matmul_precision(prec)
+            assert launch._dot_precision(torch.float32) == want
+            assert launch._dot_precision(torch.bfloat16) == "tf32"
+        monkeypatch.setattr(launch, "_INTERPRETING", True)
+        assert launch._dot_precision(torch.float32) == "ieee"
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_tf32_when_torch_allows():
+    """Under set_float32_matmul_precision("high") fp32 attention uses tf32 dots: outputs and
+    gradients within twice torch's own error in the same setting (the fp32 reference's matmuls
+    then use tf32 too), and different from the full-precision result."""
+    q, k, v, do = make_qkv(2, 4, 4, 1024, 1024, 64, torch.float32, "cuda", seed=32)
+    mask = random_mask(4, 1, 1024, 1024, 128, 0.3, seed=5).to("cuda")
+    full = sparseflash.attention(q, k, v, mask=mask)
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        check_attention(triton_impl(mask), q, k, v, do, mask=mask)
+        assert not torch.equal(sparseflash.attention(q, k, v, mask=mask), full)
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
 @pytest.mark.gpu
 def test_gpu_deterministic_large():
     N, D = 8192, 128

@@ -214,10 +214,14 @@ def _fitted(cfg: TileConfig, mask_bq: int | None, mask_bk: int | None) -> TileCo
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get full-precision dots (like torch's default matmul), not tf32. The interpreter
-    # multiplies 16-bit inputs in fp32 (what tensor cores do; its own bf16 dot is wrong).
+    # fp32 inputs: dots as torch.matmul makes them, full precision by default and tf32 when
+    # torch.set_float32_matmul_precision is "high" or "medium" (the interpreter always multiplies
+    # fp32 exactly). 16-bit inputs: tensor-core dots; the interpreter multiplies them in fp32 (what
+    # tensor cores do; its own bf16 dot is wrong).
     if dtype == torch.float32:
-        return "ieee"
+        if _interpreting() or torch.get_float32_matmul_precision() == "highest":
+            return "ieee"
+        return "tf32"
     return "upcast" if _interpreting() else "tf32"
 
 
