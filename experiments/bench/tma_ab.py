@@ -5,7 +5,8 @@
 Times `sparseflash.attention` in GPU time (CUDA-graph replays), the forward alone and forward +
 backward, with ``launch.TMA_MODE = "off"`` (pointer loads in every kernel, at their tiles),
 ``"on"`` (every kernel's tiles through tensor descriptors, at the TMA tiles where TMA was
-measured faster) and ``"auto"`` (the default: each kernel the faster way), on the same inputs
+measured faster) and ``"auto"`` (the default: `launch._tma_plan`'s rules, e.g. pointer loads
+for calls under ``launch.TMA_MIN_WORK``), on the same inputs
 and masks; it stops if an "on" call ran a kernel on pointer loads.
 bf16, 16 heads, batch * seq = 16K tokens, head_dim 64 and 128, seq 4K and 16K, dense and a
 random block mask at density ~0.1 (3 of 32 blocks of 128 per row at 4K, 13 of 128 at 16K).

@@ -315,8 +315,9 @@ def _rng_args(dropout_p: float, rng: torch.Tensor | None, placeholder: torch.Ten
 
 
 # Tile loads through TMA tensor descriptors (Hopper's bulk copies). "auto": on sm_90+ GPUs, for
-# inputs that allow it (`_tma_plan`), with the tiles measured fastest that way (`_tma_config`;
-# TileConfig.tma) where TMA won, pointer loads elsewhere. "on": TMA wherever the inputs allow
+# inputs that allow it and calls large enough to hide the descriptors' host cost (`_tma_plan`,
+# `_tma_auto`), with the tiles measured fastest that way (`_tma_config`; TileConfig.tma) where
+# TMA won, pointer loads elsewhere. "on": TMA wherever the inputs allow
 # it, whatever the tile, the Triton interpreter included (tests cover the path on CPU with it;
 # tune_tiles times every config both ways with it). "off": never. SPARSEFLASH_TMA sets the
 # starting value.
