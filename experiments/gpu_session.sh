@@ -5,7 +5,8 @@
 # test files and the bench tests, in SHARDS processes), tune (tile search, dense and density 0.1), kernel-check (issue
 # 3's check against the baselines, GPU time and eager), ab (the kernel check, sparseflash only, in
 # GPU time, for the source tree in AB_OLD and for this one), tma (TMA loads vs pointer loads:
-# tma_ab and a tile search per kernel and mode), lra-speed, lra-train. Each stage
+# tma_ab and a tile search per kernel and mode), eager-4k (the kernel check at 4K, eager), host-cost
+# (host time per call, SPARSEFLASH_TMA=off and auto), lra-speed, lra-train. Each stage
 # writes OUT/<stage>/ and a log; everything is packed into OUT/<stage>.tgz so a call brings back
 # few files.
 set -uo pipefail
@@ -58,6 +59,14 @@ for stage in "$@"; do
                      for m in off on; do
                          SPARSEFLASH_TMA=$m $t $py -m sparseflash.experiments.bench.tune_tiles --kinds $kind \
                              --seq-lens 4096 16384 --densities 1 0.1 --rep 40 ${TMA_TUNE_ARGS:-} --out "$d/tune-$kind-$m"
+                     done
+                 done ;;
+        eager-4k) # the kernel check at 4K as a user calls it (host cost included), default loads
+                 $t $py -m sparseflash bench sparsity --preset kernel-check --seq-len 4096 --out "$d" ;;
+        host-cost) # host time per call, pointer loads vs the default (TMA where it is taken), d=64 and 128
+                 for m in off auto; do
+                     for hd in 64 128; do
+                         SPARSEFLASH_TMA=$m $t $py -m sparseflash.experiments.bench.host_cost --head-dim $hd --out "$d/$m-d$hd"
                      done
                  done ;;
         lra-speed) $t $py -m sparseflash lra speed --task all --max-seconds 5 --repeats 5 --out "$d" ;;
