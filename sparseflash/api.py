@@ -9,6 +9,7 @@ import torch
 
 from sparseflash.dropout import check_p as check_dropout_p
 from sparseflash.mask import BlockMask
+from sparseflash.mask import _tracing as _capturing
 
 __all__ = ["attention", "resolve_backend"]
 
@@ -90,12 +91,6 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p):
             if lo < 0 or hi > Nk:
                 raise ValueError(f"key_lengths must lie in [0, seq_k={Nk}], got values in [{lo}, {hi}]")
 
-
-def _capturing() -> bool:
-    """True under torch.compile tracing or CUDA-graph capture, where reading values would sync or break."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | None = None, *,

@@ -54,7 +54,7 @@ def _check_len(value, name: str) -> int:
 
 
 def _tracing() -> bool:
-    """Inside a torch.compile trace or a CUDA-graph capture (where reading a device value breaks them)."""
+    """True under torch.compile tracing or CUDA-graph capture, where reading values would sync or break."""
     return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
@@ -242,17 +242,12 @@ class BlockMask:
             layout = self.layout.to(device)
             kv_num, kv_idx = _sorted_nonzero(layout)
             q_num, q_idx = _sorted_nonzero(layout.transpose(-1, -2))
-            cached = BlockIndex(kv_num, kv_idx, q_num, q_idx, None if _tracing() else self._on_fraction())
+            cached = BlockIndex(kv_num, kv_idx, q_num, q_idx, None if _tracing() else self.density())
             if not torch.compiler.is_compiling():
                 self._index_cache[device] = cached
         elif cached.density is None and not _tracing():
-            cached = self._index_cache[device] = replace(cached, density=self._on_fraction())
+            cached = self._index_cache[device] = replace(cached, density=self.density())
         return cached
-
-    def _on_fraction(self) -> float:
-        """The fraction of the layout's blocks that are on, read from the layout where it lives
-        (no device sync for a layout on the CPU)."""
-        return int(self.layout.sum()) / max(1, self.layout.numel())
 
     def expand_as_heads(self, batch: int, heads: int) -> "BlockMask":
         """A mask whose layout is materialised to ``[batch, heads, QB, KB]``."""

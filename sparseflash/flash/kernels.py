@@ -264,13 +264,20 @@ def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stri
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit
-def _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.constexpr):
-    """A score tile with keys at or past kv_end (and, causal, above the diagonal) set to -inf; the
-    new running max, and the pivot to subtract (0 for rows that have seen no key yet)."""
+def _key_mask(start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] (or [1, BLOCK_N]) bool: key start_n + o_n is attended by query o_m
+    (below kv_end and, causal, on or below the diagonal)."""
     m_s = ((start_n + o_n) < kv_end)[None, :]
     if CAUSAL:
         m_s = m_s & ((start_n + o_n)[None, :] <= o_m[:, None] + causal_off)
-    b_s = tl.where(m_s, b_s, float("-inf"))
+    return m_s
+
+
+@triton.jit
+def _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.constexpr):
+    """A score tile with unattended keys (`_key_mask`) set to -inf; the new running max, and the
+    pivot to subtract (0 for rows that have seen no key yet)."""
+    b_s = tl.where(_key_mask(start_n, o_n, o_m, kv_end, causal_off, CAUSAL), b_s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(b_s, 1))
     return b_s, m_new, tl.where(m_new == float("-inf"), 0.0, m_new)
 
@@ -596,10 +603,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
         b_p = tl.math.exp2(b_s - b_lse[:, None])
         if MASKED:
             if (not TMA) or j >= j_mask:
-                m_s = ((start_n + o_n) < kv_end)[None, :]
-                if CAUSAL:
-                    m_s = m_s & ((start_n + o_n)[None, :] <= o_m[:, None] + causal_off)
-                b_p = tl.where(m_s, b_p, 0.0)
+                b_p = tl.where(_key_mask(start_n, o_n, o_m, kv_end, causal_off, CAUSAL), b_p, 0.0)
         b_dp = _dot(do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
             keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
