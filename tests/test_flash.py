@@ -8,11 +8,14 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from _attn_check import check_attention, make_qkv
 
 import sparseflash
 from sparseflash import BlockMask
 from sparseflash.flash import TileConfig, launch, tile_config
+from sparseflash.flash.kernels import _tf32_round
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -581,6 +584,45 @@ def test_fp32_dots_follow_torch_matmul_precision(monkeypatch):
         assert launch._dot_precision(torch.float32) == "ieee"
     finally:
         torch.set_float32_matmul_precision(saved)
+
+
+def _tf32_nearest(x: torch.Tensor) -> torch.Tensor:
+    """Reference: the tf32 values either side of x (exact in float64), the nearer one, ties to
+    the one with an even last kept bit."""
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    lo_bits = bits & 0xFFFFE000
+    lo = lo_bits.to(torch.int32).view(torch.float32).double()  # toward zero
+    hi = ((lo_bits + 0x2000) & 0xFFFFFFFF).to(torch.int32).view(torch.float32).double()  # away
+    xd = x.double()
+    d_lo, d_hi = (xd - lo).abs(), (hi - xd).abs()
+    even_lo = ((lo_bits >> 13) & 1) == 0
+    pick_lo = (d_lo < d_hi) | ((d_lo == d_hi) & even_lo)
+    return torch.where(pick_lo, lo, hi).float()
+
+
+@triton.jit
+def _tf32_round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, _tf32_round(x), mask=offs < n)
+
+
+def test_tf32_round_is_round_to_nearest_even():
+    """The kernels' fp32 -> tf32 rounding (used before tf32 dots) against an exact reference:
+    random values, values exactly halfway between two tf32 numbers, and the largest floats."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randn(2000, generator=g) * torch.logspace(-30, 30, 2000)
+    base = (torch.randint(0, 2**17, (500,), generator=g) << 13) | (100 << 23)
+    ties = (base | 0x1000).to(torch.int32).view(torch.float32)  # exactly halfway, both parities
+    big = torch.tensor([3.4e38, -3.4e38, 1.0, -1.0, 0.0, 1e-40])
+    x = torch.cat([rand, -rand, ties, big]).contiguous()
+    y = torch.empty_like(x, device=dev)
+    _tf32_round_kernel[(triton.cdiv(x.numel(), 256),)](x.to(dev), y, x.numel(), BLOCK=256)
+    want = _tf32_nearest(x)
+    assert torch.equal(y.cpu(), want)
+    truncated = (x.view(torch.int32) & -0x2000).view(torch.float32)
+    assert (want != truncated).float().mean() > 0.3  # the case the rounding exists for
 
 
 @pytest.mark.gpu

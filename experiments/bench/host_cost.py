@@ -119,16 +119,22 @@ def main(argv=None) -> int:
     def fwd_autograd_grad():
         torch.autograd.grad(sparseflash.attention(qg, kg, vg, mask=mask), (qg, kg, vg), do)
 
+    # the launch rows pass the call's work estimate as the public call does, so that they take
+    # the same load mode (TMA or pointer) under SPARSEFLASH_TMA=auto
+    from sparseflash.flash.function import _work
+
+    density = mask.density() if mask is not None else 1.0
+    work = _work(q, k, density)
     idx = mask.index(dev) if mask is not None else None
     kv_idx, q_idx = (idx.kv_idx, idx.q_idx) if idx is not None else (None, None)
     mb = 128 if mask is not None else None
-    o, lse = launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, 0.0, None)
+    o, lse = launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, 0.0, None, work=work)
 
     def l_fwd():
-        launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, 0.0, None)
+        launch.fwd(q, k, v, kv_idx, None, scale, False, mb, mb, 0.0, None, work=work)
 
     def l_bwd():
-        launch.bwd(do, q, k, v, o, lse, None, kv_idx, q_idx, None, scale, False, mb, mb, 0.0, None)
+        launch.bwd(do, q, k, v, o, lse, None, kv_idx, q_idx, None, scale, False, mb, mb, 0.0, None, work=work)
 
     class _Trivial(torch.autograd.Function):  # the engine's own cost: one Python node, 3 accumulations
         @staticmethod
@@ -147,7 +153,7 @@ def main(argv=None) -> int:
     from sparseflash.flash.function import FlashAttentionFunction
 
     ctx = SimpleNamespace(saved_tensors=(q, k, v, o, lse, torch.empty(3, dtype=torch.int64, device=dev), kv_idx, q_idx,
-                                         None), params=(scale, False, mb or 0, mb or 0, 0.0, -1.0))
+                                         None), params=(scale, False, mb or 0, mb or 0, 0.0, density))
 
     def fn_bwd():
         FlashAttentionFunction.backward(ctx, do, None)

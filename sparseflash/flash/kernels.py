@@ -58,8 +58,20 @@ def _dot(a, b, acc, DOT_PREC: tl.constexpr):
     Triton interpreter's bf16 dot is wrong, so CPU runs of bf16 inputs use this."""
     if DOT_PREC == "upcast":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif DOT_PREC == "tf32" and a.dtype == tl.float32:
+        # tensor cores read the top 19 bits of an fp32 operand (truncation); round to nearest
+        # first, as cuBLAS does: truncating P (all positive) biases every output downwards
+        return tl.dot(_tf32_round(a), _tf32_round(b), acc, input_precision="tf32")
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _tf32_round(x):
+    """fp32 -> nearest tf32 (10 mantissa bits, ties to even), still stored as fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
+    return bits.to(tl.float32, bitcast=True)
 
 
 # The dropout threshold varies with p: never specialise on its value (1 would turn into a

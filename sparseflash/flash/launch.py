@@ -355,14 +355,16 @@ def _tma_layout(shape: tuple, stride: tuple, esz: int, aligned: bool):
 
 
 # Below this many estimated forward FLOPs a call keeps pointer loads in "auto": triton 3.6 builds
-# and encodes every descriptor on the host at each launch. On the H100 (2026-11-23) that made eager
-# 4K d=64 density-0.094 calls (2.6e10 FLOPs, ~0.09 ms of forward on the GPU) host-bound and slower
-# (host_cost fwd+bwd host time 0.93 -> 1.22 ms; eager bench fwd 0.14 -> 0.23 ms, fwd+bwd 0.94 ->
-# 1.25), while at 4K d=128 (5.2e10) eager calls were level (0.170 / 1.007 ms -> 0.177 / 1.020) and
-# graph replays 7-9% faster. The same rule holds inside CUDA-graph capture, so a captured call runs
-# the kernel its eager warm-up loaded (a kernel loaded for the first time during capture fails);
-# CUDA-graph users of small calls who want TMA's 4-5% of GPU time there set TMA_MODE "on".
-TMA_MIN_WORK = 4e10
+# and encodes every descriptor on the host at each launch (12 per fwd+bwd), which makes small
+# eager calls host-bound and slower. H100, 2026-11-23 (experiments/results/host-cost/tma/):
+# 4K d=64 density 0.094 (2.6e10 FLOPs) fwd+bwd host time 0.93-1.14 -> 1.22-1.32 ms with
+# descriptors against 0.46 ms of GPU time; 4K d=128 density 0.094 (5.2e10) 1.00-1.07 -> 1.05-1.53
+# ms against 0.87 -> 0.82 ms of GPU time, so eager calls there gain nothing either. Calls from about
+# 1e11 on have fwd+bwd GPU time beyond the host time, where the 4-9% of GPU time counts. The same
+# rule holds inside CUDA-graph capture, so a captured call runs the kernel its eager warm-up loaded
+# (a kernel loaded for the first time during capture fails); CUDA-graph users of small calls who
+# want TMA's 4-9% of GPU time there set TMA_MODE "on".
+TMA_MIN_WORK = 1e11
 
 
 def _tma_auto(device: torch.device, work: float) -> bool:
