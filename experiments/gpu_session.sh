@@ -6,7 +6,8 @@
 # 3's check against the baselines, GPU time and eager), ab (the kernel check, sparseflash only, in
 # GPU time, for the source tree in AB_OLD and for this one), tma (TMA loads vs pointer loads:
 # tma_ab and a tile search per kernel and mode), eager-4k (the kernel check at 4K, eager), host-cost
-# (host time per call, SPARSEFLASH_TMA=off and auto), lra-speed, lra-train. Each stage
+# (host time per call, SPARSEFLASH_TMA=off and auto), gluon (experiments/bench/gluon_probe.py),
+# lra-speed, lra-train. Each stage
 # writes OUT/<stage>/ and a log; everything is packed into OUT/<stage>.tgz so a call brings back
 # few files.
 set -uo pipefail
@@ -69,6 +70,9 @@ for stage in "$@"; do
                          SPARSEFLASH_TMA=$m $t $py -m sparseflash.experiments.bench.host_cost --head-dim $hd --out "$d/$m-d$hd"
                      done
                  done ;;
+        gluon)   # the Gluon probe: a persistent warp-specialised forward (GLUON_ARGS: extra options,
+                 # e.g. --variant ...), timed beside ours on the same inputs
+                 $t $py -m sparseflash.experiments.bench.gluon_probe --out "$d" ${GLUON_ARGS:-} ;;
         lra-speed) $t $py -m sparseflash lra speed --task all --max-seconds 5 --repeats 5 --out "$d" ;;
         lra-train) $t bash experiments/lra/run_quick.sh "$d" ;;
         *) echo "unknown stage $stage"; exit 2 ;;

@@ -507,3 +507,36 @@ def test_tma_ab_knows_which_path_ran(monkeypatch):
     assert tma_ab._takes_tma(launch, fwd_bwd(q32, k32, v32)) == [False] * 3  # fp32: pointer loads
     monkeypatch.setattr(launch, "TMA_MODE", "off")
     assert tma_ab._takes_tma(launch, fwd_bwd(q, k, v)) == [False] * 3
+
+
+def _gluon_hopper_available() -> bool:
+    try:
+        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means: no gluon for Hopper here
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="needs the ptxas bundled with Linux triton wheels")
+@pytest.mark.skipif(not _gluon_hopper_available(), reason="needs triton.experimental.gluon with its hopper module")
+def test_gluon_probe_compiles_for_hopper():
+    """The Gluon probe's warp-specialised forward compiles for sm_90 without a GPU, at head_dim 64
+    and 128, dense and sparse, with one and two consumer warpgroups: every kernel has its wgmma,
+    its TMA loads and the register hand-over between the loader and the consumers (setmaxnreg),
+    spills nothing and fits the 227 KB of shared memory of a Hopper SM."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "sparseflash.experiments.bench.gluon_probe", "--compile-only", "--json",
+           "--head-dims", "64", "128", "--variant", "128x64:w8:s4", "--variant", "64x64:w4:s2:c2"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr[-3000:]
+    rows = json.loads(lines[-1])
+    assert len(rows) == 8, rows
+    errors = [(r["head_dim"], r["mask"], r["variant"], r["error"]) for r in rows if r["status"] != "ok"]
+    assert not errors, errors
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in rows:
+        where = (r["head_dim"], r["mask"], r["variant"])
+        assert r["wgmma"] > 0 and r["tma_loads"] >= 3 and r["setmaxnreg"], (where, r)
+        assert r["stack"] == 0 and r["local"] == 0, (where, r)
+        assert 0 < r["shared"] <= 227 * 1024, (where, r)

@@ -1,0 +1,512 @@
+"""Can a persistent, warp-specialised Gluon kernel take the fixed cost out of short block-sparse rows? (issue 3)
+
+    python -m sparseflash.experiments.bench.gluon_probe [--head-dims 64 128] [--seq 4096] [--blocks 3]
+        [--variant 128x64:w8:s4] [--out DIR]
+    python -m sparseflash.experiments.bench.gluon_probe --compile-only [--json]   # no GPU needed
+
+Issue 3's last gap is the 4K forward at density ~0.1: rows of ~3 key blocks run at 65-70% of the
+dense rate because each q-tile program pays a fixed cost (Q load, address setup, the K/V
+pipeline's fill and drain, the epilogue) worth ~1.5 blocks of work, which a long dense row
+amortises and a short one cannot. Plain Triton did not hide it (a persistent kernel and
+``tl.range(warp_specialize=True)``, see ws_probe.py). The hypothesis tested here is the
+FlashAttention-3 structure written by hand in Gluon (``triton.experimental.gluon``) for Hopper:
+
+- a persistent grid of G = min(q tiles, SMs x programs per SM) programs; program p takes the
+  q tiles (batch x head, BLOCK_M rows) p, p + G, ...;
+- ``gl.warp_specialize`` with a 1-warp loader partition that TMA-loads Q (two buffers) and K/V
+  (a ring of STAGES buffers) guarded by mbarriers, with ring positions and phases counted over
+  the program's whole tile stream, so the next tile's Q and first K/V blocks are in flight while
+  the current tile's last blocks and epilogue are computed;
+- the default partition (one or two consumer warpgroups) running S = Q K^T with wgmma from
+  shared memory, the online softmax in fp32 registers, O += P V with P as a register operand,
+  and the epilogue (O / l, LSE in natural-log units, +inf for empty rows) with plain stores.
+
+This probe is a measurement, not a kernel of the package: the same stripped forward as
+ws_probe.py (bf16, no causal, key_lengths, dropout or tails; sequence a multiple of 128;
+contiguous [B, H, N, D] inputs; square 128x128 mask blocks read from ``mask.index().kv_idx``),
+timed in GPU time (CUDA-graph replays) beside the package's forward on the same inputs and
+mask, and checked against it (max |difference| of O, and of the LSE). Each variant that fails
+to compile or run is reported with its error instead of stopping the probe.
+
+Variants (``--variant``, repeatable): ``BMxBN:wW:sS[:np][:cC]``, e.g. ``128x64:w8:s4``: q tile of
+BM rows, key sub-tile of BN, W consumer warps (4: one warpgroup, BM >= 64; 8: two, BM = 128), S
+K/V ring stages; ``np``: one program per tile instead of the persistent grid (what persistence
+alone buys); ``cC``: C programs per SM (registers capped to fit).
+
+``--compile-only`` needs no GPU: it compiles every variant for sm_90 with a stand-in driver
+(as inspect_kernels.py does) and prints ok / error, shared memory and registers per variant.
+
+Prints a table; with --out writes gluon_probe_<seq>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+
+__all__ = ["main", "probe_forward", "compile_sm90", "VARIANTS", "parse_variant", "GLUON_ERROR"]
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    # triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 renamed it async_load (same arguments)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    GLUON_ERROR = None
+except Exception as e:  # noqa: BLE001 - no gluon / no hopper module: the probe says so and stops
+    GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MASK_BLOCK = 128  # the probe takes square mask blocks of 128 (and dense = every 128-block)
+LOADER_REGS = 40  # register budget of the 1-warp loader partition (setmaxnreg; 24 is the floor)
+
+if GLUON_ERROR is None:
+    _MB = gl.constexpr(MASK_BLOCK)  # module constants a kernel reads must be constexpr objects
+    _LN2 = gl.constexpr(LN2)
+
+    @gluon.constexpr_function
+    def _list_layout(nb_p2, warps):
+        # a q-block row's block list, spread over the 32 lanes (replicated over warps): counting
+        # its entries is a warp reduction with no shared memory
+        return gl.BlockedLayout([max(1, nb_p2 // 32)], [32], [warps], [0])
+
+    @gluon.jit
+    def _row_blocks(KV_IDX, bh, pm, n_heads, seq, n_kblocks, stride_ib, stride_ih, stride_im,
+                    BLOCK_M: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr, WARPS: gl.constexpr):
+        """(pointer to tile (bh, pm)'s block list, number of key blocks of 128 it lists)."""
+        if DENSE:
+            p_list = KV_IDX
+            n_blk = seq // _MB
+        else:
+            p_list = (KV_IDX + (bh // n_heads) * stride_ib + (bh % n_heads) * stride_ih
+                      + (pm * BLOCK_M // _MB) * stride_im)
+            offs = gl.arange(0, NB_P2, layout=_list_layout(NB_P2, WARPS))
+            blocks = gl.load(p_list + offs, mask=offs < n_kblocks, other=n_kblocks)
+            n_blk = gl.sum((blocks < n_kblocks).to(gl.int32), axis=0)
+        return p_list, n_blk
+
+    @gluon.jit
+    def _loader(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                KV_IDX, n_heads, seq, n_kblocks, stride_ib, stride_ih, stride_im, n_tiles, m_tiles,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
+                STAGES: gl.constexpr):
+        """1 warp: TMA loads of Q (2 buffers) and K/V (STAGES ring) for every tile of this program."""
+        SUB: gl.constexpr = _MB // BLOCK_N
+        it = 0  # K/V loads issued by this program so far, over all its tiles: ring slot and phase
+        n_done = 0  # tiles started so far: Q buffer and phase
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            bh = t // m_tiles
+            pm = t % m_tiles
+            row0 = bh * seq  # first row of this (batch, head) in the [B*H*seq, D] views
+            qi = n_done % 2
+            # a fresh mbarrier counts as having completed the phase before phase 0, so the first
+            # wait on an "empty" barrier (parity 1) passes at once
+            mbarrier.wait(q_empty.index(qi), ((n_done // 2) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qi), desc_q.block_type.nbytes)
+            _tma_load(desc_q, [row0 + pm * BLOCK_M, 0], q_ready.index(qi), q_bufs.index(qi))
+            p_list, n_blk = _row_blocks(KV_IDX, bh, pm, n_heads, seq, n_kblocks, stride_ib, stride_ih, stride_im,
+                                        BLOCK_M, NB_P2, DENSE, 1)
+            for j in range(n_blk * SUB):
+                if DENSE:
+                    start_n = j * BLOCK_N
+                else:
+                    start_n = gl.load(p_list + j // SUB) * _MB + (j % SUB) * BLOCK_N
+                s = it % STAGES
+                mbarrier.wait(kv_empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
+                _tma_load(desc_k, [row0 + start_n, 0], k_ready.index(s), k_bufs.index(s))
+                mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
+                _tma_load(desc_v, [row0 + start_n, 0], v_ready.index(s), v_bufs.index(s))
+                it += 1
+            n_done += 1
+
+    @gluon.jit
+    def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
+                  KV_IDX, n_heads, seq, n_kblocks, stride_ib, stride_ih, stride_im, n_tiles, m_tiles, qk_scale,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NB_P2: gl.constexpr,
+                  DENSE: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+        """The default partition (WARPS warps): wgmma, online softmax and epilogue of every tile."""
+        SUB: gl.constexpr = _MB // BLOCK_N
+        # wgmma accumulators: warps stacked along M (16 rows each per instruction); S is
+        # [BLOCK_M, BLOCK_N], O is [BLOCK_M, HEAD_DIM]; P feeds the second wgmma from registers
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        rows_o = gl.arange(0, BLOCK_M, layout=row_o)
+        cols_o = gl.arange(0, HEAD_DIM, layout=col_o)
+        rows_s = gl.arange(0, BLOCK_M, layout=row_s)
+        it = 0
+        n_done = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            bh = t // m_tiles
+            pm = t % m_tiles
+            n_blk = _row_blocks(KV_IDX, bh, pm, n_heads, seq, n_kblocks, stride_ib, stride_ih, stride_im,
+                                   BLOCK_M, NB_P2, DENSE, WARPS)[1]
+            qi = n_done % 2
+            mbarrier.wait(q_ready.index(qi), (n_done // 2) & 1)
+            q_s = q_bufs.index(qi)
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+            l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+            for j in range(n_blk * SUB):
+                s = it % STAGES
+                phase = (it // STAGES) & 1
+                k_s = k_bufs.index(s)
+                v_s = v_bufs.index(s)
+                mbarrier.wait(k_ready.index(s), phase)
+                qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_s, k_s))[0]
+                sc = qk * qk_scale  # log2 domain
+                m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+                p = gl.exp2(sc - gl.expand_dims(m_new, 1))
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+                mbarrier.wait(v_ready.index(s), phase)
+                acc = warpgroup_mma(p_op, v_s, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_s))[0]
+                mbarrier.arrive(kv_empty.index(s))  # K and V of slot s are read: the loader may refill it
+                it += 1
+            mbarrier.arrive(q_empty.index(qi))
+            empty = l_i == 0.0
+            l_safe = gl.where(empty, 1.0, l_i)
+            o = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+            row0 = bh.to(gl.int64) * seq + pm * BLOCK_M
+            o_ptrs = O + (row0 + gl.expand_dims(rows_o, 1)) * HEAD_DIM + gl.expand_dims(cols_o, 0)
+            gl.store(o_ptrs, o.to(gl.bfloat16))
+            lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * _LN2)
+            gl.store(LSE + row0 + rows_s, lse)
+            n_done += 1
+
+    @gluon.jit
+    def _gluon_fwd(desc_q, desc_k, desc_v, O, LSE, KV_IDX, n_heads, seq, n_kblocks, qk_scale, n_tiles,
+                   stride_ib, stride_ih, stride_im,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NB_P2: gl.constexpr,
+                   DENSE: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        m_tiles = seq // BLOCK_M
+        q_bufs = gl.allocate_shared_memory(desc_q.dtype, [2, BLOCK_M, HEAD_DIM], desc_q.layout)
+        k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
+        v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=1)
+        fence_async_shared()  # the barriers' initialisation is visible to TMA before the first load
+        gl.warp_specialize([
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
+                         KV_IDX, n_heads, seq, n_kblocks, stride_ib, stride_ih, stride_im, n_tiles, m_tiles, qk_scale,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, NB_P2, DENSE, STAGES, num_warps)),
+            (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                       KV_IDX, n_heads, seq, n_kblocks, stride_ib, stride_ih, stride_im, n_tiles, m_tiles,
+                       BLOCK_M, BLOCK_N, NB_P2, DENSE, STAGES)),
+        ], [1], [LOADER_REGS])
+
+
+def _maxnreg(num_warps: int, ctas_per_sm: int) -> int | None:
+    """Per-thread register cap so ctas_per_sm programs of num_warps consumer warps plus the loader
+    (which rounds up to a warpgroup of 4 warps) fit the 64K-register file; None = no cap needed."""
+    regs = min(256, 65536 // ((num_warps + 4) * 32 * ctas_per_sm)) // 8 * 8
+    return None if regs >= 256 else regs
+
+
+def probe_forward(q, k, v, mask, block_m: int, block_n: int, num_warps: int, stages: int, persistent: bool = True,
+                  ctas_per_sm: int = 1, num_sms: int | None = None):
+    """The probe's forward: (o, lse) for contiguous bf16 [B, H, N, D] inputs and an optional BlockMask."""
+    if GLUON_ERROR is not None:
+        raise RuntimeError(f"triton.experimental.gluon (hopper) is unavailable: {GLUON_ERROR}")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, H, N, D = q.shape
+    if N % MASK_BLOCK or not q.is_contiguous() or k.shape != q.shape or q.dtype != torch.bfloat16:
+        raise ValueError("the probe takes contiguous bf16 self-attention inputs with seq a multiple of 128")
+    if D not in (64, 128) or MASK_BLOCK % block_m or MASK_BLOCK % block_n or block_m % (16 * num_warps):
+        raise ValueError(f"unsupported tile {block_m}x{block_n} w{num_warps} for head_dim {D}")
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, N, device=q.device, dtype=torch.float32)
+    qv, kv_, vv = (t.view(B * H * N, D) for t in (q, k, v))
+    lay_m = gl.NVMMASharedLayout.get_default_for([block_m, D], gl.bfloat16)
+    lay_n = gl.NVMMASharedLayout.get_default_for([block_n, D], gl.bfloat16)
+    dq = TensorDescriptor.from_tensor(qv, [block_m, D], lay_m)
+    dk = TensorDescriptor.from_tensor(kv_, [block_n, D], lay_n)
+    dv = TensorDescriptor.from_tensor(vv, [block_n, D], lay_n)
+    if mask is None:
+        idx, strides, nb_p2, n_kb = q, (0, 0, 0), 2, N // MASK_BLOCK
+    else:
+        bq, bk = mask.block_size
+        if (bq, bk) != (MASK_BLOCK, MASK_BLOCK):
+            raise ValueError(f"the probe needs square mask blocks of {MASK_BLOCK}, got {mask.block_size}")
+        idx = mask.index(q.device).kv_idx
+        idx = idx.expand(B, H, *idx.shape[-2:])
+        strides, nb_p2, n_kb = idx.stride()[:3], triton.next_power_of_2(idx.shape[-1]), idx.shape[-1]
+    n_tiles = B * H * (N // block_m)
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    grid = min(n_tiles, num_sms * ctas_per_sm) if persistent else n_tiles
+    _gluon_fwd[(grid,)](
+        dq, dk, dv, o, lse, idx, H, N, n_kb, (D ** -0.5) * LOG2E, n_tiles, *strides,
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, NB_P2=max(2, nb_p2), DENSE=mask is None, STAGES=stages,
+        LOADER_REGS=LOADER_REGS, num_warps=num_warps, maxnreg=_maxnreg(num_warps, ctas_per_sm),
+    )
+    return o, lse
+
+
+# (block_m, block_n, num_warps, stages, persistent, ctas_per_sm); --variant takes "128x64:w8:s4[:np][:c2]"
+# w8 = two consumer warpgroups sharing a 128-row tile; w4 = one warpgroup on a 64-row tile.
+# Shared memory is 2 Q buffers + STAGES x (K + V): at d=128, 128x64 s4 and 128x128 s2 take 192 KB.
+VARIANTS = [(128, 64, 8, 4, True, 1), (128, 128, 8, 2, True, 1), (64, 64, 4, 4, True, 1),
+            (64, 128, 4, 2, True, 1), (64, 64, 4, 2, True, 2), (128, 64, 8, 4, False, 1)]
+
+
+def variant_label(bm, bn, w, st, persistent, ctas) -> str:
+    return f"gluon {bm}x{bn} w{w} s{st}{'' if persistent else ' np'}{f' c{ctas}' if ctas > 1 else ''}"
+
+
+def parse_variant(spec: str) -> tuple:
+    """"128x64:w8:s4[:np][:c2]" -> (128, 64, 8, 4, persistent, ctas_per_sm)."""
+    parts = spec.split(":")
+    try:
+        bm, bn = (int(x) for x in parts[0].split("x"))
+        opts = {p[0]: int(p[1:]) for p in parts[1:] if p[:1] in "wsc" and p[1:].isdigit()}
+        flags = {p for p in parts[1:] if not (p[:1] in "wsc" and p[1:].isdigit())}
+        if not flags <= {"np"} or not {"w", "s"} <= set(opts) or bm not in (64, 128) or bn not in (64, 128):
+            raise ValueError
+        if bm < 16 * opts["w"] or opts["w"] not in (4, 8) or opts["s"] < 1 or opts.get("c", 1) < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--variant must look like 128x64:w8:s4[:np][:c2] (tiles 64 or 128, w4 or w8, "
+                         f"block_m >= 16 x warps), got {spec!r}") from None
+    return bm, bn, opts["w"], opts["s"], "np" not in flags, opts.get("c", 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# compiling for sm_90 without a GPU
+
+
+def compile_sm90(head_dim: int, block_m: int, block_n: int, warps: int, stages: int, ctas_per_sm: int = 1,
+                 dense: bool = False, seq: int = 4096, blocks: int = 3, batch: int = 1, heads: int = 16):
+    """Compile the probe kernel for sm_90 on any machine (a stand-in driver, no launch): returns
+    the CompiledKernel. Launches the real host path on CPU tensors so the signature, descriptor
+    types and integer specialisations are what a GPU run at this shape compiles (triton
+    specialises integer arguments equal to 1 or divisible by 16)."""
+    import os
+
+    from triton import knobs
+
+    from sparseflash.experiments.bench.inspect_kernels import _HopperStandIn
+    from sparseflash.patterns import random as random_mask
+
+    if GLUON_ERROR is not None:
+        raise RuntimeError(f"triton.experimental.gluon (hopper) is unavailable: {GLUON_ERROR}")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("TRITON_INTERPRET is set: gluon kernels only compile; unset it")
+    compiled = {}
+
+    def hook(*, fn, compile, **_):
+        jf = fn.jit_function
+        src_cls = getattr(jf, "ASTSource", None)
+        if src_cls is None or src_cls.__name__ != "GluonASTSource":
+            from triton.experimental.gluon._runtime import GluonASTSource as src_cls
+        src = src_cls(jf, compile["signature"], compile["constants"], compile["configs"][0])
+        opts = dict(num_warps=compile["num_warps"], num_stages=compile["num_stages"], num_ctas=compile["num_ctas"])
+        maxnreg = json.loads(compile["specialization_data"]).get("options", {}).get("maxnreg")
+        if maxnreg:
+            opts["maxnreg"] = maxnreg
+        compiled["kernel"] = triton.compile(src, target=_HopperStandIn().target, options=opts)
+        return True  # compiled here: skip the launch
+
+    B, H, N, D = batch, heads, seq, head_dim
+    q, k, v = (torch.empty(B, H, N, D, dtype=torch.bfloat16) for _ in range(3))
+    mask = None if dense else random_mask(N, blocks, block_size=MASK_BLOCK, seed=0, device="cpu")
+    saved_hook, saved_driver = knobs.runtime.jit_cache_hook, triton.runtime.driver._active
+    triton.runtime.driver.set_active(_HopperStandIn())
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        probe_forward(q, k, v, mask, block_m, block_n, warps, stages, True, ctas_per_sm, num_sms=132)
+    finally:
+        knobs.runtime.jit_cache_hook = saved_hook
+        triton.runtime.driver._active = saved_driver
+    if "kernel" not in compiled:
+        raise RuntimeError("the compile hook was not called (kernel already in the cache?)")
+    return compiled["kernel"]
+
+
+def compiled_report(ck) -> dict:
+    """Shared memory, registers, spills and the instruction families that show the design is in place."""
+    from sparseflash.experiments.bench.inspect_kernels import _resources
+
+    ptx = ck.asm["ptx"]
+    res = _resources(ck.asm["cubin"])
+    return dict(shared=ck.metadata.shared, regs=res["regs"], stack=res["stack"], local=res["local"],
+                setmaxnreg="/".join(sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)), key=int)),
+                wgmma=len(re.findall(r"wgmma\.mma_async", ptx)), tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)))
+
+
+def _error_text(e: BaseException) -> str:
+    """The exception and, for compiler errors, the innermost cause (where the real message is)."""
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    inner = e
+    while inner.__cause__ is not None or (inner.__context__ is not None and not inner.__suppress_context__):
+        inner = inner.__cause__ or inner.__context__
+    if inner is not e:
+        text = text[-1500:] + "\ninnermost: " + "".join(traceback.format_exception_only(type(inner), inner)).strip()
+    return text[-2500:]
+
+
+def compile_only(head_dims, variants, seq: int, blocks: int, as_json: bool) -> int:
+    rows = []
+    for d in head_dims:
+        for var in variants:
+            bm, bn, w, st, persistent, ctas = var
+            for dense in (False, True):
+                row = dict(head_dim=d, mask="dense" if dense else f"{blocks}/row", variant=variant_label(*var),
+                           status="ok", error=None)
+                try:
+                    row.update(compiled_report(compile_sm90(d, bm, bn, w, st, ctas, dense, seq, blocks)))
+                except Exception as e:  # noqa: BLE001 - a probe reports every failure and goes on
+                    row["status"] = "error"
+                    row["error"] = _error_text(e)
+                rows.append(row)
+                if not as_json:
+                    if row["error"]:
+                        print(f"d={d:3d} {row['mask']:7s} {row['variant']:26s} ERROR: "
+                              f"{row['error'].splitlines()[-1][:300]}", flush=True)
+                    else:
+                        print(f"d={d:3d} {row['mask']:7s} {row['variant']:26s} ok  shared {row['shared'] // 1024:4d} KB"
+                              f"  regs {row['regs']}  setmaxnreg {row['setmaxnreg'] or '-'}  stack {row['stack']}"
+                              f"  wgmma {row['wgmma']}  tma {row['tma_loads']}", flush=True)
+    if as_json:
+        print(json.dumps(rows))
+    import gc
+
+    gc.collect()  # compiled kernels left to interpreter exit make triton 3.9's bindings report leaks
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--blocks", type=int, default=3, help="key blocks of 128 per q-block row of the sparse mask")
+    ap.add_argument("--variant", action="append", default=None, metavar="SPEC",
+                    help="a probe variant, 128x64:w8:s4[:np][:c2] (repeatable; default: the built-in list); "
+                         "np: one program per tile instead of persistent; c2: two programs per SM")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--compile-only", action="store_true",
+                    help="no GPU: compile every variant for sm_90 and report shared memory and registers")
+    ap.add_argument("--json", action="store_true", help="with --compile-only: print the rows as JSON")
+    args = ap.parse_args(argv)
+    try:
+        variants = [parse_variant(v) for v in args.variant] if args.variant else VARIANTS
+    except ValueError as e:
+        ap.error(str(e))
+    if args.seq % MASK_BLOCK:
+        ap.error("--seq must be a multiple of 128")
+    if GLUON_ERROR is not None:
+        ap.error(f"needs triton.experimental.gluon with its hopper module: {GLUON_ERROR}")
+    if args.compile_only:
+        return compile_only(args.head_dims, variants, args.seq, args.blocks, args.json)
+
+    import sparseflash
+    from sparseflash.experiments.bench.results import environment
+    from sparseflash.experiments.bench.timing import graph_ms
+    from sparseflash.patterns import random as random_mask
+
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (or --compile-only)")
+    if torch.cuda.get_device_capability()[0] != 9:
+        ap.error("the probe's kernel is Hopper-only (wgmma): needs an sm_90 GPU")
+    N, H = args.seq, 16
+    B = max(1, 16384 // N)
+    rows = []
+    torch.manual_seed(0)
+    sparse = random_mask(N, args.blocks, block_size=MASK_BLOCK, seed=0, device="cuda")
+    for d in args.head_dims:
+        q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for name, mask in (("dense", None), (f"{args.blocks}/row", sparse)):
+            with torch.no_grad():
+                ref, ref_lse = sparseflash.attention(q, k, v, mask=mask, return_lse=True)
+                base_ms = graph_ms(lambda: sparseflash.attention(q, k, v, mask=mask))
+            rows.append(dict(head_dim=d, mask=name, variant="sparseflash", ms=base_ms, max_diff=0.0, error=None))
+            print(f"d={d} {name:7s} {'sparseflash':26s} {base_ms:.4f} ms", flush=True)
+            for var in variants:
+                bm, bn, w, st, persistent, ctas = var
+                label = variant_label(*var)
+                row = dict(head_dim=d, mask=name, variant=label, block_m=bm, block_n=bn, num_warps=w, stages=st,
+                           persistent=persistent, ctas_per_sm=ctas, ms=None, max_diff=None, lse_diff=None, error=None)
+                try:
+                    o, lse = probe_forward(q, k, v, mask, bm, bn, w, st, persistent, ctas)
+                    torch.cuda.synchronize()
+                    row["max_diff"] = float((o.float() - ref.float()).abs().max())
+                    fin = torch.isfinite(ref_lse)
+                    same_inf = bool(torch.equal(fin, torch.isfinite(lse)))
+                    row["lse_diff"] = float((lse[fin] - ref_lse[fin].float()).abs().max()) if same_inf else float("inf")
+                    row["ms"] = graph_ms(lambda: probe_forward(q, k, v, mask, bm, bn, w, st, persistent, ctas))
+                    print(f"d={d} {name:7s} {label:26s} {row['ms']:.4f} ms ({100 * base_ms / row['ms']:.0f}% of "
+                          f"sparseflash's speed), max |diff| {row['max_diff']:.2e}"
+                          f", lse {row['lse_diff']:.1e}", flush=True)
+                except Exception as e:  # noqa: BLE001 - a probe reports every failure and goes on
+                    row["error"] = _error_text(e)
+                    print(f"d={d} {name:7s} {label:26s} FAILED: {row['error'].splitlines()[-1][:200]}", flush=True)
+                rows.append(row)
+    base = {(r["head_dim"], r["mask"]): r["ms"] for r in rows if r["variant"] == "sparseflash"}
+    print(f"\n{'d':>3s} {'mask':7s} {'variant':26s} {'ms':>8s} {'vs sparseflash':>14s} {'max |diff|':>10s}")
+    for r in rows:
+        if r["variant"] == "sparseflash":
+            continue
+        if r["ms"] is None:
+            print(f"{r['head_dim']:3d} {r['mask']:7s} {r['variant']:26s} {'failed':>8s}")
+            continue
+        print(f"{r['head_dim']:3d} {r['mask']:7s} {r['variant']:26s} {r['ms']:8.4f} "
+              f"{100 * base[(r['head_dim'], r['mask'])] / r['ms']:13.0f}% {r['max_diff']:10.2e}")
+    dense_ms = {r["head_dim"]: r["ms"] for r in rows if r["mask"] == "dense" and r["variant"] == "sparseflash"}
+    sparse_name = f"{args.blocks}/row"
+    print("\nrate of the sparse mask relative to each implementation's own dense time (the 80% bar):")
+    for d in args.head_dims:
+        for variant in dict.fromkeys(r["variant"] for r in rows if r["head_dim"] == d):
+            t = {r["mask"]: r["ms"] for r in rows if r["head_dim"] == d and r["variant"] == variant}
+            if None in t.values() or len(t) < 2:
+                continue
+            frac = args.blocks / (N // MASK_BLOCK)
+            pct = 100 * t["dense"] * frac / t[sparse_name]
+            vs = 100 * dense_ms[d] * frac / t[sparse_name]
+            print(f"  d={d} {variant:26s} sparse {t[sparse_name]:.4f} ms: {pct:.0f}% of its dense rate, "
+                  f"{vs:.0f}% of sparseflash's dense rate")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"gluon_probe_{N}.json").write_text(json.dumps({"meta": environment(torch.device("cuda")),
+                                                              "args": vars(args), "rows": rows}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
