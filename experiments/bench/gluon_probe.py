@@ -28,10 +28,12 @@ timed in GPU time (CUDA-graph replays) beside the package's forward on the same 
 mask, and checked against it (max |difference| of O, and of the LSE). Each variant that fails
 to compile or run is reported with its error instead of stopping the probe.
 
-Variants (``--variant``, repeatable): ``BMxBN:wW:sS[:np][:cC]``, e.g. ``128x64:w8:s4``: q tile of
-BM rows, key sub-tile of BN, W consumer warps (4: one warpgroup, BM >= 64; 8: two, BM = 128), S
-K/V ring stages; ``np``: one program per tile instead of the persistent grid (what persistence
-alone buys); ``cC``: C programs per SM (registers capped to fit).
+Variants (``--variant``, repeatable): ``BMxBN:wW:sS[:np][:cC][:ov]``, e.g. ``128x64:w8:s4``: q tile
+of BM rows, key sub-tile of BN, W consumer warps (4: one warpgroup, BM >= 64; 8: two, BM = 128),
+S K/V ring stages; ``np``: one program per tile instead of the persistent grid (what persistence
+alone buys); ``cC``: C programs per SM (registers capped to fit); ``ov``: FlashAttention-3's
+in-warpgroup overlap, S_j = Q K_j^T issued before P_{j-1} V_{j-1} and the softmax of S_j computed
+while that second wgmma runs (without it each wgmma is waited on at once).
 
 ``--compile-only`` needs no GPU: it compiles every variant for sm_90 with a stand-in driver
 (as inspect_kernels.py does) and prints ok / error, shared memory and registers per variant.
@@ -46,11 +48,12 @@ import json
 import re
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
 
-__all__ = ["main", "probe_forward", "compile_sm90", "VARIANTS", "parse_variant", "GLUON_ERROR"]
+__all__ = ["main", "probe_forward", "compile_sm90", "Variant", "VARIANTS", "parse_variant", "GLUON_ERROR"]
 
 try:
     from triton.experimental import gluon
@@ -133,7 +136,7 @@ if GLUON_ERROR is None:
     def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                   KV_IDX, n_heads, seq, n_kblocks, stride_ib, stride_ih, stride_im, n_tiles, m_tiles, qk_scale,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NB_P2: gl.constexpr,
-                  DENSE: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+                  DENSE: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, OVERLAP: gl.constexpr):
         """The default partition (WARPS warps): wgmma, online softmax and epilogue of every tile."""
         SUB: gl.constexpr = _MB // BLOCK_N
         # wgmma accumulators: warps stacked along M (16 rows each per instruction); S is
@@ -163,27 +166,76 @@ if GLUON_ERROR is None:
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-            for j in range(n_blk * SUB):
-                s = it % STAGES
-                phase = (it // STAGES) & 1
-                k_s = k_bufs.index(s)
-                v_s = v_bufs.index(s)
-                mbarrier.wait(k_ready.index(s), phase)
-                qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_s, k_s))[0]
-                sc = qk * qk_scale  # log2 domain
-                m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-                p = gl.exp2(sc - gl.expand_dims(m_new, 1))
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-                mbarrier.wait(v_ready.index(s), phase)
-                acc = warpgroup_mma(p_op, v_s, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_s))[0]
-                mbarrier.arrive(kv_empty.index(s))  # K and V of slot s are read: the loader may refill it
-                it += 1
+            n_steps = n_blk * SUB
+            if OVERLAP:
+                # FlashAttention-3's in-warpgroup overlap: step j issues S_j = Q K_j^T, then
+                # O += P_{j-1} V_{j-1}, and computes the softmax of S_j while that second wgmma
+                # runs; O is rescaled once it has finished. Step 0 only computes S_0 and P_0.
+                if n_steps > 0:
+                    s = it % STAGES
+                    mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
+                    qk = warpgroup_mma(q_s, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_s))[0]
+                    sc = qk * qk_scale
+                    m_i = gl.max(sc, axis=1)
+                    p = gl.exp2(sc - gl.expand_dims(m_i, 1))
+                    l_i = gl.sum(p, axis=1)
+                    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+                    s_prev = s
+                    ph_prev = (it // STAGES) & 1
+                    it += 1
+                    for j in range(1, n_steps):
+                        s = it % STAGES
+                        k_s = k_bufs.index(s)
+                        v_prev = v_bufs.index(s_prev)
+                        mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
+                        qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                        mbarrier.wait(v_ready.index(s_prev), ph_prev)
+                        acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+                        # wgmma groups retire in order: S_j is done, P_{j-1} V_{j-1} may still run
+                        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_s, k_s))[0]
+                        sc = qk * qk_scale
+                        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+                        p = gl.exp2(sc - gl.expand_dims(m_new, 1))
+                        alpha = gl.exp2(m_i - m_new)
+                        l_i = l_i * alpha + gl.sum(p, axis=1)
+                        m_i = m_new
+                        p_next = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+                        # p_op (registers read by the running wgmma) stays live until it retires
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_prev, p_op))[0]
+                        p_op = p_next
+                        mbarrier.arrive(kv_empty.index(s_prev))
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                        s_prev = s
+                        ph_prev = (it // STAGES) & 1
+                        it += 1
+                    mbarrier.wait(v_ready.index(s_prev), ph_prev)
+                    v_prev = v_bufs.index(s_prev)
+                    acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_prev, p_op))[0]
+                    mbarrier.arrive(kv_empty.index(s_prev))
+            else:
+                for j in range(n_steps):
+                    s = it % STAGES
+                    phase = (it // STAGES) & 1
+                    k_s = k_bufs.index(s)
+                    v_s = v_bufs.index(s)
+                    mbarrier.wait(k_ready.index(s), phase)
+                    qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_s, k_s))[0]
+                    sc = qk * qk_scale  # log2 domain
+                    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+                    p = gl.exp2(sc - gl.expand_dims(m_new, 1))
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha + gl.sum(p, axis=1)
+                    m_i = m_new
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+                    mbarrier.wait(v_ready.index(s), phase)
+                    acc = warpgroup_mma(p_op, v_s, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_s))[0]
+                    mbarrier.arrive(kv_empty.index(s))  # K and V of slot s are read: the loader may refill it
+                    it += 1
             mbarrier.arrive(q_empty.index(qi))
             empty = l_i == 0.0
             l_safe = gl.where(empty, 1.0, l_i)
@@ -199,7 +251,8 @@ if GLUON_ERROR is None:
     def _gluon_fwd(desc_q, desc_k, desc_v, O, LSE, KV_IDX, n_heads, seq, n_kblocks, qk_scale, n_tiles,
                    stride_ib, stride_ih, stride_im,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NB_P2: gl.constexpr,
-                   DENSE: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                   DENSE: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, OVERLAP: gl.constexpr,
+                   num_warps: gl.constexpr):
         m_tiles = seq // BLOCK_M
         q_bufs = gl.allocate_shared_memory(desc_q.dtype, [2, BLOCK_M, HEAD_DIM], desc_q.layout)
         k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
@@ -220,7 +273,7 @@ if GLUON_ERROR is None:
         gl.warp_specialize([
             (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty, O, LSE,
                          KV_IDX, n_heads, seq, n_kblocks, stride_ib, stride_ih, stride_im, n_tiles, m_tiles, qk_scale,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, NB_P2, DENSE, STAGES, num_warps)),
+                         HEAD_DIM, BLOCK_M, BLOCK_N, NB_P2, DENSE, STAGES, num_warps, OVERLAP)),
             (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, kv_empty,
                        KV_IDX, n_heads, seq, n_kblocks, stride_ib, stride_ih, stride_im, n_tiles, m_tiles,
                        BLOCK_M, BLOCK_N, NB_P2, DENSE, STAGES)),
@@ -234,9 +287,9 @@ def _maxnreg(num_warps: int, ctas_per_sm: int) -> int | None:
     return None if regs >= 256 else regs
 
 
-def probe_forward(q, k, v, mask, block_m: int, block_n: int, num_warps: int, stages: int, persistent: bool = True,
-                  ctas_per_sm: int = 1, num_sms: int | None = None):
+def probe_forward(q, k, v, mask, var: Variant, num_sms: int | None = None):
     """The probe's forward: (o, lse) for contiguous bf16 [B, H, N, D] inputs and an optional BlockMask."""
+    block_m, block_n, num_warps, stages, persistent, ctas_per_sm, overlap = var
     if GLUON_ERROR is not None:
         raise RuntimeError(f"triton.experimental.gluon (hopper) is unavailable: {GLUON_ERROR}")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -270,45 +323,60 @@ def probe_forward(q, k, v, mask, block_m: int, block_n: int, num_warps: int, sta
     _gluon_fwd[(grid,)](
         dq, dk, dv, o, lse, idx, H, N, n_kb, (D ** -0.5) * LOG2E, n_tiles, *strides,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, NB_P2=max(2, nb_p2), DENSE=mask is None, STAGES=stages,
-        LOADER_REGS=LOADER_REGS, num_warps=num_warps, maxnreg=_maxnreg(num_warps, ctas_per_sm),
+        LOADER_REGS=LOADER_REGS, OVERLAP=overlap, num_warps=num_warps, maxnreg=_maxnreg(num_warps, ctas_per_sm),
     )
     return o, lse
 
 
-# (block_m, block_n, num_warps, stages, persistent, ctas_per_sm); --variant takes "128x64:w8:s4[:np][:c2]"
-# w8 = two consumer warpgroups sharing a 128-row tile; w4 = one warpgroup on a 64-row tile.
-# Shared memory is 2 Q buffers + STAGES x (K + V): at d=128, 128x64 s4 and 128x128 s2 take 192 KB.
-VARIANTS = [(128, 64, 8, 4, True, 1), (128, 128, 8, 2, True, 1), (64, 64, 4, 4, True, 1),
-            (64, 128, 4, 2, True, 1), (64, 64, 4, 2, True, 2), (128, 64, 8, 4, False, 1)]
+class Variant(NamedTuple):
+    """One probe configuration; ``--variant`` spells it "128x64:w8:s4[:np][:c2][:ov]"."""
+
+    block_m: int  # q tile rows
+    block_n: int  # key sub-tile
+    warps: int  # consumer warps: 4 = one warpgroup on a 64-row tile, 8 = two sharing a 128-row tile
+    stages: int  # K/V ring slots
+    persistent: bool = True  # False ("np"): one program per tile (what persistence alone buys)
+    ctas: int = 1  # programs per SM ("c2"), registers capped to fit
+    overlap: bool = False  # "ov": S_j's softmax runs while P_{j-1} V_{j-1} is on the tensor cores
+
+    @property
+    def label(self) -> str:
+        return (f"gluon {self.block_m}x{self.block_n} w{self.warps} s{self.stages}"
+                f"{'' if self.persistent else ' np'}{f' c{self.ctas}' if self.ctas > 1 else ''}"
+                f"{' ov' if self.overlap else ''}")
 
 
-def variant_label(bm, bn, w, st, persistent, ctas) -> str:
-    return f"gluon {bm}x{bn} w{w} s{st}{'' if persistent else ' np'}{f' c{ctas}' if ctas > 1 else ''}"
+# Shared memory is 2 Q buffers + STAGES x (K + V): at d=128, 128x64 s4 and 128x128 s2 take 192 KB;
+# two programs per SM must fit in 227 KB together. The first H100 run (results/gluon/, _v1) had
+# the first six, without the overlap; the best sparse times came from 64x64 w4 s2 c2.
+VARIANTS = [Variant(128, 64, 8, 4), Variant(128, 128, 8, 2), Variant(64, 64, 4, 2, ctas=2),
+            Variant(128, 64, 8, 4, overlap=True), Variant(128, 128, 8, 2, overlap=True),
+            Variant(64, 64, 4, 2, ctas=2, overlap=True), Variant(64, 64, 4, 3, ctas=2, overlap=True),
+            Variant(64, 128, 4, 2, overlap=True)]
 
 
-def parse_variant(spec: str) -> tuple:
-    """"128x64:w8:s4[:np][:c2]" -> (128, 64, 8, 4, persistent, ctas_per_sm)."""
+def parse_variant(spec: str) -> Variant:
+    """"128x64:w8:s4[:np][:c2][:ov]" -> Variant(128, 64, 8, 4, persistent, ctas, overlap)."""
     parts = spec.split(":")
     try:
         bm, bn = (int(x) for x in parts[0].split("x"))
         opts = {p[0]: int(p[1:]) for p in parts[1:] if p[:1] in "wsc" and p[1:].isdigit()}
         flags = {p for p in parts[1:] if not (p[:1] in "wsc" and p[1:].isdigit())}
-        if not flags <= {"np"} or not {"w", "s"} <= set(opts) or bm not in (64, 128) or bn not in (64, 128):
+        if not flags <= {"np", "ov"} or not {"w", "s"} <= set(opts) or bm not in (64, 128) or bn not in (64, 128):
             raise ValueError
         if bm < 16 * opts["w"] or opts["w"] not in (4, 8) or opts["s"] < 1 or opts.get("c", 1) < 1:
             raise ValueError
     except ValueError:
-        raise ValueError(f"--variant must look like 128x64:w8:s4[:np][:c2] (tiles 64 or 128, w4 or w8, "
+        raise ValueError(f"--variant must look like 128x64:w8:s4[:np][:c2][:ov] (tiles 64 or 128, w4 or w8, "
                          f"block_m >= 16 x warps), got {spec!r}") from None
-    return bm, bn, opts["w"], opts["s"], "np" not in flags, opts.get("c", 1)
+    return Variant(bm, bn, opts["w"], opts["s"], "np" not in flags, opts.get("c", 1), "ov" in flags)
 
 
 # ---------------------------------------------------------------------------------------------
 # compiling for sm_90 without a GPU
 
 
-def compile_sm90(head_dim: int, block_m: int, block_n: int, warps: int, stages: int, ctas_per_sm: int = 1,
-                 dense: bool = False, seq: int = 4096, blocks: int = 3, batch: int = 1, heads: int = 16):
+def compile_sm90(head_dim: int, var: Variant, dense: bool = False, seq: int = 4096, blocks: int = 3, batch: int = 1, heads: int = 16):
     """Compile the probe kernel for sm_90 on any machine (a stand-in driver, no launch): returns
     the CompiledKernel. Launches the real host path on CPU tensors so the signature, descriptor
     types and integer specialisations are what a GPU run at this shape compiles (triton
@@ -346,7 +414,7 @@ def compile_sm90(head_dim: int, block_m: int, block_n: int, warps: int, stages: 
     triton.runtime.driver.set_active(_HopperStandIn())
     knobs.runtime.jit_cache_hook = hook
     try:
-        probe_forward(q, k, v, mask, block_m, block_n, warps, stages, True, ctas_per_sm, num_sms=132)
+        probe_forward(q, k, v, mask, var._replace(persistent=True), num_sms=132)
     finally:
         knobs.runtime.jit_cache_hook = saved_hook
         triton.runtime.driver._active = saved_driver
@@ -382,22 +450,21 @@ def compile_only(head_dims, variants, seq: int, blocks: int, as_json: bool) -> i
     rows = []
     for d in head_dims:
         for var in variants:
-            bm, bn, w, st, persistent, ctas = var
             for dense in (False, True):
-                row = dict(head_dim=d, mask="dense" if dense else f"{blocks}/row", variant=variant_label(*var),
+                row = dict(head_dim=d, mask="dense" if dense else f"{blocks}/row", variant=var.label,
                            status="ok", error=None)
                 try:
-                    row.update(compiled_report(compile_sm90(d, bm, bn, w, st, ctas, dense, seq, blocks)))
+                    row.update(compiled_report(compile_sm90(d, var, dense, seq, blocks)))
                 except Exception as e:  # noqa: BLE001 - a probe reports every failure and goes on
                     row["status"] = "error"
                     row["error"] = _error_text(e)
                 rows.append(row)
                 if not as_json:
                     if row["error"]:
-                        print(f"d={d:3d} {row['mask']:7s} {row['variant']:26s} ERROR: "
+                        print(f"d={d:3d} {row['mask']:7s} {row['variant']:29s} ERROR: "
                               f"{row['error'].splitlines()[-1][:300]}", flush=True)
                     else:
-                        print(f"d={d:3d} {row['mask']:7s} {row['variant']:26s} ok  shared {row['shared'] // 1024:4d} KB"
+                        print(f"d={d:3d} {row['mask']:7s} {row['variant']:29s} ok  shared {row['shared'] // 1024:4d} KB"
                               f"  regs {row['regs']}  setmaxnreg {row['setmaxnreg'] or '-'}  stack {row['stack']}"
                               f"  wgmma {row['wgmma']}  tma {row['tma_loads']}", flush=True)
     if as_json:
@@ -417,8 +484,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--blocks", type=int, default=3, help="key blocks of 128 per q-block row of the sparse mask")
     ap.add_argument("--variant", action="append", default=None, metavar="SPEC",
-                    help="a probe variant, 128x64:w8:s4[:np][:c2] (repeatable; default: the built-in list); "
-                         "np: one program per tile instead of persistent; c2: two programs per SM")
+                    help="a probe variant, 128x64:w8:s4[:np][:c2][:ov] (repeatable; default: the built-in list); "
+                         "np: one program per tile instead of persistent; c2: two programs per SM; "
+                         "ov: softmax overlapped with the previous step's P V wgmma")
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile-only", action="store_true",
                     help="no GPU: compile every variant for sm_90 and report shared memory and registers")
@@ -456,36 +524,35 @@ def main(argv=None) -> int:
                 ref, ref_lse = sparseflash.attention(q, k, v, mask=mask, return_lse=True)
                 base_ms = graph_ms(lambda: sparseflash.attention(q, k, v, mask=mask))
             rows.append(dict(head_dim=d, mask=name, variant="sparseflash", ms=base_ms, max_diff=0.0, error=None))
-            print(f"d={d} {name:7s} {'sparseflash':26s} {base_ms:.4f} ms", flush=True)
+            print(f"d={d} {name:7s} {'sparseflash':29s} {base_ms:.4f} ms", flush=True)
             for var in variants:
-                bm, bn, w, st, persistent, ctas = var
-                label = variant_label(*var)
-                row = dict(head_dim=d, mask=name, variant=label, block_m=bm, block_n=bn, num_warps=w, stages=st,
-                           persistent=persistent, ctas_per_sm=ctas, ms=None, max_diff=None, lse_diff=None, error=None)
+                label = var.label
+                row = dict(head_dim=d, mask=name, variant=label, **var._asdict(), ms=None, max_diff=None, lse_diff=None,
+                           error=None)
                 try:
-                    o, lse = probe_forward(q, k, v, mask, bm, bn, w, st, persistent, ctas)
+                    o, lse = probe_forward(q, k, v, mask, var)
                     torch.cuda.synchronize()
                     row["max_diff"] = float((o.float() - ref.float()).abs().max())
                     fin = torch.isfinite(ref_lse)
                     same_inf = bool(torch.equal(fin, torch.isfinite(lse)))
                     row["lse_diff"] = float((lse[fin] - ref_lse[fin].float()).abs().max()) if same_inf else float("inf")
-                    row["ms"] = graph_ms(lambda: probe_forward(q, k, v, mask, bm, bn, w, st, persistent, ctas))
-                    print(f"d={d} {name:7s} {label:26s} {row['ms']:.4f} ms ({100 * base_ms / row['ms']:.0f}% of "
+                    row["ms"] = graph_ms(lambda: probe_forward(q, k, v, mask, var))
+                    print(f"d={d} {name:7s} {label:29s} {row['ms']:.4f} ms ({100 * base_ms / row['ms']:.0f}% of "
                           f"sparseflash's speed), max |diff| {row['max_diff']:.2e}"
                           f", lse {row['lse_diff']:.1e}", flush=True)
                 except Exception as e:  # noqa: BLE001 - a probe reports every failure and goes on
                     row["error"] = _error_text(e)
-                    print(f"d={d} {name:7s} {label:26s} FAILED: {row['error'].splitlines()[-1][:200]}", flush=True)
+                    print(f"d={d} {name:7s} {label:29s} FAILED: {row['error'].splitlines()[-1][:200]}", flush=True)
                 rows.append(row)
     base = {(r["head_dim"], r["mask"]): r["ms"] for r in rows if r["variant"] == "sparseflash"}
-    print(f"\n{'d':>3s} {'mask':7s} {'variant':26s} {'ms':>8s} {'vs sparseflash':>14s} {'max |diff|':>10s}")
+    print(f"\n{'d':>3s} {'mask':7s} {'variant':29s} {'ms':>8s} {'vs sparseflash':>14s} {'max |diff|':>10s}")
     for r in rows:
         if r["variant"] == "sparseflash":
             continue
         if r["ms"] is None:
-            print(f"{r['head_dim']:3d} {r['mask']:7s} {r['variant']:26s} {'failed':>8s}")
+            print(f"{r['head_dim']:3d} {r['mask']:7s} {r['variant']:29s} {'failed':>8s}")
             continue
-        print(f"{r['head_dim']:3d} {r['mask']:7s} {r['variant']:26s} {r['ms']:8.4f} "
+        print(f"{r['head_dim']:3d} {r['mask']:7s} {r['variant']:29s} {r['ms']:8.4f} "
               f"{100 * base[(r['head_dim'], r['mask'])] / r['ms']:13.0f}% {r['max_diff']:10.2e}")
     dense_ms = {r["head_dim"]: r["ms"] for r in rows if r["mask"] == "dense" and r["variant"] == "sparseflash"}
     sparse_name = f"{args.blocks}/row"
@@ -498,7 +565,7 @@ def main(argv=None) -> int:
             frac = args.blocks / (N // MASK_BLOCK)
             pct = 100 * t["dense"] * frac / t[sparse_name]
             vs = 100 * dense_ms[d] * frac / t[sparse_name]
-            print(f"  d={d} {variant:26s} sparse {t[sparse_name]:.4f} ms: {pct:.0f}% of its dense rate, "
+            print(f"  d={d} {variant:29s} sparse {t[sparse_name]:.4f} ms: {pct:.0f}% of its dense rate, "
                   f"{vs:.0f}% of sparseflash's dense rate")
     if args.out:
         out = Path(args.out)
