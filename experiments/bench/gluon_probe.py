@@ -475,6 +475,47 @@ def compile_only(head_dims, variants, seq: int, blocks: int, as_json: bool) -> i
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
+def memory_floor(q, mask, density: float) -> dict:
+    """The DRAM floor of the call against the time the 80% bar allows it, for the forward and the
+    forward+backward of sparseflash.attention on [B, H, N, D] ``q`` (k, v alike) and ``mask``.
+
+    Floor: every input read and every output written once (any implementation pays that much):
+    forward Q, K, V in, O and LSE out; backward Q, K, V, O, dO and LSE in, dQ, dK, dV out, plus
+    delta written and read. At 4K and density ~0.1 that traffic is a large part of the call, while
+    at dense it is hidden under 10x more compute. Bandwidth: a device-to-device copy of q timed
+    here (read + write). Bar: the sparse call at 80% of the dense rate, dense ms x density / 0.8.
+    All times in GPU time (CUDA-graph replays)."""
+    import sparseflash
+    from sparseflash.experiments.bench.timing import graph_ms
+
+    B, H, N, D = q.shape
+    t_bytes = q.numel() * q.element_size()  # one [B, H, N, D] tensor
+    row_bytes = B * H * N * 4  # one fp32 value per query row (LSE, delta)
+    buf = torch.empty_like(q)
+    copy_ms = graph_ms(lambda: buf.copy_(q))
+    bw = 2 * t_bytes / (copy_ms * 1e-3)
+    gen = torch.Generator(device=q.device).manual_seed(1)
+    qg, kg, vg, do = (torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=gen) for _ in range(4))
+    for x in (qg, kg, vg):
+        x.requires_grad_()
+
+    def fwd(m):
+        with torch.no_grad():
+            sparseflash.attention(qg, kg, vg, mask=m)
+
+    def fwd_bwd(m):
+        torch.autograd.grad(sparseflash.attention(qg, kg, vg, mask=m), (qg, kg, vg), do)
+
+    out = dict(copy_ms=copy_ms, bandwidth_tb_s=bw / 1e12, density=density)
+    for name, fn, n_bytes in (("fwd", fwd, 4 * t_bytes + row_bytes), ("fwd_bwd", fwd_bwd, 12 * t_bytes + 3 * row_bytes)):
+        dense_ms, sparse_ms = graph_ms(lambda: fn(None)), graph_ms(lambda: fn(mask))
+        floor_ms = n_bytes / bw * 1e3
+        bar_ms = dense_ms * density / 0.8
+        out[name] = dict(bytes=n_bytes, floor_ms=floor_ms, dense_ms=dense_ms, sparse_ms=sparse_ms, bar_ms=bar_ms,
+                         ideal_ms=dense_ms * density)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -517,8 +558,10 @@ def main(argv=None) -> int:
     rows = []
     torch.manual_seed(0)
     sparse = random_mask(N, args.blocks, block_size=MASK_BLOCK, seed=0, device="cuda")
+    floors = {}
     for d in args.head_dims:
         q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        floors[d] = memory_floor(q, sparse, args.blocks / (N // MASK_BLOCK))
         for name, mask in (("dense", None), (f"{args.blocks}/row", sparse)):
             with torch.no_grad():
                 ref, ref_lse = sparseflash.attention(q, k, v, mask=mask, return_lse=True)
@@ -567,11 +610,21 @@ def main(argv=None) -> int:
             vs = 100 * dense_ms[d] * frac / t[sparse_name]
             print(f"  d={d} {variant:29s} sparse {t[sparse_name]:.4f} ms: {pct:.0f}% of its dense rate, "
                   f"{vs:.0f}% of sparseflash's dense rate")
+    print("\nDRAM floor (each input read and each output written once; bandwidth of a copy measured here)\n"
+          "against the time the 80% bar allows the sparse call (dense x density / 0.8), sparseflash, GPU time:")
+    for d, f in floors.items():
+        for name in ("fwd", "fwd_bwd"):
+            r = f[name]
+            print(f"  d={d} {name:7s} {r['bytes'] / 2**20:5.0f} MiB at {f['bandwidth_tb_s']:.2f} TB/s: floor "
+                  f"{r['floor_ms']:.4f} ms = {100 * r['floor_ms'] / r['bar_ms']:.0f}% of the bar's {r['bar_ms']:.4f} ms "
+                  f"({100 * r['floor_ms'] / r['ideal_ms']:.0f}% of the ideal {r['ideal_ms']:.4f}); sparse {r['sparse_ms']:.4f} "
+                  f"ms, dense {r['dense_ms']:.4f}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"gluon_probe_{N}.json").write_text(json.dumps({"meta": environment(torch.device("cuda")),
-                                                              "args": vars(args), "rows": rows}, indent=1, default=str))
+                                                              "args": vars(args), "rows": rows, "memory_floor": floors},
+                                                             indent=1, default=str))
     return 0
 
 
