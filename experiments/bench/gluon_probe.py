@@ -515,6 +515,29 @@ def memory_floor(q, mask, density: float) -> dict:
         out["l2_inputs_fwd_ms"] = graph_ms(lambda: sparseflash.attention(q1, k1, v1, mask=mask))
         out["l2_inputs_dense_fwd_ms"] = graph_ms(lambda: sparseflash.attention(q1, k1, v1, mask=None))
     out["write_floor_ms"] = (t_bytes + row_bytes) / bw * 1e3
+    # The backward alone (launch.bwd: the dQ and dK/dV kernels), normal inputs against the same
+    # reads from L2 (stride-0 views of one head for Q, K, V, O, dO, LSE; dQ, dK, dV still written)
+    from sparseflash.flash import launch
+    from sparseflash.flash.function import _work
+
+    idx, mb, scale = mask.index(q.device), mask.block_size[0], D ** -0.5
+    work = _work(q, q, density)  # what the public call passes: the same load mode (TMA or pointer)
+    with torch.no_grad():
+        o, lse = launch.fwd(qg, kg, vg, idx.kv_idx, None, scale, False, mb, mb, 0.0, None, work=work)
+
+    def bwd(qq, kk, vv, oo, ll, dd):
+        launch.bwd(dd, qq, kk, vv, oo, ll, None, idx.kv_idx, idx.q_idx, None, scale, False, mb, mb, 0.0, None,
+                   work=work)
+
+    def one_head(x):
+        return x.detach()[:1, :1].expand(x.shape)
+
+    with torch.no_grad():
+        out["bwd_ms"] = graph_ms(lambda: bwd(qg.detach(), kg.detach(), vg.detach(), o, lse, do))
+        ins = [one_head(x) for x in (qg, kg, vg, o, lse, do)]
+        out["l2_inputs_bwd_ms"] = graph_ms(lambda: bwd(*ins))
+    out["bwd_floor_ms"] = (8 * t_bytes + 3 * row_bytes) / bw * 1e3
+    out["bwd_write_floor_ms"] = (3 * t_bytes + row_bytes) / bw * 1e3
     for name, fn, n_bytes in (("fwd", fwd, 4 * t_bytes + row_bytes), ("fwd_bwd", fwd_bwd, 12 * t_bytes + 3 * row_bytes)):
         dense_ms, sparse_ms = graph_ms(lambda: fn(None)), graph_ms(lambda: fn(mask))
         floor_ms = n_bytes / bw * 1e3
@@ -632,6 +655,8 @@ def main(argv=None) -> int:
         print(f"  d={d} fwd with Q, K, V read from L2 (one head's memory for all; O still written, floor "
               f"{f['write_floor_ms']:.4f} ms): sparse {f['l2_inputs_fwd_ms']:.4f} ms against {f['fwd']['sparse_ms']:.4f}, "
               f"dense {f['l2_inputs_dense_fwd_ms']:.4f} against {f['fwd']['dense_ms']:.4f}")
+        print(f"  d={d} sparse bwd alone (floor {f['bwd_floor_ms']:.4f} ms): {f['bwd_ms']:.4f} ms; with Q, K, V, O, dO, "
+              f"LSE read from L2 (floor {f['bwd_write_floor_ms']:.4f}): {f['l2_inputs_bwd_ms']:.4f} ms")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
