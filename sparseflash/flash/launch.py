@@ -354,25 +354,32 @@ def _tma_layout(shape: tuple, stride: tuple, esz: int, aligned: bool):
     return [sb, sh, sn, 1] if ok else None
 
 
-# Below this many estimated forward FLOPs a call keeps pointer loads in "auto": triton 3.6 builds
-# and encodes every descriptor on the host at each launch (12 per fwd+bwd), which makes small
+# Below this many estimated forward FLOPs an eager call keeps pointer loads in "auto": triton 3.6
+# builds and encodes every descriptor on the host at each launch (12 per fwd+bwd), which makes small
 # eager calls host-bound and slower. H100, 2026-11-23 (experiments/results/host-cost/tma/):
 # 4K d=64 density 0.094 (2.6e10 FLOPs) fwd+bwd host time 0.93-1.14 -> 1.22-1.32 ms with
 # descriptors against 0.46 ms of GPU time; 4K d=128 density 0.094 (5.2e10) 1.00-1.07 -> 1.05-1.53
 # ms against 0.87 -> 0.82 ms of GPU time, so eager calls there gain nothing either. Calls from about
-# 1e11 on have fwd+bwd GPU time beyond the host time, where the 4-9% of GPU time counts. The same
-# rule holds inside CUDA-graph capture, so a captured call runs the kernel its eager warm-up loaded
-# (a kernel loaded for the first time during capture fails); CUDA-graph users of small calls who
-# want TMA's 4-9% of GPU time there set TMA_MODE "on".
+# 1e11 on have fwd+bwd GPU time beyond the host time, where the 4-9% of GPU time counts.
+# Inside CUDA-graph capture the host cost is paid once, at capture, so "auto" takes descriptors
+# there whatever the size: a captured call may run a kernel its eager warm-up did not, which is
+# loaded during the capture (measured to work on the H100: torch 2.11, triton 3.6, lazy and eager
+# module loading; test_gpu_graph_capture_after_eager_warmup).
 TMA_MIN_WORK = 1e11
 
 
-def _tma_auto(device: torch.device, work: float) -> bool:
+def _tma_auto(device: torch.device, work: float, capturing: bool = False) -> bool:
     """TMA_MODE "auto"'s rule: a CUDA device of compute capability 9 or more, and a call of at
-    least TMA_MIN_WORK estimated forward FLOPs (``work``; -1: unknown, taken as large)."""
+    least TMA_MIN_WORK estimated forward FLOPs (``work``; -1: unknown, taken as large) or one being
+    captured in a CUDA graph."""
     if device.type != "cuda" or _interpreting() or _sm_major(device.index) < 9:
         return False
-    return not 0 <= work < TMA_MIN_WORK
+    return capturing or not 0 <= work < TMA_MIN_WORK
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether a launch on ``t``'s device is being captured in a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _tma_plan(block_d: int, *ts: torch.Tensor, work: float = -1.0):
@@ -384,8 +391,10 @@ def _tma_plan(block_d: int, *ts: torch.Tensor, work: float = -1.0):
     t0 = ts[0]
     if TMA_MODE == "off" or t0.dtype not in _TMA_DTYPES or block_d > 128:
         return None
-    if TMA_MODE == "auto" and not _tma_auto(t0.device, work):
-        return None
+    if TMA_MODE == "auto":
+        small = 0 <= work < TMA_MIN_WORK  # the capture check (a CUDA call) only where it decides
+        if not _tma_auto(t0.device, work, small and _capturing(t0)):
+            return None
     strides = [_tma_strides(t) for t in ts]
     return None if None in strides else strides
 
