@@ -540,3 +540,26 @@ def test_gluon_probe_compiles_for_hopper():
         assert r["wgmma"] > 0 and r["tma_loads"] >= 3 and r["setmaxnreg"], (where, r)
         assert r["stack"] == 0 and r["local"] == 0, (where, r)
         assert 0 < r["shared"] <= 227 * 1024, (where, r)
+
+
+def test_probe_variant_specs_and_dense_rates(capsys):
+    """The probes' --variant specs parse to their tiles (bad ones are refused with the expected form),
+    and the 80%-bar lines compute sparse rate = dense ms x density / sparse ms, skipping failed rows."""
+    from sparseflash.experiments.bench import gluon_probe, ws_probe
+
+    assert ws_probe.parse_variant("128x64:w8:s3:ws:gather") == (128, 64, 8, 3, True, True)
+    assert gluon_probe.parse_variant("64x64:w4:s2:c2:ov") == gluon_probe.Variant(64, 64, 4, 2, True, 2, True)
+    assert gluon_probe.parse_variant("128x64:w8:s4:np").persistent is False
+    for bad in ("64x64:w4", "64:w4:s2", "64x64:w4:s2:zz", "32x64:w4:s2"):
+        with pytest.raises(ValueError, match="128x64:w8:s4"):
+            gluon_probe.parse_variant(bad)
+    rows = [dict(head_dim=64, mask="dense", variant="sparseflash", ms=0.64),
+            dict(head_dim=64, mask="3/row", variant="sparseflash", ms=0.08),
+            dict(head_dim=64, mask="dense", variant="g", ms=0.32), dict(head_dim=64, mask="3/row", variant="g", ms=0.06),
+            dict(head_dim=64, mask="3/row", variant="failed", ms=None)]
+    ws_probe.print_dense_rates(rows, [64], 3, 4096, 12)
+    out = capsys.readouterr().out
+    # density 3/32: sparseflash 0.64 x 3/32 / 0.08 = 75%; g 0.32 x 3/32 / 0.06 = 50% of its own, 100% of ours
+    assert "sparseflash  sparse 0.0800 ms: 75% of its dense rate, 75% of sparseflash's" in out
+    assert "g            sparse 0.0600 ms: 50% of its dense rate, 100% of sparseflash's" in out
+    assert "failed" not in out

@@ -357,11 +357,10 @@ VARIANTS = [Variant(128, 64, 8, 4), Variant(128, 128, 8, 2), Variant(64, 64, 4, 
 
 def parse_variant(spec: str) -> Variant:
     """"128x64:w8:s4[:np][:c2][:ov]" -> Variant(128, 64, 8, 4, persistent, ctas, overlap)."""
-    parts = spec.split(":")
+    from sparseflash.experiments.bench.ws_probe import split_spec
+
     try:
-        bm, bn = (int(x) for x in parts[0].split("x"))
-        opts = {p[0]: int(p[1:]) for p in parts[1:] if p[:1] in "wsc" and p[1:].isdigit()}
-        flags = {p for p in parts[1:] if not (p[:1] in "wsc" and p[1:].isdigit())}
+        bm, bn, opts, flags = split_spec(spec, "wsc")
         if not flags <= {"np", "ov"} or not {"w", "s"} <= set(opts) or bm not in (64, 128) or bn not in (64, 128):
             raise ValueError
         if bm < 16 * opts["w"] or opts["w"] not in (4, 8) or opts["s"] < 1 or opts.get("c", 1) < 1:
@@ -580,6 +579,7 @@ def main(argv=None) -> int:
     import sparseflash
     from sparseflash.experiments.bench.results import environment
     from sparseflash.experiments.bench.timing import graph_ms
+    from sparseflash.experiments.bench.ws_probe import print_dense_rates
     from sparseflash.patterns import random as random_mask
 
     if not torch.cuda.is_available():
@@ -630,19 +630,7 @@ def main(argv=None) -> int:
             continue
         print(f"{r['head_dim']:3d} {r['mask']:7s} {r['variant']:29s} {r['ms']:8.4f} "
               f"{100 * base[(r['head_dim'], r['mask'])] / r['ms']:13.0f}% {r['max_diff']:10.2e}")
-    dense_ms = {r["head_dim"]: r["ms"] for r in rows if r["mask"] == "dense" and r["variant"] == "sparseflash"}
-    sparse_name = f"{args.blocks}/row"
-    print("\nrate of the sparse mask relative to each implementation's own dense time (the 80% bar):")
-    for d in args.head_dims:
-        for variant in dict.fromkeys(r["variant"] for r in rows if r["head_dim"] == d):
-            t = {r["mask"]: r["ms"] for r in rows if r["head_dim"] == d and r["variant"] == variant}
-            if None in t.values() or len(t) < 2:
-                continue
-            frac = args.blocks / (N // MASK_BLOCK)
-            pct = 100 * t["dense"] * frac / t[sparse_name]
-            vs = 100 * dense_ms[d] * frac / t[sparse_name]
-            print(f"  d={d} {variant:29s} sparse {t[sparse_name]:.4f} ms: {pct:.0f}% of its dense rate, "
-                  f"{vs:.0f}% of sparseflash's dense rate")
+    print_dense_rates(rows, args.head_dims, args.blocks, N, 29)
     print("\nDRAM floor (each input read and each output written once; bandwidth of a copy measured here)\n"
           "against the time the 80% bar allows the sparse call (dense x density / 0.8), sparseflash, GPU time:")
     for d, f in floors.items():

@@ -118,13 +118,36 @@ VARIANTS = [(128, 64, 8, 3, False, False), (128, 64, 8, 3, True, False), (128, 6
             (128, 64, 8, 2, True, False)]
 
 
+def split_spec(spec: str, numbered: str) -> tuple[int, int, dict, set]:
+    """"BMxBN:w8:s3:flag..." -> (BM, BN, {letter: number} for the letters in ``numbered``, {flags});
+    ValueError when the tile part is not two integers. (Shared with gluon_probe's variants.)"""
+    parts = spec.split(":")
+    bm, bn = (int(x) for x in parts[0].split("x"))
+    numeric = [p for p in parts[1:] if p[:1] in numbered and p[1:].isdigit()]
+    return bm, bn, {p[0]: int(p[1:]) for p in numeric}, set(parts[1:]) - set(numeric)
+
+
+def print_dense_rates(rows: list, head_dims, blocks: int, seq: int, width: int) -> None:
+    """Each variant's sparse rate against its own dense time and against sparseflash's (the 80%
+    bar), from rows with head_dim, mask ("dense" or "<blocks>/row"), variant and ms."""
+    dense_ms = {r["head_dim"]: r["ms"] for r in rows if r["mask"] == "dense" and r["variant"] == "sparseflash"}
+    sparse, frac = f"{blocks}/row", blocks / (seq // 128)
+    print("\nrate of the sparse mask relative to each implementation's own dense time (the 80% bar):")
+    for d in head_dims:
+        for variant in dict.fromkeys(r["variant"] for r in rows if r["head_dim"] == d):
+            t = {r["mask"]: r["ms"] for r in rows if r["head_dim"] == d and r["variant"] == variant}
+            if None in t.values() or len(t) < 2:
+                continue
+            pct = 100 * t["dense"] * frac / t[sparse]
+            vs = 100 * dense_ms[d] * frac / t[sparse]
+            print(f"  d={d} {variant:{width}s} sparse {t[sparse]:.4f} ms: {pct:.0f}% of its dense rate, "
+                  f"{vs:.0f}% of sparseflash's dense rate")
+
+
 def parse_variant(spec: str) -> tuple:
     """"128x64:w8:s3[:ws][:gather]" -> (128, 64, 8, 3, ws, gather)."""
-    parts = spec.split(":")
     try:
-        bm, bn = (int(x) for x in parts[0].split("x"))
-        opts = {p[0]: int(p[1:]) for p in parts[1:] if p[:1] in "ws" and p[1:].isdigit()}
-        flags = {p for p in parts[1:] if not (p[:1] in "ws" and p[1:].isdigit())}
+        bm, bn, opts, flags = split_spec(spec, "ws")
         if not flags <= {"ws", "gather"} or set(opts) != {"w", "s"}:
             raise ValueError
     except ValueError:
@@ -180,18 +203,7 @@ def main(argv=None) -> int:
                     row["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-600:]
                     print(f"d={d} {name:7s} {label:32s} FAILED: {row['error'].splitlines()[-1][:200]}", flush=True)
                 rows.append(row)
-    dense_ms = {r["head_dim"]: r["ms"] for r in rows if r["mask"] == "dense" and r["variant"] == "sparseflash"}
-    print("\nrate of the sparse mask relative to each implementation's own dense time (the 80% bar):")
-    for d in args.head_dims:
-        for variant in dict.fromkeys(r["variant"] for r in rows if r["head_dim"] == d):
-            t = {r["mask"]: r["ms"] for r in rows if r["head_dim"] == d and r["variant"] == variant}
-            if None in t.values() or len(t) < 2:
-                continue
-            frac = args.blocks / (N // 128)
-            pct = 100 * t["dense"] * frac / t[f"{args.blocks}/row"]
-            vs = 100 * dense_ms[d] * frac / t[f"{args.blocks}/row"]
-            print(f"  d={d} {variant:32s} sparse {t[f'{args.blocks}/row']:.4f} ms: {pct:.0f}% of its dense rate, "
-                  f"{vs:.0f}% of sparseflash's dense rate")
+    print_dense_rates(rows, args.head_dims, args.blocks, N, 32)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
