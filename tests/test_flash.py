@@ -499,7 +499,7 @@ def test_tma_work_threshold(device, monkeypatch):
     monkeypatch.setattr(launch, "_tma_auto", lambda dev, work, capturing: decided.append(work) or work >= 5 or capturing)
     monkeypatch.setattr(launch, "TMA_MODE", "auto")
     assert launch._tma_plan(32, k, work=4.0) is None and launch._tma_plan(32, k, work=5.0) is not None
-    monkeypatch.setattr(launch, "_capturing", lambda t: True)  # inside a CUDA-graph capture
+    monkeypatch.setattr(launch, "_in_graph_capture", lambda t: True)  # inside a CUDA-graph capture
     assert launch._tma_plan(32, k, work=4.0) is not None
     monkeypatch.setattr(launch, "TMA_MODE", "on")
     assert launch._tma_plan(32, k, work=4.0) is not None

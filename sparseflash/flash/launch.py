@@ -377,7 +377,7 @@ def _tma_auto(device: torch.device, work: float, capturing: bool = False) -> boo
     return capturing or not 0 <= work < TMA_MIN_WORK
 
 
-def _capturing(t: torch.Tensor) -> bool:
+def _in_graph_capture(t: torch.Tensor) -> bool:
     """Whether a launch on ``t``'s device is being captured in a CUDA graph."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -391,10 +391,8 @@ def _tma_plan(block_d: int, *ts: torch.Tensor, work: float = -1.0):
     t0 = ts[0]
     if TMA_MODE == "off" or t0.dtype not in _TMA_DTYPES or block_d > 128:
         return None
-    if TMA_MODE == "auto":
-        small = 0 <= work < TMA_MIN_WORK  # the capture check (a CUDA call) only where it decides
-        if not _tma_auto(t0.device, work, small and _capturing(t0)):
-            return None
+    if TMA_MODE == "auto" and not _tma_auto(t0.device, work, _in_graph_capture(t0)):
+        return None
     strides = [_tma_strides(t) for t in ts]
     return None if None in strides else strides
 
