@@ -39,6 +39,18 @@ def _err(a, b):
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
+def assert_within_torch_error(name, got, pt, ref, dtype, factor=2.0):
+    """|got - ref| <= factor * |pt - ref| + floor (``pt``: the computation done in PyTorch in
+    ``dtype``; ``ref``: float64), and no NaN in ``got``. Returns (error, torch's error)."""
+    assert not torch.isnan(got).any(), f"{name} has NaN"
+    e_k, e_pt = _err(got, ref), _err(pt, ref)
+    floor = FLOOR[dtype] + torch.finfo(dtype).eps * (ref.abs().max().item() if ref.numel() else 0.0)
+    if REPORT is not None:
+        REPORT.append((name, e_k, e_pt, floor))
+    assert e_k <= factor * e_pt + floor, f"{name}: error {e_k:.3e} > {factor} x torch's {e_pt:.3e} + {floor:.0e}"
+    return e_k, e_pt
+
+
 def check_attention(impl, q, k, v, do, *, mask=None, causal=False, scale=None, key_lengths=None, grads=True,
                     ref_kwargs=None, factor=2.0):
     """impl(q, k, v) -> out or (out, lse). Asserts |impl - ref64| <= factor * |torch_dtype - ref64| + floor
@@ -57,11 +69,5 @@ def check_attention(impl, q, k, v, do, *, mask=None, causal=False, scale=None, k
     if grads:
         pairs += [(n, a, b, c) for n, a, b, c in zip(("dq", "dk", "dv"), g_k, g_pt, g_ref)]
     for name, got, pt, ref in pairs:
-        assert not torch.isnan(got).any(), f"{name} has NaN"
-        e_k, e_pt = _err(got, ref), _err(pt, ref)
-        floor = FLOOR[q.dtype] + torch.finfo(q.dtype).eps * (ref.abs().max().item() if ref.numel() else 0.0)
-        errs[name] = (e_k, e_pt)
-        if REPORT is not None:
-            REPORT.append((name, e_k, e_pt, floor))
-        assert e_k <= factor * e_pt + floor, f"{name}: error {e_k:.3e} > {factor} x torch's {e_pt:.3e} + {floor:.0e}"
+        errs[name] = assert_within_torch_error(name, got, pt, ref, q.dtype, factor)
     return errs
