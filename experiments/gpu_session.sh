@@ -6,7 +6,8 @@
 # 3's check against the baselines, GPU time and eager), ab (the kernel check, sparseflash only, in
 # GPU time, for the source tree in AB_OLD and for this one), tma (TMA loads vs pointer loads:
 # tma_ab and a tile search per kernel and mode), eager-4k (the kernel check at 4K, eager), host-cost
-# (host time per call, SPARSEFLASH_TMA=off and auto), gluon (experiments/bench/gluon_probe.py),
+# (host time per call, SPARSEFLASH_TMA=off and auto), short-rows (per-row fixed cost, with the
+# baselines), gluon (experiments/bench/gluon_probe.py),
 # lra-speed, lra-train. Each stage
 # writes OUT/<stage>/ and a log; everything is packed into OUT/<stage>.tgz so a call brings back
 # few files.
@@ -63,7 +64,10 @@ for stage in "$@"; do
                      done
                  done ;;
         eager-4k) # the kernel check at 4K as a user calls it (host cost included), default loads
-                 $t $py -m sparseflash bench sparsity --preset kernel-check --seq-len 4096 --out "$d" ;;
+                 # (EAGER_ARGS: extra options, e.g. --providers ...)
+                 $t $py -m sparseflash bench sparsity --preset kernel-check --seq-len 4096 ${EAGER_ARGS:-} --out "$d" ;;
+        short-rows) # per-row fixed cost: ours, FlexAttention's, SDPA flash's and cuDNN's (SHORT_ROWS_ARGS)
+                 $t $py -m sparseflash.experiments.bench.short_rows --out "$d" ${SHORT_ROWS_ARGS:-} ;;
         host-cost) # host time per call, pointer loads vs the default (TMA where it is taken), d=64 and 128
                  for m in off auto; do
                      for hd in 64 128; do

@@ -383,6 +383,29 @@ def test_cuda_graph_timing_of_every_mode(tmp_path):
     assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows), [(r["mode"], r["note"]) for r in rows]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times CUDA calls")
+def test_gpu_stream_ms_is_gpu_time_or_host_time_whichever_is_longer():
+    """Eager timing (``stream_ms``): a GPU-bound call reads its GPU time (as graph replays do), a
+    host-bound one its host time, the part do_bench's L2 flush used to hide at random."""
+    import time
+
+    from sparseflash.experiments.bench.timing import graph_ms, stream_ms
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    gpu_bound = lambda: a @ a  # noqa: E731  ~0.2 ms of GPU, a few us of host
+    g, e = graph_ms(gpu_bound, rep_ms=50), stream_ms(gpu_bound, 1, warmup_ms=10, rep_ms=50)
+    assert abs(e - g) <= 0.1 * g, (e, g)
+
+    def host_bound():  # 1 ms of host, then a tiny kernel
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1e-3:
+            pass
+        a[0, :8].add_(0)
+
+    e = stream_ms(host_bound, 1, warmup_ms=5, rep_ms=30)
+    assert 0.95 <= e <= 1.5, e
+
+
 def _ptxas_available() -> bool:
     import triton
 

@@ -5,7 +5,7 @@
     sparseflash plot RESULTS --out D   plots.py      every figure, redrawn from saved rows
 
 providers.py (every implementation compared), masks.py (the pattern table, density targets,
-mask build timing), flops.py (effective FLOPs and densities), timing.py (do_bench / CPU timing,
+mask build timing), flops.py (effective FLOPs and densities), timing.py (eager back-to-back / CUDA-graph / CPU timing,
 peak memory), runner.py (jobs -> rows, failures recorded), results.py (CSV / JSON / tables),
 config.py (GPU and CPU defaults, presets), cli.py (arguments).
 """

@@ -86,8 +86,8 @@ def _add_common(p: argparse.ArgumentParser, bench: str) -> None:
     h.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     h.add_argument("--backend", choices=("auto", "triton", "reference"), default="auto",
                    help="backend= of sparseflash.attention (auto: Triton on CUDA, reference on CPU)")
-    h.add_argument("--warmup-ms", type=float, help="do_bench warm-up per measurement (GPU default 25)")
-    h.add_argument("--rep-ms", type=float, help="do_bench repetition time per measurement (GPU default 100)")
+    h.add_argument("--warmup-ms", type=float, help="untimed warm-up per measurement (GPU default 25)")
+    h.add_argument("--rep-ms", type=float, help="timed repetitions per measurement, ms (GPU default 100)")
     h.add_argument("--cuda-graph", action="store_true",
                    help="GPU: time CUDA-graph replays (the kernels' GPU time, no Python/launch overhead)")
     h.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,

@@ -215,7 +215,8 @@ def run_job(job: Job, env: dict, bench: str, device: torch.device, sf_backend: s
     elif cfg.cuda_graph:
         timing_label = f"do_bench_cudagraph median (kernels only, no host overhead), rep {cfg.rep_ms:g} ms"
     else:
-        timing_label = f"do_bench median, warmup {cfg.warmup_ms:g} ms, rep {cfg.rep_ms:g} ms"
+        timing_label = (f"back-to-back calls, CUDA events per sample, median (host cost included where "
+                        f"host-bound), warmup {cfg.warmup_ms:g} ms, rep {cfg.rep_ms:g} ms")
     row = _row(env, bench, job, s, timing_label)
     reason = job.provider.check(s)
     if reason is not None:

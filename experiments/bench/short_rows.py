@@ -1,17 +1,20 @@
-"""Is the fixed cost of short rows the block list or the row itself? (issue 3's 4K shortfall)
+"""Is the fixed cost of short rows the block list, the row itself, or ours? (issue 3's 4K shortfall)
 
-    python -m sparseflash.experiments.bench.short_rows [--out DIR]
+    python -m sparseflash.experiments.bench.short_rows [--providers ...] [--out DIR]
 
-Times, in GPU time (CUDA-graph replays), the same work three ways, for each head_dim and a few
-row lengths (r key blocks of 128 per q-block row, 4K queries, batch 4, 16 heads, bf16):
-- ``sparse``: a random block mask on 4K x 4K with r blocks per row (the kernel reads each row's
-  list, then its K/V tiles);
-- ``dense-short``: the dense kernel (no list) on 4K queries x r*128 keys: the same tiles per row;
-- ``dense-full``: the dense kernel on 4K x 4K, whose rate is the reference.
-If ``dense-short`` is as slow as ``sparse``, the fixed cost belongs to short rows themselves
-(Q load, pipeline fill, epilogue), not to reading the list; if it is much faster, the list load
-at the head of each program is what to hide. Forward and backward (backward alone, the forward
-made outside the graph). Prints a table; with --out writes short_rows.json.
+Times, in GPU time (CUDA-graph replays), the same work three ways, for each implementation, head_dim
+and a few row lengths (r key blocks of 128 per q-block row, 4K queries, batch 4, 16 heads, bf16):
+- ``sparse``: a random block mask on 4K x 4K with r blocks per row (sparseflash and FlexAttention,
+  which read each row's block list, then its K/V tiles);
+- ``dense-short``: the implementation's dense kernel on 4K queries x r*128 keys: the same tiles
+  per row, with no list and contiguous K/V;
+- ``dense-full``: its dense kernel on 4K x 4K, whose rate is the reference.
+Each rate is a share of the same implementation's own 4K x 4K rate, so SDPA flash
+(FlashAttention-2) and cuDNN, which take no block mask, still say how much any kernel loses on
+rows of r blocks: if the best vendor kernel's ``dense-short`` share is as low as ours, the 4K
+shortfall is the short rows' and not our kernel's. If ``dense-short`` is as slow as ``sparse``, the
+list is not the cost. Forward and backward (backward alone, the forward made outside the graph).
+Prints a table; with --out writes short_rows.json.
 """
 
 from __future__ import annotations
@@ -24,23 +27,37 @@ import torch
 
 from sparseflash.experiments.bench.timing import graph_ms as _ms
 
-__all__ = ["main"]
+__all__ = ["main", "IMPLEMENTATIONS"]
+
+# implementation -> (provider of its dense kernel, provider of its block-sparse kernel or None)
+IMPLEMENTATIONS = {
+    "sparseflash": ("sparseflash-dense", "sparseflash"),
+    "flex": ("flex-dense", "flex"),
+    "sdpa-flash": ("sdpa-flash", None),
+    "sdpa-cudnn": ("sdpa-cudnn", None),
+}
 
 
-def _time(q, k, v, mask, mode: str) -> float:
-    import sparseflash
+def _time(provider_name: str, q, k, v, mask, mode: str) -> float:
+    from sparseflash.experiments.bench.providers import PROVIDERS, Setting
 
+    p = PROVIDERS[provider_name]
+    B, H, N, d = q.shape
+    s = Setting(q.device, q.dtype, B, H, N, d, False, mode, mask)
+    if (why := p.check(s)) is not None:
+        raise RuntimeError(f"{provider_name} cannot run here: {why}")
+    ctx = p.prepare(s)
     if mode == "fwd":
         def fwd():
             with torch.no_grad():
-                sparseflash.attention(q, k, v, mask=mask)
+                p.forward(ctx, s, q, k, v)
 
         return _ms(fwd)
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):  # the forward on a side stream, so its backward can join the capture
-        out = sparseflash.attention(q, k, v, mask=mask)
+    st = torch.cuda.Stream()
+    with torch.cuda.stream(st):  # the forward on a side stream, so its backward can join the capture
+        out = p.forward(ctx, s, q, k, v)
         do = torch.randn_like(out)
-        s.synchronize()
+        st.synchronize()
 
         def bwd():
             torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
@@ -53,8 +70,11 @@ def main(argv=None) -> int:
     from sparseflash.patterns import random as random_mask
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--providers", nargs="+", default=["sparseflash", "sdpa-cudnn", "sdpa-flash", "flex"],
+                    choices=list(IMPLEMENTATIONS))
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 3, 6, 12])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[3, 6, 12])
+    ap.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -62,28 +82,44 @@ def main(argv=None) -> int:
     B, H, N, blk = 4, 16, 4096, 128
     rows = []
     torch.manual_seed(0)
+    mk = lambda n, d: torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    inputs = {d: (mk(N, d), mk(N, d), mk(N, d), {r: (mk(r * blk, d), mk(r * blk, d)) for r in args.blocks})
+              for d in args.head_dims}
+    masks = {r: random_mask(N, r, block_size=blk, seed=r, device="cuda") for r in args.blocks}
+    for impl in args.providers:  # FlexAttention last: it compiles once per shape and mode
+        dense_p, sparse_p = IMPLEMENTATIONS[impl]
+        for d in args.head_dims:
+            q, kf, vf, shorts = inputs[d]
+            for mode in args.modes:
+                full = _time(dense_p, q, kf, vf, None, mode)
+                for r in args.blocks:
+                    share = lambda t: 100 * full * r / (N // blk) / t  # noqa: E731
+                    t_short = _time(dense_p, q, *shorts[r], None, mode)
+                    row = dict(provider=impl, head_dim=d, mode=mode, blocks_per_row=r, dense_full_ms=full,
+                               dense_short_ms=t_short, short_pct_of_full_rate=share(t_short),
+                               sparse_ms=None, sparse_pct_of_full_rate=None)
+                    text = f"dense on {r * blk} keys {t_short:.4f} ms ({row['short_pct_of_full_rate']:.0f}%)"
+                    if sparse_p is not None:
+                        t_sparse = _time(sparse_p, q, kf, vf, masks[r], mode)
+                        row.update(sparse_ms=t_sparse, sparse_pct_of_full_rate=share(t_sparse))
+                        text = f"sparse {t_sparse:.4f} ms ({row['sparse_pct_of_full_rate']:.0f}%), " + text
+                    rows.append(row)
+                    print(f"{impl:11s} d={d:3d} {mode} r={r:2d}: {text}, dense 4K {full:.4f} ms", flush=True)
+        if args.out:  # after each implementation, so a run cut short keeps what it measured
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            meta = environment(torch.device("cuda"))
+            (out / "short_rows.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    print("\nshare of each implementation's own 4K x 4K rate (%), sparse / dense on r*128 keys:")
     for d in args.head_dims:
-        mk = lambda n: torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
-        q, kf, vf = mk(N), mk(N), mk(N)
-        for mode in ("fwd", "bwd"):
-            full = _time(q, kf, vf, None, mode)
+        for mode in args.modes:
             for r in args.blocks:
-                mask = random_mask(N, r, block_size=blk, seed=r, device="cuda")
-                ks, vs = mk(r * blk), mk(r * blk)
-                t_sparse = _time(q, kf, vf, mask, mode)
-                t_short = _time(q, ks, vs, None, mode)
-                row = dict(head_dim=d, mode=mode, blocks_per_row=r, sparse_ms=t_sparse, dense_short_ms=t_short,
-                           dense_full_ms=full, sparse_pct_of_full_rate=100 * full * r / (N // blk) / t_sparse,
-                           short_pct_of_full_rate=100 * full * r / (N // blk) / t_short)
-                rows.append(row)
-                print(f"d={d:3d} {mode} r={r:2d}: sparse {t_sparse:.4f} ms ({row['sparse_pct_of_full_rate']:.0f}% "
-                      f"of the dense rate), dense on {r * blk} keys {t_short:.4f} ms "
-                      f"({row['short_pct_of_full_rate']:.0f}%), dense 4K {full:.4f} ms", flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        env = environment(torch.device("cuda"))
-        (out / "short_rows.json").write_text(json.dumps({"meta": env, "rows": rows}, indent=1, default=str))
+                cells = []
+                for row in rows:
+                    if (row["head_dim"], row["mode"], row["blocks_per_row"]) == (d, mode, r):
+                        sp = "-" if row["sparse_pct_of_full_rate"] is None else f"{row['sparse_pct_of_full_rate']:.0f}"
+                        cells.append(f"{row['provider']} {sp}/{row['short_pct_of_full_rate']:.0f}")
+                print(f"  d={d:3d} {mode:3s} r={r:2d}  " + "  ".join(cells))
     return 0
 
 

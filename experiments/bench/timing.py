@@ -1,9 +1,15 @@
 """Timing and peak memory of one benchmark callable.
 
-GPU: ``triton.testing.do_bench`` (CUDA events, median; it also zeroes a 256 MB buffer before each
-run, so L2 is cold), after warm-up calls made outside the numbers (first call: compilation and
-autotuning). The callable rotates over several input sets whose total size is several times
-the L2 cache, so even without do_bench's flush a timed call never finds its inputs cached.
+GPU, eager (the default): the time per call of calls issued back to back, as a training loop
+issues them: CUDA events around each sample of several calls, median over the samples, after
+warm-up calls made outside the numbers (first call: compilation and autotuning). A call whose
+host side (Python, autograd, launches) takes longer than its kernels is timed at its host cost,
+which is what it costs a model; one whose kernels take longer, at their GPU time. The callable
+rotates over several input sets whose total size is several times the L2 cache, so a timed call
+never finds its inputs cached. (Until 2026-11-24 eager rows used ``triton.testing.do_bench``,
+which zeroes a 256 MB buffer before each call: a host-bound call then read its kernels plus
+whatever part of its host time that zeroing did not cover, so rows under ~1 ms varied 1.3-2.9x
+between runs. Each row's ``timing`` column says which method made it.)
 Peak memory is ``torch.cuda.max_memory_allocated`` over one untimed call with one input set
 (reset just before it), minus what was allocated before the provider prepared anything: the
 footprint of the operation including its inputs, outputs, saved activations and any mask or
@@ -27,12 +33,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TimingConfig", "Measurement", "is_oom", "free_memory", "l2_bytes", "rotation_count", "measure", "graph_ms"]
+__all__ = ["TimingConfig", "Measurement", "is_oom", "free_memory", "l2_bytes", "rotation_count", "measure", "graph_ms",
+           "stream_ms"]
 
 
 @dataclass(frozen=True)
 class TimingConfig:
-    """``warmup_ms`` / ``rep_ms``: do_bench budgets on GPU (per measurement); on CPU the timed loop
+    """``warmup_ms`` / ``rep_ms``: time budgets per measurement on GPU; on CPU the timed loop
     runs for ``rep_ms`` (at least ``min_runs`` calls) after one warm-up call."""
 
     warmup_ms: float = 25.0
@@ -98,6 +105,33 @@ def graph_ms(fn, rep_ms: float = 100.0) -> float:
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
+def stream_ms(step, calls: int, warmup_ms: float = 25.0, rep_ms: float = 100.0, min_samples: int = 5) -> float:
+    """ms per call of ``step`` issued back to back on the current CUDA stream: median over samples
+    of at least ``calls`` calls each (events around each sample, none between its calls, so the
+    GPU waits for the host wherever the host is slower), after ``warmup_ms`` of untimed calls."""
+    def sample(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            step()
+        end.record()
+        return start, end
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while True:  # warm-up, which also estimates the time per call
+        s, e = sample(calls)
+        torch.cuda.synchronize()
+        if (time.perf_counter() - t0) * 1000 >= warmup_ms:
+            break
+    per_call = max(s.elapsed_time(e) / calls, 1e-3)
+    n = calls * max(1, math.ceil(1.0 / (per_call * calls)))  # samples of >= ~1 ms: event resolution
+    samples = max(min_samples, math.ceil(rep_ms / (per_call * n)))
+    events = [sample(n) for _ in range(samples)]
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) / n for s, e in events)
 
 
 def _sync(device: torch.device) -> None:
@@ -172,7 +206,7 @@ def _measure(prepare, make_inputs, make_step, device: torch.device, cfg: TimingC
         if cfg.cuda_graph:  # captured on do_bench_cudagraph's own stream
             ms = float(triton.testing.do_bench_cudagraph(step, rep=cfg.rep_ms, return_mode="median"))
         else:
-            ms = float(triton.testing.do_bench(step, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"))
+            ms = stream_ms(step, len(steps), cfg.warmup_ms, cfg.rep_ms)
     else:
         times = []
         deadline = time.perf_counter() + cfg.rep_ms / 1000
