@@ -586,3 +586,23 @@ def test_probe_variant_specs_and_dense_rates(capsys):
     assert "sparseflash  sparse 0.0800 ms: 75% of its dense rate, 75% of sparseflash's" in out
     assert "g            sparse 0.0600 ms: 50% of its dense rate, 100% of sparseflash's" in out
     assert "failed" not in out
+
+
+def test_short_rows_plot_from_saved_rows(tmp_path):
+    """short_rows.png is redrawn from short_rows.json alone (no GPU): block-sparse and dense-only
+    implementations, both modes."""
+    from sparseflash.experiments.bench import short_rows
+
+    rows = []
+    for impl in ("sparseflash", "sdpa-cudnn"):
+        for mode in ("fwd", "bwd"):
+            for r in (3, 6):
+                sparse = 60.0 + r if impl == "sparseflash" else None
+                rows.append(dict(provider=impl, head_dim=64, mode=mode, blocks_per_row=r, dense_full_ms=1.0,
+                                 dense_short_ms=0.1 * r, short_pct_of_full_rate=70.0 + r,
+                                 sparse_ms=None if sparse is None else 0.1, sparse_pct_of_full_rate=sparse))
+    meta = {"commit": "abc1234", "device_name": "test"}
+    (tmp_path / "short_rows.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    assert short_rows.main(["--plot", str(tmp_path)]) == 0
+    png = tmp_path / "short_rows.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"

@@ -14,7 +14,8 @@ Each rate is a share of the same implementation's own 4K x 4K rate, so SDPA flas
 rows of r blocks: if the best vendor kernel's ``dense-short`` share is as low as ours, the 4K
 shortfall is the short rows' and not our kernel's. If ``dense-short`` is as slow as ``sparse``, the
 list is not the cost. Forward and backward (backward alone, the forward made outside the graph).
-Prints a table; with --out writes short_rows.json.
+Prints a table; with --out writes short_rows.json and short_rows.png (redrawn from the JSON by
+``--plot DIR``, any machine).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from sparseflash.experiments.bench.timing import graph_ms as _ms
 
-__all__ = ["main", "IMPLEMENTATIONS"]
+__all__ = ["main", "plot", "IMPLEMENTATIONS"]
 
 # implementation -> (provider of its dense kernel, provider of its block-sparse kernel or None)
 IMPLEMENTATIONS = {
@@ -65,6 +66,46 @@ def _time(provider_name: str, q, k, v, mask, mode: str) -> float:
         return _ms(bwd)
 
 
+def plot(out_dir) -> Path:
+    """short_rows.png in ``out_dir`` from its short_rows.json: one panel per head_dim and mode, each
+    implementation's share of its own 4K x 4K rate against blocks per row, solid for block-sparse
+    rows, dashed for its dense kernel on the same number of keys; the 80% bar drawn across."""
+    from sparseflash.experiments.bench.plots import _color, _grid, _suptitle
+
+    out_dir = Path(out_dir)
+    data = json.loads((out_dir / "short_rows.json").read_text())
+    rows, meta = data["rows"], data["meta"]
+    panels = sorted({(r["head_dim"], r["mode"]) for r in rows}, key=lambda k: (k[1] != "fwd", k[0]))
+    fig, axes = _grid(1, len(panels))
+    for ax, (d, mode) in zip(axes[0], panels):
+        for impl in dict.fromkeys(r["provider"] for r in rows):
+            mine = sorted((r for r in rows if (r["provider"], r["head_dim"], r["mode"]) == (impl, d, mode)),
+                          key=lambda r: r["blocks_per_row"])
+            if not mine:
+                continue
+            x = [r["blocks_per_row"] for r in mine]
+            color = _color(IMPLEMENTATIONS[impl][1] or IMPLEMENTATIONS[impl][0])
+            ax.plot(x, [r["short_pct_of_full_rate"] for r in mine], "--o", color=color, ms=3,
+                    label=f"{impl}, dense on r x 128 keys")
+            if mine[0]["sparse_pct_of_full_rate"] is not None:
+                ax.plot(x, [r["sparse_pct_of_full_rate"] for r in mine], "-s", color=color, ms=4,
+                        label=f"{impl}, block-sparse (4K keys)")
+        ax.axhline(80, color="gray", lw=0.8, ls=":")
+        ax.set_title(f"d={d}, {'forward' if mode == 'fwd' else 'backward'}", fontsize=9)
+        ax.set_xlabel("key blocks of 128 per q-block row (r)")
+        ax.set_ylabel("% of its own 4K x 4K rate")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["blocks_per_row"] for r in rows})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_ylim(30, 102)
+    axes[0][0].legend(fontsize=6, loc="lower right")
+    _suptitle(fig, f"Short rows: rate against row length, 4K queries, B=4, H=16, bf16, GPU time "
+                   f"(commit {meta.get('commit')})", [meta])
+    path = out_dir / "short_rows.png"
+    fig.savefig(path, dpi=130)
+    return path
+
+
 def main(argv=None) -> int:
     from sparseflash.experiments.bench.results import environment
     from sparseflash.patterns import random as random_mask
@@ -76,7 +117,11 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, nargs="+", default=[3, 6, 12])
     ap.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", metavar="DIR", help="only redraw DIR/short_rows.png from DIR/short_rows.json")
     args = ap.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return 0
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     B, H, N, blk = 4, 16, 4096, 128
@@ -120,6 +165,8 @@ def main(argv=None) -> int:
                         sp = "-" if row["sparse_pct_of_full_rate"] is None else f"{row['sparse_pct_of_full_rate']:.0f}"
                         cells.append(f"{row['provider']} {sp}/{row['short_pct_of_full_rate']:.0f}")
                 print(f"  d={d:3d} {mode:3s} r={r:2d}  " + "  ".join(cells))
+    if args.out:
+        print(plot(args.out))
     return 0
 
 
