@@ -8,6 +8,9 @@ and a few row lengths (r key blocks of 128 per q-block row, 4K queries, batch 4,
   which read each row's block list, then its K/V tiles);
 - ``dense-short``: the implementation's dense kernel on 4K queries x r*128 keys: the same tiles
   per row, with no list and contiguous K/V;
+- ``row-keys``: its dense kernel with every q tile of 128 rows given its own r*128 keys (the batch
+  is B*H*32 single-tile "sequences"): no q tile shares K/V with another, as under a random block
+  mask, so unlike ``dense-short`` a kernel cannot reuse one head's keys across its q tiles;
 - ``dense-full``: its dense kernel on 4K x 4K, whose rate is the reference.
 Each rate is a share of the same implementation's own 4K x 4K rate, so SDPA flash
 (FlashAttention-2) and cuDNN, which take no block mask, still say how much any kernel loses on
@@ -69,7 +72,8 @@ def _time(provider_name: str, q, k, v, mask, mode: str) -> float:
 def plot(out_dir) -> Path:
     """short_rows.png in ``out_dir`` from its short_rows.json: one panel per head_dim and mode, each
     implementation's share of its own 4K x 4K rate against blocks per row, solid for block-sparse
-    rows, dashed for its dense kernel on the same number of keys; the 80% bar drawn across."""
+    rows, dashed for its dense kernel on the same number of keys, dotted for the row-keys layout
+    (rows measured before it existed have none); the 80% bar drawn across."""
     from sparseflash.experiments.bench.plots import _color, _grid, _suptitle
 
     out_dir = Path(out_dir)
@@ -87,6 +91,9 @@ def plot(out_dir) -> Path:
             color = _color(IMPLEMENTATIONS[impl][1] or IMPLEMENTATIONS[impl][0])
             ax.plot(x, [r["short_pct_of_full_rate"] for r in mine], "--o", color=color, ms=3,
                     label=f"{impl}, dense on r x 128 keys")
+            if mine[0].get("row_keys_pct_of_full_rate") is not None:
+                ax.plot(x, [r["row_keys_pct_of_full_rate"] for r in mine], ":^", color=color, ms=3,
+                        label=f"{impl}, own r x 128 keys per q tile")
             if mine[0]["sparse_pct_of_full_rate"] is not None:
                 ax.plot(x, [r["sparse_pct_of_full_rate"] for r in mine], "-s", color=color, ms=4,
                         label=f"{impl}, block-sparse (4K keys)")
@@ -130,6 +137,9 @@ def main(argv=None) -> int:
     mk = lambda n, d: torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
     inputs = {d: (mk(N, d), mk(N, d), mk(N, d), {r: (mk(r * blk, d), mk(r * blk, d)) for r in args.blocks})
               for d in args.head_dims}
+    tiles = B * H * (N // blk)  # q tiles, each its own "sequence" in the row-keys layout
+    mk_rows = lambda n, d: torch.randn(tiles, 1, n, d, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                                       requires_grad=True)
     masks = {r: random_mask(N, r, block_size=blk, seed=r, device="cuda") for r in args.blocks}
     for impl in args.providers:  # FlexAttention last: it compiles once per shape and mode
         dense_p, sparse_p = IMPLEMENTATIONS[impl]
@@ -140,10 +150,13 @@ def main(argv=None) -> int:
                 for r in args.blocks:
                     share = lambda t: 100 * full * r / (N // blk) / t  # noqa: E731
                     t_short = _time(dense_p, q, *shorts[r], None, mode)
+                    t_rows = _time(dense_p, mk_rows(blk, d), mk_rows(r * blk, d), mk_rows(r * blk, d), None, mode)
                     row = dict(provider=impl, head_dim=d, mode=mode, blocks_per_row=r, dense_full_ms=full,
                                dense_short_ms=t_short, short_pct_of_full_rate=share(t_short),
+                               row_keys_ms=t_rows, row_keys_pct_of_full_rate=share(t_rows),
                                sparse_ms=None, sparse_pct_of_full_rate=None)
-                    text = f"dense on {r * blk} keys {t_short:.4f} ms ({row['short_pct_of_full_rate']:.0f}%)"
+                    text = (f"dense on {r * blk} keys {t_short:.4f} ms ({row['short_pct_of_full_rate']:.0f}%), "
+                            f"own keys per q tile {t_rows:.4f} ms ({row['row_keys_pct_of_full_rate']:.0f}%)")
                     if sparse_p is not None:
                         t_sparse = _time(sparse_p, q, kf, vf, masks[r], mode)
                         row.update(sparse_ms=t_sparse, sparse_pct_of_full_rate=share(t_sparse))
@@ -155,7 +168,8 @@ def main(argv=None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             meta = environment(torch.device("cuda"))
             (out / "short_rows.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    print("\nshare of each implementation's own 4K x 4K rate (%), sparse / dense on r*128 keys:")
+    print("\nshare of each implementation's own 4K x 4K rate (%), sparse / dense on r*128 keys / "
+          "own r*128 keys per q tile:")
     for d in args.head_dims:
         for mode in args.modes:
             for r in args.blocks:
@@ -163,7 +177,8 @@ def main(argv=None) -> int:
                 for row in rows:
                     if (row["head_dim"], row["mode"], row["blocks_per_row"]) == (d, mode, r):
                         sp = "-" if row["sparse_pct_of_full_rate"] is None else f"{row['sparse_pct_of_full_rate']:.0f}"
-                        cells.append(f"{row['provider']} {sp}/{row['short_pct_of_full_rate']:.0f}")
+                        cells.append(f"{row['provider']} {sp}/{row['short_pct_of_full_rate']:.0f}/"
+                                     f"{row['row_keys_pct_of_full_rate']:.0f}")
                 print(f"  d={d:3d} {mode:3s} r={r:2d}  " + "  ".join(cells))
     if args.out:
         print(plot(args.out))
