@@ -104,7 +104,7 @@ def plot(out_dir) -> Path:
         ax.set_xscale("log", base=2)
         ticks = sorted({r["blocks_per_row"] for r in rows})
         ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.set_ylim(30, 102)
+        ax.set_ylim(20, 102)
     axes[0][0].legend(fontsize=6, loc="lower right")
     _suptitle(fig, f"Short rows: rate against row length, 4K queries, B=4, H=16, bf16, GPU time "
                    f"(commit {meta.get('commit')})", [meta])
