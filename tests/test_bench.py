@@ -442,6 +442,22 @@ def test_inspect_kernels_row_alignment_for_hopper():
     assert not problems, problems
 
 
+@pytest.mark.skipif(not _ptxas_available(), reason="needs the ptxas bundled with Linux triton wheels")
+def test_wide_head_dim_default_tiles_fit_hopper():
+    """The default tiles past head_dim 128, compiled for sm_90 (no GPU needed), fit in shared
+    memory in bf16 and in fp32 (the bf16 dQ tile would need 303 KB in fp32; fp32 keeps smaller ones)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for extra in ([], ["--fp32"]):
+        cmd = [sys.executable, "-m", "sparseflash.experiments.bench.inspect_kernels", "--json", "--head-dim", "256",
+               *extra]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        rows = json.loads(out.stdout.strip().splitlines()[-1])
+        assert sorted(r["kernel"] for r in rows) == ["_bwd_dkdv_kernel", "_bwd_dq_kernel", "_fwd_kernel"]
+        too_big = [(r["kernel"], r["shared"]) for r in rows if r["shared"] > 227 * 1024]
+        assert not too_big, (extra, too_big)
+
+
 def test_host_cost_needs_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("has a GPU")

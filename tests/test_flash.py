@@ -548,6 +548,18 @@ def test_gpu_real_sizes(N, D, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
+@pytest.mark.parametrize("D", [160, 256])
+def test_gpu_wide_head_dims(D, dtype):
+    """Head dims past 128 on their own default tiles (bf16: retuned 2026-11-24; fp32: smaller ones),
+    dense causal and block-sparse, GQA, a sequence length no tile divides."""
+    N = 1000
+    q, k, v, do = make_qkv(2, 4, 2, N, N, D, dtype, "cuda", seed=D)
+    for mask, causal in ((None, True), (random_mask(4, 1, N, N, 128, 0.25, seed=2, empty_row=True).to("cuda"), False)):
+        check_attention(triton_impl(mask, causal=causal), q, k, v, do, mask=mask, causal=causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("N", [512, 4096])
 def test_gpu_graph_capture_after_eager_warmup(N):
     """Warm up eagerly, then capture fwd+bwd in a CUDA graph (no dropout), below and above the TMA

@@ -142,7 +142,9 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
                 return TileConfig(128, 64, 8, 3)
             # rows of ~13 blocks (16K tokens): 7% faster with 128-key tiles; rows of ~3 (4K): 64 x 64
             return TileConfig(128, 128, 8, 3) if k_blocks >= 64 else TileConfig(64, 64, 4, 3)
-        return TileConfig(64, 32, 4, 2)
+        # head_dim 129-256 (tune/d256/, ms at d=256, 4K / 16K): dense 2.45 / 9.51 (64x32x4w: 3.09 /
+        # 12.36), density 0.1 0.312 / 0.999 (0.361 / 1.285)
+        return TileConfig(128, 64, 8, 2) if sparse else TileConfig(128, 32, 8, 3)
     if kind == "dkdv":  # block_n = k tile held on chip, block_m = q tile streamed
         if head_dim <= 64:
             # With dropout, [queries, keys] tiles (the bits as the forward draws them, no shuffle):
@@ -151,7 +153,8 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
             return TileConfig(64, 64, 4, 3, q_rows=True) if dropout else TileConfig(32, 128, 4, 3)
         if head_dim <= 128:
             return TileConfig(64, 128, 8, 3)
-        return TileConfig(32, 64, 8, 2)
+        # d=256: dense 7.44 / 29.5 ms, density 0.1 0.91 / 3.40 (32x64x8w, which spilled: 9.64 / 40.9, 1.09 / 4.32)
+        return TileConfig(64, 32, 4, 2)
     # dq: block_m = q tile held, block_n = k tile streamed
     if head_dim <= 64:
         if dropout:  # 128 registers (two programs per SM): 8% faster dense, 24% sparse (4K) than uncapped
@@ -159,7 +162,8 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
         return TileConfig(64, 64, 4, 3) if sparse else TileConfig(128, 64, 8, 3)
     if head_dim <= 128:
         return TileConfig(128, 64, 8, 3)
-    return TileConfig(64, 32, 8, 2)
+    # d=256: dense 2.90 / 11.1 ms, density 0.1 0.48 / 1.47 (64x32x8w: 8.47 / 37.3, 1.01 / 3.98)
+    return TileConfig(128, 32, 8, 3)
 
 
 def _fit(tile: int, mask_block: int | None, what: str) -> int:
@@ -175,8 +179,15 @@ def _fit(tile: int, mask_block: int | None, what: str) -> int:
     return tile
 
 
+_FP32_WIDE = {"fwd": TileConfig(64, 32, 4, 2), "dkdv": TileConfig(32, 64, 8, 2), "dq": TileConfig(64, 32, 8, 2)}
+
+
 def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
-    """fp32 tiles take twice the shared memory of bf16: halve the streamed tile, at most 2 stages."""
+    """fp32 tiles take twice the shared memory of bf16: halve the streamed tile, at most 2 stages.
+    Past head_dim 128 from the smaller tiles the 16-bit defaults had before 2026-11-24 (the current
+    ones do not fit: dQ would need 303 KB of shared memory); fp32 there is not re-tuned."""
+    if head_dim > 128:
+        cfg = _FP32_WIDE[kind]
     bm, bn = cfg.block_m, cfg.block_n
     for _ in range(2 if head_dim > 128 else 1):
         if kind == "dkdv":
