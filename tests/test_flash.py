@@ -549,12 +549,12 @@ def test_gpu_real_sizes(N, D, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_id)
-@pytest.mark.parametrize("D", [160, 256])
-def test_gpu_wide_head_dims(D, dtype):
-    """Head dims past 128 on their own default tiles (bf16: retuned 2026-11-24; fp32: smaller ones),
-    dense causal and block-sparse, GQA, a sequence length no tile divides."""
-    N = 1000
-    q, k, v, do = make_qkv(2, 4, 2, N, N, D, dtype, "cuda", seed=D)
+@pytest.mark.parametrize("D,N", [(32, 1000), (32, 8200), (160, 1000), (256, 1000)])
+def test_gpu_head_dims_on_their_own_tiles(D, N, dtype):
+    """Head dims with tiles of their own (d <= 32 and d > 128, tuned 2026-11-24; fp32 past 128
+    on smaller ones), dense causal and block-sparse with an empty row, GQA, lengths no tile
+    divides; N = 8200 gives the mask 65 key blocks, the long-row tiles."""
+    q, k, v, do = make_qkv(2, 4, 2, N, N, D, dtype, "cuda", seed=D + N)
     for mask, causal in ((None, True), (random_mask(4, 1, N, N, 128, 0.25, seed=2, empty_row=True).to("cuda"), False)):
         check_attention(triton_impl(mask, causal=causal), q, k, v, do, mask=mask, causal=causal)
 

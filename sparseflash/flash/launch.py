@@ -127,6 +127,13 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
     # dense and at density 0.1, N = 4K and 16K, 16 heads (experiments/results/tune/).
     sparse = k_blocks is not None
     if kind == "fwd":
+        if head_dim <= 32 and not dropout:
+            # tune/d32/ (d=32; ms 1K / 4K / 16K, default 128x64x8w in brackets): dense 4 warps,
+            # 128-key tiles 0.135 / 0.487 / 1.890 (0.152 / 0.562 / 2.177); rows of 1-3 blocks
+            # 128x32 0.033 / 0.063 (0.042 / 0.068); rows of 13 (16K) 64x128 0.224 (0.249)
+            if not sparse:
+                return TileConfig(128, 128, 4, 3)
+            return TileConfig(64, 128, 4, 3) if k_blocks >= 64 else TileConfig(128, 32, 4, 3)
         if head_dim <= 64:
             # With dropout, at most 128 registers: two 8-warp programs per SM (the kernel takes
             # 128-130 and the sparse one ran alone; capped, p = 0.1 costs +30-35% instead of
@@ -150,6 +157,8 @@ def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: in
             # With dropout, [queries, keys] tiles (the bits as the forward draws them, no shuffle):
             # 13-19% faster than the default with dropout, 3-15% slower without it (tune/dropout/).
             # At d=128 the same orientation gains nothing with dropout (within 2%) and costs without.
+            if head_dim <= 32 and not dropout and sparse and k_blocks >= 64:
+                return TileConfig(64, 128, 4, 3)  # d=32, 16K rows of 13 blocks: 0.366 ms (32x128: 0.426)
             return TileConfig(64, 64, 4, 3, q_rows=True) if dropout else TileConfig(32, 128, 4, 3)
         if head_dim <= 128:
             return TileConfig(64, 128, 8, 3)
