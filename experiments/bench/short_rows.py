@@ -9,14 +9,14 @@ and a few row lengths (r key blocks of 128 per q-block row, 4K queries, batch 4,
 - ``dense-short``: the implementation's dense kernel on 4K queries x r*128 keys: the same tiles
   per row, with no list and contiguous K/V;
 - ``row-keys``: its dense kernel with every q tile of 128 rows given its own r*128 keys (the batch
-  is B*H*32 single-tile "sequences"): no q tile shares K/V with another, as under a random block
-  mask, so unlike ``dense-short`` a kernel cannot reuse one head's keys across its q tiles;
+  is B*H*32 single-tile "sequences"): no q tile shares K/V with another;
 - ``dense-full``: its dense kernel on 4K x 4K, whose rate is the reference.
-Each rate is a share of the same implementation's own 4K x 4K rate, so SDPA flash
+A random block mask shares each key block among ~r q tiles of its head: more reuse than
+``row-keys``, less than ``dense-short`` (all 32), so the two bracket what a block-sparse row could
+do. Each rate is a share of the same implementation's own 4K x 4K rate, so SDPA flash
 (FlashAttention-2) and cuDNN, which take no block mask, still say how much any kernel loses on
-rows of r blocks: if the best vendor kernel's ``dense-short`` share is as low as ours, the 4K
-shortfall is the short rows' and not our kernel's. If ``dense-short`` is as slow as ``sparse``, the
-list is not the cost. Forward and backward (backward alone, the forward made outside the graph).
+rows of r blocks. If ``dense-short`` is as slow as ``sparse``, the list is not the cost. (In the
+backward, ``row-keys`` also makes every key column one q tile long: a low bound there.) Forward and backward (backward alone, the forward made outside the graph).
 Prints a table; with --out writes short_rows.json and short_rows.png (redrawn from the JSON by
 ``--plot DIR``, any machine).
 """
