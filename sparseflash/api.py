@@ -92,7 +92,6 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p):
                 raise ValueError(f"key_lengths must lie in [0, seq_k={Nk}], got values in [{lo}, {hi}]")
 
 
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | None = None, *,
               causal: bool = False, scale: float | None = None, key_lengths: torch.Tensor | None = None,
               return_lse: bool = False, dropout_p: float = 0.0, generator: torch.Generator | None = None,

@@ -188,21 +188,21 @@ def _fit(tile: int, mask_block: int | None, what: str) -> int:
     return tile
 
 
-_FP32_WIDE = {"fwd": TileConfig(64, 32, 4, 2), "dkdv": TileConfig(32, 64, 8, 2), "dq": TileConfig(64, 32, 8, 2)}
+# fp32 past head_dim 128: the 16-bit tiles of before 2026-11-24 halved twice (the current 16-bit
+# ones do not fit in fp32: dQ would need 303 KB of shared memory). Not re-tuned.
+_FP32_WIDE = {"fwd": TileConfig(64, 16, 4, 2), "dkdv": TileConfig(16, 64, 8, 2), "dq": TileConfig(64, 16, 8, 2)}
 
 
 def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
-    """fp32 tiles take twice the shared memory of bf16: halve the streamed tile, at most 2 stages.
-    Past head_dim 128 from the smaller tiles the 16-bit defaults had before 2026-11-24 (the current
-    ones do not fit: dQ would need 303 KB of shared memory); fp32 there is not re-tuned."""
+    """fp32 tiles take twice the shared memory of bf16: halve the streamed tile, at most 2 stages
+    (past head_dim 128, `_FP32_WIDE`)."""
     if head_dim > 128:
-        cfg = _FP32_WIDE[kind]
+        return _FP32_WIDE[kind]
     bm, bn = cfg.block_m, cfg.block_n
-    for _ in range(2 if head_dim > 128 else 1):
-        if kind == "dkdv":
-            bm = max(16, bm // 2)
-        else:
-            bn = max(16, bn // 2)
+    if kind == "dkdv":
+        bm = max(16, bm // 2)
+    else:
+        bn = max(16, bn // 2)
     return replace(cfg, block_m=bm, block_n=bn, num_stages=min(cfg.num_stages, 2))
 
 
