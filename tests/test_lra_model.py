@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from sparseflash.experiments.lra.model import (
-    ATTENTIONS, LRAClassifier, ModelConfig, build_pattern, load_pretrained, parse_pattern_spec, upsample_grid,
+    ATTENTIONS, LRAClassifier, ModelConfig, build_pattern, dihedral_permutations, load_pretrained, parse_pattern_spec,
+    upsample_grid,
 )
 
 
@@ -179,9 +180,9 @@ def test_flex_warns_that_it_has_no_dropout():
         LRAClassifier(_cfg(attention="flex", attn_dropout=0.1))
 
 
-@pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "grid", "none"])
+@pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "grid", "grid_sincos", "none"])
 def test_position_embeddings(pos_emb):
-    cfg = _cfg(seq_len=64, pos_emb=pos_emb, grid=(8, 8) if pos_emb == "grid" else None)
+    cfg = _cfg(seq_len=64, pos_emb=pos_emb, grid=(8, 8) if pos_emb.startswith("grid") else None)
     model = LRAClassifier(cfg)
     tokens, lengths = _inputs(cfg)
     assert model(tokens, lengths).shape == (3, 3)
@@ -192,6 +193,46 @@ def test_position_embeddings(pos_emb):
         assert table.shape == (64, 32) and len({tuple(r.tolist()) for r in table}) == 64
     if pos_emb == "sinusoidal":
         assert torch.allclose(table[3, 0], torch.tensor(math.sin(3.0))) and torch.allclose(table[3, 1], torch.tensor(math.cos(3.0)))
+    if pos_emb == "grid_sincos":  # cell (row 2, col 5): rows in the first 16 channels, columns in the last 16
+        assert torch.allclose(table[2 * 8 + 5, 0], torch.tensor(math.sin(2.0)))
+        assert torch.allclose(table[2 * 8 + 5, 16], torch.tensor(math.sin(5.0)))
+        assert not any(p.requires_grad for n, p in model.named_parameters() if ".pos." in n)
+
+
+def test_dihedral_permutations_are_the_grid_symmetries():
+    perms = dihedral_permutations(4, 4)
+    assert perms.shape == (8, 16) and len({tuple(p.tolist()) for p in perms}) == 8
+    assert torch.equal(perms[0], torch.arange(16))
+    for p in perms:  # each is a permutation that keeps 4-neighbours neighbours (paths stay paths)
+        assert sorted(p.tolist()) == list(range(16))
+        y, x = p // 4, p % 4  # where the source of each output cell sits
+        grid_y, grid_x = y.view(4, 4), x.view(4, 4)
+        steps = torch.cat([(grid_y[1:] - grid_y[:-1]).abs() + (grid_x[1:] - grid_x[:-1]).abs(),
+                           ((grid_y[:, 1:] - grid_y[:, :-1]).abs() + (grid_x[:, 1:] - grid_x[:, :-1]).abs()).t()])
+        assert (steps == 1).all()
+    assert dihedral_permutations(2, 3).shape == (4, 6)  # a rectangle has no transposes
+
+
+def test_dihedral_augmentation_only_in_training():
+    cfg = _cfg(seq_len=64, pos_emb="grid", grid=(8, 8), augment="dihedral")
+    model = LRAClassifier(cfg)
+    tokens = torch.randint(1, cfg.vocab_size, (64, 64), generator=torch.Generator().manual_seed(0))
+    seen = []
+    model.encoder.embed.register_forward_hook(lambda m, inp, out: seen.append(inp[0].clone()))
+    model.eval()
+    model(tokens)
+    assert torch.equal(seen[-1], tokens)
+    model.train()
+    torch.manual_seed(0)
+    model(tokens)
+    got = seen[-1]
+    assert not torch.equal(got, tokens)
+    for row, src in zip(got, tokens):  # every example is one symmetry of its own grid
+        assert any(torch.equal(row, src[p]) for p in dihedral_permutations(8, 8))
+    with pytest.raises(ValueError, match="model.augment"):
+        LRAClassifier(_cfg(augment="rot"))
+    with pytest.raises(ValueError, match="model.grid"):
+        LRAClassifier(_cfg(augment="dihedral"))
 
 
 def test_upsample_grid_maps_cells():

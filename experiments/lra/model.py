@@ -47,7 +47,8 @@ __all__ = [
 ]
 
 ATTENTIONS = ("sparseflash", "torch", "sdpa", "flex")
-POS_EMBS = ("learned", "sinusoidal", "grid", "none")
+POS_EMBS = ("learned", "sinusoidal", "grid", "grid_sincos", "none")
+AUGMENTS = (None, "dihedral")
 POOLINGS = ("mean", "cls")
 SPARSEFLASH_BACKENDS = ("auto", "triton", "reference")
 
@@ -64,7 +65,7 @@ class ModelConfig:
     dropout: float = 0.1
     attn_dropout: float = 0.1
     pos_emb: str = "learned"
-    grid: tuple[int, int] | None = None  # (H, W) with H * W == seq_len, for pos_emb="grid"
+    grid: tuple[int, int] | None = None  # (H, W) with H * W == seq_len, for pos_emb="grid" / "grid_sincos"
     pooling: str = "mean"
     dual: bool = False
     head_hidden: int | None = None  # hidden width of the classifier MLP (default d_ff)
@@ -73,6 +74,7 @@ class ModelConfig:
     pattern_kwargs: dict = field(default_factory=dict)
     block_size: int = 128
     backend: str = "auto"  # sparseflash backend: auto | triton | reference
+    augment: str | None = None  # "dihedral": a random flip / 90-degree turn of the grid per example in training
 
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "num_classes", "seq_len", "d_model", "n_heads", "n_layers", "d_ff", "block_size"):
@@ -93,11 +95,14 @@ class ModelConfig:
             raise ValueError(f"model.pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.backend not in SPARSEFLASH_BACKENDS:
             raise ValueError(f"model.backend must be one of {SPARSEFLASH_BACKENDS}, got {self.backend!r}")
-        if self.pos_emb == "grid":
+        if self.augment not in AUGMENTS:
+            raise ValueError(f"model.augment must be one of {AUGMENTS}, got {self.augment!r}")
+        if self.pos_emb.startswith("grid") or self.augment == "dihedral":
             g = self.grid
             if (not isinstance(g, (tuple, list)) or len(g) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in g)):
-                raise ValueError(f"model.grid must be a pair (H, W) of positive ints for pos_emb='grid', got {g!r}")
+                raise ValueError(f"model.grid must be a pair (H, W) of positive ints for pos_emb={self.pos_emb!r} "
+                                 f"and augment={self.augment!r}, got {g!r}")
             if g[0] * g[1] != self.seq_len:
                 raise ValueError(f"model.grid {tuple(g)} has {g[0] * g[1]} cells but model.seq_len is {self.seq_len}")
         if self.head_hidden is not None and (not isinstance(self.head_hidden, int) or self.head_hidden <= 0):
@@ -331,6 +336,31 @@ class Block(nn.Module):
         return x + self.drop(self.ffn(self.ln2(x)))
 
 
+def _sincos(pos: torch.Tensor, d: int) -> torch.Tensor:
+    """The Transformer's sinusoids of positions ``pos`` [n] in ``d`` channels: [n, d] (sin, cos interleaved)."""
+    freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float64) / d)
+    table = torch.zeros(pos.numel(), d, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos[:, None] * freq)
+    table[:, 1::2] = torch.cos(pos[:, None] * freq[: d // 2])
+    return table
+
+
+def dihedral_permutations(rows: int, cols: int) -> torch.Tensor:
+    """[k, rows * cols] index maps of the symmetries of a ``rows x cols`` grid read row-major: the 8
+    flips and quarter turns of a square (4 of a rectangle: no transposes). ``tokens.gather(1, perm)``
+    applies one; the identity is row 0. A Pathfinder label (are the two markers on one path?) is
+    invariant under all of them."""
+    idx = torch.arange(rows * cols).view(rows, cols)
+    maps = []
+    for t in ((False, True) if rows == cols else (False,)):
+        base = idx.t() if t else idx
+        for fy in (False, True):
+            for fx in (False, True):
+                m = base.flip(0) if fy else base
+                maps.append((m.flip(1) if fx else m).flatten())
+    return torch.stack(maps)
+
+
 class PositionEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -341,18 +371,22 @@ class PositionEmbedding(nn.Module):
         elif self.kind == "grid":
             self.grid = nn.Parameter(torch.randn(*cfg.grid, d) * 0.02)
         elif self.kind == "sinusoidal":
-            pos = torch.arange(n, dtype=torch.float64)[:, None]
-            freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float64) / d)
-            table = torch.zeros(n, d, dtype=torch.float64)
-            table[:, 0::2] = torch.sin(pos * freq)
-            table[:, 1::2] = torch.cos(pos * freq[: d // 2])
+            self.register_buffer("table", _sincos(torch.arange(n, dtype=torch.float64), d).float(), persistent=False)
+        elif self.kind == "grid_sincos":
+            # Fixed 2-D encoding: the first half of the channels encode the row, the second half the
+            # column, each with the 1-D sinusoids; attention sees both offsets from the first step.
+            rows, cols = cfg.grid
+            r, c = torch.meshgrid(torch.arange(rows, dtype=torch.float64), torch.arange(cols, dtype=torch.float64),
+                                  indexing="ij")
+            half = d // 2
+            table = torch.cat([_sincos(r.flatten(), half), _sincos(c.flatten(), d - half)], dim=1)
             self.register_buffer("table", table.float(), persistent=False)
 
     def forward(self, n: int) -> torch.Tensor | None:
         if self.kind == "none":
             return None
         table = self.grid.flatten(0, 1) if self.kind == "grid" else self.table
-        if n > table.shape[0] or (self.kind == "grid" and n != table.shape[0]):
+        if n > table.shape[0] or (self.kind.startswith("grid") and n != table.shape[0]):
             raise ValueError(f"input has {n} tokens but the {self.kind} position embedding covers {table.shape[0]}")
         return table[:n]
 
@@ -420,6 +454,8 @@ class LRAClassifier(nn.Module):
         hidden = cfg.head_hidden or cfg.d_ff
         width = 4 * cfg.d_model if cfg.dual else cfg.d_model
         self.head = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, cfg.num_classes))
+        if cfg.augment == "dihedral":
+            self.register_buffer("_dihedral", dihedral_permutations(*cfg.grid), persistent=False)
 
     def pattern_mask(self, device="cpu") -> BlockMask | None:
         return self.encoder.pattern_mask(self.cfg.attn_len, device)
@@ -431,6 +467,13 @@ class LRAClassifier(nn.Module):
             raise ValueError(f"tokens must be {'[batch, 2, seq]' if cfg.dual else '[batch, seq]'}, got {tuple(tokens.shape)}")
         if lengths is not None and lengths.shape != tokens.shape[:-1]:
             raise ValueError(f"lengths must have shape {tuple(tokens.shape[:-1])}, got {tuple(lengths.shape)}")
+        if cfg.augment == "dihedral" and self.training:
+            if lengths is not None and bool((lengths < tokens.shape[-1]).any()):
+                raise ValueError("augment='dihedral' needs unpadded grid inputs (every length == seq_len)")
+            # one symmetry per example, drawn from torch's generator on the device (checkpointed)
+            pick = torch.randint(self._dihedral.shape[0], tokens.shape[:1], device=tokens.device)
+            perm = self._dihedral[pick]
+            tokens = tokens.gather(-1, perm if tokens.dim() == 2 else perm[:, None].expand_as(tokens))
         if not cfg.dual:
             return self.head(self.encoder(tokens, lengths))
         B = tokens.shape[0]

@@ -101,7 +101,7 @@ def fit_to_data(cfg: ExperimentConfig, ds) -> None:
     m.vocab_size, m.num_classes = int(ds.vocab_size), int(ds.num_classes)
     if int(ds.seq_len) != m.seq_len:
         m.seq_len = int(ds.seq_len)
-        if m.pos_emb == "grid":
+        if m.pos_emb.startswith("grid") or m.augment == "dihedral":
             side = math.isqrt(m.seq_len)
             if side * side != m.seq_len:
                 raise ValueError(f"dataset length {m.seq_len} is not a square image, but the model uses a 2-D grid")
