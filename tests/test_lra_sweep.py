@@ -52,7 +52,12 @@ def test_tiny_sweep_resumes_skips_and_redraws(tmp_path, monkeypatch, capsys):
     out = tmp_path / "sweep"
     calls = []
     real_train = T.train
-    monkeypatch.setattr(T, "train", lambda cfg, out_dir, **kw: calls.append((out_dir.name, kw["resume"])) or real_train(cfg, out_dir, **kw))
+
+    def counted(cfg, out_dir, **kw):
+        calls.append((out_dir.name, kw["resume"]))
+        return real_train(cfg, out_dir, **kw)
+
+    monkeypatch.setattr(T, "train", counted)
 
     assert S.main(_args(data, out, "--max-steps", "2")) == 0
     names = ["dense-d1-s0", "butterfly-d0.25-s0", "dense-d1-s1", "butterfly-d0.25-s1"]  # seed-major

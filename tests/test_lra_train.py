@@ -336,7 +336,8 @@ class Gated:
 
 
 load = T.load_datasets
-T.load_datasets = lambda cfg, root, cache_dir=None: {k: Gated(v) if k == "train" else v for k, v in load(cfg, root, cache_dir).items()}
+T.load_datasets = lambda cfg, root, cache_dir=None: {
+    k: Gated(v) if k == "train" else v for k, v in load(cfg, root, cache_dir).items()}
 sys.exit(T.main(sys.argv[1:]))
 '''
 
@@ -365,7 +366,8 @@ def _run_child(tmp_path, args, gate_after, send, name):
     gate.mkdir()
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
-    env = {**os.environ, "GATE_AFTER": str(gate_after), "GATE_DIR": str(gate), "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    env = {**os.environ, "GATE_AFTER": str(gate_after), "GATE_DIR": str(gate),
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same float summation order as this process
     proc = subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -439,7 +441,8 @@ def test_sigterm_and_kill_then_resume_equal_one_run(tmp_path):
     assert a["scheduler"] == b["scheduler"]
     assert torch.equal(a["rng"][0]["torch"], b["rng"][0]["torch"]) and a["rng"][0]["python"] == b["rng"][0]["python"]
     best = [torch.load(p / "checkpoints" / "best.pt", weights_only=False) for p in (straight, split)]
-    assert best[0]["step"] == best[1]["step"] and all(torch.equal(t, best[1]["model"][n]) for n, t in best[0]["model"].items())
+    assert best[0]["step"] == best[1]["step"]
+    assert all(torch.equal(t, best[1]["model"][n]) for n, t in best[0]["model"].items())
     for name in ("train.csv", "eval.csv"):
         assert _records(straight / name) == _records(split / name), name
     assert _jsonl(straight / "metrics.jsonl") == _jsonl(split / "metrics.jsonl")

@@ -290,7 +290,8 @@ def run_sweep(cfg, out_dir, *, pattern: str, densities, seeds=(0,), data_root=No
             run_dir = out / "runs" / entry["name"]
             c = run_cfg(entry)
             summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-            end = summary.get("schedule_steps") if max_steps is None else min(max_steps, summary.get("schedule_steps") or max_steps)
+            end = summary.get("schedule_steps") or math.inf
+            end = end if max_steps is None else min(max_steps, end)
             if not (summary.get("finished") and summary.get("steps", -1) >= end):
                 reason = stopper.signal or ("time_limit" if stopper.left_s() < START_RESERVE_S else None)
                 if reason:
@@ -371,9 +372,11 @@ def write_tables(result: dict, out_dir) -> None:
              "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|"]
     for a in _aggregate(rows):
         lines.append(f"| {a['target_density']:g} | {a['density']:.4f} | {a['token_density']:.4f} | {a['pattern']} | "
-                     f"`{a['params']}` | {a['seeds']} | {100 * a['test_acc']:.2f} | {_fmt(a['test_err'] and 100 * a['test_err'], '.2f')} | "
+                     f"`{a['params']}` | {a['seeds']} | {100 * a['test_acc']:.2f} | "
+                     f"{_fmt(a['test_err'] and 100 * a['test_err'], '.2f')} | "
                      f"{_fmt(a['step_ms'], '.2f')} | {_fmt(a['log_step_ms'], '.2f')} |")
-    lines += ["", "| run | status | seed | steps | best val (%) | test (%) | ± | step ms | log step ms | wall s | commands |",
+    lines += ["",
+              "| run | status | seed | steps | best val (%) | test (%) | ± | step ms | log step ms | wall s | commands |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         pct = lambda v: _fmt(v if v is None else 100 * v, ".2f")  # noqa: E731

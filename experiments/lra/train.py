@@ -717,8 +717,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="block size of the pattern (default 128)")
     p.add_argument("--max-steps", type=int, help="stop after this step (the schedule is unchanged)")
     p.add_argument("--time-limit", type=_minutes, metavar="MINUTES",
-                   help="end the command, with a checkpoint to --resume from, before a step that would not finish "
-                        f"within MINUTES of the command's start (exit status {EXIT_STOPPED}); allow a little for Python start-up")
+                   help="end the command, with a checkpoint to --resume from, before a step that would not "
+                        f"finish within MINUTES of the command's start (exit status {EXIT_STOPPED}); allow a little "
+                        "for Python start-up")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="default: bf16 autocast on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
