@@ -92,6 +92,14 @@ def test_tiny_sweep_resumes_skips_and_redraws(tmp_path, monkeypatch, capsys):
     assert S.main(["--plot-only", str(out)]) == 0
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / "sweep.md").read_text() == md
 
+    # a sweep whose runs start from the best weights of the same-named runs of this one (the Path-X recipe)
+    capsys.readouterr()
+    more = ["--densities", "0.25", "--seeds", "1", "--max-steps", "1"]
+    assert S.main(_args(data, tmp_path / "next", *more, "--init-from-sweep", str(out))) == 0
+    assert f"initialised from {out / 'runs' / names[3] / 'checkpoints' / 'best.pt'}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="which does not exist"):
+        S.main(_args(data, tmp_path / "next2", *more, "--init-from-sweep", str(tmp_path / "nothing")))
+
     # out of time before a run can start: the sweep stops at once, exit status 75
     monkeypatch.setattr(S, "START_RESERVE_S", 1e9)
     capsys.readouterr()

@@ -232,14 +232,21 @@ def _row(entry: dict, run_dir: Path, cfg, env: dict) -> dict:
 def run_sweep(cfg, out_dir, *, pattern: str, densities, seeds=(0,), data_root=None, datasets: dict | None = None,
               cache_dir=None, device: str | None = None, max_steps: int | None = None, deadline: float | None = None,
               num_workers: int = 0, precision: str | None = None, timing_warmup: int = 5, timing_repeats: int = 20,
-              dry_run: bool = False, show_progress: bool = True, plots: bool = True) -> dict:
+              init_from: str | None = None, init_from_sweep: str | None = None, dry_run: bool = False,
+              show_progress: bool = True, plots: bool = True) -> dict:
     """Train ``cfg`` at each density of ``pattern`` and seed (skipping finished runs, resuming
     stopped ones), time each run's training step, write the tables and the figure; returns the
-    sweep.json content, whose ``stopped_by`` is set when a signal or ``deadline`` ended it early."""
+    sweep.json content, whose ``stopped_by`` is set when a signal or ``deadline`` ended it early.
+
+    ``init_from``: a checkpoint every new run starts from (`train`'s ``init_from``: Path-X from a
+    Path-64 model); ``init_from_sweep``: another sweep's directory whose run of the same name
+    (same pattern, target density and seed) gives its ``best.pt`` to each new run."""
     from sparseflash.experiments.lra.configs import apply_overrides, config_from_dict
     from sparseflash.experiments.lra.speed import _environment
     from sparseflash.experiments.lra.train import _Stopper, collate, fit_to_data, load_datasets, train
 
+    if init_from and init_from_sweep:
+        raise ValueError("give init_from or init_from_sweep, not both")
     if pattern not in SWEEP_PATTERNS:
         raise ValueError(f"pattern must be one of {SWEEP_PATTERNS} for a density sweep, got {pattern!r}")
     densities, seeds = list(densities), list(seeds)
@@ -265,7 +272,16 @@ def run_sweep(cfg, out_dir, *, pattern: str, densities, seeds=(0,), data_root=No
     plan = plan_sweep(base, pattern, densities, seeds, base.model.attn_len)
     env = _environment(device)
     args = {"task": cfg.task, "variant": cfg.variant, "pattern": pattern, "densities": densities, "seeds": seeds,
-            "max_steps": max_steps, "device": str(device), "precision": precision}
+            "max_steps": max_steps, "device": str(device), "precision": precision, "init_from": init_from,
+            "init_from_sweep": init_from_sweep}
+    starts = {}
+    for e in plan:
+        start = init_from or (Path(init_from_sweep) / "runs" / e["name"] / "checkpoints" / "best.pt"
+                              if init_from_sweep else None)
+        fresh = not (out / "runs" / e["name"] / "checkpoints" / "last.pt").exists()
+        if start is not None and fresh and not dry_run and not Path(start).exists():
+            raise ValueError(f"run {e['name']} would start from {start}, which does not exist")
+        starts[e["name"]] = str(start) if start else None
     result = {"environment": env, "args": args, "plan": plan, "rows": [], "stopped_by": None}
 
     def run_cfg(entry, fitted: bool = False):
@@ -282,7 +298,8 @@ def run_sweep(cfg, out_dir, *, pattern: str, densities, seeds=(0,), data_root=No
     if dry_run:
         for e in plan:
             print(f"{e['name']:32s} {e['pattern'] or 'dense':10s} {json.dumps(e['kwargs']):56s} "
-                  f"target {e['target_density']:<6g} density {e['density']:.4f} (tokens {e['token_density']:.4f})")
+                  f"target {e['target_density']:<6g} density {e['density']:.4f} (tokens {e['token_density']:.4f})"
+                  + (f" from {starts[e['name']]}" if starts[e["name"]] else ""))
         return result
     stopper = _Stopper(deadline)
     with stopper:
@@ -301,8 +318,8 @@ def run_sweep(cfg, out_dir, *, pattern: str, densities, seeds=(0,), data_root=No
                 print(f"sweep: {'resuming' if resume else 'training'} {entry['name']} "
                       f"({entry['pattern'] or 'dense'} {entry['kwargs']}, density {entry['density']:.4f})", file=sys.stderr)
                 summary = train(c, run_dir, datasets=datasets, device=device, max_steps=max_steps, resume=resume,
-                                precision=precision, num_workers=num_workers, show_progress=show_progress,
-                                deadline=deadline)
+                                init_from=None if resume else starts[entry["name"]], precision=precision,
+                                num_workers=num_workers, show_progress=show_progress, deadline=deadline)
                 if summary["stopped_by"] is not None:
                     result["stopped_by"] = summary["stopped_by"]
                     break
@@ -482,6 +499,10 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=ATTENTIONS, help="attention implementation (default: the config's)")
     p.add_argument("--block-size", type=int, help="block size of the pattern (default 128)")
     p.add_argument("--max-steps", type=int, help="end each run after this step (its schedule is unchanged)")
+    p.add_argument("--init-from", metavar="CHECKPOINT", help="start every run from these weights (Path-X: a Path-64 model)")
+    p.add_argument("--init-from-sweep", metavar="SWEEP_OUT",
+                   help="start each run from the best.pt of the run of the same name in another sweep (e.g. a "
+                        "pathfinder64 sweep at the same densities and seeds, for Path-X)")
     p.add_argument("--time-limit", type=_minutes, metavar="MINUTES",
                    help="end the whole sweep, every run resumable, within MINUTES of its start (exit status 75)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
@@ -522,8 +543,8 @@ def _cmd_sweep(args) -> int:
     result = run_sweep(cfg, args.out, pattern=args.pattern, densities=args.densities, seeds=args.seeds,
                        data_root=args.data, cache_dir=args.cache_dir, device=args.device, max_steps=args.max_steps,
                        deadline=deadline, num_workers=args.num_workers, precision=args.precision,
-                       timing_warmup=args.timing_warmup, timing_repeats=args.timing_repeats, dry_run=args.dry_run,
-                       show_progress=not args.no_progress)
+                       timing_warmup=args.timing_warmup, timing_repeats=args.timing_repeats, init_from=args.init_from,
+                       init_from_sweep=args.init_from_sweep, dry_run=args.dry_run, show_progress=not args.no_progress)
     if args.dry_run:
         return 0
     print((Path(args.out) / "sweep.md").read_text())
