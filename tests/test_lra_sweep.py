@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from sparseflash.experiments.lra import sweep as S
 from sparseflash.experiments.lra.model import build_pattern
@@ -42,7 +43,15 @@ def _args(data, out, *extra):
             "--set", "train.batch_size=16", "--set", "train.eval_every=3", "--set", "train.log_every=1", *extra]
 
 
-def test_tiny_sweep_resumes_skips_and_redraws(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # toy models: faster on one thread, far faster on a busy machine
+    yield
+    torch.set_num_threads(n)
+
+
+def test_tiny_sweep_resumes_skips_and_redraws(tmp_path, monkeypatch, capsys, one_thread):
     from sparseflash.experiments.lra import train as T
     from sparseflash.experiments.lra.data.listops import write_listops
 

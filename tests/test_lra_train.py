@@ -1,4 +1,5 @@
-"""LRA training: schedules, data order, configs, a learning run, bit-identical resume, DDP (gloo),
+"""LRA training: schedules, data order, configs, a learning run, bit-identical resume (also across
+SIGTERM, SIGKILL and --time-limit stops of a child process), DDP (gloo),
 the Path-X initialisation, and the command line. Small in-memory datasets stand in for the
 loaders (same interface)."""
 
@@ -190,6 +191,10 @@ def test_resume_is_bit_identical(tmp_path):
     losses = [[json.loads(x)["loss"] for x in (p / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
               for p in (tmp_path / "straight", tmp_path / "split")]
     assert losses[0] == losses[1] and len(losses[0]) == 8
+    # the first command's closing validation at step 4 and its test evaluation are not in the run
+    evals = [[(r["step"], r["split"], r["weights"], r["acc"]) for r in _records(p / "eval.csv")]
+             for p in (tmp_path / "straight", tmp_path / "split")]
+    assert evals[0] == evals[1] and [e[0] for e in evals[0]] == ["3", "6", "8", "8", "8"]
     with pytest.raises(ValueError, match=r"config differs in \['model.d_model'\]"):
         T.train(toy_config(**over, **{"model.d_model": 64}), tmp_path / "split", datasets=data, device="cpu",
                 resume="auto", show_progress=False)
@@ -341,6 +346,16 @@ T.load_datasets = lambda cfg, root, cache_dir=None: {
 sys.exit(T.main(sys.argv[1:]))
 '''
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (its child processes too): these toy models run faster so,
+    and far faster on a busy machine, where two threads per process contend."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 _TIMING = {"step_ms", "tokens_per_s", "time_s", "mem_gb"}  # wall-clock fields of the logs
 _WALL = {"wall_s", "wall_s_total", "segments", "resumed_from"}  # ... and of summary.json
 
@@ -394,7 +409,7 @@ def _jsonl(path):
     return [{k: v for k, v in json.loads(x).items() if k not in _TIMING} for x in path.read_text().splitlines()]
 
 
-def test_sigterm_and_kill_then_resume_equal_one_run(tmp_path):
+def test_sigterm_and_kill_then_resume_equal_one_run(tmp_path, one_thread):
     """One run of 30 steps == the same run stopped by SIGTERM (sent to the whole process group,
     DataLoader workers included), resumed and killed with SIGKILL after log records past its last
     checkpoint, and resumed again: weights, optimizer, RNG, best-on-val, logs and summary.
