@@ -1,4 +1,5 @@
-"""LRA training: schedules, data order, configs, a learning run, bit-identical resume, DDP (gloo),
+"""LRA training: schedules, data order, configs, a learning run, bit-identical resume (also across
+SIGTERM, SIGKILL and --time-limit stops of a child process), DDP (gloo),
 the Path-X initialisation, and the command line. Small in-memory datasets stand in for the
 loaders (same interface)."""
 
@@ -190,6 +191,10 @@ def test_resume_is_bit_identical(tmp_path):
     losses = [[json.loads(x)["loss"] for x in (p / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
               for p in (tmp_path / "straight", tmp_path / "split")]
     assert losses[0] == losses[1] and len(losses[0]) == 8
+    # the first command's closing validation at step 4 and its test evaluation are not in the run
+    evals = [[(r["step"], r["split"], r["weights"], r["acc"]) for r in _records(p / "eval.csv")]
+             for p in (tmp_path / "straight", tmp_path / "split")]
+    assert evals[0] == evals[1] and [e[0] for e in evals[0]] == ["3", "6", "8", "8", "8"]
     with pytest.raises(ValueError, match=r"config differs in \['model.d_model'\]"):
         T.train(toy_config(**over, **{"model.d_model": 64}), tmp_path / "split", datasets=data, device="cpu",
                 resume="auto", show_progress=False)
@@ -304,3 +309,229 @@ def test_butterfly_sweep_densities():
         got = [build_pattern("butterfly", n, 128, **kw).density() for kw in butterfly_sweep(n, 128)]
         assert got == pytest.approx(expect)
     assert butterfly_sweep(128, 128) == [{}]
+
+
+# ------------------------------------------------------------------ stopping early and resuming
+# A child process that trains through the command line (`T.main`) on tiny ListOps data written by
+# the real generator; the N-th training item a process serves waits for a file, so the test can
+# signal (or kill) the child at a known point of its run without racing it.
+_CHILD = '''
+import os, sys, time
+from pathlib import Path
+from sparseflash.experiments.lra import train as T
+
+after, gate = int(os.environ["GATE_AFTER"]), Path(os.environ["GATE_DIR"])
+
+
+class Gated:
+    def __init__(self, ds):
+        self.ds, self.calls = ds, 0
+        self.seq_len, self.vocab_size, self.num_classes = ds.seq_len, ds.vocab_size, ds.num_classes
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        self.calls += 1
+        if self.calls == after:
+            (gate / f"ready-{os.getpid()}").touch()
+            while not (gate / "go").exists():
+                time.sleep(0.005)
+        return self.ds[i]
+
+
+load = T.load_datasets
+T.load_datasets = lambda cfg, root, cache_dir=None: {
+    k: Gated(v) if k == "train" else v for k, v in load(cfg, root, cache_dir).items()}
+sys.exit(T.main(sys.argv[1:]))
+'''
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (its child processes too): these toy models run faster so,
+    and far faster on a busy machine, where two threads per process contend."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+_TIMING = {"step_ms", "tokens_per_s", "time_s", "mem_gb"}  # wall-clock fields of the logs
+_WALL = {"wall_s", "wall_s_total", "segments", "resumed_from"}  # ... and of summary.json
+
+
+def _listops_args(data, out, *extra):
+    return ["--task", "listops", "--config", "quick", "--data", str(data), "--out", str(out), "--device", "cpu",
+            "--attention", "torch", "--no-progress", "--set", "data.seq_len=64", "--set", "model.d_model=32",
+            "--set", "model.d_ff=64", "--set", "model.dropout=0.1", "--set", "model.attn_dropout=0.1",
+            "--set", "train.batch_size=16", "--set", "train.steps=30", "--set", "train.warmup_steps=4",
+            "--set", "train.lr=3e-3", "--set", "train.eval_every=7", "--set", "train.log_every=1",
+            "--set", "train.save_every=5", *extra]
+
+
+def _run_child(tmp_path, args, gate_after, send, name):
+    """Start the child, wait until a process of it reaches the gate, ``send(pgid)``, open the gate;
+    return (exit status, stdout)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    gate = tmp_path / f"gate-{name}"
+    gate.mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    env = {**os.environ, "GATE_AFTER": str(gate_after), "GATE_DIR": str(gate),
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the same float summation order as this process
+    proc = subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not any(gate.glob("ready-*")):
+            assert proc.poll() is None, f"the child ended before the gate: {proc.communicate()}"
+            assert time.monotonic() - t0 < 60, "the child never reached the gate"
+            time.sleep(0.01)
+        send(proc.pid)
+        (gate / "go").touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out, err
+
+
+def _records(path):
+    with path.open() as f:
+        return [{k: v for k, v in r.items() if k not in _TIMING} for r in csv.DictReader(f)]
+
+
+def _jsonl(path):
+    return [{k: v for k, v in json.loads(x).items() if k not in _TIMING} for x in path.read_text().splitlines()]
+
+
+def test_sigterm_and_kill_then_resume_equal_one_run(tmp_path, one_thread):
+    """One run of 30 steps == the same run stopped by SIGTERM (sent to the whole process group,
+    DataLoader workers included), resumed and killed with SIGKILL after log records past its last
+    checkpoint, and resumed again: weights, optimizer, RNG, best-on-val, logs and summary.
+    Dropout is on and the data order crosses two epoch boundaries (10 steps per epoch)."""
+    import signal
+
+    from sparseflash.experiments.lra.data.listops import write_listops
+
+    data = tmp_path / "data"
+    write_listops(data, train=160, val=32, test=32, seed=1, min_len=10, max_len=60, max_depth=4, workers=1,
+                  show_progress=False)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert T.main(_listops_args(data, straight, "--num-workers", "0")) == 0
+
+    # 1. SIGTERM to the process group while the two workers hold the 8th batch: a clean stop.
+    rc, out, err = _run_child(tmp_path, _listops_args(data, split, "--num-workers", "2"), 16 * 4,
+                              lambda pid: os.killpg(pid, signal.SIGTERM), "term")
+    assert rc == T.EXIT_STOPPED, err
+    s1 = _params(split)["step"]
+    assert f"stopped at step {s1} by SIGTERM; continue with --resume" in out and 1 <= s1 < 30
+    assert _params(split)["segments"][-1]["end"] == "SIGTERM"
+    assert json.loads((split / "summary.json").read_text())["stopped_by"] == "SIGTERM"
+
+    # 2. resumed, then killed outright in the middle of a step that follows a logged one which no
+    # checkpoint holds: the next resume must drop that record.
+    m = 3 if (s1 + 3) % 5 else 4  # steps this command completes; s1 + m is not a checkpoint step
+    rc, _, err = _run_child(tmp_path, _listops_args(data, split, "--num-workers", "0", "--resume"), 1 + 16 * m + 1,
+                            lambda pid: os.killpg(pid, signal.SIGKILL), "kill")
+    assert rc == -signal.SIGKILL, err
+    ck = _params(split)
+    logged = [int(r["step"]) for r in _records(split / "train.csv")]
+    assert logged[-1] == s1 + m and ck["step"] == 5 * ((s1 + m) // 5) < logged[-1]
+
+    # 3. resumed to the end
+    assert T.main(_listops_args(data, split, "--num-workers", "0", "--resume")) == 0
+
+    a, b = _params(straight), _params(split)
+    assert a["step"] == b["step"] == 30 and a["best"] == b["best"]
+    for key in ("model", "best_model"):
+        assert a[key].keys() == b[key].keys() and all(torch.equal(t, b[key][n]) for n, t in a[key].items()), key
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a["scheduler"] == b["scheduler"]
+    assert torch.equal(a["rng"][0]["torch"], b["rng"][0]["torch"]) and a["rng"][0]["python"] == b["rng"][0]["python"]
+    best = [torch.load(p / "checkpoints" / "best.pt", weights_only=False) for p in (straight, split)]
+    assert best[0]["step"] == best[1]["step"]
+    assert all(torch.equal(t, best[1]["model"][n]) for n, t in best[0]["model"].items())
+    for name in ("train.csv", "eval.csv"):
+        assert _records(straight / name) == _records(split / name), name
+    assert _jsonl(straight / "metrics.jsonl") == _jsonl(split / "metrics.jsonl")
+    assert len(_records(split / "train.csv")) == 30 and len(_records(split / "eval.csv")) == 5 + 2
+    sa, sb = (json.loads((p / "summary.json").read_text()) for p in (straight, split))
+    assert {k: v for k, v in sa.items() if k not in _WALL} == {k: v for k, v in sb.items() if k not in _WALL}
+    assert sb["finished"] and sb["stopped_by"] is None and "test_best" in sb
+    segs = sb["segments"]
+    assert [(s["start_step"], s["end_step"], s["end"]) for s in segs] == [
+        (0, s1, "SIGTERM"), (s1, ck["step"], "checkpoint"), (ck["step"], 30, "done")]
+    assert sb["wall_s_total"] == pytest.approx(sum(s["wall_s"] for s in segs)) and sb["resumed_from"].endswith("last.pt")
+
+
+class _Slow(Majority):
+    """`Majority` whose items take 2 ms each to load."""
+
+    def __getitem__(self, i):
+        import time
+
+        time.sleep(0.002)
+        return super().__getitem__(i)
+
+
+def test_time_limit_stops_before_the_deadline(tmp_path, monkeypatch, capsys):
+    """--time-limit: the command stops between steps, with a checkpoint, before its deadline,
+    exit status 75; a resume goes on. 0.07 min = 4.2 s, of which 0.5 s of reserve, 1.25 s for the
+    checkpoint not measured yet, and set-up: about 1 s of steps (the first one, not timed yet, always runs)."""
+    import time
+
+    monkeypatch.setattr(T._Stopper, "RESERVE_S", 0.5)
+    data = {"train": _Slow(320, seed=0), "val": Majority(32, seed=1), "test": Majority(32, seed=2)}
+    monkeypatch.setattr(T, "load_datasets", lambda cfg, root, cache_dir=None: data)
+    args = ["--task", "listops", "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--device", "cpu",
+            "--num-workers", "0", "--no-progress", "--attention", "torch", "--set", "model.d_model=32",
+            "--set", "train.batch_size=16", "--set", "train.steps=400", "--set", "train.eval_every=100",
+            "--set", "train.log_every=10", "--set", "train.eval_batches=1"]
+    t0 = time.monotonic()
+    assert T.main([*args, "--time-limit", "0.07"]) == T.EXIT_STOPPED
+    assert time.monotonic() - t0 < 0.07 * 60
+    ck = _params(tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 2 <= ck["step"] < 400 and summary["steps"] == ck["step"] and summary["stopped_by"] == "time_limit"
+    assert ck["segments"][-1]["end"] == "time_limit" and ck["timing"]["step_s"] > 0.03  # 16 items of 2 ms
+    assert f"stopped at step {ck['step']} by time_limit" in capsys.readouterr().out
+    # a deadline already passed: no step at all, nothing rewritten
+    assert T.main([*args, "--resume", "--time-limit", "1e-9"]) == T.EXIT_STOPPED
+    assert _params(tmp_path / "run")["step"] == ck["step"]
+    assert T.main([*args, "--resume", "--max-steps", str(ck["step"] + 5)]) == 0
+    assert _params(tmp_path / "run")["step"] == ck["step"] + 5
+    with pytest.raises(SystemExit):
+        T.main([*args, "--time-limit", "0"])
+
+
+def test_stopper_prediction_and_signals():
+    import signal
+    import time
+
+    s = T._Stopper(time.monotonic() + 10, {"step_s": 1.0, "eval_batch_s": 0.5, "save_s": 1.0})
+    assert s.needed_s(evals=4) == pytest.approx(1.25 * 4 + 2) and s.reason(first=False, evals=4) is None
+    assert s.reason(first=False, tests=10) == "time_limit"  # 1.25 * 7 + 2 > 10
+    assert s.reason(first=True, tests=10) is None  # a command's first step always runs
+    assert T._Stopper(time.monotonic() - 1).reason(first=True) == "time_limit"
+    assert T._Stopper(None).reason(first=False, tests=10**9) is None
+    with T._Stopper(None) as s:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        assert s.signal == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):  # a second one interrupts at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with T._Stopper(None):
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # an ignored signal stays ignored
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -6,6 +6,7 @@
     sparseflash lra show listops DIR            samples, evaluated labels, length / depth / label histograms
     sparseflash lra show pathfinder DIR         a grid of images with their labels
     sparseflash lra train ... / speed ...       from experiments/lra/train.py and speed.py, when present
+    sparseflash lra sweep ... / curves ...      accuracy vs density (sweep.py), validation curves (curves.py)
 
 Other modules add subcommands to the group through a ``register_lra(lra_subparsers)`` function; the
 modules in `EXTENSIONS` are asked when the parser is built (a module that does not exist is skipped).
@@ -20,7 +21,8 @@ import json
 
 __all__ = ["register", "EXTENSIONS"]
 
-EXTENSIONS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.lra.speed", "sparseflash.experiments.lra.curves"]
+EXTENSIONS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.lra.speed", "sparseflash.experiments.lra.curves",
+              "sparseflash.experiments.lra.sweep"]
 
 
 def _positive(text: str) -> int:

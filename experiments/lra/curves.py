@@ -31,7 +31,7 @@ def load_runs(root) -> list[dict]:
         if kwargs:
             pattern += ":" + ",".join(f"{k}={v}" for k, v in kwargs.items())
         runs.append(dict(name=d.name, task=task, val=val, summary=summary, pattern=pattern,
-                         density=summary.get("density"), finished=bool(summary)))
+                         density=summary.get("density"), finished=bool(summary) and summary.get("stopped_by") is None))
     return runs
 
 

@@ -1,26 +1,42 @@
 """Training of the LRA / Path-X classifiers, on one device or data-parallel under ``torchrun``.
 
     sparseflash lra train --task listops --config quick --data DIR --attention sparseflash \\
-        --pattern butterfly --out runs/listops-bf [--max-steps N] [--device cpu|cuda]
+        --pattern butterfly --out runs/listops-bf [--max-steps N] [--device cpu|cuda] [--time-limit MIN]
+    sparseflash lra train ... --resume            (same flags: continue OUT/checkpoints/last.pt)
     torchrun --nproc-per-node 4 -m sparseflash.experiments.lra.train ...      (same flags)
 
 What a run does: bf16 autocast on CUDA, AdamW (no decay on biases, norms and embeddings), warm-up
 then linear / cosine / inverse-sqrt decay, gradient clipping; evaluation on val every
-``eval_every`` steps, and at the end on test with the final and the best-on-val weights;
-checkpoints ``OUT/checkpoints/{last,best}.pt``; ``OUT/metrics.jsonl`` plus ``train.csv`` /
-``eval.csv``; ``OUT/config.json`` and ``OUT/summary.json``.
+``eval_every`` steps and at the end of the schedule, and at the end on test with the final and the
+best-on-val weights; checkpoints ``OUT/checkpoints/{last,best}.pt``; ``OUT/metrics.jsonl`` plus
+``train.csv`` / ``eval.csv``; ``OUT/config.json`` and ``OUT/summary.json``.
 
 Reproducibility. The data order is a pure function of (seed, step): epoch e is a permutation drawn
 from (seed, e), and step s takes batch ``s mod steps_per_epoch`` of epoch ``s // steps_per_epoch``.
-A checkpoint stores model, optimizer, scheduler, step, and the RNG states of torch (CPU and CUDA),
-NumPy and Python of every rank, so ``--resume`` continues bit-identically (on CPU; on a GPU as
-far as its kernels are deterministic). ``--max-steps`` stops early without changing the schedule,
-which is defined by ``train.steps`` (or ``train.epochs``).
+A full checkpoint (``last.pt``, every ``save_every`` steps and when a command ends) stores model,
+optimizer, scheduler, step, the best-on-val record and weights, the RNG states of torch (CPU and
+CUDA), NumPy and Python of every rank, and the byte size of each log file. ``--resume`` restores all
+of it and cuts the logs back to those sizes (dropping what a command wrote after its checkpoint)
+before appending, so a run split over any number of commands ends bit-identical to one
+uninterrupted run (on CPU; on a GPU as far as its kernels are deterministic): weights, optimizer,
+logs, best.pt, summary (but its wall-clock fields). ``--max-steps`` ends a run early without
+changing the schedule (defined by ``train.steps`` or ``train.epochs``); its closing validation,
+off the ``eval_every`` grid, comes after the checkpoint, so a resumed run never sees it.
+
+Stopping early, for machines that end a command after a fixed time. SIGTERM or SIGINT (to the main
+process or the whole process group; data-loader workers ignore them) ends the command after the step
+in progress with a full checkpoint, the line "stopped at step N by SIGTERM; continue with
+--resume", and exit status 75 (`EXIT_STOPPED`); a second signal acts at once. ``--time-limit MIN``
+does the same before a step that, with the evaluation and checkpoint it triggers, is predicted not
+to end within MIN minutes of the command's start (see `_Stopper`). ``summary.json`` lists the run's
+commands in ``segments`` (step range, wall time, how each ended, host, GPU, command line) and
+their total wall time in ``wall_s_total``; a stopped command writes it with ``stopped_by`` set.
 
 Data parallel. ``torchrun`` sets WORLD_SIZE; each rank then takes a contiguous slice of size
 ``batch_size / world`` of the same global batch, DDP averages gradients (NCCL on CUDA, gloo on
 CPU), so the effective batch and the update equal a single-process run (up to float summation
-order; dropout masks differ per rank). Only rank 0 logs and writes files.
+order; dropout masks differ per rank). Only rank 0 logs and writes files. The ranks agree on
+stopping through an all-reduce of one number per step.
 
 Path-X / Path-256: ``--init-from CKPT`` loads a model trained at a smaller resolution and
 upsamples its 2-D position grid (2x2 duplication from Path-64 to Path-X).
@@ -30,12 +46,17 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import gc
 import json
 import math
 import os
+import platform
 import random
+import shlex
+import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -48,7 +69,7 @@ import torch.nn.functional as F
 from sparseflash.experiments.lra.configs import TASKS, VARIANTS, ExperimentConfig, config_from_dict, get_config
 from sparseflash.experiments.lra.model import ATTENTIONS, LRAClassifier, load_pretrained, parse_pattern_spec
 
-__all__ = ["train", "evaluate", "StepBatches", "collate", "lr_factor", "register_lra", "main"]
+__all__ = ["train", "evaluate", "StepBatches", "collate", "lr_factor", "register_lra", "main", "EXIT_STOPPED"]
 
 _TRAIN_COLS = ("step", "epoch", "lr", "loss", "acc", "grad_norm", "step_ms", "tokens_per_s", "mem_gb", "time_s")
 _EVAL_COLS = ("step", "split", "weights", "loss", "acc", "n", "time_s")
@@ -212,13 +233,41 @@ def _atomic_save(obj, path: Path) -> None:
 
 
 class _Logs:
-    """metrics.jsonl plus train.csv / eval.csv in OUT (rank 0 only)."""
+    """metrics.jsonl plus train.csv / eval.csv in OUT (rank 0 only), only ever appended to.
+
+    A full checkpoint records the byte size of each file (`sizes`); resuming cuts each file back to
+    exactly that size (`truncate_to`), which drops the records a command wrote after its last
+    checkpoint (it died, or it was resumed from an older checkpoint), and appends from there.
+    """
+
+    FILES = ("metrics.jsonl", "train.csv", "eval.csv")
 
     def __init__(self, out: Path, enabled: bool):
         self.out, self.enabled = out, enabled
 
+    def sizes(self) -> dict:
+        return {name: (self.out / name).stat().st_size if (self.out / name).exists() else 0 for name in self.FILES}
+
+    def truncate_to(self, sizes: dict, step: int) -> None:
+        """Cut every log back to the size recorded in the checkpoint of ``step``."""
+        if not self.enabled:
+            return
+        for name, size in sizes.items():
+            path = self.out / name
+            have = path.stat().st_size if path.exists() else 0
+            if not path.exists() and size:
+                print(f"warning: {path} is missing; its records up to step {step} are not in {self.out}", file=sys.stderr)
+                continue
+            if have < size:
+                raise ValueError(f"cannot resume from the checkpoint of step {step}: {path} has {have} bytes, but it had "
+                                 f"{size} when that checkpoint was written (these logs belong to another run)")
+            if size == 0:
+                path.unlink(missing_ok=True)
+            elif have > size:
+                os.truncate(path, size)
+
     def truncate_after(self, step: int) -> None:
-        """Drop records later than ``step`` (left by a run that died after its last checkpoint)."""
+        """Drop records later than ``step``: for checkpoints written before log sizes were recorded."""
         if not self.enabled:
             return
         path = self.out / "metrics.jsonl"
@@ -242,12 +291,92 @@ class _Logs:
         with (self.out / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"kind": kind, **record}) + "\n")
         path = self.out / f"{kind}.csv"
-        new = not path.exists()
+        new = not path.exists() or path.stat().st_size == 0
         with path.open("a", newline="") as f:
             w = csv.DictWriter(f, _TRAIN_COLS if kind == "train" else _EVAL_COLS, extrasaction="ignore")
             if new:
                 w.writeheader()
             w.writerow(record)
+
+
+# ------------------------------------------------------------------------------- stopping early
+EXIT_STOPPED = 75  # the command's exit status when it stopped early with a checkpoint (sysexits' EX_TEMPFAIL)
+_STOP_CODES = {None: 0, "time_limit": 1, "SIGINT": 2, "SIGTERM": 3}
+
+
+def _ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: workers ignore SIGTERM / SIGINT, so that a signal sent to the
+    whole process group leaves them serving the step the main process is finishing (it shuts
+    them down itself)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _Stopper:
+    """When this command ends before ``stop``: at SIGTERM / SIGINT, or before a step that would
+    cross ``deadline`` (a `time.monotonic` value).
+
+    The signal handler only records the signal (a second one of the same kind gives up and acts
+    as if no handler were installed); the loop sees it between steps, finishes nothing more, and
+    writes a full checkpoint. Signals that were ignored when training started stay ignored.
+
+    The time limit is checked before every step but a command's first (whose time, with its
+    compilation and warm-up, is unknown): the step is skipped, and the command stops, when
+    ``MARGIN x (step + the evaluation and checkpoint it triggers [+ the test evaluation if it is
+    the last]) + RESERVE_S`` would pass the deadline. Step time is the synchronized mean of the
+    last log window (and, within ``END_ZONE_STEPS`` steps or 60 s of the deadline, of the very
+    last step, synchronized), evaluation time per batch and checkpoint time the last measured
+    (estimates from the checkpoint a run resumed from before that).
+    """
+
+    MARGIN, RESERVE_S, END_ZONE_STEPS = 1.25, 2.0, 20
+
+    def __init__(self, deadline: float | None, timing: dict | None = None):
+        self.deadline, self.signal = deadline, None
+        self.timing = {"step_s": None, "eval_batch_s": None, "save_s": None, **(timing or {})}
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+            return
+        signal.signal(signum, self._previous.pop(signum, signal.SIG_DFL))  # a second signal: no clean stop
+        os.kill(os.getpid(), signum)
+
+    def left_s(self) -> float:
+        return math.inf if self.deadline is None else self.deadline - time.monotonic()
+
+    def in_end_zone(self) -> bool:
+        step_s = self.timing["step_s"] or 0.0
+        return self.left_s() < max(60.0, self.END_ZONE_STEPS * step_s)
+
+    def needed_s(self, *, evals: int = 0, tests: int = 0) -> float:
+        """Predicted seconds for one step that runs ``evals`` validation batches and ``tests`` test
+        batches after it, then a checkpoint."""
+        t = self.timing
+        step_s = t["step_s"] or 0.0
+        batch_s = t["eval_batch_s"] if t["eval_batch_s"] is not None else step_s  # forward only: ~1/3 of a step
+        save_s = t["save_s"] if t["save_s"] is not None else 1.0
+        return self.MARGIN * (step_s + (evals + tests) * batch_s + save_s) + self.RESERVE_S
+
+    def reason(self, first: bool, **cost) -> str | None:
+        if self.signal is not None:
+            return self.signal
+        if self.deadline is not None and (self.left_s() <= 0 or (not first and self.left_s() < self.needed_s(**cost))):
+            return "time_limit"
+        return None
 
 
 # ----------------------------------------------------------------------------------- evaluation
@@ -260,6 +389,7 @@ def evaluate(model, ds, *, batch_size: int, max_batches: int | None, device, aut
     shard = list(range(rank, n, world))
     loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, shard), batch_size=max(1, batch_size // world),
                                          collate_fn=collate, num_workers=num_workers,
+                                         worker_init_fn=_ignore_stop_signals if num_workers else None,
                                          generator=torch.Generator().manual_seed(0))
     was_training = model.training
     model.eval()
@@ -279,18 +409,34 @@ def evaluate(model, ds, *, batch_size: int, max_batches: int | None, device, aut
 
 
 # ------------------------------------------------------------------------------------------ train
+def _n_batches(ds, batch_size: int, max_batches: int | None) -> int:
+    n = len(ds) if max_batches is None else min(len(ds), max_batches * batch_size)
+    return math.ceil(n / batch_size)
+
+
+def _now_iso() -> str:
+    return datetime.datetime.now().isoformat(timespec="seconds")
+
+
 def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_root=None, cache_dir=None,
           device: str | None = None, max_steps: int | None = None, resume: str | None = None,
           init_from: str | None = None, compile: bool = False, precision: str | None = None,
-          num_workers: int = 0, show_progress: bool = True) -> dict:
+          num_workers: int = 0, show_progress: bool = True, deadline: float | None = None) -> dict:
     """Train ``cfg`` and write everything under ``out_dir``; returns the summary dict.
 
     ``datasets``: ``{"train", "val"[, "test"]}`` objects with the loader interface (default: load
     ``cfg.task`` from ``data_root``). ``resume``: a checkpoint path, or ``"auto"`` for
     ``out_dir/checkpoints/last.pt`` if it exists. ``precision``: ``"bf16"`` (default on CUDA:
-    autocast) or ``"fp32"`` (default on CPU).
+    autocast) or ``"fp32"`` (default on CPU). ``deadline``: a `time.monotonic` value; the command
+    stops before a step that would not end (with its evaluation and checkpoint) before it.
+
+    Stopping early. SIGTERM, SIGINT or the deadline end the command between two steps with a full
+    checkpoint; the summary then has ``stopped_by`` set (and no test evaluation) and ``--resume``
+    continues exactly where it stopped. Every segment of a run split over commands is listed in
+    ``summary["segments"]`` (step range, wall time, how it ended, host, command line).
     """
     t_start = time.perf_counter()
+    started_at = _now_iso()
     rank, world, device = _dist_setup(device)
     lead = rank == 0
     out = Path(out_dir)
@@ -299,6 +445,8 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0):
         raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
+    if deadline is not None and not isinstance(deadline, (int, float)):
+        raise ValueError(f"deadline must be a time.monotonic() value or None, got {deadline!r}")
     precision = precision or ("bf16" if device.type == "cuda" else "fp32")
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
@@ -336,10 +484,14 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
 
     logs = _Logs(out, lead)
     step, best, best_state = 0, {"acc": -1.0, "step": None}, None
+    segments, timing = [], None  # earlier commands of this run; their time estimates
     if resume == "auto":
         resume = str(ckpt_dir / "last.pt") if (ckpt_dir / "last.pt").exists() else None
     if resume:
         ck = torch.load(resume, map_location="cpu", weights_only=False)
+        if "optimizer" not in ck:
+            raise ValueError(f"cannot resume from {resume}: it holds weights only (best.pt?); resume from a full "
+                             f"checkpoint such as {ckpt_dir / 'last.pt'}")
         saved, ours = ck["config"], cfg.to_dict()
         diff = sorted(f"{s}.{k}" for s in ("model", "train") for k in ours[s] if saved[s].get(k) != ours[s][k])
         diff += [k for k in ("task", "data") if saved[k] != ours[k]]
@@ -355,11 +507,19 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
         elif lead:
             print(f"warning: checkpoint has RNG states of {len(rngs)} ranks, running {world}: dropout streams restart",
                   file=sys.stderr)
-        if (ckpt_dir / "best.pt").exists():
+        segments, timing = list(ck.get("segments", [])), ck.get("timing")
+        if "best_model" in ck:
+            best_state = ck["best_model"]
+        elif (ckpt_dir / "best.pt").exists():  # a checkpoint of an older version: best.pt is all there is
             best_state = torch.load(ckpt_dir / "best.pt", map_location="cpu", weights_only=False)["model"]
-        logs.truncate_after(step)
+        if "logs" in ck:
+            logs.truncate_to(ck["logs"], step)
+        else:
+            logs.truncate_after(step)
     if lead:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    t_offset = sum(seg["wall_s"] for seg in segments)  # wall time of the earlier commands, for time_s
+    start_step = step
 
     net = model
     if world > 1:
@@ -370,21 +530,58 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
     sampler = StepBatches(len(datasets["train"]), tc.batch_size, tc.seed, rank, world, start_step=step)
     loader = torch.utils.data.DataLoader(datasets["train"], batch_sampler=sampler, collate_fn=collate,
                                          num_workers=num_workers, pin_memory=device.type == "cuda",
+                                         worker_init_fn=_ignore_stop_signals if num_workers else None,
                                          generator=torch.Generator().manual_seed(tc.seed))
     eval_kw = dict(batch_size=tc.eval_batch_size or tc.batch_size, max_batches=tc.eval_batches, device=device,
                    autocast=autocast, rank=rank, world=world, num_workers=num_workers)
+    val_batches = _n_batches(datasets["val"], eval_kw["batch_size"], tc.eval_batches)
+    has_test = datasets.get("test") is not None
+    test_batches = _n_batches(datasets["test"], eval_kw["batch_size"], tc.eval_batches) if has_test else 0
     tokens_per_step = tc.batch_size * cfg.model.seq_len * (2 if cfg.model.dual else 1)
+    stopper = _Stopper(deadline, timing)
 
-    def checkpoint(path: Path, with_state: bool) -> None:
+    def segment(end: str) -> dict:
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        return {"start_step": start_step, "end_step": step, "wall_s": time.perf_counter() - t_start, "started": started_at,
+                "ended": _now_iso(), "end": end, "host": platform.node(), "device": str(device), "gpu": gpu,
+                "world_size": world, "resumed_from": resume, "command": shlex.join(sys.argv)}
+
+    def save_weights(path: Path, state: dict, at_step: int) -> None:
+        if lead:
+            _atomic_save({"model": state, "step": at_step, "config": cfg.to_dict(), "best": best}, path)
+
+    def save_full(end: str) -> None:
+        """last.pt: everything the next command needs to continue as if this one had gone on."""
+        t0 = time.perf_counter()
         rngs = _gather(_rng_state(), world)  # every rank takes part
-        if not lead:
-            return
-        obj = {"model": model.state_dict(), "step": step, "config": cfg.to_dict(), "best": best}
-        if with_state:
-            obj.update(optimizer=opt.state_dict(), scheduler=sched.state_dict(), rng=rngs, world_size=world,
-                       data={"epoch": step // sampler.steps_per_epoch, "batch_in_epoch": step % sampler.steps_per_epoch,
-                             "steps_per_epoch": sampler.steps_per_epoch, "order_seed": tc.seed})
-        _atomic_save(obj, path)
+        if lead:
+            obj = {"model": model.state_dict(), "step": step, "config": cfg.to_dict(), "best": best,
+                   "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rngs, "world_size": world,
+                   "data": {"epoch": step // sampler.steps_per_epoch, "batch_in_epoch": step % sampler.steps_per_epoch,
+                            "steps_per_epoch": sampler.steps_per_epoch, "order_seed": tc.seed},
+                   "best_model": best_state, "logs": logs.sizes(), "segments": segments + [segment(end)],
+                   "timing": stopper.timing}
+            _atomic_save(obj, ckpt_dir / "last.pt")
+        stopper.timing["save_s"] = time.perf_counter() - t0
+
+    def validate_now() -> dict:
+        nonlocal best, best_state
+        t0 = time.perf_counter()
+        r = evaluate(model, datasets["val"], **eval_kw)
+        stopper.timing["eval_batch_s"] = (time.perf_counter() - t0) / max(1, val_batches)
+        logs.write("eval", {"step": step, "split": "val", "weights": "current", **r,
+                            "time_s": t_offset + time.perf_counter() - t_start})
+        if r["acc"] > best["acc"]:
+            best = {"acc": r["acc"], "loss": r["loss"], "step": step}
+            best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            save_weights(ckpt_dir / "best.pt", best_state, step)
+        return r
+
+    if resume and best_state is not None:
+        save_weights(ckpt_dir / "best.pt", best_state, best["step"])  # best.pt may be from after the checkpoint
+
+    def is_eval_step(s: int) -> bool:
+        return s % tc.eval_every == 0 or s == tc.steps
 
     mask = model.pattern_mask()
     desc = f"{cfg.task} {cfg.model.attention}/{cfg.model.pattern or 'dense'}"
@@ -398,59 +595,76 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
         torch.cuda.reset_peak_memory_stats(device)
     net.train()
     batches = iter(loader)
-    while step < stop:
-        b = next(batches)
-        tokens, lengths = b["tokens"].to(device, non_blocking=True), b["lengths"].to(device, non_blocking=True)
-        labels = b["labels"].to(device, non_blocking=True)
-        with autocast:
-            logits = net(tokens, lengths)
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=tc.label_smoothing)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if tc.grad_clip > 0:
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        else:
-            gnorm = torch.zeros((), device=device)
-        lr_used = opt.param_groups[0]["lr"]
-        opt.step()
-        sched.step()
-        step += 1
-        win_steps += 1
-        with torch.no_grad():
-            window += torch.stack([loss.detach().double() * labels.numel(), (logits.argmax(-1) == labels).sum().double(),
-                                   torch.tensor(labels.numel(), dtype=torch.float64, device=device), gnorm.double()])
+    stopped_by = None
+    with stopper:
+        while step < stop:
+            nxt = step + 1
+            cost = {"evals": val_batches if is_eval_step(nxt) else 0,
+                    "tests": (2 * test_batches + (val_batches if not is_eval_step(nxt) else 0)) if nxt == stop else 0}
+            stopped_by = stopper.reason(first=step == start_step, **cost)
+            if world > 1:  # every rank stops at the same step
+                flag = torch.tensor([_STOP_CODES[stopped_by]], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                stopped_by = {v: k for k, v in _STOP_CODES.items()}[int(flag.item())]
+            if stopped_by is not None:
+                break
+            end_zone = stopper.deadline is not None and stopper.in_end_zone()
+            t_step = time.perf_counter()
+            b = next(batches)
+            tokens, lengths = b["tokens"].to(device, non_blocking=True), b["lengths"].to(device, non_blocking=True)
+            labels = b["labels"].to(device, non_blocking=True)
+            with autocast:
+                logits = net(tokens, lengths)
+            loss = F.cross_entropy(logits.float(), labels, label_smoothing=tc.label_smoothing)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if tc.grad_clip > 0:
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            else:
+                gnorm = torch.zeros((), device=device)
+            lr_used = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+            step += 1
+            win_steps += 1
+            with torch.no_grad():
+                window += torch.stack([loss.detach().double() * labels.numel(), (logits.argmax(-1) == labels).sum().double(),
+                                       torch.tensor(labels.numel(), dtype=torch.float64, device=device), gnorm.double()])
+            if end_zone or step == start_step + 1:  # near the deadline (or no estimate yet): time this very step
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                stopper.timing["step_s"] = time.perf_counter() - t_step
 
-        postfix = None
-        if step % tc.log_every == 0 or step == stop:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            now = time.perf_counter()
-            if world > 1:
-                dist.all_reduce(window)
-            ls, correct, count, gsum = window.tolist()
-            dt = (now - t_last - paused) / win_steps
-            rec = {"step": step, "epoch": round(step / sampler.steps_per_epoch, 4), "lr": lr_used,
-                   "loss": ls / count, "acc": correct / count, "grad_norm": gsum / (win_steps * world),
-                   "step_ms": 1e3 * dt, "tokens_per_s": tokens_per_step / dt,
-                   "mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
-                   "time_s": now - t_start}
-            logs.write("train", rec)
-            postfix = f"loss {rec['loss']:.3f} acc {rec['acc']:.3f} lr {rec['lr']:.2e} {rec['step_ms']:.0f} ms/step"
-            window.zero_()
-            win_steps, t_last, paused = 0, now, 0.0
-        t_pause = time.perf_counter()
-        if step % tc.eval_every == 0 or step == stop:
-            r = evaluate(model, datasets["val"], **eval_kw)
-            logs.write("eval", {"step": step, "split": "val", "weights": "current", **r, "time_s": time.perf_counter() - t_start})
-            if r["acc"] > best["acc"]:
-                best = {"acc": r["acc"], "loss": r["loss"], "step": step}
-                best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-                checkpoint(ckpt_dir / "best.pt", with_state=False)
-            postfix = (postfix or bar.postfix) + f" | val {r['acc']:.3f} (best {best['acc']:.3f})"
-        if step % tc.save_every == 0 or step == stop:
-            checkpoint(ckpt_dir / "last.pt", with_state=True)
-        paused += time.perf_counter() - t_pause
-        bar.update(1, postfix=postfix)
+            postfix = None
+            if step % tc.log_every == 0 or step == stop:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                now = time.perf_counter()
+                if world > 1:
+                    dist.all_reduce(window)
+                ls, correct, count, gsum = window.tolist()
+                dt = (now - t_last - paused) / win_steps
+                if not end_zone:
+                    stopper.timing["step_s"] = dt
+                rec = {"step": step, "epoch": round(step / sampler.steps_per_epoch, 4), "lr": lr_used,
+                       "loss": ls / count, "acc": correct / count, "grad_norm": gsum / (win_steps * world),
+                       "step_ms": 1e3 * dt, "tokens_per_s": tokens_per_step / dt,
+                       "mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+                       "time_s": t_offset + now - t_start}
+                logs.write("train", rec)
+                postfix = f"loss {rec['loss']:.3f} acc {rec['acc']:.3f} lr {rec['lr']:.2e} {rec['step_ms']:.0f} ms/step"
+                window.zero_()
+                win_steps, t_last, paused = 0, now, 0.0
+            t_pause = time.perf_counter()
+            if is_eval_step(step):
+                r = validate_now()
+                postfix = (postfix or bar.postfix) + f" | val {r['acc']:.3f} (best {best['acc']:.3f})"
+            if step % tc.save_every == 0 or step == stop:
+                save_full("done" if step == tc.steps else "max_steps" if step == stop else "checkpoint")
+            paused += time.perf_counter() - t_pause
+            bar.update(1, postfix=postfix)
+        if stopped_by is not None and not (resume and step == start_step):  # (nothing to save if no step ran)
+            save_full(stopped_by)
     bar.close()
 
     summary = {"task": cfg.task, "variant": cfg.variant, "attention": cfg.model.attention,
@@ -458,21 +672,32 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
                "block_size": cfg.model.block_size, "density": mask.density() if mask is not None else 1.0,
                "token_density": mask.token_density() if mask is not None else 1.0,
                "params": sum(p.numel() for p in model.parameters()), "steps": step, "schedule_steps": tc.steps,
+               "finished": stopped_by is None, "stopped_by": stopped_by,
                "world_size": world, "precision": precision, "device": str(device),
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-               "torch": torch.__version__, "best_val": best, "wall_s": None}
-    if "test" in datasets and datasets["test"] is not None:
-        now_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        for weights, state in (("final", now_state), ("best", best_state)):
-            if state is None:
-                continue
-            model.load_state_dict(state)
-            r = evaluate(model, datasets["test"], **eval_kw)
-            logs.write("eval", {"step": step, "split": "test", "weights": weights, **r,
-                                "time_s": time.perf_counter() - t_start})
-            summary[f"test_{weights}"] = r
-        model.load_state_dict(now_state)
-    summary["wall_s"] = time.perf_counter() - t_start
+               "torch": torch.__version__, "best_val": best}
+    if stopped_by is not None:
+        if lead:
+            print(f"stopped at step {step} by {stopped_by}; continue with --resume", flush=True)
+    else:
+        if step < tc.steps and not is_eval_step(step):
+            validate_now()  # the end of a --max-steps run; after its checkpoint, so a resumed run never sees it
+            summary["best_val"] = best
+        if has_test:
+            now_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            for weights, state in (("final", now_state), ("best", best_state)):
+                if state is None:
+                    continue
+                model.load_state_dict(state)
+                r = evaluate(model, datasets["test"], **eval_kw)
+                logs.write("eval", {"step": step, "split": "test", "weights": weights, **r,
+                                    "time_s": t_offset + time.perf_counter() - t_start})
+                summary[f"test_{weights}"] = r
+            model.load_state_dict(now_state)
+    summary["segments"] = segments + [segment(stopped_by or ("done" if step == tc.steps else "max_steps"))]
+    summary["resumed_from"] = resume
+    summary["wall_s"] = time.perf_counter() - t_start  # this command
+    summary["wall_s_total"] = sum(seg["wall_s"] for seg in summary["segments"])  # every command of the run
     if lead:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -491,6 +716,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pattern-arg", action="append", default=[], metavar="KEY=VALUE", help="pattern parameter (repeatable)")
     p.add_argument("--block-size", type=int, help="block size of the pattern (default 128)")
     p.add_argument("--max-steps", type=int, help="stop after this step (the schedule is unchanged)")
+    p.add_argument("--time-limit", type=_minutes, metavar="MINUTES",
+                   help="end the command, with a checkpoint to --resume from, before a step that would not "
+                        f"finish within MINUTES of the command's start (exit status {EXIT_STOPPED}); allow a little "
+                        "for Python start-up")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="default: bf16 autocast on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -520,19 +749,33 @@ def config_from_args(args) -> ExperimentConfig:
     return cfg
 
 
+def _minutes(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"--time-limit must be a positive number of minutes, got {text!r}")
+    return v
+
+
 def _cmd_train(args) -> int:
+    """Exit status 0 when the run reached its end (the schedule or --max-steps), `EXIT_STOPPED` (75)
+    when a signal or --time-limit ended it early with a checkpoint to ``--resume`` from."""
+    deadline = time.monotonic() + 60 * args.time_limit if args.time_limit else None
     cfg = config_from_args(args)
     summary = train(cfg, args.out, data_root=args.data, cache_dir=args.cache_dir, device=args.device,
                     max_steps=args.max_steps, resume=args.resume, init_from=args.init_from, compile=args.compile,
-                    precision=args.precision, num_workers=args.num_workers, show_progress=not args.no_progress)
-    if int(os.environ.get("RANK", "0")) == 0:
+                    precision=args.precision, num_workers=args.num_workers, show_progress=not args.no_progress,
+                    deadline=deadline)
+    if int(os.environ.get("RANK", "0")) == 0 and summary["stopped_by"] is None:
         best = summary["best_val"]
         line = f"{cfg.task}: {summary['steps']} steps, best val acc {best['acc']:.4f} at step {best['step']}"
         if "test_best" in summary:
             line += f", test acc {summary['test_best']['acc']:.4f} (best-val weights)"
         print(line + f"; results in {args.out}")
     close_distributed()
-    return 0
+    return 0 if summary["stopped_by"] is None else EXIT_STOPPED
 
 
 def register_lra(subparsers) -> None:
