@@ -167,13 +167,13 @@ def build_pattern(name: str | None, seq_len: int, block_size: int = 128, device=
 _FLEX = {}
 
 
-def _flex_fns(device: torch.device):
-    """(flex_attention, create_block_mask); flex_attention is compiled on CUDA (eager flex is an
-    unfused O(N^2) fallback meant for debugging) and eager elsewhere."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _flex_fn(device: torch.device):
+    """flex_attention, compiled on CUDA (eager flex is an unfused O(N^2) fallback meant for
+    debugging) and eager elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
-        return flex_attention, create_block_mask
+        return flex_attention
     if "cuda" not in _FLEX:
         import torch._dynamo
 
@@ -183,7 +183,7 @@ def _flex_fns(device: torch.device):
             if hasattr(cfg, knob):
                 setattr(cfg, knob, max(getattr(cfg, knob), 64))
         _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["cuda"], create_block_mask
+    return _FLEX["cuda"]
 
 
 class AttentionKernel:
@@ -234,45 +234,22 @@ class AttentionKernel:
     def _build_flex_mask(self, n: int, batch: int, device, cache: dict | None) -> None:
         if self.mask is None and self.key_lengths is None:
             return
-        _, create_block_mask = _flex_fns(device)
-        key = None
-        if self.key_lengths is None and cache is not None:
-            key = (n, str(device))
-            if key in cache:
-                self.flex_mask = cache[key]
-                return
-        layout = self.mask.layout if self.mask is not None else None
-        bq, bk = self.mask.block_size if self.mask is not None else (128, 128)
-        lengths = self.key_lengths.to(device) if self.key_lengths is not None else None
-        many_b = layout is not None and layout.shape[0] > 1
-        many_h = layout is not None and layout.shape[1] > 1
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            ok = q_idx >= 0
-            if layout is not None:
-                ok = ok & layout[b if many_b else 0, h if many_h else 0, q_idx // bq, kv_idx // bk]
-            if lengths is not None:
-                ok = ok & (kv_idx < lengths[b])
-            return ok
-
-        if lengths is None and bq == bk and bq % 128 == 0 and n % bq == 0:
-            # Whole blocks, no padding: give flex our block index (every on block is full, so the
-            # compiled kernel never calls mask_mod) instead of evaluating mask_mod on N^2 pairs.
-            # mask_mod still goes along: eager flex (CPU) applies only mask_mod.
-            from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
-
-            idx = self.mask.index(device)
-            self.flex_mask = FlexBlockMask.from_kv_blocks(torch.zeros_like(idx.kv_num), idx.kv_idx, idx.kv_num, idx.kv_idx,
-                                                          BLOCK_SIZE=bq, mask_mod=mask_mod, seq_lengths=(n, n))
-            if key is not None:
-                cache[key] = self.flex_mask
+        key = (n, str(device)) if self.key_lengths is None and cache is not None else None
+        if key is not None and key in cache:
+            self.flex_mask = cache[key]
             return
-        heads = layout.shape[1] if many_h else None
-        b = batch if (lengths is not None or many_b) else None
-        # mask_mod is exact at token level, so flex's own tile only decides what it can skip; its
-        # compiled kernels want multiples of 128 (smaller tiles fail to lower in torch 2.11).
-        tile = (bq, bk) if bq % 128 == 0 and bk % 128 == 0 else 128
-        self.flex_mask = create_block_mask(mask_mod, b, heads, n, n, device=device, BLOCK_SIZE=tile)
+        mask = self.mask
+        block = mask.block_size if mask is not None else (128, 128)
+        if self.key_lengths is not None:
+            lengths = self.key_lengths.to(device)
+            padding = BlockMask.from_fn(lambda b, h, q_idx, kv_idx: kv_idx < lengths[b], n, n, block_size=block,
+                                        batch=batch, device=device)
+            mask = padding if mask is None else mask & padding
+        # Unpadded whole blocks of a pattern become Flex's full blocks (the compiled kernel never calls
+        # mask_mod); elsewhere mask_mod is exact at token level. Compiled flex wants tiles that are
+        # multiples of 128 (smaller ones fail to lower in torch 2.11): coarser tiles pool ours.
+        tile = None if block[0] % 128 == 0 and block[1] % 128 == 0 else 128
+        self.flex_mask = mask.to_flex(block_size=tile, device=device)
         if key is not None:
             cache[key] = self.flex_mask
 
@@ -283,7 +260,7 @@ class AttentionKernel:
             return sparseflash.attention(q, k, v, self.mask, key_lengths=self.key_lengths, dropout_p=dropout_p,
                                          backend=self.backend)
         if self.kind == "flex":
-            flex_attention, _ = _flex_fns(q.device)
+            flex_attention = _flex_fn(q.device)
             return flex_attention(q, k, v, block_mask=self.flex_mask)
         if self.kind == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed, dropout_p=dropout_p)
