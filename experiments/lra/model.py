@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparseflash.mask import BlockMask
+from sparseflash.nn import SparseAttention, resolve_pattern
 
 __all__ = [
     "ATTENTIONS", "ModelConfig", "LRAClassifier", "AttentionKernel", "build_pattern", "parse_pattern_spec",
@@ -143,24 +144,10 @@ def _literal(text: str):
 
 def build_pattern(name: str | None, seq_len: int, block_size: int = 128, device=None, **kwargs) -> BlockMask | None:
     """The `BlockMask` of pattern ``name`` (a generator of `sparseflash.patterns`) for ``seq_len``
-    tokens, or ``None`` for dense (``name`` None or ``"dense"``)."""
-    if name is None or name == "dense":
-        return None
-    import sparseflash.patterns as zoo
-
-    available = sorted(getattr(zoo, "__all__", []))
-    gen = getattr(zoo, name, None) if name in available else None
-    if not callable(gen):
-        raise ValueError(f"unknown pattern {name!r}: sparseflash.patterns provides {available} (or 'dense')")
-    try:
-        mask = gen(seq_len, block_size=block_size, device=device, **kwargs)
-    except TypeError as e:
-        if "device" not in str(e):
-            raise ValueError(f"pattern {name!r} rejected its arguments {kwargs}: {e}") from None
-        mask = gen(seq_len, block_size=block_size, **kwargs).to(device or "cpu")
-    if not isinstance(mask, BlockMask):
-        raise TypeError(f"pattern {name!r} returned {type(mask).__name__}, expected a sparseflash.BlockMask")
-    return mask
+    tokens, or ``None`` for dense (``name`` None or ``"dense"``): `sparseflash.nn.resolve_pattern`."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"pattern must be a sparseflash.patterns name or None, got {name!r}")
+    return resolve_pattern(name, seq_len, block_size=block_size, device=device, pattern_kwargs=kwargs)
 
 
 # --------------------------------------------------------------------------------------- attention
@@ -278,18 +265,22 @@ class AttentionKernel:
 
 
 # ------------------------------------------------------------------------------------------ model
-class SelfAttention(nn.Module):
+class SelfAttention(SparseAttention):
+    """`sparseflash.nn.SparseAttention` (its ``qkv`` / ``proj`` projections, its sparseflash call with
+    dropout in training only) whose attention may also run through the other backends: the pattern
+    and padding come from the batch's `AttentionKernel`, shared by every layer."""
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.n_heads, self.p = cfg.n_heads, cfg.attn_dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        super().__init__(cfg.d_model, cfg.n_heads, dropout=cfg.attn_dropout, block_size=cfg.block_size,
+                         backend=cfg.backend)
 
     def forward(self, x: torch.Tensor, attend: AttentionKernel) -> torch.Tensor:
-        B, N, D = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4).unbind(0)
-        o = attend(q.contiguous(), k.contiguous(), v.contiguous(), self.p if self.training else 0.0)
-        return self.proj(o.transpose(1, 2).reshape(B, N, D))
+        q, k, v = (t.contiguous() for t in self.project(x))
+        if attend.kind == "sparseflash":
+            o = self.attend(q, k, v, attend.mask, attend.key_lengths, backend=attend.backend)
+        else:
+            o = attend(q, k, v, self.dropout if self.training else 0.0)
+        return self.output(o)
 
 
 class Block(nn.Module):
