@@ -350,7 +350,11 @@ class BlockMask:
 
     @classmethod
     def from_dense(cls, token_mask, block_size=128) -> "BlockMask":
-        """Pool a token-level bool mask ``[.., seq_q, seq_k]``: a block is on iff any pair in it is on."""
+        """Pool a token-level bool mask ``[.., seq_q, seq_k]``: a block is on iff any pair in it is on.
+
+        The token mask is kept (by reference) as the mask's ``mask_mod`` and ``.full`` marks the
+        blocks it covers completely; `BlockMask.from_fn` does the same without an N x N tensor.
+        """
         if not isinstance(token_mask, torch.Tensor):
             raise TypeError(f"token_mask must be a torch.Tensor of dtype bool, got {type(token_mask).__name__}")
         if token_mask.dtype != torch.bool:
