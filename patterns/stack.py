@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sparseflash.mask import BlockMask
+from sparseflash.mask import BlockMask, _HeadStackMod
 
 
 def stack(masks: Sequence[BlockMask]) -> BlockMask:
@@ -14,7 +14,8 @@ def stack(masks: Sequence[BlockMask]) -> BlockMask:
 
     Every mask must share lengths, block size and device; batch dims must be 1 or equal (size-1
     batches are broadcast). E.g. Sparse Transformer's split heads:
-    ``stack([local(n, l - 1, causal=True), dilated(n, n, l, causal=True)])``.
+    ``stack([local(n, l - 1, causal=True), dilated(n, n, l, causal=True)])``. Masks with a
+    ``mask_mod`` (`BlockMask.from_fn`, ...) keep it per head, and their full / partial blocks.
     """
     if isinstance(masks, BlockMask) or not isinstance(masks, Sequence):
         raise TypeError(f"masks must be a list or tuple of BlockMask, got {type(masks).__name__}")
@@ -37,4 +38,9 @@ def stack(masks: Sequence[BlockMask]) -> BlockMask:
     if any(m.shape[0] not in (1, batch) for m in masks):
         raise ValueError(f"mask batch dims {[m.shape[0] for m in masks]} must each be 1 or {batch}")
     layout = torch.cat([m.layout.expand(batch, -1, -1, -1) for m in masks], dim=1)
-    return BlockMask(layout, first.block_size, first.seq_q, first.seq_k)
+    if all(m.mask_mod is None for m in masks):
+        return BlockMask(layout, first.block_size, first.seq_q, first.seq_k)
+    # Token-level definitions (from_fn / from_dense / from_flex masks) stay: head h reads its own mask's.
+    full = torch.cat([m.full.expand(batch, -1, -1, -1) for m in masks], dim=1)
+    mod = _HeadStackMod([m._token_mod() for m in masks], [m.shape[1] for m in masks])
+    return BlockMask(layout, first.block_size, first.seq_q, first.seq_k, full=full, mask_mod=mod)

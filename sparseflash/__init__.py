@@ -6,7 +6,8 @@
 
 Where things are: `sparseflash.attention` (api.py: validation + dispatch), `BlockMask` (mask.py),
 the pure-PyTorch reference (reference.py), the Triton kernels, launchers and autograd wrapper
-(flash/), the pattern zoo (`sparseflash.patterns`), analysis and plots of masks (analysis.py),
+(flash/), `sparseflash.nn.SparseAttention` (nn.py), the Hugging Face transformers hook
+(hf.py, optional extra ``[hf]``), the pattern zoo (`sparseflash.patterns`), analysis and plots of masks (analysis.py),
 benchmarks and LRA experiments (`sparseflash.experiments`), the CLI (cli.py).
 """
 

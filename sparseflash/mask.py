@@ -17,16 +17,32 @@ Kernels read the compressed index form (computed once per device, vectorised, ca
 
 The Triton kernels read only ``kv_idx`` and ``q_idx``: they count a list's parts from its entries,
 which relies on the padding comparing above every block index (it is ``KB``, resp. ``QB``).
+
+Token-level source and partial blocks. A mask built from a token-level definition
+(`BlockMask.from_fn`, `BlockMask.from_dense`, `BlockMask.from_flex` with a ``mask_mod``) keeps that
+definition as ``mask.mask_mod`` (FlexAttention's convention: ``fn(b, h, q_idx, kv_idx) -> bool``)
+and records which on blocks it covers completely (``mask.full``) and which only in part
+(``mask.partial``). `sparseflash.attention` is block-level: it computes a partial block entirely,
+every pair in it attended (subject to ``causal`` and ``key_lengths``), so its result equals the
+token-level definition only where ``mask.partial`` is empty (``mask.is_exact``). ``mask.to_flex()``
+hands FlexAttention the exact definition (the ``mask_mod`` runs inside partial blocks);
+``mask.to_dense(exact=True)`` is the token-level truth. Without a ``mask_mod`` (block layouts,
+the pattern zoo) every on block is full and the two semantics are the same.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 
 import torch
 
 __all__ = ["BlockMask", "BlockIndex"]
+
+# Token pairs (batch x heads x rows x keys) `from_fn` evaluates at once: the mask function's
+# int64 intermediates then take 512 MiB on a GPU (64K x 64K in 64 chunks), 32 MiB on a CPU.
+_FN_CHUNK_ELEMS = {"cuda": 1 << 26, "cpu": 1 << 22}
 
 
 def _pair(block_size, name: str = "block_size") -> tuple[int, int]:
@@ -73,6 +89,186 @@ def _sorted_nonzero(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count, idx.contiguous()
 
 
+# ------------------------------------------------------------------ token-level functions
+def _pick(t: torch.Tensor, dim: int, idx):
+    """Index for dim ``dim`` of ``t``: ``idx`` where the dim is real, 0 where it is broadcast (size 1)."""
+    return idx if t.shape[dim] > 1 else 0
+
+
+class _LayoutMod:
+    """mask_mod of a block layout: pair (q, kv) is on iff its block is on. Broadcasts like FlexAttention's
+    mask_mods (tensors of indices in, a bool tensor out) and moves with ``.to(device)``."""
+
+    def __init__(self, layout: torch.Tensor, block_size: tuple[int, int]):
+        self.layout, self.block_size = layout, block_size
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        bq, bk = self.block_size
+        lay = self.layout
+        return lay[_pick(lay, 0, b), _pick(lay, 1, h), q_idx // bq, kv_idx // bk]
+
+    def to(self, device):
+        return _LayoutMod(self.layout.to(device), self.block_size)
+
+
+class _DenseMod:
+    """mask_mod of a token-level bool mask ``[B', H', seq_q, seq_k]`` (a lookup)."""
+
+    def __init__(self, token_mask: torch.Tensor):
+        self.token_mask = token_mask
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        tm = self.token_mask
+        return tm[_pick(tm, 0, b), _pick(tm, 1, h), q_idx, kv_idx]
+
+    def to(self, device):
+        return _DenseMod(self.token_mask.to(device))
+
+
+class _CombinedMod:
+    """``op`` (and / or) of mask_mods, applied left to right."""
+
+    def __init__(self, op, parts):
+        self.op, self.parts = op, tuple(parts)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        out = self.parts[0](b, h, q_idx, kv_idx)
+        for part in self.parts[1:]:
+            out = self.op(out, part(b, h, q_idx, kv_idx))
+        return out
+
+    def to(self, device):
+        return _CombinedMod(self.op, [_mod_to(p, device) for p in self.parts])
+
+
+class _HeadStackMod:
+    """mask_mod of masks stacked along heads: head ``h`` in ``[starts[i], starts[i] + heads[i])`` reads
+    ``parts[i]`` at head ``h - starts[i]``."""
+
+    def __init__(self, parts, heads):
+        self.parts, self.heads = tuple(parts), tuple(heads)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        out, start = None, 0
+        for part, n in zip(self.parts, self.heads):
+            here = (h >= start) & (h < start + n)
+            # clamp keeps the index in range for the heads where `here` is False
+            v = here & part(b, (h - start).clamp(0, n - 1), q_idx, kv_idx)
+            out = v if out is None else out | v
+            start += n
+        return out
+
+    def to(self, device):
+        return _HeadStackMod([_mod_to(p, device) for p in self.parts], self.heads)
+
+
+_OWN_MODS = (_LayoutMod, _DenseMod, _CombinedMod, _HeadStackMod)
+
+
+def _mod_to(mod, device):
+    """Move a mask_mod made here (which holds tensors) to ``device``; a user's function is left as is."""
+    return mod.to(device) if isinstance(mod, _OWN_MODS) else mod
+
+
+def _causal_mod(b, h, q_idx, kv_idx):
+    # Module level so that torch.compile sees one function across masks (no recompiles).
+    return q_idx >= kv_idx
+
+
+def _offset_causal_mod(offset: int):
+    def causal_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    return causal_mod
+
+
+def _check_fn_result(out, fn, shape: tuple[int, int, int, int], device) -> torch.Tensor:
+    """fn's result as a bool tensor broadcast to 4-D, with batch / head dims 1 or full."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        what = f"a tensor of dtype {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(
+            f"fn must return a bool torch.Tensor (FlexAttention's mask_mod convention), got {what} from {fn!r}"
+        )
+    if out.device != torch.device(device) and not (out.device.type == torch.device(device).type == "cuda"):
+        raise ValueError(f"fn returned a tensor on {out.device}, expected {device} (pass device= to match its tensors)")
+    try:
+        target = torch.broadcast_shapes(out.shape, (1, 1, shape[2], shape[3]))
+    except RuntimeError:
+        target = None
+    if target is None or len(target) != 4 or target[0] not in (1, shape[0]) or target[1] not in (1, shape[1]) \
+            or target[2:] != shape[2:]:
+        raise ValueError(
+            f"fn returned shape {tuple(out.shape)}, which does not broadcast to [batch, heads, q, kv] = "
+            f"{list(shape)} (it is called with b [{shape[0]},1,1,1], h [1,{shape[1]},1,1], q_idx [1,1,{shape[2]},1] "
+            f"and kv_idx [1,1,1,{shape[3]}] int64 tensors)"
+        )
+    return out.expand(target)
+
+
+def _eval_blocks(fn, seq_q: int, seq_k: int, block_size: tuple[int, int], batch: int, heads: int, device,
+                 chunk_elems: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any, all) of ``fn`` over the real token pairs of every block: bool ``[B', H', QB, KB]`` each.
+
+    Query rows are evaluated a chunk of block rows at a time; indices past the end of a sequence are
+    clamped to its last token, which repeats a real row / column of the block and so changes neither
+    ``any`` nor ``all``. Memory: one chunk of ``chunk_elems`` pairs (plus fn's intermediates).
+    """
+    bq, bk = block_size
+    qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
+    device = torch.device(device)
+    if chunk_elems is None:
+        chunk_elems = _FN_CHUNK_ELEMS["cuda" if device.type == "cuda" else "cpu"]
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
+    kv = torch.arange(kb * bk, device=device).clamp_(max=seq_k - 1).view(1, 1, 1, kb * bk)
+    anys, alls = [], []
+    i0, step = 0, 1  # the first chunk is one block row; its result's shape sizes the rest
+    while i0 < qb:
+        i1 = min(qb, i0 + step)
+        q = torch.arange(i0 * bq, i1 * bq, device=device).clamp_(max=seq_q - 1).view(1, 1, -1, 1)
+        out = _check_fn_result(fn(b, h, q, kv), fn, (batch, heads, (i1 - i0) * bq, kb * bk), device)
+        lb, lh = out.shape[:2]
+        tiles = out.reshape(lb, lh, i1 - i0, bq, kb, bk)
+        anys.append(tiles.any(dim=-1).any(dim=-2))
+        alls.append(tiles.all(dim=-1).all(dim=-2))
+        if i0 == 0:
+            step = max(1, chunk_elems // (lb * lh * bq * kb * bk))
+        i0 = i1
+    lead = torch.broadcast_shapes(*(a.shape[:2] for a in anys))
+    any_ = torch.cat([a.expand(*lead, -1, -1) for a in anys], dim=2)
+    all_ = torch.cat([a.expand(*lead, -1, -1) for a in alls], dim=2)
+    return any_, all_
+
+
+def _pool(grid: torch.Tensor, fq: int, fk: int, fill: bool, reduce) -> torch.Tensor:
+    """Pool a bool ``[B, H, QB, KB]`` grid by ``fq x fk`` blocks, padding the edges with ``fill``."""
+    qb, kb = grid.shape[-2:]
+    padded = torch.nn.functional.pad(grid, (0, -kb % fk, 0, -qb % fq), value=fill)
+    B, H, Q, K = padded.shape
+    return reduce(reduce(padded.reshape(B, H, Q // fq, fq, K // fk, fk), -1), -2)
+
+
+def _by_row(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention's (num, indices) form of a bool [B, H, QB, KB]: on columns first, ascending; the
+    rest of each row holds the off columns (valid indices, never read)."""
+    num = layout.sum(-1, dtype=torch.int32)
+    idx = layout.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+    return num.contiguous(), idx.contiguous()
+
+
+def _from_rows(num: torch.Tensor, idx: torch.Tensor, qb: int, kb: int) -> torch.Tensor:
+    """Bool [B, H, qb, kb] from a FlexAttention (num, indices) pair; entries past num and indices past
+    the grid (a mask made for longer sequences) are ignored."""
+    while num.dim() < 3:
+        num, idx = num.unsqueeze(0), idx.unsqueeze(0)
+    num, idx = num[..., :qb], idx[..., :qb, :]
+    valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None].long()
+    valid &= (idx >= 0) & (idx < kb)
+    counts = torch.zeros(*idx.shape[:-1], kb + 1, dtype=torch.int32, device=idx.device)
+    counts.scatter_add_(-1, torch.where(valid, idx.long(), kb), valid.to(torch.int32))
+    return counts[..., :kb] > 0
+
+
 @dataclass(frozen=True)
 class BlockIndex:
     """Compressed index form of a `BlockMask` on one device (see module docstring)."""
@@ -89,13 +285,20 @@ class BlockIndex:
 class BlockMask:
     """A block-sparse attention mask: a bool block layout plus the lengths it was built for.
 
-    Build one with `BlockMask.from_layout`, `BlockMask.from_dense` or a generator from
-    `sparseflash.patterns`. Combine with ``|`` and ``&``; move with ``.to(device)``.
+    Build one with `BlockMask.from_layout`, `BlockMask.from_dense`, `BlockMask.from_fn`,
+    `BlockMask.from_flex` or a generator from `sparseflash.patterns`. Combine with ``|`` and ``&``;
+    move with ``.to(device)``; hand to FlexAttention with ``.to_flex()``.
+
+    ``mask_mod`` (optional): the token-level definition the mask was pooled from, ``fn(b, h, q_idx,
+    kv_idx) -> bool`` as in FlexAttention; ``full`` (optional, with ``mask_mod``): bool layout of the
+    on blocks whose every real pair it attends. See the module docstring for what
+    `sparseflash.attention` does with the other, partial, blocks (it computes them entirely).
     """
 
-    __slots__ = ("layout", "block_size", "seq_q", "seq_k", "_index_cache")
+    __slots__ = ("layout", "block_size", "seq_q", "seq_k", "mask_mod", "_full", "_index_cache")
 
-    def __init__(self, layout: torch.Tensor, block_size=128, seq_q: int | None = None, seq_k: int | None = None):
+    def __init__(self, layout: torch.Tensor, block_size=128, seq_q: int | None = None, seq_k: int | None = None,
+                 *, full: torch.Tensor | None = None, mask_mod=None):
         layout = _as_layout(layout)
         bq, bk = _pair(block_size)
         qb, kb = layout.shape[-2:]
@@ -109,10 +312,25 @@ class BlockMask:
                 f"{(bq, bk)}: expected ceil(seq_q/block_q) x ceil(seq_k/block_k) = "
                 f"{math.ceil(seq_q / bq)}x{math.ceil(seq_k / bk)}"
             )
+        if mask_mod is not None and not callable(mask_mod):
+            raise TypeError(f"mask_mod must be callable as mask_mod(b, h, q_idx, kv_idx) or None, got {mask_mod!r}")
+        if full is not None:
+            if mask_mod is None:
+                raise ValueError("full is only meaningful with a mask_mod: without one every on block is full")
+            full = _as_layout(full).to(layout.device)
+            try:
+                shape = torch.broadcast_shapes(full.shape, layout.shape)
+            except RuntimeError:
+                shape = None
+            if shape != layout.shape:
+                raise ValueError(f"full must have the layout's shape {tuple(layout.shape)}, got {tuple(full.shape)}")
+            full = (full & layout).expand(layout.shape)
         self.layout = layout
         self.block_size = (bq, bk)
         self.seq_q = seq_q
         self.seq_k = seq_k
+        self.mask_mod = mask_mod
+        self._full = full
         self._index_cache: dict[torch.device, BlockIndex] = {}
 
     # ------------------------------------------------------------------ constructors
@@ -132,7 +350,11 @@ class BlockMask:
 
     @classmethod
     def from_dense(cls, token_mask, block_size=128) -> "BlockMask":
-        """Pool a token-level bool mask ``[.., seq_q, seq_k]``: a block is on iff any pair in it is on."""
+        """Pool a token-level bool mask ``[.., seq_q, seq_k]``: a block is on iff any pair in it is on.
+
+        The token mask is kept (by reference) as the mask's ``mask_mod`` and ``.full`` marks the
+        blocks it covers completely; `BlockMask.from_fn` does the same without an N x N tensor.
+        """
         if not isinstance(token_mask, torch.Tensor):
             raise TypeError(f"token_mask must be a torch.Tensor of dtype bool, got {type(token_mask).__name__}")
         if token_mask.dtype != torch.bool:
@@ -149,8 +371,49 @@ class BlockMask:
         qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
         padded = torch.nn.functional.pad(token_mask, (0, kb * bk - seq_k, 0, qb * bq - seq_q))
         lead = padded.shape[:-2]
-        pooled = padded.reshape(*lead, qb, bq, kb, bk).any(dim=-1).any(dim=-2)
-        return cls(pooled, (bq, bk), seq_q, seq_k)
+        tiles = padded.reshape(*lead, qb, bq, kb, bk)
+        pooled = tiles.any(dim=-1).any(dim=-2)
+        # full: every real pair on (the zero padding of tail blocks is not a pair)
+        full = torch.nn.functional.pad(token_mask, (0, kb * bk - seq_k, 0, qb * bq - seq_q), value=True)
+        full = full.reshape(*lead, qb, bq, kb, bk).all(dim=-1).all(dim=-2)
+        tm = token_mask
+        while tm.dim() < 4:
+            tm = tm.unsqueeze(0)
+        return cls(pooled, (bq, bk), seq_q, seq_k, full=full, mask_mod=_DenseMod(tm))
+
+    @classmethod
+    def from_fn(cls, fn, seq_q: int, seq_k: int | None = None, block_size=128, batch: int | None = None,
+                heads: int | None = None, device=None) -> "BlockMask":
+        """Pool a token-level mask function without building the ``seq_q x seq_k`` mask.
+
+        ``fn(b, h, q_idx, kv_idx) -> bool tensor`` in FlexAttention's ``mask_mod`` convention
+        (True: the pair is attended). It is called with int64 index tensors that broadcast:
+        ``b [batch, 1, 1, 1]``, ``h [1, heads, 1, 1]``, ``q_idx [1, 1, rows, 1]``,
+        ``kv_idx [1, 1, 1, keys]`` — so elementwise code (``q_idx >= kv_idx``,
+        ``doc[q_idx] == doc[kv_idx]``, ``kv_idx < lengths[b]``, `and_masks` / `or_masks` of torch's
+        flex_attention) works unchanged. ``batch`` / ``heads`` None: the mask is shared (``b = h = 0``,
+        as FlexAttention's ``B=None``); a result that does not depend on ``b`` or ``h`` is stored shared.
+
+        The function runs on ``device`` (default CPU; pass the device its captured tensors live on)
+        over chunks of block rows of at most ~64M pairs on a GPU (~4M on a CPU), so memory stays
+        bounded at any length; every real pair is evaluated once (64K x 64K causal sliding window:
+        well under a second on an H100). Block (i, j) is on iff ``fn`` is True for some pair in it:
+        the layout equals ``from_dense`` of the full token mask. ``.full`` marks the on blocks where
+        ``fn`` holds for every real pair, ``.partial`` the others; `sparseflash.attention` computes
+        a partial block entirely (it is block-level), so it matches ``fn`` exactly only when
+        ``mask.is_exact``. ``fn`` is kept as ``mask.mask_mod`` (``to_flex`` applies it exactly).
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable as fn(b, h, q_idx, kv_idx) -> bool tensor, got {fn!r}")
+        seq_q = _check_len(seq_q, "seq_q")
+        seq_k = seq_q if seq_k is None else _check_len(seq_k, "seq_k")
+        for name, v in (("batch", batch), ("heads", heads)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{name} must be a positive int or None (shared), got {v!r}")
+        bq, bk = _pair(block_size)
+        device = torch.device("cpu" if device is None else device)
+        any_, all_ = _eval_blocks(fn, seq_q, seq_k, (bq, bk), batch or 1, heads or 1, device)
+        return cls(any_, (bq, bk), seq_q, seq_k, full=all_, mask_mod=fn)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -165,6 +428,30 @@ class BlockMask:
     @property
     def num_blocks(self) -> tuple[int, int]:
         return tuple(self.layout.shape[-2:])
+
+    @property
+    def full(self) -> torch.Tensor:
+        """Bool layout of the on blocks that ``mask_mod`` attends completely (every on block when
+        there is no ``mask_mod``)."""
+        return self.layout if self._full is None else self._full
+
+    @property
+    def partial(self) -> torch.Tensor:
+        """Bool layout of the on blocks that ``mask_mod`` attends only in part. `sparseflash.attention`
+        computes these blocks entirely (every pair, subject to ``causal`` / ``key_lengths``), so
+        there it attends pairs that ``mask_mod`` excludes. Empty without a ``mask_mod``."""
+        return self.layout & ~self.full
+
+    @property
+    def is_exact(self) -> bool:
+        """True when no on block is partial: block-level attention equals the token-level definition."""
+        return self._full is None or not bool(self.partial.any())
+
+    def block_level(self) -> "BlockMask":
+        """The same layout without the token-level definition: every pair of an on block attended,
+        which is what `sparseflash.attention` computes (``block_level().to_flex()`` makes
+        FlexAttention compute the same)."""
+        return BlockMask(self.layout, self.block_size, self.seq_q, self.seq_k)
 
     def density(self) -> float:
         """Fraction of nonzero blocks (over every batch/head slice the layout stores)."""
@@ -215,16 +502,29 @@ class BlockMask:
         device = torch.device(device)
         if device == self.layout.device:
             return self
-        out = BlockMask(self.layout.to(device), self.block_size, self.seq_q, self.seq_k)
+        out = BlockMask(self.layout.to(device), self.block_size, self.seq_q, self.seq_k,
+                        full=None if self._full is None else self._full.to(device),
+                        mask_mod=_mod_to(self.mask_mod, device))
         if device in self._index_cache:
             out._index_cache[device] = self._index_cache[device]
         return out
 
-    def to_dense(self) -> torch.Tensor:
-        """Token-level bool mask ``[B', H', seq_q, seq_k]`` (every pair of an on block)."""
+    def to_dense(self, exact: bool = False) -> torch.Tensor:
+        """Token-level bool mask ``[B', H', seq_q, seq_k]``: every pair of an on block (what
+        `sparseflash.attention` attends), or with ``exact=True`` only those ``mask_mod`` also attends
+        (FlexAttention's semantics; the same without a ``mask_mod``)."""
         bq, bk = self.block_size
         dense = self.layout.repeat_interleave(bq, dim=-2).repeat_interleave(bk, dim=-1)
-        return dense[..., : self.seq_q, : self.seq_k]
+        dense = dense[..., : self.seq_q, : self.seq_k]
+        if exact and self.mask_mod is not None:
+            dev = self.layout.device
+            b = torch.arange(dense.shape[0], device=dev).view(-1, 1, 1, 1)
+            h = torch.arange(dense.shape[1], device=dev).view(1, -1, 1, 1)
+            q = torch.arange(self.seq_q, device=dev).view(1, 1, -1, 1)
+            kv = torch.arange(self.seq_k, device=dev).view(1, 1, 1, -1)
+            out = _check_fn_result(self.mask_mod(b, h, q, kv), self.mask_mod, tuple(dense.shape), dev)
+            dense = dense & out
+        return dense
 
     def index(self, device=None) -> BlockIndex:
         """The compressed index form on ``device`` (default: the mask's), computed once and cached.
@@ -252,7 +552,118 @@ class BlockMask:
     def expand_as_heads(self, batch: int, heads: int) -> "BlockMask":
         """A mask whose layout is materialised to ``[batch, heads, QB, KB]``."""
         self._check_broadcast(batch, heads)
-        return BlockMask(self.layout.expand(batch, heads, *self.num_blocks).contiguous(), self.block_size, self.seq_q, self.seq_k)
+        shape = (batch, heads, *self.num_blocks)
+        return BlockMask(self.layout.expand(shape).contiguous(), self.block_size, self.seq_q, self.seq_k,
+                         full=None if self._full is None else self._full.expand(shape).contiguous(),
+                         mask_mod=self.mask_mod)
+
+    # ------------------------------------------------------------------ FlexAttention
+    def to_flex(self, causal: bool = False, *, block_size=None, device=None, layout_in_mask_mod: bool = True):
+        """This mask as a ``torch.nn.attention.flex_attention.BlockMask`` (torch >= 2.5).
+
+        Full blocks go in Flex's full lists (its kernels skip ``mask_mod`` there), partial blocks in
+        its partial lists; ``mask_mod`` is the token-level truth: the block lookup, and this mask's
+        ``mask_mod`` if it has one, and with ``causal`` ``kv_idx <= q_idx + seq_k - seq_q``
+        (blocks with no causal pair are dropped, cut ones become partial). So
+        ``flex_attention(q, k, v, block_mask=mask.to_flex(causal))`` attends exactly the pairs of
+        ``mask.to_dense(exact=True)`` (& causal), and equals ``sparseflash.attention(q, k, v, mask,
+        causal=causal)`` wherever ``mask.is_exact`` (for a block-level copy of a mask that is not,
+        ``mask.block_level().to_flex()``).
+
+        ``block_size``: Flex's tile (default this mask's). Compiled FlexAttention needs multiples of
+        128 (smaller tiles fail to lower in torch 2.11); a multiple of this mask's block pools the
+        layout, any other size re-evaluates the token-level truth on the new grid (O(seq_q x seq_k)
+        work, in chunks). ``layout_in_mask_mod=False`` leaves the block lookup out of ``mask_mod``:
+        compiled flex calls ``mask_mod`` only inside partial blocks, where the lookup is true, so the
+        result is the same for less work there; eager flex (CPU) applies ``mask_mod`` to every pair
+        and ignores the block lists, so it needs the lookup (forced on when ``block_size`` differs).
+        """
+        try:
+            from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
+        except ImportError as e:
+            raise ImportError(f"to_flex needs torch.nn.attention.flex_attention (torch >= 2.5): {e}") from None
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {causal!r}")
+        device = self.device if device is None else torch.device(device)
+        src = self.to(device)
+        bq, bk = src.block_size
+        fb = src.block_size if block_size is None else _pair(block_size)
+        coarse = fb != src.block_size
+        parts = []
+        if layout_in_mask_mod or coarse:
+            parts.append(_LayoutMod(src.layout, src.block_size))
+        if src.mask_mod is not None:
+            parts.append(src.mask_mod)
+        if causal:
+            parts.append(_causal_mod if src.seq_q == src.seq_k else _offset_causal_mod(src.seq_k - src.seq_q))
+        layout, full = src.layout, src.full
+        if causal:
+            attended = src.pair_counts(causal=True)
+            layout = layout & (attended > 0)
+            full = full & (attended == src.pair_counts(causal=False))
+        if coarse and fb[0] % bq == 0 and fb[1] % bk == 0:
+            fq, fk = fb[0] // bq, fb[1] // bk
+            layout = _pool(layout, fq, fk, False, torch.any)
+            full = _pool(full, fq, fk, True, torch.all) & layout
+        elif coarse:
+            truth = _CombinedMod(operator.and_, parts)
+            layout, full = _eval_blocks(truth, src.seq_q, src.seq_k, fb, src.layout.shape[0], src.layout.shape[1],
+                                        device)
+            full = full & layout
+        kv_num, kv_idx = _by_row(layout & ~full)
+        full_num, full_idx = _by_row(full)
+        mask_mod = None
+        if len(parts) == 1 and not isinstance(parts[0], _OWN_MODS):
+            mask_mod = parts[0]  # the user's function, or the causal one, as it is
+        elif parts:
+            mod = parts[0] if len(parts) == 1 else _CombinedMod(operator.and_, parts)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return mod(b, h, q_idx, kv_idx)
+
+            if layout_in_mask_mod and not (causal or coarse):
+                # lets from_flex recover this mask's own mask_mod instead of nesting lookups
+                mask_mod._sparseflash = (src.layout, src.block_size, src.mask_mod)
+        return FlexBlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tuple(fb),
+                                            mask_mod=mask_mod, seq_lengths=(src.seq_q, src.seq_k))
+
+    @classmethod
+    def from_flex(cls, flex_mask) -> "BlockMask":
+        """A `BlockMask` from a ``torch.nn.attention.flex_attention.BlockMask``.
+
+        The layout is Flex's partial and full blocks together, on its tile (``BLOCK_SIZE``) and
+        ``seq_lengths``; a Flex mask made for longer sequences and ``_adjust``-ed down is cut to its
+        grid. Flex's ``mask_mod`` is kept as ``mask_mod`` and its full lists as ``full``, so its
+        partial blocks show in ``.partial`` (with Flex's ``noop_mask`` every block is full). A tail
+        block Flex lists as partial stays partial, even where ``mask_mod`` holds for all its real
+        pairs (Flex pads tails with False). ``from_flex(m.to_flex())`` gives back ``m`` (layout,
+        full blocks and mask_mod).
+        """
+        try:
+            from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
+            from torch.nn.attention.flex_attention import noop_mask
+        except ImportError as e:
+            raise ImportError(f"from_flex needs torch.nn.attention.flex_attention (torch >= 2.5): {e}") from None
+        if not isinstance(flex_mask, FlexBlockMask):
+            raise TypeError(f"flex_mask must be a torch.nn.attention.flex_attention.BlockMask, got {type(flex_mask).__name__}")
+        seq_q, seq_k = (int(x) for x in flex_mask.seq_lengths)
+        bq, bk = (int(x) for x in flex_mask.BLOCK_SIZE)
+        qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
+        layout = _from_rows(flex_mask.kv_num_blocks, flex_mask.kv_indices, qb, kb)
+        full = torch.zeros_like(layout)
+        if flex_mask.full_kv_num_blocks is not None:
+            full = _from_rows(flex_mask.full_kv_num_blocks, flex_mask.full_kv_indices, qb, kb)
+        layout = layout | full
+        mod = flex_mask.mask_mod
+        if mod is noop_mask:
+            mod = None
+        tag = getattr(mod, "_sparseflash", None)
+        if tag is not None:
+            own_layout, own_block, own_mod = tag
+            inside = own_block == (bq, bk) and not bool((layout & ~own_layout.to(layout.device)).any())
+            if inside:  # the lookup in mod is implied by the layout: keep the mask's own mask_mod
+                mod = own_mod
+        return cls(layout, (bq, bk), seq_q, seq_k, full=None if mod is None else full, mask_mod=mod)
 
     def _check_broadcast(self, batch: int, heads: int, what: str = "mask") -> None:
         b, h = self.layout.shape[:2]
@@ -281,7 +692,19 @@ class BlockMask:
                 f"cannot combine masks with {sym}: layouts {tuple(self.layout.shape)} and "
                 f"{tuple(other.layout.shape)} do not broadcast"
             ) from None
-        return BlockMask(op(self.layout, other.layout), self.block_size, self.seq_q, self.seq_k)
+        layout = op(self.layout, other.layout)
+        if self.mask_mod is None and other.mask_mod is None:
+            return BlockMask(layout, self.block_size, self.seq_q, self.seq_k)
+        # Token level: each side's truth is (its block is on) & its mask_mod. A block is known full
+        # if it is full on one side (|) or on both (&); the rest of the on blocks count as partial
+        # (for & an on block may even hold no attended pair: pooling an intersection is not exact).
+        mod = _CombinedMod(op, [self._token_mod(), other._token_mod()])
+        return BlockMask(layout, self.block_size, self.seq_q, self.seq_k, full=op(self.full, other.full), mask_mod=mod)
+
+    def _token_mod(self):
+        """The token-level truth as one mask_mod: the block lookup, and mask_mod if there is one."""
+        lookup = _LayoutMod(self.layout, self.block_size)
+        return lookup if self.mask_mod is None else _CombinedMod(operator.and_, [lookup, self.mask_mod])
 
     def __or__(self, other):
         return self._combine(other, torch.logical_or, "|")

@@ -74,49 +74,16 @@ def token_mask(s: Setting) -> torch.Tensor | None:
     return m
 
 
-def _causal_mod(b, h, q_idx, kv_idx):
-    # Module level so that torch.compile sees one function across masks (no recompiles).
-    return q_idx >= kv_idx
-
-
-def _by_row_desc(layout: torch.Tensor):
-    """FlexAttention's (count, indices) form of a bool [B, H, QB, KB]: on columns first, ascending."""
-    num = layout.sum(-1, dtype=torch.int32)
-    idx = layout.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
-    return num.contiguous(), idx.contiguous()
-
-
 def to_flex_block_mask(mask: BlockMask, causal: bool, device=None):
-    """The identical mask as a ``torch.nn.attention.flex_attention.BlockMask``.
+    """The identical mask as a ``torch.nn.attention.flex_attention.BlockMask``: `BlockMask.to_flex`.
 
     Blocks whose every real token pair is attended go in the "full" lists (no mask_mod applied);
     with ``causal``, blocks cut by the diagonal go in the partial lists with a causal mask_mod
     and blocks above it (no attended pair) are dropped, as the sparseflash kernel skips them.
-    Tails need nothing: FlexAttention masks keys beyond the sequence itself.
+    The block lookup stays out of mask_mod (``layout_in_mask_mod=False``): the benchmark runs
+    compiled flex only, which calls mask_mod in the diagonal blocks alone, where it is true.
     """
-    from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
-
-    device = mask.device if device is None else torch.device(device)
-    layout = mask.layout.to(device)
-    mask_mod = None
-    if causal:
-        attended = mask.pair_counts(causal=True).to(device)
-        total = mask.pair_counts(causal=False).to(device)
-        full = layout & (attended == total)
-        partial = layout & (attended > 0) & (attended < total)
-        if mask.seq_q == mask.seq_k:
-            mask_mod = _causal_mod
-        else:
-            off = mask.seq_k - mask.seq_q
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return kv_idx <= q_idx + off
-    else:
-        full, partial = layout, torch.zeros_like(layout)
-    kv_num, kv_idx = _by_row_desc(partial)
-    full_num, full_idx = _by_row_desc(full)
-    return FlexBlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tuple(mask.block_size),
-                                        mask_mod=mask_mod, seq_lengths=(mask.seq_q, mask.seq_k))
+    return mask.to_flex(causal, device=device, layout_in_mask_mod=False)
 
 
 # ----------------------------------------------------------------------------- implementations

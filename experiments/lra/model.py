@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparseflash.mask import BlockMask
+from sparseflash.nn import SparseAttention, resolve_pattern
 
 __all__ = [
     "ATTENTIONS", "ModelConfig", "LRAClassifier", "AttentionKernel", "build_pattern", "parse_pattern_spec",
@@ -148,37 +149,23 @@ def _literal(text: str):
 
 def build_pattern(name: str | None, seq_len: int, block_size: int = 128, device=None, **kwargs) -> BlockMask | None:
     """The `BlockMask` of pattern ``name`` (a generator of `sparseflash.patterns`) for ``seq_len``
-    tokens, or ``None`` for dense (``name`` None or ``"dense"``)."""
-    if name is None or name == "dense":
-        return None
-    import sparseflash.patterns as zoo
-
-    available = sorted(getattr(zoo, "__all__", []))
-    gen = getattr(zoo, name, None) if name in available else None
-    if not callable(gen):
-        raise ValueError(f"unknown pattern {name!r}: sparseflash.patterns provides {available} (or 'dense')")
-    try:
-        mask = gen(seq_len, block_size=block_size, device=device, **kwargs)
-    except TypeError as e:
-        if "device" not in str(e):
-            raise ValueError(f"pattern {name!r} rejected its arguments {kwargs}: {e}") from None
-        mask = gen(seq_len, block_size=block_size, **kwargs).to(device or "cpu")
-    if not isinstance(mask, BlockMask):
-        raise TypeError(f"pattern {name!r} returned {type(mask).__name__}, expected a sparseflash.BlockMask")
-    return mask
+    tokens, or ``None`` for dense (``name`` None or ``"dense"``): `sparseflash.nn.resolve_pattern`."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"pattern must be a sparseflash.patterns name or None, got {name!r}")
+    return resolve_pattern(name, seq_len, block_size=block_size, device=device, pattern_kwargs=kwargs)
 
 
 # --------------------------------------------------------------------------------------- attention
 _FLEX = {}
 
 
-def _flex_fns(device: torch.device):
-    """(flex_attention, create_block_mask); flex_attention is compiled on CUDA (eager flex is an
-    unfused O(N^2) fallback meant for debugging) and eager elsewhere."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _flex_fn(device: torch.device):
+    """flex_attention, compiled on CUDA (eager flex is an unfused O(N^2) fallback meant for
+    debugging) and eager elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
-        return flex_attention, create_block_mask
+        return flex_attention
     if "cuda" not in _FLEX:
         import torch._dynamo
 
@@ -188,7 +175,7 @@ def _flex_fns(device: torch.device):
             if hasattr(cfg, knob):
                 setattr(cfg, knob, max(getattr(cfg, knob), 64))
         _FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["cuda"], create_block_mask
+    return _FLEX["cuda"]
 
 
 class AttentionKernel:
@@ -239,45 +226,22 @@ class AttentionKernel:
     def _build_flex_mask(self, n: int, batch: int, device, cache: dict | None) -> None:
         if self.mask is None and self.key_lengths is None:
             return
-        _, create_block_mask = _flex_fns(device)
-        key = None
-        if self.key_lengths is None and cache is not None:
-            key = (n, str(device))
-            if key in cache:
-                self.flex_mask = cache[key]
-                return
-        layout = self.mask.layout if self.mask is not None else None
-        bq, bk = self.mask.block_size if self.mask is not None else (128, 128)
-        lengths = self.key_lengths.to(device) if self.key_lengths is not None else None
-        many_b = layout is not None and layout.shape[0] > 1
-        many_h = layout is not None and layout.shape[1] > 1
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            ok = q_idx >= 0
-            if layout is not None:
-                ok = ok & layout[b if many_b else 0, h if many_h else 0, q_idx // bq, kv_idx // bk]
-            if lengths is not None:
-                ok = ok & (kv_idx < lengths[b])
-            return ok
-
-        if lengths is None and bq == bk and bq % 128 == 0 and n % bq == 0:
-            # Whole blocks, no padding: give flex our block index (every on block is full, so the
-            # compiled kernel never calls mask_mod) instead of evaluating mask_mod on N^2 pairs.
-            # mask_mod still goes along: eager flex (CPU) applies only mask_mod.
-            from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
-
-            idx = self.mask.index(device)
-            self.flex_mask = FlexBlockMask.from_kv_blocks(torch.zeros_like(idx.kv_num), idx.kv_idx, idx.kv_num, idx.kv_idx,
-                                                          BLOCK_SIZE=bq, mask_mod=mask_mod, seq_lengths=(n, n))
-            if key is not None:
-                cache[key] = self.flex_mask
+        key = (n, str(device)) if self.key_lengths is None and cache is not None else None
+        if key is not None and key in cache:
+            self.flex_mask = cache[key]
             return
-        heads = layout.shape[1] if many_h else None
-        b = batch if (lengths is not None or many_b) else None
-        # mask_mod is exact at token level, so flex's own tile only decides what it can skip; its
-        # compiled kernels want multiples of 128 (smaller tiles fail to lower in torch 2.11).
-        tile = (bq, bk) if bq % 128 == 0 and bk % 128 == 0 else 128
-        self.flex_mask = create_block_mask(mask_mod, b, heads, n, n, device=device, BLOCK_SIZE=tile)
+        mask = self.mask
+        block = mask.block_size if mask is not None else (128, 128)
+        if self.key_lengths is not None:
+            lengths = self.key_lengths.to(device)
+            padding = BlockMask.from_fn(lambda b, h, q_idx, kv_idx: kv_idx < lengths[b], n, n, block_size=block,
+                                        batch=batch, device=device)
+            mask = padding if mask is None else mask & padding
+        # Unpadded whole blocks of a pattern become Flex's full blocks (the compiled kernel never calls
+        # mask_mod); elsewhere mask_mod is exact at token level. Compiled flex wants tiles that are
+        # multiples of 128 (smaller ones fail to lower in torch 2.11): coarser tiles pool ours.
+        tile = None if block[0] % 128 == 0 and block[1] % 128 == 0 else 128
+        self.flex_mask = mask.to_flex(block_size=tile, device=device)
         if key is not None:
             cache[key] = self.flex_mask
 
@@ -288,7 +252,7 @@ class AttentionKernel:
             return sparseflash.attention(q, k, v, self.mask, key_lengths=self.key_lengths, dropout_p=dropout_p,
                                          backend=self.backend)
         if self.kind == "flex":
-            flex_attention, _ = _flex_fns(q.device)
+            flex_attention = _flex_fn(q.device)
             return flex_attention(q, k, v, block_mask=self.flex_mask)
         if self.kind == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed, dropout_p=dropout_p)
@@ -306,18 +270,22 @@ class AttentionKernel:
 
 
 # ------------------------------------------------------------------------------------------ model
-class SelfAttention(nn.Module):
+class SelfAttention(SparseAttention):
+    """`sparseflash.nn.SparseAttention` (its ``qkv`` / ``proj`` projections, its sparseflash call with
+    dropout in training only) whose attention may also run through the other backends: the pattern
+    and padding come from the batch's `AttentionKernel`, shared by every layer."""
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.n_heads, self.p = cfg.n_heads, cfg.attn_dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        super().__init__(cfg.d_model, cfg.n_heads, dropout=cfg.attn_dropout, block_size=cfg.block_size,
+                         backend=cfg.backend)
 
     def forward(self, x: torch.Tensor, attend: AttentionKernel) -> torch.Tensor:
-        B, N, D = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4).unbind(0)
-        o = attend(q.contiguous(), k.contiguous(), v.contiguous(), self.p if self.training else 0.0)
-        return self.proj(o.transpose(1, 2).reshape(B, N, D))
+        q, k, v = (t.contiguous() for t in self.project(x))
+        if attend.kind == "sparseflash":
+            o = self.attend(q, k, v, attend.mask, attend.key_lengths, backend=attend.backend)
+        else:
+            o = attend(q, k, v, self.dropout if self.training else 0.0)
+        return self.output(o)
 
 
 class Block(nn.Module):

@@ -1,0 +1,193 @@
+"""Hugging Face transformers: run a model's attention through `sparseflash.attention` with a pattern.
+
+    import sparseflash.hf
+    sparseflash.hf.register("blocksparse-butterfly", pattern="butterfly")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="blocksparse-butterfly")
+
+(Names must not contain "flash": transformers treats any such name as a FlashAttention kernel to
+load, so the default name is ``"blocksparse"``.)
+
+`register` adds an attention function to transformers' ``AttentionInterface`` (transformers >= 4.48;
+``pip install sparseflash[hf]``) and, where transformers has one (>= 4.53), the boolean 4-D mask
+builder of SDPA to its ``AttentionMaskInterface`` under the same name, so the model hands the
+function the mask it would hand SDPA. The function follows transformers' signature
+``(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs)`` with
+``query [B, H, Nq, D]``, ``key`` / ``value [B, Hkv, Nk, D]`` (grouped heads are passed on as they
+are: sparseflash does GQA itself) and returns ``(out [B, Nq, H, D], None)``.
+
+What it does with the model's mask:
+
+- ``attention_mask is None``: causal iff the module (``module.is_causal``, or an ``is_causal``
+  keyword) is causal and ``Nq > 1``; every key attended otherwise.
+- a 4-D mask (bool, True = attend; or additive float, 0 = attend, the dtype's minimum = masked):
+  it must be the causal (bottom-right aligned) or the full mask with right padding of the keys; it
+  becomes ``causal`` plus ``key_lengths``. Anything else (left padding, sliding-window layers,
+  packed sequences, prefix-LM or image-token overlays, additive biases) raises ValueError naming
+  the case: sparseflash has no token-level mask for them, and silently attending more or fewer
+  pairs than the model asks for would be wrong. Express a window with a pattern instead
+  (``pattern="local"``, ``pattern_kwargs={"window": ...}``) on a model whose config has no sliding
+  window.
+- the pattern is resolved per (layer, Nq, Nk) and device and cached: ``None`` (dense), a
+  `sparseflash.patterns` name (called with ``seq_k=Nk`` where ``Nq != Nk``), a `BlockMask`, a
+  callable ``f(seq_q, seq_k) -> BlockMask | None``, or a list / dict giving one of these per layer
+  (``module.layer_idx``). Every query head shares it.
+
+``output_attentions=True`` is not supported (no probabilities are formed); dropout follows the
+module (transformers passes 0 in eval). CUDA runs the Triton kernels, other devices the PyTorch
+reference (``backend=`` to choose).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from sparseflash.mask import BlockMask
+
+__all__ = ["register", "make_attention_function", "mask_to_key_lengths"]
+
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def mask_to_key_lengths(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Key lengths ``[batch]`` for a 4-D transformers mask ``[B, 1 or H, Nq, Nk]`` that is exactly
+    (keys ``j < length[b]``) & (with ``causal``: ``j <= i + Nk - Nq``); ValueError otherwise."""
+    if attention_mask.dim() != 4:
+        raise ValueError(f"attention_mask must be 4-D [batch, heads, q, k], got shape {tuple(attention_mask.shape)}")
+    if attention_mask.dtype == torch.bool:
+        allowed = attention_mask
+    elif attention_mask.is_floating_point():
+        lowest = torch.finfo(attention_mask.dtype).min
+        if not bool(((attention_mask == 0) | (attention_mask <= lowest / 2) | torch.isneginf(attention_mask)).all()):
+            raise ValueError("attention_mask carries additive biases (values other than 0 and the dtype's minimum): "
+                             "sparseflash supports masks, not score biases")
+        allowed = attention_mask == 0
+    else:
+        raise TypeError(f"attention_mask must be bool or floating, got {attention_mask.dtype}")
+    B, _, nq, nk = allowed.shape
+    lengths = allowed.any(dim=-2).any(dim=1).sum(-1)  # [B]: keys anyone attends
+    cols = torch.arange(nk, device=allowed.device)
+    expected = (cols[None, :] < lengths[:, None])[:, None, None, :]
+    if causal:
+        rows = torch.arange(nq, device=allowed.device)
+        expected = expected & (cols[None, :] <= rows[:, None] + (nk - nq))[None, None]
+    if not torch.equal(allowed, expected.expand_as(allowed)):
+        what = "causal" if causal else "full (bidirectional)"
+        raise ValueError(
+            f"attention_mask is not a {what} mask with right padding: sparseflash turns only those into causal + "
+            f"key_lengths (left padding, sliding-window layers, packed sequences and mask overlays have no "
+            f"sparseflash form; use right padding, or a pattern for windows)"
+        )
+    return lengths
+
+
+def _resolve(pattern, nq: int, nk: int, device, pattern_kwargs: dict, block_size) -> BlockMask | None:
+    if pattern is None or pattern == "dense":
+        return None
+    if isinstance(pattern, BlockMask):
+        if (pattern.seq_q, pattern.seq_k) != (nq, nk):
+            raise ValueError(f"pattern is a BlockMask for seq_q={pattern.seq_q}, seq_k={pattern.seq_k}; the layer "
+                             f"attends {nq} queries to {nk} keys (pass a callable (seq_q, seq_k) -> BlockMask)")
+        return pattern.to(device)
+    if isinstance(pattern, str):
+        from sparseflash.nn import _zoo_generator
+
+        gen = _zoo_generator(pattern)
+        kw = dict(pattern_kwargs, block_size=block_size, device=device)
+        if nq != nk:
+            if "seq_k" not in inspect.signature(gen).parameters:
+                raise ValueError(f"pattern {pattern!r} is for self-attention of one length, the layer attends {nq} "
+                                 f"queries to {nk} keys (decoding with a cache): use a pattern that takes seq_k")
+            kw["seq_k"] = nk
+        try:
+            return gen(nq, **kw).to(device)
+        except TypeError as e:
+            raise ValueError(f"pattern {pattern!r} rejected its arguments {pattern_kwargs}: {e}") from None
+    if callable(pattern):
+        mask = pattern(nq, nk)
+        if mask is not None and not isinstance(mask, BlockMask):
+            raise TypeError(f"pattern callable returned {type(mask).__name__}, expected a BlockMask or None")
+        return None if mask is None else mask.to(device)
+    raise TypeError(f"pattern must be None, a sparseflash.patterns name, a BlockMask or a callable "
+                    f"(seq_q, seq_k) -> BlockMask, got {type(pattern).__name__}")
+
+
+def make_attention_function(pattern=None, *, pattern_kwargs: dict | None = None, block_size=128,
+                            backend: str = "auto"):
+    """The transformers attention function (see the module docstring) for ``pattern``; `register`
+    registers it. Its mask cache is ``fn.masks`` (keyed by layer, lengths, device)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if pattern_kwargs is not None and not isinstance(pattern_kwargs, dict):
+        raise TypeError(f"pattern_kwargs must be a dict or None, got {type(pattern_kwargs).__name__}")
+    pattern_kwargs = dict(pattern_kwargs or {})
+    per_layer = isinstance(pattern, (list, tuple, dict))
+    masks: dict = {}
+
+    def sparseflash_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        import sparseflash
+
+        if kwargs.get("output_attentions"):
+            raise ValueError("sparseflash attention does not form attention probabilities: output_attentions=True "
+                             "needs attn_implementation='eager'")
+        if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+            raise ValueError("sparseflash attention has no logit soft-capping or position bias: use 'eager' or 'sdpa'")
+        nq, nk = query.shape[2], key.shape[2]
+        is_causal = kwargs.get("is_causal")
+        is_causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal) and nq > 1
+        key_lengths = None
+        if attention_mask is not None:
+            key_lengths = mask_to_key_lengths(attention_mask, is_causal)
+            if bool((key_lengths >= nk).all()):
+                key_lengths = None
+        layer = getattr(module, "layer_idx", None)
+        pat = pattern
+        if per_layer:
+            if layer is None:
+                raise ValueError("a per-layer pattern needs module.layer_idx, which this model's attention lacks")
+            try:
+                pat = pattern[layer]
+            except (IndexError, KeyError):
+                raise ValueError(f"the per-layer pattern has no entry for layer {layer}") from None
+        cache_key = (layer if per_layer else None, nq, nk, str(query.device))
+        if cache_key not in masks:
+            masks[cache_key] = _resolve(pat, nq, nk, query.device, pattern_kwargs, block_size)
+        mask = masks[cache_key]
+        chosen = backend
+        if chosen == "auto":
+            chosen = "triton" if query.device.type == "cuda" else "reference"
+        out = sparseflash.attention(query, key, value, mask, causal=is_causal, scale=scaling, key_lengths=key_lengths,
+                                    dropout_p=float(dropout), backend=chosen)
+        return out.transpose(1, 2).contiguous(), None
+
+    sparseflash_attention.masks = masks
+    return sparseflash_attention
+
+
+def register(name: str = "blocksparse", pattern=None, *, pattern_kwargs: dict | None = None, block_size=128,
+             backend: str = "auto"):
+    """Register sparseflash attention with ``pattern`` as ``attn_implementation=name`` in transformers.
+
+    Returns the registered function. Register several names for several patterns. Raises
+    ImportError naming the extra when transformers (>= 4.48) is not installed.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string, got {name!r}")
+    if "flash" in name.lower() or name in ("eager", "sdpa") or name.startswith("paged"):
+        raise ValueError(f"name {name!r} is taken or reserved by transformers (it loads any name containing 'flash' "
+                         f"as a FlashAttention kernel): choose another, e.g. 'blocksparse'")
+    try:
+        from transformers import AttentionInterface
+    except ImportError as e:
+        raise ImportError("sparseflash.hf needs transformers >= 4.48 (AttentionInterface): "
+                          f"pip install 'sparseflash[hf]' ({e})") from None
+    fn = make_attention_function(pattern, pattern_kwargs=pattern_kwargs, block_size=block_size, backend=backend)
+    AttentionInterface.register(name, fn)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # older transformers build 4-D masks for any implementation
+        pass
+    else:
+        AttentionMaskInterface.register(name, sdpa_mask)
+    return fn
