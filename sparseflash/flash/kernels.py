@@ -289,7 +289,7 @@ def _seg_other(p_seg, start, o_t, seq, own_lo, own_hi):
     held tile (range [own_lo, own_hi]) and of this one is the same, the tile needs the
     element-wise comparison."""
     ids = tl.load(p_seg + start + o_t, mask=(start + o_t) < seq, other=own_lo)
-    mixed = (own_lo != own_hi) | (tl.min(ids, 0) != own_lo) | (tl.max(ids, 0) != own_lo)
+    mixed = (own_lo != own_hi) | (tl.max((ids != own_lo).to(tl.int32), 0) != 0)  # one reduction
     return ids, mixed
 
 

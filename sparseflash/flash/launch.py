@@ -112,11 +112,27 @@ def _tma_config(kind: str, head_dim: int, k_blocks: int | None) -> TileConfig | 
 
 
 def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: int | None = None,
-                    dropout: bool = False, tma: bool = False) -> TileConfig:
+                    dropout: bool = False, tma: bool = False, segments: bool = False) -> TileConfig:
     """The tile of a kernel. ``k_blocks``: the mask's key blocks (None: dense), the proxy for row
     length that needs no look at the mask's contents (longer sequences, longer rows). ``tma``:
     the inputs can be read through TMA descriptors (`_tma_plan`); a config measured faster with
-    them then comes from `_tma_config`, else the pointer loads' own best."""
+    them then comes from `_tma_config`, else the pointer loads' own best. ``segments``: the
+    packed-documents variant (`_segment_config`)."""
+    cfg = _default_config_of(kind, head_dim, device, k_blocks, dropout, tma)
+    return _segment_config(cfg, kind, head_dim) if segments and device.type == "cuda" and not _interpreting() else cfg
+
+
+def _segment_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
+    """The segment test (kernels._seg_other) takes the 8-warp d<=64 forward from 128 to 160
+    registers in an sm_90 compile (one program per SM instead of two); capped at 128 it compiles
+    without spills. Not yet timed on a GPU (tiles are otherwise the block-sparse ones)."""
+    if kind == "fwd" and head_dim <= 64 and cfg.num_warps == 8 and cfg.maxnreg is None:
+        return replace(cfg, maxnreg=128)
+    return cfg
+
+
+def _default_config_of(kind: str, head_dim: int, device: torch.device, k_blocks: int | None = None,
+                       dropout: bool = False, tma: bool = False) -> TileConfig:
     if device.type != "cuda" or _interpreting():
         return TileConfig(32, 32, 4, 1)
     if tma and not dropout and head_dim in (64, 128):
@@ -208,18 +224,18 @@ def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
 
 def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None,
             dtype: torch.dtype = torch.bfloat16, k_blocks: int | None = None, dropout: bool = False,
-            tma: bool = False) -> TileConfig:
+            tma: bool = False, segments: bool = False) -> TileConfig:
     cfg = _OVERRIDE.get(kind)
     if cfg is None:  # the defaults depend only on these values: computed once per combination
         return _default_fitted(kind, head_dim, device.type, mask_bq, mask_bk, dtype, k_blocks, dropout, tma,
-                               _interpreting())
+                               _interpreting(), segments)
     return _fitted(cfg, mask_bq, mask_bk)
 
 
 @functools.lru_cache(maxsize=1024)
 def _default_fitted(kind, head_dim, device_type, mask_bq, mask_bk, dtype, k_blocks, dropout, tma,
-                    interpreting) -> TileConfig:
-    cfg = _default_config(kind, head_dim, torch.device(device_type), k_blocks, dropout, tma)
+                    interpreting, segments=False) -> TileConfig:
+    cfg = _default_config(kind, head_dim, torch.device(device_type), k_blocks, dropout, tma, segments)
     if dtype == torch.float32 and device_type == "cuda" and not interpreting:
         cfg = _fp32_config(cfg, kind, head_dim)
     return _fitted(cfg, mask_bq, mask_bk)
@@ -450,7 +466,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     dense = kv_idx is None
     plan = _tma_plan(_block_d(D), q, k, v, work=work)
     cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
-                  dropout_p > 0.0, plan is not None)
+                  dropout_p > 0.0, plan is not None, seg is not None)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
     kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q)
