@@ -373,3 +373,37 @@ def test_gpu_real_sizes(N, D, mean, causal, masked):
     q, k, v, do = make_qkv(B, 4, 2, N, N, D, dtype, "cuda", seed=13)
     check_attention(triton_impl(mask, causal=causal, segment_ids=seg), q, k, v, do, mask=mask, causal=causal,
                     ref_kwargs=dict(segment_ids=seg))
+
+
+# ---------------------------------------------------------------- the benchmark's CPU mode
+def test_packed_bench_cpu_mode(tmp_path, device):
+    """The packed-documents benchmark end to end in its tiny CPU mode: files, columns, the figure,
+    and the sparseflash output checked against the reference."""
+    if device != "cpu":
+        pytest.skip("the CPU mode; the GPU run is the lead's command")
+    import json
+
+    from sparseflash.experiments.bench import packed
+
+    assert packed.main(["--device", "cpu", "--out", str(tmp_path), "--tokens", "64", "--mean-lens", "9",
+                        "--providers", "sparseflash-segments"]) == 0
+    rows = json.loads((tmp_path / "packed.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["device"] == "cpu"
+    r = rows[0]
+    assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["max_diff_vs_reference"] < 1e-5
+    assert 0 < r["token_density"] < 1 and r["docs_per_row"] > 1
+    assert (tmp_path / "packed.csv").read_text().startswith("bench,provider")
+    assert (tmp_path / "packed.png").stat().st_size > 1000
+
+
+def test_bench_pair_count_and_visited_blocks():
+    from sparseflash.experiments.bench import packed
+
+    seg = packed_ids([3, 1, 4])[None]
+    assert packed.attended_pairs(seg, causal=False) == 9 + 1 + 16
+    assert packed.attended_pairs(seg, causal=True) == 6 + 1 + 10
+    ids = packed.document_ids(1000, 50, seed=0, device="cpu")
+    assert ids.shape == (1000,) and bool((ids[1:] >= ids[:-1]).all()) and int(ids.max()) > 5
+    seg = torch.cat([torch.zeros(256, dtype=torch.int32), torch.ones(256, dtype=torch.int32)])[None]
+    assert packed.visited_block_fraction(seg, causal=False) == 0.5  # two 2x2 diagonal squares of a 4x4 grid
+    assert packed.visited_block_fraction(seg, causal=True) == 6 / 10
