@@ -36,9 +36,9 @@ def _rng_for(rng: Optional[Tensor], dropout_p: float, device) -> Tensor:
 
 
 def _work(q: Tensor, k: Tensor, density: float) -> float:
-    """A call's estimated forward FLOPs, 4 B Hq Nq Nk D x the mask's density (causal and
-    key_lengths not counted: an upper bound); -1 when the density is unknown. Computed in the ops'
-    implementations, where shapes are concrete even under torch.compile."""
+    """A call's estimated forward FLOPs, 4 B Hq Nq Nk D x the mask's density (causal, key_lengths
+    and segment ids not counted: an upper bound); -1 when the density is unknown. Computed in the
+    ops' implementations, where shapes are concrete even under torch.compile."""
     if density < 0:
         return -1.0
     B, Hq, Nq, D = q.shape
@@ -170,8 +170,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
     seg_q = seg_k = None
     if segments is not None:
         seg_q, seg_k = segments
+        if mask is not None:  # the work estimate: the mask's density, an upper bound (as causal is not counted)
+            index = mask.index(q.device)
+            density = -1.0 if index.density is None else index.density
         kv_idx, q_idx, mask_bq, mask_bk = segment_lists(seg_q, seg_k, mask, q.device)
-        density = -1.0  # known only by reading the lists back
         launch._fit(16, mask_bq, "block_q")
         launch._fit(16, mask_bk, "block_k")
     elif mask is None:

@@ -27,6 +27,13 @@ and, in backward, an LSE of +inf, which makes their probabilities exactly 0. Col
 Rows that attend to nothing keep a finite pivot (never ``-inf - -inf``): their output is 0, the
 LSE buffer holds +inf (the public API reports -inf), and backward gives them zero gradient.
 
+Packed documents (SEGMENTS, compiled out when off): each program loads the segment ids of its
+own tile once; for every streamed tile it loads that tile's ids and, unless every id of both
+tiles is one and the same (one reduction per tile, `_seg_other`), ANDs ``seg_q == seg_k`` into
+the score mask. Block pairs sharing no document are not in the lists at all (the launcher's
+caller prunes them per call, `function.segment_lists`). With segments even a "mask-free" tile
+may leave a row without keys so far, so the forward keeps its pivot finite on every tile.
+
 Dropout (optional, compiled out when off): keep(i, j) is decided by Philox4x32-7 keyed by the
 seed; one call decides the 16 elements {i, i + 8} x {j, j + 1, j + 8, j + 9, ..., j + 24, j + 25},
 which one thread holds in the accumulator layout of a [queries, keys] tile, so the forward and dQ
