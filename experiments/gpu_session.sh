@@ -7,7 +7,8 @@
 # GPU time, for the source tree in AB_OLD and for this one), tma (TMA loads vs pointer loads:
 # tma_ab and a tile search per kernel and mode), eager-4k (the kernel check at 4K, eager), host-cost
 # (host time per call, SPARSEFLASH_TMA=off and auto), short-rows (per-row fixed cost, with the
-# baselines), gluon (experiments/bench/gluon_probe.py),
+# baselines), gluon (experiments/bench/gluon_probe.py), packed (segment_ids tests, then packed
+# documents against FlexAttention's document mask: experiments/bench/packed.py),
 # lra-speed, lra-train. Each stage
 # writes OUT/<stage>/ and a log; everything is packed into OUT/<stage>.tgz so a call brings back
 # few files.
@@ -34,7 +35,7 @@ for stage in "$@"; do
         dropout) $t $py -m pytest -q -x -p no:cacheprovider tests/test_dropout.py --tb=short
                  $t $py -m sparseflash.experiments.bench.dropout --out "$d" ;;
         tests)   # SHARDS pytest processes side by side (compiling the many kernel variants is the slow part)
-                 $py -m pytest --collect-only -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py tests/test_bench.py \
+                 $py -m pytest --collect-only -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py tests/test_bench.py tests/test_segments.py \
                      | grep '::' > "$d/ids.txt"
                  split -n "r/${SHARDS:-12}" "$d/ids.txt" "$d/shard_"
                  for f in "$d"/shard_*; do
@@ -77,6 +78,9 @@ for stage in "$@"; do
         gluon)   # the Gluon probe: a persistent warp-specialised forward (GLUON_ARGS: extra options,
                  # e.g. --variant ...), timed beside ours on the same inputs
                  $t $py -m sparseflash.experiments.bench.gluon_probe --out "$d" ${GLUON_ARGS:-} ;;
+        packed)  # PACKED_ARGS: extra options (e.g. --causal both --mean-lens 128 512 2048)
+                 $t $py -m pytest -q -x -p no:cacheprovider tests/test_segments.py --tb=short
+                 $t $py -m sparseflash.experiments.bench.packed --out "$d" ${PACKED_ARGS:-} ;;
         lra-speed) $t $py -m sparseflash lra speed --task all --max-seconds 5 --repeats 5 --out "$d" ;;
         lra-train) $t bash experiments/lra/run_quick.sh "$d" ;;
         *) echo "unknown stage $stage"; exit 2 ;;

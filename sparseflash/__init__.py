@@ -24,7 +24,8 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__))
 
 from sparseflash.api import attention  # noqa: E402
 from sparseflash.mask import BlockIndex, BlockMask  # noqa: E402
+from sparseflash.segments import segments_from_cu_seqlens  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "BlockMask", "BlockIndex", "__version__"]
+__all__ = ["attention", "BlockMask", "BlockIndex", "segments_from_cu_seqlens", "__version__"]

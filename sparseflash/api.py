@@ -10,6 +10,7 @@ import torch
 from sparseflash.dropout import check_p as check_dropout_p
 from sparseflash.mask import BlockMask
 from sparseflash.mask import _tracing as _capturing
+from sparseflash.segments import check_segment_ids
 
 __all__ = ["attention", "resolve_backend"]
 
@@ -95,7 +96,7 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | None = None, *,
               causal: bool = False, scale: float | None = None, key_lengths: torch.Tensor | None = None,
               return_lse: bool = False, dropout_p: float = 0.0, generator: torch.Generator | None = None,
-              backend: str = "auto"):
+              segment_ids=None, backend: str = "auto"):
     """Block-sparse (or dense) scaled dot-product attention.
 
     Args:
@@ -115,6 +116,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             ``sparseflash.dropout.effective_p(p)`` is the probability used, and kept values are
             scaled by its complement's inverse.
         generator: torch.Generator whose Philox state seeds dropout (default: the device's).
+        segment_ids: packed documents: an integer tensor ``[batch, seq]`` (self-attention,
+            ``seq_q == seq_k``) or a pair ``(q_segment_ids [batch, seq_q], kv_segment_ids
+            [batch, seq_k])`` (a leading 1 broadcasts over the batch); pair (i, j) is attended
+            only if the ids are equal, exactly at token level. ``causal`` stays on positions of
+            the packed row (within a document: ordinary causal). int32 ids are used as they are;
+            int64 ids are checked to fit in int32 (one device read). Flash-attn's ``cu_seqlens``:
+            `sparseflash.segments_from_cu_seqlens`. Conventions (padding, id order and what the
+            kernels skip): `sparseflash.segments`.
         backend: ``"auto"`` (CUDA, or CPU with ``TRITON_INTERPRET=1`` -> ``"triton"``; CPU ->
             ``"reference"``), ``"triton"`` or ``"reference"``.
 
@@ -123,6 +132,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         Rows that attend to nothing are 0 and get zero gradients.
     """
     _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p)
+    segments = check_segment_ids(segment_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
     backend = resolve_backend(backend, q.device, q.dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -140,9 +150,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         from sparseflash import reference
 
         return reference.attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
-                                   return_lse=return_lse, dropout_p=dropout_p, dropout_keep=keep)
+                                   return_lse=return_lse, dropout_p=dropout_p, dropout_keep=keep,
+                                   segment_ids=segments)
 
     from sparseflash.flash import flash_attention
 
     return flash_attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
-                           return_lse=return_lse, dropout_p=dropout_p, generator=generator)
+                           return_lse=return_lse, dropout_p=dropout_p, generator=generator, segments=segments)

@@ -2,7 +2,7 @@
 the compiler made of them: registers, spills, shared memory, layout conversions, instruction mix.
 
     python -m sparseflash.experiments.bench.inspect_kernels [--head-dim 128] [--dropout 0.1]
-        [--mask-block 128] [--kernels fwd dkdv dq] [--dump DIR]
+        [--mask-block 128] [--segments] [--kernels fwd dkdv dq] [--dump DIR]
 
 It drives the real launchers (so tiles, constexprs and specialisations are exactly what a GPU run
 would compile) with a stand-in Triton driver that targets sm_90 and a compile hook that stops
@@ -102,11 +102,11 @@ def _loops(sass: str) -> list[int]:
 
 
 def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024, dtype=torch.bfloat16, tiles=None,
-                    batch=1, heads=2):
+                    batch=1, heads=2, segments=False):
     """Compile the launchers' kernels for sm_90 and return {kernel name: CompiledKernel-like asm dict}.
     ``tiles``: {kind: TileConfig} in place of the launchers' defaults. ``seq``, ``batch``, ``heads``:
     the launch's shape (Triton specialises integer arguments that equal 1 or divide by 16, so these
-    can change the kernel that compiles)."""
+    can change the kernel that compiles). ``segments``: the packed-documents variant (segment ids)."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
@@ -142,7 +142,8 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
             lists = (idx.kv_idx, idx.q_idx)
         else:
             lists = (None, None)
-        cfgs = {kind: launch._default_config(kind, D, cuda, triton.cdiv(N, mask_block) if mask_block else None, dropout > 0)
+        cfgs = {kind: launch._default_config(kind, D, cuda, triton.cdiv(N, mask_block) if mask_block else None, dropout > 0,
+                                             segments=segments)
                 for kind in ("fwd", "dkdv", "dq")}
         if dtype == torch.float32:
             cfgs = {kind: launch._fp32_config(c, kind, D) for kind, c in cfgs.items()}
@@ -150,14 +151,18 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
         mb = mask_block or None
         lse = torch.zeros(B, H, N)
         rng = torch.zeros(3, dtype=torch.int64)  # dropout's (seed_lo, seed_hi, offset)
+        seg = None
+        if segments:
+            ids = torch.zeros(B, N, dtype=torch.int32)
+            seg = (ids, ids[:, :])
         with launch.tile_config(**cfgs):
             if "fwd" in kinds:
-                launch.fwd(q, k, v, lists[0], None, scale, causal, mb, mb, dropout, rng)
+                launch.fwd(q, k, v, lists[0], None, scale, causal, mb, mb, dropout, rng, seg=seg)
             bargs = (do, q, k, v, lse, lse, None, scale, causal, mb, mb, dropout, rng)
             if "dkdv" in kinds:
-                launch.bwd_dkdv(*bargs, lists[1])
+                launch.bwd_dkdv(*bargs, lists[1], seg=seg)
             if "dq" in kinds:
-                launch.bwd_dq(*bargs, lists[0], o=q)
+                launch.bwd_dq(*bargs, lists[0], o=q, seg=seg)
     finally:
         knobs.runtime.jit_cache_hook = saved_hook
         triton.runtime.driver._active = saved_driver
@@ -189,6 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--mask-block", type=int, default=128, help="0: dense kernels (mask=None)")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--segments", action="store_true", help="the packed-documents variant (segment_ids)")
     ap.add_argument("--seq", type=int, default=1024, help="sequence length of the launch (default 1024)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=2)
@@ -210,7 +216,7 @@ def main(argv=None) -> int:
         tiles[kind] = TileConfig(*parse_config(nums))
     compiled = compile_kernels(args.kernels, args.head_dim, args.dropout, args.mask_block, args.causal,
                                dtype=torch.float32 if args.fp32 else torch.bfloat16, tiles=tiles,
-                               seq=args.seq, batch=args.batch, heads=args.heads)
+                               seq=args.seq, batch=args.batch, heads=args.heads, segments=args.segments)
     rows = report(compiled, args.dump)
     if args.json:
         print(json.dumps(rows))

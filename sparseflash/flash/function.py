@@ -36,9 +36,9 @@ def _rng_for(rng: Optional[Tensor], dropout_p: float, device) -> Tensor:
 
 
 def _work(q: Tensor, k: Tensor, density: float) -> float:
-    """A call's estimated forward FLOPs, 4 B Hq Nq Nk D x the mask's density (causal and
-    key_lengths not counted: an upper bound); -1 when the density is unknown. Computed in the ops'
-    implementations, where shapes are concrete even under torch.compile."""
+    """A call's estimated forward FLOPs, 4 B Hq Nq Nk D x the mask's density (causal, key_lengths
+    and segment ids not counted: an upper bound); -1 when the density is unknown. Computed in the
+    ops' implementations, where shapes are concrete even under torch.compile."""
     if density < 0:
         return -1.0
     B, Hq, Nq, D = q.shape
@@ -46,11 +46,12 @@ def _work(q: Tensor, k: Tensor, density: float) -> float:
 
 
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
-               key_lengths: Optional[Tensor], rng: Optional[Tensor], scale: float, causal: bool,
-               mask_bq: int, mask_bk: int, dropout_p: float, density: float) -> tuple[Tensor, Tensor, Tensor]:
+               key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
+               scale: float, causal: bool, mask_bq: int, mask_bk: int, dropout_p: float,
+               density: float) -> tuple[Tensor, Tensor, Tensor]:
     rng = _rng_for(rng, dropout_p, q.device)
     o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None, dropout_p, rng,
-                        work=_work(q, k, density))
+                        work=_work(q, k, density), seg=_seg(seg_q, seg_k))
     return o, lse, rng
 
 
@@ -58,7 +59,7 @@ _flash_fwd = torch.library.custom_op("sparseflash::flash_fwd", _fwd_impl, mutate
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, kv_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p, density):
+def _(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk, dropout_p, density):
     B, Hq, Nq, _ = q.shape
     return (torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32),
             torch.empty(3, dtype=torch.int64, device=q.device))
@@ -66,17 +67,19 @@ def _(q, k, v, kv_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropou
 
 def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
                kv_idx: Optional[Tensor], q_idx: Optional[Tensor],
-               key_lengths: Optional[Tensor], rng: Tensor, scale: float, causal: bool, mask_bq: int, mask_bk: int,
+               key_lengths: Optional[Tensor], rng: Tensor, seg_q: Optional[Tensor], seg_k: Optional[Tensor],
+               scale: float, causal: bool, mask_bq: int, mask_bk: int,
                dropout_p: float, density: float) -> tuple[Tensor, Tensor, Tensor]:
     return launch.bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale, causal,
-                      mask_bq or None, mask_bk or None, dropout_p, rng, work=_work(q, k, density))
+                      mask_bq or None, mask_bk or None, dropout_p, rng, work=_work(q, k, density), seg=_seg(seg_q, seg_k))
 
 
 _flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutates_args=())
 
 
 @_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p, density):
+def _(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
+      dropout_p, density):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -87,29 +90,60 @@ def _op(custom, impl):
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, scale, causal,
-    mask_bq, mask_bk, dropout_p, density); lse holds +inf for rows that attend to nothing.
+    """o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale,
+    causal, mask_bq, mask_bk, dropout_p, density); lse holds +inf for rows that attend to nothing.
+    ``seg_q``, ``seg_k``: int32 segment ids [1 or B, seq] (packed documents) or None.
     ``density``: the mask's fraction of on blocks (1 dense, -1 unknown), for the launchers'
     estimate of the call's work (`_work`, `launch._tma_plan`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk, dropout_p, density):
-        o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_impl)(q, k, v, kv_idx, key_lengths, rng, scale, causal,
-                                                                      mask_bq, mask_bk, dropout_p, density)
-        ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths)
+    def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
+                dropout_p, density):
+        o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_impl)(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k,
+                                                                      scale, causal, mask_bq, mask_bk, dropout_p, density)
+        ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k)
         ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p, density)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths = ctx.saved_tensors
+        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k = ctx.saved_tensors
         scale, causal, mask_bq, mask_bk, dropout_p, density = ctx.params
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, _bwd_impl)(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths,
-                                                                     rng, scale, causal, mask_bq, mask_bk, dropout_p, density)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+                                                                     rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
+                                                                     dropout_p, density)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+def _seg(seg_q: Optional[Tensor], seg_k: Optional[Tensor]):
+    return None if seg_q is None else (seg_q, seg_k)
+
+
+# Block size of the lists that segments alone (mask=None) prune to: the tiles the kernels are
+# tuned for divide it, and FlexAttention's document masks use the same.
+SEGMENT_BLOCK = 128
+
+
+def segment_lists(seg_q: Tensor, seg_k: Tensor, mask: BlockMask | None, device) -> tuple[Tensor, Tensor, int, int]:
+    """(kv_idx, q_idx, block_q, block_k): the row and column block lists of ``mask`` (None: every
+    block, at SEGMENT_BLOCK) restricted to the block pairs whose query and key id ranges overlap
+    (`sparseflash.segments.segment_block_layout`), ``[B or B', H', QB, KB]``. Built on the device
+    at every call (a sort per list, no host synchronisation)."""
+    from sparseflash.mask import _sorted_nonzero
+    from sparseflash.segments import segment_block_layout
+
+    if mask is None:
+        bq = bk = SEGMENT_BLOCK
+        layout = segment_block_layout(seg_q, seg_k, bq, bk)
+    else:
+        bq, bk = mask.block_size
+        layout = mask.layout.to(device) & segment_block_layout(seg_q, seg_k, bq, bk)
+    _, kv_idx = _sorted_nonzero(layout)
+    _, q_idx = _sorted_nonzero(layout.transpose(-1, -2))
+    return kv_idx, q_idx, bq, bk
 
 
 def _check_runnable(q: Tensor) -> None:
@@ -127,11 +161,22 @@ def _check_runnable(q: Tensor) -> None:
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = None, *, causal: bool = False,
                     scale: float, key_lengths: Tensor | None = None, return_lse: bool = False,
-                    dropout_p: float = 0.0, generator: torch.Generator | None = None):
-    """The Triton path of `sparseflash.attention` (inputs already validated there)."""
+                    dropout_p: float = 0.0, generator: torch.Generator | None = None,
+                    segments: tuple[Tensor, Tensor] | None = None):
+    """The Triton path of `sparseflash.attention` (inputs already validated there; ``segments``:
+    the int32 (seg_q, seg_k) of `sparseflash.segments.check_segment_ids`)."""
     _check_runnable(q)
     density = 1.0
-    if mask is None:
+    seg_q = seg_k = None
+    if segments is not None:
+        seg_q, seg_k = segments
+        if mask is not None:  # the work estimate: the mask's density, an upper bound (as causal is not counted)
+            index = mask.index(q.device)
+            density = -1.0 if index.density is None else index.density
+        kv_idx, q_idx, mask_bq, mask_bk = segment_lists(seg_q, seg_k, mask, q.device)
+        launch._fit(16, mask_bq, "block_q")
+        launch._fit(16, mask_bk, "block_k")
+    elif mask is None:
         kv_idx = q_idx = None
         mask_bq = mask_bk = 0
     else:
@@ -154,8 +199,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
         k = k.view_as(k)
     if v is q or v is k:
         v = v.view_as(v)
-    o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, scale, causal, mask_bq, mask_bk,
-                                          float(dropout_p), float(density))
+    if seg_k is not None and seg_k is seg_q:
+        seg_k = seg_k.view_as(seg_k)
+    o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal,
+                                          mask_bq, mask_bk, float(dropout_p), float(density))
     if return_lse:
         return o, torch.where(lse == float("inf"), float("-inf"), lse)
     return o

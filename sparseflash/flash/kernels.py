@@ -27,6 +27,13 @@ and, in backward, an LSE of +inf, which makes their probabilities exactly 0. Col
 Rows that attend to nothing keep a finite pivot (never ``-inf - -inf``): their output is 0, the
 LSE buffer holds +inf (the public API reports -inf), and backward gives them zero gradient.
 
+Packed documents (SEGMENTS, compiled out when off): each program loads the segment ids of its
+own tile once; for every streamed tile it loads that tile's ids and, unless every id of both
+tiles is one and the same (one reduction per tile, `_seg_other`), ANDs ``seg_q == seg_k`` into
+the score mask. Block pairs sharing no document are not in the lists at all (the launcher's
+caller prunes them per call, `function.segment_lists`). With segments even a "mask-free" tile
+may leave a row without keys so far, so the forward keeps its pivot finite on every tile.
+
 Dropout (optional, compiled out when off): keep(i, j) is decided by Philox4x32-7 keyed by the
 seed; one call decides the 16 elements {i, i + 8} x {j, j + 1, j + 8, j + 9, ..., j + 24, j + 25},
 which one thread holds in the accumulator layout of a [queries, keys] tile, so the forward and dQ
@@ -274,6 +281,38 @@ def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stri
     return p_idx, b_list, j_full, j_valid, kv_end, causal_off
 
 
+# ----------------------------------------------------------------------------- segments
+@triton.jit
+def _seg_range(ids, valid):
+    """(min, max) of a vector of segment ids over its valid entries (int32 scalars)."""
+    return (tl.min(tl.where(valid, ids, 2147483647), 0),
+            tl.max(tl.where(valid, ids, -2147483648), 0))
+
+
+@triton.jit
+def _seg_other(p_seg, start, o_t, seq, own_lo, own_hi):
+    """The segment ids of the streamed tile start + o_t ([BLOCK], positions past seq read as own_lo:
+    they are masked or not stored anyway) and whether the tile is mixed: unless every id of the
+    held tile (range [own_lo, own_hi]) and of this one is the same, the tile needs the
+    element-wise comparison."""
+    ids = tl.load(p_seg + start + o_t, mask=(start + o_t) < seq, other=own_lo)
+    mixed = (own_lo != own_hi) | (tl.max((ids != own_lo).to(tl.int32), 0) != 0)  # one reduction
+    return ids, mixed
+
+
+@triton.jit
+def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, SEGMENTS: tl.constexpr):
+    """For a program holding q tile o_m (forward, dQ): its segment ids [BLOCK_M], their range over
+    the real rows, and the key ids' row pointer. Without SEGMENTS placeholders."""
+    if SEGMENTS:
+        m_row = o_m < seq_q
+        b_sq = tl.load(SEG_Q + i_b * stride_sqb + o_m, mask=m_row, other=0)
+        sq_lo, sq_hi = _seg_range(b_sq, m_row)
+        return b_sq, sq_lo, sq_hi, SEG_K + i_b * stride_skb
+    else:
+        return tl.zeros([BLOCK_M], dtype=tl.int32), 0, 0, SEG_K
+
+
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _key_mask(start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.constexpr):
@@ -297,11 +336,11 @@ def _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.cons
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh,
-               DESC_K, DESC_V, i_b, i_hk, j_mask,
+               DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
                MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-               GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr):
+               GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr):
     # TMA: K/V tiles come through 4-D tensor descriptors (Hopper's bulk copies) at (i_b, i_hk,
     # start_n); rows past seq_k and columns past HEAD_DIM read as zeros, as the pointer loads'
     # masks give. With TMA the kernel runs one loop (MASKED), applying the element mask from tile
@@ -322,6 +361,10 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         else:
             b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SEGMENTS:  # packed documents: keys of another segment are not attended (mixed tiles only)
+            b_sk, mixed = _seg_other(p_sk, start_n, o_n, seq_k, sq_lo, sq_hi)
+            if mixed:
+                b_s = tl.where(b_sq[:, None] == b_sk[None, :], b_s, float("-inf"))
         if MASKED and TMA:  # one loop: the element mask only from tile j_mask on (a branch per tile)
             if j >= j_mask:
                 b_s, m_new, m_pivot = _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL)
@@ -333,6 +376,8 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         else:
             m_new = tl.maximum(m_i, tl.max(b_s, 1))
             m_pivot = m_new
+        if SEGMENTS:  # a row may have seen no key of its segment yet: keep the pivot finite
+            m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
         b_p = tl.math.exp2(b_s - m_pivot[:, None])
         alpha = tl.math.exp2(m_i - m_pivot)
         l_i = l_i * alpha + tl.sum(b_p, 1)
@@ -348,7 +393,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
+def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
@@ -360,9 +405,12 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False):
+                DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False,
+                SEGMENTS: tl.constexpr = False):
     """DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
-    [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are unused placeholders."""
+    [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are unused placeholders.
+    SEG_Q, SEG_K (SEGMENTS): int32 segment ids [B or 1, seq] (batch strides stride_sqb, stride_skb,
+    0 when shared); keys whose id differs from the query's are not attended."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -387,6 +435,7 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
         q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
+    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS)
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
@@ -399,15 +448,15 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
     if not TMA:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end,
                                    causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                                   DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full,
+                                   DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full, b_sq, sq_lo, sq_hi, p_sk,
                                    False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                   GATHER, NB_P2, TMA)
+                                   GATHER, NB_P2, TMA, SEGMENTS)
         j_lo = j_full
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end,
                                causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                               DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full,
+                               DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full, b_sq, sq_lo, sq_hi, p_sk,
                                True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                               GATHER, NB_P2, TMA)
+                               GATHER, NB_P2, TMA, SEGMENTS)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc * (drop_scale / l_safe)[:, None]
@@ -422,10 +471,11 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN,
 @triton.jit
 def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
                 stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
-                DESC_Q, DESC_DO, i_b, i_h, j_mask,
+                DESC_Q, DESC_DO, i_b, i_h, j_mask, b_sk, sk_lo, sk_hi, p_sq,
                 MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, Q_ROWS: tl.constexpr, MASK_BQ: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                DOT_PREC: tl.constexpr, GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr):
+                DOT_PREC: tl.constexpr, GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr,
+                SEGMENTS: tl.constexpr):
     # TMA: Q and dO tiles through descriptors (rows past seq_q read as zeros) in one loop that
     # applies the causal mask (MASKED) only below tile j_mask.
     m_d = o_d < HEAD_DIM
@@ -446,6 +496,10 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
             if MASKED:
                 if (not TMA) or j < j_mask:
                     b_p = tl.where(o_n[None, :] <= o_m[:, None] + causal_off, b_p, 0.0)
+            if SEGMENTS:
+                b_sq, mixed = _seg_other(p_sq, start_m, tl.arange(0, BLOCK_M), seq_q, sk_lo, sk_hi)
+                if mixed:
+                    b_p = tl.where(b_sq[:, None] == b_sk[None, :], b_p, 0.0)
             if TMA:
                 b_do = DESC_DO.load([i_b, i_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
             else:
@@ -465,6 +519,10 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
             if MASKED:
                 if (not TMA) or j < j_mask:
                     b_pT = tl.where(o_n[:, None] <= o_m[None, :] + causal_off, b_pT, 0.0)
+            if SEGMENTS:
+                b_sq, mixed = _seg_other(p_sq, start_m, tl.arange(0, BLOCK_M), seq_q, sk_lo, sk_hi)
+                if mixed:
+                    b_pT = tl.where(b_sk[:, None] == b_sq[None, :], b_pT, 0.0)
             if TMA:
                 b_do = DESC_DO.load([i_b, i_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
             else:
@@ -483,7 +541,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
@@ -498,9 +556,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
                      MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                      DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                      DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1,
-                     TMA: tl.constexpr = False):
+                     TMA: tl.constexpr = False, SEGMENTS: tl.constexpr = False):
     """DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA unused placeholders."""
+    without TMA unused placeholders. SEG_Q, SEG_K (SEGMENTS): as the forward's."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -529,6 +587,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
     if HAS_KEYLEN:
         kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
     causal_off = seq_k - seq_q
+    if SEGMENTS:  # this k tile's ids, their range over the real keys, and the query ids' row
+        b_sk = tl.load(SEG_K + i_b * stride_skb + o_n, mask=o_n < seq_k, other=0)
+        sk_lo, sk_hi = _seg_range(b_sk, o_n < seq_k)
+        p_sq = SEG_Q + i_b * stride_sqb
+    else:
+        b_sk = tl.zeros([BLOCK_N], dtype=tl.int32)
+        sk_lo = 0
+        sk_hi = 0
+        p_sq = SEG_Q
     # Rows below skip_below see none of this tile's columns; rows from full_from on see all of them.
     skip_below = 0
     full_from = 0
@@ -568,15 +635,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
             j_hi = j_end if TMA else j_part  # TMA: one loop, the causal mask below j_part
             dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_skip, j_hi, start_n, o_n, o_d,
                                  seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
-                                 i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part,
+                                 i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi, p_sq,
                                  CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                 GATHER, NB_P2, TMA)
+                                 GATHER, NB_P2, TMA, SEGMENTS)
             if not TMA:
                 dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_part, j_end, start_n, o_n,
                                      o_d, seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
-                                     i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part,
-                                     False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                     GATHER, NB_P2, TMA)
+                                     i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi,
+                                     p_sq, False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
+                                     GATHER, NB_P2, TMA, SEGMENTS)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
     m_keep = (o_n < kv_end)[:, None]
     dk = tl.where(m_keep, dk * sm_scale, 0.0)
@@ -590,11 +657,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN,
 @triton.jit
 def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
-              DESC_K, DESC_V, i_b, i_hk, j_mask,
+              DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
               MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-              GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr):
+              GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr):
     # TMA: as in _fwd_inner, K/V through descriptors in one loop masking from tile j_mask on.
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
@@ -616,6 +683,10 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
         if MASKED:
             if (not TMA) or j >= j_mask:
                 b_p = tl.where(_key_mask(start_n, o_n, o_m, kv_end, causal_off, CAUSAL), b_p, 0.0)
+        if SEGMENTS:
+            b_sk, mixed = _seg_other(p_sk, start_n, o_n, seq_k, sq_lo, sq_hi)
+            if mixed:
+                b_p = tl.where(b_sq[:, None] == b_sk[None, :], b_p, 0.0)
         b_dp = _dot(do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
             keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
@@ -626,7 +697,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -640,7 +711,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                    DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                   HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False):
+                   HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False,
+                   SEGMENTS: tl.constexpr = False):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
     DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
@@ -684,6 +756,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
     tl.store(DELTA + p_row, b_delta, mask=o_m < seq_q)
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
+    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS)
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
@@ -696,12 +769,14 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN,
     if not TMA:
         dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                        stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                       DESC_K, DESC_V, i_b32, i_hk32, j_full,
-                       False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA)
+                       DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk,
+                       False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA,
+                       SEGMENTS)
         j_lo = j_full
     dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                    stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                   DESC_K, DESC_V, i_b32, i_hk32, j_full,
-                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA)
+                   DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk,
+                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA,
+                   SEGMENTS)
     tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_q)

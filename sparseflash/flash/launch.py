@@ -112,11 +112,27 @@ def _tma_config(kind: str, head_dim: int, k_blocks: int | None) -> TileConfig | 
 
 
 def _default_config(kind: str, head_dim: int, device: torch.device, k_blocks: int | None = None,
-                    dropout: bool = False, tma: bool = False) -> TileConfig:
+                    dropout: bool = False, tma: bool = False, segments: bool = False) -> TileConfig:
     """The tile of a kernel. ``k_blocks``: the mask's key blocks (None: dense), the proxy for row
     length that needs no look at the mask's contents (longer sequences, longer rows). ``tma``:
     the inputs can be read through TMA descriptors (`_tma_plan`); a config measured faster with
-    them then comes from `_tma_config`, else the pointer loads' own best."""
+    them then comes from `_tma_config`, else the pointer loads' own best. ``segments``: the
+    packed-documents variant (`_segment_config`)."""
+    cfg = _default_config_of(kind, head_dim, device, k_blocks, dropout, tma)
+    return _segment_config(cfg, kind, head_dim) if segments and device.type == "cuda" and not _interpreting() else cfg
+
+
+def _segment_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
+    """The segment test (kernels._seg_other) takes the 8-warp d<=64 forward from 128 to 160
+    registers in an sm_90 compile (one program per SM instead of two); capped at 128 it compiles
+    without spills. Not yet timed on a GPU (tiles are otherwise the block-sparse ones)."""
+    if kind == "fwd" and head_dim <= 64 and cfg.num_warps == 8 and cfg.maxnreg is None:
+        return replace(cfg, maxnreg=128)
+    return cfg
+
+
+def _default_config_of(kind: str, head_dim: int, device: torch.device, k_blocks: int | None = None,
+                       dropout: bool = False, tma: bool = False) -> TileConfig:
     if device.type != "cuda" or _interpreting():
         return TileConfig(32, 32, 4, 1)
     if tma and not dropout and head_dim in (64, 128):
@@ -208,18 +224,18 @@ def _fp32_config(cfg: TileConfig, kind: str, head_dim: int) -> TileConfig:
 
 def _config(kind: str, head_dim: int, device, mask_bq: int | None, mask_bk: int | None,
             dtype: torch.dtype = torch.bfloat16, k_blocks: int | None = None, dropout: bool = False,
-            tma: bool = False) -> TileConfig:
+            tma: bool = False, segments: bool = False) -> TileConfig:
     cfg = _OVERRIDE.get(kind)
     if cfg is None:  # the defaults depend only on these values: computed once per combination
         return _default_fitted(kind, head_dim, device.type, mask_bq, mask_bk, dtype, k_blocks, dropout, tma,
-                               _interpreting())
+                               _interpreting(), segments)
     return _fitted(cfg, mask_bq, mask_bk)
 
 
 @functools.lru_cache(maxsize=1024)
 def _default_fitted(kind, head_dim, device_type, mask_bq, mask_bk, dtype, k_blocks, dropout, tma,
-                    interpreting) -> TileConfig:
-    cfg = _default_config(kind, head_dim, torch.device(device_type), k_blocks, dropout, tma)
+                    interpreting, segments=False) -> TileConfig:
+    cfg = _default_config(kind, head_dim, torch.device(device_type), k_blocks, dropout, tma, segments)
     if dtype == torch.float32 and device_type == "cuda" and not interpreting:
         cfg = _fp32_config(cfg, kind, head_dim)
     return _fitted(cfg, mask_bq, mask_bk)
@@ -430,60 +446,73 @@ def _tma_args(cfg: TileConfig, plan, block_d: int, *tiles):
     return tuple(t for t, _ in tiles), False
 
 
+def _seg_args(seg, placeholder: torch.Tensor):
+    """Kernel arguments of segment ids: (SEG_Q, SEG_K, their batch strides) and the SEGMENTS flag.
+    ``seg``: None or int32 (seg_q [1 or B, Nq], seg_k [1 or B, Nk]) with unit last stride."""
+    if seg is None:
+        return (placeholder, placeholder, 0, 0), False
+    sq, sk = seg
+    return (sq, sk, sq.stride(0) if sq.shape[0] > 1 else 0, sk.stride(0) if sk.shape[0] > 1 else 0), True
+
+
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
-        dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0):
+        dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0, seg=None):
     """Forward launch. Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows).
     ``rng``: the `sparseflash.dropout.draw_rng` tensor, read when dropout_p > 0. ``work``: the
-    call's estimated forward FLOPs, -1 unknown (`_tma_plan`)."""
+    call's estimated forward FLOPs, -1 unknown (`_tma_plan`). ``seg``: int32 segment ids
+    (seg_q, seg_k) or None (`_seg_args`)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     dense = kv_idx is None
     plan = _tma_plan(_block_d(D), q, k, v, work=work)
     cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
-                  dropout_p > 0.0, plan is not None)
+                  dropout_p > 0.0, plan is not None, seg is not None)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
     kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q)
     rng, thresh, drop_scale = _rng_args(dropout_p, rng, q)
+    seg_args, segments = _seg_args(seg, q)
     grid = (_cdiv(Nq, cfg.block_m), B * Hq)
     strides, align = _aligned_strides(q, k, v, o)
     tma_args, tma = _tma_args(cfg, plan, _block_d(D), (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))
     kernels._fwd_kernel[grid](
-        q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx, *strides, *i_strides,
+        q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx, *seg_args, *strides, *i_strides,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
         rng, thresh, drop_scale, *tma_args,
         HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
         DENSE=dense, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-        DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma,
+        DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, SEGMENTS=segments,
     )
     return o, lse
 
 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
-        mask_bq: int | None, mask_bk: int | None, dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0):
+        mask_bq: int | None, mask_bk: int | None, dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0,
+        seg=None):
     """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv)."""
     delta = _new(lse)
     args = (do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng)
-    dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse, work=work)
-    dk, dv = bwd_dkdv(*args, q_idx, work=work)
+    dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse, work=work, seg=seg)
+    dk, dv = bwd_dkdv(*args, q_idx, work=work, seg=seg)
     return dq, dk, dv
 
 
-def _bwd_common(q, key_lengths, causal, dropout_p, rng):
+def _bwd_common(q, key_lengths, causal, dropout_p, rng, seg):
     D = q.shape[-1]
+    seg_args, segments = _seg_args(seg, q)
     constexprs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
-                      DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype))
+                      DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype), SEGMENTS=segments)
     klen = key_lengths if key_lengths is not None else q
-    return klen, constexprs, _rng_args(dropout_p, rng, q)
+    return (klen, *seg_args), constexprs, _rng_args(dropout_p, rng, q)
 
 
 def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, q_idx, *,
-             work: float = -1.0):
+             work: float = -1.0, seg=None):
     """dK, dV: one program per (k tile, batch * kv head), walking the column lists (delta from `bwd_dq`)."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng)
+    klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng, seg)
     dk, dv = _new(k), _new(v)
     plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do, work=work)
     cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
@@ -494,7 +523,7 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     bm, bn = cfg.block_m, cfg.block_n
     tma_args, tma = _tma_args(cfg, plan, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm))
     kernels._bwd_dkdv_kernel[(_cdiv(Nk, cfg.block_n), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, ci, klen, *strides, *ci_s,
+        q, k, v, do, lse, delta, dk, dv, ci, *klen, *strides, *ci_s,
         Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng, *tma_args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, **cfg.launch_options(), **constexprs,
@@ -504,12 +533,12 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
 
 
 def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, kv_idx,
-           *, o, dlse=None, work: float = -1.0):
+           *, o, dlse=None, work: float = -1.0, seg=None):
     """dQ: one program per (q tile, batch * q head), walking the row lists. It first writes
     delta = rowsum(dO * O) - dLSE (float32 [B, Hq, Nq]) into ``delta``, for `bwd_dkdv`."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng)
+    klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng, seg)
     dq = _new(q)
     plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do, o, work=work)
     cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
@@ -520,7 +549,7 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
     bm, bn = cfg.block_m, cfg.block_n
     tma_args, tma = _tma_args(cfg, plan, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))
     kernels._bwd_dq_kernel[(_cdiv(Nq, cfg.block_m), B * Hq)](
-        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, ri, klen, *strides, *ri_s,
+        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, ri, *klen, *strides, *ri_s,
         Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng, *tma_args,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
         NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, HAS_DLSE=dlse is not None,
