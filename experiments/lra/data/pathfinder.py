@@ -180,6 +180,7 @@ class _Geometry:
         self.cpatch = [self.patch(_flip(float(o))) for o in self.corient]
         self._seed: dict[int, tuple] = {}
         self._weights: dict[float, np.ndarray] = {}
+        self.batched = None  # the batched sampler's tables, built on first use
 
     def patch(self, theta: float):
         """A paddle from (0, 0) along theta: (y0, x0, line, mask), arrays covering rows y0.. and columns x0..
@@ -336,8 +337,8 @@ def _two_snakes(g: _Geometry, rng):
     else:
         return None
     patch2 = g.slices(tail2[0], tail2[1], g.seed_paddle(deg2)[0])
-    snakes = [{"origin": tail, "terminal": tail, "pivot": pivot, "theta": th, "patches": [patch], "pending": patch}
-              for tail, th, pivot, patch in ((tail1, th1, pivot1, patch1), (tail2, th2, pivot2, patch2))]
+    snakes = [{"origin": tail, "terminal": tail, "pivot": pivot, "theta": th, "patches": [patch], "pending": patch,
+               "thetas": [th]} for tail, th, pivot, patch in ((tail1, th1, pivot1, patch1), (tail2, th2, pivot2, patch2))]
     # What snake i must avoid: every committed paddle and the other snake's newest one (refs[i] =
     # committed + pending of 1 - i), kept up to date patch by patch instead of rebuilt per step.
     refs = [g.M0.copy(), g.M0.copy()]
@@ -353,6 +354,7 @@ def _two_snakes(g: _Geometry, rng):
             _commit(refs[1 - i], patch)  # and its new one is the other snake's obstacle
             sn.update(terminal=head, theta=th, pivot=pivot, pending=patch)
             sn["patches"].append(patch)
+            sn["thetas"].append(th)
     M = refs[0]
     _commit(M, snakes[0]["pending"])
     return M, snakes
@@ -378,26 +380,84 @@ def _distractor(g: _Geometry, rng, M, n_paddles):
     return M, patches
 
 
-def render(params: PathfinderParams, rng, label: int, return_layers: bool = False):
+METHODS = ("batched", "reference")
+
+
+def _check_render_args(params, rng, method):
+    if not isinstance(params, PathfinderParams):
+        raise TypeError(f"params must be a PathfinderParams (see params_for), got {type(params).__name__}")
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def render(params: PathfinderParams, rng, label: int, return_layers: bool = False, method: str = "batched"):
     """One Pathfinder image (uint8, R x R) with the given label (1: markers on the same snake).
+
+    ``method``: ``"batched"`` (default) samples the target snakes by many attempts at once
+    (``_pathfinder_batched``), ``"reference"`` one attempt at a time as the original code did; both
+    draw from the same distribution, not the same images. ``render(p, rng, label)`` with the batched
+    method is ``render_many(p, rng, [label])[0]``.
 
     With ``return_layers`` also a dict: ``ids`` (int16 R x R: the snake whose paddle is brightest at
     each drawn pixel, i.e. line >= 0.2; 0 none, 1-2 the target snakes, 3+ distractors), ``count``
     (how many snakes draw each pixel: never more than one), ``markers`` (float coverage of the
     two disks), ``tips`` (marker centres, (y, x)), ``tip_snakes`` (snake id under each marker),
-    ``origins`` / ``terminals`` (tips of the two target snakes), ``margin``, ``num_distractors``.
+    ``origins`` / ``terminals`` (tips of the two target snakes), ``thetas`` (the orientation of
+    every paddle of each target snake, seed first, radians), ``margin``, ``num_distractors``.
     """
     if label not in (0, 1):
         raise ValueError(f"label must be 0 or 1, got {label!r}")
-    if not isinstance(params, PathfinderParams):
-        raise TypeError(f"params must be a PathfinderParams (see params_for), got {type(params).__name__}")
-    if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
-    image, layers = _render(params, rng, label, return_layers)
+    _check_render_args(params, rng, method)
+    if method == "batched":
+        return render_many(params, rng, [label], return_layers)[0]
+    image, layers = _render_reference(params, rng, label, return_layers)
     return (image, layers) if return_layers else image
 
 
-def _render(p: PathfinderParams, rng, label: int, return_layers: bool):
+def render_many(params: PathfinderParams, rng, labels, return_layers: bool = False) -> list:
+    """Images with the given labels, drawn together by the batched method from one generator.
+
+    The random draws do not depend on the labels (a label only picks which terminal tip gets the
+    second marker), so image i is a function of (rng's seed, len(labels), i, labels[i]). Margins
+    are drawn first, then the target snakes of all images (per margin, in attempt order), then each
+    image's distractors and markers in turn. Returns a list of images, or of (image, layers).
+    """
+    labels = [int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v for v in labels]
+    if not labels or any(v not in (0, 1) for v in labels):
+        raise ValueError(f"labels must be a non-empty sequence of 0s and 1s, got {labels!r}")
+    _check_render_args(params, rng, "batched")
+    out = _render_many(params, rng, labels, return_layers)
+    return out if return_layers else [image for image, _ in out]
+
+
+def _batched(g: _Geometry):
+    """The batched sampler's tables of a geometry (built on first use, once per process)."""
+    if g.batched is None:
+        from sparseflash.experiments.lra.data._pathfinder_batched import BatchedTargets
+
+        g.batched = BatchedTargets(g)
+    return g.batched
+
+
+def _render_many(p: PathfinderParams, rng, labels, return_layers: bool) -> list:
+    n = len(labels)
+    margins = (np.asarray(p.margins)[rng.integers(len(p.margins), size=n)] if len(p.margins) > 1
+               else np.full(n, p.margins[0])).astype(int)
+    targets = [None] * n
+    for margin in sorted(set(margins.tolist())):
+        slots = np.flatnonzero(margins == margin)
+        for slot, pair in zip(slots, _batched(_geometry(p, margin)).sample(rng, slots.size, p.max_target_attempts)):
+            targets[slot] = pair
+    out = []
+    for i, label in enumerate(labels):
+        g = _geometry(p, int(margins[i]))
+        out.append(_finish(p, g, rng, label, *targets[i], return_layers))
+    return out
+
+
+def _render_reference(p: PathfinderParams, rng, label: int, return_layers: bool):
     margin = int(p.margins[int(rng.integers(len(p.margins)))]) if len(p.margins) > 1 else int(p.margins[0])
     g = _geometry(p, margin)
     for _ in range(p.max_target_attempts):
@@ -407,6 +467,12 @@ def _render(p: PathfinderParams, rng, label: int, return_layers: bool):
     else:
         raise RuntimeError(f"could not place the two target snakes in {p.max_target_attempts} attempts ({p})")
     M, targets = out
+    return _finish(p, g, rng, label, M, targets, return_layers)
+
+
+def _finish(p: PathfinderParams, g: _Geometry, rng, label: int, M, targets, return_layers: bool):
+    """Distractors on occupancy M, markers, the image (and its layers) of two placed target snakes."""
+    margin = g.m
     snakes = [(1, p.paddle_contrast * p.snake_contrast, t["patches"]) for t in targets]
     for _ in range(p.num_distractors):
         for _ in range(p.max_distractor_retrial + 1):
@@ -449,6 +515,7 @@ def _render(p: PathfinderParams, rng, label: int, return_layers: bool):
         "ids": ids[P:P + H, P:P + W].copy(), "count": count[P:P + H, P:P + W].copy(), "markers": markers,
         "tips": tips, "tip_snakes": (o + 1, t + 1),
         "origins": tuple(s["origin"] for s in targets), "terminals": tuple(s["terminal"] for s in targets),
+        "thetas": tuple(list(s["thetas"]) for s in targets),
         "margin": margin, "num_distractors": len(snakes) - 2,
     }
     return image, layers
@@ -470,30 +537,52 @@ def format_metadata_row(batch: int, i: int, label: int, p: PathfinderParams, mar
                                      p.distractor_length, p.paddle_length, p.paddle_thickness, margin, 1))
 
 
+# Images per chunk of the batched method: image g is slot g % K of chunk g // K, drawn from a
+# generator seeded by (seed, resolution, difficulty, chunk). Part of the data's definition.
+CHUNK = {32: 50, 64: 25, 128: 10, 256: 10}
+
+
+def _chunk_rng(seed, params: PathfinderParams, difficulty_code: int, chunk: int):
+    return np.random.default_rng([seed, params.resolution, difficulty_code, 2, chunk])
+
+
 def _render_chunk(job):
     from PIL import Image
 
-    seed, resolution, difficulty, folder, batch, first, batch_size, start, stop = job
+    seed, resolution, difficulty, folder, batch, first, batch_size, start, stop, method = job
     p = params_for(resolution, difficulty)
+    code = _DIFF_CODE[difficulty]
     labels = batch_labels(seed, resolution, difficulty, batch, batch_size)
     img_dir = Path(folder) / "imgs" / str(batch)
     img_dir.mkdir(parents=True, exist_ok=True)
+    if method == "reference":
+        made = [_render_reference(p, _image_rng(seed, p, code, first + i), int(labels[i]), False)
+                for i in range(start, stop)]
+    else:  # the chunk holding images first + start .. first + stop - 1 (jobs never straddle chunks)
+        k = CHUNK[resolution]
+        c = (first + start) // k
+        if (first + stop - 1) // k != c:
+            raise AssertionError("a job straddles two chunks")
+        slots = np.zeros(k, np.int64)  # other slots' labels do not change this job's images
+        slots[first + start - c * k:first + stop - c * k] = labels[start:stop]
+        made = _render_many(p, _chunk_rng(seed, p, code, c), slots.tolist(), False)
+        made = made[first + start - c * k:first + stop - c * k]
     rows = []
-    for i in range(start, stop):
-        label = int(labels[i])
-        image, info = _render(p, _image_rng(seed, p, _DIFF_CODE[difficulty], first + i), label, False)
-        margin = info["margin"]
+    for i, (image, info) in zip(range(start, stop), made):
         Image.fromarray(image).save(img_dir / f"sample_{i}.png", format="PNG")
-        rows.append(format_metadata_row(batch, i, label, p, margin))
+        rows.append(format_metadata_row(batch, i, int(labels[i]), p, info["margin"]))
     return batch, rows
 
 
-def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: int = 0, workers: int = 1,
-                     per_batch: int = 1000, overwrite: bool = False, show_progress: bool = True) -> dict:
+def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: int = 0, workers: int | None = None,
+                     per_batch: int = 1000, overwrite: bool = False, show_progress: bool = True,
+                     method: str = "batched") -> dict:
     """Write ``num`` images of one resolution and difficulty in the release layout under ``out``.
 
     Images go to batch folders of ``per_batch`` (the last one may be smaller); each batch's
-    metadata file is written once all its images exist. Returns a summary dict.
+    metadata file is written once all its images exist. ``workers``: processes (default: every
+    CPU this process may use). ``method``: ``"batched"`` or ``"reference"`` (see ``render``); the
+    two write different images of the same distribution. Returns a summary dict.
     """
     from sparseflash.experiments.lra.data._parallel import check_workers, run_ordered
 
@@ -502,6 +591,8 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     workers = check_workers(workers)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     folder = Path(out) / f"pathfinder{resolution}" / DIFFICULTIES[difficulty][0]
     meta_dir = folder / "metadata"
     if meta_dir.is_dir() and any(meta_dir.iterdir()) and not overwrite:
@@ -511,12 +602,26 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
             f.unlink()
     meta_dir.mkdir(parents=True, exist_ok=True)
     n_batches = -(-num // per_batch)
-    chunk = 25 if resolution <= 64 else 5
     jobs = []
-    for b in range(n_batches):
-        size = min(per_batch, num - b * per_batch)
-        jobs += [(seed, resolution, difficulty, str(folder), b, b * per_batch, size, s, min(s + chunk, size))
-                 for s in range(0, size, chunk)]
+    if method == "reference":
+        chunk = 25 if resolution <= 64 else 5
+        for b in range(n_batches):
+            size = min(per_batch, num - b * per_batch)
+            jobs += [(seed, resolution, difficulty, str(folder), b, b * per_batch, size, s, min(s + chunk, size),
+                      method) for s in range(0, size, chunk)]
+    else:  # one job per (chunk, batch folder) overlap: a chunk that straddles two folders is drawn twice
+        k = CHUNK[resolution]
+        for c in range(-(-num // k)):
+            lo, hi = c * k, min(num, (c + 1) * k)
+            while lo < hi:
+                b = lo // per_batch
+                stop = min(hi, (b + 1) * per_batch)
+                jobs.append((seed, resolution, difficulty, str(folder), b, b * per_batch,
+                             min(per_batch, num - b * per_batch), lo - b * per_batch, stop - b * per_batch, method))
+                lo = stop
+        if workers > 1:  # tables built once here are inherited by forked workers
+            for margin in p.margins:
+                _batched(_geometry(p, int(margin)))
     pending: dict[int, list[str]] = {}
     sizes = {b: min(per_batch, num - b * per_batch) for b in range(n_batches)}
     n_ones = 0
@@ -530,4 +635,5 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
             tmp.write_text(text)
             os.replace(tmp, meta_dir / f"{batch}.npy")
     return {"folder": str(folder), "num": num, "batches": n_batches, "label_ones": n_ones, "seed": seed,
+            "method": method,
             "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(p).items()}}
