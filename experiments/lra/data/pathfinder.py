@@ -68,8 +68,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DIFFICULTIES", "RESOLUTIONS", "PathfinderParams", "params_for", "render", "batch_labels",
-           "write_pathfinder", "format_metadata_row"]
+__all__ = ["DIFFICULTIES", "RESOLUTIONS", "METHODS", "CHUNK", "PathfinderParams", "params_for", "render",
+           "render_many", "image_stats", "batch_labels", "write_pathfinder", "format_metadata_row"]
 
 # difficulty -> (folder, contour length in paddles)
 DIFFICULTIES = {"easy": ("curv_baseline", 6), "medium": ("curv_contour_length_9", 9),
@@ -519,6 +519,35 @@ def _finish(p: PathfinderParams, g: _Geometry, rng, label: int, M, targets, retu
         "margin": margin, "num_distractors": len(snakes) - 2,
     }
     return image, layers
+
+
+def image_stats(image: np.ndarray, layers: dict) -> dict:
+    """What the generator comparison measures on one image and its layers (``render(...,
+    return_layers=True)``): for each target snake s = 1, 2 its drawn pixels (``pixels_s``), the
+    distance between its tips (``end_to_end_s``) and the mean and largest absolute turn between
+    consecutive paddles (``turn_mean_s``, ``turn_max_s``, radians); the distractors placed and their
+    drawn pixels; the distance between the marker centres; the fraction of pixels at >= 10% of full
+    intensity (``lit_fraction``) and the mean intensity (0..1); the margin; whether the marker
+    centres are pixel-connected through pixels >= 32 once gaps of margin + 1 are bridged
+    (``connected``: what a shortcut would see)."""
+    from scipy import ndimage
+
+    ids, out = layers["ids"], {}
+    for s in (1, 2):
+        (oy, ox), (ty, tx) = layers["origins"][s - 1], layers["terminals"][s - 1]
+        turns = np.abs(np.angle(np.exp(1j * np.diff(np.asarray(layers["thetas"][s - 1])))))
+        out.update({f"pixels_{s}": int((ids == s).sum()), f"end_to_end_{s}": math.hypot(ty - oy, tx - ox),
+                    f"turn_mean_{s}": float(turns.mean()), f"turn_max_{s}": float(turns.max())})
+    (ay, ax), (by, bx) = layers["tips"]
+    m = int(layers["margin"])
+    r = np.arange(-(m + 1), m + 2)
+    disk = r[:, None] ** 2 + r[None, :] ** 2 <= (m + 1) ** 2
+    comp, _ = ndimage.label(ndimage.binary_dilation(image >= 32, disk))
+    out.update({"distractors": int(layers["num_distractors"]), "distractor_pixels": int((ids >= 3).sum()),
+                "marker_distance": math.hypot(by - ay, bx - ax), "lit_fraction": float((image >= 26).mean()),
+                "mean_intensity": float(image.mean() / 255), "margin": m,
+                "connected": int(comp[ay, ax] == comp[by, bx] != 0)})
+    return out
 
 
 def _image_rng(seed, params: PathfinderParams, difficulty_code: int, index: int):
