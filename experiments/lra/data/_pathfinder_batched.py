@@ -55,7 +55,6 @@ class BatchedTargets:
 
     def __init__(self, g):
         self.g = g
-        p = g.p
         self.P, self.H, self.W, self.Wc, self.L, self.m = g.P, g.H, g.W, g.Wc, g.L, g.m
         self.S = g.M0.size
         self.M0 = np.round(g.M0.ravel() * 255).astype(np.uint8)
@@ -170,23 +169,30 @@ class BatchedTargets:
         dead[todo] = True
         return ~dead, (ty1, tx1, d1), (ty2, tx2, d2)
 
-    def _extend(self, rng, R, rows, st, i):
-        """One growth step of snake i on the attempts ``rows``: returns the rows that survive."""
-        L, m, P, H, W, Wc, S = self.L, self.m, self.P, self.H, self.W, self.Wc, self.S
-        Ri = R[i]
-        t = st["tid"][i, rows]
-        npy = np.ceil(st["py"][i, rows] + (L + 2 * m) * self.sin[t]).astype(np.int64)
-        npx = np.ceil(st["px"][i, rows] + (L + 2 * m) * self.cos[t]).astype(np.int64)
+    def candidates(self, R, offset, npy, npx, t):
+        """Candidate heads around pivots (npy, npx) after orientations t on rasters R (flat, one per
+        row at ``offset``): their indices [n, Kc] and unnormalised probabilities, continuity weight
+        times 1 - occupancy dilated by the margin, 0 outside the image (the reference's pmf)."""
+        P, H, W, Wc, rc = self.P, self.H, self.W, self.Wc, self.reach
         cand = self.ci[t]  # [n, Kc]
-        base = (rows * S + (npy + P) * Wc + npx + P)
-        occ = Ri[base[None, :, None] + self.cring[:, t]].max(0)  # [n, Kc] dilated occupancy
+        base = offset + (npy + P) * Wc + npx + P
+        occ = R[base[None, :, None] + self.cring[:, t]].max(0)  # [n, Kc] dilated occupancy
         pmf = self.free[occ] * self.cw[t]
-        rc = self.reach
         near = np.flatnonzero((npy < rc) | (npy >= H - rc) | (npx < rc) | (npx >= W - rc))
         if near.size:  # near the border: candidates outside the image are out
             c = cand[near]
             hy, hx = npy[near, None] + self.cdy[c], npx[near, None] + self.cdx[c]
             pmf[near] *= ~((hy < 0) | (hy >= H) | (hx < 0) | (hx >= W))
+        return cand, pmf
+
+    def _extend(self, rng, R, rows, st, i):
+        """One growth step of snake i on the attempts ``rows``: returns the rows that survive."""
+        L, m, P, Wc, S = self.L, self.m, self.P, self.Wc, self.S
+        Ri = R[i]
+        t = st["tid"][i, rows]
+        npy = np.ceil(st["py"][i, rows] + (L + 2 * m) * self.sin[t]).astype(np.int64)
+        npx = np.ceil(st["px"][i, rows] + (L + 2 * m) * self.cos[t]).astype(np.int64)
+        cand, pmf = self.candidates(Ri, rows * S, npy, npx, t)
         total = pmf.sum(1)
         live = np.flatnonzero(total >= 1e-4)
         cmf = np.cumsum(pmf[live], 1) / total[live, None]
@@ -258,7 +264,7 @@ class BatchedTargets:
                 raise RuntimeError(f"could not place the two target snakes in {attempts} attempts ({self.g.p})")
             need = count - len(out)
             rate = (succ + 1) / (attempts + 2)  # this chunk's own history: deterministic
-            n = int(min(self.B, max(_MIN_BATCH, math.ceil(1.2 * need / rate))))
+            n = int(min(self.B, max_attempts - attempts, max(_MIN_BATCH, math.ceil(1.2 * need / rate))))
             rows, st, R = self._batch(rng, n)
             attempts += n
             succ += rows.size

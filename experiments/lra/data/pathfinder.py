@@ -338,7 +338,8 @@ def _two_snakes(g: _Geometry, rng):
         return None
     patch2 = g.slices(tail2[0], tail2[1], g.seed_paddle(deg2)[0])
     snakes = [{"origin": tail, "terminal": tail, "pivot": pivot, "theta": th, "patches": [patch], "pending": patch,
-               "thetas": [th]} for tail, th, pivot, patch in ((tail1, th1, pivot1, patch1), (tail2, th2, pivot2, patch2))]
+               "thetas": [th]}
+              for tail, th, pivot, patch in ((tail1, th1, pivot1, patch1), (tail2, th2, pivot2, patch2))]
     # What snake i must avoid: every committed paddle and the other snake's newest one (refs[i] =
     # committed + pending of 1 - i), kept up to date patch by patch instead of rebuilt per step.
     refs = [g.M0.copy(), g.M0.copy()]

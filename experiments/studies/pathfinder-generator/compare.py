@@ -183,8 +183,8 @@ def main(argv=None) -> int:
     plot(rows, out / "histograms.png")
     for r in summary:
         flag = " <" if r["p_value"] < 0.05 / len(summary) else ""
-        print(f"{int(r['resolution']):4d} {r['quantity']:18s} ref {r['mean_reference']:9.4f} new {r['mean_batched']:9.4f}"
-              f"  d={r['effect_size']:+.3f}  {r['test']} p={r['p_value']:.3f}{flag}")
+        print(f"{int(r['resolution']):4d} {r['quantity']:18s} ref {r['mean_reference']:9.4f} "
+              f"new {r['mean_batched']:9.4f}  d={r['effect_size']:+.3f}  {r['test']} p={r['p_value']:.3f}{flag}")
     print(f"smallest p {worst['p_value']:.4f} ({int(worst['resolution'])} {worst['quantity']}); "
           f"Bonferroni threshold {0.05 / len(summary):.5f}")
     return 0
