@@ -46,13 +46,26 @@ makes the generator fast. Where we differ from the original code, and why:
 
 Cost. Most attempts at the two target snakes fail (14 paddles must fit in the image without
 touching anything), in the original as here: per attempt we measured success rates of about 3% at
-32 hard, 0.05% at 64 hard, 0.6% at 128 hard and 12% at 256 hard (an emulation of the original
-code: 2.5% at 32, 0.08% at 64). On 16 CPU threads (``--workers 16``) 200K Pathfinder-32 hard images
-took 4.3 minutes (770 images/s); Path-X hard ran at 65 images/s (200K in about 50 minutes), Path-256
-hard at 380 images/s, but Pathfinder-64 hard only at 11 images/s (200K in about 5 hours).
+32 hard, 0.08% at 64 hard, 0.3-0.6% at 128 hard and 12% at 256 hard (an emulation of the original
+code: 2.5% at 32, 0.08% at 64). Made one at a time (``method="reference"``) nearly all time goes to
+the Python and NumPy call overhead of attempts that die (at 64 px about 2000 attempts and 13000
+growth steps per image): on 16 CPU threads 200K Pathfinder-32 hard took 4.3 minutes (770 images/s),
+Path-X hard ran at 65 images/s, Path-256 at 380, Pathfinder-64 at only 11 (200K in 5 hours). The
+default ``method="batched"`` (``_pathfinder_batched``) advances thousands of attempts in lockstep as
+array operations and uses every success; the statistical comparison with the reference
+(experiments/studies/pathfinder-generator: 64 two-sample tests over path length, tip distance,
+turn angles, distractors, marker distance, intensity, smallest p = 0.016, every |effect| < 0.15
+reference sd) finds no difference. CPU time per image on one core of the 2-core development machine
+(``write_pathfinder``, PNG included), batched vs reference: 2.1 vs 11 ms at 32, 34 vs 530 ms at 64,
+25 vs 141 ms at 128, 7.9 vs 13 ms at 256 (5x, 15x, 6x, 1.7x). What remains: at 64 and 128 about 90%
+is still the target attempts (dilated-occupancy gathers ~35%, committing paddles to the two
+occupancy rasters ~25%, sampling and collision tests ~20%, resetting rasters ~10%), then
+distractors (one at a time, ~7%); at 256 the PNG encoding is a quarter of the 8 ms.
 
-Determinism: image g of a (resolution, difficulty) is drawn from a generator seeded by
-``(seed, resolution, difficulty, g)``, so output never depends on the number of workers.
+Determinism: with the reference method image g of a (resolution, difficulty) is drawn from a
+generator seeded by ``(seed, resolution, difficulty, g)``; with the batched one it is slot g % K of
+chunk g // K (K = ``CHUNK[resolution]``), drawn from a generator seeded by ``(seed, resolution,
+difficulty, g // K)``. Either way output never depends on the number of workers or of images.
 Layout written (exactly the release's): ``pathfinder{R}/{curv_baseline | curv_contour_length_9 |
 curv_contour_length_14}/imgs/<batch>/sample_<i>.png`` and ``metadata/<batch>.npy``, which is text:
 one line per image, ``imgs/<batch> sample_<i>.png <i> <label> <continuity> <contour_length>

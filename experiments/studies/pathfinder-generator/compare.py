@@ -126,7 +126,7 @@ def plot(rows: list[dict], path: Path) -> None:
             if i == 0:
                 ax.set_title(q, fontsize=9)
             if j == 0:
-                ax.set_ylabel(f"{res} px hard", fontsize=9)
+                ax.set_ylabel(f"{int(res)} px hard", fontsize=9)
             ax.tick_params(labelsize=7)
             ax.set_yticks([])
     axes[0, 0].legend(fontsize=6, loc="upper left")
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         with open(out / "metrics.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
-            w.writerows(rows)
+            w.writerows([{k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()} for r in rows])
         print(f"rendered {len(rows)} images in {time.perf_counter() - t0:.0f}s")
     summary = compare(rows)
     with open(out / "summary.csv", "w", newline="") as f:
