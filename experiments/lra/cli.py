@@ -67,7 +67,7 @@ def _cmd_data_pathfinder(args) -> int:
         t0 = time.perf_counter()
         summary = write_pathfinder(args.out, args.resolution, difficulty, args.num, seed=args.seed,
                                    workers=args.workers, per_batch=args.per_batch, overwrite=args.overwrite,
-                                   show_progress=not args.no_progress)
+                                   show_progress=not args.no_progress, method=args.method)
         summary["seconds"] = round(time.perf_counter() - t0, 2)
         summary["workers"] = args.workers
         (Path(summary["folder"]) / "generator.json").write_text(json.dumps(summary, indent=1))
@@ -122,6 +122,9 @@ def _register_data(sub) -> None:
     pf.add_argument("--workers", type=_positive, default=default_workers())
     pf.add_argument("--per-batch", type=_positive, default=1000, help="images per imgs/<batch> folder")
     pf.add_argument("--overwrite", action="store_true", help="replace existing metadata in the output folder")
+    pf.add_argument("--method", choices=("batched", "reference"), default="batched",
+                    help="batched: many target-snake attempts at once (fast); reference: one at a time, as the "
+                         "original code (same distribution, different images)")
     pf.add_argument("--no-progress", action="store_true")
     pf.set_defaults(func=_cmd_data_pathfinder)
 

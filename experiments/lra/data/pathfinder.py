@@ -46,13 +46,26 @@ makes the generator fast. Where we differ from the original code, and why:
 
 Cost. Most attempts at the two target snakes fail (14 paddles must fit in the image without
 touching anything), in the original as here: per attempt we measured success rates of about 3% at
-32 hard, 0.05% at 64 hard, 0.6% at 128 hard and 12% at 256 hard (an emulation of the original
-code: 2.5% at 32, 0.08% at 64). On 16 CPU threads (``--workers 16``) 200K Pathfinder-32 hard images
-took 4.3 minutes (770 images/s); Path-X hard ran at 65 images/s (200K in about 50 minutes), Path-256
-hard at 380 images/s, but Pathfinder-64 hard only at 11 images/s (200K in about 5 hours).
+32 hard, 0.08% at 64 hard, 0.3-0.6% at 128 hard and 12% at 256 hard (an emulation of the original
+code: 2.5% at 32, 0.08% at 64). Made one at a time (``method="reference"``) nearly all time goes to
+the Python and NumPy call overhead of attempts that die (at 64 px about 2000 attempts and 13000
+growth steps per image): on 16 CPU threads 200K Pathfinder-32 hard took 4.3 minutes (770 images/s),
+Path-X hard ran at 65 images/s, Path-256 at 380, Pathfinder-64 at only 11 (200K in 5 hours). The
+default ``method="batched"`` (``_pathfinder_batched``) advances thousands of attempts in lockstep as
+array operations and uses every success; the statistical comparison with the reference
+(experiments/studies/pathfinder-generator: 64 two-sample tests over path length, tip distance,
+turn angles, distractors, marker distance, intensity, smallest p = 0.016, every |effect| < 0.15
+reference sd) finds no difference. CPU time per image on one core of the 2-core development machine
+(``write_pathfinder``, PNG included), batched vs reference: 2.1 vs 11 ms at 32, 34 vs 530 ms at 64,
+25 vs 141 ms at 128, 7.9 vs 13 ms at 256 (5x, 15x, 6x, 1.7x). What remains: at 64 and 128 about 90%
+is still the target attempts (dilated-occupancy gathers ~35%, committing paddles to the two
+occupancy rasters ~25%, sampling and collision tests ~20%, resetting rasters ~10%), then
+distractors (one at a time, ~7%); at 256 the PNG encoding is a quarter of the 8 ms.
 
-Determinism: image g of a (resolution, difficulty) is drawn from a generator seeded by
-``(seed, resolution, difficulty, g)``, so output never depends on the number of workers.
+Determinism: with the reference method image g of a (resolution, difficulty) is drawn from a
+generator seeded by ``(seed, resolution, difficulty, g)``; with the batched one it is slot g % K of
+chunk g // K (K = ``CHUNK[resolution]``), drawn from a generator seeded by ``(seed, resolution,
+difficulty, g // K)``. Either way output never depends on the number of workers or of images.
 Layout written (exactly the release's): ``pathfinder{R}/{curv_baseline | curv_contour_length_9 |
 curv_contour_length_14}/imgs/<batch>/sample_<i>.png`` and ``metadata/<batch>.npy``, which is text:
 one line per image, ``imgs/<batch> sample_<i>.png <i> <label> <continuity> <contour_length>
@@ -68,8 +81,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DIFFICULTIES", "RESOLUTIONS", "PathfinderParams", "params_for", "render", "batch_labels",
-           "write_pathfinder", "format_metadata_row"]
+__all__ = ["DIFFICULTIES", "RESOLUTIONS", "METHODS", "CHUNK", "PathfinderParams", "params_for", "render",
+           "render_many", "image_stats", "batch_labels", "write_pathfinder", "format_metadata_row"]
 
 # difficulty -> (folder, contour length in paddles)
 DIFFICULTIES = {"easy": ("curv_baseline", 6), "medium": ("curv_contour_length_9", 9),
@@ -180,6 +193,7 @@ class _Geometry:
         self.cpatch = [self.patch(_flip(float(o))) for o in self.corient]
         self._seed: dict[int, tuple] = {}
         self._weights: dict[float, np.ndarray] = {}
+        self.batched = None  # the batched sampler's tables, built on first use
 
     def patch(self, theta: float):
         """A paddle from (0, 0) along theta: (y0, x0, line, mask), arrays covering rows y0.. and columns x0..
@@ -336,7 +350,8 @@ def _two_snakes(g: _Geometry, rng):
     else:
         return None
     patch2 = g.slices(tail2[0], tail2[1], g.seed_paddle(deg2)[0])
-    snakes = [{"origin": tail, "terminal": tail, "pivot": pivot, "theta": th, "patches": [patch], "pending": patch}
+    snakes = [{"origin": tail, "terminal": tail, "pivot": pivot, "theta": th, "patches": [patch], "pending": patch,
+               "thetas": [th]}
               for tail, th, pivot, patch in ((tail1, th1, pivot1, patch1), (tail2, th2, pivot2, patch2))]
     # What snake i must avoid: every committed paddle and the other snake's newest one (refs[i] =
     # committed + pending of 1 - i), kept up to date patch by patch instead of rebuilt per step.
@@ -353,6 +368,7 @@ def _two_snakes(g: _Geometry, rng):
             _commit(refs[1 - i], patch)  # and its new one is the other snake's obstacle
             sn.update(terminal=head, theta=th, pivot=pivot, pending=patch)
             sn["patches"].append(patch)
+            sn["thetas"].append(th)
     M = refs[0]
     _commit(M, snakes[0]["pending"])
     return M, snakes
@@ -378,26 +394,84 @@ def _distractor(g: _Geometry, rng, M, n_paddles):
     return M, patches
 
 
-def render(params: PathfinderParams, rng, label: int, return_layers: bool = False):
+METHODS = ("batched", "reference")
+
+
+def _check_render_args(params, rng, method):
+    if not isinstance(params, PathfinderParams):
+        raise TypeError(f"params must be a PathfinderParams (see params_for), got {type(params).__name__}")
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def render(params: PathfinderParams, rng, label: int, return_layers: bool = False, method: str = "batched"):
     """One Pathfinder image (uint8, R x R) with the given label (1: markers on the same snake).
+
+    ``method``: ``"batched"`` (default) samples the target snakes by many attempts at once
+    (``_pathfinder_batched``), ``"reference"`` one attempt at a time as the original code did; both
+    draw from the same distribution, not the same images. ``render(p, rng, label)`` with the batched
+    method is ``render_many(p, rng, [label])[0]``.
 
     With ``return_layers`` also a dict: ``ids`` (int16 R x R: the snake whose paddle is brightest at
     each drawn pixel, i.e. line >= 0.2; 0 none, 1-2 the target snakes, 3+ distractors), ``count``
     (how many snakes draw each pixel: never more than one), ``markers`` (float coverage of the
     two disks), ``tips`` (marker centres, (y, x)), ``tip_snakes`` (snake id under each marker),
-    ``origins`` / ``terminals`` (tips of the two target snakes), ``margin``, ``num_distractors``.
+    ``origins`` / ``terminals`` (tips of the two target snakes), ``thetas`` (the orientation of
+    every paddle of each target snake, seed first, radians), ``margin``, ``num_distractors``.
     """
     if label not in (0, 1):
         raise ValueError(f"label must be 0 or 1, got {label!r}")
-    if not isinstance(params, PathfinderParams):
-        raise TypeError(f"params must be a PathfinderParams (see params_for), got {type(params).__name__}")
-    if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
-    image, layers = _render(params, rng, label, return_layers)
+    _check_render_args(params, rng, method)
+    if method == "batched":
+        return render_many(params, rng, [label], return_layers)[0]
+    image, layers = _render_reference(params, rng, label, return_layers)
     return (image, layers) if return_layers else image
 
 
-def _render(p: PathfinderParams, rng, label: int, return_layers: bool):
+def render_many(params: PathfinderParams, rng, labels, return_layers: bool = False) -> list:
+    """Images with the given labels, drawn together by the batched method from one generator.
+
+    The random draws do not depend on the labels (a label only picks which terminal tip gets the
+    second marker), so image i is a function of (rng's seed, len(labels), i, labels[i]). Margins
+    are drawn first, then the target snakes of all images (per margin, in attempt order), then each
+    image's distractors and markers in turn. Returns a list of images, or of (image, layers).
+    """
+    labels = [int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v for v in labels]
+    if not labels or any(v not in (0, 1) for v in labels):
+        raise ValueError(f"labels must be a non-empty sequence of 0s and 1s, got {labels!r}")
+    _check_render_args(params, rng, "batched")
+    out = _render_many(params, rng, labels, return_layers)
+    return out if return_layers else [image for image, _ in out]
+
+
+def _batched(g: _Geometry):
+    """The batched sampler's tables of a geometry (built on first use, once per process)."""
+    if g.batched is None:
+        from sparseflash.experiments.lra.data._pathfinder_batched import BatchedTargets
+
+        g.batched = BatchedTargets(g)
+    return g.batched
+
+
+def _render_many(p: PathfinderParams, rng, labels, return_layers: bool) -> list:
+    n = len(labels)
+    margins = (np.asarray(p.margins)[rng.integers(len(p.margins), size=n)] if len(p.margins) > 1
+               else np.full(n, p.margins[0])).astype(int)
+    targets = [None] * n
+    for margin in sorted(set(margins.tolist())):
+        slots = np.flatnonzero(margins == margin)
+        for slot, pair in zip(slots, _batched(_geometry(p, margin)).sample(rng, slots.size, p.max_target_attempts)):
+            targets[slot] = pair
+    out = []
+    for i, label in enumerate(labels):
+        g = _geometry(p, int(margins[i]))
+        out.append(_finish(p, g, rng, label, *targets[i], return_layers))
+    return out
+
+
+def _render_reference(p: PathfinderParams, rng, label: int, return_layers: bool):
     margin = int(p.margins[int(rng.integers(len(p.margins)))]) if len(p.margins) > 1 else int(p.margins[0])
     g = _geometry(p, margin)
     for _ in range(p.max_target_attempts):
@@ -407,6 +481,12 @@ def _render(p: PathfinderParams, rng, label: int, return_layers: bool):
     else:
         raise RuntimeError(f"could not place the two target snakes in {p.max_target_attempts} attempts ({p})")
     M, targets = out
+    return _finish(p, g, rng, label, M, targets, return_layers)
+
+
+def _finish(p: PathfinderParams, g: _Geometry, rng, label: int, M, targets, return_layers: bool):
+    """Distractors on occupancy M, markers, the image (and its layers) of two placed target snakes."""
+    margin = g.m
     snakes = [(1, p.paddle_contrast * p.snake_contrast, t["patches"]) for t in targets]
     for _ in range(p.num_distractors):
         for _ in range(p.max_distractor_retrial + 1):
@@ -449,9 +529,39 @@ def _render(p: PathfinderParams, rng, label: int, return_layers: bool):
         "ids": ids[P:P + H, P:P + W].copy(), "count": count[P:P + H, P:P + W].copy(), "markers": markers,
         "tips": tips, "tip_snakes": (o + 1, t + 1),
         "origins": tuple(s["origin"] for s in targets), "terminals": tuple(s["terminal"] for s in targets),
+        "thetas": tuple(list(s["thetas"]) for s in targets),
         "margin": margin, "num_distractors": len(snakes) - 2,
     }
     return image, layers
+
+
+def image_stats(image: np.ndarray, layers: dict) -> dict:
+    """What the generator comparison measures on one image and its layers (``render(...,
+    return_layers=True)``): for each target snake s = 1, 2 its drawn pixels (``pixels_s``), the
+    distance between its tips (``end_to_end_s``) and the mean and largest absolute turn between
+    consecutive paddles (``turn_mean_s``, ``turn_max_s``, radians); the distractors placed and their
+    drawn pixels; the distance between the marker centres; the fraction of pixels at >= 10% of full
+    intensity (``lit_fraction``) and the mean intensity (0..1); the margin; whether the marker
+    centres are pixel-connected through pixels >= 32 once gaps of margin + 1 are bridged
+    (``connected``: what a shortcut would see)."""
+    from scipy import ndimage
+
+    ids, out = layers["ids"], {}
+    for s in (1, 2):
+        (oy, ox), (ty, tx) = layers["origins"][s - 1], layers["terminals"][s - 1]
+        turns = np.abs(np.angle(np.exp(1j * np.diff(np.asarray(layers["thetas"][s - 1])))))
+        out.update({f"pixels_{s}": int((ids == s).sum()), f"end_to_end_{s}": math.hypot(ty - oy, tx - ox),
+                    f"turn_mean_{s}": float(turns.mean()), f"turn_max_{s}": float(turns.max())})
+    (ay, ax), (by, bx) = layers["tips"]
+    m = int(layers["margin"])
+    r = np.arange(-(m + 1), m + 2)
+    disk = r[:, None] ** 2 + r[None, :] ** 2 <= (m + 1) ** 2
+    comp, _ = ndimage.label(ndimage.binary_dilation(image >= 32, disk))
+    out.update({"distractors": int(layers["num_distractors"]), "distractor_pixels": int((ids >= 3).sum()),
+                "marker_distance": math.hypot(by - ay, bx - ax), "lit_fraction": float((image >= 26).mean()),
+                "mean_intensity": float(image.mean() / 255), "margin": m,
+                "connected": int(comp[ay, ax] == comp[by, bx] != 0)})
+    return out
 
 
 def _image_rng(seed, params: PathfinderParams, difficulty_code: int, index: int):
@@ -470,30 +580,52 @@ def format_metadata_row(batch: int, i: int, label: int, p: PathfinderParams, mar
                                      p.distractor_length, p.paddle_length, p.paddle_thickness, margin, 1))
 
 
+# Images per chunk of the batched method: image g is slot g % K of chunk g // K, drawn from a
+# generator seeded by (seed, resolution, difficulty, chunk). Part of the data's definition.
+CHUNK = {32: 50, 64: 25, 128: 10, 256: 10}
+
+
+def _chunk_rng(seed, params: PathfinderParams, difficulty_code: int, chunk: int):
+    return np.random.default_rng([seed, params.resolution, difficulty_code, 2, chunk])
+
+
 def _render_chunk(job):
     from PIL import Image
 
-    seed, resolution, difficulty, folder, batch, first, batch_size, start, stop = job
+    seed, resolution, difficulty, folder, batch, first, batch_size, start, stop, method = job
     p = params_for(resolution, difficulty)
+    code = _DIFF_CODE[difficulty]
     labels = batch_labels(seed, resolution, difficulty, batch, batch_size)
     img_dir = Path(folder) / "imgs" / str(batch)
     img_dir.mkdir(parents=True, exist_ok=True)
+    if method == "reference":
+        made = [_render_reference(p, _image_rng(seed, p, code, first + i), int(labels[i]), False)
+                for i in range(start, stop)]
+    else:  # the chunk holding images first + start .. first + stop - 1 (jobs never straddle chunks)
+        k = CHUNK[resolution]
+        c = (first + start) // k
+        if (first + stop - 1) // k != c:
+            raise AssertionError("a job straddles two chunks")
+        slots = np.zeros(k, np.int64)  # other slots' labels do not change this job's images
+        slots[first + start - c * k:first + stop - c * k] = labels[start:stop]
+        made = _render_many(p, _chunk_rng(seed, p, code, c), slots.tolist(), False)
+        made = made[first + start - c * k:first + stop - c * k]
     rows = []
-    for i in range(start, stop):
-        label = int(labels[i])
-        image, info = _render(p, _image_rng(seed, p, _DIFF_CODE[difficulty], first + i), label, False)
-        margin = info["margin"]
+    for i, (image, info) in zip(range(start, stop), made):
         Image.fromarray(image).save(img_dir / f"sample_{i}.png", format="PNG")
-        rows.append(format_metadata_row(batch, i, label, p, margin))
+        rows.append(format_metadata_row(batch, i, int(labels[i]), p, info["margin"]))
     return batch, rows
 
 
-def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: int = 0, workers: int = 1,
-                     per_batch: int = 1000, overwrite: bool = False, show_progress: bool = True) -> dict:
+def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: int = 0, workers: int | None = None,
+                     per_batch: int = 1000, overwrite: bool = False, show_progress: bool = True,
+                     method: str = "batched") -> dict:
     """Write ``num`` images of one resolution and difficulty in the release layout under ``out``.
 
     Images go to batch folders of ``per_batch`` (the last one may be smaller); each batch's
-    metadata file is written once all its images exist. Returns a summary dict.
+    metadata file is written once all its images exist. ``workers``: processes (default: every
+    CPU this process may use). ``method``: ``"batched"`` or ``"reference"`` (see ``render``); the
+    two write different images of the same distribution. Returns a summary dict.
     """
     from sparseflash.experiments.lra.data._parallel import check_workers, run_ordered
 
@@ -502,6 +634,8 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     workers = check_workers(workers)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     folder = Path(out) / f"pathfinder{resolution}" / DIFFICULTIES[difficulty][0]
     meta_dir = folder / "metadata"
     if meta_dir.is_dir() and any(meta_dir.iterdir()) and not overwrite:
@@ -511,12 +645,26 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
             f.unlink()
     meta_dir.mkdir(parents=True, exist_ok=True)
     n_batches = -(-num // per_batch)
-    chunk = 25 if resolution <= 64 else 5
     jobs = []
-    for b in range(n_batches):
-        size = min(per_batch, num - b * per_batch)
-        jobs += [(seed, resolution, difficulty, str(folder), b, b * per_batch, size, s, min(s + chunk, size))
-                 for s in range(0, size, chunk)]
+    if method == "reference":
+        chunk = 25 if resolution <= 64 else 5
+        for b in range(n_batches):
+            size = min(per_batch, num - b * per_batch)
+            jobs += [(seed, resolution, difficulty, str(folder), b, b * per_batch, size, s, min(s + chunk, size),
+                      method) for s in range(0, size, chunk)]
+    else:  # one job per (chunk, batch folder) overlap: a chunk that straddles two folders is drawn twice
+        k = CHUNK[resolution]
+        for c in range(-(-num // k)):
+            lo, hi = c * k, min(num, (c + 1) * k)
+            while lo < hi:
+                b = lo // per_batch
+                stop = min(hi, (b + 1) * per_batch)
+                jobs.append((seed, resolution, difficulty, str(folder), b, b * per_batch,
+                             min(per_batch, num - b * per_batch), lo - b * per_batch, stop - b * per_batch, method))
+                lo = stop
+        if workers > 1:  # tables built once here are inherited by forked workers
+            for margin in p.margins:
+                _batched(_geometry(p, int(margin)))
     pending: dict[int, list[str]] = {}
     sizes = {b: min(per_batch, num - b * per_batch) for b in range(n_batches)}
     n_ones = 0
@@ -530,4 +678,5 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
             tmp.write_text(text)
             os.replace(tmp, meta_dir / f"{batch}.npy")
     return {"folder": str(folder), "num": num, "batches": n_batches, "label_ones": n_ones, "seed": seed,
+            "method": method,
             "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(p).items()}}

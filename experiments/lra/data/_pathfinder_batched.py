@@ -1,0 +1,293 @@
+"""Pathfinder's two target snakes, sampled by many attempts at once (the ``batched`` method).
+
+The reference sampler (``pathfinder._two_snakes``) makes one attempt at a time and discards it at
+the first step that fails; at 64 px hard about 2000 attempts are made per image, each a few dozen
+small NumPy calls, so nearly all time is interpreter overhead on attempts that die. Here a batch of
+attempts advances in lockstep: one seed stage for all of them, then ``2 * (contour_length - 1)``
+growth steps, each a handful of array operations over the attempts still alive, with the dead ones
+dropped. Every attempt is the reference's step for step (same seeds, candidate heads, weights,
+occupancy and collision tests, same retries), and attempts are independent and identically
+distributed, so the successful ones, taken in attempt order, are independent draws from exactly
+the reference's distribution of accepted pairs. All successes are used: a chunk of images asks for
+as many pairs as it has images (per margin), and batches run until it has them.
+
+Exact up to floating-point order: occupancy is kept as uint8 (every mask value the reference uses
+is k / 255, and its maxima stay so), the reference's float32 collision test ``(occupancy + mask)
+.max() < 1.8`` is a per-mask-value threshold table computed with the same float32 sums, and its
+``1 - occupancy`` weights a table of the same float32 values; only the sums behind the sampling
+cumulative distribution are formed in another order (differences of an ulp). Candidates whose
+continuity weight is below 1e-12 (it is cos(pi/2)^2 ~ 4e-33 at the cut-off, else 0) are left out.
+The first target seed lies on an empty canvas whose free space is a rectangle, so "uniform over the
+pixels where its footprint fits" is a uniform draw in a smaller rectangle (checked at build time).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_BATCH_BYTES = 12 << 20  # the two occupancy rasters of one batch of attempts (fits a shared L3)
+_MIN_BATCH = 256
+_WEIGHT_FLOOR = 1e-12
+
+_THRESHOLDS = None
+
+
+def _collision_thresholds() -> np.ndarray:
+    """T[b]: the least occupancy a (uint8) at which the reference's float32 ``a/255 + b/255 < 1.8``
+    fails, for every mask value b (256 where it never fails)."""
+    global _THRESHOLDS
+    if _THRESHOLDS is None:
+        vals = np.arange(256).astype(np.uint8).astype(np.float32) / 255
+        t = np.full(256, 256, np.int16)
+        for b in range(256):
+            for a in range(max(0, 455 - b), 256):  # the sum reaches 1.8 only near a + b = 459
+                if not (vals[a] + vals[b]) < 1.8:  # numpy float32 scalars, as (R[sl] + mask).max()
+                    t[b] = a
+                    break
+        _THRESHOLDS = t
+    return _THRESHOLDS
+
+
+class BatchedTargets:
+    """Tables for one geometry (params, margin) and a reusable raster buffer."""
+
+    def __init__(self, g):
+        self.g = g
+        self.P, self.H, self.W, self.Wc, self.L, self.m = g.P, g.H, g.W, g.Wc, g.L, g.m
+        self.S = g.M0.size
+        self.M0 = np.round(g.M0.ravel() * 255).astype(np.uint8)
+        # Orientation table: ids 0..359 are the seeds' whole degrees -180..179, 360 + k candidate k.
+        thetas = [d * np.pi / 180 for d in range(-180, 180)] + [float(o) for o in g.corient]
+        self.thetas = np.array(thetas)
+        self.sin = np.array([math.sin(t) for t in thetas])
+        self.cos = np.array([math.cos(t) for t in thetas])
+        w = np.stack([g.weights(t) for t in thetas])
+        keep = w > _WEIGHT_FLOOR
+        self.nc = keep.sum(1)
+        kc = int(self.nc.max())
+        self.ci = np.zeros((len(thetas), kc), np.int64)
+        self.cw = np.zeros((len(thetas), kc))
+        for t in range(len(thetas)):
+            idx = np.flatnonzero(keep[t])
+            self.ci[t, :idx.size] = idx
+            self.ci[t, idx.size:] = idx[-1] if idx.size else 0
+            self.cw[t, :idx.size] = w[t, idx]
+        self.cdy, self.cdx = g.cdy, g.cdx
+        # [disk, orientation, Kc]: the dilation disk around each kept candidate (disk first, so the
+        # max over it is an elementwise maximum of contiguous slabs, not a reduction of a short axis)
+        self.cring = np.ascontiguousarray(g.cring[self.ci].transpose(2, 0, 1))
+        self.reach = g.reach
+        vals = np.arange(256).astype(np.uint8).astype(np.float32) / 255
+        self.free = (1 - vals).astype(np.float64)  # the reference's float32 1 - occupancy
+        thr = _collision_thresholds()
+        # Patch table: ids 0..359 seed paddles at -180..179 degrees (anchored at the tail), 360 + k
+        # the paddle whose head is candidate k (anchored at the head). Support pixels only, padded
+        # by repeating the first one (so a scatter writes it twice with the same value).
+        pats = [g.seed_paddle(d)[0] for d in range(-180, 180)] + list(g.cpatch)
+        offs, vals8 = [], []
+        for y0, x0, _, mask in pats:
+            m8 = np.round(mask * 255).astype(np.uint8)
+            yy, xx = np.nonzero(m8)
+            offs.append(((yy + y0) * self.Wc + xx + x0).astype(np.int64))
+            vals8.append(m8[yy, xx])
+        q = max(o.size for o in offs)
+        self.poff = np.stack([np.concatenate([o, np.full(q - o.size, o[0])]) for o in offs])
+        self.pval = np.stack([np.concatenate([v, np.full(q - v.size, v[0])]) for v in vals8])
+        # The collision test can only fail where the mask reaches thr < 256 (b >= 204): test there only.
+        core = [np.flatnonzero(thr[v] <= 255) for v in vals8]
+        qc = max(c.size for c in core)
+        self.coff = np.stack([np.concatenate([o[c], np.full(qc - c.size, o[c[0]])]) for o, c in zip(offs, core)])
+        self.cthr = np.stack([np.concatenate([thr[v[c]], np.full(qc - c.size, thr[v[c[0]]])])
+                              for v, c in zip(vals8, core)])
+        # First seed: M1's free space must be a rectangle [y0, y1] x [x0, x1] of image pixels.
+        M1 = g.M1[self.P:self.P + self.H, self.P:self.P + self.W] <= 0.3
+        ys, xs = np.flatnonzero(M1.any(1)), np.flatnonzero(M1.any(0))
+        y0, y1, x0, x1 = ys[0], ys[-1], xs[0], xs[-1]
+        if not (M1[y0:y1 + 1, x0:x1 + 1].all() and M1.sum() == (y1 - y0 + 1) * (x1 - x0 + 1)):
+            raise AssertionError("the first seed's free space is not a rectangle")
+        self.seed_box = np.zeros((360, 4), np.int64)  # tail y range, tail x range (inclusive)
+        for d in range(-180, 180):
+            foot = g.seed_paddle(d)[1]
+            fy = (foot + self.Wc // 2) // self.Wc  # offsets are small: decode (dy, dx) from dy * Wc + dx
+            fx = foot - fy * self.Wc
+            fy, fx = np.append(fy, 0), np.append(fx, 0)  # the tail pixel itself must be free too
+            self.seed_box[d + 180] = (y0 - fy.min(), y1 - fy.max(), x0 - fx.min(), x1 - fx.max())
+        self.B = max(_MIN_BATCH, _BATCH_BYTES // (2 * self.S))
+        self._R = None
+
+    # ------------------------------------------------------------------------------------ helpers
+    def _flat(self, y, x):
+        return (y + self.P) * self.Wc + x + self.P
+
+    def _inside(self, y, x):
+        return (y >= 0) & (y < self.H) & (x >= 0) & (x < self.W)
+
+    def _commit(self, R, rows, anchor, pid):
+        idx = (rows * self.S + anchor)[:, None] + self.poff[pid]
+        R[idx] = np.maximum(R[idx], self.pval[pid])
+
+    # ------------------------------------------------------------------------------------- stages
+    def _seeds(self, rng, n):
+        """Seed paddles of both snakes for n attempts: (ok, tail y/x, degree index) per snake."""
+        L, m, sd = self.L, self.m, self.g.p.seed_distance
+        tries = self.g.p.max_paddle_retrial + 1
+        ty1, tx1, d1 = (np.zeros(n, np.int64) for _ in range(3))
+        todo = np.arange(n)
+        dead = np.zeros(n, bool)
+        for _ in range(tries):  # snake 1: a uniform tail where the footprint fits, head and pivot inside
+            deg = rng.integers(-180, 180, size=todo.size) + 180
+            box = self.seed_box[deg]
+            empty = (box[:, 0] > box[:, 1]) | (box[:, 2] > box[:, 3])
+            dead[todo[empty]] = True  # no place at all: the reference gives up on this seed
+            todo, deg, box = todo[~empty], deg[~empty], box[~empty]
+            y = rng.integers(box[:, 0], box[:, 1] + 1)
+            x = rng.integers(box[:, 2], box[:, 3] + 1)
+            hy = np.ceil(y + L * self.sin[deg]).astype(np.int64)
+            hx = np.ceil(x + L * self.cos[deg]).astype(np.int64)
+            vy = np.ceil(hy - (L + m) * self.sin[deg]).astype(np.int64)
+            vx = np.ceil(hx - (L + m) * self.cos[deg]).astype(np.int64)
+            ok = self._inside(hy, hx) & self._inside(vy, vx)
+            ty1[todo[ok]], tx1[todo[ok]], d1[todo[ok]] = y[ok], x[ok], deg[ok]
+            todo = todo[~ok]
+        dead[todo] = True
+        ty2, tx2, d2 = (np.zeros(n, np.int64) for _ in range(3))
+        todo = np.flatnonzero(~dead)
+        for _ in range(tries):  # snake 2: seed_distance away in a random direction
+            deg = rng.integers(-180, 180, size=todo.size) + 180
+            phi = rng.integers(0, 360, size=todo.size) * np.pi / 180
+            y = np.round(ty1[todo] + sd * np.sin(phi)).astype(np.int64)
+            x = np.round(tx1[todo] + sd * np.cos(phi)).astype(np.int64)
+            hy = np.ceil(y + L * self.sin[deg]).astype(np.int64)
+            hx = np.ceil(x + L * self.cos[deg]).astype(np.int64)
+            vy = np.ceil(hy - (L + m) * self.sin[deg]).astype(np.int64)
+            vx = np.ceil(hx - (L + m) * self.cos[deg]).astype(np.int64)
+            ok = self._inside(y, x) & self._inside(hy, hx) & self._inside(vy, vx)
+            ty2[todo[ok]], tx2[todo[ok]], d2[todo[ok]] = y[ok], x[ok], deg[ok]
+            todo = todo[~ok]
+        dead[todo] = True
+        return ~dead, (ty1, tx1, d1), (ty2, tx2, d2)
+
+    def candidates(self, R, offset, npy, npx, t):
+        """Candidate heads around pivots (npy, npx) after orientations t on rasters R (flat, one per
+        row at ``offset``): their indices [n, Kc] and unnormalised probabilities, continuity weight
+        times 1 - occupancy dilated by the margin, 0 outside the image (the reference's pmf)."""
+        P, H, W, Wc, rc = self.P, self.H, self.W, self.Wc, self.reach
+        cand = self.ci[t]  # [n, Kc]
+        base = offset + (npy + P) * Wc + npx + P
+        occ = R[base[None, :, None] + self.cring[:, t]].max(0)  # [n, Kc] dilated occupancy
+        pmf = self.free[occ] * self.cw[t]
+        near = np.flatnonzero((npy < rc) | (npy >= H - rc) | (npx < rc) | (npx >= W - rc))
+        if near.size:  # near the border: candidates outside the image are out
+            c = cand[near]
+            hy, hx = npy[near, None] + self.cdy[c], npx[near, None] + self.cdx[c]
+            pmf[near] *= ~((hy < 0) | (hy >= H) | (hx < 0) | (hx >= W))
+        return cand, pmf
+
+    def _extend(self, rng, R, rows, st, i):
+        """One growth step of snake i on the attempts ``rows``: returns the rows that survive."""
+        L, m, P, Wc, S = self.L, self.m, self.P, self.Wc, self.S
+        Ri = R[i]
+        t = st["tid"][i, rows]
+        npy = np.ceil(st["py"][i, rows] + (L + 2 * m) * self.sin[t]).astype(np.int64)
+        npx = np.ceil(st["px"][i, rows] + (L + 2 * m) * self.cos[t]).astype(np.int64)
+        cand, pmf = self.candidates(Ri, rows * S, npy, npx, t)
+        total = pmf.sum(1)
+        live = np.flatnonzero(total >= 1e-4)
+        cmf = np.cumsum(pmf[live], 1) / total[live, None]
+        last = self.nc[t[live]] - 1
+        todo = np.arange(live.size)
+        k_of = np.full(live.size, -1, np.int64)
+        for _ in range(self.g.p.max_paddle_retrial + 1):
+            u = rng.random(todo.size)
+            j = np.minimum((cmf[todo] <= u[:, None]).sum(1), last[todo])
+            r = live[todo]
+            k = cand[r, j]
+            anchor = (npy[r] + self.cdy[k] + P) * Wc + npx[r] + self.cdx[k] + P
+            pid = 360 + k
+            seen = Ri[(rows[r] * S + anchor)[:, None] + self.coff[pid]]
+            ok = ~(seen >= self.cthr[pid]).any(1)
+            k_of[todo[ok]] = k[ok]
+            todo = todo[~ok]
+        good = k_of >= 0
+        r, k = live[good], k_of[good]
+        rows_ok = rows[r]
+        anchor = (npy[r] + self.cdy[k] + P) * Wc + npx[r] + self.cdx[k] + P
+        # The snake's previous paddle joins its own reference; the new one is the other's obstacle.
+        self._commit(R[i], rows_ok, st["anchor"][i, rows_ok], st["pid"][i, rows_ok])
+        self._commit(R[1 - i], rows_ok, anchor, 360 + k)
+        st["py"][i, rows_ok], st["px"][i, rows_ok], st["tid"][i, rows_ok] = npy[r], npx[r], 360 + k
+        st["anchor"][i, rows_ok], st["pid"][i, rows_ok] = anchor, 360 + k
+        st["k"][i, st["step"], rows_ok] = k
+        st["hy"][i, st["step"], rows_ok] = npy[r] + self.cdy[k]
+        st["hx"][i, st["step"], rows_ok] = npx[r] + self.cdx[k]
+        return rows_ok
+
+    def _batch(self, rng, n):
+        """n attempts; returns (successful attempts in order, their state, the occupancy rasters)."""
+        S, L, m = self.S, self.L, self.m
+        if self._R is None or self._R[0].size < n * S:
+            self._R = (np.empty(self.B * S, np.uint8), np.empty(self.B * S, np.uint8))
+        R = (self._R[0][:n * S], self._R[1][:n * S])
+        for r in R:
+            r.reshape(n, S)[:] = self.M0
+        ok, s1, s2 = self._seeds(rng, n)
+        rows = np.flatnonzero(ok)
+        steps = self.g.p.contour_length - 1
+        st = {"tid": np.zeros((2, n), np.int64), "py": np.zeros((2, n), np.int64), "px": np.zeros((2, n), np.int64),
+              "anchor": np.zeros((2, n), np.int64), "pid": np.zeros((2, n), np.int64),
+              "k": np.zeros((2, steps, n), np.int64), "hy": np.zeros((2, steps, n), np.int64),
+              "hx": np.zeros((2, steps, n), np.int64), "seeds": (s1, s2)}
+        for i, (ty, tx, d) in enumerate((s1, s2)):
+            hy = np.ceil(ty + L * self.sin[d]).astype(np.int64)
+            hx = np.ceil(tx + L * self.cos[d]).astype(np.int64)
+            st["py"][i] = np.ceil(hy - (L + m) * self.sin[d]).astype(np.int64)
+            st["px"][i] = np.ceil(hx - (L + m) * self.cos[d]).astype(np.int64)
+            st["tid"][i], st["pid"][i], st["anchor"][i] = d, d, self._flat(ty, tx)
+        self._commit(R[0], rows, st["anchor"][1, rows], st["pid"][1, rows])
+        self._commit(R[1], rows, st["anchor"][0, rows], st["pid"][0, rows])
+        for s in range(steps):
+            st["step"] = s
+            for i in (0, 1):
+                if rows.size == 0:
+                    return rows, st, R
+                rows = self._extend(rng, R, rows, st, i)
+        return rows, st, R
+
+    def sample(self, rng, count: int, max_attempts: int):
+        """``count`` pairs of target snakes: a list of (occupancy float32 canvas, [snake dict] * 2)."""
+        out = []
+        attempts = succ = 0
+        while len(out) < count:
+            if attempts >= max_attempts:
+                raise RuntimeError(f"could not place the two target snakes in {attempts} attempts ({self.g.p})")
+            need = count - len(out)
+            rate = (succ + 1) / (attempts + 2)  # this chunk's own history: deterministic
+            n = int(min(self.B, max_attempts - attempts, max(_MIN_BATCH, math.ceil(1.2 * need / rate))))
+            rows, st, R = self._batch(rng, n)
+            attempts += n
+            succ += rows.size
+            for a in rows[:need]:
+                out.append(self._pair(a, st, R))
+        return out
+
+    def _pair(self, a, st, R):
+        g, S = self.g, self.S
+        M = R[0][a * S:(a + 1) * S].copy()
+        self._commit(M, np.zeros(1, np.int64), st["anchor"][0, a:a + 1], st["pid"][0, a:a + 1])
+        M = (M.astype(np.float32) / 255).reshape(g.M0.shape)
+        snakes = []
+        for i, (ty, tx, d) in enumerate(st["seeds"]):
+            tail = (int(ty[a]), int(tx[a]))
+            deg = int(d[a]) - 180
+            patches = [g.slices(tail[0], tail[1], g.seed_paddle(deg)[0])]
+            thetas = [deg * np.pi / 180]
+            head = tail
+            for s in range(st["k"].shape[1]):
+                k = int(st["k"][i, s, a])
+                head = (int(st["hy"][i, s, a]), int(st["hx"][i, s, a]))
+                patches.append(g.slices(head[0], head[1], g.cpatch[k]))
+                thetas.append(float(g.corient[k]))
+            snakes.append({"origin": tail, "terminal": head, "patches": patches, "thetas": thetas})
+        return M, snakes
