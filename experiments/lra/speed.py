@@ -35,7 +35,6 @@ import gc
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -285,11 +284,9 @@ def _environment(device) -> dict:
         env["triton"] = None
     if torch.device(device).type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-    try:  # read-only: which commit the numbers belong to
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        env["commit"] = None
+    from sparseflash.experiments.bench.results import git_commit
+
+    env["commit"] = git_commit()  # SPARSEFLASH_COMMIT overrides a copied tree's stale .git
     return env
 
 

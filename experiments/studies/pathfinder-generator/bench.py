@@ -21,7 +21,6 @@ import os
 import platform
 import resource
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -47,11 +46,9 @@ def _host() -> dict:
                 break
     except OSError:
         pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    from sparseflash.experiments.bench.results import git_commit
+
+    commit = git_commit(HERE)
     return {"host": platform.node(), "cpu": model, "usable_cpus": len(os.sched_getaffinity(0)),
             "python": platform.python_version(), "numpy": numpy.__version__, "pillow": PIL.__version__,
             "commit": commit, "date": datetime.datetime.now().isoformat(timespec="seconds")}

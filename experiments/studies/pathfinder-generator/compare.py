@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import multiprocessing as mp
-import subprocess
 import time
 from pathlib import Path
 
@@ -136,11 +134,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    from sparseflash.experiments.bench.results import git_commit
+
+    return git_commit(HERE)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,63 @@
+"""Redraw the Pathfinder-32 recipe study's figure from its logs:
+
+    python experiments/studies/pathfinder32-recipe/plot.py      -> results/curves.png
+
+Training loss (left) and validation accuracy (right) against step for every run of the study
+(results/explore*-*) and the faithful runs (experiments/lra/results/train/pf32-faithful/*)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RUNS = [p for p in sorted((HERE / "results").glob("explore*-*")) + sorted(
+    (HERE.parents[1] / "lra" / "results" / "train" / "pf32-faithful").glob("faithful-*")) if p.is_dir()]
+LABELS = {
+    "explore1-f1e4": "faithful, seed 0 (3 side by side)", "explore1-f1e3": "faithful, lr 1e-3",
+    "explore1-f1e4c": "faithful, seed 1, compiled", "explore2-learned_s0": "faithful, seed 0, compiled",
+    "explore2-sincos": "fixed 2-D sin/cos positions", "explore2-dihedral": "dihedral augmentation",
+    "faithful-dense": "faithful dense, 200K batched data", "faithful-butterfly": "faithful butterfly (0.5)",
+}
+
+
+def _rows(path: Path) -> list[dict]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def main() -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in RUNS:
+        label = LABELS.get(run.name, run.name)
+        tr = _rows(run / "train.csv")
+        steps = [int(r["step"]) for r in tr]
+        loss = [float(r["loss"]) for r in tr]
+        k = 20  # a running mean over 20 log windows (1000 steps) makes the trend readable
+        smooth = [sum(loss[max(0, i - k + 1):i + 1]) / len(loss[max(0, i - k + 1):i + 1]) for i in range(len(loss))]
+        line, = ax_l.plot(steps, smooth, label=label, lw=1.4)
+        ev = [r for r in _rows(run / "eval.csv") if r["split"] == "val"]
+        ax_a.plot([int(r["step"]) for r in ev], [100 * float(r["acc"]) for r in ev], "o-", ms=3, color=line.get_color(),
+                  label=label)
+    ax_l.axhline(0.6931, color="gray", ls=":", lw=1)
+    ax_l.set(xlabel="step (batch 256)", ylabel="training loss (running mean)", title="Pathfinder-32: training loss")
+    ax_a.axhline(50, color="gray", ls=":", lw=1)
+    ax_a.set(xlabel="step (batch 256)", ylabel="validation accuracy (%)", title="validation accuracy (chance 50%)",
+             ylim=(45, 75))
+    ax_a.legend(fontsize=7, loc="upper left")
+    for ax in (ax_l, ax_a):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = HERE / "results" / "curves.png"
+    fig.savefig(out, dpi=120)
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
