@@ -199,6 +199,23 @@ def test_position_embeddings(pos_emb):
         assert not any(p.requires_grad for n, p in model.named_parameters() if ".pos." in n)
 
 
+def test_pixel_embedding_is_affine_in_the_gray_level():
+    cfg = _cfg(vocab_size=257, seq_len=16, embed="pixel")
+    emb = LRAClassifier(cfg).encoder.embed
+    tokens = torch.tensor([[0, 1, 128, 256]])
+    out = emb(tokens)
+    w, b = emb.proj.weight[:, 0], emb.proj.bias
+    torch.testing.assert_close(out[0, 1], b)  # gray level 0
+    torch.testing.assert_close(out[0, 3], w + b)  # gray level 255
+    torch.testing.assert_close(out[0, 2], w * 127 / 255 + b)
+    assert torch.count_nonzero(out[0, 0]) == 0  # padding
+    assert LRAClassifier(cfg)(torch.randint(1, 257, (2, 16))).shape == (2, 3)
+    with pytest.raises(ValueError, match="model.embed"):
+        LRAClassifier(_cfg(embed="pixel"))  # vocab 11 is not gray levels
+    with pytest.raises(ValueError, match="model.embed"):
+        LRAClassifier(_cfg(embed="onehot"))
+
+
 def test_dihedral_permutations_are_the_grid_symmetries():
     perms = dihedral_permutations(4, 4)
     assert perms.shape == (8, 16) and len({tuple(p.tolist()) for p in perms}) == 8

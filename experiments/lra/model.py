@@ -50,6 +50,7 @@ __all__ = [
 ATTENTIONS = ("sparseflash", "torch", "sdpa", "flex")
 POS_EMBS = ("learned", "sinusoidal", "grid", "grid_sincos", "none")
 AUGMENTS = (None, "dihedral")
+EMBEDS = ("table", "pixel")
 POOLINGS = ("mean", "cls")
 SPARSEFLASH_BACKENDS = ("auto", "triton", "reference")
 
@@ -76,6 +77,7 @@ class ModelConfig:
     block_size: int = 128
     backend: str = "auto"  # sparseflash backend: auto | triton | reference
     augment: str | None = None  # "dihedral": a random flip / 90-degree turn of the grid per example in training
+    embed: str = "table"  # "table": a learned vector per token id; "pixel": an affine map of (id - 1) / 255
 
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "num_classes", "seq_len", "d_model", "n_heads", "n_layers", "d_ff", "block_size"):
@@ -96,6 +98,10 @@ class ModelConfig:
             raise ValueError(f"model.pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.backend not in SPARSEFLASH_BACKENDS:
             raise ValueError(f"model.backend must be one of {SPARSEFLASH_BACKENDS}, got {self.backend!r}")
+        if self.embed not in EMBEDS:
+            raise ValueError(f"model.embed must be one of {EMBEDS}, got {self.embed!r}")
+        if self.embed == "pixel" and self.vocab_size != 257:
+            raise ValueError(f"model.embed='pixel' reads token ids as gray levels + 1 (vocab 257), got vocab {self.vocab_size}")
         if self.augment not in AUGMENTS:
             raise ValueError(f"model.augment must be one of {AUGMENTS}, got {self.augment!r}")
         if self.pos_emb.startswith("grid") or self.augment == "dihedral":
@@ -359,12 +365,27 @@ class PositionEmbedding(nn.Module):
         return table[:n]
 
 
+class _PixelEmbedding(nn.Module):
+    """Token id t (a gray level + 1; 0 is padding) -> w * (t - 1) / 255 + b, and 0 for padding."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.proj = nn.Linear(1, d)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        level = ((tokens - 1).clamp(min=0).to(self.proj.weight.dtype) / 255)[..., None]
+        return self.proj(level) * (tokens != 0)[..., None]
+
+
 class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        nn.init.normal_(self.embed.weight, std=0.02)
+        if cfg.embed == "pixel":  # intensity as a number (as S4 / Mega feed images), not one of 256 symbols
+            self.embed = _PixelEmbedding(cfg.d_model)
+        else:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            nn.init.normal_(self.embed.weight, std=0.02)
         self.pos = PositionEmbedding(cfg)
         self.cls = nn.Parameter(torch.randn(cfg.d_model) * 0.02) if cfg.pooling == "cls" else None
         self.drop = nn.Dropout(cfg.dropout)
