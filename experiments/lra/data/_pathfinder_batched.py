@@ -77,7 +77,9 @@ class BatchedTargets:
         self.cdy, self.cdx = g.cdy, g.cdx
         # [disk, orientation, Kc]: the dilation disk around each kept candidate (disk first, so the
         # max over it is an elementwise maximum of contiguous slabs, not a reduction of a short axis)
-        self.cring = np.ascontiguousarray(g.cring[self.ci].transpose(2, 0, 1))
+        # int32: a gather indexed by int32 offsets through np.take is ~2x faster than int64 fancy
+        # indexing (flat raster offsets stay below 2**31: checked below).
+        self.cring = np.ascontiguousarray(g.cring[self.ci].transpose(2, 0, 1)).astype(np.int32)
         self.reach = g.reach
         vals = np.arange(256).astype(np.uint8).astype(np.float32) / 255
         self.free = (1 - vals).astype(np.float64)  # the reference's float32 1 - occupancy
@@ -98,9 +100,10 @@ class BatchedTargets:
         # The collision test can only fail where the mask reaches thr < 256 (b >= 204): test there only.
         core = [np.flatnonzero(thr[v] <= 255) for v in vals8]
         qc = max(c.size for c in core)
-        self.coff = np.stack([np.concatenate([o[c], np.full(qc - c.size, o[c[0]])]) for o, c in zip(offs, core)])
+        self.coff = np.stack([np.concatenate([o[c], np.full(qc - c.size, o[c[0]])])
+                              for o, c in zip(offs, core)]).astype(np.int32)
         self.cthr = np.stack([np.concatenate([thr[v[c]], np.full(qc - c.size, thr[v[c[0]]])])
-                              for v, c in zip(vals8, core)])
+                              for v, c in zip(vals8, core)]).astype(np.uint8)  # all <= 255 on the core
         # First seed: M1's free space must be a rectangle [y0, y1] x [x0, x1] of image pixels.
         M1 = g.M1[self.P:self.P + self.H, self.P:self.P + self.W] <= 0.3
         ys, xs = np.flatnonzero(M1.any(1)), np.flatnonzero(M1.any(0))
@@ -115,6 +118,16 @@ class BatchedTargets:
             fy, fx = np.append(fy, 0), np.append(fx, 0)  # the tail pixel itself must be free too
             self.seed_box[d + 180] = (y0 - fy.min(), y1 - fy.max(), x0 - fx.min(), x1 - fx.max())
         self.B = max(_MIN_BATCH, _BATCH_BYTES // (2 * self.S))
+        if (self.B + 1) * self.S >= 2 ** 31:
+            raise AssertionError("flat raster offsets of a batch overflow int32")
+        # What a commit can change: the image minus its border band (outside it M0 is 255 already,
+        # the maximum), so a used raster is reset by zeroing this box of every row.
+        Hc = g.M0.shape[0]
+        self.box = (Hc, self.P + g.p.padding, self.P + self.H - g.p.padding,
+                    self.P + g.p.padding, self.P + self.W - g.p.padding)
+        if not (g.M0[self.box[1]:self.box[2], self.box[3]:self.box[4]] == 0).all() \
+                or np.count_nonzero(g.M0 == 0) != (self.box[2] - self.box[1]) * (self.box[4] - self.box[3]):
+            raise AssertionError("the initial occupancy is not 1 outside a box of zeros")
         self._R = None
 
     # ------------------------------------------------------------------------------------ helpers
@@ -125,8 +138,11 @@ class BatchedTargets:
         return (y >= 0) & (y < self.H) & (x >= 0) & (x < self.W)
 
     def _commit(self, R, rows, anchor, pid):
-        idx = (rows * self.S + anchor)[:, None] + self.poff[pid]
-        R[idx] = np.maximum(R[idx], self.pval[pid])
+        idx = np.take(self.poff, pid, axis=0)
+        idx += (rows * self.S + anchor)[:, None]
+        v = np.take(R, idx)
+        np.maximum(v, np.take(self.pval, pid, axis=0), out=v)
+        R[idx] = v
 
     # ------------------------------------------------------------------------------------- stages
     def _seeds(self, rng, n):
@@ -174,10 +190,13 @@ class BatchedTargets:
         row at ``offset``): their indices [n, Kc] and unnormalised probabilities, continuity weight
         times 1 - occupancy dilated by the margin, 0 outside the image (the reference's pmf)."""
         P, H, W, Wc, rc = self.P, self.H, self.W, self.Wc, self.reach
-        cand = self.ci[t]  # [n, Kc]
-        base = offset + (npy + P) * Wc + npx + P
-        occ = R[base[None, :, None] + self.cring[:, t]].max(0)  # [n, Kc] dilated occupancy
-        pmf = self.free[occ] * self.cw[t]
+        cand = np.take(self.ci, t, axis=0)  # [n, Kc]
+        base = (offset + (npy + P) * Wc + npx + P).astype(np.int32)
+        idx = np.take(self.cring, t, axis=1)
+        idx += base[None, :, None]
+        occ = np.take(R, idx).max(0)  # [n, Kc] dilated occupancy
+        pmf = np.take(self.free, occ)
+        pmf *= np.take(self.cw, t, axis=0)
         near = np.flatnonzero((npy < rc) | (npy >= H - rc) | (npx < rc) | (npx >= W - rc))
         if near.size:  # near the border: candidates outside the image are out
             c = cand[near]
@@ -195,19 +214,25 @@ class BatchedTargets:
         cand, pmf = self.candidates(Ri, rows * S, npy, npx, t)
         total = pmf.sum(1)
         live = np.flatnonzero(total >= 1e-4)
-        cmf = np.cumsum(pmf[live], 1) / total[live, None]
-        last = self.nc[t[live]] - 1
+        full = live.size == rows.size  # usual: skip the copies that select the live rows
+        cmf = np.cumsum(pmf if full else pmf[live], 1)
+        cmf /= (total if full else total[live])[:, None]
+        last = self.nc[t if full else t[live]] - 1
         todo = np.arange(live.size)
         k_of = np.full(live.size, -1, np.int64)
-        for _ in range(self.g.p.max_paddle_retrial + 1):
+        for attempt in range(self.g.p.max_paddle_retrial + 1):
             u = rng.random(todo.size)
-            j = np.minimum((cmf[todo] <= u[:, None]).sum(1), last[todo])
+            if attempt == 0:
+                j = np.minimum((cmf <= u[:, None]).sum(1), last)
+            else:
+                j = np.minimum((cmf[todo] <= u[:, None]).sum(1), last[todo])
             r = live[todo]
             k = cand[r, j]
             anchor = (npy[r] + self.cdy[k] + P) * Wc + npx[r] + self.cdx[k] + P
             pid = 360 + k
-            seen = Ri[(rows[r] * S + anchor)[:, None] + self.coff[pid]]
-            ok = ~(seen >= self.cthr[pid]).any(1)
+            idx = np.take(self.coff, pid, axis=0)
+            idx += (rows[r] * S + anchor).astype(np.int32)[:, None]
+            ok = ~(np.take(Ri, idx) >= np.take(self.cthr, pid, axis=0)).any(1)
             k_of[todo[ok]] = k[ok]
             todo = todo[~ok]
         good = k_of >= 0
@@ -227,11 +252,16 @@ class BatchedTargets:
     def _batch(self, rng, n):
         """n attempts; returns (successful attempts in order, their state, the occupancy rasters)."""
         S, L, m = self.S, self.L, self.m
-        if self._R is None or self._R[0].size < n * S:
+        if self._R is None:
             self._R = (np.empty(self.B * S, np.uint8), np.empty(self.B * S, np.uint8))
+            for r in self._R:
+                r.reshape(self.B, S)[:] = self.M0
+        if n > self.B:
+            raise AssertionError(f"a batch of {n} attempts exceeds the buffer's {self.B}")
         R = (self._R[0][:n * S], self._R[1][:n * S])
-        for r in R:
-            r.reshape(n, S)[:] = self.M0
+        Hc, y0, y1, x0, x1 = self.box
+        for r in R:  # rows beyond the previous batch's are still M0, zeroing them again is harmless
+            r.reshape(n, Hc, self.Wc)[:, y0:y1, x0:x1] = 0
         ok, s1, s2 = self._seeds(rng, n)
         rows = np.flatnonzero(ok)
         steps = self.g.p.contour_length - 1

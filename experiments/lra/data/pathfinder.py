@@ -240,21 +240,24 @@ class _Geometry:
         """A seed paddle on free space of occupancy M: (tail, theta, pivot, patch) or None."""
         P, H, W, L, m, Wc = self.P, self.H, self.W, self.L, self.m, self.Wc
         Mf = M.ravel()
+        free = None  # M does not change while seeding: its free pixels are found once
         for _ in range(self.p.max_paddle_retrial + 1):
             deg = int(rng.integers(-180, 180))
             theta = deg * np.pi / 180
-            free = np.flatnonzero(M[P:P + H, P:P + W] <= 0.3)
+            if free is None:
+                free = np.flatnonzero(M[P:P + H, P:P + W] <= 0.3)
             if free.size == 0 or (stop_with_availability is not None and free.size < stop_with_availability * H * W):
                 return None
-            cand = (free // W + P) * Wc + free % W + P
             pt, offs = self.seed_paddle(deg)
             tail = None
             for _ in range(32):  # rejection sampling: uniform over the available pixels
-                c = cand[rng.integers(cand.size)]
+                f = int(free[rng.integers(free.size)])  # canvas offset of the drawn pixel, only
+                c = (f // W + P) * Wc + f % W + P
                 if Mf[c + offs].max() <= 0.3:
                     tail = c
                     break
             if tail is None:  # crowded: enumerate the available pixels exactly
+                cand = (free // W + P) * Wc + free % W + P
                 ok = np.ones(cand.size, bool)
                 for o in offs:
                     ok &= Mf[cand + o] <= 0.3
