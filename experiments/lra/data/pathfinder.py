@@ -56,11 +56,12 @@ array operations and uses every success; the statistical comparison with the ref
 (experiments/studies/pathfinder-generator: 64 two-sample tests over path length, tip distance,
 turn angles, distractors, marker distance, intensity, smallest p = 0.016, every |effect| < 0.15
 reference sd) finds no difference. CPU time per image on one core of the 2-core development machine
-(``write_pathfinder``, PNG included), batched vs reference: 2.1 vs 11 ms at 32, 34 vs 530 ms at 64,
-25 vs 141 ms at 128, 7.9 vs 13 ms at 256 (5x, 15x, 6x, 1.7x). What remains: at 64 and 128 about 90%
-is still the target attempts (dilated-occupancy gathers ~35%, committing paddles to the two
-occupancy rasters ~25%, sampling and collision tests ~20%, resetting rasters ~10%), then
-distractors (one at a time, ~7%); at 256 the PNG encoding is a quarter of the 8 ms.
+(``write_pathfinder``, PNG included), batched vs reference: 2.0 vs 11 ms at 32, 28 vs 530 ms at 64,
+19-20 vs 141 ms at 128, 4.8 vs 13 ms at 256. On the 16-core GPU host (before the last ~20% at
+128 px): 3727 / 201 / 278 / 909 images/s at 32 / 64 / 128 / 256 px hard (200K Path-X in 12
+minutes). What remains at 128 px: gathers of the dilated occupancy ~25%, the rest of each growth
+step ~20%, distractors (still one at a time) ~10%, writes to the rasters ~10%, resets ~5%, then
+image assembly and PNG (see the study's README).
 
 Determinism: with the reference method image g of a (resolution, difficulty) is drawn from a
 generator seeded by ``(seed, resolution, difficulty, g)``; with the batched one it is slot g % K of

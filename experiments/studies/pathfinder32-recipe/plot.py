@@ -17,6 +17,8 @@ LABELS = {
     "explore1-f1e4": "faithful, seed 0 (3 side by side)", "explore1-f1e3": "faithful, lr 1e-3",
     "explore1-f1e4c": "faithful, seed 1, compiled", "explore2-learned_s0": "faithful, seed 0, compiled",
     "explore2-sincos": "fixed 2-D sin/cos positions", "explore2-dihedral": "dihedral augmentation",
+    "explore3-pixel": "pixel intensity as a number", "explore3-pixel_sincos": "pixel number + 2-D sin/cos",
+    "explore3-pixel_dihedral": "pixel number + dihedral",
     "faithful-dense": "faithful dense, 200K batched data", "faithful-butterfly": "faithful butterfly (0.5)",
 }
 
