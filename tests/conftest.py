@@ -51,3 +51,27 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """'cuda' on a GPU machine, else 'cpu' (kernels then run under the Triton interpreter)."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def tma_on(monkeypatch, device):
+    """TMA descriptors wherever the inputs allow (the interpreter runs them on CPU); records each
+    launch's choice (forward, then dQ and dK/dV when there is a backward), so a test can check
+    the path it meant to cover was taken."""
+    import torch
+
+    from sparseflash.flash import launch
+
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need sm_90 or newer")
+    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    taken = []
+    real = launch._tma_args
+
+    def spy(*a):
+        args, tma = real(*a)
+        taken.append(tma)
+        return args, tma
+
+    monkeypatch.setattr(launch, "_tma_args", spy)
+    return taken

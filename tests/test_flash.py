@@ -291,26 +291,6 @@ def test_list_args_read_shared_lists_with_stride_zero(device):
 
 
 # ---------------------------------------------------------------- TMA loads (forward, dQ, dK/dV)
-@pytest.fixture
-def tma_on(monkeypatch, device):
-    """TMA descriptors wherever the inputs allow (the interpreter runs them on CPU); records each
-    launch's choice (forward, then dQ and dK/dV when there is a backward), so a test can check
-    the path it meant to cover was taken."""
-    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA descriptors need sm_90 or newer")
-    monkeypatch.setattr(launch, "TMA_MODE", "on")
-    taken = []
-    real = launch._tma_args
-
-    def spy(*a):
-        args, tma = real(*a)
-        taken.append(tma)
-        return args, tma
-
-    monkeypatch.setattr(launch, "_tma_args", spy)
-    return taken
-
-
 TMA_CASES = [
     # B, Hq, Hkv, Nq, Nk, D, dtype, mask block (None: dense), causal, key_lengths
     (2, 2, 1, 100, 100, 32, torch.float16, None, True, None),  # GQA, tails in both axes

@@ -302,25 +302,6 @@ def test_lse_dropout_and_determinism(device, small_blocks):
         assert torch.equal(a, b)
 
 
-@pytest.fixture
-def tma_on(monkeypatch, device):
-    """TMA descriptors wherever the inputs allow (the interpreter runs them on CPU); records each
-    launch's choice."""
-    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA descriptors need sm_90 or newer")
-    monkeypatch.setattr(launch, "TMA_MODE", "on")
-    taken = []
-    real = launch._tma_args
-
-    def spy(*a):
-        args, tma = real(*a)
-        taken.append(tma)
-        return args, tma
-
-    monkeypatch.setattr(launch, "_tma_args", spy)
-    return taken
-
-
 def test_tma_kernels(device, tma_on, small_blocks):
     """Segments in the TMA kernels' single loop (element masks from a tile index on, the segment
     test on every tile)."""
