@@ -242,7 +242,36 @@ def pf_release(tmp_path_factory):
 
 def test_write_pathfinder_is_identical_for_any_worker_count(pf_release):
     a, b = _tree_bytes(pf_release / "w1"), _tree_bytes(pf_release / "w2")
-    assert len(a) == 50 + 3 and a == b
+    assert len(a) == 50 + 3 + 1 and a == b  # images, 3 metadata files, generation.json
+
+
+def test_write_pathfinder_resumes_an_interrupted_run(pf_release, tmp_path):
+    """A run cut off after its first batch folder (later batches' metadata missing, images partly
+    written, generation.json incomplete) and resumed ends byte-identical to one uninterrupted run."""
+    import json
+
+    out = tmp_path / "cut"
+    shutil.copytree(pf_release / "w1", out)
+    folder = out / "pathfinder32" / "curv_contour_length_14"
+    for b in (1, 2):
+        (folder / "metadata" / f"{b}.npy").unlink()
+    shutil.rmtree(folder / "imgs" / "2")
+    (folder / "imgs" / "1" / "sample_3.png").write_bytes(b"half a png")
+    gen = folder / pf.GENERATION_FILE
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "complete": False}))
+    with pytest.raises(MalformedDataError, match="unfinished generation"):
+        get_dataset("pathfinder32", out, "train", cache_dir=tmp_path / "cache")
+    with pytest.raises(FileExistsError, match="--resume"):
+        pf.write_pathfinder(out, 32, "hard", 50, seed=4, workers=1, per_batch=20, show_progress=False)
+    with pytest.raises(ValueError, match=r"differs in \['num'\]"):
+        pf.write_pathfinder(out, 32, "hard", 60, seed=4, workers=1, per_batch=20, resume=True, show_progress=False)
+    with pytest.raises(ValueError, match="exclude each other"):
+        pf.write_pathfinder(out, 32, "hard", 50, seed=4, per_batch=20, resume=True, overwrite=True)
+    summary = pf.write_pathfinder(out, 32, "hard", 50, seed=4, workers=1, per_batch=20, resume=True,
+                                  show_progress=False)
+    assert summary["resumed_batches"] == 1 and summary["label_ones"] == 25
+    assert _tree_bytes(out) == _tree_bytes(pf_release / "w1")
+    assert len(get_dataset("pathfinder32", out, "train", cache_dir=tmp_path / "cache")) == 40
 
 
 def test_write_pathfinder_layout_metadata_and_balance(pf_release, tmp_path):

@@ -66,7 +66,7 @@ def _cmd_data_pathfinder(args) -> int:
     for difficulty in (DIFFICULTIES if args.difficulty == "all" else [args.difficulty]):
         t0 = time.perf_counter()
         summary = write_pathfinder(args.out, args.resolution, difficulty, args.num, seed=args.seed,
-                                   workers=args.workers, per_batch=args.per_batch, overwrite=args.overwrite,
+                                   workers=args.workers, per_batch=args.per_batch, overwrite=args.overwrite, resume=args.resume,
                                    show_progress=not args.no_progress, method=args.method)
         summary["seconds"] = round(time.perf_counter() - t0, 2)
         summary["workers"] = args.workers
@@ -122,6 +122,8 @@ def _register_data(sub) -> None:
     pf.add_argument("--workers", type=_positive, default=default_workers())
     pf.add_argument("--per-batch", type=_positive, default=1000, help="images per imgs/<batch> folder")
     pf.add_argument("--overwrite", action="store_true", help="replace existing metadata in the output folder")
+    pf.add_argument("--resume", action="store_true",
+                    help="finish an interrupted run with the same arguments (finished batch folders are kept)")
     pf.add_argument("--method", choices=("batched", "reference"), default="batched",
                     help="batched: many target-snake attempts at once (fast); reference: one at a time, as the "
                          "original code (same distribution, different images)")

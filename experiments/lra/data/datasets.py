@@ -423,7 +423,7 @@ def _decode_images(job):
 
 def _pathfinder(root, task, difficulty, cache, workers):
     from sparseflash.experiments.lra.data._parallel import check_workers, run_ordered
-    from sparseflash.experiments.lra.data.pathfinder import DIFFICULTIES
+    from sparseflash.experiments.lra.data.pathfinder import DIFFICULTIES, GENERATION_FILE
 
     if difficulty not in DIFFICULTIES:
         raise ValueError(f"difficulty must be one of {tuple(DIFFICULTIES)}, got {difficulty!r}")
@@ -438,6 +438,10 @@ def _pathfinder(root, task, difficulty, cache, workers):
     if folder is None:
         raise DatasetNotFoundError(f"Pathfinder-{res} ({difficulty}) not found: expected {root / name / sub}/metadata/*.npy "
                                    f"and {root / name / sub}/imgs/. {how}")
+    gen = folder / GENERATION_FILE
+    if gen.is_file() and not json.loads(gen.read_text()).get("complete", True):
+        raise MalformedDataError(f"{folder} is an unfinished generation ({gen} says complete: false): finish it with "
+                                 f"`sparseflash lra data pathfinder ... --resume` (same arguments) before training on it")
     metas = sorted((folder / "metadata").glob("*.npy"), key=_metadata_key)
     img_root = folder / "imgs"
     dirs = sorted(d for d in img_root.iterdir() if d.is_dir()) if img_root.is_dir() else []

@@ -75,6 +75,7 @@ one line per image, ``imgs/<batch> sample_<i>.png <i> <label> <continuity> <cont
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -621,15 +622,31 @@ def _render_chunk(job):
     return batch, rows
 
 
+GENERATION_FILE = "generation.json"
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
 def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: int = 0, workers: int | None = None,
-                     per_batch: int = 1000, overwrite: bool = False, show_progress: bool = True,
-                     method: str = "batched") -> dict:
+                     per_batch: int = 1000, overwrite: bool = False, resume: bool = False,
+                     show_progress: bool = True, method: str = "batched") -> dict:
     """Write ``num`` images of one resolution and difficulty in the release layout under ``out``.
 
     Images go to batch folders of ``per_batch`` (the last one may be smaller); each batch's
     metadata file is written once all its images exist. ``workers``: processes (default: every
     CPU this process may use). ``method``: ``"batched"`` or ``"reference"`` (see ``render``); the
     two write different images of the same distribution. Returns a summary dict.
+
+    ``GENERATION_FILE`` in the difficulty folder records the arguments and ``complete``, false
+    until the last batch is written (the loaders refuse an incomplete folder). ``resume=True``
+    continues an interrupted run with the same arguments: batches whose metadata exists are kept,
+    the others are drawn again, so the result is the same as one uninterrupted run (images are a
+    pure function of the seed and their index). A run too long for one command (Pathfinder-64 or
+    Path-X, 200K images, on a 10-minute GPU command) is split this way.
     """
     from sparseflash.experiments.lra.data._parallel import check_workers, run_ordered
 
@@ -640,14 +657,33 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
     workers = check_workers(workers)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if overwrite and resume:
+        raise ValueError("overwrite and resume exclude each other: resume keeps finished batches, overwrite drops them")
     folder = Path(out) / f"pathfinder{resolution}" / DIFFICULTIES[difficulty][0]
     meta_dir = folder / "metadata"
-    if meta_dir.is_dir() and any(meta_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{meta_dir} already holds metadata: pass overwrite=True (--overwrite) to replace it")
+    record = {"resolution": resolution, "difficulty": difficulty, "num": num, "seed": seed, "per_batch": per_batch,
+              "method": method}
+    has_meta = meta_dir.is_dir() and any(meta_dir.glob("*.npy"))
+    done: set[int] = set()
+    if has_meta and resume:
+        gen = folder / GENERATION_FILE
+        if not gen.is_file():
+            raise FileExistsError(f"cannot resume in {folder}: it has metadata but no {GENERATION_FILE} "
+                                  f"(written by another tool?); pass overwrite=True (--overwrite) to start again")
+        old = json.loads(gen.read_text())
+        differ = sorted(k for k in record if old.get(k) != record[k])
+        if differ:
+            raise ValueError(f"cannot resume in {folder}: its generation differs in {differ} "
+                             f"({ {k: old.get(k) for k in differ} } there, { {k: record[k] for k in differ} } asked)")
+        done = {int(f.stem) for f in meta_dir.glob("*.npy") if f.stem.isdigit()}
+    elif has_meta and not overwrite:
+        raise FileExistsError(f"{meta_dir} already holds metadata: pass overwrite=True (--overwrite) to replace it, "
+                              f"or resume=True (--resume) to finish an interrupted run")
     if overwrite and meta_dir.is_dir():
         for f in meta_dir.glob("*.npy"):
             f.unlink()
     meta_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(folder / GENERATION_FILE, {**record, "complete": False})
     n_batches = -(-num // per_batch)
     jobs = []
     if method == "reference":
@@ -671,8 +707,11 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
                 _batched(_geometry(p, int(margin)))
     pending: dict[int, list[str]] = {}
     sizes = {b: min(per_batch, num - b * per_batch) for b in range(n_batches)}
-    n_ones = 0
-    for batch, rows in run_ordered(_render_chunk, jobs, workers, f"pathfinder{resolution} {difficulty}", total=num,
+    n_ones = sum(int(line.split(" ")[3]) for b in done for line in (meta_dir / f"{b}.npy").read_text().splitlines()
+                 if line.strip())
+    jobs = [j for j in jobs if j[4] not in done]  # j[4]: the job's batch folder
+    todo = num - sum(sizes[b] for b in done if b in sizes)
+    for batch, rows in run_ordered(_render_chunk, jobs, workers, f"pathfinder{resolution} {difficulty}", total=todo,
                                    weight=lambda r: len(r[1]), show_progress=show_progress):
         pending.setdefault(batch, []).extend(rows)
         if len(pending[batch]) == sizes[batch]:
@@ -681,6 +720,7 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
             tmp = meta_dir / f"{batch}.npy.tmp"
             tmp.write_text(text)
             os.replace(tmp, meta_dir / f"{batch}.npy")
+    _write_json(folder / GENERATION_FILE, {**record, "complete": True})
     return {"folder": str(folder), "num": num, "batches": n_batches, "label_ones": n_ones, "seed": seed,
-            "method": method,
+            "method": method, "resumed_batches": len(done),
             "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(p).items()}}
