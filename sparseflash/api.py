@@ -153,6 +153,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
                                    return_lse=return_lse, dropout_p=dropout_p, dropout_keep=keep,
                                    segment_ids=segments)
 
+    if q.device.type == "cpu" and _interpreting():
+        from sparseflash._compat import check_interpreter_versions
+
+        check_interpreter_versions()  # names the failing triton / numpy pair instead of an InterpreterError
     from sparseflash.flash import flash_attention
 
     return flash_attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
