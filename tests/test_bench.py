@@ -461,7 +461,7 @@ def test_wide_head_dim_default_tiles_fit_hopper():
 def test_host_cost_needs_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
-    from sparseflash.experiments.bench import host_cost
+    from sparseflash.experiments.studies.host_cost import host_cost
 
     with pytest.raises(SystemExit):
         host_cost.main([])
@@ -471,7 +471,7 @@ def test_host_cost_needs_a_gpu():
 def test_host_cost_rows(tmp_path):
     """Every layer gets a positive host time (the GPU still asleep when the calls were issued) and
     the end-to-end rows a GPU time; the profile is written."""
-    from sparseflash.experiments.bench import host_cost
+    from sparseflash.experiments.studies.host_cost import host_cost
 
     assert host_cost.main(["--seq-len", "512", "--heads", "2", "--tokens", "512", "--calls", "5",
                            "--out", str(tmp_path)]) == 0
@@ -490,7 +490,7 @@ def test_ws_probe_forward_matches_reference(pattern, ws, gather):
     """The warp-specialisation probe's stripped forward computes attention (its timings would mean
     nothing otherwise): against the float64 reference, within twice PyTorch's own error."""
     from sparseflash import reference
-    from sparseflash.experiments.bench.ws_probe import probe_forward
+    from sparseflash.experiments.studies.tma.ws_probe import probe_forward
     from sparseflash.patterns import random as random_mask
 
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
@@ -511,7 +511,7 @@ def test_ws_probe_forward_matches_reference(pattern, ws, gather):
 
 def test_host_python_times_without_launching():
     """The Python-side host timer runs on any machine and puts the real kernels back afterwards."""
-    from sparseflash.experiments.bench import host_python
+    from sparseflash.experiments.studies.host_cost import host_python
     from sparseflash.flash import kernels
 
     before = {name: getattr(kernels, name) for name in host_python._KERNELS}
@@ -526,7 +526,7 @@ def test_host_python_times_without_launching():
 
 def test_tma_ab_knows_which_path_ran(monkeypatch):
     """tma_ab refuses to report a TMA row that ran on pointer loads: its check follows the launcher."""
-    from sparseflash.experiments.bench import tma_ab
+    from sparseflash.experiments.studies.tma import tma_ab
     from sparseflash.flash import launch
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -566,7 +566,7 @@ def test_gluon_probe_compiles_for_hopper():
     its TMA loads and the register hand-over between the loader and the consumers (setmaxnreg),
     spills nothing and fits the 227 KB of shared memory of a Hopper SM."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "sparseflash.experiments.bench.gluon_probe", "--compile-only", "--json",
+    cmd = [sys.executable, "-m", "sparseflash.experiments.studies.gluon.gluon_probe", "--compile-only", "--json",
            "--head-dims", "64", "128", "--variant", "128x64:w8:s4", "--variant", "64x64:w4:s2:c2"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     lines = out.stdout.strip().splitlines()
@@ -586,7 +586,8 @@ def test_gluon_probe_compiles_for_hopper():
 def test_probe_variant_specs_and_dense_rates(capsys):
     """The probes' --variant specs parse to their tiles (bad ones are refused with the expected form),
     and the 80%-bar lines compute sparse rate = dense ms x density / sparse ms, skipping failed rows."""
-    from sparseflash.experiments.bench import gluon_probe, ws_probe
+    from sparseflash.experiments.studies.gluon import gluon_probe
+    from sparseflash.experiments.studies.tma import ws_probe
 
     assert ws_probe.parse_variant("128x64:w8:s3:ws:gather") == (128, 64, 8, 3, True, True)
     assert gluon_probe.parse_variant("64x64:w4:s2:c2:ov") == gluon_probe.Variant(64, 64, 4, 2, True, 2, True)
@@ -609,7 +610,7 @@ def test_probe_variant_specs_and_dense_rates(capsys):
 def test_short_rows_plot_from_saved_rows(tmp_path):
     """short_rows.png is redrawn from short_rows.json alone (no GPU): block-sparse and dense-only
     implementations, both modes."""
-    from sparseflash.experiments.bench import short_rows
+    from sparseflash.experiments.studies.short_rows import short_rows
 
     rows = []
     for impl in ("sparseflash", "sdpa-cudnn"):

@@ -1,11 +1,11 @@
-"""The fixed-cost fit of experiments/bench/fixed_cost.py on synthetic sweeps with known answers."""
+"""The fixed-cost fit of experiments/studies/short_rows/fixed_cost.py on synthetic sweeps with known answers."""
 
 import json
 import math
 
 import pytest
 
-from sparseflash.experiments.bench.fixed_cost import fit_fixed_cost, main
+from sparseflash.experiments.studies.short_rows.fixed_cost import fit_fixed_cost, main
 from sparseflash.experiments.bench.results import write_results
 
 
