@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind experiments/results/, in stages that each fit one call of a lent H100:
 #   experiments/gpu_session.sh OUT STAGE [STAGE ...]
-# Stages: sweep (bench sparsity, full GPU defaults), seqlen (bench seqlen), dropout, tests (GPU
+# Stages: sweep (bench sparsity, full GPU defaults), seqlen (bench seqlen), causal (the kernel check, causal), dropout, tests (GPU
 # test files and the bench tests, in SHARDS processes), tune (tile search, dense and density 0.1), kernel-check (issue
 # 3's check against the baselines, GPU time and eager), ab (the kernel check, sparseflash only, in
 # GPU time, for the source tree in AB_OLD and for this one), tma (TMA loads vs pointer loads:
@@ -33,7 +33,7 @@ for stage in "$@"; do
         sweep)   $t $py -m sparseflash bench sparsity --out "$d" ;;
         seqlen)  $t $py -m sparseflash bench seqlen --providers sparseflash sparseflash-dense sdpa-flash sdpa-cudnn torch --out "$d" ;;
         dropout) $t $py -m pytest -q -x -p no:cacheprovider tests/test_dropout.py --tb=short
-                 $t $py -m sparseflash.experiments.bench.dropout --out "$d" ;;
+                 $t $py -m sparseflash.experiments.bench.dropout --cuda-graph --out "$d" ;;
         tests)   # SHARDS pytest processes side by side (compiling the many kernel variants is the slow part)
                  $py -m pytest --collect-only -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py tests/test_bench.py tests/test_segments.py \
                      | grep '::' > "$d/ids.txt"
@@ -46,6 +46,8 @@ for stage in "$@"; do
                  for f in "$d"/shard_*.log; do echo "--- $f"; tail -n 12 "$f"; done ;;
         tune)    # TUNE_ARGS replaces the default search (e.g. --kinds dkdv --dropout 0 0.1 --configs ...)
                  $t $py -m sparseflash.experiments.bench.tune_tiles ${TUNE_ARGS:---seq-lens 4096 16384 --densities 1 0.1} --out "$d" ;;
+        causal)  # the kernel check, causal, GPU time (experiments/results/causal/)
+                 $t $py -m sparseflash bench sparsity --preset kernel-check --causal --cuda-graph --out "$d" ;;
         kernel-check)
                  $t $py -m sparseflash bench sparsity --preset kernel-check --cuda-graph --out "$d/graph"
                  $t $py -m sparseflash bench sparsity --preset kernel-check --seq-len 4096 --out "$d/eager-4k" ;;
