@@ -51,9 +51,14 @@ def info() -> dict:
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", ""),
     }
     try:
+        import numpy
         import triton
 
+        from sparseflash._compat import interpreter_version_problem
+
         out["triton"] = triton.__version__
+        out["numpy"] = numpy.__version__
+        out["triton_interpreter"] = interpreter_version_problem(triton.__version__, numpy.__version__) or "ok"
     except ImportError as e:  # pragma: no cover - triton is a dependency on Linux
         out["triton"] = f"not importable ({e})"
     if torch.cuda.is_available():

@@ -54,3 +54,13 @@ def test_installed_versions_pass_or_are_named():
     else:
         with pytest.raises(RuntimeError):
             _compat.check_interpreter_versions()
+
+
+def test_info_reports_the_interpreter_pair(monkeypatch):
+    from sparseflash.cli import info
+
+    assert info()["triton_interpreter"] == (_compat.interpreter_version_problem(triton.__version__, numpy.__version__)
+                                            or "ok")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.1")
+    assert "numpy<2.4" in info()["triton_interpreter"]
