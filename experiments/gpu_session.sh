@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU runs behind experiments/results/, in stages that each fit one call of a lent H100:
 #   experiments/gpu_session.sh OUT STAGE [STAGE ...]
-# Stages: sweep (bench sparsity, full GPU defaults), seqlen (bench seqlen), dropout, tests (GPU
+# Stages: sweep (bench sparsity, full GPU defaults), seqlen (bench seqlen), causal (the kernel check, causal), dropout, tests (GPU
 # test files and the bench tests, in SHARDS processes), tune (tile search, dense and density 0.1), kernel-check (issue
 # 3's check against the baselines, GPU time and eager), ab (the kernel check, sparseflash only, in
 # GPU time, for the source tree in AB_OLD and for this one), tma (TMA loads vs pointer loads:
 # tma_ab and a tile search per kernel and mode), eager-4k (the kernel check at 4K, eager), host-cost
 # (host time per call, SPARSEFLASH_TMA=off and auto), short-rows (per-row fixed cost, with the
-# baselines), gluon (experiments/bench/gluon_probe.py), packed (segment_ids tests, then packed
+# baselines), gluon (experiments/studies/gluon/gluon_probe.py), packed (segment_ids tests, then packed
 # documents against FlexAttention's document mask: experiments/bench/packed.py),
 # lra-speed, lra-train. Each stage
 # writes OUT/<stage>/ and a log; everything is packed into OUT/<stage>.tgz so a call brings back
@@ -33,9 +33,9 @@ for stage in "$@"; do
         sweep)   $t $py -m sparseflash bench sparsity --out "$d" ;;
         seqlen)  $t $py -m sparseflash bench seqlen --providers sparseflash sparseflash-dense sdpa-flash sdpa-cudnn torch --out "$d" ;;
         dropout) $t $py -m pytest -q -x -p no:cacheprovider tests/test_dropout.py --tb=short
-                 $t $py -m sparseflash.experiments.bench.dropout --out "$d" ;;
+                 $t $py -m sparseflash.experiments.bench.dropout --cuda-graph --out "$d" ;;
         tests)   # SHARDS pytest processes side by side (compiling the many kernel variants is the slow part)
-                 $py -m pytest --collect-only -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py tests/test_bench.py tests/test_segments.py \
+                 $py -m pytest --collect-only -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py tests/test_bench.py tests/test_studies.py tests/test_segments.py \
                      | grep '::' > "$d/ids.txt"
                  split -n "r/${SHARDS:-12}" "$d/ids.txt" "$d/shard_"
                  for f in "$d"/shard_*; do
@@ -46,6 +46,8 @@ for stage in "$@"; do
                  for f in "$d"/shard_*.log; do echo "--- $f"; tail -n 12 "$f"; done ;;
         tune)    # TUNE_ARGS replaces the default search (e.g. --kinds dkdv --dropout 0 0.1 --configs ...)
                  $t $py -m sparseflash.experiments.bench.tune_tiles ${TUNE_ARGS:---seq-lens 4096 16384 --densities 1 0.1} --out "$d" ;;
+        causal)  # the kernel check, causal, GPU time (experiments/results/causal/)
+                 $t $py -m sparseflash bench sparsity --preset kernel-check --causal --cuda-graph --out "$d" ;;
         kernel-check)
                  $t $py -m sparseflash bench sparsity --preset kernel-check --cuda-graph --out "$d/graph"
                  $t $py -m sparseflash bench sparsity --preset kernel-check --seq-len 4096 --out "$d/eager-4k" ;;
@@ -54,10 +56,10 @@ for stage in "$@"; do
                  ab="--preset kernel-check --providers sparseflash sparseflash-dense --densities 1 0.1 --cuda-graph --no-plot ${AB_ARGS:-}"
                  (cd "${AB_OLD:?set AB_OLD}" && $t $py -m sparseflash bench sparsity $ab --out "$d/old")
                  $t $py -m sparseflash bench sparsity $ab --out "$d/new" ;;
-        tma)     # TMA descriptor loads against pointer loads (experiments/results/tma/): tma_ab at the
+        tma)     # TMA descriptor loads against pointer loads (experiments/studies/tma/results/): tma_ab at the
                  # default tiles, then the tile search of each kernel in TMA_KINDS once per mode
                  # (TMA_TUNE_ARGS: extra tune_tiles options, e.g. --configs ...; TMA_AB=0 skips tma_ab)
-                 [ "${TMA_AB:-1}" = 1 ] && $t $py -m sparseflash.experiments.bench.tma_ab --out "$d"
+                 [ "${TMA_AB:-1}" = 1 ] && $t $py -m sparseflash.experiments.studies.tma.tma_ab --out "$d"
                  for kind in ${TMA_KINDS:-fwd dq dkdv}; do
                      for m in off on; do
                          SPARSEFLASH_TMA=$m $t $py -m sparseflash.experiments.bench.tune_tiles --kinds $kind \
@@ -68,16 +70,16 @@ for stage in "$@"; do
                  # (EAGER_ARGS: extra options, e.g. --providers ...)
                  $t $py -m sparseflash bench sparsity --preset kernel-check --seq-len 4096 ${EAGER_ARGS:-} --out "$d" ;;
         short-rows) # per-row fixed cost: ours, FlexAttention's, SDPA flash's and cuDNN's (SHORT_ROWS_ARGS)
-                 $t $py -m sparseflash.experiments.bench.short_rows --out "$d" ${SHORT_ROWS_ARGS:-} ;;
+                 $t $py -m sparseflash.experiments.studies.short_rows.short_rows --out "$d" ${SHORT_ROWS_ARGS:-} ;;
         host-cost) # host time per call, pointer loads vs the default (TMA where it is taken), d=64 and 128
                  for m in off auto; do
                      for hd in 64 128; do
-                         SPARSEFLASH_TMA=$m $t $py -m sparseflash.experiments.bench.host_cost --head-dim $hd --out "$d/$m-d$hd"
+                         SPARSEFLASH_TMA=$m $t $py -m sparseflash.experiments.studies.host_cost.host_cost --head-dim $hd --out "$d/$m-d$hd"
                      done
                  done ;;
         gluon)   # the Gluon probe: a persistent warp-specialised forward (GLUON_ARGS: extra options,
                  # e.g. --variant ...), timed beside ours on the same inputs
-                 $t $py -m sparseflash.experiments.bench.gluon_probe --out "$d" ${GLUON_ARGS:-} ;;
+                 $t $py -m sparseflash.experiments.studies.gluon.gluon_probe --out "$d" ${GLUON_ARGS:-} ;;
         packed)  # PACKED_ARGS: extra options (e.g. --causal both --mean-lens 128 512 2048)
                  $t $py -m pytest -q -x -p no:cacheprovider tests/test_segments.py --tb=short
                  $t $py -m sparseflash.experiments.bench.packed --out "$d" ${PACKED_ARGS:-} ;;

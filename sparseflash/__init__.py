@@ -7,7 +7,7 @@
 Where things are: `sparseflash.attention` (api.py: validation + dispatch), `BlockMask` (mask.py),
 the pure-PyTorch reference (reference.py), the Triton kernels, launchers and autograd wrapper
 (flash/), `sparseflash.nn.SparseAttention` (nn.py), the Hugging Face transformers hook
-(hf.py, optional extra ``[hf]``), the pattern zoo (`sparseflash.patterns`), analysis and plots of masks (analysis.py),
+(hf.py, optional extra ``[hf]``), the pattern zoo (`sparseflash.patterns`), analysis of masks (analysis.py), mask pictures (_picture.py),
 benchmarks and LRA experiments (`sparseflash.experiments`), the CLI (cli.py).
 """
 

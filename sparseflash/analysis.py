@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparseflash._picture import plot_layout
 from sparseflash.mask import BlockMask, _check_len
 
 __all__ = [
@@ -29,25 +30,12 @@ __all__ = [
     "density_sweep", "fit_exponents", "plot_zoo", "plot_density", "register",
 ]
 
-_ON = "#1f4e79"
-_PLOT_CELLS = 512  # larger grids are OR-pooled for drawing, so thin diagonals stay visible
 
 
 def _check_mask(mask) -> BlockMask:
     if not isinstance(mask, BlockMask):
         raise TypeError(f"mask must be a sparseflash.BlockMask, got {type(mask).__name__}")
     return mask
-
-
-def _slice(mask: BlockMask, slice_index) -> torch.Tensor:
-    b, h = mask.shape[:2]
-    if (not isinstance(slice_index, (tuple, list)) or len(slice_index) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in slice_index)):
-        raise TypeError(f"slice_index must be a pair (batch, head) of ints, got {slice_index!r}")
-    bi, hi = slice_index
-    if not (0 <= bi < b and 0 <= hi < h):
-        raise ValueError(f"slice_index {tuple(slice_index)} is outside the layout's batch x heads = {b}x{h}")
-    return mask.layout[bi, hi].cpu()
 
 
 def row_stats(mask: BlockMask) -> dict:
@@ -60,59 +48,15 @@ def row_stats(mask: BlockMask) -> dict:
     }
 
 
-def _stats_title(mask: BlockMask, grid: torch.Tensor) -> str:
-    bq, bk = mask.block_size
-    per_row = grid.sum(-1).double()
-    block = f"{bq}" if bq == bk else f"{bq}x{bk}"
-    lengths = f"N={mask.seq_q}" if mask.seq_q == mask.seq_k else f"seq_q={mask.seq_q}, seq_k={mask.seq_k}"
-    return (f"{lengths}, block {block}, grid {grid.shape[0]}x{grid.shape[1]}, density {float(grid.double().mean()):.3f}\n"
-            f"blocks/row min {int(per_row.min())} / mean {float(per_row.mean()):.1f} / max {int(per_row.max())}")
-
-
 def plot_mask(mask: BlockMask, path=None, ax=None, slice_index=(0, 0), title: str | None = None):
     """Draw one (batch, head) slice of ``mask``'s layout in token coordinates; return the Axes.
 
     ``title`` (optional) goes above the stats line (lengths, block size, grid, density, blocks per
     row min / mean / max). With ``path`` the figure is saved there (PNG by extension). Without
-    ``ax`` a new figure is made (no pyplot, so any backend works).
+    ``ax`` a new figure is made (no pyplot, so any backend works). Same as `BlockMask.plot`; the
+    drawing lives in `sparseflash._picture`.
     """
-    _check_mask(mask)
-    grid = _slice(mask, slice_index)
-    from matplotlib.colors import ListedColormap
-    from matplotlib.figure import Figure
-
-    fig = None
-    if ax is None:
-        fig = Figure(figsize=(5.2, 5.6), dpi=120, layout="constrained")
-        ax = fig.add_subplot()
-    bq, bk = mask.block_size
-    qb, kb = grid.shape
-    draw, fq, fk = grid, math.ceil(qb / _PLOT_CELLS), math.ceil(kb / _PLOT_CELLS)
-    if fq > 1 or fk > 1:
-        pad = torch.nn.functional.pad(grid, (0, -kb % fk, 0, -qb % fq))
-        draw = pad.reshape(pad.shape[0] // fq, fq, pad.shape[1] // fk, fk).any(-1).any(1)
-    ax.imshow(draw.numpy(), cmap=ListedColormap(["#ffffff", _ON]), vmin=0, vmax=1, interpolation="nearest",
-              extent=(0, draw.shape[1] * fk * bk, draw.shape[0] * fq * bq, 0), aspect="auto")
-    if qb <= 48 and kb <= 48:  # block boundaries, where there are few enough to read
-        ax.vlines([j * bk for j in range(1, kb)], 0, mask.seq_q, colors="#b0b0b0", linewidth=0.4)
-        ax.hlines([i * bq for i in range(1, qb)], 0, mask.seq_k, colors="#b0b0b0", linewidth=0.4)
-    ax.set_xlim(0, mask.seq_k)
-    ax.set_ylim(mask.seq_q, 0)
-    if mask.seq_q == mask.seq_k:
-        ax.set_aspect("equal")
-    ax.set_xlabel("key position", fontsize=8)
-    ax.set_ylabel("query position", fontsize=8)
-    ax.tick_params(labelsize=7)
-    text = _stats_title(mask, grid)
-    if fq > 1 or fk > 1:
-        text += f" (cell = {fq}x{fk} blocks)"
-    b, h = mask.shape[:2]
-    if b * h > 1:
-        text += f", slice {tuple(slice_index)} of {b}x{h}"
-    ax.set_title(text if title is None else f"{title}\n{text}", fontsize=8)
-    if path is not None:
-        (fig or ax.figure).savefig(path)
-    return ax
+    return plot_layout(_check_mask(mask), path=path, ax=ax, slice_index=slice_index, title=title)
 
 
 # ---------------------------------------------------------------------------- connectivity

@@ -153,6 +153,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
                                    return_lse=return_lse, dropout_p=dropout_p, dropout_keep=keep,
                                    segment_ids=segments)
 
+    if q.device.type == "cpu" and _interpreting() and not torch.compiler.is_compiling():
+        from sparseflash._compat import check_interpreter_versions
+
+        # names a failing triton / numpy pair instead of an InterpreterError; eager calls only
+        # (Dynamo would trace through the cached check)
+        check_interpreter_versions()
     from sparseflash.flash import flash_attention
 
     return flash_attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,

@@ -8,14 +8,25 @@ function that only declares arguments (heavy imports happen when a command runs)
     sparseflash bench sparsity|seqlen     benchmarks against the baselines         (experiments/bench)
     sparseflash plot RESULTS              redraw figures from saved results        (experiments/bench)
     sparseflash lra data|show|train|speed LRA / Path-X data and experiments       (experiments/lra)
+
+Errors: a known failure of a command -- data missing or malformed, a bad option or config value
+(the ValueError / TypeError our validation raises, naming the argument), a file or folder that
+cannot be read or written -- ends it with one line on stderr, ``sparseflash: error: <what> (<what
+to do>)``, and exit status 2 (`EXIT_USAGE`, as argparse's own errors); a Ctrl-C ends it with exit
+status 130. Anything else is a bug and keeps its traceback. ``SPARSEFLASH_DEBUG=1`` re-raises every
+error, traceback included.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import platform
 import sys
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 _REGISTRARS = (
     "sparseflash.analysis",
@@ -40,9 +51,14 @@ def info() -> dict:
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", ""),
     }
     try:
+        import numpy
         import triton
 
+        from sparseflash._compat import interpreter_version_problem
+
         out["triton"] = triton.__version__
+        out["numpy"] = numpy.__version__
+        out["triton_interpreter"] = interpreter_version_problem(triton.__version__, numpy.__version__) or "ok"
     except ImportError as e:  # pragma: no cover - triton is a dependency on Linux
         out["triton"] = f"not importable ({e})"
     if torch.cuda.is_available():
@@ -81,13 +97,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _known_error(e: BaseException) -> tuple[str, str] | None:
+    """``(what, what to do)`` for a failure the user can fix, or None for a bug (keep its traceback).
+
+    The LRA data errors are matched by class name so that this module never imports the
+    experiments (they may not be installed)."""
+    names = {c.__name__ for c in type(e).__mro__}
+    what = str(e) or type(e).__name__
+    if "DatasetNotFoundError" in names:
+        return what, "check --data, or make the data: sparseflash lra data --help"
+    if "MalformedDataError" in names:
+        return what, "regenerate or replace that file: sparseflash lra data --help"
+    if isinstance(e, OSError):
+        if e.filename is not None and e.strerror:
+            what = f"{e.strerror}: {e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
+        if isinstance(e, FileExistsError):
+            return what, "choose another output folder, or pass the command's --overwrite / --resume if it has one"
+        if isinstance(e, PermissionError):
+            return what, "choose a folder you can read and write"
+        if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+            return what, "check the path"
+        return what, "check the path and that its disk is writable"
+    if isinstance(e, (ValueError, TypeError)):
+        return what, "see the command's --help; SPARSEFLASH_DEBUG=1 shows the traceback"
+    return None
+
+
 def main(argv=None) -> int:
+    """Run one command; known failures end with one line on stderr and `EXIT_USAGE` (module docstring)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return int(args.func(args) or 0)
+    debug = os.environ.get("SPARSEFLASH_DEBUG", "") not in ("", "0")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("sparseflash: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        known = None if debug else _known_error(e)
+        if known is None:
+            raise
+        print(f"sparseflash: error: {known[0]} ({known[1]})", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -38,6 +38,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from sparseflash._picture import plot_layout, text_picture
+
 __all__ = ["BlockMask", "BlockIndex"]
 
 # Token pairs (batch x heads x rows x keys) `from_fn` evaluates at once: the mask function's
@@ -725,13 +727,7 @@ class BlockMask:
     # ------------------------------------------------------------------ display
     def picture(self, max_cells: int = 32, slice_index: tuple[int, int] = (0, 0)) -> str:
         """Text picture of one (batch, head) slice; grids larger than ``max_cells`` are OR-pooled."""
-        grid = self.layout[slice_index].cpu()
-        qb, kb = grid.shape
-        fq, fk = math.ceil(qb / max_cells), math.ceil(kb / max_cells)
-        if fq > 1 or fk > 1:
-            pad = torch.nn.functional.pad(grid, (0, -kb % fk, 0, -qb % fq))
-            grid = pad.reshape(pad.shape[0] // fq, fq, pad.shape[1] // fk, fk).any(-1).any(1)
-        return "\n".join("".join("█" if x else "·" for x in row) for row in grid.tolist())
+        return text_picture(self.layout[slice_index].cpu(), max_cells)
 
     def __repr__(self) -> str:
         b, h, qb, kb = self.layout.shape
@@ -752,9 +748,7 @@ class BlockMask:
         Returns the matplotlib Axes. The title states lengths, block size, density and
         blocks per row (min / mean / max).
         """
-        from sparseflash.analysis import plot_mask
-
-        return plot_mask(self, path=path, ax=ax, slice_index=slice_index, title=title)
+        return plot_layout(self, path=path, ax=ax, slice_index=slice_index, title=title)
 
 
 def _as_layout(layout) -> torch.Tensor:

@@ -31,6 +31,20 @@ if not HAS_CUDA:
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 
+def pytest_report_header(config):
+    if HAS_CUDA:
+        return None
+    try:
+        import numpy
+        import triton
+    except ImportError:
+        return None
+    from sparseflash._compat import interpreter_version_problem
+
+    problem = interpreter_version_problem(triton.__version__, numpy.__version__)
+    return f"WARNING: {problem}" if problem else None
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
     config.addinivalue_line("markers", "slow: long on CPU; runs only with SPARSEFLASH_SLOW=1 (always on GPU)")

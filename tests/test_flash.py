@@ -450,7 +450,7 @@ def test_tma_default_tiles(monkeypatch):
                     launch._default_config(kind, D, cuda, k_blocks, True, tma=False)  # dropout: untimed with TMA
         assert not launch._default_config(kind, 96, cuda, None, False, tma=True).tma
     assert launch._tma_config("fwd", 64, None) is None  # d=64 dense forward: TMA measured slower
-    # a few measured choices, spelled out (experiments/results/tma/SUMMARY.txt part 4)
+    # a few measured choices, spelled out (experiments/studies/tma/results/SUMMARY.txt part 4)
     assert launch._default_config("dkdv", 128, cuda, None, False, tma=True) == TileConfig(64, 64, 4, 2, tma=True)
     assert launch._default_config("dkdv", 128, cuda, None, False, tma=False) == TileConfig(64, 128, 8, 3)
     assert launch._default_config("fwd", 128, cuda, 32, False, tma=True) == TileConfig(64, 64, 4, 3, tma=True)

@@ -8,4 +8,10 @@ providers.py (every implementation compared), masks.py (the pattern table, densi
 mask build timing), flops.py (effective FLOPs and densities), timing.py (eager back-to-back / CUDA-graph / CPU timing,
 peak memory), runner.py (jobs -> rows, failures recorded), results.py (CSV / JSON / tables),
 config.py (GPU and CPU defaults, presets), cli.py (arguments).
+
+Benchmarks run as modules: dropout.py (dropout against none, and the baselines' fused dropout),
+packed.py (packed documents: segment_ids against Flex's document mask and dense attention).
+Developer tools: tune_tiles.py (search kernel tile configs on a GPU), inspect_kernels.py (compile
+for sm_90a without a GPU: registers, spills, SASS). One-off investigations live in
+experiments/studies/<topic>/, each with its README.
 """

@@ -79,7 +79,7 @@ class BenchConfig:
 
 
 def add_shape_args(ap, seq_len: int = 4096, head_dim: int = 64) -> None:
-    """The one-setting options of the single-purpose scripts (breakdown, host_cost): sequence
+    """The one-setting options of the single-purpose scripts (studies/host_cost: breakdown, host_cost): sequence
     length, head dim, heads, and tokens per batch (batch = max(1, tokens // seq_len))."""
     ap.add_argument("--seq-len", type=int, default=seq_len)
     ap.add_argument("--head-dim", type=int, default=head_dim)

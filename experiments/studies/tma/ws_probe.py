@@ -1,10 +1,10 @@
 """Can Triton's warp specialisation take the fixed cost out of short block-sparse rows? (issue 3)
 
-    python -m sparseflash.experiments.bench.ws_probe [--out DIR]
+    python -m sparseflash.experiments.studies.tma.ws_probe [--out DIR]
 
 Issue 3's last gap is the 4K forward at density ~0.1: rows of ~3 key blocks run at 65-69% of the
 dense rate because each row pays a fixed cost (Q load, address setup, the K/V pipeline's fill
-and drain, the epilogue) that a long dense row amortises (experiments/results/persistent/).
+and drain, the epilogue) that a long dense row amortises (experiments/studies/short_rows/results/persistent/).
 Warp specialisation, producer warps loading K/V while consumer warps compute, is how cuDNN and
 FlashAttention-3 hide it. Triton exposes it as ``tl.range(..., warp_specialize=True)``, which
 upstream reports working on Hopper only with tensor-descriptor (TMA) loads.

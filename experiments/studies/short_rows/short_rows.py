@@ -1,6 +1,6 @@
 """Is the fixed cost of short rows the block list, the row itself, or ours? (issue 3's 4K shortfall)
 
-    python -m sparseflash.experiments.bench.short_rows [--providers ...] [--out DIR]
+    python -m sparseflash.experiments.studies.short_rows.short_rows [--providers ...] [--out DIR]
 
 Times, in GPU time (CUDA-graph replays), the same work three ways, for each implementation, head_dim
 and a few row lengths (r key blocks of 128 per q-block row, 4K queries, batch 4, 16 heads, bf16):

@@ -1,6 +1,6 @@
 """Python-side host cost of a call, with the Triton launches taken out (any machine, no GPU needed)
 
-    python -m sparseflash.experiments.bench.host_python [--seq-len 4096] [--head-dim 64] [--blocks 3]
+    python -m sparseflash.experiments.studies.host_cost.host_python [--seq-len 4096] [--head-dim 64] [--blocks 3]
 
 Replaces the three kernels with no-ops for the duration of the run and times
 `sparseflash.attention` forward (no_grad) and forward + backward (`torch.autograd.grad`) on CPU

@@ -1,6 +1,6 @@
 """Pointer loads against TMA descriptor loads, side by side (issue 3)
 
-    python -m sparseflash.experiments.bench.tma_ab [--out DIR] [--head-dims 64 128] [--seqs 4096 16384]
+    python -m sparseflash.experiments.studies.tma.tma_ab [--out DIR] [--head-dims 64 128] [--seqs 4096 16384]
 
 Times `sparseflash.attention` in GPU time (CUDA-graph replays), the forward alone and forward +
 backward, with ``launch.TMA_MODE = "off"`` (pointer loads in every kernel, at their tiles),

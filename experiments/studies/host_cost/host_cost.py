@@ -1,6 +1,6 @@
 """Host cost of a call: the CPU time to issue one attention call, layer by layer (GPU only).
 
-    python -m sparseflash.experiments.bench.host_cost [--seq-len 4096] [--head-dim 64] [--out DIR]
+    python -m sparseflash.experiments.studies.host_cost.host_cost [--seq-len 4096] [--head-dim 64] [--out DIR]
 
 A short call is host-bound when issuing it takes longer than the GPU takes to run it. To time
 the issuing alone, the GPU is first put to sleep (``torch.cuda._sleep``) so that every launch

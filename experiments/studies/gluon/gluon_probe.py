@@ -1,8 +1,8 @@
 """Can a persistent, warp-specialised Gluon kernel take the fixed cost out of short block-sparse rows? (issue 3)
 
-    python -m sparseflash.experiments.bench.gluon_probe [--head-dims 64 128] [--seq 4096] [--blocks 3]
+    python -m sparseflash.experiments.studies.gluon.gluon_probe [--head-dims 64 128] [--seq 4096] [--blocks 3]
         [--variant 128x64:w8:s4] [--out DIR]
-    python -m sparseflash.experiments.bench.gluon_probe --compile-only [--json]   # no GPU needed
+    python -m sparseflash.experiments.studies.gluon.gluon_probe --compile-only [--json]   # no GPU needed
 
 Issue 3's last gap is the 4K forward at density ~0.1: rows of ~3 key blocks run at 65-70% of the
 dense rate because each q-tile program pays a fixed cost (Q load, address setup, the K/V
@@ -347,7 +347,7 @@ class Variant(NamedTuple):
 
 
 # Shared memory is 2 Q buffers + STAGES x (K + V): at d=128, 128x64 s4 and 128x128 s2 take 192 KB;
-# two programs per SM must fit in 227 KB together. The first H100 run (results/gluon/, _v1) had
+# two programs per SM must fit in 227 KB together. The first H100 run (experiments/studies/gluon/results/, _v1) had
 # the first six, without the overlap; the best sparse times came from 64x64 w4 s2 c2.
 VARIANTS = [Variant(128, 64, 8, 4), Variant(128, 128, 8, 2), Variant(64, 64, 4, 2, ctas=2),
             Variant(128, 64, 8, 4, overlap=True), Variant(128, 128, 8, 2, overlap=True),
@@ -357,7 +357,7 @@ VARIANTS = [Variant(128, 64, 8, 4), Variant(128, 128, 8, 2), Variant(64, 64, 4, 
 
 def parse_variant(spec: str) -> Variant:
     """"128x64:w8:s4[:np][:c2][:ov]" -> Variant(128, 64, 8, 4, persistent, ctas, overlap)."""
-    from sparseflash.experiments.bench.ws_probe import split_spec
+    from sparseflash.experiments.studies.tma.ws_probe import split_spec
 
     try:
         bm, bn, opts, flags = split_spec(spec, "wsc")
@@ -579,7 +579,7 @@ def main(argv=None) -> int:
     import sparseflash
     from sparseflash.experiments.bench.results import environment
     from sparseflash.experiments.bench.timing import graph_ms
-    from sparseflash.experiments.bench.ws_probe import print_dense_rates
+    from sparseflash.experiments.studies.tma.ws_probe import print_dense_rates
     from sparseflash.patterns import random as random_mask
 
     if not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """Where the time goes: one setting's forward and backward, split into kernels and host overhead.
 
-    python -m sparseflash.experiments.bench.breakdown [--seq-len 4096] [--head-dim 64] [--densities 1 0.25 0.1]
+    python -m sparseflash.experiments.studies.host_cost.breakdown [--seq-len 4096] [--head-dim 64] [--densities 1 0.25 0.1]
 
 For each density (a `random` mask with that many blocks per row, plus mask=None) it reports, in
 ms: the eager call as a user makes it (do_bench), the same work replayed from a CUDA graph (no

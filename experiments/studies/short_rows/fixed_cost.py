@@ -1,6 +1,6 @@
 """Where the time goes at low density: a fixed cost per q-block row plus a cost per computed block.
 
-    python -m sparseflash.experiments.bench.fixed_cost RESULTS [RESULTS ...] [--out DIR]
+    python -m sparseflash.experiments.studies.short_rows.fixed_cost RESULTS [RESULTS ...] [--out DIR]
 
 RESULTS: `sparseflash bench sparsity` output (CSV/JSON files or their directories), ideally a
 sweep of one pattern over many densities, e.g.

@@ -1,0 +1,61 @@
+"""README.md and BENCHMARKS.md stay true to the tree (issue 23): the "Where things are" tree names
+only paths that exist and every folder of experiments/results/ and experiments/studies/, and every
+repository path the two documents cite exists. Reads files only; well under 1 s."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _tree_block() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Where things are"):]
+    block = section[section.index("```") + 3:]
+    return block[block.index("\n") + 1:block.index("```")].splitlines()
+
+
+def _tree_paths(lines) -> list[str]:
+    """Paths of the tree's entries: a first word ending in / or a file suffix, nested by indentation."""
+    paths, stack = [], []
+    for line in lines:
+        if not line.strip():
+            continue
+        indent = (len(line) - len(line.lstrip())) // 2
+        word = line.split()[0]
+        if not (word.endswith("/") or re.search(r"\.(py|sh|md|toml)$", word)) or indent > len(stack):
+            continue  # a continuation line of a description
+        stack = stack[:indent]
+        paths.append("".join(stack) + word)
+        if word.endswith("/"):
+            stack.append(word)
+    return paths
+
+
+def test_tree_parser():
+    lines = ["a/   the a", "  b.py   x", "  c/     y", "    d.py", "           continued/ words", "e.md"]
+    assert _tree_paths(lines) == ["a/", "a/b.py", "a/c/", "a/c/d.py", "e.md"]
+
+
+def test_tree_entries_exist():
+    paths = _tree_paths(_tree_block())
+    assert "sparseflash/mask.py" in paths and "experiments/bench/" in paths
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"README's tree names paths that do not exist: {missing}"
+
+
+def test_tree_names_every_results_and_studies_folder():
+    block = "\n".join(_tree_block())
+    for parent in ("experiments/results", "experiments/studies"):
+        for d in sorted((ROOT / parent).iterdir()):
+            if d.is_dir() and not d.name.startswith(("_", ".")):
+                assert re.search(rf"(^|\s){re.escape(d.name)}/", block), f"{parent}/{d.name}/ is not in README's tree"
+
+
+def test_cited_paths_exist():
+    missing = []
+    for doc in ("README.md", "BENCHMARKS.md"):
+        for path in re.findall(r"`((?:experiments|sparseflash|patterns|tests)/[^`\s*<]+)`", (ROOT / doc).read_text()):
+            if not (ROOT / path.rstrip("/")).exists():
+                missing.append(f"{doc}: {path}")
+    assert not missing, missing

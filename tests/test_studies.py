@@ -1,0 +1,222 @@
+"""Tests of the studies' scripts (sparseflash.experiments.studies): the host-cost probes, the
+warp-specialisation / TMA / Gluon probes (forward against the reference on CPU, Hopper compiles
+where triton's ptxas is bundled), the short-rows plot and the fixed-cost fit on synthetic sweeps
+with known answers. About 7 s on CPU."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparseflash.experiments.bench.results import write_results
+from sparseflash.experiments.studies.short_rows.fixed_cost import fit_fixed_cost, main as fixed_cost_main
+
+from _hopper import gluon_hopper_available, ptxas_available
+
+
+# ----------------------------------------------------------------------------- host cost and probes
+def test_host_cost_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    from sparseflash.experiments.studies.host_cost import host_cost
+
+    with pytest.raises(SystemExit):
+        host_cost.main([])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times CUDA launches")
+def test_host_cost_rows(tmp_path):
+    """Every layer gets a positive host time (the GPU still asleep when the calls were issued) and
+    the end-to-end rows a GPU time; the profile is written."""
+    from sparseflash.experiments.studies.host_cost import host_cost
+
+    assert host_cost.main(["--seq-len", "512", "--heads", "2", "--tokens", "512", "--calls", "5",
+                           "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "host_cost.json").read_text())
+    layers = {r["layer"]: r for r in res["rows"]}
+    for name in ("attention fwd+bwd", "attention fwd", "launch fwd", "launch bwd", "kernel _fwd_kernel",
+                 "kernel _bwd_dq_kernel", "kernel _bwd_dkdv_kernel", "trivial Function fwd+bwd"):
+        assert layers[name]["host_us"] > 0, name
+    assert layers["attention fwd+bwd"]["gpu_us"] > 0
+    assert "run_backward" in (tmp_path / "host_cost_profile.txt").read_text()
+
+
+@pytest.mark.parametrize("pattern", ["dense", "sparse"])
+@pytest.mark.parametrize("ws,gather", [(False, False), (True, False), (True, True)])
+def test_ws_probe_forward_matches_reference(pattern, ws, gather):
+    """The warp-specialisation probe's stripped forward computes attention (its timings would mean
+    nothing otherwise): against the float64 reference, within twice PyTorch's own error."""
+    from sparseflash import reference
+    from sparseflash.experiments.studies.tma.ws_probe import probe_forward
+    from sparseflash.patterns import random as random_mask
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need sm_90")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    B, H, N, D = (2, 4, 1024, 64) if dev == "cuda" else (1, 2, 256, 32)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, device=dev, dtype=dtype) for _ in range(3))
+    mask = None if pattern == "dense" else random_mask(N, 1 if dev == "cpu" else 3, block_size=128, seed=1, device=dev)
+    o, lse = probe_forward(q, k, v, mask, 64, 32, 4, 2, ws, gather)
+    ref, ref_lse = reference.attention(q.double(), k.double(), v.double(), mask, scale=D ** -0.5, return_lse=True)
+    own = reference.attention(q, k, v, mask, scale=D ** -0.5)
+    own_err = (own.double() - ref).abs().max().item()
+    assert (o.double() - ref).abs().max().item() <= 2 * own_err + 1e-6
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-4)
+
+
+def test_host_python_times_without_launching():
+    """The Python-side host timer runs on any machine and puts the real kernels back afterwards."""
+    from sparseflash.experiments.studies.host_cost import host_python
+    from sparseflash.flash import kernels
+
+    before = {name: getattr(kernels, name) for name in host_python._KERNELS}
+    interp = os.environ.get("TRITON_INTERPRET")
+    # enough calls, and an odd number of repeats, that one slow stretch of a shared 2-core CI machine
+    # cannot put the forward's median above the forward+backward's (calls=5, repeats=2 once did: 649 vs 585 us)
+    r = host_python.measure(seq_len=256, head_dim=32, blocks=1, batch=1, heads=2, calls=30, repeats=5)
+    assert r["fwd_us"] > 0 and r["fwd_bwd_us"] > r["fwd_us"]
+    assert {name: getattr(kernels, name) for name in host_python._KERNELS} == before
+    assert os.environ.get("TRITON_INTERPRET") == interp  # the environment is left as it was
+
+
+def test_tma_ab_knows_which_path_ran(monkeypatch):
+    """tma_ab refuses to report a TMA row that ran on pointer loads: its check follows the launcher."""
+    from sparseflash.experiments.studies.tma import tma_ab
+    from sparseflash.flash import launch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need sm_90 or newer")
+    import sparseflash
+
+    q, k, v = (torch.randn(1, 2, 64, 32, device=dev, dtype=torch.float16, requires_grad=True) for _ in range(3))
+
+    def fwd_bwd(*t):
+        return lambda: sparseflash.attention(*t, backend="triton").backward(torch.ones_like(t[0]))
+
+    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    assert tma_ab._takes_tma(launch, fwd_bwd(q, k, v)) == [True] * 3  # forward, dQ, dK/dV
+    # .sum().backward() hands the backward an expanded dO (stride 0): pointer loads there
+    assert tma_ab._takes_tma(launch, lambda: sparseflash.attention(q, k, v, backend="triton").sum().backward()) \
+        == [True, False, False]
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    assert tma_ab._takes_tma(launch, fwd_bwd(q32, k32, v32)) == [False] * 3  # fp32: pointer loads
+    monkeypatch.setattr(launch, "TMA_MODE", "off")
+    assert tma_ab._takes_tma(launch, fwd_bwd(q, k, v)) == [False] * 3
+
+
+@pytest.mark.skipif(not ptxas_available(), reason="needs the ptxas bundled with Linux triton wheels")
+@pytest.mark.skipif(not gluon_hopper_available(), reason="needs triton.experimental.gluon with its hopper module")
+def test_gluon_probe_compiles_for_hopper():
+    """The Gluon probe's warp-specialised forward compiles for sm_90 without a GPU, at head_dim 64
+    and 128, dense and sparse, with one and two consumer warpgroups: every kernel has its wgmma,
+    its TMA loads and the register hand-over between the loader and the consumers (setmaxnreg),
+    spills nothing and fits the 227 KB of shared memory of a Hopper SM."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "sparseflash.experiments.studies.gluon.gluon_probe", "--compile-only", "--json",
+           "--head-dims", "64", "128", "--variant", "128x64:w8:s4", "--variant", "64x64:w4:s2:c2"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr[-3000:]
+    rows = json.loads(lines[-1])
+    assert len(rows) == 8, rows
+    errors = [(r["head_dim"], r["mask"], r["variant"], r["error"]) for r in rows if r["status"] != "ok"]
+    assert not errors, errors
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in rows:
+        where = (r["head_dim"], r["mask"], r["variant"])
+        assert r["wgmma"] > 0 and r["tma_loads"] >= 3 and r["setmaxnreg"], (where, r)
+        assert r["stack"] == 0 and r["local"] == 0, (where, r)
+        assert 0 < r["shared"] <= 227 * 1024, (where, r)
+
+
+def test_probe_variant_specs_and_dense_rates(capsys):
+    """The probes' --variant specs parse to their tiles (bad ones are refused with the expected form),
+    and the 80%-bar lines compute sparse rate = dense ms x density / sparse ms, skipping failed rows."""
+    from sparseflash.experiments.studies.gluon import gluon_probe
+    from sparseflash.experiments.studies.tma import ws_probe
+
+    assert ws_probe.parse_variant("128x64:w8:s3:ws:gather") == (128, 64, 8, 3, True, True)
+    assert gluon_probe.parse_variant("64x64:w4:s2:c2:ov") == gluon_probe.Variant(64, 64, 4, 2, True, 2, True)
+    assert gluon_probe.parse_variant("128x64:w8:s4:np").persistent is False
+    for bad in ("64x64:w4", "64:w4:s2", "64x64:w4:s2:zz", "32x64:w4:s2"):
+        with pytest.raises(ValueError, match="128x64:w8:s4"):
+            gluon_probe.parse_variant(bad)
+    rows = [dict(head_dim=64, mask="dense", variant="sparseflash", ms=0.64),
+            dict(head_dim=64, mask="3/row", variant="sparseflash", ms=0.08),
+            dict(head_dim=64, mask="dense", variant="g", ms=0.32), dict(head_dim=64, mask="3/row", variant="g", ms=0.06),
+            dict(head_dim=64, mask="3/row", variant="failed", ms=None)]
+    ws_probe.print_dense_rates(rows, [64], 3, 4096, 12)
+    out = capsys.readouterr().out
+    # density 3/32: sparseflash 0.64 x 3/32 / 0.08 = 75%; g 0.32 x 3/32 / 0.06 = 50% of its own, 100% of ours
+    assert "sparseflash  sparse 0.0800 ms: 75% of its dense rate, 75% of sparseflash's" in out
+    assert "g            sparse 0.0600 ms: 50% of its dense rate, 100% of sparseflash's" in out
+    assert "failed" not in out
+
+
+def test_short_rows_plot_from_saved_rows(tmp_path):
+    """short_rows.png is redrawn from short_rows.json alone (no GPU): block-sparse and dense-only
+    implementations, both modes."""
+    from sparseflash.experiments.studies.short_rows import short_rows
+
+    rows = []
+    for impl in ("sparseflash", "sdpa-cudnn"):
+        for mode in ("fwd", "bwd"):
+            for r in (3, 6):
+                sparse = 60.0 + r if impl == "sparseflash" else None
+                rows.append(dict(provider=impl, head_dim=64, mode=mode, blocks_per_row=r, dense_full_ms=1.0,
+                                 dense_short_ms=0.1 * r, short_pct_of_full_rate=70.0 + r,
+                                 sparse_ms=None if sparse is None else 0.1, sparse_pct_of_full_rate=sparse))
+    meta = {"commit": "abc1234", "device_name": "test"}
+    (tmp_path / "short_rows.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    assert short_rows.main(["--plot", str(tmp_path)]) == 0
+    png = tmp_path / "short_rows.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ----------------------------------------------------------------------------- short rows: the fixed-cost fit
+def _rows(fixed, per_block, n=4096, block=128, mode="fwd", noise=0.0):
+    kb = n // block
+    rows = []
+    for i, bpr in enumerate((1, 2, 3, 4, 6, 8, 16, kb)):
+        ms = (fixed + per_block * bpr) * (1 + noise * (-1) ** i)
+        rows.append(dict(provider="sparseflash", pattern="random", seq_len=n, head_dim=64, mode=mode, dtype="bf16",
+                         causal=False, block_size=block, rel_density=bpr / kb, ms=ms, tflops=bpr / ms, status="ok"))
+    rows.append(dict(rows[-1], pattern="dense", block_size=None))  # dense rows are not fitted
+    rows.append(dict(rows[0], rel_density=0.5, ms=float("nan"), status="error: boom"))  # nor failed ones
+    return rows
+
+
+def test_fit_recovers_fixed_and_per_block_cost():
+    fits = fit_fixed_cost(_rows(0.06, 0.0375) + _rows(0.2, 0.1, mode="bwd", n=16384))
+    assert [(f["mode"], f["seq_len"]) for f in fits] == [("fwd", 4096), ("bwd", 16384)]
+    fwd, bwd = fits
+    assert fwd["fixed_ms"] == pytest.approx(0.06) and fwd["per_block_ms"] == pytest.approx(0.0375)
+    assert fwd["fixed_blocks"] == pytest.approx(1.6) and fwd["key_blocks"] == 32
+    assert bwd["fixed_blocks"] == pytest.approx(2.0) and bwd["key_blocks"] == 128
+    assert fwd["max_rel_residual"] < 1e-9
+    assert len(fwd["points"]) == 8  # the full-mask point is reported, not fitted
+    assert fwd["full_tflops"] == pytest.approx(32 / (0.06 + 0.0375 * 32))
+
+
+def test_fit_ignores_the_full_mask_point_and_reports_residuals():
+    rows = _rows(0.06, 0.0375, noise=0.02)
+    rows[-3]["ms"] *= 10  # the full mask (rel_density 1): far off the line, but left out of the fit
+    (f,) = fit_fixed_cost(rows)
+    assert f["fixed_blocks"] == pytest.approx(1.6, rel=0.5) and 0.01 < f["max_rel_residual"] < 0.1
+    assert fit_fixed_cost(rows[:2]) == []  # too few sparse points
+
+
+def test_cli_writes_json_and_plot(tmp_path, capsys):
+    write_results(_rows(0.03, 0.02), {"command": "test"}, tmp_path, "sparsity")
+    assert fixed_cost_main([str(tmp_path), "--out", str(tmp_path / "fit")]) == 0
+    assert "1.50" in capsys.readouterr().out
+    data = json.loads((tmp_path / "fit" / "fixed_cost.json").read_text())
+    assert math.isclose(data["fits"][0]["fixed_blocks"], 1.5)
+    assert (tmp_path / "fit" / "fixed_cost.png").stat().st_size > 10_000
