@@ -89,7 +89,7 @@ def _tma_config(kind: str, head_dim: int, k_blocks: int | None) -> TileConfig | 
     """The tile of a kernel that loads through TMA descriptors, where that measured faster than
     pointer loads at their own best tile; None elsewhere (pointer loads then). H100, triton 3.6,
     bf16, GPU time, `tune_tiles` with SPARSEFLASH_TMA=on and =off, dense and density 0.1 at 4K and
-    16K (experiments/results/tma/, 2026-11-23), head_dim 64 and 128 without dropout only.
+    16K (experiments/studies/tma/results/, 2026-11-23), head_dim 64 and 128 without dropout only.
     Times (ms) TMA vs pointer defaults: 4K dense / 4K sparse / 16K dense / 16K sparse."""
     sparse = k_blocks is not None
     long_rows = sparse and k_blocks >= 64  # rows of ~13 blocks (16K tokens) against ~3 (4K)
@@ -392,7 +392,7 @@ def _tma_layout(shape: tuple, stride: tuple, esz: int, aligned: bool):
 
 # Below this many estimated forward FLOPs an eager call keeps pointer loads in "auto": triton 3.6
 # builds and encodes every descriptor on the host at each launch (12 per fwd+bwd), which makes small
-# eager calls host-bound and slower. H100, 2026-11-23 (experiments/results/host-cost/tma/):
+# eager calls host-bound and slower. H100, 2026-11-23 (experiments/studies/host_cost/results/tma/):
 # 4K d=64 density 0.094 (2.6e10 FLOPs) fwd+bwd host time 0.93-1.14 -> 1.22-1.32 ms with
 # descriptors against 0.46 ms of GPU time; 4K d=128 density 0.094 (5.2e10) 1.00-1.07 -> 1.05-1.53
 # ms against 0.87 -> 0.82 ms of GPU time, so eager calls there gain nothing either. Calls from about
