@@ -31,6 +31,7 @@ def test_issue_example_missing_data_is_one_line(tmp_path):
     line = _one_error_line(r.stderr)
     assert "nonexistent" in line and "is not a folder" in line
     assert "sparseflash lra data" in line  # says what to do
+    assert not (tmp_path / "runs").exists()  # a failed start leaves no output folder behind
 
 
 def _write_listops(root, target="foo"):

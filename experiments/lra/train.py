@@ -441,8 +441,6 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
     lead = rank == 0
     out = Path(out_dir)
     ckpt_dir = out / "checkpoints"
-    if lead:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0):
         raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
     if deadline is not None and not isinstance(deadline, (int, float)):
@@ -456,6 +454,8 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
         if data_root is None:
             raise ValueError("give the data directory (--data DIR) or datasets=")
         datasets = load_datasets(cfg, data_root, cache_dir)
+    if lead:  # only once the arguments and the data are known good: a failed start leaves no folder
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
     cfg = config_from_dict(cfg.to_dict())  # resolved copy; the caller's config is left alone
     fit_to_data(cfg, datasets["train"])
     tc = cfg.train
