@@ -39,7 +39,6 @@ reference (``backend=`` to choose).
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 
@@ -83,34 +82,21 @@ def mask_to_key_lengths(attention_mask: torch.Tensor, causal: bool) -> torch.Ten
 
 
 def _resolve(pattern, nq: int, nk: int, device, pattern_kwargs: dict, block_size) -> BlockMask | None:
-    if pattern is None or pattern == "dense":
-        return None
-    if isinstance(pattern, BlockMask):
-        if (pattern.seq_q, pattern.seq_k) != (nq, nk):
-            raise ValueError(f"pattern is a BlockMask for seq_q={pattern.seq_q}, seq_k={pattern.seq_k}; the layer "
-                             f"attends {nq} queries to {nk} keys (pass a callable (seq_q, seq_k) -> BlockMask)")
-        return pattern.to(device)
-    if isinstance(pattern, str):
-        from sparseflash.nn import _zoo_generator
+    """One layer's mask; a callable here takes (seq_q, seq_k), every other form is `nn.resolve_pattern`'s."""
+    from sparseflash.nn import resolve_pattern
 
-        gen = _zoo_generator(pattern)
-        kw = dict(pattern_kwargs, block_size=block_size, device=device)
-        if nq != nk:
-            if "seq_k" not in inspect.signature(gen).parameters:
-                raise ValueError(f"pattern {pattern!r} is for self-attention of one length, the layer attends {nq} "
-                                 f"queries to {nk} keys (decoding with a cache): use a pattern that takes seq_k")
-            kw["seq_k"] = nk
-        try:
-            return gen(nq, **kw).to(device)
-        except TypeError as e:
-            raise ValueError(f"pattern {pattern!r} rejected its arguments {pattern_kwargs}: {e}") from None
-    if callable(pattern):
+    if callable(pattern) and not isinstance(pattern, (str, BlockMask)):
         mask = pattern(nq, nk)
         if mask is not None and not isinstance(mask, BlockMask):
             raise TypeError(f"pattern callable returned {type(mask).__name__}, expected a BlockMask or None")
         return None if mask is None else mask.to(device)
-    raise TypeError(f"pattern must be None, a sparseflash.patterns name, a BlockMask or a callable "
-                    f"(seq_q, seq_k) -> BlockMask, got {type(pattern).__name__}")
+    if isinstance(pattern, (list, tuple)):
+        raise TypeError("a pattern list here means one pattern per layer (a list or dict given to register); "
+                        "for a pattern per head give a BlockMask from sparseflash.patterns.stack")
+    if pattern is not None and not isinstance(pattern, (str, BlockMask)):
+        raise TypeError(f"pattern must be None, a sparseflash.patterns name, a BlockMask or a callable "
+                        f"(seq_q, seq_k) -> BlockMask, got {type(pattern).__name__}")
+    return resolve_pattern(pattern, nq, seq_k=nk, block_size=block_size, device=device, pattern_kwargs=pattern_kwargs)
 
 
 def make_attention_function(pattern=None, *, pattern_kwargs: dict | None = None, block_size=128,

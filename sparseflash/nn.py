@@ -27,6 +27,8 @@ minutes per step; pass ``backend="triton"`` to force it). A mask with partial bl
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -49,30 +51,38 @@ def _zoo_generator(name: str):
 
 
 def resolve_pattern(pattern, seq_len: int, *, block_size=128, device=None, pattern_kwargs: dict | None = None,
-                    n_heads: int | None = None) -> BlockMask | None:
+                    n_heads: int | None = None, seq_k: int | None = None) -> BlockMask | None:
     """The `BlockMask` (or None: dense) that ``pattern`` means for ``seq_len`` tokens on ``device``.
 
     ``pattern`` is one of the forms listed in the module docstring. A list needs ``n_heads``
     entries; its dense (None) entries take the block size of the others (``block_size`` if all are
-    None).
+    None). ``seq_k`` (default ``seq_len``): keys attended, for a BlockMask or a zoo name (whose
+    generator must then take ``seq_k``, e.g. decoding with a KV cache).
     """
     device = torch.device("cpu" if device is None else device)
     kwargs = dict(pattern_kwargs or {})
+    seq_k = seq_len if seq_k is None else seq_k
     if pattern is None:
         return None
     if isinstance(pattern, BlockMask):
-        if (pattern.seq_q, pattern.seq_k) != (seq_len, seq_len):
+        if (pattern.seq_q, pattern.seq_k) != (seq_len, seq_k):
             raise ValueError(f"pattern is a BlockMask for seq_q={pattern.seq_q}, seq_k={pattern.seq_k}, but the "
-                             f"input has {seq_len} tokens (pass a callable seq_len -> BlockMask for varying lengths)")
+                             f"layer attends {seq_len} queries to {seq_k} keys (pass a callable for varying lengths)")
         return pattern.to(device)
     if isinstance(pattern, str):
         if pattern == "dense":
             return None
         gen = _zoo_generator(pattern)
+        if seq_k != seq_len:
+            if "seq_k" not in inspect.signature(gen).parameters:
+                raise ValueError(f"pattern {pattern!r} is for self-attention of one length, the layer attends "
+                                 f"{seq_len} queries to {seq_k} keys (decoding with a cache): use a pattern that "
+                                 f"takes seq_k")
+            kwargs["seq_k"] = seq_k
         try:
             mask = gen(seq_len, block_size=block_size, device=device, **kwargs)
         except TypeError as e:
-            raise ValueError(f"pattern {pattern!r} rejected its arguments {kwargs}: {e}") from None
+            raise ValueError(f"pattern {pattern!r} rejected its arguments {pattern_kwargs or {}}: {e}") from None
         return mask.to(device)
     if isinstance(pattern, (list, tuple)):
         if n_heads is None or len(pattern) != n_heads:
