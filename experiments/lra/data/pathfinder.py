@@ -57,9 +57,9 @@ array operations and uses every success; the statistical comparison with the ref
 turn angles, distractors, marker distance, intensity, smallest p = 0.016, every |effect| < 0.15
 reference sd) finds no difference. CPU time per image on one core of the 2-core development machine
 (``write_pathfinder``, PNG included), batched vs reference: 2.0 vs 11 ms at 32, 28 vs 530 ms at 64,
-19-20 vs 141 ms at 128, 4.8 vs 13 ms at 256. On the 16-core GPU host (before the last ~20% at
-128 px): 3727 / 201 / 278 / 909 images/s at 32 / 64 / 128 / 256 px hard (200K Path-X in 12
-minutes). What remains at 128 px: gathers of the dilated occupancy ~25%, the rest of each growth
+19-20 vs 141 ms at 128, 4.8 vs 13 ms at 256. On the 16-core GPU host: 3727 / 201 / 355 / 909 images/s at 32 / 64 / 128 / 256 px
+hard (200K Path-X in 9.4 minutes; 64 and 256 px measured before the last change, which cut ~20% at
+128 px). What remains at 128 px: gathers of the dilated occupancy ~25%, the rest of each growth
 step ~20%, distractors (still one at a time) ~10%, writes to the rasters ~10%, resets ~5%, then
 image assembly and PNG (see the study's README).
 
