@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pathfinder-32 recipe exploration on one GPU (one device command, ~10 min):
 #   experiments/studies/pathfinder32-recipe/explore.sh OUT SECONDS VARIANT [VARIANT ...]
-# Generates 200K Pathfinder-32 hard images (if DATA has none), builds the loader cache, then trains
+# Generates 200K Pathfinder-32 images per difficulty in DIFFICULTIES (default hard; if DATA has none), builds the loader cache, then trains
 # the VARIANTs side by side (one process each) until SECONDS after the script started (then SIGINT),
 # and packs their logs into OUT.tgz (no checkpoints unless KEEP_CKPT=1).
 # A VARIANT is NAME=ARGS, ARGS being `sparseflash lra train` options separated by '+', e.g.
@@ -13,18 +13,23 @@ data=${DATA:-data/lra}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 t0=$(date +%s)
-if ! ls "$data"/pathfinder32/curv_contour_length_14/metadata/*.npy >/dev/null 2>&1; then
-    $py -m sparseflash lra data pathfinder --resolution 32 --difficulty hard --num 200000 --out "$data" \
-        --workers "$(nproc)" --no-progress | tail -n 1
-fi
+# DIFFICULTIES: which Pathfinder-32 difficulties to make (default hard; e.g. "hard easy")
+declare -A folder=([easy]=curv_baseline [medium]=curv_contour_length_9 [hard]=curv_contour_length_14)
+for diff in ${DIFFICULTIES:-hard}; do
+    if ! ls "$data"/pathfinder32/"${folder[$diff]}"/metadata/*.npy >/dev/null 2>&1; then
+        $py -m sparseflash lra data pathfinder --resolution 32 --difficulty "$diff" --num 200000 --out "$data" \
+            --workers "$(nproc)" --no-progress | tail -n 1
+    fi
+done
 echo "data ready: $(( $(date +%s) - t0 )) s"
-$py - "$data" <<'PY'
+$py - "$data" ${DIFFICULTIES:-hard} <<'PY'
 import sys, time
 from sparseflash.experiments.lra.data import get_dataset
 t = time.time()
-for s in ("train", "val", "test"):
-    ds = get_dataset("pathfinder32", sys.argv[1], s, difficulty="hard", workers=16)
-    print(s, len(ds), end="; ")
+for diff in sys.argv[2:]:
+    for s in ("train", "val", "test"):
+        ds = get_dataset("pathfinder32", sys.argv[1], s, difficulty=diff, workers=16)
+        print(diff, s, len(ds), end="; ")
 print(f"cache {time.time() - t:.0f} s")
 PY
 pids=()
