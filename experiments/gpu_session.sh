@@ -6,7 +6,8 @@
 # 3's check against the baselines, GPU time and eager), ab (the kernel check, sparseflash only, in
 # GPU time, for the source tree in AB_OLD and for this one), tma (TMA loads vs pointer loads:
 # tma_ab and a tile search per kernel and mode), eager-4k (the kernel check at 4K, eager), host-cost
-# (host time per call, SPARSEFLASH_TMA=off and auto), short-rows (per-row fixed cost, with the
+# (host time per call, SPARSEFLASH_TMA=off and auto), host (issue 21: host us per call of ours, bound
+# and unbound launches, and SDPA's, side by side; eager fwd+bwd against GPU time at 4K), short-rows (per-row fixed cost, with the
 # baselines), gluon (experiments/studies/gluon/gluon_probe.py), packed (segment_ids tests, then packed
 # documents against FlexAttention's document mask: experiments/bench/packed.py),
 # lra-speed, lra-train. Each stage
@@ -77,6 +78,11 @@ for stage in "$@"; do
                          SPARSEFLASH_TMA=$m $t $py -m sparseflash.experiments.studies.host_cost.host_cost --head-dim $hd --out "$d/$m-d$hd"
                      done
                  done ;;
+        host)    # issue 21's goals in one run: host us per call (fwd, fwd+bwd; d=64/128; dense and density
+                 # 0.094 at 4K; with and without key_lengths) of ours with bound launches, with Triton's own
+                 # launch path, and SDPA's; eager fwd+bwd against CUDA-graph GPU time (HOST_ARGS: extra options)
+                 $t $py -m pytest -q -x -p no:cacheprovider tests/test_launch.py --tb=short
+                 $t $py -m sparseflash.experiments.bench.host --out "$d" ${HOST_ARGS:-} ;;
         gluon)   # the Gluon probe: a persistent warp-specialised forward (GLUON_ARGS: extra options,
                  # e.g. --variant ...), timed beside ours on the same inputs
                  $t $py -m sparseflash.experiments.studies.gluon.gluon_probe --out "$d" ${GLUON_ARGS:-} ;;

@@ -17,6 +17,13 @@ __all__ = ["attention", "resolve_backend"]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "triton", "reference")
 
+# Whether `attention` checks that key_lengths lie in [0, seq_k]: reading its values back is the
+# one host synchronisation of a call (it waits for the GPU to finish the work queued so far, so
+# the host can no longer run ahead of it). SPARSEFLASH_CHECK_KEY_LENGTHS=0 (or setting this to
+# False) skips it; the kernels then clamp each length to [0, seq_k] (the reference does not).
+# Never checked inside torch.compile traces or CUDA-graph capture.
+CHECK_KEY_LENGTHS = os.environ.get("SPARSEFLASH_CHECK_KEY_LENGTHS", "1") not in ("", "0")
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -87,8 +94,8 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p):
             raise ValueError(f"key_lengths must have shape [batch] = [{B}], got {tuple(key_lengths.shape)}")
         if key_lengths.device != q.device:
             raise ValueError(f"key_lengths must be on q's device {q.device}, got {key_lengths.device}")
-        if not _capturing():
-            lo, hi = int(key_lengths.min()), int(key_lengths.max())
+        if CHECK_KEY_LENGTHS and not _capturing():
+            lo, hi = torch.stack(torch.aminmax(key_lengths)).tolist()  # one device read
             if lo < 0 or hi > Nk:
                 raise ValueError(f"key_lengths must lie in [0, seq_k={Nk}], got values in [{lo}, {hi}]")
 
@@ -108,7 +115,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             another device is moved (and its index form cached) on first use.
         causal: also require ``j <= i + seq_k - seq_q`` (bottom-right aligned).
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
-        key_lengths: int tensor ``[batch]``; keys ``j >= key_lengths[b]`` are not attended.
+        key_lengths: int tensor ``[batch]``; keys ``j >= key_lengths[b]`` are not attended. Its
+            values are checked to lie in ``[0, seq_k]``, which reads them back: a host
+            synchronisation on a GPU. ``SPARSEFLASH_CHECK_KEY_LENGTHS=0`` in the environment (or
+            ``sparseflash.api.CHECK_KEY_LENGTHS = False``) skips the check; the kernels then
+            clamp each length to ``[0, seq_k]``.
         return_lse: also return the float32 log-sum-exp ``[batch, heads_q, seq_q]`` of the scaled
             scores (``-inf`` for rows that attend to nothing). It is differentiable.
         dropout_p: attention dropout on the normalised probabilities (pass 0 at eval). Applied in

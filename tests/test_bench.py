@@ -452,3 +452,24 @@ def test_wide_head_dim_default_tiles_fit_hopper():
         assert sorted(r["kernel"] for r in rows) == ["_bwd_dkdv_kernel", "_bwd_dq_kernel", "_fwd_kernel"]
         too_big = [(r["kernel"], r["shared"]) for r in rows if r["shared"] > 227 * 1024]
         assert not too_big, (extra, too_big)
+
+
+# ----------------------------------------------------------------------------- host cost (issue 21)
+def test_host_bench_cpu_smoke(tmp_path):
+    """`bench.host` on CPU (kernels as no-ops): every provider x setting x pass gets a positive
+    host time, the CSV and JSON agree, and the real kernels are back afterwards."""
+    from sparseflash.experiments.bench import host
+    from sparseflash.flash import kernels
+
+    before = kernels._fwd_kernel
+    assert host.main(["--device", "cpu", "--out", str(tmp_path), "--seq-len", "128", "--tokens", "256",
+                      "--heads", "2", "--head-dims", "16", "--blocks", "1", "--calls", "3"]) == 0
+    assert kernels._fwd_kernel is before
+    rows = list(csv.DictReader(open(tmp_path / "host.csv")))
+    data = json.loads((tmp_path / "host.json").read_text())
+    assert len(rows) == len(data["rows"]) == 20  # dense: 3 providers, mask: 2; x key_lengths x 2 passes
+    assert {r["provider"] for r in rows} == {"sparseflash", "sparseflash-unbound", "sdpa"}
+    assert all(r["part"] == "host" and float(r["host_us"]) > 0 for r in rows)
+    assert {(r["mask"], r["key_lengths"]) for r in rows} == {("dense", "False"), ("dense", "True"),
+                                                             ("random1", "False"), ("random1", "True")}
+    assert "sparseflash-unbound" in host.table(data["rows"])

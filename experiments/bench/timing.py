@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["TimingConfig", "Measurement", "is_oom", "free_memory", "l2_bytes", "rotation_count", "measure", "graph_ms",
-           "stream_ms"]
+           "stream_ms", "host_us"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,32 @@ def stream_ms(step, calls: int, warmup_ms: float = 25.0, rep_ms: float = 100.0, 
     events = [sample(n) for _ in range(samples)]
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) / n for s, e in events)
+
+
+SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU sleep: longer than issuing any batch host_us times
+
+
+def host_us(fn, calls: int, repeats: int = 5) -> float:
+    """Host microseconds per call of ``fn``: the wall time of issuing ``calls`` calls while the GPU
+    sleeps (``torch.cuda._sleep``), so that no launch waits for the GPU; the median over
+    ``repeats`` batches, few calls each so that CUDA's launch queue never fills. A call that
+    synchronises with the GPU cannot be timed so (it would wait out the sleep): RuntimeError."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        pending = not torch.cuda.current_stream().query()  # still sleeping: no call waited for the GPU
+        torch.cuda.synchronize()
+        if not pending:
+            raise RuntimeError("the GPU finished its sleep before the calls were issued: a call synchronised "
+                               "with the GPU, or SLEEP_CYCLES is too small")
+        times.append((t1 - t0) / calls * 1e6)
+    return statistics.median(times)
 
 
 def _sync(device: torch.device) -> None:

@@ -8,6 +8,7 @@ enters as its compressed index tensors, so the ops see only tensors and scalars.
 Dropout bits are keyed by (seed_lo, seed_hi, offset), an int64 [3] tensor on the inputs' device
 that the forward op draws from torch's generator when none is passed (`sparseflash.dropout.draw_rng`)
 and returns for backward; the kernels read it from memory, so CUDA graphs replay fresh draws.
+Without dropout an eager call makes none (`_fwd_eager`); the op returns a placeholder.
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ from sparseflash.mask import BlockMask
 __all__ = ["flash_attention", "FlashAttentionFunction"]
 
 
-def _rng_for(rng: Optional[Tensor], dropout_p: float, device) -> Tensor:
-    """The op's rng output: a fresh draw (or a copy of the one passed), int64 [3] on ``device``."""
-    if dropout_p <= 0.0:
-        return torch.empty(3, dtype=torch.int64, device=device)  # never read
+def _rng_draw(rng: Optional[Tensor], device) -> Tensor:
+    """A fresh dropout draw (or a copy of the one passed), int64 [3] on ``device``."""
     if rng is None:
         from sparseflash.dropout import draw_rng
 
@@ -45,13 +44,26 @@ def _work(q: Tensor, k: Tensor, density: float) -> float:
     return 4.0 * B * Hq * Nq * k.shape[2] * D * density
 
 
+def _fwd_eager(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
+               key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
+               scale: float, causal: bool, mask_bq: int, mask_bk: int, dropout_p: float,
+               density: float) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The forward outside torch.compile: without dropout no rng tensor (None: nothing reads it),
+    so an eager call allocates only its outputs."""
+    rng = _rng_draw(rng, q.device) if dropout_p > 0.0 else None
+    o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None, dropout_p, rng,
+                        work=_work(q, k, density), seg=_seg(seg_q, seg_k))
+    return o, lse, rng
+
+
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int, dropout_p: float,
                density: float) -> tuple[Tensor, Tensor, Tensor]:
-    rng = _rng_for(rng, dropout_p, q.device)
-    o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None, dropout_p, rng,
-                        work=_work(q, k, density), seg=_seg(seg_q, seg_k))
+    o, lse, rng = _fwd_eager(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
+                             dropout_p, density)
+    if rng is None:  # an op returns tensors: a placeholder, never read
+        rng = torch.empty(3, dtype=torch.int64, device=q.device)
     return o, lse, rng
 
 
@@ -67,7 +79,7 @@ def _(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, m
 
 def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
                kv_idx: Optional[Tensor], q_idx: Optional[Tensor],
-               key_lengths: Optional[Tensor], rng: Tensor, seg_q: Optional[Tensor], seg_k: Optional[Tensor],
+               key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int,
                dropout_p: float, density: float) -> tuple[Tensor, Tensor, Tensor]:
     return launch.bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale, causal,
@@ -99,8 +111,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
                 dropout_p, density):
-        o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_impl)(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k,
-                                                                      scale, causal, mask_bq, mask_bk, dropout_p, density)
+        o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_eager)(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k,
+                                                                       scale, causal, mask_bq, mask_bk, dropout_p, density)
         ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k)
         ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p, density)
         ctx.set_materialize_grads(False)

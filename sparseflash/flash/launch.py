@@ -13,6 +13,10 @@ cap, the dK/dV orientation (q_rows) and whether its tiles load through TMA descr
 
 Strides: the leading strides of each launch's tensors are passed divided by their common
 power-of-two alignment when it is 2, 4 or 8 (`_aligned_strides`), for the kernels to multiply back.
+
+Per-call cost (issue 21): what a launch derives from shapes, strides, dtypes and scalars is a
+`_Plan` computed once per key; repeat launches of a plan go straight to the compiled kernel's
+C launcher (`_launch`, FAST_LAUNCH; see the comment above it for why that is safe).
 """
 
 from __future__ import annotations
@@ -335,19 +339,29 @@ def _list_args(idx, B, H, placeholder: torch.Tensor):
 
 def _rng_args(dropout_p: float, rng: torch.Tensor | None, placeholder: torch.Tensor):
     """Kernel arguments of dropout: the (seed_lo, seed_hi, offset) tensor, threshold, scale."""
-    device = placeholder.device
     if dropout_p <= 0.0:
         return placeholder, 0, 1.0
-    from sparseflash.dropout import effective_p, threshold
+    return _checked_rng(rng, placeholder.device), *_drop_consts(dropout_p)
 
+
+def _checked_rng(rng, device) -> torch.Tensor:
     if not (isinstance(rng, torch.Tensor) and rng.dtype == torch.int64 and rng.shape == (3,) and rng.device == device):
         got = f"{rng.dtype} {tuple(rng.shape)} on {rng.device}" if isinstance(rng, torch.Tensor) else type(rng).__name__
         raise ValueError(f"rng must be an int64 tensor [3] (seed_lo, seed_hi, offset) on {device} when dropout_p > 0, "
                          f"got {got} (sparseflash.dropout.draw_rng makes one)")
+    return rng
+
+
+def _drop_consts(dropout_p: float) -> tuple[int, float]:
+    """(threshold on 8 random bits, scale of kept values); (0, 1.0) without dropout."""
+    if dropout_p <= 0.0:
+        return 0, 1.0
+    from sparseflash.dropout import effective_p, threshold
+
     # Scale by the probability the 8-bit threshold really applies; p = 1 keeps nothing and
     # scales by 0 (not 1/0).
     p = effective_p(dropout_p)
-    return rng, threshold(dropout_p), (1.0 / (1.0 - p) if p < 1.0 else 0.0)
+    return threshold(dropout_p), (1.0 / (1.0 - p) if p < 1.0 else 0.0)
 
 
 # Tile loads through TMA tensor descriptors (Hopper's bulk copies). "auto": on sm_90+ GPUs, for
@@ -438,12 +452,17 @@ def _tma_args(cfg: TileConfig, plan, block_d: int, *tiles):
     flag: 4-D descriptors (blocks [1, 1, rows, block_d]; rows past each head's end and columns past
     head_dim read as zeros) when there is a `_tma_plan` and the tile takes TMA (TileConfig.tma, or
     any tile with TMA_MODE "on"); otherwise the tensors themselves as placeholders and False."""
-    if plan is not None and (cfg.tma or TMA_MODE == "on"):
+    if _tma_taken(cfg, plan):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         return tuple(TensorDescriptor(t, list(t.shape), st, [1, 1, rows, block_d])
                      for (t, rows), st in zip(tiles, plan)), True
     return tuple(t for t, _ in tiles), False
+
+
+def _tma_taken(cfg: TileConfig, plan) -> bool:
+    """Whether a launch of tile ``cfg`` with `_tma_plan` ``plan`` loads through descriptors."""
+    return plan is not None and (cfg.tma or TMA_MODE == "on")
 
 
 def _seg_args(seg, placeholder: torch.Tensor):
@@ -455,6 +474,178 @@ def _seg_args(seg, placeholder: torch.Tensor):
     return (sq, sk, sq.stride(0) if sq.shape[0] > 1 else 0, sk.stride(0) if sk.shape[0] > 1 else 0), True
 
 
+# ----------------------------------------------------------------------------- launch plans
+# Everything a launch derives from its inputs' shapes, strides and dtypes and from the call's
+# scalars (tile config, grid, the strides and their alignment, the lists' strides, the dropout
+# constants, the constexprs) is computed once per combination (the key) and kept as a _Plan; a
+# call then allocates its outputs, puts its tensors into the plan's argument list and launches
+# (`_launch`). The key also holds the module state the plans read (tile overrides, TMA_MODE,
+# GATHER_MAX, interpreter, dot precision), so changing any of it makes new plans.
+
+_T = object()  # marks where a tensor of the call goes in a plan's argument list
+_PLANS: dict = {}
+_PLANS_MAX = 1024
+
+
+class _Plan:
+    """One kernel's launch for one key: ``args`` its positional arguments with `_T` where the
+    call's tensors go (positions ``slots``, in the order the launcher passes them), ``kwargs`` the
+    constexprs and compile options, ``tma`` whether the tensors' last slots take TMA descriptors
+    (built per call). ``bound``: `_launch`'s bound launches of this plan."""
+
+    __slots__ = ("kernel", "grid", "args", "slots", "kwargs", "cfg", "tma", "cuda", "bound")
+
+    def __init__(self, kernel: str, grid, args, kwargs, cfg, tma: bool, device: torch.device):
+        # the kernel by name in kernels.py, looked up at each launch (tools may swap it)
+        self.kernel, self.grid, self.kwargs, self.cfg, self.tma = kernel, grid, kwargs, cfg, tma
+        self.args = tuple(args)
+        self.slots = tuple(i for i, a in enumerate(self.args) if a is _T)
+        self.cuda = device.type == "cuda"
+        self.bound = {}
+
+
+def _state() -> tuple:
+    """The module state a plan depends on beyond its inputs (part of every plan key)."""
+    return _INTERPRETING, TMA_MODE, GATHER_MAX, tuple(_OVERRIDE.items()) if _OVERRIDE else ()
+
+
+def _plan(key, build, *args):
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()  # a model calls with few layouts; this bounds a sweep over many
+        plan = _PLANS[key] = build(*args)
+    return plan
+
+
+def _layout(t: torch.Tensor | None):
+    """The part of a tensor's layout a plan reads: None, or (shape, strides)."""
+    return None if t is None else (t.shape, t.stride())
+
+
+def _seg_layout(seg):
+    return None if seg is None else (_layout(seg[0]), _layout(seg[1]))
+
+
+def _frozen(tma_plan):
+    return None if tma_plan is None else tuple(map(tuple, tma_plan))
+
+
+# Bound launches: after a plan's first launch through Triton (`kernel[grid](...)`, which
+# specialises, compiles or finds the compiled kernel, and launches), `_launch` keeps the
+# CompiledKernel Triton returned and launches later calls of the plan with its C launcher
+# directly: ``compiled.run(grid, stream, function, packed_metadata, launch_metadata=None,
+# enter_hook=None, exit_hook=None, *every parameter's value)``, the call JITFunction.run itself
+# ends with (the same in triton 3.6 and 3.9). That skips Triton's per-launch binding of ~45
+# arguments, its cache key, its option parsing, its launch metadata and the launcher's
+# data_ptr() call and pointer-attribute query per tensor (tensors go as their addresses).
+#
+# Safe because everything Triton specialises a compiled kernel on is in the bound launch's key:
+# the plan key fixes every scalar argument (so whether each int is 1, divisible by 16, int32 or
+# int64), the constexprs and the options; per call the key adds the current device, each tensor's
+# dtype and whether its address is 16-byte aligned. Anything else takes Triton's own path:
+# the interpreter, plans with TMA descriptors, active launch hooks (profilers such as proton),
+# pre-run hooks, TRITON_DEBUG, and a first launch whose result does not look like a
+# CompiledKernel. FAST_LAUNCH = False (SPARSEFLASH_FAST_LAUNCH=0) turns it off, for A/B timing
+# or to let tools that hook JITFunction.run see every launch.
+FAST_LAUNCH = os.environ.get("SPARSEFLASH_FAST_LAUNCH", "1") not in ("", "0")
+
+
+_KNOBS = None
+
+
+def _runtime_knobs():
+    """triton.knobs.runtime (triton 3.4+), or None: no bound launches without it."""
+    global _KNOBS
+    if _KNOBS is None:
+        try:
+            from triton import knobs
+
+            _KNOBS = knobs.runtime
+        except (ImportError, AttributeError):
+            _KNOBS = False
+    return _KNOBS or None
+
+
+def _hooks_idle() -> bool:
+    """Triton has its launch knobs and no launch hook is set (triton 3.6+ keeps them in
+    HookChains, empty by default; a profiler such as proton adds to them)."""
+    rt = _runtime_knobs()
+    if rt is None:
+        return False
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()  # the device Triton launches on (its driver asks the same)
+
+
+try:  # what Triton's own CUDA driver asks for the current stream
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # pragma: no cover
+    def _raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def _bind(plan: _Plan, kernel, compiled, args: list) -> tuple | None:
+    """The bound launch of ``plan`` from its first launch: (run, function, packed_metadata, every
+    parameter's value with None where a tensor's address goes), or None when it cannot be bound."""
+    if getattr(kernel, "pre_run_hooks", None) or _runtime_knobs().debug:
+        return None
+    run, function, meta = getattr(compiled, "run", None), getattr(compiled, "function", None), \
+        getattr(compiled, "packed_metadata", None)
+    if run is None or function is None or meta is None:
+        return None
+    import inspect
+
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    if len(args) > len(params):
+        return None
+    values = list(args)
+    for p in params[len(args):]:
+        if p.name in plan.kwargs:
+            values.append(plan.kwargs[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            values.append(p.default)
+        else:
+            return None
+    for i in plan.slots:
+        values[i] = None
+    return run, function, meta, tuple(values)
+
+
+def _launch(plan: _Plan, tensors) -> None:
+    """Launch ``plan`` with ``tensors`` in its slots: bound (see FAST_LAUNCH) or through Triton."""
+    fast = FAST_LAUNCH and plan.cuda and not plan.tma and not _INTERPRETING
+    if fast:
+        ptrs = [t.data_ptr() for t in tensors]
+        key = (_current_device(), tuple(p & 15 == 0 for p in ptrs), tuple(t.dtype for t in tensors))
+        bound = plan.bound.get(key)
+        if bound is not None and _hooks_idle():
+            run, function, meta, values = bound
+            values = list(values)
+            for i, p in zip(plan.slots, ptrs):
+                values[i] = p
+            g = plan.grid
+            run(g[0], g[1], 1, _raw_stream(key[0]), function, meta, None, None, None, *values)
+            return
+    args = list(plan.args)
+    for i, t in zip(plan.slots, tensors):
+        args[i] = t
+    kernel = getattr(kernels, plan.kernel)
+    compiled = kernel[plan.grid](*args, **plan.kwargs)
+    if fast and _hooks_idle():
+        try:
+            bound = _bind(plan, kernel, compiled, args)
+        except Exception:  # an unexpected Triton: keep its own launch path
+            bound = None
+        if bound is not None:
+            plan.bound[key] = bound
+
+
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
         dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0, seg=None):
     """Forward launch. Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows).
@@ -462,29 +653,40 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     call's estimated forward FLOPs, -1 unknown (`_tma_plan`). ``seg``: int32 segment ids
     (seg_q, seg_k) or None (`_seg_args`)."""
     B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    dense = kv_idx is None
-    plan = _tma_plan(_block_d(D), q, k, v, work=work)
-    cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
-                  dropout_p > 0.0, plan is not None, seg is not None)
+    tma_plan = _tma_plan(_block_d(D), q, k, v, work=work)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
-    kv_idx, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q)
-    rng, thresh, drop_scale = _rng_args(dropout_p, rng, q)
-    seg_args, segments = _seg_args(seg, q)
-    grid = (_cdiv(Nq, cfg.block_m), B * Hq)
-    strides, align = _aligned_strides(q, k, v, o)
-    tma_args, tma = _tma_args(cfg, plan, _block_d(D), (q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))
-    kernels._fwd_kernel[grid](
-        q, k, v, o, lse, kv_idx, key_lengths if key_lengths is not None else kv_idx, *seg_args, *strides, *i_strides,
-        Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
-        rng, thresh, drop_scale, *tma_args,
-        HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
-        DENSE=dense, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-        DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, SEGMENTS=segments,
-    )
+    key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, _layout(kv_idx),
+           None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
+           dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), _state())
+    plan = _plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
+                 tma_plan, seg)
+    idx = q if kv_idx is None else kv_idx
+    rng = q if dropout_p <= 0.0 else _checked_rng(rng, q.device)
+    sq, sk = (q, q) if seg is None else seg
+    bm, bn = plan.cfg.block_m, plan.cfg.block_n
+    descs = _tma_args(plan.cfg, tma_plan, _block_d(D), (q, bm), (k, bn), (v, bn))[0]  # (q, k, v) without TMA
+    _launch(plan, (q, k, v, o, lse, idx, idx if key_lengths is None else key_lengths, sq, sk, rng, *descs))
     return o, lse
+
+
+def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg):
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
+                  dropout_p > 0.0, tma_plan is not None, seg is not None)
+    _, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q)
+    thresh, drop_scale = _drop_consts(dropout_p)
+    (_, _, *seg_strides), segments = _seg_args(seg, q)
+    strides, align = _aligned_strides(q, k, v, o)
+    tma = _tma_taken(cfg, tma_plan)
+    args = (_T,) * 9 + (*seg_strides, *strides, *i_strides, Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
+                         _T, thresh, drop_scale, _T, _T, _T)
+    kwargs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
+                  DENSE=kv_idx is None, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
+                  DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, SEGMENTS=segments)
+    return _Plan("_fwd_kernel", (_cdiv(Nq, cfg.block_m), B * Hq), args, kwargs, cfg, tma, q.device)
 
 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
@@ -498,61 +700,87 @@ def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, cau
     return dq, dk, dv
 
 
-def _bwd_common(q, key_lengths, causal, dropout_p, rng, seg):
+def _bwd_tensors(q, key_lengths, dropout_p, rng, seg) -> tuple:
+    """The per-call tensors both backward kernels take after their lists: KEY_LEN, SEG_Q, SEG_K, RNG."""
+    sq, sk = (q, q) if seg is None else seg
+    return (q if key_lengths is None else key_lengths, sq, sk,
+            q if dropout_p <= 0.0 else _checked_rng(rng, q.device))
+
+
+def _bwd_consts(q, key_lengths, causal, dropout_p, seg) -> tuple[tuple, dict]:
+    """(segment batch strides, the constexprs) both backward kernels take."""
     D = q.shape[-1]
-    seg_args, segments = _seg_args(seg, q)
-    constexprs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
-                      DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype), SEGMENTS=segments)
-    klen = key_lengths if key_lengths is not None else q
-    return (klen, *seg_args), constexprs, _rng_args(dropout_p, rng, q)
+    (_, _, *seg_strides), segments = _seg_args(seg, q)
+    return tuple(seg_strides), dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
+                                    DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype), SEGMENTS=segments)
+
+
+def _bwd_key(kind, do, q, k, v, idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan, *extra):
+    return (kind, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), q.dtype, q.device, _layout(idx),
+            None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
+            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), _state(), *extra)
 
 
 def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, q_idx, *,
              work: float = -1.0, seg=None):
     """dK, dV: one program per (k tile, batch * kv head), walking the column lists (delta from `bwd_dq`)."""
+    tma_plan = _tma_plan(_block_d(q.shape[-1]), q, k, v, do, work=work)
+    dk, dv = _new(k), _new(v)
+    key = _bwd_key("dkdv", do, q, k, v, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan)
+    plan = _plan(key, _dkdv_plan, do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
+                 tma_plan, seg)
+    bm, bn = plan.cfg.block_m, plan.cfg.block_n
+    descs = _tma_args(plan.cfg, tma_plan, _block_d(q.shape[-1]), (q, bm), (k, bn), (v, bn), (do, bm))[0]
+    _launch(plan, (q, k, v, do, lse, delta, dk, dv, q if q_idx is None else q_idx,
+                   *_bwd_tensors(q, key_lengths, dropout_p, rng, seg), *descs))
+    return dk, dv
+
+
+def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng, seg)
-    dk, dv = _new(k), _new(v)
-    plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do, work=work)
+    seg_strides, constexprs = _bwd_consts(q, key_lengths, causal, dropout_p, seg)
     cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
-                  dropout_p > 0, plan is not None)
-    dense = q_idx is None
-    ci, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q)
+                  dropout_p > 0, tma_plan is not None)
+    _, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q)
     strides, align = _aligned_strides(q, k, v, do, dk, dv)
-    bm, bn = cfg.block_m, cfg.block_n
-    tma_args, tma = _tma_args(cfg, plan, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm))
-    kernels._bwd_dkdv_kernel[(_cdiv(Nk, cfg.block_n), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, ci, *klen, *strides, *ci_s,
-        Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng, *tma_args,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
-        NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, **cfg.launch_options(), **constexprs,
-        Q_ROWS=cfg.q_rows, ALIGN=align, TMA=tma,
-    )
-    return dk, dv
+    args = (_T,) * 12 + (*seg_strides, *strides, *ci_s, Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale,
+                         _T, *_drop_consts(dropout_p), _T, _T, _T, _T)
+    kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
+                  MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=q_idx is None,
+                  **cfg.launch_options(), **constexprs, Q_ROWS=cfg.q_rows, ALIGN=align, TMA=_tma_taken(cfg, tma_plan))
+    return _Plan("_bwd_dkdv_kernel", (_cdiv(Nk, cfg.block_n), B * Hkv), args, kwargs, cfg, kwargs["TMA"], q.device)
 
 
 def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, kv_idx,
            *, o, dlse=None, work: float = -1.0, seg=None):
     """dQ: one program per (q tile, batch * q head), walking the row lists. It first writes
     delta = rowsum(dO * O) - dLSE (float32 [B, Hq, Nq]) into ``delta``, for `bwd_dkdv`."""
+    tma_plan = _tma_plan(_block_d(q.shape[-1]), q, k, v, do, o, work=work)
+    dq = _new(q)
+    key = _bwd_key("dq", do, q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan,
+                   o.stride(), dlse is None)
+    plan = _plan(key, _dq_plan, do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
+                 tma_plan, seg, dlse is not None)
+    bm, bn = plan.cfg.block_m, plan.cfg.block_n
+    descs = _tma_args(plan.cfg, tma_plan, _block_d(q.shape[-1]), (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))[0]
+    _launch(plan, (q, k, v, o, do, lse, lse if dlse is None else dlse, delta, dq, q if kv_idx is None else kv_idx,
+                   *_bwd_tensors(q, key_lengths, dropout_p, rng, seg), *descs))
+    return dq
+
+
+def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg,
+             has_dlse):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    klen, constexprs, rng = _bwd_common(q, key_lengths, causal, dropout_p, rng, seg)
-    dq = _new(q)
-    plan = _tma_plan(constexprs["BLOCK_D"], q, k, v, do, o, work=work)
+    seg_strides, constexprs = _bwd_consts(q, key_lengths, causal, dropout_p, seg)
     cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
-                  dropout_p > 0, plan is not None)
-    dense = kv_idx is None
-    ri, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q)
+                  dropout_p > 0, tma_plan is not None)
+    _, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q)
     strides, align = _aligned_strides(q, k, v, do, o, dq)
-    bm, bn = cfg.block_m, cfg.block_n
-    tma_args, tma = _tma_args(cfg, plan, constexprs["BLOCK_D"], (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))
-    kernels._bwd_dq_kernel[(_cdiv(Nq, cfg.block_m), B * Hq)](
-        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, ri, *klen, *strides, *ri_s,
-        Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale, *rng, *tma_args,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n,
-        NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=dense, HAS_DLSE=dlse is not None,
-        **cfg.launch_options(), **constexprs, ALIGN=align, TMA=tma,
-    )
-    return dq
+    args = (_T,) * 13 + (*seg_strides, *strides, *ri_s, Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale,
+                         _T, *_drop_consts(dropout_p), _T, _T, _T, _T, _T)
+    kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
+                  MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=kv_idx is None,
+                  HAS_DLSE=has_dlse, **cfg.launch_options(), **constexprs, ALIGN=align, TMA=_tma_taken(cfg, tma_plan))
+    return _Plan("_bwd_dq_kernel", (_cdiv(Nq, cfg.block_m), B * Hq), args, kwargs, cfg, kwargs["TMA"], q.device)

@@ -34,35 +34,14 @@ import time
 
 import torch
 
-from sparseflash.experiments.bench.timing import graph_ms
-
-SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU sleep: longer than issuing any batch below
-
-
-def host_us(fn, calls: int, repeats: int = 5) -> float:
-    """Host microseconds per call of ``fn``, issued while the GPU sleeps: the median over
-    ``repeats`` batches of ``calls`` calls (few enough that CUDA's launch queue never fills, which
-    would make a launch wait for the sleeping GPU)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        pending = not torch.cuda.current_stream().query()  # still sleeping: no call waited for the GPU
-        torch.cuda.synchronize()
-        if not pending:
-            raise RuntimeError("the GPU finished its sleep before the calls were issued: raise SLEEP_CYCLES")
-        times.append((t1 - t0) / calls * 1e6)
-    return sorted(times)[len(times) // 2]
-
+from sparseflash.experiments.bench.timing import SLEEP_CYCLES, graph_ms, host_us
 
 def _recorded_launches(fn):
-    """(kernel, grid, args, kwargs) of every Triton launch ``fn`` makes."""
+    """(kernel, grid, args, kwargs) of every Triton launch ``fn`` makes (bound launches off, so
+    that each goes through JITFunction.run)."""
     import triton
+
+    from sparseflash.flash import launch
 
     seen = []
     orig = triton.runtime.jit.JITFunction.run
@@ -73,10 +52,12 @@ def _recorded_launches(fn):
         return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     triton.runtime.jit.JITFunction.run = run
+    fast, launch.FAST_LAUNCH = launch.FAST_LAUNCH, False
     try:
         fn()
     finally:
         triton.runtime.jit.JITFunction.run = orig
+        launch.FAST_LAUNCH = fast
     torch.cuda.synchronize()
     return seen
 
@@ -153,7 +134,7 @@ def main(argv=None) -> int:
     from sparseflash.flash.function import FlashAttentionFunction
 
     ctx = SimpleNamespace(saved_tensors=(q, k, v, o, lse, torch.empty(3, dtype=torch.int64, device=dev), kv_idx, q_idx,
-                                         None), params=(scale, False, mb or 0, mb or 0, 0.0, density))
+                                         None, None, None), params=(scale, False, mb or 0, mb or 0, 0.0, density))
 
     def fn_bwd():
         FlashAttentionFunction.backward(ctx, do, None)
