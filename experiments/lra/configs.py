@@ -10,6 +10,10 @@
 - ``quick``: the same model, a shorter schedule with a higher learning rate and cosine decay,
   sized for a few minutes on one H100 (evaluation on a fixed subset where the split is large).
 
+Either variant trains a classifier; ``train.objective="denoise"`` (``--objective denoise``)
+self-pretrains the same encoder on the training inputs instead (masked tokens, ``train.mask_ratio``;
+see train.py), for a classifier to start from with ``--init-from``.
+
 Tasks match the loaders of `sparseflash.experiments.lra.data` (``get_dataset(task, ...)``).
 Vocabulary size and class count are taken from the dataset when training; the values here are
 those of the released data and are what the speed experiment uses.

@@ -21,6 +21,9 @@ through one switch.
   sees ``seq_len + 1`` positions and the pattern is built for that length).
 - ``dual=True`` (Retrieval): both documents go through the same encoder and the head sees
   ``[u, v, u * v, u - v]``.
+- `LRADenoiser`, for self-pretraining (``train.objective="denoise"``): the same encoder, a learned
+  vector in place of the embedding of masked tokens (`mask_positions` picks them), and a token
+  prediction head at every position; `load_pretrained` moves the encoder between the two.
 
 Attention dropout is applied only in training. FlexAttention has no dropout: with ``flex`` the
 attention dropout is ignored (a warning says so); the residual / FFN dropout still applies.

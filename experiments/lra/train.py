@@ -40,6 +40,38 @@ stopping through an all-reduce of one number per step.
 
 Path-X / Path-256: ``--init-from CKPT`` loads a model trained at a smaller resolution and
 upsamples its 2-D position grid (2x2 duplication from Path-64 to Path-X).
+
+Self-pretraining (SPT; Amos, Berant & Gupta, "Never Train from Scratch", ICLR 2024).
+``--objective denoise`` (``train.objective``) trains the same encoder, on the task's own training
+inputs and without labels, to fill in masked tokens, for a classifier to start from:
+
+    sparseflash lra train --task pathfinder32 --config faithful --data DIR --objective denoise --out runs/spt
+    sparseflash lra train --task pathfinder32 --config faithful --data DIR \
+        --init-from runs/spt/checkpoints/best.pt --out runs/ft
+
+- Masking: in every sequence exactly ``k = min(L, max(1, round(mask_ratio * L)))`` of its ``L``
+  real tokens (never padding; each document of a Retrieval pair on its own), uniformly at random
+  (`mask_positions`), ``train.mask_ratio`` 0.15 by default. The draw is ``torch.rand`` on the
+  device, the generator that also drives dropout, so the masks are part of the checkpointed RNG
+  state and ``--resume`` stays bit-identical; each rank draws its own.
+- Model (`LRADenoiser`): masked positions get a learned vector (``mask_embed``) instead of their
+  token embedding (the table or ``model.embed=pixel``), plus their position embedding; the encoder
+  is the classifier's (attention backend, pattern, positions, CLS, augmentation); an untied MLM
+  head (Linear, GELU, LayerNorm, Linear to the vocabulary) predicts every position, and the loss is
+  the cross-entropy (with ``train.label_smoothing``) at the masked positions only.
+- Logs: ``train.csv`` keeps its columns (loss and accuracy of the masked tokens); ``eval.csv``
+  has ``step, split, weights, loss, acc, tokens, n, time_s``: masked-token loss and accuracy,
+  ``tokens`` masked tokens in ``n`` sequences. Evaluation masks are fixed per example (`eval_mask`:
+  the generator of ``(EVAL_MASK_SEED, index)``), so every evaluation, run and rank count agree.
+  ``best.pt`` holds the weights of the lowest validation loss (classify: highest accuracy);
+  ``summary.json`` has ``objective`` (and ``mask_ratio``).
+- Fine-tuning: ``--init-from`` requires the encoder (``encoder.*``) to fit, upsampling a position
+  grid as above, and skips what the other objective has (a denoiser's ``mask_embed`` and
+  ``denoise_head.*``, a classifier's ``head.*``), printing the skipped and the freshly initialised
+  keys; so Path-64 SPT -> Path-X classifier works too.
+- Data parallel: each rank draws its own masks and averages the loss over its own masked tokens
+  before DDP averages the ranks, so unlike the classifier a run does not repeat a single-process
+  one (the objective is the same).
 """
 
 from __future__ import annotations
