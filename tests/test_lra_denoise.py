@@ -213,7 +213,7 @@ def test_init_from_denoise_into_classify_and_back(tmp_path, capsys):
             datasets=big, device="cpu", init_from=str(tmp_path / "spt" / "checkpoints" / "best.pt"),
             show_progress=False)
     err = capsys.readouterr().err
-    assert "initialised the classify model from" in err and "(a denoise checkpoint)" in err
+    assert "initialised from" in err and "(a denoise checkpoint, into a classify model)" in err
     assert "skipped (not in this model): denoise_head.0.bias" in err and "upsampled (4, 4) -> (8, 8)" in err
     post = torch.load(tmp_path / "ft" / "checkpoints" / "last.pt", weights_only=False)["model"]
     for name in pre:
@@ -224,7 +224,7 @@ def test_init_from_denoise_into_classify_and_back(tmp_path, capsys):
     T.train(_config("pathfinder32", **over), tmp_path / "spt2", datasets=big, device="cpu",
             init_from=str(tmp_path / "ft" / "checkpoints" / "last.pt"), show_progress=False)
     err = capsys.readouterr().err
-    assert "initialised the denoise model from" in err and "(a classify checkpoint)" in err
+    assert "(a classify checkpoint, into a denoise model)" in err
     assert "skipped (not in this model): head.0.bias" in err
     assert "left at initialisation (not in the checkpoint): denoise_head.0.bias" in err and "mask_embed" in err
     # an encoder that does not fit is still an error

@@ -558,7 +558,7 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
         notes = load_pretrained(model, state.get("model", state))
         if lead:
             source = ((state.get("config") or {}).get("train") or {}).get("objective", "classify")
-            print(f"initialised the {tc.objective} model from {init_from} (a {source} checkpoint)"
+            print(f"initialised from {init_from} (a {source} checkpoint, into a {tc.objective} model)"
                   + "".join(f"\n  {n}" for n in notes), file=sys.stderr)
     model.to(device)
     opt = _optimizer(model, tc, device)
