@@ -248,6 +248,23 @@ def test_command_line_objective(tmp_path, monkeypatch, capsys):
         T.main([*args, "--resume", "--set", "train.mask_ratio=0.3"])
 
 
+def test_checkpoint_from_before_the_objective_resumes(tmp_path):
+    """A classifier's last.pt written before train.objective / train.mask_ratio existed (the
+    faithful Pathfinder runs') resumes: a field the saved config lacks counts as its default."""
+    cfg = _config(**{"train.objective": "classify", "train.mask_ratio": 0.15, "train.steps": 4})
+    data = _data(64)
+    T.train(cfg, tmp_path, datasets=data, device="cpu", max_steps=2, show_progress=False)
+    ck = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=False)
+    del ck["config"]["train"]["objective"], ck["config"]["train"]["mask_ratio"]
+    torch.save(ck, tmp_path / "checkpoints" / "last.pt")
+    assert T.train(cfg, tmp_path, datasets=data, device="cpu", resume="auto", show_progress=False)["steps"] == 4
+    ck = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=False)
+    del ck["config"]["train"]["objective"]
+    torch.save(ck, tmp_path / "checkpoints" / "last.pt")
+    with pytest.raises(ValueError, match=r"config differs in \['train.objective'\]"):  # ... the default, not any
+        T.train(_config(**{"train.steps": 4, "train.mask_ratio": 0.15}), tmp_path, datasets=data, device="cpu", resume="auto", show_progress=False)
+
+
 @pytest.mark.parametrize("bad, match", [
     (["train.mask_ratio=0"], r"train.mask_ratio must be a number in \(0, 1\), got 0.0"),
     (["train.mask_ratio=1"], r"train.mask_ratio must be a number in \(0, 1\), got 1.0"),
