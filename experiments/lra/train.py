@@ -1,7 +1,8 @@
-"""Training of the LRA / Path-X classifiers, on one device or data-parallel under ``torchrun``.
+"""Training (and self-pretraining) of the LRA / Path-X classifiers, on one device or data-parallel under ``torchrun``.
 
     sparseflash lra train --task listops --config quick --data DIR --attention sparseflash \\
         --pattern butterfly --out runs/listops-bf [--max-steps N] [--device cpu|cuda] [--time-limit MIN]
+    sparseflash lra train ... --objective denoise  (self-pretraining: see below; then --init-from its best.pt)
     sparseflash lra train ... --resume            (same flags: continue OUT/checkpoints/last.pt)
     torchrun --nproc-per-node 4 -m sparseflash.experiments.lra.train ...      (same flags)
 
