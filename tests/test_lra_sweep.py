@@ -125,3 +125,8 @@ def test_sweep_argument_errors(tmp_path):
         S.main(["--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="sweep.json does not exist"):
         S.main(["--plot-only", str(tmp_path)])
+    from sparseflash.experiments.lra.configs import get_config
+
+    with pytest.raises(ValueError, match="train.objective must be 'classify', got 'denoise'"):
+        S.run_sweep(get_config("listops", "quick", ["train.objective=denoise"]), tmp_path, pattern="butterfly",
+                    densities=[1], datasets={})

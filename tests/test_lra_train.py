@@ -5,6 +5,7 @@ loaders (same interface)."""
 
 import argparse
 import csv
+import functools
 import json
 import math
 import os
@@ -170,11 +171,13 @@ def test_dual_task_trains(tmp_path):
     assert summary["steps"] == 4 and math.isfinite(summary["test_final"]["loss"])
 
 
-def test_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("objective", ["classify", "denoise"])
+def test_resume_is_bit_identical(tmp_path, objective):
     """8 steps straight == 4 steps, stop, resume, 4 more: parameters, optimizer state and logs.
-    Dropout is on, so the restored RNG streams matter; the data order crosses an epoch boundary."""
+    Dropout is on (and, denoising, the masks are drawn), so the restored RNG streams matter; the
+    data order crosses an epoch boundary."""
     over = {"model.attention": "torch", "model.dropout": 0.1, "model.attn_dropout": 0.1, "train.steps": 8,
-            "train.eval_every": 3, "train.log_every": 1, "train.schedule": "cosine"}
+            "train.eval_every": 3, "train.log_every": 1, "train.schedule": "cosine", "train.objective": objective}
     data = toy_datasets(80)  # 5 steps per epoch
     T.train(toy_config(**over), tmp_path / "straight", datasets=data, device="cpu", show_progress=False)
     T.train(toy_config(**over), tmp_path / "split", datasets=data, device="cpu", max_steps=4, show_progress=False)
@@ -192,9 +195,11 @@ def test_resume_is_bit_identical(tmp_path):
               for p in (tmp_path / "straight", tmp_path / "split")]
     assert losses[0] == losses[1] and len(losses[0]) == 8
     # the first command's closing validation at step 4 and its test evaluation are not in the run
-    evals = [[(r["step"], r["split"], r["weights"], r["acc"]) for r in _records(p / "eval.csv")]
-             for p in (tmp_path / "straight", tmp_path / "split")]
-    assert evals[0] == evals[1] and [e[0] for e in evals[0]] == ["3", "6", "8", "8", "8"]
+    evals = [_records(p / "eval.csv") for p in (tmp_path / "straight", tmp_path / "split")]
+    assert evals[0] == evals[1] and [e["step"] for e in evals[0]] == ["3", "6", "8", "8", "8"]
+    assert ("tokens" in evals[0][0]) == (objective == "denoise")
+    best = [torch.load(p / "checkpoints" / "best.pt", weights_only=False) for p in (tmp_path / "straight", tmp_path / "split")]
+    assert best[0]["step"] == best[1]["step"] and all(torch.equal(t, best[1]["model"][n]) for n, t in best[0]["model"].items())
     with pytest.raises(ValueError, match=r"config differs in \['model.d_model'\]"):
         T.train(toy_config(**over, **{"model.d_model": 64}), tmp_path / "split", datasets=data, device="cpu",
                 resume="auto", show_progress=False)
@@ -360,8 +365,9 @@ _TIMING = {"step_ms", "tokens_per_s", "time_s", "mem_gb"}  # wall-clock fields o
 _WALL = {"wall_s", "wall_s_total", "segments", "resumed_from"}  # ... and of summary.json
 
 
-def _listops_args(data, out, *extra):
-    return ["--task", "listops", "--config", "quick", "--data", str(data), "--out", str(out), "--device", "cpu",
+def _listops_args(data, out, *extra, objective="classify"):
+    return ["--task", "listops", "--config", "quick", "--objective", objective, "--data", str(data), "--out", str(out),
+            "--device", "cpu",
             "--attention", "torch", "--no-progress", "--set", "data.seq_len=64", "--set", "model.d_model=32",
             "--set", "model.d_ff=64", "--set", "model.dropout=0.1", "--set", "model.attn_dropout=0.1",
             "--set", "train.batch_size=16", "--set", "train.steps=30", "--set", "train.warmup_steps=4",
@@ -409,11 +415,13 @@ def _jsonl(path):
     return [{k: v for k, v in json.loads(x).items() if k not in _TIMING} for x in path.read_text().splitlines()]
 
 
-def test_sigterm_and_kill_then_resume_equal_one_run(tmp_path, one_thread):
+@pytest.mark.parametrize("objective", ["classify", "denoise"])
+def test_sigterm_and_kill_then_resume_equal_one_run(tmp_path, one_thread, objective):
     """One run of 30 steps == the same run stopped by SIGTERM (sent to the whole process group,
     DataLoader workers included), resumed and killed with SIGKILL after log records past its last
     checkpoint, and resumed again: weights, optimizer, RNG, best-on-val, logs and summary.
-    Dropout is on and the data order crosses two epoch boundaries (10 steps per epoch)."""
+    Dropout is on and the data order crosses two epoch boundaries (10 steps per epoch); with
+    ``--objective denoise`` the masks come from the same restored RNG streams."""
     import signal
 
     from sparseflash.experiments.lra.data.listops import write_listops
@@ -422,10 +430,11 @@ def test_sigterm_and_kill_then_resume_equal_one_run(tmp_path, one_thread):
     write_listops(data, train=160, val=32, test=32, seed=1, min_len=10, max_len=60, max_depth=4, workers=1,
                   show_progress=False)
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert T.main(_listops_args(data, straight, "--num-workers", "0")) == 0
+    args = functools.partial(_listops_args, objective=objective)
+    assert T.main(args(data, straight, "--num-workers", "0")) == 0
 
     # 1. SIGTERM to the process group while the two workers hold the 8th batch: a clean stop.
-    rc, out, err = _run_child(tmp_path, _listops_args(data, split, "--num-workers", "2"), 16 * 4,
+    rc, out, err = _run_child(tmp_path, args(data, split, "--num-workers", "2"), 16 * 4,
                               lambda pid: os.killpg(pid, signal.SIGTERM), "term")
     assert rc == T.EXIT_STOPPED, err
     s1 = _params(split)["step"]
@@ -436,7 +445,7 @@ def test_sigterm_and_kill_then_resume_equal_one_run(tmp_path, one_thread):
     # 2. resumed, then killed outright in the middle of a step that follows a logged one which no
     # checkpoint holds: the next resume must drop that record.
     m = 3 if (s1 + 3) % 5 else 4  # steps this command completes; s1 + m is not a checkpoint step
-    rc, _, err = _run_child(tmp_path, _listops_args(data, split, "--num-workers", "0", "--resume"), 1 + 16 * m + 1,
+    rc, _, err = _run_child(tmp_path, args(data, split, "--num-workers", "0", "--resume"), 1 + 16 * m + 1,
                             lambda pid: os.killpg(pid, signal.SIGKILL), "kill")
     assert rc == -signal.SIGKILL, err
     ck = _params(split)
@@ -444,7 +453,7 @@ def test_sigterm_and_kill_then_resume_equal_one_run(tmp_path, one_thread):
     assert logged[-1] == s1 + m and ck["step"] == 5 * ((s1 + m) // 5) < logged[-1]
 
     # 3. resumed to the end
-    assert T.main(_listops_args(data, split, "--num-workers", "0", "--resume")) == 0
+    assert T.main(args(data, split, "--num-workers", "0", "--resume")) == 0
 
     a, b = _params(straight), _params(split)
     assert a["step"] == b["step"] == 30 and a["best"] == b["best"]

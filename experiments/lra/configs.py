@@ -10,6 +10,10 @@
 - ``quick``: the same model, a shorter schedule with a higher learning rate and cosine decay,
   sized for a few minutes on one H100 (evaluation on a fixed subset where the split is large).
 
+Either variant trains a classifier; ``train.objective="denoise"`` (``--objective denoise``)
+self-pretrains the same encoder on the training inputs instead (masked tokens, ``train.mask_ratio``;
+see train.py), for a classifier to start from with ``--init-from``.
+
 Tasks match the loaders of `sparseflash.experiments.lra.data` (``get_dataset(task, ...)``).
 Vocabulary size and class count are taken from the dataset when training; the values here are
 those of the released data and are what the speed experiment uses.
@@ -28,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 from sparseflash.experiments.lra.model import ModelConfig
 
-__all__ = ["TASKS", "VARIANTS", "SPEED_TASKS", "LRA5", "TrainConfig", "ExperimentConfig", "get_config",
+__all__ = ["TASKS", "VARIANTS", "SPEED_TASKS", "LRA5", "OBJECTIVES", "TrainConfig", "ExperimentConfig", "get_config",
            "apply_overrides", "config_from_dict"]
 
 TASKS = ("listops", "text", "text4k", "retrieval", "image", "pathfinder32", "pathfinder64", "pathx", "path256")
@@ -36,6 +40,7 @@ VARIANTS = ("faithful", "quick")
 SPEED_TASKS = ("listops", "text", "text4k", "retrieval", "image", "pathfinder32", "pathx", "path256")
 LRA5 = ("listops", "text", "retrieval", "image", "pathfinder32")  # the tasks of the paper's geometric mean
 SCHEDULES = ("linear", "cosine", "inverse_sqrt", "constant")
+OBJECTIVES = ("classify", "denoise")  # train.objective
 
 
 @dataclass
@@ -59,6 +64,8 @@ class TrainConfig:
     log_every: int = 50
     save_every: int = 1000
     seed: int = 0
+    objective: str = "classify"  # "denoise": self-pretraining, predict masked tokens (train.py's docstring)
+    mask_ratio: float = 0.15  # denoise: the fraction of each sequence's real tokens that is masked
 
     def validate(self) -> "TrainConfig":
         for name in ("batch_size", "steps", "eval_every", "log_every", "save_every"):
@@ -89,6 +96,11 @@ class TrainConfig:
             raise ValueError(f"train.betas must be a pair of floats in [0, 1), got {self.betas!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"train.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"train.objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        r = self.mask_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1:
+            raise ValueError(f"train.mask_ratio must be a number in (0, 1), got {r!r}")
         return self
 
 

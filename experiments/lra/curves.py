@@ -4,6 +4,8 @@ Reads every ``RUNS_DIR/*/eval.csv`` written by `sparseflash lra train` (columns 
 weights, loss, acc) and ``config.json`` / ``summary.json`` beside it, and draws validation
 accuracy against step, one panel per task, one line per run (labelled with its attention pattern
 and block density). Prints a table of each run's best validation and test accuracy.
+Self-pretraining runs (``objective`` "denoise" in summary.json or config.json) get panels of
+their own, ``TASK (SPT)``, whose accuracy is that of the masked tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def load_runs(root) -> list[dict]:
         summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
         config = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
         task = summary.get("task") or config.get("task") or d.name.split("_")[0]
+        if (summary.get("objective") or config.get("train", {}).get("objective")) == "denoise":
+            task += " (SPT)"  # masked-token accuracy: not on the classifiers' axes
         model = config.get("model", {})
         pattern = summary.get("pattern") or model.get("pattern") or "dense"
         kwargs = summary.get("pattern_kwargs", model.get("pattern_kwargs")) or {}
@@ -51,7 +55,7 @@ def plot_curves(runs: list[dict], path) -> None:
             dens = f", density {r['density']:.2f}" if r["density"] is not None else ""
             label = f"{r['pattern']}{dens}" + ("" if r["finished"] else " (stopped early)")
             ax.plot(steps, [100 * a for a in acc], marker="o", ms=3, label=label)
-        ax.set_title(f"{task}: validation accuracy")
+        ax.set_title(f"{task}: validation {'masked-token ' if task.endswith('(SPT)') else ''}accuracy")
         ax.set_xlabel("training step")
         ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)
@@ -62,14 +66,14 @@ def plot_curves(runs: list[dict], path) -> None:
 
 
 def _table(runs) -> str:
-    lines = [f"{'run':36s} {'task':13s} {'pattern':22s} {'density':>7s} {'best val':>8s} {'test':>6s} {'steps':>6s}"]
+    lines = [f"{'run':36s} {'task':19s} {'pattern':22s} {'density':>7s} {'best val':>8s} {'test':>6s} {'steps':>6s}"]
     for r in runs:
         s = r["summary"]
         best = s.get("best_val", {}).get("acc")
         test = s.get("test_best", {}).get("acc")
         fmt = lambda x: f"{100 * x:.1f}" if x is not None else "-"  # noqa: E731
         dens = f"{r['density']:.3f}" if r["density"] is not None else "-"
-        lines.append(f"{r['name']:36s} {r['task']:13s} {str(r['pattern']):22s} {dens:>7s} {fmt(best):>8s} "
+        lines.append(f"{r['name']:36s} {r['task']:19s} {str(r['pattern']):22s} {dens:>7s} {fmt(best):>8s} "
                      f"{fmt(test):>6s} {str(s.get('steps', '-')):>6s}")
     return "\n".join(lines)
 

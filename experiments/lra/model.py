@@ -21,6 +21,9 @@ through one switch.
   sees ``seq_len + 1`` positions and the pattern is built for that length).
 - ``dual=True`` (Retrieval): both documents go through the same encoder and the head sees
   ``[u, v, u * v, u - v]``.
+- `LRADenoiser`, for self-pretraining (``train.objective="denoise"``): the same encoder, a learned
+  vector in place of the embedding of masked tokens (`mask_positions` picks them), and a token
+  prediction head at every position; `load_pretrained` moves the encoder between the two.
 
 Attention dropout is applied only in training. FlexAttention has no dropout: with ``flex`` the
 attention dropout is ignored (a warning says so); the residual / FFN dropout still applies.
@@ -43,8 +46,8 @@ from sparseflash.mask import BlockMask
 from sparseflash.nn import SparseAttention, resolve_pattern
 
 __all__ = [
-    "ATTENTIONS", "ModelConfig", "LRAClassifier", "AttentionKernel", "build_pattern", "parse_pattern_spec",
-    "upsample_grid", "load_pretrained",
+    "ATTENTIONS", "ModelConfig", "LRAClassifier", "LRADenoiser", "mask_positions", "AttentionKernel", "build_pattern",
+    "parse_pattern_spec", "upsample_grid", "load_pretrained",
 ]
 
 ATTENTIONS = ("sparseflash", "torch", "sdpa", "flex")
@@ -402,9 +405,17 @@ class Encoder(nn.Module):
             self._masks[key] = build_pattern(cfg.pattern, n, cfg.block_size, device=device, **cfg.pattern_kwargs)
         return self._masks[key]
 
-    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    def features(self, tokens: torch.Tensor, lengths: torch.Tensor | None, masked: torch.Tensor | None = None,
+                 mask_vector: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-position outputs ``[B, n, d]`` after the final LayerNorm (``n = N + 1`` with a CLS
+        token, at position 0) and the key lengths the attention used (None: no padding).
+
+        ``masked`` (bool ``[B, N]``) with ``mask_vector`` (``[d]``): those positions get the vector
+        instead of their token embedding (their position embedding is still added)."""
         B, N = tokens.shape
         x = self.embed(tokens)
+        if masked is not None:
+            x = torch.where(masked[..., None], mask_vector.to(x.dtype), x)
         pos = self.pos(N)
         if pos is not None:
             x = x + pos.to(x.dtype)
@@ -419,18 +430,23 @@ class Encoder(nn.Module):
                                  key_lengths=lengths, backend=self.cfg.backend, flex_cache=self._flex_cache)
         for block in self.blocks:
             x = block(x, attend)
-        x = self.norm(x)
+        return self.norm(x), lengths
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+        """The pooled representation ``[B, d]``: the CLS output, or the mean over real tokens."""
+        x, lengths = self.features(tokens, lengths)
         if self.cls is not None:
             return x[:, 0]
         if lengths is None:
             return x.mean(dim=1)
+        n = x.shape[1]
         valid = (torch.arange(n, device=x.device)[None, :] < lengths[:, None]).to(x.dtype)
         return (x * valid[..., None]).sum(1) / lengths.clamp(min=1)[:, None].to(x.dtype)
 
 
-class LRAClassifier(nn.Module):
-    """Encoder + MLP head. ``forward(tokens, lengths=None)`` with tokens ``[B, N]`` (``[B, 2, N]``
-    and lengths ``[B, 2]`` when ``dual``) returns logits ``[B, num_classes]``."""
+class _LRAModel(nn.Module):
+    """What the classifier and the denoiser share: the config check, the encoder, input checks and
+    the dihedral augmentation."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -438,30 +454,49 @@ class LRAClassifier(nn.Module):
         self.cfg = cfg
         if cfg.attention == "flex" and cfg.attn_dropout > 0:
             warnings.warn(f"FlexAttention has no attention dropout: attn_dropout={cfg.attn_dropout} is ignored "
-                          f"(residual and FFN dropout still apply)", stacklevel=2)
+                          f"(residual and FFN dropout still apply)", stacklevel=3)
         self.encoder = Encoder(cfg)
-        hidden = cfg.head_hidden or cfg.d_ff
-        width = 4 * cfg.d_model if cfg.dual else cfg.d_model
-        self.head = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, cfg.num_classes))
         if cfg.augment == "dihedral":
             self.register_buffer("_dihedral", dihedral_permutations(*cfg.grid), persistent=False)
 
     def pattern_mask(self, device="cpu") -> BlockMask | None:
         return self.encoder.pattern_mask(self.cfg.attn_len, device)
 
-    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def _check(self, tokens: torch.Tensor, lengths: torch.Tensor | None) -> None:
         cfg = self.cfg
         want = 3 if cfg.dual else 2
         if tokens.dim() != want or (cfg.dual and tokens.shape[1] != 2):
             raise ValueError(f"tokens must be {'[batch, 2, seq]' if cfg.dual else '[batch, seq]'}, got {tuple(tokens.shape)}")
         if lengths is not None and lengths.shape != tokens.shape[:-1]:
             raise ValueError(f"lengths must have shape {tuple(tokens.shape[:-1])}, got {tuple(lengths.shape)}")
-        if cfg.augment == "dihedral" and self.training:
-            if lengths is not None and bool((lengths < tokens.shape[-1]).any()):
-                raise ValueError("augment='dihedral' needs unpadded grid inputs (every length == seq_len)")
-            # one symmetry per example, drawn from torch's generator on the device (checkpointed)
-            pick = torch.randint(self._dihedral.shape[0], tokens.shape[:1], device=tokens.device)
-            perm = self._dihedral[pick]
+
+    def _symmetry(self, tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor | None:
+        """In training with ``augment="dihedral"``: one grid symmetry per example, ``[B, N]`` index
+        maps (``tokens.gather(-1, perm)`` applies it); else None."""
+        if self.cfg.augment != "dihedral" or not self.training:
+            return None
+        if lengths is not None and bool((lengths < tokens.shape[-1]).any()):
+            raise ValueError("augment='dihedral' needs unpadded grid inputs (every length == seq_len)")
+        # one symmetry per example, drawn from torch's generator on the device (checkpointed)
+        pick = torch.randint(self._dihedral.shape[0], tokens.shape[:1], device=tokens.device)
+        return self._dihedral[pick]
+
+
+class LRAClassifier(_LRAModel):
+    """Encoder + MLP head. ``forward(tokens, lengths=None)`` with tokens ``[B, N]`` (``[B, 2, N]``
+    and lengths ``[B, 2]`` when ``dual``) returns logits ``[B, num_classes]``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        hidden = cfg.head_hidden or cfg.d_ff
+        width = 4 * cfg.d_model if cfg.dual else cfg.d_model
+        self.head = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, cfg.num_classes))
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        self._check(tokens, lengths)
+        perm = self._symmetry(tokens, lengths)
+        if perm is not None:
             tokens = tokens.gather(-1, perm if tokens.dim() == 2 else perm[:, None].expand_as(tokens))
         if not cfg.dual:
             return self.head(self.encoder(tokens, lengths))
@@ -471,6 +506,75 @@ class LRAClassifier(nn.Module):
                          None if lengths is None else lengths.transpose(0, 1).flatten())
         u, v = z[:B], z[B:]
         return self.head(torch.cat([u, v, u * v, u - v], dim=-1))
+
+
+class LRADenoiser(_LRAModel):
+    """Encoder + token-prediction head, for self-pretraining (``train.objective="denoise"``).
+
+    ``forward(tokens, lengths=None, masked=None)``: the positions where the bool ``masked`` (shape
+    of ``tokens``) is True get the learned ``mask_embed`` vector in place of their token embedding
+    (both ``model.embed`` kinds); the encoder runs as in the classifier (same attention, pattern,
+    positions, padding); the head maps every position's output to logits over the vocabulary,
+    ``[B, N, vocab]`` (``[B, 2, N, vocab]`` when ``dual``: each document is a sequence of its
+    own). The loss (train.py) is the cross-entropy at the masked positions only.
+
+    The head is BERT's masked-LM head, untied: Linear(d, d), GELU, LayerNorm, Linear(d, vocab).
+    Untied, because ``model.embed="pixel"`` has no table to tie to and because the head is thrown
+    away at fine-tuning: its transform takes the token-specific last step off the encoder's final
+    layer, and the embedding table the classifier inherits gets no gradient but the encoder's.
+    With ``augment="dihedral"`` the symmetry is applied to tokens and mask together and undone on
+    the outputs, so logits stay aligned with the input positions.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        d = cfg.d_model
+        self.mask_embed = nn.Parameter(torch.randn(d) * 0.02)
+        self.denoise_head = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d), nn.Linear(d, cfg.vocab_size))
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
+                masked: torch.Tensor | None = None) -> torch.Tensor:
+        self._check(tokens, lengths)
+        if masked is not None and (masked.shape != tokens.shape or masked.dtype != torch.bool):
+            raise ValueError(f"masked must be a bool tensor of shape {tuple(tokens.shape)}, "
+                             f"got {masked.dtype} {tuple(masked.shape)}")
+        shape = tokens.shape
+        N = shape[-1]
+        tokens = tokens.reshape(-1, N)  # dual: each document on its own
+        lengths = None if lengths is None else lengths.reshape(-1)
+        masked = None if masked is None else masked.reshape(-1, N)
+        perm = self._symmetry(tokens, lengths)
+        if perm is not None:
+            tokens = tokens.gather(-1, perm)
+            masked = None if masked is None else masked.gather(-1, perm)
+        x, _ = self.encoder.features(tokens, lengths, masked, self.mask_embed)
+        if self.encoder.cls is not None:
+            x = x[:, 1:]
+        if perm is not None:  # back to the input's positions: output i of the turned grid is input perm[i]
+            x = torch.zeros_like(x).scatter(1, perm[..., None].expand_as(x), x)
+        return self.denoise_head(x).reshape(*shape, -1)
+
+
+def mask_positions(scores: torch.Tensor, lengths: torch.Tensor | None, ratio: float) -> torch.Tensor:
+    """The positions to mask for denoising: in each sequence (last dim of ``scores``, ``[..., N]``)
+    the ``k = min(length, max(1, round(ratio * length)))`` real tokens (positions ``< length``; all N if
+    ``lengths`` is None) with the smallest ``scores``. ``scores`` are i.i.d. uniform draws in
+    [0, 1); ties are broken by position (a stable sort), so the count is exact. Returns bool, the
+    shape of ``scores``."""
+    if not 0 < ratio < 1:
+        raise ValueError(f"mask ratio must be in (0, 1), got {ratio!r}")
+    N = scores.shape[-1]
+    flat = scores.reshape(-1, N)
+    pos = torch.arange(N, device=scores.device)
+    if lengths is None:
+        n = torch.full(flat.shape[:1], N, device=scores.device)
+    else:
+        n = lengths.reshape(-1).to(scores.device).clamp(0, N)
+        flat = flat.masked_fill(pos[None, :] >= n[:, None], 2.0)  # padding sorts last
+    k = (n.double() * ratio).round().clamp(min=1).minimum(n.double()).long()
+    order = flat.argsort(dim=-1, stable=True)
+    chosen = pos[None, :] < k[:, None]  # the first k of each row, in sorted order
+    return torch.zeros_like(chosen).scatter(1, order, chosen).reshape(scores.shape)
 
 
 # ------------------------------------------------------------------------------- pretrained weights
@@ -486,17 +590,26 @@ def upsample_grid(grid: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return grid.repeat_interleave(H2 // H, dim=0).repeat_interleave(W2 // W, dim=1)
 
 
-def load_pretrained(model: LRAClassifier, state_dict: dict) -> list[str]:
-    """Copy ``state_dict`` into ``model``; a 2-D position grid of another size is upsampled
-    grid-wise (`upsample_grid`). Any other missing, unexpected or mis-shaped tensor is an error.
-    Returns one note per upsampled tensor."""
+def load_pretrained(model: nn.Module, state_dict: dict) -> list[str]:
+    """Copy ``state_dict`` into ``model`` (an `LRAClassifier` or `LRADenoiser`); returns notes.
+
+    The encoder (``encoder.*``: embeddings, positions, CLS token, blocks, final norm) must match
+    exactly, except that a 2-D position grid of another size is upsampled grid-wise
+    (`upsample_grid`); any other missing, unexpected or mis-shaped encoder tensor is an error.
+    Outside the encoder, tensors the model does not have (the other objective's head: a classifier
+    checkpoint's ``head.*``, a denoiser's ``denoise_head.*`` and ``mask_embed``) are skipped, and
+    tensors the checkpoint lacks keep their fresh initialisation; tensors in both are copied
+    (shapes must agree). One note per upsampled grid and per skipped or fresh group."""
     own = model.state_dict()
-    missing = sorted(set(own) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(own))
+    enc = "encoder."
+    missing = sorted(k for k in set(own) - set(state_dict) if k.startswith(enc))
+    unexpected = sorted(k for k in set(state_dict) - set(own) if k.startswith(enc))
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
-    notes, new = [], {}
+        raise ValueError(f"checkpoint does not fit the model's encoder: missing {missing}, unexpected {unexpected}")
+    notes, new = [], dict(own)
     for name, t in state_dict.items():
+        if name not in own:
+            continue
         target = own[name]
         if t.shape == target.shape:
             new[name] = t
@@ -505,5 +618,11 @@ def load_pretrained(model: LRAClassifier, state_dict: dict) -> list[str]:
             notes.append(f"{name}: upsampled {tuple(t.shape[:2])} -> {tuple(target.shape[:2])}")
         else:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(target.shape)}")
+    skipped = sorted(set(state_dict) - set(own))
+    fresh = sorted(set(own) - set(state_dict))
+    if skipped:
+        notes.append(f"skipped (not in this model): {', '.join(skipped)}")
+    if fresh:
+        notes.append(f"left at initialisation (not in the checkpoint): {', '.join(fresh)}")
     model.load_state_dict(new)
     return notes

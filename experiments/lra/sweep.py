@@ -247,6 +247,9 @@ def run_sweep(cfg, out_dir, *, pattern: str, densities, seeds=(0,), data_root=No
 
     if init_from and init_from_sweep:
         raise ValueError("give init_from or init_from_sweep, not both")
+    if cfg.train.objective != "classify":  # its tables are accuracies and its step timing a classifier's
+        raise ValueError(f"a sweep trains classifiers: train.objective must be 'classify', got {cfg.train.objective!r} "
+                         "(self-pretrain with `sparseflash lra train --objective denoise`, then sweep with --init-from)")
     if pattern not in SWEEP_PATTERNS:
         raise ValueError(f"pattern must be one of {SWEEP_PATTERNS} for a density sweep, got {pattern!r}")
     densities, seeds = list(densities), list(seeds)

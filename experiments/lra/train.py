@@ -1,7 +1,8 @@
-"""Training of the LRA / Path-X classifiers, on one device or data-parallel under ``torchrun``.
+"""Training (and self-pretraining) of the LRA / Path-X classifiers, on one device or data-parallel under ``torchrun``.
 
     sparseflash lra train --task listops --config quick --data DIR --attention sparseflash \\
         --pattern butterfly --out runs/listops-bf [--max-steps N] [--device cpu|cuda] [--time-limit MIN]
+    sparseflash lra train ... --objective denoise  (self-pretraining: see below; then --init-from its best.pt)
     sparseflash lra train ... --resume            (same flags: continue OUT/checkpoints/last.pt)
     torchrun --nproc-per-node 4 -m sparseflash.experiments.lra.train ...      (same flags)
 
@@ -40,6 +41,38 @@ stopping through an all-reduce of one number per step.
 
 Path-X / Path-256: ``--init-from CKPT`` loads a model trained at a smaller resolution and
 upsamples its 2-D position grid (2x2 duplication from Path-64 to Path-X).
+
+Self-pretraining (SPT; Amos, Berant & Gupta, "Never Train from Scratch", ICLR 2024).
+``--objective denoise`` (``train.objective``) trains the same encoder, on the task's own training
+inputs and without labels, to fill in masked tokens, for a classifier to start from:
+
+    sparseflash lra train --task pathfinder32 --config faithful --data DIR --objective denoise --out runs/spt
+    sparseflash lra train --task pathfinder32 --config faithful --data DIR \
+        --init-from runs/spt/checkpoints/best.pt --out runs/ft
+
+- Masking: in every sequence exactly ``k = min(L, max(1, round(mask_ratio * L)))`` of its ``L``
+  real tokens (never padding; each document of a Retrieval pair on its own), uniformly at random
+  (`mask_positions`), ``train.mask_ratio`` 0.15 by default. The draw is ``torch.rand`` on the
+  device, the generator that also drives dropout, so the masks are part of the checkpointed RNG
+  state and ``--resume`` stays bit-identical; each rank draws its own.
+- Model (`LRADenoiser`): masked positions get a learned vector (``mask_embed``) instead of their
+  token embedding (the table or ``model.embed=pixel``), plus their position embedding; the encoder
+  is the classifier's (attention backend, pattern, positions, CLS, augmentation); an untied MLM
+  head (Linear, GELU, LayerNorm, Linear to the vocabulary) predicts every position, and the loss is
+  the cross-entropy (with ``train.label_smoothing``) at the masked positions only.
+- Logs: ``train.csv`` keeps its columns (loss and accuracy of the masked tokens); ``eval.csv``
+  has ``step, split, weights, loss, acc, tokens, n, time_s``: masked-token loss and accuracy,
+  ``tokens`` masked tokens in ``n`` sequences. Evaluation masks are fixed per example (`eval_mask`:
+  the generator of ``(EVAL_MASK_SEED, index)``), so every evaluation, run and rank count agree.
+  ``best.pt`` holds the weights of the lowest validation loss (classify: highest accuracy);
+  ``summary.json`` has ``objective`` (and ``mask_ratio``).
+- Fine-tuning: ``--init-from`` requires the encoder (``encoder.*``) to fit, upsampling a position
+  grid as above, and skips what the other objective has (a denoiser's ``mask_embed`` and
+  ``denoise_head.*``, a classifier's ``head.*``), printing the skipped and the freshly initialised
+  keys; so Path-64 SPT -> Path-X classifier works too.
+- Data parallel: each rank draws its own masks and averages the loss over its own masked tokens
+  before DDP averages the ranks, so unlike the classifier a run does not repeat a single-process
+  one (the objective is the same).
 """
 
 from __future__ import annotations
@@ -66,13 +99,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sparseflash.experiments.lra.configs import TASKS, VARIANTS, ExperimentConfig, config_from_dict, get_config
-from sparseflash.experiments.lra.model import ATTENTIONS, LRAClassifier, load_pretrained, parse_pattern_spec
+from sparseflash.experiments.lra.configs import (
+    OBJECTIVES, TASKS, VARIANTS, ExperimentConfig, TrainConfig, config_from_dict, get_config)
+from sparseflash.experiments.lra.model import (
+    ATTENTIONS, LRAClassifier, LRADenoiser, ModelConfig, load_pretrained, mask_positions, parse_pattern_spec)
 
-__all__ = ["train", "evaluate", "StepBatches", "collate", "lr_factor", "register_lra", "main", "EXIT_STOPPED"]
+__all__ = ["train", "evaluate", "build_model", "eval_mask", "denoise_loss", "StepBatches", "collate", "lr_factor",
+           "register_lra", "main", "EXIT_STOPPED", "EVAL_MASK_SEED"]
 
 _TRAIN_COLS = ("step", "epoch", "lr", "loss", "acc", "grad_norm", "step_ms", "tokens_per_s", "mem_gb", "time_s")
 _EVAL_COLS = ("step", "split", "weights", "loss", "acc", "n", "time_s")
+# denoise: loss and acc over the masked tokens, `tokens` of them, in `n` sequences
+_EVAL_COLS_DENOISE = ("step", "split", "weights", "loss", "acc", "tokens", "n", "time_s")
+EVAL_MASK_SEED = 20240  # denoise evaluation: example i of a split is masked by the generator of (EVAL_MASK_SEED, i)
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -242,8 +281,8 @@ class _Logs:
 
     FILES = ("metrics.jsonl", "train.csv", "eval.csv")
 
-    def __init__(self, out: Path, enabled: bool):
-        self.out, self.enabled = out, enabled
+    def __init__(self, out: Path, enabled: bool, eval_cols: tuple = _EVAL_COLS):
+        self.out, self.enabled, self.eval_cols = out, enabled, eval_cols
 
     def sizes(self) -> dict:
         return {name: (self.out / name).stat().st_size if (self.out / name).exists() else 0 for name in self.FILES}
@@ -279,7 +318,7 @@ class _Logs:
             if p.exists():
                 with p.open() as f:
                     rows = list(csv.DictReader(f))
-                cols = _TRAIN_COLS if name == "train.csv" else _EVAL_COLS
+                cols = _TRAIN_COLS if name == "train.csv" else self.eval_cols
                 with p.open("w", newline="") as f:
                     w = csv.DictWriter(f, cols)
                     w.writeheader()
@@ -293,7 +332,7 @@ class _Logs:
         path = self.out / f"{kind}.csv"
         new = not path.exists() or path.stat().st_size == 0
         with path.open("a", newline="") as f:
-            w = csv.DictWriter(f, _TRAIN_COLS if kind == "train" else _EVAL_COLS, extrasaction="ignore")
+            w = csv.DictWriter(f, _TRAIN_COLS if kind == "train" else self.eval_cols, extrasaction="ignore")
             if new:
                 w.writeheader()
             w.writerow(record)
@@ -380,35 +419,78 @@ class _Stopper:
 
 
 # ----------------------------------------------------------------------------------- evaluation
+def eval_mask(indices, lengths: torch.Tensor, shape: tuple, ratio: float) -> torch.Tensor:
+    """The denoising mask of evaluation: examples ``indices`` of a split, tokens of ``shape``
+    (``[B, N]`` or ``[B, 2, N]``). Example i's scores come from NumPy's generator seeded with
+    ``(EVAL_MASK_SEED, i)``, so its mask is the same in every evaluation, run, batch size and
+    number of ranks; `mask_positions` picks the positions (the rule of training)."""
+    scores = np.stack([np.random.default_rng([EVAL_MASK_SEED, int(i)]).random(tuple(shape[1:])) for i in indices])
+    return mask_positions(torch.from_numpy(scores), lengths.cpu(), ratio)
+
+
+def denoise_loss(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, *, label_smoothing: float = 0.0,
+                 reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cross-entropy of ``logits`` ``[..., N, V]`` against the original ``tokens`` at the
+    ``masked`` positions only, correct predictions there, number of masked positions)."""
+    target = tokens.masked_fill(~masked, -100)
+    loss = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(), ignore_index=-100, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    correct = ((logits.argmax(-1) == tokens) & masked).sum()
+    return loss, correct, masked.sum()
+
+
 @torch.no_grad()
 def evaluate(model, ds, *, batch_size: int, max_batches: int | None, device, autocast, rank: int = 0, world: int = 1,
-             num_workers: int = 0) -> dict:
+             num_workers: int = 0, objective: str = "classify", mask_ratio: float = 0.15) -> dict:
     """Loss and accuracy over the first ``max_batches * batch_size`` examples of ``ds`` (all of it
-    if None), sharded over ranks and summed exactly."""
+    if None), sharded over ranks and summed exactly.
+
+    ``objective="denoise"``: loss and accuracy of the masked tokens (`eval_mask`: a fixed mask per
+    example, so evaluations compare), ``tokens`` their number, ``n`` that of the sequences."""
     n = len(ds) if max_batches is None else min(len(ds), max_batches * batch_size)
     shard = list(range(rank, n, world))
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, shard), batch_size=max(1, batch_size // world),
+    per_rank = max(1, batch_size // world)
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, shard), batch_size=per_rank,
                                          collate_fn=collate, num_workers=num_workers,
                                          worker_init_fn=_ignore_stop_signals if num_workers else None,
                                          generator=torch.Generator().manual_seed(0))
     was_training = model.training
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
-    for b in loader:
-        labels = b["labels"].to(device)
-        with autocast:
-            logits = model(b["tokens"].to(device), b["lengths"].to(device))
-        sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        sums[1] += (logits.argmax(-1) == labels).sum()
-        sums[2] += labels.numel()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct, count (examples or tokens), examples
+    for j, b in enumerate(loader):
+        tokens, lengths = b["tokens"].to(device), b["lengths"].to(device)
+        if objective == "denoise":
+            masked = eval_mask(shard[j * per_rank:(j + 1) * per_rank], b["lengths"], tuple(tokens.shape), mask_ratio)
+            masked = masked.to(device)
+            with autocast:
+                logits = model(tokens, lengths, masked)
+            loss, correct, count = denoise_loss(logits, tokens, masked, reduction="sum")
+        else:
+            labels = b["labels"].to(device)
+            with autocast:
+                logits = model(tokens, lengths)
+            loss = F.cross_entropy(logits.float(), labels, reduction="sum")
+            correct, count = (logits.argmax(-1) == labels).sum(), labels.numel()
+        sums += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device)
+                             for v in (loss, correct, count, tokens.shape[0])])
     if world > 1:
         dist.all_reduce(sums)
     model.train(was_training)
-    loss, correct, count = sums.tolist()
-    return {"loss": loss / max(count, 1), "acc": correct / max(count, 1), "n": int(count)}
+    loss, correct, count, examples = sums.tolist()
+    r = {"loss": loss / max(count, 1), "acc": correct / max(count, 1), "n": int(examples)}
+    if objective == "denoise":
+        r["tokens"] = int(count)
+    return r
 
 
 # ------------------------------------------------------------------------------------------ train
+def build_model(cfg: ExperimentConfig) -> torch.nn.Module:
+    """The model ``cfg.train.objective`` trains: `LRAClassifier` ("classify") or `LRADenoiser` ("denoise")."""
+    if cfg.train.objective not in OBJECTIVES:
+        raise ValueError(f"train.objective must be one of {OBJECTIVES}, got {cfg.train.objective!r}")
+    return (LRADenoiser if cfg.train.objective == "denoise" else LRAClassifier)(cfg.model)
+
+
 def _n_batches(ds, batch_size: int, max_batches: int | None) -> int:
     n = len(ds) if max_batches is None else min(len(ds), max_batches * batch_size)
     return math.ceil(n / batch_size)
@@ -469,21 +551,26 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
         raise ValueError(f"train.batch_size ({tc.batch_size}) must be divisible by the number of ranks ({world})")
     stop = tc.steps if max_steps is None else min(max_steps, tc.steps)
 
+    denoise = tc.objective == "denoise"
     _seed_all(tc.seed)  # the same initial weights on every rank
-    model = LRAClassifier(cfg.model)
+    model = build_model(cfg)
     if init_from:
         state = torch.load(init_from, map_location="cpu", weights_only=False)
         notes = load_pretrained(model, state.get("model", state))
         if lead:
-            print(f"initialised from {init_from}" + "".join(f"\n  {n}" for n in notes), file=sys.stderr)
+            source = ((state.get("config") or {}).get("train") or {}).get("objective", "classify")
+            print(f"initialised from {init_from} (a {source} checkpoint, into a {tc.objective} model)"
+                  + "".join(f"\n  {n}" for n in notes), file=sys.stderr)
     model.to(device)
     opt = _optimizer(model, tc, device)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, tc.steps, tc.warmup_steps, tc.schedule, tc.min_lr_ratio))
     _seed_all(tc.seed + 1 + rank)  # dropout streams differ per rank
 
-    logs = _Logs(out, lead)
-    step, best, best_state = 0, {"acc": -1.0, "step": None}, None
+    logs = _Logs(out, lead, _EVAL_COLS_DENOISE if denoise else _EVAL_COLS)
+    # best on val: highest accuracy (classify), lowest masked-token loss (denoise)
+    best = {"loss": None, "acc": None, "step": None} if denoise else {"acc": -1.0, "step": None}
+    step, best_state = 0, None
     segments, timing = [], None  # earlier commands of this run; their time estimates
     if resume == "auto":
         resume = str(ckpt_dir / "last.pt") if (ckpt_dir / "last.pt").exists() else None
@@ -493,7 +580,10 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
             raise ValueError(f"cannot resume from {resume}: it holds weights only (best.pt?); resume from a full "
                              f"checkpoint such as {ckpt_dir / 'last.pt'}")
         saved, ours = ck["config"], cfg.to_dict()
-        diff = sorted(f"{s}.{k}" for s in ("model", "train") for k in ours[s] if saved[s].get(k) != ours[s][k])
+        # a field the checkpoint lacks is newer than the run, which ran with its default behaviour
+        defaults = {"model": ModelConfig().__dict__, "train": TrainConfig().__dict__}
+        diff = sorted(f"{s}.{k}" for s in ("model", "train") for k in ours[s]
+                      if saved[s].get(k, defaults[s].get(k)) != ours[s][k])
         diff += [k for k in ("task", "data") if saved[k] != ours[k]]
         if diff:
             raise ValueError(f"cannot resume {resume}: its config differs in {diff}")
@@ -533,7 +623,8 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
                                          worker_init_fn=_ignore_stop_signals if num_workers else None,
                                          generator=torch.Generator().manual_seed(tc.seed))
     eval_kw = dict(batch_size=tc.eval_batch_size or tc.batch_size, max_batches=tc.eval_batches, device=device,
-                   autocast=autocast, rank=rank, world=world, num_workers=num_workers)
+                   autocast=autocast, rank=rank, world=world, num_workers=num_workers, objective=tc.objective,
+                   mask_ratio=tc.mask_ratio)
     val_batches = _n_batches(datasets["val"], eval_kw["batch_size"], tc.eval_batches)
     has_test = datasets.get("test") is not None
     test_batches = _n_batches(datasets["test"], eval_kw["batch_size"], tc.eval_batches) if has_test else 0
@@ -571,8 +662,10 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
         stopper.timing["eval_batch_s"] = (time.perf_counter() - t0) / max(1, val_batches)
         logs.write("eval", {"step": step, "split": "val", "weights": "current", **r,
                             "time_s": t_offset + time.perf_counter() - t_start})
-        if r["acc"] > best["acc"]:
-            best = {"acc": r["acc"], "loss": r["loss"], "step": step}
+        better = (best["step"] is None or r["loss"] < best["loss"]) if denoise else r["acc"] > best["acc"]
+        if better:
+            best = ({"loss": r["loss"], "acc": r["acc"], "step": step} if denoise
+                    else {"acc": r["acc"], "loss": r["loss"], "step": step})
             best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
             save_weights(ckpt_dir / "best.pt", best_state, step)
         return r
@@ -612,10 +705,17 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
             t_step = time.perf_counter()
             b = next(batches)
             tokens, lengths = b["tokens"].to(device, non_blocking=True), b["lengths"].to(device, non_blocking=True)
-            labels = b["labels"].to(device, non_blocking=True)
-            with autocast:
-                logits = net(tokens, lengths)
-            loss = F.cross_entropy(logits.float(), labels, label_smoothing=tc.label_smoothing)
+            if denoise:  # the mask comes from torch's generator on the device: checkpointed with the run
+                masked = mask_positions(torch.rand(tokens.shape, device=device), lengths, tc.mask_ratio)
+                with autocast:
+                    logits = net(tokens, lengths, masked)
+                loss, correct, count = denoise_loss(logits, tokens, masked, label_smoothing=tc.label_smoothing)
+            else:
+                labels = b["labels"].to(device, non_blocking=True)
+                with autocast:
+                    logits = net(tokens, lengths)
+                loss = F.cross_entropy(logits.float(), labels, label_smoothing=tc.label_smoothing)
+                correct, count = (logits.argmax(-1) == labels).sum(), labels.numel()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if tc.grad_clip > 0:
@@ -628,8 +728,8 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
             step += 1
             win_steps += 1
             with torch.no_grad():
-                window += torch.stack([loss.detach().double() * labels.numel(), (logits.argmax(-1) == labels).sum().double(),
-                                       torch.tensor(labels.numel(), dtype=torch.float64, device=device), gnorm.double()])
+                count = torch.as_tensor(count, dtype=torch.float64, device=device)
+                window += torch.stack([loss.detach().double() * count, correct.double(), count, gnorm.double()])
             if end_zone or step == start_step + 1:  # near the deadline (or no estimate yet): time this very step
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -658,7 +758,11 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
             t_pause = time.perf_counter()
             if is_eval_step(step):
                 r = validate_now()
-                postfix = (postfix or bar.postfix) + f" | val {r['acc']:.3f} (best {best['acc']:.3f})"
+                if denoise:
+                    shown = f" | val loss {r['loss']:.3f} acc {r['acc']:.3f} (best loss {best['loss']:.3f})"
+                else:
+                    shown = f" | val {r['acc']:.3f} (best {best['acc']:.3f})"
+                postfix = (postfix or bar.postfix) + shown
             if step % tc.save_every == 0 or step == stop:
                 save_full("done" if step == tc.steps else "max_steps" if step == stop else "checkpoint")
             paused += time.perf_counter() - t_pause
@@ -667,7 +771,8 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
             save_full(stopped_by)
     bar.close()
 
-    summary = {"task": cfg.task, "variant": cfg.variant, "attention": cfg.model.attention,
+    summary = {"task": cfg.task, "variant": cfg.variant, "objective": tc.objective,
+               **({"mask_ratio": tc.mask_ratio} if denoise else {}), "attention": cfg.model.attention,
                "pattern": cfg.model.pattern or "dense", "pattern_kwargs": cfg.model.pattern_kwargs,
                "block_size": cfg.model.block_size, "density": mask.density() if mask is not None else 1.0,
                "token_density": mask.token_density() if mask is not None else 1.0,
@@ -724,7 +829,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("bf16", "fp32"), help="default: bf16 autocast on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--resume", nargs="?", const="auto", help="resume from CHECKPOINT (default OUT/checkpoints/last.pt)")
-    p.add_argument("--init-from", metavar="CHECKPOINT", help="initialise weights (upsampling a 2-D position grid)")
+    p.add_argument("--init-from", metavar="CHECKPOINT",
+                   help="initialise weights (upsampling a 2-D position grid); the encoder must fit, the other "
+                        "objective's head (classifier / denoiser) is skipped")
+    p.add_argument("--objective", choices=OBJECTIVES,
+                   help="classify (default) or denoise: self-pretraining on masked tokens (train.objective; "
+                        "--set train.mask_ratio=R, default 0.15)")
     p.add_argument("--seed", type=int, help="training seed (default: the config's)")
     p.add_argument("--num-workers", type=int, default=2, help="data-loader workers (default 2)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -740,6 +850,8 @@ def config_from_args(args) -> ExperimentConfig:
         overrides.append(f"model.block_size={args.block_size}")
     if args.seed is not None:
         overrides.append(f"train.seed={args.seed}")
+    if args.objective is not None:
+        overrides.append(f"train.objective={args.objective!r}")
     cfg = get_config(args.task, args.config, overrides)
     if args.pattern is not None:
         cfg.model.pattern, cfg.model.pattern_kwargs = parse_pattern_spec(args.pattern)
@@ -770,9 +882,16 @@ def _cmd_train(args) -> int:
                     deadline=deadline)
     if int(os.environ.get("RANK", "0")) == 0 and summary["stopped_by"] is None:
         best = summary["best_val"]
-        line = f"{cfg.task}: {summary['steps']} steps, best val acc {best['acc']:.4f} at step {best['step']}"
-        if "test_best" in summary:
-            line += f", test acc {summary['test_best']['acc']:.4f} (best-val weights)"
+        if summary["objective"] == "denoise":
+            line = (f"{cfg.task} (denoise): {summary['steps']} steps, best val masked-token loss {best['loss']:.4f} "
+                    f"(acc {best['acc']:.4f}) at step {best['step']}")
+            if "test_best" in summary:
+                t = summary["test_best"]
+                line += f", test loss {t['loss']:.4f} acc {t['acc']:.4f} (best-val weights)"
+        else:
+            line = f"{cfg.task}: {summary['steps']} steps, best val acc {best['acc']:.4f} at step {best['step']}"
+            if "test_best" in summary:
+                line += f", test acc {summary['test_best']['acc']:.4f} (best-val weights)"
         print(line + f"; results in {args.out}")
     close_distributed()
     return 0 if summary["stopped_by"] is None else EXIT_STOPPED
