@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from sparseflash.experiments.lra import train as T
-from sparseflash.experiments.lra.configs import apply_overrides, get_config
+from sparseflash.experiments.lra.configs import get_config
 from sparseflash.experiments.lra.model import (
     AttentionKernel, LRAClassifier, LRADenoiser, ModelConfig, load_pretrained, mask_positions)
+from test_lra_train import Majority, toy_config  # the toy dataset protocol and config of the training tests
 
 
-class Repeat:
+class Repeat(Majority):
     """Each sequence repeats one symbol of 1..vocab-1 over a random length (padding 0 after it); the
     label is the symbol's parity. A masked token is any unmasked one of its sequence: learnable only
     by attending, and to zero loss, while the symbols' own entropy is ln(vocab - 1)."""
@@ -33,26 +34,15 @@ class Repeat:
         self.labels = (sym[:, 0] if dual else sym) % 2
         self.seq_len, self.vocab_size, self.num_classes, self.pad_id = seq_len, vocab, 2, 0
 
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, i):
-        length = self.lengths[i] if self.lengths.dim() == 2 else int(self.lengths[i])
-        return {"tokens": self.tokens[i], "length": length, "label": int(self.labels[i])}
-
 
 def _data(n=256, **kw):
     return {"train": Repeat(n, seed=0, **kw), "val": Repeat(64, seed=1, **kw), "test": Repeat(64, seed=2, **kw)}
 
 
 def _config(task="listops", **over):
-    cfg = get_config(task, "quick")
-    apply_overrides(cfg, {"model.d_model": 32, "model.d_ff": 64, "model.block_size": 8, "model.attention": "torch",
-                          "model.dropout": 0.0, "model.attn_dropout": 0.0, "train.objective": "denoise",
-                          "train.mask_ratio": 0.25, "train.batch_size": 16, "train.steps": 40, "train.lr": 3e-3,
-                          "train.warmup_steps": 4, "train.eval_every": 20, "train.log_every": 5,
-                          "train.save_every": 100, **over})
-    return cfg
+    """The training tests' toy config, as a denoiser with plain PyTorch attention."""
+    return toy_config(task, **{"model.attention": "torch", "model.pattern": None, "train.objective": "denoise",
+                               "train.mask_ratio": 0.25, **over})
 
 
 def _model_cfg(**over):
