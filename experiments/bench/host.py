@@ -32,25 +32,12 @@ import contextlib
 import csv
 import json
 import math
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 COLUMNS = ["part", "provider", "pass", "head_dim", "mask", "density", "key_lengths", "kl_checked", "host_us",
            "eager_ms", "gpu_ms", "eager_over_gpu", "B", "H", "N", "device_name", "torch", "triton", "commit", "date"]
-
-
-def _cpu_host_us(fn, calls: int, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
 
 
 @contextlib.contextmanager
@@ -95,13 +82,13 @@ def _calls(provider, q, k, v, do, mask, klen):
 
 def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: int = 3, tokens: int = 16384,
         heads: int = 16, calls: int = 30, eager: bool = True) -> list[dict]:
-    from sparseflash.experiments.bench.timing import graph_ms, host_us, stream_ms
+    from sparseflash.experiments.bench.timing import graph_ms, host_us, stream_ms, wall_us
     from sparseflash.patterns import random as random_mask
 
     cuda = device.type == "cuda"
     B, H, N = max(1, tokens // seq_len), heads, seq_len
     nb = math.ceil(N / 128)
-    timer = host_us if cuda else _cpu_host_us
+    timer = host_us if cuda else wall_us
     rows = []
 
     def add(**r):

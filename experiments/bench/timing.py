@@ -137,6 +137,19 @@ def stream_ms(step, calls: int, warmup_ms: float = 25.0, rep_ms: float = 100.0, 
 SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU sleep: longer than issuing any batch host_us times
 
 
+def wall_us(fn, calls: int, repeats: int = 5) -> float:
+    """Wall microseconds per call of ``fn`` (no GPU involved: e.g. the Python side with the kernels
+    stubbed out): the median over ``repeats`` batches of ``calls`` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
 def host_us(fn, calls: int, repeats: int = 5) -> float:
     """Host microseconds per call of ``fn``: the wall time of issuing ``calls`` calls while the GPU
     sleeps (``torch.cuda._sleep``), so that no launch waits for the GPU; the median over

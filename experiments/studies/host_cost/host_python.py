@@ -23,8 +23,6 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
-import time
 
 import torch
 
@@ -75,6 +73,7 @@ def measure(seq_len: int = 4096, head_dim: int = 64, blocks: int = 3, batch: int
     of a cProfile of --calls forward + backward calls."""
     import sparseflash
     from sparseflash.patterns import random as random_mask
+    from sparseflash.experiments.bench.timing import wall_us
 
     def view(requires_grad):
         base = torch.randn(batch, heads, 1, head_dim, dtype=torch.bfloat16)
@@ -97,13 +96,7 @@ def measure(seq_len: int = 4096, head_dim: int = 64, blocks: int = 3, batch: int
         for label, fn in (("fwd_us", fwd), ("fwd_bwd_us", fwd_bwd)):
             for _ in range(max(3, calls // 10)):
                 fn()
-            runs = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                runs.append((time.perf_counter() - t0) / calls * 1e6)
-            out[label] = statistics.median(runs)
+            out[label] = wall_us(fn, calls, repeats)
         if profile:
             prof = cProfile.Profile()
             prof.enable()

@@ -4,7 +4,7 @@
 
 B=4, H=16, 4K tokens, d=64, bf16, a random mask of 3 of 32 blocks per row. 200 forward calls (no
 grad), then 200 forward+backward calls (``torch.autograd.grad``), each issued while the GPU sleeps
-(``torch.cuda._sleep``) so no launch waits for it; prints µs per call and the top of a cProfile of
+(`timing.host_us`) so no launch waits for it; prints µs per call and the top of a cProfile of
 the same loop (cProfile's own overhead inflates those times ~2x: read them as shares).
 """
 
@@ -13,13 +13,13 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
 
 def main(n: int = 200) -> None:
     import sparseflash
+    from sparseflash.experiments.bench.timing import SLEEP_CYCLES, host_us
     from sparseflash.mask import BlockMask
 
     torch.manual_seed(0)
@@ -42,16 +42,9 @@ def main(n: int = 200) -> None:
     for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
         for _ in range(20):
             fn()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e9))
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        dt = (time.perf_counter() - t) / n * 1e6
-        torch.cuda.synchronize()
-        print(f"{name}: {dt:.1f} us host per call")
+        print(f"{name}: {host_us(fn, n, repeats=1):.1f} us host per call")
         prof = cProfile.Profile()
-        torch.cuda._sleep(int(2e9))
+        torch.cuda._sleep(SLEEP_CYCLES)
         prof.enable()
         for _ in range(n):
             fn()
