@@ -48,13 +48,32 @@ def pytest_report_header(config):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
     config.addinivalue_line("markers", "slow: long on CPU; runs only with SPARSEFLASH_SLOW=1 (always on GPU)")
+    config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors under the interpreter; "
+                                       "skipped where it cannot run (a GPU machine, or a triton / numpy pair it fails with)")
+
+
+def _interpreter_unusable() -> str | None:
+    """Why the Triton interpreter cannot run here, or None."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "runs kernels under the Triton interpreter, which is on only on CPU machines"
+    try:
+        import numpy
+        import triton
+    except ImportError:
+        return None
+    from sparseflash._compat import interpreter_version_problem
+
+    return interpreter_version_problem(triton.__version__, numpy.__version__)
 
 
 def pytest_collection_modifyitems(config, items):
     run_slow = os.environ.get("SPARSEFLASH_SLOW") == "1" or HAS_CUDA
     skip_slow = pytest.mark.skip(reason="slow on CPU: set SPARSEFLASH_SLOW=1 to run")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_interpreter = _interpreter_unusable() if any("interpreter" in item.keywords for item in items) else None
     for item in items:
+        if "interpreter" in item.keywords and no_interpreter:
+            item.add_marker(pytest.mark.skip(reason=no_interpreter))
         if "slow" in item.keywords and not run_slow:
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not HAS_CUDA:

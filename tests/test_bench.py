@@ -455,15 +455,10 @@ def test_wide_head_dim_default_tiles_fit_hopper():
 
 
 # ----------------------------------------------------------------------------- host cost (issue 21)
+@pytest.mark.interpreter
 def test_host_bench_cpu_smoke(tmp_path):
     """`bench.host` on CPU (kernels as no-ops): every provider x setting x pass gets a positive
     host time, the CSV and JSON agree, and the real kernels are back afterwards."""
-    from sparseflash._compat import interpreter_version_problem
-    import numpy
-    import triton
-
-    if interpreter_version_problem(triton.__version__, numpy.__version__):
-        pytest.skip(interpreter_version_problem(triton.__version__, numpy.__version__))
     from sparseflash.experiments.bench import host
     from sparseflash.flash import kernels
 

@@ -6,7 +6,6 @@ unbound launches of the real kernels give identical results. About 2 s on CPU.""
 from __future__ import annotations
 
 import inspect
-import os
 
 import pytest
 import torch
@@ -128,11 +127,10 @@ def test_unbound_launches(fake, monkeypatch):
     assert len(kernel.launches) == 8 and not tma.bound
 
 
+@pytest.mark.interpreter
 def test_plans_are_cached_per_key():
     """Calls with the same shapes, dtypes and scalars share one plan; a tile override or another
     scalar makes another. (Runs the real kernels under the interpreter, at a tiny size.)"""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs the real kernels under the Triton interpreter: CPU machines only")
     q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
     launch._PLANS.clear()
     sparseflash.attention(q, k, v, backend="triton")
