@@ -3,18 +3,27 @@
     python experiments/studies/pathfinder32-recipe/plot.py      -> results/curves.png
 
 Training loss (left) and validation accuracy (right) against step for every run of the study
-(results/explore*-*) and the faithful runs (experiments/lra/results/train/pf32-faithful/*)."""
+(every classifier run under results/) and the faithful runs (experiments/lra/results/train/pf32-faithful/*)."""
 
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# classifier runs only: the self-pretraining stages (masked-token loss and accuracy) are not on these axes
-RUNS = [p for p in sorted((HERE / "results").glob("explore*-*")) + sorted((HERE / "results").glob("call5-*")) + sorted(
-    (HERE.parents[1] / "lra" / "results" / "train" / "pf32-faithful").glob("faithful-*")) if p.is_dir()]
-RUNS = [p / "ft" if (p / "ft").is_dir() else p for p in RUNS if not p.name.endswith("_spt")]
+RESULTS = HERE / "results"
+FAITHFUL = HERE.parents[1] / "lra" / "results" / "train" / "pf32-faithful"
+
+
+def _classifier(run: Path) -> bool:
+    """Self-pretraining runs log masked-token loss and accuracy, which are not on these axes."""
+    cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+    return cfg.get("train", {}).get("objective", "classify") == "classify"
+
+
+RUNS = [p.parent for p in sorted(RESULTS.rglob("train.csv")) + sorted(FAITHFUL.glob("faithful-*/train.csv"))
+        if _classifier(p.parent)]
 LABELS = {
     "explore1-f1e4": "faithful, seed 0 (3 side by side)", "explore1-f1e3": "faithful, lr 1e-3",
     "explore1-f1e4c": "faithful, seed 1, compiled", "explore2-learned_s0": "faithful, seed 0, compiled",
@@ -23,7 +32,8 @@ LABELS = {
     "explore3-pixel_dihedral": "pixel number + dihedral",
     "explore5-sapkota": "4 layers, 4 heads, lr 3e-4 cosine, wd 1e-3",
     "explore5-lra1layer": "LRA's config: 1 layer, d 128, sinusoidal, lr 1e-3, batch 512",
-    "call5-faithful_fp32": "faithful, fp32 (no autocast)", "ft": "4-layer, after 5K steps of self-pretraining",
+    "call5-faithful_fp32": "faithful, fp32 (no autocast)",
+    "call5-sapkota_spt_ft/ft": "4-layer, after 5K steps of self-pretraining",
     "faithful-dense": "faithful dense, 200K batched data", "faithful-butterfly": "faithful butterfly (0.5)",
 }
 
@@ -41,9 +51,8 @@ def main() -> Path:
 
     fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
     for run in RUNS:
-        label = LABELS.get(run.name, run.name)
-        if run.name == "ft":
-            label = LABELS["ft"]
+        key = run.relative_to(RESULTS).as_posix() if run.is_relative_to(RESULTS) else run.name
+        label = LABELS.get(key, key)
         tr = _rows(run / "train.csv")
         steps = [int(r["step"]) for r in tr]
         loss = [float(r["loss"]) for r in tr]
