@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparseflash.experiments.lra.model import (
-    ATTENTIONS, LRAClassifier, ModelConfig, build_pattern, dihedral_permutations, load_pretrained, parse_pattern_spec,
+    ATTENTIONS, GridRotary, LRAClassifier, ModelConfig, build_pattern, dihedral_permutations, load_pretrained, parse_pattern_spec,
     upsample_grid,
 )
 
@@ -180,14 +180,14 @@ def test_flex_warns_that_it_has_no_dropout():
         LRAClassifier(_cfg(attention="flex", attn_dropout=0.1))
 
 
-@pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "grid", "grid_sincos", "none"])
+@pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "grid", "grid_sincos", "grid_rope", "none"])
 def test_position_embeddings(pos_emb):
     cfg = _cfg(seq_len=64, pos_emb=pos_emb, grid=(8, 8) if pos_emb.startswith("grid") else None)
     model = LRAClassifier(cfg)
     tokens, lengths = _inputs(cfg)
     assert model(tokens, lengths).shape == (3, 3)
     table = model.encoder.pos(64)
-    if pos_emb == "none":
+    if pos_emb in ("none", "grid_rope"):
         assert table is None
     else:
         assert table.shape == (64, 32) and len({tuple(r.tolist()) for r in table}) == 64
@@ -197,6 +197,44 @@ def test_position_embeddings(pos_emb):
         assert torch.allclose(table[2 * 8 + 5, 0], torch.tensor(math.sin(2.0)))
         assert torch.allclose(table[2 * 8 + 5, 16], torch.tensor(math.sin(5.0)))
         assert not any(p.requires_grad for n, p in model.named_parameters() if ".pos." in n)
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_grid_rotary_scores_depend_on_the_offset_only(offset):
+    # Same query and key content everywhere: the score of cell p against cell q must be a function
+    # of (row_p - row_q, col_p - col_q), and must change with both components.
+    rows, cols, hd = 5, 7, 16
+    rope = GridRotary((rows, cols), hd, base=10.0, offset=offset)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(hd, generator=g, dtype=torch.float64).expand(1, 1, offset + rows * cols, hd)
+    k = torch.randn(hd, generator=g, dtype=torch.float64).expand(1, 1, offset + rows * cols, hd)
+    s = (rope(q) @ rope(k).transpose(-1, -2))[0, 0]
+    if offset:  # the CLS position is not turned
+        torch.testing.assert_close(rope(q)[0, 0, 0], q[0, 0, 0])
+        s = s[1:, 1:]
+    s = s.view(rows, cols, rows, cols)
+    for (r1, c1, r2, c2), (r3, c3, r4, c4) in [((0, 0, 2, 3), (2, 3, 4, 6)), ((1, 5, 0, 1), (4, 6, 3, 2))]:
+        assert (r1 - r2, c1 - c2) == (r3 - r4, c3 - c4)
+        torch.testing.assert_close(s[r1, c1, r2, c2], s[r3, c3, r4, c4], rtol=1e-5, atol=1e-6)  # float32 turns
+    assert not torch.isclose(s[0, 0, 1, 0], s[0, 0, 0, 1])  # rows and columns are told apart
+    assert not torch.isclose(s[0, 0, 1, 0], s[0, 0, 2, 0])
+    with pytest.raises(ValueError, match="rotary encoding covers"):
+        rope(torch.zeros(1, 1, offset + rows * cols + 1, hd))
+
+
+def test_grid_rope_model_has_no_position_parameters_and_checks_head_dim():
+    cfg = _cfg(seq_len=64, pos_emb="grid_rope", grid=(8, 8), pooling="cls")
+    model = LRAClassifier(cfg)
+    assert not [n for n, _ in model.named_parameters() if ".pos." in n or "rope" in n]
+    tokens, _ = _inputs(cfg)
+    logits = model(tokens)
+    # Moving the whole image changes the output (position is seen), unlike a model with no positions
+    shifted = tokens.view(-1, 8, 8).roll(1, dims=2).flatten(1)
+    assert not torch.allclose(model(shifted), logits)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        LRAClassifier(_cfg(seq_len=64, pos_emb="grid_rope", grid=(8, 8), d_model=36, n_heads=2))
+    with pytest.raises(ValueError, match="rope_base"):
+        LRAClassifier(_cfg(seq_len=64, pos_emb="grid_rope", grid=(8, 8), rope_base=1.0))
 
 
 def test_pixel_embedding_is_affine_in_the_gray_level():

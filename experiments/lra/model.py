@@ -16,7 +16,10 @@ through one switch.
   row see key 0 and zeroing its output, which keeps their softmax free of NaN.
 - Position embeddings: ``"learned"`` (one vector per position), ``"sinusoidal"`` (fixed),
   ``"grid"`` (a learned ``[H, W, d]`` table for pixel tasks, read row-major; `upsample_grid` maps
-  it to a finer grid, which is how the Path-X / Path-256 recipe initialises a larger model).
+  it to a finer grid, which is how the Path-X / Path-256 recipe initialises a larger model),
+  ``"grid_sincos"`` (fixed 2-D sinusoids added to the input) and ``"grid_rope"`` (no table: 2-D
+  rotary encoding of queries and keys, `GridRotary`, so attention scores depend on the row and
+  column *offset* between two pixels; it has no parameters, so it carries over to any grid).
 - Pooling: ``"mean"`` over real tokens or ``"cls"`` (a learned token prepended, so the encoder
   sees ``seq_len + 1`` positions and the pattern is built for that length).
 - ``dual=True`` (Retrieval): both documents go through the same encoder and the head sees
@@ -47,11 +50,11 @@ from sparseflash.nn import SparseAttention, resolve_pattern
 
 __all__ = [
     "ATTENTIONS", "ModelConfig", "LRAClassifier", "LRADenoiser", "mask_positions", "AttentionKernel", "build_pattern",
-    "parse_pattern_spec", "upsample_grid", "load_pretrained",
+    "parse_pattern_spec", "upsample_grid", "load_pretrained", "GridRotary",
 ]
 
 ATTENTIONS = ("sparseflash", "torch", "sdpa", "flex")
-POS_EMBS = ("learned", "sinusoidal", "grid", "grid_sincos", "none")
+POS_EMBS = ("learned", "sinusoidal", "grid", "grid_sincos", "grid_rope", "none")
 AUGMENTS = (None, "dihedral")
 EMBEDS = ("table", "pixel")
 POOLINGS = ("mean", "cls")
@@ -70,7 +73,8 @@ class ModelConfig:
     dropout: float = 0.1
     attn_dropout: float = 0.1
     pos_emb: str = "learned"
-    grid: tuple[int, int] | None = None  # (H, W) with H * W == seq_len, for pos_emb="grid" / "grid_sincos"
+    grid: tuple[int, int] | None = None  # (H, W) with H * W == seq_len, for pos_emb="grid*"
+    rope_base: float = 100.0  # pos_emb="grid_rope": frequencies base ** (-i / (head_dim / 4)), i < head_dim / 4
     pooling: str = "mean"
     dual: bool = False
     head_hidden: int | None = None  # hidden width of the classifier MLP (default d_ff)
@@ -115,6 +119,13 @@ class ModelConfig:
                                  f"and augment={self.augment!r}, got {g!r}")
             if g[0] * g[1] != self.seq_len:
                 raise ValueError(f"model.grid {tuple(g)} has {g[0] * g[1]} cells but model.seq_len is {self.seq_len}")
+        if self.pos_emb == "grid_rope":
+            hd = self.d_model // self.n_heads
+            if hd % 4:
+                raise ValueError(f"model.pos_emb='grid_rope' needs a head dim divisible by 4 (rows and columns each "
+                                 f"rotate pairs of channels), got d_model {self.d_model} / n_heads {self.n_heads} = {hd}")
+            if isinstance(self.rope_base, bool) or not isinstance(self.rope_base, (int, float)) or self.rope_base <= 1:
+                raise ValueError(f"model.rope_base must be a number > 1, got {self.rope_base!r}")
         if self.head_hidden is not None and (not isinstance(self.head_hidden, int) or self.head_hidden <= 0):
             raise ValueError(f"model.head_hidden must be a positive int or None, got {self.head_hidden!r}")
         if not isinstance(self.pattern_kwargs, dict):
@@ -288,8 +299,11 @@ class SelfAttention(SparseAttention):
         super().__init__(cfg.d_model, cfg.n_heads, dropout=cfg.attn_dropout, block_size=cfg.block_size,
                          backend=cfg.backend)
 
-    def forward(self, x: torch.Tensor, attend: AttentionKernel) -> torch.Tensor:
-        q, k, v = (t.contiguous() for t in self.project(x))
+    def forward(self, x: torch.Tensor, attend: AttentionKernel, rope: "GridRotary | None" = None) -> torch.Tensor:
+        q, k, v = self.project(x)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if attend.kind == "sparseflash":
             o = self.attend(q, k, v, attend.mask, attend.key_lengths, backend=attend.backend)
         else:
@@ -308,8 +322,8 @@ class Block(nn.Module):
                                  nn.Linear(cfg.d_ff, cfg.d_model))
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, attend):
-        x = x + self.drop(self.attn(self.ln1(x), attend))
+    def forward(self, x, attend, rope=None):
+        x = x + self.drop(self.attn(self.ln1(x), attend, rope))
         return x + self.drop(self.ffn(self.ln2(x)))
 
 
@@ -338,6 +352,37 @@ def dihedral_permutations(rows: int, cols: int) -> torch.Tensor:
     return torch.stack(maps)
 
 
+class GridRotary(nn.Module):
+    """2-D rotary position encoding (RoPE on two axes) for queries and keys ``[B, H, n, head_dim]``.
+
+    Channel pair ``(i, i + head_dim / 2)`` is turned by the angle ``row * f_i`` for ``i < head_dim /
+    4`` and ``col * f_(i - head_dim / 4)`` above, ``f_j = base ** (-j / (head_dim / 4))``: the score
+    of query p and key q then depends on their contents and on (row_p - row_q, col_p - col_q) only,
+    a locality prior that an absolute table has to learn. Cells are read row-major; ``offset``
+    leading positions (a CLS token) are not turned. The turn is computed in float32."""
+
+    def __init__(self, grid: tuple[int, int], head_dim: int, base: float = 100.0, offset: int = 0):
+        super().__init__()
+        rows, cols = grid
+        quarter = head_dim // 4
+        freq = base ** (-torch.arange(quarter, dtype=torch.float64) / quarter)
+        r, c = torch.meshgrid(torch.arange(rows, dtype=torch.float64), torch.arange(cols, dtype=torch.float64),
+                              indexing="ij")
+        angle = torch.cat([r.flatten()[:, None] * freq, c.flatten()[:, None] * freq], dim=1)  # [rows*cols, hd/2]
+        angle = torch.cat([angle.new_zeros(offset, angle.shape[1]), angle])
+        self.register_buffer("cos", angle.cos().float(), persistent=False)
+        self.register_buffer("sin", angle.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, half = x.shape[-2], x.shape[-1] // 2
+        if n != self.cos.shape[0] or half != self.cos.shape[1]:
+            raise ValueError(f"rotary encoding covers {self.cos.shape[0]} positions of head dim {2 * self.cos.shape[1]}, "
+                             f"got {n} positions of head dim {x.shape[-1]}")
+        x1, x2 = x.float().split(half, dim=-1)
+        cos, sin = self.cos, self.sin
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
 class PositionEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -360,7 +405,7 @@ class PositionEmbedding(nn.Module):
             self.register_buffer("table", table.float(), persistent=False)
 
     def forward(self, n: int) -> torch.Tensor | None:
-        if self.kind == "none":
+        if self.kind in ("none", "grid_rope"):
             return None
         table = self.grid.flatten(0, 1) if self.kind == "grid" else self.table
         if n > table.shape[0] or (self.kind.startswith("grid") and n != table.shape[0]):
@@ -390,6 +435,8 @@ class Encoder(nn.Module):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
             nn.init.normal_(self.embed.weight, std=0.02)
         self.pos = PositionEmbedding(cfg)
+        self.rope = (GridRotary(cfg.grid, cfg.d_model // cfg.n_heads, cfg.rope_base, offset=int(cfg.pooling == "cls"))
+                     if cfg.pos_emb == "grid_rope" else None)
         self.cls = nn.Parameter(torch.randn(cfg.d_model) * 0.02) if cfg.pooling == "cls" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -429,7 +476,7 @@ class Encoder(nn.Module):
         attend = AttentionKernel(self.cfg.attention, n, B, x.device, mask=self.pattern_mask(n, x.device),
                                  key_lengths=lengths, backend=self.cfg.backend, flex_cache=self._flex_cache)
         for block in self.blocks:
-            x = block(x, attend)
+            x = block(x, attend, self.rope)
         return self.norm(x), lengths
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
