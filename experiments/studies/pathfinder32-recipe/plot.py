@@ -3,7 +3,8 @@
     python experiments/studies/pathfinder32-recipe/plot.py      -> results/curves.png
 
 Training loss (left) and validation accuracy (right) against step for every run of the study
-(every classifier run under results/) and the faithful runs (experiments/lra/results/train/pf32-faithful/*)."""
+(every classifier run under results/), the faithful runs (experiments/lra/results/train/pf32-faithful/*)
+and the independent minimal Transformer (results/m8-*: minimal_transformer.py's eval.csv, dashed)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def _classifier(run: Path) -> bool:
     return cfg.get("train", {}).get("objective", "classify") == "classify"
 
 
+MINIMAL = sorted(p.parent for p in RESULTS.glob("m8-*/eval.csv"))
 RUNS = [p.parent for p in sorted(RESULTS.rglob("train.csv")) + sorted(FAITHFUL.glob("faithful-*/train.csv"))
         if _classifier(p.parent)]
 LABELS = {
@@ -35,6 +37,9 @@ LABELS = {
     "call5-faithful_fp32": "faithful, fp32 (no autocast)",
     "call5-sapkota_spt_ft/ft": "4-layer, after 5K steps of self-pretraining",
     "faithful-dense": "faithful dense, 200K batched data", "faithful-butterfly": "faithful butterfly (0.5)",
+    "e7-rope": "2-D rotary positions", "e7-rope_dihedral": "2-D rotary + dihedral",
+    "e7-rope_lr3e-4": "2-D rotary, lr 3e-4", "e7-rope_4l": "2-D rotary, 4 layers, lr 3e-4 cosine",
+    "call11-rope4l_spt20k/ft": "2-D rotary, 4 layers, after 20K steps of self-pretraining",
 }
 
 
@@ -49,7 +54,11 @@ def main() -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(14, 6))
+    # one distinct colour per run (the default cycle repeats after 10)
+    colours = [plt.cm.tab20(i) for i in range(20)] + [plt.cm.tab20b(i) for i in range(0, 20, 2)]
+    for ax in (ax_l, ax_a):
+        ax.set_prop_cycle(color=colours)
     for run in RUNS:
         key = run.relative_to(RESULTS).as_posix() if run.is_relative_to(RESULTS) else run.name
         label = LABELS.get(key, key)
@@ -62,12 +71,18 @@ def main() -> Path:
         ev = [r for r in _rows(run / "eval.csv") if r["split"] == "val"]
         ax_a.plot([int(r["step"]) for r in ev], [100 * float(r["acc"]) for r in ev], "o-", ms=3, color=line.get_color(),
                   label=label)
+    for run in MINIMAL:  # the independent model logs the mean training loss of each 500-step window
+        ev = _rows(run / "eval.csv")
+        steps = [int(r["step"]) for r in ev]
+        label = f"independent minimal Transformer, seed {run.name.rsplit('_s', 1)[-1]}"
+        line, = ax_l.plot(steps, [float(r["train_loss"]) for r in ev], "--", lw=1.4, label=label)
+        ax_a.plot(steps, [100 * float(r["val_acc"]) for r in ev], "s--", ms=3, color=line.get_color(), label=label)
     ax_l.axhline(0.6931, color="gray", ls=":", lw=1)
     ax_l.set(xlabel="step (batch 256)", ylabel="training loss (running mean)", title="Pathfinder-32: training loss")
     ax_a.axhline(50, color="gray", ls=":", lw=1)
     ax_a.set(xlabel="step (batch 256)", ylabel="validation accuracy (%)", title="validation accuracy (chance 50%)",
              ylim=(45, 75))
-    ax_a.legend(fontsize=7, loc="upper left")
+    ax_a.legend(fontsize=6, loc="upper left", ncol=2)
     for ax in (ax_l, ax_a):
         ax.grid(alpha=0.3)
     fig.tight_layout()
