@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import time
 from pathlib import Path
 
@@ -35,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cnn_control import load  # the same arrays the CNN control reads (pixels / 255, labels)
+
+COLS = ["step", "train_loss", "val_loss", "val_acc", "lr", "time_s"]  # eval.csv
 
 
 class Block(nn.Module):
@@ -112,31 +113,32 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(vars(args) | {"params": sum(t.numel() for t in model.parameters())}))
-    log = csv.writer(open(out / "eval.csv", "w", newline=""))
-    log.writerow(["step", "train_loss", "val_loss", "val_acc", "lr", "time_s"])
-    per_epoch = len(xt) // args.batch_size
-    step, run_loss = 0, []
-    while step < args.steps and time.time() - t0 < 60 * args.minutes:
-        perm = torch.randperm(len(xt), device=device)
-        for i in range(per_epoch):
-            b = perm[i * args.batch_size:(i + 1) * args.batch_size]
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-                loss = F.cross_entropy(step_fn(xt[b]).float(), yt[b])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            step += 1
-            run_loss.append(loss.detach())
-            if step % args.eval_every == 0 or step == args.steps:
-                vl, va = evaluate(model, xv, yv)
-                row = [step, round(torch.stack(run_loss).mean().item(), 4), round(vl, 4), round(va, 4),
-                       f"{sched.get_last_lr()[0]:.3g}", round(time.time() - t0, 1)]
-                run_loss = []
-                log.writerow(row)
-                print(json.dumps(dict(zip(["step", "train_loss", "val_loss", "val_acc", "lr", "time_s"], row))), flush=True)
-            if step >= args.steps or time.time() - t0 >= 60 * args.minutes:
-                break
+    with open(out / "eval.csv", "w", newline="", buffering=1) as f:  # line-buffered: rows survive a kill
+        log = csv.writer(f)
+        log.writerow(COLS)
+        per_epoch = len(xt) // args.batch_size
+        step, run_loss = 0, []
+        while step < args.steps and time.time() - t0 < 60 * args.minutes:
+            perm = torch.randperm(len(xt), device=device)
+            for i in range(per_epoch):
+                b = perm[i * args.batch_size:(i + 1) * args.batch_size]
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                    loss = F.cross_entropy(step_fn(xt[b]).float(), yt[b])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                step += 1
+                run_loss.append(loss.detach())
+                if step % args.eval_every == 0 or step == args.steps:
+                    vl, va = evaluate(model, xv, yv)
+                    row = [step, round(torch.stack(run_loss).mean().item(), 4), round(vl, 4), round(va, 4),
+                           f"{sched.get_last_lr()[0]:.3g}", round(time.time() - t0, 1)]
+                    run_loss = []
+                    log.writerow(row)
+                    print(json.dumps(dict(zip(COLS, row))), flush=True)
+                if step >= args.steps or time.time() - t0 >= 60 * args.minutes:
+                    break
     tl, ta = evaluate(model, xs, ys)
     result = {"steps": step, "test_loss": round(tl, 4), "test_acc": round(ta, 4), "time_s": round(time.time() - t0, 1)}
     (out / "result.json").write_text(json.dumps(result))

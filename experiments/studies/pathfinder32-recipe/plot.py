@@ -4,7 +4,7 @@
 
 Training loss (left) and validation accuracy (right) against step for every run of the study
 (every classifier run under results/), the faithful runs (experiments/lra/results/train/pf32-faithful/*)
-and the independent minimal Transformer (results/m8-*: minimal_transformer.py's eval.csv, dashed)."""
+and the independent minimal Transformer (minimal_transformer.py's runs: eval.csv only, dashed)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def _classifier(run: Path) -> bool:
     return cfg.get("train", {}).get("objective", "classify") == "classify"
 
 
-MINIMAL = sorted(p.parent for p in RESULTS.glob("m8-*/eval.csv"))
+# minimal_transformer.py's runs: an eval.csv with the training loss in it, and no train.csv
+MINIMAL = sorted(p.parent for p in RESULTS.rglob("eval.csv")
+                 if not (p.parent / "train.csv").exists() and "train_loss" in p.read_text().split("\n", 1)[0])
 RUNS = [p.parent for p in sorted(RESULTS.rglob("train.csv")) + sorted(FAITHFUL.glob("faithful-*/train.csv"))
         if _classifier(p.parent)]
 LABELS = {
@@ -74,7 +76,7 @@ def main() -> Path:
     for run in MINIMAL:  # the independent model logs the mean training loss of each 500-step window
         ev = _rows(run / "eval.csv")
         steps = [int(r["step"]) for r in ev]
-        label = f"independent minimal Transformer, seed {run.name.rsplit('_s', 1)[-1]}"
+        label = f"independent minimal Transformer, seed {json.loads((run / 'config.json').read_text())['seed']}"
         line, = ax_l.plot(steps, [float(r["train_loss"]) for r in ev], "--", lw=1.4, label=label)
         ax_a.plot(steps, [100 * float(r["val_acc"]) for r in ev], "s--", ms=3, color=line.get_color(), label=label)
     ax_l.axhline(0.6931, color="gray", ls=":", lw=1)
