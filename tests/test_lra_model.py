@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparseflash.experiments.lra.model import (
-    ATTENTIONS, GridRotary, LRAClassifier, ModelConfig, build_pattern, dihedral_permutations, load_pretrained, parse_pattern_spec,
+    ATTENTIONS, GridRotary, LRAClassifier, LRADenoiser, ModelConfig, build_pattern, dihedral_permutations, load_pretrained, parse_pattern_spec,
     upsample_grid,
 )
 
@@ -336,6 +336,52 @@ def test_pattern_spec_and_errors():
     with pytest.raises(ValueError, match="rejected its arguments"):
         build_pattern("butterfly", 64, 16, wrong=1)
     assert build_pattern("butterfly", 64, 16).seq_q == 64
+
+
+def _masked_reference(model, tokens):
+    """The released pipelines' forward, written out: every pixel in place, black keys masked out of
+    attention, final outputs times the mask, mean over all positions, then the head."""
+    enc, cfg = model.encoder, model.cfg
+    keep = tokens != 1  # [B, N]
+    x = enc.embed(tokens) + enc.pos(tokens.shape[1])
+    for blk in enc.blocks:
+        q, k, v = blk.attn.project(blk.ln1(x))  # [B, h, N, head_dim]
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+        x = x + blk.attn.output(s.softmax(-1) @ v)
+        x = x + blk.ffn(blk.ln2(x))
+    return model.head((enc.norm(x) * keep[..., None]).mean(1))
+
+
+@pytest.mark.parametrize("attention", BACKENDS)
+def test_black_is_padding_is_the_masked_attention_of_the_release(attention):
+    torch.manual_seed(0)
+    cfg = _cfg(vocab_size=257, num_classes=2, attention=attention, black_is_padding=True)
+    model = LRAClassifier(cfg).eval()
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(2, 257, (4, cfg.seq_len), generator=g)
+    tokens[torch.rand(tokens.shape, generator=g) < 0.55] = 1  # black pixels, a different count per image
+    tokens[3, 40:] = 1  # one image black after its first 40 pixels
+    with torch.no_grad():
+        got = model(tokens)
+        want = _masked_reference(model, tokens)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # black pixels' positions cannot change anything; a drawn pixel can
+    with torch.no_grad():
+        model.encoder.pos.table[torch.nonzero(tokens[0] == 1)[0, 0]] += 1.0
+        torch.testing.assert_close(model(tokens)[0], got[0], rtol=0, atol=1e-6)
+        changed = tokens.clone()
+        changed[0, torch.nonzero(tokens[0] != 1)[0, 0]] = 7
+        assert (model(changed)[0] - got[0]).abs().max() > 1e-6
+
+
+def test_black_is_padding_errors():
+    with pytest.raises(ValueError, match="vocab 257"):
+        LRAClassifier(_cfg(black_is_padding=True))
+    with pytest.raises(ValueError, match="grid_rope"):
+        LRAClassifier(_cfg(vocab_size=257, black_is_padding=True, pos_emb="grid_rope", grid=(8, 10), n_heads=2, d_model=32))
+    with pytest.raises(ValueError, match="classifiers"):
+        LRADenoiser(_cfg(vocab_size=257, black_is_padding=True))
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -223,7 +223,8 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "fit" / "fixed_cost.png").stat().st_size > 10_000
 
 
-def test_pathfinder_minimal_transformer_runs_on_generated_data(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--black-is-padding"]], ids=["all-pixels", "black-is-padding"])
+def test_pathfinder_minimal_transformer_runs_on_generated_data(tmp_path, flags):
     # The independent control of the Pathfinder-32 study: a few steps on a tiny generated set end
     # with its eval log and a test result that is a real accuracy over the test split.
     data = tmp_path / "data"
@@ -234,7 +235,7 @@ def test_pathfinder_minimal_transformer_runs_on_generated_data(tmp_path):
                           "minimal_transformer.py")
     out = tmp_path / "run"
     subprocess.run([sys.executable, script, "--data", str(data), "--out", str(out), "--steps", "4", "--batch-size", "8",
-                    "--eval-every", "2", "--eval-size", "16", "--no-compile"], check=True, capture_output=True,
+                    "--eval-every", "2", "--eval-size", "16", "--no-compile", *flags], check=True, capture_output=True,
                    timeout=300)
     rows = (out / "eval.csv").read_text().splitlines()
     assert rows[0].startswith("step,train_loss,val_loss,val_acc") and [r.split(",")[0] for r in rows[1:]] == ["2", "4"]

@@ -264,6 +264,8 @@ def _coerce(value, hint, key: str):
             return value
         if base is bool and isinstance(value, bool):
             return value
+        if base is bool and value in ("true", "false"):  # the shell's spelling
+            return value == "true"
         if base is str and isinstance(value, str):
             return value
         if base is tuple and isinstance(value, (tuple, list)):

@@ -22,6 +22,16 @@ through one switch.
   column *offset* between two pixels; it has no parameters, so it carries over to any grid).
 - Pooling: ``"mean"`` over real tokens or ``"cls"`` (a learned token prepended, so the encoder
   sees ``seq_len + 1`` positions and the pattern is built for that length).
+- ``black_is_padding`` (pixel tasks): black pixels are padding, as the released LRA pipelines
+  treat them: their token ids are raw gray levels, and both LRA's encoder (``inputs > 0``) and the
+  Nystromformer code the FlashAttention paper builds on (``input_ids != 0``) mask id 0 as padding,
+  so attention runs over the drawn pixels only. Here the kept pixels (gray level > 0, token id > 1)
+  are packed to the front of each sequence in raster order after the embeddings are added, the
+  encoder attends with ``key_lengths`` = their count (every backend, exactly the masked attention
+  for dense), the final outputs go back to their pixels with black pixels' outputs zeroed, and
+  mean pooling divides by all ``seq_len`` positions (the reference's ``norm(x) * mask`` then mean).
+  A block pattern then applies to the packed sequence (blocks of drawn pixels in raster order),
+  not to pixel positions; blocks past an image's drawn pixels are skipped, so it is also faster.
 - ``dual=True`` (Retrieval): both documents go through the same encoder and the head sees
   ``[u, v, u * v, u - v]``.
 - `LRADenoiser`, for self-pretraining (``train.objective="denoise"``): the same encoder, a learned
@@ -85,6 +95,7 @@ class ModelConfig:
     backend: str = "auto"  # sparseflash backend: auto | triton | reference
     augment: str | None = None  # "dihedral": a random flip / 90-degree turn of the grid per example in training
     embed: str = "table"  # "table": a learned vector per token id; "pixel": an affine map of (id - 1) / 255
+    black_is_padding: bool = False  # pixel tasks: gray level 0 (token id 1) is padding, as the released pipelines treat it
 
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "num_classes", "seq_len", "d_model", "n_heads", "n_layers", "d_ff", "block_size"):
@@ -109,6 +120,13 @@ class ModelConfig:
             raise ValueError(f"model.embed must be one of {EMBEDS}, got {self.embed!r}")
         if self.embed == "pixel" and self.vocab_size != 257:
             raise ValueError(f"model.embed='pixel' reads token ids as gray levels + 1 (vocab 257), got vocab {self.vocab_size}")
+        if not isinstance(self.black_is_padding, bool):
+            raise TypeError(f"model.black_is_padding must be a bool, got {self.black_is_padding!r}")
+        if self.black_is_padding and self.vocab_size != 257:
+            raise ValueError(f"model.black_is_padding reads token ids as gray levels + 1 (vocab 257), got vocab {self.vocab_size}")
+        if self.black_is_padding and self.pos_emb == "grid_rope":
+            raise ValueError("model.black_is_padding packs the kept pixels to the front, which model.pos_emb='grid_rope' "
+                             "(rotations by sequence index) cannot follow; use a position table")
         if self.augment not in AUGMENTS:
             raise ValueError(f"model.augment must be one of {AUGMENTS}, got {self.augment!r}")
         if self.pos_emb.startswith("grid") or self.augment == "dihedral":
@@ -466,6 +484,14 @@ class Encoder(nn.Module):
         pos = self.pos(N)
         if pos is not None:
             x = x + pos.to(x.dtype)
+        order = None
+        if self.cfg.black_is_padding:  # pack the drawn pixels to the front (raster order kept)
+            keep = tokens != 1  # [B, N]; gray level 0 is token id 1
+            if lengths is not None:
+                keep &= torch.arange(N, device=tokens.device)[None, :] < lengths[:, None]
+            order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # [B, N]
+            x = x.gather(1, order[..., None].expand_as(x))
+            lengths = packed = keep.sum(1)
         if self.cls is not None:
             x = torch.cat([self.cls.to(x.dtype).expand(B, 1, -1), x], dim=1)
             lengths = None if lengths is None else lengths + 1
@@ -477,14 +503,22 @@ class Encoder(nn.Module):
                                  key_lengths=lengths, backend=self.cfg.backend, flex_cache=self._flex_cache)
         for block in self.blocks:
             x = block(x, attend, self.rope)
-        return self.norm(x), lengths
+        x = self.norm(x)
+        if order is not None:  # back to pixel positions, black pixels' outputs zeroed
+            c = int(self.cls is not None)
+            body = x[:, c:]
+            kept = torch.arange(N, device=x.device)[None, :] < packed[:, None]
+            body = torch.zeros_like(body).scatter(1, order[..., None].expand_as(body), body * kept[..., None])
+            x = torch.cat([x[:, :c], body], dim=1)
+            lengths = None  # every position of the output is defined (zero for black pixels)
+        return x, lengths
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
         """The pooled representation ``[B, d]``: the CLS output, or the mean over real tokens."""
         x, lengths = self.features(tokens, lengths)
         if self.cls is not None:
             return x[:, 0]
-        if lengths is None:
+        if lengths is None:  # also black_is_padding: the mean over all seq_len positions, black ones 0
             return x.mean(dim=1)
         n = x.shape[1]
         valid = (torch.arange(n, device=x.device)[None, :] < lengths[:, None]).to(x.dtype)
@@ -574,6 +608,8 @@ class LRADenoiser(_LRAModel):
     """
 
     def __init__(self, cfg: ModelConfig):
+        if cfg.black_is_padding:
+            raise ValueError("model.black_is_padding is for classifiers: the denoiser predicts every pixel, black ones included")
         super().__init__(cfg)
         d = cfg.d_model
         self.mask_embed = nn.Parameter(torch.randn(d) * 0.02)

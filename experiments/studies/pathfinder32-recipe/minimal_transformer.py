@@ -11,6 +11,10 @@ its published description in ~100 lines of plain PyTorch, sharing nothing with
 - 2 pre-LayerNorm blocks, d 64, 2 heads of 32, FFN 128 with GELU, dropout 0.1 after attention and
   in the FFN, attention dropout 0.1 (`F.scaled_dot_product_attention`);
 - final LayerNorm, mean over positions, head Linear(64, 128), ReLU, Linear(128, 2);
+- with ``--black-is-padding``, what the released pipelines do with pixel ids: id 0 (black) is
+  padding, so black keys are masked out of attention and black positions' final outputs are zeroed
+  before the mean over all 1024 positions (Nystromformer's ``mask = input_ids != 0``,
+  ``norm(X) * mask``; LRA's ``inputs > 0``);
 - AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-6, no weight decay, no clipping; `OneCycleLR` with
   312 warm-up steps of 62,400, linear annealing, its default beta1 cycling; batch 256, bf16 autocast.
 
@@ -47,17 +51,19 @@ class Block(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(d, ff), nn.GELU(), nn.Dropout(p), nn.Linear(ff, d), nn.Dropout(p))
         self.drop = nn.Dropout(p)
 
-    def forward(self, x):  # x [B, N, d]
+    def forward(self, x, keep=None):  # x [B, N, d]; keep: bool [B, 1, 1, N] keys attended, or None (all)
         B, N, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(B, N, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=self.p if self.training else 0.0)
         x = x + self.drop(self.out(a.transpose(1, 2).reshape(B, N, d)))
         return x + self.ffn(self.norm2(x))
 
 
 class MinimalTransformer(nn.Module):
-    def __init__(self, n: int = 1024, d: int = 64, heads: int = 2, ff: int = 128, layers: int = 2, p: float = 0.1):
+    def __init__(self, n: int = 1024, d: int = 64, heads: int = 2, ff: int = 128, layers: int = 2, p: float = 0.1,
+                 black_is_padding: bool = False):
         super().__init__()
+        self.black_is_padding = black_is_padding
         self.tok, self.pos = nn.Embedding(256, d), nn.Parameter(torch.randn(n, d) * 0.02)
         nn.init.normal_(self.tok.weight, std=0.02)
         self.drop = nn.Dropout(p)
@@ -67,9 +73,11 @@ class MinimalTransformer(nn.Module):
 
     def forward(self, pixels):  # pixels: int [B, N] in 0..255
         x = self.drop(self.tok(pixels) + self.pos)
+        keep = pixels != 0 if self.black_is_padding else None  # [B, N]
         for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.norm(x).mean(1))
+            x = blk(x, None if keep is None else keep[:, None, None, :])
+        x = self.norm(x)
+        return self.head((x if keep is None else x * keep[..., None]).mean(1))
 
 
 @torch.no_grad()
@@ -97,6 +105,7 @@ def main() -> None:
     p.add_argument("--eval-size", type=int, default=10240, help="validation images per evaluation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--black-is-padding", action="store_true", help="pixel id 0 is padding, as in the released pipelines")
     args = p.parse_args()
     t0 = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,7 +114,7 @@ def main() -> None:
     # back from pixels / 255 to the byte values the released pipeline feeds as token ids
     xt, xv, xs = ((t.flatten(1) * 255).round().long() for t in (xt, xv, xs))
     xv, yv = xv[:args.eval_size], yv[:args.eval_size]
-    model = MinimalTransformer().to(device)
+    model = MinimalTransformer(black_is_padding=args.black_is_padding).to(device)
     step_fn = model if args.no_compile or device != "cuda" else torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=args.steps, pct_start=min(312 / args.steps, 0.5),
