@@ -42,6 +42,7 @@ LABELS = {
     "e7-rope": "2-D rotary positions", "e7-rope_dihedral": "2-D rotary + dihedral",
     "e7-rope_lr3e-4": "2-D rotary, lr 3e-4", "e7-rope_4l": "2-D rotary, 4 layers, lr 3e-4 cosine",
     "call11-rope4l_spt20k/ft": "2-D rotary, 4 layers, after 20K steps of self-pretraining",
+    "c13-dense_bip": "faithful, black pixels as padding", "c13-butterfly_bip": "faithful butterfly, black pixels as padding",
 }
 
 
@@ -58,7 +59,9 @@ def main() -> Path:
 
     fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(14, 6))
     # one distinct colour per run (the default cycle repeats after 10)
-    colours = [plt.cm.tab20(i) for i in range(20)] + [plt.cm.tab20b(i) for i in range(0, 20, 2)]
+    colours = ([plt.cm.tab20(i) for i in range(20)] + [plt.cm.tab20b(i) for i in range(0, 20, 2)]
+               + [plt.cm.tab20c(i) for i in range(0, 20, 2)])
+    assert len(RUNS) + len(MINIMAL) <= len(colours), "more runs than distinct colours: extend the list"
     for ax in (ax_l, ax_a):
         ax.set_prop_cycle(color=colours)
     for run in RUNS:
@@ -76,7 +79,12 @@ def main() -> Path:
     for run in MINIMAL:  # the independent model logs the mean training loss of each 500-step window
         ev = _rows(run / "eval.csv")
         steps = [int(r["step"]) for r in ev]
-        label = f"independent minimal Transformer, seed {json.loads((run / 'config.json').read_text())['seed']}"
+        cfg = json.loads((run / "config.json").read_text())
+        label = f"independent minimal Transformer, seed {cfg['seed']}"
+        if cfg.get("black_is_padding"):
+            label += ", black as padding"
+        if Path(cfg["data"]).name != "lra":  # the 1M-image data set of call 14
+            label += f", data {Path(cfg['data']).name}"
         line, = ax_l.plot(steps, [float(r["train_loss"]) for r in ev], "--", lw=1.4, label=label)
         ax_a.plot(steps, [100 * float(r["val_acc"]) for r in ev], "s--", ms=3, color=line.get_color(), label=label)
     ax_l.axhline(0.6931, color="gray", ls=":", lw=1)
