@@ -284,6 +284,24 @@ def test_speed_summary_speedups_and_geomean():
     assert ("pathx", "torch") not in s
 
 
+def test_speed_merge_rounds_pools_timings_and_reports_spread():
+    from sparseflash.experiments.lra.speed import merge_rounds
+
+    def row(steps, attn, status="ok", peak=1.0):
+        return {"task": "text", "provider": "sdpa", "status": status, "batch": 4, "seqs": 4, "seq_len": 100, "n_layers": 2,
+                "step_times": steps, "attn_times": attn, "peak_mem_gb": peak}
+
+    m = merge_rounds([row([10.0, 12.0, 11.0], [1.0, 1.0]), row([20.0, 21.0, 19.0], [3.0, 3.0], peak=2.0)])
+    assert m["rounds"] == 2 and m["repeats"] == 6 and m["step_times"] == [10.0, 12.0, 11.0, 20.0, 21.0, 19.0]
+    assert m["step_ms"] == pytest.approx(15.5) and m["step_ms_min"] == 10.0 and m["peak_mem_gb"] == 2.0
+    assert m["step_ms_spread"] == pytest.approx((20 - 11) / 15.5)  # per-round medians 11 and 20
+    assert m["attn_ms"] == pytest.approx(2.0) and m["attn_ms_per_step"] == pytest.approx(4.0)
+    assert m["tokens_per_s"] == pytest.approx(4 * 100 / 0.0155)
+    failed = merge_rounds([row([10.0], [1.0]), {**row([], []), "status": "oom", "error": "step: oom"}])
+    assert failed["status"] == "oom" and failed["rounds"] == 2
+    assert "step_ms_spread" not in merge_rounds([row([10.0], [1.0])])  # one round: no spread
+
+
 def test_speed_tiny_cpu_run(tmp_path):
     from sparseflash.experiments.lra import speed
 

@@ -18,7 +18,11 @@ under bf16 autocast, for each provider:
 
 Each row: median step time (CUDA events, after warm-up), the median forward + backward time of
 one attention call at the same shape (and times the layer count), tokens/s, peak memory, status
-(``ok``, ``oom``, ``unsupported``, ``error``). Attention dropout is off for every provider (the
+(``ok``, ``oom``, ``unsupported``, ``error``). With ``--rounds R`` the whole plan runs R times,
+every other round in reverse order, so that slow drift of the machine (clocks, other tenants)
+falls on every provider alike; a row then pools the timed steps of all rounds (median, min) and
+reports ``step_ms_spread``, the range of the per-round medians over their median: a difference
+between two providers smaller than that is noise. Attention dropout is off for every provider (the
 compared kernels do not all support it); residual dropout stays. Speedups are over ``torch`` per
 task, with the geometric mean over the five LRA tasks of the paper (ListOps, Text, Retrieval,
 Image, Pathfinder) and over all tasks measured. Outputs: ``speed.csv``, ``speedup.csv``,
@@ -51,7 +55,8 @@ __all__ = ["Provider", "default_providers", "butterfly_sweep", "task_setup", "me
 
 _ROW_COLS = ("mode", "task", "provider", "attention", "pattern", "density", "token_density", "batch", "seqs", "seq_len",
              "d_model", "n_heads", "head_dim", "n_layers", "block_size", "status", "error", "step_ms", "step_ms_min",
-             "attn_ms", "attn_ms_per_step", "attn_share", "tokens_per_s", "peak_mem_gb", "repeats")
+             "attn_ms", "attn_ms_per_step", "attn_share", "tokens_per_s", "peak_mem_gb", "repeats", "rounds",
+             "step_ms_spread")
 _SUMMARY_COLS = ("task", "provider", "pattern", "density", "step_ms", "speedup_vs_torch", "speedup_vs_sdpa",
                  "attn_speedup_vs_torch", "tasks")
 
@@ -233,14 +238,45 @@ def measure(task: str, provider: Provider, *, device="cuda", tiny: bool = False,
             continue
         if name == "step":
             times, peak = result
-            row.update(step_ms=statistics.median(times), step_ms_min=min(times), repeats=len(times),
-                       tokens_per_s=batch * cfg.seq_len * (2 if cfg.dual else 1) / (statistics.median(times) / 1e3),
-                       peak_mem_gb=peak)
+            row.update(step_times=times, peak_mem_gb=peak)
         else:
-            row.update(attn_ms=statistics.median(result), attn_ms_per_step=statistics.median(result) * cfg.n_layers)
+            row["attn_times"] = result
+    return _finish(row)
+
+
+def _finish(row: dict) -> dict:
+    """Fill the statistics of a row from its timed calls (``step_times``, ``attn_times``)."""
+    times = row.get("step_times")
+    if times:
+        med = statistics.median(times)
+        row.update(step_ms=med, step_ms_min=min(times), repeats=len(times),
+                   tokens_per_s=row["batch"] * row["seq_len"] * (2 if row["seqs"] > row["batch"] else 1) / (med / 1e3))
+    if row.get("attn_times"):
+        row.update(attn_ms=statistics.median(row["attn_times"]),
+                   attn_ms_per_step=statistics.median(row["attn_times"]) * row["n_layers"])
     if row.get("step_ms") and row.get("attn_ms_per_step"):
         row["attn_share"] = row["attn_ms_per_step"] / row["step_ms"]
     return row
+
+
+def merge_rounds(rows: list[dict]) -> dict:
+    """One row from the rows of one (task, provider) measured in several rounds: the timed calls
+    pooled, the peak memory the largest, ``step_ms_spread`` = (max - min) / median of the
+    per-round step medians. A round that failed makes the merged row fail with its status."""
+    bad = [r for r in rows if r["status"] != "ok"]
+    if bad:
+        return {**bad[0], "rounds": len(rows)}
+    merged = {k: v for k, v in rows[0].items() if k not in ("step_times", "attn_times")}
+    merged["step_times"] = [t for r in rows for t in r.get("step_times", [])]
+    merged["attn_times"] = [t for r in rows for t in r.get("attn_times", [])]
+    peaks = [r["peak_mem_gb"] for r in rows if r.get("peak_mem_gb") is not None]
+    merged["peak_mem_gb"] = max(peaks) if peaks else None
+    merged["rounds"] = len(rows)
+    _finish(merged)
+    medians = [statistics.median(r["step_times"]) for r in rows if r.get("step_times")]
+    if len(medians) > 1:
+        merged["step_ms_spread"] = (max(medians) - min(medians)) / statistics.median(medians)
+    return merged
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -300,12 +336,15 @@ def _write_csv(path: Path, rows: list[dict], cols) -> None:
 def run_speed(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: list[str] | None = None,
               providers: list[str] | None = None, flex_sparse: bool = True, block_size: int = 128, warmup: int = 3,
               repeats: int = 10, max_seconds: float = 20.0, compile: bool = False, show_progress: bool = True,
-              plots: bool = True) -> dict:
-    """Measure every (task, provider), write the tables and plots into ``out_dir``; returns the
-    speed.json content. ``providers`` keeps only rows whose label or attention is listed. Results
-    are rewritten after every row, so an interrupted sweep keeps what it measured."""
+              plots: bool = True, rounds: int = 1) -> dict:
+    """Measure every (task, provider) ``rounds`` times (alternating the order), write the tables
+    and plots into ``out_dir``; returns the speed.json content. ``providers`` keeps only rows whose
+    label or attention is listed. Results are rewritten after every row (merging the rounds done so
+    far), so an interrupted sweep keeps what it measured."""
     from sparseflash._progress import Progress
 
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
     unknown = [t for t in tasks if t not in SPEED_TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}: choose from {SPEED_TASKS} or 'all'")
@@ -321,18 +360,21 @@ def run_speed(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: li
             if providers is None or p.label in providers or p.attention in providers:
                 plan.append((task, p))
     result = {"environment": {**_environment(device), "mode": "tiny" if tiny else "full", "warmup": warmup,
-                              "repeats": repeats}, "rows": [], "summary": []}
-    with Progress(len(plan), "lra speed", disable=not show_progress) as bar:
-        for task, p in plan:
-            row = measure(task, p, device=device, tiny=tiny, block_size=block_size, warmup=warmup, repeats=repeats,
-                          max_seconds=max_seconds, compile=compile)
-            result["rows"].append(row)
-            result["summary"] = summarize(result["rows"])
-            _write_csv(out / "speed.csv", result["rows"], _ROW_COLS)
-            _write_csv(out / "speedup.csv", result["summary"], _SUMMARY_COLS)
-            (out / "speed.json").write_text(json.dumps(result, indent=2))
-            shown = f"{row['step_ms']:.1f} ms" if row.get("step_ms") else row["status"]
-            bar.update(1, postfix=f"{task} {p.label}: {shown}")
+                              "repeats": repeats, "rounds": rounds}, "rows": [], "summary": []}
+    measured: dict = {}  # (task, provider label) -> its rows, one per round done
+    with Progress(rounds * len(plan), "lra speed", disable=not show_progress) as bar:
+        for rnd in range(rounds):
+            for task, p in (plan if rnd % 2 == 0 else plan[::-1]):
+                row = measure(task, p, device=device, tiny=tiny, block_size=block_size, warmup=warmup,
+                              repeats=repeats, max_seconds=max_seconds, compile=compile)
+                measured.setdefault((task, p.label), []).append(row)
+                result["rows"] = [merge_rounds(rs) for rs in measured.values()]
+                result["summary"] = summarize(result["rows"])
+                _write_csv(out / "speed.csv", result["rows"], _ROW_COLS)
+                _write_csv(out / "speedup.csv", result["summary"], _SUMMARY_COLS)
+                (out / "speed.json").write_text(json.dumps(result, indent=2))
+                shown = f"{row['step_ms']:.1f} ms" if row.get("step_ms") else row["status"]
+                bar.update(1, postfix=f"round {rnd + 1}: {task} {p.label}: {shown}")
     if plots:
         plot_speed(result, out)
     return result
@@ -432,7 +474,9 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cuda (default when available) or cpu")
     p.add_argument("--tiny", action="store_true", help="toy sizes (length 256, batch 2): a labelled smoke run")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (per round)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole plan this many times, alternating its order, and pool the timings")
     p.add_argument("--max-seconds", type=float, default=20.0, help="timed seconds per measurement at most")
     p.add_argument("--compile", action="store_true", help="torch.compile the whole model (flex is always compiled)")
     p.add_argument("--plot-only", action="store_true", help="redraw the figures from OUT/speed.json")
@@ -450,7 +494,7 @@ def _cmd_speed(args) -> int:
     result = run_speed(tasks, args.out, device=device, tiny=args.tiny, patterns=args.patterns, providers=args.providers,
                        flex_sparse=not args.no_flex_sparse, block_size=args.block_size, warmup=args.warmup,
                        repeats=args.repeats, max_seconds=args.max_seconds, compile=args.compile,
-                       show_progress=not args.no_progress)
+                       show_progress=not args.no_progress, rounds=args.rounds)
     print(f"{'task':14s} {'provider':36s} {'density':>8s} {'step ms':>9s} {'attn ms':>9s} {'mem GB':>7s} {'x torch':>8s}")
     speed = {(s["task"], s["provider"]): s for s in result["summary"]}
     for r in result["rows"]:
