@@ -415,3 +415,29 @@ def test_backends_agree_bf16_cuda(pattern):
     bound = 2 * (bf16["torch"] - ref).abs().max() + 1e-2
     for a in ATTENTIONS:
         assert (bf16[a] - ref).abs().max() <= bound, a
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", [None, "butterfly"])
+def test_black_is_padding_cuda(pattern):
+    """black_is_padding through the Triton kernels (packed keys, key_lengths) on the GPU: fp32
+    against the released pipelines' masked forward, and every backend in bf16 within twice torch's
+    own bf16 error of it."""
+    torch.manual_seed(0)
+    cfg = _cfg(vocab_size=257, num_classes=2, seq_len=1024, block_size=128, d_model=64, n_heads=2, pattern=pattern,
+               black_is_padding=True)
+    model = LRAClassifier(cfg).cuda().eval()
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(2, 257, (4, cfg.seq_len), generator=g)
+    tokens[torch.rand(tokens.shape, generator=g) < 0.55] = 1
+    tokens = tokens.cuda()
+    ref = _logits(model, "torch", tokens, None)
+    if pattern is None:
+        with torch.no_grad():
+            torch.testing.assert_close(ref, _masked_reference(model, tokens), rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(_logits(model, "sparseflash", tokens, None), ref, rtol=2e-3, atol=2e-3)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        bf16 = {a: _logits(model, a, tokens, None).float() for a in ATTENTIONS}
+    bound = 2 * (bf16["torch"] - ref).abs().max() + 1e-2
+    for a in ATTENTIONS:
+        assert (bf16[a] - ref).abs().max() <= bound, a
