@@ -441,3 +441,33 @@ def test_black_is_padding_cuda(pattern):
     bound = 2 * (bf16["torch"] - ref).abs().max() + 1e-2
     for a in ATTENTIONS:
         assert (bf16[a] - ref).abs().max() <= bound, a
+
+
+def test_conv_stem_starts_as_identity_and_mixes_neighbours():
+    torch.manual_seed(0)
+    kw = dict(vocab_size=257, num_classes=2, seq_len=64, grid=(8, 8), pos_emb="grid", attention="torch")
+    model = LRAClassifier(_cfg(conv_stem=2, **kw)).eval()
+    plain = LRAClassifier(_cfg(**kw)).eval()
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if ".stem." not in k})
+    tokens = torch.randint(1, 257, (3, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), plain(tokens), rtol=0, atol=0)  # zero-initialised convolutions
+        for conv in model.encoder.stem:
+            conv.conv.weight.normal_(std=0.1)
+        # with a stem, position 9 (row 1, col 1) sees its neighbour 0 before any attention:
+        # the stem's output there changes when only pixel 0 changes, and not when pixel 63 does
+        emb = lambda t: model.encoder.embed(t) + model.encoder.pos(64)  # noqa: E731
+        def stem(t):
+            x = emb(t)
+            for conv in model.encoder.stem:
+                x = conv(x, 8, 8)
+            return x
+        a, near, far = tokens.clone(), tokens.clone(), tokens.clone()
+        near[:, 0] = 1 + near[:, 0] % 255
+        far[:, 63] = 1 + far[:, 63] % 255
+        assert (stem(near)[:, 9] - stem(a)[:, 9]).abs().max() > 1e-4
+        torch.testing.assert_close(stem(far)[:, 9], stem(a)[:, 9], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="model.grid"):
+        LRAClassifier(_cfg(vocab_size=257, seq_len=64, conv_stem=1))
+    with pytest.raises(ValueError, match="conv_stem"):
+        LRAClassifier(_cfg(vocab_size=257, seq_len=64, grid=(8, 8), conv_stem=-1))

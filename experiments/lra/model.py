@@ -22,6 +22,9 @@ through one switch.
   column *offset* between two pixels; it has no parameters, so it carries over to any grid).
 - Pooling: ``"mean"`` over real tokens or ``"cls"`` (a learned token prepended, so the encoder
   sees ``seq_len + 1`` positions and the pattern is built for that length).
+- ``conv_stem`` (pixel tasks, not part of any published LRA recipe): that many residual 3x3
+  convolutions over the embedded grid before the first attention block (`_ConvStem`), so each
+  pixel sees its neighbours' gray levels and a marker disk or a dash is a local feature.
 - ``black_is_padding`` (pixel tasks): black pixels are padding, as the released LRA pipelines
   treat them: their token ids are raw gray levels, and both LRA's encoder (``inputs > 0``) and the
   Nystromformer code the FlashAttention paper builds on (``input_ids != 0``) mask id 0 as padding,
@@ -96,6 +99,7 @@ class ModelConfig:
     augment: str | None = None  # "dihedral": a random flip / 90-degree turn of the grid per example in training
     embed: str = "table"  # "table": a learned vector per token id; "pixel": an affine map of (id - 1) / 255
     black_is_padding: bool = False  # pixel tasks: gray level 0 (token id 1) is padding, as the released pipelines treat it
+    conv_stem: int = 0  # pixel tasks: this many residual 3x3 convolutions over the embedded grid before the encoder
 
     def validate(self) -> "ModelConfig":
         for name in ("vocab_size", "num_classes", "seq_len", "d_model", "n_heads", "n_layers", "d_ff", "block_size"):
@@ -127,14 +131,16 @@ class ModelConfig:
         if self.black_is_padding and self.pos_emb == "grid_rope":
             raise ValueError("model.black_is_padding packs the kept pixels to the front, which model.pos_emb='grid_rope' "
                              "(rotations by sequence index) cannot follow; use a position table")
+        if isinstance(self.conv_stem, bool) or not isinstance(self.conv_stem, int) or self.conv_stem < 0:
+            raise ValueError(f"model.conv_stem must be a non-negative int, got {self.conv_stem!r}")
         if self.augment not in AUGMENTS:
             raise ValueError(f"model.augment must be one of {AUGMENTS}, got {self.augment!r}")
-        if self.pos_emb.startswith("grid") or self.augment == "dihedral":
+        if self.pos_emb.startswith("grid") or self.augment == "dihedral" or self.conv_stem:
             g = self.grid
             if (not isinstance(g, (tuple, list)) or len(g) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in g)):
-                raise ValueError(f"model.grid must be a pair (H, W) of positive ints for pos_emb={self.pos_emb!r} "
-                                 f"and augment={self.augment!r}, got {g!r}")
+                raise ValueError(f"model.grid must be a pair (H, W) of positive ints for pos_emb={self.pos_emb!r}, "
+                                 f"augment={self.augment!r} and conv_stem={self.conv_stem!r}, got {g!r}")
             if g[0] * g[1] != self.seq_len:
                 raise ValueError(f"model.grid {tuple(g)} has {g[0] * g[1]} cells but model.seq_len is {self.seq_len}")
         if self.pos_emb == "grid_rope":
@@ -443,6 +449,24 @@ class _PixelEmbedding(nn.Module):
         return self.proj(level) * (tokens != 0)[..., None]
 
 
+class _ConvStem(nn.Module):
+    """x + Conv3x3(GELU(LayerNorm(x))) over the ``H x W`` grid of token vectors (read row-major):
+    each pixel sees its 8 neighbours before any attention, as in convolution-stem Transformers.
+    The convolution starts at zero, so a new stem is the identity."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.conv = nn.Conv2d(d, d, 3, padding=1)
+        nn.init.zeros_(self.conv.weight)
+        nn.init.zeros_(self.conv.bias)
+
+    def forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:  # x [B, H*W, d]
+        B, N, d = x.shape
+        y = F.gelu(self.norm(x)).transpose(1, 2).reshape(B, d, H, W)
+        return x + self.conv(y).flatten(2).transpose(1, 2)
+
+
 class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -453,6 +477,7 @@ class Encoder(nn.Module):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
             nn.init.normal_(self.embed.weight, std=0.02)
         self.pos = PositionEmbedding(cfg)
+        self.stem = nn.ModuleList(_ConvStem(cfg.d_model) for _ in range(cfg.conv_stem))
         self.rope = (GridRotary(cfg.grid, cfg.d_model // cfg.n_heads, cfg.rope_base, offset=int(cfg.pooling == "cls"))
                      if cfg.pos_emb == "grid_rope" else None)
         self.cls = nn.Parameter(torch.randn(cfg.d_model) * 0.02) if cfg.pooling == "cls" else None
@@ -484,6 +509,12 @@ class Encoder(nn.Module):
         pos = self.pos(N)
         if pos is not None:
             x = x + pos.to(x.dtype)
+        if len(self.stem):
+            H, W = self.cfg.grid
+            if N != H * W:
+                raise ValueError(f"model.conv_stem needs the whole {H}x{W} grid, got {N} tokens")
+            for conv in self.stem:
+                x = conv(x, H, W)
         order = None
         if self.cfg.black_is_padding:  # pack the drawn pixels to the front (raster order kept)
             keep = tokens != 1  # [B, N]; gray level 0 is token id 1
