@@ -43,6 +43,8 @@ LABELS = {
     "e7-rope_lr3e-4": "2-D rotary, lr 3e-4", "e7-rope_4l": "2-D rotary, 4 layers, lr 3e-4 cosine",
     "call11-rope4l_spt20k/ft": "2-D rotary, 4 layers, after 20K steps of self-pretraining",
     "c13-dense_bip": "faithful, black pixels as padding", "c13-butterfly_bip": "faithful butterfly, black pixels as padding",
+    "c16-cs1": "1 conv-stem layer", "c16-cs2": "2 conv-stem layers", "c16-cs2_bip": "2 conv-stem layers, black as padding",
+    "c16-cs2_lr5e-4": "2 conv-stem layers, lr 5e-4",
 }
 
 
@@ -60,7 +62,7 @@ def main() -> Path:
     fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(14, 6))
     # one distinct colour per run (the default cycle repeats after 10)
     colours = ([plt.cm.tab20(i) for i in range(20)] + [plt.cm.tab20b(i) for i in range(0, 20, 2)]
-               + [plt.cm.tab20c(i) for i in range(0, 20, 2)])
+               + [plt.cm.tab20c(i) for i in range(0, 20, 2)] + [plt.cm.Set1(i) for i in range(9)])
     assert len(RUNS) + len(MINIMAL) <= len(colours), "more runs than distinct colours: extend the list"
     for ax in (ax_l, ax_a):
         ax.set_prop_cycle(color=colours)
