@@ -42,7 +42,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = tor
     return "reference"
 
 
-def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p):
+def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -94,7 +94,7 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p):
             raise ValueError(f"key_lengths must have shape [batch] = [{B}], got {tuple(key_lengths.shape)}")
         if key_lengths.device != q.device:
             raise ValueError(f"key_lengths must be on q's device {q.device}, got {key_lengths.device}")
-        if CHECK_KEY_LENGTHS and not _capturing():
+        if (CHECK_KEY_LENGTHS if check_key_lengths is None else check_key_lengths) and not _capturing():
             lo, hi = torch.stack(torch.aminmax(key_lengths)).tolist()  # one device read
             if lo < 0 or hi > Nk:
                 raise ValueError(f"key_lengths must lie in [0, seq_k={Nk}], got values in [{lo}, {hi}]")
@@ -103,7 +103,7 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | None = None, *,
               causal: bool = False, scale: float | None = None, key_lengths: torch.Tensor | None = None,
               return_lse: bool = False, dropout_p: float = 0.0, generator: torch.Generator | None = None,
-              segment_ids=None, backend: str = "auto"):
+              segment_ids=None, backend: str = "auto", check_key_lengths: bool | None = None):
     """Block-sparse (or dense) scaled dot-product attention.
 
     Args:
@@ -120,6 +120,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             synchronisation on a GPU. ``SPARSEFLASH_CHECK_KEY_LENGTHS=0`` in the environment (or
             ``sparseflash.api.CHECK_KEY_LENGTHS = False``) skips the check; the kernels then
             clamp each length to ``[0, seq_k]``.
+        check_key_lengths: this call's choice over that default: ``False`` for a caller that
+            validated the lengths once for several calls (the layers of one model step), ``True``
+            to check regardless; ``None`` follows ``CHECK_KEY_LENGTHS``.
         return_lse: also return the float32 log-sum-exp ``[batch, heads_q, seq_q]`` of the scaled
             scores (``-inf`` for rows that attend to nothing). It is differentiable.
         dropout_p: attention dropout on the normalised probabilities (pass 0 at eval). Applied in
@@ -142,7 +145,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         ``out`` ``[batch, heads_q, seq_q, head_dim]`` in q's dtype, or ``(out, lse)``.
         Rows that attend to nothing are 0 and get zero gradients.
     """
-    _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p)
+    _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
     backend = resolve_backend(backend, q.device, q.dtype)
     if scale is None:

@@ -219,15 +219,17 @@ class SparseAttention(nn.Module):
         return self.proj(o.transpose(1, 2).reshape(B, N, H * hd))
 
     def attend(self, q, k, v, mask: BlockMask | None, key_lengths: torch.Tensor | None = None,
-               backend: str | None = None) -> torch.Tensor:
-        """`sparseflash.attention` with this module's causal flag, dropout (training only) and backend."""
+               backend: str | None = None, check_key_lengths: bool | None = None) -> torch.Tensor:
+        """`sparseflash.attention` with this module's causal flag, dropout (training only) and backend
+        (``check_key_lengths``: as `sparseflash.attention`'s)."""
         import sparseflash
 
         backend = self.backend if backend is None else backend
         if backend == "auto":
             backend = "triton" if q.device.type == "cuda" else "reference"
         return sparseflash.attention(q, k, v, mask, causal=self.causal, key_lengths=key_lengths,
-                                     dropout_p=self.dropout if self.training else 0.0, backend=backend)
+                                     dropout_p=self.dropout if self.training else 0.0, backend=backend,
+                                     check_key_lengths=check_key_lengths)
 
     def forward(self, x: torch.Tensor, key_lengths: torch.Tensor | None = None,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:

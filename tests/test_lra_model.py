@@ -356,16 +356,26 @@ def _masked_reference(model, tokens):
 @pytest.mark.parametrize("attention", BACKENDS)
 def test_black_is_padding_is_the_masked_attention_of_the_release(attention):
     torch.manual_seed(0)
-    cfg = _cfg(vocab_size=257, num_classes=2, attention=attention, black_is_padding=True)
+    cfg = _cfg(vocab_size=257, num_classes=2, attention=attention, black_is_padding=True, grid=(8, 10))
     model = LRAClassifier(cfg).eval()
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(2, 257, (4, cfg.seq_len), generator=g)
     tokens[torch.rand(tokens.shape, generator=g) < 0.55] = 1  # black pixels, a different count per image
     tokens[3, 40:] = 1  # one image black after its first 40 pixels
+    tokens[2] = 1  # one all black: attends to nothing, pools to 0
     with torch.no_grad():
         got = model(tokens)
-        want = _masked_reference(model, tokens)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        want = _masked_reference(model, tokens.clone().masked_fill_((tokens == 1).all(1, keepdim=True), 0))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[[0, 1, 3]], want[[0, 1, 3]], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert (model.encoder(tokens, None)[2] == 0).all()  # the pooled vector of the black image
+        torch.testing.assert_close(got[2], model.head(torch.zeros(1, cfg.d_model))[0], rtol=1e-6, atol=1e-6)
+    # token id 0 (padding, as after `lengths`) is not a drawn pixel either
+    padded = tokens.clone()
+    padded[0, 70:] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded), model(padded, torch.tensor([70, 80, 80, 80])), rtol=1e-6, atol=1e-6)
     # black pixels' positions cannot change anything; a drawn pixel can
     with torch.no_grad():
         model.encoder.pos.table[torch.nonzero(tokens[0] == 1)[0, 0]] += 1.0
@@ -377,11 +387,13 @@ def test_black_is_padding_is_the_masked_attention_of_the_release(attention):
 
 def test_black_is_padding_errors():
     with pytest.raises(ValueError, match="vocab 257"):
-        LRAClassifier(_cfg(black_is_padding=True))
+        LRAClassifier(_cfg(black_is_padding=True, grid=(8, 10)))
+    with pytest.raises(ValueError, match="pixel tasks"):  # text tasks have vocab 257 too, but no grid
+        LRAClassifier(_cfg(vocab_size=257, black_is_padding=True))
     with pytest.raises(ValueError, match="grid_rope"):
         LRAClassifier(_cfg(vocab_size=257, black_is_padding=True, pos_emb="grid_rope", grid=(8, 10), n_heads=2, d_model=32))
     with pytest.raises(ValueError, match="classifiers"):
-        LRADenoiser(_cfg(vocab_size=257, black_is_padding=True))
+        LRADenoiser(_cfg(vocab_size=257, black_is_padding=True, grid=(8, 10)))
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -425,16 +437,18 @@ def test_black_is_padding_cuda(pattern):
     own bf16 error of it."""
     torch.manual_seed(0)
     cfg = _cfg(vocab_size=257, num_classes=2, seq_len=1024, block_size=128, d_model=64, n_heads=2, pattern=pattern,
-               black_is_padding=True)
+               black_is_padding=True, grid=(32, 32))
     model = LRAClassifier(cfg).cuda().eval()
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(2, 257, (4, cfg.seq_len), generator=g)
     tokens[torch.rand(tokens.shape, generator=g) < 0.55] = 1
+    tokens[3] = 1  # all black: packed length 0 through every backend
     tokens = tokens.cuda()
     ref = _logits(model, "torch", tokens, None)
+    assert torch.isfinite(ref).all()
     if pattern is None:
         with torch.no_grad():
-            torch.testing.assert_close(ref, _masked_reference(model, tokens), rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(ref[:3], _masked_reference(model, tokens)[:3], rtol=2e-3, atol=2e-3)
             torch.testing.assert_close(_logits(model, "sparseflash", tokens, None), ref, rtol=2e-3, atol=2e-3)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         bf16 = {a: _logits(model, a, tokens, None).float() for a in ATTENTIONS}

@@ -297,8 +297,11 @@ def test_speed_merge_rounds_pools_timings_and_reports_spread():
     assert m["step_ms_spread"] == pytest.approx((20 - 11) / 15.5)  # per-round medians 11 and 20
     assert m["attn_ms"] == pytest.approx(2.0) and m["attn_ms_per_step"] == pytest.approx(4.0)
     assert m["tokens_per_s"] == pytest.approx(4 * 100 / 0.0155)
-    failed = merge_rounds([row([10.0], [1.0]), {**row([], []), "status": "oom", "error": "step: oom"}])
-    assert failed["status"] == "oom" and failed["rounds"] == 2
+    oom = {**row([], []), "status": "oom", "error": "step: oom"}
+    part = merge_rounds([row([10.0], [1.0]), oom, row([12.0], [1.0])])  # the rounds that ran still count
+    assert part["status"] == "ok" and part["rounds"] == 2 and part["failed_rounds"] == 1 and part["step_ms"] == 11.0
+    failed = merge_rounds([oom])
+    assert failed["status"] == "oom" and failed["rounds"] == 0 and failed["failed_rounds"] == 1
     assert "step_ms_spread" not in merge_rounds([row([10.0], [1.0])])  # one round: no spread
 
 

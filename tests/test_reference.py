@@ -133,6 +133,23 @@ def test_api_bad_inputs(make, exc, match):
         sparseflash.attention(q, k, v, **kw)
 
 
+def test_api_check_key_lengths_per_call(monkeypatch):
+    # the per-call choice overrides the module default both ways; unchecked, nothing reads the lengths
+    q, k, v = _qkv()
+    bad = torch.tensor([1, 65])
+    monkeypatch.setattr(sparseflash.api, "CHECK_KEY_LENGTHS", False)
+    with pytest.raises(ValueError, match=r"\[0, seq_k=64\]"):
+        sparseflash.attention(q, k, v, key_lengths=bad, check_key_lengths=True)
+    monkeypatch.setattr(sparseflash.api, "CHECK_KEY_LENGTHS", True)
+    calls = []
+    monkeypatch.setattr(torch, "aminmax", lambda *a, **kw: calls.append(1) or (_ for _ in ()).throw(AssertionError))
+    ok = torch.tensor([10, 64])
+    out = sparseflash.attention(q, k, v, key_lengths=ok, check_key_lengths=False, backend="reference")
+    assert not calls
+    monkeypatch.undo()
+    torch.testing.assert_close(out, sparseflash.attention(q, k, v, key_lengths=ok, backend="reference"))
+
+
 def test_api_full_mask_equals_dense():
     q, k, v = _qkv()
     m = BlockMask.from_layout(torch.ones(1, 1, dtype=torch.bool), block_size=64, seq_q=64)

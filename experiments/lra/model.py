@@ -35,6 +35,8 @@ through one switch.
   mean pooling divides by all ``seq_len`` positions (the reference's ``norm(x) * mask`` then mean).
   A block pattern then applies to the packed sequence (blocks of drawn pixels in raster order),
   not to pixel positions; blocks past an image's drawn pixels are skipped, so it is also faster.
+  With ``conv_stem`` too, the stem runs on the whole grid first, so black pixels still pass their
+  neighbours' gray levels into the drawn pixels' vectors (only attention and pooling skip them).
 - ``dual=True`` (Retrieval): both documents go through the same encoder and the head sees
   ``[u, v, u * v, u - v]``.
 - `LRADenoiser`, for self-pretraining (``train.objective="denoise"``): the same encoder, a learned
@@ -126,8 +128,9 @@ class ModelConfig:
             raise ValueError(f"model.embed='pixel' reads token ids as gray levels + 1 (vocab 257), got vocab {self.vocab_size}")
         if not isinstance(self.black_is_padding, bool):
             raise TypeError(f"model.black_is_padding must be a bool, got {self.black_is_padding!r}")
-        if self.black_is_padding and self.vocab_size != 257:
-            raise ValueError(f"model.black_is_padding reads token ids as gray levels + 1 (vocab 257), got vocab {self.vocab_size}")
+        if self.black_is_padding and (self.vocab_size != 257 or self.grid is None or self.dual):
+            raise ValueError(f"model.black_is_padding is for pixel tasks (token ids gray levels + 1, vocab 257, a "
+                             f"model.grid, not dual), got vocab {self.vocab_size}, grid {self.grid}, dual {self.dual}")
         if self.black_is_padding and self.pos_emb == "grid_rope":
             raise ValueError("model.black_is_padding packs the kept pixels to the front, which model.pos_emb='grid_rope' "
                              "(rotations by sequence index) cannot follow; use a position table")
@@ -329,7 +332,8 @@ class SelfAttention(SparseAttention):
             q, k = rope(q), rope(k)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if attend.kind == "sparseflash":
-            o = self.attend(q, k, v, attend.mask, attend.key_lengths, backend=attend.backend)
+            # the lengths were checked once for the whole step (Encoder.features)
+            o = self.attend(q, k, v, attend.mask, attend.key_lengths, backend=attend.backend, check_key_lengths=False)
         else:
             o = attend(q, k, v, self.dropout if self.training else 0.0)
         return self.output(o)
@@ -517,7 +521,7 @@ class Encoder(nn.Module):
                 x = conv(x, H, W)
         order = None
         if self.cfg.black_is_padding:  # pack the drawn pixels to the front (raster order kept)
-            keep = tokens != 1  # [B, N]; gray level 0 is token id 1
+            keep = tokens > 1  # [B, N]; gray level 0 is token id 1, id 0 is padding
             if lengths is not None:
                 keep &= torch.arange(N, device=tokens.device)[None, :] < lengths[:, None]
             order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # [B, N]
@@ -528,8 +532,12 @@ class Encoder(nn.Module):
             lengths = None if lengths is None else lengths + 1
         x = self.drop(x)
         n = x.shape[1]
-        if lengths is not None and not torch.compiler.is_compiling() and bool((lengths >= n).all()):
-            lengths = None  # nothing is padding: skip building masks (pixel tasks, speed runs)
+        if lengths is not None and not torch.compiler.is_compiling():
+            lo, hi = torch.stack(torch.aminmax(lengths)).tolist()  # one device read per step, not one per layer
+            if lo < 0 or hi > n:
+                raise ValueError(f"lengths must lie in [0, {N}], got values in [{lo - (n - N)}, {hi - (n - N)}]")
+            if lo >= n:
+                lengths = None  # nothing is padding: skip building masks (pixel tasks, speed runs)
         attend = AttentionKernel(self.cfg.attention, n, B, x.device, mask=self.pattern_mask(n, x.device),
                                  key_lengths=lengths, backend=self.cfg.backend, flex_cache=self._flex_cache)
         for block in self.blocks:

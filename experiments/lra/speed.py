@@ -56,7 +56,7 @@ __all__ = ["Provider", "default_providers", "butterfly_sweep", "task_setup", "me
 _ROW_COLS = ("mode", "task", "provider", "attention", "pattern", "density", "token_density", "batch", "seqs", "seq_len",
              "d_model", "n_heads", "head_dim", "n_layers", "block_size", "status", "error", "step_ms", "step_ms_min",
              "attn_ms", "attn_ms_per_step", "attn_share", "tokens_per_s", "peak_mem_gb", "repeats", "rounds",
-             "step_ms_spread")
+             "failed_rounds", "step_ms_spread")
 _SUMMARY_COLS = ("task", "provider", "pattern", "density", "step_ms", "speedup_vs_torch", "speedup_vs_sdpa",
                  "attn_speedup_vs_torch", "tasks")
 
@@ -261,12 +261,16 @@ def _finish(row: dict) -> dict:
 
 def merge_rounds(rows: list[dict]) -> dict:
     """One row from the rows of one (task, provider) measured in several rounds: the timed calls
-    pooled, the peak memory the largest, ``step_ms_spread`` = (max - min) / median of the
-    per-round step medians. A round that failed makes the merged row fail with its status."""
-    bad = [r for r in rows if r["status"] != "ok"]
-    if bad:
-        return {**bad[0], "rounds": len(rows)}
+    of the rounds that ran pooled, the peak memory the largest, ``step_ms_spread`` = (max - min) /
+    median of the per-round step medians, ``rounds`` the rounds that ran and ``failed_rounds`` the
+    others. With no round run the row is the first failure (status and error)."""
+    good = [r for r in rows if r["status"] == "ok"]
+    failed = len(rows) - len(good)
+    if not good:
+        return {**rows[0], "rounds": 0, "failed_rounds": failed}
+    rows = good
     merged = {k: v for k, v in rows[0].items() if k not in ("step_times", "attn_times")}
+    merged["failed_rounds"] = failed
     merged["step_times"] = [t for r in rows for t in r.get("step_times", [])]
     merged["attn_times"] = [t for r in rows for t in r.get("attn_times", [])]
     peaks = [r["peak_mem_gb"] for r in rows if r.get("peak_mem_gb") is not None]
@@ -365,6 +369,10 @@ def run_speed(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: li
     with Progress(rounds * len(plan), "lra speed", disable=not show_progress) as bar:
         for rnd in range(rounds):
             for task, p in (plan if rnd % 2 == 0 else plan[::-1]):
+                done = measured.get((task, p.label), [])
+                if done and done[0]["status"] != "ok":  # out of memory, unsupported, ...: once is enough
+                    bar.update(1)
+                    continue
                 row = measure(task, p, device=device, tiny=tiny, block_size=block_size, warmup=warmup,
                               repeats=repeats, max_seconds=max_seconds, compile=compile)
                 measured.setdefault((task, p.label), []).append(row)

@@ -77,7 +77,7 @@ class MinimalTransformer(nn.Module):
         for blk in self.blocks:
             x = blk(x, None if keep is None else keep[:, None, None, :])
         x = self.norm(x)
-        return self.head((x if keep is None else x * keep[..., None]).mean(1))
+        return self.head((x if keep is None else torch.where(keep[..., None], x, 0.0)).mean(1))
 
 
 @torch.no_grad()
