@@ -223,7 +223,7 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "fit" / "fixed_cost.png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("flags", [[], ["--black-is-padding"]], ids=["all-pixels", "black-is-padding"])
+@pytest.mark.parametrize("flags", [[], ["--black-is-padding"], ["--patch", "4"]], ids=["all-pixels", "black-is-padding", "patches"])
 def test_pathfinder_minimal_transformer_runs_on_generated_data(tmp_path, flags):
     # The independent control of the Pathfinder-32 study: a few steps on a tiny generated set end
     # with its eval log and a test result that is a real accuracy over the test split.

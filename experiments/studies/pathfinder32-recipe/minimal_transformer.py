@@ -15,6 +15,9 @@ its published description in ~100 lines of plain PyTorch, sharing nothing with
   padding, so black keys are masked out of attention and black positions' final outputs are zeroed
   before the mean over all 1024 positions (Nystromformer's ``mask = input_ids != 0``,
   ``norm(X) * mask``; LRA's ``inputs > 0``);
+- with ``--patch P`` (a diagnostic, not the LRA task: the sequence is no longer pixels), the
+  image is cut into P x P patches whose gray levels (/ 255) a linear map embeds, as a ViT does:
+  (32 / P)^2 tokens, each already a local picture;
 - AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-6, no weight decay, no clipping; `OneCycleLR` with
   312 warm-up steps of 62,400, linear annealing, its default beta1 cycling; batch 256, bf16 autocast.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import time
 from pathlib import Path
 
@@ -61,9 +65,14 @@ class Block(nn.Module):
 
 class MinimalTransformer(nn.Module):
     def __init__(self, n: int = 1024, d: int = 64, heads: int = 2, ff: int = 128, layers: int = 2, p: float = 0.1,
-                 black_is_padding: bool = False):
+                 black_is_padding: bool = False, patch: int = 1):
         super().__init__()
-        self.black_is_padding = black_is_padding
+        side = math.isqrt(n)
+        if patch < 1 or side % patch or (patch > 1 and black_is_padding):
+            raise ValueError(f"patch must divide {side} (and patches > 1 have no black padding), got {patch}")
+        self.black_is_padding, self.patch, self.side = black_is_padding, patch, side
+        n = (side // patch) ** 2
+        self.patch_embed = nn.Linear(patch * patch, d) if patch > 1 else None
         self.tok, self.pos = nn.Embedding(256, d), nn.Parameter(torch.randn(n, d) * 0.02)
         nn.init.normal_(self.tok.weight, std=0.02)
         self.drop = nn.Dropout(p)
@@ -72,7 +81,13 @@ class MinimalTransformer(nn.Module):
         self.head = nn.Sequential(nn.Linear(d, ff), nn.ReLU(), nn.Linear(ff, 2))
 
     def forward(self, pixels):  # pixels: int [B, N] in 0..255
-        x = self.drop(self.tok(pixels) + self.pos)
+        if self.patch_embed is not None:  # [B, N] -> [B, (side / P)^2, P * P] -> [B, n, d]
+            P, g = self.patch, self.side // self.patch
+            x = pixels.view(-1, g, P, g, P).permute(0, 1, 3, 2, 4).reshape(-1, g * g, P * P)
+            x = self.patch_embed(x.to(self.patch_embed.weight.dtype) / 255)
+        else:
+            x = self.tok(pixels)
+        x = self.drop(x + self.pos)
         keep = pixels != 0 if self.black_is_padding else None  # [B, N]
         for blk in self.blocks:
             x = blk(x, None if keep is None else keep[:, None, None, :])
@@ -106,6 +121,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--black-is-padding", action="store_true", help="pixel id 0 is padding, as in the released pipelines")
+    p.add_argument("--patch", type=int, default=1, help="P x P patches as tokens (a ViT-style diagnostic; 1 = pixels)")
+    p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
     t0 = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -114,7 +131,7 @@ def main() -> None:
     # back from pixels / 255 to the byte values the released pipeline feeds as token ids
     xt, xv, xs = ((t.flatten(1) * 255).round().long() for t in (xt, xv, xs))
     xv, yv = xv[:args.eval_size], yv[:args.eval_size]
-    model = MinimalTransformer(black_is_padding=args.black_is_padding).to(device)
+    model = MinimalTransformer(black_is_padding=args.black_is_padding, patch=args.patch, layers=args.layers).to(device)
     step_fn = model if args.no_compile or device != "cuda" else torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=args.steps, pct_start=min(312 / args.steps, 0.5),
