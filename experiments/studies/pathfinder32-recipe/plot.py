@@ -85,6 +85,10 @@ def main() -> Path:
         label = f"independent minimal Transformer, seed {cfg['seed']}"
         if cfg.get("black_is_padding"):
             label += ", black as padding"
+        if cfg.get("patch", 1) > 1:
+            label += f", {cfg['patch']}x{cfg['patch']} patches"
+        if cfg.get("layers", 2) != 2:
+            label += f", {cfg['layers']} layers"
         if Path(cfg["data"]).name != "lra":  # the 1M-image data set of call 14
             label += f", data {Path(cfg['data']).name}"
         line, = ax_l.plot(steps, [float(r["train_loss"]) for r in ev], "--", lw=1.4, label=label)
