@@ -12,7 +12,7 @@ from sparseflash.mask import BlockMask
 from sparseflash.mask import _tracing as _capturing
 from sparseflash.segments import check_segment_ids
 
-__all__ = ["attention", "resolve_backend"]
+__all__ = ["attention", "resolve_backend", "key_lengths_range"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "triton", "reference")
@@ -40,6 +40,16 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = tor
     if device.type == "cuda" or (device.type == "cpu" and _interpreting()):
         return "triton"
     return "reference"
+
+
+def key_lengths_range(key_lengths: torch.Tensor, seq_k: int, name: str = "key_lengths") -> tuple[int, int]:
+    """(min, max) of ``key_lengths`` in one device read (a host synchronisation on a GPU); raises
+    unless both lie in ``[0, seq_k]``. For a caller that checks once for several attention calls
+    and passes ``check_key_lengths=False`` to each."""
+    lo, hi = torch.stack(torch.aminmax(key_lengths)).tolist()
+    if lo < 0 or hi > seq_k:
+        raise ValueError(f"{name} must lie in [0, seq_k={seq_k}], got values in [{lo}, {hi}]")
+    return lo, hi
 
 
 def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths=None):
@@ -95,9 +105,7 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_ke
         if key_lengths.device != q.device:
             raise ValueError(f"key_lengths must be on q's device {q.device}, got {key_lengths.device}")
         if (CHECK_KEY_LENGTHS if check_key_lengths is None else check_key_lengths) and not _capturing():
-            lo, hi = torch.stack(torch.aminmax(key_lengths)).tolist()  # one device read
-            if lo < 0 or hi > Nk:
-                raise ValueError(f"key_lengths must lie in [0, seq_k={Nk}], got values in [{lo}, {hi}]")
+            key_lengths_range(key_lengths, Nk)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | None = None, *,

@@ -250,7 +250,7 @@ def _finish(row: dict) -> dict:
     if times:
         med = statistics.median(times)
         row.update(step_ms=med, step_ms_min=min(times), repeats=len(times),
-                   tokens_per_s=row["batch"] * row["seq_len"] * (2 if row["seqs"] > row["batch"] else 1) / (med / 1e3))
+                   tokens_per_s=row["seqs"] * row["seq_len"] / (med / 1e3))  # seqs: both documents of dual tasks
     if row.get("attn_times"):
         row.update(attn_ms=statistics.median(row["attn_times"]),
                    attn_ms_per_step=statistics.median(row["attn_times"]) * row["n_layers"])
@@ -366,6 +366,7 @@ def run_speed(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: li
     result = {"environment": {**_environment(device), "mode": "tiny" if tiny else "full", "warmup": warmup,
                               "repeats": repeats, "rounds": rounds}, "rows": [], "summary": []}
     measured: dict = {}  # (task, provider label) -> its rows, one per round done
+    merged: dict = {}  # (task, provider label) -> those rows merged (the row written)
     with Progress(rounds * len(plan), "lra speed", disable=not show_progress) as bar:
         for rnd in range(rounds):
             for task, p in (plan if rnd % 2 == 0 else plan[::-1]):
@@ -376,7 +377,8 @@ def run_speed(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: li
                 row = measure(task, p, device=device, tiny=tiny, block_size=block_size, warmup=warmup,
                               repeats=repeats, max_seconds=max_seconds, compile=compile)
                 measured.setdefault((task, p.label), []).append(row)
-                result["rows"] = [merge_rounds(rs) for rs in measured.values()]
+                merged[task, p.label] = merge_rounds(measured[task, p.label])
+                result["rows"] = list(merged.values())
                 result["summary"] = summarize(result["rows"])
                 _write_csv(out / "speed.csv", result["rows"], _ROW_COLS)
                 _write_csv(out / "speedup.csv", result["summary"], _SUMMARY_COLS)

@@ -20,16 +20,12 @@ import torch
 def main(n: int = 200) -> None:
     import sparseflash
     from sparseflash.experiments.bench.timing import SLEEP_CYCLES, host_us
-    from sparseflash.mask import BlockMask
+    from sparseflash.patterns import random as random_mask
 
     torch.manual_seed(0)
     B, H, N, D = 4, 16, 4096, 64
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    nb = N // 128
-    layout = torch.zeros(nb, nb, dtype=torch.bool)
-    for i in range(nb):
-        layout[i, torch.randperm(nb)[:3]] = True
-    mask = BlockMask.from_layout(layout.cuda(), 128)
+    mask = random_mask(N, 3, block_size=128, seed=0, device="cuda")
 
     def fwd():
         with torch.no_grad():
