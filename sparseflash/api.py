@@ -52,6 +52,18 @@ def key_lengths_range(key_lengths: torch.Tensor, seq_k: int, name: str = "key_le
     return lo, hi
 
 
+_FAST = None
+
+
+def _fast_module():
+    """sparseflash.flash.fast, imported on first use (it imports triton)."""
+    global _FAST
+    from sparseflash.flash import fast
+
+    _FAST = fast
+    return fast
+
+
 def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -153,6 +165,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         ``out`` ``[batch, heads_q, seq_q, head_dim]`` in q's dtype, or ``(out, lse)``.
         Rows that attend to nothing are 0 and get zero gradients.
     """
+    if segment_ids is None and not return_lse and backend == "auto" and generator is None \
+            and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0:
+        # the short path of a repeated eager call (sparseflash.flash.fast): a known key skips validation
+        # and planning; a new one is validated here first. None: a call it does not take.
+        fast = _FAST or _fast_module()
+        entry = fast.lookup(q, k, v, mask, causal, scale, key_lengths)
+        if entry is not None:
+            if entry.__class__ is fast.Miss:
+                _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
+                entry = fast.build(entry, q, k, v, mask, causal, scale, key_lengths,
+                                   resolve_backend(backend, q.device, q.dtype) == "triton")
+            elif key_lengths is not None and (CHECK_KEY_LENGTHS if check_key_lengths is None else check_key_lengths):
+                key_lengths_range(key_lengths, k.shape[2])  # (not while capturing: lookup says None then)
+            if entry is not None:
+                return fast.call(entry, q, k, v, key_lengths)
     _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
     backend = resolve_backend(backend, q.device, q.dtype)

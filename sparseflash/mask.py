@@ -297,7 +297,7 @@ class BlockMask:
     `sparseflash.attention` does with the other, partial, blocks (it computes them entirely).
     """
 
-    __slots__ = ("layout", "block_size", "seq_q", "seq_k", "mask_mod", "_full", "_index_cache")
+    __slots__ = ("layout", "block_size", "seq_q", "seq_k", "mask_mod", "_full", "_index_cache", "_fast")
 
     def __init__(self, layout: torch.Tensor, block_size=128, seq_q: int | None = None, seq_k: int | None = None,
                  *, full: torch.Tensor | None = None, mask_mod=None):
@@ -334,6 +334,7 @@ class BlockMask:
         self.mask_mod = mask_mod
         self._full = full
         self._index_cache: dict[torch.device, BlockIndex] = {}
+        self._fast: dict = {}  # sparseflash.flash.fast's entries for calls with this mask
 
     # ------------------------------------------------------------------ constructors
     @classmethod

@@ -159,7 +159,10 @@ def test_gpu_bound_launches_match_triton(setting, monkeypatch):
     through Triton's own path, and bound launches are really taken."""
     from sparseflash.patterns import random as random_mask
 
+    from sparseflash.flash import fast
+
     monkeypatch.setattr(launch, "TMA_MODE", "off")
+    monkeypatch.setattr(fast, "ENABLED", False)  # the general path's launches (the short path's: test_fast_path)
     B, Hq, N, D = 2, 4, 512, 64
     Hkv = 2 if setting == "gqa-causal" else Hq
     g = torch.Generator(device="cuda").manual_seed(0)

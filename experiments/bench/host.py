@@ -9,16 +9,21 @@ bf16, batch x heads = tokens // seq_len x 16 (default 4 x 16 at 4K tokens), one 
   issuing calls while the GPU sleeps, so no launch waits for it), forward (no grad) and
   forward + backward (``torch.autograd.grad``), for each head dim, dense and a random mask of
   ``--blocks`` 128-blocks per row (density 3/32 = 0.094 at 4K), without and with ``key_lengths``.
-  Providers: ``sparseflash`` (bound launches, the default), ``sparseflash-unbound``
-  (``launch.FAST_LAUNCH = False``: every launch through Triton's own path, the A/B of the
-  bound launch), ``sdpa`` (``F.scaled_dot_product_attention``, dense; with key_lengths a boolean
-  key-padding mask) as the anchor. Rows with key_lengths run with
+  Providers (``--providers``): ``sparseflash`` (the default: repeat calls take the short path,
+  `sparseflash.flash.fast`, with bound launches), ``sparseflash-general`` (short path off: every
+  call validated and planned, bound launches), ``sparseflash-unbound`` (also
+  ``launch.FAST_LAUNCH = False``: every launch through Triton's own path), ``sdpa``
+  (``F.scaled_dot_product_attention``, dense; with key_lengths a boolean key-padding mask) as
+  the anchor, and ``autograd-floor`` (dense, no key_lengths: a Python autograd Function that
+  allocates our outputs and launches nothing, what PyTorch charges any such op; ours minus it is
+  our own Python and launch cost). Rows with key_lengths run with
   ``sparseflash.api.CHECK_KEY_LENGTHS = False``: the check reads the lengths back, a host
   synchronisation, which would wait out the GPU's sleep (its cost shows in ``part=eager``).
 - ``part=eager``: forward + backward as a training step issues them, back to back
   (`timing.stream_ms`, ``eager_ms``), against the same call replayed from a CUDA graph
   (`timing.graph_ms`, ``gpu_ms``: the kernels alone); ``eager_over_gpu`` is the goal's ratio
-  (<= 1.15 at 4K, density 0.1). Mask rows also with key_lengths, checked and not.
+  (<= 1.15 at 4K, density 0.1). Mask rows also with key_lengths, checked and not; ours with the
+  short path and without it.
 
 Writes DIR/host.csv and DIR/host.json and prints a table. On CPU (``--device cpu``) the kernels
 are replaced by no-ops (`studies.host_cost.host_python.stubbed_kernels`), host times are
@@ -40,17 +45,41 @@ COLUMNS = ["part", "provider", "pass", "head_dim", "mask", "density", "key_lengt
            "eager_ms", "gpu_ms", "eager_over_gpu", "B", "H", "N", "device_name", "torch", "triton", "commit", "date"]
 
 
-@contextlib.contextmanager
-def _settings(fast: bool = True, check_key_lengths: bool = True):
-    from sparseflash import api
-    from sparseflash.flash import launch
+PROVIDERS = ("sparseflash", "sparseflash-general", "sparseflash-unbound", "sdpa", "autograd-floor")
 
-    saved = launch.FAST_LAUNCH, api.CHECK_KEY_LENGTHS
-    launch.FAST_LAUNCH, api.CHECK_KEY_LENGTHS = fast, check_key_lengths
+
+@contextlib.contextmanager
+def _settings(provider: str = "sparseflash", check_key_lengths: bool = True):
+    """Our switches for ``provider``: the short path (`sparseflash.flash.fast`) off for
+    "sparseflash-general", bound launches also off for "sparseflash-unbound"."""
+    from sparseflash import api
+    from sparseflash.flash import fast, launch
+
+    saved = launch.FAST_LAUNCH, fast.ENABLED, api.CHECK_KEY_LENGTHS
+    launch.FAST_LAUNCH = provider != "sparseflash-unbound"
+    fast.ENABLED = provider == "sparseflash"
+    api.CHECK_KEY_LENGTHS = check_key_lengths
     try:
         yield
     finally:
-        launch.FAST_LAUNCH, api.CHECK_KEY_LENGTHS = saved
+        launch.FAST_LAUNCH, fast.ENABLED, api.CHECK_KEY_LENGTHS = saved
+
+
+class _Floor(torch.autograd.Function):
+    """A Python autograd Function that allocates what ours does (o, lse; dq, dk, dv, delta) and
+    launches nothing: what PyTorch itself costs a custom op of ours, the floor of our own cost."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        o, lse = torch.empty_like(q), torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _calls(provider, q, k, v, do, mask, klen):
@@ -64,6 +93,9 @@ def _calls(provider, q, k, v, do, mask, klen):
 
         def attn(q_, k_, v_):
             return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=am)
+    elif provider == "autograd-floor":
+        def attn(q_, k_, v_):
+            return _Floor.apply(q_, k_, v_)
     else:
         def attn(q_, k_, v_):
             return sparseflash.attention(q_, k_, v_, mask=mask, key_lengths=klen)
@@ -81,7 +113,7 @@ def _calls(provider, q, k, v, do, mask, klen):
 
 
 def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: int = 3, tokens: int = 16384,
-        heads: int = 16, calls: int = 30, eager: bool = True) -> list[dict]:
+        heads: int = 16, calls: int = 30, eager: bool = True, providers=PROVIDERS) -> list[dict]:
     from sparseflash.experiments.bench.timing import graph_ms, host_us, stream_ms, wall_us
     from sparseflash.patterns import random as random_mask
 
@@ -113,10 +145,11 @@ def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: 
             density = 1.0 if mask is None else blocks / nb
             for kl in (False, True):
                 klen = klen_t if kl else None
-                providers = ["sparseflash", "sparseflash-unbound"] + (["sdpa"] if mask is None else [])
                 for prov in providers:
+                    if prov == "sdpa" and mask is not None or prov == "autograd-floor" and (mask is not None or kl):
+                        continue
                     fwd, fwd_bwd = _calls(prov, q, k, v, do, mask, klen)
-                    with _settings(fast=prov != "sparseflash-unbound", check_key_lengths=False):
+                    with _settings(prov, check_key_lengths=False):
                         for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
                             add(part="host", provider=prov, **{"pass": name}, head_dim=D, mask=mname,
                                 density=density, key_lengths=kl, kl_checked=False, host_us=timer(fn, calls))
@@ -125,11 +158,12 @@ def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: 
         # eager against GPU time
         for mname, mask in masks.items():
             density = 1.0 if mask is None else blocks / nb
-            cases = [("sparseflash", None, True)] + ([("sdpa", None, True)] if mask is None else
-                                                     [("sparseflash", klen_t, True), ("sparseflash", klen_t, False)])
+            ours = [p for p in ("sparseflash", "sparseflash-general") if p in providers]
+            cases = [(p, None, True) for p in ours] + ([("sdpa", None, True)] if mask is None else
+                                                       [(p, klen_t, c) for p in ours for c in (True, False)])
             for prov, klen, checked in cases:
                 _, fwd_bwd = _calls(prov, q, k, v, do, mask, klen)
-                with _settings(check_key_lengths=checked):
+                with _settings(prov, check_key_lengths=checked):
                     e = stream_ms(fwd_bwd, calls=10)
                     gpu = graph_ms(fwd_bwd, rep_ms=50)
                 add(part="eager", provider=prov, **{"pass": "fwd+bwd"}, head_dim=D, mask=mname, density=density,
@@ -144,7 +178,7 @@ def table(rows: list[dict]) -> str:
     host = [r for r in rows if r["part"] == "host"]
     keys = sorted({(r["head_dim"], r["mask"], r["key_lengths"], r["pass"]) for r in host},
                   key=lambda t: (t[0], t[1] != "dense", t[2], t[3]))
-    provs = ["sparseflash", "sparseflash-unbound", "sdpa"]
+    provs = [p for p in PROVIDERS if any(r["provider"] == p for r in host)]
     out.append(f"{'host us per call':<24}" + "".join(f"{p:>21}" for p in provs))
     for key in keys:
         cells = {r["provider"]: r["host_us"] for r in host if (r["head_dim"], r["mask"], r["key_lengths"], r["pass"]) == key}
@@ -152,11 +186,11 @@ def table(rows: list[dict]) -> str:
         out.append(f"{label:<24}" + "".join(f"{cells[p]:21.1f}" if p in cells else f"{'':>21}" for p in provs))
     eager = [r for r in rows if r["part"] == "eager"]
     if eager:
-        out.append(f"\n{'fwd+bwd':<24}{'provider':<14}{'eager ms':>10}{'GPU ms':>10}{'eager/GPU':>11}")
+        out.append(f"\n{'fwd+bwd':<24}{'provider':<20}{'eager ms':>10}{'GPU ms':>10}{'eager/GPU':>11}")
         for r in eager:
             label = f"d={r['head_dim']} {r['mask']}" + (f" kl{'(checked)' if r['kl_checked'] else ''}"
                                                           if r["key_lengths"] else "")
-            out.append(f"{label:<24}{r['provider']:<14}{r['eager_ms']:10.4f}{r['gpu_ms']:10.4f}{r['eager_over_gpu']:11.2f}")
+            out.append(f"{label:<24}{r['provider']:<20}{r['eager_ms']:10.4f}{r['gpu_ms']:10.4f}{r['eager_over_gpu']:11.2f}")
     return "\n".join(out)
 
 
@@ -185,12 +219,16 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--calls", type=int, default=30, help="calls per timed batch of the host part")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager-against-GPU part")
+    ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS,
+                    help="sparseflash (short path), sparseflash-general (short path off), sparseflash-unbound "
+                         "(also bound launches off), sdpa, autograd-floor (a Python autograd Function that "
+                         "allocates our outputs and launches nothing)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda needs a GPU")
     kw = dict(seq_len=args.seq_len, head_dims=args.head_dims, blocks=args.blocks, tokens=args.tokens,
-              heads=args.heads, calls=args.calls, eager=not args.no_eager)
+              heads=args.heads, calls=args.calls, eager=not args.no_eager, providers=args.providers)
     if device.type == "cpu":
         from sparseflash.experiments.studies.host_cost.host_python import stubbed_kernels
 

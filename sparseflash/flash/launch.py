@@ -617,6 +617,11 @@ def _bind(plan: _Plan, kernel, compiled, args: list) -> tuple | None:
     return run, function, meta, tuple(values)
 
 
+def _bound_key(tensors) -> tuple:
+    """A bound launch's key for these tensors: (device, each address 16-byte aligned, dtypes)."""
+    return _current_device(), tuple(t.data_ptr() & 15 == 0 for t in tensors), tuple(t.dtype for t in tensors)
+
+
 def _launch(plan: _Plan, tensors) -> None:
     """Launch ``plan`` with ``tensors`` in its slots: bound (see FAST_LAUNCH) or through Triton."""
     fast = FAST_LAUNCH and plan.cuda and not plan.tma and not _INTERPRETING
@@ -661,13 +666,31 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), _state())
     plan = _plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
                  tma_plan, seg)
-    idx = q if kv_idx is None else kv_idx
-    rng = q if dropout_p <= 0.0 else _checked_rng(rng, q.device)
-    sq, sk = (q, q) if seg is None else seg
+    rng = None if dropout_p <= 0.0 else _checked_rng(rng, q.device)
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
     descs = _tma_args(plan.cfg, tma_plan, _block_d(D), (q, bm), (k, bn), (v, bn))[0]  # (q, k, v) without TMA
-    _launch(plan, (q, k, v, o, lse, idx, idx if key_lengths is None else key_lengths, sq, sk, rng, *descs))
+    _launch(plan, _fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs))
     return o, lse
+
+
+# The tensors of each kernel's launch in the order its plan's slots take them. Placeholders for
+# arguments a variant never reads are q (or the lists). Also called with role markers instead of
+# the per-call tensors (`quick_fwd`, `quick_bwd`), so the order is written once.
+def _fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs) -> tuple:
+    idx = q if kv_idx is None else kv_idx
+    sq, sk = (q, q) if seg is None else seg
+    return (q, k, v, o, lse, idx, idx if key_lengths is None else key_lengths, sq, sk, q if rng is None else rng,
+            *descs)
+
+
+def _dq_tensors(q, k, v, o, do, lse, dlse, delta, dq, kv_idx, key_lengths, seg, rng, descs) -> tuple:
+    return (q, k, v, o, do, lse, lse if dlse is None else dlse, delta, dq, q if kv_idx is None else kv_idx,
+            *_bwd_tensors(q, key_lengths, rng, seg), *descs)
+
+
+def _dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, key_lengths, seg, rng, descs) -> tuple:
+    return (q, k, v, do, lse, delta, dk, dv, q if q_idx is None else q_idx, *_bwd_tensors(q, key_lengths, rng, seg),
+            *descs)
 
 
 def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg):
@@ -700,11 +723,11 @@ def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, cau
     return dq, dk, dv
 
 
-def _bwd_tensors(q, key_lengths, dropout_p, rng, seg) -> tuple:
-    """The per-call tensors both backward kernels take after their lists: KEY_LEN, SEG_Q, SEG_K, RNG."""
+def _bwd_tensors(q, key_lengths, rng, seg) -> tuple:
+    """The per-call tensors both backward kernels take after their lists: KEY_LEN, SEG_Q, SEG_K, RNG
+    (``rng`` None without dropout)."""
     sq, sk = (q, q) if seg is None else seg
-    return (q if key_lengths is None else key_lengths, sq, sk,
-            q if dropout_p <= 0.0 else _checked_rng(rng, q.device))
+    return q if key_lengths is None else key_lengths, sq, sk, q if rng is None else rng
 
 
 def _bwd_consts(q, key_lengths, causal, dropout_p, seg) -> tuple[tuple, dict]:
@@ -731,8 +754,8 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
                  tma_plan, seg)
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
     descs = _tma_args(plan.cfg, tma_plan, _block_d(q.shape[-1]), (q, bm), (k, bn), (v, bn), (do, bm))[0]
-    _launch(plan, (q, k, v, do, lse, delta, dk, dv, q if q_idx is None else q_idx,
-                   *_bwd_tensors(q, key_lengths, dropout_p, rng, seg), *descs))
+    rng = None if dropout_p <= 0.0 else _checked_rng(rng, q.device)
+    _launch(plan, _dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, key_lengths, seg, rng, descs))
     return dk, dv
 
 
@@ -764,8 +787,8 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
                  tma_plan, seg, dlse is not None)
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
     descs = _tma_args(plan.cfg, tma_plan, _block_d(q.shape[-1]), (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))[0]
-    _launch(plan, (q, k, v, o, do, lse, lse if dlse is None else dlse, delta, dq, q if kv_idx is None else kv_idx,
-                   *_bwd_tensors(q, key_lengths, dropout_p, rng, seg), *descs))
+    rng = None if dropout_p <= 0.0 else _checked_rng(rng, q.device)
+    _launch(plan, _dq_tensors(q, k, v, o, do, lse, dlse, delta, dq, kv_idx, key_lengths, seg, rng, descs))
     return dq
 
 
@@ -784,3 +807,98 @@ def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, ma
                   MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=kv_idx is None,
                   HAS_DLSE=has_dlse, **cfg.launch_options(), **constexprs, ALIGN=align, TMA=_tma_taken(cfg, tma_plan))
     return _Plan("_bwd_dq_kernel", (_cdiv(Nq, cfg.block_m), B * Hq), args, kwargs, cfg, kwargs["TMA"], q.device)
+
+
+# ----------------------------------------------------------------------------- quick launches
+# The launches of `sparseflash.flash.fast`'s calls: a plan whose per-call tensors are known by
+# role (q, k, v, outputs; `_R` markers in the launch's tensor tuple) and whose other tensors (the
+# mask's lists) are fixed. After its first launch through `_launch` it keeps the bound launch of
+# the case where every address is 16-byte aligned, with the fixed tensors' addresses filled in;
+# a call then reads the role tensors' addresses, checks their alignment, and calls the C
+# launcher. Anything else (misaligned, hooks set, FAST_LAUNCH off, the interpreter) goes through
+# `_launch` with the full tensor tuple.
+
+class _R(int):
+    """A role marker: the position of a per-call tensor in a quick launch's argument tuple."""
+
+
+_Q, _K, _V, _O, _LSE, _KL, _DO, _DELTA, _DQ, _DK, _DV = (_R(i) for i in range(11))
+
+
+class _Quick:
+    __slots__ = ("plan", "layout", "roles", "bound", "n")
+
+    def __init__(self, plan: _Plan, layout: tuple):
+        self.plan, self.layout = plan, layout  # layout: the launch's tensors, _R markers where a role goes
+        self.roles = tuple((slot, r) for slot, r in zip(plan.slots, layout) if isinstance(r, _R))
+        self.bound = None
+        self.n = len(layout)
+
+    def __call__(self, ts: tuple, ptrs: list) -> None:
+        """Launch with ``ts`` the role tensors (indexed by the markers; None where a role is unused)
+        and ``ptrs`` their addresses (`quick_ptrs`)."""
+        b = self.bound
+        if b is not None and FAST_LAUNCH and _hooks_idle():
+            run, function, meta, values, dev = b
+            values = list(values)
+            acc = 0
+            for i, r in self.roles:
+                p = values[i] = ptrs[r]
+                acc |= p
+            if not acc & 15 and _current_device() == dev:
+                g = self.plan.grid
+                run(g[0], g[1], 1, _raw_stream(dev), function, meta, None, None, None, *values)
+                return
+        tensors = tuple(ts[r] if isinstance(r, _R) else r for r in self.layout)
+        _launch(self.plan, tensors)
+        if b is None and self.plan.bound:
+            key = _bound_key(tensors)
+            bound = self.plan.bound.get(key)
+            if bound is not None and all(key[1]):
+                run, function, meta, values = bound
+                values = list(values)
+                for i, t in zip(self.plan.slots, self.layout):
+                    if not isinstance(t, _R):
+                        values[i] = t.data_ptr()
+                self.bound = run, function, meta, tuple(values), key[0]
+
+
+def quick_ptrs(ts: tuple) -> list:
+    """The addresses of role tensors ``ts`` (0 for None), once for the launches that share them."""
+    return [0 if t is None else t.data_ptr() for t in ts]
+
+
+def quick_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None,
+              mask_bk: int | None, *, work: float) -> _Quick | None:
+    """The forward of a `sparseflash.flash.fast` call (no dropout, no segments) as a quick launch,
+    role tensors (q, k, v, o, lse, key_lengths); None when its plan would load through TMA."""
+    if _tma_plan(_block_d(q.shape[-1]), q, k, v, work=work) is not None:
+        return None
+    o = torch.empty_like(q)  # only the layout is read
+    key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, _layout(kv_idx),
+           None if key_lengths is None else key_lengths.dtype, None, scale, causal, mask_bq, mask_bk,
+           0.0, None, _dot_precision(q.dtype), _state())
+    plan = _plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 0.0, None, None)
+    kl = None if key_lengths is None else _KL
+    return _Quick(plan, _fwd_tensors(_Q, _K, _V, _O, _LSE, kv_idx, kl, None, None, (_Q, _K, _V)))
+
+
+def quick_bwd(do, q, k, v, o, kv_idx, q_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None,
+              mask_bk: int | None, *, work: float) -> tuple[_Quick, _Quick] | None:
+    """dQ and dK/dV of a `sparseflash.flash.fast` call for ``do``'s layout, role tensors (q, k, v,
+    o, lse, key_lengths, do, delta, dq, dk, dv); None when a plan would load through TMA."""
+    D = q.shape[-1]
+    if _tma_plan(_block_d(D), q, k, v, do, o, work=work) is not None:
+        return None
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # only their layouts are read
+    args = (do, q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 0.0, None, None)
+    plan = _plan(_bwd_key("dq", *args, o.stride(), True), _dq_plan, do, q, k, v, o, dq, kv_idx, key_lengths, scale,
+                 causal, mask_bq, mask_bk, 0.0, None, None, False)
+    args = (do, q, k, v, q_idx) + args[5:]
+    plan_kv = _plan(_bwd_key("dkdv", *args), _dkdv_plan, do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal,
+                    mask_bq, mask_bk, 0.0, None, None)
+    kl = None if key_lengths is None else _KL
+    return (_Quick(plan, _dq_tensors(_Q, _K, _V, _O, _DO, _LSE, None, _DELTA, _DQ, kv_idx, kl, None, None,
+                                     (_Q, _K, _V, _DO, _O))),
+            _Quick(plan_kv, _dkdv_tensors(_Q, _K, _V, _DO, _LSE, _DELTA, _DK, _DV, q_idx, kl, None, None,
+                                          (_Q, _K, _V, _DO))))

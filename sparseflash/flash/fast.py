@@ -1,0 +1,210 @@
+"""The short path of an eager `sparseflash.attention` call (issue 21: host cost per call).
+
+A model calls attention with the same shapes, layouts, mask and scalars step after step. The
+first call of each such combination goes the general way (`api._check_inputs`, `flash_attention`,
+the launchers' plans) and leaves a `_Entry` keyed by everything that validation and the launch
+plans read: shapes, strides, dtypes and devices of q, k, v and key_lengths, the mask (its own
+cache, `BlockMask._fast`, so entries go with the mask), causal and scale with their types, the
+launchers' module state. A later call with the same key skips validation and planning: it
+allocates the outputs and calls the kernels' C launchers (`launch._Quick`); under autograd one
+`torch.autograd.Function` with five inputs carries it (`_FastFunction`), without autograd
+(no_grad, inference, inputs that need no grad) none does.
+
+What stays per call: the key_lengths range check when it is on (a host synchronisation, as in
+the general path: ``check_key_lengths=False`` skips it), the alignment of every address (else the
+general launch), the current device, and launch hooks (a profiler sees every launch).
+
+Taken only for the common case: CUDA tensors (or CPU under the Triton interpreter) of exactly
+type torch.Tensor, no dropout, no segment ids, no return_lse, backend "auto", outside torch.compile
+traces and CUDA-graph capture (those keep the general path: the ops the compiler traces, TMA
+descriptors in captured graphs), calls small enough that the launchers keep pointer loads (below
+`launch.TMA_MIN_WORK`; larger calls are GPU-bound, and the general path gives them TMA), and a
+contiguous key_lengths. Everything else goes the general way, as does every call with
+``sparseflash.flash.fast.ENABLED = False`` (``SPARSEFLASH_FAST_PATH=0``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from sparseflash.flash import launch
+from sparseflash.mask import BlockMask
+
+__all__ = ["ENABLED", "Miss", "lookup", "build", "call", "clear"]
+
+ENABLED = os.environ.get("SPARSEFLASH_FAST_PATH", "1") not in ("", "0")
+
+_DENSE: dict = {}  # mask=None entries; a mask's own are in mask._fast
+_MAX_ENTRIES = 256
+_NO = object()  # a key whose calls go the general way
+
+
+def clear() -> None:
+    """Forget the dense entries (tests; a mask's entries go with the mask)."""
+    _DENSE.clear()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+class _Entry:
+    """One combination's forward (a `launch._Quick`) and, per layout of the incoming gradient,
+    its backward pair; the mask's lists and the call's scalars."""
+
+    __slots__ = ("fwd", "bwd", "kv_idx", "q_idx", "scale", "causal", "mask_bq", "mask_bk", "work", "cuda", "seq_k",
+                 "lse_shape")
+
+    def __init__(self, fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k):
+        self.fwd, self.bwd = fwd, {}
+        self.kv_idx, self.q_idx = kv_idx, q_idx
+        self.scale, self.causal, self.mask_bq, self.mask_bk, self.work = scale, causal, mask_bq, mask_bk, work
+        self.cuda = q.device.type == "cuda"
+        self.seq_k = k.shape[2]
+        self.lse_shape = q.shape[:3]
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kl: Tensor | None) -> tuple[Tensor, Tensor]:
+        o = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
+        if launch.POISON_OUTPUTS:
+            o.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        ts = (q, k, v, o, lse, kl)
+        self.fwd(ts, launch.quick_ptrs(ts))
+        return o, lse
+
+    def backward(self, do, q, k, v, o, lse, kl) -> tuple[Tensor, Tensor, Tensor]:
+        pair = self.bwd.get(do.stride(), _NO) if do.dtype == q.dtype else None
+        if pair is _NO:
+            if len(self.bwd) >= 8:
+                self.bwd.clear()
+            pair = self.bwd[do.stride()] = launch.quick_bwd(
+                do, q, k, v, o, self.kv_idx, self.q_idx, kl, self.scale, self.causal, self.mask_bq or None,
+                self.mask_bk or None, work=self.work)
+        if pair is None or (self.cuda and _capturing()):
+            return launch.bwd(do, q, k, v, o, lse, None, self.kv_idx, self.q_idx, kl, self.scale, self.causal,
+                              self.mask_bq or None, self.mask_bk or None, 0.0, None, work=self.work)
+        delta = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if launch.POISON_OUTPUTS:
+            for t in (delta, dq, dk, dv):
+                t.fill_(float("nan"))
+        ts = (q, k, v, o, lse, kl, do, delta, dq, dk, dv)
+        ptrs = launch.quick_ptrs(ts)
+        pair[0](ts, ptrs)
+        pair[1](ts, ptrs)
+        return dq, dk, dv
+
+
+class _FastFunction(torch.autograd.Function):
+    """o = _FastFunction.apply(entry, q, k, v, key_lengths): the eager short path under autograd."""
+
+    @staticmethod
+    def forward(ctx, entry, q, k, v, kl):
+        o, lse = entry.forward(q, k, v, kl)
+        ctx.save_for_backward(q, k, v, o, lse, kl)
+        ctx.entry = entry
+        ctx.set_materialize_grads(False)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, kl = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = ctx.entry.backward(do, q, k, v, o, lse, kl)
+        return None, dq, dk, dv, None
+
+
+class Miss:
+    """`lookup`'s answer for a key not seen yet: where `build` stores its entry."""
+
+    __slots__ = ("cache", "key")
+
+    def __init__(self, cache: dict, key: tuple):
+        self.cache, self.key = cache, key
+
+
+def lookup(q, k, v, mask, causal, scale, key_lengths):
+    """The `_Entry` serving this call; a `Miss` when its key is new (validate the call, then
+    `build`); None when the short path does not take it (the general path does). For calls
+    without dropout, segment ids or return_lse, with backend "auto"."""
+    T = Tensor
+    if not ENABLED or type(q) is not T or type(k) is not T or type(v) is not T or torch.compiler.is_compiling():
+        return None
+    if mask is None:
+        cache = _DENSE
+    elif type(mask) is BlockMask:
+        cache = mask._fast
+    else:
+        return None
+    kl = key_lengths
+    if kl is not None and type(kl) is not T:
+        return None
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+           k.device, v.device, causal, causal.__class__, scale, scale.__class__,
+           None if kl is None else (kl.shape, kl.stride(), kl.dtype, kl.device), launch._state(),
+           torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None)
+    entry = cache.get(key)
+    if entry is None:
+        if q.is_cuda and _capturing():
+            return None  # decided outside capture, where the general path's choices are the eager ones
+        return Miss(cache, key)
+    if entry is _NO or (entry.cuda and _capturing()):
+        return None
+    return entry
+
+
+def build(miss: Miss, q, k, v, mask, causal, scale, key_lengths, triton: bool):
+    """The entry for ``miss``'s key, stored, for a call the general path validated; None (also
+    stored) when the short path does not take such calls. ``triton``: the backend resolves to the
+    kernels."""
+    entry = _build(q, k, v, mask, causal, scale, key_lengths) if triton else _NO
+    if len(miss.cache) >= _MAX_ENTRIES:
+        miss.cache.clear()
+    miss.cache[miss.key] = entry
+    return None if entry is _NO else entry
+
+
+def call(entry: _Entry, q, k, v, key_lengths) -> Tensor:
+    """The output of a call that `entry` serves (its key_lengths already checked as asked)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FastFunction.apply(entry, q, k, v, key_lengths)
+    return entry.forward(q, k, v, key_lengths)[0]
+
+
+def _build(q, k, v, mask, causal, scale, kl):
+    """The entry of a new key, or _NO when the short path does not take such calls."""
+    from sparseflash.flash.function import _check_runnable, _work
+
+    try:
+        _check_runnable(q)
+    except (TypeError, ValueError, RuntimeError):
+        return _NO  # the general path raises it
+    if q.device.type == "cpu":
+        from sparseflash._compat import check_interpreter_versions
+
+        check_interpreter_versions()
+    if kl is not None and not kl.is_contiguous():
+        return _NO
+    scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if mask is None:
+        kv_idx = q_idx = None
+        density, mask_bq, mask_bk = 1.0, 0, 0
+    else:
+        index = mask.index(q.device)
+        if index.density is None:
+            return _NO
+        kv_idx, q_idx, density = index.kv_idx, index.q_idx, index.density
+        mask_bq, mask_bk = mask.block_size
+        launch._fit(16, mask_bq, "block_q")
+        launch._fit(16, mask_bk, "block_k")
+    work = _work(q, k, density)
+    fwd = launch.quick_fwd(q, k, v, kv_idx, kl, scale, causal, mask_bq or None, mask_bk or None, work=work)
+    if fwd is None:
+        return _NO
+    return _Entry(fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k)
