@@ -5,8 +5,9 @@
 
 bf16, batch x heads = tokens // seq_len x 16 (default 4 x 16 at 4K tokens), one side-by-side run:
 
-- ``part=host``: host microseconds to issue one call (`timing.host_us`: the wall time of
-  issuing calls while the GPU sleeps, so no launch waits for it), forward (no grad) and
+- ``part=host``: host microseconds to issue one call (`timing.host_us_samples`: the wall time of
+  issuing calls while the GPU sleeps, so no launch waits for it; ``host_us`` the median and
+  ``host_us_min`` the least over ``--repeats`` batches: lent machines are noisy), forward (no grad) and
   forward + backward (``torch.autograd.grad``), for each head dim, dense and a random mask of
   ``--blocks`` 128-blocks per row (density 3/32 = 0.094 at 4K), without and with ``key_lengths``.
   Providers (``--providers``): ``sparseflash`` (the default: repeat calls take the short path,
@@ -37,12 +38,13 @@ import contextlib
 import csv
 import json
 import math
+import statistics
 from pathlib import Path
 
 import torch
 
 COLUMNS = ["part", "provider", "pass", "head_dim", "mask", "density", "key_lengths", "kl_checked", "host_us",
-           "eager_ms", "gpu_ms", "eager_over_gpu", "B", "H", "N", "device_name", "torch", "triton", "commit", "date"]
+           "host_us_min", "eager_ms", "gpu_ms", "eager_over_gpu", "B", "H", "N", "device_name", "torch", "triton", "commit", "date"]
 
 
 PROVIDERS = ("sparseflash", "sparseflash-general", "sparseflash-unbound", "sdpa", "autograd-floor")
@@ -113,14 +115,16 @@ def _calls(provider, q, k, v, do, mask, klen):
 
 
 def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: int = 3, tokens: int = 16384,
-        heads: int = 16, calls: int = 30, eager: bool = True, providers=PROVIDERS) -> list[dict]:
-    from sparseflash.experiments.bench.timing import graph_ms, host_us, stream_ms, wall_us
+        heads: int = 16, calls: int = 30, eager: bool = True, providers=PROVIDERS, repeats: int = 5) -> list[dict]:
+    from sparseflash.experiments.bench.timing import graph_ms, host_us_samples, stream_ms, wall_us
     from sparseflash.patterns import random as random_mask
 
     cuda = device.type == "cuda"
     B, H, N = max(1, tokens // seq_len), heads, seq_len
     nb = math.ceil(N / 128)
-    timer = host_us if cuda else wall_us
+    def timer(fn):  # (median, min) over the batches
+        samples = host_us_samples(fn, calls, repeats) if cuda else [wall_us(fn, calls, 1) for _ in range(repeats)]
+        return statistics.median(samples), min(samples)
     rows = []
 
     def add(**r):
@@ -151,8 +155,9 @@ def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: 
                     fwd, fwd_bwd = _calls(prov, q, k, v, do, mask, klen)
                     with _settings(prov, check_key_lengths=False):
                         for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                            med, low = timer(fn)
                             add(part="host", provider=prov, **{"pass": name}, head_dim=D, mask=mname,
-                                density=density, key_lengths=kl, kl_checked=False, host_us=timer(fn, calls))
+                                density=density, key_lengths=kl, kl_checked=False, host_us=med, host_us_min=low)
         if not (eager and cuda):
             continue
         # eager against GPU time
@@ -218,6 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seq_len")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--calls", type=int, default=30, help="calls per timed batch of the host part")
+    ap.add_argument("--repeats", type=int, default=5, help="timed batches per host row (median and min kept)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager-against-GPU part")
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS,
                     help="sparseflash (short path), sparseflash-general (short path off), sparseflash-unbound "
@@ -228,7 +234,8 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda needs a GPU")
     kw = dict(seq_len=args.seq_len, head_dims=args.head_dims, blocks=args.blocks, tokens=args.tokens,
-              heads=args.heads, calls=args.calls, eager=not args.no_eager, providers=args.providers)
+              heads=args.heads, calls=args.calls, eager=not args.no_eager, providers=args.providers,
+              repeats=args.repeats)
     if device.type == "cpu":
         from sparseflash.experiments.studies.host_cost.host_python import stubbed_kernels
 
@@ -237,7 +244,8 @@ def main(argv=None) -> int:
     else:
         rows = run(device, **kw)
     meta = dict(environment(device), bench="host", args=vars(args),
-                method="host_us: issue while the GPU sleeps (timing.host_us); eager_ms: timing.stream_ms; "
+                method="host_us / host_us_min: median / min over --repeats batches of issuing --calls calls while "
+                       "the GPU sleeps (timing.host_us_samples); eager_ms: timing.stream_ms; "
                        "gpu_ms: timing.graph_ms (CUDA-graph replay)" if device.type == "cuda" else
                        "CPU smoke run: kernels are no-ops; host_us is wall time per call")
     write(rows, meta, Path(args.out))

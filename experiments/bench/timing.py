@@ -134,7 +134,7 @@ def stream_ms(step, calls: int, warmup_ms: float = 25.0, rep_ms: float = 100.0, 
     return statistics.median(s.elapsed_time(e) / n for s, e in events)
 
 
-SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU sleep: longer than issuing any batch host_us times
+SLEEP_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: longer than issuing any batch host_us times (checked)
 
 
 def wall_us(fn, calls: int, repeats: int = 5) -> float:
@@ -151,9 +151,14 @@ def wall_us(fn, calls: int, repeats: int = 5) -> float:
 
 
 def host_us(fn, calls: int, repeats: int = 5) -> float:
-    """Host microseconds per call of ``fn``: the wall time of issuing ``calls`` calls while the GPU
-    sleeps (``torch.cuda._sleep``), so that no launch waits for the GPU; the median over
-    ``repeats`` batches, few calls each so that CUDA's launch queue never fills. A call that
+    """Host microseconds per call of ``fn``: the median of `host_us_samples`."""
+    return statistics.median(host_us_samples(fn, calls, repeats))
+
+
+def host_us_samples(fn, calls: int, repeats: int = 5) -> list[float]:
+    """Host microseconds per call of ``fn`` in each of ``repeats`` batches: the wall time of
+    issuing ``calls`` calls while the GPU sleeps (``torch.cuda._sleep``), so that no launch waits
+    for the GPU; few calls per batch so that CUDA's launch queue never fills. A call that
     synchronises with the GPU cannot be timed so (it would wait out the sleep): RuntimeError."""
     fn()
     torch.cuda.synchronize()
@@ -170,7 +175,7 @@ def host_us(fn, calls: int, repeats: int = 5) -> float:
             raise RuntimeError("the GPU finished its sleep before the calls were issued: a call synchronised "
                                "with the GPU, or SLEEP_CYCLES is too small")
         times.append((t1 - t0) / calls * 1e6)
-    return statistics.median(times)
+    return times
 
 
 def _sync(device: torch.device) -> None:
