@@ -165,7 +165,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         ``out`` ``[batch, heads_q, seq_q, head_dim]`` in q's dtype, or ``(out, lse)``.
         Rows that attend to nothing are 0 and get zero gradients.
     """
-    if segment_ids is None and not return_lse and backend == "auto" and generator is None \
+    if segment_ids is None and not return_lse and (backend == "auto" or backend == "triton") and generator is None \
             and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0:
         # the short path of a repeated eager call (sparseflash.flash.fast): a known key skips validation
         # and planning; a new one is validated here first. None: a call it does not take.

@@ -178,16 +178,19 @@ def test_validation_still_applies_on_repeat_calls(spy):
 
 @interp
 def test_steps_aside(spy, monkeypatch):
-    """Not taken: dropout, return_lse, segment ids, a tensor subclass, another backend; a change of
+    """Not taken: dropout, return_lse, segment ids, a tensor subclass, the reference; a change of
     the launchers' state (a tile override) makes a new entry; the mask's entries live on the mask."""
     q, k, v, _ = _inputs(1, 2, 2, 64, 32, torch.float32, 0)
     sparseflash.attention(q, k, v, dropout_p=0.1)
     sparseflash.attention(q, k, v, return_lse=True)
     sparseflash.attention(q, k, v, segment_ids=torch.zeros(1, 64, dtype=torch.int32))
     sparseflash.attention(torch.nn.Parameter(q), k, v)
-    sparseflash.attention(q, k, v, backend="triton")
+    sparseflash.attention(q, k, v, backend="reference")
     assert spy["built"] == 0
+    sparseflash.attention(q, k, v, backend="triton")  # what "auto" resolves to here: one entry serves both
+    assert spy["built"] == 1 and spy["hits"] == 1
     sparseflash.attention(q, k, v)
+    assert spy["built"] == 1 and spy["hits"] == 2
     with tile_config(fwd=TileConfig(16, 16)):
         sparseflash.attention(q, k, v)
     assert spy["built"] == 2 and len(fast._DENSE) == 2

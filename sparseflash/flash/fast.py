@@ -15,7 +15,7 @@ the general path: ``check_key_lengths=False`` skips it), the alignment of every 
 general launch), the current device, and launch hooks (a profiler sees every launch).
 
 Taken only for the common case: CUDA tensors (or CPU under the Triton interpreter) of exactly
-type torch.Tensor, no dropout, no segment ids, no return_lse, backend "auto", outside torch.compile
+type torch.Tensor, no dropout, no segment ids, no return_lse, backend "auto" or "triton", outside torch.compile
 traces and CUDA-graph capture (those keep the general path: the ops the compiler traces, TMA
 descriptors in captured graphs), calls small enough that the launchers keep pointer loads (below
 `launch.TMA_MIN_WORK`; larger calls are GPU-bound, and the general path gives them TMA), and a
@@ -132,7 +132,7 @@ class Miss:
 def lookup(q, k, v, mask, causal, scale, key_lengths):
     """The `_Entry` serving this call; a `Miss` when its key is new (validate the call, then
     `build`); None when the short path does not take it (the general path does). For calls
-    without dropout, segment ids or return_lse, with backend "auto"."""
+    without dropout, segment ids or return_lse, with backend "auto" or "triton"."""
     T = Tensor
     if not ENABLED or type(q) is not T or type(k) is not T or type(v) is not T or torch.compiler.is_compiling():
         return None

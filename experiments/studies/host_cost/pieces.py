@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -96,6 +97,24 @@ def main(argv=None) -> int:
         s = host_us_samples(fn, args.calls, args.repeats)
         rows.append(dict(piece=name, host_us=statistics.median(s), host_us_min=min(s)))
         print(f"{name:<40} {rows[-1]['host_us']:8.1f} {rows[-1]['host_us_min']:8.1f}", flush=True)
+    # our backward as the engine runs it (its worker thread): the time inside _Entry.backward per call
+    inside, real = [], fast._Entry.backward
+
+    def timed(self, *a):
+        t0 = time.perf_counter()
+        try:
+            return real(self, *a)
+        finally:
+            inside.append((time.perf_counter() - t0) * 1e6)
+
+    fast._Entry.backward = timed
+    try:
+        host_us_samples(lambda: torch.autograd.grad(attn(qg, kg, vg), (qg, kg, vg), do), args.calls, args.repeats)
+    finally:
+        fast._Entry.backward = real
+    rows.append(dict(piece="bwd: entry.backward inside the engine", host_us=statistics.median(inside),
+                     host_us_min=min(inside)))
+    print(f"{rows[-1]['piece']:<40} {rows[-1]['host_us']:8.1f} {rows[-1]['host_us_min']:8.1f}", flush=True)
     meta = dict(environment(dev), B=B, H=H, N=N, D=D, mask="random3 (density 0.094)", calls=args.calls,
                 repeats=args.repeats)
     if args.out:
