@@ -115,7 +115,8 @@ def _calls(provider, q, k, v, do, mask, klen):
 
 
 def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: int = 3, tokens: int = 16384,
-        heads: int = 16, calls: int = 30, eager: bool = True, providers=PROVIDERS, repeats: int = 5) -> list[dict]:
+        heads: int = 16, calls: int = 30, eager: bool = True, providers=PROVIDERS, repeats: int = 5,
+        host: bool = True) -> list[dict]:
     from sparseflash.experiments.bench.timing import graph_ms, host_us_samples, stream_ms, wall_us
     from sparseflash.patterns import random as random_mask
 
@@ -145,7 +146,7 @@ def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: 
             if m is not None:
                 m.index(device)  # the sort outside the timed calls, as a model's first step does
         # host part
-        for mname, mask in masks.items():
+        for mname, mask in masks.items() if host else ():
             density = 1.0 if mask is None else blocks / nb
             for kl in (False, True):
                 klen = klen_t if kl else None
@@ -225,6 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=30, help="calls per timed batch of the host part")
     ap.add_argument("--repeats", type=int, default=5, help="timed batches per host row (median and min kept)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager-against-GPU part")
+    ap.add_argument("--no-host", action="store_true", help="skip the host part")
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS,
                     help="sparseflash (short path), sparseflash-general (short path off), sparseflash-unbound "
                          "(also bound launches off), sdpa, autograd-floor (a Python autograd Function that "
@@ -235,7 +237,7 @@ def main(argv=None) -> int:
         ap.error("--device cuda needs a GPU")
     kw = dict(seq_len=args.seq_len, head_dims=args.head_dims, blocks=args.blocks, tokens=args.tokens,
               heads=args.heads, calls=args.calls, eager=not args.no_eager, providers=args.providers,
-              repeats=args.repeats)
+              repeats=args.repeats, host=not args.no_host)
     if device.type == "cpu":
         from sparseflash.experiments.studies.host_cost.host_python import stubbed_kernels
 
