@@ -97,7 +97,11 @@ def tma_on(monkeypatch, device):
 
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA descriptors need sm_90 or newer")
+    from sparseflash.flash import fast
+
     monkeypatch.setattr(launch, "TMA_MODE", "on")
+    # every call through the launchers' decisions (the short path takes only calls without descriptors)
+    monkeypatch.setattr(fast, "ENABLED", False)
     taken = []
     real = launch._tma_args
 

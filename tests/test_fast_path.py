@@ -174,11 +174,14 @@ def test_validation_still_applies_on_repeat_calls(spy):
         sparseflash.attention(q, k.half(), v, key_lengths=kl, causal=True, scale=1.0)
     with pytest.raises(ValueError, match="key_lengths must have shape"):
         sparseflash.attention(q, k, v, key_lengths=kl[:1], causal=True, scale=1.0)
+    with pytest.raises(TypeError, match="causal must be a bool"):  # unhashable: not a key at all
+        sparseflash.attention(q, k, v, key_lengths=kl, causal=[True], scale=1.0)
+    assert spy["built"] == 1
 
 
 @interp
 def test_steps_aside(spy, monkeypatch):
-    """Not taken: dropout, return_lse, segment ids, a tensor subclass, the reference; a change of
+    """Not taken: dropout, return_lse, segment ids, a tensor subclass, the reference, forward-mode AD; a change of
     the launchers' state (a tile override) makes a new entry; the mask's entries live on the mask."""
     q, k, v, _ = _inputs(1, 2, 2, 64, 32, torch.float32, 0)
     sparseflash.attention(q, k, v, dropout_p=0.1)
@@ -186,6 +189,8 @@ def test_steps_aside(spy, monkeypatch):
     sparseflash.attention(q, k, v, segment_ids=torch.zeros(1, 64, dtype=torch.int32))
     sparseflash.attention(torch.nn.Parameter(q), k, v)
     sparseflash.attention(q, k, v, backend="reference")
+    with torch.autograd.forward_ad.dual_level():  # forward-mode AD: the general path (which has no jvp)
+        sparseflash.attention(q, k, v)
     assert spy["built"] == 0
     sparseflash.attention(q, k, v, backend="triton")  # what "auto" resolves to here: one entry serves both
     assert spy["built"] == 1 and spy["hits"] == 1

@@ -101,6 +101,9 @@ def test_tma_ab_knows_which_path_ran(monkeypatch):
     def fwd_bwd(*t):
         return lambda: sparseflash.attention(*t, backend="triton").backward(torch.ones_like(t[0]))
 
+    from sparseflash.flash import fast
+
+    monkeypatch.setattr(fast, "ENABLED", False)  # the launchers' own decisions on every call
     monkeypatch.setattr(launch, "TMA_MODE", "on")
     assert tma_ab._takes_tma(launch, fwd_bwd(q, k, v)) == [True] * 3  # forward, dQ, dK/dV
     # .sum().backward() hands the backward an expanded dO (stride 0): pointer loads there

@@ -30,6 +30,7 @@ import os
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad as _forward_ad
 
 from sparseflash.flash import launch
 from sparseflash.mask import BlockMask
@@ -134,7 +135,8 @@ def lookup(q, k, v, mask, causal, scale, key_lengths):
     `build`); None when the short path does not take it (the general path does). For calls
     without dropout, segment ids or return_lse, with backend "auto" or "triton"."""
     T = Tensor
-    if not ENABLED or type(q) is not T or type(k) is not T or type(v) is not T or torch.compiler.is_compiling():
+    if not ENABLED or type(q) is not T or type(k) is not T or type(v) is not T or torch.compiler.is_compiling() \
+            or _forward_ad._current_level >= 0:  # forward-mode AD: the general path says it has no jvp
         return None
     if mask is None:
         cache = _DENSE
@@ -149,7 +151,10 @@ def lookup(q, k, v, mask, causal, scale, key_lengths):
            k.device, v.device, causal, causal.__class__, scale, scale.__class__,
            None if kl is None else (kl.shape, kl.stride(), kl.dtype, kl.device), launch._state(),
            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None)
-    entry = cache.get(key)
+    try:
+        entry = cache.get(key)
+    except TypeError:  # an unhashable argument: the general path names what is wrong with it
+        return None
     if entry is None:
         if q.is_cuda and _capturing():
             return None  # decided outside capture, where the general path's choices are the eager ones
