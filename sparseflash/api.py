@@ -64,6 +64,11 @@ def _fast_module():
     return fast
 
 
+def _scale(scale, q) -> float:
+    """The softmax scale of a (validated) call: ``scale``, default ``1 / sqrt(head_dim)``."""
+    return float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+
+
 def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -174,7 +179,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         if entry is not None:
             if entry.__class__ is fast.Miss:
                 _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
-                entry = fast.build(entry, q, k, v, mask, causal, scale, key_lengths,
+                entry = fast.build(entry, q, k, v, mask, causal, _scale(scale, q), key_lengths,
                                    resolve_backend(backend, q.device, q.dtype) == "triton")
             elif key_lengths is not None and (CHECK_KEY_LENGTHS if check_key_lengths is None else check_key_lengths):
                 key_lengths_range(key_lengths, k.shape[2])  # (not while capturing: lookup says None then)
@@ -183,9 +188,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
     backend = resolve_backend(backend, q.device, q.dtype)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    scale = float(scale)
+    scale = _scale(scale, q)
     dropout_p = float(dropout_p)
 
     if backend == "reference":

@@ -11,10 +11,10 @@ import torch
 
 import sparseflash
 from sparseflash import BlockMask
-from sparseflash.flash import TileConfig, fast, kernels, launch, tile_config
+from sparseflash.flash import TileConfig, fast, launch, tile_config
 from sparseflash.reference import attention as ref_attention
 
-from test_launch import _Kernel  # the stand-in kernel
+from test_launch import fake  # noqa: F401  (the stand-in kernel's fixture)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -204,19 +204,12 @@ def test_steps_aside(spy, monkeypatch):
     assert len(mask._fast) == 1 and len(fast._DENSE) == 2
 
 
-def test_quick_launch_binds_and_passes_what_the_general_launch_would(monkeypatch):
+def test_quick_launch_binds_and_passes_what_the_general_launch_would(fake, monkeypatch):
     """The quick launch's bound path (stand-in kernel, pretend CUDA): the first call goes through
     `launch._launch` and binds; later calls call the C launcher with the role tensors' addresses
     and the fixed tensors' own; a misaligned address, a set launch hook or FAST_LAUNCH off go
     through `_launch` again."""
-    kernel = _Kernel()
-    monkeypatch.setattr(kernels, "_test_kernel", kernel, raising=False)
-    monkeypatch.setattr(launch, "_INTERPRETING", False)
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
-    monkeypatch.setattr(launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(launch, "_raw_stream", lambda index: 77)
-    plan = launch._Plan("_test_kernel", (5, 6), (launch._T, launch._T, 48, 0.5), dict(C=7, num_warps=4),
-                        TileConfig(16, 16), False, torch.device("cuda"))
+    kernel, plan = fake
     fixed = torch.zeros(8, dtype=torch.int32)
     quick = launch._Quick(plan, (launch._K, fixed))  # slot A: role k; slot B: a fixed tensor
     a1, a2 = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)

@@ -25,7 +25,6 @@ contiguous key_lengths. Everything else goes the general way, as does every call
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -164,10 +163,10 @@ def lookup(q, k, v, mask, causal, scale, key_lengths):
     return entry
 
 
-def build(miss: Miss, q, k, v, mask, causal, scale, key_lengths, triton: bool):
+def build(miss: Miss, q, k, v, mask, causal, scale: float, key_lengths, triton: bool):
     """The entry for ``miss``'s key, stored, for a call the general path validated; None (also
-    stored) when the short path does not take such calls. ``triton``: the backend resolves to the
-    kernels."""
+    stored) when the short path does not take such calls. ``scale``: the call's, resolved (a
+    float); ``triton``: the backend resolves to the kernels."""
     entry = _build(q, k, v, mask, causal, scale, key_lengths) if triton else _NO
     if len(miss.cache) >= _MAX_ENTRIES:
         miss.cache.clear()
@@ -184,7 +183,7 @@ def call(entry: _Entry, q, k, v, key_lengths) -> Tensor:
 
 def _build(q, k, v, mask, causal, scale, kl):
     """The entry of a new key, or _NO when the short path does not take such calls."""
-    from sparseflash.flash.function import _check_runnable, _work
+    from sparseflash.flash.function import _check_runnable, _work, mask_lists
 
     try:
         _check_runnable(q)
@@ -196,18 +195,9 @@ def _build(q, k, v, mask, causal, scale, kl):
         check_interpreter_versions()
     if kl is not None and not kl.is_contiguous():
         return _NO
-    scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    if mask is None:
-        kv_idx = q_idx = None
-        density, mask_bq, mask_bk = 1.0, 0, 0
-    else:
-        index = mask.index(q.device)
-        if index.density is None:
-            return _NO
-        kv_idx, q_idx, density = index.kv_idx, index.q_idx, index.density
-        mask_bq, mask_bk = mask.block_size
-        launch._fit(16, mask_bq, "block_q")
-        launch._fit(16, mask_bk, "block_k")
+    kv_idx, q_idx, mask_bq, mask_bk, density = mask_lists(mask, q.device)
+    if density < 0:
+        return _NO
     work = _work(q, k, density)
     fwd = launch.quick_fwd(q, k, v, kv_idx, kl, scale, causal, mask_bq or None, mask_bk or None, work=work)
     if fwd is None:

@@ -158,6 +158,19 @@ def segment_lists(seg_q: Tensor, seg_k: Tensor, mask: BlockMask | None, device) 
     return kv_idx, q_idx, bq, bk
 
 
+def mask_lists(mask: BlockMask | None, device) -> tuple[Optional[Tensor], Optional[Tensor], int, int, float]:
+    """(kv_idx, q_idx, block_q, block_k, density) of ``mask`` on ``device`` as the kernels take
+    them: (None, None, 0, 0, 1.0) for dense attention; density -1 when unknown (an index built
+    inside a trace). A mask block the kernels cannot tile is refused here, early."""
+    if mask is None:
+        return None, None, 0, 0, 1.0
+    index = mask.index(device)
+    mask_bq, mask_bk = mask.block_size
+    launch._fit(16, mask_bq, "block_q")
+    launch._fit(16, mask_bk, "block_k")
+    return index.kv_idx, index.q_idx, mask_bq, mask_bk, -1.0 if index.density is None else index.density
+
+
 def _check_runnable(q: Tensor) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the triton backend takes float16, bfloat16 or float32 inputs, got {q.dtype} "
@@ -188,16 +201,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
         kv_idx, q_idx, mask_bq, mask_bk = segment_lists(seg_q, seg_k, mask, q.device)
         launch._fit(16, mask_bq, "block_q")
         launch._fit(16, mask_bk, "block_k")
-    elif mask is None:
-        kv_idx = q_idx = None
-        mask_bq = mask_bk = 0
     else:
-        index = mask.index(q.device)
-        kv_idx, q_idx = index.kv_idx, index.q_idx
-        density = -1.0 if index.density is None else index.density
-        mask_bq, mask_bk = mask.block_size
-        launch._fit(16, mask_bq, "block_q")  # a mask block the kernels cannot tile: say so early
-        launch._fit(16, mask_bk, "block_k")
+        kv_idx, q_idx, mask_bq, mask_bk, density = mask_lists(mask, q.device)
     rng = None
     if dropout_p > 0.0 and generator is not None:
         from sparseflash.dropout import draw_rng

@@ -617,13 +617,9 @@ def _bind(plan: _Plan, kernel, compiled, args: list) -> tuple | None:
     return run, function, meta, tuple(values)
 
 
-def _bound_key(tensors) -> tuple:
-    """A bound launch's key for these tensors: (device, each address 16-byte aligned, dtypes)."""
-    return _current_device(), tuple(t.data_ptr() & 15 == 0 for t in tensors), tuple(t.dtype for t in tensors)
-
-
-def _launch(plan: _Plan, tensors) -> None:
-    """Launch ``plan`` with ``tensors`` in its slots: bound (see FAST_LAUNCH) or through Triton."""
+def _launch(plan: _Plan, tensors) -> tuple | None:
+    """Launch ``plan`` with ``tensors`` in its slots: bound (see FAST_LAUNCH) or through Triton.
+    Returns (key, bound launch) of this combination when it has one (`_Quick` keeps it)."""
     fast = FAST_LAUNCH and plan.cuda and not plan.tma and not _INTERPRETING
     if fast:
         ptrs = [t.data_ptr() for t in tensors]
@@ -636,7 +632,7 @@ def _launch(plan: _Plan, tensors) -> None:
                 values[i] = p
             g = plan.grid
             run(g[0], g[1], 1, _raw_stream(key[0]), function, meta, None, None, None, *values)
-            return
+            return key, bound
     args = list(plan.args)
     for i, t in zip(plan.slots, tensors):
         args[i] = t
@@ -649,6 +645,8 @@ def _launch(plan: _Plan, tensors) -> None:
             bound = None
         if bound is not None:
             plan.bound[key] = bound
+            return key, bound
+    return None
 
 
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
@@ -661,9 +659,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     tma_plan = _tma_plan(_block_d(D), q, k, v, work=work)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
-    key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, _layout(kv_idx),
-           None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
-           dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), _state())
+    key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan)
     plan = _plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
                  tma_plan, seg)
     rng = None if dropout_p <= 0.0 else _checked_rng(rng, q.device)
@@ -671,6 +667,12 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     descs = _tma_args(plan.cfg, tma_plan, _block_d(D), (q, bm), (k, bn), (v, bn))[0]  # (q, k, v) without TMA
     _launch(plan, _fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs))
     return o, lse
+
+
+def _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan) -> tuple:
+    return ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, _layout(kv_idx),
+            None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
+            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), _state())
 
 
 # The tensors of each kernel's launch in the order its plan's slots take them. Placeholders for
@@ -849,18 +851,14 @@ class _Quick:
                 g = self.plan.grid
                 run(g[0], g[1], 1, _raw_stream(dev), function, meta, None, None, None, *values)
                 return
-        tensors = tuple(ts[r] if isinstance(r, _R) else r for r in self.layout)
-        _launch(self.plan, tensors)
-        if b is None and self.plan.bound:
-            key = _bound_key(tensors)
-            bound = self.plan.bound.get(key)
-            if bound is not None and all(key[1]):
-                run, function, meta, values = bound
-                values = list(values)
-                for i, t in zip(self.plan.slots, self.layout):
-                    if not isinstance(t, _R):
-                        values[i] = t.data_ptr()
-                self.bound = run, function, meta, tuple(values), key[0]
+        done = _launch(self.plan, tuple(ts[r] if isinstance(r, _R) else r for r in self.layout))
+        if b is None and done is not None and all(done[0][1]):  # keep the all-aligned bound launch
+            run, function, meta, values = done[1]
+            values = list(values)
+            for i, t in zip(self.plan.slots, self.layout):
+                if not isinstance(t, _R):
+                    values[i] = t.data_ptr()
+            self.bound = run, function, meta, tuple(values), done[0][0]
 
 
 def quick_ptrs(ts: tuple) -> list:
@@ -875,9 +873,7 @@ def quick_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq:
     if _tma_plan(_block_d(q.shape[-1]), q, k, v, work=work) is not None:
         return None
     o = torch.empty_like(q)  # only the layout is read
-    key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, _layout(kv_idx),
-           None if key_lengths is None else key_lengths.dtype, None, scale, causal, mask_bq, mask_bk,
-           0.0, None, _dot_precision(q.dtype), _state())
+    key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 0.0, None, None)
     plan = _plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 0.0, None, None)
     kl = None if key_lengths is None else _KL
     return _Quick(plan, _fwd_tensors(_Q, _K, _V, _O, _LSE, kv_idx, kl, None, None, (_Q, _K, _V)))
