@@ -100,6 +100,8 @@ def tma_on(monkeypatch, device):
     from sparseflash.flash import fast
 
     monkeypatch.setattr(launch, "TMA_MODE", "on")
+    # these tests cover the portable kernels' descriptor loads: the Hopper forward stays out
+    monkeypatch.setattr("sparseflash.flash.hopper.MODE", "off")
     # every call through the launchers' decisions (the short path takes only calls without descriptors)
     monkeypatch.setattr(fast, "ENABLED", False)
     taken = []

@@ -657,6 +657,10 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     (seg_q, seg_k) or None (`_seg_args`)."""
     B, Hq, Nq, D = q.shape
     tma_plan = _tma_plan(_block_d(D), q, k, v, work=work)
+    if tma_plan is not None and dropout_p <= 0.0 and seg is None and _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, tma_plan):
+        from sparseflash.flash import hopper
+
+        return hopper.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, tma_plan)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
     key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan)
@@ -667,6 +671,17 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     descs = _tma_args(plan.cfg, tma_plan, _block_d(D), (q, bm), (k, bn), (v, bn))[0]  # (q, k, v) without TMA
     _launch(plan, _fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs))
     return o, lse
+
+
+def _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, tma_plan) -> bool:
+    """Whether the forward runs the warp-specialised Hopper kernel (`hopper.py`): only calls that
+    load through TMA descriptors (`_tma_plan`, so sm_90+ and large or captured calls), then
+    `hopper.unsupported` decides. Imported only here, so CPU runs never import gluon."""
+    if q.device.type != "cuda" or _interpreting() or _sm_major(q.device.index) != 9:
+        return False
+    from sparseflash.flash import hopper
+
+    return hopper.unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk, tma_plan=tma_plan) is None
 
 
 def _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan) -> tuple:

@@ -1,0 +1,127 @@
+"""Compile the Hopper forward (`sparseflash.flash.hopper`) for sm_90 on any machine, no GPU.
+
+    python -m sparseflash.experiments.studies.hopper.compile_check [--head-dims 64 128] [--dump DIR]
+
+A stand-in driver (experiments/bench/inspect_kernels.py) makes Triton compile the kernel a GPU
+launch of each case would compile, without launching it; prints per case: shared memory,
+registers, spills (stack), the setmaxnreg values, and counts of wgmma, TMA loads and mbarrier
+arrives in the PTX. Exit status 1 when a case fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["compile_case", "CASES", "main"]
+
+# (label, dense, causal, key_lengths, mask block)
+CASES = [("dense", True, False, False, 128), ("causal+keylen", True, True, True, 128),
+         ("sparse128", False, False, False, 128), ("sparse256 causal", False, True, False, 256)]
+
+
+def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: int, seq: int = 1000,
+                 dtype=torch.bfloat16):
+    """The CompiledKernel of one forward call's shape, compiled for sm_90 without a GPU."""
+    import triton
+    from triton import knobs
+
+    from sparseflash.experiments.bench.inspect_kernels import _HopperStandIn
+    from sparseflash.flash import hopper
+    from sparseflash.flash.launch import _tma_strides
+    from sparseflash.patterns import random as random_mask
+
+    if hopper.GLUON_ERROR is not None:
+        raise RuntimeError(f"no gluon: {hopper.GLUON_ERROR}")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("TRITON_INTERPRET is set: gluon kernels only compile; unset it")
+    compiled = {}
+
+    def hook(*, fn, compile, **_):
+        jf = fn.jit_function
+        src_cls = getattr(jf, "ASTSource", None)
+        if src_cls is None or src_cls.__name__ != "GluonASTSource":
+            from triton.experimental.gluon._runtime import GluonASTSource as src_cls
+        src = src_cls(jf, compile["signature"], compile["constants"], compile["configs"][0])
+        opts = dict(num_warps=compile["num_warps"], num_stages=compile["num_stages"], num_ctas=compile["num_ctas"])
+        compiled["kernel"] = triton.compile(src, target=_HopperStandIn().target, options=opts)
+        return True  # compiled: skip the launch
+
+    B, H, N, D = 2, 4, seq, head_dim
+    q, k, v = (torch.empty(B, H, N, D, dtype=dtype) for _ in range(3))
+    kv_idx, bq = None, None
+    if not dense:
+        kv_idx = random_mask(N, 3, block_size=block, seed=0, device="cpu").index("cpu").kv_idx
+        bq = block
+    kl = torch.full((B,), N, dtype=torch.int32) if keylen else None
+    plan = [_tma_strides(t) for t in (q, k, v)]
+    saved_hook, saved_driver = knobs.runtime.jit_cache_hook, triton.runtime.driver._active
+    triton.runtime.driver.set_active(_HopperStandIn())
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        hopper.fwd(q, k, v, kv_idx, kl, D ** -0.5, causal, bq, bq, plan, num_sms=132)
+    finally:
+        knobs.runtime.jit_cache_hook = saved_hook
+        triton.runtime.driver._active = saved_driver
+    if "kernel" not in compiled:
+        raise RuntimeError("the compile hook was not called (kernel already in the cache?)")
+    return compiled["kernel"]
+
+
+def report(ck) -> dict:
+    from sparseflash.experiments.bench.inspect_kernels import _resources
+
+    ptx = ck.asm["ptx"]
+    res = _resources(ck.asm["cubin"])
+    return dict(shared=ck.metadata.shared, regs=res["regs"], stack=res["stack"],
+                setmaxnreg="/".join(sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)), key=int)),
+                wgmma=len(re.findall(r"wgmma\.mma_async", ptx)), tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                arrives=len(re.findall(r"mbarrier\.arrive", ptx)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--dump", default=None, help="write each case's PTX here")
+    ap.add_argument("--cases", nargs="+", default=None, help="case labels to compile (default: all)")
+    ap.add_argument("--seq", type=int, default=1000)
+    ap.add_argument("--json", action="store_true", help="print the rows as one JSON list at the end")
+    args = ap.parse_args(argv)
+    import triton
+
+    ok = True
+    rows = []
+    for d in args.head_dims:
+        for label, dense, causal, keylen, block in CASES:
+            if args.cases and label not in args.cases:
+                continue
+            try:
+                ck = compile_case(d, dense, causal, keylen, block, seq=args.seq)
+                r = report(ck)
+                rows.append(dict(head_dim=d, case=label, status="ok", **r))
+                print(f"triton {triton.__version__} d={d:3d} {label:18s} ok   " + json.dumps(r), flush=True)
+                if args.dump:
+                    Path(args.dump).mkdir(parents=True, exist_ok=True)
+                    Path(args.dump, f"d{d}_{label.replace(' ', '_')}.ptx").write_text(ck.asm["ptx"])
+            except Exception as e:  # noqa: BLE001 - report every case
+                ok = False
+                rows.append(dict(head_dim=d, case=label, status="error"))
+                from sparseflash.experiments.studies.gluon.gluon_probe import _error_text
+
+                print(f"triton {triton.__version__} d={d:3d} {label:18s} FAIL {_error_text(e)[-1200:]}", flush=True)
+    if args.json:
+        print(json.dumps(rows))
+    import gc
+
+    gc.collect()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

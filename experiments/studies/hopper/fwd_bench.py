@@ -1,0 +1,176 @@
+"""The Hopper forward against the portable one, SDPA flash, cuDNN and FlexAttention (issue 22).
+
+    python -m sparseflash.experiments.studies.hopper.fwd_bench [--seqs 4096 16384] [--head-dims 64 128]
+        [--masks dense random butterfly causal local] [--modes fwd fwdbwd] [--providers ...] [--out DIR]
+
+GPU time (CUDA-graph replays, `bench.timing.graph_ms`), bf16, 16 heads, 16K tokens per batch
+(B = 16384 / N), side by side in one process. Providers:
+- ``hopper``: sparseflash.attention with the Hopper forward (the default on sm_90);
+- ``portable``: the same call with SPARSEFLASH_HOPPER off (the portable kernels, with their
+  own TMA rule);
+- ``flex``: torch.compile(flex_attention) with the identical block mask (`bench.providers`);
+- ``sdpa-flash``, ``sdpa-cudnn``: dense and dense causal only.
+Masks: dense; random (3 of 32 blocks per row at 4K, 13 of 128 at 16K: density ~0.1); butterfly
+(block 128); causal (dense, bottom-right); local (a 1024-token window each side, block 128).
+fwdbwd times forward + backward (the backward is the portable one in every sparseflash row).
+TFLOP/s count attended pairs only (`bench.flops`). Writes hopper_fwd.csv / .json with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+PROVIDERS = ("hopper", "portable", "flex", "sdpa-flash", "sdpa-cudnn")
+
+
+def _mask(kind: str, n: int):
+    from sparseflash.patterns import butterfly, local, random as random_mask
+
+    if kind in ("dense", "causal"):
+        return None
+    if kind == "random":
+        return random_mask(n, 3 if n <= 4096 else max(1, round(0.1 * n / 128)), block_size=128, seed=0, device="cuda")
+    if kind == "butterfly":
+        return butterfly(n, block_size=128, device="cuda")
+    if kind == "local":
+        return local(n, 1024, block_size=128, device="cuda")
+    raise ValueError(kind)
+
+
+def _call(provider: str, mask, causal: bool, scale: float):
+    import torch.nn.functional as F
+
+    import sparseflash
+    from sparseflash.flash import hopper
+
+    if provider in ("hopper", "portable"):
+        mode = "auto" if provider == "hopper" else "off"
+
+        def run(q, k, v):
+            saved, hopper.MODE = hopper.MODE, mode
+            try:
+                return sparseflash.attention(q, k, v, mask=mask, causal=causal)
+            finally:
+                hopper.MODE = saved
+        return run
+    if provider == "flex":
+        from sparseflash.experiments.bench.providers import _flex_compiled, to_flex_block_mask
+        from sparseflash.mask import BlockMask
+
+        fn = _flex_compiled()
+        m = mask
+        if m is None and causal:
+            raise ValueError("dense causal for flex: use the all-on mask")
+        bm = None if m is None else to_flex_block_mask(m, causal, torch.device("cuda"))
+        return lambda q, k, v: fn(q, k, v, block_mask=bm, scale=scale)
+    if provider.startswith("sdpa-"):
+        if mask is not None:
+            raise ValueError("SDPA has no block mask")
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = SDPBackend.FLASH_ATTENTION if provider == "sdpa-flash" else SDPBackend.CUDNN_ATTENTION
+
+        def run(q, k, v):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        return run
+    raise ValueError(provider)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--masks", nargs="+", default=["dense", "random", "butterfly", "causal", "local"])
+    ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    from sparseflash.experiments.bench.flops import attended_pairs, attention_flops
+    from sparseflash.experiments.bench.results import environment
+    from sparseflash.experiments.bench.timing import graph_ms
+    from sparseflash.mask import BlockMask
+
+    rows = []
+    H = 16
+    for n in args.seqs:
+        B = max(1, 16384 // n)
+        for d in args.head_dims:
+            g = torch.Generator(device="cuda").manual_seed(n + d)
+            q, k, v, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+            for kind in args.masks:
+                causal = kind == "causal"
+                mask = _mask(kind, n)
+                pairs = attended_pairs(mask, B, H, n, n, causal)
+                for prov in args.providers:
+                    if prov.startswith("sdpa") and mask is not None:
+                        continue
+                    pmask = mask
+                    if prov == "flex" and mask is None:  # dense / causal: the all-on layout
+                        nb = n // 128
+                        pmask = BlockMask(torch.ones(nb, nb, dtype=torch.bool, device="cuda"), 128, n)
+                    for mode in args.modes:
+                        row = dict(seq=n, batch=B, heads=H, head_dim=d, mask=kind, provider=prov, mode=mode,
+                                   density=pairs / (B * H * n * n), ms=None, tflops=None, error=None)
+                        try:
+                            fn = _call(prov, pmask, causal, d ** -0.5)
+                            if mode == "fwd":
+                                def step():
+                                    with torch.no_grad():
+                                        fn(q, k, v)
+                            else:
+                                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+                                def step():
+                                    torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
+                            step()
+                            torch.cuda.synchronize()
+                            row["ms"] = graph_ms(step)
+                            row["tflops"] = attention_flops(pairs, d, "fwd" if mode == "fwd" else "fwdbwd") / row["ms"] / 1e9
+                        except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
+                            row["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-400:]
+                        rows.append(row)
+                        ms = "failed" if row["ms"] is None else f"{row['ms']:.4f} ms {row['tflops']:6.1f} TFLOP/s"
+                        print(f"N={n:5d} d={d:3d} {kind:9s} {prov:10s} {mode:6s} {ms}"
+                              + (f"  {row['error'][:160]}" if row["error"] else ""), flush=True)
+    # summary: hopper against each other provider (time ratio; > 1: hopper faster)
+    print(f"\n{'N':>5s} {'d':>3s} {'mask':9s} {'mode':6s} {'hopper ms':>9s} " + " ".join(f"{p:>10s}" for p in args.providers if p != "hopper"))
+    key = {(r["seq"], r["head_dim"], r["mask"], r["mode"], r["provider"]): r["ms"] for r in rows}
+    for n in args.seqs:
+        for d in args.head_dims:
+            for kind in args.masks:
+                for mode in args.modes:
+                    h = key.get((n, d, kind, mode, "hopper"))
+                    if h is None:
+                        continue
+                    cells = []
+                    for p in args.providers:
+                        if p == "hopper":
+                            continue
+                        o = key.get((n, d, kind, mode, p))
+                        cells.append(f"{o / h:9.2f}x" if o else f"{'-':>10s}")
+                    print(f"{n:5d} {d:3d} {kind:9s} {mode:6s} {h:9.4f} " + " ".join(cells))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        import csv
+
+        (out / "hopper_fwd.json").write_text(json.dumps(dict(meta=environment(torch.device("cuda")), args=vars(args),
+                                                             rows=rows), indent=1, default=str))
+        with open(out / "hopper_fwd.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

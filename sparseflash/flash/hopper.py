@@ -1,0 +1,407 @@
+"""Hopper (sm_90) forward: a warp-specialised, ping-pong Gluon kernel (issue 22, stage 1).
+
+The portable kernels (`kernels.py`) run everywhere Triton does; on an H100 they leave the tensor
+cores idle while the softmax runs, because one program's matmuls and its softmax are one
+dependent chain. This kernel takes FlashAttention-3's structure, written in Gluon:
+
+- one CTA = one q tile of 128 rows, three roles (``gl.warp_specialize``):
+  a 1-warp **loader** that TMA-loads Q (two buffers) and K, V (rings of STAGES slots, separate
+  barriers for K and V so a K slot is refilled as soon as S = Q K^T has read it), and two
+  **consumer warpgroups** of 4 warps, each owning 64 rows of the tile;
+- **ping-pong**: the consumers take turns issuing their two wgmmas of a step (a pair of
+  mbarriers passes the turn), so one warpgroup's softmax runs while the other's matmuls keep
+  the tensor cores busy;
+- **in-warpgroup overlap**: step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together and
+  computes the softmax of S_j while the second one runs (O is rescaled before that issue);
+- **persistent** grid of one CTA per SM walking q tiles p, p + G, ...; barrier phases are counted
+  over the CTA's whole stream, so the next tile's Q and first K/V tiles load during the current
+  tile's last steps and epilogue.
+
+The block-sparse list walk is the portable kernels': a q tile visits the k blocks of its row list
+(dense: every block), split into a mask-free prefix and a masked band (key_lengths, causal
+bottom-right), and skips the rest. Rows with no keys give O = 0 and an LSE of +inf.
+
+Scope (everything else takes the portable path, see `unsupported`): an sm_90 GPU, float16 or
+bfloat16, head_dim 64 or 128 (K and V alike), mask blocks that are multiples of 128 (or dense),
+no dropout, no segment ids, TMA-able layouts (unit last stride, 16-byte aligned strides).
+Outputs: O like q, and the LSE (natural log, float32 [B, H, N]) that the backward reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+__all__ = ["fwd", "unsupported", "GLUON_ERROR", "MODE"]
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    # triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 renamed it async_load
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    GLUON_ERROR = None
+except Exception as e:  # noqa: BLE001 - no gluon / no hopper module: every call takes the portable path
+    GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+# "auto": the kernel on sm_90 wherever `unsupported` allows it; "off": never (the portable
+# kernels always). SPARSEFLASH_HOPPER sets the starting value.
+MODE = os.environ.get("SPARSEFLASH_HOPPER", "auto")
+
+TILE = 128  # q rows per CTA (two warpgroups of 64) and keys per step
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+
+
+def _stages(head_dim: int) -> int:
+    """K/V ring depth: 2 Q buffers + STAGES x (K + V) tiles of 128 x head_dim must fit 227 KB."""
+    return 2 if head_dim > 64 else 4
+
+
+if GLUON_ERROR is None:
+    _TILE = gl.constexpr(TILE)
+    _HALF = gl.constexpr(TILE // 2)
+    _LN2 = gl.constexpr(LN2)
+
+    @gluon.constexpr_function
+    def _list_layout(nb_p2, warps):
+        # a row list spread over the lanes (replicated over warps): counting entries is a warp reduction
+        return gl.BlockedLayout([max(1, nb_p2 // 32)], [32], [warps], [0])
+
+    @gluon.constexpr_function
+    def _wgmma_layout(n):
+        # one warpgroup's wgmma accumulator of [64, n]: 4 warps stacked along the rows
+        n = getattr(n, "value", n)
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+    @gluon.constexpr_function
+    def _p_layout(head_dim):
+        return gl.DotOperandLayout(operand_index=0, parent=_wgmma_layout(head_dim), k_width=2)
+
+    @gluon.jit
+    def _tile_coords(t, m_tiles, n_heads, CAUSAL: gl.constexpr):
+        """Tile t of the CTA stream -> (batch, head, q tile). Causal rows get longer down the
+        sequence: the stream takes each head's longest tiles first."""
+        bh = t // m_tiles
+        pm = t % m_tiles
+        if CAUSAL:
+            pm = m_tiles - 1 - pm
+        return bh // n_heads, bh % n_heads, pm
+
+    @gluon.jit
+    def _steps(KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
+               MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
+               CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, WARPS: gl.constexpr):
+        """(pointer to the tile's row list, steps without an element mask, steps in all, kv_end,
+        causal offset). Step j < j_full needs no mask; j_full <= j < j_valid masks keys at or past
+        kv_end and, causal, above the bottom-right diagonal; later blocks are skipped."""
+        start_m = pm * _TILE
+        kv_end = seq_k
+        if HAS_KEYLEN:
+            kv_end = gl.minimum(gl.maximum(gl.load(KEY_LEN + b).to(gl.int32), 0), seq_k)
+        full_end = kv_end
+        valid_end = kv_end
+        causal_off = seq_k - seq_q
+        if CAUSAL:
+            full_end = gl.minimum(full_end, start_m + causal_off + 1)
+            valid_end = gl.minimum(valid_end, gl.minimum(start_m + _TILE, seq_q) + causal_off)
+        if DENSE:
+            p_list = KV_IDX
+            j_full = gl.maximum(full_end, 0) // _TILE
+            j_valid = (gl.maximum(valid_end, 0) + _TILE - 1) // _TILE
+        else:
+            SUB: gl.constexpr = MASK_BK // _TILE
+            p_list = (KV_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
+                      + (start_m // MASK_BQ).to(gl.int64) * stride_im)
+            offs = gl.arange(0, NB_P2, layout=_list_layout(NB_P2, WARPS))
+            blocks = gl.load(p_list + offs, mask=offs < n_kblocks, other=1 << 30)
+            # (C division truncates towards zero: a negative bound counts nothing)
+            j_full = gl.sum((blocks < full_end // MASK_BK).to(gl.int32), axis=0) * SUB
+            j_valid = gl.sum((blocks < (valid_end + MASK_BK - 1) // MASK_BK).to(gl.int32), axis=0) * SUB
+        return p_list, j_full, j_valid, kv_end, causal_off
+
+    @gluon.jit
+    def _key_start(p_list, j, DENSE: gl.constexpr, MASK_BK: gl.constexpr):
+        """First key of step j of a row walk."""
+        if DENSE:
+            return j * _TILE
+        else:
+            SUB: gl.constexpr = MASK_BK // _TILE
+            return gl.load(p_list + j // SUB) * MASK_BK + (j % SUB) * _TILE
+
+    @gluon.jit
+    def _loader(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
+                n_tiles, m_tiles, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
+                DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr):
+        """1 warp: TMA loads of every tile's Q and the K/V tiles of its walk, in stream order."""
+        it = 0  # K/V tiles issued by this CTA so far: ring slot and phase
+        n_done = 0  # tiles started: Q buffer and phase
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            b, h, pm = _tile_coords(t, m_tiles, n_heads, CAUSAL)
+            hk = h // group
+            p_list, j_full, j_valid, kv_end, causal_off = _steps(
+                KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
+                MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 1)
+            qi = n_done % 2
+            # a fresh mbarrier counts as having completed the phase before phase 0: the first
+            # wait on an "empty" barrier (parity 1) passes at once
+            mbarrier.wait(q_empty.index(qi), ((n_done // 2) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qi), desc_q.block_type.nbytes)
+            _tma_load(desc_q, [b, h, pm * _TILE, 0], q_ready.index(qi), q_bufs.index(qi))
+            for j in range(j_valid):
+                start_n = _key_start(p_list, j, DENSE, MASK_BK)
+                s = it % STAGES
+                ph = ((it // STAGES) & 1) ^ 1
+                mbarrier.wait(k_empty.index(s), ph)
+                mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
+                _tma_load(desc_k, [b, hk, start_n, 0], k_ready.index(s), k_bufs.index(s))
+                mbarrier.wait(v_empty.index(s), ph)
+                mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
+                _tma_load(desc_v, [b, hk, start_n, 0], v_ready.index(s), v_bufs.index(s))
+                it += 1
+            n_done += 1
+
+    @gluon.jit
+    def _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off, rows,
+                      s_layout: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, MASK_BK: gl.constexpr):
+        """Online softmax of one raw score tile (log2 domain, the scale folded into the exponent's
+        FMA): (P, new running max, new running sum, the factor that rescales O)."""
+        if j >= j_full:  # the masked band: keys past kv_end and, causal, above the diagonal
+            start_n = _key_start(p_list, j, DENSE, MASK_BK)
+            cols = start_n + gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(cols < kv_end, 0)
+            if CAUSAL:
+                keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + causal_off, 1))
+            qk = gl.where(keep, qk, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+            m_piv = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key so far stays finite
+        else:
+            m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+            m_piv = m_new
+        p = gl.exp2(qk * qk_scale - gl.expand_dims(m_piv, 1))
+        alpha = gl.exp2(m_i - m_piv)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                  O, LSE, KV_IDX, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
+                  stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
+                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
+                  NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """One consumer warpgroup (rows WG*64 .. WG*64+63 of each tile): wgmma, softmax, epilogue."""
+        s_layout: gl.constexpr = _wgmma_layout(_TILE)  # S: [64, 128] fp32
+        o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # O: [64, HEAD_DIM] fp32
+        p_layout: gl.constexpr = _p_layout(HEAD_DIM)  # P as the register operand of P V
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = k_bufs.dtype
+        zero_s = gl.zeros([_HALF, _TILE], gl.float32, layout=s_layout)
+        r_s = gl.arange(0, _HALF, layout=row_s) + WG * _HALF
+        r_o = gl.arange(0, _HALF, layout=row_o) + WG * _HALF
+        c_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        me = turn.index(WG)
+        other = turn.index(1 - WG)
+        it = 0
+        n_turns = 0
+        n_done = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            b, h, pm = _tile_coords(t, m_tiles, n_heads, CAUSAL)
+            p_list, j_full, j_valid, kv_end, causal_off = _steps(
+                KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
+                MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 4)
+            start_m = pm * _TILE
+            rows = start_m + r_s
+            qi = n_done % 2
+            mbarrier.wait(q_ready.index(qi), (n_done // 2) & 1)
+            q_s = q_bufs.index(qi).reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
+            m_i = gl.full([_HALF], float("-inf"), gl.float32, layout=row_s)
+            l_i = gl.zeros([_HALF], gl.float32, layout=row_s)
+            acc = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=o_layout)
+            if j_valid > 0:
+                # step 0: S_0 and its softmax only
+                s = it % STAGES
+                k_s = k_bufs.index(s).reshape([_TILE, HEAD_DIM])
+                mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
+                mbarrier.wait(me, n_turns & 1)
+                qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.arrive(other)
+                n_turns += 1
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_s, k_s))[0]
+                mbarrier.arrive(k_empty.index(s))
+                p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale, 0, j_full, p_list, kv_end, causal_off,
+                                                   rows, s_layout, DENSE, CAUSAL, MASK_BK)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                s_prev = s
+                ph_prev = (it // STAGES) & 1
+                it += 1
+                for j in range(1, j_valid):
+                    s = it % STAGES
+                    k_s = k_bufs.index(s).reshape([_TILE, HEAD_DIM])
+                    v_prev = v_bufs.index(s_prev).reshape([_TILE, HEAD_DIM])
+                    mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
+                    mbarrier.wait(me, n_turns & 1)
+                    qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    mbarrier.wait(v_ready.index(s_prev), ph_prev)
+                    acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+                    mbarrier.arrive(other)
+                    n_turns += 1
+                    # wgmma groups retire in order: S_j is done, P_{j-1} V_{j-1} may still run
+                    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_s, k_s))[0]
+                    mbarrier.arrive(k_empty.index(s))
+                    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off,
+                                                       rows, s_layout, DENSE, CAUSAL, MASK_BK)
+                    p_next = gl.convert_layout(p.to(dtype), p_layout)
+                    # p_op (registers the running wgmma reads) stays live until it retires
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_prev, p_op))[0]
+                    mbarrier.arrive(v_empty.index(s_prev))
+                    p_op = p_next
+                    s_prev = s
+                    ph_prev = (it // STAGES) & 1
+                    it += 1
+                v_prev = v_bufs.index(s_prev).reshape([_TILE, HEAD_DIM])
+                mbarrier.wait(me, n_turns & 1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                mbarrier.wait(v_ready.index(s_prev), ph_prev)
+                acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+                mbarrier.arrive(other)
+                n_turns += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_prev, p_op))[0]
+                mbarrier.arrive(v_empty.index(s_prev))
+            mbarrier.arrive(q_empty.index(qi))
+            # epilogue: O / l and the natural-log LSE; rows with no key: O = 0, LSE = +inf
+            empty = l_i == 0.0
+            l_safe = gl.where(empty, 1.0, l_i)
+            o = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+            rows_o = start_m + r_o
+            o_ptrs = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                      + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(c_o, 0))
+            gl.store(o_ptrs, o.to(dtype), mask=gl.expand_dims(rows_o < seq_q, 1))
+            lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * _LN2)
+            gl.store(LSE + (b * n_heads + h).to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
+            n_done += 1
+
+    @gluon.jit
+    def _hopper_fwd_kernel(desc_q, desc_k, desc_v, O, LSE, KV_IDX, KEY_LEN,
+                           n_heads, group, seq_q, seq_k, n_kblocks, qk_scale, n_tiles,
+                           stride_ib, stride_ih, stride_im, stride_ob, stride_oh, stride_om,
+                           HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
+                           DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
+                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        m_tiles = (seq_q + _TILE - 1) // _TILE
+        q_bufs = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
+        k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
+        v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release a buffer
+            mbarrier.init(turn.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+        fence_async_shared()  # the barriers' initialisation is visible to TMA before the first load
+        # (the argument tuples are written out: tuples built by concatenation inside a kernel turn
+        # their constexpr entries into tensors)
+        gl.warp_specialize([
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                         O, LSE, KV_IDX, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
+                         stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
+                         0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                         O, LSE, KV_IDX, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
+                         stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
+                         1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES)),
+            (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                       v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
+                       stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+
+CONSUMER_REGS = 232  # second consumer warpgroup (setmaxnreg); the first takes what is left
+LOADER_REGS = 40
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None, tma_plan=None) -> str | None:
+    """Why this kernel cannot run a forward call, or None when it can. ``tma_plan``: the launchers'
+    `launch._tma_plan` of (q, k, v) (None: the layouts cannot take descriptors, or TMA is off)."""
+    if MODE not in ("auto", "off"):
+        raise ValueError(f"hopper.MODE (SPARSEFLASH_HOPPER) must be 'auto' or 'off', got {MODE!r}")
+    if MODE == "off":
+        return "SPARSEFLASH_HOPPER=off"
+    if GLUON_ERROR is not None:
+        return f"no gluon: {GLUON_ERROR}"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "not an sm_90 GPU"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype}"
+    D = q.shape[-1]
+    if D not in (64, 128) or k.shape[-1] != D or v.shape[-1] != D:
+        return f"head_dim {D}"
+    if (mask_bq or TILE) % TILE or (mask_bk or TILE) % TILE:
+        return f"mask block {mask_bq}x{mask_bk} (needs multiples of {TILE})"
+    if dropout_p > 0.0:
+        return "dropout"
+    if seg is not None:
+        return "segment ids"
+    if tma_plan is None:
+        return "no TMA descriptors for these layouts"
+    return None
+
+
+def _descriptor(t: torch.Tensor, strides, rows: int):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    D = t.shape[-1]
+    block = [1, 1, rows, D]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+    return TensorDescriptor(t, list(t.shape), list(strides), block, layout)
+
+
+def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, tma_plan, *, num_sms=None):
+    """(o like q, lse float32 [B, Hq, Nq], +inf for rows with no key). ``tma_plan``: the
+    descriptor strides of (q, k, v) (`launch._tma_plan`); call only when `unsupported` is None."""
+    from sparseflash.flash.launch import _list_args, _new
+
+    B, H, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    o = _new(q)
+    lse = _new(q, (B, H, Nq), torch.float32)
+    idx, i_strides, nb_p2 = _list_args(kv_idx, B, H, q)
+    n_kb = 0 if kv_idx is None else kv_idx.shape[-1]
+    so = o.stride()
+    n_tiles = B * H * triton.cdiv(Nq, TILE)
+    if num_sms is None:
+        num_sms = _sm_count(q.device.index)
+    grid = (max(1, min(n_tiles, num_sms)),)
+    _hopper_fwd_kernel[grid](
+        _descriptor(q, tma_plan[0], TILE), _descriptor(k, tma_plan[1], TILE), _descriptor(v, tma_plan[2], TILE),
+        o, lse, idx, q if key_lengths is None else key_lengths,
+        H, H // Hk, Nq, Nk, n_kb, scale * LOG2E, n_tiles, *i_strides, so[0], so[1], so[2],
+        HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=kv_idx is None,
+        CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
+    return o, lse

@@ -1,0 +1,154 @@
+"""The Hopper forward (sparseflash/flash/hopper.py): compiled for sm_90 on any machine, checked
+against the float64 reference on an H100 through the public API (its LSE feeds the portable
+backward, so gradients check it too)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sparseflash
+from sparseflash.flash import hopper, launch
+from sparseflash.patterns import butterfly, random as random_mask
+
+from _attn_check import check_attention, make_qkv
+from _hopper import gluon_hopper_available, ptxas_available
+from conftest import HAS_CUDA
+
+SM90 = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+
+
+# ----------------------------------------------------------------------------- any machine
+@pytest.mark.skipif(not (ptxas_available() and gluon_hopper_available()), reason="needs ptxas and gluon's hopper module")
+def test_compiles_for_sm90():
+    """The kernel builds for sm_90 with this machine's triton (in a subprocess: the test session may
+    run under the interpreter), at head_dim 64 and 128: wgmma and TMA loads, registers handed to
+    the two consumer warpgroups with setmaxnreg (232 each), within the 227 KB of shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "sparseflash.experiments.studies.hopper.compile_check", "--json", "--seq", "300",
+           "--head-dims", "64", "128", "--cases", "dense", "sparse256 causal"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr[-3000:]
+    rows = json.loads(lines[-1])
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows), out.stdout[-3000:]
+    for r in rows:
+        assert r["wgmma"] > 0 and r["tma"] > 0, r
+        assert "232" in r["setmaxnreg"].split("/"), r
+        assert r["shared"] <= 227 * 1024, r
+
+
+def test_unsupported_reasons(monkeypatch):
+    q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    assert hopper.unsupported(q, q, q, tma_plan=[1, 1, 1]) is not None  # not on a GPU
+    monkeypatch.setattr(hopper, "MODE", "off")
+    assert hopper.unsupported(q, q, q, tma_plan=[1, 1, 1]) == "SPARSEFLASH_HOPPER=off"
+    monkeypatch.setattr(hopper, "MODE", "fast")
+    with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER"):
+        hopper.unsupported(q, q, q, tma_plan=[1, 1, 1])
+
+
+def test_cpu_calls_never_take_it(monkeypatch, device):
+    """Descriptor loads on CPU (the interpreter, TMA_MODE on) keep the portable forward."""
+    if device != "cpu":
+        pytest.skip("a CPU run")
+    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    called = []
+    monkeypatch.setattr(hopper, "fwd", lambda *a, **k: called.append(1))
+    q = torch.randn(1, 1, 32, 16)
+    assert not launch._hopper_fwd_ok(q, q, q, None, None, [[0, 0, 16, 1]] * 3)
+    assert not called
+
+
+# ----------------------------------------------------------------------------- sm_90 GPU
+@pytest.fixture
+def hopper_spy(monkeypatch):
+    """Every call takes descriptors (so small shapes reach the kernel); counts the Hopper forwards."""
+    from sparseflash.flash import fast
+
+    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    monkeypatch.setattr(fast, "ENABLED", False)
+    calls = []
+    real = hopper.fwd
+
+    def spy(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(hopper, "fwd", spy)
+    return calls
+
+
+def _mask(kind, n, nk=None):
+    if kind == "dense":
+        return None
+    if kind == "random128":
+        return random_mask(n, 3, block_size=128, seq_k=nk, heads=2, seed=1, device="cuda")
+    if kind == "random256":
+        return random_mask(n, 2, block_size=256, seq_k=nk, seed=2, device="cuda")
+    if kind == "butterfly":
+        return butterfly(n, block_size=128, device="cuda")
+    raise ValueError(kind)
+
+
+CASES = [  # (B, Hq, Hkv, Nq, Nk, D, mask, causal, key_lengths)
+    (2, 2, 2, 512, 512, 64, "dense", False, None),
+    (2, 2, 2, 512, 512, 128, "dense", False, None),
+    (1, 2, 2, 1000, 1000, 128, "dense", True, None),        # tails, causal
+    (1, 2, 2, 384, 700, 64, "dense", True, None),           # bottom-right causal, seq_q < seq_k
+    (1, 2, 2, 700, 384, 128, "dense", True, None),          # seq_q > seq_k: the first rows see no key
+    (2, 4, 2, 640, 640, 64, "dense", False, [640, 77]),      # GQA, key_lengths
+    (2, 2, 2, 512, 512, 128, "dense", False, [0, 300]),      # a batch with no keys: O = 0
+    (2, 2, 2, 1024, 1024, 64, "random128", False, None),     # per-head lists
+    (1, 2, 2, 1000, 1000, 128, "random128", True, [900]),    # list walk with tails, causal, key_lengths
+    (2, 2, 2, 1024, 1024, 128, "random256", False, None),    # 256 blocks: two steps per list entry
+    (1, 2, 2, 2048, 2048, 64, "butterfly", False, None),
+    (2, 16, 16, 2048, 2048, 64, "dense", True, None),        # 512 tiles over 132 CTAs: phases wrap many times
+]
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-d{c[5]}-{c[6]}"
+                         f"{'-causal' if c[7] else ''}{'-kl' if c[8] else ''}")
+def test_gpu_against_reference(case, dtype, hopper_spy):
+    B, Hq, Hkv, Nq, Nk, D, kind, causal, kl = case
+    q, k, v, do = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, "cuda", seed=Nq + D)
+    mask = _mask(kind, Nq, Nk if Nk != Nq else None)
+    key_lengths = None if kl is None else torch.tensor(kl, device="cuda")
+    check_attention(lambda a, b, c: sparseflash.attention(a, b, c, mask=mask, causal=causal, key_lengths=key_lengths),
+                    q, k, v, do, mask=mask, causal=causal, key_lengths=key_lengths)
+    assert hopper_spy, "the Hopper forward did not run"
+    if kl is not None and 0 in kl:
+        o = sparseflash.attention(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths)
+        assert o[kl.index(0)].abs().max().item() == 0.0
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_gpu_layouts_and_lse(hopper_spy):
+    """[B, N, H, D] memory (a transposed view), and the LSE against the reference's; rows with no
+    key give -inf through the API."""
+    B, H, N, D = 2, 4, 768, 128
+    base = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
+    q = base.transpose(1, 2)
+    k = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    kl = torch.tensor([0, 500], device="cuda")
+    o, lse = sparseflash.attention(q, k, v, key_lengths=kl, return_lse=True)
+    assert hopper_spy
+    o_ref, lse_ref = sparseflash.attention(q.double(), k.double(), v.double(), key_lengths=kl, return_lse=True,
+                                           backend="reference")
+    assert (o.double() - o_ref).abs().max().item() < 2e-2
+    assert torch.isneginf(lse[0]).all()
+    assert (lse[1].double() - lse_ref[1]).abs().max().item() < 1e-3
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_gpu_off_switch(monkeypatch, hopper_spy):
+    monkeypatch.setattr(hopper, "MODE", "off")
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    sparseflash.attention(q, q, q)
+    assert not hopper_spy
