@@ -43,12 +43,26 @@ def test_compiles_for_sm90():
 
 def test_unsupported_reasons(monkeypatch):
     q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
-    assert hopper.unsupported(q, q, q, tma_plan=[1, 1, 1]) is not None  # not on a GPU
+    assert hopper.unsupported(q, q, q) == "not an sm_90 GPU"
     monkeypatch.setattr(hopper, "MODE", "off")
-    assert hopper.unsupported(q, q, q, tma_plan=[1, 1, 1]) == "SPARSEFLASH_HOPPER=off"
+    assert hopper.unsupported(q, q, q) == "SPARSEFLASH_HOPPER=off"
     monkeypatch.setattr(hopper, "MODE", "fast")
     with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER"):
-        hopper.unsupported(q, q, q, tma_plan=[1, 1, 1])
+        hopper.unsupported(q, q, q)
+
+
+def test_layouts():
+    """[B, H, N, D] memory and [B, N, H, D] memory (a transposed view) take descriptors, read in
+    their own dimension order; a last dimension that is not contiguous, 16-byte misaligned
+    strides, or K and V in different orders do not."""
+    x = torch.zeros(2, 3, 40, 64, dtype=torch.bfloat16)
+    t = torch.zeros(2, 40, 3, 64, dtype=torch.bfloat16).transpose(1, 2)
+    (sq, bq), (sk, bk), _ = hopper.layouts(x, t, t)
+    assert (sq, bq) == ((3 * 40 * 64, 40 * 64, 64, 1), False) and (sk, bk) == ((40 * 3 * 64, 3 * 64, 64, 1), True)
+    assert hopper.layouts(x, x, t) is None  # K and V in different orders
+    assert hopper.layouts(x.transpose(2, 3), x, x) is None
+    odd = torch.zeros(2, 3, 40, 68, dtype=torch.bfloat16)[..., :64]  # row stride 136 bytes
+    assert hopper.layouts(odd, x, x) is None
 
 
 def test_cpu_calls_never_take_it(monkeypatch, device):
@@ -59,7 +73,7 @@ def test_cpu_calls_never_take_it(monkeypatch, device):
     called = []
     monkeypatch.setattr(hopper, "fwd", lambda *a, **k: called.append(1))
     q = torch.randn(1, 1, 32, 16)
-    assert not launch._hopper_fwd_ok(q, q, q, None, None, [[0, 0, 16, 1]] * 3)
+    assert not launch._hopper_fwd_ok(q, q, q, None, None, -1.0)
     assert not called
 
 

@@ -23,7 +23,8 @@ bottom-right), and skips the rest. Rows with no keys give O = 0 and an LSE of +i
 
 Scope (everything else takes the portable path, see `unsupported`): an sm_90 GPU, float16 or
 bfloat16, head_dim 64 or 128 (K and V alike), mask blocks that are multiples of 128 (or dense),
-no dropout, no segment ids, TMA-able layouts (unit last stride, 16-byte aligned strides).
+no dropout, no segment ids, layouts TMA descriptors take: [B, H, N, D] or [B, N, H, D] memory
+(a transposed view) with unit last stride and 16-byte aligned strides.
 Outputs: O like q, and the LSE (natural log, float32 [B, H, N]) that the backward reads.
 """
 
@@ -35,7 +36,7 @@ import os
 import torch
 import triton
 
-__all__ = ["fwd", "unsupported", "GLUON_ERROR", "MODE"]
+__all__ = ["fwd", "unsupported", "layouts", "GLUON_ERROR", "MODE"]
 
 try:
     from triton.experimental import gluon
@@ -84,14 +85,28 @@ if GLUON_ERROR is None:
         return gl.DotOperandLayout(operand_index=0, parent=_wgmma_layout(head_dim), k_width=2)
 
     @gluon.jit
-    def _tile_coords(t, m_tiles, n_heads, CAUSAL: gl.constexpr):
-        """Tile t of the CTA stream -> (batch, head, q tile). Causal rows get longer down the
-        sequence: the stream takes each head's longest tiles first."""
-        bh = t // m_tiles
-        pm = t % m_tiles
+    def _tile_coords(base, n_tiles, m_tiles, n_heads, CAUSAL: gl.constexpr):
+        """This CTA's tile of the round starting at stream position ``base`` -> (tile index, batch,
+        head, q tile); the tile index is >= n_tiles when the CTA has none in the last round.
+
+        Without causal, CTA p takes tiles p, p + G, ... in (batch, head, q tile) order. Causal rows
+        grow down the sequence, and that order would give a CTA tiles of about the same length in
+        every round (G = 132 is 4 more than a 16K head's 128 tiles: 57% balance at 16K); instead the
+        stream runs longest tiles first over all heads, dealt in a snake (round r goes p = 0..G-1
+        when r is even, G-1..0 when odd), so long and short tiles even out per CTA."""
+        pid = gl.program_id(0)
+        G = gl.num_programs(0)
         if CAUSAL:
-            pm = m_tiles - 1 - pm
-        return bh // n_heads, bh % n_heads, pm
+            r = base // G
+            t = base + gl.where(r % 2 == 0, pid, G - 1 - pid)
+            n_bh = n_tiles // m_tiles
+            bh = t % n_bh
+            pm = m_tiles - 1 - t // n_bh
+        else:
+            t = base + pid
+            bh = t // m_tiles
+            pm = t % m_tiles
+        return t, bh // n_heads, bh % n_heads, pm
 
     @gluon.jit
     def _steps(KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
@@ -135,37 +150,47 @@ if GLUON_ERROR is None:
             return gl.load(p_list + j // SUB) * MASK_BK + (j % SUB) * _TILE
 
     @gluon.jit
+    def _coord(b, h, n, BNHD: gl.constexpr):
+        """A tile's descriptor coordinates: [B, H, N, D] memory, or [B, N, H, D] (BNHD)."""
+        if BNHD:
+            return [b, n, h, 0]
+        else:
+            return [b, h, n, 0]
+
+    @gluon.jit
     def _loader(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                 KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
                 n_tiles, m_tiles, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
-                DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr):
+                DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
+                Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr):
         """1 warp: TMA loads of every tile's Q and the K/V tiles of its walk, in stream order."""
         it = 0  # K/V tiles issued by this CTA so far: ring slot and phase
         n_done = 0  # tiles started: Q buffer and phase
-        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            b, h, pm = _tile_coords(t, m_tiles, n_heads, CAUSAL)
-            hk = h // group
-            p_list, j_full, j_valid, kv_end, causal_off = _steps(
-                KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
-                MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 1)
-            qi = n_done % 2
-            # a fresh mbarrier counts as having completed the phase before phase 0: the first
-            # wait on an "empty" barrier (parity 1) passes at once
-            mbarrier.wait(q_empty.index(qi), ((n_done // 2) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(qi), desc_q.block_type.nbytes)
-            _tma_load(desc_q, [b, h, pm * _TILE, 0], q_ready.index(qi), q_bufs.index(qi))
-            for j in range(j_valid):
-                start_n = _key_start(p_list, j, DENSE, MASK_BK)
-                s = it % STAGES
-                ph = ((it // STAGES) & 1) ^ 1
-                mbarrier.wait(k_empty.index(s), ph)
-                mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-                _tma_load(desc_k, [b, hk, start_n, 0], k_ready.index(s), k_bufs.index(s))
-                mbarrier.wait(v_empty.index(s), ph)
-                mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
-                _tma_load(desc_v, [b, hk, start_n, 0], v_ready.index(s), v_bufs.index(s))
-                it += 1
-            n_done += 1
+        for base in range(0, n_tiles, gl.num_programs(0)):
+            t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, CAUSAL)
+            if t < n_tiles:
+                hk = h // group
+                p_list, j_full, j_valid, kv_end, causal_off = _steps(
+                    KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
+                    MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 1)
+                qi = n_done % 2
+                # a fresh mbarrier counts as having completed the phase before phase 0: the first
+                # wait on an "empty" barrier (parity 1) passes at once
+                mbarrier.wait(q_empty.index(qi), ((n_done // 2) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(qi), desc_q.block_type.nbytes)
+                _tma_load(desc_q, _coord(b, h, pm * _TILE, Q_BNHD), q_ready.index(qi), q_bufs.index(qi))
+                for j in range(j_valid):
+                    start_n = _key_start(p_list, j, DENSE, MASK_BK)
+                    s = it % STAGES
+                    ph = ((it // STAGES) & 1) ^ 1
+                    mbarrier.wait(k_empty.index(s), ph)
+                    mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
+                    _tma_load(desc_k, _coord(b, hk, start_n, KV_BNHD), k_ready.index(s), k_bufs.index(s))
+                    mbarrier.wait(v_empty.index(s), ph)
+                    mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
+                    _tma_load(desc_v, _coord(b, hk, start_n, KV_BNHD), v_ready.index(s), v_bufs.index(s))
+                    it += 1
+                n_done += 1
 
     @gluon.jit
     def _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off, rows,
@@ -212,82 +237,83 @@ if GLUON_ERROR is None:
         it = 0
         n_turns = 0
         n_done = 0
-        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            b, h, pm = _tile_coords(t, m_tiles, n_heads, CAUSAL)
-            p_list, j_full, j_valid, kv_end, causal_off = _steps(
-                KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
-                MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 4)
-            start_m = pm * _TILE
-            rows = start_m + r_s
-            qi = n_done % 2
-            mbarrier.wait(q_ready.index(qi), (n_done // 2) & 1)
-            q_s = q_bufs.index(qi).reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
-            m_i = gl.full([_HALF], float("-inf"), gl.float32, layout=row_s)
-            l_i = gl.zeros([_HALF], gl.float32, layout=row_s)
-            acc = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=o_layout)
-            if j_valid > 0:
-                # step 0: S_0 and its softmax only
-                s = it % STAGES
-                k_s = k_bufs.index(s).reshape([_TILE, HEAD_DIM])
-                mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
-                mbarrier.wait(me, n_turns & 1)
-                qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                mbarrier.arrive(other)
-                n_turns += 1
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_s, k_s))[0]
-                mbarrier.arrive(k_empty.index(s))
-                p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale, 0, j_full, p_list, kv_end, causal_off,
-                                                   rows, s_layout, DENSE, CAUSAL, MASK_BK)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                s_prev = s
-                ph_prev = (it // STAGES) & 1
-                it += 1
-                for j in range(1, j_valid):
+        for base in range(0, n_tiles, gl.num_programs(0)):
+            t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, CAUSAL)
+            if t < n_tiles:
+                p_list, j_full, j_valid, kv_end, causal_off = _steps(
+                    KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
+                    MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 4)
+                start_m = pm * _TILE
+                rows = start_m + r_s
+                qi = n_done % 2
+                mbarrier.wait(q_ready.index(qi), (n_done // 2) & 1)
+                q_s = q_bufs.index(qi).reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
+                m_i = gl.full([_HALF], float("-inf"), gl.float32, layout=row_s)
+                l_i = gl.zeros([_HALF], gl.float32, layout=row_s)
+                acc = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=o_layout)
+                if j_valid > 0:
+                    # step 0: S_0 and its softmax only
                     s = it % STAGES
                     k_s = k_bufs.index(s).reshape([_TILE, HEAD_DIM])
-                    v_prev = v_bufs.index(s_prev).reshape([_TILE, HEAD_DIM])
                     mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
                     mbarrier.wait(me, n_turns & 1)
                     qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                    mbarrier.arrive(other)
+                    n_turns += 1
+                    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_s, k_s))[0]
+                    mbarrier.arrive(k_empty.index(s))
+                    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale, 0, j_full, p_list, kv_end, causal_off,
+                                                       rows, s_layout, DENSE, CAUSAL, MASK_BK)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    s_prev = s
+                    ph_prev = (it // STAGES) & 1
+                    it += 1
+                    for j in range(1, j_valid):
+                        s = it % STAGES
+                        k_s = k_bufs.index(s).reshape([_TILE, HEAD_DIM])
+                        v_prev = v_bufs.index(s_prev).reshape([_TILE, HEAD_DIM])
+                        mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
+                        mbarrier.wait(me, n_turns & 1)
+                        qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                        mbarrier.wait(v_ready.index(s_prev), ph_prev)
+                        acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
+                        mbarrier.arrive(other)
+                        n_turns += 1
+                        # wgmma groups retire in order: S_j is done, P_{j-1} V_{j-1} may still run
+                        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_s, k_s))[0]
+                        mbarrier.arrive(k_empty.index(s))
+                        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off,
+                                                           rows, s_layout, DENSE, CAUSAL, MASK_BK)
+                        p_next = gl.convert_layout(p.to(dtype), p_layout)
+                        # p_op (registers the running wgmma reads) stays live until it retires
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_prev, p_op))[0]
+                        mbarrier.arrive(v_empty.index(s_prev))
+                        p_op = p_next
+                        s_prev = s
+                        ph_prev = (it // STAGES) & 1
+                        it += 1
+                    v_prev = v_bufs.index(s_prev).reshape([_TILE, HEAD_DIM])
+                    mbarrier.wait(me, n_turns & 1)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                     mbarrier.wait(v_ready.index(s_prev), ph_prev)
                     acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
                     mbarrier.arrive(other)
                     n_turns += 1
-                    # wgmma groups retire in order: S_j is done, P_{j-1} V_{j-1} may still run
-                    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_s, k_s))[0]
-                    mbarrier.arrive(k_empty.index(s))
-                    p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off,
-                                                       rows, s_layout, DENSE, CAUSAL, MASK_BK)
-                    p_next = gl.convert_layout(p.to(dtype), p_layout)
-                    # p_op (registers the running wgmma reads) stays live until it retires
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_prev, p_op))[0]
                     mbarrier.arrive(v_empty.index(s_prev))
-                    p_op = p_next
-                    s_prev = s
-                    ph_prev = (it // STAGES) & 1
-                    it += 1
-                v_prev = v_bufs.index(s_prev).reshape([_TILE, HEAD_DIM])
-                mbarrier.wait(me, n_turns & 1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                mbarrier.wait(v_ready.index(s_prev), ph_prev)
-                acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
-                mbarrier.arrive(other)
-                n_turns += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_prev, p_op))[0]
-                mbarrier.arrive(v_empty.index(s_prev))
-            mbarrier.arrive(q_empty.index(qi))
-            # epilogue: O / l and the natural-log LSE; rows with no key: O = 0, LSE = +inf
-            empty = l_i == 0.0
-            l_safe = gl.where(empty, 1.0, l_i)
-            o = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-            rows_o = start_m + r_o
-            o_ptrs = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-                      + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(c_o, 0))
-            gl.store(o_ptrs, o.to(dtype), mask=gl.expand_dims(rows_o < seq_q, 1))
-            lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * _LN2)
-            gl.store(LSE + (b * n_heads + h).to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
-            n_done += 1
+                mbarrier.arrive(q_empty.index(qi))
+                # epilogue: O / l and the natural-log LSE; rows with no key: O = 0, LSE = +inf
+                empty = l_i == 0.0
+                l_safe = gl.where(empty, 1.0, l_i)
+                o = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
+                rows_o = start_m + r_o
+                o_ptrs = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                          + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(c_o, 0))
+                gl.store(o_ptrs, o.to(dtype), mask=gl.expand_dims(rows_o < seq_q, 1))
+                lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * _LN2)
+                gl.store(LSE + (b * n_heads + h).to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
+                n_done += 1
 
     @gluon.jit
     def _hopper_fwd_kernel(desc_q, desc_k, desc_v, O, LSE, KV_IDX, KEY_LEN,
@@ -295,7 +321,8 @@ if GLUON_ERROR is None:
                            stride_ib, stride_ih, stride_im, stride_ob, stride_oh, stride_om,
                            HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                           Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr):
         m_tiles = (seq_q + _TILE - 1) // _TILE
         q_bufs = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
         k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
@@ -331,7 +358,8 @@ if GLUON_ERROR is None:
                          1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES)),
             (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
-                       stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES)),
+                       stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
+                       Q_BNHD, KV_BNHD)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -345,9 +373,8 @@ def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None, tma_plan=None) -> str | None:
-    """Why this kernel cannot run a forward call, or None when it can. ``tma_plan``: the launchers'
-    `launch._tma_plan` of (q, k, v) (None: the layouts cannot take descriptors, or TMA is off)."""
+def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
+    """Why this kernel cannot run a forward call, or None when it can."""
     if MODE not in ("auto", "off"):
         raise ValueError(f"hopper.MODE (SPARSEFLASH_HOPPER) must be 'auto' or 'off', got {MODE!r}")
     if MODE == "off":
@@ -356,7 +383,7 @@ def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None,
         return f"no gluon: {GLUON_ERROR}"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "not an sm_90 GPU"
-    if q.dtype not in (torch.float16, torch.bfloat16):
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype}"
     D = q.shape[-1]
     if D not in (64, 128) or k.shape[-1] != D or v.shape[-1] != D:
@@ -367,27 +394,68 @@ def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None,
         return "dropout"
     if seg is not None:
         return "segment ids"
-    if tma_plan is None:
-        return "no TMA descriptors for these layouts"
+    if layouts(q, k, v) is None:
+        return "a layout TMA descriptors cannot take"
     return None
 
 
-def _descriptor(t: torch.Tensor, strides, rows: int):
+def _row_major(shape, stride, esz: int):
+    """Descriptor strides of a 4-D layout read in its own dimension order, or None: unit last
+    stride, 16-byte aligned strides, each dimension at least as far apart as the whole of the
+    next (size-1 dimensions get such a stride: their coordinate is always 0)."""
+    a, b, c, d = shape
+    sa, sb, sc, sd = stride
+    if sd != 1:
+        return None
+    sc = sc if c > 1 else d + (-d) % (16 // esz)
+    sb = sb if b > 1 else c * sc
+    sa = sa if a > 1 else b * sb
+    ok = all((x * esz) % 16 == 0 for x in (sa, sb, sc)) and sc >= d and sb >= c * sc and sa >= b * sb
+    return (sa, sb, sc, 1) if ok else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(shape: tuple, stride: tuple, esz: int, aligned: bool):
+    """(descriptor strides, bnhd) of a [B, H, N, D] tensor: its memory read as [B, H, N, D], or
+    as [B, N, H, D] (bnhd; the layout of q.view(B, N, H, D).transpose(1, 2)); None if neither."""
+    if not aligned:
+        return None
+    B, H, N, D = shape
+    sb, sh, sn, sd = stride
+    st = _row_major((B, H, N, D), (sb, sh, sn, sd), esz)
+    if st is not None:
+        return st, False
+    st = _row_major((B, N, H, D), (sb, sn, sh, sd), esz)
+    return None if st is None else (st, True)
+
+
+def layouts(q, k, v):
+    """The descriptor layouts of q, k, v (`_layout`), or None when one has none. K and V share
+    one dimension order (one constexpr)."""
+    out = [_layout(tuple(t.shape), t.stride(), t.element_size(), t.data_ptr() % 16 == 0) for t in (q, k, v)]
+    if None in out or out[1][1] != out[2][1]:
+        return None
+    return out
+
+
+def _descriptor(t: torch.Tensor, layout, rows: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    D = t.shape[-1]
-    block = [1, 1, rows, D]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
-    return TensorDescriptor(t, list(t.shape), list(strides), block, layout)
+    strides, bnhd = layout
+    B, H, N, D = t.shape
+    shape, block = ([B, N, H, D], [1, rows, 1, D]) if bnhd else ([B, H, N, D], [1, 1, rows, D])
+    lay = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+    return TensorDescriptor(t, shape, list(strides), block, lay)
 
 
-def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, tma_plan, *, num_sms=None):
-    """(o like q, lse float32 [B, Hq, Nq], +inf for rows with no key). ``tma_plan``: the
-    descriptor strides of (q, k, v) (`launch._tma_plan`); call only when `unsupported` is None."""
+def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay=None, *, num_sms=None):
+    """(o like q, lse float32 [B, Hq, Nq], +inf for rows with no key). ``lay``: `layouts` of
+    (q, k, v) if already known; call only when `unsupported` is None."""
     from sparseflash.flash.launch import _list_args, _new
 
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
+    lay = lay or layouts(q, k, v)
     o = _new(q)
     lse = _new(q, (B, H, Nq), torch.float32)
     idx, i_strides, nb_p2 = _list_args(kv_idx, B, H, q)
@@ -398,10 +466,10 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_
         num_sms = _sm_count(q.device.index)
     grid = (max(1, min(n_tiles, num_sms)),)
     _hopper_fwd_kernel[grid](
-        _descriptor(q, tma_plan[0], TILE), _descriptor(k, tma_plan[1], TILE), _descriptor(v, tma_plan[2], TILE),
+        _descriptor(q, lay[0], TILE), _descriptor(k, lay[1], TILE), _descriptor(v, lay[2], TILE),
         o, lse, idx, q if key_lengths is None else key_lengths,
         H, H // Hk, Nq, Nk, n_kb, scale * LOG2E, n_tiles, *i_strides, so[0], so[1], so[2],
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=kv_idx is None,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1], num_warps=4)
     return o, lse

@@ -657,10 +657,10 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     (seg_q, seg_k) or None (`_seg_args`)."""
     B, Hq, Nq, D = q.shape
     tma_plan = _tma_plan(_block_d(D), q, k, v, work=work)
-    if tma_plan is not None and dropout_p <= 0.0 and seg is None and _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, tma_plan):
+    if dropout_p <= 0.0 and seg is None and _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, work):
         from sparseflash.flash import hopper
 
-        return hopper.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, tma_plan)
+        return hopper.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
     key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan)
@@ -673,15 +673,18 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     return o, lse
 
 
-def _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, tma_plan) -> bool:
-    """Whether the forward runs the warp-specialised Hopper kernel (`hopper.py`): only calls that
-    load through TMA descriptors (`_tma_plan`, so sm_90+ and large or captured calls), then
+def _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, work: float) -> bool:
+    """Whether the forward runs the warp-specialised Hopper kernel (`hopper.py`): on sm_90, for the
+    calls the TMA rule gives descriptors (TMA_MODE "on", or "auto" and `_tma_auto`: large or
+    captured calls; the Hopper kernel's descriptors cost the same host time), then as
     `hopper.unsupported` decides. Imported only here, so CPU runs never import gluon."""
-    if q.device.type != "cuda" or _interpreting() or _sm_major(q.device.index) != 9:
+    if q.device.type != "cuda" or _interpreting() or TMA_MODE == "off" or _sm_major(q.device.index) != 9:
+        return False
+    if TMA_MODE == "auto" and not _tma_auto(q.device, work, _in_graph_capture(q)):
         return False
     from sparseflash.flash import hopper
 
-    return hopper.unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk, tma_plan=tma_plan) is None
+    return hopper.unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk) is None
 
 
 def _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan) -> tuple:

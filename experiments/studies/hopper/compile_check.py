@@ -34,7 +34,6 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
 
     from sparseflash.experiments.bench.inspect_kernels import _HopperStandIn
     from sparseflash.flash import hopper
-    from sparseflash.flash.launch import _tma_strides
     from sparseflash.patterns import random as random_mask
 
     if hopper.GLUON_ERROR is not None:
@@ -60,12 +59,11 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
         kv_idx = random_mask(N, 3, block_size=block, seed=0, device="cpu").index("cpu").kv_idx
         bq = block
     kl = torch.full((B,), N, dtype=torch.int32) if keylen else None
-    plan = [_tma_strides(t) for t in (q, k, v)]
     saved_hook, saved_driver = knobs.runtime.jit_cache_hook, triton.runtime.driver._active
     triton.runtime.driver.set_active(_HopperStandIn())
     knobs.runtime.jit_cache_hook = hook
     try:
-        hopper.fwd(q, k, v, kv_idx, kl, D ** -0.5, causal, bq, bq, plan, num_sms=132)
+        hopper.fwd(q, k, v, kv_idx, kl, D ** -0.5, causal, bq, bq, num_sms=132)
     finally:
         knobs.runtime.jit_cache_hook = saved_hook
         triton.runtime.driver._active = saved_driver
