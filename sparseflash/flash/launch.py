@@ -684,6 +684,8 @@ def _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, work: float) -> bool:
         return False
     from sparseflash.flash import hopper
 
+    if TMA_MODE == "auto" and hopper.short_rows(q, k, work):
+        return False
     return hopper.unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk) is None
 
 

@@ -83,6 +83,17 @@ def _call(provider: str, mask, causal: bool, scale: float):
     raise ValueError(provider)
 
 
+def _write(out: Path, rows: list, meta: dict) -> None:
+    import csv
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hopper_fwd.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+    with open(out / "hopper_fwd.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
@@ -99,6 +110,7 @@ def main(argv=None) -> int:
     from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.mask import BlockMask
 
+    meta = dict(environment(torch.device("cuda")), args=vars(args))
     rows = []
     H = 16
     for n in args.seqs:
@@ -138,6 +150,8 @@ def main(argv=None) -> int:
                         except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
                             row["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-400:]
                         rows.append(row)
+                        if args.out:  # after every row: a run cut short keeps what it measured
+                            _write(Path(args.out), rows, meta)
                         ms = "failed" if row["ms"] is None else f"{row['ms']:.4f} ms {row['tflops']:6.1f} TFLOP/s"
                         print(f"N={n:5d} d={d:3d} {kind:9s} {prov:10s} {mode:6s} {ms}"
                               + (f"  {row['error'][:160]}" if row["error"] else ""), flush=True)
@@ -158,17 +172,6 @@ def main(argv=None) -> int:
                         o = key.get((n, d, kind, mode, p))
                         cells.append(f"{o / h:9.2f}x" if o else f"{'-':>10s}")
                     print(f"{n:5d} {d:3d} {kind:9s} {mode:6s} {h:9.4f} " + " ".join(cells))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        import csv
-
-        (out / "hopper_fwd.json").write_text(json.dumps(dict(meta=environment(torch.device("cuda")), args=vars(args),
-                                                             rows=rows), indent=1, default=str))
-        with open(out / "hopper_fwd.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
     return 0
 
 
