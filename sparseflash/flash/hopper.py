@@ -21,7 +21,8 @@ The block-sparse list walk is the portable kernels': a q tile visits the k block
 (dense: every block), split into a mask-free prefix and a masked band (key_lengths, causal
 bottom-right), and skips the rest. Rows with no keys give O = 0 and an LSE of +inf.
 
-Scope (everything else takes the portable path, see `unsupported`): an sm_90 GPU, float16 or
+Scope (everything else takes the portable path, see `unsupported`; the launcher also keeps a
+scale <= 0 there, as the running max is taken on raw scores): an sm_90 GPU, float16 or
 bfloat16, head_dim 64 or 128 (K and V alike), mask blocks that are multiples of 128 (or dense),
 no dropout, no segment ids, layouts TMA descriptors take: [B, H, N, D] or [B, N, H, D] memory
 (a transposed view) with unit last stride and 16-byte aligned strides.
@@ -464,18 +465,17 @@ def _descriptor(t: torch.Tensor, layout, rows: int):
     return TensorDescriptor(t, shape, list(strides), block, lay)
 
 
-def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay=None, *, num_sms=None):
-    """(o like q, lse float32 [B, Hq, Nq], +inf for rows with no key). ``lay``: `layouts` of
-    (q, k, v) if already known; call only when `unsupported` is None."""
-    from sparseflash.flash.launch import _list_args, _new
-
+def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay=None, *,
+        num_sms=None):
+    """Fill ``o`` (like q) and ``lse`` (float32 [B, Hq, Nq], +inf for rows with no key); returns
+    them. ``lists``: (row lists or a placeholder, their [B, H, row] strides, NB_P2, entries per
+    row; None for dense), as `launch.hopper_fwd` makes them. ``lay``: `layouts` of (q, k, v) if
+    already known. Call only when `unsupported` is None."""
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     lay = lay or layouts(q, k, v)
-    o = _new(q)
-    lse = _new(q, (B, H, Nq), torch.float32)
-    idx, i_strides, nb_p2 = _list_args(kv_idx, B, H, q)
-    n_kb = 0 if kv_idx is None else kv_idx.shape[-1]
+    dense = lists is None
+    idx, i_strides, nb_p2, n_kb = (q, (0, 0, 0), 2, 0) if dense else lists
     so = o.stride()
     n_tiles = B * H * triton.cdiv(Nq, TILE)
     if num_sms is None:
@@ -485,7 +485,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_
         _descriptor(q, lay[0], TILE), _descriptor(k, lay[1], TILE), _descriptor(v, lay[2], TILE),
         o, lse, idx, q if key_lengths is None else key_lengths,
         H, H // Hk, Nq, Nk, n_kb, scale * LOG2E, n_tiles, *i_strides, so[0], so[1], so[2],
-        HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=kv_idx is None,
+        HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1], num_warps=4)
     return o, lse

@@ -657,10 +657,8 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     (seg_q, seg_k) or None (`_seg_args`)."""
     B, Hq, Nq, D = q.shape
     tma_plan = _tma_plan(_block_d(D), q, k, v, work=work)
-    if dropout_p <= 0.0 and seg is None and _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, work):
-        from sparseflash.flash import hopper
-
-        return hopper.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk)
+    if dropout_p <= 0.0 and seg is None and scale > 0.0 and _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, work):
+        return hopper_fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
     key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan)
@@ -671,6 +669,18 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     descs = _tma_args(plan.cfg, tma_plan, _block_d(D), (q, bm), (k, bn), (v, bn))[0]  # (q, k, v) without TMA
     _launch(plan, _fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs))
     return o, lse
+
+
+def hopper_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, *, num_sms=None):
+    """The Hopper forward (`hopper.fwd`) with its outputs and list arguments made here."""
+    from sparseflash.flash import hopper
+
+    B, Hq, Nq, _ = q.shape
+    lists = None
+    if kv_idx is not None:
+        lists = (*_list_args(kv_idx, B, Hq, q), kv_idx.shape[-1])
+    return hopper.fwd(q, k, v, _new(q), _new(q, (B, Hq, Nq), torch.float32), lists, key_lengths, scale, causal,
+                      mask_bq, mask_bk, num_sms=num_sms)
 
 
 def _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, work: float) -> bool:

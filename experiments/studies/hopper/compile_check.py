@@ -34,6 +34,7 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
 
     from sparseflash.experiments.bench.inspect_kernels import _HopperStandIn
     from sparseflash.flash import hopper
+    from sparseflash.flash.launch import hopper_fwd
     from sparseflash.patterns import random as random_mask
 
     if hopper.GLUON_ERROR is not None:
@@ -63,7 +64,7 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
     triton.runtime.driver.set_active(_HopperStandIn())
     knobs.runtime.jit_cache_hook = hook
     try:
-        hopper.fwd(q, k, v, kv_idx, kl, D ** -0.5, causal, bq, bq, num_sms=132)
+        hopper_fwd(q, k, v, kv_idx, kl, D ** -0.5, causal, bq, bq, num_sms=132)
     finally:
         knobs.runtime.jit_cache_hook = saved_hook
         triton.runtime.driver._active = saved_driver
