@@ -36,7 +36,7 @@ def test_compiles_for_sm90():
     rows = json.loads(lines[-1])
     assert len(rows) == 4 and all(r["status"] == "ok" for r in rows), out.stdout[-3000:]
     for r in rows:
-        assert r["wgmma"] > 0 and r["tma"] > 0, r
+        assert r["wgmma"] > 0 and r["tma_loads"] > 0, r
         assert "232" in r["setmaxnreg"].split("/"), r
         assert r["shared"] <= 227 * 1024, r
 
@@ -73,7 +73,7 @@ def test_cpu_calls_never_take_it(monkeypatch, device):
     called = []
     monkeypatch.setattr(hopper, "fwd", lambda *a, **k: called.append(1))
     q = torch.randn(1, 1, 32, 16)
-    assert not launch._hopper_fwd_ok(q, q, q, None, None, -1.0)
+    assert launch._hopper_layouts(q, q, q, None, None, -1.0) is None
     assert not called
 
 

@@ -101,23 +101,23 @@ def _loops(sass: str) -> list[int]:
     return out
 
 
-def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024, dtype=torch.bfloat16, tiles=None,
-                    batch=1, heads=2, segments=False):
-    """Compile the launchers' kernels for sm_90 and return {kernel name: CompiledKernel-like asm dict}.
-    ``tiles``: {kind: TileConfig} in place of the launchers' defaults. ``seq``, ``batch``, ``heads``:
-    the launch's shape (Triton specialises integer arguments that equal 1 or divide by 16, so these
-    can change the kernel that compiles). ``segments``: the packed-documents variant (segment ids)."""
+def compile_launches(run) -> dict:
+    """Call ``run()`` with Triton's driver replaced by the sm_90 stand-in and every kernel launch it
+    makes compiled for sm_90 instead of launched (Triton and Gluon kernels alike, with the launch's
+    register cap): {kernel name: CompiledKernel}. Kernels already in the in-memory cache do not
+    reach the hook; each caller compiles fresh launches."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
 
-    from sparseflash.flash import launch
-    from sparseflash.mask import BlockMask
-
     compiled = {}
 
-    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-        src = ASTSource(fn.jit_function, compile["signature"], compile["constants"], compile["configs"][0])
+    def hook(*, fn, compile, **_):
+        jf = fn.jit_function
+        src_cls = ASTSource
+        if type(jf).__name__ == "GluonJITFunction":
+            from triton.experimental.gluon._runtime import GluonASTSource as src_cls
+        src = src_cls(jf, compile["signature"], compile["constants"], compile["configs"][0])
         opts = dict(num_warps=compile["num_warps"], num_stages=compile["num_stages"], num_ctas=compile["num_ctas"])
         maxnreg = json.loads(compile["specialization_data"]).get("options", {}).get("maxnreg")
         if maxnreg:
@@ -128,9 +128,41 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
     saved_hook, saved_driver = knobs.runtime.jit_cache_hook, triton.runtime.driver._active
     triton.runtime.driver.set_active(_HopperStandIn())
     knobs.runtime.jit_cache_hook = hook
+    try:
+        run()
+    finally:
+        knobs.runtime.jit_cache_hook = saved_hook
+        triton.runtime.driver._active = saved_driver
+    return compiled
+
+
+def gluon_report(ck) -> dict:
+    """Shared memory, registers, spills, and the instruction families that show a warp-specialised
+    Hopper design is in place (setmaxnreg values, wgmma, TMA loads, mbarrier waits and arrives)."""
+    ptx = ck.asm["ptx"]
+    res = _resources(ck.asm["cubin"])
+    return dict(shared=ck.metadata.shared, regs=res["regs"], stack=res["stack"], local=res["local"],
+                setmaxnreg="/".join(sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)), key=int)),
+                wgmma=len(re.findall(r"wgmma\.mma_async", ptx)), tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
+                mbarrier_arrives=len(re.findall(r"mbarrier\.arrive", ptx)))
+
+
+def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024, dtype=torch.bfloat16, tiles=None,
+                    batch=1, heads=2, segments=False):
+    """Compile the launchers' kernels for sm_90 and return {kernel name: CompiledKernel-like asm dict}.
+    ``tiles``: {kind: TileConfig} in place of the launchers' defaults. ``seq``, ``batch``, ``heads``:
+    the launch's shape (Triton specialises integer arguments that equal 1 or divide by 16, so these
+    can change the kernel that compiles). ``segments``: the packed-documents variant (segment ids)."""
+    import triton
+
+    from sparseflash.flash import launch
+    from sparseflash.mask import BlockMask
+
     saved_interp = launch._interpreting
     launch._interpreting = lambda: False
-    try:
+
+    def run():
         B, H, N, D = batch, heads, seq, head_dim
         q, k, v, do = (torch.randn(B, H, N, D, dtype=dtype) for _ in range(4))
         scale = D ** -0.5
@@ -163,9 +195,10 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
                 launch.bwd_dkdv(*bargs, lists[1], seg=seg)
             if "dq" in kinds:
                 launch.bwd_dq(*bargs, lists[0], o=q, seg=seg)
+
+    try:
+        compiled = compile_launches(run)
     finally:
-        knobs.runtime.jit_cache_hook = saved_hook
-        triton.runtime.driver._active = saved_driver
         launch._interpreting = saved_interp
     return compiled
 

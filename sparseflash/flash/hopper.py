@@ -37,7 +37,7 @@ import os
 import torch
 import triton
 
-__all__ = ["fwd", "unsupported", "layouts", "GLUON_ERROR", "MODE"]
+__all__ = ["fwd", "plan", "unsupported", "layouts", "short_rows", "GLUON_ERROR", "MODE"]
 
 try:
     from triton.experimental import gluon
@@ -382,7 +382,7 @@ def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None)
         return "SPARSEFLASH_HOPPER=off"
     if GLUON_ERROR is not None:
         return f"no gluon: {GLUON_ERROR}"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if q.device.type != "cuda" or _sm_major(q.device.index) != 9:
         return "not an sm_90 GPU"
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype}"
@@ -398,6 +398,19 @@ def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None)
     if layouts(q, k, v) is None:
         return "a layout TMA descriptors cannot take"
     return None
+
+
+def plan(q, k, v, *, mask_bq=None, mask_bk=None):
+    """The `layouts` of (q, k, v) when this kernel runs the call (no dropout, no segment ids: the
+    launcher's part), else None; each check once."""
+    if unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk) is not None:
+        return None
+    return layouts(q, k, v)  # cached by layout: the second look is a dictionary hit
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 # Rows this short (mean key blocks of 128 per q tile) at head_dim 64 run faster on the portable
@@ -455,25 +468,28 @@ def layouts(q, k, v):
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float16 if dtype == torch.float16 else gl.bfloat16)
+
+
 def _descriptor(t: torch.Tensor, layout, rows: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     strides, bnhd = layout
     B, H, N, D = t.shape
-    shape, block = ([B, N, H, D], [1, rows, 1, D]) if bnhd else ([B, H, N, D], [1, 1, rows, D])
-    lay = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
-    return TensorDescriptor(t, shape, list(strides), block, lay)
+    shape, block = ([B, N, H, D], (1, rows, 1, D)) if bnhd else ([B, H, N, D], (1, 1, rows, D))
+    return TensorDescriptor(t, shape, list(strides), list(block), _smem_layout(block, t.dtype))
 
 
-def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay=None, *,
+def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay, *,
         num_sms=None):
     """Fill ``o`` (like q) and ``lse`` (float32 [B, Hq, Nq], +inf for rows with no key); returns
     them. ``lists``: (row lists or a placeholder, their [B, H, row] strides, NB_P2, entries per
-    row; None for dense), as `launch.hopper_fwd` makes them. ``lay``: `layouts` of (q, k, v) if
-    already known. Call only when `unsupported` is None."""
+    row; None for dense), as `launch.hopper_fwd` makes them. ``lay``: `layouts` of (q, k, v).
+    Call only when `unsupported` is None."""
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
-    lay = lay or layouts(q, k, v)
     dense = lists is None
     idx, i_strides, nb_p2, n_kb = (q, (0, 0, 0), 2, 0) if dense else lists
     so = o.stride()

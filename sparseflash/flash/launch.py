@@ -436,15 +436,21 @@ def _tma_plan(block_d: int, *ts: torch.Tensor, work: float = -1.0):
     """The descriptor strides of every tensor of a launch when its tiles can load through TMA, or
     None: TMA_MODE allows it ("on", or "auto" and `_tma_auto`), the dtype is 16-bit, head_dim <=
     128 (the measured range) and each tensor passes `_tma_strides`."""
-    if TMA_MODE not in ("auto", "on", "off"):
-        raise ValueError(f"launch.TMA_MODE (SPARSEFLASH_TMA) must be 'auto', 'on' or 'off', got {TMA_MODE!r}")
-    t0 = ts[0]
-    if TMA_MODE == "off" or t0.dtype not in _TMA_DTYPES or block_d > 128:
-        return None
-    if TMA_MODE == "auto" and not _tma_auto(t0.device, work, _in_graph_capture(t0)):
+    if not _tma_wanted(ts[0], block_d, work):
         return None
     strides = [_tma_strides(t) for t in ts]
     return None if None in strides else strides
+
+
+def _tma_wanted(t0: torch.Tensor, block_d: int, work: float) -> bool:
+    """TMA_MODE's rule for a launch on ``t0``'s device and dtype, whatever the layouts: "on", or
+    "auto" and `_tma_auto`; never for other dtypes or head_dim > 128. The Hopper forward's
+    descriptors follow the same rule (`_hopper_layouts`)."""
+    if TMA_MODE not in ("auto", "on", "off"):
+        raise ValueError(f"launch.TMA_MODE (SPARSEFLASH_TMA) must be 'auto', 'on' or 'off', got {TMA_MODE!r}")
+    if TMA_MODE == "off" or t0.dtype not in _TMA_DTYPES or block_d > 128:
+        return False
+    return TMA_MODE == "on" or _tma_auto(t0.device, work, _in_graph_capture(t0))
 
 
 def _tma_args(cfg: TileConfig, plan, block_d: int, *tiles):
@@ -656,9 +662,11 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     call's estimated forward FLOPs, -1 unknown (`_tma_plan`). ``seg``: int32 segment ids
     (seg_q, seg_k) or None (`_seg_args`)."""
     B, Hq, Nq, D = q.shape
+    if dropout_p <= 0.0 and seg is None and scale > 0.0:
+        lay = _hopper_layouts(q, k, v, mask_bq, mask_bk, work)
+        if lay is not None:
+            return hopper_fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, lay=lay)
     tma_plan = _tma_plan(_block_d(D), q, k, v, work=work)
-    if dropout_p <= 0.0 and seg is None and scale > 0.0 and _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, work):
-        return hopper_fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
     key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan)
@@ -671,8 +679,10 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     return o, lse
 
 
-def hopper_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, *, num_sms=None):
-    """The Hopper forward (`hopper.fwd`) with its outputs and list arguments made here."""
+def hopper_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, *, lay=None,
+               num_sms=None):
+    """The Hopper forward (`hopper.fwd`) with its outputs and list arguments made here. ``lay``:
+    `hopper.layouts` of (q, k, v), if known."""
     from sparseflash.flash import hopper
 
     B, Hq, Nq, _ = q.shape
@@ -680,23 +690,23 @@ def hopper_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq
     if kv_idx is not None:
         lists = (*_list_args(kv_idx, B, Hq, q), kv_idx.shape[-1])
     return hopper.fwd(q, k, v, _new(q), _new(q, (B, Hq, Nq), torch.float32), lists, key_lengths, scale, causal,
-                      mask_bq, mask_bk, num_sms=num_sms)
+                      mask_bq, mask_bk, lay or hopper.layouts(q, k, v), num_sms=num_sms)
 
 
-def _hopper_fwd_ok(q, k, v, mask_bq, mask_bk, work: float) -> bool:
-    """Whether the forward runs the warp-specialised Hopper kernel (`hopper.py`): on sm_90, for the
-    calls the TMA rule gives descriptors (TMA_MODE "on", or "auto" and `_tma_auto`: large or
-    captured calls; the Hopper kernel's descriptors cost the same host time), then as
-    `hopper.unsupported` decides. Imported only here, so CPU runs never import gluon."""
-    if q.device.type != "cuda" or _interpreting() or TMA_MODE == "off" or _sm_major(q.device.index) != 9:
-        return False
-    if TMA_MODE == "auto" and not _tma_auto(q.device, work, _in_graph_capture(q)):
-        return False
+def _hopper_layouts(q, k, v, mask_bq, mask_bk, work: float):
+    """The descriptor layouts (`hopper.layouts`) when the forward runs the warp-specialised Hopper
+    kernel, else None: on sm_90, for the calls TMA_MODE gives descriptors (`_tma_wanted`: large or
+    captured calls in "auto"), unless "auto" finds the rows too short (`hopper.short_rows`), then
+    as `hopper.plan` decides. Imported only here, so CPU runs never import gluon."""
+    if q.device.type != "cuda" or _interpreting() or _sm_major(q.device.index) != 9:
+        return None
+    if not _tma_wanted(q, _block_d(q.shape[-1]), work):
+        return None
     from sparseflash.flash import hopper
 
     if TMA_MODE == "auto" and hopper.short_rows(q, k, work):
-        return False
-    return hopper.unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk) is None
+        return None
+    return hopper.plan(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk)
 
 
 def _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan) -> tuple:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import traceback
 from pathlib import Path
 from typing import NamedTuple
@@ -55,17 +54,11 @@ import triton
 
 __all__ = ["main", "probe_forward", "compile_sm90", "Variant", "VARIANTS", "parse_variant", "GLUON_ERROR"]
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+from sparseflash.flash.hopper import GLUON_ERROR  # the package's guarded gluon import, shared
 
-    # triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 renamed it async_load (same arguments)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    GLUON_ERROR = None
-except Exception as e:  # noqa: BLE001 - no gluon / no hopper module: the probe says so and stops
-    GLUON_ERROR = f"{type(e).__name__}: {e}"
+if GLUON_ERROR is None:
+    from sparseflash.flash.hopper import (_tma_load, fence_async_shared, gl, gluon, mbarrier,  # noqa: F401
+                                          warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -382,56 +375,20 @@ def compile_sm90(head_dim: int, var: Variant, dense: bool = False, seq: int = 40
     specialises integer arguments equal to 1 or divisible by 16)."""
     import os
 
-    from triton import knobs
-
-    from sparseflash.experiments.bench.inspect_kernels import _HopperStandIn
+    from sparseflash.experiments.bench.inspect_kernels import compile_launches
     from sparseflash.patterns import random as random_mask
 
     if GLUON_ERROR is not None:
         raise RuntimeError(f"triton.experimental.gluon (hopper) is unavailable: {GLUON_ERROR}")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("TRITON_INTERPRET is set: gluon kernels only compile; unset it")
-    compiled = {}
-
-    def hook(*, fn, compile, **_):
-        jf = fn.jit_function
-        src_cls = getattr(jf, "ASTSource", None)
-        if src_cls is None or src_cls.__name__ != "GluonASTSource":
-            from triton.experimental.gluon._runtime import GluonASTSource as src_cls
-        src = src_cls(jf, compile["signature"], compile["constants"], compile["configs"][0])
-        opts = dict(num_warps=compile["num_warps"], num_stages=compile["num_stages"], num_ctas=compile["num_ctas"])
-        maxnreg = json.loads(compile["specialization_data"]).get("options", {}).get("maxnreg")
-        if maxnreg:
-            opts["maxnreg"] = maxnreg
-        compiled["kernel"] = triton.compile(src, target=_HopperStandIn().target, options=opts)
-        return True  # compiled here: skip the launch
-
     B, H, N, D = batch, heads, seq, head_dim
     q, k, v = (torch.empty(B, H, N, D, dtype=torch.bfloat16) for _ in range(3))
     mask = None if dense else random_mask(N, blocks, block_size=MASK_BLOCK, seed=0, device="cpu")
-    saved_hook, saved_driver = knobs.runtime.jit_cache_hook, triton.runtime.driver._active
-    triton.runtime.driver.set_active(_HopperStandIn())
-    knobs.runtime.jit_cache_hook = hook
-    try:
-        probe_forward(q, k, v, mask, var._replace(persistent=True), num_sms=132)
-    finally:
-        knobs.runtime.jit_cache_hook = saved_hook
-        triton.runtime.driver._active = saved_driver
-    if "kernel" not in compiled:
+    compiled = compile_launches(lambda: probe_forward(q, k, v, mask, var._replace(persistent=True), num_sms=132))
+    if "_gluon_fwd" not in compiled:
         raise RuntimeError("the compile hook was not called (kernel already in the cache?)")
-    return compiled["kernel"]
-
-
-def compiled_report(ck) -> dict:
-    """Shared memory, registers, spills and the instruction families that show the design is in place."""
-    from sparseflash.experiments.bench.inspect_kernels import _resources
-
-    ptx = ck.asm["ptx"]
-    res = _resources(ck.asm["cubin"])
-    return dict(shared=ck.metadata.shared, regs=res["regs"], stack=res["stack"], local=res["local"],
-                setmaxnreg="/".join(sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)), key=int)),
-                wgmma=len(re.findall(r"wgmma\.mma_async", ptx)), tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-                mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)))
+    return compiled["_gluon_fwd"]
 
 
 def _error_text(e: BaseException) -> str:
@@ -446,6 +403,8 @@ def _error_text(e: BaseException) -> str:
 
 
 def compile_only(head_dims, variants, seq: int, blocks: int, as_json: bool) -> int:
+    from sparseflash.experiments.bench.inspect_kernels import gluon_report
+
     rows = []
     for d in head_dims:
         for var in variants:
@@ -453,7 +412,7 @@ def compile_only(head_dims, variants, seq: int, blocks: int, as_json: bool) -> i
                 row = dict(head_dim=d, mask="dense" if dense else f"{blocks}/row", variant=var.label,
                            status="ok", error=None)
                 try:
-                    row.update(compiled_report(compile_sm90(d, var, dense, seq, blocks)))
+                    row.update(gluon_report(compile_sm90(d, var, dense, seq, blocks)))
                 except Exception as e:  # noqa: BLE001 - a probe reports every failure and goes on
                     row["status"] = "error"
                     row["error"] = _error_text(e)

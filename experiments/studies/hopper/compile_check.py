@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -29,10 +28,7 @@ CASES = [("dense", True, False, False, 128), ("causal+keylen", True, True, True,
 def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: int, seq: int = 1000,
                  dtype=torch.bfloat16):
     """The CompiledKernel of one forward call's shape, compiled for sm_90 without a GPU."""
-    import triton
-    from triton import knobs
-
-    from sparseflash.experiments.bench.inspect_kernels import _HopperStandIn
+    from sparseflash.experiments.bench.inspect_kernels import compile_launches
     from sparseflash.flash import hopper
     from sparseflash.flash.launch import hopper_fwd
     from sparseflash.patterns import random as random_mask
@@ -41,18 +37,6 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
         raise RuntimeError(f"no gluon: {hopper.GLUON_ERROR}")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("TRITON_INTERPRET is set: gluon kernels only compile; unset it")
-    compiled = {}
-
-    def hook(*, fn, compile, **_):
-        jf = fn.jit_function
-        src_cls = getattr(jf, "ASTSource", None)
-        if src_cls is None or src_cls.__name__ != "GluonASTSource":
-            from triton.experimental.gluon._runtime import GluonASTSource as src_cls
-        src = src_cls(jf, compile["signature"], compile["constants"], compile["configs"][0])
-        opts = dict(num_warps=compile["num_warps"], num_stages=compile["num_stages"], num_ctas=compile["num_ctas"])
-        compiled["kernel"] = triton.compile(src, target=_HopperStandIn().target, options=opts)
-        return True  # compiled: skip the launch
-
     B, H, N, D = 2, 4, seq, head_dim
     q, k, v = (torch.empty(B, H, N, D, dtype=dtype) for _ in range(3))
     kv_idx, bq = None, None
@@ -60,28 +44,10 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
         kv_idx = random_mask(N, 3, block_size=block, seed=0, device="cpu").index("cpu").kv_idx
         bq = block
     kl = torch.full((B,), N, dtype=torch.int32) if keylen else None
-    saved_hook, saved_driver = knobs.runtime.jit_cache_hook, triton.runtime.driver._active
-    triton.runtime.driver.set_active(_HopperStandIn())
-    knobs.runtime.jit_cache_hook = hook
-    try:
-        hopper_fwd(q, k, v, kv_idx, kl, D ** -0.5, causal, bq, bq, num_sms=132)
-    finally:
-        knobs.runtime.jit_cache_hook = saved_hook
-        triton.runtime.driver._active = saved_driver
-    if "kernel" not in compiled:
+    compiled = compile_launches(lambda: hopper_fwd(q, k, v, kv_idx, kl, D ** -0.5, causal, bq, bq, num_sms=132))
+    if "_hopper_fwd_kernel" not in compiled:
         raise RuntimeError("the compile hook was not called (kernel already in the cache?)")
-    return compiled["kernel"]
-
-
-def report(ck) -> dict:
-    from sparseflash.experiments.bench.inspect_kernels import _resources
-
-    ptx = ck.asm["ptx"]
-    res = _resources(ck.asm["cubin"])
-    return dict(shared=ck.metadata.shared, regs=res["regs"], stack=res["stack"],
-                setmaxnreg="/".join(sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)), key=int)),
-                wgmma=len(re.findall(r"wgmma\.mma_async", ptx)), tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-                arrives=len(re.findall(r"mbarrier\.arrive", ptx)))
+    return compiled["_hopper_fwd_kernel"]
 
 
 def main(argv=None) -> int:
@@ -94,6 +60,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import triton
 
+    from sparseflash.experiments.bench.inspect_kernels import gluon_report
+
     ok = True
     rows = []
     for d in args.head_dims:
@@ -102,7 +70,7 @@ def main(argv=None) -> int:
                 continue
             try:
                 ck = compile_case(d, dense, causal, keylen, block, seq=args.seq)
-                r = report(ck)
+                r = gluon_report(ck)
                 rows.append(dict(head_dim=d, case=label, status="ok", **r))
                 print(f"triton {triton.__version__} d={d:3d} {label:18s} ok   " + json.dumps(r), flush=True)
                 if args.dump:
