@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sparseflash
-from sparseflash.flash import hopper, launch
+from sparseflash.flash import hopper, hopper_bwd, launch
 from sparseflash.patterns import butterfly, random as random_mask
 
 from _attn_check import check_attention, make_qkv
@@ -96,6 +96,19 @@ def hopper_spy(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def hopper_bwd_spy(monkeypatch):
+    """Counts the Hopper backwards (taken where the Hopper forward is, see `hopper_spy`)."""
+    calls = []
+    real = hopper_bwd.bwd
+
+    def spy(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+    monkeypatch.setattr(hopper_bwd, "bwd", spy)
+    return calls
+
+
 def _mask(kind, n, nk=None):
     if kind == "dense":
         return None
@@ -128,7 +141,7 @@ CASES = [  # (B, Hq, Hkv, Nq, Nk, D, mask, causal, key_lengths)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}x{c[3]}x{c[4]}-d{c[5]}-{c[6]}"
                          f"{'-causal' if c[7] else ''}{'-kl' if c[8] else ''}")
-def test_gpu_against_reference(case, dtype, hopper_spy):
+def test_gpu_against_reference(case, dtype, hopper_spy, hopper_bwd_spy):
     B, Hq, Hkv, Nq, Nk, D, kind, causal, kl = case
     q, k, v, do = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, "cuda", seed=Nq + D)
     mask = _mask(kind, Nq, Nk if Nk != Nq else None)
@@ -136,6 +149,7 @@ def test_gpu_against_reference(case, dtype, hopper_spy):
     check_attention(lambda a, b, c: sparseflash.attention(a, b, c, mask=mask, causal=causal, key_lengths=key_lengths),
                     q, k, v, do, mask=mask, causal=causal, key_lengths=key_lengths)
     assert hopper_spy, "the Hopper forward did not run"
+    assert hopper_bwd_spy, "the Hopper backward did not run"
     if kl is not None and 0 in kl:
         o = sparseflash.attention(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths)
         assert o[kl.index(0)].abs().max().item() == 0.0
@@ -166,3 +180,35 @@ def test_gpu_off_switch(monkeypatch, hopper_spy):
     q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
     sparseflash.attention(q, q, q)
     assert not hopper_spy
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_gpu_bwd_lse_grad_and_layouts(hopper_spy, hopper_bwd_spy):
+    """The Hopper backward with a gradient on the LSE too (delta takes dLSE), GQA, key_lengths, a
+    causal block list and [B, N, H, D] memory for q, k, v and dO: gradients within 2x PyTorch's
+    error against the float64 reference."""
+    from sparseflash import reference
+    from _attn_check import assert_within_torch_error
+
+    B, Hq, Hkv, N, D = 2, 4, 2, 1000, 128
+    g = torch.Generator(device="cpu").manual_seed(7)
+    q, do = (torch.randn(B, N, Hq, D, generator=g).to("cuda", torch.bfloat16).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(B, N, Hkv, D, generator=g).to("cuda", torch.bfloat16).transpose(1, 2) for _ in range(2))
+    w = torch.randn(B, Hq, N, generator=g).to("cuda")
+    kl = torch.tensor([1000, 613], device="cuda")
+    mask = random_mask(N, 3, block_size=128, heads=Hq, seed=3, device="cuda")
+
+    def grads(fn, dtype):
+        ts = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        o, lse = fn(*ts)
+        loss = (o * do.to(o.dtype)).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * w.to(lse.dtype)).sum()
+        return torch.autograd.grad(loss, ts)
+
+    kw = dict(mask=mask, causal=True, key_lengths=kl)
+    got = grads(lambda a, b, c: sparseflash.attention(a, b, c, return_lse=True, **kw), torch.bfloat16)
+    assert hopper_bwd_spy, "the Hopper backward did not run"
+    ref = grads(lambda a, b, c: reference.attention(a, b, c, return_lse=True, **kw), torch.float64)
+    pt = grads(lambda a, b, c: reference.attention(a, b, c, return_lse=True, compute_dtype=torch.bfloat16, **kw),
+               torch.bfloat16)
+    for name, a, b, c in zip(("dq", "dk", "dv"), got, pt, ref):
+        assert_within_torch_error(name, a, b, c, torch.bfloat16)

@@ -470,7 +470,8 @@ def layouts(q, k, v):
 
 @functools.lru_cache(maxsize=None)
 def _smem_layout(block: tuple, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float16 if dtype == torch.float16 else gl.bfloat16)
+    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gdt)
 
 
 def _descriptor(t: torch.Tensor, layout, rows: int):

@@ -693,6 +693,35 @@ def hopper_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq
                       mask_bq, mask_bk, lay or hopper.layouts(q, k, v), num_sms=num_sms)
 
 
+def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, *,
+               lays=None):
+    """The Hopper backward (`hopper_bwd.bwd`) with its list arguments made here. ``lays``: (the
+    `hopper.layouts` of (q, k, v), `hopper_bwd.do_layout` of dO), if known."""
+    from sparseflash.flash import hopper, hopper_bwd as hb
+
+    B, Hq = q.shape[:2]
+    lists = None
+    if q_idx is not None:
+        lists = (*_list_args(q_idx, B, Hq, q), q_idx.shape[-1])
+    lay, do_lay = lays or (hopper.layouts(q, k, v), hb.do_layout(do))
+    return hb.bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale, causal, mask_bq, mask_bk, lay, do_lay, new=_new)
+
+
+def _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float):
+    """(q, k, v layouts, dO layout) when the backward runs the Hopper kernel, else None: where the
+    forward would (`_hopper_layouts`), with dO of q's dtype and shape in a layout TMA takes and O,
+    dO rows contiguous (the delta kernel's loads)."""
+    lay = _hopper_layouts(q, k, v, mask_bq, mask_bk, work)
+    if lay is None or do.dtype != q.dtype or do.shape != q.shape or do.stride(-1) != 1 or o.stride(-1) != 1:
+        return None
+    from sparseflash.flash import hopper_bwd as hb
+
+    if hb.MODE == "off":
+        return None
+    do_lay = hb.do_layout(do)
+    return None if do_lay is None else (lay, do_lay)
+
+
 def _hopper_layouts(q, k, v, mask_bq, mask_bk, work: float):
     """The descriptor layouts (`hopper.layouts`) when the forward runs the warp-specialised Hopper
     kernel, else None: on sm_90, for the calls TMA_MODE gives descriptors (`_tma_wanted`: large or
@@ -757,7 +786,13 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
         mask_bq: int | None, mask_bk: int | None, dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0,
         seg=None):
-    """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv)."""
+    """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv). On
+    sm_90 the calls the Hopper forward would take (`_hopper_layouts`) with a dO TMA can read run
+    the one-pass Hopper backward instead (`hopper_bwd`)."""
+    if dropout_p <= 0.0 and seg is None and scale > 0.0:
+        lays = _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work)
+        if lays is not None:
+            return hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, lays=lays)
     delta = _new(lse)
     args = (do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng)
     dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse, work=work, seg=seg)

@@ -5,20 +5,22 @@
 
 GPU time (CUDA-graph replays, `bench.timing.graph_ms`), bf16, 16 heads, 16K tokens per batch
 (B = 16384 / N), side by side in one process. Providers:
-- ``hopper``: sparseflash.attention with the Hopper forward (the default on sm_90);
+- ``hopper``: sparseflash.attention with the Hopper forward and backward (the default on sm_90);
+- ``hopper-fwd``: the Hopper forward with the portable backward (hopper_bwd.MODE "off");
 - ``portable``: the same call with SPARSEFLASH_HOPPER off (the portable kernels, with their
   own TMA rule);
 - ``flex``: torch.compile(flex_attention) with the identical block mask (`bench.providers`);
 - ``sdpa-flash``, ``sdpa-cudnn``: dense and dense causal only.
 Masks: dense; random (3 of 32 blocks per row at 4K, 13 of 128 at 16K: density ~0.1); butterfly
 (block 128); causal (dense, bottom-right); local (a 1024-token window each side, block 128).
-fwdbwd times forward + backward (the backward is the portable one in every sparseflash row).
+fwdbwd times forward + backward.
 TFLOP/s count attended pairs only (`bench.flops`). Writes hopper_fwd.csv / .json with --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import traceback
@@ -26,7 +28,22 @@ from pathlib import Path
 
 import torch
 
-PROVIDERS = ("hopper", "portable", "flex", "sdpa-flash", "sdpa-cudnn")
+PROVIDERS = ("hopper", "hopper-fwd", "portable", "flex", "sdpa-flash", "sdpa-cudnn")
+# (forward, backward) modes of the sparseflash providers, held over the whole timed step
+MODES = {"hopper": ("auto", "auto"), "hopper-fwd": ("auto", "off"), "portable": ("off", "off")}
+
+
+@contextlib.contextmanager
+def _modes(provider: str):
+    """Hold `hopper.MODE` and `hopper_bwd.MODE` at the provider's values (others: unchanged)."""
+    from sparseflash.flash import hopper, hopper_bwd
+
+    saved = hopper.MODE, hopper_bwd.MODE
+    hopper.MODE, hopper_bwd.MODE = MODES.get(provider, saved)
+    try:
+        yield
+    finally:
+        hopper.MODE, hopper_bwd.MODE = saved
 
 
 def _mask(kind: str, n: int):
@@ -47,18 +64,9 @@ def _call(provider: str, mask, causal: bool, scale: float):
     import torch.nn.functional as F
 
     import sparseflash
-    from sparseflash.flash import hopper
 
-    if provider in ("hopper", "portable"):
-        mode = "auto" if provider == "hopper" else "off"
-
-        def run(q, k, v):
-            saved, hopper.MODE = hopper.MODE, mode
-            try:
-                return sparseflash.attention(q, k, v, mask=mask, causal=causal)
-            finally:
-                hopper.MODE = saved
-        return run
+    if provider in MODES:
+        return lambda q, k, v: sparseflash.attention(q, k, v, mask=mask, causal=causal)
     if provider == "flex":
         from sparseflash.experiments.bench.providers import _flex_compiled, to_flex_block_mask
         from sparseflash.mask import BlockMask
@@ -136,13 +144,14 @@ def main(argv=None) -> int:
                             fn = _call(prov, pmask, causal, d ** -0.5)
                             if mode == "fwd":
                                 def step():
-                                    with torch.no_grad():
+                                    with torch.no_grad(), _modes(prov):
                                         fn(q, k, v)
                             else:
                                 qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
                                 def step():
-                                    torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
+                                    with _modes(prov):
+                                        torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
                             step()
                             torch.cuda.synchronize()
                             row["ms"] = graph_ms(step)

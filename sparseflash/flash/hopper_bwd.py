@@ -1,0 +1,418 @@
+"""Hopper (sm_90) backward: a warp-specialised Gluon kernel for dQ, dK and dV in one pass (issue 22,
+stages 2 and 3).
+
+The portable backward (`kernels.py`) runs two kernels that each recompute P and dP: dQ walks the
+row lists, dK/dV the column lists, seven matmuls per tile pair. This one does five, as
+FlashAttention-3 does: one CTA owns a key tile of 128 keys and walks its column list (q tiles of
+64 rows), accumulating dK and dV in registers, and adds each step's dQ contribution into a float32
+buffer with TMA reductions (``cp.reduce.async.bulk``), which a last small kernel scales and casts.
+
+- a 1-warp **loader** TMA-loads the CTA's K and V once, then every visited q tile's Q and dO into
+  rings of STAGES slots (ready/empty mbarriers);
+- two **consumer warpgroups** own 64 keys each. Per q tile a warpgroup computes
+  S^T = K_w Q^T and dP^T = V_w dO^T (two wgmmas), P^T = exp2(S^T * scale - LSE) and
+  dS^T = P^T (dP^T - delta), then dV_w += P^T dO and dK_w += dS^T Q with P^T and dS^T as
+  register operands. dS^T also goes to shared memory; once both warpgroups have written theirs
+  (an mbarrier), each computes half of dQ's columns, dQ[:, half] = dS K[:, half], and
+  TMA-reduces it into the float32 dQ buffer;
+- delta = rowsum(dO * O) - dLSE comes from a small Triton kernel first; dQ = scale * buffer
+  from another one last.
+
+The walk is the portable dK/dV kernel's: the column list of the key tile's block (dense: every
+q tile), rows that see none of the tile (causal) skipped, the causal mask applied only in the band
+the diagonal crosses, keys at or past kv_end (key_lengths) masked in the one tile that holds
+kv_end, and a tile wholly past kv_end writing zeros. Rows whose LSE is +inf (no key) give P = 0.
+
+Scope: as the forward's (`hopper.unsupported`), plus a dO layout TMA takes. dQ's float32 sums
+arrive in whatever order the CTAs finish, so dQ is not bitwise reproducible from run to run (its
+error bound is the same); dK and dV are.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseflash.flash import hopper
+from sparseflash.flash.hopper import GLUON_ERROR, LOG2E, TILE
+
+__all__ = ["bwd", "unsupported", "do_layout", "QT", "MODE"]
+
+# "auto": this kernel wherever the Hopper forward runs and dO's layout allows; "off": the portable
+# backward kernels (SPARSEFLASH_HOPPER_BWD; SPARSEFLASH_HOPPER=off turns both off)
+MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "auto")
+
+QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
+CONSUMER_REGS = 240
+LOADER_REGS = 24
+
+
+def _stages(head_dim: int) -> int:
+    """Q/dO ring depth. Shared memory, d=128: K, V 64 KB + 2 x (Q + dO) 64 KB + dS 32 KB + dQ 32 KB."""
+    return 2 if head_dim > 64 else 4
+
+
+if GLUON_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    from sparseflash.flash.hopper import _coord, _list_layout, _tma_load, _wgmma_layout
+
+    if hasattr(tma, "async_atomic_add"):
+        _tma_add = tma.async_atomic_add
+    else:  # triton 3.6's gluon has the op in its builder but no wrapper
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_add(tensor_desc, coord, src, _semantic=None):
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
+
+    # a barrier over the calling partition's warps (3.6: thread_barrier; 3.9: barrier)
+    _part_bar = getattr(gl, "thread_barrier", None) or gl.barrier
+
+    _TILE = gl.constexpr(TILE)
+    _QT = gl.constexpr(QT)
+    _HALF = gl.constexpr(TILE // 2)
+    _LOG2E = gl.constexpr(LOG2E)
+
+    @gluon.constexpr_function
+    def _ds_layout(dtype):
+        # dS^T [128 keys, QT queries]: written from registers, read transposed as wgmma's A
+        return gl.NVMMASharedLayout.get_default_for([TILE, QT], getattr(dtype, "value", dtype))
+
+    @gluon.jit
+    def _key_tile(n_bhk, n_heads_kv):
+        """(batch, kv head, first key) of this CTA: key tiles in order of their index, all heads'
+        tile 0 first (causal: the longest column walks start first)."""
+        pid = gl.program_id(0)
+        bhk = pid % n_bhk
+        return bhk // n_heads_kv, bhk % n_heads_kv, (pid // n_bhk) * _TILE
+
+    @gluon.jit
+    def _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
+              MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
+              CAUSAL: gl.constexpr, WARPS: gl.constexpr):
+        """The q tiles (of QT rows) one head's walk over a key tile visits: (pointer to the column
+        list, first step, end of the causal band, end). Steps j < j_skip see none of the tile's keys
+        (causal), j < j_part cross the diagonal; a tile wholly past kv_end has an empty walk."""
+        causal_off = seq_k - seq_q
+        skip_below = 0
+        full_from = 0
+        if CAUSAL:
+            skip_below = start_n - causal_off  # rows below see no key of the tile
+            full_from = start_n + _TILE - 1 - causal_off  # rows from here on see them all
+        if DENSE:
+            p_list = Q_IDX
+            n_rows = (seq_q + _QT - 1) // _QT
+            j_skip = gl.minimum(gl.maximum(skip_below, 0) // _QT, n_rows)
+            j_part = gl.minimum((gl.maximum(full_from, 0) + _QT - 1) // _QT, n_rows)
+            j_end = n_rows
+        else:
+            SUB: gl.constexpr = MASK_BQ // _QT
+            p_list = (Q_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
+                      + (start_n // MASK_BK).to(gl.int64) * stride_in)
+            offs = gl.arange(0, NB_P2, layout=_list_layout(NB_P2, WARPS))
+            blocks = gl.load(p_list + offs, mask=offs < n_qblocks, other=1 << 30)
+            n_skip = gl.sum((blocks < skip_below // MASK_BQ).to(gl.int32), axis=0)
+            n_part = gl.sum((blocks < (full_from + MASK_BQ - 1) // MASK_BQ).to(gl.int32), axis=0)
+            n = gl.sum((blocks < n_qblocks).to(gl.int32), axis=0)
+            j_skip = n_skip * SUB
+            j_part = gl.maximum(n_part, n_skip) * SUB
+            j_end = n * SUB
+        if start_n >= kv_end:
+            j_end = j_skip
+        return p_list, j_skip, gl.maximum(j_part, j_skip), gl.maximum(j_end, j_skip)
+
+    @gluon.jit
+    def _q_start(p_list, j, DENSE: gl.constexpr, MASK_BQ: gl.constexpr):
+        if DENSE:
+            return j * _QT
+        else:
+            SUB: gl.constexpr = MASK_BQ // _QT
+            return gl.load(p_list + j // SUB) * MASK_BQ + (j % SUB) * _QT
+
+    @gluon.jit
+    def _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN: gl.constexpr):
+        kv_end = seq_k
+        if HAS_KEYLEN:
+            kv_end = gl.minimum(gl.maximum(gl.load(KEY_LEN + b).to(gl.int32), 0), seq_k)
+        return kv_end
+
+    @gluon.jit
+    def _bwd_loader(desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, q_ready, q_empty,
+                    do_ready, do_empty, Q_IDX, KEY_LEN, n_bhk, n_heads_kv, group, seq_q, seq_k, n_qblocks,
+                    stride_ib, stride_ih, stride_in,
+                    MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
+                    CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
+                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr):
+        """1 warp: K and V of the tile, then Q and dO of every step, in walk order."""
+        b, hk, start_n = _key_tile(n_bhk, n_heads_kv)
+        kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
+        mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+        _tma_load(desc_k, _coord(b, hk, start_n, KV_BNHD), kv_ready, k_buf)
+        _tma_load(desc_v, _coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
+        it = 0
+        for g in range(group):
+            h = hk * group + g
+            p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
+                                                  stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
+                                                  CAUSAL, 1)
+            for j in range(j_skip, j_end):
+                start_m = _q_start(p_list, j, DENSE, MASK_BQ)
+                s = it % STAGES
+                ph = ((it // STAGES) & 1) ^ 1  # a fresh barrier passes a parity-1 wait at once
+                mbarrier.wait(q_empty.index(s), ph)
+                mbarrier.expect(q_ready.index(s), desc_q.block_type.nbytes)
+                _tma_load(desc_q, _coord(b, h, start_m, Q_BNHD), q_ready.index(s), q_bufs.index(s))
+                mbarrier.wait(do_empty.index(s), ph)
+                mbarrier.expect(do_ready.index(s), desc_do.block_type.nbytes)
+                _tma_load(desc_do, _coord(b, h, start_m, DO_BNHD), do_ready.index(s), do_bufs.index(s))
+                it += 1
+
+    @gluon.jit
+    def _bwd_consumer(q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
+                      ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_bhk, n_heads_kv, group, seq_q, seq_k,
+                      n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
+                      stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
+                      WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
+                      NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
+                      STAGES: gl.constexpr):
+        """One consumer warpgroup: keys WG*64 .. WG*64+63 of the tile; dQ columns of half WG."""
+        s_layout: gl.constexpr = _wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
+        a_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
+        DH: gl.constexpr = HEAD_DIM // 2
+        q_layout: gl.constexpr = _wgmma_layout(DH)  # dQ[:, half]: [QT, HEAD_DIM / 2] fp32
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = k_buf.dtype
+        b, hk, start_n = _key_tile(n_bhk, n_heads_kv)
+        kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
+        causal_off = seq_k - seq_q
+        keys = start_n + WG * _HALF + gl.arange(0, _HALF, layout=row_s)
+        key_mask = start_n + _TILE > kv_end  # the tile holding kv_end masks the keys past it
+        zero_s = gl.zeros([_HALF, _QT], gl.float32, layout=s_layout)
+        zero_q = gl.zeros([_QT, DH], gl.float32, layout=q_layout)
+        dk = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
+        dv = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
+        k_all = k_buf.reshape([_TILE, HEAD_DIM])
+        k_w = k_all.slice(WG * _HALF, _HALF, dim=0)
+        v_w = v_buf.reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
+        k_half = k_all.slice(WG * DH, DH, dim=1)  # [128 keys, HEAD_DIM / 2]: B of this half of dQ
+        dq_s = dq_bufs.index(WG)
+        mbarrier.wait(kv_ready, 0)
+        it = 0
+        for g in range(group):
+            h = hk * group + g
+            p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
+                                                  stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
+                                                  CAUSAL, 4)
+            row0 = (b * (n_heads_kv * group) + h).to(gl.int64) * seq_q
+            for j in range(j_skip, j_end):
+                start_m = _q_start(p_list, j, DENSE, MASK_BQ)
+                s = it % STAGES
+                ph = (it // STAGES) & 1
+                q_s = q_bufs.index(s).reshape([_QT, HEAD_DIM])
+                do_s = do_bufs.index(s).reshape([_QT, HEAD_DIM])
+                mbarrier.wait(q_ready.index(s), ph)
+                st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(do_ready.index(s), ph)
+                dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                cols = start_m + gl.arange(0, _QT, layout=col_s)
+                lse = gl.load(LSE + row0 + cols, mask=cols < seq_q, other=float("inf")) * _LOG2E
+                dlt = gl.load(DELTA + row0 + cols, mask=cols < seq_q, other=0.0)
+                st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
+                pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
+                if key_mask:
+                    pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
+                if CAUSAL:
+                    if j < j_part:
+                        pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(cols + causal_off, 0), pt, 0.0)
+                dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
+                ds16 = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
+                p_op = gl.convert_layout(pt.to(dtype), op_layout)
+                dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+                ds_buf = ds_bufs.index(it % 2)
+                ds_buf.slice(WG * _HALF, _HALF, dim=0).store(ds16)
+                ds_op = gl.convert_layout(ds16, op_layout)
+                dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
+                mbarrier.arrive(ds_ready.index(it % 2))
+                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+                dq = warpgroup_mma(ds_buf.permute((1, 0)), k_half, zero_q, use_acc=False, is_async=True)
+                res = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk, p_op, ds_op, ds_buf, k_half, q_s, do_s))
+                dq = res[0]
+                dv = res[1]
+                dk = res[2]
+                mbarrier.arrive(q_empty.index(s))
+                mbarrier.arrive(do_empty.index(s))
+                tma.store_wait(0)  # the previous step's reduction has read dq_s
+                _part_bar()
+                dq_s.reshape([_QT, DH]).store(dq)
+                fence_async_shared()
+                _part_bar()
+                _tma_add(desc_dq, [b, h, start_m, WG * DH], dq_s)
+                it += 1
+        tma.store_wait(0)
+        # keys at or past kv_end take no part: their gradients are exactly zero
+        keys_a = start_n + WG * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, a_layout))
+        c_a = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a_layout))
+        keep = gl.expand_dims(keys_a < kv_end, 1)
+        in_seq = gl.expand_dims(keys_a < seq_k, 1)
+        off_k = gl.expand_dims(keys_a.to(gl.int64), 1)
+        p_dk = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + off_k * stride_dkn + gl.expand_dims(c_a, 0)
+        gl.store(p_dk, gl.where(keep, dk * sm_scale, 0.0).to(dtype), mask=in_seq)
+        p_dv = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + off_k * stride_dvn + gl.expand_dims(c_a, 0)
+        gl.store(p_dv, gl.where(keep, dv, 0.0).to(dtype), mask=in_seq)
+
+    @gluon.jit
+    def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN,
+                           n_bhk, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
+                           stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
+                           stride_dvb, stride_dvh, stride_dvn,
+                           HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
+                           DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                           Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr):
+        dtype: gl.constexpr = desc_q.dtype
+        q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
+        k_buf = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
+        v_buf = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, _TILE, _QT], _ds_layout(dtype))
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + desc_dq.block_type.shape, desc_dq.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups wrote their half of dS^T
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(do_empty.index(i), count=2)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready,
+                             do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_bhk, n_heads_kv, group,
+                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+                             stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
+                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES)),
+            (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready,
+                             do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_bhk, n_heads_kv, group,
+                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+                             stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
+                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES)),
+            (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, q_ready, q_empty,
+                           do_ready, do_empty, Q_IDX, KEY_LEN, n_bhk, n_heads_kv, group, seq_q, seq_k, n_qblocks,
+                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
+                           Q_BNHD, KV_BNHD, DO_BNHD)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# ----------------------------------------------------------------------------- the two small kernels
+@triton.jit
+def _delta_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+                  n_heads, seq_q, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) - dLSE, float32 [B, H, N], for BLOCK rows of one (batch, head)."""
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // n_heads).to(tl.int64)
+    i_h = (i_bh % n_heads).to(tl.int64)
+    o_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    o_d = tl.arange(0, HEAD_DIM)
+    m = (o_m < seq_q)[:, None]
+    b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + o_m.to(tl.int64)[:, None] * stride_om + o_d[None, :],
+                  mask=m, other=0.0)
+    b_do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :],
+                   mask=m, other=0.0)
+    delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)
+    p_row = i_bh.to(tl.int64) * seq_q + o_m
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
+    tl.store(DELTA + p_row, delta, mask=o_m < seq_q)
+
+
+@triton.jit
+def _dq_cast_kernel(ACC, DQ, stride_qb, stride_qh, stride_qm, n_heads, seq_q, scale,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """dQ = scale * the float32 sums (contiguous [B, H, N, D]), cast to dQ's dtype, in dQ's layout."""
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // n_heads).to(tl.int64)
+    i_h = (i_bh % n_heads).to(tl.int64)
+    o_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    o_d = tl.arange(0, HEAD_DIM)
+    m = (o_m < seq_q)[:, None]
+    acc = tl.load(ACC + (i_bh.to(tl.int64) * seq_q + o_m.to(tl.int64))[:, None] * HEAD_DIM + o_d[None, :], mask=m)
+    tl.store(DQ + i_b * stride_qb + i_h * stride_qh + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :],
+             (acc * scale).to(DQ.dtype.element_ty), mask=m)
+
+
+def unsupported(do, q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
+    """Why this kernel cannot run a backward call, or None when it can: the forward's reasons
+    (`hopper.unsupported`), a dO whose dtype or layout the descriptors cannot take, and an O or
+    dO without unit last stride (the delta kernel reads rows)."""
+    why = hopper.unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk, dropout_p=dropout_p, seg=seg)
+    if why is not None:
+        return why
+    if do.dtype != q.dtype or do.shape != q.shape:
+        return f"dO of dtype {do.dtype} and shape {tuple(do.shape)}"
+    if do_layout(do) is None:
+        return "a dO layout TMA descriptors cannot take"
+    return None
+
+
+def do_layout(do):
+    """`hopper._layout` of dO, or None."""
+    return hopper._layout(tuple(do.shape), do.stride(), do.element_size(), do.data_ptr() % 16 == 0)
+
+
+def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay, do_lay,
+        *, new=torch.empty_like):
+    """(dq, dk, dv) like (q, k, v). ``lists``: (column lists or a placeholder, their [B, H, k block]
+    strides, NB_P2, number of q blocks; None for dense), as `launch.hopper_bwd` makes them.
+    ``lay``: `hopper.layouts` of (q, k, v); ``do_lay``: `do_layout` of dO; ``new``: allocates an
+    output like a tensor. Call only when `unsupported` is None."""
+    B, H, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    dense = lists is None
+    idx, i_strides, nb_p2, n_qb = (q, (0, 0, 0), 2, 0) if dense else lists
+    delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
+    so, sdo = o.stride(), do.stride()
+    rows = 64
+    _delta_kernel[(triton.cdiv(Nq, rows), B * H)](
+        o, do, q if dlse is None else dlse, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], H, Nq,
+        HEAD_DIM=D, BLOCK=rows, HAS_DLSE=dlse is not None)
+    acc = torch.zeros((B, H, Nq, D), device=q.device, dtype=torch.float32)
+    dk, dv = new(k), new(v)
+    sk, sv = dk.stride(), dv.stride()
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dq_block = [1, 1, QT, D // 2]
+    desc_dq = TensorDescriptor(acc, [B, H, Nq, D], list(acc.stride()), dq_block,
+                               hopper._smem_layout(tuple(dq_block), torch.float32))
+    n_bhk = B * Hk
+    _hopper_bwd_kernel[(triton.cdiv(Nk, TILE) * n_bhk,)](
+        hopper._descriptor(q, lay[0], QT), hopper._descriptor(k, lay[1], TILE), hopper._descriptor(v, lay[2], TILE),
+        hopper._descriptor(do, do_lay, QT), desc_dq, dk, dv, lse, delta, idx,
+        q if key_lengths is None else key_lengths, n_bhk, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E, scale,
+        *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+        HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
+        CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
+        DO_BNHD=do_lay[1], num_warps=4)
+    dq = new(q)
+    sq = dq.stride()
+    _dq_cast_kernel[(triton.cdiv(Nq, rows), B * H)](acc, dq, sq[0], sq[1], sq[2], H, Nq, scale, HEAD_DIM=D, BLOCK=rows)
+    return dq, dk, dv
