@@ -89,12 +89,17 @@ if GLUON_ERROR is None:
         return gl.NVMMASharedLayout.get_default_for([TILE, QT], getattr(dtype, "value", dtype))
 
     @gluon.jit
-    def _key_tile(n_bhk, n_heads_kv):
-        """(batch, kv head, first key) of this CTA: key tiles in order of their index, all heads'
-        tile 0 first (causal: the longest column walks start first)."""
+    def _key_tile(base, n_bhk, n_heads_kv):
+        """This CTA's tile of the round starting at stream position ``base``: (tile index, batch, kv
+        head, first key); the index is >= the number of tiles when the CTA has none this round.
+        The stream runs key tile 0 of every head first (causal: the longest column walks first),
+        dealt in a snake (round r goes CTA 0..G-1 when r is even, G-1..0 when odd) so long and
+        short walks even out per CTA."""
         pid = gl.program_id(0)
-        bhk = pid % n_bhk
-        return bhk // n_heads_kv, bhk % n_heads_kv, (pid // n_bhk) * _TILE
+        G = gl.num_programs(0)
+        t = base + gl.where((base // G) % 2 == 0, pid, G - 1 - pid)
+        bhk = t % n_bhk
+        return t, bhk // n_heads_kv, bhk % n_heads_kv, (t // n_bhk) * _TILE
 
     @gluon.jit
     def _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
@@ -147,45 +152,53 @@ if GLUON_ERROR is None:
         return kv_end
 
     @gluon.jit
-    def _bwd_loader(desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, q_ready, q_empty,
-                    do_ready, do_empty, Q_IDX, KEY_LEN, n_bhk, n_heads_kv, group, seq_q, seq_k, n_qblocks,
+    def _bwd_loader(desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, kv_empty, q_ready,
+                    q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k,
+                    n_qblocks,
                     stride_ib, stride_ih, stride_in,
                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                     Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr):
-        """1 warp: K and V of the tile, then Q and dO of every step, in walk order."""
-        b, hk, start_n = _key_tile(n_bhk, n_heads_kv)
-        kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
-        mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-        _tma_load(desc_k, _coord(b, hk, start_n, KV_BNHD), kv_ready, k_buf)
-        _tma_load(desc_v, _coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
-        it = 0
-        for g in range(group):
-            h = hk * group + g
-            p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
-                                                  stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
-                                                  CAUSAL, 1)
-            for j in range(j_skip, j_end):
-                start_m = _q_start(p_list, j, DENSE, MASK_BQ)
-                s = it % STAGES
-                ph = ((it // STAGES) & 1) ^ 1  # a fresh barrier passes a parity-1 wait at once
-                mbarrier.wait(q_empty.index(s), ph)
-                mbarrier.expect(q_ready.index(s), desc_q.block_type.nbytes)
-                _tma_load(desc_q, _coord(b, h, start_m, Q_BNHD), q_ready.index(s), q_bufs.index(s))
-                mbarrier.wait(do_empty.index(s), ph)
-                mbarrier.expect(do_ready.index(s), desc_do.block_type.nbytes)
-                _tma_load(desc_do, _coord(b, h, start_m, DO_BNHD), do_ready.index(s), do_bufs.index(s))
-                it += 1
+        """1 warp: K and V of each tile (once the consumers release the last tile's), then Q and dO
+        of every step, in walk order; barrier phases run over the CTA's whole tile stream."""
+        it = 0  # steps issued so far: ring slot and phase
+        n_done = 0  # tiles started: the K/V phase
+        for base in range(0, n_tiles, gl.num_programs(0)):
+            t, b, hk, start_n = _key_tile(base, n_bhk, n_heads_kv)
+            if t < n_tiles:
+                kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
+                # (a fresh barrier passes a parity-1 wait at once)
+                mbarrier.wait(kv_empty, (n_done & 1) ^ 1)
+                mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+                _tma_load(desc_k, _coord(b, hk, start_n, KV_BNHD), kv_ready, k_buf)
+                _tma_load(desc_v, _coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
+                for g in range(group):
+                    h = hk * group + g
+                    p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
+                                                          stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
+                                                          DENSE, CAUSAL, 1)
+                    for j in range(j_skip, j_end):
+                        start_m = _q_start(p_list, j, DENSE, MASK_BQ)
+                        s = it % STAGES
+                        ph = ((it // STAGES) & 1) ^ 1
+                        mbarrier.wait(q_empty.index(s), ph)
+                        mbarrier.expect(q_ready.index(s), desc_q.block_type.nbytes)
+                        _tma_load(desc_q, _coord(b, h, start_m, Q_BNHD), q_ready.index(s), q_bufs.index(s))
+                        mbarrier.wait(do_empty.index(s), ph)
+                        mbarrier.expect(do_ready.index(s), desc_do.block_type.nbytes)
+                        _tma_load(desc_do, _coord(b, h, start_m, DO_BNHD), do_ready.index(s), do_bufs.index(s))
+                        it += 1
+                n_done += 1
 
     @gluon.jit
-    def _bwd_consumer(q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready, do_empty,
-                      ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_bhk, n_heads_kv, group, seq_q, seq_k,
-                      n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
-                      stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
+    def _bwd_consumer(q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty, do_ready,
+                      do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv,
+                      group, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+                      stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                       STAGES: gl.constexpr):
-        """One consumer warpgroup: keys WG*64 .. WG*64+63 of the tile; dQ columns of half WG."""
+        """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG."""
         s_layout: gl.constexpr = _wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
         DH: gl.constexpr = HEAD_DIM // 2
@@ -194,88 +207,99 @@ if GLUON_ERROR is None:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         dtype: gl.constexpr = k_buf.dtype
-        b, hk, start_n = _key_tile(n_bhk, n_heads_kv)
-        kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
         causal_off = seq_k - seq_q
-        keys = start_n + WG * _HALF + gl.arange(0, _HALF, layout=row_s)
-        key_mask = start_n + _TILE > kv_end  # the tile holding kv_end masks the keys past it
         zero_s = gl.zeros([_HALF, _QT], gl.float32, layout=s_layout)
         zero_q = gl.zeros([_QT, DH], gl.float32, layout=q_layout)
-        dk = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
-        dv = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
         k_all = k_buf.reshape([_TILE, HEAD_DIM])
         k_w = k_all.slice(WG * _HALF, _HALF, dim=0)
         v_w = v_buf.reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
         k_half = k_all.slice(WG * DH, DH, dim=1)  # [128 keys, HEAD_DIM / 2]: B of this half of dQ
         dq_s = dq_bufs.index(WG)
-        mbarrier.wait(kv_ready, 0)
-        it = 0
-        for g in range(group):
-            h = hk * group + g
-            p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
-                                                  stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
-                                                  CAUSAL, 4)
-            row0 = (b * (n_heads_kv * group) + h).to(gl.int64) * seq_q
-            for j in range(j_skip, j_end):
-                start_m = _q_start(p_list, j, DENSE, MASK_BQ)
-                s = it % STAGES
-                ph = (it // STAGES) & 1
-                q_s = q_bufs.index(s).reshape([_QT, HEAD_DIM])
-                do_s = do_bufs.index(s).reshape([_QT, HEAD_DIM])
-                mbarrier.wait(q_ready.index(s), ph)
-                st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                mbarrier.wait(do_ready.index(s), ph)
-                dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                cols = start_m + gl.arange(0, _QT, layout=col_s)
-                lse = gl.load(LSE + row0 + cols, mask=cols < seq_q, other=float("inf")) * _LOG2E
-                dlt = gl.load(DELTA + row0 + cols, mask=cols < seq_q, other=0.0)
-                st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
-                pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
-                if key_mask:
-                    pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
-                if CAUSAL:
-                    if j < j_part:
-                        pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(cols + causal_off, 0), pt, 0.0)
-                dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
-                ds16 = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
-                p_op = gl.convert_layout(pt.to(dtype), op_layout)
-                dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-                ds_buf = ds_bufs.index(it % 2)
-                ds_buf.slice(WG * _HALF, _HALF, dim=0).store(ds16)
-                ds_op = gl.convert_layout(ds16, op_layout)
-                dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
-                mbarrier.arrive(ds_ready.index(it % 2))
-                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-                dq = warpgroup_mma(ds_buf.permute((1, 0)), k_half, zero_q, use_acc=False, is_async=True)
-                res = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk, p_op, ds_op, ds_buf, k_half, q_s, do_s))
-                dq = res[0]
-                dv = res[1]
-                dk = res[2]
-                mbarrier.arrive(q_empty.index(s))
-                mbarrier.arrive(do_empty.index(s))
-                tma.store_wait(0)  # the previous step's reduction has read dq_s
-                _part_bar()
-                dq_s.reshape([_QT, DH]).store(dq)
-                fence_async_shared()
-                _part_bar()
-                _tma_add(desc_dq, [b, h, start_m, WG * DH], dq_s)
-                it += 1
-        tma.store_wait(0)
-        # keys at or past kv_end take no part: their gradients are exactly zero
-        keys_a = start_n + WG * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, a_layout))
+        r_s = WG * _HALF + gl.arange(0, _HALF, layout=row_s)
+        r_a = WG * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, a_layout))
         c_a = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a_layout))
-        keep = gl.expand_dims(keys_a < kv_end, 1)
-        in_seq = gl.expand_dims(keys_a < seq_k, 1)
-        off_k = gl.expand_dims(keys_a.to(gl.int64), 1)
-        p_dk = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + off_k * stride_dkn + gl.expand_dims(c_a, 0)
-        gl.store(p_dk, gl.where(keep, dk * sm_scale, 0.0).to(dtype), mask=in_seq)
-        p_dv = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + off_k * stride_dvn + gl.expand_dims(c_a, 0)
-        gl.store(p_dv, gl.where(keep, dv, 0.0).to(dtype), mask=in_seq)
+        it = 0  # steps so far: ring slot and phase, dS buffer and phase
+        n_done = 0
+        for base in range(0, n_tiles, gl.num_programs(0)):
+            t, b, hk, start_n = _key_tile(base, n_bhk, n_heads_kv)
+            if t < n_tiles:
+                kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
+                keys = start_n + r_s
+                key_mask = start_n + _TILE > kv_end  # the tile holding kv_end masks the keys past it
+                dk = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
+                dv = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
+                mbarrier.wait(kv_ready, n_done & 1)
+                for g in range(group):
+                    h = hk * group + g
+                    p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
+                                                          stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
+                                                          DENSE, CAUSAL, 4)
+                    row0 = (b * (n_heads_kv * group) + h).to(gl.int64) * seq_q
+                    for j in range(j_skip, j_end):
+                        start_m = _q_start(p_list, j, DENSE, MASK_BQ)
+                        s = it % STAGES
+                        ph = (it // STAGES) & 1
+                        q_s = q_bufs.index(s).reshape([_QT, HEAD_DIM])
+                        do_s = do_bufs.index(s).reshape([_QT, HEAD_DIM])
+                        mbarrier.wait(q_ready.index(s), ph)
+                        st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                        mbarrier.wait(do_ready.index(s), ph)
+                        dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                        cols = start_m + gl.arange(0, _QT, layout=col_s)
+                        lse = gl.load(LSE + row0 + cols, mask=cols < seq_q, other=float("inf")) * _LOG2E
+                        st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
+                        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
+                        # (delta loads after P: loaded with LSE, the d=128 kernel spills more)
+                        dlt = gl.load(DELTA + row0 + cols, mask=cols < seq_q, other=0.0)
+                        if key_mask:
+                            pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
+                        if CAUSAL:
+                            if j < j_part:
+                                pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(cols + causal_off, 0), pt, 0.0)
+                        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
+                        ds16 = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
+                        p_op = gl.convert_layout(pt.to(dtype), op_layout)
+                        dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+                        ds_buf = ds_bufs.index(it % 2)
+                        ds_buf.slice(WG * _HALF, _HALF, dim=0).store(ds16)
+                        ds_op = gl.convert_layout(ds16, op_layout)
+                        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                        fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
+                        mbarrier.arrive(ds_ready.index(it % 2))
+                        mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+                        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_half, zero_q, use_acc=False, is_async=True)
+                        res = warpgroup_mma_wait(num_outstanding=0,
+                                                 deps=(dq, dv, dk, p_op, ds_op, ds_buf, k_half, q_s, do_s))
+                        dq = res[0]
+                        dv = res[1]
+                        dk = res[2]
+                        mbarrier.arrive(q_empty.index(s))
+                        mbarrier.arrive(do_empty.index(s))
+                        tma.store_wait(0)  # the previous step's reduction has read dq_s
+                        _part_bar()
+                        dq_s.reshape([_QT, DH]).store(dq)
+                        fence_async_shared()
+                        _part_bar()
+                        _tma_add(desc_dq, [b, h, start_m, WG * DH], dq_s)
+                        it += 1
+                mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
+                # keys at or past kv_end take no part: their gradients are exactly zero
+                keys_a = start_n + r_a
+                keep = gl.expand_dims(keys_a < kv_end, 1)
+                in_seq = gl.expand_dims(keys_a < seq_k, 1)
+                off_k = gl.expand_dims(keys_a.to(gl.int64), 1)
+                p_dk = (DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + off_k * stride_dkn
+                        + gl.expand_dims(c_a, 0))
+                gl.store(p_dk, gl.where(keep, dk * sm_scale, 0.0).to(dtype), mask=in_seq)
+                p_dv = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + off_k * stride_dvn
+                        + gl.expand_dims(c_a, 0))
+                gl.store(p_dv, gl.where(keep, dv, 0.0).to(dtype), mask=in_seq)
+                n_done += 1
+        tma.store_wait(0)
 
     @gluon.jit
     def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN,
-                           n_bhk, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
+                           n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
                            stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
                            stride_dvb, stride_dvh, stride_dvn,
                            HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
@@ -290,12 +314,14 @@ if GLUON_ERROR is None:
         ds_bufs = gl.allocate_shared_memory(dtype, [2, _TILE, _QT], _ds_layout(dtype))
         dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + desc_dq.block_type.shape, desc_dq.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
+        mbarrier.init(kv_empty, count=2)  # both warpgroups are done with the tile's K and V
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups wrote their half of dS^T
         for i in gl.static_range(STAGES):
@@ -305,18 +331,21 @@ if GLUON_ERROR is None:
             mbarrier.init(do_empty.index(i), count=2)
         fence_async_shared()
         gl.warp_specialize([
-            (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready,
-                             do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_bhk, n_heads_kv, group,
+            (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
+                             do_ready, do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
+                             n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES)),
-            (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, q_ready, q_empty, do_ready,
-                             do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_bhk, n_heads_kv, group,
+            (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
+                             do_ready, do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
+                             n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES)),
-            (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, q_ready, q_empty,
-                           do_ready, do_empty, Q_IDX, KEY_LEN, n_bhk, n_heads_kv, group, seq_q, seq_k, n_qblocks,
+            (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, kv_empty, q_ready,
+                           q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k,
+                           n_qblocks,
                            stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
                            Q_BNHD, KV_BNHD, DO_BNHD)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -379,7 +408,7 @@ def do_layout(do):
 
 
 def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay, do_lay,
-        *, new=torch.empty_like):
+        *, new=torch.empty_like, num_sms=None):
     """(dq, dk, dv) like (q, k, v). ``lists``: (column lists or a placeholder, their [B, H, k block]
     strides, NB_P2, number of q blocks; None for dense), as `launch.hopper_bwd` makes them.
     ``lay``: `hopper.layouts` of (q, k, v); ``do_lay``: `do_layout` of dO; ``new``: allocates an
@@ -403,10 +432,13 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     desc_dq = TensorDescriptor(acc, [B, H, Nq, D], list(acc.stride()), dq_block,
                                hopper._smem_layout(tuple(dq_block), torch.float32))
     n_bhk = B * Hk
-    _hopper_bwd_kernel[(triton.cdiv(Nk, TILE) * n_bhk,)](
+    n_tiles = triton.cdiv(Nk, TILE) * n_bhk
+    if num_sms is None:
+        num_sms = hopper._sm_count(q.device.index)
+    _hopper_bwd_kernel[(max(1, min(n_tiles, num_sms)),)](
         hopper._descriptor(q, lay[0], QT), hopper._descriptor(k, lay[1], TILE), hopper._descriptor(v, lay[2], TILE),
         hopper._descriptor(do, do_lay, QT), desc_dq, dk, dv, lse, delta, idx,
-        q if key_lengths is None else key_lengths, n_bhk, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E, scale,
+        q if key_lengths is None else key_lengths, n_tiles, n_bhk, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E, scale,
         *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
