@@ -98,7 +98,9 @@ def hopper_spy(monkeypatch):
 
 @pytest.fixture
 def hopper_bwd_spy(monkeypatch):
-    """Counts the Hopper backwards (taken where the Hopper forward is, see `hopper_spy`)."""
+    """Turns the Hopper backward on (taken where the Hopper forward is, see `hopper_spy`) and
+    counts its calls."""
+    monkeypatch.setattr(hopper_bwd, "MODE", "on")
     calls = []
     real = hopper_bwd.bwd
 

@@ -41,11 +41,13 @@ from sparseflash.flash.hopper import GLUON_ERROR, LOG2E, TILE
 
 __all__ = ["bwd", "unsupported", "do_layout", "QT", "MODE"]
 
-# "auto": this kernel wherever the Hopper forward runs and dO's layout allows; "off": the portable
-# backward kernels (SPARSEFLASH_HOPPER_BWD; SPARSEFLASH_HOPPER=off turns both off)
-MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "auto")
+# "on": this kernel wherever the Hopper forward runs and dO's layout allows; "off" (the default):
+# the portable backward kernels, faster today in most measured cases (experiments/studies/hopper/).
+# SPARSEFLASH_HOPPER_BWD sets it; SPARSEFLASH_HOPPER=off turns both Hopper kernels off.
+MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "off")
 
 QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
+ROTATE = True  # stagger the column walks (`_step`)
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -137,6 +139,18 @@ if GLUON_ERROR is None:
         return p_list, j_skip, gl.maximum(j_part, j_skip), gl.maximum(j_end, j_skip)
 
     @gluon.jit
+    def _step(jj, j_skip, j_end, start_n, ROTATE: gl.constexpr):
+        """The jj-th step of a walk over j_skip .. j_end - 1. ROTATE starts each key tile's walk at a
+        different q tile (tile n at step 2n, wrapping), so CTAs on the same head do not reduce
+        into the same dQ rows at the same time."""
+        if ROTATE:
+            n_steps = j_end - j_skip
+            j = jj + ((start_n // _QT) % gl.maximum(n_steps, 1))
+            return j_skip + gl.where(j >= n_steps, j - n_steps, j)
+        else:
+            return j_skip + jj
+
+    @gluon.jit
     def _q_start(p_list, j, DENSE: gl.constexpr, MASK_BQ: gl.constexpr):
         if DENSE:
             return j * _QT
@@ -158,7 +172,7 @@ if GLUON_ERROR is None:
                     stride_ib, stride_ih, stride_in,
                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
-                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr):
+                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr, ROTATE: gl.constexpr):
         """1 warp: K and V of each tile (once the consumers release the last tile's), then Q and dO
         of every step, in walk order; barrier phases run over the CTA's whole tile stream."""
         it = 0  # steps issued so far: ring slot and phase
@@ -177,7 +191,8 @@ if GLUON_ERROR is None:
                     p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
                                                           DENSE, CAUSAL, 1)
-                    for j in range(j_skip, j_end):
+                    for jj in range(0, j_end - j_skip):
+                        j = _step(jj, j_skip, j_end, start_n, ROTATE)
                         start_m = _q_start(p_list, j, DENSE, MASK_BQ)
                         s = it % STAGES
                         ph = ((it // STAGES) & 1) ^ 1
@@ -197,7 +212,7 @@ if GLUON_ERROR is None:
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG."""
         s_layout: gl.constexpr = _wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
@@ -235,7 +250,8 @@ if GLUON_ERROR is None:
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
                                                           DENSE, CAUSAL, 4)
                     row0 = (b * (n_heads_kv * group) + h).to(gl.int64) * seq_q
-                    for j in range(j_skip, j_end):
+                    for jj in range(0, j_end - j_skip):
+                        j = _step(jj, j_skip, j_end, start_n, ROTATE)
                         start_m = _q_start(p_list, j, DENSE, MASK_BQ)
                         s = it % STAGES
                         ph = (it // STAGES) & 1
@@ -305,7 +321,8 @@ if GLUON_ERROR is None:
                            HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr):
+                           Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
+                           ROTATE: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -336,18 +353,18 @@ if GLUON_ERROR is None:
                              n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
-                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES)),
+                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE)),
             (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
                              do_ready, do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
                              n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
-                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES)),
+                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, kv_empty, q_ready,
                            q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
                            stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                           Q_BNHD, KV_BNHD, DO_BNHD)),
+                           Q_BNHD, KV_BNHD, DO_BNHD, ROTATE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -443,7 +460,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], num_warps=4)
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, num_warps=4)
     dq = new(q)
     sq = dq.stride()
     _dq_cast_kernel[(triton.cdiv(Nq, rows), B * H)](acc, dq, sq[0], sq[1], sq[2], H, Nq, scale, HEAD_DIM=D, BLOCK=rows)

@@ -716,6 +716,8 @@ def _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float):
         return None
     from sparseflash.flash import hopper_bwd as hb
 
+    if hb.MODE not in ("on", "off"):
+        raise ValueError(f"hopper_bwd.MODE (SPARSEFLASH_HOPPER_BWD) must be 'on' or 'off', got {hb.MODE!r}")
     if hb.MODE == "off":
         return None
     do_lay = hb.do_layout(do)
@@ -786,9 +788,9 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
         mask_bq: int | None, mask_bk: int | None, dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0,
         seg=None):
-    """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv). On
-    sm_90 the calls the Hopper forward would take (`_hopper_layouts`) with a dO TMA can read run
-    the one-pass Hopper backward instead (`hopper_bwd`)."""
+    """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv). With
+    `hopper_bwd.MODE` "on", the sm_90 calls the Hopper forward takes (`_hopper_layouts`) whose dO
+    TMA can read run the one-pass Hopper backward instead (`hopper_bwd`)."""
     if dropout_p <= 0.0 and seg is None and scale > 0.0:
         lays = _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work)
         if lays is not None:
