@@ -48,6 +48,7 @@ MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "off")
 
 QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
 ROTATE = True  # stagger the column walks (`_step`)
+WITH_DQ = True  # False: dK and dV only, dQ returned as None (a measurement of the dK/dV part)
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -212,7 +213,7 @@ if GLUON_ERROR is None:
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr):
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, WITH_DQ: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG."""
         s_layout: gl.constexpr = _wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
@@ -280,23 +281,29 @@ if GLUON_ERROR is None:
                         ds_buf.slice(WG * _HALF, _HALF, dim=0).store(ds16)
                         ds_op = gl.convert_layout(ds16, op_layout)
                         dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                        fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
-                        mbarrier.arrive(ds_ready.index(it % 2))
-                        mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-                        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_half, zero_q, use_acc=False, is_async=True)
-                        res = warpgroup_mma_wait(num_outstanding=0,
-                                                 deps=(dq, dv, dk, p_op, ds_op, ds_buf, k_half, q_s, do_s))
-                        dq = res[0]
-                        dv = res[1]
-                        dk = res[2]
+                        if WITH_DQ:
+                            fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
+                            mbarrier.arrive(ds_ready.index(it % 2))
+                            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+                            dq = warpgroup_mma(ds_buf.permute((1, 0)), k_half, zero_q, use_acc=False, is_async=True)
+                            res = warpgroup_mma_wait(num_outstanding=0,
+                                                     deps=(dq, dv, dk, p_op, ds_op, ds_buf, k_half, q_s, do_s))
+                            dq = res[0]
+                            dv = res[1]
+                            dk = res[2]
+                        else:  # (a measurement: dK and dV only)
+                            res = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, p_op, ds_op, q_s, do_s))
+                            dv = res[0]
+                            dk = res[1]
                         mbarrier.arrive(q_empty.index(s))
                         mbarrier.arrive(do_empty.index(s))
-                        tma.store_wait(0)  # the previous step's reduction has read dq_s
-                        _part_bar()
-                        dq_s.reshape([_QT, DH]).store(dq)
-                        fence_async_shared()
-                        _part_bar()
-                        _tma_add(desc_dq, [b, h, start_m, WG * DH], dq_s)
+                        if WITH_DQ:
+                            tma.store_wait(0)  # the previous step's reduction has read dq_s
+                            _part_bar()
+                            dq_s.reshape([_QT, DH]).store(dq)
+                            fence_async_shared()
+                            _part_bar()
+                            _tma_add(desc_dq, [b, h, start_m, WG * DH], dq_s)
                         it += 1
                 mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
                 # keys at or past kv_end take no part: their gradients are exactly zero
@@ -322,7 +329,7 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr):
+                           ROTATE: gl.constexpr, WITH_DQ: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -353,13 +360,15 @@ if GLUON_ERROR is None:
                              n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
-                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE)),
+                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
+                             WITH_DQ)),
             (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
                              do_ready, do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
                              n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
-                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE)),
+                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
+                             WITH_DQ)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, kv_empty, q_ready,
                            q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -460,7 +469,9 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, num_warps=4)
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, WITH_DQ=WITH_DQ, num_warps=4)
+    if not WITH_DQ:
+        return None, dk, dv
     dq = new(q)
     sq = dq.stride()
     _dq_cast_kernel[(triton.cdiv(Nq, rows), B * H)](acc, dq, sq[0], sq[1], sq[2], H, Nq, scale, HEAD_DIM=D, BLOCK=rows)
