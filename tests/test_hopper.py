@@ -1,6 +1,6 @@
-"""The Hopper forward (sparseflash/flash/hopper.py): compiled for sm_90 on any machine, checked
-against the float64 reference on an H100 through the public API (its LSE feeds the portable
-backward, so gradients check it too)."""
+"""The Hopper forward (sparseflash/flash/hopper.py) and the opt-in one-pass backward
+(hopper_bwd.py): compiled for sm_90 on any machine, checked against the float64 reference on an
+H100 through the public API (outputs and gradients; the GPU tests turn the backward on)."""
 
 import json
 import os
@@ -39,6 +39,44 @@ def test_compiles_for_sm90():
         assert r["wgmma"] > 0 and r["tma_loads"] > 0, r
         assert "232" in r["setmaxnreg"].split("/"), r
         assert r["shared"] <= 227 * 1024, r
+
+
+@pytest.mark.skipif(not (ptxas_available() and gluon_hopper_available()), reason="needs ptxas and gluon's hopper module")
+def test_bwd_compiles_for_sm90():
+    """The one-pass backward builds for sm_90 (subprocess, as above): wgmma, TMA loads, the dQ
+    TMA reduction, setmaxnreg 240 for the consumers, within 227 KB of shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "sparseflash.experiments.studies.hopper.compile_check", "--kernel", "bwd", "--json",
+           "--seq", "300", "--head-dims", "64", "128", "--cases", "dense", "sparse256 causal"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr[-3000:]
+    rows = json.loads(lines[-1])
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows), out.stdout[-3000:]
+    for r in rows:
+        assert r["wgmma"] > 0 and r["tma_loads"] > 0, r
+        assert "240" in r["setmaxnreg"].split("/"), r
+        assert r["shared"] <= 227 * 1024, r
+
+
+def test_bwd_choice(monkeypatch):
+    """The backward is opt-in (MODE "off" by default: the portable one is faster today), checked
+    for a valid value, and never taken on CPU; dO needs a layout descriptors take."""
+    assert hopper_bwd.MODE in ("on", "off")
+    q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
+    assert hopper_bwd.do_layout(q) is not None
+    assert hopper_bwd.do_layout(q.transpose(2, 3)) is None
+    assert hopper_bwd.unsupported(q, q, q, q) == "not an sm_90 GPU"
+    monkeypatch.setattr(launch, "_hopper_layouts", lambda *a: "lay")  # as if on an sm_90 GPU
+    monkeypatch.setattr(hopper_bwd, "MODE", "off")
+    assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
+    monkeypatch.setattr(hopper_bwd, "MODE", "on")
+    assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
+    assert launch._hopper_bwd_layouts(q.float(), q, q, q, q, None, None, -1.0) is None  # dO dtype differs
+    monkeypatch.setattr(hopper_bwd, "MODE", "auto")
+    with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER_BWD"):
+        launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0)
 
 
 def test_unsupported_reasons(monkeypatch):

@@ -694,7 +694,7 @@ def hopper_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq
 
 
 def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, *,
-               lays=None):
+               lays=None, num_sms=None):
     """The Hopper backward (`hopper_bwd.bwd`) with its list arguments made here. ``lays``: (the
     `hopper.layouts` of (q, k, v), `hopper_bwd.do_layout` of dO), if known."""
     from sparseflash.flash import hopper, hopper_bwd as hb
@@ -704,7 +704,8 @@ def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, caus
     if q_idx is not None:
         lists = (*_list_args(q_idx, B, Hq, q), q_idx.shape[-1])
     lay, do_lay = lays or (hopper.layouts(q, k, v), hb.do_layout(do))
-    return hb.bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale, causal, mask_bq, mask_bk, lay, do_lay, new=_new)
+    return hb.bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale, causal, mask_bq, mask_bk, lay, do_lay, new=_new,
+                  num_sms=num_sms)
 
 
 def _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float):

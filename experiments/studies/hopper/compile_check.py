@@ -1,6 +1,8 @@
-"""Compile the Hopper forward (`sparseflash.flash.hopper`) for sm_90 on any machine, no GPU.
+"""Compile the Hopper forward (`sparseflash.flash.hopper`) or backward (`hopper_bwd`) for sm_90
+on any machine, no GPU.
 
-    python -m sparseflash.experiments.studies.hopper.compile_check [--head-dims 64 128] [--dump DIR]
+    python -m sparseflash.experiments.studies.hopper.compile_check [--kernel fwd|bwd] [--head-dims 64 128]
+        [--dump DIR]
 
 A stand-in driver (experiments/bench/inspect_kernels.py) makes Triton compile the kernel a GPU
 launch of each case would compile, without launching it; prints per case: shared memory,
@@ -26,11 +28,12 @@ CASES = [("dense", True, False, False, 128), ("causal+keylen", True, True, True,
 
 
 def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: int, seq: int = 1000,
-                 dtype=torch.bfloat16):
-    """The CompiledKernel of one forward call's shape, compiled for sm_90 without a GPU."""
+                 dtype=torch.bfloat16, kernel: str = "fwd"):
+    """The CompiledKernel of one forward (``kernel`` "fwd") or backward ("bwd") call's shape,
+    compiled for sm_90 without a GPU."""
     from sparseflash.experiments.bench.inspect_kernels import compile_launches
     from sparseflash.flash import hopper
-    from sparseflash.flash.launch import hopper_fwd
+    from sparseflash.flash.launch import hopper_bwd, hopper_fwd
     from sparseflash.patterns import random as random_mask
 
     if hopper.GLUON_ERROR is not None:
@@ -39,19 +42,28 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
         raise RuntimeError("TRITON_INTERPRET is set: gluon kernels only compile; unset it")
     B, H, N, D = 2, 4, seq, head_dim
     q, k, v = (torch.empty(B, H, N, D, dtype=dtype) for _ in range(3))
-    kv_idx, bq = None, None
+    kv_idx, q_idx, bq = None, None, None
     if not dense:
-        kv_idx = random_mask(N, 3, block_size=block, seed=0, device="cpu").index("cpu").kv_idx
-        bq = block
+        index = random_mask(N, 3, block_size=block, seed=0, device="cpu").index("cpu")
+        kv_idx, q_idx, bq = index.kv_idx, index.q_idx, block
     kl = torch.full((B,), N, dtype=torch.int32) if keylen else None
-    compiled = compile_launches(lambda: hopper_fwd(q, k, v, kv_idx, kl, D ** -0.5, causal, bq, bq, num_sms=132))
-    if "_hopper_fwd_kernel" not in compiled:
+    if kernel == "fwd":
+        name = "_hopper_fwd_kernel"
+        compiled = compile_launches(lambda: hopper_fwd(q, k, v, kv_idx, kl, D ** -0.5, causal, bq, bq, num_sms=132))
+    else:
+        name = "_hopper_bwd_kernel"
+        o, do = torch.empty_like(q), torch.empty_like(q)
+        lse = torch.empty(B, H, N)
+        compiled = compile_launches(lambda: hopper_bwd(do, q, k, v, o, lse, None, q_idx, kl, D ** -0.5, causal, bq, bq,
+                                                       num_sms=132))
+    if name not in compiled:
         raise RuntimeError("the compile hook was not called (kernel already in the cache?)")
-    return compiled["_hopper_fwd_kernel"]
+    return compiled[name]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=["fwd", "bwd"], default="fwd")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--dump", default=None, help="write each case's PTX here")
     ap.add_argument("--cases", nargs="+", default=None, help="case labels to compile (default: all)")
@@ -69,13 +81,13 @@ def main(argv=None) -> int:
             if args.cases and label not in args.cases:
                 continue
             try:
-                ck = compile_case(d, dense, causal, keylen, block, seq=args.seq)
+                ck = compile_case(d, dense, causal, keylen, block, seq=args.seq, kernel=args.kernel)
                 r = gluon_report(ck)
                 rows.append(dict(head_dim=d, case=label, status="ok", **r))
-                print(f"triton {triton.__version__} d={d:3d} {label:18s} ok   " + json.dumps(r), flush=True)
+                print(f"triton {triton.__version__} {args.kernel} d={d:3d} {label:18s} ok   " + json.dumps(r), flush=True)
                 if args.dump:
                     Path(args.dump).mkdir(parents=True, exist_ok=True)
-                    Path(args.dump, f"d{d}_{label.replace(' ', '_')}.ptx").write_text(ck.asm["ptx"])
+                    Path(args.dump, f"{args.kernel}_d{d}_{label.replace(' ', '_')}.ptx").write_text(ck.asm["ptx"])
             except Exception as e:  # noqa: BLE001 - report every case
                 ok = False
                 rows.append(dict(head_dim=d, case=label, status="error"))

@@ -1,0 +1,96 @@
+"""Where the backward's time goes: the portable kernels against the Hopper one-pass kernel (issue 22).
+
+    python -m sparseflash.experiments.studies.hopper.bwd_parts [--out DIR]
+
+GPU time (CUDA-graph replays) of `launch.bwd` alone, replayed with the arguments a real
+forward + backward handed it, bf16, 16 heads, 16K tokens per batch. Columns (ms):
+- ``portable``: the portable backward (dQ kernel, then dK/dV kernel; 7 matmuls per tile pair);
+- ``portable_dq``, ``portable_dkdv``: each of its kernels alone;
+- ``hopper``: the one-pass Gluon kernel (`hopper_bwd`, 5 matmuls, dQ by TMA reduce-add), with
+  its delta, zero-fill and cast launches;
+- ``hopper_dkdv``: the same kernel without the dQ part (``hopper_bwd.WITH_DQ = False``: dK, dV
+  only, plus the delta launch), which shows what the dQ accumulation costs.
+Every call goes through `launch.bwd` (the short path off, TMA descriptors on, as large calls take).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import torch
+
+CASES = [(16384, 128, "dense"), (16384, 128, "random"), (4096, 128, "random"), (4096, 128, "causal"),
+         (16384, 64, "dense"), (4096, 64, "random")]
+
+
+def measure(n: int, d: int, kind: str) -> dict:
+    import sparseflash
+    from sparseflash.experiments.bench.timing import graph_ms
+    from sparseflash.experiments.studies.hopper.fwd_bench import _mask
+    from sparseflash.flash import hopper_bwd, launch
+
+    B, H = max(1, 16384 // n), 16
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    mask, causal = _mask(kind, n), kind == "causal"
+    real, saved = launch.bwd, {}
+
+    def spy(*a, **kw):
+        saved["a"], saved["kw"] = a, kw
+        return real(*a, **kw)
+    launch.bwd = spy
+    try:
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        torch.autograd.grad(sparseflash.attention(qg, kg, vg, mask=mask, causal=causal), (qg, kg, vg), do)
+    finally:
+        launch.bwd = real
+    a, kw = saved["a"], saved["kw"]
+    do_, q_, k_, v_, o_, lse_, dlse_, kv_idx, q_idx, kl, scale, cz, mbq, mbk, dp, rng = a
+    row = dict(seq=n, head_dim=d, mask=kind)
+    for name, mode, with_dq in [("portable", "off", True), ("hopper", "on", True), ("hopper_dkdv", "on", False)]:
+        def step():
+            saved_modes = hopper_bwd.MODE, hopper_bwd.WITH_DQ
+            hopper_bwd.MODE, hopper_bwd.WITH_DQ = mode, with_dq
+            try:
+                real(*a, **kw)
+            finally:
+                hopper_bwd.MODE, hopper_bwd.WITH_DQ = saved_modes
+        step()
+        torch.cuda.synchronize()
+        row[name] = graph_ms(step)
+    delta = torch.empty_like(lse_)
+    row["portable_dq"] = graph_ms(lambda: launch.bwd_dq(do_, q_, k_, v_, lse_, delta, kl, scale, cz, mbq, mbk, dp, rng,
+                                                       kv_idx, o=o_, dlse=dlse_, **kw))
+    row["portable_dkdv"] = graph_ms(lambda: launch.bwd_dkdv(do_, q_, k_, v_, lse_, delta, kl, scale, cz, mbq, mbk, dp,
+                                                           rng, q_idx, **kw))
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    from sparseflash.flash import fast, launch
+
+    fast.ENABLED = False  # 4K calls would take the short path (quick launches), not launch.bwd
+    launch.TMA_MODE = "on"  # the portable kernels' descriptor loads, as large calls take them
+    rows = []
+    for n, d, kind in CASES:
+        rows.append(measure(n, d, kind))
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            with open(Path(args.out, "bwd_parts.csv"), "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
