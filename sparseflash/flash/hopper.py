@@ -159,6 +159,15 @@ if GLUON_ERROR is None:
             return [b, h, n, 0]
 
     @gluon.jit
+    def _fill(desc, coord, ready, empty, buf, phase):
+        """Load one tile into a ring slot: wait until the slot is free (``empty`` completed the
+        phase before ``phase``; a fresh barrier passes a parity-1 wait at once), then TMA-load
+        ``desc`` at ``coord`` into ``buf``, completing on ``ready``."""
+        mbarrier.wait(empty, phase ^ 1)
+        mbarrier.expect(ready, desc.block_type.nbytes)
+        _tma_load(desc, coord, ready, buf)
+
+    @gluon.jit
     def _loader(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                 KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
                 n_tiles, m_tiles, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
@@ -175,21 +184,14 @@ if GLUON_ERROR is None:
                     KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
                     MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 1)
                 qi = n_done % 2
-                # a fresh mbarrier counts as having completed the phase before phase 0: the first
-                # wait on an "empty" barrier (parity 1) passes at once
-                mbarrier.wait(q_empty.index(qi), ((n_done // 2) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(qi), desc_q.block_type.nbytes)
-                _tma_load(desc_q, _coord(b, h, pm * _TILE, Q_BNHD), q_ready.index(qi), q_bufs.index(qi))
+                _fill(desc_q, _coord(b, h, pm * _TILE, Q_BNHD), q_ready.index(qi), q_empty.index(qi),
+                      q_bufs.index(qi), (n_done // 2) & 1)
                 for j in range(j_valid):
                     start_n = _key_start(p_list, j, DENSE, MASK_BK)
                     s = it % STAGES
-                    ph = ((it // STAGES) & 1) ^ 1
-                    mbarrier.wait(k_empty.index(s), ph)
-                    mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-                    _tma_load(desc_k, _coord(b, hk, start_n, KV_BNHD), k_ready.index(s), k_bufs.index(s))
-                    mbarrier.wait(v_empty.index(s), ph)
-                    mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
-                    _tma_load(desc_v, _coord(b, hk, start_n, KV_BNHD), v_ready.index(s), v_bufs.index(s))
+                    ph = (it // STAGES) & 1
+                    _fill(desc_k, _coord(b, hk, start_n, KV_BNHD), k_ready.index(s), k_empty.index(s), k_bufs.index(s), ph)
+                    _fill(desc_v, _coord(b, hk, start_n, KV_BNHD), v_ready.index(s), v_empty.index(s), v_bufs.index(s), ph)
                     it += 1
                 n_done += 1
 
@@ -474,12 +476,15 @@ def _smem_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gdt)
 
 
-def _descriptor(t: torch.Tensor, layout, rows: int):
+def _descriptor(t: torch.Tensor, layout, rows: int, cols: int | None = None):
+    """A TMA descriptor of [B, H, N, D] ``t`` in its `_layout`, blocks of ``rows`` x ``cols``
+    (default: all of D)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     strides, bnhd = layout
     B, H, N, D = t.shape
-    shape, block = ([B, N, H, D], (1, rows, 1, D)) if bnhd else ([B, H, N, D], (1, 1, rows, D))
+    cols = cols or D
+    shape, block = ([B, N, H, D], (1, rows, 1, cols)) if bnhd else ([B, H, N, D], (1, 1, rows, cols))
     return TensorDescriptor(t, shape, list(strides), list(block), _smem_layout(block, t.dtype))
 
 

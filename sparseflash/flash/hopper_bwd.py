@@ -41,7 +41,7 @@ import triton.language as tl
 from sparseflash.flash import hopper
 from sparseflash.flash.hopper import GLUON_ERROR, LOG2E, TILE
 
-__all__ = ["bwd", "unsupported", "do_layout", "QT", "MODE"]
+__all__ = ["bwd", "plan", "unsupported", "do_layout", "QT", "MODE"]
 
 # "on": this kernel wherever the Hopper forward runs and dO's layout allows; "off" (the default):
 # the portable backward kernels, faster today in most measured cases (experiments/studies/hopper/).
@@ -66,7 +66,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparseflash.flash.hopper import _coord, _list_layout, _tma_load, _wgmma_layout
+    from sparseflash.flash.hopper import _coord, _fill, _list_layout, _tma_load, _wgmma_layout
 
     if hasattr(tma, "async_atomic_add"):
         _tma_add = tma.async_atomic_add
@@ -184,7 +184,7 @@ if GLUON_ERROR is None:
             t, b, hk, start_n = _key_tile(base, n_bhk, n_heads_kv)
             if t < n_tiles:
                 kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
-                # (a fresh barrier passes a parity-1 wait at once)
+                # (a fresh barrier passes a parity-1 wait at once; K and V share one barrier pair)
                 mbarrier.wait(kv_empty, (n_done & 1) ^ 1)
                 mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
                 _tma_load(desc_k, _coord(b, hk, start_n, KV_BNHD), kv_ready, k_buf)
@@ -198,13 +198,11 @@ if GLUON_ERROR is None:
                         j = _step(jj, j_skip, j_end, start_n, ROTATE)
                         start_m = _q_start(p_list, j, DENSE, MASK_BQ)
                         s = it % STAGES
-                        ph = ((it // STAGES) & 1) ^ 1
-                        mbarrier.wait(q_empty.index(s), ph)
-                        mbarrier.expect(q_ready.index(s), desc_q.block_type.nbytes)
-                        _tma_load(desc_q, _coord(b, h, start_m, Q_BNHD), q_ready.index(s), q_bufs.index(s))
-                        mbarrier.wait(do_empty.index(s), ph)
-                        mbarrier.expect(do_ready.index(s), desc_do.block_type.nbytes)
-                        _tma_load(desc_do, _coord(b, h, start_m, DO_BNHD), do_ready.index(s), do_bufs.index(s))
+                        ph = (it // STAGES) & 1
+                        _fill(desc_q, _coord(b, h, start_m, Q_BNHD), q_ready.index(s), q_empty.index(s),
+                              q_bufs.index(s), ph)
+                        _fill(desc_do, _coord(b, h, start_m, DO_BNHD), do_ready.index(s), do_empty.index(s),
+                              do_bufs.index(s), ph)
                         it += 1
                 n_done += 1
 
@@ -381,15 +379,19 @@ if GLUON_ERROR is None:
 
 # ----------------------------------------------------------------------------- the two small kernels
 @triton.jit
+def _rows(n_heads, seq_q, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """This program's (batch * head, batch, head, BLOCK row indices, head_dim indices, row mask)."""
+    i_bh = tl.program_id(1)
+    o_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return (i_bh, (i_bh // n_heads).to(tl.int64), (i_bh % n_heads).to(tl.int64), o_m, tl.arange(0, HEAD_DIM),
+            (o_m < seq_q)[:, None])
+
+
+@triton.jit
 def _delta_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
                   n_heads, seq_q, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
     """delta = rowsum(dO * O) - dLSE, float32 [B, H, N], for BLOCK rows of one (batch, head)."""
-    i_bh = tl.program_id(1)
-    i_b = (i_bh // n_heads).to(tl.int64)
-    i_h = (i_bh % n_heads).to(tl.int64)
-    o_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    o_d = tl.arange(0, HEAD_DIM)
-    m = (o_m < seq_q)[:, None]
+    i_bh, i_b, i_h, o_m, o_d, m = _rows(n_heads, seq_q, BLOCK, HEAD_DIM)
     b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + o_m.to(tl.int64)[:, None] * stride_om + o_d[None, :],
                   mask=m, other=0.0)
     b_do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :],
@@ -405,29 +407,38 @@ def _delta_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, stride_do
 def _dq_cast_kernel(ACC, DQ, stride_qb, stride_qh, stride_qm, n_heads, seq_q, scale,
                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """dQ = scale * the float32 sums (contiguous [B, H, N, D]), cast to dQ's dtype, in dQ's layout."""
-    i_bh = tl.program_id(1)
-    i_b = (i_bh // n_heads).to(tl.int64)
-    i_h = (i_bh % n_heads).to(tl.int64)
-    o_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    o_d = tl.arange(0, HEAD_DIM)
-    m = (o_m < seq_q)[:, None]
+    i_bh, i_b, i_h, o_m, o_d, m = _rows(n_heads, seq_q, BLOCK, HEAD_DIM)
     acc = tl.load(ACC + (i_bh.to(tl.int64) * seq_q + o_m.to(tl.int64))[:, None] * HEAD_DIM + o_d[None, :], mask=m)
     tl.store(DQ + i_b * stride_qb + i_h * stride_qh + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :],
              (acc * scale).to(DQ.dtype.element_ty), mask=m)
 
 
-def unsupported(do, q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
-    """Why this kernel cannot run a backward call, or None when it can: the forward's reasons
-    (`hopper.unsupported`), a dO whose dtype or layout the descriptors cannot take, and an O or
-    dO without unit last stride (the delta kernel reads rows)."""
-    why = hopper.unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk, dropout_p=dropout_p, seg=seg)
-    if why is not None:
-        return why
+def _do_unsupported(do, q, o=None) -> str | None:
+    """Why the backward cannot take this dO (and O), or None; raises on a bad `MODE`."""
+    if MODE not in ("on", "off"):
+        raise ValueError(f"hopper_bwd.MODE (SPARSEFLASH_HOPPER_BWD) must be 'on' or 'off', got {MODE!r}")
+    if MODE == "off":
+        return "SPARSEFLASH_HOPPER_BWD=off"
     if do.dtype != q.dtype or do.shape != q.shape:
         return f"dO of dtype {do.dtype} and shape {tuple(do.shape)}"
-    if do_layout(do) is None:
+    if o is not None and o.stride(-1) != 1:
+        return "O rows not contiguous (the delta kernel reads rows)"
+    if do_layout(do) is None:  # (also needs contiguous rows)
         return "a dO layout TMA descriptors cannot take"
     return None
+
+
+def unsupported(do, q, k, v, o=None, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
+    """Why this kernel cannot run a backward call, or None when it can: the forward's reasons
+    (`hopper.unsupported`), then dO's and O's (`_do_unsupported`)."""
+    return (hopper.unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk, dropout_p=dropout_p, seg=seg)
+            or _do_unsupported(do, q, o))
+
+
+def plan(do, q, o, lay):
+    """(lay, dO's layout) when the backward runs a call whose forward runs the Hopper kernel with
+    layouts ``lay``, else None."""
+    return None if _do_unsupported(do, q, o) is not None else (lay, do_layout(do))
 
 
 def do_layout(do):
@@ -454,11 +465,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     acc = torch.zeros((B, H, Nq, D), device=q.device, dtype=torch.float32)
     dk, dv = new(k), new(v)
     sk, sv = dk.stride(), dv.stride()
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    dq_block = [1, 1, QT, D // 2]
-    desc_dq = TensorDescriptor(acc, [B, H, Nq, D], list(acc.stride()), dq_block,
-                               hopper._smem_layout(tuple(dq_block), torch.float32))
+    desc_dq = hopper._descriptor(acc, (acc.stride(), False), QT, D // 2)  # each warpgroup adds half of D
     n_bhk = B * Hk
     n_tiles = triton.cdiv(Nk, TILE) * n_bhk
     if num_sms is None:

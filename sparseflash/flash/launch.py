@@ -710,19 +710,13 @@ def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, caus
 
 def _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float):
     """(q, k, v layouts, dO layout) when the backward runs the Hopper kernel, else None: where the
-    forward would (`_hopper_layouts`), with dO of q's dtype and shape in a layout TMA takes and O,
-    dO rows contiguous (the delta kernel's loads)."""
+    forward would (`_hopper_layouts`) and `hopper_bwd.plan` takes dO and O."""
     lay = _hopper_layouts(q, k, v, mask_bq, mask_bk, work)
-    if lay is None or do.dtype != q.dtype or do.shape != q.shape or do.stride(-1) != 1 or o.stride(-1) != 1:
+    if lay is None:
         return None
-    from sparseflash.flash import hopper_bwd as hb
+    from sparseflash.flash import hopper_bwd
 
-    if hb.MODE not in ("on", "off"):
-        raise ValueError(f"hopper_bwd.MODE (SPARSEFLASH_HOPPER_BWD) must be 'on' or 'off', got {hb.MODE!r}")
-    if hb.MODE == "off":
-        return None
-    do_lay = hb.do_layout(do)
-    return None if do_lay is None else (lay, do_lay)
+    return hopper_bwd.plan(do, q, o, lay)
 
 
 def _hopper_layouts(q, k, v, mask_bq, mask_bk, work: float):
