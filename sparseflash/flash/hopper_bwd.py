@@ -13,10 +13,13 @@ buffer with TMA reductions (``cp.reduce.async.bulk``), which a last small kernel
   S^T = K_w Q^T and dP^T = V_w dO^T (two wgmmas), P^T = exp2(S^T * scale - LSE) and
   dS^T = P^T (dP^T - delta), then dV_w += P^T dO and dK_w += dS^T Q with P^T and dS^T as
   register operands. dS^T also goes to shared memory; once both warpgroups have written theirs
-  (an mbarrier), each computes half of dQ's columns, dQ[:, half] = dS K[:, half], and
-  TMA-reduces it into the float32 dQ buffer;
-- delta = rowsum(dO * O) - dLSE comes from a small Triton kernel first; dQ = scale * buffer
-  from another one last.
+  (an mbarrier), each computes half of dQ's columns, dQ[:, half] = dS K[:, half] (issued before
+  dK's wgmma, so it is stored while dK runs), and puts it in one of DQ_BUFS staging buffers;
+- a 1-warp **reducer** adds each step's two halves into the float32 dQ buffer with TMA reductions
+  and frees the staging buffer once they have read it (while the warpgroups fill the other one);
+- a small Triton kernel first computes delta = rowsum(dO * O) - dLSE and LSE * log2(e), padded to
+  whole steps (so the consumers load them without masks); another one last casts
+  dQ = scale * buffer.
 
 The walk is the portable dK/dV kernel's: the column list of the key tile's block (dense: every
 q tile), rows that see none of the tile (causal) skipped, the causal mask applied only in the band
@@ -50,7 +53,11 @@ MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "off")
 
 QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
 ROTATE = True  # stagger the column walks (`_step`)
-WITH_DQ = True  # False: dK and dV only, dQ returned as None (a measurement of the dK/dV part)
+# How much of the dQ path runs (measurements of its parts; anything below 4 returns dQ as None):
+# 0 dK and dV only; 1 + the dS^T exchange between the warpgroups; 2 + the dQ matmul; 3 + dQ's store
+# to shared memory and the hand-off to the reducer warp, which adds nothing; 4 everything.
+DQ_PARTS = 4
+DQ_BUFS = 2  # dQ staging buffers: the reducer adds one step's halves while the warpgroups fill the next
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -86,7 +93,6 @@ if GLUON_ERROR is None:
     _TILE = gl.constexpr(TILE)
     _QT = gl.constexpr(QT)
     _HALF = gl.constexpr(TILE // 2)
-    _LOG2E = gl.constexpr(LOG2E)
 
     @gluon.constexpr_function
     def _ds_layout(dtype):
@@ -207,13 +213,50 @@ if GLUON_ERROR is None:
                 n_done += 1
 
     @gluon.jit
+    def _bwd_reducer(desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group, seq_q,
+                     seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
+                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
+                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, ROTATE: gl.constexpr, DH: gl.constexpr,
+                     DQ_PARTS: gl.constexpr, DQ_BUFS: gl.constexpr):
+        """1 warp: once both warpgroups have put a step's dQ halves in shared memory (dq_full), add
+        them into the float32 dQ buffer with TMA reductions, wait until those have read the halves,
+        and hand the buffers back (dq_empty). The walk is the loader's."""
+        it = 0
+        if DQ_PARTS < 3:  # (nothing to add: the warp returns)
+            n_tiles = 0
+        for base in range(0, n_tiles, gl.num_programs(0)):
+            t, b, hk, start_n = _key_tile(base, n_bhk, n_heads_kv)
+            if t < n_tiles:
+                kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
+                for g in range(group):
+                    h = hk * group + g
+                    p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
+                                                          stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
+                                                          DENSE, CAUSAL, 1)
+                    for jj in range(0, j_end - j_skip):
+                        j = _step(jj, j_skip, j_end, start_n, ROTATE)
+                        start_m = _q_start(p_list, j, DENSE, MASK_BQ)
+                        bi = it % DQ_BUFS
+                        mbarrier.wait(dq_full.index(bi), (it // DQ_BUFS) & 1)
+                        if DQ_PARTS >= 4:
+                            _tma_add(desc_dq, [b, h, start_m, 0], dq_bufs.index(2 * bi))
+                            _tma_add(desc_dq, [b, h, start_m, DH], dq_bufs.index(2 * bi + 1))
+                        if DQ_BUFS == 1:
+                            tma.store_wait(0)  # the reductions have read both halves
+                            mbarrier.arrive(dq_empty.index(0))
+                        elif it > 0:
+                            tma.store_wait(2)  # the last step's two reductions have read their halves
+                            mbarrier.arrive(dq_empty.index((it - 1) % DQ_BUFS))
+                        it += 1
+
+    @gluon.jit
     def _bwd_consumer(q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty, do_ready,
-                      do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv,
+                      do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv,
                       group, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr, WITH_DQ: gl.constexpr):
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, DQ_BUFS: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG."""
         s_layout: gl.constexpr = _wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
@@ -224,13 +267,13 @@ if GLUON_ERROR is None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         dtype: gl.constexpr = k_buf.dtype
         causal_off = seq_k - seq_q
+        n_pad = (seq_q + _QT - 1) // _QT * _QT  # LSE2 and DELTA rows per head
         zero_s = gl.zeros([_HALF, _QT], gl.float32, layout=s_layout)
         zero_q = gl.zeros([_QT, DH], gl.float32, layout=q_layout)
         k_all = k_buf.reshape([_TILE, HEAD_DIM])
         k_w = k_all.slice(WG * _HALF, _HALF, dim=0)
         v_w = v_buf.reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
         k_half = k_all.slice(WG * DH, DH, dim=1)  # [128 keys, HEAD_DIM / 2]: B of this half of dQ
-        dq_s = dq_bufs.index(WG)
         r_s = WG * _HALF + gl.arange(0, _HALF, layout=row_s)
         r_a = WG * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, a_layout))
         c_a = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a_layout))
@@ -250,7 +293,7 @@ if GLUON_ERROR is None:
                     p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
                                                           DENSE, CAUSAL, 4)
-                    row0 = (b * (n_heads_kv * group) + h).to(gl.int64) * seq_q
+                    row0 = (b * (n_heads_kv * group) + h).to(gl.int64) * n_pad
                     for jj in range(0, j_end - j_skip):
                         j = _step(jj, j_skip, j_end, start_n, ROTATE)
                         start_m = _q_start(p_list, j, DENSE, MASK_BQ)
@@ -263,11 +306,11 @@ if GLUON_ERROR is None:
                         mbarrier.wait(do_ready.index(s), ph)
                         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                         cols = start_m + gl.arange(0, _QT, layout=col_s)
-                        lse = gl.load(LSE + row0 + cols, mask=cols < seq_q, other=float("inf")) * _LOG2E
+                        lse = gl.load(LSE + row0 + cols)  # (LSE * log2(e), padded: `_delta_kernel`)
                         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
                         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
                         # (delta loads after P: loaded with LSE, the d=128 kernel spills more)
-                        dlt = gl.load(DELTA + row0 + cols, mask=cols < seq_q, other=0.0)
+                        dlt = gl.load(DELTA + row0 + cols)
                         if key_mask:
                             pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
                         if CAUSAL:
@@ -280,30 +323,32 @@ if GLUON_ERROR is None:
                         ds_buf = ds_bufs.index(it % 2)
                         ds_buf.slice(WG * _HALF, _HALF, dim=0).store(ds16)
                         ds_op = gl.convert_layout(ds16, op_layout)
-                        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                        if WITH_DQ:
+                        if DQ_PARTS >= 1:
                             fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
                             mbarrier.arrive(ds_ready.index(it % 2))
                             mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+                        if DQ_PARTS >= 2:
+                            # dQ before dK, so dQ's result is stored while dK runs
                             dq = warpgroup_mma(ds_buf.permute((1, 0)), k_half, zero_q, use_acc=False, is_async=True)
-                            res = warpgroup_mma_wait(num_outstanding=0,
-                                                     deps=(dq, dv, dk, p_op, ds_op, ds_buf, k_half, q_s, do_s))
-                            dq = res[0]
-                            dv = res[1]
-                            dk = res[2]
-                        else:  # (a measurement: dK and dV only)
-                            res = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, p_op, ds_op, q_s, do_s))
+                            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                            res = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_buf, k_half, do_s))
                             dv = res[0]
-                            dk = res[1]
+                            dq = res[1]
+                            if DQ_PARTS >= 3:
+                                bi = it % DQ_BUFS
+                                # (the reducer has read this buffer's last halves)
+                                mbarrier.wait(dq_empty.index(bi), ((it // DQ_BUFS) & 1) ^ 1)
+                                dq_s = dq_bufs.index(2 * bi + WG).reshape([_QT, DH])
+                                dq_s.store(dq)
+                                fence_async_shared()
+                                mbarrier.arrive(dq_full.index(bi))
+                        else:
+                            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                        res = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, ds_op, p_op, q_s, do_s))
+                        dk = res[0]
+                        dv = res[1]
                         mbarrier.arrive(q_empty.index(s))
                         mbarrier.arrive(do_empty.index(s))
-                        if WITH_DQ:
-                            tma.store_wait(0)  # the previous step's reduction has read dq_s
-                            _part_bar()
-                            dq_s.reshape([_QT, DH]).store(dq)
-                            fence_async_shared()
-                            _part_bar()
-                            _tma_add(desc_dq, [b, h, start_m, WG * DH], dq_s)
                         it += 1
                 mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
                 # keys at or past kv_end take no part: their gradients are exactly zero
@@ -318,7 +363,6 @@ if GLUON_ERROR is None:
                         + gl.expand_dims(c_a, 0))
                 gl.store(p_dv, gl.where(keep, dv, 0.0).to(dtype), mask=in_seq)
                 n_done += 1
-        tma.store_wait(0)
 
     @gluon.jit
     def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN,
@@ -329,14 +373,14 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr, WITH_DQ: gl.constexpr):
+                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, DQ_BUFS: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
         k_buf = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
         v_buf = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
         ds_bufs = gl.allocate_shared_memory(dtype, [2, _TILE, _QT], _ds_layout(dtype))
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + desc_dq.block_type.shape, desc_dq.layout)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS] + desc_dq.block_type.shape, desc_dq.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -344,6 +388,11 @@ if GLUON_ERROR is None:
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(DQ_BUFS):
+            mbarrier.init(dq_full.index(i), count=2)  # both warpgroups stored their half of a step's dQ
+            mbarrier.init(dq_empty.index(i), count=1)
         mbarrier.init(kv_ready, count=1)
         mbarrier.init(kv_empty, count=2)  # both warpgroups are done with the tile's K and V
         for i in gl.static_range(2):
@@ -356,25 +405,28 @@ if GLUON_ERROR is None:
         fence_async_shared()
         gl.warp_specialize([
             (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
-                             do_ready, do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
+                             do_ready, do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
                              n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             WITH_DQ)),
+                             DQ_PARTS, DQ_BUFS)),
             (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
-                             do_ready, do_empty, ds_ready, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
+                             do_ready, do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
                              n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             WITH_DQ)),
+                             DQ_PARTS, DQ_BUFS)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, kv_empty, q_ready,
                            q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
                            stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
                            Q_BNHD, KV_BNHD, DO_BNHD, ROTATE)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+            (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group,
+                            seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
+                            CAUSAL, HAS_KEYLEN, ROTATE, HEAD_DIM // 2, DQ_PARTS, DQ_BUFS)),
+        ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
 # ----------------------------------------------------------------------------- the two small kernels
@@ -388,9 +440,11 @@ def _rows(n_heads, seq_q, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _delta_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-                  n_heads, seq_q, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """delta = rowsum(dO * O) - dLSE, float32 [B, H, N], for BLOCK rows of one (batch, head)."""
+def _delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+                  n_heads, seq_q, n_pad, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """For BLOCK rows of one (batch, head): delta = rowsum(dO * O) - dLSE and LSE2 = LSE * log2(e),
+    float32 [B * H, n_pad], rows seq_q .. n_pad - 1 padded with delta 0 and LSE2 +inf (P = 0), so
+    the backward's steps load them without masks."""
     i_bh, i_b, i_h, o_m, o_d, m = _rows(n_heads, seq_q, BLOCK, HEAD_DIM)
     b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + o_m.to(tl.int64)[:, None] * stride_om + o_d[None, :],
                   mask=m, other=0.0)
@@ -400,7 +454,10 @@ def _delta_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_om, stride_do
     p_row = i_bh.to(tl.int64) * seq_q + o_m
     if HAS_DLSE:
         delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
-    tl.store(DELTA + p_row, delta, mask=o_m < seq_q)
+    lse2 = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * 1.4426950408889634
+    p_pad = i_bh.to(tl.int64) * n_pad + o_m
+    tl.store(DELTA + p_pad, delta, mask=o_m < n_pad)
+    tl.store(LSE2 + p_pad, lse2, mask=o_m < n_pad)
 
 
 @triton.jit
@@ -456,12 +513,14 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     Hk, Nk = k.shape[1], k.shape[2]
     dense = lists is None
     idx, i_strides, nb_p2, n_qb = (q, (0, 0, 0), 2, 0) if dense else lists
-    delta = torch.empty((B, H, Nq), device=q.device, dtype=torch.float32)
+    n_pad = triton.cdiv(Nq, QT) * QT
+    lse2 = torch.empty((B * H, n_pad), device=q.device, dtype=torch.float32)
+    delta = torch.empty((B * H, n_pad), device=q.device, dtype=torch.float32)
     so, sdo = o.stride(), do.stride()
-    rows = 64
+    rows = QT  # (the delta kernel's programs then cover the padding too)
     _delta_kernel[(triton.cdiv(Nq, rows), B * H)](
-        o, do, q if dlse is None else dlse, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], H, Nq,
-        HEAD_DIM=D, BLOCK=rows, HAS_DLSE=dlse is not None)
+        o, do, lse, q if dlse is None else dlse, lse2, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], H, Nq,
+        n_pad, HEAD_DIM=D, BLOCK=rows, HAS_DLSE=dlse is not None)
     acc = torch.zeros((B, H, Nq, D), device=q.device, dtype=torch.float32)
     dk, dv = new(k), new(v)
     sk, sv = dk.stride(), dv.stride()
@@ -472,14 +531,14 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         num_sms = hopper._sm_count(q.device.index)
     _hopper_bwd_kernel[(max(1, min(n_tiles, num_sms)),)](
         hopper._descriptor(q, lay[0], QT), hopper._descriptor(k, lay[1], TILE), hopper._descriptor(v, lay[2], TILE),
-        hopper._descriptor(do, do_lay, QT), desc_dq, dk, dv, lse, delta, idx,
+        hopper._descriptor(do, do_lay, QT), desc_dq, dk, dv, lse2, delta, idx,
         q if key_lengths is None else key_lengths, n_tiles, n_bhk, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E, scale,
         *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, WITH_DQ=WITH_DQ, num_warps=4)
-    if not WITH_DQ:
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, DQ_BUFS=DQ_BUFS, num_warps=4)
+    if DQ_PARTS < 4:
         return None, dk, dv
     dq = new(q)
     sq = dq.stride()

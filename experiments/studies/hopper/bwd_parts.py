@@ -8,7 +8,7 @@ forward + backward handed it, bf16, 16 heads, 16K tokens per batch. Columns (ms)
 - ``portable_dq``, ``portable_dkdv``: each of its kernels alone;
 - ``hopper``: the one-pass Gluon kernel (`hopper_bwd`, 5 matmuls, dQ by TMA reduce-add), with
   its delta, zero-fill and cast launches;
-- ``hopper_dkdv``: the same kernel without the dQ part (``hopper_bwd.WITH_DQ = False``: dK, dV
+- ``hopper_dkdv``: the same kernel without the dQ part (``hopper_bwd.DQ_PARTS = 0``: dK, dV
   only, plus the delta launch), which shows what the dQ accumulation costs.
 Every call goes through `launch.bwd` (the short path off, TMA descriptors on, as large calls take).
 """
@@ -50,14 +50,14 @@ def measure(n: int, d: int, kind: str) -> dict:
     a, kw = saved["a"], saved["kw"]
     do_, q_, k_, v_, o_, lse_, dlse_, kv_idx, q_idx, kl, scale, cz, mbq, mbk, dp, rng = a
     row = dict(seq=n, head_dim=d, mask=kind)
-    for name, mode, with_dq in [("portable", "off", True), ("hopper", "on", True), ("hopper_dkdv", "on", False)]:
+    for name, mode, with_dq in [("portable", "off", 4), ("hopper", "on", 4), ("hopper_dkdv", "on", 0)]:
         def step():
-            saved_modes = hopper_bwd.MODE, hopper_bwd.WITH_DQ
-            hopper_bwd.MODE, hopper_bwd.WITH_DQ = mode, with_dq
+            saved_modes = hopper_bwd.MODE, hopper_bwd.DQ_PARTS
+            hopper_bwd.MODE, hopper_bwd.DQ_PARTS = mode, with_dq
             try:
                 real(*a, **kw)
             finally:
-                hopper_bwd.MODE, hopper_bwd.WITH_DQ = saved_modes
+                hopper_bwd.MODE, hopper_bwd.DQ_PARTS = saved_modes
         step()
         torch.cuda.synchronize()
         row[name] = graph_ms(step)
