@@ -9,7 +9,11 @@ forward + backward handed it, bf16, 16 heads, 16K tokens per batch. Columns (ms)
 - ``hopper``: the one-pass Gluon kernel (`hopper_bwd`, 5 matmuls, dQ by TMA reduce-add), with
   its delta, zero-fill and cast launches;
 - ``hopper_dkdv``: the same kernel without the dQ part (``hopper_bwd.DQ_PARTS = 0``: dK, dV
-  only, plus the delta launch), which shows what the dQ accumulation costs.
+  only, plus the delta launch), which shows what the dQ accumulation costs;
+- with ``--dq-parts``, ``hopper_parts1`` .. ``hopper_parts3``: the kernel with DQ_PARTS 1 (+ the
+  dS^T exchange between the warpgroups), 2 (+ the dQ wgmma; ptxas drops part of it, since its
+  result is unused) and 3 (+ dQ's store to the staging buffers and the hand-off to the reducer
+  warp, which then adds nothing).
 Every call goes through `launch.bwd` (the short path off, TMA descriptors on, as large calls take).
 """
 
@@ -26,7 +30,7 @@ CASES = [(16384, 128, "dense"), (16384, 128, "random"), (4096, 128, "random"), (
          (16384, 64, "dense"), (4096, 64, "random")]
 
 
-def measure(n: int, d: int, kind: str) -> dict:
+def measure(n: int, d: int, kind: str, dq_parts: bool = False) -> dict:
     import sparseflash
     from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.experiments.studies.hopper.fwd_bench import _mask
@@ -50,7 +54,10 @@ def measure(n: int, d: int, kind: str) -> dict:
     a, kw = saved["a"], saved["kw"]
     do_, q_, k_, v_, o_, lse_, dlse_, kv_idx, q_idx, kl, scale, cz, mbq, mbk, dp, rng = a
     row = dict(seq=n, head_dim=d, mask=kind)
-    for name, mode, with_dq in [("portable", "off", 4), ("hopper", "on", 4), ("hopper_dkdv", "on", 0)]:
+    variants = [("portable", "off", 4), ("hopper", "on", 4), ("hopper_dkdv", "on", 0)]
+    if dq_parts:
+        variants += [(f"hopper_parts{i}", "on", i) for i in (1, 2, 3)]
+    for name, mode, with_dq in variants:
         def step():
             saved_modes = hopper_bwd.MODE, hopper_bwd.DQ_PARTS
             hopper_bwd.MODE, hopper_bwd.DQ_PARTS = mode, with_dq
@@ -72,6 +79,7 @@ def measure(n: int, d: int, kind: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dq-parts", action="store_true", help="also time the kernel with DQ_PARTS 1, 2, 3")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
@@ -81,7 +89,7 @@ def main(argv=None) -> int:
     launch.TMA_MODE = "on"  # the portable kernels' descriptor loads, as large calls take them
     rows = []
     for n, d, kind in CASES:
-        rows.append(measure(n, d, kind))
+        rows.append(measure(n, d, kind, args.dq_parts))
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()), flush=True)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
