@@ -26,8 +26,8 @@ q tile), rows that see none of the tile (causal) skipped, the causal mask applie
 the diagonal crosses, keys at or past kv_end (key_lengths) masked in the one tile that holds
 kv_end, and a tile wholly past kv_end writing zeros. Rows whose LSE is +inf (no key) give P = 0.
 
-Opt-in (MODE, SPARSEFLASH_HOPPER_BWD=on): correct, but slower than the portable backward in most
-measured cases (experiments/studies/hopper/README.md has the numbers and where the time goes).
+Opt-in (MODE, SPARSEFLASH_HOPPER_BWD=on): correct, but slower than the portable backward in every
+measured case (experiments/studies/hopper/README.md has the numbers and where the time goes).
 Scope: as the forward's (`hopper.unsupported`), plus a dO layout TMA takes. dQ's float32 sums
 arrive in whatever order the CTAs finish, so dQ is not bitwise reproducible from run to run (its
 error bound is the same); dK and dV are.
@@ -47,7 +47,7 @@ from sparseflash.flash.hopper import GLUON_ERROR, LOG2E, TILE
 __all__ = ["bwd", "plan", "unsupported", "do_layout", "QT", "MODE"]
 
 # "on": this kernel wherever the Hopper forward runs and dO's layout allows; "off" (the default):
-# the portable backward kernels, faster today in most measured cases (experiments/studies/hopper/).
+# the portable backward kernels, faster today in every measured case (experiments/studies/hopper/).
 # SPARSEFLASH_HOPPER_BWD sets it; SPARSEFLASH_HOPPER=off turns both Hopper kernels off.
 MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "off")
 
