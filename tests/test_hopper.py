@@ -3,6 +3,7 @@
 H100 through the public API (outputs and gradients; the GPU tests turn the backward on)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -71,6 +72,24 @@ def test_unsupported_reasons(monkeypatch):
     monkeypatch.setattr(hopper, "MODE", "fast")
     with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER"):
         hopper.unsupported(q, q, q)
+
+
+def test_bwd_delta_padding(device):
+    """The backward's delta pass (a Triton kernel, so it runs under the interpreter too): LSE *
+    log2(e) and rowsum(dO * O) - dLSE, padded with +inf and 0 to the rows a walk can visit."""
+    g = torch.Generator().manual_seed(0)
+    o, do = (torch.randn(2, 3, 70, 32, generator=g).to(device) for _ in range(2))
+    lse, dlse = (torch.randn(2, 3, 70, generator=g).to(device) for _ in range(2))
+    lse2, delta = hopper_bwd._delta(o, do, lse, dlse, 128)
+    assert lse2.shape == delta.shape == (6, 128)
+    want = ((o.double() * do.double()).sum(-1) - dlse.double()).reshape(6, 70)
+    torch.testing.assert_close(delta[:, :70].double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse2[:, :70].double(), lse.double().reshape(6, 70) / math.log(2), rtol=1e-6, atol=1e-6)
+    assert torch.isinf(lse2[:, 70:]).all() and (lse2[:, 70:] > 0).all()
+    assert (delta[:, 70:] == 0).all()
+    # the rows a walk visits: 64-row steps when dense, whole mask blocks with lists
+    assert [hopper_bwd._padded_rows(n, bq) for n, bq in [(1050, None), (1050, 128), (1000, 256), (1024, 128)]] == [
+        1088, 1152, 1024, 1024]
 
 
 def test_layouts():
@@ -156,6 +175,7 @@ CASES = [  # (B, Hq, Hkv, Nq, Nk, D, mask, causal, key_lengths)
     (2, 2, 2, 1024, 1024, 64, "random128", False, None),     # per-head lists
     (1, 2, 2, 1000, 1000, 128, "random128", True, [900]),    # list walk with tails, causal, key_lengths
     (2, 2, 2, 1024, 1024, 128, "random256", False, None),    # 256 blocks: two steps per list entry
+    (1, 2, 2, 1050, 1050, 128, "random128", False, None),    # the last block's 2nd step starts past row 1050
     (1, 2, 2, 2048, 2048, 64, "butterfly", False, None),
     (2, 16, 16, 2048, 2048, 64, "dense", True, None),        # 512 tiles over 132 CTAs: phases wrap many times
 ]

@@ -63,7 +63,8 @@ LOADER_REGS = 24
 
 
 def _stages(head_dim: int) -> int:
-    """Q/dO ring depth. Shared memory, d=128: K, V 64 KB + 2 x (Q + dO) 64 KB + dS 32 KB + dQ 32 KB."""
+    """Q/dO ring depth. Shared memory, d=128: K, V 64 KB + 2 x (Q + dO) 64 KB + dS 32 KB + dQ staging
+    2 x 32 KB = 224 KB of the 227 KB an sm_90 CTA may have (so DQ_BUFS = 3 does not fit)."""
     return 2 if head_dim > 64 else 4
 
 
@@ -86,9 +87,6 @@ if GLUON_ERROR is None:
             coord = _semantic._convert_to_ir_values(coord, require_i64=False)
             _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                       src.handle)
-
-    # a barrier over the calling partition's warps (3.6: thread_barrier; 3.9: barrier)
-    _part_bar = getattr(gl, "thread_barrier", None) or gl.barrier
 
     _TILE = gl.constexpr(TILE)
     _QT = gl.constexpr(QT)
@@ -219,8 +217,9 @@ if GLUON_ERROR is None:
                      CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, ROTATE: gl.constexpr, DH: gl.constexpr,
                      DQ_PARTS: gl.constexpr, DQ_BUFS: gl.constexpr):
         """1 warp: once both warpgroups have put a step's dQ halves in shared memory (dq_full), add
-        them into the float32 dQ buffer with TMA reductions, wait until those have read the halves,
-        and hand the buffers back (dq_empty). The walk is the loader's."""
+        them into the float32 dQ buffer with TMA reductions, and hand a buffer back (dq_empty) once
+        its reductions have read it: with two buffers, one step later (after the next step's
+        reductions are issued). The walk is the loader's."""
         it = 0
         if DQ_PARTS < 3:  # (nothing to add: the warp returns)
             n_tiles = 0
@@ -248,11 +247,12 @@ if GLUON_ERROR is None:
                             tma.store_wait(2)  # the last step's two reductions have read their halves
                             mbarrier.arrive(dq_empty.index((it - 1) % DQ_BUFS))
                         it += 1
+        tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
 
     @gluon.jit
     def _bwd_consumer(q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty, do_ready,
                       do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv,
-                      group, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+                      group, seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
@@ -267,7 +267,6 @@ if GLUON_ERROR is None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         dtype: gl.constexpr = k_buf.dtype
         causal_off = seq_k - seq_q
-        n_pad = (seq_q + _QT - 1) // _QT * _QT  # LSE2 and DELTA rows per head
         zero_s = gl.zeros([_HALF, _QT], gl.float32, layout=s_layout)
         zero_q = gl.zeros([_QT, DH], gl.float32, layout=q_layout)
         k_all = k_buf.reshape([_TILE, HEAD_DIM])
@@ -366,7 +365,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN,
-                           n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
+                           n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k, n_qblocks, n_pad, qk_scale, sm_scale,
                            stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
                            stride_dvb, stride_dvh, stride_dvn,
                            HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
@@ -407,14 +406,14 @@ if GLUON_ERROR is None:
             (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
                              do_ready, do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
                              n_heads_kv, group,
-                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+                             seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
                              DQ_PARTS, DQ_BUFS)),
             (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
                              do_ready, do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
                              n_heads_kv, group,
-                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+                             seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
                              DQ_PARTS, DQ_BUFS)),
@@ -430,6 +429,9 @@ if GLUON_ERROR is None:
 
 
 # ----------------------------------------------------------------------------- the two small kernels
+_LOG2E_TL = tl.constexpr(LOG2E)
+
+
 @triton.jit
 def _rows(n_heads, seq_q, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
     """This program's (batch * head, batch, head, BLOCK row indices, head_dim indices, row mask)."""
@@ -454,7 +456,7 @@ def _delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om
     p_row = i_bh.to(tl.int64) * seq_q + o_m
     if HAS_DLSE:
         delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
-    lse2 = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * _LOG2E_TL
     p_pad = i_bh.to(tl.int64) * n_pad + o_m
     tl.store(DELTA + p_pad, delta, mask=o_m < n_pad)
     tl.store(LSE2 + p_pad, lse2, mask=o_m < n_pad)
@@ -498,6 +500,26 @@ def plan(do, q, o, lay):
     return None if _do_unsupported(do, q, o) is not None else (lay, do_layout(do))
 
 
+def _padded_rows(n_q: int, mask_bq: int | None) -> int:
+    """The q rows per head a walk can visit: whole 64-row steps (dense, ``mask_bq`` None), or
+    every step of each listed block of ``mask_bq`` rows, the last block's too."""
+    unit = mask_bq or QT
+    return triton.cdiv(n_q, unit) * unit
+
+
+def _delta(o, do, lse, dlse, n_pad: int):
+    """(LSE * log2(e), delta = rowsum(dO * O) - dLSE), float32 [B * H, n_pad] each, rows past
+    Nq padded with +inf and 0 (`_delta_kernel`)."""
+    B, H, Nq, D = o.shape
+    lse2 = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
+    delta = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
+    so, sdo = o.stride(), do.stride()
+    _delta_kernel[(triton.cdiv(n_pad, QT), B * H)](
+        o, do, lse, o if dlse is None else dlse, lse2, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], H, Nq,
+        n_pad, HEAD_DIM=D, BLOCK=QT, HAS_DLSE=dlse is not None)
+    return lse2, delta
+
+
 def do_layout(do):
     """`hopper._layout` of dO, or None."""
     return hopper._layout(tuple(do.shape), do.stride(), do.element_size(), do.data_ptr() % 16 == 0)
@@ -513,14 +535,8 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     Hk, Nk = k.shape[1], k.shape[2]
     dense = lists is None
     idx, i_strides, nb_p2, n_qb = (q, (0, 0, 0), 2, 0) if dense else lists
-    n_pad = triton.cdiv(Nq, QT) * QT
-    lse2 = torch.empty((B * H, n_pad), device=q.device, dtype=torch.float32)
-    delta = torch.empty((B * H, n_pad), device=q.device, dtype=torch.float32)
-    so, sdo = o.stride(), do.stride()
-    rows = QT  # (the delta kernel's programs then cover the padding too)
-    _delta_kernel[(triton.cdiv(Nq, rows), B * H)](
-        o, do, lse, q if dlse is None else dlse, lse2, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], H, Nq,
-        n_pad, HEAD_DIM=D, BLOCK=rows, HAS_DLSE=dlse is not None)
+    n_pad = _padded_rows(Nq, None if dense else mask_bq or TILE)
+    lse2, delta = _delta(o, do, lse, dlse, n_pad)
     acc = torch.zeros((B, H, Nq, D), device=q.device, dtype=torch.float32)
     dk, dv = new(k), new(v)
     sk, sv = dk.stride(), dv.stride()
@@ -532,7 +548,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     _hopper_bwd_kernel[(max(1, min(n_tiles, num_sms)),)](
         hopper._descriptor(q, lay[0], QT), hopper._descriptor(k, lay[1], TILE), hopper._descriptor(v, lay[2], TILE),
         hopper._descriptor(do, do_lay, QT), desc_dq, dk, dv, lse2, delta, idx,
-        q if key_lengths is None else key_lengths, n_tiles, n_bhk, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E, scale,
+        q if key_lengths is None else key_lengths, n_tiles, n_bhk, Hk, H // Hk, Nq, Nk, n_qb, n_pad, scale * LOG2E, scale,
         *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
@@ -542,5 +558,5 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         return None, dk, dv
     dq = new(q)
     sq = dq.stride()
-    _dq_cast_kernel[(triton.cdiv(Nq, rows), B * H)](acc, dq, sq[0], sq[1], sq[2], H, Nq, scale, HEAD_DIM=D, BLOCK=rows)
+    _dq_cast_kernel[(triton.cdiv(Nq, QT), B * H)](acc, dq, sq[0], sq[1], sq[2], H, Nq, scale, HEAD_DIM=D, BLOCK=QT)
     return dq, dk, dv

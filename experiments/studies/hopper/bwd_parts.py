@@ -57,10 +57,10 @@ def measure(n: int, d: int, kind: str, dq_parts: bool = False) -> dict:
     variants = [("portable", "off", 4), ("hopper", "on", 4), ("hopper_dkdv", "on", 0)]
     if dq_parts:
         variants += [(f"hopper_parts{i}", "on", i) for i in (1, 2, 3)]
-    for name, mode, with_dq in variants:
+    for name, mode, dq_parts in variants:
         def step():
             saved_modes = hopper_bwd.MODE, hopper_bwd.DQ_PARTS
-            hopper_bwd.MODE, hopper_bwd.DQ_PARTS = mode, with_dq
+            hopper_bwd.MODE, hopper_bwd.DQ_PARTS = mode, dq_parts
             try:
                 real(*a, **kw)
             finally:
