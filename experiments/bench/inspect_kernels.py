@@ -105,7 +105,9 @@ def compile_launches(run) -> dict:
     """Call ``run()`` with Triton's driver replaced by the sm_90 stand-in and every kernel launch it
     makes compiled for sm_90 instead of launched (Triton and Gluon kernels alike, with the launch's
     register cap): {kernel name: CompiledKernel}. Kernels already in the in-memory cache do not
-    reach the hook; each caller compiles fresh launches."""
+    reach the hook; each caller compiles fresh launches. The portable launchers choose tiles by
+    the tensors' device: on CPU tensors they take the interpreter's 32 x 32 tile (which compiles
+    to mma.sync, not wgmma). Give them the GPU's tiles with `launch.tile_config`, as `main` does."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
