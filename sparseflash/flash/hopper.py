@@ -142,13 +142,15 @@ if GLUON_ERROR is None:
         return p_list, j_full, j_valid, kv_end, causal_off
 
     @gluon.jit
-    def _key_start(p_list, j, DENSE: gl.constexpr, MASK_BK: gl.constexpr):
-        """First key of step j of a row walk."""
+    def _list_start(p_list, j, DENSE: gl.constexpr, MASK_B: gl.constexpr, STEP: gl.constexpr):
+        """First row (key or query) of step j of a walk in steps of STEP rows: dense, every step;
+        else every step of each listed block of MASK_B rows (a row walk's keys, the forward's, or
+        a column walk's queries, the backward's)."""
         if DENSE:
-            return j * _TILE
+            return j * STEP
         else:
-            SUB: gl.constexpr = MASK_BK // _TILE
-            return gl.load(p_list + j // SUB) * MASK_BK + (j % SUB) * _TILE
+            SUB: gl.constexpr = MASK_B // STEP
+            return gl.load(p_list + j // SUB) * MASK_B + (j % SUB) * STEP
 
     @gluon.jit
     def _coord(b, h, n, BNHD: gl.constexpr):
@@ -187,7 +189,7 @@ if GLUON_ERROR is None:
                 _fill(desc_q, _coord(b, h, pm * _TILE, Q_BNHD), q_ready.index(qi), q_empty.index(qi),
                       q_bufs.index(qi), (n_done // 2) & 1)
                 for j in range(j_valid):
-                    start_n = _key_start(p_list, j, DENSE, MASK_BK)
+                    start_n = _list_start(p_list, j, DENSE, MASK_BK, _TILE)
                     s = it % STAGES
                     ph = (it // STAGES) & 1
                     _fill(desc_k, _coord(b, hk, start_n, KV_BNHD), k_ready.index(s), k_empty.index(s), k_bufs.index(s), ph)
@@ -201,7 +203,7 @@ if GLUON_ERROR is None:
         """Online softmax of one raw score tile (log2 domain, the scale folded into the exponent's
         FMA): (P, new running max, new running sum, the factor that rescales O)."""
         if j >= j_full:  # the masked band: keys past kv_end and, causal, above the diagonal
-            start_n = _key_start(p_list, j, DENSE, MASK_BK)
+            start_n = _list_start(p_list, j, DENSE, MASK_BK, _TILE)
             cols = start_n + gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout))
             keep = gl.expand_dims(cols < kv_end, 0)
             if CAUSAL:

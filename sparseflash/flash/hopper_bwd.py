@@ -74,7 +74,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparseflash.flash.hopper import _coord, _fill, _list_layout, _tma_load, _wgmma_layout
+    from sparseflash.flash.hopper import _coord, _fill, _list_layout, _list_start, _tma_load, _wgmma_layout
 
     if hasattr(tma, "async_atomic_add"):
         _tma_add = tma.async_atomic_add
@@ -146,24 +146,17 @@ if GLUON_ERROR is None:
         return p_list, j_skip, gl.maximum(j_part, j_skip), gl.maximum(j_end, j_skip)
 
     @gluon.jit
-    def _step(jj, j_skip, j_end, start_n, ROTATE: gl.constexpr):
-        """The jj-th step of a walk over j_skip .. j_end - 1. ROTATE starts each key tile's walk at a
-        different q tile (tile n at step 2n, wrapping), so CTAs on the same head do not reduce
-        into the same dQ rows at the same time."""
+    def _step(p_list, jj, j_skip, j_end, start_n, DENSE: gl.constexpr, MASK_BQ: gl.constexpr, ROTATE: gl.constexpr):
+        """(j, first query row) of the jj-th step of a walk over j_skip .. j_end - 1. ROTATE starts
+        each key tile's walk at a different q tile (tile n at step 2n, wrapping), so CTAs on the
+        same head do not reduce into the same dQ rows at the same time."""
         if ROTATE:
             n_steps = j_end - j_skip
             j = jj + ((start_n // _QT) % gl.maximum(n_steps, 1))
-            return j_skip + gl.where(j >= n_steps, j - n_steps, j)
+            j = j_skip + gl.where(j >= n_steps, j - n_steps, j)
         else:
-            return j_skip + jj
-
-    @gluon.jit
-    def _q_start(p_list, j, DENSE: gl.constexpr, MASK_BQ: gl.constexpr):
-        if DENSE:
-            return j * _QT
-        else:
-            SUB: gl.constexpr = MASK_BQ // _QT
-            return gl.load(p_list + j // SUB) * MASK_BQ + (j % SUB) * _QT
+            j = j_skip + jj
+        return j, _list_start(p_list, j, DENSE, MASK_BQ, _QT)
 
     @gluon.jit
     def _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN: gl.constexpr):
@@ -199,8 +192,7 @@ if GLUON_ERROR is None:
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
                                                           DENSE, CAUSAL, 1)
                     for jj in range(0, j_end - j_skip):
-                        j = _step(jj, j_skip, j_end, start_n, ROTATE)
-                        start_m = _q_start(p_list, j, DENSE, MASK_BQ)
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
                         s = it % STAGES
                         ph = (it // STAGES) & 1
                         _fill(desc_q, _coord(b, h, start_m, Q_BNHD), q_ready.index(s), q_empty.index(s),
@@ -233,8 +225,7 @@ if GLUON_ERROR is None:
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
                                                           DENSE, CAUSAL, 1)
                     for jj in range(0, j_end - j_skip):
-                        j = _step(jj, j_skip, j_end, start_n, ROTATE)
-                        start_m = _q_start(p_list, j, DENSE, MASK_BQ)
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
                         bi = it % DQ_BUFS
                         mbarrier.wait(dq_full.index(bi), (it // DQ_BUFS) & 1)
                         if DQ_PARTS >= 4:
@@ -294,8 +285,7 @@ if GLUON_ERROR is None:
                                                           DENSE, CAUSAL, 4)
                     row0 = (b * (n_heads_kv * group) + h).to(gl.int64) * n_pad
                     for jj in range(0, j_end - j_skip):
-                        j = _step(jj, j_skip, j_end, start_n, ROTATE)
-                        start_m = _q_start(p_list, j, DENSE, MASK_BQ)
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
                         s = it % STAGES
                         ph = (it // STAGES) & 1
                         q_s = q_bufs.index(s).reshape([_QT, HEAD_DIM])
