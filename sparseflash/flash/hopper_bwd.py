@@ -14,7 +14,7 @@ buffer with TMA reductions (``cp.reduce.async.bulk``), which a last small kernel
   dS^T = P^T (dP^T - delta), then dV_w += P^T dO and dK_w += dS^T Q with P^T and dS^T as
   register operands. dS^T also goes to shared memory; once both warpgroups have written theirs
   (an mbarrier), each computes half of dQ's columns, dQ[:, half] = dS K[:, half] (issued before
-  dK's wgmma, so it is stored while dK runs), and puts it in one of DQ_BUFS staging buffers;
+  dK's wgmma, so it is stored while dK runs), and puts it in one of two staging buffers;
 - a 1-warp **reducer** adds each step's two halves into the float32 dQ buffer with TMA reductions
   and frees the staging buffer once they have read it (while the warpgroups fill the other one);
 - a small Triton kernel first computes delta = rowsum(dO * O) - dLSE and LSE * log2(e), padded to
@@ -57,14 +57,13 @@ ROTATE = True  # stagger the column walks (`_step`)
 # 0 dK and dV only; 1 + the dS^T exchange between the warpgroups; 2 + the dQ matmul; 3 + dQ's store
 # to shared memory and the hand-off to the reducer warp, which adds nothing; 4 everything.
 DQ_PARTS = 4
-DQ_BUFS = 2  # dQ staging buffers: the reducer adds one step's halves while the warpgroups fill the next
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
 
 def _stages(head_dim: int) -> int:
     """Q/dO ring depth. Shared memory, d=128: K, V 64 KB + 2 x (Q + dO) 64 KB + dS 32 KB + dQ staging
-    2 x 32 KB = 224 KB of the 227 KB an sm_90 CTA may have (so DQ_BUFS = 3 does not fit)."""
+    2 x 32 KB = 224 KB of the 227 KB an sm_90 CTA may have (so a third staging buffer does not fit)."""
     return 2 if head_dim > 64 else 4
 
 
@@ -90,6 +89,7 @@ if GLUON_ERROR is None:
 
     _TILE = gl.constexpr(TILE)
     _QT = gl.constexpr(QT)
+    _DQ_BUFS = gl.constexpr(2)  # dQ staging buffers: the reducer reads one while the warpgroups fill the other
     _HALF = gl.constexpr(TILE // 2)
 
     @gluon.constexpr_function
@@ -207,7 +207,7 @@ if GLUON_ERROR is None:
                      seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
                      MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                      CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, ROTATE: gl.constexpr, DH: gl.constexpr,
-                     DQ_PARTS: gl.constexpr, DQ_BUFS: gl.constexpr):
+                     DQ_PARTS: gl.constexpr):
         """1 warp: once both warpgroups have put a step's dQ halves in shared memory (dq_full), add
         them into the float32 dQ buffer with TMA reductions, and hand a buffer back (dq_empty) once
         its reductions have read it: with two buffers, one step later (after the next step's
@@ -226,17 +226,14 @@ if GLUON_ERROR is None:
                                                           DENSE, CAUSAL, 1)
                     for jj in range(0, j_end - j_skip):
                         j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
-                        bi = it % DQ_BUFS
-                        mbarrier.wait(dq_full.index(bi), (it // DQ_BUFS) & 1)
+                        bi = it % _DQ_BUFS
+                        mbarrier.wait(dq_full.index(bi), (it // _DQ_BUFS) & 1)
                         if DQ_PARTS >= 4:
                             _tma_add(desc_dq, [b, h, start_m, 0], dq_bufs.index(2 * bi))
                             _tma_add(desc_dq, [b, h, start_m, DH], dq_bufs.index(2 * bi + 1))
-                        if DQ_BUFS == 1:
-                            tma.store_wait(0)  # the reductions have read both halves
-                            mbarrier.arrive(dq_empty.index(0))
-                        elif it > 0:
+                        if it > 0:
                             tma.store_wait(2)  # the last step's two reductions have read their halves
-                            mbarrier.arrive(dq_empty.index((it - 1) % DQ_BUFS))
+                            mbarrier.arrive(dq_empty.index((it - 1) % _DQ_BUFS))
                         it += 1
         tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
 
@@ -247,7 +244,7 @@ if GLUON_ERROR is None:
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, DQ_BUFS: gl.constexpr):
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG."""
         s_layout: gl.constexpr = _wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
@@ -324,9 +321,9 @@ if GLUON_ERROR is None:
                             dv = res[0]
                             dq = res[1]
                             if DQ_PARTS >= 3:
-                                bi = it % DQ_BUFS
+                                bi = it % _DQ_BUFS
                                 # (the reducer has read this buffer's last halves)
-                                mbarrier.wait(dq_empty.index(bi), ((it // DQ_BUFS) & 1) ^ 1)
+                                mbarrier.wait(dq_empty.index(bi), ((it // _DQ_BUFS) & 1) ^ 1)
                                 dq_s = dq_bufs.index(2 * bi + WG).reshape([_QT, DH])
                                 dq_s.store(dq)
                                 fence_async_shared()
@@ -362,14 +359,14 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, DQ_BUFS: gl.constexpr):
+                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
         k_buf = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
         v_buf = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
         ds_bufs = gl.allocate_shared_memory(dtype, [2, _TILE, _QT], _ds_layout(dtype))
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS] + desc_dq.block_type.shape, desc_dq.layout)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * _DQ_BUFS] + desc_dq.block_type.shape, desc_dq.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -377,9 +374,9 @@ if GLUON_ERROR is None:
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(DQ_BUFS):
+        dq_full = gl.allocate_shared_memory(gl.int64, [_DQ_BUFS, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [_DQ_BUFS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(_DQ_BUFS):
             mbarrier.init(dq_full.index(i), count=2)  # both warpgroups stored their half of a step's dQ
             mbarrier.init(dq_empty.index(i), count=1)
         mbarrier.init(kv_ready, count=1)
@@ -399,14 +396,14 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, DQ_BUFS)),
+                             DQ_PARTS)),
             (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
                              do_ready, do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
                              n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, DQ_BUFS)),
+                             DQ_PARTS)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, kv_empty, q_ready,
                            q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -414,7 +411,7 @@ if GLUON_ERROR is None:
                            Q_BNHD, KV_BNHD, DO_BNHD, ROTATE)),
             (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group,
                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
-                            CAUSAL, HAS_KEYLEN, ROTATE, HEAD_DIM // 2, DQ_PARTS, DQ_BUFS)),
+                            CAUSAL, HAS_KEYLEN, ROTATE, HEAD_DIM // 2, DQ_PARTS)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
@@ -543,7 +540,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, DQ_BUFS=DQ_BUFS, num_warps=4)
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, num_warps=4)
     if DQ_PARTS < 4:
         return None, dk, dv
     dq = new(q)
