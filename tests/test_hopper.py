@@ -119,6 +119,19 @@ def test_cpu_calls_never_take_it(monkeypatch, device):
 
 
 # ----------------------------------------------------------------------------- sm_90 GPU
+def _count_calls(monkeypatch, module, name):
+    """Wrap ``module.name`` to record each call's first argument's shape; returns the list."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 @pytest.fixture
 def hopper_spy(monkeypatch):
     """Every call takes descriptors (so small shapes reach the kernel); counts the Hopper forwards."""
@@ -126,15 +139,7 @@ def hopper_spy(monkeypatch):
 
     monkeypatch.setattr(launch, "TMA_MODE", "on")
     monkeypatch.setattr(fast, "ENABLED", False)
-    calls = []
-    real = hopper.fwd
-
-    def spy(*a, **k):
-        calls.append(a[0].shape)
-        return real(*a, **k)
-
-    monkeypatch.setattr(hopper, "fwd", spy)
-    return calls
+    return _count_calls(monkeypatch, hopper, "fwd")
 
 
 @pytest.fixture
@@ -142,14 +147,7 @@ def hopper_bwd_spy(monkeypatch):
     """Turns the Hopper backward on (taken where the Hopper forward is, see `hopper_spy`) and
     counts its calls."""
     monkeypatch.setattr(hopper_bwd, "MODE", "on")
-    calls = []
-    real = hopper_bwd.bwd
-
-    def spy(*a, **k):
-        calls.append(a[0].shape)
-        return real(*a, **k)
-    monkeypatch.setattr(hopper_bwd, "bwd", spy)
-    return calls
+    return _count_calls(monkeypatch, hopper_bwd, "bwd")
 
 
 def _mask(kind, n, nk=None):
