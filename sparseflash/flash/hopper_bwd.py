@@ -239,7 +239,8 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _bwd_consumer(q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty, do_ready,
-                      do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv,
+                      do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
+                      n_heads_kv,
                       group, seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
@@ -391,14 +392,16 @@ if GLUON_ERROR is None:
         fence_async_shared()
         gl.warp_specialize([
             (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
-                             do_ready, do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
+                             do_ready, do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN,
+                             n_tiles, n_bhk,
                              n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
                              DQ_PARTS)),
             (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
-                             do_ready, do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
+                             do_ready, do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN,
+                             n_tiles, n_bhk,
                              n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
@@ -522,7 +525,8 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     Hk, Nk = k.shape[1], k.shape[2]
     dense = lists is None
     idx, i_strides, nb_p2, n_qb = (q, (0, 0, 0), 2, 0) if dense else lists
-    n_pad = _padded_rows(Nq, None if dense else mask_bq or TILE)
+    mask_q = mask_bq or TILE  # (the kernel's MASK_BQ; dense walks ignore it)
+    n_pad = _padded_rows(Nq, None if dense else mask_q)
     lse2, delta = _delta(o, do, lse, dlse, n_pad)
     acc = torch.zeros((B, H, Nq, D), device=q.device, dtype=torch.float32)
     dk, dv = new(k), new(v)
@@ -535,9 +539,9 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     _hopper_bwd_kernel[(max(1, min(n_tiles, num_sms)),)](
         hopper._descriptor(q, lay[0], QT), hopper._descriptor(k, lay[1], TILE), hopper._descriptor(v, lay[2], TILE),
         hopper._descriptor(do, do_lay, QT), desc_dq, dk, dv, lse2, delta, idx,
-        q if key_lengths is None else key_lengths, n_tiles, n_bhk, Hk, H // Hk, Nq, Nk, n_qb, n_pad, scale * LOG2E, scale,
-        *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-        HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
+        q if key_lengths is None else key_lengths, n_tiles, n_bhk, Hk, H // Hk, Nq, Nk, n_qb, n_pad, scale * LOG2E,
+        scale, *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+        HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
         DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, num_warps=4)
