@@ -1,6 +1,6 @@
-"""The Hopper forward (sparseflash/flash/hopper.py) and the opt-in one-pass backward
-(hopper_bwd.py): compiled for sm_90 on any machine, checked against the float64 reference on an
-H100 through the public API (outputs and gradients; the GPU tests turn the backward on)."""
+"""The Hopper forward (sparseflash/flash/hopper.py) and the one-pass backward (hopper_bwd.py):
+compiled for sm_90 on any machine, checked against the float64 reference on an H100 through the
+public API (outputs and gradients; the GPU tests run the backward on block lists too)."""
 
 import json
 import math
@@ -45,9 +45,10 @@ def test_compiles_for_sm90(kernel, consumer_regs):
 
 
 def test_bwd_choice(monkeypatch):
-    """The backward is opt-in (MODE "off" by default: the portable one is faster today), checked
-    for a valid value, and never taken on CPU; dO needs a layout descriptors take."""
-    assert hopper_bwd.MODE in ("on", "off")
+    """The backward runs walks without block lists by default (MODE "auto"; block-sparse calls keep
+    the portable backward, faster there), all of them with "on", none with "off"; the value is
+    checked, CPU calls never take it, and dO needs a layout descriptors take."""
+    assert hopper_bwd.MODE in ("auto", "on", "off")
     q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
     assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
     assert hopper_bwd.do_layout(q) is not None
@@ -58,8 +59,12 @@ def test_bwd_choice(monkeypatch):
     assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
     monkeypatch.setattr(hopper_bwd, "MODE", "on")
     assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
+    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) == ("lay", hopper_bwd.do_layout(q))
     assert launch._hopper_bwd_layouts(q.float(), q, q, q, q, None, None, -1.0) is None  # dO dtype differs
     monkeypatch.setattr(hopper_bwd, "MODE", "auto")
+    assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
+    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) is None  # block lists: portable
+    monkeypatch.setattr(hopper_bwd, "MODE", "fast")
     with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER_BWD"):
         launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0)
 
@@ -144,8 +149,8 @@ def hopper_spy(monkeypatch):
 
 @pytest.fixture
 def hopper_bwd_spy(monkeypatch):
-    """Turns the Hopper backward on (taken where the Hopper forward is, see `hopper_spy`) and
-    counts its calls."""
+    """Turns the Hopper backward on for every walk, block lists included (taken where the Hopper
+    forward is, see `hopper_spy`), and counts its calls."""
     monkeypatch.setattr(hopper_bwd, "MODE", "on")
     return _count_calls(monkeypatch, hopper_bwd, "bwd")
 

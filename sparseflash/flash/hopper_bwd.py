@@ -46,10 +46,12 @@ from sparseflash.flash.hopper import GLUON_ERROR, LOG2E, TILE
 
 __all__ = ["bwd", "plan", "unsupported", "do_layout", "QT", "MODE"]
 
-# "on": this kernel wherever the Hopper forward runs and dO's layout allows; "off" (the default):
-# the portable backward kernels, faster today in every measured case (experiments/studies/hopper/).
-# SPARSEFLASH_HOPPER_BWD sets it; SPARSEFLASH_HOPPER=off turns both Hopper kernels off.
-MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "off")
+# "auto" (the default): this kernel wherever the Hopper forward runs and dO's layout allows, for walks
+# without block lists (dense, causal, key_lengths); block-sparse calls keep the portable backward,
+# faster there (experiments/studies/hopper/README.md, stage 5). "on": block-sparse calls too. "off":
+# the portable backward everywhere. SPARSEFLASH_HOPPER_BWD sets it; SPARSEFLASH_HOPPER=off turns both
+# Hopper kernels off.
+MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "auto")
 
 QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
 ROTATE = True  # stagger the column walks (`_step`)
@@ -57,6 +59,10 @@ ROTATE = True  # stagger the column walks (`_step`)
 # 0 dK and dV only; 1 + the dS^T exchange between the warpgroups; 2 + the dQ matmul; 3 + dQ's store
 # to shared memory and the hand-off to the reducer warp, which adds nothing; 4 everything.
 DQ_PARTS = 4
+# Compute each step's dQ during the next step (the warpgroups then never wait for each other's dS^T of
+# the step they are on), instead of right after the dS^T exchange.
+DQ_LAG = True
+HEAD_GROUPS = True  # run the heads in small groups (`_heads_per_group`)
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -91,6 +97,7 @@ if GLUON_ERROR is None:
     _QT = gl.constexpr(QT)
     _DQ_BUFS = gl.constexpr(2)  # dQ staging buffers: the reducer reads one while the warpgroups fill the other
     _HALF = gl.constexpr(TILE // 2)
+    _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a step's LSE or delta
 
     @gluon.constexpr_function
     def _ds_layout(dtype):
@@ -98,17 +105,38 @@ if GLUON_ERROR is None:
         return gl.NVMMASharedLayout.get_default_for([TILE, QT], getattr(dtype, "value", dtype))
 
     @gluon.jit
-    def _key_tile(base, n_bhk, n_heads_kv):
-        """This CTA's tile of the round starting at stream position ``base``: (tile index, batch, kv
-        head, first key); the index is >= the number of tiles when the CTA has none this round.
-        The stream runs key tile 0 of every head first (causal: the longest column walks first),
-        dealt in a snake (round r goes CTA 0..G-1 when r is even, G-1..0 when odd) so long and
-        short walks even out per CTA."""
+    def _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, PAIR: gl.constexpr):
+        """This CTA's key tile in round ``rr``: (tile index, batch, kv head, first key); the index is
+        n_tiles when the CTA has none this round.
+
+        The stream runs through the (batch, kv head)s in groups of ``gh`` (`_heads_per_group`), so
+        the float32 dQ rows the CTAs add into stay in L2. Without PAIR, round r deals the next G
+        tiles of the stream (G CTAs) in a snake (CTA 0..G-1 when r is even, G-1..0 when odd). With
+        PAIR (causal: a tile's walk is longer the earlier its keys), a CTA takes key tile m of a head
+        in round 2r and tile n_kt - 1 - m of the same head in round 2r + 1, so every CTA's pair of
+        rounds costs about the same (a static schedule, balanced in any order of the pairs)."""
         pid = gl.program_id(0)
         G = gl.num_programs(0)
-        t = base + gl.where((base // G) % 2 == 0, pid, G - 1 - pid)
-        bhk = t % n_bhk
-        return t, bhk // n_heads_kv, bhk % n_heads_kv, (t // n_bhk) * _TILE
+        n_kt = n_tiles // n_bhk
+        if PAIR:
+            n_per = (n_kt + 1) // 2  # pairs per head
+            u = (rr // 2) * G + pid
+        else:
+            n_per = n_kt
+            u = rr * G + gl.where(rr % 2 == 0, pid, G - 1 - pid)
+        g = u // (gh * n_per)
+        heads = gl.maximum(gl.minimum(gh, n_bhk - g * gh), 1)  # (the last group may have fewer)
+        r = u - g * gh * n_per
+        bhk = g * gh + r % heads
+        m = r // heads
+        if PAIR:
+            n = gl.where(rr % 2 == 1, n_kt - 1 - m, m)
+            valid = (u < n_bhk * n_per) & ((rr % 2 == 0) | (n != m))  # (an odd n_kt's middle tile: once)
+        else:
+            n = m
+            valid = u < n_tiles
+        t = gl.where(valid, bhk * n_kt + n, n_tiles)
+        return t, bhk // n_heads_kv, bhk % n_heads_kv, n * _TILE
 
     @gluon.jit
     def _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
@@ -166,19 +194,28 @@ if GLUON_ERROR is None:
         return kv_end
 
     @gluon.jit
-    def _bwd_loader(desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, kv_empty, q_ready,
-                    q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k,
-                    n_qblocks,
+    def _fill2(desc, coord, buf, desc_row, coord_row, buf_row, ready, empty, phase):
+        """`hopper._fill` of a tile and its rows' [1, QT] float32 vector (LSE or delta), on one barrier."""
+        mbarrier.wait(empty, phase ^ 1)
+        mbarrier.expect(ready, desc.block_type.nbytes + desc_row.block_type.nbytes)
+        _tma_load(desc, coord, ready, buf)
+        _tma_load(desc_row, coord_row, ready, buf_row)
+
+    @gluon.jit
+    def _bwd_loader(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf,
+                    v_buf, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh,
+                    n_heads_kv, group, seq_q, seq_k, n_qblocks,
                     stride_ib, stride_ih, stride_in,
                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                     Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr, ROTATE: gl.constexpr):
-        """1 warp: K and V of each tile (once the consumers release the last tile's), then Q and dO
-        of every step, in walk order; barrier phases run over the CTA's whole tile stream."""
+        """1 warp: K and V of each tile (once the consumers release the last tile's), then Q with its
+        rows' LSE and dO with their delta for every step, in walk order; barrier phases run over the
+        CTA's whole tile stream."""
         it = 0  # steps issued so far: ring slot and phase
         n_done = 0  # tiles started: the K/V phase
-        for base in range(0, n_tiles, gl.num_programs(0)):
-            t, b, hk, start_n = _key_tile(base, n_bhk, n_heads_kv)
+        for rr in range(0, n_rounds):
+            t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
             if t < n_tiles:
                 kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
                 # (a fresh barrier passes a parity-1 wait at once; K and V share one barrier pair)
@@ -195,15 +232,16 @@ if GLUON_ERROR is None:
                         j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
                         s = it % STAGES
                         ph = (it // STAGES) & 1
-                        _fill(desc_q, _coord(b, h, start_m, Q_BNHD), q_ready.index(s), q_empty.index(s),
-                              q_bufs.index(s), ph)
-                        _fill(desc_do, _coord(b, h, start_m, DO_BNHD), do_ready.index(s), do_empty.index(s),
-                              do_bufs.index(s), ph)
+                        bh = b * (n_heads_kv * group) + h
+                        _fill2(desc_q, _coord(b, h, start_m, Q_BNHD), q_bufs.index(s), desc_lse, [bh, start_m],
+                               lse_bufs.index(s), q_ready.index(s), q_empty.index(s), ph)
+                        _fill2(desc_do, _coord(b, h, start_m, DO_BNHD), do_bufs.index(s), desc_dlt, [bh, start_m],
+                               dlt_bufs.index(s), do_ready.index(s), do_empty.index(s), ph)
                         it += 1
                 n_done += 1
 
     @gluon.jit
-    def _bwd_reducer(desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group, seq_q,
+    def _bwd_reducer(desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q,
                      seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
                      MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                      CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, ROTATE: gl.constexpr, DH: gl.constexpr,
@@ -215,8 +253,8 @@ if GLUON_ERROR is None:
         it = 0
         if DQ_PARTS < 3:  # (nothing to add: the warp returns)
             n_tiles = 0
-        for base in range(0, n_tiles, gl.num_programs(0)):
-            t, b, hk, start_n = _key_tile(base, n_bhk, n_heads_kv)
+        for rr in range(0, n_rounds):
+            t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
             if t < n_tiles:
                 kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
                 for g in range(group):
@@ -238,15 +276,29 @@ if GLUON_ERROR is None:
         tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
 
     @gluon.jit
-    def _bwd_consumer(q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty, do_ready,
-                      do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN, n_tiles, n_bhk,
+    def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
+        """Put step p's dQ[:, half WG] ([QT, DH] float32) in its staging buffer, once the reducer has
+        read that buffer's last halves, and tell the reducer."""
+        bi = p % _DQ_BUFS
+        mbarrier.wait(dq_empty.index(bi), ((p // _DQ_BUFS) & 1) ^ 1)
+        dq_s = dq_bufs.index(2 * bi + WG).reshape([_QT, DH])
+        dq_s.store(dq)
+        fence_async_shared()
+        mbarrier.arrive(dq_full.index(bi))
+
+    @gluon.jit
+    def _bwd_consumer(q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty, do_ready,
+                      do_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh,
                       n_heads_kv,
-                      group, seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+                      group, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
-        """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG."""
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, DQ_LAG: gl.constexpr):
+        """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. With
+        DQ_LAG, step j's dQ is computed during step j + 1 (and the tile's last after its walk), so a
+        warpgroup never waits for the other's dS^T of the step it is on."""
+        LAG: gl.constexpr = DQ_LAG and DQ_PARTS >= 1
         s_layout: gl.constexpr = _wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
         DH: gl.constexpr = HEAD_DIM // 2
@@ -267,21 +319,21 @@ if GLUON_ERROR is None:
         c_a = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a_layout))
         it = 0  # steps so far: ring slot and phase, dS buffer and phase
         n_done = 0
-        for base in range(0, n_tiles, gl.num_programs(0)):
-            t, b, hk, start_n = _key_tile(base, n_bhk, n_heads_kv)
+        for rr in range(0, n_rounds):
+            t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
             if t < n_tiles:
                 kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
                 keys = start_n + r_s
                 key_mask = start_n + _TILE > kv_end  # the tile holding kv_end masks the keys past it
                 dk = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
                 dv = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
+                it0 = it  # (LAG: the tile's first step has no previous dQ to compute)
                 mbarrier.wait(kv_ready, n_done & 1)
                 for g in range(group):
                     h = hk * group + g
                     p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
                                                           DENSE, CAUSAL, 4)
-                    row0 = (b * (n_heads_kv * group) + h).to(gl.int64) * n_pad
                     for jj in range(0, j_end - j_skip):
                         j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
                         s = it % STAGES
@@ -293,50 +345,84 @@ if GLUON_ERROR is None:
                         mbarrier.wait(do_ready.index(s), ph)
                         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                         cols = start_m + gl.arange(0, _QT, layout=col_s)
-                        lse = gl.load(LSE + row0 + cols)  # (LSE * log2(e), padded: `_delta_kernel`)
+                        lse = lse_bufs.index(s).load(s_layout)  # [1, QT] (LSE * log2(e), padded: `_delta_kernel`)
                         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
-                        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse, 0))
-                        # (delta loads after P: loaded with LSE, the d=128 kernel spills more)
-                        dlt = gl.load(DELTA + row0 + cols)
+                        pt = gl.exp2(st * qk_scale - lse)
+                        dlt = dlt_bufs.index(s).load(s_layout)  # [1, QT]
                         if key_mask:
                             pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
                         if CAUSAL:
                             if j < j_part:
                                 pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(cols + causal_off, 0), pt, 0.0)
                         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
-                        ds16 = (pt * (dpt - gl.expand_dims(dlt, 0))).to(dtype)
+                        ds16 = (pt * (dpt - dlt)).to(dtype)
                         p_op = gl.convert_layout(pt.to(dtype), op_layout)
                         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
                         ds_buf = ds_bufs.index(it % 2)
+                        if LAG:  # both warpgroups' dQ of two steps ago have read this buffer
+                            mbarrier.wait(ds_free.index(it % 2), ((it // 2) & 1) ^ 1)
                         ds_buf.slice(WG * _HALF, _HALF, dim=0).store(ds16)
                         ds_op = gl.convert_layout(ds16, op_layout)
                         if DQ_PARTS >= 1:
                             fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
                             mbarrier.arrive(ds_ready.index(it % 2))
-                            mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-                        if DQ_PARTS >= 2:
-                            # dQ before dK, so dQ's result is stored while dK runs
-                            dq = warpgroup_mma(ds_buf.permute((1, 0)), k_half, zero_q, use_acc=False, is_async=True)
-                            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                            res = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_buf, k_half, do_s))
-                            dv = res[0]
-                            dq = res[1]
-                            if DQ_PARTS >= 3:
-                                bi = it % _DQ_BUFS
-                                # (the reducer has read this buffer's last halves)
-                                mbarrier.wait(dq_empty.index(bi), ((it // _DQ_BUFS) & 1) ^ 1)
-                                dq_s = dq_bufs.index(2 * bi + WG).reshape([_QT, DH])
-                                dq_s.store(dq)
-                                fence_async_shared()
-                                mbarrier.arrive(dq_full.index(bi))
+                        if LAG:
+                            # dQ of the previous step (its dS^T halves are in the other buffer by now). (Each
+                            # branch ends with dK and dV waited: an scf.if yields tensors, not wgmma tokens.)
+                            if it > it0:
+                                pb = (it - 1) % 2
+                                mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
+                                if DQ_PARTS >= 2:
+                                    dq = warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_half, zero_q, use_acc=False,
+                                                       is_async=True)
+                                    dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                                    r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
+                                    if DQ_PARTS >= 3:
+                                        _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
+                                    r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
+                                else:
+                                    dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                                    r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
+                                mbarrier.arrive(ds_free.index(pb))
+                                dk_w = r_kv[0]
+                                dv_w = r_kv[1]
+                            else:
+                                dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                                r_kv0 = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
+                                dk_w = r_kv0[0]
+                                dv_w = r_kv0[1]
+                            dk = dk_w
+                            dv = dv_w
                         else:
-                            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                        res = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, ds_op, p_op, q_s, do_s))
-                        dk = res[0]
-                        dv = res[1]
+                            if DQ_PARTS >= 1:
+                                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
+                            if DQ_PARTS >= 2:
+                                # dQ before dK, so dQ's result is stored while dK runs
+                                dq = warpgroup_mma(ds_buf.permute((1, 0)), k_half, zero_q, use_acc=False, is_async=True)
+                                dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                                res = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_buf, k_half, do_s))
+                                dv = res[0]
+                                if DQ_PARTS >= 3:
+                                    _dq_out(res[1], dq_bufs, dq_full, dq_empty, it, WG, DH)
+                            else:
+                                dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                            res = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, ds_op, p_op, q_s, do_s))
+                            dk = res[0]
+                            dv = res[1]
                         mbarrier.arrive(q_empty.index(s))
                         mbarrier.arrive(do_empty.index(s))
                         it += 1
+                if LAG:  # the tile's last dQ, before K goes
+                    if it > it0:
+                        pb = (it - 1) % 2
+                        mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
+                        if DQ_PARTS >= 2:
+                            dq = warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_half, zero_q, use_acc=False,
+                                               is_async=True)
+                            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
+                            if DQ_PARTS >= 3:
+                                _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
+                        mbarrier.arrive(ds_free.index(pb))
                 mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
                 # keys at or past kv_end take no part: their gradients are exactly zero
                 keys_a = start_n + r_a
@@ -352,18 +438,20 @@ if GLUON_ERROR is None:
                 n_done += 1
 
     @gluon.jit
-    def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN,
-                           n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k, n_qblocks, n_pad, qk_scale, sm_scale,
+    def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, KEY_LEN,
+                           n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
                            stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
                            stride_dvb, stride_dvh, stride_dvn,
                            HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
+                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, DQ_LAG: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
+        dlt_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_dlt.block_type.shape, desc_dlt.layout)
         k_buf = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
         v_buf = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
         ds_bufs = gl.allocate_shared_memory(dtype, [2, _TILE, _QT], _ds_layout(dtype))
@@ -375,6 +463,7 @@ if GLUON_ERROR is None:
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [_DQ_BUFS, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [_DQ_BUFS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(_DQ_BUFS):
@@ -384,6 +473,7 @@ if GLUON_ERROR is None:
         mbarrier.init(kv_empty, count=2)  # both warpgroups are done with the tile's K and V
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups wrote their half of dS^T
+            mbarrier.init(ds_free.index(i), count=2)  # (DQ_LAG) both warpgroups' dQ wgmmas have read it
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)
@@ -391,28 +481,26 @@ if GLUON_ERROR is None:
             mbarrier.init(do_empty.index(i), count=2)
         fence_async_shared()
         gl.warp_specialize([
-            (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
-                             do_ready, do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN,
-                             n_tiles, n_bhk,
-                             n_heads_kv, group,
-                             seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+            (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
+                             q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX,
+                             KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
+                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS)),
-            (_bwd_consumer, (q_bufs, do_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty,
-                             do_ready, do_empty, ds_ready, dq_full, dq_empty, DK, DV, LSE, DELTA, Q_IDX, KEY_LEN,
-                             n_tiles, n_bhk,
-                             n_heads_kv, group,
-                             seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+                             DQ_PARTS, DQ_LAG)),
+            (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
+                             q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX,
+                             KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
+                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS)),
-            (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, q_bufs, do_bufs, k_buf, v_buf, kv_ready, kv_empty, q_ready,
-                           q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group, seq_q, seq_k,
+                             DQ_PARTS, DQ_LAG)),
+            (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
+                           k_buf, v_buf, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
                            stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
                            Q_BNHD, KV_BNHD, DO_BNHD, ROTATE)),
-            (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_bhk, n_heads_kv, group,
+            (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
                             CAUSAL, HAS_KEYLEN, ROTATE, HEAD_DIM // 2, DQ_PARTS)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
@@ -464,8 +552,8 @@ def _dq_cast_kernel(ACC, DQ, stride_qb, stride_qh, stride_qm, n_heads, seq_q, sc
 
 def _do_unsupported(do, q, o=None) -> str | None:
     """Why the backward cannot take this dO (and O), or None; raises on a bad `MODE`."""
-    if MODE not in ("on", "off"):
-        raise ValueError(f"hopper_bwd.MODE (SPARSEFLASH_HOPPER_BWD) must be 'on' or 'off', got {MODE!r}")
+    if MODE not in ("auto", "on", "off"):
+        raise ValueError(f"hopper_bwd.MODE (SPARSEFLASH_HOPPER_BWD) must be 'auto', 'on' or 'off', got {MODE!r}")
     if MODE == "off":
         return "SPARSEFLASH_HOPPER_BWD=off"
     if do.dtype != q.dtype or do.shape != q.shape:
@@ -484,10 +572,13 @@ def unsupported(do, q, k, v, o=None, *, mask_bq=None, mask_bk=None, dropout_p=0.
             or _do_unsupported(do, q, o))
 
 
-def plan(do, q, o, lay):
+def plan(do, q, o, lay, lists: bool = False):
     """(lay, dO's layout) when the backward runs a call whose forward runs the Hopper kernel with
-    layouts ``lay``, else None."""
-    return None if _do_unsupported(do, q, o) is not None else (lay, do_layout(do))
+    layouts ``lay``, else None. ``lists``: the call walks block lists (MODE "auto" leaves those to
+    the portable backward)."""
+    if _do_unsupported(do, q, o) is not None or (lists and MODE == "auto"):
+        return None
+    return lay, do_layout(do)
 
 
 def _padded_rows(n_q: int, mask_bq: int | None) -> int:
@@ -508,6 +599,21 @@ def _delta(o, do, lse, dlse, n_pad: int):
         o, do, lse, o if dlse is None else dlse, lse2, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], H, Nq,
         n_pad, HEAD_DIM=D, BLOCK=QT, HAS_DLSE=dlse is not None)
     return lse2, delta
+
+
+def _heads_per_group(n_per: int, n_bhk: int, num_sms: int) -> int:
+    """How many (batch, kv head)s the tile stream runs at a time (`_key_tile`): enough for one round
+    of the CTAs (``n_per`` units each: key tiles, or causal pairs of them), no more, so the float32
+    dQ rows the CTAs add into stay in L2 (16K tokens, d=128: 2 heads, 16 MB, where a stream of key
+    tile 0 of every head first spans 16 heads, 128 MB). HEAD_GROUPS False: all of them."""
+    return max(1, min(n_bhk, triton.cdiv(num_sms, n_per))) if HEAD_GROUPS else n_bhk
+
+
+def _row_descriptor(t):
+    """A TMA descriptor of float32 [B * H, n_pad] ``t`` (`_delta`'s outputs), blocks of one step's QT rows."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, QT], _ROW_LAYOUT)
 
 
 def do_layout(do):
@@ -536,15 +642,20 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     n_tiles = triton.cdiv(Nk, TILE) * n_bhk
     if num_sms is None:
         num_sms = hopper._sm_count(q.device.index)
-    _hopper_bwd_kernel[(max(1, min(n_tiles, num_sms)),)](
+    n_kt = n_tiles // n_bhk
+    n_units = n_bhk * ((n_kt + 1) // 2) if causal else n_tiles  # (causal: pairs of tiles, `_key_tile`)
+    grid = max(1, min(n_units, num_sms))
+    gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
+    n_rounds = triton.cdiv(n_units, grid) * (2 if causal else 1)
+    _hopper_bwd_kernel[(grid,)](
         hopper._descriptor(q, lay[0], QT), hopper._descriptor(k, lay[1], TILE), hopper._descriptor(v, lay[2], TILE),
-        hopper._descriptor(do, do_lay, QT), desc_dq, dk, dv, lse2, delta, idx,
-        q if key_lengths is None else key_lengths, n_tiles, n_bhk, Hk, H // Hk, Nq, Nk, n_qb, n_pad, scale * LOG2E,
+        hopper._descriptor(do, do_lay, QT), desc_dq, _row_descriptor(lse2), _row_descriptor(delta), dk, dv, idx,
+        q if key_lengths is None else key_lengths, n_tiles, n_rounds, n_bhk, gh, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E,
         scale, *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, num_warps=4)
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, DQ_LAG=DQ_LAG, num_warps=4)
     if DQ_PARTS < 4:
         return None, dk, dv
     dq = new(q)

@@ -708,15 +708,16 @@ def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, caus
                   num_sms=num_sms)
 
 
-def _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float):
+def _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float, lists: bool = False):
     """(q, k, v layouts, dO layout) when the backward runs the Hopper kernel, else None: where the
-    forward would (`_hopper_layouts`) and `hopper_bwd.plan` takes dO and O."""
+    forward would (`_hopper_layouts`) and `hopper_bwd.plan` takes dO, O and the walk (``lists``:
+    block lists)."""
     lay = _hopper_layouts(q, k, v, mask_bq, mask_bk, work)
     if lay is None:
         return None
     from sparseflash.flash import hopper_bwd
 
-    return hopper_bwd.plan(do, q, o, lay)
+    return hopper_bwd.plan(do, q, o, lay, lists)
 
 
 def _hopper_layouts(q, k, v, mask_bq, mask_bk, work: float):
@@ -783,11 +784,11 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
         mask_bq: int | None, mask_bk: int | None, dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0,
         seg=None):
-    """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv). With
-    `hopper_bwd.MODE` "on", the sm_90 calls the Hopper forward takes (`_hopper_layouts`) whose dO
-    TMA can read run the one-pass Hopper backward instead (`hopper_bwd`)."""
+    """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv). The
+    sm_90 calls the Hopper forward takes (`_hopper_layouts`) whose dO TMA can read run the one-pass
+    Hopper backward instead (`hopper_bwd`; its MODE "auto" leaves block-sparse calls here)."""
     if dropout_p <= 0.0 and seg is None and scale > 0.0:
-        lays = _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work)
+        lays = _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work, q_idx is not None)
         if lays is not None:
             return hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, lays=lays)
     delta = _new(lse)

@@ -5,9 +5,10 @@
 
 GPU time (CUDA-graph replays, `bench.timing.graph_ms`), bf16, 16 heads, 16K tokens per batch
 (B = 16384 / N), side by side in one process. Providers:
-- ``hopper``: sparseflash.attention with the Hopper forward and backward (the default on sm_90);
-- ``hopper-fwd``: the Hopper forward with the portable backward (hopper_bwd.MODE "off", the
-  default today; ``hopper`` turns the Hopper backward on);
+- ``hopper``: sparseflash.attention as it runs by default on sm_90: the Hopper forward, and the
+  Hopper backward without block lists (hopper_bwd.MODE "auto": block-sparse calls take the
+  portable backward);
+- ``hopper-fwd``: the Hopper forward with the portable backward (hopper_bwd.MODE "off");
 - ``portable``: the same call with SPARSEFLASH_HOPPER off (the portable kernels, with their
   own TMA rule);
 - ``flex``: torch.compile(flex_attention) with the identical block mask (`bench.providers`);
@@ -31,7 +32,7 @@ import torch
 
 PROVIDERS = ("hopper", "hopper-fwd", "portable", "flex", "sdpa-flash", "sdpa-cudnn")
 # (forward, backward) modes of the sparseflash providers, held over the whole timed step
-MODES = {"hopper": ("auto", "on"), "hopper-fwd": ("auto", "off"), "portable": ("off", "off")}
+MODES = {"hopper": ("auto", "auto"), "hopper-fwd": ("auto", "off"), "portable": ("off", "off")}
 
 
 @contextlib.contextmanager
