@@ -561,7 +561,8 @@ def test_gpu_graph_capture_after_eager_warmup(N):
     work threshold. Below it the eager call runs pointer loads and the capture takes descriptors,
     loading kernels the warm-up never did during the capture; above it both take descriptors. The
     replay must match the float64 reference within twice PyTorch's own bf16 error, and a call above
-    the threshold must replay bitwise equal to the eager one (the same kernels)."""
+    the threshold must replay bitwise equal to the eager one (the same kernels), but for dQ where
+    the Hopper backward ran (sm_90, no block lists): its TMA reductions add in arrival order."""
     from _attn_check import _run, assert_within_torch_error
 
     from sparseflash import reference
@@ -587,8 +588,9 @@ def test_gpu_graph_capture_after_eager_warmup(N):
         torch.cuda.synchronize()
         work = 4.0 * B * H * N * N * 128 * (1.0 if mask is None else mask.density())
         if work >= launch.TMA_MIN_WORK:
-            for a, b in zip(got, want):
-                assert torch.equal(a, b)
+            hopper_dq = mask is None and torch.cuda.get_device_capability()[0] == 9
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                assert torch.equal(a, b) or (name == "dq" and hopper_dq), name
         o64, _, g64 = _run(lambda a, b, c: reference.attention(a, b, c, mask=mask), *(t.double() for t in (q, k, v, do)))
         o16, _, g16 = _run(lambda a, b, c: reference.attention(a, b, c, mask=mask, compute_dtype=q.dtype), q, k, v, do)
         for name, a, pt, ref in zip(("out", "dq", "dk", "dv"), got, (o16, *g16), (o64, *g64)):

@@ -64,6 +64,13 @@ def test_bwd_choice(monkeypatch):
     monkeypatch.setattr(hopper_bwd, "MODE", "auto")
     assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
     assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) is None  # block lists: portable
+    # dQ's reductions add in arrival order: deterministic algorithms keep the portable backward
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
+        assert "deterministic" in hopper_bwd._do_unsupported(q, q)
+    finally:
+        torch.use_deterministic_algorithms(False)
     monkeypatch.setattr(hopper_bwd, "MODE", "fast")
     with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER_BWD"):
         launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0)
@@ -259,3 +266,29 @@ def test_gpu_bwd_lse_grad_and_layouts(hopper_spy, hopper_bwd_spy):
                torch.bfloat16)
     for name, a, b, c in zip(("dq", "dk", "dv"), got, pt, ref):
         assert_within_torch_error(name, a, b, c, torch.bfloat16)
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_gpu_deterministic_algorithms_keep_the_portable_backward(monkeypatch, hopper_spy):
+    """Under torch.use_deterministic_algorithms(True) a dense backward (which MODE "auto" gives
+    the Hopper kernel, whose dQ reductions add in arrival order) runs the portable kernels, and two
+    runs give bitwise equal gradients."""
+    calls = _count_calls(monkeypatch, hopper_bwd, "bwd")
+    q, k, v, do = make_qkv(2, 16, 16, 2048, 2048, 128, torch.bfloat16, "cuda", seed=5)
+
+    def grads():
+        ts = [t.clone().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(sparseflash.attention(*ts), ts, do)
+
+    monkeypatch.setattr(hopper_bwd, "MODE", "auto")
+    grads()
+    assert calls, "MODE auto: the Hopper backward runs a dense call"
+    calls.clear()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = grads(), grads()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not calls
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)

@@ -1,5 +1,5 @@
 """Hopper (sm_90) backward: a warp-specialised Gluon kernel for dQ, dK and dV in one pass (issue 22,
-stages 2 and 3).
+stages 2 to 5).
 
 The portable backward (`kernels.py`) runs two kernels that each recompute P and dP: dQ walks the
 row lists, dK/dV the column lists, seven matmuls per tile pair. This one does five, as
@@ -7,30 +7,38 @@ FlashAttention-3 does: one CTA owns a key tile of 128 keys and walks its column 
 64 rows), accumulating dK and dV in registers, and adds each step's dQ contribution into a float32
 buffer with TMA reductions (``cp.reduce.async.bulk``), which a last small kernel scales and casts.
 
-- a 1-warp **loader** TMA-loads the CTA's K and V once, then every visited q tile's Q and dO into
-  rings of STAGES slots (ready/empty mbarriers);
+- a 1-warp **loader** TMA-loads the CTA's K and V once, then every visited q tile's Q (with its
+  rows' LSE) and dO (with their delta) into rings of STAGES slots (ready/empty mbarriers);
 - two **consumer warpgroups** own 64 keys each. Per q tile a warpgroup computes
   S^T = K_w Q^T and dP^T = V_w dO^T (two wgmmas), P^T = exp2(S^T * scale - LSE) and
   dS^T = P^T (dP^T - delta), then dV_w += P^T dO and dK_w += dS^T Q with P^T and dS^T as
-  register operands. dS^T also goes to shared memory; once both warpgroups have written theirs
-  (an mbarrier), each computes half of dQ's columns, dQ[:, half] = dS K[:, half] (issued before
-  dK's wgmma, so it is stored while dK runs), and puts it in one of two staging buffers;
+  register operands. dS^T also goes to shared memory (two buffers). During the next step
+  (DQ_LAG), once both warpgroups have written theirs (an mbarrier), each computes half of dQ's
+  columns, dQ[:, half] = dS K[:, half] (issued before dK's wgmma, so it is stored while dK
+  runs), and puts it in one of two staging buffers; a warpgroup never waits for the other's dS^T
+  of the step it is on;
 - a 1-warp **reducer** adds each step's two halves into the float32 dQ buffer with TMA reductions
   and frees the staging buffer once they have read it (while the warpgroups fill the other one);
 - a small Triton kernel first computes delta = rowsum(dO * O) - dLSE and LSE * log2(e), padded to
-  whole steps (so the consumers load them without masks); another one last casts
+  whole steps (so every step's TMA load of them is in bounds); another one last casts
   dQ = scale * buffer.
+
+The persistent CTAs take the key tiles of a few (batch, kv head)s at a time (`_heads_per_group`),
+so the dQ rows they add into stay in L2; causal calls deal each CTA a long and a short key tile of
+the same head in turn (`_key_tile`), so a static schedule stays balanced.
 
 The walk is the portable dK/dV kernel's: the column list of the key tile's block (dense: every
 q tile), rows that see none of the tile (causal) skipped, the causal mask applied only in the band
 the diagonal crosses, keys at or past kv_end (key_lengths) masked in the one tile that holds
 kv_end, and a tile wholly past kv_end writing zeros. Rows whose LSE is +inf (no key) give P = 0.
 
-Opt-in (MODE, SPARSEFLASH_HOPPER_BWD=on): correct, but slower than the portable backward in every
-measured case (experiments/studies/hopper/README.md has the numbers and where the time goes).
+By default (MODE "auto") it runs the walks without block lists: dense, causal and key_lengths
+calls, where it is 1.1-1.2x faster than the portable backward at 4K-16K tokens; block-sparse calls
+keep the portable backward, faster there (experiments/studies/hopper/README.md has the numbers).
 Scope: as the forward's (`hopper.unsupported`), plus a dO layout TMA takes. dQ's float32 sums
 arrive in whatever order the CTAs finish, so dQ is not bitwise reproducible from run to run (its
-error bound is the same); dK and dV are.
+error bound is the same); dK and dV are. Under torch.use_deterministic_algorithms(True) the
+portable backward runs instead.
 """
 
 from __future__ import annotations
@@ -556,6 +564,8 @@ def _do_unsupported(do, q, o=None) -> str | None:
         raise ValueError(f"hopper_bwd.MODE (SPARSEFLASH_HOPPER_BWD) must be 'auto', 'on' or 'off', got {MODE!r}")
     if MODE == "off":
         return "SPARSEFLASH_HOPPER_BWD=off"
+    if torch.are_deterministic_algorithms_enabled():
+        return "torch.use_deterministic_algorithms(True): dQ's TMA reductions add in arrival order"
     if do.dtype != q.dtype or do.shape != q.shape:
         return f"dO of dtype {do.dtype} and shape {tuple(do.shape)}"
     if o is not None and o.stride(-1) != 1:
