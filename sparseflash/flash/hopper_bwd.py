@@ -12,8 +12,8 @@ buffer with TMA reductions (``cp.reduce.async.bulk``), which a last small kernel
 - two **consumer warpgroups** own 64 keys each. Per q tile a warpgroup computes
   S^T = K_w Q^T and dP^T = V_w dO^T (two wgmmas), P^T = exp2(S^T * scale - LSE) and
   dS^T = P^T (dP^T - delta), then dV_w += P^T dO and dK_w += dS^T Q with P^T and dS^T as
-  register operands. dS^T also goes to shared memory (two buffers). During the next step
-  (DQ_LAG), once both warpgroups have written theirs (an mbarrier), each computes half of dQ's
+  register operands. dS^T also goes to shared memory (two buffers). During the next step,
+  once both warpgroups have written theirs (an mbarrier), each computes half of dQ's
   columns, dQ[:, half] = dS K[:, half] (issued before dK's wgmma, so it is stored while dK
   runs), and puts it in one of two staging buffers; a warpgroup never waits for the other's dS^T
   of the step it is on;
@@ -67,9 +67,6 @@ ROTATE = True  # stagger the column walks (`_step`)
 # 0 dK and dV only; 1 + the dS^T exchange between the warpgroups; 2 + the dQ matmul; 3 + dQ's store
 # to shared memory and the hand-off to the reducer warp, which adds nothing; 4 everything.
 DQ_PARTS = 4
-# Compute each step's dQ during the next step (the warpgroups then never wait for each other's dS^T of
-# the step they are on), instead of right after the dS^T exchange.
-DQ_LAG = True
 HEAD_GROUPS = True  # run the heads in small groups (`_heads_per_group`)
 CONSUMER_REGS = 240
 LOADER_REGS = 24
@@ -87,7 +84,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparseflash.flash.hopper import _coord, _fill, _list_layout, _list_start, _tma_load, _wgmma_layout
+    from sparseflash.flash.hopper import _coord, _list_layout, _list_start, _tma_load, _wgmma_layout
 
     if hasattr(tma, "async_atomic_add"):
         _tma_add = tma.async_atomic_add
@@ -302,11 +299,10 @@ if GLUON_ERROR is None:
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, DQ_LAG: gl.constexpr):
-        """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. With
-        DQ_LAG, step j's dQ is computed during step j + 1 (and the tile's last after its walk), so a
-        warpgroup never waits for the other's dS^T of the step it is on."""
-        LAG: gl.constexpr = DQ_LAG and DQ_PARTS >= 1
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
+        """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
+        j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
+        never waits for the other's dS^T of the step it is on."""
         s_layout: gl.constexpr = _wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
         DH: gl.constexpr = HEAD_DIM // 2
@@ -335,7 +331,7 @@ if GLUON_ERROR is None:
                 key_mask = start_n + _TILE > kv_end  # the tile holding kv_end masks the keys past it
                 dk = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
                 dv = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
-                it0 = it  # (LAG: the tile's first step has no previous dQ to compute)
+                it0 = it  # (the tile's first step has no previous dQ to compute)
                 mbarrier.wait(kv_ready, n_done & 1)
                 for g in range(group):
                     h = hk * group + g
@@ -367,16 +363,16 @@ if GLUON_ERROR is None:
                         p_op = gl.convert_layout(pt.to(dtype), op_layout)
                         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
                         ds_buf = ds_bufs.index(it % 2)
-                        if LAG:  # both warpgroups' dQ of two steps ago have read this buffer
+                        if DQ_PARTS >= 1:  # both warpgroups' dQ of two steps ago have read this buffer
                             mbarrier.wait(ds_free.index(it % 2), ((it // 2) & 1) ^ 1)
                         ds_buf.slice(WG * _HALF, _HALF, dim=0).store(ds16)
                         ds_op = gl.convert_layout(ds16, op_layout)
                         if DQ_PARTS >= 1:
                             fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
                             mbarrier.arrive(ds_ready.index(it % 2))
-                        if LAG:
-                            # dQ of the previous step (its dS^T halves are in the other buffer by now). (Each
-                            # branch ends with dK and dV waited: an scf.if yields tensors, not wgmma tokens.)
+                            # dQ of the previous step (its dS^T halves are in the other buffer by now), issued
+                            # before dK so it is stored while dK runs. (Each branch ends with dK and dV waited:
+                            # an scf.if yields tensors, not wgmma tokens.)
                             if it > it0:
                                 pb = (it - 1) % 2
                                 mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
@@ -402,25 +398,14 @@ if GLUON_ERROR is None:
                             dk = dk_w
                             dv = dv_w
                         else:
-                            if DQ_PARTS >= 1:
-                                mbarrier.wait(ds_ready.index(it % 2), (it // 2) & 1)
-                            if DQ_PARTS >= 2:
-                                # dQ before dK, so dQ's result is stored while dK runs
-                                dq = warpgroup_mma(ds_buf.permute((1, 0)), k_half, zero_q, use_acc=False, is_async=True)
-                                dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                                res = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_buf, k_half, do_s))
-                                dv = res[0]
-                                if DQ_PARTS >= 3:
-                                    _dq_out(res[1], dq_bufs, dq_full, dq_empty, it, WG, DH)
-                            else:
-                                dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                             res = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, ds_op, p_op, q_s, do_s))
                             dk = res[0]
                             dv = res[1]
                         mbarrier.arrive(q_empty.index(s))
                         mbarrier.arrive(do_empty.index(s))
                         it += 1
-                if LAG:  # the tile's last dQ, before K goes
+                if DQ_PARTS >= 1:  # the tile's last dQ, before K goes
                     if it > it0:
                         pb = (it - 1) % 2
                         mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
@@ -454,7 +439,7 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, DQ_LAG: gl.constexpr):
+                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -481,7 +466,7 @@ if GLUON_ERROR is None:
         mbarrier.init(kv_empty, count=2)  # both warpgroups are done with the tile's K and V
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups wrote their half of dS^T
-            mbarrier.init(ds_free.index(i), count=2)  # (DQ_LAG) both warpgroups' dQ wgmmas have read it
+            mbarrier.init(ds_free.index(i), count=2)  # both warpgroups' dQ wgmmas have read it
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)
@@ -495,14 +480,14 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, DQ_LAG)),
+                             DQ_PARTS)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, DQ_LAG)),
+                             DQ_PARTS)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -665,7 +650,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, DQ_LAG=DQ_LAG, num_warps=4)
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, num_warps=4)
     if DQ_PARTS < 4:
         return None, dk, dv
     dq = new(q)

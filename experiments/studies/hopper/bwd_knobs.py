@@ -7,7 +7,7 @@ fwd+bwd passed it), bf16, 16 heads, 16K tokens per batch (B = 16384 / N), side b
 process. Variants (module knobs of `sparseflash.flash.hopper_bwd`):
 - ``portable``: the two Triton kernels (MODE "off");
 - ``hopper``: the one-pass kernel as it runs by default (MODE "on" here, so block-sparse masks
-  run it too): DQ_LAG, HEAD_GROUPS and, for causal calls, tiles dealt in long/short pairs;
+  run it too): HEAD_GROUPS and, for causal calls, tiles dealt in long/short pairs;
 - ``nogroups``: the same with HEAD_GROUPS False (every head's key tile 0 first);
 - ``dkdv``: the kernel without its dQ part (DQ_PARTS 0), what dQ costs by difference.
 Prints a line per case and a table; writes bwd_knobs.json with --out. Also prints the largest
@@ -26,33 +26,8 @@ import torch
 CASES = [(16384, 128, "dense"), (16384, 128, "causal"), (16384, 64, "causal"), (8192, 128, "dense"),
          (8192, 128, "causal"), (1024, 64, "dense"), (16384, 128, "random"), (4096, 128, "random"),
          (4096, 128, "causal"), (16384, 64, "dense"), (4096, 64, "random"), (4096, 64, "causal")]
-DEFAULTS = dict(MODE="on", DQ_LAG=True, DQ_PARTS=4, HEAD_GROUPS=True)
+DEFAULTS = dict(MODE="on", DQ_PARTS=4, HEAD_GROUPS=True)
 VARIANTS = {"portable": dict(MODE="off"), "hopper": {}, "nogroups": dict(HEAD_GROUPS=False), "dkdv": dict(DQ_PARTS=0)}
-
-
-def _captured_bwd_args(n: int, d: int, kind: str):
-    """The (args, kwargs) one fwd+bwd of this case passes `launch.bwd`."""
-    import sparseflash
-    from sparseflash.experiments.studies.hopper.fwd_bench import _mask
-    from sparseflash.flash import launch
-
-    B, H = max(1, 16384 // n), 16
-    g = torch.Generator(device="cuda").manual_seed(1)
-    q, k, v, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-    real, saved = launch.bwd, {}
-
-    def spy(*a, **kw):
-        saved["a"], saved["kw"] = a, kw
-        return real(*a, **kw)
-
-    launch.bwd = spy
-    try:
-        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-        o = sparseflash.attention(qg, kg, vg, mask=_mask(kind, n), causal=kind == "causal")
-        torch.autograd.grad(o, (qg, kg, vg), do)
-    finally:
-        launch.bwd = real
-    return saved["a"], saved["kw"]
 
 
 def main(argv=None) -> int:
@@ -63,13 +38,14 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA GPU")
     from sparseflash.experiments.bench.results import environment
     from sparseflash.experiments.bench.timing import graph_ms
+    from sparseflash.experiments.studies.hopper.bwd_parts import captured_bwd_args
     from sparseflash.flash import fast, hopper_bwd, launch
 
     fast.ENABLED, launch.TMA_MODE = False, "on"  # every call takes descriptors, so the Hopper kernels
     saved = {k: getattr(hopper_bwd, k) for k in DEFAULTS}
     rows = []
     for n, d, kind in CASES:
-        a, kw = _captured_bwd_args(n, d, kind)
+        a, kw = captured_bwd_args(n, d, kind)
         times, grads = {}, {}
         for name, knobs in VARIANTS.items():
             def step():
