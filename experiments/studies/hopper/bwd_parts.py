@@ -30,16 +30,16 @@ CASES = [(16384, 128, "dense"), (16384, 128, "random"), (4096, 128, "random"), (
          (16384, 64, "dense"), (4096, 64, "random")]
 
 
-def measure(n: int, d: int, kind: str, dq_parts: bool = False) -> dict:
+def captured_bwd_args(n: int, d: int, kind: str):
+    """The (args, kwargs) one fwd+bwd of this case (bf16, 16 heads, 16K tokens per batch; mask as in
+    `fwd_bench`) passes `launch.bwd`, to time backward variants on."""
     import sparseflash
-    from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.experiments.studies.hopper.fwd_bench import _mask
-    from sparseflash.flash import hopper_bwd, launch
+    from sparseflash.flash import launch
 
     B, H = max(1, 16384 // n), 16
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-    mask, causal = _mask(kind, n), kind == "causal"
     real, saved = launch.bwd, {}
 
     def spy(*a, **kw):
@@ -48,10 +48,19 @@ def measure(n: int, d: int, kind: str, dq_parts: bool = False) -> dict:
     launch.bwd = spy
     try:
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-        torch.autograd.grad(sparseflash.attention(qg, kg, vg, mask=mask, causal=causal), (qg, kg, vg), do)
+        o = sparseflash.attention(qg, kg, vg, mask=_mask(kind, n), causal=kind == "causal")
+        torch.autograd.grad(o, (qg, kg, vg), do)
     finally:
         launch.bwd = real
-    a, kw = saved["a"], saved["kw"]
+    return saved["a"], saved["kw"]
+
+
+def measure(n: int, d: int, kind: str, dq_parts: bool = False) -> dict:
+    from sparseflash.experiments.bench.timing import graph_ms
+    from sparseflash.flash import hopper_bwd, launch
+
+    real = launch.bwd
+    a, kw = captured_bwd_args(n, d, kind)
     do_, q_, k_, v_, o_, lse_, dlse_, kv_idx, q_idx, kl, scale, cz, mbq, mbk, dp, rng = a
     row = dict(seq=n, head_dim=d, mask=kind)
     variants = [("portable", "off", 4), ("hopper", "on", 4), ("hopper_dkdv", "on", 0)]

@@ -71,7 +71,6 @@ def _call(provider: str, mask, causal: bool, scale: float):
         return lambda q, k, v: sparseflash.attention(q, k, v, mask=mask, causal=causal)
     if provider == "flex":
         from sparseflash.experiments.bench.providers import _flex_compiled, to_flex_block_mask
-        from sparseflash.mask import BlockMask
 
         fn = _flex_compiled()
         m = mask
