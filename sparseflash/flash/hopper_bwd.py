@@ -68,6 +68,7 @@ ROTATE = True  # stagger the column walks (`_step`)
 # to shared memory and the hand-off to the reducer warp, which adds nothing; 4 everything.
 DQ_PARTS = 4
 HEAD_GROUPS = True  # run the heads in small groups (`_heads_per_group`)
+ONE_FENCE = True  # one fence per step for the dS^T and dQ stores (stage 6; False: a fence after each)
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -199,16 +200,15 @@ if GLUON_ERROR is None:
         return kv_end
 
     @gluon.jit
-    def _fill2(desc, coord, buf, desc_row, coord_row, buf_row, ready, empty, phase):
-        """`hopper._fill` of a tile and its rows' [1, QT] float32 vector (LSE or delta), on one barrier."""
-        mbarrier.wait(empty, phase ^ 1)
+    def _fill2(desc, coord, buf, desc_row, coord_row, buf_row, ready):
+        """TMA-load a tile and its rows' [1, QT] float32 vector (LSE or delta), on one barrier."""
         mbarrier.expect(ready, desc.block_type.nbytes + desc_row.block_type.nbytes)
         _tma_load(desc, coord, ready, buf)
         _tma_load(desc_row, coord_row, ready, buf_row)
 
     @gluon.jit
     def _bwd_loader(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf,
-                    v_buf, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh,
+                    v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh,
                     n_heads_kv, group, seq_q, seq_k, n_qblocks,
                     stride_ib, stride_ih, stride_in,
                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
@@ -238,10 +238,11 @@ if GLUON_ERROR is None:
                         s = it % STAGES
                         ph = (it // STAGES) & 1
                         bh = b * (n_heads_kv * group) + h
+                        mbarrier.wait(step_empty.index(s), ph ^ 1)  # both warpgroups are done with the slot
                         _fill2(desc_q, _coord(b, h, start_m, Q_BNHD), q_bufs.index(s), desc_lse, [bh, start_m],
-                               lse_bufs.index(s), q_ready.index(s), q_empty.index(s), ph)
+                               lse_bufs.index(s), q_ready.index(s))
                         _fill2(desc_do, _coord(b, h, start_m, DO_BNHD), do_bufs.index(s), desc_dlt, [bh, start_m],
-                               dlt_bufs.index(s), do_ready.index(s), do_empty.index(s), ph)
+                               dlt_bufs.index(s), do_ready.index(s))
                         it += 1
                 n_done += 1
 
@@ -281,25 +282,22 @@ if GLUON_ERROR is None:
         tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
 
     @gluon.jit
-    def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
+    def _dq_put(dq, dq_bufs, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
         """Put step p's dQ[:, half WG] ([QT, DH] float32) in its staging buffer, once the reducer has
-        read that buffer's last halves, and tell the reducer."""
+        read that buffer's last halves. The caller fences and arrives on dq_full."""
         bi = p % _DQ_BUFS
         mbarrier.wait(dq_empty.index(bi), ((p // _DQ_BUFS) & 1) ^ 1)
-        dq_s = dq_bufs.index(2 * bi + WG).reshape([_QT, DH])
-        dq_s.store(dq)
-        fence_async_shared()
-        mbarrier.arrive(dq_full.index(bi))
+        dq_bufs.index(2 * bi + WG).reshape([_QT, DH]).store(dq)
 
     @gluon.jit
-    def _bwd_consumer(q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, q_empty, do_ready,
-                      do_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh,
+    def _bwd_consumer(q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
+                      step_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh,
                       n_heads_kv,
                       group, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, ONE_FENCE: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
         j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
         never waits for the other's dS^T of the step it is on."""
@@ -320,6 +318,7 @@ if GLUON_ERROR is None:
         k_half = k_all.slice(WG * DH, DH, dim=1)  # [128 keys, HEAD_DIM / 2]: B of this half of dQ
         r_s = WG * _HALF + gl.arange(0, _HALF, layout=row_s)
         r_a = WG * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, a_layout))
+        LATE: gl.constexpr = ONE_FENCE and DQ_PARTS >= 3  # a step's ds_ready after its dQ of the step before
         c_a = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a_layout))
         it = 0  # steps so far: ring slot and phase, dS buffer and phase
         n_done = 0
@@ -363,34 +362,51 @@ if GLUON_ERROR is None:
                         p_op = gl.convert_layout(pt.to(dtype), op_layout)
                         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
                         ds_buf = ds_bufs.index(it % 2)
-                        if DQ_PARTS >= 1:  # both warpgroups' dQ of two steps ago have read this buffer
+                        # Before dS^T goes into its buffer, both warpgroups' dQ of two steps ago must have
+                        # read it. LATE: each warpgroup arrives on a step's ds_ready after its dQ of the step
+                        # before, so the other's ds_ready of the last step says so (this warpgroup waits for
+                        # it before its own dQ anyway). Otherwise a ds_free barrier says so.
+                        if LATE:
+                            if it > 0:
+                                mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
+                        elif DQ_PARTS >= 1:
                             mbarrier.wait(ds_free.index(it % 2), ((it // 2) & 1) ^ 1)
                         ds_buf.slice(WG * _HALF, _HALF, dim=0).store(ds16)
                         ds_op = gl.convert_layout(ds16, op_layout)
                         if DQ_PARTS >= 1:
-                            fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
-                            mbarrier.arrive(ds_ready.index(it % 2))
-                            # dQ of the previous step (its dS^T halves are in the other buffer by now), issued
-                            # before dK so it is stored while dK runs. (Each branch ends with dK and dV waited:
-                            # an scf.if yields tensors, not wgmma tokens.)
+                            # dS^T, written by this warpgroup, is read by both warpgroups' wgmma: fence, then
+                            # ds_ready. With a previous step in the tile, its dQ (whose dS^T halves are in the
+                            # other buffer by now) is issued before dK so it is stored while dK runs; LATE, one
+                            # fence then covers both stores. (Each branch ends with dK and dV waited: an scf.if
+                            # yields tensors, not wgmma tokens.)
                             if it > it0:
                                 pb = (it - 1) % 2
-                                mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
+                                if not LATE:
+                                    fence_async_shared()
+                                    mbarrier.arrive(ds_ready.index(it % 2))
+                                    mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
                                 if DQ_PARTS >= 2:
                                     dq = warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_half, zero_q, use_acc=False,
                                                        is_async=True)
                                     dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                                     r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
                                     if DQ_PARTS >= 3:
-                                        _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
+                                        _dq_put(r_vq[1], dq_bufs, dq_empty, it - 1, WG, DH)
+                                        fence_async_shared()  # (LATE: dS^T's too)
+                                        if LATE:
+                                            mbarrier.arrive(ds_ready.index(it % 2))
+                                        mbarrier.arrive(dq_full.index((it - 1) % _DQ_BUFS))
                                     r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
                                 else:
                                     dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                                     r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
-                                mbarrier.arrive(ds_free.index(pb))
+                                if not LATE:
+                                    mbarrier.arrive(ds_free.index(pb))
                                 dk_w = r_kv[0]
                                 dv_w = r_kv[1]
                             else:
+                                fence_async_shared()
+                                mbarrier.arrive(ds_ready.index(it % 2))
                                 dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                                 r_kv0 = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
                                 dk_w = r_kv0[0]
@@ -402,8 +418,7 @@ if GLUON_ERROR is None:
                             res = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, ds_op, p_op, q_s, do_s))
                             dk = res[0]
                             dv = res[1]
-                        mbarrier.arrive(q_empty.index(s))
-                        mbarrier.arrive(do_empty.index(s))
+                        mbarrier.arrive(step_empty.index(s))
                         it += 1
                 if DQ_PARTS >= 1:  # the tile's last dQ, before K goes
                     if it > it0:
@@ -414,8 +429,11 @@ if GLUON_ERROR is None:
                                                is_async=True)
                             dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
                             if DQ_PARTS >= 3:
-                                _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
-                        mbarrier.arrive(ds_free.index(pb))
+                                _dq_put(dq, dq_bufs, dq_empty, it - 1, WG, DH)
+                                fence_async_shared()
+                                mbarrier.arrive(dq_full.index((it - 1) % _DQ_BUFS))
+                        if not LATE:
+                            mbarrier.arrive(ds_free.index(pb))
                 mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
                 # keys at or past kv_end take no part: their gradients are exactly zero
                 keys_a = start_n + r_a
@@ -439,7 +457,7 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
+                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, ONE_FENCE: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -452,9 +470,8 @@ if GLUON_ERROR is None:
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        step_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [_DQ_BUFS, 1], mbarrier.MBarrierLayout())
@@ -469,27 +486,26 @@ if GLUON_ERROR is None:
             mbarrier.init(ds_free.index(i), count=2)  # both warpgroups' dQ wgmmas have read it
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=2)
+            mbarrier.init(step_empty.index(i), count=2)  # both warpgroups are done with a slot's Q and dO
             mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(do_empty.index(i), count=2)
         fence_async_shared()
         gl.warp_specialize([
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                             q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX,
+                             q_ready, do_ready, step_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS)),
+                             DQ_PARTS, ONE_FENCE)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                             q_ready, q_empty, do_ready, do_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX,
+                             q_ready, do_ready, step_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS)),
+                             DQ_PARTS, ONE_FENCE)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
-                           k_buf, v_buf, kv_ready, kv_empty, q_ready, q_empty, do_ready, do_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
+                           k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
                            stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
                            Q_BNHD, KV_BNHD, DO_BNHD, ROTATE)),
@@ -650,7 +666,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, num_warps=4)
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, ONE_FENCE=ONE_FENCE, num_warps=4)
     if DQ_PARTS < 4:
         return None, dk, dv
     dq = new(q)

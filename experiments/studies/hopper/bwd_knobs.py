@@ -9,9 +9,12 @@ process. Variants (module knobs of `sparseflash.flash.hopper_bwd`):
 - ``hopper``: the one-pass kernel as it runs by default (MODE "on" here, so block-sparse masks
   run it too): HEAD_GROUPS and, for causal calls, tiles dealt in long/short pairs;
 - ``nogroups``: the same with HEAD_GROUPS False (every head's key tile 0 first);
+- ``twofence``: ONE_FENCE False (stage 5's synchronisation: a fence after each of the dS^T and
+  dQ stores, and a ds_free barrier);
 - ``dkdv``: the kernel without its dQ part (DQ_PARTS 0), what dQ costs by difference.
 Prints a line per case and a table; writes bwd_knobs.json with --out. Also prints the largest
-gradient difference of ``hopper`` and ``nogroups`` from ``portable``.
+gradient difference of each variant that computes dQ from ``portable``. ``--variants`` and
+``--cases`` (indices into CASES) run a subset.
 """
 
 from __future__ import annotations
@@ -26,14 +29,19 @@ import torch
 CASES = [(16384, 128, "dense"), (16384, 128, "causal"), (16384, 64, "causal"), (8192, 128, "dense"),
          (8192, 128, "causal"), (1024, 64, "dense"), (16384, 128, "random"), (4096, 128, "random"),
          (4096, 128, "causal"), (16384, 64, "dense"), (4096, 64, "random"), (4096, 64, "causal")]
-DEFAULTS = dict(MODE="on", DQ_PARTS=4, HEAD_GROUPS=True)
-VARIANTS = {"portable": dict(MODE="off"), "hopper": {}, "nogroups": dict(HEAD_GROUPS=False), "dkdv": dict(DQ_PARTS=0)}
+DEFAULTS = dict(MODE="on", DQ_PARTS=4, HEAD_GROUPS=True, ONE_FENCE=True)
+VARIANTS = {"portable": dict(MODE="off"), "hopper": {}, "nogroups": dict(HEAD_GROUPS=False),
+            "twofence": dict(ONE_FENCE=False), "dkdv": dict(DQ_PARTS=0)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--cases", nargs="+", type=int, default=None, help="indices into CASES (default: all)")
     args = ap.parse_args(argv)
+    variants = {k: VARIANTS[k] for k in dict.fromkeys(["portable"] + args.variants)}
+    cases = CASES if args.cases is None else [CASES[i] for i in args.cases]
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     from sparseflash.experiments.bench.results import environment
@@ -44,10 +52,10 @@ def main(argv=None) -> int:
     fast.ENABLED, launch.TMA_MODE = False, "on"  # every call takes descriptors, so the Hopper kernels
     saved = {k: getattr(hopper_bwd, k) for k in DEFAULTS}
     rows = []
-    for n, d, kind in CASES:
+    for n, d, kind in cases:
         a, kw = captured_bwd_args(n, d, kind)
         times, grads = {}, {}
-        for name, knobs in VARIANTS.items():
+        for name, knobs in variants.items():
             def step():
                 for key, val in dict(DEFAULTS, **knobs).items():
                     setattr(hopper_bwd, key, val)
@@ -60,7 +68,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             times[name] = graph_ms(step)
         diff = {f"maxdiff_{nm}": max((x.float() - y.float()).abs().max().item()
-                                     for x, y in zip(grads[nm], grads["portable"])) for nm in ("hopper", "nogroups")}
+                                     for x, y in zip(grads[nm], grads["portable"]))
+                for nm in variants if nm != "portable" and grads[nm][0] is not None}
         rows.append(dict(n=n, d=d, mask=kind, **{k: round(v, 4) for k, v in times.items()}, **diff))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
@@ -68,9 +77,9 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "bwd_knobs.json").write_text(json.dumps(dict(meta=environment(torch.device("cuda")), rows=rows),
                                                        indent=1, default=str))
-    print(f"{'case':22s} " + " ".join(f"{v:>9s}" for v in VARIANTS))
+    print(f"{'case':22s} " + " ".join(f"{v:>9s}" for v in variants))
     for r in rows:
-        print(f"{r['n']:>5} d{r['d']:<3} {r['mask']:10s} " + " ".join(f"{r[v]:9.3f}" for v in VARIANTS))
+        print(f"{r['n']:>5} d{r['d']:<3} {r['mask']:10s} " + " ".join(f"{r[v]:9.3f}" for v in variants))
     return 0
 
 
