@@ -68,19 +68,8 @@ ROTATE = True  # stagger the column walks (`_step`)
 # to shared memory and the hand-off to the reducer warp, which adds nothing; 4 everything.
 DQ_PARTS = 4
 HEAD_GROUPS = True  # run the heads in small groups (`_heads_per_group`)
-# How a step hands dS^T to the other warpgroup (stage 6). 0: a fence after each of the dS^T and dQ
-# stores, ds_ready right after dS^T, a ds_free barrier for the buffer's reuse (stage 5). 1: one fence
-# for both stores, ds_ready after the previous step's dQ is stored (which makes ds_free redundant).
-# 2: dS^T fenced at once, ds_ready once the previous step's dQ wgmma has retired, no ds_free.
-# None: `_sync` picks by head_dim.
-SYNC = None
 CONSUMER_REGS = 240
 LOADER_REGS = 24
-
-
-def _sync(head_dim: int) -> int:
-    """`SYNC`, or what measured fastest at this head_dim."""
-    return SYNC if SYNC is not None else (1 if head_dim <= 64 else 0)
 
 
 def _stages(head_dim: int) -> int:
@@ -292,22 +281,24 @@ if GLUON_ERROR is None:
         tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
 
     @gluon.jit
-    def _dq_put(dq, dq_bufs, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
+    def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
         """Put step p's dQ[:, half WG] ([QT, DH] float32) in its staging buffer, once the reducer has
-        read that buffer's last halves. The caller fences and arrives on dq_full."""
+        read that buffer's last halves, and tell the reducer."""
         bi = p % _DQ_BUFS
         mbarrier.wait(dq_empty.index(bi), ((p // _DQ_BUFS) & 1) ^ 1)
         dq_bufs.index(2 * bi + WG).reshape([_QT, DH]).store(dq)
+        fence_async_shared()
+        mbarrier.arrive(dq_full.index(bi))
 
     @gluon.jit
     def _bwd_consumer(q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
-                      step_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh,
+                      step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh,
                       n_heads_kv,
                       group, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, SYNC: gl.constexpr):
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
         j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
         never waits for the other's dS^T of the step it is on."""
@@ -328,7 +319,6 @@ if GLUON_ERROR is None:
         k_half = k_all.slice(WG * DH, DH, dim=1)  # [128 keys, HEAD_DIM / 2]: B of this half of dQ
         r_s = WG * _HALF + gl.arange(0, _HALF, layout=row_s)
         r_a = WG * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, a_layout))
-        LATE: gl.constexpr = SYNC > 0 and DQ_PARTS >= 3  # a step's ds_ready after its dQ of the step before
         c_a = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a_layout))
         it = 0  # steps so far: ring slot and phase, dS buffer and phase
         n_done = 0
@@ -371,56 +361,37 @@ if GLUON_ERROR is None:
                         ds16 = (pt * (dpt - dlt)).to(dtype)
                         p_op = gl.convert_layout(pt.to(dtype), op_layout)
                         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-                        ds_buf = ds_bufs.index(it % 2)
-                        # Before dS^T goes into its buffer, both warpgroups' dQ of two steps ago must have
-                        # read it. LATE: each warpgroup arrives on a step's ds_ready after its dQ of the step
-                        # before, so the other's ds_ready of the last step says so (this warpgroup waits for
-                        # it before its own dQ anyway). Otherwise a ds_free barrier says so.
-                        if LATE:
+                        # dS^T goes into buffer it % 2 once both warpgroups' dQ of two steps ago has read
+                        # it: each warpgroup arrives on a step's ds_ready only after its dQ of the step
+                        # before has retired, so the other's arrival on the last step's says so (this
+                        # warpgroup needs that dS^T for its own dQ anyway).
+                        if DQ_PARTS >= 1:
                             if it > 0:
                                 mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
-                        elif DQ_PARTS >= 1:
-                            mbarrier.wait(ds_free.index(it % 2), ((it // 2) & 1) ^ 1)
-                        ds_buf.slice(WG * _HALF, _HALF, dim=0).store(ds16)
+                        ds_bufs.index(it % 2).slice(WG * _HALF, _HALF, dim=0).store(ds16)
                         ds_op = gl.convert_layout(ds16, op_layout)
                         if DQ_PARTS >= 1:
-                            # dS^T, written by this warpgroup, is read by both warpgroups' wgmma: fence, then
-                            # ds_ready. With a previous step in the tile, its dQ (whose dS^T halves are in the
-                            # other buffer by now) is issued before dK so it is stored while dK runs; LATE, the
-                            # arrival waits for that dQ (SYNC 1: stored, one fence for both stores; 2: its
-                            # wgmma retired). (Each branch ends with dK and dV waited: an scf.if yields
-                            # tensors, not wgmma tokens.)
+                            fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
+                            # With a previous step in the tile, its dQ (both dS^T halves are in the other
+                            # buffer) is issued before dK, so it is stored while dK runs. (Each branch ends
+                            # with dK and dV waited: an scf.if yields tensors, not wgmma tokens.)
                             if it > it0:
-                                pb = (it - 1) % 2
-                                if not LATE:
-                                    fence_async_shared()
-                                    mbarrier.arrive(ds_ready.index(it % 2))
-                                    mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
-                                elif SYNC == 2:
-                                    fence_async_shared()
                                 if DQ_PARTS >= 2:
-                                    dq = warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_half, zero_q, use_acc=False,
-                                                       is_async=True)
+                                    dq = warpgroup_mma(ds_bufs.index((it - 1) % 2).permute((1, 0)), k_half, zero_q,
+                                                       use_acc=False, is_async=True)
                                     dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                                     r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
+                                    mbarrier.arrive(ds_ready.index(it % 2))  # (after the dQ above has read its buffer)
                                     if DQ_PARTS >= 3:
-                                        if SYNC == 2:
-                                            mbarrier.arrive(ds_ready.index(it % 2))
-                                        _dq_put(r_vq[1], dq_bufs, dq_empty, it - 1, WG, DH)
-                                        fence_async_shared()  # (SYNC 1: dS^T's too)
-                                        if SYNC == 1:
-                                            mbarrier.arrive(ds_ready.index(it % 2))
-                                        mbarrier.arrive(dq_full.index((it - 1) % _DQ_BUFS))
+                                        _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
                                     r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
                                 else:
+                                    mbarrier.arrive(ds_ready.index(it % 2))
                                     dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                                     r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
-                                if not LATE:
-                                    mbarrier.arrive(ds_free.index(pb))
                                 dk_w = r_kv[0]
                                 dv_w = r_kv[1]
                             else:
-                                fence_async_shared()
                                 mbarrier.arrive(ds_ready.index(it % 2))
                                 dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                                 r_kv0 = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
@@ -435,20 +406,15 @@ if GLUON_ERROR is None:
                             dv = res[1]
                         mbarrier.arrive(step_empty.index(s))
                         it += 1
-                if DQ_PARTS >= 1:  # the tile's last dQ, before K goes
+                if DQ_PARTS >= 2:  # the tile's last dQ, before K goes
                     if it > it0:
                         pb = (it - 1) % 2
                         mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
-                        if DQ_PARTS >= 2:
-                            dq = warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_half, zero_q, use_acc=False,
-                                               is_async=True)
-                            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
-                            if DQ_PARTS >= 3:
-                                _dq_put(dq, dq_bufs, dq_empty, it - 1, WG, DH)
-                                fence_async_shared()
-                                mbarrier.arrive(dq_full.index((it - 1) % _DQ_BUFS))
-                        if not LATE:
-                            mbarrier.arrive(ds_free.index(pb))
+                        dq = warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_half, zero_q, use_acc=False,
+                                           is_async=True)
+                        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
+                        if DQ_PARTS >= 3:
+                            _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
                 mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
                 # keys at or past kv_end take no part: their gradients are exactly zero
                 keys_a = start_n + r_a
@@ -472,7 +438,7 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, SYNC: gl.constexpr):
+                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -488,7 +454,6 @@ if GLUON_ERROR is None:
         step_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [_DQ_BUFS, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [_DQ_BUFS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(_DQ_BUFS):
@@ -498,7 +463,6 @@ if GLUON_ERROR is None:
         mbarrier.init(kv_empty, count=2)  # both warpgroups are done with the tile's K and V
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups wrote their half of dS^T
-            mbarrier.init(ds_free.index(i), count=2)  # both warpgroups' dQ wgmmas have read it
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(step_empty.index(i), count=2)  # both warpgroups are done with a slot's Q and dO
@@ -506,19 +470,19 @@ if GLUON_ERROR is None:
         fence_async_shared()
         gl.warp_specialize([
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                             q_ready, do_ready, step_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX,
+                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, SYNC)),
+                             DQ_PARTS)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                             q_ready, do_ready, step_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, Q_IDX,
+                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, SYNC)),
+                             DQ_PARTS)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -681,7 +645,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, SYNC=_sync(D), num_warps=4)
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, num_warps=4)
     if DQ_PARTS < 4:
         return None, dk, dv
     dq = new(q)

@@ -1,4 +1,4 @@
-"""The Hopper backward's scheduling knobs against the portable backward (issue 22, stage 5).
+"""The Hopper backward's scheduling knobs against the portable backward (issue 22, stages 5 and 6).
 
     python -m sparseflash.experiments.studies.hopper.bwd_knobs [--out DIR]
 
@@ -9,8 +9,6 @@ process. Variants (module knobs of `sparseflash.flash.hopper_bwd`):
 - ``hopper``: the one-pass kernel as it runs by default (MODE "on" here, so block-sparse masks
   run it too): HEAD_GROUPS and, for causal calls, tiles dealt in long/short pairs;
 - ``nogroups``: the same with HEAD_GROUPS False (every head's key tile 0 first);
-- ``sync0``, ``sync1``, ``sync2``: `hopper_bwd.SYNC` forced to 0 (stage 5's hand-off of dS^T), 1
-  or 2 ("hopper" takes `hopper_bwd._sync`'s choice for the head_dim);
 - ``dkdv``: the kernel without its dQ part (DQ_PARTS 0), what dQ costs by difference.
 Prints a line per case and a table; writes bwd_knobs.json with --out. Also prints the largest
 gradient difference of each variant that computes dQ from ``portable``. ``--variants`` and
@@ -29,9 +27,9 @@ import torch
 CASES = [(16384, 128, "dense"), (16384, 128, "causal"), (16384, 64, "causal"), (8192, 128, "dense"),
          (8192, 128, "causal"), (1024, 64, "dense"), (16384, 128, "random"), (4096, 128, "random"),
          (4096, 128, "causal"), (16384, 64, "dense"), (4096, 64, "random"), (4096, 64, "causal")]
-DEFAULTS = dict(MODE="on", DQ_PARTS=4, HEAD_GROUPS=True, SYNC=None)
+DEFAULTS = dict(MODE="on", DQ_PARTS=4, HEAD_GROUPS=True)
 VARIANTS = {"portable": dict(MODE="off"), "hopper": {}, "nogroups": dict(HEAD_GROUPS=False),
-            "sync0": dict(SYNC=0), "sync1": dict(SYNC=1), "sync2": dict(SYNC=2), "dkdv": dict(DQ_PARTS=0)}
+            "dkdv": dict(DQ_PARTS=0)}
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,9 @@ GPU time (CUDA-graph replays, `bench.timing.graph_ms`), bf16, 16 heads, 16K toke
 - ``sdpa-flash``, ``sdpa-cudnn``: dense and dense causal only.
 Masks: dense; random (3 of 32 blocks per row at 4K, 13 of 128 at 16K: density ~0.1); butterfly
 (block 128); causal (dense, bottom-right); local (a 1024-token window each side, block 128).
-fwdbwd times forward + backward.
+fwdbwd times forward + backward. ``--rounds R`` measures every row R times, the providers of a case
+interleaved (A B C A B C), and reports the median (``ms_rounds`` keeps each): the H100 runs these
+at its 700 W power cap, where clocks drift by a few percent with the GPU's temperature.
 TFLOP/s count attended pairs only (`bench.flops`). Writes hopper_fwd.csv / .json with --out.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -110,6 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--masks", nargs="+", default=["dense", "random", "butterfly", "causal", "local"])
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    ap.add_argument("--rounds", type=int, default=1, help="times each row is measured, providers interleaved; "
+                    "the row's ms is the median")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -131,40 +136,49 @@ def main(argv=None) -> int:
                 causal = kind == "causal"
                 mask = _mask(kind, n)
                 pairs = attended_pairs(mask, B, H, n, n, causal)
-                for prov in args.providers:
-                    if prov.startswith("sdpa") and mask is not None:
-                        continue
-                    pmask = mask
-                    if prov == "flex" and mask is None:  # dense / causal: the all-on layout
-                        nb = n // 128
-                        pmask = BlockMask(torch.ones(nb, nb, dtype=torch.bool, device="cuda"), 128, n)
-                    for mode in args.modes:
-                        row = dict(seq=n, batch=B, heads=H, head_dim=d, mask=kind, provider=prov, mode=mode,
-                                   density=pairs / (B * H * n * n), ms=None, tflops=None, error=None)
-                        try:
-                            fn = _call(prov, pmask, causal, d ** -0.5)
-                            if mode == "fwd":
-                                def step():
-                                    with torch.no_grad(), _modes(prov):
-                                        fn(q, k, v)
-                            else:
-                                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                case_rows = {}
+                for rnd in range(args.rounds):  # rounds interleave the providers (the GPU's power cap drifts)
+                    for prov in args.providers:
+                        if prov.startswith("sdpa") and mask is not None:
+                            continue
+                        pmask = mask
+                        if prov == "flex" and mask is None:  # dense / causal: the all-on layout
+                            nb = n // 128
+                            pmask = BlockMask(torch.ones(nb, nb, dtype=torch.bool, device="cuda"), 128, n)
+                        for mode in args.modes:
+                            row = case_rows.setdefault((prov, mode), dict(
+                                seq=n, batch=B, heads=H, head_dim=d, mask=kind, provider=prov, mode=mode,
+                                density=pairs / (B * H * n * n), ms=None, tflops=None, ms_rounds=[], error=None))
+                            if row["error"]:
+                                continue
+                            try:
+                                fn = _call(prov, pmask, causal, d ** -0.5)
+                                if mode == "fwd":
+                                    def step():
+                                        with torch.no_grad(), _modes(prov):
+                                            fn(q, k, v)
+                                else:
+                                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
-                                def step():
-                                    with _modes(prov):
-                                        torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
-                            step()
-                            torch.cuda.synchronize()
-                            row["ms"] = graph_ms(step)
-                            row["tflops"] = attention_flops(pairs, d, "fwd" if mode == "fwd" else "fwdbwd") / row["ms"] / 1e9
-                        except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
-                            row["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-400:]
-                        rows.append(row)
-                        if args.out:  # after every row: a run cut short keeps what it measured
-                            _write(Path(args.out), rows, meta)
-                        ms = "failed" if row["ms"] is None else f"{row['ms']:.4f} ms {row['tflops']:6.1f} TFLOP/s"
-                        print(f"N={n:5d} d={d:3d} {kind:9s} {prov:10s} {mode:6s} {ms}"
-                              + (f"  {row['error'][:160]}" if row["error"] else ""), flush=True)
+                                    def step():
+                                        with _modes(prov):
+                                            torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
+                                step()
+                                torch.cuda.synchronize()
+                                row["ms_rounds"].append(round(graph_ms(step), 5))
+                                row["ms"] = statistics.median(row["ms_rounds"])
+                                row["tflops"] = (attention_flops(pairs, d, "fwd" if mode == "fwd" else "fwdbwd")
+                                                 / row["ms"] / 1e9)
+                            except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
+                                row["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()[-400:]
+                            if rnd == 0:
+                                rows.append(row)
+                            if args.out:  # after every row: a run cut short keeps what it measured
+                                _write(Path(args.out), rows, meta)
+                            ms = ("failed" if row["ms"] is None else
+                                  f"{row['ms_rounds'][-1]:.4f} ms (median {row['ms']:.4f}) {row['tflops']:6.1f} TFLOP/s")
+                            print(f"N={n:5d} d={d:3d} {kind:9s} {prov:10s} {mode:6s} r{rnd} {ms}"
+                                  + (f"  {row['error'][:160]}" if row["error"] else ""), flush=True)
     # summary: hopper against each other provider (time ratio; > 1: hopper faster)
     print(f"\n{'N':>5s} {'d':>3s} {'mask':9s} {'mode':6s} {'hopper ms':>9s} " + " ".join(f"{p:>10s}" for p in args.providers if p != "hopper"))
     key = {(r["seq"], r["head_dim"], r["mask"], r["mode"], r["provider"]): r["ms"] for r in rows}
