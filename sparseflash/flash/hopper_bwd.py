@@ -1,5 +1,5 @@
 """Hopper (sm_90) backward: a warp-specialised Gluon kernel for dQ, dK and dV in one pass (issue 22,
-stages 2 to 5).
+stages 2 to 6).
 
 The portable backward (`kernels.py`) runs two kernels that each recompute P and dP: dQ walks the
 row lists, dK/dV the column lists, seven matmuls per tile pair. This one does five, as
@@ -8,7 +8,8 @@ FlashAttention-3 does: one CTA owns a key tile of 128 keys and walks its column 
 buffer with TMA reductions (``cp.reduce.async.bulk``), which a last small kernel scales and casts.
 
 - a 1-warp **loader** TMA-loads the CTA's K and V once, then every visited q tile's Q (with its
-  rows' LSE) and dO (with their delta) into rings of STAGES slots (ready/empty mbarriers);
+  rows' LSE) and dO (with their delta) into rings of STAGES slots (a ready mbarrier each, one
+  empty mbarrier per slot);
 - two **consumer warpgroups** own 64 keys each. Per q tile a warpgroup computes
   S^T = K_w Q^T and dP^T = V_w dO^T (two wgmmas), P^T = exp2(S^T * scale - LSE) and
   dS^T = P^T (dP^T - delta), then dV_w += P^T dO and dK_w += dS^T Q with P^T and dS^T as
@@ -16,7 +17,9 @@ buffer with TMA reductions (``cp.reduce.async.bulk``), which a last small kernel
   once both warpgroups have written theirs (an mbarrier), each computes half of dQ's
   columns, dQ[:, half] = dS K[:, half] (issued before dK's wgmma, so it is stored while dK
   runs), and puts it in one of two staging buffers; a warpgroup never waits for the other's dS^T
-  of the step it is on;
+  of the step it is on. A warpgroup arrives on a step's dS^T barrier only once its dQ of the
+  step before has read the other buffer, so that barrier also frees the buffer for the step
+  after;
 - a 1-warp **reducer** adds each step's two halves into the float32 dQ buffer with TMA reductions
   and frees the staging buffer once they have read it (while the warpgroups fill the other one);
 - a small Triton kernel first computes delta = rowsum(dO * O) - dLSE and LSE * log2(e), padded to
@@ -33,7 +36,7 @@ the diagonal crosses, keys at or past kv_end (key_lengths) masked in the one til
 kv_end, and a tile wholly past kv_end writing zeros. Rows whose LSE is +inf (no key) give P = 0.
 
 By default (MODE "auto") it runs the walks without block lists: dense, causal and key_lengths
-calls, where it is 1.1-1.2x faster than the portable backward at 4K-16K tokens; block-sparse calls
+calls, where it is 1.07-1.28x faster than the portable backward at 4K-16K tokens; block-sparse calls
 keep the portable backward, faster there (experiments/studies/hopper/README.md has the numbers).
 Scope: as the forward's (`hopper.unsupported`), plus a dO layout TMA takes. dQ's float32 sums
 arrive in whatever order the CTAs finish, so dQ is not bitwise reproducible from run to run (its
