@@ -17,9 +17,9 @@ buffer with TMA reductions (``cp.reduce.async.bulk``), which a last small kernel
   once both warpgroups have written theirs (an mbarrier), each computes half of dQ's
   columns, dQ[:, half] = dS K[:, half] (issued before dK's wgmma, so it is stored while dK
   runs), and puts it in one of two staging buffers; a warpgroup never waits for the other's dS^T
-  of the step it is on. A warpgroup arrives on a step's dS^T barrier only once its dQ of the
-  step before has read the other buffer, so that barrier also frees the buffer for the step
-  after;
+  of the step it is on. A warpgroup arrives on a step's dS^T barrier only once its last dQ
+  (of the step before, or of the previous tile) has read the other buffer, so that barrier
+  also frees the buffer for the step after;
 - a 1-warp **reducer** adds each step's two halves into the float32 dQ buffer with TMA reductions
   and frees the staging buffer once they have read it (while the warpgroups fill the other one);
 - a small Triton kernel first computes delta = rowsum(dO * O) - dLSE and LSE * log2(e), padded to
@@ -365,9 +365,9 @@ if GLUON_ERROR is None:
                         p_op = gl.convert_layout(pt.to(dtype), op_layout)
                         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
                         # dS^T goes into buffer it % 2 once both warpgroups' dQ of two steps ago has read
-                        # it: each warpgroup arrives on a step's ds_ready only after its dQ of the step
-                        # before has retired, so the other's arrival on the last step's says so (this
-                        # warpgroup needs that dS^T for its own dQ anyway).
+                        # it: each warpgroup arrives on a step's ds_ready only after its last dQ (of the
+                        # step before, or at a tile's first step the previous tile's last) has retired, so
+                        # the other's arrival on the last step's says so.
                         if DQ_PARTS >= 1:
                             if it > 0:
                                 mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
