@@ -229,6 +229,28 @@ def test_gpu_layouts_and_lse(hopper_spy):
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("bnhd", [False, True])
+def test_gpu_register_store_epilogue(monkeypatch, hopper_spy, bnhd):
+    """O through the registers-to-global stores (`hopper.EPILOGUE` "store", what an O layout
+    without a descriptor gets) is bitwise the TMA-store epilogue's: tails, causal, key_lengths,
+    [B, H, N, D] and [B, N, H, D] memory."""
+    B, H, N, D = 2, 2, 1000, 128
+    shape = (B, N, H, D) if bnhd else (B, H, N, D)
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if bnhd:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    kl = torch.tensor([1000, 613], device="cuda")
+    with torch.no_grad():
+        o_tma = sparseflash.attention(q, k, v, causal=True, key_lengths=kl)
+        monkeypatch.setattr(hopper, "EPILOGUE", "store")
+        o_st = sparseflash.attention(q, k, v, causal=True, key_lengths=kl)
+    assert len(hopper_spy) == 2
+    assert torch.equal(o_tma, o_st)
+    o_ref = sparseflash.attention(q.double(), k.double(), v.double(), causal=True, key_lengths=kl, backend="reference")
+    assert (o_st.double() - o_ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 def test_gpu_off_switch(monkeypatch, hopper_spy):
     monkeypatch.setattr(hopper, "MODE", "off")
     q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Hopper (sm_90) forward: a warp-specialised, ping-pong Gluon kernel (issue 22, stage 1).
+"""Hopper (sm_90) forward: a warp-specialised, ping-pong Gluon kernel (issue 22, stages 1 and 6).
 
 The portable kernels (`kernels.py`) run everywhere Triton does; on an H100 they leave the tensor
 cores idle while the softmax runs, because one program's matmuls and its softmax are one
@@ -15,7 +15,9 @@ dependent chain. This kernel takes FlashAttention-3's structure, written in Gluo
   computes the softmax of S_j while the second one runs (O is rescaled before that issue);
 - **persistent** grid of one CTA per SM walking q tiles p, p + G, ...; barrier phases are counted
   over the CTA's whole stream, so the next tile's Q and first K/V tiles load during the current
-  tile's last steps and epilogue.
+  tile's last steps and epilogue;
+- **epilogue** (stage 6): each warpgroup writes its half of O into shared memory and one TMA
+  store takes it out (`EPILOGUE`), so the next tile starts without waiting on global stores.
 
 The block-sparse list walk is the portable kernels': a q tile visits the k blocks of its row list
 (dense: every block), split into a mask-free prefix and a masked band (key_lengths, causal
@@ -227,7 +229,7 @@ if GLUON_ERROR is None:
                   stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
                   WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                   NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                  STAGES: gl.constexpr, EPI: gl.constexpr, O_BNHD: gl.constexpr):
+                  STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr):
         """One consumer warpgroup (rows WG*64 .. WG*64+63 of each tile): wgmma, softmax, epilogue."""
         s_layout: gl.constexpr = _wgmma_layout(_TILE)  # S: [64, 128] fp32
         o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # O: [64, HEAD_DIM] fp32
@@ -314,13 +316,13 @@ if GLUON_ERROR is None:
                 empty = l_i == 0.0
                 l_safe = gl.where(empty, 1.0, l_i)
                 o = acc / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-                if EPI == 2:  # through shared memory and a TMA store (it clips rows past seq_q)
+                if TMA_O:  # through shared memory and a TMA store (it clips rows past seq_q)
                     o_s = o_bufs.index(WG)
                     tma.store_wait(0)  # this warpgroup's store of the last tile has read o_s
                     o_s.reshape([_HALF, HEAD_DIM]).store(o.to(dtype))
                     fence_async_shared()
                     _tma_store(desc_o, _coord(b, h, start_m + WG * _HALF, O_BNHD), o_s)
-                elif EPI == 1:
+                else:
                     rows_o = start_m + r_o
                     o_ptrs = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
                               + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(c_o, 0))
@@ -328,7 +330,7 @@ if GLUON_ERROR is None:
                 lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * _LN2)
                 gl.store(LSE + (b * n_heads + h).to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
                 n_done += 1
-        if EPI == 2:
+        if TMA_O:
             tma.store_wait(0)  # (shared memory must outlive the last store's read)
 
     @gluon.jit
@@ -338,12 +340,12 @@ if GLUON_ERROR is None:
                            HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, EPI: gl.constexpr, O_BNHD: gl.constexpr):
+                           Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr):
         m_tiles = (seq_q + _TILE - 1) // _TILE
         q_bufs = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
         k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
         v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
-        if EPI == 2:  # one [64, HEAD_DIM] half-tile of O per consumer warpgroup
+        if TMA_O:  # one [64, HEAD_DIM] half-tile of O per consumer warpgroup
             o_bufs = gl.allocate_shared_memory(desc_o.dtype, [2] + desc_o.block_type.shape, desc_o.layout)
         else:
             o_bufs = q_bufs  # (unused)
@@ -371,11 +373,11 @@ if GLUON_ERROR is None:
             (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                          desc_o, O, LSE, KV_IDX, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
                          stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                         0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, EPI, O_BNHD)),
+                         0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD)),
             (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                          desc_o, O, LSE, KV_IDX, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
                          stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                         1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, EPI, O_BNHD)),
+                         1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD)),
             (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
                        stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
@@ -385,7 +387,8 @@ if GLUON_ERROR is None:
 
 
 # How the consumers write O: "tma" (registers -> shared memory -> a TMA store, when O's layout takes a
-# descriptor), "store" (registers -> global), "none" (not at all: a measurement of what the store costs).
+# descriptor; 1.0-1.24x faster, most on short walks: experiments/studies/hopper/README.md, stage 6),
+# "store" (registers -> global memory, what other layouts of O get).
 EPILOGUE = "tma"
 CONSUMER_REGS = 232  # second consumer warpgroup (setmaxnreg); the first takes what is left
 LOADER_REGS = 40
@@ -520,7 +523,6 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     idx, i_strides, nb_p2, n_kb = (q, (0, 0, 0), 2, 0) if dense else lists
     so = o.stride()
     o_lay = _layout(tuple(o.shape), so, o.element_size(), o.data_ptr() % 16 == 0) if EPILOGUE == "tma" else None
-    epi = {"none": 0, "store": 1, "tma": 2}[EPILOGUE] if o_lay is not None or EPILOGUE != "tma" else 1
     n_tiles = B * H * triton.cdiv(Nq, TILE)
     if num_sms is None:
         num_sms = _sm_count(q.device.index)
@@ -528,10 +530,10 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     desc_q = _descriptor(q, lay[0], TILE)
     _hopper_fwd_kernel[grid](
         desc_q, _descriptor(k, lay[1], TILE), _descriptor(v, lay[2], TILE),
-        _descriptor(o, o_lay, TILE // 2) if epi == 2 else desc_q, o, lse, idx, q if key_lengths is None else key_lengths,
+        desc_q if o_lay is None else _descriptor(o, o_lay, TILE // 2), o, lse, idx, q if key_lengths is None else key_lengths,
         H, H // Hk, Nq, Nk, n_kb, scale * LOG2E, n_tiles, *i_strides, so[0], so[1], so[2],
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1], EPI=epi,
-        O_BNHD=bool(o_lay and o_lay[1]), num_warps=4)
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
+        TMA_O=o_lay is not None, O_BNHD=bool(o_lay and o_lay[1]), num_warps=4)
     return o, lse
