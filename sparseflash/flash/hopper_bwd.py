@@ -260,7 +260,7 @@ if GLUON_ERROR is None:
         reductions are issued). The walk is the loader's."""
         it = 0
         if DQ_PARTS < 3:  # (nothing to add: the warp returns)
-            n_tiles = 0
+            n_rounds = 0
         for rr in range(0, n_rounds):
             t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
             if t < n_tiles:
