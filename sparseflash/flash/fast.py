@@ -57,7 +57,7 @@ class _Entry:
     its backward pair; the mask's lists and the call's scalars."""
 
     __slots__ = ("fwd", "bwd", "kv_idx", "q_idx", "scale", "causal", "mask_bq", "mask_bk", "work", "cuda", "seq_k",
-                 "lse_shape")
+                 "rows")
 
     def __init__(self, fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k):
         self.fwd, self.bwd = fwd, {}
@@ -65,11 +65,13 @@ class _Entry:
         self.scale, self.causal, self.mask_bq, self.mask_bk, self.work = scale, causal, mask_bq, mask_bk, work
         self.cuda = q.device.type == "cuda"
         self.seq_k = k.shape[2]
-        self.lse_shape = q.shape[:3]
+        # float32 [B, H, Nq] of no memory (a stride-0 view): torch.empty_like of it allocates the LSE and
+        # delta, a third of what torch.empty(shape, device=, dtype=) costs on the host
+        self.rows = torch.empty((), device=q.device, dtype=torch.float32).expand(q.shape[:3])
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kl: Tensor | None) -> tuple[Tensor, Tensor]:
         o = torch.empty_like(q)
-        lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
+        lse = torch.empty_like(self.rows)
         if launch.POISON_OUTPUTS:
             o.fill_(float("nan"))
             lse.fill_(float("nan"))
@@ -88,7 +90,7 @@ class _Entry:
         if pair is None or (self.cuda and _capturing()):
             return launch.bwd(do, q, k, v, o, lse, None, self.kv_idx, self.q_idx, kl, self.scale, self.causal,
                               self.mask_bq or None, self.mask_bk or None, 0.0, None, work=self.work)
-        delta = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
+        delta = torch.empty_like(self.rows)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if launch.POISON_OUTPUTS:
             for t in (delta, dq, dk, dv):
@@ -108,14 +110,11 @@ class _FastFunction(torch.autograd.Function):
         o, lse = entry.forward(q, k, v, kl)
         ctx.save_for_backward(q, k, v, o, lse, kl)
         ctx.entry = entry
-        ctx.set_materialize_grads(False)
-        return o
+        return o  # (an unused output's gradient arrives materialised: zeros)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, kl = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(o)
         dq, dk, dv = ctx.entry.backward(do, q, k, v, o, lse, kl)
         return None, dq, dk, dv, None
 

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     pieces = [
         ("fwd: key lookup", lambda: fast.lookup(q, k, v, mask, False, None, None)),
         ("fwd: allocate o", lambda: torch.empty_like(q)),
-        ("fwd: allocate lse", lambda: torch.empty(entry.lse_shape, device=dev, dtype=torch.float32)),
+        ("fwd: allocate lse", lambda: torch.empty_like(entry.rows)),
         ("fwd: quick launch", lambda: entry.fwd(ts, ptrs)),
         ("fwd: entry.forward (alloc + launch)", lambda: entry.forward(q, k, v, None)),
         ("bwd: entry.backward (no engine)", lambda: entry.backward(do, q, k, v, o, lse, None)),
