@@ -232,20 +232,22 @@ def test_gpu_layouts_and_lse(hopper_spy):
 @pytest.mark.parametrize("bnhd", [False, True])
 def test_gpu_register_store_epilogue(monkeypatch, hopper_spy, bnhd):
     """O through the registers-to-global stores (`hopper.EPILOGUE` "store", what an O layout
-    without a descriptor gets) is bitwise the TMA-store epilogue's: tails, causal, key_lengths,
+    without a descriptor gets) is bitwise the TMA-store epilogue's: a tail whose last tile's second
+    half lies wholly past seq_q (1050), causal, GQA, key_lengths with a batch of no keys (O = 0),
     [B, H, N, D] and [B, N, H, D] memory."""
-    B, H, N, D = 2, 2, 1000, 128
-    shape = (B, N, H, D) if bnhd else (B, H, N, D)
-    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    B, Hq, Hk, N, D = 2, 4, 2, 1050, 128
+    q, k, v = (torch.randn(*((B, N, h, D) if bnhd else (B, h, N, D)), device="cuda", dtype=torch.bfloat16)
+               for h in (Hq, Hk, Hk))
     if bnhd:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    kl = torch.tensor([1000, 613], device="cuda")
+    kl = torch.tensor([1050, 0], device="cuda")
     with torch.no_grad():
         o_tma = sparseflash.attention(q, k, v, causal=True, key_lengths=kl)
         monkeypatch.setattr(hopper, "EPILOGUE", "store")
         o_st = sparseflash.attention(q, k, v, causal=True, key_lengths=kl)
     assert len(hopper_spy) == 2
     assert torch.equal(o_tma, o_st)
+    assert o_st[1].abs().max().item() == 0.0
     o_ref = sparseflash.attention(q.double(), k.double(), v.double(), causal=True, key_lengths=kl, backend="reference")
     assert (o_st.double() - o_ref).abs().max().item() < 2e-2
 

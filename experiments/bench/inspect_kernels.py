@@ -140,12 +140,14 @@ def compile_launches(run) -> dict:
 
 def gluon_report(ck) -> dict:
     """Shared memory, registers, spills, and the instruction families that show a warp-specialised
-    Hopper design is in place (setmaxnreg values, wgmma, TMA loads, mbarrier waits and arrives)."""
+    Hopper design is in place (setmaxnreg values, wgmma, TMA loads and stores, mbarrier waits and
+    arrives)."""
     ptx = ck.asm["ptx"]
     res = _resources(ck.asm["cubin"])
     return dict(shared=ck.metadata.shared, regs=res["regs"], stack=res["stack"], local=res["local"],
                 setmaxnreg="/".join(sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)), key=int)),
-                wgmma=len(re.findall(r"wgmma\.mma_async", ptx)), tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                wgmma=len(re.findall(r"wgmma\.mma_async", ptx)), tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::\w+\.global", ptx)),
+                tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared", ptx)),
                 mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
                 mbarrier_arrives=len(re.findall(r"mbarrier\.arrive", ptx)))
 

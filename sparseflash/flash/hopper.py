@@ -65,7 +65,8 @@ LOG2E = 1.4426950408889634
 
 
 def _stages(head_dim: int) -> int:
-    """K/V ring depth: 2 Q buffers + STAGES x (K + V) tiles of 128 x head_dim must fit 227 KB."""
+    """K/V ring depth: 2 Q buffers + STAGES x (K + V) tiles of 128 x head_dim + the O staging (two
+    64-row halves) must fit 227 KB (d=128: 224 KB and the barriers, 229,784-229,816 bytes)."""
     return 2 if head_dim > 64 else 4
 
 
@@ -319,7 +320,7 @@ if GLUON_ERROR is None:
                 if TMA_O:  # through shared memory and a TMA store (it clips rows past seq_q)
                     o_s = o_bufs.index(WG)
                     tma.store_wait(0)  # this warpgroup's store of the last tile has read o_s
-                    o_s.reshape([_HALF, HEAD_DIM]).store(o.to(dtype))
+                    o_s.reshape([_HALF, HEAD_DIM]).store(o.to(o_s.dtype))
                     fence_async_shared()
                     _tma_store(desc_o, _coord(b, h, start_m + WG * _HALF, O_BNHD), o_s)
                 else:
@@ -522,6 +523,8 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     dense = lists is None
     idx, i_strides, nb_p2, n_kb = (q, (0, 0, 0), 2, 0) if dense else lists
     so = o.stride()
+    if EPILOGUE not in ("tma", "store"):
+        raise ValueError(f"hopper.EPILOGUE must be 'tma' or 'store', got {EPILOGUE!r}")
     o_lay = _layout(tuple(o.shape), so, o.element_size(), o.data_ptr() % 16 == 0) if EPILOGUE == "tma" else None
     n_tiles = B * H * triton.cdiv(Nq, TILE)
     if num_sms is None:
