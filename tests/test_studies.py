@@ -245,3 +245,26 @@ def test_pathfinder_minimal_transformer_runs_on_generated_data(tmp_path, flags):
     result = json.loads((out / "result.json").read_text())
     assert result["steps"] == 4 and 0 <= result["test_acc"] <= 1 and result["test_loss"] > 0
     assert (result["test_acc"] * 40) == pytest.approx(round(result["test_acc"] * 40))  # 40 test images
+
+
+def test_hopper_plot_from_saved_rows(tmp_path):
+    """`studies.hopper.plot` draws fwd_bench's saved rows (no GPU): a panel per (tokens, head_dim,
+    mode), failed rows skipped."""
+    from sparseflash.experiments.studies.hopper.plot import main as hopper_plot
+
+    rows = []
+    for n in (4096, 16384):
+        for mask in ("dense", "random"):
+            for prov in ("hopper", "flex", "sdpa-cudnn"):
+                for mode in ("fwd", "fwdbwd"):
+                    if prov == "sdpa-cudnn" and mask != "dense":
+                        continue
+                    ms = {"hopper": 1.0, "flex": 1.4, "sdpa-cudnn": 1.05}[prov] * n / 4096
+                    rows.append(dict(seq=n, head_dim=64, mask=mask, provider=prov, mode=mode, ms=ms, tflops=400 / ms,
+                                     error=None))
+    rows.append(dict(seq=4096, head_dim=64, mask="dense", provider="portable", mode="fwd", ms=None, tflops=None,
+                     error="RuntimeError: boom"))
+    src = tmp_path / "hopper_fwd.json"
+    src.write_text(json.dumps(dict(meta=dict(commit="abc", device_name="GPU"), rows=rows)))
+    assert hopper_plot([str(src), "--out", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "hopper_tflops.png").stat().st_size > 10_000
