@@ -18,7 +18,8 @@ Masks: dense; random (3 of 32 blocks per row at 4K, 13 of 128 at 16K: density ~0
 fwdbwd times forward + backward. ``--rounds R`` measures every row R times, the providers of a case
 interleaved (A B C A B C), and reports the median (``ms_rounds`` keeps each): the H100 runs these
 at its 700 W power cap, where clocks drift by a few percent with the GPU's temperature.
-TFLOP/s count attended pairs only (`bench.flops`). Writes hopper_fwd.csv / .json with --out.
+TFLOP/s count attended pairs only (`bench.flops`). Writes hopper_fwd.csv / .json with --out;
+`python -m sparseflash.experiments.studies.hopper.plot DIR/hopper_fwd.json` draws them.
 """
 
 from __future__ import annotations
