@@ -485,10 +485,15 @@ def _layout(shape: tuple, stride: tuple, esz: int, aligned: bool):
     return None if st is None else (st, True)
 
 
+def tensor_layout(t: torch.Tensor):
+    """`_layout` of a [B, H, N, D] tensor (its address's 16-byte alignment included), or None."""
+    return _layout(tuple(t.shape), t.stride(), t.element_size(), t.data_ptr() % 16 == 0)
+
+
 def layouts(q, k, v):
-    """The descriptor layouts of q, k, v (`_layout`), or None when one has none. K and V share
+    """The descriptor layouts of q, k, v (`tensor_layout`), or None when one has none. K and V share
     one dimension order (one constexpr)."""
-    out = [_layout(tuple(t.shape), t.stride(), t.element_size(), t.data_ptr() % 16 == 0) for t in (q, k, v)]
+    out = [tensor_layout(t) for t in (q, k, v)]
     if None in out or out[1][1] != out[2][1]:
         return None
     return out
@@ -525,7 +530,7 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     so = o.stride()
     if EPILOGUE not in ("tma", "store"):
         raise ValueError(f"hopper.EPILOGUE must be 'tma' or 'store', got {EPILOGUE!r}")
-    o_lay = _layout(tuple(o.shape), so, o.element_size(), o.data_ptr() % 16 == 0) if EPILOGUE == "tma" else None
+    o_lay = tensor_layout(o) if EPILOGUE == "tma" else None
     n_tiles = B * H * triton.cdiv(Nq, TILE)
     if num_sms is None:
         num_sms = _sm_count(q.device.index)

@@ -610,8 +610,8 @@ def _row_descriptor(t):
 
 
 def do_layout(do):
-    """`hopper._layout` of dO, or None."""
-    return hopper._layout(tuple(do.shape), do.stride(), do.element_size(), do.data_ptr() % 16 == 0)
+    """`hopper.tensor_layout` of dO, or None."""
+    return hopper.tensor_layout(do)
 
 
 def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay, do_lay,

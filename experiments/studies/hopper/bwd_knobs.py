@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -42,9 +41,9 @@ def main(argv=None) -> int:
     cases = CASES if args.cases is None else [CASES[i] for i in args.cases]
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    from sparseflash.experiments.bench.results import environment
     from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.experiments.studies.hopper.bwd_parts import captured_bwd_args
+    from sparseflash.experiments.studies.hopper.fwd_bench import save_json
     from sparseflash.flash import fast, hopper_bwd, launch
 
     fast.ENABLED, launch.TMA_MODE = False, "on"  # every call takes descriptors, so the Hopper kernels
@@ -71,10 +70,7 @@ def main(argv=None) -> int:
         rows.append(dict(n=n, d=d, mask=kind, **{k: round(v, 4) for k, v in times.items()}, **diff))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bwd_knobs.json").write_text(json.dumps(dict(meta=environment(torch.device("cuda")), rows=rows),
-                                                       indent=1, default=str))
+        save_json(args.out, "bwd_knobs.json", rows)
     print(f"{'case':22s} " + " ".join(f"{v:>9s}" for v in variants))
     for r in rows:
         print(f"{r['n']:>5} d{r['d']:<3} {r['mask']:10s} " + " ".join(f"{r[v]:9.3f}" for v in variants))

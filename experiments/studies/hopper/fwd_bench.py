@@ -96,11 +96,40 @@ def _call(provider: str, mask, causal: bool, scale: float):
     raise ValueError(provider)
 
 
+def step(prov: str, fn, mode: str, q, k, v, do):
+    """The timed step of one row: ``fn`` (`_call`'s) forward without grad, or forward + backward
+    (``torch.autograd.grad``), under the provider's kernel modes."""
+    if mode == "fwd":
+        def run():
+            with torch.no_grad(), _modes(prov):
+                fn(q, k, v)
+        return run
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def run():
+        with _modes(prov):
+            torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
+    return run
+
+
+def save_json(out, name: str, rows: list, meta: dict | None = None) -> Path:
+    """Write ``{meta, rows}`` to ``out/name`` (meta: this GPU's `bench.results.environment` by
+    default); the hopper studies' one JSON format."""
+    if meta is None:
+        from sparseflash.experiments.bench.results import environment
+
+        meta = environment(torch.device("cuda"))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+    return path
+
+
 def _write(out: Path, rows: list, meta: dict) -> None:
     import csv
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hopper_fwd.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+    save_json(out, "hopper_fwd.json", rows, meta)
     with open(out / "hopper_fwd.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -153,20 +182,10 @@ def main(argv=None) -> int:
                             if row["error"]:
                                 continue
                             try:
-                                fn = _call(prov, pmask, causal, d ** -0.5)
-                                if mode == "fwd":
-                                    def step():
-                                        with torch.no_grad(), _modes(prov):
-                                            fn(q, k, v)
-                                else:
-                                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-
-                                    def step():
-                                        with _modes(prov):
-                                            torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
-                                step()
+                                run = step(prov, _call(prov, pmask, causal, d ** -0.5), mode, q, k, v, do)
+                                run()
                                 torch.cuda.synchronize()
-                                row["ms_rounds"].append(round(graph_ms(step), 5))
+                                row["ms_rounds"].append(round(graph_ms(run), 5))
                                 row["ms"] = statistics.median(row["ms_rounds"])
                                 row["tflops"] = (attention_flops(pairs, d, "fwd" if mode == "fwd" else "fwdbwd")
                                                  / row["ms"] / 1e9)

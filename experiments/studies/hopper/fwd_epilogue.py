@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
@@ -33,9 +32,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     import sparseflash
-    from sparseflash.experiments.bench.results import environment
     from sparseflash.experiments.bench.timing import graph_ms
-    from sparseflash.experiments.studies.hopper.fwd_bench import _call, _mask
+    from sparseflash.experiments.studies.hopper.fwd_bench import _call, _mask, save_json
     from sparseflash.flash import fast, hopper, launch
 
     fast.ENABLED, launch.TMA_MODE = False, "on"  # every call takes descriptors, so the Hopper kernel
@@ -71,10 +69,7 @@ def main(argv=None) -> int:
                          tma_vs_store_maxdiff=(outs["tma"].float() - outs["store"].float()).abs().max().item()))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "fwd_epilogue.json").write_text(json.dumps(dict(meta=environment(torch.device("cuda")), rows=rows),
-                                                          indent=1, default=str))
+        save_json(args.out, "fwd_epilogue.json", rows)
     print(f"{'case':20s} " + " ".join(f"{v:>8s}" for v in VARIANTS))
     for r in rows:
         print(f"{r['n']:5d} d{r['d']:<3d} {r['mask']:9s} " + " ".join(f"{r.get(v, float('nan')):8.4f}" for v in VARIANTS))

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     from sparseflash.experiments.bench.timing import graph_ms
-    from sparseflash.experiments.studies.hopper.fwd_bench import _call, _modes
+    from sparseflash.experiments.studies.hopper.fwd_bench import _call, save_json, step
     from sparseflash.flash import fast
 
     fast.ENABLED = False
@@ -56,19 +56,14 @@ def main(argv=None) -> int:
                                for _ in range(4))
                 for rnd in range(2):
                     for prov in ("hopper", "sdpa-cudnn"):
-                        fn = _call(prov, None, False, d ** -0.5)
-                        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-
-                        def step():
-                            with _modes(prov):
-                                torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)
-                        step()
+                        run = step(prov, _call(prov, None, False, d ** -0.5), "fwdbwd", q, k, v, do)
+                        run()
                         torch.cuda.synchronize()
                         time.sleep(1.5)
                         t0 = time.time()
-                        b5, b100 = _burst(step, 5), _burst(step, 100)
+                        b5, b100 = _burst(run, 5), _burst(run, 100)
                         t1 = time.time()
-                        gm = graph_ms(step)
+                        gm = graph_ms(run)
                         rows.append(dict(d=d, rnd=rnd, prov=prov, burst5=round(b5, 3), burst100_after=round(b100, 3),
                                          graph=round(gm, 3), _win=((t0, t1), (t1, time.time()))))
                         print(json.dumps({k: v for k, v in rows[-1].items() if k != "_win"}), flush=True)
@@ -92,12 +87,7 @@ def main(argv=None) -> int:
                 r[f"power_{name}_mean"] = round(sum(s[2] for s in sel) / len(sel))
                 r[f"throttle_{name}"] = sel[-1][3]
     if args.out:
-        from sparseflash.experiments.bench.results import environment
-
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "power_probe.json").write_text(json.dumps(dict(meta=environment(torch.device("cuda")), rows=rows),
-                                                         indent=1, default=str))
+        save_json(args.out, "power_probe.json", rows)
     print(f"{'d':>3s} {'provider':10s} {'burst5':>7s} {'graph':>7s} {'MHz burst':>9s} {'MHz graph':>9s} {'W graph':>7s}")
     for r in rows:
         print(f"{r['d']:3d} {r['prov']:10s} {r['burst5']:7.3f} {r['graph']:7.3f} {r.get('clk_burst_mean', 0):9d} "
