@@ -45,9 +45,10 @@ def test_compiles_for_sm90(kernel, consumer_regs):
 
 
 def test_bwd_choice(monkeypatch):
-    """The backward runs walks without block lists by default (MODE "auto"; block-sparse calls keep
-    the portable backward, faster there), all of them with "on", none with "off"; the value is
-    checked, CPU calls never take it, and dO needs a layout descriptors take."""
+    """The backward runs walks without block lists by default (MODE "auto"), and block-sparse walks
+    whose column lists are long enough (`LIST_MIN_BLOCKS`; shorter ones keep the portable backward,
+    faster there), all of them with "on", none with "off"; the value is checked, CPU calls never
+    take it, and dO needs a layout descriptors take."""
     assert hopper_bwd.MODE in ("auto", "on", "off")
     q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
     assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
@@ -63,7 +64,15 @@ def test_bwd_choice(monkeypatch):
     assert launch._hopper_bwd_layouts(q.float(), q, q, q, q, None, None, -1.0) is None  # dO dtype differs
     monkeypatch.setattr(hopper_bwd, "MODE", "auto")
     assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
-    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) is None  # block lists: portable
+    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) is None  # unknown list length: portable
+    # block lists: this kernel once a key tile's column holds LIST_MIN_BLOCKS q blocks of 128 rows on average
+    B, H, N, D = q.shape
+    per_block = 4.0 * B * H * N * D * hopper.TILE  # the work of one 128-row q block in every column
+    long_lists = per_block * hopper_bwd.LIST_MIN_BLOCKS
+    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, long_lists, True) == ("lay", hopper_bwd.do_layout(q))
+    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, long_lists * 0.99, True) is None
+    monkeypatch.setattr(hopper_bwd, "LIST_MIN_BLOCKS", 0.5)
+    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, per_block * 0.5, True) == ("lay", hopper_bwd.do_layout(q))
     # dQ's reductions add in arrival order: deterministic algorithms keep the portable backward
     torch.use_deterministic_algorithms(True)
     try:

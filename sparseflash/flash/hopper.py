@@ -39,7 +39,7 @@ import os
 import torch
 import triton
 
-__all__ = ["fwd", "plan", "unsupported", "layouts", "short_rows", "GLUON_ERROR", "MODE"]
+__all__ = ["fwd", "plan", "unsupported", "layouts", "GLUON_ERROR", "MODE"]
 
 try:
     from triton.experimental import gluon
@@ -437,22 +437,6 @@ def plan(q, k, v, *, mask_bq=None, mask_bk=None):
 @functools.lru_cache(maxsize=None)
 def _sm_major(index: int | None) -> int:
     return torch.cuda.get_device_capability(index)[0]
-
-
-# Rows this short (mean key blocks of 128 per q tile) at head_dim 64 run faster on the portable
-# kernel: H100, 59dfe71, 4K density 0.094 (3 blocks) 0.95x its time, butterfly (6 blocks) 1.03x,
-# d=128 1.02x already at 3 blocks (experiments/studies/hopper/).
-SHORT_ROWS = {64: 4.0}
-
-
-def short_rows(q, k, work: float) -> bool:
-    """Whether a call's rows are too short for this kernel to pay (`SHORT_ROWS`), from the
-    launchers' work estimate (4 B H Nq Nk D x density; -1 unknown: not short)."""
-    B, H, Nq, D = q.shape
-    limit = SHORT_ROWS.get(D)
-    if limit is None or work < 0:
-        return False
-    return work / (4.0 * B * H * Nq * D * TILE) < limit
 
 
 def _row_major(shape, stride, esz: int):

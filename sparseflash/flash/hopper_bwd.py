@@ -35,9 +35,10 @@ q tile), rows that see none of the tile (causal) skipped, the causal mask applie
 the diagonal crosses, keys at or past kv_end (key_lengths) masked in the one tile that holds
 kv_end, and a tile wholly past kv_end writing zeros. Rows whose LSE is +inf (no key) give P = 0.
 
-By default (MODE "auto") it runs the walks without block lists: dense, causal and key_lengths
-calls, where it is 1.07-1.28x faster than the portable backward at 4K-16K tokens; block-sparse calls
-keep the portable backward, faster there (experiments/studies/hopper/README.md has the numbers).
+By default (MODE "auto") it runs the walks without block lists (dense, causal and key_lengths
+calls, where it is 1.07-1.28x faster than the portable backward at 4K-16K tokens) and block-sparse
+walks whose column lists are long (`LIST_MIN_BLOCKS`); shorter lists keep the portable backward,
+faster there (experiments/studies/hopper/README.md has the numbers).
 Scope: as the forward's (`hopper.unsupported`), plus a dO layout TMA takes. dQ's float32 sums
 arrive in whatever order the CTAs finish, so dQ is not bitwise reproducible from run to run (its
 error bound is the same); dK and dV are. Under torch.use_deterministic_algorithms(True) the
@@ -55,15 +56,22 @@ import triton.language as tl
 from sparseflash.flash import hopper
 from sparseflash.flash.hopper import GLUON_ERROR, LOG2E, TILE
 
-__all__ = ["bwd", "plan", "unsupported", "do_layout", "QT", "MODE"]
+__all__ = ["bwd", "plan", "unsupported", "do_layout", "QT", "MODE", "LIST_MIN_BLOCKS"]
 
 # "auto" (the default): this kernel wherever the Hopper forward runs and dO's layout allows, for walks
-# without block lists (dense, causal, key_lengths); block-sparse calls keep the portable backward,
-# faster there (experiments/studies/hopper/README.md, stage 5). "on": block-sparse calls too. "off":
+# without block lists (dense, causal, key_lengths) and block lists of at least LIST_MIN_BLOCKS blocks a
+# column; shorter lists keep the portable backward, faster there (experiments/studies/hopper/README.md,
+# stages 5 and 7). "on": every block-sparse call too. "off":
 # the portable backward everywhere. SPARSEFLASH_HOPPER_BWD sets it; SPARSEFLASH_HOPPER=off turns both
 # Hopper kernels off.
 MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "auto")
 
+# MODE "auto" runs block-sparse walks here only when a key tile's column list holds at least this
+# many 128-row q blocks on average: below, the kernel's fixed costs (the float32 dQ buffer zeroed and
+# cast, each tile's K/V load and dK/dV stores) outweigh its faster steps (H100, 16K tokens, random
+# masks: 0.75x the portable backward's speed at 3 blocks, 0.95x at 13, 1.16x at 26, 1.23x at 52 for
+# d=128; 1.01x at 13 for d=64; experiments/studies/hopper/README.md, stage 7).
+LIST_MIN_BLOCKS = 16.0
 QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
 ROTATE = True  # stagger the column walks (`_step`)
 # How much of the dQ path runs (measurements of its parts; anything below 4 returns dQ as None):
@@ -565,11 +573,14 @@ def unsupported(do, q, k, v, o=None, *, mask_bq=None, mask_bk=None, dropout_p=0.
             or _do_unsupported(do, q, o))
 
 
-def plan(do, q, o, lay, lists: bool = False):
+def plan(do, q, o, lay, cols: float | None = None):
     """(lay, dO's layout) when the backward runs a call whose forward runs the Hopper kernel with
-    layouts ``lay``, else None. ``lists``: the call walks block lists (MODE "auto" leaves those to
-    the portable backward)."""
-    if _do_unsupported(do, q, o) is not None or (lists and MODE == "auto"):
+    layouts ``lay``, else None. ``cols``: None for walks without block lists, else the mean number
+    of 128-row q blocks in a key tile's column list (-1: unknown); MODE "auto" leaves lists shorter
+    than `LIST_MIN_BLOCKS` to the portable backward."""
+    if _do_unsupported(do, q, o) is not None:
+        return None
+    if cols is not None and MODE == "auto" and cols < LIST_MIN_BLOCKS:
         return None
     return lay, do_layout(do)
 

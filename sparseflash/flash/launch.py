@@ -711,28 +711,30 @@ def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, caus
 def _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float, lists: bool = False):
     """(q, k, v layouts, dO layout) when the backward runs the Hopper kernel, else None: where the
     forward would (`_hopper_layouts`) and `hopper_bwd.plan` takes dO, O and the walk (``lists``:
-    block lists)."""
+    block lists, whose mean length per key tile comes from the work estimate)."""
     lay = _hopper_layouts(q, k, v, mask_bq, mask_bk, work)
     if lay is None:
         return None
-    from sparseflash.flash import hopper_bwd
+    from sparseflash.flash import hopper, hopper_bwd
 
-    return hopper_bwd.plan(do, q, o, lay, lists)
+    cols = None
+    if lists:  # 128-row q blocks per key tile's walk: work = 4 B H Nq Nk D x density (-1: unknown)
+        B, H, _, D = q.shape
+        cols = work / (4.0 * B * H * k.shape[2] * D * hopper.TILE) if work > 0 else -1.0
+    return hopper_bwd.plan(do, q, o, lay, cols)
 
 
 def _hopper_layouts(q, k, v, mask_bq, mask_bk, work: float):
     """The descriptor layouts (`hopper.layouts`) when the forward runs the warp-specialised Hopper
     kernel, else None: on sm_90, for the calls TMA_MODE gives descriptors (`_tma_wanted`: large or
-    captured calls in "auto"), unless "auto" finds the rows too short (`hopper.short_rows`), then
-    as `hopper.plan` decides. Imported only here, so CPU runs never import gluon."""
+    captured calls in "auto"), then as `hopper.plan` decides. Imported only here, so CPU runs never
+    import gluon."""
     if q.device.type != "cuda" or _interpreting() or _sm_major(q.device.index) != 9:
         return None
     if not _tma_wanted(q, _block_d(q.shape[-1]), work):
         return None
     from sparseflash.flash import hopper
 
-    if TMA_MODE == "auto" and hopper.short_rows(q, k, work):
-        return None
     return hopper.plan(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk)
 
 
@@ -786,7 +788,8 @@ def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, cau
         seg=None):
     """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv). The
     sm_90 calls the Hopper forward takes (`_hopper_layouts`) whose dO TMA can read run the one-pass
-    Hopper backward instead (`hopper_bwd`; its MODE "auto" leaves block-sparse calls here)."""
+    Hopper backward instead (`hopper_bwd`; its MODE "auto" leaves block-sparse calls with short
+    column lists here, `hopper_bwd.LIST_MIN_BLOCKS`)."""
     if dropout_p <= 0.0 and seg is None and scale > 0.0:
         lays = _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work, q_idx is not None)
         if lays is not None:

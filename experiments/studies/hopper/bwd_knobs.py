@@ -12,7 +12,8 @@ process. Variants (module knobs of `sparseflash.flash.hopper_bwd`):
 - ``dkdv``: the kernel without its dQ part (DQ_PARTS 0), what dQ costs by difference.
 Prints a line per case and a table; writes bwd_knobs.json with --out. Also prints the largest
 gradient difference of each variant that computes dQ from ``portable``. ``--variants`` and
-``--cases`` (indices into CASES) run a subset.
+``--cases`` (indices into CASES) run a subset; ``--case N,D,MASK`` adds any case (MASK as
+`fwd_bench._mask` takes it, e.g. ``random13``: 13 random blocks a row).
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--cases", nargs="+", type=int, default=None, help="indices into CASES (default: all)")
+    ap.add_argument("--case", nargs="+", default=[], help="more cases, each N,D,MASK (e.g. 16384,128,random13)")
     args = ap.parse_args(argv)
     variants = {k: VARIANTS[k] for k in dict.fromkeys(["portable"] + args.variants)}
-    cases = CASES if args.cases is None else [CASES[i] for i in args.cases]
+    cases = CASES if args.cases is None and not args.case else [CASES[i] for i in args.cases or []]
+    for c in args.case:
+        n, d, kind = c.split(",")
+        cases.append((int(n), int(d), kind))
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     from sparseflash.experiments.bench.timing import graph_ms

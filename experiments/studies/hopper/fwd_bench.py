@@ -59,6 +59,8 @@ def _mask(kind: str, n: int):
         return None
     if kind == "random":
         return random_mask(n, 3 if n <= 4096 else max(1, round(0.1 * n / 128)), block_size=128, seed=0, device="cuda")
+    if kind.startswith("random") and kind[6:].isdigit():  # randomK: K random blocks a row
+        return random_mask(n, int(kind[6:]), block_size=128, seed=0, device="cuda")
     if kind == "butterfly":
         return butterfly(n, block_size=128, device="cuda")
     if kind == "local":
