@@ -327,6 +327,42 @@ def test_speed_tiny_cpu_run(tmp_path):
         speed.run_speed(["cifar"], tmp_path, device="cpu", tiny=True)
 
 
+def test_speed_paired_tiny_cpu_run(tmp_path, monkeypatch):
+    """--paired alternates single steps (A B, B A, ...), pairs each step with the reference's beside
+    it and bounds the median ratio by a bootstrap interval; the reference's own ratio is 1."""
+    from sparseflash.experiments.lra import speed
+
+    calls = []
+    real = speed._train_step
+
+    def traced(cfg, batch, device, compile=False):
+        step = real(cfg, batch, device, compile)
+        label = cfg.attention + ("/" + cfg.pattern if cfg.pattern else "")
+
+        def run():
+            calls.append(label)
+            step()
+        return run
+    monkeypatch.setattr(speed, "_train_step", traced)
+    result = speed.run_paired(["listops"], tmp_path, device="cpu", tiny=True, providers=["sdpa", "sparseflash/butterfly"],
+                              warmup=1, steps=3, show_progress=False)
+    assert calls == ["sdpa", "sparseflash/butterfly"] + ["sdpa", "sparseflash/butterfly",
+                                                         "sparseflash/butterfly", "sdpa", "sdpa", "sparseflash/butterfly"]
+    rows = {r["provider"]: r for r in result["rows"]}
+    assert set(rows) == {"sdpa", "sparseflash/butterfly"}
+    assert rows["sdpa"]["ratio"] == 1.0 and rows["sdpa"]["reference"] == "sdpa"
+    bf = rows["sparseflash/butterfly"]
+    assert bf["status"] == "ok" and bf["steps"] == 3 and 0 < bf["density"] < 1
+    pairs = [a / b for a, b in zip(bf["times"], rows["sdpa"]["times"])]
+    assert bf["ratio"] == pytest.approx(sorted(pairs)[1])
+    assert bf["ratio_lo"] <= bf["ratio"] <= bf["ratio_hi"]
+    with (tmp_path / "paired.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2
+    assert json.loads((tmp_path / "paired.json").read_text())["environment"]["paired"] is True
+    with pytest.raises(ValueError, match="steps"):
+        speed.run_paired(["listops"], tmp_path, device="cpu", tiny=True, steps=2)
+
+
 def test_butterfly_sweep_densities():
     from sparseflash.experiments.lra.model import build_pattern
     from sparseflash.experiments.lra.speed import butterfly_sweep

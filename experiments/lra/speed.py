@@ -163,12 +163,39 @@ def _classify_error(e: BaseException) -> tuple[str, str]:
     return "error", msg
 
 
+def _provider_config(task: str, provider: Provider, tiny: bool, block_size: int) -> tuple[ModelConfig, int]:
+    """(model config with the provider's attention and pattern, batch) of ``task``."""
+    cfg, batch = task_setup(task, tiny, block_size)
+    return replace(cfg, attention=provider.attention, pattern=provider.pattern,
+                   pattern_kwargs=dict(provider.kwargs)), batch
+
+
+def _train_step(cfg: ModelConfig, batch: int, device: torch.device, compile: bool = False):
+    """A full training step (forward under bf16 autocast on GPU, backward, fused AdamW) of a fresh
+    model of ``cfg`` on fixed random tokens of the task's shape, as a closure."""
+    torch.manual_seed(0)
+    model = LRAClassifier(cfg).to(device)
+    net = torch.compile(model) if compile else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
+    shape = (batch, 2, cfg.seq_len) if cfg.dual else (batch, cfg.seq_len)
+    tokens = torch.randint(1, cfg.vocab_size, shape, device=device)
+    labels = torch.randint(0, cfg.num_classes, (batch,), device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            logits = net(tokens)
+        F.cross_entropy(logits.float(), labels).backward()
+        opt.step()
+    return step
+
+
 def measure(task: str, provider: Provider, *, device="cuda", tiny: bool = False, block_size: int = 128,
             warmup: int = 3, repeats: int = 10, max_seconds: float = 20.0, compile: bool = False) -> dict:
     """One row: time full training steps and one attention call of ``provider`` on ``task``."""
     device = torch.device(device)
-    cfg, batch = task_setup(task, tiny, block_size)
-    cfg = replace(cfg, attention=provider.attention, pattern=provider.pattern, pattern_kwargs=dict(provider.kwargs))
+    cfg, batch = _provider_config(task, provider, tiny, block_size)
     seqs = batch * (2 if cfg.dual else 1)
     head_dim = cfg.d_model // cfg.n_heads
     row = {"mode": "tiny" if tiny else "full", "task": task, "provider": provider.label, "attention": provider.attention,
@@ -185,21 +212,7 @@ def measure(task: str, provider: Provider, *, device="cuda", tiny: bool = False,
     row["token_density"] = mask.token_density() if mask is not None else 1.0
 
     def full_steps():
-        torch.manual_seed(0)
-        model = LRAClassifier(cfg).to(device)
-        net = torch.compile(model) if compile else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device.type == "cuda" else {}))
-        shape = (batch, 2, cfg.seq_len) if cfg.dual else (batch, cfg.seq_len)
-        tokens = torch.randint(1, cfg.vocab_size, shape, device=device)
-        labels = torch.randint(0, cfg.num_classes, (batch,), device=device)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            with autocast:
-                logits = net(tokens)
-            F.cross_entropy(logits.float(), labels).backward()
-            opt.step()
-
+        step = _train_step(cfg, batch, device, compile)
         if device.type == "cuda":
             step()  # compile / autotune outside the peak-memory window
             torch.cuda.synchronize(device)
@@ -390,6 +403,89 @@ def run_speed(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: li
     return result
 
 
+# ----------------------------------------------------------------------------------- paired steps
+def _median_ci(x: list[float], level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A percentile-bootstrap interval of the median of ``x``."""
+    import numpy as np
+
+    a = np.asarray(x, dtype=float)
+    rng = np.random.default_rng(seed)
+    meds = np.median(a[rng.integers(0, len(a), (resamples, len(a)))], axis=1)
+    return float(np.quantile(meds, (1 - level) / 2)), float(np.quantile(meds, (1 + level) / 2))
+
+
+def run_paired(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: list[str] | None = None,
+               providers: list[str] | None = None, flex_sparse: bool = False, block_size: int = 128,
+               warmup: int = 5, steps: int = 40, show_progress: bool = True) -> dict:
+    """Training steps of a task's providers alternated one by one (A B C, C B A, ...) ``steps``
+    times each, so that a host-bound step's drift (clocks, other tenants, Python's allocator)
+    falls on every provider alike, and each step is compared with the reference's step beside it.
+    The reference is ``sdpa`` when measured, else the first provider. Per row: median and min
+    step ms, and the median over pairs of step / the reference's step with a 95% bootstrap
+    interval (``ratio_lo``, ``ratio_hi``; below 1: faster than the reference). Writes
+    ``paired.json`` (with every step's time) and ``paired.csv`` into ``out_dir``."""
+    from sparseflash._progress import Progress
+
+    unknown = [t for t in tasks if t not in SPEED_TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}: choose from {SPEED_TASKS} or 'all'")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
+        raise ValueError(f"steps must be an int >= 3, got {steps!r}")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device (use --device cpu --tiny)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"environment": {**_environment(device), "mode": "tiny" if tiny else "full", "warmup": warmup,
+                              "steps": steps, "paired": True}, "rows": []}
+    cols = ("task", "provider", "reference", "density", "batch", "seq_len", "n_layers", "status", "error", "step_ms",
+            "step_ms_min", "ratio", "ratio_lo", "ratio_hi", "steps")
+    for task in tasks:
+        cfg0, batch = task_setup(task, tiny, block_size)
+        plan = [p for p in default_providers(cfg0.attn_len, cfg0.block_size, patterns, flex_sparse)
+                if providers is None or p.label in providers or p.attention in providers]
+        labels = [p.label for p in plan]
+        ref = "sdpa" if "sdpa" in labels else labels[0]
+        runs, rows = {}, {}
+        for p in plan:
+            cfg, _ = _provider_config(task, p, tiny, block_size)
+            rows[p.label] = {"task": task, "provider": p.label, "reference": ref, "density": None, "batch": batch,
+                             "seq_len": cfg.seq_len, "n_layers": cfg.n_layers, "status": "ok", "error": "", "times": []}
+            try:
+                mask = build_pattern(cfg.pattern, cfg.attn_len, cfg.block_size, device=device, **cfg.pattern_kwargs)
+                rows[p.label]["density"] = mask.density() if mask is not None else 1.0
+                step = _train_step(cfg, batch, device)
+                for _ in range(warmup):
+                    step()
+                _sync(device)
+                runs[p.label] = step
+            except Exception as e:  # noqa: BLE001 - every failure becomes a row
+                rows[p.label]["status"], rows[p.label]["error"] = _classify_error(e)
+        order = [lb for lb in labels if lb in runs]
+        with Progress(steps, f"lra paired {task}", disable=not show_progress) as bar:
+            for i in range(steps):
+                for lb in (order if i % 2 == 0 else order[::-1]):
+                    rows[lb]["times"].append(_time(runs[lb], device, 0, 1, float("inf"))[0])
+                bar.update(1)
+        for lb, row in rows.items():
+            t = row["times"]
+            if not t:
+                continue
+            row.update(step_ms=statistics.median(t), step_ms_min=min(t), steps=len(t))
+            if lb in runs and ref in runs:
+                ratios = [a / b for a, b in zip(t, rows[ref]["times"])]
+                lo, hi = _median_ci(ratios)
+                row.update(ratio=statistics.median(ratios), ratio_lo=lo, ratio_hi=hi)
+        del runs
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result["rows"] += list(rows.values())
+        (out / "paired.json").write_text(json.dumps(result, indent=2))
+        _write_csv(out / "paired.csv", result["rows"], cols)
+    return result
+
+
 # ------------------------------------------------------------------------------------------ plots
 def plot_speed(result: dict, out_dir) -> list[Path]:
     """Draw step time and attention time against density per task, and speedup bars per task."""
@@ -489,6 +585,9 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the whole plan this many times, alternating its order, and pool the timings")
     p.add_argument("--max-seconds", type=float, default=20.0, help="timed seconds per measurement at most")
     p.add_argument("--compile", action="store_true", help="torch.compile the whole model (flex is always compiled)")
+    p.add_argument("--paired", type=int, metavar="STEPS", default=0,
+                   help="alternate single training steps of the providers, STEPS timed steps each, and compare "
+                        "each step with the reference's (sdpa) beside it: OUT/paired.json, paired.csv")
     p.add_argument("--plot-only", action="store_true", help="redraw the figures from OUT/speed.json")
     p.add_argument("--no-progress", action="store_true")
 
@@ -501,6 +600,19 @@ def _cmd_speed(args) -> int:
         return 0
     tasks = list(SPEED_TASKS) if args.task == "all" else [t.strip() for t in args.task.split(",") if t.strip()]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.paired:
+        result = run_paired(tasks, args.out, device=device, tiny=args.tiny, patterns=args.patterns,
+                            providers=args.providers, flex_sparse=not args.no_flex_sparse, block_size=args.block_size,
+                            warmup=args.warmup, steps=args.paired, show_progress=not args.no_progress)
+        print(f"{'task':14s} {'provider':36s} {'density':>8s} {'step ms':>9s} {'min':>7s} {'x ref (95%)':>20s}")
+        for r in result["rows"]:
+            ratio = (f"{r['ratio']:.3f} ({r['ratio_lo']:.3f}-{r['ratio_hi']:.3f})" if r.get("ratio") is not None
+                     else r["status"])
+            ms = (f"{r['step_ms']:9.2f} {r['step_ms_min']:7.2f}" if r.get("step_ms") is not None else f"{'-':>9s} {'-':>7s}")
+            dens = "-" if r["density"] is None else f"{r['density']:.3f}"
+            print(f"{r['task']:14s} {r['provider']:36s} {dens:>8s} {ms} {ratio:>20s}")
+        print(f"results in {args.out}")
+        return 0
     result = run_speed(tasks, args.out, device=device, tiny=args.tiny, patterns=args.patterns, providers=args.providers,
                        flex_sparse=not args.no_flex_sparse, block_size=args.block_size, warmup=args.warmup,
                        repeats=args.repeats, max_seconds=args.max_seconds, compile=args.compile,
