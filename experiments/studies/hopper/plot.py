@@ -62,7 +62,8 @@ def plot(rows: list[dict], meta: dict, out: Path) -> Path:
         ax.margins(y=0.15)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=len(provs), fontsize=8)
-    commit = meta.get("commit", "?")
+    # a file merged from several runs (meta "runs") names each run's commit
+    commit = " + ".join(r["commit"] for r in meta["runs"]) if meta.get("runs") else meta.get("commit", "?")
     fig.suptitle(f"{meta.get('device_name', '?')}, torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, "
                  f"commit {commit}: bf16, 16 heads, 16K tokens per batch, GPU time. Label: time ratio to cuDNN "
                  "(dense, causal) or FlexAttention (block masks); > 1 is faster", fontsize=9)
