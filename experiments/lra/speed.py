@@ -350,6 +350,26 @@ def _write_csv(path: Path, rows: list[dict], cols) -> None:
         w.writerows(rows)
 
 
+def _prepare(tasks, device, out_dir) -> tuple[torch.device, Path]:
+    """Check the task names and the device; make the output directory."""
+    unknown = [t for t in tasks if t not in SPEED_TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}: choose from {SPEED_TASKS} or 'all'")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device (use --device cpu --tiny)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return device, out
+
+
+def _task_providers(task: str, tiny: bool, block_size: int, patterns, providers, flex_sparse: bool) -> list[Provider]:
+    """`default_providers` of ``task``, keeping only those whose label or attention ``providers`` lists."""
+    cfg, _ = task_setup(task, tiny, block_size)
+    return [p for p in default_providers(cfg.attn_len, cfg.block_size, patterns, flex_sparse)
+            if providers is None or p.label in providers or p.attention in providers]
+
+
 def run_speed(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: list[str] | None = None,
               providers: list[str] | None = None, flex_sparse: bool = True, block_size: int = 128, warmup: int = 3,
               repeats: int = 10, max_seconds: float = 20.0, compile: bool = False, show_progress: bool = True,
@@ -362,20 +382,9 @@ def run_speed(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: li
 
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be a positive int, got {rounds!r}")
-    unknown = [t for t in tasks if t not in SPEED_TASKS]
-    if unknown:
-        raise ValueError(f"unknown task(s) {unknown}: choose from {SPEED_TASKS} or 'all'")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch sees no CUDA device (use --device cpu --tiny)")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    plan = []
-    for task in tasks:
-        cfg, _ = task_setup(task, tiny, block_size)
-        for p in default_providers(cfg.attn_len, cfg.block_size, patterns, flex_sparse):
-            if providers is None or p.label in providers or p.attention in providers:
-                plan.append((task, p))
+    device, out = _prepare(tasks, device, out_dir)
+    plan = [(task, p) for task in tasks
+            for p in _task_providers(task, tiny, block_size, patterns, providers, flex_sparse)]
     result = {"environment": {**_environment(device), "mode": "tiny" if tiny else "full", "warmup": warmup,
                               "repeats": repeats, "rounds": rounds}, "rows": [], "summary": []}
     measured: dict = {}  # (task, provider label) -> its rows, one per round done
@@ -426,29 +435,20 @@ def run_paired(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: l
     ``paired.json`` (with every step's time) and ``paired.csv`` into ``out_dir``."""
     from sparseflash._progress import Progress
 
-    unknown = [t for t in tasks if t not in SPEED_TASKS]
-    if unknown:
-        raise ValueError(f"unknown task(s) {unknown}: choose from {SPEED_TASKS} or 'all'")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
         raise ValueError(f"steps must be an int >= 3, got {steps!r}")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch sees no CUDA device (use --device cpu --tiny)")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    device, out = _prepare(tasks, device, out_dir)
     result = {"environment": {**_environment(device), "mode": "tiny" if tiny else "full", "warmup": warmup,
                               "steps": steps, "paired": True}, "rows": []}
     cols = ("task", "provider", "reference", "density", "batch", "seq_len", "n_layers", "status", "error", "step_ms",
             "step_ms_min", "ratio", "ratio_lo", "ratio_hi", "steps")
     for task in tasks:
-        cfg0, batch = task_setup(task, tiny, block_size)
-        plan = [p for p in default_providers(cfg0.attn_len, cfg0.block_size, patterns, flex_sparse)
-                if providers is None or p.label in providers or p.attention in providers]
+        plan = _task_providers(task, tiny, block_size, patterns, providers, flex_sparse)
         labels = [p.label for p in plan]
         ref = "sdpa" if "sdpa" in labels else labels[0]
         runs, rows = {}, {}
         for p in plan:
-            cfg, _ = _provider_config(task, p, tiny, block_size)
+            cfg, batch = _provider_config(task, p, tiny, block_size)
             rows[p.label] = {"task": task, "provider": p.label, "reference": ref, "density": None, "batch": batch,
                              "seq_len": cfg.seq_len, "n_layers": cfg.n_layers, "status": "ok", "error": "", "times": []}
             try:
