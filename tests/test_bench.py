@@ -468,8 +468,8 @@ def test_host_bench_cpu_smoke(tmp_path):
     assert kernels._fwd_kernel is before
     rows = list(csv.DictReader(open(tmp_path / "host.csv")))
     data = json.loads((tmp_path / "host.json").read_text())
-    # dense: our 3 + sdpa, + the autograd floor without key_lengths; mask: our 3; x key_lengths x 2 passes
-    assert len(rows) == len(data["rows"]) == 2 * (5 + 4 + 3 + 3)
+    # dense: our 4 + sdpa, + the autograd floor without key_lengths; mask: our 4; x key_lengths x 2 passes
+    assert len(rows) == len(data["rows"]) == 2 * (6 + 5 + 4 + 4)
     assert {r["provider"] for r in rows} == set(host.PROVIDERS)
     assert all(r["part"] == "host" and float(r["host_us"]) > 0 for r in rows)
     assert {(r["mask"], r["key_lengths"]) for r in rows} == {("dense", "False"), ("dense", "True"),

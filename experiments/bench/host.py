@@ -11,7 +11,8 @@ bf16, batch x heads = tokens // seq_len x 16 (default 4 x 16 at 4K tokens), one 
   forward + backward (``torch.autograd.grad``), for each head dim, dense and a random mask of
   ``--blocks`` 128-blocks per row (density 3/32 = 0.094 at 4K), without and with ``key_lengths``.
   Providers (``--providers``): ``sparseflash`` (the default: repeat calls take the short path,
-  `sparseflash.flash.fast`, with bound launches), ``sparseflash-general`` (short path off: every
+  `sparseflash.flash.fast`, run by its native plan, `sparseflash.flash.native`),
+  ``sparseflash-python`` (the short path in Python with bound launches), ``sparseflash-general`` (short path off: every
   call validated and planned, bound launches), ``sparseflash-unbound`` (also
   ``launch.FAST_LAUNCH = False``: every launch through Triton's own path), ``sdpa``
   (``F.scaled_dot_product_attention``, dense; with key_lengths a boolean key-padding mask) as
@@ -47,24 +48,27 @@ COLUMNS = ["part", "provider", "pass", "head_dim", "mask", "density", "key_lengt
            "host_us_min", "eager_ms", "gpu_ms", "eager_over_gpu", "B", "H", "N", "device_name", "torch", "triton", "commit", "date"]
 
 
-PROVIDERS = ("sparseflash", "sparseflash-general", "sparseflash-unbound", "sdpa", "autograd-floor")
+PROVIDERS = ("sparseflash", "sparseflash-python", "sparseflash-general", "sparseflash-unbound", "sdpa",
+             "autograd-floor")
 
 
 @contextlib.contextmanager
 def _settings(provider: str = "sparseflash", check_key_lengths: bool = True):
-    """Our switches for ``provider``: the short path (`sparseflash.flash.fast`) off for
+    """Our switches for ``provider``: the native plan (`sparseflash.flash.native`) off for
+    "sparseflash-python", the whole short path (`sparseflash.flash.fast`) off for
     "sparseflash-general", bound launches also off for "sparseflash-unbound"."""
     from sparseflash import api
-    from sparseflash.flash import fast, launch
+    from sparseflash.flash import fast, launch, native
 
-    saved = launch.FAST_LAUNCH, fast.ENABLED, api.CHECK_KEY_LENGTHS
+    saved = launch.FAST_LAUNCH, fast.ENABLED, native.ENABLED, api.CHECK_KEY_LENGTHS
     launch.FAST_LAUNCH = provider != "sparseflash-unbound"
-    fast.ENABLED = provider == "sparseflash"
+    fast.ENABLED = provider in ("sparseflash", "sparseflash-python")
+    native.ENABLED = provider == "sparseflash" and saved[2]
     api.CHECK_KEY_LENGTHS = check_key_lengths
     try:
         yield
     finally:
-        launch.FAST_LAUNCH, fast.ENABLED, api.CHECK_KEY_LENGTHS = saved
+        launch.FAST_LAUNCH, fast.ENABLED, native.ENABLED, api.CHECK_KEY_LENGTHS = saved
 
 
 class _Floor(torch.autograd.Function):
@@ -164,7 +168,7 @@ def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: 
         # eager against GPU time
         for mname, mask in masks.items():
             density = 1.0 if mask is None else blocks / nb
-            ours = [p for p in ("sparseflash", "sparseflash-general") if p in providers]
+            ours = [p for p in ("sparseflash", "sparseflash-python", "sparseflash-general") if p in providers]
             cases = [(p, None, True) for p in ours] + ([("sdpa", None, True)] if mask is None else
                                                        [(p, klen_t, c) for p in ours for c in (True, False)])
             for prov, klen, checked in cases:
@@ -228,13 +232,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-eager", action="store_true", help="skip the eager-against-GPU part")
     ap.add_argument("--no-host", action="store_true", help="skip the host part")
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS,
-                    help="sparseflash (short path), sparseflash-general (short path off), sparseflash-unbound "
+                    help="sparseflash (short path with its native plan), sparseflash-python (short path, "
+                         "native plan off), sparseflash-general (short path off), sparseflash-unbound "
                          "(also bound launches off), sdpa, autograd-floor (a Python autograd Function that "
                          "allocates our outputs and launches nothing)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda needs a GPU")
+    if device.type == "cuda" and "sparseflash" in args.providers:
+        from sparseflash.flash import native
+
+        native.load()  # built before timing, not in the background of the first rows
     kw = dict(seq_len=args.seq_len, head_dims=args.head_dims, blocks=args.blocks, tokens=args.tokens,
               heads=args.heads, calls=args.calls, eager=not args.no_eager, providers=args.providers,
               repeats=args.repeats, host=not args.no_host)

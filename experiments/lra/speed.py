@@ -360,6 +360,14 @@ def _prepare(tasks, device, out_dir) -> tuple[torch.device, Path]:
         raise ValueError("device 'cuda' requested but torch sees no CUDA device (use --device cpu --tiny)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if device.type == "cuda":
+        from sparseflash.flash import native
+
+        if native.ENABLED:
+            try:  # built before timing, not in the background of the first steps
+                native.load()
+            except Exception as e:  # noqa: BLE001 - the Python short path serves the calls
+                print(f"sparseflash native short path off: {e}")
     return device, out
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad as _forward_ad
 
-from sparseflash.flash import launch
+from sparseflash.flash import launch, native as _native
 from sparseflash.mask import BlockMask
 
 __all__ = ["ENABLED", "Miss", "lookup", "build", "call", "clear"]
@@ -52,15 +52,26 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
+try:  # the current CUDA device without torch.cuda.current_device's Python layers
+    from torch._C import _cuda_getDevice as _cuda_device
+except ImportError:  # pragma: no cover - a CPU-only build has no native plans either
+    def _cuda_device() -> int:
+        return torch.cuda.current_device()
+
+
 class _Entry:
     """One combination's forward (a `launch._Quick`) and, per layout of the incoming gradient,
     its backward pair; the mask's lists and the call's scalars."""
 
     __slots__ = ("fwd", "bwd", "kv_idx", "q_idx", "scale", "causal", "mask_bq", "mask_bk", "work", "cuda", "seq_k",
-                 "rows")
+                 "rows", "has_kl", "native", "native_bwd", "__weakref__")
 
-    def __init__(self, fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k):
+    def __init__(self, fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k, has_kl):
         self.fwd, self.bwd = fwd, {}
+        self.has_kl, self.native_bwd = has_kl, set()  # native_bwd: the dO strides given to the native plan
+        # the native plan (`sparseflash.flash.native`): None not made yet, False never (CPU, a
+        # failed build, a kernel it cannot launch)
+        self.native = None if q.device.type == "cuda" else False
         self.kv_idx, self.q_idx = kv_idx, q_idx
         self.scale, self.causal, self.mask_bq, self.mask_bk, self.work = scale, causal, mask_bq, mask_bk, work
         self.cuda = q.device.type == "cuda"
@@ -99,7 +110,39 @@ class _Entry:
         ptrs = launch.quick_ptrs(ts)
         pair[0](ts, ptrs)
         pair[1](ts, ptrs)
+        if self.native:
+            self._native_bwd(do, pair)
         return dq, dk, dv
+
+    def _native_bwd(self, do, pair) -> None:
+        """Give the native plan ``do``'s layout's launches once both are bound."""
+        if pair[0].bound is not None and pair[1].bound is not None and do.stride() not in self.native_bwd:
+            dq, dkdv = _native.launch_of(pair[0]), _native.launch_of(pair[1])
+            if dq is not None and dkdv is not None:
+                self.native.add_bwd(list(do.stride()), dq, dkdv)
+            self.native_bwd.add(do.stride())
+
+    def make_native(self):
+        """The native plan, made once the forward is bound and the module is built; False when
+        it will not be (its kernel does not fit a plain launch, or the build failed)."""
+        if self.fwd.bound is None or not _native.ENABLED:
+            return None
+        mod = _native.module()
+        if mod is None:
+            if _native._FAILED is None:
+                return None  # building: ask again on a later call
+            self.native = False
+            return False
+        try:
+            plan = _native.plan_of(self)
+        except Exception as e:  # noqa: BLE001 - an unexpected Triton ABI: the Python path serves the entry
+            import warnings
+
+            warnings.warn(f"sparseflash: the native short path does not take this call: {e}", RuntimeWarning,
+                          stacklevel=3)
+            plan = None
+        self.native = plan if plan is not None else False
+        return self.native
 
 
 class _FastFunction(torch.autograd.Function):
@@ -175,6 +218,15 @@ def build(miss: Miss, q, k, v, mask, causal, scale: float, key_lengths, triton: 
 
 def call(entry: _Entry, q, k, v, key_lengths) -> Tensor:
     """The output of a call that `entry` serves (its key_lengths already checked as asked)."""
+    nat = entry.native
+    if nat is None:
+        nat = entry.make_native()
+    if nat and _native.ENABLED and launch.FAST_LAUNCH and not launch.POISON_OUTPUTS and launch._hooks_idle():
+        dev = _cuda_device()
+        if dev == nat.device:
+            o = nat.forward(q, k, v, key_lengths, launch._raw_stream(dev))
+            if o is not None:
+                return o
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FastFunction.apply(entry, q, k, v, key_lengths)
     return entry.forward(q, k, v, key_lengths)[0]
@@ -201,4 +253,15 @@ def _build(q, k, v, mask, causal, scale, kl):
     fwd = launch.quick_fwd(q, k, v, kv_idx, kl, scale, causal, mask_bq or None, mask_bk or None, work=work)
     if fwd is None:
         return _NO
-    return _Entry(fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k)
+    return _Entry(fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k, kl is not None)
+
+
+def _native_fallback(key, do, q, k, v, o, lse, kl, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work):
+    """The backward of a native call that its plan has no launch for (`native`): the entry's own
+    backward (which gives the plan the launches of a new dO layout), or the general backward
+    when the entry is gone (its cache was cleared)."""
+    entry = _native._ENTRIES.get(key)
+    if entry is not None:
+        return entry.backward(do, q, k, v, o, lse, kl)
+    return launch.bwd(do, q, k, v, o, lse, None, kv_idx, q_idx, kl, scale, causal, mask_bq or None, mask_bk or None,
+                      0.0, None, work=work)

@@ -598,7 +598,8 @@ except ImportError:  # pragma: no cover
 
 def _bind(plan: _Plan, kernel, compiled, args: list) -> tuple | None:
     """The bound launch of ``plan`` from its first launch: (run, function, packed_metadata, every
-    parameter's value with None where a tensor's address goes), or None when it cannot be bound."""
+    parameter's value with None where a tensor's address goes, the compiled kernel), or None when
+    it cannot be bound."""
     if getattr(kernel, "pre_run_hooks", None) or _runtime_knobs().debug:
         return None
     run, function, meta = getattr(compiled, "run", None), getattr(compiled, "function", None), \
@@ -620,7 +621,7 @@ def _bind(plan: _Plan, kernel, compiled, args: list) -> tuple | None:
             return None
     for i in plan.slots:
         values[i] = None
-    return run, function, meta, tuple(values)
+    return run, function, meta, tuple(values), compiled
 
 
 def _launch(plan: _Plan, tensors) -> tuple | None:
@@ -632,7 +633,7 @@ def _launch(plan: _Plan, tensors) -> tuple | None:
         key = (_current_device(), tuple(p & 15 == 0 for p in ptrs), tuple(t.dtype for t in tensors))
         bound = plan.bound.get(key)
         if bound is not None and _hooks_idle():
-            run, function, meta, values = bound
+            run, function, meta, values = bound[:4]
             values = list(values)
             for i, p in zip(plan.slots, ptrs):
                 values[i] = p
@@ -917,7 +918,7 @@ class _Quick:
         and ``ptrs`` their addresses (`quick_ptrs`)."""
         b = self.bound
         if b is not None and FAST_LAUNCH and _hooks_idle():
-            run, function, meta, values, dev = b
+            run, function, meta, values, dev = b[:5]
             values = list(values)
             acc = 0
             for i, r in self.roles:
@@ -929,12 +930,12 @@ class _Quick:
                 return
         done = _launch(self.plan, tuple(ts[r] if isinstance(r, _R) else r for r in self.layout))
         if b is None and done is not None and all(done[0][1]):  # keep the all-aligned bound launch
-            run, function, meta, values = done[1]
+            run, function, meta, values, compiled = done[1]
             values = list(values)
             for i, t in zip(self.plan.slots, self.layout):
                 if not isinstance(t, _R):
                     values[i] = t.data_ptr()
-            self.bound = run, function, meta, tuple(values), done[0][0]
+            self.bound = run, function, meta, tuple(values), done[0][0], compiled
 
 
 def quick_ptrs(ts: tuple) -> list:

@@ -9,7 +9,8 @@ call's key has been seen (the short path's entry exists):
 
 - the pieces of our forward: the key lookup, the output allocations, the quick launch alone;
 - our backward without PyTorch's autograd engine (`_Entry.backward` called directly);
-- whole calls: ours (short path and general), SDPA's (dense: the anchor), and a Python autograd
+- the native plan's forward alone (`sparseflash.flash.native`, no Python around it);
+- whole calls: ours (short path with its native plan, the Python short path, general), SDPA's (dense: the anchor), and a Python autograd
   Function that allocates our outputs and launches nothing (PyTorch's own charge for any such
   op), forward without grad and forward + backward (``torch.autograd.grad``).
 
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     from sparseflash.experiments.bench.host import _Floor
     from sparseflash.experiments.bench.results import environment
     from sparseflash.experiments.bench.timing import host_us_samples
-    from sparseflash.flash import fast, launch
+    from sparseflash.flash import fast, launch, native
     from sparseflash.patterns import random as random_mask
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,7 +50,9 @@ def main(argv=None) -> int:
     q, k, v, do = (torch.randn(B, H, N, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(4))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     mask = random_mask(N, 3, block_size=128, seed=0, device=dev)
-    sparseflash.attention(q, k, v, mask=mask)
+    native.load()  # built before timing (a first call would otherwise build it in the background)
+    for _ in range(3):  # bind the launches, make the native plan, give it the backward's launches
+        torch.autograd.grad(sparseflash.attention(qg, kg, vg, mask=mask), (qg, kg, vg), do)
     entry = fast.lookup(q, k, v, mask, False, None, None)
     assert isinstance(entry, fast._Entry), "the short path did not take the call"
     o, lse = entry.forward(q, k, v, None)
@@ -63,14 +66,17 @@ def main(argv=None) -> int:
                 fn()
         return run
 
-    def general(fn):
+    def general(fn, switch=fast):
         def run():
-            fast.ENABLED = False
+            switch.ENABLED = False
             try:
                 fn()
             finally:
-                fast.ENABLED = True
+                switch.ENABLED = True
         return run
+
+    def python(fn):  # the short path without the native plan
+        return general(fn, native)
 
     attn = lambda a, b, c: sparseflash.attention(a, b, c, mask=mask)  # noqa: E731
     pieces = [
@@ -80,13 +86,17 @@ def main(argv=None) -> int:
         ("fwd: quick launch", lambda: entry.fwd(ts, ptrs)),
         ("fwd: entry.forward (alloc + launch)", lambda: entry.forward(q, k, v, None)),
         ("bwd: entry.backward (no engine)", lambda: entry.backward(do, q, k, v, o, lse, None)),
+        ("fwd no-grad: native plan alone", no_grad(lambda: entry.native.forward(q, k, v, None, 0))),
         ("fwd no-grad: ours", no_grad(lambda: attn(q, k, v))),
+        ("fwd no-grad: ours python short path", python(no_grad(lambda: attn(q, k, v)))),
         ("fwd no-grad: ours general", general(no_grad(lambda: attn(q, k, v)))),
         ("fwd no-grad: sdpa (dense)", no_grad(lambda: F.scaled_dot_product_attention(q, k, v))),
         ("fwd no-grad: autograd floor", no_grad(lambda: _Floor.apply(q, k, v))),
         ("fwd with grad: ours", lambda: attn(qg, kg, vg)),
         ("fwd with grad: autograd floor", lambda: _Floor.apply(qg, kg, vg)),
         ("fwd+bwd: ours", lambda: torch.autograd.grad(attn(qg, kg, vg), (qg, kg, vg), do)),
+        ("fwd+bwd: ours python short path",
+         python(lambda: torch.autograd.grad(attn(qg, kg, vg), (qg, kg, vg), do))),
         ("fwd+bwd: ours general", general(lambda: torch.autograd.grad(attn(qg, kg, vg), (qg, kg, vg), do))),
         ("fwd+bwd: sdpa (dense)",
          lambda: torch.autograd.grad(F.scaled_dot_product_attention(qg, kg, vg), (qg, kg, vg), do)),
@@ -97,7 +107,8 @@ def main(argv=None) -> int:
         s = host_us_samples(fn, args.calls, args.repeats)
         rows.append(dict(piece=name, host_us=statistics.median(s), host_us_min=min(s)))
         print(f"{name:<40} {rows[-1]['host_us']:8.1f} {rows[-1]['host_us_min']:8.1f}", flush=True)
-    # our backward as the engine runs it (its worker thread): the time inside _Entry.backward per call
+    # the Python short path's backward as the engine runs it (its worker thread): the time inside
+    # _Entry.backward per call
     inside, real = [], fast._Entry.backward
 
     def timed(self, *a):
@@ -109,14 +120,16 @@ def main(argv=None) -> int:
 
     fast._Entry.backward = timed
     try:
-        host_us_samples(lambda: torch.autograd.grad(attn(qg, kg, vg), (qg, kg, vg), do), args.calls, args.repeats)
+        host_us_samples(python(lambda: torch.autograd.grad(attn(qg, kg, vg), (qg, kg, vg), do)), args.calls,
+                        args.repeats)
     finally:
         fast._Entry.backward = real
     rows.append(dict(piece="bwd: entry.backward inside the engine", host_us=statistics.median(inside),
                      host_us_min=min(inside)))
     print(f"{rows[-1]['piece']:<40} {rows[-1]['host_us']:8.1f} {rows[-1]['host_us_min']:8.1f}", flush=True)
     meta = dict(environment(dev), B=B, H=H, N=N, D=D, mask="random3 (density 0.094)", calls=args.calls,
-                repeats=args.repeats)
+                repeats=args.repeats, native_plan=bool(entry.native), native_bwd_layouts=entry.native.n_bwd
+                if entry.native else 0)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

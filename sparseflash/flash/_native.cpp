@@ -1,0 +1,341 @@
+// The native short path of a repeated eager sparseflash.attention call (issue 21): the forward,
+// its autograd node and the backward in C++, launching the Triton kernels that the Python short
+// path (sparseflash/flash/fast.py) compiled and bound. Built on first use by native.py.
+//
+// A Launch is one bound Triton kernel: its CUfunction, grid, block and shared memory, and one
+// 8-byte slot per kernel parameter (Triton's order: the non-constexpr arguments, then the global
+// and profile scratch pointers), with the slots of the call's tensors ("roles") filled per call.
+// A Plan is one fast-path entry: the forward Launch and, per layout of the incoming gradient,
+// the dQ and dK/dV Launches. Anything the plan has no launch for (a new dO layout, a stream being
+// captured, a misaligned address) goes back to Python: `forward` returns None, the backward
+// calls the registered fallback.
+//
+// Roles: forward (q, k, v, o, lse, key_lengths); backward adds (do, delta, dq, dk, dv).
+// No CUDA headers: the driver entry points are looked up in libcuda at first use.
+
+#include <torch/extension.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using CUresult = int;
+using CUfunction = void*;
+using CUstream = void*;
+using CUcontext = void*;
+using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                    CUstream, void**, void**);
+using StreamIsCapturingFn = CUresult (*)(CUstream, int*);
+using FuncGetParamInfoFn = CUresult (*)(CUfunction, size_t, size_t*, size_t*);
+using GetErrorStringFn = CUresult (*)(CUresult, const char**);
+
+constexpr int kMaxParams = 96;
+constexpr int kFwdRoles = 6;
+constexpr int kBwdRoles = 11;
+
+struct Driver {
+  LaunchKernelFn launch = nullptr;
+  StreamIsCapturingFn is_capturing = nullptr;
+  FuncGetParamInfoFn param_info = nullptr;
+  GetErrorStringFn error_string = nullptr;
+
+  Driver() {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    if (lib == nullptr) return;
+    launch = reinterpret_cast<LaunchKernelFn>(dlsym(lib, "cuLaunchKernel"));
+    is_capturing = reinterpret_cast<StreamIsCapturingFn>(dlsym(lib, "cuStreamIsCapturing"));
+    param_info = reinterpret_cast<FuncGetParamInfoFn>(dlsym(lib, "cuFuncGetParamInfo"));
+    error_string = reinterpret_cast<GetErrorStringFn>(dlsym(lib, "cuGetErrorString"));
+  }
+
+  std::string describe(CUresult err) const {
+    const char* s = nullptr;
+    if (error_string != nullptr) error_string(err, &s);
+    return s != nullptr ? std::string(s) : "CUDA driver error " + std::to_string(err);
+  }
+};
+
+Driver& driver() {
+  static Driver d;
+  return d;
+}
+
+// Launches with function 0 only count (CPU tests of the plumbing).
+std::atomic<int64_t> g_dry_launches{0};
+
+struct Launch {
+  uint64_t function = 0;
+  unsigned grid[3] = {1, 1, 1};
+  unsigned block = 0;
+  unsigned smem = 0;
+  std::vector<uint64_t> slots;  // one per kernel parameter: fixed values, 0 where a role goes
+  std::vector<std::pair<int, int>> roles;  // (parameter, role)
+  int max_role = -1;
+
+  Launch(uint64_t function_, std::vector<int64_t> grid_, int64_t block_, int64_t smem_, std::vector<uint64_t> slots_,
+         const std::vector<int64_t>& sizes, std::vector<std::pair<int, int>> roles_)
+      : function(function_), block(static_cast<unsigned>(block_)), smem(static_cast<unsigned>(smem_)),
+        slots(std::move(slots_)), roles(std::move(roles_)) {
+    TORCH_CHECK(grid_.size() == 3, "Launch: grid must have 3 entries, got ", grid_.size());
+    for (int i = 0; i < 3; ++i) {
+      TORCH_CHECK(grid_[i] > 0 && grid_[i] < (int64_t(1) << 31), "Launch: grid entries must be positive");
+      grid[i] = static_cast<unsigned>(grid_[i]);
+    }
+    TORCH_CHECK(block_ > 0 && block_ <= 1024, "Launch: block must be in [1, 1024], got ", block_);
+    TORCH_CHECK(slots.size() == sizes.size(), "Launch: ", slots.size(), " slots but ", sizes.size(), " sizes");
+    TORCH_CHECK(static_cast<int>(slots.size()) <= kMaxParams, "Launch: more than ", kMaxParams, " parameters");
+    for (auto& r : roles) {
+      TORCH_CHECK(r.first >= 0 && r.first < static_cast<int>(slots.size()), "Launch: role slot out of range");
+      TORCH_CHECK(r.second >= 0 && r.second < kBwdRoles, "Launch: role out of range");
+      max_role = std::max(max_role, r.second);
+    }
+    for (size_t i = 0; i < sizes.size(); ++i)
+      TORCH_CHECK(sizes[i] == 1 || sizes[i] == 2 || sizes[i] == 4 || sizes[i] == 8, "Launch: parameter ", i,
+                  " has size ", sizes[i]);
+    // The kernel's own parameter list, where the driver can tell it (CUDA 12.4+): the same
+    // count and sizes, or this is not the ABI the slots were packed for.
+    Driver& drv = driver();
+    if (function != 0 && drv.param_info != nullptr) {
+      size_t n = 0, offset = 0, size = 0;
+      while (n <= sizes.size() && drv.param_info(reinterpret_cast<CUfunction>(function), n, &offset, &size) == 0) {
+        TORCH_CHECK(n < sizes.size() && static_cast<int64_t>(size) == sizes[n], "Launch: the kernel's parameter ", n,
+                    " has ", size, " bytes, the slots say ",
+                    n < sizes.size() ? std::to_string(sizes[n]) : std::string("nothing"));
+        ++n;
+      }
+      TORCH_CHECK(n == sizes.size(), "Launch: the kernel has ", n, " parameters, the slots ", sizes.size());
+    }
+    if (function != 0) TORCH_CHECK(drv.launch != nullptr, "Launch: cuLaunchKernel not found in libcuda.so.1");
+  }
+
+  void run(const uint64_t* ptrs, CUstream stream) const {
+    if (function == 0) {
+      g_dry_launches.fetch_add(1);
+      return;
+    }
+    uint64_t values[kMaxParams];
+    void* params[kMaxParams];
+    const size_t n = slots.size();
+    std::memcpy(values, slots.data(), n * sizeof(uint64_t));
+    for (const auto& r : roles) values[r.first] = ptrs[r.second];
+    for (size_t i = 0; i < n; ++i) params[i] = &values[i];
+    const Driver& drv = driver();
+    CUresult err = drv.launch(reinterpret_cast<CUfunction>(function), grid[0], grid[1], grid[2], block, 1, 1, smem,
+                              stream, params, nullptr);
+    TORCH_CHECK(err == 0, "sparseflash native launch failed: ", drv.describe(err));
+  }
+
+  // The parameter slots as this call would pass them (tests).
+  std::vector<uint64_t> pack(const std::vector<uint64_t>& ptrs) const {
+    TORCH_CHECK(static_cast<int>(ptrs.size()) > max_role, "pack: ", ptrs.size(), " role addresses, need ",
+                max_role + 1);
+    std::vector<uint64_t> out = slots;
+    for (const auto& r : roles) out[r.first] = ptrs[r.second];
+    return out;
+  }
+};
+
+using LaunchPtr = std::shared_ptr<Launch>;
+
+struct BwdLaunches {
+  std::vector<int64_t> do_strides;
+  LaunchPtr dq, dkdv;
+};
+
+// The Python function a backward goes to when the plan has no launch for it: fallback(key, do, q,
+// k, v, o, lse, key_lengths, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work) -> (dq, dk, dv),
+// with what the general backward needs should the Python entry be gone.
+py::object* g_fallback = nullptr;  // never freed: outlives every node
+
+struct Plan {
+  int64_t key;       // the Python entry's id for the fallback
+  int64_t device;    // CUDA device index
+  LaunchPtr fwd;
+  std::vector<BwdLaunches> bwd;
+  at::Tensor rows;   // float32 [B, H, Nq], stride 0: empty_like gives the LSE and delta
+  bool has_kl;
+  // the call's mask lists and scalars, for the fallback
+  at::Tensor kv_idx, q_idx;
+  double scale, work;
+  bool causal;
+  int64_t mask_bq, mask_bk;
+
+  Plan(int64_t key_, int64_t device_, LaunchPtr fwd_, at::Tensor rows_, bool has_kl_,
+       std::optional<at::Tensor> kv_idx_, std::optional<at::Tensor> q_idx_, double scale_, bool causal_,
+       int64_t mask_bq_, int64_t mask_bk_, double work_)
+      : key(key_), device(device_), fwd(std::move(fwd_)), rows(std::move(rows_)), has_kl(has_kl_),
+        kv_idx(kv_idx_.value_or(at::Tensor())), q_idx(q_idx_.value_or(at::Tensor())), scale(scale_), work(work_),
+        causal(causal_), mask_bq(mask_bq_), mask_bk(mask_bk_) {
+    TORCH_CHECK(fwd != nullptr, "Plan: no forward launch");
+    TORCH_CHECK(fwd->max_role < kFwdRoles, "Plan: the forward launch reads a backward role");
+  }
+
+  void add_bwd(std::vector<int64_t> do_strides, LaunchPtr dq, LaunchPtr dkdv) {
+    TORCH_CHECK(dq != nullptr && dkdv != nullptr, "add_bwd: missing launch");
+    for (auto& b : bwd)
+      if (b.do_strides == do_strides) {
+        b.dq = std::move(dq);
+        b.dkdv = std::move(dkdv);
+        return;
+      }
+    if (bwd.size() >= 8) bwd.erase(bwd.begin());
+    bwd.push_back({std::move(do_strides), std::move(dq), std::move(dkdv)});
+  }
+
+  const BwdLaunches* find_bwd(at::IntArrayRef strides) const {
+    for (const auto& b : bwd)
+      if (strides.equals(b.do_strides)) return &b;
+    return nullptr;
+  }
+
+  int64_t n_bwd() const { return static_cast<int64_t>(bwd.size()); }
+};
+
+using PlanPtr = std::shared_ptr<Plan>;
+
+inline uint64_t addr(const at::Tensor& t) {
+  return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0;
+}
+
+bool capturing(uint64_t stream) {
+  const Driver& drv = driver();
+  if (drv.is_capturing == nullptr) return false;
+  int status = 0;
+  return drv.is_capturing(reinterpret_cast<CUstream>(stream), &status) == 0 && status != 0;
+}
+
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// Autograd nodes are held by std::shared_ptr up to torch 2.12 and by c10::intrusive_ptr after.
+using NodePtr = decltype(std::declval<torch::autograd::Edge>().function);
+template <class P>
+struct NodeMaker;
+template <>
+struct NodeMaker<std::shared_ptr<torch::autograd::Node>> {
+  template <class N>
+  static std::shared_ptr<N> make() { return std::make_shared<N>(); }
+};
+template <>
+struct NodeMaker<c10::intrusive_ptr<torch::autograd::Node>> {
+  template <class N>
+  static c10::intrusive_ptr<N> make() { return c10::make_intrusive<N>(); }
+};
+
+struct AttentionBackward : public torch::autograd::Node {
+  PlanPtr plan;
+  uint64_t stream = 0;
+  SavedVariable q_, k_, v_, o_, lse_, kl_;
+
+  std::string name() const override { return "SparseflashAttentionBackward"; }
+
+  void release_variables() override {
+    q_.reset_data();
+    k_.reset_data();
+    v_.reset_data();
+    o_.reset_data();
+    lse_.reset_data();
+    kl_.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    const at::Tensor& d_o = grads[0];
+    if (!d_o.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack(), o = o_.unpack(), lse = lse_.unpack(),
+               kl = kl_.unpack();
+    const BwdLaunches* b = nullptr;
+    if (d_o.scalar_type() == q.scalar_type() && d_o.device() == q.device() && (plan->fwd->function == 0 ||
+                                                                               !capturing(stream)))
+      b = plan->find_bwd(d_o.strides());
+    if (b != nullptr) {
+      at::Tensor delta = at::empty_like(plan->rows), dq = at::empty_like(q), dk = at::empty_like(k),
+                 dv = at::empty_like(v);
+      uint64_t ptrs[kBwdRoles] = {addr(q), addr(k), addr(v), addr(o), addr(lse), addr(kl), addr(d_o), addr(delta),
+                                  addr(dq), addr(dk), addr(dv)};
+      uint64_t acc = 0;
+      for (uint64_t p : ptrs) acc |= p;
+      if ((acc & 15) == 0) {
+        b->dq->run(ptrs, reinterpret_cast<CUstream>(stream));
+        b->dkdv->run(ptrs, reinterpret_cast<CUstream>(stream));
+        return {dq, dk, dv};
+      }
+    }
+    TORCH_CHECK(g_fallback != nullptr, "sparseflash native backward: no fallback registered");
+    py::gil_scoped_acquire gil;
+    auto opt = [](const at::Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
+    py::object r = (*g_fallback)(plan->key, d_o, q, k, v, o, lse, opt(kl), opt(plan->kv_idx), opt(plan->q_idx),
+                                 plan->scale, plan->causal, plan->mask_bq, plan->mask_bk, plan->work);
+    auto t = r.cast<std::tuple<at::Tensor, at::Tensor, at::Tensor>>();
+    return {std::get<0>(t), std::get<1>(t), std::get<2>(t)};
+  }
+};
+
+// o of the call, or None when the plan does not take it (a misaligned address): the caller then
+// goes the Python way. ``stream``: the current raw CUDA stream of the plan's device.
+std::optional<at::Tensor> forward(const PlanPtr& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const std::optional<at::Tensor>& kl_opt, uint64_t stream) {
+  at::Tensor kl = kl_opt.has_value() ? *kl_opt : at::Tensor();
+  if (kl.defined() != plan->has_kl) return std::nullopt;
+  if (((addr(q) | addr(k) | addr(v) | addr(kl)) & 15) != 0) return std::nullopt;
+  at::Tensor o = at::empty_like(q);
+  at::Tensor lse = at::empty_like(plan->rows);
+  uint64_t ptrs[kFwdRoles] = {addr(q), addr(k), addr(v), addr(o), addr(lse), addr(kl)};
+  if (((ptrs[3] | ptrs[4]) & 15) != 0) return std::nullopt;
+  plan->fwd->run(ptrs, reinterpret_cast<CUstream>(stream));
+  if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+    auto node = NodeMaker<NodePtr>::make<AttentionBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+    node->plan = plan;
+    node->stream = stream;
+    node->q_ = SavedVariable(q, false);
+    node->k_ = SavedVariable(k, false);
+    node->v_ = SavedVariable(v, false);
+    node->lse_ = SavedVariable(lse, false);
+    node->kl_ = SavedVariable(kl, false);
+    // o is saved through a detached alias (same storage and version counter, no grad_fn): no
+    // reference cycle between the node and its output
+    node->o_ = SavedVariable(o.detach(), false);
+    torch::autograd::set_history(o, node);
+  }
+  return o;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "sparseflash's native short path (sparseflash/flash/native.py)";
+  py::class_<Launch, LaunchPtr>(m, "Launch")
+      .def(py::init<uint64_t, std::vector<int64_t>, int64_t, int64_t, std::vector<uint64_t>,
+                    const std::vector<int64_t>&, std::vector<std::pair<int, int>>>(),
+           py::arg("function"), py::arg("grid"), py::arg("block"), py::arg("smem"), py::arg("slots"),
+           py::arg("sizes"), py::arg("roles"))
+      .def("pack", &Launch::pack, py::arg("ptrs"))
+      .def_property_readonly("function", [](const Launch& l) { return l.function; });
+  py::class_<Plan, PlanPtr>(m, "Plan")
+      .def(py::init<int64_t, int64_t, LaunchPtr, at::Tensor, bool, std::optional<at::Tensor>,
+                    std::optional<at::Tensor>, double, bool, int64_t, int64_t, double>(),
+           py::arg("key"), py::arg("device"), py::arg("fwd"), py::arg("rows"), py::arg("has_kl"), py::arg("kv_idx"),
+           py::arg("q_idx"), py::arg("scale"), py::arg("causal"), py::arg("mask_bq"), py::arg("mask_bk"),
+           py::arg("work"))
+      .def("add_bwd", &Plan::add_bwd, py::arg("do_strides"), py::arg("dq"), py::arg("dkdv"))
+      .def_property_readonly("n_bwd", &Plan::n_bwd)
+      .def_readonly("device", &Plan::device)
+      .def("forward", [](const PlanPtr& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const std::optional<at::Tensor>& kl, uint64_t stream) { return forward(p, q, k, v, kl, stream); },
+           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_lengths"), py::arg("stream"));
+  m.def("set_fallback", [](py::object f) {
+    if (g_fallback == nullptr) g_fallback = new py::object();
+    *g_fallback = std::move(f);
+  });
+  m.def("dry_launches", []() { return g_dry_launches.load(); });
+}

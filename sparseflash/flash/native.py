@@ -1,0 +1,200 @@
+"""The native short path (issue 21): `_native.cpp`, built on first use, runs a repeated eager call's
+forward, autograd node and backward in C++ with the Triton kernels that `sparseflash.flash.fast`
+compiled and bound. It removes the Python autograd Function and Triton's per-launch argument
+parsing from the hot path; what it launches is exactly what the Python short path launches.
+
+Building: the first CUDA call that the short path serves starts a compile in a background thread
+(about a minute; its calls go the Python way meanwhile) and caches the module under
+``$SPARSEFLASH_CACHE`` (default ``~/.cache/sparseflash``), keyed by the source, torch and Python.
+`load()` builds in the foreground (benchmarks, tests). ``SPARSEFLASH_NATIVE=0`` (or
+``sparseflash.flash.native.ENABLED = False``) turns the path off; a failed build warns once and
+leaves it off. It needs a C++17 compiler (``$CXX``, else ``c++``) and torch's headers.
+
+A `Plan` is made per fast-path entry once its forward is bound, its backward launches per layout of
+the incoming gradient once the Python backward has bound them (`fast._Entry`). A backward the plan
+has no launch for (a new dO layout, CUDA-graph capture, a misaligned address) calls `_fallback`,
+the Python short path's backward. Launch hooks (a profiler): the forward checks them per call and
+goes the Python way while one is set; a backward whose forward ran native stays native.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import struct
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import warnings
+import weakref
+from pathlib import Path
+
+import torch
+
+__all__ = ["ENABLED", "load", "module", "ready", "launch_of", "plan_of", "cache_dir"]
+
+ENABLED = os.environ.get("SPARSEFLASH_NATIVE", "1") not in ("", "0")
+
+_SOURCE = Path(__file__).with_name("_native.cpp")
+_MOD = None
+_FAILED: str | None = None
+_THREAD: threading.Thread | None = None
+_LOCK = threading.Lock()
+_ENTRIES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # plan key -> fast._Entry
+_NEXT_KEY = [0]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPARSEFLASH_CACHE") or Path.home() / ".cache" / "sparseflash") / "native"
+
+
+def _tag() -> str:
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    h = hashlib.sha1(_SOURCE.read_bytes())
+    h.update(f"{torch.__version__}|{torch.__file__}|{sys.version}|{abi}".encode())
+    return h.hexdigest()[:16]
+
+
+def _compile(name: str, out: Path) -> None:
+    from torch.utils import cpp_extension
+
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    cmd += [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    cmd += [str(_SOURCE), "-o", str(out)]
+    for lib in cpp_extension.library_paths():
+        cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
+    cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-ldl"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"building sparseflash's native path failed ({' '.join(cmd[:1])} exit {r.returncode}):\n"
+                           + (r.stderr or r.stdout)[-3000:])
+
+
+def _build_and_import():
+    name = f"sparseflash_native_{_tag()}"
+    folder = cache_dir()
+    so = folder / (name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    if not so.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        os.close(fd)
+        try:
+            _compile(name, Path(tmp))
+            os.replace(tmp, so)  # atomic: concurrent builders leave one complete file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    spec = importlib.util.spec_from_file_location(name, so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from sparseflash.flash import fast
+
+    mod.set_fallback(fast._native_fallback)
+    return mod
+
+
+def load():
+    """The native module, built now if needed (blocking); raises if it cannot be built."""
+    global _MOD, _FAILED
+    with _LOCK:
+        if _MOD is None:
+            try:
+                _MOD = _build_and_import()
+            except Exception as e:
+                _FAILED = f"{type(e).__name__}: {e}"
+                raise
+        return _MOD
+
+
+def _background() -> None:
+    try:
+        load()
+    except Exception as e:  # noqa: BLE001 - reported once, the Python path goes on
+        warnings.warn(f"sparseflash: the native short path is off: {e}", RuntimeWarning, stacklevel=1)
+
+
+def module():
+    """The native module if built; else None, starting a background build the first time."""
+    global _THREAD
+    if _MOD is not None or not ENABLED or _FAILED is not None:
+        return _MOD
+    if _THREAD is None:
+        _THREAD = threading.Thread(target=_background, name="sparseflash-native-build", daemon=True)
+        _THREAD.start()
+    return None
+
+
+def ready() -> bool:
+    return _MOD is not None
+
+
+_FLOATS = {"fp32", "f32"}
+_INTS = {"i1": (1, 0xFF), "u1": (1, 0xFF), "i8": (1, 0xFF), "u8": (1, 0xFF), "i16": (2, 0xFFFF), "u16": (2, 0xFFFF),
+         "i32": (4, 0xFFFFFFFF), "u32": (4, 0xFFFFFFFF), "i64": (8, 2**64 - 1), "u64": (8, 2**64 - 1)}
+
+
+def launch_of(quick, mod=None):
+    """The native `Launch` of a bound `launch._Quick`, or None when its kernel does not fit the
+    plain launch (clusters, cooperative or PDL launches, scratch buffers, tuple or TMA arguments)."""
+    mod = mod or _MOD
+    b = quick.bound
+    if mod is None or b is None or len(b) < 6:
+        return None
+    _run, function, meta, values, _dev, compiled = b
+    md = compiled.metadata
+    if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) \
+            or getattr(md, "launch_pdl", False) or getattr(md, "global_scratch_size", 0) \
+            or getattr(md, "profile_scratch_size", 0):
+        return None
+    sig = list(getattr(getattr(compiled, "src", None), "signature", {}).values())
+    if len(sig) != len(values):
+        return None
+    role_of = dict(quick.roles)
+    slots, sizes, roles = [], [], []
+    for i, (ty, val) in enumerate(zip(sig, values)):
+        if ty == "constexpr":
+            continue
+        if not isinstance(ty, str):
+            return None
+        if i in role_of:
+            if ty[0] != "*":
+                return None
+            roles.append((len(slots), int(role_of[i])))
+            slots.append(0)
+            sizes.append(8)
+        elif ty[0] == "*":
+            slots.append(int(val or 0))
+            sizes.append(8)
+        elif ty in _FLOATS:
+            slots.append(struct.unpack("<I", struct.pack("<f", float(val)))[0])
+            sizes.append(4)
+        elif ty in _INTS:
+            size, m = _INTS[ty]
+            slots.append(int(val) & m)
+            sizes.append(size)
+        else:
+            return None
+    slots += [0, 0]  # Triton's global and profile scratch pointers: none
+    sizes += [8, 8]
+    g = quick.plan.grid
+    return mod.Launch(int(function), [int(g[0]), int(g[1]), 1], 32 * int(meta[0]), int(meta[2]), slots, sizes,
+                      roles)
+
+
+def plan_of(entry):
+    """A native `Plan` for fast-path ``entry`` (its forward bound), or None."""
+    mod = _MOD
+    if mod is None:
+        return None
+    fwd = launch_of(entry.fwd, mod)
+    if fwd is None:
+        return None
+    key = _NEXT_KEY[0] = _NEXT_KEY[0] + 1
+    _ENTRIES[key] = entry
+    return mod.Plan(key, entry.fwd.bound[4], fwd, entry.rows, entry.has_kl, entry.kv_idx, entry.q_idx, entry.scale,
+                    entry.causal, entry.mask_bq or 0, entry.mask_bk or 0, entry.work)
