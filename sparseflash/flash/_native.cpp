@@ -23,6 +23,8 @@
 #include <atomic>
 #include <cstring>
 #include <optional>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -37,6 +39,24 @@ using LaunchKernelFn = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, un
 using StreamIsCapturingFn = CUresult (*)(CUstream, int*);
 using FuncGetParamInfoFn = CUresult (*)(CUfunction, size_t, size_t*, size_t*);
 using GetErrorStringFn = CUresult (*)(CUresult, const char**);
+
+// No C++ exception crosses into Python from this module's own functions: with torch 2.11's wheel
+// one thrown here and caught by pybind11 crashed the process (functions taking STL containers;
+// not reproduced with torch 2.13). Validation returns its message instead (make_launch gives
+// the message, forward a None and `last_error`); the backward, which the autograd engine
+// calls and catches, throws std::runtime_error.
+template <typename... Args>
+std::string message(const Args&... args) {
+  std::ostringstream s;
+  (s << ... << args);
+  return s.str();
+}
+#define SF_REQUIRE(cond, ...) \
+  do {                        \
+    if (!(cond)) return message(__VA_ARGS__); \
+  } while (0)
+
+std::string g_last_error;  // the error of the last forward that returned None for one
 
 constexpr int kMaxParams = 96;
 constexpr int kFwdRoles = 6;
@@ -83,45 +103,51 @@ struct Launch {
   int max_role = -1;
 
   Launch(uint64_t function_, std::vector<int64_t> grid_, int64_t block_, int64_t smem_, std::vector<uint64_t> slots_,
-         const std::vector<int64_t>& sizes, std::vector<std::pair<int, int>> roles_)
+         std::vector<std::pair<int, int>> roles_)
       : function(function_), block(static_cast<unsigned>(block_)), smem(static_cast<unsigned>(smem_)),
         slots(std::move(slots_)), roles(std::move(roles_)) {
-    TORCH_CHECK(grid_.size() == 3, "Launch: grid must have 3 entries, got ", grid_.size());
-    for (int i = 0; i < 3; ++i) {
-      TORCH_CHECK(grid_[i] > 0 && grid_[i] < (int64_t(1) << 31), "Launch: grid entries must be positive");
-      grid[i] = static_cast<unsigned>(grid_[i]);
-    }
-    TORCH_CHECK(block_ > 0 && block_ <= 1024, "Launch: block must be in [1, 1024], got ", block_);
-    TORCH_CHECK(slots.size() == sizes.size(), "Launch: ", slots.size(), " slots but ", sizes.size(), " sizes");
-    TORCH_CHECK(static_cast<int>(slots.size()) <= kMaxParams, "Launch: more than ", kMaxParams, " parameters");
-    for (auto& r : roles) {
-      TORCH_CHECK(r.first >= 0 && r.first < static_cast<int>(slots.size()), "Launch: role slot out of range");
-      TORCH_CHECK(r.second >= 0 && r.second < kBwdRoles, "Launch: role out of range");
-      max_role = std::max(max_role, r.second);
-    }
-    for (size_t i = 0; i < sizes.size(); ++i)
-      TORCH_CHECK(sizes[i] == 1 || sizes[i] == 2 || sizes[i] == 4 || sizes[i] == 8, "Launch: parameter ", i,
-                  " has size ", sizes[i]);
-    // The kernel's own parameter list, where the driver can tell it (CUDA 12.4+): the same
-    // count and sizes, or this is not the ABI the slots were packed for.
-    Driver& drv = driver();
-    if (function != 0 && drv.param_info != nullptr) {
-      size_t n = 0, offset = 0, size = 0;
-      while (n <= sizes.size() && drv.param_info(reinterpret_cast<CUfunction>(function), n, &offset, &size) == 0) {
-        TORCH_CHECK(n < sizes.size() && static_cast<int64_t>(size) == sizes[n], "Launch: the kernel's parameter ", n,
-                    " has ", size, " bytes, the slots say ",
-                    n < sizes.size() ? std::to_string(sizes[n]) : std::string("nothing"));
-        ++n;
-      }
-      TORCH_CHECK(n == sizes.size(), "Launch: the kernel has ", n, " parameters, the slots ", sizes.size());
-    }
-    if (function != 0) TORCH_CHECK(drv.launch != nullptr, "Launch: cuLaunchKernel not found in libcuda.so.1");
+    for (int i = 0; i < 3; ++i) grid[i] = static_cast<unsigned>(grid_[i]);
+    for (auto& r : roles) max_role = std::max(max_role, r.second);
   }
 
-  void run(const uint64_t* ptrs, CUstream stream) const {
+  // Why these arguments make no launch ("" when they do): the kernel's own parameter list, where
+  // the driver can tell it (CUDA 12.4+), must have the slots' count and sizes.
+  static std::string check(uint64_t function, const std::vector<int64_t>& grid, int64_t block,
+                           const std::vector<uint64_t>& slots, const std::vector<int64_t>& sizes,
+                           const std::vector<std::pair<int, int>>& roles) {
+    SF_REQUIRE(grid.size() == 3, "Launch: grid must have 3 entries, got ", grid.size());
+    for (int64_t g : grid) SF_REQUIRE(g > 0 && g < (int64_t(1) << 31), "Launch: grid entries must be positive");
+    SF_REQUIRE(block > 0 && block <= 1024, "Launch: block must be in [1, 1024], got ", block);
+    SF_REQUIRE(slots.size() == sizes.size(), "Launch: ", slots.size(), " slots but ", sizes.size(), " sizes");
+    SF_REQUIRE(static_cast<int>(slots.size()) <= kMaxParams, "Launch: more than ", kMaxParams, " parameters");
+    for (auto& r : roles) {
+      SF_REQUIRE(r.first >= 0 && r.first < static_cast<int>(slots.size()), "Launch: role slot out of range");
+      SF_REQUIRE(r.second >= 0 && r.second < kBwdRoles, "Launch: role out of range");
+    }
+    for (size_t i = 0; i < sizes.size(); ++i)
+      SF_REQUIRE(sizes[i] == 1 || sizes[i] == 2 || sizes[i] == 4 || sizes[i] == 8, "Launch: parameter ", i,
+                 " has size ", sizes[i]);
+    if (function == 0) return "";
+    Driver& drv = driver();
+    SF_REQUIRE(drv.launch != nullptr, "Launch: cuLaunchKernel not found in libcuda.so.1");
+    if (drv.param_info != nullptr) {
+      size_t n = 0, offset = 0, size = 0;
+      while (n <= sizes.size() && drv.param_info(reinterpret_cast<CUfunction>(function), n, &offset, &size) == 0) {
+        SF_REQUIRE(n < sizes.size() && static_cast<int64_t>(size) == sizes[n], "Launch: the kernel's parameter ", n,
+                   " has ", size, " bytes, the slots say ",
+                   n < sizes.size() ? std::to_string(sizes[n]) : std::string("nothing"));
+        ++n;
+      }
+      SF_REQUIRE(n == sizes.size(), "Launch: the kernel has ", n, " parameters, the slots ", sizes.size());
+    }
+    return "";
+  }
+
+  // "" or the driver's error
+  std::string run(const uint64_t* ptrs, CUstream stream) const {
     if (function == 0) {
       g_dry_launches.fetch_add(1);
-      return;
+      return "";
     }
     uint64_t values[kMaxParams];
     void* params[kMaxParams];
@@ -132,13 +158,12 @@ struct Launch {
     const Driver& drv = driver();
     CUresult err = drv.launch(reinterpret_cast<CUfunction>(function), grid[0], grid[1], grid[2], block, 1, 1, smem,
                               stream, params, nullptr);
-    TORCH_CHECK(err == 0, "sparseflash native launch failed: ", drv.describe(err));
+    return err == 0 ? std::string() : message("sparseflash native launch failed: ", drv.describe(err));
   }
 
   // The parameter slots as this call would pass them (tests).
   std::vector<uint64_t> pack(const std::vector<uint64_t>& ptrs) const {
-    TORCH_CHECK(static_cast<int>(ptrs.size()) > max_role, "pack: ", ptrs.size(), " role addresses, need ",
-                max_role + 1);
+    if (static_cast<int>(ptrs.size()) <= max_role) return {};  // too few role addresses
     std::vector<uint64_t> out = slots;
     for (const auto& r : roles) out[r.first] = ptrs[r.second];
     return out;
@@ -176,12 +201,11 @@ struct Plan {
       : key(key_), device(device_), fwd(std::move(fwd_)), rows(std::move(rows_)), has_kl(has_kl_),
         kv_idx(kv_idx_.value_or(at::Tensor())), q_idx(q_idx_.value_or(at::Tensor())), scale(scale_), work(work_),
         causal(causal_), mask_bq(mask_bq_), mask_bk(mask_bk_) {
-    TORCH_CHECK(fwd != nullptr, "Plan: no forward launch");
-    TORCH_CHECK(fwd->max_role < kFwdRoles, "Plan: the forward launch reads a backward role");
+    if (fwd != nullptr && fwd->max_role >= kFwdRoles) fwd = nullptr;  // it would read a backward role
   }
 
   void add_bwd(std::vector<int64_t> do_strides, LaunchPtr dq, LaunchPtr dkdv) {
-    TORCH_CHECK(dq != nullptr && dkdv != nullptr, "add_bwd: missing launch");
+    if (dq == nullptr || dkdv == nullptr) return;
     for (auto& b : bwd)
       if (b.do_strides == do_strides) {
         b.dq = std::move(dq);
@@ -265,12 +289,13 @@ struct AttentionBackward : public torch::autograd::Node {
       uint64_t acc = 0;
       for (uint64_t p : ptrs) acc |= p;
       if ((acc & 15) == 0) {
-        b->dq->run(ptrs, reinterpret_cast<CUstream>(stream));
-        b->dkdv->run(ptrs, reinterpret_cast<CUstream>(stream));
+        std::string err = b->dq->run(ptrs, reinterpret_cast<CUstream>(stream));
+        if (err.empty()) err = b->dkdv->run(ptrs, reinterpret_cast<CUstream>(stream));
+        if (!err.empty()) throw std::runtime_error(err);  // caught by the autograd engine
         return {dq, dk, dv};
       }
     }
-    TORCH_CHECK(g_fallback != nullptr, "sparseflash native backward: no fallback registered");
+    if (g_fallback == nullptr) throw std::runtime_error("sparseflash native backward: no fallback registered");
     py::gil_scoped_acquire gil;
     auto opt = [](const at::Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
     py::object r = (*g_fallback)(plan->key, d_o, q, k, v, o, lse, opt(kl), opt(plan->kv_idx), opt(plan->q_idx),
@@ -285,13 +310,17 @@ struct AttentionBackward : public torch::autograd::Node {
 std::optional<at::Tensor> forward(const PlanPtr& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const std::optional<at::Tensor>& kl_opt, uint64_t stream) {
   at::Tensor kl = kl_opt.has_value() ? *kl_opt : at::Tensor();
-  if (kl.defined() != plan->has_kl) return std::nullopt;
+  if (plan->fwd == nullptr || kl.defined() != plan->has_kl) return std::nullopt;
   if (((addr(q) | addr(k) | addr(v) | addr(kl)) & 15) != 0) return std::nullopt;
   at::Tensor o = at::empty_like(q);
   at::Tensor lse = at::empty_like(plan->rows);
   uint64_t ptrs[kFwdRoles] = {addr(q), addr(k), addr(v), addr(o), addr(lse), addr(kl)};
   if (((ptrs[3] | ptrs[4]) & 15) != 0) return std::nullopt;
-  plan->fwd->run(ptrs, reinterpret_cast<CUstream>(stream));
+  std::string err = plan->fwd->run(ptrs, reinterpret_cast<CUstream>(stream));
+  if (!err.empty()) {
+    g_last_error = std::move(err);
+    return std::nullopt;
+  }
   if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
     auto node = NodeMaker<NodePtr>::make<AttentionBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
@@ -315,10 +344,6 @@ std::optional<at::Tensor> forward(const PlanPtr& plan, const at::Tensor& q, cons
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sparseflash's native short path (sparseflash/flash/native.py)";
   py::class_<Launch, LaunchPtr>(m, "Launch")
-      .def(py::init<uint64_t, std::vector<int64_t>, int64_t, int64_t, std::vector<uint64_t>,
-                    const std::vector<int64_t>&, std::vector<std::pair<int, int>>>(),
-           py::arg("function"), py::arg("grid"), py::arg("block"), py::arg("smem"), py::arg("slots"),
-           py::arg("sizes"), py::arg("roles"))
       .def("pack", &Launch::pack, py::arg("ptrs"))
       .def_property_readonly("function", [](const Launch& l) { return l.function; });
   py::class_<Plan, PlanPtr>(m, "Plan")
@@ -333,6 +358,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", [](const PlanPtr& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const std::optional<at::Tensor>& kl, uint64_t stream) { return forward(p, q, k, v, kl, stream); },
            py::arg("q"), py::arg("k"), py::arg("v"), py::arg("key_lengths"), py::arg("stream"));
+  // a Launch, or the message saying why these arguments make none
+  m.def("make_launch", [](uint64_t function, std::vector<int64_t> grid, int64_t block, int64_t smem,
+                          std::vector<uint64_t> slots, std::vector<int64_t> sizes,
+                          std::vector<std::pair<int, int>> roles) -> py::object {
+    std::string err = Launch::check(function, grid, block, slots, sizes, roles);
+    if (!err.empty()) return py::str(err);
+    return py::cast(std::make_shared<Launch>(function, std::move(grid), block, smem, std::move(slots),
+                                             std::move(roles)));
+  }, py::arg("function"), py::arg("grid"), py::arg("block"), py::arg("smem"), py::arg("slots"), py::arg("sizes"),
+     py::arg("roles"));
+  m.def("last_error", []() {
+    std::string e = std::move(g_last_error);
+    g_last_error.clear();
+    return e;
+  });
   m.def("set_fallback", [](py::object f) {
     if (g_fallback == nullptr) g_fallback = new py::object();
     *g_fallback = std::move(f);

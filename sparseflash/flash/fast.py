@@ -227,6 +227,9 @@ def call(entry: _Entry, q, k, v, key_lengths) -> Tensor:
             o = nat.forward(q, k, v, key_lengths, launch._raw_stream(dev))
             if o is not None:
                 return o
+            err = _native._MOD.last_error()  # None without an error: an address the plan does not take
+            if err:
+                raise RuntimeError(err)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FastFunction.apply(entry, q, k, v, key_lengths)
     return entry.forward(q, k, v, key_lengths)[0]

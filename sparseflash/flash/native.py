@@ -8,7 +8,7 @@ Building: the first CUDA call that the short path serves starts a compile in a b
 ``$SPARSEFLASH_CACHE`` (default ``~/.cache/sparseflash``), keyed by the source, torch and Python.
 `load()` builds in the foreground (benchmarks, tests). ``SPARSEFLASH_NATIVE=0`` (or
 ``sparseflash.flash.native.ENABLED = False``) turns the path off; a failed build warns once and
-leaves it off. It needs a C++17 compiler (``$CXX``, else ``c++``) and torch's headers.
+leaves it off. It needs a C++20 compiler (``$CXX``, else ``c++``) and torch's headers.
 
 A `Plan` is made per fast-path entry once its forward is bound, its backward launches per layout of
 the incoming gradient once the Python backward has bound them (`fast._Entry`). A backward the plan
@@ -51,10 +51,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPARSEFLASH_CACHE") or Path.home() / ".cache" / "sparseflash") / "native"
 
 
+def _extra_flags() -> list[str]:
+    return os.environ.get("SPARSEFLASH_NATIVE_CXXFLAGS", "").split()
+
+
 def _tag() -> str:
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
     h = hashlib.sha1(_SOURCE.read_bytes())
-    h.update(f"{torch.__version__}|{torch.__file__}|{sys.version}|{abi}".encode())
+    h.update(f"{torch.__version__}|{torch.__file__}|{sys.version}|{abi}|{_extra_flags()}".encode())
     return h.hexdigest()[:16]
 
 
@@ -62,10 +66,16 @@ def _compile(name: str, out: Path) -> None:
     from torch.utils import cpp_extension
 
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
-    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
+    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    # torch's own pybind11 ABI tags where it still sets them (torch < 2.10), so that this module
+    # shares pybind11's internals, exception translators among them, with torch's
+    abi_flags = getattr(cpp_extension, "_get_pybind11_abi_build_flags", lambda: [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cmd += list(abi_flags())
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
-    cmd += [str(_SOURCE), "-o", str(out)]
+    cmd += _extra_flags() + [str(_SOURCE), "-o", str(out)]
     for lib in cpp_extension.library_paths():
         cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
     cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-ldl"]
@@ -140,7 +150,8 @@ _INTS = {"i1": (1, 0xFF), "u1": (1, 0xFF), "i8": (1, 0xFF), "u8": (1, 0xFF), "i1
 
 def launch_of(quick, mod=None):
     """The native `Launch` of a bound `launch._Quick`, or None when its kernel does not fit the
-    plain launch (clusters, cooperative or PDL launches, scratch buffers, tuple or TMA arguments)."""
+    plain launch (clusters, cooperative or PDL launches, scratch buffers, tuple or TMA arguments).
+    Raises RuntimeError when the kernel's own parameter list disagrees with the packed one."""
     mod = mod or _MOD
     b = quick.bound
     if mod is None or b is None or len(b) < 6:
@@ -182,8 +193,11 @@ def launch_of(quick, mod=None):
     slots += [0, 0]  # Triton's global and profile scratch pointers: none
     sizes += [8, 8]
     g = quick.plan.grid
-    return mod.Launch(int(function), [int(g[0]), int(g[1]), 1], 32 * int(meta[0]), int(meta[2]), slots, sizes,
-                      roles)
+    made = mod.make_launch(int(function), [int(g[0]), int(g[1]), 1], 32 * int(meta[0]), int(meta[2]), slots, sizes,
+                           roles)
+    if isinstance(made, str):
+        raise RuntimeError(made)
+    return made
 
 
 def plan_of(entry):
