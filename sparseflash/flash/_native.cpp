@@ -23,7 +23,7 @@
 #include <atomic>
 #include <cstring>
 #include <optional>
-#include <sstream>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -40,16 +40,22 @@ using StreamIsCapturingFn = CUresult (*)(CUstream, int*);
 using FuncGetParamInfoFn = CUresult (*)(CUfunction, size_t, size_t*, size_t*);
 using GetErrorStringFn = CUresult (*)(CUresult, const char**);
 
-// No C++ exception crosses into Python from this module's own functions: with torch 2.11's wheel
-// one thrown here and caught by pybind11 crashed the process (functions taking STL containers;
-// not reproduced with torch 2.13). Validation returns its message instead (make_launch gives
-// the message, forward a None and `last_error`); the backward, which the autograd engine
-// calls and catches, throws std::runtime_error.
+// Messages are built without iostreams: on the H100 image (torch 2.11's wheel, the system's
+// g++ 13) an std::ostringstream formatting an integer in this module crashed the process.
+// Validation returns its message (make_launch gives it, forward a None and `last_error`); the
+// backward, which the autograd engine calls and catches, throws std::runtime_error.
+inline std::string piece(const char* s) { return s; }
+inline std::string piece(const std::string& s) { return s; }
+template <typename T>
+std::string piece(T v) {
+  static_assert(std::is_integral_v<T>, "message pieces are strings or integers");
+  return std::to_string(v);
+}
 template <typename... Args>
 std::string message(const Args&... args) {
-  std::ostringstream s;
-  (s << ... << args);
-  return s.str();
+  std::string s;
+  ((s += piece(args)), ...);
+  return s;
 }
 #define SF_REQUIRE(cond, ...) \
   do {                        \
