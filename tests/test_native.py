@@ -221,6 +221,7 @@ def test_gpu_native_steps_aside(mod, monkeypatch):
     captured after native calls replays the same values."""
     from triton import knobs
 
+    fast.clear()
     q, k, v, do = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     for _ in range(3):
