@@ -8,7 +8,10 @@ cache, `BlockMask._fast`, so entries go with the mask), causal and scale with th
 launchers' module state. A later call with the same key skips validation and planning: it
 allocates the outputs and calls the kernels' C launchers (`launch._Quick`); under autograd one
 `torch.autograd.Function` with five inputs carries it (`_FastFunction`), without autograd
-(no_grad, inference, inputs that need no grad) none does.
+(no_grad, inference, inputs that need no grad) none does. On CUDA, once the entry's forward is
+bound and the C++ module is built, the entry's `native.Plan` serves its calls instead: the same
+kernels launched from C++, with a C++ autograd node whose backward runs the dQ and dK/dV launches
+of each dO layout the Python backward has bound (`sparseflash.flash.native`).
 
 What stays per call: the key_lengths range check when it is on (a host synchronisation, as in
 the general path: ``check_key_lengths=False`` skips it), the alignment of every address (else the
@@ -117,10 +120,13 @@ class _Entry:
     def _native_bwd(self, do, pair) -> None:
         """Give the native plan ``do``'s layout's launches once both are bound."""
         if pair[0].bound is not None and pair[1].bound is not None and do.stride() not in self.native_bwd:
-            dq, dkdv = _native.launch_of(pair[0]), _native.launch_of(pair[1])
+            self.native_bwd.add(do.stride())
+            try:
+                dq, dkdv = _native.launch_of(pair[0]), _native.launch_of(pair[1])
+            except RuntimeError:  # the kernel's parameters are not what was packed: this layout stays in Python
+                return
             if dq is not None and dkdv is not None:
                 self.native.add_bwd(list(do.stride()), dq, dkdv)
-            self.native_bwd.add(do.stride())
 
     def make_native(self):
         """The native plan, made once the forward is bound and the module is built; False when
