@@ -274,3 +274,6 @@ def _native_fallback(key, do, q, k, v, o, lse, kl, kv_idx, q_idx, scale, causal,
         return entry.backward(do, q, k, v, o, lse, kl)
     return launch.bwd(do, q, k, v, o, lse, None, kv_idx, q_idx, kl, scale, causal, mask_bq or None, mask_bk or None,
                       0.0, None, work=work)
+
+
+_native.set_fallback(_native_fallback)

@@ -45,6 +45,7 @@ _THREAD: threading.Thread | None = None
 _LOCK = threading.Lock()
 _ENTRIES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # plan key -> fast._Entry
 _NEXT_KEY = [0]
+_FALLBACK = None  # set by `set_fallback`
 
 
 def cache_dir() -> Path:
@@ -102,10 +103,19 @@ def _build_and_import():
     spec = importlib.util.spec_from_file_location(name, so)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    from sparseflash.flash import fast
-
-    mod.set_fallback(fast._native_fallback)
+    if _FALLBACK is not None:
+        mod.set_fallback(_FALLBACK)
     return mod
+
+
+def set_fallback(fn) -> None:
+    """The Python backward the module calls for what it does not take itself (`fast` registers
+    its own at import; registered here rather than imported, so that this module never imports
+    `fast`)."""
+    global _FALLBACK
+    _FALLBACK = fn
+    if _MOD is not None:
+        _MOD.set_fallback(fn)
 
 
 def load():
