@@ -344,21 +344,24 @@ def test_speed_paired_tiny_cpu_run(tmp_path, monkeypatch):
             step()
         return run
     monkeypatch.setattr(speed, "_train_step", traced)
-    result = speed.run_paired(["listops"], tmp_path, device="cpu", tiny=True, providers=["sdpa", "sparseflash/butterfly"],
-                              warmup=1, steps=3, show_progress=False)
-    assert calls == ["sdpa", "sparseflash/butterfly"] + ["sdpa", "sparseflash/butterfly",
-                                                         "sparseflash/butterfly", "sdpa", "sdpa", "sparseflash/butterfly"]
+    result = speed.run_paired(["listops"], tmp_path, device="cpu", tiny=True, providers=["sdpa", "sparseflash"],
+                              warmup=1, steps=3, show_progress=False)  # "sparseflash": dense and every pattern
     rows = {r["provider"]: r for r in result["rows"]}
-    assert set(rows) == {"sdpa", "sparseflash/butterfly"}
+    order = [r["provider"].split(":")[0] for r in result["rows"]]
+    assert order[:3] == ["sdpa", "sparseflash", "sparseflash/butterfly"] and len(order) > 3
+    assert calls == order + order + order[::-1] + order
     assert rows["sdpa"]["ratio"] == 1.0 and rows["sdpa"]["reference"] == "sdpa"
-    bf = rows["sparseflash/butterfly"]
+    assert rows["sparseflash"]["vs_dense"] == 1.0
+    bf = result["rows"][2]
     assert bf["status"] == "ok" and bf["steps"] == 3 and 0 < bf["density"] < 1
-    pairs = [a / b for a, b in zip(bf["times"], rows["sdpa"]["times"])]
-    assert bf["ratio"] == pytest.approx(sorted(pairs)[1])
-    assert bf["ratio_lo"] <= bf["ratio"] <= bf["ratio_hi"]
+    for key, other in (("ratio", "sdpa"), ("vs_dense", "sparseflash")):
+        pairs = [a / b for a, b in zip(bf["times"], rows[other]["times"])]
+        assert bf[key] == pytest.approx(sorted(pairs)[1])
+        assert bf[f"{key}_lo"] <= bf[key] <= bf[f"{key}_hi"]
     with (tmp_path / "paired.csv").open() as f:
-        assert len(list(csv.DictReader(f))) == 2
+        assert len(list(csv.DictReader(f))) == len(rows)
     assert json.loads((tmp_path / "paired.json").read_text())["environment"]["paired"] is True
+    assert (tmp_path / "paired.png").stat().st_size > 10_000
     with pytest.raises(ValueError, match="steps"):
         speed.run_paired(["listops"], tmp_path, device="cpu", tiny=True, steps=2)
 

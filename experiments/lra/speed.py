@@ -439,8 +439,11 @@ def run_paired(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: l
     falls on every provider alike, and each step is compared with the reference's step beside it.
     The reference is ``sdpa`` when measured, else the first provider. Per row: median and min
     step ms, and the median over pairs of step / the reference's step with a 95% bootstrap
-    interval (``ratio_lo``, ``ratio_hi``; below 1: faster than the reference). Writes
-    ``paired.json`` (with every step's time) and ``paired.csv`` into ``out_dir``."""
+    interval (``ratio_lo``, ``ratio_hi``; below 1: faster than the reference). Where our dense
+    kernel (``sparseflash``) is measured too, every row also gets the same statistics against its
+    step of the same pass (``vs_dense``, ``vs_dense_lo``, ``vs_dense_hi``): "block-sparse faster
+    than both dense kernels" is then two intervals under 1. Writes ``paired.json`` (with every
+    step's time), ``paired.csv`` and the figure ``paired.png`` into ``out_dir``."""
     from sparseflash._progress import Progress
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
@@ -449,7 +452,7 @@ def run_paired(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: l
     result = {"environment": {**_environment(device), "mode": "tiny" if tiny else "full", "warmup": warmup,
                               "steps": steps, "paired": True}, "rows": []}
     cols = ("task", "provider", "reference", "density", "batch", "seq_len", "n_layers", "status", "error", "step_ms",
-            "step_ms_min", "ratio", "ratio_lo", "ratio_hi", "steps")
+            "step_ms_min", "ratio", "ratio_lo", "ratio_hi", "vs_dense", "vs_dense_lo", "vs_dense_hi", "steps")
     for task in tasks:
         plan = _task_providers(task, tiny, block_size, patterns, providers, flex_sparse)
         labels = [p.label for p in plan]
@@ -480,10 +483,11 @@ def run_paired(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: l
             if not t:
                 continue
             row.update(step_ms=statistics.median(t), step_ms_min=min(t), steps=len(t))
-            if lb in runs and ref in runs:
-                ratios = [a / b for a, b in zip(t, rows[ref]["times"])]
-                lo, hi = _median_ci(ratios)
-                row.update(ratio=statistics.median(ratios), ratio_lo=lo, ratio_hi=hi)
+            for key, other in (("ratio", ref), ("vs_dense", PAIRED_DENSE)):
+                if lb in runs and other in runs:
+                    ratios = [a / b for a, b in zip(t, rows[other]["times"])]
+                    lo, hi = _median_ci(ratios)
+                    row.update({key: statistics.median(ratios), f"{key}_lo": lo, f"{key}_hi": hi})
         del runs
         gc.collect()
         if device.type == "cuda":
@@ -491,7 +495,67 @@ def run_paired(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: l
         result["rows"] += list(rows.values())
         (out / "paired.json").write_text(json.dumps(result, indent=2))
         _write_csv(out / "paired.csv", result["rows"], cols)
+    plot_paired(result, out)
     return result
+
+
+PAIRED_DENSE = "sparseflash"  # run_paired's second reference: our dense kernel
+
+
+def plot_paired(result: dict, out_dir) -> Path:
+    """``paired.png``: per task, each provider's median step over the reference's (SDPA) step of
+    the same pass against block density, with its 95% interval; our dense kernel's interval is
+    drawn across as a band, so a block-sparse point under both the band and 1 is faster than both
+    dense kernels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    rows = [r for r in result["rows"] if r.get("ratio") is not None]
+    tasks = list(dict.fromkeys(r["task"] for r in result["rows"]))
+    cols = min(4, max(1, len(tasks)))
+    nrows = math.ceil(len(tasks) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        tr = [r for r in rows if r["task"] == task]
+        ref = tr[0]["reference"] if tr else "sdpa"
+        ax.axhline(1.0, color="C2", ls=":", label=f"{ref} (reference)")
+        dense = next((r for r in tr if r["provider"] == PAIRED_DENSE), None)
+        if dense is not None:
+            ax.axhspan(dense["ratio_lo"], dense["ratio_hi"], color="C0", alpha=0.2,
+                       label=f"sparseflash dense {dense['ratio']:.3f}")
+        families = dict.fromkeys(r["provider"].split(":")[0] for r in tr if "/" in r["provider"])
+        for i, fam in enumerate(families):
+            pts = sorted((r["density"], r["ratio"], r["ratio_lo"], r["ratio_hi"]) for r in tr
+                         if r["provider"].split(":")[0] == fam and r["density"] is not None)
+            if pts:
+                d, m, lo, hi = zip(*pts)
+                ax.errorbar(d, m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]],
+                            fmt="o-", capsize=3, color=f"C{(1, 3, 4, 5, 6)[i % 5]}", label=fam.split("/", 1)[-1])
+        failed = [r["provider"] for r in result["rows"] if r["task"] == task and r["status"] != "ok"]
+        first = next((r for r in result["rows"] if r["task"] == task), {})
+        shape = f" ({first.get('seq_len')} x {first.get('batch')})" if first else ""
+        ax.set_title(task + shape + (f"\nfailed: {', '.join(failed)}" if failed else ""), fontsize=9)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.tick_params(axis="x", which="minor", labelsize=7)
+        ax.set_xlabel("block density")
+        ax.set_ylabel(f"step / {ref} step (median, 95%)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    env = result.get("environment", {})
+    fig.suptitle(f"LRA training steps, paired with {rows[0]['reference'] if rows else 'sdpa'}'s "
+                 f"({env.get('steps')} pairs, {env.get('mode', 'full')}), {env.get('gpu') or env.get('device', '')}")
+    fig.tight_layout()
+    path = Path(out_dir) / "paired.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 # ------------------------------------------------------------------------------------------ plots
@@ -595,16 +659,23 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the whole model (flex is always compiled)")
     p.add_argument("--paired", type=int, metavar="STEPS", default=0,
                    help="alternate single training steps of the providers, STEPS timed steps each, and compare "
-                        "each step with the reference's (sdpa) beside it: OUT/paired.json, paired.csv")
-    p.add_argument("--plot-only", action="store_true", help="redraw the figures from OUT/speed.json")
+                        "each step with the reference's (sdpa) and our dense kernel's beside it: OUT/paired.json, "
+                        "paired.csv, paired.png")
+    p.add_argument("--plot-only", action="store_true",
+                   help="redraw the figures from OUT/speed.json and OUT/paired.json, whichever are there")
     p.add_argument("--no-progress", action="store_true")
 
 
 def _cmd_speed(args) -> int:
     if args.plot_only:
-        result = json.loads((Path(args.out) / "speed.json").read_text())
-        for path in plot_speed(result, args.out):
-            print(path)
+        out = Path(args.out)
+        if not (out / "speed.json").exists() and not (out / "paired.json").exists():
+            raise FileNotFoundError(f"{out} holds neither speed.json nor paired.json (run lra speed there first)")
+        if (out / "speed.json").exists():
+            for path in plot_speed(json.loads((out / "speed.json").read_text()), out):
+                print(path)
+        if (out / "paired.json").exists():
+            print(plot_paired(json.loads((out / "paired.json").read_text()), out))
         return 0
     tasks = list(SPEED_TASKS) if args.task == "all" else [t.strip() for t in args.task.split(",") if t.strip()]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -612,13 +683,14 @@ def _cmd_speed(args) -> int:
         result = run_paired(tasks, args.out, device=device, tiny=args.tiny, patterns=args.patterns,
                             providers=args.providers, flex_sparse=not args.no_flex_sparse, block_size=args.block_size,
                             warmup=args.warmup, steps=args.paired, show_progress=not args.no_progress)
-        print(f"{'task':14s} {'provider':36s} {'density':>8s} {'step ms':>9s} {'min':>7s} {'x ref (95%)':>20s}")
+        print(f"{'task':14s} {'provider':36s} {'density':>8s} {'step ms':>9s} {'min':>7s} {'x ref (95%)':>20s}"
+              f" {'x our dense (95%)':>20s}")
         for r in result["rows"]:
-            ratio = (f"{r['ratio']:.3f} ({r['ratio_lo']:.3f}-{r['ratio_hi']:.3f})" if r.get("ratio") is not None
-                     else r["status"])
+            ratio, vs_dense = ((f"{r[k]:.3f} ({r[k + '_lo']:.3f}-{r[k + '_hi']:.3f})" if r.get(k) is not None
+                                else r["status"] if r["status"] != "ok" else "-") for k in ("ratio", "vs_dense"))
             ms = (f"{r['step_ms']:9.2f} {r['step_ms_min']:7.2f}" if r.get("step_ms") is not None else f"{'-':>9s} {'-':>7s}")
             dens = "-" if r["density"] is None else f"{r['density']:.3f}"
-            print(f"{r['task']:14s} {r['provider']:36s} {dens:>8s} {ms} {ratio:>20s}")
+            print(f"{r['task']:14s} {r['provider']:36s} {dens:>8s} {ms} {ratio:>20s} {vs_dense:>20s}")
         print(f"results in {args.out}")
         return 0
     result = run_speed(tasks, args.out, device=device, tiny=args.tiny, patterns=args.patterns, providers=args.providers,
