@@ -408,6 +408,28 @@ def test_gpu_stream_ms_is_gpu_time_or_host_time_whichever_is_longer():
     assert 0.95 <= e <= 1.5, e
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="profiles CUDA calls")
+def test_gpu_kernel_ms_is_the_calls_own_kernels():
+    """``kernel_ms``: the profiled kernels of an eager call, per call: a matmul's time (as a graph
+    replay reads it) whatever the host adds around it, with the kernel named."""
+    import time
+
+    from sparseflash.experiments.bench.timing import graph_ms, kernel_ms
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    g = graph_ms(lambda: a @ a, rep_ms=50)
+
+    def slow_host():  # 1 ms of host, then the matmul
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1e-3:
+            pass
+        return a @ a
+
+    ms, names = kernel_ms(slow_host, calls=10)
+    assert abs(ms - g) <= 0.15 * g, (ms, g, names)
+    assert len(names) >= 1 and max(names.values()) >= 0.8 * ms
+
+
 @pytest.mark.skipif(not ptxas_available(), reason="needs the ptxas bundled with Linux triton wheels")
 def test_inspect_kernels_row_alignment_for_hopper():
     """Compiled for sm_90 (no GPU needed), head_dim 40 (row stride 80 bytes, not a multiple of 16

@@ -22,10 +22,15 @@ bf16, batch x heads = tokens // seq_len x 16 (default 4 x 16 at 4K tokens), one 
   ``sparseflash.api.CHECK_KEY_LENGTHS = False``: the check reads the lengths back, a host
   synchronisation, which would wait out the GPU's sleep (its cost shows in ``part=eager``).
 - ``part=eager``: forward + backward as a training step issues them, back to back
-  (`timing.stream_ms`, ``eager_ms``), against the same call replayed from a CUDA graph
-  (`timing.graph_ms`, ``gpu_ms``: the kernels alone); ``eager_over_gpu`` is the goal's ratio
-  (<= 1.15 at 4K, density 0.1). Mask rows also with key_lengths, checked and not; ours with the
-  short path and without it.
+  (`timing.stream_ms`, ``eager_ms``), against two GPU times: the call replayed from a CUDA graph
+  (`timing.graph_ms`, ``gpu_ms``; a capture takes the general path, whose kernels can differ
+  from the short path's: TMA descriptors, so the Hopper kernels, at any size) and the eager
+  call's own kernels as the profiler records them (`timing.kernel_ms`, ``kernel_ms``, each
+  kernel's share in ``kernels``). ``eager_over_kernels`` is the goal's ratio (<= 1.15 at 4K,
+  density 0.1): what the host and the gaps between launches add to the same call's GPU time.
+  Every case is measured ``--rounds`` times, the rounds interleaved in alternating order; the
+  row keeps the medians and the range of the ratio. Mask rows also with key_lengths, checked and
+  not; ours with the short path and without it.
 
 Writes DIR/host.csv and DIR/host.json and prints a table. On CPU (``--device cpu``) the kernels
 are replaced by no-ops (`studies.host_cost.host_python.stubbed_kernels`), host times are
@@ -45,7 +50,8 @@ from pathlib import Path
 import torch
 
 COLUMNS = ["part", "provider", "pass", "head_dim", "mask", "density", "key_lengths", "kl_checked", "host_us",
-           "host_us_min", "eager_ms", "gpu_ms", "eager_over_gpu", "B", "H", "N", "device_name", "torch", "triton", "commit", "date"]
+           "host_us_min", "eager_ms", "gpu_ms", "eager_over_gpu", "kernel_ms", "eager_over_kernels",
+           "eager_over_kernels_min", "eager_over_kernels_max", "rounds", "kernels", "B", "H", "N", "device_name", "torch", "triton", "commit", "date"]
 
 
 PROVIDERS = ("sparseflash", "sparseflash-python", "sparseflash-general", "sparseflash-unbound", "sdpa",
@@ -120,8 +126,8 @@ def _calls(provider, q, k, v, do, mask, klen):
 
 def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: int = 3, tokens: int = 16384,
         heads: int = 16, calls: int = 30, eager: bool = True, providers=PROVIDERS, repeats: int = 5,
-        host: bool = True) -> list[dict]:
-    from sparseflash.experiments.bench.timing import graph_ms, host_us_samples, stream_ms, wall_us
+        host: bool = True, rounds: int = 3) -> list[dict]:
+    from sparseflash.experiments.bench.timing import graph_ms, host_us_samples, kernel_ms, stream_ms, wall_us
     from sparseflash.patterns import random as random_mask
 
     cuda = device.type == "cuda"
@@ -134,8 +140,8 @@ def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: 
 
     def add(**r):
         rows.append(dict(B=B, H=H, N=N, **r))
-        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
-              flush=True)
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()
+                        if k != "kernels"), flush=True)
 
     for D in head_dims:
         g = torch.Generator(device=device).manual_seed(0)
@@ -165,20 +171,33 @@ def run(device: torch.device, seq_len: int = 4096, head_dims=(64, 128), blocks: 
                                 density=density, key_lengths=kl, kl_checked=False, host_us=med, host_us_min=low)
         if not (eager and cuda):
             continue
-        # eager against GPU time
+        # eager against GPU time, the cases interleaved over rounds (alternating order)
+        cases = []
         for mname, mask in masks.items():
-            density = 1.0 if mask is None else blocks / nb
             ours = [p for p in ("sparseflash", "sparseflash-python", "sparseflash-general") if p in providers]
-            cases = [(p, None, True) for p in ours] + ([("sdpa", None, True)] if mask is None else
-                                                       [(p, klen_t, c) for p in ours for c in (True, False)])
-            for prov, klen, checked in cases:
+            cases += [(mname, mask, p, None, True) for p in ours] + (
+                [(mname, mask, "sdpa", None, True)] if mask is None and "sdpa" in providers else
+                [(mname, mask, p, klen_t, c) for p in ours for c in (True, False)] if mask is not None else [])
+        samples: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(cases))}
+        names: dict[int, dict[str, float]] = {}
+        for rnd in range(rounds):
+            for i in (range(len(cases)) if rnd % 2 == 0 else reversed(range(len(cases)))):
+                _, mask, prov, klen, checked = cases[i]
                 _, fwd_bwd = _calls(prov, q, k, v, do, mask, klen)
                 with _settings(prov, check_key_lengths=checked):
                     e = stream_ms(fwd_bwd, calls=10)
                     gpu = graph_ms(fwd_bwd, rep_ms=50)
-                add(part="eager", provider=prov, **{"pass": "fwd+bwd"}, head_dim=D, mask=mname, density=density,
-                    key_lengths=klen is not None, kl_checked=checked and klen is not None, eager_ms=e, gpu_ms=gpu,
-                    eager_over_gpu=e / gpu)
+                    kern, names[i] = kernel_ms(fwd_bwd)
+                samples[i].append((e, gpu, kern))
+        for i, (mname, mask, prov, klen, checked) in enumerate(cases):
+            e, gpu, kern = (statistics.median(x[j] for x in samples[i]) for j in range(3))
+            by_kernels = [x[0] / x[2] for x in samples[i]]
+            add(part="eager", provider=prov, **{"pass": "fwd+bwd"}, head_dim=D, mask=mname,
+                density=1.0 if mask is None else blocks / nb, key_lengths=klen is not None,
+                kl_checked=checked and klen is not None, eager_ms=e, gpu_ms=gpu, eager_over_gpu=e / gpu,
+                kernel_ms=kern, eager_over_kernels=statistics.median(by_kernels),
+                eager_over_kernels_min=min(by_kernels), eager_over_kernels_max=max(by_kernels), rounds=rounds,
+                kernels=";".join(f"{n}={t:.4f}" for n, t in sorted(names[i].items(), key=lambda t: -t[1])))
     return rows
 
 
@@ -196,11 +215,14 @@ def table(rows: list[dict]) -> str:
         out.append(f"{label:<24}" + "".join(f"{cells[p]:21.1f}" if p in cells else f"{'':>21}" for p in provs))
     eager = [r for r in rows if r["part"] == "eager"]
     if eager:
-        out.append(f"\n{'fwd+bwd':<24}{'provider':<20}{'eager ms':>10}{'GPU ms':>10}{'eager/GPU':>11}")
+        out.append(f"\n{'fwd+bwd':<24}{'provider':<20}{'eager ms':>10}{'graph ms':>10}{'eager/graph':>12}"
+                   f"{'kernels ms':>11}{'eager/kernels (range)':>24}")
         for r in eager:
             label = f"d={r['head_dim']} {r['mask']}" + (f" kl{'(checked)' if r['kl_checked'] else ''}"
                                                           if r["key_lengths"] else "")
-            out.append(f"{label:<24}{r['provider']:<20}{r['eager_ms']:10.4f}{r['gpu_ms']:10.4f}{r['eager_over_gpu']:11.2f}")
+            out.append(f"{label:<24}{r['provider']:<20}{r['eager_ms']:10.4f}{r['gpu_ms']:10.4f}{r['eager_over_gpu']:12.2f}"
+                       f"{r['kernel_ms']:11.4f}{r['eager_over_kernels']:8.2f} ({r['eager_over_kernels_min']:.2f}-"
+                       f"{r['eager_over_kernels_max']:.2f})")
     return "\n".join(out)
 
 
@@ -230,6 +252,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=30, help="calls per timed batch of the host part")
     ap.add_argument("--repeats", type=int, default=5, help="timed batches per host row (median and min kept)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager-against-GPU part")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="eager part: measure every case this many times, interleaved in alternating order; "
+                         "medians over the rounds (and the range of eager_over_kernels) are kept")
     ap.add_argument("--no-host", action="store_true", help="skip the host part")
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS,
                     help="sparseflash (short path with its native plan), sparseflash-python (short path, "
@@ -246,7 +271,7 @@ def main(argv=None) -> int:
         native.load()  # built before timing, not in the background of the first rows
     kw = dict(seq_len=args.seq_len, head_dims=args.head_dims, blocks=args.blocks, tokens=args.tokens,
               heads=args.heads, calls=args.calls, eager=not args.no_eager, providers=args.providers,
-              repeats=args.repeats, host=not args.no_host)
+              repeats=args.repeats, host=not args.no_host, rounds=args.rounds)
     if device.type == "cpu":
         from sparseflash.experiments.studies.host_cost.host_python import stubbed_kernels
 
@@ -257,7 +282,8 @@ def main(argv=None) -> int:
     meta = dict(environment(device), bench="host", args=vars(args),
                 method="host_us / host_us_min: median / min over --repeats batches of issuing --calls calls while "
                        "the GPU sleeps (timing.host_us_samples); eager_ms: timing.stream_ms; "
-                       "gpu_ms: timing.graph_ms (CUDA-graph replay)" if device.type == "cuda" else
+                       "gpu_ms: timing.graph_ms (CUDA-graph replay); kernel_ms: timing.kernel_ms (the eager "
+                       "call's own kernels, profiled); eager part: medians over --rounds interleaved rounds" if device.type == "cuda" else
                        "CPU smoke run: kernels are no-ops; host_us is wall time per call")
     write(rows, meta, Path(args.out))
     print()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["TimingConfig", "Measurement", "is_oom", "free_memory", "l2_bytes", "rotation_count", "measure", "graph_ms",
-           "stream_ms", "host_us"]
+           "stream_ms", "kernel_ms", "host_us"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,30 @@ def stream_ms(step, calls: int, warmup_ms: float = 25.0, rep_ms: float = 100.0, 
     events = [sample(n) for _ in range(samples)]
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) / n for s, e in events)
+
+
+def kernel_ms(fn, calls: int = 20, warmup: int = 3) -> tuple[float, dict[str, float]]:
+    """GPU ms per call of what ``fn`` runs on the GPU when called eagerly: the durations of its
+    kernels, memsets and copies as the profiler (CUPTI) records them, summed over ``calls`` calls
+    and divided by ``calls``. That is the same call's own GPU time: the kernels it really launches
+    (not those a graph capture of it would choose), without the gaps between them and without
+    host cost. Also returns the ms per call of each kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / calls
+    if not per_name:
+        raise RuntimeError("the profiler recorded no GPU activity (is CUPTI available?)")
+    return sum(per_name.values()), per_name
 
 
 SLEEP_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: longer than issuing any batch host_us times (checked)
