@@ -9,8 +9,9 @@
 # (host time per call, SPARSEFLASH_TMA=off and auto), host (issue 21: host us per call of ours, bound
 # and unbound launches, and SDPA's, side by side; eager fwd+bwd against GPU time at 4K), short-rows (per-row fixed cost, with the
 # baselines), gluon (experiments/studies/gluon/gluon_probe.py), packed (segment_ids tests, then packed
-# documents against FlexAttention's document mask: experiments/bench/packed.py),
-# lra-speed, lra-train. Each stage
+# documents against FlexAttention's document mask: experiments/bench/packed.py), short-calls (issue 21:
+# the native, short-path, compile and graph tests, then eager fwd+bwd against its own kernels' time),
+# lra-paired (issue 21: every LRA task's training step paired with SDPA's), lra-speed, lra-train. Each stage
 # writes OUT/<stage>/ and a log; everything is packed into OUT/<stage>.tgz so a call brings back
 # few files.
 set -uo pipefail
@@ -89,6 +90,23 @@ for stage in "$@"; do
         packed)  # PACKED_ARGS: extra options (e.g. --causal both --mean-lens 128 512 2048)
                  $t $py -m pytest -q -x -p no:cacheprovider tests/test_segments.py --tb=short
                  $t $py -m sparseflash.experiments.bench.packed --out "$d" ${PACKED_ARGS:-} ;;
+        short-calls) # issue 21 on the GPU: the native plan built first (not in the background of a test),
+                 # the short-path, native, launch, torch.compile and CUDA-graph tests in 4 processes, then
+                 # the eager-against-GPU part of bench.host (HOST_ARGS: extra options)
+                 $t $py -c "from sparseflash.flash import native; native.load(); print('native built in', native.cache_dir())"
+                 pt="$t $py -m pytest -q -p no:cacheprovider --tb=short"
+                 $pt tests/test_native.py tests/test_bench.py::test_gpu_kernel_ms_is_the_calls_own_kernels > "$d/tests_native.log" 2>&1 &
+                 $pt tests/test_fast_path.py > "$d/tests_fast_path.log" 2>&1 &
+                 $pt tests/test_launch.py > "$d/tests_launch.log" 2>&1 &
+                 { $pt tests/test_flash.py -k "compile or graph"; $pt tests/test_dropout.py -k "graph or compiled"
+                   $pt tests/test_segments.py -k compile; } > "$d/tests_compile_graph.log" 2>&1 &
+                 wait
+                 for f in "$d"/tests_*.log; do echo "--- $f"; tail -n 8 "$f"; done
+                 $t $py -m sparseflash.experiments.bench.host --no-host --providers sparseflash sparseflash-python sdpa \
+                     --out "$d" ${HOST_ARGS:-} ;;
+        lra-paired) # issue 21's third goal: every task's training step paired with SDPA's and our dense one's
+                 $t $py -m sparseflash lra speed --paired ${PAIRED_STEPS:-120} --task ${PAIRED_TASKS:-all} \
+                     --providers sdpa sparseflash --no-flex-sparse --no-progress --out "$d" ;;
         lra-speed) $t $py -m sparseflash lra speed --task all --max-seconds 5 --repeats 5 --out "$d" ;;
         lra-train) $t bash experiments/lra/run_quick.sh "$d" ;;
         *) echo "unknown stage $stage"; exit 2 ;;
