@@ -539,9 +539,14 @@ def plot_paired(result: dict, out_dir) -> Path:
         shape = f" ({first.get('seq_len')} x {first.get('batch')})" if first else ""
         ax.set_title(task + shape + (f"\nfailed: {', '.join(failed)}" if failed else ""), fontsize=9)
         ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.tick_params(axis="x", which="minor", labelsize=7)
+        ticks = []  # at the measured densities, none within 30% of the previous one
+        for d in sorted({r["density"] for r in tr if r["density"] is not None and r["density"] < 1}):
+            if not ticks or d > 1.3 * ticks[-1]:
+                ticks.append(d)
+        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:.3g}"))
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.tick_params(axis="x", labelsize=7)
         ax.set_xlabel("block density")
         ax.set_ylabel(f"step / {ref} step (median, 95%)")
         ax.grid(alpha=0.3, which="both")
