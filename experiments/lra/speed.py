@@ -431,6 +431,9 @@ def _median_ci(x: list[float], level: float = 0.95, resamples: int = 2000, seed:
     return float(np.quantile(meds, (1 - level) / 2)), float(np.quantile(meds, (1 + level) / 2))
 
 
+PAIRED_DENSE = "sparseflash"  # run_paired's second reference: our dense kernel
+
+
 def run_paired(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: list[str] | None = None,
                providers: list[str] | None = None, flex_sparse: bool = False, block_size: int = 128,
                warmup: int = 5, steps: int = 40, show_progress: bool = True) -> dict:
@@ -499,7 +502,15 @@ def run_paired(tasks, out_dir, *, device="cuda", tiny: bool = False, patterns: l
     return result
 
 
-PAIRED_DENSE = "sparseflash"  # run_paired's second reference: our dense kernel
+def _task_grid(plt, n: int):
+    """A figure of one panel per task, four to a row: (figure, the first ``n`` axes); the
+    panels past ``n`` are hidden."""
+    cols = min(4, max(1, n))
+    nrows = math.ceil(n / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    return fig, list(axes.flat)[:n]
 
 
 def plot_paired(result: dict, out_dir) -> Path:
@@ -515,10 +526,8 @@ def plot_paired(result: dict, out_dir) -> Path:
 
     rows = [r for r in result["rows"] if r.get("ratio") is not None]
     tasks = list(dict.fromkeys(r["task"] for r in result["rows"]))
-    cols = min(4, max(1, len(tasks)))
-    nrows = math.ceil(len(tasks) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-    for ax, task in zip(axes.flat, tasks):
+    fig, axes = _task_grid(plt, len(tasks))
+    for ax, task in zip(axes, tasks):
         tr = [r for r in rows if r["task"] == task]
         ref = tr[0]["reference"] if tr else "sdpa"
         ax.axhline(1.0, color="C2", ls=":", label=f"{ref} (reference)")
@@ -551,8 +560,6 @@ def plot_paired(result: dict, out_dir) -> Path:
         ax.set_ylabel(f"step / {ref} step (median, 95%)")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(tasks):]:
-        ax.axis("off")
     env = result.get("environment", {})
     fig.suptitle(f"LRA training steps, paired with {rows[0]['reference'] if rows else 'sdpa'}'s "
                  f"({env.get('steps')} pairs, {env.get('mode', 'full')}), {env.get('gpu') or env.get('device', '')}")
@@ -580,10 +587,8 @@ def plot_speed(result: dict, out_dir) -> list[Path]:
     paths = []
     for key, fname, ylabel in (("step_ms", "step_time_vs_density.png", "training step (ms)"),
                                ("attn_ms", "attn_time_vs_density.png", "attention fwd+bwd, one layer (ms)")):
-        cols = min(4, max(1, len(tasks)))
-        nrows = math.ceil(len(tasks) / cols)
-        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-        for ax, task in zip(axes.flat, tasks):
+        fig, axes = _task_grid(plt, len(tasks))
+        for ax, task in zip(axes, tasks):
             tr = [r for r in rows if r["task"] == task and r.get(key)]
             for attention, style in (("sparseflash", "o-"), ("flex", "s--")):
                 mine = [r for r in tr if r["attention"] == attention]
@@ -612,8 +617,6 @@ def plot_speed(result: dict, out_dir) -> list[Path]:
                            if min(r["density"] for r in tr or [{"density": 1.0}]) / 1.5 <= t])
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
-        for ax in list(axes.flat)[len(tasks):]:
-            ax.axis("off")
         fig.suptitle(f"LRA shapes ({mode}), {device}: {ylabel} vs density")
         fig.tight_layout()
         fig.savefig(out / fname, dpi=120)
