@@ -15,15 +15,25 @@ cannot be read or written -- ends it with one line on stderr, ``sparseflash: err
 to do>)``, and exit status 2 (`EXIT_USAGE`, as argparse's own errors); a Ctrl-C ends it with exit
 status 130. Anything else is a bug and keeps its traceback. ``SPARSEFLASH_DEBUG=1`` re-raises every
 error, traceback included.
+
+The same contract holds for every ``python -m sparseflash.experiments...`` entry point: their
+``main`` is wrapped in `entry_point` and their parsers are this module's `ArgumentParser`, whose
+argument errors are the same one line (exit status 2). Commands check their arguments and output
+folders (`check_output_dir`, `check_output_file`) before any work starts; `CommandError` carries
+a known failure with its own remedy.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import functools
 import importlib
 import os
 import platform
 import sys
+import tempfile
+from pathlib import Path
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -33,6 +43,80 @@ _REGISTRARS = (
     "sparseflash.experiments.bench.cli",
     "sparseflash.experiments.lra.cli",
 )
+
+
+class CommandError(Exception):
+    """A known failure and what to do about it: printed as ``sparseflash: error: <what> (<todo>)``."""
+
+    def __init__(self, what: str, todo: str):
+        super().__init__(what)
+        self.todo = todo
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors (a bad or missing argument) are the contract's one line and exit 2.
+    Subparsers inherit the class."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"sparseflash: error: {message} (see {self.prog} --help)\n")
+
+
+def _integer(text: str, low: int, expected: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (the error names what was expected, never this function)."""
+    return _integer(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    return _integer(text, 0, "a non-negative integer")
+
+
+def check_output_dir(path, option: str = "--out") -> Path:
+    """Fail now, before any work, unless ``path`` is (or can become) a folder this process can
+    write: the missing folders are made, a probe file written and removed, and the folders this
+    made removed again (commands that refuse an existing output folder still see none).
+    Raises `CommandError` naming ``option``."""
+    path = Path(path)
+    made = []
+    try:
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        for p in reversed(missing):
+            p.mkdir()
+            made.append(p)
+        if not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".sparseflash-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CommandError(f"{option} {path}: cannot write there ({e.strerror or e})",
+                           f"choose a folder you can write for {option}") from None
+    finally:
+        for p in reversed(made):
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+    return path
+
+
+def check_output_file(path, option: str = "--out") -> Path:
+    """`check_output_dir` for the folder of an output file ``path``, which must not be a folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise CommandError(f"{option} {path} is a folder", f"give {option} a file name such as {path / 'out.png'}")
+    check_output_dir(path.parent if str(path.parent) else Path("."), option)
+    return path
 
 
 def info() -> dict:
@@ -81,7 +165,7 @@ def _cmd_info(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from sparseflash import __version__
 
-    parser = argparse.ArgumentParser(prog="sparseflash", description="Block-sparse FlashAttention toolkit")
+    parser = ArgumentParser(prog="sparseflash", description="Block-sparse FlashAttention toolkit")
     parser.add_argument("--version", action="version", version=f"sparseflash {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("info", help="print versions, GPU and triton availability")
@@ -104,6 +188,8 @@ def _known_error(e: BaseException) -> tuple[str, str] | None:
     experiments (they may not be installed)."""
     names = {c.__name__ for c in type(e).__mro__}
     what = str(e) or type(e).__name__
+    if isinstance(e, CommandError):
+        return what, e.todo
     if "DatasetNotFoundError" in names:
         return what, "check --data, or make the data: sparseflash lra data --help"
     if "MalformedDataError" in names:
@@ -117,22 +203,22 @@ def _known_error(e: BaseException) -> tuple[str, str] | None:
             return what, "choose a folder you can read and write"
         if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError)):
             return what, "check the path"
-        return what, "check the path and that its disk is writable"
+        if e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+            return what, "check that the disk is writable and has space"
+        if e.errno is None:  # not the system's error: a file that is not what it should be (an unreadable PNG)
+            return what, "check that file; regenerate or replace it"
+        return what, "check the path and its disk"
     if isinstance(e, (ValueError, TypeError)):
         return what, "see the command's --help; SPARSEFLASH_DEBUG=1 shows the traceback"
     return None
 
 
-def main(argv=None) -> int:
-    """Run one command; known failures end with one line on stderr and `EXIT_USAGE` (module docstring)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
+def run_command(func, *args) -> int:
+    """``func(*args)`` under the error contract: its int result (None: 0); a known failure is one
+    line on stderr and `EXIT_USAGE`, Ctrl-C `EXIT_INTERRUPTED`, a bug keeps its traceback."""
     debug = os.environ.get("SPARSEFLASH_DEBUG", "") not in ("", "0")
     try:
-        return int(args.func(args) or 0)
+        return int(func(*args) or 0)
     except KeyboardInterrupt:
         if debug:
             raise
@@ -144,6 +230,27 @@ def main(argv=None) -> int:
             raise
         print(f"sparseflash: error: {known[0]} ({known[1]})", file=sys.stderr)
         return EXIT_USAGE
+
+
+def entry_point(main):
+    """Decorator for the ``main(argv=None)`` of a ``python -m`` entry point: the same contract as
+    the ``sparseflash`` command (`run_command`)."""
+
+    @functools.wraps(main)
+    def wrapped(argv=None) -> int:
+        return run_command(main, argv)
+
+    return wrapped
+
+
+def main(argv=None) -> int:
+    """Run one command; known failures end with one line on stderr and `EXIT_USAGE` (module docstring)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,28 +15,17 @@ Heavy imports happen inside the handlers.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
+
+from sparseflash.cli import check_output_dir, check_output_file
+from sparseflash.cli import non_negative_int as _non_negative
+from sparseflash.cli import positive_int as _positive
 
 __all__ = ["register", "EXTENSIONS"]
 
 EXTENSIONS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.lra.speed", "sparseflash.experiments.lra.curves",
               "sparseflash.experiments.lra.sweep"]
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return v
-
-
-def _non_negative(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
-    return v
 
 
 def _cmd_data_listops(args) -> int:
@@ -45,6 +34,7 @@ def _cmd_data_listops(args) -> int:
 
     from sparseflash.experiments.lra.data.listops import write_listops
 
+    check_output_dir(args.out)
     t0 = time.perf_counter()
     summary = write_listops(args.out, train=args.train, val=args.val, test=args.test, seed=args.seed,
                             min_len=args.min_len, max_len=args.max_len, max_depth=args.max_depth,
@@ -63,6 +53,7 @@ def _cmd_data_pathfinder(args) -> int:
 
     from sparseflash.experiments.lra.data.pathfinder import DIFFICULTIES, write_pathfinder
 
+    check_output_dir(args.out)
     for difficulty in (DIFFICULTIES if args.difficulty == "all" else [args.difficulty]):
         t0 = time.perf_counter()
         summary = write_pathfinder(args.out, args.resolution, difficulty, args.num, seed=args.seed,
@@ -79,6 +70,8 @@ def _cmd_data_pathfinder(args) -> int:
 def _cmd_show_listops(args) -> int:
     from sparseflash.experiments.lra.data.show import show_listops
 
+    if args.out is not None:
+        check_output_file(args.out)
     show_listops(args.dir, out=args.out, num=args.num, split=args.split)
     return 0
 
@@ -86,6 +79,8 @@ def _cmd_show_listops(args) -> int:
 def _cmd_show_pathfinder(args) -> int:
     from sparseflash.experiments.lra.data.show import show_pathfinder
 
+    if args.out is not None:
+        check_output_file(args.out)
     show_pathfinder(args.dir, out=args.out, num=args.num, resolution=args.resolution, difficulty=args.difficulty,
                     seed=args.seed)
     return 0
