@@ -8,7 +8,7 @@ import os
 import torch
 
 from sparseflash.dropout import check_p as check_dropout_p
-from sparseflash.mask import BlockMask
+from sparseflash.mask import BlockMask, as_block_mask
 from sparseflash.mask import _tracing as _capturing
 from sparseflash.segments import check_segment_ids
 
@@ -102,11 +102,7 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_ke
         raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
     check_dropout_p(float(dropout_p))
     if mask is not None:
-        if not isinstance(mask, BlockMask):
-            raise TypeError(
-                f"mask must be a sparseflash.BlockMask or None, got {type(mask).__name__} "
-                f"(wrap a block layout with BlockMask.from_layout or a token mask with BlockMask.from_dense)"
-            )
+        mask = as_block_mask(mask)  # (attention converts a Flex mask before this; other types raise here)
         if (mask.seq_q, mask.seq_k) != (Nq, Nk):
             raise ValueError(
                 f"mask was built for seq_q={mask.seq_q}, seq_k={mask.seq_k} but q has seq {Nq} and k has seq {Nk}"
@@ -137,7 +133,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             (query head ``h`` reads kv head ``h // (heads_q // heads_kv)``).
         mask: a `BlockMask` built for ``(seq_q, seq_k)`` whose layout broadcasts to
             ``[batch, heads_q, q_blocks, k_blocks]``; ``None`` means dense attention. A mask on
-            another device is moved (and its index form cached) on first use.
+            another device is moved (and its index form cached) on first use. Torch's
+            FlexAttention ``BlockMask`` is accepted and converted by `BlockMask.from_flex`
+            (its partial blocks, like any mask's, are computed whole: see `BlockMask.partial`).
         causal: also require ``j <= i + seq_k - seq_q`` (bottom-right aligned).
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         key_lengths: int tensor ``[batch]``; keys ``j >= key_lengths[b]`` are not attended. Its
@@ -170,6 +168,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         ``out`` ``[batch, heads_q, seq_q, head_dim]`` in q's dtype, or ``(out, lse)``.
         Rows that attend to nothing are 0 and get zero gradients.
     """
+    if mask is not None and mask.__class__ is not BlockMask:
+        mask = as_block_mask(mask)  # torch's FlexAttention BlockMask, converted; anything else raises
     if segment_ids is None and not return_lse and (backend == "auto" or backend == "triton") and generator is None \
             and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0:
         # the short path of a repeated eager call (sparseflash.flash.fast): a known key skips validation

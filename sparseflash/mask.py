@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
 
 from sparseflash._picture import plot_layout, text_picture
 
-__all__ = ["BlockMask", "BlockIndex"]
+__all__ = ["BlockMask", "BlockIndex", "as_block_mask"]
 
 # Token pairs (batch x heads x rows x keys) `from_fn` evaluates at once: the mask function's
 # int64 intermediates then take 512 MiB on a GPU (64K x 64K in 64 chunks), 32 MiB on a CPU.
@@ -750,6 +751,45 @@ class BlockMask:
         blocks per row (min / mean / max).
         """
         return plot_layout(self, path=path, ax=ax, slice_index=slice_index, title=title)
+
+
+# FlexAttention masks converted by `as_block_mask`, kept while the Flex mask lives: a model passing
+# one Flex mask to every layer converts it once and reuses the BlockMask's index.
+_FROM_FLEX: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+_BUILD_HINT = ("build one with BlockMask.from_fn(mask_mod, seq_q, seq_k) for a FlexAttention-style function "
+               "mask_mod(b, h, q_idx, kv_idx), BlockMask.from_dense(token_mask) for a bool [.., seq_q, seq_k] "
+               "tensor, BlockMask.from_layout(layout, block_size) for a bool block layout, or "
+               "BlockMask.from_flex(flex_block_mask) for torch's FlexAttention BlockMask")
+
+
+def as_block_mask(mask, name: str = "mask") -> "BlockMask | None":
+    """``mask`` as a sparseflash `BlockMask`: a `BlockMask` (or None) as it is; torch's FlexAttention
+    ``BlockMask`` converted with `BlockMask.from_flex` (exact: layout, full blocks and mask_mod;
+    cached per Flex mask object). Anything else raises a TypeError naming ``name`` and how to build
+    a `BlockMask` from it."""
+    if mask is None or isinstance(mask, BlockMask):
+        return mask
+    cls = type(mask)
+    if cls.__name__ == "BlockMask" and cls.__module__.startswith("torch.nn.attention"):
+        try:
+            return _FROM_FLEX[mask]
+        except (KeyError, TypeError):
+            pass
+        converted = BlockMask.from_flex(mask)
+        try:
+            _FROM_FLEX[mask] = converted
+        except TypeError:  # not weak-referenceable: convert per call
+            pass
+        return converted
+    if isinstance(mask, torch.Tensor):
+        what = f"a {mask.dtype} tensor of shape {tuple(mask.shape)}"
+    elif callable(mask):
+        what = f"the function {getattr(mask, '__name__', cls.__name__)}"
+    else:
+        what = f"{cls.__name__}"
+    raise TypeError(f"{name} must be a sparseflash.BlockMask, a torch FlexAttention BlockMask or None, got {what}: "
+                    f"{_BUILD_HINT}")
 
 
 def _as_layout(layout) -> torch.Tensor:

@@ -439,3 +439,64 @@ def test_from_fn_64k_causal_window_cuda():
     d = i - torch.arange(512, device="cuda")[None, :]  # block offsets: pairs in block (i, j) span d*128 +- 127
     band_full = (d >= 1) & (d * 128 + 127 <= w)
     assert torch.equal(m.full[0, 0], band_full)
+
+
+# ---------------------------------------------------------------- mask= of attention: Flex masks and other types
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_attention_takes_flex_block_mask(backend, device):
+    """A torch FlexAttention BlockMask as mask= is converted by from_flex: the same output and
+    gradients as the converted mask, once per Flex mask object; a block-level Flex mask (noop
+    mask_mod) is exact, so flex_attention itself agrees."""
+    flex = _flex()
+    import sparseflash
+    from sparseflash.mask import as_block_mask
+
+    Nq, Nk = 70, 100
+    dtype = torch.float32
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 2, Nq, 16, generator=g).to(device, dtype)
+    k, v = (torch.randn(2, 1, Nk, 16, generator=g).to(device, dtype) for _ in range(2))
+    fn = _doc_fn(100, 3)
+    fb = flex.create_block_mask(lambda b, h, qi, kv: fn(b, h, qi + 30, kv), 2, None, Nq, Nk, device=device,
+                                BLOCK_SIZE=32)
+    conv = as_block_mask(fb)
+    assert isinstance(conv, BlockMask) and as_block_mask(fb) is conv  # cached per Flex mask
+    assert conv.equal(BlockMask.from_flex(fb)) and torch.equal(conv.full, BlockMask.from_flex(fb).full)
+    for causal in (False, True):
+        qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+        qb, kb, vb = (t.clone().requires_grad_() for t in (q, k, v))
+        a = sparseflash.attention(qa, ka, va, fb, causal=causal, backend=backend)
+        b = sparseflash.attention(qb, kb, vb, BlockMask.from_flex(fb), causal=causal, backend=backend)
+        assert torch.equal(a, b)
+        a.sum().backward()
+        b.sum().backward()
+        for x, y in ((qa, qb), (ka, kb), (va, vb)):
+            assert torch.equal(x.grad, y.grad)
+    # block-level: every listed block full, so attention is exactly Flex's
+    layout = rand_layout(2, 1, 3, 4, p=0.6, seed=3)
+    layout[..., -1] = True  # no empty rows
+    m = BlockMask.from_layout(layout, block_size=32, seq_q=Nq, seq_k=Nk)
+    lean = m.to_flex(layout_in_mask_mod=False)  # the block lists only (eager Flex reads just mask_mod)
+    assert as_block_mask(lean).is_exact and as_block_mask(lean).equal(m)
+    want = flex.flex_attention(q.double(), k.double(), v.double(), block_mask=m.to_flex(), enable_gqa=True)
+    got = sparseflash.attention(q, k, v, lean, backend=backend)
+    torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_attention_mask_of_another_type_says_how_to_build_one():
+    import sparseflash
+
+    q = torch.randn(1, 1, 64, 16)
+    causal_fn = lambda b, h, qi, kv: kv <= qi  # noqa: E731
+    for bad, what in [(causal_fn, "function"), (torch.ones(64, 64, dtype=torch.bool), "tensor"),
+                      (np.ones((1, 1), dtype=bool), "ndarray"), ("causal", "str")]:
+        for backend in ("reference", "auto"):
+            with pytest.raises(TypeError, match="mask must be a sparseflash.BlockMask") as e:
+                sparseflash.attention(q, q, q, bad, backend=backend)
+            msg = str(e.value)
+            assert what in msg and all(f"BlockMask.{c}" in msg for c in ("from_fn", "from_dense", "from_flex")), msg
+    # a Flex mask built for other lengths: the lengths error
+    flex = _flex()
+    fb = flex.create_block_mask(causal_fn, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="mask was built for seq_q=32, seq_k=32"):
+        sparseflash.attention(q, q, q, fb)
