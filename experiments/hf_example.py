@@ -12,9 +12,10 @@ generates a few tokens greedily with a KV cache (dense) and compares them with e
 
 from __future__ import annotations
 
-import argparse
 
 import torch
+
+from sparseflash.cli import ArgumentParser, positive_int, run_command
 
 import sparseflash.hf
 from sparseflash.experiments.lra.model import parse_pattern_spec
@@ -42,11 +43,11 @@ def run(model, impl, ids, attention_mask):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.hf_example", description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("llama", "bert"), default="llama")
     ap.add_argument("--pattern", default="local:window=32", help="a sparseflash.patterns spec, name:key=value,...")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=200)
+    ap.add_argument("--block-size", type=positive_int, default=16)
+    ap.add_argument("--seq-len", type=positive_int, default=200)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -91,4 +92,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_command(main))

@@ -339,21 +339,34 @@ def plot_density(rows: list[dict], path, *, exponents: dict | None = None):
 
 # ---------------------------------------------------------------------------- CLI
 def register(subparsers) -> None:
+    from sparseflash.cli import positive_int
+
     p = subparsers.add_parser(
         "patterns", help="draw and analyse the pattern zoo at one length",
         description="Draw every zoo pattern at --seq-len into one PNG grid, print a table (density, blocks per "
                     "row/column, layers to reach, build time) and write it as CSV and JSON, plus a plot of "
                     "density against sequence length.",
     )
-    p.add_argument("--seq-len", type=int, default=4096, help="sequence length in tokens (default 4096)")
-    p.add_argument("--block-size", type=int, default=128, help="block size in tokens (default 128)")
+    p.add_argument("--seq-len", type=positive_int, default=4096, help="sequence length in tokens (default 4096)")
+    p.add_argument("--block-size", type=positive_int, default=128, help="block size in tokens (default 128)")
     p.add_argument("--out", default="out/patterns", help="output folder (default out/patterns)")
-    p.add_argument("--lengths", type=int, nargs="+", default=None,
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=None,
                    help="lengths for the density plot (default block * 2**k for k = 2..10)")
     p.add_argument("--no-density", action="store_true", help="skip the density-vs-length sweep and plot")
     p.add_argument("--no-reach", action="store_true", help="skip the connectivity (reach) columns")
-    p.add_argument("--device", default="cpu", help="device to build masks on (default cpu)")
+    p.add_argument("--device", type=_device, default="cpu", help="device to build masks on (default cpu)")
     p.set_defaults(func=_cmd_patterns)
+
+
+def _device(text: str) -> str:
+    """argparse type: a torch device name (cpu, cuda, cuda:1)."""
+    import argparse
+
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a torch device such as cpu or cuda, got {text!r}") from None
+    return text
 
 
 def _write_rows(rows: list[dict], stem, meta: dict) -> list[str]:
@@ -374,12 +387,9 @@ def _cmd_patterns(args) -> int:
     import os
 
     import sparseflash
+    from sparseflash.cli import check_output_dir
 
-    for name in ("seq_len", "block_size"):
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"sparseflash patterns: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.lengths is not None and min(args.lengths) <= 0:
-        raise SystemExit(f"sparseflash patterns: --lengths must be positive, got {args.lengths}")
+    check_output_dir(args.out)
     os.makedirs(args.out, exist_ok=True)
     meta = {"sparseflash": sparseflash.__version__, "torch": torch.__version__, "device": str(args.device),
             "block_size": args.block_size, "date": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -17,8 +17,9 @@ status 130. Anything else is a bug and keeps its traceback. ``SPARSEFLASH_DEBUG=
 error, traceback included.
 
 The same contract holds for every ``python -m sparseflash.experiments...`` entry point: their
-``main`` is wrapped in `entry_point` and their parsers are this module's `ArgumentParser`, whose
-argument errors are the same one line (exit status 2). Commands check their arguments and output
+``__main__`` block runs ``main`` through `run_command` (called in-process, ``main`` raises as any
+function does) and their parsers are this module's `ArgumentParser`, whose argument errors are
+the same one line (exit status 2). Commands check their arguments and output
 folders (`check_output_dir`, `check_output_file`) before any work starts; `CommandError` carries
 a known failure with its own remedy.
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import functools
 import importlib
 import os
 import platform
@@ -230,17 +230,6 @@ def run_command(func, *args) -> int:
             raise
         print(f"sparseflash: error: {known[0]} ({known[1]})", file=sys.stderr)
         return EXIT_USAGE
-
-
-def entry_point(main):
-    """Decorator for the ``main(argv=None)`` of a ``python -m`` entry point: the same contract as
-    the ``sparseflash`` command (`run_command`)."""
-
-    @functools.wraps(main)
-    def wrapped(argv=None) -> int:
-        return run_command(main, argv)
-
-    return wrapped
 
 
 def main(argv=None) -> int:

@@ -222,5 +222,7 @@ def test_cli_patterns(tmp_path, capsys):
     assert any(r["reach_all"] is None for r in data["rows"])
     sweep = json.load(open(out / "density.json"))["rows"]
     assert {r["seq_len"] for r in sweep} == {128, 256, 512, 1024}
-    with pytest.raises(SystemExit, match="seq-len"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
         main(["patterns", "--seq-len", "0", "--out", str(out)])
+    assert e.value.code == 2 and "--seq-len" in capsys.readouterr().err

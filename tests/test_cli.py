@@ -5,6 +5,7 @@ installed entry point, so that nothing between it and `main` prints a traceback)
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -110,3 +111,152 @@ def test_known_error_hints(exc, expected):
 def test_unknown_error_is_not_known():
     assert cli._known_error(RuntimeError("kernel failed")) is None
     assert cli._known_error(KeyError("k")) is None
+
+
+# ------------------------------------------------------------------ every command, bad arguments
+def _leaf_parsers(parser, path=()):
+    """(argv prefix, parser) of every runnable subcommand under ``parser``."""
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+        return
+    for name, p in subs[0].choices.items():
+        yield from _leaf_parsers(p, (*path, name))
+
+
+_LEAVES = list(_leaf_parsers(cli.build_parser()))
+
+
+def _argparse_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(argv))
+    assert e.value.code == cli.EXIT_USAGE, argv
+    return _one_error_line(capsys.readouterr().err)
+
+
+def test_every_subcommand_is_walked():
+    names = {" ".join(p) for p, _ in _LEAVES}
+    assert {"info", "patterns", "bench sparsity", "bench seqlen", "plot", "lra data listops", "lra data pathfinder",
+            "lra show listops", "lra train", "lra speed", "lra sweep", "lra curves"} <= names
+
+
+@pytest.mark.parametrize("path", [p for p, _ in _LEAVES], ids=lambda p: "-".join(p))
+def test_every_subcommand_rejects_bad_arguments(path, capsys):
+    """An unknown option, and a word where each typed option wants a number: the contract's one line
+    (exit 2) naming the option and what it expects, never an internal name such as a function's."""
+    line = _argparse_error([*path, "--no-such-option"], capsys)  # or first: a required argument missing
+    assert ("--no-such-option" in line or "required" in line) and "(see sparseflash" in line and line.endswith("--help)")
+    parser = dict(_LEAVES)[path]
+    typed = [a for a in parser._actions if a.option_strings and callable(a.type) and a.type is not str]
+    for action in typed:
+        opt = action.option_strings[-1]
+        line = _argparse_error([*path, opt, "ten"], capsys)
+        assert opt in line and "'ten'" in line, line
+        assert not re.search(r"(?<![\w-])_[a-z]", line), f"an internal name in {line!r}"
+
+
+def test_lra_data_bad_count_names_what_it_expects(capsys):
+    line = _argparse_error(["lra", "data", "listops", "--train", "ten", "--out", "x"], capsys)
+    assert "--train" in line and "expected a non-negative integer" in line and "_non_negative" not in line
+
+
+def test_patterns_negative_length(capsys):
+    line = _argparse_error(["patterns", "--seq-len", "-5"], capsys)
+    assert "--seq-len" in line and "positive" in line
+
+
+def _known(argv, capsys) -> str:
+    assert cli.main(list(argv)) == cli.EXIT_USAGE
+    return _one_error_line(capsys.readouterr().err)
+
+
+def test_missing_inputs_follow_the_contract(tmp_path, capsys):
+    gone = str(tmp_path / "nonexistent")
+    assert "sweep.json" in _known(["lra", "sweep", "--plot-only", gone], capsys)
+    assert gone in _known(["lra", "curves", gone], capsys)
+    (tmp_path / "empty").mkdir()
+    assert "eval.csv" in _known(["lra", "curves", str(tmp_path / "empty")], capsys)
+    assert "speed.json" in _known(["lra", "speed", "--plot-only", "--out", str(tmp_path / "empty")], capsys)
+    assert gone in _known(["plot", gone, "--out", str(tmp_path / "figs")], capsys)
+    assert "--task" in _known(["lra", "sweep", "--out", str(tmp_path / "s")], capsys)
+
+
+def _blocked(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    return str(tmp_path / "a_file" / "out")  # no folder can be made below a regular file, even as root
+
+
+@pytest.mark.parametrize("argv, module, attr", [
+    (["bench", "sparsity", "--out", "{out}"], "sparseflash.experiments.bench.sparsity", "run"),
+    (["bench", "seqlen", "--out", "{out}"], "sparseflash.experiments.bench.seqlen", "run"),
+    (["plot", "{here}", "--out", "{out}"], "sparseflash.experiments.bench.plots", "plot_results"),
+    (["patterns", "--seq-len", "256", "--out", "{out}"], "sparseflash.analysis", "zoo"),
+    (["lra", "data", "listops", "--out", "{out}"], "sparseflash.experiments.lra.data.listops", "write_listops"),
+    (["lra", "train", "--task", "listops", "--data", "{here}", "--out", "{out}"], "sparseflash.experiments.lra.train",
+     "train"),
+    (["lra", "speed", "--task", "listops", "--device", "cpu", "--tiny", "--out", "{out}"],
+     "sparseflash.experiments.lra.speed", "run_speed"),
+    (["lra", "sweep", "--task", "listops", "--out", "{out}"], "sparseflash.experiments.lra.sweep", "run_sweep"),
+    (["lra", "show", "listops", "{here}", "--out", "{out}/x.png"], "sparseflash.experiments.lra.data.show",
+     "show_listops"),
+])
+def test_unwritable_output_fails_before_any_work(tmp_path, capsys, monkeypatch, argv, module, attr):
+    """`bench sparsity --out /proc/nope` must fail at once, not after the measurements."""
+    import importlib
+
+    def no_work(*a, **k):
+        raise AssertionError("the command started its work before checking --out")
+
+    monkeypatch.setattr(importlib.import_module(module), attr, no_work)
+    out = _blocked(tmp_path)
+    line = _known([a.format(out=out, here=tmp_path) for a in argv], capsys)
+    assert "--out" in line and "a_file" in line
+
+
+def test_unreadable_file_gets_no_disk_hint():
+    """An OSError that is not the system's (PIL's 'cannot identify image file') is about the file."""
+    what, todo = cli._known_error(OSError("cannot identify image file 'sample_3.png'"))
+    assert "sample_3.png" in what and "writable" not in todo and "regenerate or replace" in todo
+
+
+_ENTRY_POINTS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.lra.sweep",
+                 "sparseflash.experiments.lra.speed", "sparseflash.experiments.lra.curves",
+                 "sparseflash.experiments.bench.packed", "sparseflash.experiments.bench.host",
+                 "sparseflash.experiments.bench.dropout", "sparseflash.experiments.bench.tune_tiles",
+                 "sparseflash.experiments.bench.inspect_kernels", "sparseflash.experiments.hf_example"]
+
+
+def _run_module(name, argv, monkeypatch) -> int:
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [name, *argv])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module(name, run_name="__main__", alter_sys=False)
+    return e.value.code
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # runpy: the module is already imported
+@pytest.mark.parametrize("name", _ENTRY_POINTS)
+def test_python_m_entry_points_follow_the_contract(name, monkeypatch, capsys):
+    """``python -m NAME --no-such-option`` (as its __main__ block runs it): one line, exit 2."""
+    pytest.importorskip(name)
+    assert _run_module(name, ["--no-such-option"], monkeypatch) == cli.EXIT_USAGE
+    line = _one_error_line(capsys.readouterr().err)
+    assert ("--no-such-option" in line or "required" in line) and f"python -m {name} --help" in line
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("name, argv", [
+    ("sparseflash.experiments.lra.curves", ["{here}/nonexistent"]),
+    ("sparseflash.experiments.lra.sweep", ["--plot-only", "{here}/nonexistent"]),
+    ("sparseflash.experiments.bench.packed", ["--device", "cpu", "--out", "{out}"]),
+    ("sparseflash.experiments.bench.host", ["--device", "cpu", "--out", "{out}"]),
+])
+def test_python_m_known_failures_are_one_line(name, argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("SPARSEFLASH_DEBUG", raising=False)
+    out = _blocked(tmp_path)
+    rc = _run_module(name, [a.format(here=tmp_path, out=out) for a in argv], monkeypatch)
+    assert rc == cli.EXIT_USAGE
+    _one_error_line(capsys.readouterr().err)

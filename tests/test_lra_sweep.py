@@ -119,11 +119,13 @@ def test_tiny_sweep_resumes_skips_and_redraws(tmp_path, monkeypatch, capsys, one
 
 
 def test_sweep_argument_errors(tmp_path):
+    from sparseflash.cli import CommandError
+
     with pytest.raises(SystemExit):
         S.main(["--task", "listops", "--out", str(tmp_path), "--densities", "0"])
-    with pytest.raises(SystemExit, match="--task"):
+    with pytest.raises(CommandError, match="--task"):
         S.main(["--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="sweep.json does not exist"):
+    with pytest.raises(CommandError, match="sweep.json does not exist"):
         S.main(["--plot-only", str(tmp_path)])
     from sparseflash.experiments.lra.configs import get_config
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 
 __all__ = ["register", "config_from_args", "command_line"]
 
@@ -214,11 +213,14 @@ def _cmd_bench(args) -> int:
     from sparseflash.experiments.bench import seqlen, sparsity
     from sparseflash.experiments.bench.results import write_results
 
+    from sparseflash.cli import check_output_dir
+
     cfg = config_from_args(args)
+    out = args.out or f"bench-results/{cfg.bench}-{cfg.device}"
+    check_output_dir(out)  # before the measurements, not after them
     command = command_line(cfg)
     run = sparsity.run if cfg.bench == "sparsity" else seqlen.run
     rows, meta = run(cfg, command=command, show_progress=not args.no_progress)
-    out = args.out or f"bench-results/{cfg.bench}-{cfg.device}"
     paths = write_results(rows, meta, out, cfg.bench)
     if not args.no_plot:
         from sparseflash.experiments.bench.plots import plot_rows
@@ -231,12 +233,19 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_plot(args) -> int:
+    from pathlib import Path
+
+    from sparseflash.cli import CommandError, check_output_dir
     from sparseflash.experiments.bench.plots import plot_results
 
+    for r in args.results:
+        if not Path(r).exists():
+            raise FileNotFoundError(2, "No such file or directory", r)
+    check_output_dir(args.out)
     written = plot_results(args.results, args.out)
     for p in written:
         print(p)
     if not written:
-        print("no figures: the results hold no sparsity or seqlen rows", file=sys.stderr)
-        return 1
+        raise CommandError(f"no figures: {' '.join(args.results)} hold no sparsity or seqlen rows",
+                           "give the folders that sparseflash bench wrote")
     return 0

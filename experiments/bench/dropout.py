@@ -13,7 +13,6 @@ dropout bits, as in training). Writes DIR/dropout.csv and .json and prints a tab
 
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime
 import json
@@ -22,6 +21,8 @@ import os
 import subprocess
 
 import torch
+
+from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
 
 
 def _call(provider, q, k, v, mask, p):
@@ -42,16 +43,17 @@ def _call(provider, q, k, v, mask, p):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.bench.dropout", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="dropout_out")
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seq-lens", type=positive_int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--head-dims", type=positive_int, nargs="+", default=[64, 128])
     ap.add_argument("--p", type=float, default=0.1)
     ap.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (GPU time) instead of eager calls")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("dropout benchmark: needs a CUDA GPU (nothing measured)")
         return 0
+    check_output_dir(args.out)
     import triton
 
     from sparseflash.patterns import butterfly, random
@@ -116,4 +118,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

@@ -39,7 +39,6 @@ plain wall time per call and there is no eager part: a check that the script run
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import json
@@ -48,6 +47,8 @@ import statistics
 from pathlib import Path
 
 import torch
+
+from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
 
 COLUMNS = ["part", "provider", "pass", "head_dim", "mask", "density", "key_lengths", "kl_checked", "host_us",
            "host_us_min", "eager_ms", "gpu_ms", "eager_over_gpu", "kernel_ms", "eager_over_kernels",
@@ -241,18 +242,18 @@ def write(rows: list[dict], meta: dict, out: Path) -> None:
 def main(argv=None) -> int:
     from sparseflash.experiments.bench.results import environment
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.bench.host", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--blocks", type=int, default=3, help="128-blocks per row of the random mask")
-    ap.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seq_len")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--calls", type=int, default=30, help="calls per timed batch of the host part")
-    ap.add_argument("--repeats", type=int, default=5, help="timed batches per host row (median and min kept)")
+    ap.add_argument("--seq-len", type=positive_int, default=4096)
+    ap.add_argument("--head-dims", type=positive_int, nargs="+", default=[64, 128])
+    ap.add_argument("--blocks", type=positive_int, default=3, help="128-blocks per row of the random mask")
+    ap.add_argument("--tokens", type=positive_int, default=16384, help="batch = tokens // seq_len")
+    ap.add_argument("--heads", type=positive_int, default=16)
+    ap.add_argument("--calls", type=positive_int, default=30, help="calls per timed batch of the host part")
+    ap.add_argument("--repeats", type=positive_int, default=5, help="timed batches per host row (median and min kept)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager-against-GPU part")
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=positive_int, default=3,
                     help="eager part: measure every case this many times, interleaved in alternating order; "
                          "medians over the rounds (and the range of eager_over_kernels) are kept")
     ap.add_argument("--no-host", action="store_true", help="skip the host part")
@@ -265,6 +266,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda needs a GPU")
+    check_output_dir(args.out)
     if device.type == "cuda" and "sparseflash" in args.providers:
         from sparseflash.flash import native
 
@@ -293,4 +295,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

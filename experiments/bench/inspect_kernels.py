@@ -13,7 +13,6 @@ it; `--dump DIR` writes each kernel's TTGIR, PTX and SASS for reading.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -22,6 +21,8 @@ import subprocess
 import tempfile
 
 import torch
+
+from sparseflash.cli import ArgumentParser, non_negative_int, positive_int, run_command
 
 TARGET_ARCH = 90
 
@@ -226,15 +227,15 @@ def report(compiled, dump: str | None = None) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.bench.inspect_kernels", description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dim", type=positive_int, default=128)
     ap.add_argument("--dropout", type=float, default=0.0)
-    ap.add_argument("--mask-block", type=int, default=128, help="0: dense kernels (mask=None)")
+    ap.add_argument("--mask-block", type=non_negative_int, default=128, help="0: dense kernels (mask=None)")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--segments", action="store_true", help="the packed-documents variant (segment_ids)")
-    ap.add_argument("--seq", type=int, default=1024, help="sequence length of the launch (default 1024)")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--seq", type=positive_int, default=1024, help="sequence length of the launch (default 1024)")
+    ap.add_argument("--batch", type=positive_int, default=1)
+    ap.add_argument("--heads", type=positive_int, default=2)
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--kernels", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
     ap.add_argument("--tile", action="append", default=[], metavar="KIND=M,N,WARPS,STAGES[,MAXNREG[,Q_ROWS]]",
@@ -266,4 +267,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

@@ -28,7 +28,6 @@ timing). Writes DIR/packed.csv, DIR/packed.json and DIR/packed.png.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -37,6 +36,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
 
 PROVIDERS = ("sparseflash-segments", "flex-document", "sparseflash-dense", "sdpa-dense")
 
@@ -258,15 +259,15 @@ def plot(out: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.bench.packed", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="packed_out")
     ap.add_argument("--plot", metavar="DIR", help="only redraw DIR/packed.png from DIR/packed.json")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens per packed row (GPU 16384, CPU 128)")
-    ap.add_argument("--batch", type=int, default=None, help="packed rows (GPU 2, CPU 1)")
-    ap.add_argument("--heads", type=int, default=None, help="GPU 16, CPU 1")
+    ap.add_argument("--tokens", type=positive_int, default=None, help="tokens per packed row (GPU 16384, CPU 128)")
+    ap.add_argument("--batch", type=positive_int, default=None, help="packed rows (GPU 2, CPU 1)")
+    ap.add_argument("--heads", type=positive_int, default=None, help="GPU 16, CPU 1")
     ap.add_argument("--mean-lens", type=float, nargs="+", default=None, help="mean document lengths (GPU 512 2048, CPU 20)")
-    ap.add_argument("--head-dims", type=int, nargs="+", default=None, help="GPU 64 128, CPU 16")
+    ap.add_argument("--head-dims", type=positive_int, nargs="+", default=None, help="GPU 64 128, CPU 16")
     ap.add_argument("--causal", choices=("on", "off", "both"), default="on")
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     ap.add_argument("--no-graph", action="store_true", help="eager timings only (no CUDA-graph replays)")
@@ -281,6 +282,7 @@ def main(argv=None) -> int:
             setattr(args, name, gpu if cuda else cpu)
     if cuda and not torch.cuda.is_available():
         ap.error("--device cuda without a CUDA GPU")
+    check_output_dir(args.out)
     t0 = time.time()
     rows = run(args)
     meta = dict(command="python -m sparseflash.experiments.bench.packed " + " ".join(argv if argv is not None else
@@ -301,4 +303,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

@@ -15,13 +15,14 @@ results (experiments/results/tune/).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import time
 
 import torch
+
+from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
 
 # (block_m, block_n, num_warps, num_stages[, maxnreg]); fwd/dq: block_m = q tile held, block_n = k
 # tile streamed; dkdv: block_n = k tile held, block_m = q tile streamed. A register cap (maxnreg)
@@ -116,15 +117,15 @@ def _precompile(specs, jobs):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.bench.tune_tiles", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="tune_out")
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[4096])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seq-lens", type=positive_int, nargs="+", default=[4096])
+    ap.add_argument("--head-dims", type=positive_int, nargs="+", default=[64, 128])
     ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.1],
                     help="1: dense (mask=None); below 1: random mask with that share of 128-blocks per row")
     ap.add_argument("--kinds", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--heads", type=positive_int, default=16)
+    ap.add_argument("--jobs", type=positive_int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--rep", type=float, default=60.0, help="do_bench_cudagraph budget per config, ms")
     ap.add_argument("--dropout", type=float, nargs="+", default=[0.0], help="dropout_p values to time each config at")
     ap.add_argument("--configs", nargs="+", default=None, metavar=CONFIG_FORMAT,
@@ -132,6 +133,7 @@ def main(argv=None) -> int:
                          "orientation)")
     ap.add_argument("--sdpa", action="store_true", help="also time SDPA flash / cuDNN dense (fwd, bwd)")
     args = ap.parse_args(argv)
+    check_output_dir(args.out)
     import triton
     import triton.testing
 
@@ -203,4 +205,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

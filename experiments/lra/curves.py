@@ -79,10 +79,15 @@ def _table(runs) -> str:
 
 
 def _cmd(args) -> int:
+    from sparseflash.cli import CommandError, check_output_file
+
+    if not Path(args.runs).is_dir():
+        raise CommandError(f"RUNS {args.runs} is not a folder", "give the folder that holds your lra train outputs")
+    out = check_output_file(Path(args.out) if args.out else Path(args.runs) / "curves.png")
     runs = load_runs(args.runs)
     if not runs:
-        raise SystemExit(f"no runs with eval.csv under {args.runs}")
-    out = Path(args.out) if args.out else Path(args.runs) / "curves.png"
+        raise CommandError(f"no runs with eval.csv under {args.runs}",
+                           "give a folder whose sub-folders are sparseflash lra train outputs")
     plot_curves(runs, out)
     print(_table(runs))
     print(f"figure: {out}")
@@ -97,11 +102,15 @@ def register_lra(sub) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from sparseflash.cli import ArgumentParser
+
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.lra.curves", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     register_lra(sub)
     return _cmd(ap.parse_args(["curves", *(argv or [])]) if argv is not None else ap.parse_args())
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from sparseflash.cli import run_command
+
+    raise SystemExit(run_command(main))

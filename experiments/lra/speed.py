@@ -650,22 +650,24 @@ def plot_speed(result: dict, out_dir) -> list[Path]:
 
 # -------------------------------------------------------------------------------------------- CLI
 def add_speed_arguments(p: argparse.ArgumentParser) -> None:
+    from sparseflash.cli import non_negative_int, positive_int
+
     p.add_argument("--task", default="all", help=f"'all' or a comma-separated list of {', '.join(SPEED_TASKS)}")
     p.add_argument("--out", required=True, help="output directory (with --plot-only: the directory to redraw)")
     p.add_argument("--patterns", nargs="+", help="block patterns for sparseflash, e.g. butterfly 'butterfly:n_factors=2' "
                                                 "(default: a butterfly sweep per task, plus local if available)")
     p.add_argument("--providers", nargs="+", help="keep only these providers (labels or attention kinds)")
     p.add_argument("--no-flex-sparse", action="store_true", help="skip FlexAttention with the butterfly pattern")
-    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--block-size", type=positive_int, default=128)
     p.add_argument("--device", help="cuda (default when available) or cpu")
     p.add_argument("--tiny", action="store_true", help="toy sizes (length 256, batch 2): a labelled smoke run")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (per round)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--warmup", type=non_negative_int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=10, help="timed calls per measurement (per round)")
+    p.add_argument("--rounds", type=positive_int, default=1,
                    help="run the whole plan this many times, alternating its order, and pool the timings")
     p.add_argument("--max-seconds", type=float, default=20.0, help="timed seconds per measurement at most")
     p.add_argument("--compile", action="store_true", help="torch.compile the whole model (flex is always compiled)")
-    p.add_argument("--paired", type=int, metavar="STEPS", default=0,
+    p.add_argument("--paired", type=non_negative_int, metavar="STEPS", default=0,
                    help="alternate single training steps of the providers, STEPS timed steps each, and compare "
                         "each step with the reference's (sdpa) and our dense kernel's beside it: OUT/paired.json, "
                         "paired.csv, paired.png")
@@ -675,10 +677,12 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_speed(args) -> int:
+    from sparseflash.cli import CommandError, check_output_dir
+
     if args.plot_only:
         out = Path(args.out)
         if not (out / "speed.json").exists() and not (out / "paired.json").exists():
-            raise FileNotFoundError(f"{out} holds neither speed.json nor paired.json (run lra speed there first)")
+            raise CommandError(f"--out {out} holds neither speed.json nor paired.json", "run lra speed there first")
         if (out / "speed.json").exists():
             for path in plot_speed(json.loads((out / "speed.json").read_text()), out):
                 print(path)
@@ -687,6 +691,7 @@ def _cmd_speed(args) -> int:
         return 0
     tasks = list(SPEED_TASKS) if args.task == "all" else [t.strip() for t in args.task.split(",") if t.strip()]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_output_dir(args.out)
     if args.paired:
         result = run_paired(tasks, args.out, device=device, tiny=args.tiny, patterns=args.patterns,
                             providers=args.providers, flex_sparse=not args.no_flex_sparse, block_size=args.block_size,
@@ -729,10 +734,14 @@ def register_lra(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sparseflash.experiments.lra.speed", description=__doc__.split("\n\n")[0])
+    from sparseflash.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m sparseflash.experiments.lra.speed", description=__doc__.split("\n\n")[0])
     add_speed_arguments(parser)
     return _cmd_speed(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sparseflash.cli import run_command
+
+    sys.exit(run_command(main))

@@ -486,6 +486,7 @@ def _seed(text: str) -> int:
 
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    from sparseflash.cli import non_negative_int, positive_int
     from sparseflash.experiments.lra.configs import TASKS, VARIANTS
     from sparseflash.experiments.lra.model import ATTENTIONS
     from sparseflash.experiments.lra.train import _minutes
@@ -500,8 +501,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                    help="target block densities, 1 = dense (default: 1 0.5 0.25 0.125)")
     p.add_argument("--seeds", nargs="+", type=_seed, default=[0], help="training seeds (default: 0)")
     p.add_argument("--attention", choices=ATTENTIONS, help="attention implementation (default: the config's)")
-    p.add_argument("--block-size", type=int, help="block size of the pattern (default 128)")
-    p.add_argument("--max-steps", type=int, help="end each run after this step (its schedule is unchanged)")
+    p.add_argument("--block-size", type=positive_int, help="block size of the pattern (default 128)")
+    p.add_argument("--max-steps", type=positive_int, help="end each run after this step (its schedule is unchanged)")
     p.add_argument("--init-from", metavar="CHECKPOINT", help="start every run from these weights (Path-X: a Path-64 model)")
     p.add_argument("--init-from-sweep", metavar="SWEEP_OUT",
                    help="start each run from the best.pt of the run of the same name in another sweep (e.g. a "
@@ -510,9 +511,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                    help="end the whole sweep, every run resumable, within MINUTES of its start (exit status 75)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="default: bf16 autocast on CUDA, fp32 on CPU")
-    p.add_argument("--num-workers", type=int, default=2, help="data-loader workers (default 2)")
-    p.add_argument("--timing-warmup", type=int, default=5, help="untimed steps before the step timing (default 5)")
-    p.add_argument("--timing-repeats", type=int, default=20, help="timed steps per run (default 20)")
+    p.add_argument("--num-workers", type=non_negative_int, default=2, help="data-loader workers (default 2)")
+    p.add_argument("--timing-warmup", type=non_negative_int, default=5, help="untimed steps before the step timing (default 5)")
+    p.add_argument("--timing-repeats", type=positive_int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config field for every run (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the settings each density gets; train nothing")
@@ -521,6 +522,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_sweep(args) -> int:
+    from sparseflash.cli import CommandError, check_output_dir
     from sparseflash.experiments.lra.configs import get_config
     from sparseflash.experiments.lra.train import EXIT_STOPPED
 
@@ -528,7 +530,8 @@ def _cmd_sweep(args) -> int:
     if args.plot_only:
         out = Path(args.plot_only)
         if not (out / "sweep.json").exists():
-            raise SystemExit(f"--plot-only: {out / 'sweep.json'} does not exist")
+            raise CommandError(f"--plot-only: {out / 'sweep.json'} does not exist",
+                               "give the --out folder of a sweep that has started")
         result = json.loads((out / "sweep.json").read_text())
         write_tables(result, out)
         print(plot_sweep(result, out / "sweep.png"))
@@ -536,13 +539,15 @@ def _cmd_sweep(args) -> int:
         return 0
     missing = [f"--{k}" for k in ("task", "out") if getattr(args, k) is None]
     if missing:
-        raise SystemExit(f"sparseflash lra sweep: {' and '.join(missing)} required (or --plot-only OUT)")
+        raise CommandError(f"{' and '.join(missing)} required (or --plot-only OUT)", "see sparseflash lra sweep --help")
     overrides = list(args.set)
     if args.attention:
         overrides.append(f"model.attention={args.attention!r}")
     if args.block_size is not None:
         overrides.append(f"model.block_size={args.block_size}")
     cfg = get_config(args.task, args.config, overrides)
+    if not args.dry_run:
+        check_output_dir(args.out)
     result = run_sweep(cfg, args.out, pattern=args.pattern, densities=args.densities, seeds=args.seeds,
                        data_root=args.data, cache_dir=args.cache_dir, device=args.device, max_steps=args.max_steps,
                        deadline=deadline, num_workers=args.num_workers, precision=args.precision,
@@ -567,10 +572,14 @@ def register_lra(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sparseflash.experiments.lra.sweep", description=__doc__.split("\n\n")[0])
+    from sparseflash.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m sparseflash.experiments.lra.sweep", description=__doc__.split("\n\n")[0])
     add_sweep_arguments(parser)
     return _cmd_sweep(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sparseflash.cli import run_command
+
+    sys.exit(run_command(main))

@@ -810,6 +810,8 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
 
 # -------------------------------------------------------------------------------------------- CLI
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from sparseflash.cli import non_negative_int, positive_int
+
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--config", default="quick", choices=VARIANTS, help="settings variant (default: quick)")
     p.add_argument("--data", help="data root directory given to the loaders")
@@ -819,8 +821,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pattern", help="block pattern of sparseflash.patterns, e.g. butterfly or "
                                      "'butterfly:n_factors=3'; 'dense' for none")
     p.add_argument("--pattern-arg", action="append", default=[], metavar="KEY=VALUE", help="pattern parameter (repeatable)")
-    p.add_argument("--block-size", type=int, help="block size of the pattern (default 128)")
-    p.add_argument("--max-steps", type=int, help="stop after this step (the schedule is unchanged)")
+    p.add_argument("--block-size", type=positive_int, help="block size of the pattern (default 128)")
+    p.add_argument("--max-steps", type=positive_int, help="stop after this step (the schedule is unchanged)")
     p.add_argument("--time-limit", type=_minutes, metavar="MINUTES",
                    help="end the command, with a checkpoint to --resume from, before a step that would not "
                         f"finish within MINUTES of the command's start (exit status {EXIT_STOPPED}); allow a little "
@@ -835,8 +837,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", choices=OBJECTIVES,
                    help="classify (default) or denoise: self-pretraining on masked tokens (train.objective; "
                         "--set train.mask_ratio=R, default 0.15)")
-    p.add_argument("--seed", type=int, help="training seed (default: the config's)")
-    p.add_argument("--num-workers", type=int, default=2, help="data-loader workers (default 2)")
+    p.add_argument("--seed", type=non_negative_int, help="training seed (default: the config's)")
+    p.add_argument("--num-workers", type=non_negative_int, default=2, help="data-loader workers (default 2)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config field, e.g. --set train.lr=3e-4 --set model.n_layers=4 (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -874,8 +876,11 @@ def _minutes(text: str) -> float:
 def _cmd_train(args) -> int:
     """Exit status 0 when the run reached its end (the schedule or --max-steps), `EXIT_STOPPED` (75)
     when a signal or --time-limit ended it early with a checkpoint to ``--resume`` from."""
+    from sparseflash.cli import check_output_dir
+
     deadline = time.monotonic() + 60 * args.time_limit if args.time_limit else None
     cfg = config_from_args(args)
+    check_output_dir(args.out)
     summary = train(cfg, args.out, data_root=args.data, cache_dir=args.cache_dir, device=args.device,
                     max_steps=args.max_steps, resume=args.resume, init_from=args.init_from, compile=args.compile,
                     precision=args.precision, num_workers=args.num_workers, show_progress=not args.no_progress,
@@ -906,10 +911,14 @@ def register_lra(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sparseflash.experiments.lra.train", description=__doc__.split("\n\n")[0])
+    from sparseflash.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m sparseflash.experiments.lra.train", description=__doc__.split("\n\n")[0])
     add_train_arguments(parser)
     return _cmd_train(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sparseflash.cli import run_command
+
+    sys.exit(run_command(main))
