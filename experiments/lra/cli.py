@@ -25,7 +25,8 @@ from sparseflash.cli import positive_int as _positive
 __all__ = ["register", "EXTENSIONS"]
 
 EXTENSIONS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.lra.speed", "sparseflash.experiments.lra.curves",
-              "sparseflash.experiments.lra.sweep"]
+              "sparseflash.experiments.lra.sweep", "sparseflash.experiments.lra.crosseval",
+              "sparseflash.experiments.lra.probe"]
 
 
 def _cmd_data_listops(args) -> int:
@@ -58,7 +59,8 @@ def _cmd_data_pathfinder(args) -> int:
         t0 = time.perf_counter()
         summary = write_pathfinder(args.out, args.resolution, difficulty, args.num, seed=args.seed,
                                    workers=args.workers, per_batch=args.per_batch, overwrite=args.overwrite, resume=args.resume,
-                                   show_progress=not args.no_progress, method=args.method)
+                                   show_progress=not args.no_progress, method=args.method,
+                                   fidelity=args.fidelity)
         summary["seconds"] = round(time.perf_counter() - t0, 2)
         summary["workers"] = args.workers
         (Path(summary["folder"]) / "generator.json").write_text(json.dumps(summary, indent=1))
@@ -122,6 +124,9 @@ def _register_data(sub) -> None:
     pf.add_argument("--method", choices=("batched", "reference"), default="batched",
                     help="batched: many target-snake attempts at once (fast); reference: one at a time, as the "
                          "original code (same distribution, different images)")
+    pf.add_argument("--fidelity", choices=("release", "clean"), default="release",
+                    help="release (default): the authors' generator as run for LRA's release, quirks included (the "
+                         "task published scores were measured on); clean: our corrected generator")
     pf.add_argument("--no-progress", action="store_true")
     pf.set_defaults(func=_cmd_data_pathfinder)
 

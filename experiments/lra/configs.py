@@ -207,7 +207,8 @@ def get_config(task: str, variant: str = "quick", overrides=None) -> ExperimentC
                         d_ff=128, dropout=0.1, attn_dropout=0.1, pos_emb="grid" if grid else "learned", grid=grid,
                         pooling="mean", dual=task == "retrieval")
     train = TrainConfig(**(faithful if variant == "faithful" else quick))
-    data = {"difficulty": "hard"} if task.startswith("path") else {}
+    # Pathfinder: the release's images (the authors' generator, quirks included) unless overridden
+    data = {"difficulty": "hard", "fidelity": "release"} if task.startswith("path") else {}
     cfg = ExperimentConfig(task=task, variant=variant, model=model, train=train, data=data,
                            init_from_task=_INIT_FROM.get(task), notes=notes)
     if overrides:

@@ -55,6 +55,7 @@ class BatchedTargets:
 
     def __init__(self, g):
         self.g = g
+        self.release = g.p.release  # one shared occupancy, the original's commits (pathfinder._grow_release)
         self.P, self.H, self.W, self.Wc, self.L, self.m = g.P, g.H, g.W, g.Wc, g.L, g.m
         self.S = g.M0.size
         self.M0 = np.round(g.M0.ravel() * 255).astype(np.uint8)
@@ -112,10 +113,14 @@ class BatchedTargets:
             raise AssertionError("the first seed's free space is not a rectangle")
         self.seed_box = np.zeros((360, 4), np.int64)  # tail y range, tail x range (inclusive)
         for d in range(-180, 180):
+            if not g.seed_allowed(d):  # no place at all (release: the original's seed search fails)
+                self.seed_box[d + 180] = (1, 0, 1, 0)
+                continue
             foot = g.seed_paddle(d)[1]
             fy = (foot + self.Wc // 2) // self.Wc  # offsets are small: decode (dy, dx) from dy * Wc + dx
             fx = foot - fy * self.Wc
-            fy, fx = np.append(fy, 0), np.append(fx, 0)  # the tail pixel itself must be free too
+            if not self.release:  # clean: the tail pixel itself must be free too
+                fy, fx = np.append(fy, 0), np.append(fx, 0)
             self.seed_box[d + 180] = (y0 - fy.min(), y1 - fy.max(), x0 - fx.min(), x1 - fx.max())
         self.B = max(_MIN_BATCH, _BATCH_BYTES // (2 * self.S))
         if (self.B + 1) * self.S >= 2 ** 31:
@@ -179,7 +184,9 @@ class BatchedTargets:
             hx = np.ceil(x + L * self.cos[deg]).astype(np.int64)
             vy = np.ceil(hy - (L + m) * self.sin[deg]).astype(np.int64)
             vx = np.ceil(hx - (L + m) * self.cos[deg]).astype(np.int64)
-            ok = self._inside(y, x) & self._inside(hy, hx) & self._inside(vy, vx)
+            ok = self._inside(hy, hx) & self._inside(vy, vx)
+            if not self.release:  # (release checks head and pivot only; see pathfinder._two_snakes)
+                ok &= self._inside(y, x)
             ty2[todo[ok]], tx2[todo[ok]], d2[todo[ok]] = y[ok], x[ok], deg[ok]
             todo = todo[~ok]
         dead[todo] = True
@@ -239,9 +246,11 @@ class BatchedTargets:
         r, k = live[good], k_of[good]
         rows_ok = rows[r]
         anchor = (npy[r] + self.cdy[k] + P) * Wc + npx[r] + self.cdx[k] + P
-        # The snake's previous paddle joins its own reference; the new one is the other's obstacle.
+        # The snake's previous paddle joins its own reference; the new one is the other's obstacle
+        # (release: R[0] is R[1], the shared occupancy, which gets only the previous paddle).
         self._commit(R[i], rows_ok, st["anchor"][i, rows_ok], st["pid"][i, rows_ok])
-        self._commit(R[1 - i], rows_ok, anchor, 360 + k)
+        if not self.release:
+            self._commit(R[1 - i], rows_ok, anchor, 360 + k)
         st["py"][i, rows_ok], st["px"][i, rows_ok], st["tid"][i, rows_ok] = npy[r], npx[r], 360 + k
         st["anchor"][i, rows_ok], st["pid"][i, rows_ok] = anchor, 360 + k
         st["k"][i, st["step"], rows_ok] = k
@@ -259,8 +268,10 @@ class BatchedTargets:
         if n > self.B:
             raise AssertionError(f"a batch of {n} attempts exceeds the buffer's {self.B}")
         R = (self._R[0][:n * S], self._R[1][:n * S])
+        if self.release:
+            R = (R[0], R[0])
         Hc, y0, y1, x0, x1 = self.box
-        for r in R:  # rows beyond the previous batch's are still M0, zeroing them again is harmless
+        for r in R[:2 - self.release]:  # rows beyond the previous batch's are still M0, zeroing them again is harmless
             r.reshape(n, Hc, self.Wc)[:, y0:y1, x0:x1] = 0
         ok, s1, s2 = self._seeds(rng, n)
         rows = np.flatnonzero(ok)
@@ -275,8 +286,9 @@ class BatchedTargets:
             st["py"][i] = np.ceil(hy - (L + m) * self.sin[d]).astype(np.int64)
             st["px"][i] = np.ceil(hx - (L + m) * self.cos[d]).astype(np.int64)
             st["tid"][i], st["pid"][i], st["anchor"][i] = d, d, self._flat(ty, tx)
-        self._commit(R[0], rows, st["anchor"][1, rows], st["pid"][1, rows])
-        self._commit(R[1], rows, st["anchor"][0, rows], st["pid"][0, rows])
+        if not self.release:  # clean: each seed is the other snake's obstacle from the start
+            self._commit(R[0], rows, st["anchor"][1, rows], st["pid"][1, rows])
+            self._commit(R[1], rows, st["anchor"][0, rows], st["pid"][0, rows])
         for s in range(steps):
             st["step"] = s
             for i in (0, 1):
@@ -305,7 +317,8 @@ class BatchedTargets:
     def _pair(self, a, st, R):
         g, S = self.g, self.S
         M = R[0][a * S:(a + 1) * S].copy()
-        self._commit(M, np.zeros(1, np.int64), st["anchor"][0, a:a + 1], st["pid"][0, a:a + 1])
+        last = 1 if self.release else 0  # release: only snake 2's last paddle is committed
+        self._commit(M, np.zeros(1, np.int64), st["anchor"][last, a:a + 1], st["pid"][last, a:a + 1])
         M = (M.astype(np.float32) / 255).reshape(g.M0.shape)
         snakes = []
         for i, (ty, tx, d) in enumerate(st["seeds"]):

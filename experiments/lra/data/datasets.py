@@ -421,7 +421,17 @@ def _decode_images(job):
     return len(paths)
 
 
-def _pathfinder(root, task, difficulty, cache, workers):
+def folder_fidelity(folder) -> str:
+    """The generator fidelity of a Pathfinder difficulty folder: what its generation record says
+    (``clean`` for records older than fidelities), ``release`` where there is none (the authors'
+    release, or a copy of it)."""
+    from sparseflash.experiments.lra.data.pathfinder import GENERATION_FILE
+
+    gen = Path(folder) / GENERATION_FILE
+    return json.loads(gen.read_text()).get("fidelity", "clean") if gen.is_file() else "release"
+
+
+def _pathfinder(root, task, difficulty, cache, workers, fidelity=None):
     from sparseflash.experiments.lra.data._parallel import check_workers, run_ordered
     from sparseflash.experiments.lra.data.pathfinder import DIFFICULTIES, GENERATION_FILE
 
@@ -442,6 +452,11 @@ def _pathfinder(root, task, difficulty, cache, workers):
     if gen.is_file() and not json.loads(gen.read_text()).get("complete", True):
         raise MalformedDataError(f"{folder} is an unfinished generation ({gen} says complete: false): finish it with "
                                  f"`sparseflash lra data pathfinder ... --resume` (same arguments) before training on it")
+    have = folder_fidelity(folder)
+    if fidelity is not None and fidelity != have:
+        raise MalformedDataError(f"{folder} holds {have!r} Pathfinder data, but {fidelity!r} was asked for: the two "
+                                 f"generators make different tasks (see `sparseflash lra data pathfinder --fidelity`); "
+                                 f"point --data at {fidelity!r} data or set data.fidelity={have!r}")
     metas = sorted((folder / "metadata").glob("*.npy"), key=_metadata_key)
     img_root = folder / "imgs"
     dirs = sorted(d for d in img_root.iterdir() if d.is_dir()) if img_root.is_dir() else []
@@ -489,7 +504,7 @@ def _pathfinder(root, task, difficulty, cache, workers):
         np.save(tmp / "labels.npy", np.asarray(labels, np.int64))
         return {"examples": n, "folder": str(folder)}
 
-    return _store(cache, f"{name}-{sub}", folder, key, build)
+    return _store(cache, f"{name}-{sub}", folder, key, build), have
 
 
 def _path_split(n: int, split: str, seed: int) -> np.ndarray:
@@ -511,7 +526,9 @@ def get_dataset(task: str, root, split: str, *, cache_dir=None, **task_options) 
 
     Task options: ``seq_len`` (padded length) and ``max_len`` (cut) for listops, text, text4k and
     retrieval; ``difficulty`` ("hard" default, "medium", "easy"), ``split_seed`` (42) and
-    ``workers`` (processes decoding PNGs when the cache is built, 1) for the Pathfinder tasks.
+    ``workers`` (processes decoding PNGs when the cache is built, 1) and ``fidelity`` (``"release"``
+    or ``"clean"``: refuse a folder generated otherwise; None, the default: whatever it holds) for
+    the Pathfinder tasks.
     """
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
@@ -524,7 +541,7 @@ def get_dataset(task: str, root, split: str, *, cache_dir=None, **task_options) 
         raise DatasetNotFoundError(f"data root {root} is not a folder")
     seq_len, max_len, vocab, classes = _SPECS[task]
     allowed = {"seq_len", "max_len"} if task in ("listops", "text", "text4k", "retrieval") else (
-        {"difficulty", "split_seed", "workers"} if task in _PATH_RES else set())
+        {"difficulty", "split_seed", "workers", "fidelity"} if task in _PATH_RES else set())
     unknown = set(task_options) - allowed
     if unknown:
         raise TypeError(f"unexpected option(s) {sorted(unknown)} for task {task!r}; "
@@ -551,8 +568,13 @@ def get_dataset(task: str, root, split: str, *, cache_dir=None, **task_options) 
     split_seed = task_options.get("split_seed", 42)
     if isinstance(split_seed, bool) or not isinstance(split_seed, (int, np.integer)) or split_seed < 0:
         raise ValueError(f"split_seed must be a non-negative int, got {split_seed!r}")
-    store = _pathfinder(root, task, difficulty, cache, task_options.get("workers", 1))
+    fidelity = task_options.get("fidelity")
+    from sparseflash.experiments.lra.data.pathfinder import FIDELITIES
+
+    if fidelity is not None and fidelity not in FIDELITIES:
+        raise ValueError(f"fidelity must be one of {FIDELITIES} or None (whatever the folder holds), got {fidelity!r}")
+    store, have = _pathfinder(root, task, difficulty, cache, task_options.get("workers", 1), fidelity)
     n = len(np.load(store / "labels.npy", mmap_mode="r"))
     ds = LRADataset(task, split, store, _path_split(n, split, int(split_seed)), offset=1, **common)
-    ds.difficulty = difficulty
+    ds.difficulty, ds.fidelity = difficulty, have
     return ds

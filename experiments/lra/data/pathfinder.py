@@ -83,7 +83,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DIFFICULTIES", "RESOLUTIONS", "METHODS", "CHUNK", "PathfinderParams", "params_for", "render",
+__all__ = ["DIFFICULTIES", "RESOLUTIONS", "METHODS", "FIDELITIES", "CHUNK", "PathfinderParams", "params_for", "render",
            "render_many", "image_stats", "batch_labels", "write_pathfinder", "format_metadata_row"]
 
 # difficulty -> (folder, contour length in paddles)
@@ -105,6 +105,10 @@ RESOLUTIONS = {
     256: dict(padding=22, margins=(3,), seed_distance=27, marker_radius=5.0, paddle_length=5, paddle_thickness=2.0,
               continuity=1.8, distractor_budget=30, snake_contrast=1.0, paddle_contrast=1.0),
 }
+
+# "release": the images the authors' code makes, quirks included (what the LRA release holds and what
+# published scores were measured on); "clean": the corrected generator described in this docstring.
+FIDELITIES = ("release", "clean")
 
 _AA = 2  # antialias_scale of every LRA setting
 _DRAWN = 0.2  # a paddle draws a pixel where its line reaches this (its Lanczos ringing stays below 0.03)
@@ -128,6 +132,11 @@ class PathfinderParams:
     max_paddle_retrial: int = 2
     max_distractor_retrial: int = 4
     max_target_attempts: int = 1_000_000  # ours: give up (RuntimeError) rather than loop forever
+    fidelity: str = "release"
+
+    @property
+    def release(self) -> bool:
+        return self.fidelity == "release"
 
     @property
     def distractor_length(self) -> int:
@@ -138,14 +147,18 @@ class PathfinderParams:
         return self.distractor_budget // self.distractor_length
 
 
-def params_for(resolution: int, difficulty: str = "hard") -> PathfinderParams:
-    """The LRA parameters of one resolution (32, 64, 128, 256) and difficulty (easy, medium, hard)."""
+def params_for(resolution: int, difficulty: str = "hard", fidelity: str = "release") -> PathfinderParams:
+    """The LRA parameters of one resolution (32, 64, 128, 256) and difficulty (easy, medium, hard),
+    for one generator fidelity ("release": the authors' code as run for LRA, quirks included;
+    "clean": the corrected generator)."""
     if resolution not in RESOLUTIONS:
         raise ValueError(f"resolution must be one of {tuple(RESOLUTIONS)}, got {resolution!r}")
     if difficulty not in DIFFICULTIES:
         raise ValueError(f"difficulty must be one of {tuple(DIFFICULTIES)}, got {difficulty!r}")
+    if fidelity not in FIDELITIES:
+        raise ValueError(f"fidelity must be one of {FIDELITIES}, got {fidelity!r}")
     return PathfinderParams(resolution=resolution, contour_length=DIFFICULTIES[difficulty][1],
-                            **RESOLUTIONS[resolution])
+                            fidelity=fidelity, **RESOLUTIONS[resolution])
 
 
 def _ceil2(y, x):
@@ -217,19 +230,45 @@ class _Geometry:
         disk = r[:, None] ** 2 + r[None, :] ** 2 <= (m * aa) ** 2
         dilated = ndimage.grey_dilation(np.asarray(fine), footprint=disk, mode="constant", cval=0)
         n = 2 * R + 1
-        line = np.asarray(fine.resize((n, n), Image.LANCZOS), np.float32) / 255
+        # The release's lines were resampled in float, overshoot kept (the 8-bit occupancy mask was not)
+        line = _resize(np.asarray(fine), n, self.p.release)
         mask = np.asarray(Image.fromarray(dilated).resize((n, n), Image.LANCZOS), np.float32) / 255
         return -R, -R, line, mask
 
     def seed_paddle(self, deg: int):
         """Patch of a seed paddle at a whole-degree orientation, and the flat offsets of its footprint
-        (pixels where its mask reaches 0.9; the original took those at 1, which can let a seed's
-        faint edge pixels land on another snake), both relative to the tail."""
+        relative to the tail: the pixels that must be free (occupancy <= 0.3) for the seed to go there.
+
+        clean: where the paddle's mask reaches 0.9, around the tail itself.
+        release: the original's, from its dilation of the occupancy by the paddle's mask drawn in a
+        (2(L+m)+1)^2 square with the tail one pixel right of and below the centre and the kernel
+        anchored at the centre: pixels where the mask is exactly 1, shifted one pixel down-right,
+        cut to that square (see ``seed_allowed``)."""
         if deg not in self._seed:
             pt = self.patch(deg * np.pi / 180)
-            yy, xx = np.nonzero(pt[3] >= _FOOT)
-            self._seed[deg] = (pt, ((yy + pt[0]) * self.Wc + xx + pt[1]).astype(np.int64))
-        return self._seed[deg]
+            if self.p.release:
+                dy, dx = _release_footprint(pt[3], self.L + self.m)
+            else:
+                yy, xx = np.nonzero(pt[3] >= _FOOT)
+                dy, dx = yy + pt[0], xx + pt[1]
+            self._seed[deg] = (pt, (dy * self.Wc + dx).astype(np.int64), _quadrants_covered(dy, dx))
+        return self._seed[deg][:2]
+
+    def seed_allowed(self, deg: int) -> bool:
+        """Whether a seed at this whole-degree orientation can be placed at all.
+
+        Always for clean. In the original code a seed's occupancy is dilated by OpenCV with the
+        paddle's footprint as kernel; for float images OpenCV's default constant border is the
+        neutral element of max, -DBL_MAX, so wherever the kernel lies wholly outside the image the
+        dilated value is -DBL_MAX. That happens at a corner of the image unless the footprint has a
+        pixel in each of the four closed quadrants around the anchor; then the available-coordinate
+        search sees a negative minimum, returns nothing, and the seed (for target snakes the whole
+        attempt) fails. At 32 px only 30 orientations of 360 survive, 95 at 64 px, nearly all at 128.
+        """
+        if not self.p.release:
+            return True
+        self.seed_paddle(deg)
+        return self._seed[deg][2]
 
     def slices(self, y: int, x: int, pt):
         y0, x0 = y + pt[0] + self.P, x + pt[1] + self.P
@@ -242,15 +281,24 @@ class _Geometry:
         """A seed paddle on free space of occupancy M: (tail, theta, pivot, patch) or None."""
         P, H, W, L, m, Wc = self.P, self.H, self.W, self.L, self.m, self.Wc
         Mf = M.ravel()
-        free = None  # M does not change while seeding: its free pixels are found once
+        raw = None  # M does not change while seeding: its free pixels are found once
         for _ in range(self.p.max_paddle_retrial + 1):
             deg = int(rng.integers(-180, 180))
             theta = deg * np.pi / 180
-            if free is None:
-                free = np.flatnonzero(M[P:P + H, P:P + W] <= 0.3)
-            if free.size == 0 or (stop_with_availability is not None and free.size < stop_with_availability * H * W):
+            if raw is None:
+                raw = np.flatnonzero(M[P:P + H, P:P + W] <= 0.3)
+            if raw.size == 0 or (stop_with_availability is not None and raw.size < stop_with_availability * H * W):
+                return None
+            if not self.seed_allowed(deg):  # the original's seed search finds nothing: no retry
                 return None
             pt, offs = self.seed_paddle(deg)
+            free = raw  # tails whose first footprint pixel is free (clean: the tail itself)
+            if self.p.release:
+                dy0 = (int(offs[0]) + Wc // 2) // Wc
+                dx0 = int(offs[0]) - dy0 * Wc
+                free = np.flatnonzero(M[P + dy0:P + dy0 + H, P + dx0:P + dx0 + W] <= 0.3)
+                if free.size == 0:
+                    return None
             tail = None
             for _ in range(32):  # rejection sampling: uniform over the available pixels
                 f = int(free[rng.integers(free.size)])  # canvas offset of the drawn pixel, only
@@ -311,16 +359,42 @@ class _Geometry:
 _GEOMETRY: dict = {}
 
 
-def _marker_patch(radius: float) -> np.ndarray:
-    """A marker disk as the authors drew it (at aa x resolution, Lanczos-resized), centred on the
-    middle pixel of a (2k+1)^2 patch."""
+def _resize(fine: np.ndarray, n: int, in_float: bool) -> np.ndarray:
+    """A 0..255 drawing Lanczos-resized to n x n, as 0..1 float32: through 8 bits (clipped), or in
+    float with its overshoot kept (how the release's lines and markers were resampled: its marker
+    disks read 213-226 inside a 255 ring once the image is scaled to its maximum)."""
     from PIL import Image
 
+    if in_float:
+        img = Image.fromarray(np.ascontiguousarray(fine, np.float32))  # mode "F"
+        return np.asarray(img.resize((n, n), Image.LANCZOS), np.float32) / 255
+    return np.asarray(Image.fromarray(np.asarray(fine, np.uint8)).resize((n, n), Image.LANCZOS), np.float32) / 255
+
+
+def _release_footprint(mask: np.ndarray, c: int):
+    """(dy, dx) offsets from the tail of the original's seed-dilation kernel (see ``seed_paddle``):
+    mask pixels equal to 1 (the kernel is the float mask cast to uint8), shifted by one pixel down
+    and right, kept where they fall inside the (2c+1)^2 kernel square."""
+    R = mask.shape[0] // 2
+    yy, xx = np.nonzero(mask >= 1.0)
+    dy, dx = yy - R + 1, xx - R + 1
+    keep = (np.abs(dy) <= c) & (np.abs(dx) <= c)
+    return dy[keep], dx[keep]
+
+
+def _quadrants_covered(dy, dx) -> bool:
+    """Whether offsets (relative to a kernel's anchor) reach each of the four closed quadrants."""
+    dy, dx = np.asarray(dy), np.asarray(dx)
+    return bool(all(np.any(a & b) for a in (dy <= 0, dy >= 0) for b in (dx <= 0, dx >= 0)))
+
+
+def _marker_patch(radius: float, in_float: bool = False) -> np.ndarray:
+    """A marker disk as the authors drew it (at aa x resolution, Lanczos-resized), centred on the
+    middle pixel of a (2k+1)^2 patch."""
     k = int(math.ceil(radius)) + 3
     yy, xx = np.ogrid[-k * _AA:(k + 1) * _AA, -k * _AA:(k + 1) * _AA]
     fine = ((yy ** 2 + xx ** 2 <= (radius * _AA) ** 2) * 255).astype(np.uint8)
-    n = 2 * k + 1
-    return np.asarray(Image.fromarray(fine).resize((n, n), Image.LANCZOS), np.float32) / 255
+    return _resize(fine, 2 * k + 1, in_float)
 
 
 def _geometry(p: PathfinderParams, margin: int) -> _Geometry:
@@ -350,7 +424,9 @@ def _two_snakes(g: _Geometry, rng):
                  int(np.round(tail1[1] + p.seed_distance * np.cos(phi))))
         head2 = _ceil2(tail2[0] + g.L * math.sin(th2), tail2[1] + g.L * math.cos(th2))
         pivot2 = _ceil2(head2[0] - (g.L + g.m) * math.sin(th2), head2[1] - (g.L + g.m) * math.cos(th2))
-        if g.inside(*tail2) and g.inside(*head2) and g.inside(*pivot2):
+        # (release: the original checks only head and pivot; tail 2 lies seed_distance from tail 1, which is
+        # 2 seed_distance inside the image, so the tail check never decides anything there)
+        if (p.release or g.inside(*tail2)) and g.inside(*head2) and g.inside(*pivot2):
             break
     else:
         return None
@@ -358,6 +434,8 @@ def _two_snakes(g: _Geometry, rng):
     snakes = [{"origin": tail, "terminal": tail, "pivot": pivot, "theta": th, "patches": [patch], "pending": patch,
                "thetas": [th]}
               for tail, th, pivot, patch in ((tail1, th1, pivot1, patch1), (tail2, th2, pivot2, patch2))]
+    if p.release:
+        return _grow_release(g, rng, snakes)
     # What snake i must avoid: every committed paddle and the other snake's newest one (refs[i] =
     # committed + pending of 1 - i), kept up to date patch by patch instead of rebuilt per step.
     refs = [g.M0.copy(), g.M0.copy()]
@@ -376,6 +454,27 @@ def _two_snakes(g: _Geometry, rng):
             sn["thetas"].append(th)
     M = refs[0]
     _commit(M, snakes[0]["pending"])
+    return M, snakes
+
+
+def _grow_release(g: _Geometry, rng, snakes):
+    """The two target snakes grown as the original does: both test a new paddle against one shared
+    occupancy that holds each snake's paddles up to its previous one (a snake's newest paddle is
+    committed only when it grows again), so neither sees the other's newest paddle, and at the end
+    only snake 2's last paddle is committed: snake 1's terminal paddle stays out of the occupancy
+    that the distractors avoid."""
+    M = g.M0.copy()
+    for _ in range(g.p.contour_length - 1):
+        for sn in snakes:
+            nxt = g.extend(rng, M, sn["pivot"], sn["theta"])
+            if nxt is None:
+                return None
+            head, th, pivot, patch = nxt
+            _commit(M, sn["pending"])
+            sn.update(terminal=head, theta=th, pivot=pivot, pending=patch)
+            sn["patches"].append(patch)
+            sn["thetas"].append(th)
+    _commit(M, snakes[1]["pending"])
     return M, snakes
 
 
@@ -519,7 +618,7 @@ def _finish(p: PathfinderParams, g: _Geometry, rng, label: int, M, targets, retu
     t = o if label == 1 else 1 - o
     tips = (targets[o]["origin"], targets[t]["terminal"])
     P, H, W = g.P, g.H, g.W
-    disk = _marker_patch(p.marker_radius)
+    disk = _marker_patch(p.marker_radius, p.release)
     k = disk.shape[0] // 2
     markers = np.zeros_like(img)
     for ty, tx in tips:
@@ -597,8 +696,8 @@ def _chunk_rng(seed, params: PathfinderParams, difficulty_code: int, chunk: int)
 def _render_chunk(job):
     from PIL import Image
 
-    seed, resolution, difficulty, folder, batch, first, batch_size, start, stop, method = job
-    p = params_for(resolution, difficulty)
+    seed, resolution, difficulty, folder, batch, first, batch_size, start, stop, method, fidelity = job
+    p = params_for(resolution, difficulty, fidelity)
     code = _DIFF_CODE[difficulty]
     labels = batch_labels(seed, resolution, difficulty, batch, batch_size)
     img_dir = Path(folder) / "imgs" / str(batch)
@@ -633,13 +732,15 @@ def _write_json(path: Path, obj: dict) -> None:
 
 def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: int = 0, workers: int | None = None,
                      per_batch: int = 1000, overwrite: bool = False, resume: bool = False,
-                     show_progress: bool = True, method: str = "batched") -> dict:
+                     show_progress: bool = True, method: str = "batched", fidelity: str = "release") -> dict:
     """Write ``num`` images of one resolution and difficulty in the release layout under ``out``.
 
     Images go to batch folders of ``per_batch`` (the last one may be smaller); each batch's
     metadata file is written once all its images exist. ``workers``: processes (default: every
     CPU this process may use). ``method``: ``"batched"`` or ``"reference"`` (see ``render``); the
-    two write different images of the same distribution. Returns a summary dict.
+    two write different images of the same distribution. ``fidelity``: ``"release"`` (default: the
+    authors' code's images, quirks included, as in LRA's release) or ``"clean"`` (the corrected
+    generator); it is recorded in ``GENERATION_FILE``, which the loaders check. Returns a summary dict.
 
     ``GENERATION_FILE`` in the difficulty folder records the arguments and ``complete``, false
     until the last batch is written (the loaders refuse an incomplete folder). ``resume=True``
@@ -650,7 +751,7 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
     """
     from sparseflash.experiments.lra.data._parallel import check_workers, run_ordered
 
-    p = params_for(resolution, difficulty)
+    p = params_for(resolution, difficulty, fidelity)
     for name, v, lo in (("num", num, 1), ("seed", seed, 0), ("per_batch", per_batch, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -662,7 +763,7 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
     folder = Path(out) / f"pathfinder{resolution}" / DIFFICULTIES[difficulty][0]
     meta_dir = folder / "metadata"
     record = {"resolution": resolution, "difficulty": difficulty, "num": num, "seed": seed, "per_batch": per_batch,
-              "method": method}
+              "method": method, "fidelity": fidelity}
     has_meta = meta_dir.is_dir() and any(meta_dir.glob("*.npy"))
     done: set[int] = set()
     if has_meta and resume:
@@ -671,6 +772,7 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
             raise FileExistsError(f"cannot resume in {folder}: it has metadata but no {GENERATION_FILE} "
                                   f"(written by another tool?); pass overwrite=True (--overwrite) to start again")
         old = json.loads(gen.read_text())
+        old.setdefault("fidelity", "clean")  # written before fidelities existed: the clean generator
         differ = sorted(k for k in record if old.get(k) != record[k])
         if differ:
             raise ValueError(f"cannot resume in {folder}: its generation differs in {differ} "
@@ -691,7 +793,7 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
         for b in range(n_batches):
             size = min(per_batch, num - b * per_batch)
             jobs += [(seed, resolution, difficulty, str(folder), b, b * per_batch, size, s, min(s + chunk, size),
-                      method) for s in range(0, size, chunk)]
+                      method, fidelity) for s in range(0, size, chunk)]
     else:  # one job per (chunk, batch folder) overlap: a chunk that straddles two folders is drawn twice
         k = CHUNK[resolution]
         for c in range(-(-num // k)):
@@ -700,7 +802,8 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
                 b = lo // per_batch
                 stop = min(hi, (b + 1) * per_batch)
                 jobs.append((seed, resolution, difficulty, str(folder), b, b * per_batch,
-                             min(per_batch, num - b * per_batch), lo - b * per_batch, stop - b * per_batch, method))
+                             min(per_batch, num - b * per_batch), lo - b * per_batch, stop - b * per_batch, method,
+                             fidelity))
                 lo = stop
         if workers > 1:  # tables built once here are inherited by forked workers
             for margin in p.margins:
@@ -722,5 +825,5 @@ def write_pathfinder(out, resolution: int, difficulty: str, num: int, *, seed: i
             os.replace(tmp, meta_dir / f"{batch}.npy")
     _write_json(folder / GENERATION_FILE, {**record, "complete": True})
     return {"folder": str(folder), "num": num, "batches": n_batches, "label_ones": n_ones, "seed": seed,
-            "method": method, "resumed_batches": len(done),
+            "method": method, "fidelity": fidelity, "resumed_batches": len(done),
             "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(p).items()}}

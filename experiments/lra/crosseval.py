@@ -1,0 +1,99 @@
+"""Evaluate a trained LRA run on other data: Pathfinder models on the other generator fidelity.
+
+A Pathfinder score depends on which generator made the images (``sparseflash lra data pathfinder
+--fidelity release|clean``): the release's images carry cues a model can use without tracing a
+path (see ``sparseflash lra probe``). Evaluating the same weights on data of the other fidelity
+tells how much of a score survives without them:
+
+    sparseflash lra evaluate RUN --data DIR --fidelity clean --out RUN/crosseval-clean.json
+
+``RUN`` is a ``sparseflash lra train`` output folder; its ``checkpoints/best.pt`` (or
+``--checkpoint``) is loaded with the run's own model config. Splits: ``test`` by default, or
+``all`` (train + val + test of the folder: every image, for data the model never saw, e.g. a
+folder of the other fidelity generated only for this).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from sparseflash.experiments.lra.configs import config_from_dict
+
+SPLITS = ("train", "val", "test", "all")
+
+
+def evaluate_run(run_dir, data_root, *, fidelity: str | None = None, split: str = "test",
+                 checkpoint: str = "best.pt", device: str | None = None, batch_size: int = 512,
+                 workers: int = 1) -> dict:
+    """Accuracy and loss of a run's weights on ``split`` of ``data_root`` (see the module docstring)."""
+    from sparseflash.experiments.lra.data import get_dataset
+    from sparseflash.experiments.lra.train import build_model, evaluate, fit_to_data
+
+    run = Path(run_dir)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    ckpt = run / "checkpoints" / checkpoint
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"no checkpoint {ckpt} (give a `sparseflash lra train` output folder that has one)")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    if "config" not in state or "model" not in state:
+        raise ValueError(f"{ckpt} is not a checkpoint written by `sparseflash lra train` (no config or model)")
+    cfg = config_from_dict(state["config"])
+    data = dict(cfg.data)
+    trained_on = data.get("fidelity")
+    if fidelity is not None:
+        data["fidelity"] = fidelity
+    if cfg.task.startswith("path"):
+        data["workers"] = workers
+    parts = ("train", "val", "test") if split == "all" else (split,)
+    sets = [get_dataset(cfg.task, data_root, s, **data) for s in parts]
+    fit_to_data(cfg, sets[0])
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = build_model(cfg)
+    model.load_state_dict(state["model"])
+    model.to(dev)
+    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if dev.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+    t0 = time.perf_counter()
+    loss = correct = n = 0.0
+    for ds in sets:
+        r = evaluate(model, ds, batch_size=batch_size, max_batches=None, device=dev, autocast=autocast)
+        loss += r["loss"] * r["n"]
+        correct += r["acc"] * r["n"]
+        n += r["n"]
+    return {"run": str(run), "checkpoint": checkpoint, "step": state.get("step"), "task": cfg.task,
+            "trained_on": trained_on, "data": str(data_root), "fidelity": getattr(sets[0], "fidelity", None),
+            "split": split, "n": int(n), "acc": correct / max(n, 1), "loss": loss / max(n, 1),
+            "acc_se": (correct / max(n, 1) * (1 - correct / max(n, 1)) / max(n, 1)) ** 0.5,
+            "seconds": round(time.perf_counter() - t0, 2), "device": str(dev)}
+
+
+def main(args) -> int:
+    r = evaluate_run(args.run, args.data, fidelity=args.fidelity, split=args.split, checkpoint=args.checkpoint,
+                     device=args.device, batch_size=args.batch_size, workers=args.workers)
+    text = json.dumps(r, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(f"{r['task']} trained on {r['trained_on']} data, evaluated on {r['fidelity']} {r['split']} "
+          f"({r['n']} examples): acc {100 * r['acc']:.2f} +- {100 * r['acc_se']:.2f}%, loss {r['loss']:.4f}")
+    return 0
+
+
+def register_lra(sub) -> None:
+    p = sub.add_parser("evaluate", help="evaluate a trained run on other data (e.g. the other Pathfinder fidelity)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("run", help="a `sparseflash lra train` output folder")
+    p.add_argument("--data", required=True, help="data root holding the task's folder")
+    p.add_argument("--fidelity", choices=("release", "clean"), default=None,
+                   help="Pathfinder: the generator fidelity expected in --data (default: the run's own)")
+    p.add_argument("--split", choices=SPLITS, default="test")
+    p.add_argument("--checkpoint", default="best.pt", help="file in RUN/checkpoints (best.pt or last.pt)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--workers", type=int, default=1, help="processes decoding PNGs when the cache is built")
+    p.add_argument("--out", default=None, help="write the result as JSON here")
+    p.set_defaults(func=main)

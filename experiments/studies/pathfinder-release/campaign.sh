@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Pathfinder-32 on release-fidelity data, split over as many device commands as it needs.
+#   experiments/studies/pathfinder-release/campaign.sh RUNS MINUTES [STAGE]
+# Each call makes the data if this machine has none (200K release-fidelity hard images for training,
+# 20K clean ones for cross-evaluation; deterministic, so every call makes the same images), then
+# resumes (or starts) the stage's runs side by side until MINUTES have passed; they stop with a
+# checkpoint. A finished run is cross-evaluated once (best-val weights on the release test split and
+# on all 20K clean images). Carry RUNS to the next call. Exit 0 once every run of the stage is done.
+# STAGE: faithful (default: dense and butterfly with black as padding, dense without) or sweep.
+set -uo pipefail
+runs=$1; minutes=$2; stage=${3:-faithful}
+py=${PYTHON:-python3}
+rel=${DATA:-data/lra-release}; clean=${CLEAN:-data/lra-clean}
+num=${NUM:-200000}; num_clean=${NUM_CLEAN:-20000}; workers=${WORKERS:-16}
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+t0=$(date +%s)
+mkdir -p "$runs"
+make() {  # make ROOT FIDELITY NUM
+    if ! $py -c "import json,sys; sys.exit(0 if json.load(open('$1/pathfinder32/curv_contour_length_14/generation.json')).get('complete') else 1)" 2>/dev/null; then
+        $py -m sparseflash lra data pathfinder --resolution 32 --difficulty hard --num "$3" --out "$1" --fidelity "$2" \
+            --workers "$workers" --no-progress --resume 2>&1 | tail -n 1
+    fi
+    $py -c "
+from sparseflash.experiments.lra.data import get_dataset
+for s in ('train', 'val', 'test'): get_dataset('pathfinder32', '$1', s, fidelity='$2', workers=$workers)"
+}
+make "$rel" release "$num"
+make "$clean" clean "$num_clean"
+echo "data ready after $(( $(date +%s) - t0 )) s"
+common=(--task pathfinder32 --config faithful --data "$rel" --attention sparseflash --compile --no-progress --resume)
+if [ "$stage" = sweep ]; then
+    names=(sweep)
+else
+    names=(dense-bip butterfly-bip dense)
+fi
+left=$(( minutes * 60 - ($(date +%s) - t0) - 60 ))  # a minute for the cross-evaluations
+pids=()
+for name in "${names[@]}"; do
+    [ -f "$runs/$name/summary.json" ] && grep -q "\"finished\": true" "$runs/$name/summary.json" 2>/dev/null && continue
+    lim=$($py -c "print(max($left, 30) / 60)")
+    case $name in
+        dense-bip) args=(--pattern dense --set model.black_is_padding=True) ;;
+        butterfly-bip) args=(--pattern butterfly --set model.black_is_padding=True) ;;
+        dense) args=(--pattern dense) ;;
+        sweep) $py -m sparseflash lra sweep --task pathfinder32 --config faithful --data "$rel" --pattern butterfly \
+                   --densities 1 0.5 0.25 0.125 --out "$runs/sweep" --time-limit "$lim" >> "$runs/sweep.log" 2>&1 &
+               pids+=($!); continue ;;
+    esac
+    $py -m sparseflash lra train "${common[@]}" "${args[@]}" --time-limit "$lim" --out "$runs/$name" \
+        >> "$runs/$name.log" 2>&1 &
+    pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+for name in "${names[@]}"; do
+    [ "$name" = sweep ] && continue
+    echo "--- $name: $(tail -n 1 "$runs/$name.log")"
+    tail -n 2 "$runs/$name/eval.csv" 2>/dev/null
+    if grep -q "\"finished\": true" "$runs/$name/summary.json" 2>/dev/null && [ ! -f "$runs/$name/crosseval-clean.json" ]; then
+        $py -m sparseflash lra evaluate "$runs/$name" --data "$clean" --fidelity clean --split all \
+            --out "$runs/$name/crosseval-clean.json" 2>&1 | tail -n 1
+        $py -m sparseflash lra evaluate "$runs/$name" --data "$rel" --fidelity release --split test \
+            --out "$runs/$name/eval-release-test.json" 2>&1 | tail -n 1
+    fi
+done
+[ "$stage" = sweep ] && tail -n 5 "$runs/sweep.log"
+echo "call took $(( $(date +%s) - t0 )) s"
+exit $rc

@@ -1,0 +1,131 @@
+"""The release fidelity of the Pathfinder generator: the authors' code's behaviour, quirks included.
+
+Pins the seed orientations the original can place per resolution (checked against an independent
+emulation of OpenCV's float dilation with its -DBL_MAX border, not the quadrant rule the generator
+uses), and the measured statistics that separate release images from clean ones at 32 px."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from sparseflash.experiments.lra.data import pathfinder as pf
+
+# (resolution, margin) -> orientations (whole degrees) at which the original can seed a snake
+PINNED = {(32, 1): 30, (64, 1): 95, (128, 2): 354, (128, 3): 360, (256, 3): 360}
+
+
+def _opencv_dilate_min(src: np.ndarray, kernel: np.ndarray) -> float:
+    """min of cv2.dilate(src float64, kernel) with the default border (-DBL_MAX for dilation):
+    dst[y, x] = max over kernel[i, j] != 0 of src[y + i - c, x + j - c], out of the image -inf."""
+    c = kernel.shape[0] // 2
+    H, W = src.shape
+    pad = np.full((H + 2 * c, W + 2 * c), -np.inf)
+    pad[c:c + H, c:c + W] = src
+    out = np.full(src.shape, -np.inf)
+    for i, j in zip(*np.nonzero(kernel)):
+        np.maximum(out, pad[i:i + H, j:j + W], out=out)
+    return float(out.min())
+
+
+def _struct(g, deg: int) -> np.ndarray:
+    """The original's seed kernel: the paddle's mask drawn in a (2(L+m)+1)^2 square from one pixel
+    right of and below its centre, cast to uint8 (only exact ones survive)."""
+    c = g.L + g.m
+    _, _, _, mask = g.patch(deg * np.pi / 180)
+    R = mask.shape[0] // 2
+    square = np.zeros((2 * c + 1, 2 * c + 1))
+    for a in range(mask.shape[0]):
+        for b in range(mask.shape[1]):
+            i, j = a - R + c + 1, b - R + c + 1
+            if 0 <= i <= 2 * c and 0 <= j <= 2 * c:
+                square[i, j] = mask[a, b]
+    return square.astype(np.uint8)
+
+
+@pytest.mark.parametrize("resolution,margin", sorted(PINNED))
+def test_release_seed_orientations_are_pinned(resolution, margin):
+    g = pf._geometry(pf.params_for(resolution, "hard", "release"), margin)
+    allowed = [d for d in range(-180, 180) if g.seed_allowed(d)]
+    assert len(allowed) == PINNED[resolution, margin]
+    occupancy = np.zeros((resolution, resolution))
+    occupancy[:1], occupancy[-1:], occupancy[:, :1], occupancy[:, -1:] = 1, 1, 1, 1
+    step = 1 if resolution <= 64 else 15  # every orientation where it matters, a sample where nearly all pass
+    for deg in range(-180, 180, step):
+        fails = _opencv_dilate_min(occupancy, _struct(g, deg)) < 0
+        assert fails == (not g.seed_allowed(deg)), deg
+    # the footprint the generator tests is that kernel's nonzero set, relative to the anchor
+    for deg in allowed[:: max(1, len(allowed) // 6)]:
+        K = _struct(g, deg)
+        c = K.shape[0] // 2
+        ky, kx = np.nonzero(K)
+        offs = g.seed_paddle(deg)[1]
+        assert sorted(((ky - c) * g.Wc + kx - c).tolist()) == sorted(offs.tolist())
+    assert all(pf._geometry(pf.params_for(resolution, "hard", "clean"), margin).seed_allowed(d) for d in range(-180, 180))
+    if resolution == 32:  # all pointing up-left (image coordinates: y down)
+        assert allowed == list(range(-150, -120))
+
+
+def test_release_marker_and_lines_keep_their_overshoot():
+    """The release resampled markers and lines in float (a ring above the disk's level), the clean
+    generator through 8 bits (clipped)."""
+    rel, cln = pf._marker_patch(2.5, True), pf._marker_patch(2.5, False)
+    assert rel.max() > 1.05 and cln.max() <= 1.0
+    k = rel.shape[0] // 2
+    assert rel.max() > rel[k, k] and abs(rel[k, k] - 1) < 0.05  # the ring, not the centre, is brightest
+    g_rel = pf._geometry(pf.params_for(64, "hard", "release"), 1)
+    g_cln = pf._geometry(pf.params_for(64, "hard", "clean"), 1)
+    line_rel, line_cln = g_rel.patch(0.3)[2], g_cln.patch(0.3)[2]
+    assert line_rel.min() < 0 <= line_cln.min()  # Lanczos' negative lobes kept in float, clipped in 8 bits
+    # otherwise the same drawing (8-bit resampling also clips between its two passes: a few levels)
+    assert np.abs(np.clip(line_rel, 0, 1) - line_cln).max() < 16 / 255
+    assert np.array_equal(g_rel.patch(0.3)[3], g_cln.patch(0.3)[3])  # the occupancy mask is the same
+
+
+def _stats(fidelity, n=100):
+    p = pf.params_for(32, "hard", fidelity)
+    out = []
+    for c in range(n // 50):
+        out += pf.render_many(p, np.random.default_rng([77, c]), [i % 2 for i in range(50)], True)
+    return p, out
+
+
+def test_release_statistics_at_32_differ_from_clean_as_measured():
+    """At 32 px the release's distractor seeds mostly fail (about 1.3 distractors per image against
+    4.6), so more pixels are exactly black (0.62-0.66 against 0.54); every target snake leaves its
+    origin at a seedable orientation; the two targets may share pixels, the clean ones never."""
+    p_rel, rel = _stats("release")
+    p_cln, cln = _stats("clean")
+    d_rel = np.mean([lay["num_distractors"] for _, lay in rel])
+    d_cln = np.mean([lay["num_distractors"] for _, lay in cln])
+    b_rel = np.mean([(img == 0).mean() for img, _ in rel])
+    b_cln = np.mean([(img == 0).mean() for img, _ in cln])
+    assert 0.9 <= d_rel <= 1.8 and d_cln >= 4.0, (d_rel, d_cln)
+    assert 0.60 <= b_rel <= 0.68 and 0.50 <= b_cln <= 0.57, (b_rel, b_cln)
+    g = pf._geometry(p_rel, 1)
+    first = [round(math.degrees(lay["thetas"][0][0])) for _, lay in rel]
+    assert all(g.seed_allowed(d) for d in first)
+    assert max(lay["count"].max() for _, lay in rel) >= 2 and max(lay["count"].max() for _, lay in cln) == 1
+    # markers: the release's float rendering puts the marker interior below the image maximum
+    assert all(img.max() == 255 for img, _ in rel)
+
+
+def test_loader_refuses_the_other_fidelity(tmp_path):
+    from sparseflash.experiments.lra.data import get_dataset
+    from sparseflash.experiments.lra.data.datasets import MalformedDataError, folder_fidelity
+
+    pf.write_pathfinder(tmp_path / "r", 32, "hard", 20, seed=1, workers=1, per_batch=20, show_progress=False)
+    pf.write_pathfinder(tmp_path / "c", 32, "hard", 20, seed=1, workers=1, per_batch=20, show_progress=False,
+                        fidelity="clean")
+    assert folder_fidelity(tmp_path / "r" / "pathfinder32" / "curv_contour_length_14") == "release"
+    assert get_dataset("pathfinder32", tmp_path / "c", "test", fidelity="clean").fidelity == "clean"
+    assert get_dataset("pathfinder32", tmp_path / "r", "test").fidelity == "release"
+    with pytest.raises(MalformedDataError, match="holds 'clean' Pathfinder data, but 'release' was asked for"):
+        get_dataset("pathfinder32", tmp_path / "c", "test", fidelity="release")
+    with pytest.raises(ValueError, match="fidelity must be one of"):
+        get_dataset("pathfinder32", tmp_path / "c", "test", fidelity="authors")
+    with pytest.raises(ValueError, match="differs in \\['fidelity'\\]"):
+        pf.write_pathfinder(tmp_path / "c", 32, "hard", 20, seed=1, workers=1, per_batch=20, show_progress=False,
+                            resume=True)
