@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Pathfinder-32 on release-fidelity data, split over as many device commands as it needs.
-#   experiments/studies/pathfinder-release/campaign.sh RUNS MINUTES [STAGE]
+#   experiments/studies/pathfinder-release/campaign.sh RUNS MINUTES
 # Each call makes the data if this machine has none (200K release-fidelity hard images for training,
 # 20K clean ones for cross-evaluation; deterministic, so every call makes the same images), then
 # resumes (or starts) the stage's runs side by side until MINUTES have passed; they stop with a
 # checkpoint. A finished run is cross-evaluated once (best-val weights on the release test split and
-# on all 20K clean images). Carry RUNS to the next call. Exit 0 once every run of the stage is done.
-# STAGE: faithful (default: dense and butterfly with black as padding, dense without) or sweep.
+# on all 20K clean images). Carry RUNS to the next call. Exit 0 once every run is done.
+# The runs, side by side on one GPU: the faithful recipe dense and butterfly (density 0.5) with black
+# pixels as padding (as the released pipelines treat them), dense without; and the accuracy-vs-density
+# sweep (butterfly 1 / 0.5 / 0.25 / 0.125, the quick schedule, black as padding), one run after another.
 set -uo pipefail
-runs=$1; minutes=$2; stage=${3:-faithful}
+runs=$1; minutes=$2
 py=${PYTHON:-python3}
 rel=${DATA:-data/lra-release}; clean=${CLEAN:-data/lra-clean}
 num=${NUM:-200000}; num_clean=${NUM_CLEAN:-20000}; workers=${WORKERS:-16}
@@ -28,11 +30,7 @@ make "$rel" release "$num"
 make "$clean" clean "$num_clean"
 echo "data ready after $(( $(date +%s) - t0 )) s"
 common=(--task pathfinder32 --config faithful --data "$rel" --attention sparseflash --compile --no-progress --resume)
-if [ "$stage" = sweep ]; then
-    names=(sweep)
-else
-    names=(dense-bip butterfly-bip dense)
-fi
+names=(dense-bip butterfly-bip dense sweep)
 left=$(( minutes * 60 - ($(date +%s) - t0) - 60 ))  # a minute for the cross-evaluations
 pids=()
 for name in "${names[@]}"; do
@@ -42,8 +40,10 @@ for name in "${names[@]}"; do
         dense-bip) args=(--pattern dense --set model.black_is_padding=True) ;;
         butterfly-bip) args=(--pattern butterfly --set model.black_is_padding=True) ;;
         dense) args=(--pattern dense) ;;
-        sweep) $py -m sparseflash lra sweep --task pathfinder32 --config faithful --data "$rel" --pattern butterfly \
-                   --densities 1 0.5 0.25 0.125 --out "$runs/sweep" --time-limit "$lim" >> "$runs/sweep.log" 2>&1 &
+        sweep) [ -f "$runs/sweep/sweep.csv" ] && [ "$(grep -c . "$runs/sweep/sweep.csv")" -ge 5 ] && continue
+               $py -m sparseflash lra sweep --task pathfinder32 --config quick --data "$rel" --pattern butterfly \
+                   --densities 1 0.5 0.25 0.125 --set model.black_is_padding=True --out "$runs/sweep" \
+                   --time-limit "$lim" >> "$runs/sweep.log" 2>&1 &
                pids+=($!); continue ;;
     esac
     $py -m sparseflash lra train "${common[@]}" "${args[@]}" --time-limit "$lim" --out "$runs/$name" \
@@ -63,6 +63,6 @@ for name in "${names[@]}"; do
             --out "$runs/$name/eval-release-test.json" 2>&1 | tail -n 1
     fi
 done
-[ "$stage" = sweep ] && tail -n 5 "$runs/sweep.log"
+tail -n 3 "$runs/sweep.log"
 echo "call took $(( $(date +%s) - t0 )) s"
 exit $rc
