@@ -10,7 +10,7 @@ import torch
 from sparseflash.dropout import check_p as check_dropout_p
 from sparseflash.mask import BlockMask, as_block_mask
 from sparseflash.mask import _tracing as _capturing
-from sparseflash.segments import check_segment_ids
+from sparseflash.segments import check_key_ranges, check_segment_ids
 
 __all__ = ["attention", "resolve_backend", "key_lengths_range"]
 
@@ -124,7 +124,8 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_ke
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | None = None, *,
               causal: bool = False, scale: float | None = None, key_lengths: torch.Tensor | None = None,
               return_lse: bool = False, dropout_p: float = 0.0, generator: torch.Generator | None = None,
-              segment_ids=None, backend: str = "auto", check_key_lengths: bool | None = None):
+              segment_ids=None, key_ranges: torch.Tensor | None = None, backend: str = "auto",
+              check_key_lengths: bool | None = None):
     """Block-sparse (or dense) scaled dot-product attention.
 
     Args:
@@ -161,6 +162,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             int64 ids are checked to fit in int32 (one device read). Flash-attn's ``cu_seqlens``:
             `sparseflash.segments_from_cu_seqlens`. Conventions (padding, id order and what the
             kernels skip): `sparseflash.segments`.
+        key_ranges: an integer tensor ``[batch or 1, seq_q, 2]``: query ``i`` attends only keys
+            ``key_ranges[b, i, 0] <= j < key_ranges[b, i, 1]`` (exact at token level, on top of the
+            mask, ``causal`` and ``key_lengths``; block pairs no range reaches are skipped). Flash-attn's
+            varlen sequences, causal bottom-right aligned in each one:
+            `sparseflash.segments.key_ranges_from_cu_seqlens`. Not combined with ``segment_ids``.
         backend: ``"auto"`` (CUDA, or CPU with ``TRITON_INTERPRET=1`` -> ``"triton"``; CPU ->
             ``"reference"``), ``"triton"`` or ``"reference"``.
 
@@ -170,8 +176,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     """
     if mask is not None and mask.__class__ is not BlockMask:
         mask = as_block_mask(mask)  # torch's FlexAttention BlockMask, converted; anything else raises
-    if segment_ids is None and not return_lse and (backend == "auto" or backend == "triton") and generator is None \
-            and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0:
+    if segment_ids is None and key_ranges is None and not return_lse and (backend == "auto" or backend == "triton") \
+            and generator is None and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0:
         # the short path of a repeated eager call (sparseflash.flash.fast): a known key skips validation
         # and planning; a new one is validated here first. None: a call it does not take.
         fast = _FAST or _fast_module()
@@ -187,6 +193,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
                 return fast.call(entry, q, k, v, key_lengths)
     _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
+    ranges = check_key_ranges(key_ranges, q.shape[0], q.shape[2], k.shape[2], q.device)
+    if segments is not None and ranges is not None:
+        raise ValueError("segment_ids and key_ranges cannot be combined: give documents as key ranges "
+                         "(sparseflash.segments.key_ranges_from_cu_seqlens) or as segment ids")
     backend = resolve_backend(backend, q.device, q.dtype)
     scale = _scale(scale, q)
     dropout_p = float(dropout_p)
@@ -203,7 +213,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
 
         return reference.attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
                                    return_lse=return_lse, dropout_p=dropout_p, dropout_keep=keep,
-                                   segment_ids=segments)
+                                   segment_ids=segments, key_ranges=key_ranges)
 
     if q.device.type == "cpu" and _interpreting() and not torch.compiler.is_compiling():
         from sparseflash._compat import check_interpreter_versions
@@ -214,4 +224,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     from sparseflash.flash import flash_attention
 
     return flash_attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
-                           return_lse=return_lse, dropout_p=dropout_p, generator=generator, segments=segments)
+                           return_lse=return_lse, dropout_p=dropout_p, generator=generator, segments=segments,
+                           key_ranges=ranges)

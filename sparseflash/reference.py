@@ -5,7 +5,8 @@ Semantics (identical to the Triton kernels):
 - pair (i, j) is attended iff its block is on in ``mask`` (``None``: every block), and with
   ``causal`` ``j <= i + seq_k - seq_q`` (bottom-right aligned), and with ``key_lengths``
   ``j < key_lengths[b]``, and with ``segment_ids`` ``seg_q[b, i] == seg_k[b, j]`` (packed
-  documents; `sparseflash.segments` states the conventions);
+  documents; `sparseflash.segments` states the conventions), and with ``key_ranges``
+  ``key_ranges[b, i, 0] <= j < key_ranges[b, i, 1]``;
 - query head ``h`` reads key/value head ``h // (heads_q // heads_kv)`` (GQA / MQA);
 - a query row that attends to nothing returns 0, its log-sum-exp is ``-inf``, and it passes
   zero gradient; nothing is NaN;
@@ -35,7 +36,7 @@ _CHUNK_ELEMS = 1 << 25
 
 
 def _token_mask_rows(mask: BlockMask | None, rows: torch.Tensor, seq_k: int, causal: bool, seq_q: int,
-                     key_lengths: torch.Tensor | None, device, segments=None) -> torch.Tensor | None:
+                     key_lengths: torch.Tensor | None, device, segments=None, key_ranges=None) -> torch.Tensor | None:
     """Bool [B' , H', len(rows), seq_k] (broadcastable) of attended pairs for the given query rows."""
     cols = torch.arange(seq_k, device=device)
     allowed = None
@@ -53,6 +54,10 @@ def _token_mask_rows(mask: BlockMask | None, rows: torch.Tensor, seq_k: int, cau
         seg_q, seg_k = (t.to(device) for t in segments)
         same = (seg_q[:, rows][:, :, None] == seg_k[:, None, :])[:, None]  # [B or 1, 1, R, seq_k]
         allowed = same if allowed is None else allowed & same
+    if key_ranges is not None:
+        r = key_ranges.to(device)[:, rows]  # [B or 1, R, 2]
+        inside = ((cols[None, None, :] >= r[..., :1]) & (cols[None, None, :] < r[..., 1:]))[:, None]
+        allowed = inside if allowed is None else allowed & inside
     return allowed
 
 
@@ -75,13 +80,16 @@ def _chunk(q, k, v, allowed, scale, keep, dropout_p):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | None = None, *,
               causal: bool = False, scale: float | None = None, key_lengths: torch.Tensor | None = None,
               return_lse: bool = False, dropout_p: float = 0.0, dropout_keep: torch.Tensor | None = None,
-              chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None, segment_ids=None):
+              chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None, segment_ids=None,
+              key_ranges: torch.Tensor | None = None):
     """Reference block-sparse attention. Shapes as `sparseflash.attention`; no input validation
     beyond what the computation needs (`sparseflash.attention` validates).
 
     ``dropout_keep`` (bool ``[B, Hq, seq_q, seq_k]``) is required when ``dropout_p > 0``.
     ``segment_ids``: an integer tensor ``[B or 1, N]`` (``seq_q == seq_k``) or a pair
     ``(q [B or 1, seq_q], kv [B or 1, seq_k])``; pairs of different ids are not attended.
+    ``key_ranges``: an integer tensor ``[B or 1, seq_q, 2]``; query i attends only keys
+    ``key_ranges[b, i, 0] <= j < key_ranges[b, i, 1]``.
     ``compute_dtype`` overrides the float32 / float64 computation (e.g. ``q.dtype`` to measure
     what the same computation in bf16 costs in accuracy, as the tests do).
     Returns ``out`` or ``(out, lse)`` with ``lse`` float32 ``[B, Hq, seq_q]``.
@@ -107,7 +115,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     outs, lses = [], []
     for r0 in range(0, Nq, chunk_rows):
         rows = torch.arange(r0, min(Nq, r0 + chunk_rows), device=q.device)
-        allowed = _token_mask_rows(mask, rows, Nk, causal, Nq, key_lengths, q.device, segments)
+        allowed = _token_mask_rows(mask, rows, Nk, causal, Nq, key_lengths, q.device, segments, key_ranges)
         keep = None if dropout_keep is None else dropout_keep[:, :, r0 : r0 + len(rows)]
         args = (qc[:, :, r0 : r0 + len(rows)], kc, vc, allowed, scale, keep, dropout_p)
         if needs_grad and chunk_rows < Nq:

@@ -24,6 +24,13 @@ Conventions:
   element by element) but prune less: padding marked ``-1`` after documents ``0..n`` makes the
   last block's range ``[-1, n]``, which overlaps every block. Give such padding ``n + 1``.
 
+Key ranges (`sparseflash.attention`'s ``key_ranges``) say the same for documents that lie in one
+contiguous span each, and more: query ``i`` attends keys ``start[i] <= j < end[i]`` only. Flash-attn's
+varlen call (``cu_seqlens_q != cu_seqlens_k`` too) is such a table (`key_ranges_from_cu_seqlens`):
+sequence ``d``'s queries take its keys ``[cu_k[d], cu_k[d + 1])``, and with ``causal`` query ``i`` ends
+at ``i - cu_q[d + 1] + cu_k[d + 1] + 1`` (bottom-right aligned inside each sequence), which a causal
+offset for the whole packed row cannot express when the sequences' length differences differ.
+
 In the Triton kernels a tile of which every query and every key carries one and the same id
 skips the element-wise comparison (a scalar test per tile on the ids' min and max); others AND
 ``seg_q == seg_k`` into the score mask. The block lists are rebuilt on the device at every call
@@ -34,7 +41,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["segments_from_cu_seqlens", "check_segment_ids", "segment_block_layout"]
+__all__ = ["segments_from_cu_seqlens", "check_segment_ids", "segment_block_layout", "key_ranges_from_cu_seqlens",
+           "check_key_ranges", "key_range_block_layout"]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -138,4 +146,80 @@ def segment_block_layout(seg_q: torch.Tensor, seg_k: torch.Tensor, block_q: int,
         b = max(q_lo.shape[0], k_lo.shape[0])
         q_lo, q_hi, k_lo, k_hi = (t.expand(b, -1) for t in (q_lo, q_hi, k_lo, k_hi))
     on = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+    return on.unsqueeze(1)
+
+
+def key_ranges_from_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int,
+                               causal: bool = False, window_size: tuple[int, int] = (-1, -1)) -> torch.Tensor:
+    """Key ranges ``[1, total_q, 2]`` (int32 ``(start, end)`` per query) of flash-attn's varlen
+    call: query ``i`` of sequence ``d`` (``cu_seqlens_q[d] <= i < cu_seqlens_q[d + 1]``) attends the
+    keys ``cu_seqlens_k[d] <= j < cu_seqlens_k[d + 1]``; in sequence coordinates (``L_q``, ``L_k``
+    its lengths) with ``causal`` only ``j <= i + L_k - L_q`` (bottom-right aligned: the last query
+    of each sequence sees its last key; with ``L_q > L_k`` its first ``L_q - L_k`` queries see
+    nothing), and with ``window_size = (left, right)`` (negative: unbounded; ``causal`` sets
+    ``right = 0``) only ``i + L_k - L_q - left <= j <= i + L_k - L_q + right``, as flash-attn.
+    Queries past ``cu_seqlens_q[-1]`` attend nothing. Built on the device (no host read);
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` are validated by the caller (`sparseflash.flash_attn_varlen_func`).
+    """
+    left, right = window_size
+    if causal:
+        right = 0
+    device = cu_seqlens_q.device
+    cq = cu_seqlens_q.to(torch.int64)
+    ck = cu_seqlens_k.to(device=device, dtype=torch.int64)
+    i = torch.arange(total_q, device=device, dtype=torch.int64)
+    d = torch.searchsorted(cq[1:].contiguous(), i, right=True)  # each query's sequence; n_seq past the end
+    n_seq = cq.numel() - 1
+    inside = d < n_seq
+    dc = d.clamp(max=n_seq - 1)
+    start, end = ck[dc], ck[dc + 1]
+    diag = i - cq[dc + 1] + end  # the key on query i's bottom-right diagonal
+    if right >= 0:
+        end = torch.minimum(end, diag + right + 1)
+    if left >= 0:
+        start = torch.maximum(start, diag - left)
+    start = torch.where(inside, start, 0)
+    end = torch.where(inside, torch.maximum(end, start), 0)  # empty ranges as (start, start)
+    return torch.stack([start, end], dim=-1).to(torch.int32).unsqueeze(0)
+
+
+def check_key_ranges(key_ranges, batch: int, seq_q: int, seq_k: int, device) -> torch.Tensor | None:
+    """Validate ``key_ranges`` (an integer tensor ``[batch or 1, seq_q, 2]``) and return the
+    kernels' table: int32 ``[batch or 1, 2, seq_q]``, contiguous, values clamped to ``[0, seq_k]``
+    (the same pairs), or None."""
+    if key_ranges is None:
+        return None
+    if not isinstance(key_ranges, torch.Tensor):
+        raise TypeError(f"key_ranges must be an integer torch.Tensor [batch, seq_q, 2], got {type(key_ranges).__name__}")
+    if key_ranges.dtype not in _INT_DTYPES:
+        raise TypeError(f"key_ranges must have an integer dtype, got {key_ranges.dtype}")
+    if key_ranges.dim() != 3 or key_ranges.shape[0] not in (1, batch) or key_ranges.shape[1] != seq_q \
+            or key_ranges.shape[2] != 2:
+        raise ValueError(f"key_ranges must have shape [batch, seq_q, 2] = [{batch}, {seq_q}, 2] (or [1, {seq_q}, 2]): "
+                         f"(start, end) of each query's keys, got {tuple(key_ranges.shape)}")
+    if key_ranges.device != device:
+        raise ValueError(f"key_ranges must be on q's device {device}, got {key_ranges.device}")
+    return key_ranges.clamp(0, seq_k).to(torch.int32).transpose(1, 2).contiguous()
+
+
+def key_range_block_layout(table: torch.Tensor, seq_k: int, block_q: int, block_k: int) -> torch.Tensor:
+    """Bool ``[B, 1, q_blocks, k_blocks]`` of a key-range table (`check_key_ranges`'s int32
+    ``[B, 2, seq_q]``): block pair (r, c) is on iff key block c meets the span from the smallest
+    start to the largest end of q block r's non-empty ranges (never misses an attended pair; for
+    flash-attn's varlen ranges, only blocks that hold keys of a query's own sequence)."""
+    b, _, n = table.shape
+    lo, hi = table[:, 0], table[:, 1]
+    some = hi > lo
+    lo = torch.where(some, lo, _INT32_MAX)
+    hi = torch.where(some, hi, _INT32_MIN)
+    nb = -(-n // block_q)
+    pad = nb * block_q - n
+    if pad:
+        lo = torch.cat([lo, lo.new_full((b, pad), _INT32_MAX)], dim=1)
+        hi = torch.cat([hi, hi.new_full((b, pad), _INT32_MIN)], dim=1)
+    lo_min = lo.view(b, nb, block_q).amin(-1)
+    hi_max = hi.view(b, nb, block_q).amax(-1)
+    c0 = torch.arange(0, seq_k, block_k, device=table.device, dtype=torch.int32)
+    c1 = (c0 + block_k).clamp(max=seq_k)
+    on = (c0[None, None, :] < hi_max[:, :, None]) & (c1[None, None, :] > lo_min[:, :, None])
     return on.unsqueeze(1)

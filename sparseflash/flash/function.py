@@ -104,7 +104,8 @@ def _op(custom, impl):
 class FlashAttentionFunction(torch.autograd.Function):
     """o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale,
     causal, mask_bq, mask_bk, dropout_p, density); lse holds +inf for rows that attend to nothing.
-    ``seg_q``, ``seg_k``: int32 segment ids [1 or B, seq] (packed documents) or None.
+    ``seg_q``, ``seg_k``: int32 segment ids [1 or B, seq] (packed documents) or None; ``seg_q`` with
+    ``seg_k`` None: the int32 key-range table [1 or B, 2, seq_q] (`sparseflash.segments.check_key_ranges`).
     ``density``: the mask's fraction of on blocks (1 dense, -1 unknown), for the launchers'
     estimate of the call's work (`_work`, `launch._tma_plan`)."""
 
@@ -131,7 +132,11 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 
 def _seg(seg_q: Optional[Tensor], seg_k: Optional[Tensor]):
-    return None if seg_q is None else (seg_q, seg_k)
+    """The launchers' ``seg``: segment ids (seg_q, seg_k), or with seg_k None the key-range table
+    seg_q (`launch.KeyRanges`)."""
+    if seg_q is None:
+        return None
+    return launch.KeyRanges((seg_q, seg_q)) if seg_k is None else (seg_q, seg_k)
 
 
 # Block size of the lists that segments alone (mask=None) prune to: the tiles the kernels are
@@ -139,20 +144,23 @@ def _seg(seg_q: Optional[Tensor], seg_k: Optional[Tensor]):
 SEGMENT_BLOCK = 128
 
 
-def segment_lists(seg_q: Tensor, seg_k: Tensor, mask: BlockMask | None, device) -> tuple[Tensor, Tensor, int, int]:
+def segment_lists(seg_q: Tensor, seg_k: Tensor | None, mask: BlockMask | None, device,
+                  seq_k: int | None = None) -> tuple[Tensor, Tensor, int, int]:
     """(kv_idx, q_idx, block_q, block_k): the row and column block lists of ``mask`` (None: every
     block, at SEGMENT_BLOCK) restricted to the block pairs whose query and key id ranges overlap
-    (`sparseflash.segments.segment_block_layout`), ``[B or B', H', QB, KB]``. Built on the device
-    at every call (a sort per list, no host synchronisation)."""
+    (`sparseflash.segments.segment_block_layout`), ``[B or B', H', QB, KB]``; with ``seg_k`` None,
+    ``seg_q`` is a key-range table and the pairs its ranges reach (`key_range_block_layout`, keys
+    ``seq_k``). Built on the device at every call (a sort per list, no host synchronisation)."""
     from sparseflash.mask import _sorted_nonzero
-    from sparseflash.segments import segment_block_layout
+    from sparseflash.segments import key_range_block_layout, segment_block_layout
 
-    if mask is None:
-        bq = bk = SEGMENT_BLOCK
-        layout = segment_block_layout(seg_q, seg_k, bq, bk)
+    bq, bk = (SEGMENT_BLOCK, SEGMENT_BLOCK) if mask is None else mask.block_size
+    if seg_k is None:
+        layout = key_range_block_layout(seg_q, seq_k, bq, bk)
     else:
-        bq, bk = mask.block_size
-        layout = mask.layout.to(device) & segment_block_layout(seg_q, seg_k, bq, bk)
+        layout = segment_block_layout(seg_q, seg_k, bq, bk)
+    if mask is not None:
+        layout = mask.layout.to(device) & layout
     _, kv_idx = _sorted_nonzero(layout)
     _, q_idx = _sorted_nonzero(layout.transpose(-1, -2))
     return kv_idx, q_idx, bq, bk
@@ -187,18 +195,19 @@ def _check_runnable(q: Tensor) -> None:
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = None, *, causal: bool = False,
                     scale: float, key_lengths: Tensor | None = None, return_lse: bool = False,
                     dropout_p: float = 0.0, generator: torch.Generator | None = None,
-                    segments: tuple[Tensor, Tensor] | None = None):
+                    segments: tuple[Tensor, Tensor] | None = None, key_ranges: Tensor | None = None):
     """The Triton path of `sparseflash.attention` (inputs already validated there; ``segments``:
-    the int32 (seg_q, seg_k) of `sparseflash.segments.check_segment_ids`)."""
+    the int32 (seg_q, seg_k) of `sparseflash.segments.check_segment_ids`; ``key_ranges``: the
+    int32 table of `sparseflash.segments.check_key_ranges`; not both)."""
     _check_runnable(q)
     density = 1.0
     seg_q = seg_k = None
-    if segments is not None:
-        seg_q, seg_k = segments
+    if segments is not None or key_ranges is not None:
+        seg_q, seg_k = (key_ranges, None) if segments is None else segments
         if mask is not None:  # the work estimate: the mask's density, an upper bound (as causal is not counted)
             index = mask.index(q.device)
             density = -1.0 if index.density is None else index.density
-        kv_idx, q_idx, mask_bq, mask_bk = segment_lists(seg_q, seg_k, mask, q.device)
+        kv_idx, q_idx, mask_bq, mask_bk = segment_lists(seg_q, seg_k, mask, q.device, k.shape[2])
         launch._fit(16, mask_bq, "block_q")
         launch._fit(16, mask_bk, "block_k")
     else:

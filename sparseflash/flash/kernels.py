@@ -34,6 +34,14 @@ the score mask. Block pairs sharing no document are not in the lists at all (the
 caller prunes them per call, `function.segment_lists`). With segments even a "mask-free" tile
 may leave a row without keys so far, so the forward keeps its pivot finite on every tile.
 
+Key ranges (KEY_RANGES, compiled out when off; never with SEGMENTS, whose pointer slot SEG_Q it
+uses): query i attends keys ``start[i] <= j < end[i]`` only, read from an int32 table
+[B', 2, seq_q]; every tile ANDs the range test into its mask (on top of causal and kv_end), and
+the forward keeps its pivot finite as with segments. Exact at token level for any ranges, e.g.
+flash-attn's varlen sequences with causal bottom-right aligned in each one
+(`sparseflash.segments.key_ranges_from_cu_seqlens`). Block pairs no range reaches are pruned from
+the lists per call (`function.segment_lists`).
+
 Dropout (optional, compiled out when off): keep(i, j) is decided by Philox4x32-7 keyed by the
 seed; one call decides the 16 elements {i, i + 8} x {j, j + 1, j + 8, j + 9, ..., j + 24, j + 25},
 which one thread holds in the accumulator layout of a [queries, keys] tile, so the forward and dQ
@@ -313,6 +321,18 @@ def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M: tl
         return tl.zeros([BLOCK_M], dtype=tl.int32), 0, 0, SEG_K
 
 
+@triton.jit
+def _range_rows(SEG_Q, stride_sqb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, KEY_RANGES: tl.constexpr):
+    """Key ranges (KEY_RANGES) of rows o_m: (start, end) int32 [BLOCK_M] each, read from the
+    [B', 2, seq_q] table in SEG_Q; rows past seq_q get the empty range (0, 0)."""
+    if KEY_RANGES:
+        m_row = o_m < seq_q
+        p = SEG_Q + i_b * stride_sqb
+        return tl.load(p + o_m, mask=m_row, other=0), tl.load(p + seq_q + o_m, mask=m_row, other=0)
+    else:
+        return tl.zeros([BLOCK_M], dtype=tl.int32), tl.zeros([BLOCK_M], dtype=tl.int32)
+
+
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _key_mask(start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.constexpr):
@@ -336,11 +356,12 @@ def _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.cons
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh,
-               DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk,
+               DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
                MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-               GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr):
+               GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr,
+               KEY_RANGES: tl.constexpr):
     # TMA: K/V tiles come through 4-D tensor descriptors (Hopper's bulk copies) at (i_b, i_hk,
     # start_n); rows past seq_k and columns past HEAD_DIM read as zeros, as the pointer loads'
     # masks give. With TMA the kernel runs one loop (MASKED), applying the element mask from tile
@@ -365,6 +386,9 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
             b_sk, mixed = _seg_other(p_sk, start_n, o_n, seq_k, sq_lo, sq_hi)
             if mixed:
                 b_s = tl.where(b_sq[:, None] == b_sk[None, :], b_s, float("-inf"))
+        if KEY_RANGES:  # every tile: row i attends keys b_rlo[i] <= j < b_rhi[i] only
+            o_kn = (start_n + o_n)[None, :]
+            b_s = tl.where((o_kn >= b_rlo[:, None]) & (o_kn < b_rhi[:, None]), b_s, float("-inf"))
         if MASKED and TMA:  # one loop: the element mask only from tile j_mask on (a branch per tile)
             if j >= j_mask:
                 b_s, m_new, m_pivot = _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL)
@@ -376,7 +400,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         else:
             m_new = tl.maximum(m_i, tl.max(b_s, 1))
             m_pivot = m_new
-        if SEGMENTS:  # a row may have seen no key of its segment yet: keep the pivot finite
+        if SEGMENTS or KEY_RANGES:  # a row may have seen no key of its segment (range) yet: keep the pivot finite
             m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
         b_p = tl.math.exp2(b_s - m_pivot[:, None])
         alpha = tl.math.exp2(m_i - m_pivot)
@@ -406,11 +430,13 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stri
                 MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                 DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False,
-                SEGMENTS: tl.constexpr = False):
+                SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False):
     """DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
     [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are unused placeholders.
     SEG_Q, SEG_K (SEGMENTS): int32 segment ids [B or 1, seq] (batch strides stride_sqb, stride_skb,
-    0 when shared); keys whose id differs from the query's are not attended."""
+    0 when shared); keys whose id differs from the query's are not attended.
+    KEY_RANGES (instead of SEGMENTS): SEG_Q is an int32 table [B or 1, 2, seq_q] (batch stride
+    stride_sqb) of each query's key range: query i attends keys start[i] <= j < end[i] only."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -436,6 +462,7 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stri
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
     b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS)
+    b_rlo, b_rhi = _range_rows(SEG_Q, stride_sqb, i_b, o_m, seq_q, BLOCK_M, KEY_RANGES)
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
@@ -449,14 +476,16 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stri
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end,
                                    causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
                                    DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full, b_sq, sq_lo, sq_hi, p_sk,
+                                   b_rlo, b_rhi,
                                    False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                   GATHER, NB_P2, TMA, SEGMENTS)
+                                   GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES)
         j_lo = j_full
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end,
                                causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
                                DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full, b_sq, sq_lo, sq_hi, p_sk,
+                               b_rlo, b_rhi,
                                True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                               GATHER, NB_P2, TMA, SEGMENTS)
+                               GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc * (drop_scale / l_safe)[:, None]
@@ -475,7 +504,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
                 MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, Q_ROWS: tl.constexpr, MASK_BQ: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 DOT_PREC: tl.constexpr, GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr,
-                SEGMENTS: tl.constexpr):
+                SEGMENTS: tl.constexpr, KEY_RANGES: tl.constexpr):
     # TMA: Q and dO tiles through descriptors (rows past seq_q read as zeros) in one loop that
     # applies the causal mask (MASKED) only below tile j_mask.
     m_d = o_d < HEAD_DIM
@@ -500,6 +529,10 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
                 b_sq, mixed = _seg_other(p_sq, start_m, tl.arange(0, BLOCK_M), seq_q, sk_lo, sk_hi)
                 if mixed:
                     b_p = tl.where(b_sq[:, None] == b_sk[None, :], b_p, 0.0)
+            if KEY_RANGES:  # p_sq: the key-range table's row
+                b_rlo = tl.load(p_sq + o_m, mask=m_row, other=0)
+                b_rhi = tl.load(p_sq + seq_q + o_m, mask=m_row, other=0)
+                b_p = tl.where((o_n[None, :] >= b_rlo[:, None]) & (o_n[None, :] < b_rhi[:, None]), b_p, 0.0)
             if TMA:
                 b_do = DESC_DO.load([i_b, i_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
             else:
@@ -523,6 +556,10 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
                 b_sq, mixed = _seg_other(p_sq, start_m, tl.arange(0, BLOCK_M), seq_q, sk_lo, sk_hi)
                 if mixed:
                     b_pT = tl.where(b_sk[:, None] == b_sq[None, :], b_pT, 0.0)
+            if KEY_RANGES:
+                b_rlo = tl.load(p_sq + o_m, mask=m_row, other=0)
+                b_rhi = tl.load(p_sq + seq_q + o_m, mask=m_row, other=0)
+                b_pT = tl.where((o_n[:, None] >= b_rlo[None, :]) & (o_n[:, None] < b_rhi[None, :]), b_pT, 0.0)
             if TMA:
                 b_do = DESC_DO.load([i_b, i_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
             else:
@@ -556,9 +593,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
                      MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                      DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                      DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1,
-                     TMA: tl.constexpr = False, SEGMENTS: tl.constexpr = False):
+                     TMA: tl.constexpr = False, SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False):
     """DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA unused placeholders. SEG_Q, SEG_K (SEGMENTS): as the forward's."""
+    without TMA unused placeholders. SEG_Q, SEG_K (SEGMENTS, KEY_RANGES): as the forward's."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -595,7 +632,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
         b_sk = tl.zeros([BLOCK_N], dtype=tl.int32)
         sk_lo = 0
         sk_hi = 0
-        p_sq = SEG_Q
+        p_sq = SEG_Q + i_b * stride_sqb  # KEY_RANGES: the key-range table's row (else unused)
     # Rows below skip_below see none of this tile's columns; rows from full_from on see all of them.
     skip_below = 0
     full_from = 0
@@ -637,13 +674,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
                                  seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                  i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi, p_sq,
                                  CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                 GATHER, NB_P2, TMA, SEGMENTS)
+                                 GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES)
             if not TMA:
                 dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_part, j_end, start_n, o_n,
                                      o_d, seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                      i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi,
                                      p_sq, False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                     GATHER, NB_P2, TMA, SEGMENTS)
+                                     GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
     m_keep = (o_n < kv_end)[:, None]
     dk = tl.where(m_keep, dk * sm_scale, 0.0)
@@ -657,11 +694,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
 @triton.jit
 def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
-              DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk,
+              DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
               MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-              GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr):
+              GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr,
+              KEY_RANGES: tl.constexpr):
     # TMA: as in _fwd_inner, K/V through descriptors in one loop masking from tile j_mask on.
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
@@ -687,6 +725,9 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
             b_sk, mixed = _seg_other(p_sk, start_n, o_n, seq_k, sq_lo, sq_hi)
             if mixed:
                 b_p = tl.where(b_sq[:, None] == b_sk[None, :], b_p, 0.0)
+        if KEY_RANGES:
+            o_kn = (start_n + o_n)[None, :]
+            b_p = tl.where((o_kn >= b_rlo[:, None]) & (o_kn < b_rhi[:, None]), b_p, 0.0)
         b_dp = _dot(do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
             keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
@@ -712,7 +753,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN, SEG_Q,
                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                    DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                    HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False,
-                   SEGMENTS: tl.constexpr = False):
+                   SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
     DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
@@ -757,6 +798,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN, SEG_Q,
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
     b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS)
+    b_rlo, b_rhi = _range_rows(SEG_Q, stride_sqb, i_b, o_m, seq_q, BLOCK_M, KEY_RANGES)
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
@@ -769,14 +811,14 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN, SEG_Q,
     if not TMA:
         dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                        stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                       DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk,
+                       DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi,
                        False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA,
-                       SEGMENTS)
+                       SEGMENTS, KEY_RANGES)
         j_lo = j_full
     dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                    stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                   DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk,
+                   DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi,
                    True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA,
-                   SEGMENTS)
+                   SEGMENTS, KEY_RANGES)
     tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_q)

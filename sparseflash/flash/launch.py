@@ -471,13 +471,23 @@ def _tma_taken(cfg: TileConfig, plan) -> bool:
     return plan is not None and (cfg.tma or TMA_MODE == "on")
 
 
+class KeyRanges(tuple):
+    """The ``seg`` of a call with key ranges instead of segment ids: ``(table, table)``, the int32
+    table [1 or B, 2, Nq] (contiguous) of each query's key range [start, end) (the kernels'
+    KEY_RANGES; it takes the slot of the query segment ids)."""
+
+
 def _seg_args(seg, placeholder: torch.Tensor):
-    """Kernel arguments of segment ids: (SEG_Q, SEG_K, their batch strides) and the SEGMENTS flag.
-    ``seg``: None or int32 (seg_q [1 or B, Nq], seg_k [1 or B, Nk]) with unit last stride."""
+    """Kernel arguments of segment ids: (SEG_Q, SEG_K, their batch strides) and the constexpr
+    flags (SEGMENTS, and KEY_RANGES=True only when on, so other plans keep their kwargs).
+    ``seg``: None, int32 (seg_q [1 or B, Nq], seg_k [1 or B, Nk]) with unit last stride, or a
+    `KeyRanges`."""
     if seg is None:
-        return (placeholder, placeholder, 0, 0), False
+        return (placeholder, placeholder, 0, 0), dict(SEGMENTS=False)
     sq, sk = seg
-    return (sq, sk, sq.stride(0) if sq.shape[0] > 1 else 0, sk.stride(0) if sk.shape[0] > 1 else 0), True
+    if isinstance(seg, KeyRanges):
+        return (sq, sq, sq.stride(0) if sq.shape[0] > 1 else 0, 0), dict(SEGMENTS=False, KEY_RANGES=True)
+    return (sq, sk, sq.stride(0) if sq.shape[0] > 1 else 0, sk.stride(0) if sk.shape[0] > 1 else 0), dict(SEGMENTS=True)
 
 
 # ----------------------------------------------------------------------------- launch plans
@@ -530,7 +540,7 @@ def _layout(t: torch.Tensor | None):
 
 
 def _seg_layout(seg):
-    return None if seg is None else (_layout(seg[0]), _layout(seg[1]))
+    return None if seg is None else (_layout(seg[0]), _layout(seg[1]), isinstance(seg, KeyRanges))
 
 
 def _frozen(tma_plan):
@@ -661,7 +671,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     """Forward launch. Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows).
     ``rng``: the `sparseflash.dropout.draw_rng` tensor, read when dropout_p > 0. ``work``: the
     call's estimated forward FLOPs, -1 unknown (`_tma_plan`). ``seg``: int32 segment ids
-    (seg_q, seg_k) or None (`_seg_args`)."""
+    (seg_q, seg_k), a `KeyRanges`, or None (`_seg_args`)."""
     B, Hq, Nq, D = q.shape
     if dropout_p <= 0.0 and seg is None and scale > 0.0:
         lay = _hopper_layouts(q, k, v, mask_bq, mask_bk, work)
@@ -772,7 +782,7 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
                   dropout_p > 0.0, tma_plan is not None, seg is not None)
     _, i_strides, nb_p2 = _list_args(kv_idx, B, Hq, q)
     thresh, drop_scale = _drop_consts(dropout_p)
-    (_, _, *seg_strides), segments = _seg_args(seg, q)
+    (_, _, *seg_strides), seg_flags = _seg_args(seg, q)
     strides, align = _aligned_strides(q, k, v, o)
     tma = _tma_taken(cfg, tma_plan)
     args = (_T,) * 9 + (*seg_strides, *strides, *i_strides, Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
@@ -780,7 +790,7 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
     kwargs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
                   DENSE=kv_idx is None, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-                  DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, SEGMENTS=segments)
+                  DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, **seg_flags)
     return _Plan("_fwd_kernel", (_cdiv(Nq, cfg.block_m), B * Hq), args, kwargs, cfg, tma, q.device)
 
 
@@ -812,9 +822,9 @@ def _bwd_tensors(q, key_lengths, rng, seg) -> tuple:
 def _bwd_consts(q, key_lengths, causal, dropout_p, seg) -> tuple[tuple, dict]:
     """(segment batch strides, the constexprs) both backward kernels take."""
     D = q.shape[-1]
-    (_, _, *seg_strides), segments = _seg_args(seg, q)
+    (_, _, *seg_strides), seg_flags = _seg_args(seg, q)
     return tuple(seg_strides), dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
-                                    DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype), SEGMENTS=segments)
+                                    DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype), **seg_flags)
 
 
 def _bwd_key(kind, do, q, k, v, idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan, *extra):
