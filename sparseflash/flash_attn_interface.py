@@ -1,0 +1,201 @@
+"""flash-attn 2's interface on sparseflash: `flash_attn_func` and `flash_attn_varlen_func`.
+
+Same names, argument order, defaults and return values as ``flash_attn.flash_attn_interface``
+(flash-attn 2), plus ``mask=`` (a `BlockMask`, or torch's FlexAttention BlockMask), so code
+written for flash-attn switches by changing an import. Both are thin: a transposed view of the
+``[batch, seq, heads, dim]`` / ``[total, heads, dim]`` tensors goes to `sparseflash.attention`,
+which takes any strides (no copy of q, k, v), and the output is transposed back.
+
+Semantics as flash-attn 2 documents them:
+
+- ``causal``: bottom-right aligned, ``j <= i + seqlen_k - seqlen_q``; in the varlen call per
+  sequence, also when ``cu_seqlens_q != cu_seqlens_k`` (query ``i`` of a sequence of lengths
+  ``(L_q, L_k)`` attends key ``j`` of the same sequence iff ``j <= i + L_k - L_q``). The varlen call
+  gives each query the key range of its own sequence (`sparseflash.segments
+  .key_ranges_from_cu_seqlens`), exact at token level in the kernels.
+- ``window_size=(left, right)``: ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q
+  + right`` (a negative side is unbounded; ``causal`` sets ``right = 0``), per sequence in the
+  varlen call. Exact, through the same key ranges.
+- A query that attends to nothing (``L_q > L_k`` with causal; tokens past ``cu_seqlens_q[-1]``)
+  returns 0 with zero gradients; its ``softmax_lse`` is ``+inf`` as flash-attn's.
+- ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``: ``softmax_lse`` float32
+  ``[batch, nheads, seqlen_q]`` (varlen: ``[nheads, total_q]``), the log-sum-exp of each row of
+  the scaled scores (differentiable here; flash-attn does not differentiate it); ``S_dmask`` is
+  always ``None``: sparseflash never materialises the attention probabilities (flash-attn returns
+  them only with ``dropout_p > 0``, for tests; `sparseflash.dropout.keep_mask` reproduces our
+  dropout pattern).
+- ``deterministic``: the portable backward is deterministic (no atomics); ``True`` on a Hopper GPU
+  asks for ``torch.use_deterministic_algorithms(True)`` or ``SPARSEFLASH_HOPPER_BWD=off``, which
+  turn off the one-pass Hopper backward that adds dQ with TMA reductions (an error says so).
+- ``mask``: a `BlockMask` for ``(seqlen_q, seqlen_k)`` (varlen: for the packed rows
+  ``(total_q, total_k)``), ANDed with everything above. Its partial blocks are computed whole, as
+  in `sparseflash.attention`.
+- Not supported yet, and an error says so when given: ``softcap != 0``, ``alibi_slopes``.
+
+Dropout draws its bits as `sparseflash.attention` does (the same probability law as flash-attn,
+not the same bits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparseflash.api import attention
+from sparseflash.mask import _tracing
+from sparseflash.segments import key_ranges_from_cu_seqlens
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
+
+
+def _check_tensors(q, k, v, dims: int, layout_q: str, layout_kv: str) -> None:
+    for name, t, lay in (("q", q, layout_q), ("k", k, layout_kv), ("v", v, layout_kv)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {lay}, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise ValueError(f"{name} must be {dims}-D {lay}, got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape {layout_kv}, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _window(window_size, causal: bool) -> tuple[int, int] | None:
+    """(left, right) as flash-attn applies it (negative: unbounded; causal: right = 0), or None when
+    it bounds nothing beyond ``causal``."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
+    left, right = (int(w) if w >= 0 else -1 for w in window_size)
+    if causal:
+        right = 0
+    if left < 0 and (right < 0 or (right == 0 and causal)):
+        return None
+    return left, right
+
+
+def _check_unsupported(softcap, alibi_slopes, deterministic, q: torch.Tensor) -> None:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0.0: off), got {softcap!r}")
+    if softcap != 0.0:
+        raise NotImplementedError(f"softcap={softcap} (tanh soft-capping of the scores) is not supported yet "
+                                  f"(issue 40); pass softcap=0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes (ALiBi biases) are not supported yet (issue 40); pass alibi_slopes=None")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if deterministic and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9 \
+            and not torch.are_deterministic_algorithms_enabled():
+        from sparseflash.flash import hopper_bwd
+
+        if hopper_bwd.MODE != "off":
+            raise NotImplementedError(
+                "deterministic=True on a Hopper GPU: the one-pass Hopper backward adds dQ in arrival order; "
+                "call torch.use_deterministic_algorithms(True) or set SPARSEFLASH_HOPPER_BWD=off, and the "
+                "portable backward (deterministic) runs")
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _lse_as_flash_attn(lse: torch.Tensor) -> torch.Tensor:
+    """flash-attn reports +inf for a row that attends to nothing (ours: -inf)."""
+    return torch.where(lse == float("-inf"), float("inf"), lse)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, mask=None):
+    """flash-attn 2's ``flash_attn_func`` (module docstring: semantics and what differs).
+
+    Args:
+        q: ``[batch, seqlen_q, nheads, headdim]``.
+        k, v: ``[batch, seqlen_k, nheads_k, headdim]``; ``nheads`` a multiple of ``nheads_k`` (MQA / GQA).
+        dropout_p: dropout probability (pass 0.0 at eval).
+        softmax_scale: default ``1 / sqrt(headdim)``.
+        causal: bottom-right aligned causal mask.
+        window_size: ``(left, right)`` sliding window, ``(-1, -1)`` none.
+        softcap, alibi_slopes: must be 0.0 / None (not supported yet).
+        deterministic: a deterministic backward (see the module docstring on Hopper).
+        return_attn_probs: also return ``softmax_lse`` and ``S_dmask`` (None).
+        mask: a `BlockMask` (or FlexAttention BlockMask) for ``(seqlen_q, seqlen_k)``.
+
+    Returns:
+        ``out`` ``[batch, seqlen_q, nheads, headdim]``, or ``(out, softmax_lse [batch, nheads,
+        seqlen_q], None)`` with ``return_attn_probs``.
+    """
+    _check_tensors(q, k, v, 4, "[batch, seqlen_q, nheads, headdim]", "[batch, seqlen_k, nheads_k, headdim]")
+    _check_flag("causal", causal)
+    _check_flag("return_attn_probs", return_attn_probs)
+    _check_unsupported(softcap, alibi_slopes, deterministic, q)
+    window = _window(window_size, causal)
+    key_ranges = None
+    if window is not None:  # one sequence per batch row: its key ranges, shared by the batch
+        nq, nk = q.shape[1], k.shape[1]
+        ends = torch.tensor([0, nq], dtype=torch.int32, device=q.device), torch.tensor([0, nk], dtype=torch.int32,
+                                                                                         device=q.device)
+        key_ranges = key_ranges_from_cu_seqlens(*ends, nq, causal, window)
+    out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                    causal=causal and window is None, scale=softmax_scale, dropout_p=dropout_p,
+                    key_ranges=key_ranges, return_lse=return_attn_probs)
+    if not return_attn_probs:
+        return out.transpose(1, 2).contiguous()
+    o, lse = out
+    return o.transpose(1, 2).contiguous(), _lse_as_flash_attn(lse), None
+
+
+def _check_cu_seqlens(cu, name: str, total: int, max_seqlen, max_name: str, device) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor [batch + 1], got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must have dtype int32 (or int64), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D [batch + 1] with at least one sequence, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"{max_name} must be a non-negative int, got {max_seqlen!r}")
+    if _tracing():
+        return
+    c = cu.cpu().long()
+    lengths = c[1:] - c[:-1]
+    if int(c[0]) != 0 or bool((lengths < 0).any()) or int(c[-1]) > total:
+        raise ValueError(f"{name} must start at 0, never decrease and end at most at the {total} packed tokens, "
+                         f"got {c.tolist() if c.numel() <= 16 else c}")
+    if int(lengths.max()) > max_seqlen:
+        raise ValueError(f"{max_name}={max_seqlen} is below the longest sequence of {name} ({int(lengths.max())})")
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, *, mask=None):
+    """flash-attn 2's ``flash_attn_varlen_func`` (module docstring: semantics and what differs).
+
+    Args:
+        q: ``[total_q, nheads, headdim]``, the sequences packed one after another.
+        k, v: ``[total_k, nheads_k, headdim]``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]``: sequence ``b`` holds query tokens
+            ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and key tokens ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``.
+        max_seqlen_q, max_seqlen_k: the longest sequences (checked against the cu_seqlens).
+        Others: as `flash_attn_func`, per sequence; ``mask`` for the packed rows ``(total_q, total_k)``.
+
+    Returns:
+        ``out`` ``[total_q, nheads, headdim]``, or ``(out, softmax_lse [nheads, total_q], None)``.
+        Tokens past ``cu_seqlens_q[-1]`` get 0.
+    """
+    _check_tensors(q, k, v, 3, "[total_q, nheads, headdim]", "[total_k, nheads_k, headdim]")
+    _check_flag("causal", causal)
+    _check_flag("return_attn_probs", return_attn_probs)
+    _check_unsupported(softcap, alibi_slopes, deterministic, q)
+    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
+    _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k", q.device)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got shapes "
+                         f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+    window = _window(window_size, causal) or ((-1, 0) if causal else (-1, -1))
+    key_ranges = key_ranges_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], False, window)
+    out = attention(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
+                    mask, scale=softmax_scale, dropout_p=dropout_p, key_ranges=key_ranges,
+                    return_lse=return_attn_probs)
+    if not return_attn_probs:
+        return out[0].transpose(0, 1).contiguous()
+    o, lse = out
+    return o[0].transpose(0, 1).contiguous(), _lse_as_flash_attn(lse[0]), None

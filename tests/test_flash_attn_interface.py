@@ -1,0 +1,324 @@
+"""flash-attn 2's interface (`sparseflash.flash_attn_func`, `flash_attn_varlen_func`): flash-attn's
+documented semantics checked against SDPA in float64 on token masks built here from flash-attn's
+formulas (per sequence for varlen, ``cu_seqlens_q != cu_seqlens_k``, bottom-right causal, windows),
+then outputs and every gradient against the float64 reference within 2x PyTorch's own error
+(reference backend, and the Triton kernels under the interpreter at tiny sizes); return values,
+views instead of copies, and the errors for what is not supported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _attn_check import assert_within_torch_error
+
+import sparseflash
+from sparseflash import BlockMask, reference
+from sparseflash.flash import launch
+from sparseflash.segments import key_ranges_from_cu_seqlens
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+
+
+def _allowed(Lq: int, Lk: int, causal: bool, window=(-1, -1)) -> torch.Tensor:
+    """flash-attn's documented mask of one sequence: i + Lk - Lq - left <= j <= i + Lk - Lq + right."""
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(Lq)[:, None] + Lk - Lq
+    j = torch.arange(Lk)[None, :]
+    m = torch.ones(Lq, Lk, dtype=torch.bool)
+    if right >= 0:
+        m &= j <= i + right
+    if left >= 0:
+        m &= j >= i - left
+    return m
+
+
+def _sdpa(q, k, v, allowed, scale=None):
+    """SDPA on [B, N, H, D] tensors (GQA by repeating k/v heads) with a bool token mask [Nq, Nk];
+    rows with no key are 0 (SDPA's own value for them is not defined)."""
+    group = q.shape[2] // k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.repeat_interleave(group, 2).transpose(1, 2), v.repeat_interleave(group, 2).transpose(1, 2)
+    empty = ~allowed.any(-1)
+    fixed = allowed.clone()
+    fixed[empty] = True
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=fixed, scale=scale).transpose(1, 2)
+    return o.masked_fill(empty[None, :, None, None], 0.0)
+
+
+def _grads(fn, tensors, do):
+    ts = [t.detach().clone().requires_grad_() for t in tensors]
+    out = fn(*ts)
+    out.backward(do.to(out.dtype))
+    return [out.detach()] + [t.grad for t in ts]
+
+
+def _check(name, got, pt, ref, dtype):
+    for n, a, b, c in zip(("out", "dq", "dk", "dv"), got, pt, ref):
+        assert_within_torch_error(f"{name} {n}", a, b, c, dtype)
+
+
+# ---------------------------------------------------------------- flash_attn_func
+CASES = [  # (B, Nq, Nk, H, Hk, D, causal, window)
+    (2, 37, 37, 2, 2, 16, False, (-1, -1)),
+    (1, 20, 45, 4, 2, 16, True, (-1, -1)),   # causal, seqlen_q < seqlen_k: bottom-right
+    (2, 45, 20, 2, 1, 40, True, (-1, -1)),   # seqlen_q > seqlen_k: the first 25 rows see nothing
+    (1, 50, 50, 2, 2, 16, False, (6, 3)),    # sliding window both ways
+    (2, 33, 61, 2, 1, 16, True, (9, -1)),    # causal sliding window, Nq != Nk, GQA
+    (1, 40, 30, 2, 2, 16, False, (-1, 0)),   # window (-1, 0) is causal
+]
+
+
+def _id(c):
+    B, Nq, Nk, H, Hk, D, causal, w = c
+    return f"B{B}-N{Nq}x{Nk}-H{H}/{Hk}-D{D}" + ("-causal" if causal else "") + ("" if w == (-1, -1) else f"-w{w[0]},{w[1]}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_func_semantics_equal_sdpa(case):
+    """float64 (the reference backend): flash_attn_func is SDPA on flash-attn's token mask."""
+    B, Nq, Nk, H, Hk, D, causal, window = case
+    g = torch.Generator().manual_seed(Nq * Nk)
+    q = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Nk, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64)
+    allowed = _allowed(Nq, Nk, causal, window)
+    got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window), (q, k, v), do)
+    want = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), (q, k, v), do)
+    for n, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=n)
+    empty = ~allowed.any(-1)
+    assert torch.equal(got[0][:, empty], torch.zeros_like(got[0][:, empty]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4]], ids=_id)
+def test_func_kernels_against_float64(case, dtype, device):
+    """The Triton kernels (interpreter on CPU): output and gradients within 2x PyTorch's own error."""
+    B, Nq, Nk, H, Hk, D, causal, window = case
+    g = torch.Generator().manual_seed(Nq + Nk)
+    q = torch.randn(B, Nq, H, D, generator=g)
+    k, v = (torch.randn(B, Nk, Hk, D, generator=g) for _ in range(2))
+    do = torch.randn(B, Nq, H, D, generator=g)
+    allowed = _allowed(Nq, Nk, causal, window)
+    ref = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), [t.double() for t in (q, k, v)], do.double())
+    pt = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
+    got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window, deterministic=True),
+                 [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
+    _check(_id(case), [t.cpu() for t in got], [t.cpu() for t in pt], ref, dtype)
+
+
+def test_func_returns_and_views(monkeypatch):
+    """(out, softmax_lse, None) with flash-attn's shapes (+inf where a row attends nothing); q, k, v
+    reach attention as views of the caller's tensors (also slices of a packed qkv); mask= passes on."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(2, 30, 3, 2, 16, generator=g, dtype=torch.float64)
+    q, k, v = qkv.unbind(2)
+    seen = []
+    real = sparseflash.flash_attn_interface.attention
+
+    def spy(a, b, c, *args, **kw):
+        seen.append((a, b, c))
+        return real(a, b, c, *args, **kw)
+
+    monkeypatch.setattr(sparseflash.flash_attn_interface, "attention", spy)
+    out, lse, s = sparseflash.flash_attn_func(q, k[:, :20], v[:, :20], causal=True, return_attn_probs=True)
+    assert s is None and out.shape == (2, 30, 2, 16) and out.is_contiguous() and lse.shape == (2, 2, 30)
+    for a, b in zip(seen[0], (q, k, v)):
+        assert a.data_ptr() == b.data_ptr() and a._base is not None  # a view, never a copy
+    scores = torch.einsum("bihd,bjhd->bhij", q, k[:, :20]) / 4.0
+    scores = scores.masked_fill(~_allowed(30, 20, True), float("-inf"))
+    want = torch.logsumexp(scores, -1)
+    assert torch.isposinf(lse[..., :10]).all()  # flash-attn's value for rows that attend nothing
+    torch.testing.assert_close(lse[..., 10:], want[..., 10:])
+    # mask=: the same as attention's, on the transposed view
+    layout = torch.tensor([[True, False], [True, True]])
+    m = BlockMask.from_layout(layout, block_size=16, seq_q=30, seq_k=30)
+    got = sparseflash.flash_attn_func(q, k, v, mask=m)
+    want = sparseflash.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), m).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_func_errors_name_the_option():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(NotImplementedError, match="softcap=30.0"):
+        sparseflash.flash_attn_func(q, q, q, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        sparseflash.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        sparseflash.flash_attn_func(q, q, q, window_size=4)
+    with pytest.raises(ValueError, match=r"q must be 4-D \[batch, seqlen_q, nheads, headdim\]"):
+        sparseflash.flash_attn_func(q[0], q, q)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        sparseflash.flash_attn_func(q, q, q, causal=None)
+    with pytest.raises(TypeError, match="mask must be a sparseflash.BlockMask.*from_fn"):
+        sparseflash.flash_attn_func(q, q, q, mask=lambda b, h, i, j: j <= i)
+
+
+# ---------------------------------------------------------------- flash_attn_varlen_func
+# (L_q, L_k) per sequence: equal, L_q < L_k, L_q > L_k (rows that see nothing under causal),
+# one query (decoding), an empty query sequence, an empty key sequence
+VARLEN = [(9, 9), (5, 17), (20, 7), (1, 13), (0, 4), (6, 0), (11, 11)]
+
+
+def _varlen_inputs(lengths, H, Hk, D, dtype, pad_q=0, pad_k=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.tensor([a for a, _ in lengths])
+    lk = torch.tensor([b for _, b in lengths])
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int32), lq.cumsum(0).int()])
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), lk.cumsum(0).int()])
+    tq, tk = int(cu_q[-1]) + pad_q, int(cu_k[-1]) + pad_k
+    q = torch.randn(tq, H, D, generator=g, dtype=dtype)
+    k, v = (torch.randn(tk, Hk, D, generator=g, dtype=dtype) for _ in range(2))
+    do = torch.randn(tq, H, D, generator=g, dtype=dtype)
+    return q, k, v, do, cu_q, cu_k
+
+
+def _varlen_sdpa(q, k, v, cu_q, cu_k, causal, window=(-1, -1)):
+    """flash-attn's definition, one sequence at a time through SDPA; tokens past cu_q[-1] get 0."""
+    out = torch.zeros_like(q)
+    for d in range(len(cu_q) - 1):
+        a, b, c, e = int(cu_q[d]), int(cu_q[d + 1]), int(cu_k[d]), int(cu_k[d + 1])
+        if b == a:
+            continue
+        if e == c:
+            continue  # no keys: the rows stay 0
+        o = _sdpa(q[None, a:b], k[None, c:e], v[None, c:e], _allowed(b - a, e - c, causal, window))[0]
+        out = torch.cat([out[:a], o, out[b:]])
+    return out
+
+
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (4, -1)), (False, (3, 2))],
+                         ids=["full", "causal", "causal-w4", "w3,2"])
+def test_varlen_semantics_equal_sdpa_per_sequence(causal, window):
+    q, k, v, do, cu_q, cu_k = _varlen_inputs(VARLEN, 4, 2, 16, torch.float64, pad_q=3, pad_k=2, seed=7)
+    mq, mk = 20, 17
+    got = _grads(lambda a, b, c: sparseflash.flash_attn_varlen_func(a, b, c, cu_q, cu_k, mq, mk, causal=causal,
+                                                                    window_size=window), (q, k, v), do)
+    want = _grads(lambda a, b, c: _varlen_sdpa(a, b, c, cu_q, cu_k, causal, window), (q, k, v), do)
+    for n, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=n)
+    assert torch.equal(got[0][-3:], torch.zeros_like(got[0][-3:]))  # padding queries: 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+def test_varlen_kernels_against_float64(dtype, device, monkeypatch):
+    """The Triton kernels, causal bottom-right per sequence with cu_seqlens_q != cu_seqlens_k: output
+    and gradients within 2x PyTorch's own error (the same computation in dtype: the reference)."""
+    from sparseflash.flash import function
+
+    if device == "cpu":
+        monkeypatch.setattr(function, "SEGMENT_BLOCK", 32)  # several blocks to prune at this size
+    q, k, v, do, cu_q, cu_k = _varlen_inputs(VARLEN, 2, 1, 40, torch.float32, pad_q=2, seed=3)
+    ranges = key_ranges_from_cu_seqlens(cu_q, cu_k, q.shape[0], causal=True)
+
+    def ref_fn(a, b, c, compute_dtype=None):
+        o = reference.attention(a.unsqueeze(0).transpose(1, 2), b.unsqueeze(0).transpose(1, 2),
+                                c.unsqueeze(0).transpose(1, 2), key_ranges=ranges, compute_dtype=compute_dtype)
+        return o[0].transpose(0, 1)
+
+    ref = _grads(ref_fn, [t.double() for t in (q, k, v)], do.double())
+    pt = _grads(lambda a, b, c: ref_fn(a, b, c, dtype), [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
+    got = _grads(lambda a, b, c: sparseflash.flash_attn_varlen_func(a, b, c, cu_q.to(device), cu_k.to(device), 20, 17,
+                                                                    causal=True),
+                 [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
+    _check(f"varlen {dtype}", [t.cpu() for t in got], [t.cpu() for t in pt], ref, dtype)
+    # the reference's definition is flash-attn's
+    torch.testing.assert_close(ref[0], _varlen_sdpa(q.double(), k.double(), v.double(), cu_q, cu_k, True))
+
+
+def test_varlen_returns_and_errors():
+    q, k, v, do, cu_q, cu_k = _varlen_inputs(VARLEN, 2, 2, 16, torch.float64, seed=1)
+    out, lse, s = sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 17, causal=True, return_attn_probs=True)
+    assert s is None and out.shape == q.shape and out.is_contiguous() and lse.shape == (2, q.shape[0])
+    # sequence 2 (L_q=20, L_k=7): its first 13 queries attend nothing -> lse +inf, out 0
+    a = int(cu_q[2])
+    assert torch.isposinf(lse[:, a:a + 13]).all() and torch.isfinite(lse[:, a + 13:a + 20]).all()
+    assert not out[a:a + 13].any()
+    with pytest.raises(ValueError, match="max_seqlen_q=19 is below the longest sequence of cu_seqlens_q"):
+        sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 19, 17)
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0"):
+        sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k.flip(0), 20, 17)
+    with pytest.raises(ValueError, match="same number of sequences"):
+        sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k[:-1], 20, 17)
+    with pytest.raises(ValueError, match=r"q must be 3-D \[total_q, nheads, headdim\]"):
+        sparseflash.flash_attn_varlen_func(q[None], k, v, cu_q, cu_k, 20, 17)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 17, softcap=5.0)
+    with pytest.raises(TypeError, match="cu_seqlens_q must have dtype int32"):
+        sparseflash.flash_attn_varlen_func(q, k, v, cu_q.float(), cu_k, 20, 17)
+
+
+def test_key_ranges_validation_and_segments_exclusive():
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match=r"key_ranges must have shape \[batch, seq_q, 2\]"):
+        sparseflash.attention(q, q, q, key_ranges=torch.zeros(1, 8, dtype=torch.int32))
+    with pytest.raises(TypeError, match="key_ranges must have an integer dtype"):
+        sparseflash.attention(q, q, q, key_ranges=torch.zeros(1, 8, 2))
+    with pytest.raises(ValueError, match="segment_ids and key_ranges cannot be combined"):
+        sparseflash.attention(q, q, q, key_ranges=torch.zeros(1, 8, 2, dtype=torch.int32),
+                              segment_ids=torch.zeros(1, 8, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------- key ranges in the kernels, combined
+def _ranges_case(device):
+    q, k, v, do, cu_q, cu_k = _varlen_inputs(VARLEN, 2, 2, 32, torch.float32, pad_q=2, seed=5)
+    ranges = key_ranges_from_cu_seqlens(cu_q, cu_k, q.shape[0], causal=True, window_size=(6, -1)).to(device)
+    q, k, v, do = (t.unsqueeze(0).transpose(1, 2).contiguous().to(device) for t in (q, k, v, do))
+    return q, k, v, do, ranges
+
+
+def test_key_ranges_lse_dropout_and_determinism(device):
+    """Key ranges with return_lse (and its gradient) and dropout: the reference's keep-mask, and a
+    bitwise reproducible backward."""
+    q, k, v, do, ranges = _ranges_case(device)
+    dl = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(0)).to(device)
+    runs = []
+    for backend in ("triton", "reference", "triton"):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        g = torch.Generator(device=device).manual_seed(3)
+        o, lse = sparseflash.attention(qq, kk, vv, return_lse=True, dropout_p=0.3, generator=g, key_ranges=ranges,
+                                       backend=backend)
+        ((o * do).sum() + (lse.masked_fill(lse.isinf(), 0) * dl).sum()).backward()
+        runs.append((o, lse, qq.grad, kk.grad, vv.grad))
+    for a, b in zip(runs[0], runs[1]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    for a, b in zip(runs[0], runs[2]):
+        assert torch.equal(a, b)
+
+
+def test_key_ranges_with_mask_key_lengths_tma_and_q_rows(device, tma_on, monkeypatch):
+    """Key ranges ANDed with a block mask, causal and key_lengths, in the TMA kernels' single loop and
+    in both dK/dV tile orientations; the lists prune what no range reaches."""
+    from _attn_check import check_attention
+
+    from sparseflash.flash import TileConfig, tile_config
+
+    q, k, v, do, ranges = _ranges_case(device)
+    q, k, v, do = (t.to(torch.bfloat16) for t in (q, k, v, do))
+    Nq, Nk = q.shape[2], k.shape[2]
+    layout = torch.rand(2, -(-Nq // 32), -(-Nk // 32), generator=torch.Generator().manual_seed(2)) < 0.7
+    mask = BlockMask.from_layout(layout, block_size=32, seq_q=Nq, seq_k=Nk)
+    kl = torch.tensor([Nk - 5], device=device)
+    for q_rows in (False, True):
+        with tile_config(dkdv=TileConfig(32, 32, q_rows=q_rows)):
+            check_attention(lambda a, b, c: sparseflash.attention(a, b, c, mask, causal=True, key_lengths=kl,
+                                                                  key_ranges=ranges, backend="triton"),
+                            q, k, v, do, mask=mask, causal=True, key_lengths=kl, ref_kwargs=dict(key_ranges=ranges))
+    assert len(tma_on) == 6 and all(tma_on), f"a kernel did not take the TMA path: {tma_on}"
+    from sparseflash.flash import function
+    from sparseflash.segments import check_key_ranges, key_range_block_layout
+
+    table = check_key_ranges(ranges, 1, Nq, Nk, ranges.device)
+    kv_idx, _, bq, bk = function.segment_lists(table, None, mask, ranges.device, Nk)
+    on = key_range_block_layout(table, Nk, 32, 32)
+    assert bool((~on).any()) and int((kv_idx < kv_idx.shape[-1]).sum()) == int((mask.layout.to(on.device) & on).sum())
+    # every attended pair lies in an on block of the pruned layout
+    allowed = reference._token_mask_rows(None, torch.arange(Nq, device=ranges.device), Nk, False, Nq, None,
+                                         ranges.device, key_ranges=ranges)[0, 0]
+    blocks = on[0, 0].repeat_interleave(32, 0)[:Nq].repeat_interleave(32, 1)[:, :Nk]
+    assert not bool((allowed & ~blocks).any())
