@@ -129,3 +129,61 @@ def test_loader_refuses_the_other_fidelity(tmp_path):
     with pytest.raises(ValueError, match="differs in \\['fidelity'\\]"):
         pf.write_pathfinder(tmp_path / "c", 32, "hard", 20, seed=1, workers=1, per_batch=20, show_progress=False,
                             resume=True)
+
+
+def test_probe_classifier_finds_a_planted_cue_and_nothing_in_noise():
+    """The probe's MLP learns a label that is a function of marker coordinates, and stays at chance
+    (within 3 standard errors) on labels independent of them: its score can go either way."""
+    from sparseflash.experiments.lra.probe import fit_mlp
+
+    rng = np.random.default_rng(0)
+    x = rng.random((1600, 4)).astype(np.float32)
+    y = ((x[:, 0] - x[:, 2]) * (x[:, 1] - x[:, 3]) > 0).astype(np.int64)  # markers in "\" order
+    acc = fit_mlp(x[:1200], y[:1200], x[1200:], y[1200:], epochs=40)
+    assert acc > 0.9
+    y_noise = rng.integers(0, 2, 1600)
+    acc = fit_mlp(x[:1200], y_noise[:1200], x[1200:], y_noise[1200:], epochs=40)
+    assert abs(acc - 0.5) < 3 * math.sqrt(0.25 / 400)
+
+
+def test_probe_data_and_command_on_tiny_data(tmp_path):
+    """Features come from the true marker centres (the patch centre is a marker pixel), in raster
+    order; the command writes its table and figure."""
+    import json
+
+    from sparseflash.experiments.lra.probe import probe_data, run_probe, save
+
+    coords, patches, labels = probe_data(32, "release", 60, workers=1, show_progress=False)
+    assert coords.shape == (60, 4) and labels.tolist() == [i % 2 for i in range(60)]
+    k = 2 + 3  # ceil(1.5) + 3
+    side = 2 * k + 1
+    assert patches.shape == (60, 2 * side * side)
+    centre = patches.reshape(60, 2, side, side)[:, :, k, k]
+    assert (centre > 0.3).all()  # marker disks are drawn where the layers say
+    first, second = coords[:, :2], coords[:, 2:]
+    assert ((first[:, 0] < second[:, 0]) | ((first[:, 0] == second[:, 0]) & (first[:, 1] <= second[:, 1]))).all()
+    rows = run_probe([32], ["release", "clean"], 60, epochs=2, show_progress=False)
+    save(rows, tmp_path, {"num": 60})
+    saved = json.loads((tmp_path / "probe.json").read_text())["rows"]
+    assert len(saved) == 6 and {r["fidelity"] for r in saved} == {"release", "clean"}
+    assert all(0 <= r["acc"] <= 1 and r["n_test"] == 15 for r in saved)
+    assert (tmp_path / "probe.png").stat().st_size > 0 and (tmp_path / "probe.csv").read_text().count("\n") == 7
+
+
+def test_cross_evaluation_of_a_run_on_the_other_fidelity(tmp_path):
+    """A run trained on release data is evaluated on clean data only when asked for explicitly."""
+    from sparseflash.experiments.lra.configs import get_config
+    from sparseflash.experiments.lra.crosseval import evaluate_run
+    from sparseflash.experiments.lra.data.datasets import MalformedDataError
+    from sparseflash.experiments.lra.train import train
+
+    for fid in ("release", "clean"):
+        pf.write_pathfinder(tmp_path / fid, 32, "hard", 40, seed=1, workers=1, per_batch=40, show_progress=False,
+                            fidelity=fid)
+    cfg = get_config("pathfinder32", "quick", ["model.d_model=16", "model.d_ff=16", "train.batch_size=8",
+                                               "train.eval_every=2", "train.eval_batches=1", "model.attention=torch"])
+    train(cfg, tmp_path / "run", data_root=tmp_path / "release", max_steps=2, device="cpu", show_progress=False)
+    with pytest.raises(MalformedDataError, match="holds 'clean'"):
+        evaluate_run(tmp_path / "run", tmp_path / "clean", device="cpu")
+    r = evaluate_run(tmp_path / "run", tmp_path / "clean", fidelity="clean", split="all", device="cpu")
+    assert r["trained_on"] == "release" and r["fidelity"] == "clean" and r["n"] == 40 and 0 <= r["acc"] <= 1
