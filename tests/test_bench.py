@@ -3,6 +3,7 @@ hand counts, the pattern sweep, the FlexAttention mask conversion, failure handl
 CLI end to end on the CPU (CSV / JSON / PNG outputs, the plot command)."""
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from sparseflash.experiments.bench import masks, providers, runner
 from sparseflash.experiments.bench.config import BenchConfig, defaults
 from sparseflash.experiments.bench.flops import attended_pairs, attention_flops, dense_pairs, densities
 from sparseflash.experiments.bench.results import CPU_NOTE, COLUMNS, load_results
-from sparseflash.experiments.bench.timing import TimingConfig
+from sparseflash.experiments.bench.timing import TimingConfig, pooled
 
 from _hopper import ptxas_available
 
@@ -175,6 +176,36 @@ def test_failures_become_rows_and_the_sweep_goes_on():
     checked = runner.run_jobs(runner.jobs_for(shape, pts, [_fake("fine")]), env, "sparsity", torch.device("cpu"),
                               "reference", TimingConfig(rep_ms=1), show_progress=False, check=True)
     assert all(r["max_err"] > 0.5 for r in checked)
+
+
+def test_cpu_rows_pool_interleaved_rounds_and_show_their_spread():
+    """CPU: every row measured in each round, in alternating order, its samples pooled (median and
+    quartiles); providers labelled for what runs on a CPU."""
+    order = []
+
+    def fwd(ctx, s, q, k, v):
+        order.append(s.mode)
+        return q + k + v
+
+    prov = providers.Provider("fine", "fine", "dense", "test provider", lambda s: None, lambda s: None, fwd)
+    shapes = [runner.Shape(1, 1, 64, 16, "fp32", False, mode, 32) for mode in ("fwd", "fwdbwd")]
+    pt = runner.dense_point(64, False)
+    jobs = [j for sh in shapes for j in runner.jobs_for(sh, [pt], [prov])]
+    cfg = TimingConfig(warmup_ms=0, rep_ms=1, min_runs=4, rounds=3)
+    rows = runner.run_jobs(jobs, {"device": "cpu", "device_name": "test"}, "sparsity", torch.device("cpu"),
+                           "reference", cfg, show_progress=False)
+    assert len(rows) == 2 and [r["mode"] for r in rows] == ["fwd", "fwdbwd"]
+    for r in rows:
+        assert r["status"] == "ok" and r["n_runs"] >= 3 * 4 and r["ms_lo"] <= r["ms"] <= r["ms_hi"]
+        assert r["tflops"] == pytest.approx(r["flops"] / (r["ms"] * 1e-3) / 1e12)
+    runs = [m for i, m in enumerate(order) if i == 0 or order[i - 1] != m]  # consecutive calls of one row
+    assert runs == ["fwd", "fwdbwd", "fwd", "fwdbwd"]  # fwd fwdbwd | fwdbwd fwd | fwd fwdbwd: rounds alternate
+    assert pooled([3.0, 1.0, 2.0, 10.0, 4.0]) == {"ms": 3.0, "ms_lo": 2.0, "ms_hi": 4.0, "n_runs": 5}
+    s = providers.Setting(torch.device("cpu"), torch.float32, 1, 1, 64, 16, False, "fwd", sf_backend="reference")
+    assert providers.device_label(providers.PROVIDERS["sdpa-flash"], s) == "SDPA (CPU flash kernel)"
+    assert "CPU reference" in providers.device_label(providers.PROVIDERS["sparseflash"], s)
+    gpu = dataclasses.replace(s, device=torch.device("cuda"))
+    assert providers.device_label(providers.PROVIDERS["sdpa-flash"], gpu) == "SDPA flash"
 
 
 def test_bad_configuration_is_rejected():

@@ -87,6 +87,8 @@ def _add_common(p: argparse.ArgumentParser, bench: str) -> None:
                    help="backend= of sparseflash.attention (auto: Triton on CUDA, reference on CPU)")
     h.add_argument("--warmup-ms", type=float, help="untimed warm-up per measurement (GPU default 25)")
     h.add_argument("--rep-ms", type=float, help="timed repetitions per measurement, ms (GPU default 100)")
+    h.add_argument("--rounds", type=_positive,
+                   help="CPU: passes over the whole plan, in alternating order, samples pooled per row (default 5)")
     h.add_argument("--cuda-graph", action="store_true",
                    help="GPU: time CUDA-graph replays (the kernels' GPU time, no Python/launch overhead)")
     h.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
@@ -144,11 +146,11 @@ def config_from_args(args):
     if args.providers:
         explicit["providers"] = tuple(n.strip() for x in args.providers for n in x.split(",") if n.strip())
     fields.update({k: tuple(v) if isinstance(v, list) else v for k, v in explicit.items() if v is not None})
-    if args.warmup_ms is not None or args.rep_ms is not None or args.cuda_graph:
+    if args.warmup_ms is not None or args.rep_ms is not None or args.cuda_graph or args.rounds is not None:
         t = fields["timing"]
         fields["timing"] = TimingConfig(warmup_ms=t.warmup_ms if args.warmup_ms is None else args.warmup_ms,
                                         rep_ms=t.rep_ms if args.rep_ms is None else args.rep_ms, min_runs=t.min_runs,
-                                        cuda_graph=args.cuda_graph)
+                                        cuda_graph=args.cuda_graph, rounds=t.rounds if args.rounds is None else args.rounds)
     fields.update(sf_backend=args.backend, seed=args.seed)
     if "providers" in fields:
         from sparseflash.experiments.bench.providers import get_providers
@@ -169,6 +171,8 @@ def command_line(cfg) -> str:
         parts += ["--densities", *(f"{x:.6g}" for x in cfg.targets), "--masked-densities", cfg.masked_points]
     parts += ["--check" if cfg.check else "--no-check", "--device", cfg.device, "--backend", cfg.sf_backend,
               "--warmup-ms", f"{t.warmup_ms:g}", "--rep-ms", f"{t.rep_ms:g}", "--seed", str(cfg.seed)]
+    if cfg.device == "cpu":
+        parts += ["--rounds", str(t.rounds)]
     if t.cuda_graph:
         parts.append("--cuda-graph")
     return " ".join(shlex.quote(p) for p in parts)

@@ -4,7 +4,8 @@ Sizes keep ``batch * seq_len`` constant (``tokens``; 16K on the GPU, as in the b
 ../shared/ANCHORS.md), so every point moves the same number of query tokens and effective TFLOP/s
 compare across lengths. GPU defaults are sized for an H100 session of a few minutes
 (`sparseflash bench ... ` prints an estimate before it starts); CPU defaults are a small,
-labelled version that finishes in about a minute so the pipeline runs anywhere.
+labelled version that finishes in about two minutes on two cores: few points, each warmed up and
+timed in five interleaved rounds (timing.py), so that two runs agree on every row's median.
 """
 
 from __future__ import annotations
@@ -112,10 +113,13 @@ def defaults(bench: str, device: str, quick: bool = False) -> dict:
     # CPU: the reference path (or the Triton interpreter, at smaller sizes still).
     small = _interpreting()
     d.update(heads=1 if small else 2, tokens=256 if small else 1024, block_size=32, check=True,
-             timing=TimingConfig(warmup_ms=0, rep_ms=20 if small else 30, min_runs=1))
+             timing=TimingConfig(warmup_ms=0, rep_ms=20, min_runs=1) if small else
+             TimingConfig(warmup_ms=100, rep_ms=300, min_runs=3, rounds=5))
     if bench == "sparsity":
         d.update(patterns=("butterfly", "local", "random"), seq_lens=(256,) if small else (512,),
                  head_dims=(16,) if small else (32,))
+        if not small:
+            d.update(targets=(1.0, 1 / 4, 1 / 16))
     else:
         d.update(patterns=("butterfly",), seq_lens=(64, 128, 256) if small else (128, 256, 512, 1024),
                  head_dims=(16,) if small else (32,))

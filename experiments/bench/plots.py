@@ -114,13 +114,30 @@ def _xdensity(ax):
     ax.tick_params(labelsize=7)
 
 
+def _has_spread(r) -> bool:
+    lo, hi = r.get("ms_lo"), r.get("ms_hi")
+    return lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi)
+
+
+def _errorbars(ax, xs, rs, prov):
+    """The spread of CPU rows (25th-75th percentile of the calls) as error bars."""
+    pts = [(x, r) for x, r in zip(xs, rs) if _has_spread(r)]
+    if pts:
+        ax.errorbar([x for x, _ in pts], [r["ms"] for _, r in pts],
+                    yerr=[[r["ms"] - r["ms_lo"] for _, r in pts], [r["ms_hi"] - r["ms"] for _, r in pts]],
+                    fmt="none", ecolor=_color(prov), elinewidth=1, capsize=2)
+
+
 def _runtime_panel(ax, by_prov, base):
     xs_all = [r["rel_density"] for rs in by_prov.values() for r in rs]
     for prov, rs in by_prov.items():
         ax.plot([r["rel_density"] for r in rs], [r["ms"] for r in rs], "o-", ms=3, color=_color(prov),
                 label=rs[0]["label"])
+        _errorbars(ax, [r["rel_density"] for r in rs], rs, prov)
     for prov, r in base.items():
         ax.axhline(r["ms"], ls="--", lw=1, color=_color(prov), label=f"{r['label']} (dense)")
+        if _has_spread(r):
+            ax.axhspan(r["ms_lo"], r["ms_hi"], color=_color(prov), alpha=0.12, lw=0)
     ref = base.get("sparseflash-dense")
     ref_x, ref_ms = (1.0, ref["ms"]) if ref else (None, None)
     if ref is None and by_prov.get("sparseflash"):
@@ -132,7 +149,8 @@ def _runtime_panel(ax, by_prov, base):
                 label="ideal: runtime ∝ density")
     _xdensity(ax)
     ax.set_yscale("log")
-    ax.set_ylabel("ms (median)", fontsize=8)
+    spread = any(_has_spread(r) for rs in [*by_prov.values(), list(base.values())] for r in rs)
+    ax.set_ylabel("ms (median; bars, bands: 25th-75th percentile)" if spread else "ms (median)", fontsize=8)
     _legend(ax)
 
 
@@ -200,6 +218,8 @@ def _seqlen_figures(rows, out: Path) -> list[str]:
                     if good:
                         ax.plot([r["seq_len"] for r in good], [r[col] for r in good], style, ms=3,
                                 color=_color(prov), label=label)
+                        if col == "ms":
+                            _errorbars(ax, [r["seq_len"] for r in good], good, prov)
                         drawn = True
                     oom = [r["seq_len"] for r in rs if r.get("status") == "OOM"]
                     if oom:

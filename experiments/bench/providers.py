@@ -26,7 +26,7 @@ import torch
 
 from sparseflash.mask import BlockMask
 
-__all__ = ["Setting", "Provider", "PROVIDERS", "DEFAULT_PROVIDERS", "get_providers", "standard_attention",
+__all__ = ["Setting", "Provider", "PROVIDERS", "DEFAULT_PROVIDERS", "get_providers", "device_label", "standard_attention",
            "token_mask", "to_flex_block_mask", "dtype_of"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -260,6 +260,26 @@ def get_providers(names) -> list[Provider]:
     if unknown or not names:
         raise ValueError(f"providers must be names from {sorted(PROVIDERS)} (or 'all'), got {names!r}")
     return [PROVIDERS[n] for n in dict.fromkeys(names)]
+
+
+# What a provider is when it runs on a CPU: its GPU name would claim a kernel that is not running.
+_CPU_LABELS = {
+    "sdpa-flash": "SDPA (CPU flash kernel)",
+    "torch": "standard attention (CPU)",
+    "torch-masked": "standard attention + mask (CPU)",
+}
+
+
+def device_label(p: Provider, s: Setting) -> str:
+    """``p.label`` as it runs in ``s``: on a CPU, what actually computes (SDPA's CPU kernel, the
+    PyTorch reference, which computes every block and masks, or the Triton interpreter)."""
+    if s.device.type == "cuda":
+        return p.label
+    if p.name.startswith("sparseflash"):
+        backend = p.backend(s)
+        what = {"reference": "CPU reference, dense work", "triton-interpreter": "Triton interpreter"}.get(backend, backend)
+        return f"{p.label} ({what})"
+    return _CPU_LABELS.get(p.name, f"{p.label} (CPU)")
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -26,11 +26,11 @@ CPU_NOTE = "CPU (not GPU results)"
 COLUMNS = (
     "bench", "device", "device_name", "provider", "label", "kind", "backend", "pattern", "param",
     "density", "token_density", "rel_density", "batch", "heads", "seq_len", "head_dim", "dtype", "causal",
-    "mode", "block_size", "ms", "tflops", "flops", "peak_mem_mb", "mask_ms", "prep_ms", "first_ms", "n_sets", "max_err",
+    "mode", "block_size", "ms", "ms_lo", "ms_hi", "n_runs", "tflops", "flops", "peak_mem_mb", "mask_ms", "prep_ms", "first_ms", "n_sets", "max_err",
     "status", "note", "torch", "triton", "sparseflash", "commit", "date", "timing",
 )
-_INT = {"batch", "heads", "seq_len", "head_dim", "block_size", "n_sets"}
-_FLOAT = {"density", "token_density", "rel_density", "ms", "tflops", "flops", "peak_mem_mb", "mask_ms", "prep_ms",
+_INT = {"batch", "heads", "seq_len", "head_dim", "block_size", "n_sets", "n_runs"}
+_FLOAT = {"density", "token_density", "rel_density", "ms", "ms_lo", "ms_hi", "tflops", "flops", "peak_mem_mb", "mask_ms", "prep_ms",
           "first_ms", "max_err"}
 
 

@@ -8,6 +8,7 @@ status (``OOM``, ``unavailable: ...`` when SDPA finds no kernel for the inputs, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -16,9 +17,9 @@ import torch
 
 from sparseflash._progress import Progress
 from sparseflash.experiments.bench.flops import attended_pairs, attention_flops, dense_pairs
-from sparseflash.experiments.bench.providers import Provider, Setting, dtype_of
+from sparseflash.experiments.bench.providers import Provider, Setting, device_label, dtype_of
 from sparseflash.experiments.bench.results import CPU_NOTE
-from sparseflash.experiments.bench.timing import TimingConfig, free_memory, is_oom, measure
+from sparseflash.experiments.bench.timing import TimingConfig, free_memory, is_oom, measure, pooled
 from sparseflash.mask import BlockMask
 
 __all__ = ["Shape", "Point", "Job", "dense_point", "jobs_for", "estimate_seconds", "run_job", "run_jobs", "execute",
@@ -144,12 +145,13 @@ def _row(env, bench, job: Job, s: Setting, timing_label: str) -> dict:
     sh, pt, p = job.shape, job.point, job.provider
     pairs = attended_pairs(pt.mask, sh.batch, sh.heads, sh.seq_len, sh.seq_len, sh.causal)
     return {
-        **env, "bench": bench, "provider": p.name, "label": p.label, "kind": p.kind, "backend": p.backend(s),
+        **env, "bench": bench, "provider": p.name, "label": device_label(p, s), "kind": p.kind, "backend": p.backend(s),
         "pattern": pt.pattern, "param": pt.param, "density": pt.density, "token_density": pt.token_density,
         "rel_density": pt.rel_density, "batch": sh.batch, "heads": sh.heads, "seq_len": sh.seq_len,
         "head_dim": sh.head_dim, "dtype": sh.dtype, "causal": sh.causal, "mode": sh.mode,
         "block_size": sh.block_size if pt.mask is not None else None,
-        "flops": attention_flops(pairs, sh.head_dim, sh.mode), "ms": float("nan"), "tflops": float("nan"),
+        "flops": attention_flops(pairs, sh.head_dim, sh.mode), "ms": float("nan"), "ms_lo": float("nan"), "ms_hi": float("nan"),
+        "n_runs": None, "tflops": float("nan"),
         "peak_mem_mb": float("nan"), "mask_ms": pt.mask_ms, "prep_ms": float("nan"), "first_ms": float("nan"),
         "n_sets": None, "max_err": None,
         "status": "", "note": "; ".join(n for n in (CPU_NOTE if env["device"] == "cpu" else "", _env_note()) if n),
@@ -211,7 +213,9 @@ def run_job(job: Job, env: dict, bench: str, device: torch.device, sf_backend: s
             checker: _Checker | None = None) -> dict:
     s = _setting(job, device, sf_backend)
     if device.type != "cuda":
-        timing_label = f"perf_counter median over {cfg.rep_ms:g} ms"
+        timing_label = (f"process CPU time per call, median of the calls of {cfg.rounds} interleaved round(s) of "
+                        f"{cfg.rep_ms:g} ms after {cfg.warmup_ms:g} ms of warm-up; ms_lo / ms_hi: 25th / 75th "
+                        f"percentiles")
     elif cfg.cuda_graph:
         timing_label = f"do_bench_cudagraph median (kernels only, no host overhead), rep {cfg.rep_ms:g} ms"
     else:
@@ -245,8 +249,10 @@ def run_job(job: Job, env: dict, bench: str, device: torch.device, sf_backend: s
             _note(row, problem)
             free_memory()
     row.update(ms=m.ms, prep_ms=m.prep_ms, first_ms=m.first_ms, n_sets=m.n_sets, status="ok",
-               tflops=row["flops"] / (m.ms * 1e-3) / 1e12 if m.ms > 0 else float("nan"),
                peak_mem_mb=m.peak_bytes / 2**20 if m.peak_bytes is not None else float("nan"))
+    if m.samples:
+        row.update(pooled(m.samples), samples=m.samples)
+    _set_tflops(row)
     text = [str(w.message) for w in caught]
     fallback = [t for t in text if "flex_attention" in t.lower() and "compile" in t.lower()]
     if fallback:
@@ -254,32 +260,90 @@ def run_job(job: Job, env: dict, bench: str, device: torch.device, sf_backend: s
     return row
 
 
+def _set_tflops(row: dict) -> None:
+    row["tflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e12 if row["ms"] > 0 else float("nan")
+
+
 def run_jobs(jobs: list[Job], env: dict, bench: str, device: torch.device, sf_backend: str, cfg: TimingConfig,
              show_progress: bool = True, check: bool = False) -> list[dict]:
     """Measure every job (and with ``check`` compare each provider's output with the reference).
     A provider that cannot run on this machine at all gets one ``unavailable`` row (its first
-    job) instead of one per setting."""
-    rows, unavailable = [], set()
+    job) instead of one per setting. On a CPU with ``cfg.rounds > 1`` the plan runs that many
+    times, every other pass in reverse order, and each row pools its samples (`timing.pooled`)."""
+    rounds = cfg.rounds if device.type != "cuda" else 1
+    rows, unavailable = {}, set()
     checker = _Checker() if check else None
-    with Progress(len(jobs), f"bench {bench}", disable=not show_progress) as bar:
-        for job in jobs:
-            sh = job.shape
-            bar.set_postfix(f"{job.provider.name} {job.point.pattern} {job.point.param} N={sh.seq_len} "
-                            f"d={sh.head_dim} {sh.mode}"[:90])
-            if job.provider.name not in unavailable:
-                row = run_job(job, env, bench, device, sf_backend, cfg, checker)
-                if job.provider.check(_setting(job, device, sf_backend)) is not None:
-                    unavailable.add(job.provider.name)
-                rows.append(row)
-            bar.update()
+    with Progress(len(jobs) * rounds, f"bench {bench}", disable=not show_progress) as bar:
+        for r in range(rounds):
+            order = list(enumerate(jobs))
+            for i, job in (order if r % 2 == 0 else order[::-1]):
+                sh = job.shape
+                bar.set_postfix(f"{job.provider.name} {job.point.pattern} {job.point.param} N={sh.seq_len} "
+                                f"d={sh.head_dim} {sh.mode}"[:90])
+                if job.provider.name not in unavailable and (r == 0 or rows.get(i, {}).get("status") == "ok"):
+                    row = run_job(job, env, bench, device, sf_backend, cfg, checker if r == 0 else None)
+                    if r == 0:
+                        if job.provider.check(_setting(job, device, sf_backend)) is not None:
+                            unavailable.add(job.provider.name)
+                        rows[i] = row
+                    elif row["status"] == "ok":
+                        rows[i]["samples"] += row["samples"]
+                bar.update()
     if checker is not None:
         checker.clear()
-    return rows
+    out = [rows[i] for i in sorted(rows)]
+    for row in out:
+        samples = row.pop("samples", None)
+        if samples:
+            row.update(pooled(samples))
+            _set_tflops(row)
+    return out
+
+
+# torch threads of a CPU sweep: with several, a call waits at every parallel region for its
+# slowest thread, which another process's load deschedules at random (runs 1.4-2.4x apart on a
+# shared 2-core machine); one thread's CPU time per call repeats far better.
+CPU_THREADS = 1
+
+
+@contextlib.contextmanager
+def _steady_malloc():
+    """glibc: keep freed memory in the process during a CPU sweep. By default every large tensor
+    is a fresh mmap whose pages fault in on first touch (1500-2600 faults and 3-6 ms of system time
+    per reference call at the CPU size, varying with the machine's memory pressure); with the mmap
+    and trim thresholds raised, calls reuse the heap. Restored to glibc's default 128 KiB after."""
+    try:
+        import ctypes
+
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc: nothing to set
+        yield
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    try:
+        yield
+    finally:
+        mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+        mallopt(M_TRIM_THRESHOLD, 128 * 1024)
 
 
 def execute(cfg, points_by_seq: dict[int, list[Point]], notes: list[str], command: str = "",
             show_progress: bool = True, log=None) -> tuple[list[dict], dict]:
     """Run every (shape, point, provider) job of a configuration; returns (rows, meta)."""
+    if cfg.device != "cpu":
+        return _execute(cfg, points_by_seq, notes, command, show_progress, log)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CPU_THREADS)
+    try:
+        with _steady_malloc():
+            return _execute(cfg, points_by_seq, notes, command, show_progress, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _execute(cfg, points_by_seq, notes, command, show_progress, log) -> tuple[list[dict], dict]:
     import sys
     import time
 
@@ -307,7 +371,8 @@ def execute(cfg, points_by_seq: dict[int, list[Point]], notes: list[str], comman
             f"FlexAttention graphs to compile); rough estimate {est / 60:.1f} min")
     else:
         log(f"[bench {cfg.bench}] {env['device_name']} -- {CPU_NOTE}: {len(jobs)} rows, {n_meas} to measure, "
-            f"each one warm-up call then {cfg.timing.rep_ms:g} ms of timed calls")
+            f"each in {cfg.timing.rounds} interleaved round(s) of {cfg.timing.warmup_ms:g} ms of warm-up then "
+            f"{cfg.timing.rep_ms:g} ms of timed calls (at least {cfg.timing.min_runs})")
     for note in notes:
         log(f"[bench {cfg.bench}] note: {note}")
     torch.manual_seed(cfg.seed)

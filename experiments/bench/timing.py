@@ -20,7 +20,15 @@ captures the rotating calls in one CUDA graph and replays it: the GPU time of th
 without the host's per-call cost (Python, autograd, launches). No L2 flush there; the rotation
 over input sets still keeps inputs out of L2.
 
-CPU (the labelled CPU mode only): ``time.perf_counter`` over repeated calls, median.
+CPU (the labelled CPU mode only): the process's CPU time (``time.process_time``) around each
+call, with the garbage collector paused, after untimed warm-up calls (the first call, then more
+until ``warmup_ms`` has passed); the calls of ``rep_ms`` (at least ``min_runs``) are the row's
+samples: median, and the 25th / 75th percentiles as its spread. CPU time, not wall time: on a
+shared machine another process's load stretches wall time by whatever share of the cores it
+takes, while the CPU time of the call stays what the call costs (the sweep runs torch on one
+thread there, see runner.execute, so no thread waits for another that is descheduled). The
+sweep measures every row in ``rounds`` passes over the whole plan, in alternating order, and
+pools the samples (`pooled`), so that what load remains falls on every row alike.
 """
 
 from __future__ import annotations
@@ -33,14 +41,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TimingConfig", "Measurement", "is_oom", "free_memory", "l2_bytes", "rotation_count", "measure", "graph_ms",
+__all__ = ["TimingConfig", "Measurement", "is_oom", "free_memory", "l2_bytes", "rotation_count", "measure", "pooled", "graph_ms",
            "stream_ms", "kernel_ms", "host_us"]
 
 
 @dataclass(frozen=True)
 class TimingConfig:
     """``warmup_ms`` / ``rep_ms``: time budgets per measurement on GPU; on CPU the timed loop
-    runs for ``rep_ms`` (at least ``min_runs`` calls) after one warm-up call."""
+    runs for ``rep_ms`` (at least ``min_runs`` calls) after the first call and ``warmup_ms`` of
+    untimed calls, in each of ``rounds`` passes over the plan (CPU only)."""
 
     warmup_ms: float = 25.0
     rep_ms: float = 100.0
@@ -48,12 +57,13 @@ class TimingConfig:
     l2_multiple: float = 4.0  # rotate input sets until their total is this many times L2
     max_sets: int = 8
     cuda_graph: bool = False  # GPU: time graph replays (kernels only, no host overhead)
+    rounds: int = 1  # CPU: passes over the whole plan, samples pooled per row
 
     def __post_init__(self):
         if not (self.warmup_ms >= 0 and self.rep_ms > 0):
             raise ValueError(f"warmup_ms must be >= 0 and rep_ms > 0, got {self.warmup_ms}, {self.rep_ms}")
-        if self.min_runs < 1 or self.max_sets < 1:
-            raise ValueError("min_runs and max_sets must be at least 1")
+        if self.min_runs < 1 or self.max_sets < 1 or self.rounds < 1:
+            raise ValueError("min_runs, max_sets and rounds must be at least 1")
 
 
 @dataclass
@@ -64,6 +74,13 @@ class Measurement:
     prep_ms: float
     first_ms: float  # the first call: compilation, autotuning, allocator warm-up
     after: object = None
+    samples: list | None = None  # CPU: ms of every timed call
+
+
+def pooled(samples) -> dict:
+    """``ms`` (median), ``ms_lo`` / ``ms_hi`` (25th / 75th percentiles) and ``n_runs`` of CPU samples."""
+    q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else [samples[0]] * 3
+    return {"ms": statistics.median(samples), "ms_lo": q[0], "ms_hi": q[2], "n_runs": len(samples)}
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -276,14 +293,25 @@ def _measure(prepare, make_inputs, make_step, device: torch.device, cfg: TimingC
         else:
             ms = stream_ms(step, len(steps), cfg.warmup_ms, cfg.rep_ms)
     else:
-        times = []
-        deadline = time.perf_counter() + cfg.rep_ms / 1000
-        while len(times) < cfg.min_runs or (time.perf_counter() < deadline and len(times) < 1000):
-            t0 = time.perf_counter()
+        clock = time.process_time
+        t_end = clock() + cfg.warmup_ms / 1000
+        while clock() < t_end:  # warm-up beyond the first call: caches, allocator, frequency
             step()
-            times.append((time.perf_counter() - t0) * 1000)
+        times = []
+        gc.collect()
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            deadline = clock() + cfg.rep_ms / 1000
+            while len(times) < cfg.min_runs or (clock() < deadline and len(times) < 1000):
+                t0 = clock()
+                step()
+                times.append((clock() - t0) * 1000)
+        finally:
+            if gc_was_on:
+                gc.enable()
         ms = statistics.median(times)
     n_sets = len(steps)
     del steps, step, first
     return Measurement(ms=ms, peak_bytes=peak, n_sets=n_sets, prep_ms=prep_ms, first_ms=first_ms,
-                       after=None if after is None else after(ctx))
+                       after=None if after is None else after(ctx), samples=None if cuda else times)
