@@ -369,6 +369,7 @@ class _Stopper:
     """
 
     MARGIN, RESERVE_S, END_ZONE_STEPS = 1.25, 2.0, 20
+    clock = staticmethod(time.monotonic)  # deadlines and the durations that predict them (tests inject one)
 
     def __init__(self, deadline: float | None, timing: dict | None = None):
         self.deadline, self.signal = deadline, None
@@ -395,7 +396,7 @@ class _Stopper:
         os.kill(os.getpid(), signum)
 
     def left_s(self) -> float:
-        return math.inf if self.deadline is None else self.deadline - time.monotonic()
+        return math.inf if self.deadline is None else self.deadline - self.clock()
 
     def in_end_zone(self) -> bool:
         step_s = self.timing["step_s"] or 0.0
@@ -517,7 +518,8 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
     continues exactly where it stopped. Every segment of a run split over commands is listed in
     ``summary["segments"]`` (step range, wall time, how it ended, host, command line).
     """
-    t_start = time.perf_counter()
+    clock = _Stopper.clock  # every duration of a run (logs, stopping predictions) on the deadline's clock
+    t_start = clock()
     started_at = _now_iso()
     rank, world, device = _dist_setup(device)
     lead = rank == 0
@@ -633,7 +635,7 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
 
     def segment(end: str) -> dict:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        return {"start_step": start_step, "end_step": step, "wall_s": time.perf_counter() - t_start, "started": started_at,
+        return {"start_step": start_step, "end_step": step, "wall_s": clock() - t_start, "started": started_at,
                 "ended": _now_iso(), "end": end, "host": platform.node(), "device": str(device), "gpu": gpu,
                 "world_size": world, "resumed_from": resume, "command": shlex.join(sys.argv)}
 
@@ -643,7 +645,7 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
 
     def save_full(end: str) -> None:
         """last.pt: everything the next command needs to continue as if this one had gone on."""
-        t0 = time.perf_counter()
+        t0 = clock()
         rngs = _gather(_rng_state(), world)  # every rank takes part
         if lead:
             obj = {"model": model.state_dict(), "step": step, "config": cfg.to_dict(), "best": best,
@@ -653,15 +655,15 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
                    "best_model": best_state, "logs": logs.sizes(), "segments": segments + [segment(end)],
                    "timing": stopper.timing}
             _atomic_save(obj, ckpt_dir / "last.pt")
-        stopper.timing["save_s"] = time.perf_counter() - t0
+        stopper.timing["save_s"] = clock() - t0
 
     def validate_now() -> dict:
         nonlocal best, best_state
-        t0 = time.perf_counter()
+        t0 = clock()
         r = evaluate(model, datasets["val"], **eval_kw)
-        stopper.timing["eval_batch_s"] = (time.perf_counter() - t0) / max(1, val_batches)
+        stopper.timing["eval_batch_s"] = (clock() - t0) / max(1, val_batches)
         logs.write("eval", {"step": step, "split": "val", "weights": "current", **r,
-                            "time_s": t_offset + time.perf_counter() - t_start})
+                            "time_s": t_offset + clock() - t_start})
         better = (best["step"] is None or r["loss"] < best["loss"]) if denoise else r["acc"] > best["acc"]
         if better:
             best = ({"loss": r["loss"], "acc": r["acc"], "step": step} if denoise
@@ -683,7 +685,7 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
     bar = Progress(stop, desc, disable=not (lead and show_progress))
     bar.n = step
     window = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, count, grad-norm sum
-    win_steps, t_last, paused = 0, time.perf_counter(), 0.0  # paused: eval / checkpoint time, not step time
+    win_steps, t_last, paused = 0, clock(), 0.0  # paused: eval / checkpoint time, not step time
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     net.train()
@@ -702,7 +704,7 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
             if stopped_by is not None:
                 break
             end_zone = stopper.deadline is not None and stopper.in_end_zone()
-            t_step = time.perf_counter()
+            t_step = clock()
             b = next(batches)
             tokens, lengths = b["tokens"].to(device, non_blocking=True), b["lengths"].to(device, non_blocking=True)
             if denoise:  # the mask comes from torch's generator on the device: checkpointed with the run
@@ -733,13 +735,13 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
             if end_zone or step == start_step + 1:  # near the deadline (or no estimate yet): time this very step
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                stopper.timing["step_s"] = time.perf_counter() - t_step
+                stopper.timing["step_s"] = clock() - t_step
 
             postfix = None
             if step % tc.log_every == 0 or step == stop:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                now = time.perf_counter()
+                now = clock()
                 if world > 1:
                     dist.all_reduce(window)
                 ls, correct, count, gsum = window.tolist()
@@ -755,7 +757,7 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
                 postfix = f"loss {rec['loss']:.3f} acc {rec['acc']:.3f} lr {rec['lr']:.2e} {rec['step_ms']:.0f} ms/step"
                 window.zero_()
                 win_steps, t_last, paused = 0, now, 0.0
-            t_pause = time.perf_counter()
+            t_pause = clock()
             if is_eval_step(step):
                 r = validate_now()
                 if denoise:
@@ -765,7 +767,7 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
                 postfix = (postfix or bar.postfix) + shown
             if step % tc.save_every == 0 or step == stop:
                 save_full("done" if step == tc.steps else "max_steps" if step == stop else "checkpoint")
-            paused += time.perf_counter() - t_pause
+            paused += clock() - t_pause
             bar.update(1, postfix=postfix)
         if stopped_by is not None and not (resume and step == start_step):  # (nothing to save if no step ran)
             save_full(stopped_by)
@@ -796,12 +798,12 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
                 model.load_state_dict(state)
                 r = evaluate(model, datasets["test"], **eval_kw)
                 logs.write("eval", {"step": step, "split": "test", "weights": weights, **r,
-                                    "time_s": t_offset + time.perf_counter() - t_start})
+                                    "time_s": t_offset + clock() - t_start})
                 summary[f"test_{weights}"] = r
             model.load_state_dict(now_state)
     summary["segments"] = segments + [segment(stopped_by or ("done" if step == tc.steps else "max_steps"))]
     summary["resumed_from"] = resume
-    summary["wall_s"] = time.perf_counter() - t_start  # this command
+    summary["wall_s"] = clock() - t_start  # this command
     summary["wall_s_total"] = sum(seg["wall_s"] for seg in summary["segments"])  # every command of the run
     if lead:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -878,7 +880,7 @@ def _cmd_train(args) -> int:
     when a signal or --time-limit ended it early with a checkpoint to ``--resume`` from."""
     from sparseflash.cli import check_output_dir
 
-    deadline = time.monotonic() + 60 * args.time_limit if args.time_limit else None
+    deadline = _Stopper.clock() + 60 * args.time_limit if args.time_limit else None
     cfg = config_from_args(args)
     check_output_dir(args.out)
     summary = train(cfg, args.out, data_root=args.data, cache_dir=args.cache_dir, device=args.device,
