@@ -121,10 +121,41 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_ke
             key_lengths_range(key_lengths, Nk)
 
 
+def _check_softcap(softcap) -> float | None:
+    """``softcap`` as a float, or None (off)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float > 0 or None (off), got {softcap!r}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be a finite float > 0 (the cap of softcap * tanh(score / softcap)) or None "
+                         f"(off), got {softcap!r}")
+    return float(softcap)
+
+
+def _check_alibi_slopes(slopes, batch: int, heads_q: int, device) -> torch.Tensor | None:
+    """``alibi_slopes`` validated: a float32 / float64 tensor ``[heads_q]`` or ``[batch, heads_q]``
+    on q's device, returned as ``[1 or batch, heads_q]``, detached (no gradient), or None."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a float32 torch.Tensor [heads_q] or [batch, heads_q], "
+                        f"got {type(slopes).__name__}")
+    if slopes.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"alibi_slopes must have dtype float32 (or float64), got {slopes.dtype}")
+    if slopes.shape not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"alibi_slopes must have shape [heads_q] = [{heads_q}] or [batch, heads_q] = "
+                         f"[{batch}, {heads_q}] (one slope per query head), got {tuple(slopes.shape)}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on q's device {device}, got {slopes.device}")
+    return slopes.detach().reshape(-1, heads_q)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | None = None, *,
               causal: bool = False, scale: float | None = None, key_lengths: torch.Tensor | None = None,
               return_lse: bool = False, dropout_p: float = 0.0, generator: torch.Generator | None = None,
-              segment_ids=None, key_ranges: torch.Tensor | None = None, backend: str = "auto",
+              segment_ids=None, key_ranges: torch.Tensor | None = None, softcap: float | None = None,
+              alibi_slopes: torch.Tensor | None = None, backend: str = "auto",
               check_key_lengths: bool | None = None):
     """Block-sparse (or dense) scaled dot-product attention.
 
@@ -167,6 +198,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             mask, ``causal`` and ``key_lengths``; block pairs no range reaches are skipped). Flash-attn's
             varlen sequences, causal bottom-right aligned in each one:
             `sparseflash.segments.key_ranges_from_cu_seqlens`. Not combined with ``segment_ids``.
+        softcap: a float > 0: each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``
+            (Gemma 2's soft-capping), in the kernels forward and backward. ``None``: off. Each
+            value compiles its own kernel variant (a model uses one or two).
+        alibi_slopes: a float32 tensor ``[heads_q]`` or ``[batch, heads_q]``: ALiBi,
+            ``-slope[b, h] * |i + seq_k - seq_q - j|`` added to the (soft-capped) score of query
+            ``i`` and key ``j``, as flash-attn defines it. The slopes get no gradient.
+            Both combine with every option above (calls with either take the portable kernels,
+            not the Hopper ones nor the short path of repeated calls).
         backend: ``"auto"`` (CUDA, or CPU with ``TRITON_INTERPRET=1`` -> ``"triton"``; CPU ->
             ``"reference"``), ``"triton"`` or ``"reference"``.
 
@@ -176,8 +215,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     """
     if mask is not None and mask.__class__ is not BlockMask:
         mask = as_block_mask(mask)  # torch's FlexAttention BlockMask, converted; anything else raises
-    if segment_ids is None and key_ranges is None and not return_lse and (backend == "auto" or backend == "triton") \
-            and generator is None and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0:
+    if segment_ids is None and key_ranges is None and softcap is None and alibi_slopes is None and not return_lse \
+            and (backend == "auto" or backend == "triton") and generator is None \
+            and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0:
         # the short path of a repeated eager call (sparseflash.flash.fast): a known key skips validation
         # and planning; a new one is validated here first. None: a call it does not take.
         fast = _FAST or _fast_module()
@@ -194,6 +234,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
     ranges = check_key_ranges(key_ranges, q.shape[0], q.shape[2], k.shape[2], q.device)
+    softcap = _check_softcap(softcap)
+    slopes = _check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[1], q.device)
     if segments is not None and ranges is not None:
         raise ValueError("segment_ids and key_ranges cannot be combined: give documents as key ranges "
                          "(sparseflash.segments.key_ranges_from_cu_seqlens) or as segment ids")
@@ -213,7 +255,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
 
         return reference.attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
                                    return_lse=return_lse, dropout_p=dropout_p, dropout_keep=keep,
-                                   segment_ids=segments, key_ranges=key_ranges)
+                                   segment_ids=segments, key_ranges=key_ranges, softcap=softcap,
+                                   alibi_slopes=slopes)
 
     if q.device.type == "cpu" and _interpreting() and not torch.compiler.is_compiling():
         from sparseflash._compat import check_interpreter_versions
@@ -225,4 +268,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
 
     return flash_attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
                            return_lse=return_lse, dropout_p=dropout_p, generator=generator, segments=segments,
-                           key_ranges=ranges)
+                           key_ranges=ranges, softcap=softcap, alibi_slopes=slopes)

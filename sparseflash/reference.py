@@ -7,6 +7,9 @@ Semantics (identical to the Triton kernels):
   ``j < key_lengths[b]``, and with ``segment_ids`` ``seg_q[b, i] == seg_k[b, j]`` (packed
   documents; `sparseflash.segments` states the conventions), and with ``key_ranges``
   ``key_ranges[b, i, 0] <= j < key_ranges[b, i, 1]``;
+- the score of an attended pair is ``s = scale * q_i . k_j``, then with ``softcap``
+  ``s = softcap * tanh(s / softcap)``, then with ``alibi_slopes``
+  ``s = s - slope[b, h] * |i + seq_k - seq_q - j|`` (flash-attn's definitions, in that order);
 - query head ``h`` reads key/value head ``h // (heads_q // heads_kv)`` (GQA / MQA);
 - a query row that attends to nothing returns 0, its log-sum-exp is ``-inf``, and it passes
   zero gradient; nothing is NaN;
@@ -61,9 +64,24 @@ def _token_mask_rows(mask: BlockMask | None, rows: torch.Tensor, seq_k: int, cau
     return allowed
 
 
-def _chunk(q, k, v, allowed, scale, keep, dropout_p):
-    """Attention for one chunk of query rows, in q's (float32/64) dtype. Returns (out, lse)."""
+def _alibi_rows(slopes: torch.Tensor, rows: torch.Tensor, seq_k: int, seq_q: int, dtype) -> torch.Tensor:
+    """ALiBi's bias ``-slope[b, h] * |i + seq_k - seq_q - j|`` of the given query rows, ``[B or 1, Hq,
+    len(rows), seq_k]`` in ``dtype`` (``slopes``: ``[Hq]`` or ``[B, Hq]``)."""
+    cols = torch.arange(seq_k, device=rows.device)
+    dist = (rows[:, None] + (seq_k - seq_q) - cols[None, :]).abs().to(dtype)  # [R, seq_k]
+    sl = slopes.detach().to(device=rows.device, dtype=dtype)
+    sl = sl.view(1, -1) if sl.dim() == 1 else sl
+    return -sl[:, :, None, None] * dist
+
+
+def _chunk(q, k, v, allowed, scale, keep, dropout_p, softcap=None, bias=None):
+    """Attention for one chunk of query rows, in q's (float32/64) dtype. Returns (out, lse).
+    ``softcap``: tanh soft-capping of the scaled scores; ``bias``: added after it (ALiBi)."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, R, N]
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
@@ -81,7 +99,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
               causal: bool = False, scale: float | None = None, key_lengths: torch.Tensor | None = None,
               return_lse: bool = False, dropout_p: float = 0.0, dropout_keep: torch.Tensor | None = None,
               chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None, segment_ids=None,
-              key_ranges: torch.Tensor | None = None):
+              key_ranges: torch.Tensor | None = None, softcap: float | None = None,
+              alibi_slopes: torch.Tensor | None = None):
     """Reference block-sparse attention. Shapes as `sparseflash.attention`; no input validation
     beyond what the computation needs (`sparseflash.attention` validates).
 
@@ -90,6 +109,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     ``(q [B or 1, seq_q], kv [B or 1, seq_k])``; pairs of different ids are not attended.
     ``key_ranges``: an integer tensor ``[B or 1, seq_q, 2]``; query i attends only keys
     ``key_ranges[b, i, 0] <= j < key_ranges[b, i, 1]``.
+    ``softcap`` (a float > 0): scores become ``softcap * tanh(s / softcap)``; ``alibi_slopes``
+    (``[Hq]`` or ``[B, Hq]``, no gradient): ``- slope * |i + seq_k - seq_q - j|`` is added after.
     ``compute_dtype`` overrides the float32 / float64 computation (e.g. ``q.dtype`` to measure
     what the same computation in bf16 costs in accuracy, as the tests do).
     Returns ``out`` or ``(out, lse)`` with ``lse`` float32 ``[B, Hq, seq_q]``.
@@ -117,7 +138,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         rows = torch.arange(r0, min(Nq, r0 + chunk_rows), device=q.device)
         allowed = _token_mask_rows(mask, rows, Nk, causal, Nq, key_lengths, q.device, segments, key_ranges)
         keep = None if dropout_keep is None else dropout_keep[:, :, r0 : r0 + len(rows)]
-        args = (qc[:, :, r0 : r0 + len(rows)], kc, vc, allowed, scale, keep, dropout_p)
+        bias = None if alibi_slopes is None else _alibi_rows(alibi_slopes, rows, Nk, Nq, compute)
+        args = (qc[:, :, r0 : r0 + len(rows)], kc, vc, allowed, scale, keep, dropout_p, softcap, bias)
         if needs_grad and chunk_rows < Nq:
             o, lse = torch.utils.checkpoint.checkpoint(_chunk, *args, use_reentrant=False)
         else:

@@ -9,6 +9,10 @@ Dropout bits are keyed by (seed_lo, seed_hi, offset), an int64 [3] tensor on the
 that the forward op draws from torch's generator when none is passed (`sparseflash.dropout.draw_rng`)
 and returns for backward; the kernels read it from memory, so CUDA graphs replay fresh draws.
 Without dropout an eager call makes none (`_fwd_eager`); the op returns a placeholder.
+
+Score modifications: ``softcap`` (a float, 0 off) and ``slopes`` (ALiBi, float32 [1 or B, Hq] or
+None; no gradient) ride along both ops; the launchers take them as `launch.with_alibi`'s ``seg``
+and their ``softcap``.
 """
 
 from __future__ import annotations
@@ -47,21 +51,21 @@ def _work(q: Tensor, k: Tensor, density: float) -> float:
 def _fwd_eager(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int, dropout_p: float,
-               density: float) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+               density: float, slopes: Optional[Tensor], softcap: float) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The forward outside torch.compile: without dropout no rng tensor (None: nothing reads it),
     so an eager call allocates only its outputs."""
     rng = _rng_draw(rng, q.device) if dropout_p > 0.0 else None
     o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None, dropout_p, rng,
-                        work=_work(q, k, density), seg=_seg(seg_q, seg_k))
+                        work=_work(q, k, density), seg=_seg(seg_q, seg_k, slopes), softcap=softcap)
     return o, lse, rng
 
 
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int, dropout_p: float,
-               density: float) -> tuple[Tensor, Tensor, Tensor]:
+               density: float, slopes: Optional[Tensor], softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     o, lse, rng = _fwd_eager(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-                             dropout_p, density)
+                             dropout_p, density, slopes, softcap)
     if rng is None:  # an op returns tensors: a placeholder, never read
         rng = torch.empty(3, dtype=torch.int64, device=q.device)
     return o, lse, rng
@@ -71,7 +75,8 @@ _flash_fwd = torch.library.custom_op("sparseflash::flash_fwd", _fwd_impl, mutate
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk, dropout_p, density):
+def _(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk, dropout_p, density, slopes,
+      softcap):
     B, Hq, Nq, _ = q.shape
     return (torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32),
             torch.empty(3, dtype=torch.int64, device=q.device))
@@ -81,9 +86,10 @@ def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
                kv_idx: Optional[Tensor], q_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int,
-               dropout_p: float, density: float) -> tuple[Tensor, Tensor, Tensor]:
+               dropout_p: float, density: float, slopes: Optional[Tensor], softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     return launch.bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale, causal,
-                      mask_bq or None, mask_bk or None, dropout_p, rng, work=_work(q, k, density), seg=_seg(seg_q, seg_k))
+                      mask_bq or None, mask_bk or None, dropout_p, rng, work=_work(q, k, density),
+                      seg=_seg(seg_q, seg_k, slopes), softcap=softcap)
 
 
 _flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutates_args=())
@@ -91,7 +97,7 @@ _flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutate
 
 @_flash_bwd.register_fake
 def _(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-      dropout_p, density):
+      dropout_p, density, slopes, softcap):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -103,7 +109,9 @@ def _op(custom, impl):
 
 class FlashAttentionFunction(torch.autograd.Function):
     """o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale,
-    causal, mask_bq, mask_bk, dropout_p, density); lse holds +inf for rows that attend to nothing.
+    causal, mask_bq, mask_bk, dropout_p, density[, slopes, softcap]); lse holds +inf for rows that
+    attend to nothing. ``slopes``: ALiBi's float32 [1 or B, Hq] or None (no gradient); ``softcap``:
+    a float, 0 off.
     ``seg_q``, ``seg_k``: int32 segment ids [1 or B, seq] (packed documents) or None; ``seg_q`` with
     ``seg_k`` None: the int32 key-range table [1 or B, 2, seq_q] (`sparseflash.segments.check_key_ranges`).
     ``density``: the mask's fraction of on blocks (1 dense, -1 unknown), for the launchers'
@@ -111,32 +119,35 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-                dropout_p, density):
+                dropout_p, density, slopes=None, softcap=0.0):
         o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_eager)(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k,
-                                                                       scale, causal, mask_bq, mask_bk, dropout_p, density)
-        ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k)
-        ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p, density)
+                                                                       scale, causal, mask_bq, mask_bk, dropout_p, density,
+                                                                       slopes, softcap)
+        ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes)
+        ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p, density, softcap)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k = ctx.saved_tensors
-        scale, causal, mask_bq, mask_bk, dropout_p, density = ctx.params
+        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes = ctx.saved_tensors
+        scale, causal, mask_bq, mask_bk, dropout_p, density, softcap = ctx.params
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, _bwd_impl)(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths,
                                                                      rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-                                                                     dropout_p, density)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
+                                                                     dropout_p, density, slopes, softcap)
+        # one gradient per input given to apply (slopes and softcap may be left out)
+        return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
-def _seg(seg_q: Optional[Tensor], seg_k: Optional[Tensor]):
+def _seg(seg_q: Optional[Tensor], seg_k: Optional[Tensor], slopes: Optional[Tensor] = None):
     """The launchers' ``seg``: segment ids (seg_q, seg_k), or with seg_k None the key-range table
-    seg_q (`launch.KeyRanges`)."""
-    if seg_q is None:
-        return None
-    return launch.KeyRanges((seg_q, seg_q)) if seg_k is None else (seg_q, seg_k)
+    seg_q (`launch.KeyRanges`); with ALiBi ``slopes`` a `launch.Alibi` holding them too."""
+    seg = None
+    if seg_q is not None:
+        seg = launch.KeyRanges((seg_q, seg_q)) if seg_k is None else (seg_q, seg_k)
+    return launch.with_alibi(seg, slopes)
 
 
 # Block size of the lists that segments alone (mask=None) prune to: the tiles the kernels are
@@ -195,10 +206,12 @@ def _check_runnable(q: Tensor) -> None:
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = None, *, causal: bool = False,
                     scale: float, key_lengths: Tensor | None = None, return_lse: bool = False,
                     dropout_p: float = 0.0, generator: torch.Generator | None = None,
-                    segments: tuple[Tensor, Tensor] | None = None, key_ranges: Tensor | None = None):
+                    segments: tuple[Tensor, Tensor] | None = None, key_ranges: Tensor | None = None,
+                    softcap: float | None = None, alibi_slopes: Tensor | None = None):
     """The Triton path of `sparseflash.attention` (inputs already validated there; ``segments``:
     the int32 (seg_q, seg_k) of `sparseflash.segments.check_segment_ids`; ``key_ranges``: the
-    int32 table of `sparseflash.segments.check_key_ranges`; not both)."""
+    int32 table of `sparseflash.segments.check_key_ranges`; not both; ``softcap`` a float > 0 or
+    None; ``alibi_slopes`` [1 or B, Hq] or None)."""
     _check_runnable(q)
     density = 1.0
     seg_q = seg_k = None
@@ -227,8 +240,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
         v = v.view_as(v)
     if seg_k is not None and seg_k is seg_q:
         seg_k = seg_k.view_as(seg_k)
+    slopes = None if alibi_slopes is None else alibi_slopes.detach().to(torch.float32).contiguous()
     o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal,
-                                          mask_bq, mask_bk, float(dropout_p), float(density))
+                                          mask_bq, mask_bk, float(dropout_p), float(density), slopes,
+                                          float(softcap or 0.0))
     if return_lse:
         return o, torch.where(lse == float("inf"), float("-inf"), lse)
     return o

@@ -42,6 +42,15 @@ flash-attn's varlen sequences with causal bottom-right aligned in each one
 (`sparseflash.segments.key_ranges_from_cu_seqlens`). Block pairs no range reaches are pruned from
 the lists per call (`function.segment_lists`).
 
+Score modifications (compiled out when off; flash-attn's definitions, in this order, on the
+scaled score s of every computed pair before any mask): SOFTCAP > 0 (a constexpr: one variant per
+cap) makes ``s = SOFTCAP * tanh(s / SOFTCAP)``; ALIBI adds ``-slope[b, h] * |i + seq_k - seq_q - j|``
+with the float32 slopes [B or 1, H_Q] in the SEG_K pointer slot (batch stride stride_skb), one
+load per program (per query head in dK/dV). With SEGMENTS too, the query and key ids then come
+packed in SEG_Q as one int32 table [B', seq_q + seq_k] (key ids at SEG_Q + seq_q). Backward
+recomputes both (nothing stored) and multiplies dS by tanh's derivative ``1 - tanh^2``; the
+slopes get no gradient. `_score_mod` does both, in the log2 domain of the scores.
+
 Dropout (optional, compiled out when off): keep(i, j) is decided by Philox4x32-7 keyed by the
 seed; one call decides the 16 elements {i, i + 8} x {j, j + 1, j + 8, j + 9, ..., j + 24, j + 25},
 which one thread holds in the accumulator layout of a [queries, keys] tile, so the forward and dQ
@@ -60,6 +69,7 @@ import os
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -309,13 +319,17 @@ def _seg_other(p_seg, start, o_t, seq, own_lo, own_hi):
 
 
 @triton.jit
-def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, SEGMENTS: tl.constexpr):
+def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, SEGMENTS: tl.constexpr,
+              ALIBI: tl.constexpr = False):
     """For a program holding q tile o_m (forward, dQ): its segment ids [BLOCK_M], their range over
-    the real rows, and the key ids' row pointer. Without SEGMENTS placeholders."""
+    the real rows, and the key ids' row pointer (ALIBI: packed after the query ids in SEG_Q).
+    Without SEGMENTS placeholders."""
     if SEGMENTS:
         m_row = o_m < seq_q
         b_sq = tl.load(SEG_Q + i_b * stride_sqb + o_m, mask=m_row, other=0)
         sq_lo, sq_hi = _seg_range(b_sq, m_row)
+        if ALIBI:
+            return b_sq, sq_lo, sq_hi, SEG_Q + i_b * stride_sqb + seq_q
         return b_sq, sq_lo, sq_hi, SEG_K + i_b * stride_skb
     else:
         return tl.zeros([BLOCK_M], dtype=tl.int32), 0, 0, SEG_K
@@ -331,6 +345,48 @@ def _range_rows(SEG_Q, stride_sqb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, KEY_R
         return tl.load(p + o_m, mask=m_row, other=0), tl.load(p + seq_q + o_m, mask=m_row, other=0)
     else:
         return tl.zeros([BLOCK_M], dtype=tl.int32), tl.zeros([BLOCK_M], dtype=tl.int32)
+
+
+# ----------------------------------------------------------------------------- score modifications
+@triton.jit
+def _tanh(x):
+    """tanh of fp32 x: libdevice's on the GPU; the interpreter has no libdevice, so there from exp
+    in float64 (as accurate, rounded to fp32)."""
+    if INTERPRET:
+        e = tl.math.exp(-2.0 * tl.abs(x.to(tl.float64)))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0.0, -t, t).to(tl.float32)
+    else:
+        return libdevice.tanh(x)
+
+
+@triton.jit
+def _alibi_slope(SLOPES, stride_slb, i_b, i_h, ALIBI: tl.constexpr):
+    """ALiBi's slope of batch i_b, query head i_h times log2(e) (ALIBI: float32 [B or 1, H_Q], batch
+    stride stride_slb); 0 without ALIBI."""
+    if ALIBI:
+        return tl.load(SLOPES + i_b * stride_slb + i_h) * LOG2E
+    else:
+        return 0.0
+
+
+@triton.jit
+def _score_mod(b_s, o_m, o_kn, slope2, causal_off, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TRANS: tl.constexpr):
+    """Scores in the log2 domain (b_s = s * log2(e), [BLOCK_M, BLOCK_N]; TRANS: [BLOCK_N, BLOCK_M]) of
+    queries o_m and keys o_kn (absolute positions), soft-capped (SOFTCAP > 0) then with ALiBi's bias
+    (ALIBI; slope2 = slope * log2(e)). Returns (scores, tanh of the capped argument: backward's
+    derivative is 1 - tanh^2; b_s itself without SOFTCAP, unused then). Both off: b_s unchanged."""
+    b_t = b_s
+    if SOFTCAP > 0:
+        b_t = _tanh(b_s * (1.0 / (SOFTCAP * LOG2E)))
+        b_s = b_t * (SOFTCAP * LOG2E)
+    if ALIBI:
+        if TRANS:
+            dist = o_m[None, :] + causal_off - o_kn[:, None]  # [BLOCK_N, BLOCK_M]
+        else:
+            dist = o_m[:, None] + causal_off - o_kn[None, :]  # [BLOCK_M, BLOCK_N]
+        b_s = b_s - slope2 * tl.abs(dist).to(tl.float32)
+    return b_s, b_t
 
 
 # ----------------------------------------------------------------------------- forward
@@ -356,12 +412,12 @@ def _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.cons
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh,
-               DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi,
+               DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
                MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
                GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr,
-               KEY_RANGES: tl.constexpr):
+               KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     # TMA: K/V tiles come through 4-D tensor descriptors (Hopper's bulk copies) at (i_b, i_hk,
     # start_n); rows past seq_k and columns past HEAD_DIM read as zeros, as the pointer loads'
     # masks give. With TMA the kernel runs one loop (MASKED), applying the element mask from tile
@@ -382,6 +438,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         else:
             b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+        b_s, _ = _score_mod(b_s, o_m, start_n + o_n, slope2, causal_off, SOFTCAP, ALIBI, False)  # before any -inf
         if SEGMENTS:  # packed documents: keys of another segment are not attended (mixed tiles only)
             b_sk, mixed = _seg_other(p_sk, start_n, o_n, seq_k, sq_lo, sq_hi)
             if mixed:
@@ -430,13 +487,15 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stri
                 MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                 DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False,
-                SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False):
+                SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
+                ALIBI: tl.constexpr = False):
     """DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
     [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are unused placeholders.
     SEG_Q, SEG_K (SEGMENTS): int32 segment ids [B or 1, seq] (batch strides stride_sqb, stride_skb,
     0 when shared); keys whose id differs from the query's are not attended.
     KEY_RANGES (instead of SEGMENTS): SEG_Q is an int32 table [B or 1, 2, seq_q] (batch stride
-    stride_sqb) of each query's key range: query i attends keys start[i] <= j < end[i] only."""
+    stride_sqb) of each query's key range: query i attends keys start[i] <= j < end[i] only.
+    SOFTCAP, ALIBI: the score modifications (module docstring); ALIBI's slopes in SEG_K."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -461,8 +520,9 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stri
         q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS)
+    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS, ALIBI)
     b_rlo, b_rhi = _range_rows(SEG_Q, stride_sqb, i_b, o_m, seq_q, BLOCK_M, KEY_RANGES)
+    slope2 = _alibi_slope(SEG_K, stride_skb, i_b, i_h, ALIBI)
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
@@ -476,16 +536,16 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stri
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end,
                                    causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
                                    DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full, b_sq, sq_lo, sq_hi, p_sk,
-                                   b_rlo, b_rhi,
+                                   b_rlo, b_rhi, slope2,
                                    False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                   GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES)
+                                   GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
         j_lo = j_full
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end,
                                causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
                                DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full, b_sq, sq_lo, sq_hi, p_sk,
-                               b_rlo, b_rhi,
+                               b_rlo, b_rhi, slope2,
                                True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                               GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES)
+                               GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc * (drop_scale / l_safe)[:, None]
@@ -500,11 +560,11 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stri
 @triton.jit
 def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
                 stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
-                DESC_Q, DESC_DO, i_b, i_h, j_mask, b_sk, sk_lo, sk_hi, p_sq,
+                DESC_Q, DESC_DO, i_b, i_h, j_mask, b_sk, sk_lo, sk_hi, p_sq, slope2,
                 MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, Q_ROWS: tl.constexpr, MASK_BQ: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 DOT_PREC: tl.constexpr, GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr,
-                SEGMENTS: tl.constexpr, KEY_RANGES: tl.constexpr):
+                SEGMENTS: tl.constexpr, KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     # TMA: Q and dO tiles through descriptors (rows past seq_q read as zeros) in one loop that
     # applies the causal mask (MASKED) only below tile j_mask.
     m_d = o_d < HEAD_DIM
@@ -521,7 +581,9 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
         # (the loads of dO and delta stay after the first dot in each branch: hoisted above it, the
         # d=128 kernel spills more in an sm_90 compile, 112 bytes instead of 72)
         if Q_ROWS:  # [queries, keys] tiles, as the forward's: P^T and dS^T go to the MMAs via shared memory
-            b_p = tl.math.exp2(_dot(b_q, tl.trans(b_k), None, DOT_PREC) * qk_scale - b_lse[:, None])  # [BLOCK_M, BLOCK_N]
+            b_s = _dot(b_q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+            b_s, b_t = _score_mod(b_s, o_m, o_n, slope2, causal_off, SOFTCAP, ALIBI, False)
+            b_p = tl.math.exp2(b_s - b_lse[:, None])
             if MASKED:
                 if (not TMA) or j < j_mask:
                     b_p = tl.where(o_n[None, :] <= o_m[:, None] + causal_off, b_p, 0.0)
@@ -546,9 +608,13 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
             dv = _dot(tl.trans(b_pd.to(b_do.dtype)), b_do, dv, DOT_PREC)
             b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
             b_ds = b_p * (b_dp - b_delta[:, None])
+            if SOFTCAP > 0:  # through the cap: d(cap * tanh(s / cap)) / ds = 1 - tanh^2
+                b_ds = b_ds * (1.0 - b_t * b_t)
             dk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, dk, DOT_PREC)
         else:  # [keys, queries] tiles: P^T and dS^T are MMA operands straight from registers
-            b_pT = tl.math.exp2(_dot(b_k, tl.trans(b_q), None, DOT_PREC) * qk_scale - b_lse[None, :])  # [BLOCK_N, BLOCK_M]
+            b_sT = _dot(b_k, tl.trans(b_q), None, DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+            b_sT, b_tT = _score_mod(b_sT, o_m, o_n, slope2, causal_off, SOFTCAP, ALIBI, True)
+            b_pT = tl.math.exp2(b_sT - b_lse[None, :])
             if MASKED:
                 if (not TMA) or j < j_mask:
                     b_pT = tl.where(o_n[:, None] <= o_m[None, :] + causal_off, b_pT, 0.0)
@@ -573,6 +639,8 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
             dv = _dot(b_pdT.to(b_do.dtype), b_do, dv, DOT_PREC)
             b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
             b_dsT = b_pT * (b_dpT - b_delta[None, :])
+            if SOFTCAP > 0:
+                b_dsT = b_dsT * (1.0 - b_tT * b_tT)
             dk = _dot(b_dsT.to(b_q.dtype), b_q, dk, DOT_PREC)
     return dk, dv
 
@@ -593,9 +661,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
                      MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                      DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                      DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1,
-                     TMA: tl.constexpr = False, SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False):
+                     TMA: tl.constexpr = False, SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False,
+                     SOFTCAP: tl.constexpr = 0.0, ALIBI: tl.constexpr = False):
     """DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA unused placeholders. SEG_Q, SEG_K (SEGMENTS, KEY_RANGES): as the forward's."""
+    without TMA unused placeholders. SEG_Q, SEG_K (SEGMENTS, KEY_RANGES, ALIBI): as the forward's."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -625,7 +694,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
         kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
     causal_off = seq_k - seq_q
     if SEGMENTS:  # this k tile's ids, their range over the real keys, and the query ids' row
-        b_sk = tl.load(SEG_K + i_b * stride_skb + o_n, mask=o_n < seq_k, other=0)
+        if ALIBI:  # the key ids packed after the query ids (SEG_K holds the slopes)
+            b_sk = tl.load(SEG_Q + i_b * stride_sqb + seq_q + o_n, mask=o_n < seq_k, other=0)
+        else:
+            b_sk = tl.load(SEG_K + i_b * stride_skb + o_n, mask=o_n < seq_k, other=0)
         sk_lo, sk_hi = _seg_range(b_sk, o_n < seq_k)
         p_sq = SEG_Q + i_b * stride_sqb
     else:
@@ -651,6 +723,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
             p_do = DO + i_b * stride_dob + i_h * stride_doh + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod
             p_lse = LSE + i_bh * seq_q
             p_delta = DELTA + i_bh * seq_q
+            slope2 = _alibi_slope(SEG_K, stride_skb, i_b, i_h, ALIBI)
             if DENSE:
                 p_idx = Q_IDX  # unused
                 b_list = tl.zeros([NB_P2], dtype=tl.int32)
@@ -673,14 +746,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
             dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_skip, j_hi, start_n, o_n, o_d,
                                  seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                  i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi, p_sq,
-                                 CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                 GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES)
+                                 slope2, CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
+                                 GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
             if not TMA:
                 dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_part, j_end, start_n, o_n,
                                      o_d, seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                      i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi,
-                                     p_sq, False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                     GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES)
+                                     p_sq, slope2, False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D,
+                                     DOT_PREC, GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
     m_keep = (o_n < kv_end)[:, None]
     dk = tl.where(m_keep, dk * sm_scale, 0.0)
@@ -694,12 +767,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
 @triton.jit
 def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
-              DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi,
+              DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
               MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
               GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr,
-              KEY_RANGES: tl.constexpr):
+              KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     # TMA: as in _fwd_inner, K/V through descriptors in one loop masking from tile j_mask on.
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
@@ -717,6 +790,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
             b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
             b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)
         b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+        b_s, b_t = _score_mod(b_s, o_m, start_n + o_n, slope2, causal_off, SOFTCAP, ALIBI, False)
         b_p = tl.math.exp2(b_s - b_lse[:, None])
         if MASKED:
             if (not TMA) or j >= j_mask:
@@ -733,6 +807,8 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
             keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
             b_dp = tl.where(keep, b_dp * drop_scale, 0.0)
         b_ds = b_p * (b_dp - b_delta[:, None])
+        if SOFTCAP > 0:  # through the cap: 1 - tanh^2
+            b_ds = b_ds * (1.0 - b_t * b_t)
         dq = _dot(b_ds.to(b_k.dtype), b_k, dq, DOT_PREC)
     return dq
 
@@ -753,7 +829,8 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN, SEG_Q,
                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
                    DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                    HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False,
-                   SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False):
+                   SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
+                   ALIBI: tl.constexpr = False):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
     DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
@@ -797,8 +874,9 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN, SEG_Q,
     tl.store(DELTA + p_row, b_delta, mask=o_m < seq_q)
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS)
+    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS, ALIBI)
     b_rlo, b_rhi = _range_rows(SEG_Q, stride_sqb, i_b, o_m, seq_q, BLOCK_M, KEY_RANGES)
+    slope2 = _alibi_slope(SEG_K, stride_skb, i_b, i_h, ALIBI)
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
@@ -811,14 +889,14 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN, SEG_Q,
     if not TMA:
         dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                        stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                       DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi,
+                       DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2,
                        False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA,
-                       SEGMENTS, KEY_RANGES)
+                       SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
         j_lo = j_full
     dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                    stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                   DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi,
+                   DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2,
                    True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA,
-                   SEGMENTS, KEY_RANGES)
+                   SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
     tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_q)

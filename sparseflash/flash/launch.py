@@ -477,14 +477,55 @@ class KeyRanges(tuple):
     KEY_RANGES; it takes the slot of the query segment ids)."""
 
 
+class Alibi(tuple):
+    """The ``seg`` of a call with ALiBi slopes: ``(table, slopes)``. ``slopes``: float32 [1 or B,
+    Hq], contiguous (the kernels' SEG_K slot); ``table`` (the SEG_Q slot): None, a `KeyRanges`
+    table (``inner`` "ranges"), or the segment ids packed as one int32 table [1 or B, Nq + Nk],
+    query ids then key ids (``inner`` "segments"). Made by `with_alibi`."""
+
+    def __new__(cls, table, slopes, inner):
+        self = super().__new__(cls, (table, slopes))
+        self.inner = inner
+        return self
+
+
+def with_alibi(seg, slopes: torch.Tensor | None):
+    """The ``seg`` of a call (None, segment ids (seg_q, seg_k), or a `KeyRanges`) with ALiBi
+    ``slopes`` ([1 or B, Hq]) added: an `Alibi` (``seg`` itself when ``slopes`` is None)."""
+    if slopes is None:
+        return seg
+    slopes = slopes.to(torch.float32).contiguous()
+    if seg is None:
+        return Alibi(None, slopes, None)
+    if isinstance(seg, KeyRanges):
+        return Alibi(seg[0], slopes, "ranges")
+    sq, sk = seg
+    b = max(sq.shape[0], sk.shape[0])
+    return Alibi(torch.cat([sq.expand(b, -1), sk.expand(b, -1)], dim=1), slopes, "segments")
+
+
+def _seg_pair(seg, placeholder: torch.Tensor) -> tuple:
+    """The tensors of the SEG_Q and SEG_K slots (the placeholder where a variant reads none)."""
+    if seg is None:
+        return placeholder, placeholder
+    sq, sk = seg
+    return placeholder if sq is None else sq, sk
+
+
 def _seg_args(seg, placeholder: torch.Tensor):
     """Kernel arguments of segment ids: (SEG_Q, SEG_K, their batch strides) and the constexpr
-    flags (SEGMENTS, and KEY_RANGES=True only when on, so other plans keep their kwargs).
-    ``seg``: None, int32 (seg_q [1 or B, Nq], seg_k [1 or B, Nk]) with unit last stride, or a
-    `KeyRanges`."""
+    flags (SEGMENTS, and KEY_RANGES=True / ALIBI=True only when on, so other plans keep their
+    kwargs). ``seg``: None, int32 (seg_q [1 or B, Nq], seg_k [1 or B, Nk]) with unit last stride,
+    a `KeyRanges`, or an `Alibi`."""
     if seg is None:
         return (placeholder, placeholder, 0, 0), dict(SEGMENTS=False)
     sq, sk = seg
+    if isinstance(seg, Alibi):
+        flags = dict(SEGMENTS=seg.inner == "segments", ALIBI=True)
+        if seg.inner == "ranges":
+            flags["KEY_RANGES"] = True
+        sq = placeholder if sq is None else sq
+        return (sq, sk, sq.stride(0) if sq.shape[0] > 1 else 0, sk.stride(0) if sk.shape[0] > 1 else 0), flags
     if isinstance(seg, KeyRanges):
         return (sq, sq, sq.stride(0) if sq.shape[0] > 1 else 0, 0), dict(SEGMENTS=False, KEY_RANGES=True)
     return (sq, sk, sq.stride(0) if sq.shape[0] > 1 else 0, sk.stride(0) if sk.shape[0] > 1 else 0), dict(SEGMENTS=True)
@@ -540,7 +581,7 @@ def _layout(t: torch.Tensor | None):
 
 
 def _seg_layout(seg):
-    return None if seg is None else (_layout(seg[0]), _layout(seg[1]), isinstance(seg, KeyRanges))
+    return None if seg is None else (_layout(seg[0]), _layout(seg[1]), type(seg).__name__, getattr(seg, "inner", None))
 
 
 def _frozen(tma_plan):
@@ -667,22 +708,24 @@ def _launch(plan: _Plan, tensors) -> tuple | None:
 
 
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
-        dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0, seg=None):
+        dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0, seg=None, softcap: float = 0.0):
     """Forward launch. Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows).
     ``rng``: the `sparseflash.dropout.draw_rng` tensor, read when dropout_p > 0. ``work``: the
     call's estimated forward FLOPs, -1 unknown (`_tma_plan`). ``seg``: int32 segment ids
-    (seg_q, seg_k), a `KeyRanges`, or None (`_seg_args`)."""
+    (seg_q, seg_k), a `KeyRanges`, an `Alibi` (`with_alibi`), or None (`_seg_args`). ``softcap``:
+    > 0 soft-caps the scores (the kernels' SOFTCAP). Calls with any of these take the portable
+    kernels (the Hopper ones have none of them)."""
     B, Hq, Nq, D = q.shape
-    if dropout_p <= 0.0 and seg is None and scale > 0.0:
+    if dropout_p <= 0.0 and seg is None and not softcap and scale > 0.0:
         lay = _hopper_layouts(q, k, v, mask_bq, mask_bk, work)
         if lay is not None:
             return hopper_fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, lay=lay)
     tma_plan = _tma_plan(_block_d(D), q, k, v, work=work)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
-    key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan)
+    key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan, softcap)
     plan = _plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
-                 tma_plan, seg)
+                 tma_plan, seg, softcap)
     rng = None if dropout_p <= 0.0 else _checked_rng(rng, q.device)
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
     descs = _tma_args(plan.cfg, tma_plan, _block_d(D), (q, bm), (k, bn), (v, bn))[0]  # (q, k, v) without TMA
@@ -749,10 +792,11 @@ def _hopper_layouts(q, k, v, mask_bq, mask_bk, work: float):
     return hopper.plan(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk)
 
 
-def _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan) -> tuple:
+def _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan,
+             softcap=0.0) -> tuple:
     return ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, _layout(kv_idx),
             None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
-            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), _state())
+            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), _state(), softcap)
 
 
 # The tensors of each kernel's launch in the order its plan's slots take them. Placeholders for
@@ -760,7 +804,7 @@ def _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, drop
 # the per-call tensors (`quick_fwd`, `quick_bwd`), so the order is written once.
 def _fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs) -> tuple:
     idx = q if kv_idx is None else kv_idx
-    sq, sk = (q, q) if seg is None else seg
+    sq, sk = _seg_pair(seg, q)
     return (q, k, v, o, lse, idx, idx if key_lengths is None else key_lengths, sq, sk, q if rng is None else rng,
             *descs)
 
@@ -775,7 +819,12 @@ def _dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, key_lengths, seg, rng,
             *descs)
 
 
-def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg):
+def _softcap_flag(softcap: float) -> dict:
+    """The SOFTCAP constexpr, passed only when on (other plans keep their kwargs)."""
+    return dict(SOFTCAP=float(softcap)) if softcap else {}
+
+
+def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg, softcap=0.0):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
@@ -790,57 +839,61 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
     kwargs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
                   DENSE=kv_idx is None, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-                  DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, **seg_flags)
+                  DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, **seg_flags,
+                  **_softcap_flag(softcap))
     return _Plan("_fwd_kernel", (_cdiv(Nq, cfg.block_m), B * Hq), args, kwargs, cfg, tma, q.device)
 
 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
         mask_bq: int | None, mask_bk: int | None, dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0,
-        seg=None):
+        seg=None, softcap: float = 0.0):
     """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv). The
     sm_90 calls the Hopper forward takes (`_hopper_layouts`) whose dO TMA can read run the one-pass
     Hopper backward instead (`hopper_bwd`; its MODE "auto" leaves block-sparse calls with short
-    column lists here, `hopper_bwd.LIST_MIN_BLOCKS`)."""
-    if dropout_p <= 0.0 and seg is None and scale > 0.0:
+    column lists here, `hopper_bwd.LIST_MIN_BLOCKS`). ``seg``, ``softcap``: as `fwd`'s."""
+    if dropout_p <= 0.0 and seg is None and not softcap and scale > 0.0:
         lays = _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work, q_idx is not None)
         if lays is not None:
             return hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, lays=lays)
     delta = _new(lse)
     args = (do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng)
-    dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse, work=work, seg=seg)
-    dk, dv = bwd_dkdv(*args, q_idx, work=work, seg=seg)
+    dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse, work=work, seg=seg, softcap=softcap)
+    dk, dv = bwd_dkdv(*args, q_idx, work=work, seg=seg, softcap=softcap)
     return dq, dk, dv
 
 
 def _bwd_tensors(q, key_lengths, rng, seg) -> tuple:
     """The per-call tensors both backward kernels take after their lists: KEY_LEN, SEG_Q, SEG_K, RNG
     (``rng`` None without dropout)."""
-    sq, sk = (q, q) if seg is None else seg
+    sq, sk = _seg_pair(seg, q)
     return q if key_lengths is None else key_lengths, sq, sk, q if rng is None else rng
 
 
-def _bwd_consts(q, key_lengths, causal, dropout_p, seg) -> tuple[tuple, dict]:
+def _bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap=0.0) -> tuple[tuple, dict]:
     """(segment batch strides, the constexprs) both backward kernels take."""
     D = q.shape[-1]
     (_, _, *seg_strides), seg_flags = _seg_args(seg, q)
     return tuple(seg_strides), dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
-                                    DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype), **seg_flags)
+                                    DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype), **seg_flags,
+                                    **_softcap_flag(softcap))
 
 
-def _bwd_key(kind, do, q, k, v, idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan, *extra):
+def _bwd_key(kind, do, q, k, v, idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan, *extra,
+             softcap=0.0):
     return (kind, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), q.dtype, q.device, _layout(idx),
             None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
-            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), _state(), *extra)
+            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), _state(), *extra, softcap)
 
 
 def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, q_idx, *,
-             work: float = -1.0, seg=None):
+             work: float = -1.0, seg=None, softcap: float = 0.0):
     """dK, dV: one program per (k tile, batch * kv head), walking the column lists (delta from `bwd_dq`)."""
     tma_plan = _tma_plan(_block_d(q.shape[-1]), q, k, v, do, work=work)
     dk, dv = _new(k), _new(v)
-    key = _bwd_key("dkdv", do, q, k, v, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan)
+    key = _bwd_key("dkdv", do, q, k, v, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan,
+                   softcap=softcap)
     plan = _plan(key, _dkdv_plan, do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
-                 tma_plan, seg)
+                 tma_plan, seg, softcap)
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
     descs = _tma_args(plan.cfg, tma_plan, _block_d(q.shape[-1]), (q, bm), (k, bn), (v, bn), (do, bm))[0]
     rng = None if dropout_p <= 0.0 else _checked_rng(rng, q.device)
@@ -848,10 +901,11 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     return dk, dv
 
 
-def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg):
+def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg,
+               softcap=0.0):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    seg_strides, constexprs = _bwd_consts(q, key_lengths, causal, dropout_p, seg)
+    seg_strides, constexprs = _bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap)
     cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                   dropout_p > 0, tma_plan is not None)
     _, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q)
@@ -865,15 +919,15 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
 
 
 def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, kv_idx,
-           *, o, dlse=None, work: float = -1.0, seg=None):
+           *, o, dlse=None, work: float = -1.0, seg=None, softcap: float = 0.0):
     """dQ: one program per (q tile, batch * q head), walking the row lists. It first writes
     delta = rowsum(dO * O) - dLSE (float32 [B, Hq, Nq]) into ``delta``, for `bwd_dkdv`."""
     tma_plan = _tma_plan(_block_d(q.shape[-1]), q, k, v, do, o, work=work)
     dq = _new(q)
     key = _bwd_key("dq", do, q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan,
-                   o.stride(), dlse is None)
+                   o.stride(), dlse is None, softcap=softcap)
     plan = _plan(key, _dq_plan, do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
-                 tma_plan, seg, dlse is not None)
+                 tma_plan, seg, dlse is not None, softcap)
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
     descs = _tma_args(plan.cfg, tma_plan, _block_d(q.shape[-1]), (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))[0]
     rng = None if dropout_p <= 0.0 else _checked_rng(rng, q.device)
@@ -882,10 +936,10 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
 
 
 def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg,
-             has_dlse):
+             has_dlse, softcap=0.0):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    seg_strides, constexprs = _bwd_consts(q, key_lengths, causal, dropout_p, seg)
+    seg_strides, constexprs = _bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap)
     cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                   dropout_p > 0, tma_plan is not None)
     _, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q)
