@@ -30,7 +30,15 @@ Semantics as flash-attn 2 documents them:
 - ``mask``: a `BlockMask` for ``(seqlen_q, seqlen_k)`` (varlen: for the packed rows
   ``(total_q, total_k)``), ANDed with everything above. Its partial blocks are computed whole, as
   in `sparseflash.attention`.
-- Not supported yet, and an error says so when given: ``softcap != 0``, ``alibi_slopes``.
+- ``softcap > 0``: scores ``softcap * tanh(s / softcap)`` (``s`` the scaled score; 0.0: off), in
+  the kernels forward and backward.
+- ``alibi_slopes`` float32 ``[nheads]`` or ``[batch, nheads]``: ``-slope * |i + seqlen_k - seqlen_q
+  - j|`` added to the (soft-capped) score, per sequence in the varlen call; no gradient for the
+  slopes. The varlen call runs as one packed call when every sequence shares the diagonal offset
+  ``seqlen_k - seqlen_q`` of the packed tensors (``cu_seqlens_q == cu_seqlens_k``, the usual
+  self-attention) and the slopes are per head; otherwise (per-sequence slopes, ``cu_seqlens_q !=
+  cu_seqlens_k``) it runs one call per sequence (correct, slower; not with ``mask=``, nor inside
+  torch.compile).
 
 Dropout draws its bits as `sparseflash.attention` does (the same probability law as flash-attn,
 not the same bits).
@@ -71,14 +79,12 @@ def _window(window_size, causal: bool) -> tuple[int, int] | None:
     return left, right
 
 
-def _check_unsupported(softcap, alibi_slopes, deterministic, q: torch.Tensor) -> None:
+def _check_options(softcap, deterministic, q: torch.Tensor) -> float | None:
+    """Validates softcap and deterministic; returns attention's ``softcap`` (None when 0.0: off)."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0.0: off), got {softcap!r}")
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap={softcap} (tanh soft-capping of the scores) is not supported yet "
-                                  f"(issue 40); pass softcap=0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes (ALiBi biases) are not supported yet (issue 40); pass alibi_slopes=None")
+    if not softcap >= 0.0 or softcap == float("inf"):  # (NaN fails the first test)
+        raise ValueError(f"softcap must be a finite float >= 0 (0.0: off), got {softcap!r}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if deterministic and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9 \
@@ -90,6 +96,7 @@ def _check_unsupported(softcap, alibi_slopes, deterministic, q: torch.Tensor) ->
                 "deterministic=True on a Hopper GPU: the one-pass Hopper backward adds dQ in arrival order; "
                 "call torch.use_deterministic_algorithms(True) or set SPARSEFLASH_HOPPER_BWD=off, and the "
                 "portable backward (deterministic) runs")
+    return float(softcap) if softcap > 0.0 else None
 
 
 def _check_flag(name: str, value) -> None:
@@ -113,7 +120,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softmax_scale: default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned causal mask.
         window_size: ``(left, right)`` sliding window, ``(-1, -1)`` none.
-        softcap, alibi_slopes: must be 0.0 / None (not supported yet).
+        softcap: tanh soft-capping of the scaled scores, ``softcap * tanh(s / softcap)``; 0.0 off.
+        alibi_slopes: float32 ``[nheads]`` or ``[batch, nheads]``: ALiBi (module docstring).
         deterministic: a deterministic backward (see the module docstring on Hopper).
         return_attn_probs: also return ``softmax_lse`` and ``S_dmask`` (None).
         mask: a `BlockMask` (or FlexAttention BlockMask) for ``(seqlen_q, seqlen_k)``.
@@ -125,7 +133,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_tensors(q, k, v, 4, "[batch, seqlen_q, nheads, headdim]", "[batch, seqlen_k, nheads_k, headdim]")
     _check_flag("causal", causal)
     _check_flag("return_attn_probs", return_attn_probs)
-    _check_unsupported(softcap, alibi_slopes, deterministic, q)
+    softcap = _check_options(softcap, deterministic, q)
     window = _window(window_size, causal)
     key_ranges = None
     if window is not None:  # one sequence per batch row: its key ranges, shared by the batch
@@ -135,7 +143,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         key_ranges = key_ranges_from_cu_seqlens(*ends, nq, causal, window)
     out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
                     causal=causal and window is None, scale=softmax_scale, dropout_p=dropout_p,
-                    key_ranges=key_ranges, return_lse=return_attn_probs)
+                    key_ranges=key_ranges, return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes)
     if not return_attn_probs:
         return out.transpose(1, 2).contiguous()
     o, lse = out
@@ -184,18 +192,88 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_tensors(q, k, v, 3, "[total_q, nheads, headdim]", "[total_k, nheads_k, headdim]")
     _check_flag("causal", causal)
     _check_flag("return_attn_probs", return_attn_probs)
-    _check_unsupported(softcap, alibi_slopes, deterministic, q)
+    softcap = _check_options(softcap, deterministic, q)
     _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
     _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k", q.device)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got shapes "
                          f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+    if alibi_slopes is not None and not _alibi_packed(alibi_slopes, q, k, cu_seqlens_q, cu_seqlens_k, mask):
+        return _varlen_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
+                                    softcap, alibi_slopes, return_attn_probs)
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        alibi_slopes = alibi_slopes.reshape(-1)  # one sequence: its slopes are the packed call's
     window = _window(window_size, causal) or ((-1, 0) if causal else (-1, -1))
     key_ranges = key_ranges_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], False, window)
     out = attention(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
                     mask, scale=softmax_scale, dropout_p=dropout_p, key_ranges=key_ranges,
-                    return_lse=return_attn_probs)
+                    return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes)
     if not return_attn_probs:
         return out[0].transpose(0, 1).contiguous()
     o, lse = out
     return o[0].transpose(0, 1).contiguous(), _lse_as_flash_attn(lse[0]), None
+
+
+def _alibi_packed(slopes, q, k, cu_q, cu_k, mask) -> bool:
+    """Whether ALiBi in a varlen call can run as one packed call (`sparseflash.attention` measures
+    ALiBi's distance from the packed tensors' diagonal ``i + total_k - total_q``): the slopes are
+    per head (or there is one sequence) and every sequence ends ``total_k - total_q`` keys after
+    its last query (``cu_seqlens_k[b + 1] - cu_seqlens_q[b + 1]`` equal to it for every sequence
+    with queries and keys). Otherwise the
+    call runs per sequence, which ``mask`` (over the packed rows) and torch.compile rule out."""
+    n_seq = cu_q.numel() - 1
+    if not isinstance(slopes, torch.Tensor) or slopes.dim() not in (1, 2) \
+            or (slopes.dim() == 2 and tuple(slopes.shape) != (n_seq, q.shape[1])):
+        got = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        raise ValueError(f"alibi_slopes must be a float32 tensor [nheads] = [{q.shape[1]}] or [batch, nheads] = "
+                         f"[{n_seq}, {q.shape[1]}] (batch: the sequences of cu_seqlens_q), got {got}")
+    per_head = slopes.dim() == 1 or n_seq == 1
+    if _tracing():
+        same = cu_q is cu_k and q.shape[0] == k.shape[0]
+        if not (per_head and same):
+            raise NotImplementedError("alibi_slopes in flash_attn_varlen_func under torch.compile needs per-head "
+                                      "slopes [nheads] and one cu_seqlens tensor for q and k (with total_q == "
+                                      "total_k): other cases run per sequence, which reads cu_seqlens on the host")
+        return True
+    cq, ck = cu_q.long().cpu(), cu_k.long().cpu()
+    both = (cq[1:] > cq[:-1]) & (ck[1:] > ck[:-1])  # sequences with queries and keys (the others give 0)
+    packed = per_head and bool(((ck[1:] - cq[1:] == k.shape[0] - q.shape[0]) | ~both).all())
+    if not packed and mask is not None:
+        raise NotImplementedError("alibi_slopes in flash_attn_varlen_func with per-sequence slopes or cu_seqlens_q != "
+                                  "cu_seqlens_k runs one call per sequence, which mask= (over the packed rows) does not "
+                                  "support; pass mask=None or call flash_attn_func per sequence")
+    return packed
+
+
+def _varlen_per_sequence(q, k, v, cu_q, cu_k, dropout_p, softmax_scale, causal, window_size, softcap, slopes,
+                         return_attn_probs):
+    """flash_attn_varlen_func one sequence at a time through `flash_attn_func` (ALiBi cases the
+    packed call cannot express, `_alibi_packed`); sequences with no key and tokens past the last
+    sequence get 0 (lse +inf)."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    H, D = q.shape[1], v.shape[2]
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        a, e, c, f = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if e == a:
+            continue
+        if f == c:  # no keys: 0, and lse +inf as flash-attn's
+            outs.append(q.new_zeros(e - a, H, D))
+            lses.append(torch.full((H, e - a), float("inf"), device=q.device))
+            continue
+        sl = slopes if slopes.dim() == 1 else slopes[b]
+        r = flash_attn_func(q[None, a:e], k[None, c:f], v[None, c:f], dropout_p, softmax_scale, causal, window_size,
+                            softcap or 0.0, sl, False, return_attn_probs)
+        o, lse = (r[0], r[1]) if return_attn_probs else (r, None)
+        outs.append(o[0])
+        if return_attn_probs:
+            lses.append(lse[0])
+    pad = q.shape[0] - cq[-1]
+    if pad:
+        outs.append(q.new_zeros(pad, H, D))
+        lses.append(torch.full((H, pad), float("inf"), device=q.device))
+    out = torch.cat(outs) if outs else q.new_zeros(q.shape[0], H, D)
+    if not return_attn_probs:
+        return out
+    lse = torch.cat(lses, dim=1) if lses else torch.full((H, q.shape[0]), float("inf"), device=q.device)
+    return out, lse, None

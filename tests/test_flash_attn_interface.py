@@ -2,8 +2,9 @@
 documented semantics checked against SDPA in float64 on token masks built here from flash-attn's
 formulas (per sequence for varlen, ``cu_seqlens_q != cu_seqlens_k``, bottom-right causal, windows),
 then outputs and every gradient against the float64 reference within 2x PyTorch's own error
-(reference backend, and the Triton kernels under the interpreter at tiny sizes); return values,
-views instead of copies, and the errors for what is not supported."""
+(reference backend, and the Triton kernels under the interpreter at tiny sizes); softcap and ALiBi
+against a direct float64 formula (SDPA with ALiBi as an explicit additive bias; per sequence for
+varlen, packed and per-sequence calls); return values, views instead of copies, and the errors."""
 
 from __future__ import annotations
 
@@ -38,16 +39,37 @@ def _allowed(Lq: int, Lk: int, causal: bool, window=(-1, -1)) -> torch.Tensor:
     return m
 
 
-def _sdpa(q, k, v, allowed, scale=None):
+def _sdpa(q, k, v, allowed, scale=None, alibi_slopes=None):
     """SDPA on [B, N, H, D] tensors (GQA by repeating k/v heads) with a bool token mask [Nq, Nk];
-    rows with no key are 0 (SDPA's own value for them is not defined)."""
+    rows with no key are 0 (SDPA's own value for them is not defined). ``alibi_slopes`` ([H] or
+    [B, H]): flash-attn's documented bias -slope * |i + Nk - Nq - j| as an additive float mask."""
     group = q.shape[2] // k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.repeat_interleave(group, 2).transpose(1, 2), v.repeat_interleave(group, 2).transpose(1, 2)
     empty = ~allowed.any(-1)
     fixed = allowed.clone()
     fixed[empty] = True
-    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=fixed, scale=scale).transpose(1, 2)
+    attn_mask = fixed
+    if alibi_slopes is not None:
+        Nq, Nk = allowed.shape
+        dist = (torch.arange(Nq)[:, None] + Nk - Nq - torch.arange(Nk)[None, :]).abs().to(q.dtype)
+        bias = -alibi_slopes.to(q.dtype).reshape(-1, q.shape[2])[:, :, None, None] * dist
+        attn_mask = bias.masked_fill(~fixed, float("-inf"))
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask, scale=scale).transpose(1, 2)
     return o.masked_fill(empty[None, :, None, None], 0.0)
+
+
+def _softcapped(q, k, v, allowed, softcap, alibi_slopes=None):
+    """flash-attn's softcap written out: softmax(cap * tanh(q.k / sqrt(d) / cap) - slope |i + Nk - Nq - j|) v."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) / q.shape[-1] ** 0.5
+    s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        Nq, Nk = allowed.shape
+        dist = (torch.arange(Nq)[:, None] + Nk - Nq - torch.arange(Nk)[None, :]).abs().to(q.dtype)
+        s = s - alibi_slopes.to(q.dtype).reshape(-1, q.shape[2])[:, :, None, None] * dist
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("bhij,bjhd->bihd", p, v)
 
 
 def _grads(fn, tensors, do):
@@ -145,10 +167,14 @@ def test_func_returns_and_views(monkeypatch):
 
 def test_func_errors_name_the_option():
     q = torch.randn(1, 8, 2, 16)
-    with pytest.raises(NotImplementedError, match="softcap=30.0"):
-        sparseflash.flash_attn_func(q, q, q, softcap=30.0)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        sparseflash.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match="softcap must be a finite float >= 0"):
+        sparseflash.flash_attn_func(q, q, q, softcap=-30.0)
+    with pytest.raises(TypeError, match="softcap must be a float"):
+        sparseflash.flash_attn_func(q, q, q, softcap=None)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[heads_q\] = \[2\]"):
+        sparseflash.flash_attn_func(q, q, q, alibi_slopes=torch.ones(3))
+    with pytest.raises(TypeError, match="alibi_slopes must have dtype float32"):
+        sparseflash.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="window_size must be a pair of ints"):
         sparseflash.flash_attn_func(q, q, q, window_size=4)
     with pytest.raises(ValueError, match=r"q must be 4-D \[batch, seqlen_q, nheads, headdim\]"):
@@ -247,8 +273,13 @@ def test_varlen_returns_and_errors():
         sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k[:-1], 20, 17)
     with pytest.raises(ValueError, match=r"q must be 3-D \[total_q, nheads, headdim\]"):
         sparseflash.flash_attn_varlen_func(q[None], k, v, cu_q, cu_k, 20, 17)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 17, softcap=5.0)
+    with pytest.raises(ValueError, match="softcap must be a finite float >= 0"):
+        sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 17, softcap=-5.0)
+    with pytest.raises(ValueError, match=r"alibi_slopes must be .* or \[batch, nheads\] = \[7, 2\]"):
+        sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 17, alibi_slopes=torch.ones(2, 2))
+    with pytest.raises(NotImplementedError, match="runs one call per sequence, which mask="):  # cu_q != cu_k
+        m = BlockMask.from_layout(torch.ones(1, 1, dtype=torch.bool), block_size=64, seq_q=q.shape[0], seq_k=k.shape[0])
+        sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 17, alibi_slopes=torch.ones(2), mask=m)
     with pytest.raises(TypeError, match="cu_seqlens_q must have dtype int32"):
         sparseflash.flash_attn_varlen_func(q, k, v, cu_q.float(), cu_k, 20, 17)
 
@@ -322,3 +353,98 @@ def test_key_ranges_with_mask_key_lengths_tma_and_q_rows(device, tma_on, monkeyp
                                          ranges.device, key_ranges=ranges)[0, 0]
     blocks = on[0, 0].repeat_interleave(32, 0)[:Nq].repeat_interleave(32, 1)[:, :Nk]
     assert not bool((allowed & ~blocks).any())
+
+
+# ---------------------------------------------------------------- softcap and ALiBi
+SCORE_MOD_CASES = [CASES[0], CASES[2], CASES[4]]  # plain, Nq > Nk causal (empty rows), causal window Nq != Nk
+
+
+@pytest.mark.parametrize("case", SCORE_MOD_CASES, ids=_id)
+def test_func_softcap_alibi_semantics(case):
+    """float64 (reference backend): ALiBi ([nheads] and [batch, nheads]) is SDPA with flash-attn's
+    bias -slope |i + seqlen_k - seqlen_q - j| as an additive mask; softcap (alone and with ALiBi) is
+    the formula written out; outputs and gradients."""
+    B, Nq, Nk, H, Hk, D, causal, window = case
+    g = torch.Generator().manual_seed(Nq * Nk + 1)
+    q = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64) * 3
+    k, v = (torch.randn(B, Nk, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64)
+    allowed = _allowed(Nq, Nk, causal, window)
+    slopes = torch.rand(B, H, generator=g, dtype=torch.float64) * 0.5
+    runs = [(dict(alibi_slopes=slopes[0]), lambda a, b, c: _sdpa(a, b, c, allowed, alibi_slopes=slopes[0])),
+            (dict(alibi_slopes=slopes), lambda a, b, c: _sdpa(a, b, c, allowed, alibi_slopes=slopes)),
+            (dict(softcap=2.0), lambda a, b, c: _softcapped(a, b, c, allowed, 2.0)),
+            (dict(softcap=1.5, alibi_slopes=slopes), lambda a, b, c: _softcapped(a, b, c, allowed, 1.5, slopes))]
+    for kw, want_fn in runs:
+        got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window, **kw),
+                     (q, k, v), do)
+        want = _grads(want_fn, (q, k, v), do)
+        for n, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"{n} {list(kw)}")
+    plain = sparseflash.flash_attn_func(q, k, v, causal=causal, window_size=window)
+    assert (got[0] - plain).abs().max() > 1e-3  # (the options change the answer)
+
+
+@pytest.mark.parametrize("same_cu", [True, False], ids=["packed", "per-sequence"])
+def test_varlen_alibi_softcap_semantics(same_cu):
+    """float64: varlen ALiBi per sequence (each sequence's own seqlen_k - seqlen_q) with softcap,
+    against the formula one sequence at a time. cu_seqlens_q == cu_seqlens_k with per-head slopes
+    runs as one packed call; cu_seqlens_q != cu_seqlens_k and per-sequence slopes run per sequence."""
+    lengths = [(a, a) for a, _ in VARLEN] if same_cu else VARLEN
+    q, k, v, do, cu_q, cu_k = _varlen_inputs(lengths, 4, 2, 16, torch.float64, pad_q=3, pad_k=0 if same_cu else 2,
+                                             seed=11)
+    if same_cu:
+        cu_k = cu_q
+        k, v = k[:q.shape[0]], v[:q.shape[0]]
+    g = torch.Generator().manual_seed(5)
+    for slopes in (torch.rand(4, generator=g, dtype=torch.float64), torch.rand(len(VARLEN), 4, generator=g,
+                                                                               dtype=torch.float64)):
+        def want_fn(a, b, c):
+            out = torch.zeros_like(a)
+            for d in range(len(cu_q) - 1):
+                s, e, s2, e2 = int(cu_q[d]), int(cu_q[d + 1]), int(cu_k[d]), int(cu_k[d + 1])
+                if e > s and e2 > s2:
+                    sl = slopes if slopes.dim() == 1 else slopes[d]
+                    o = _softcapped(a[None, s:e], b[None, s2:e2], c[None, s2:e2], _allowed(e - s, e2 - s2, True), 3.0, sl)
+                    out = torch.cat([out[:s], o[0], out[e:]])
+            return out
+
+        got = _grads(lambda a, b, c: sparseflash.flash_attn_varlen_func(a, b, c, cu_q, cu_k, 20, 20, causal=True,
+                                                                        softcap=3.0, alibi_slopes=slopes), (q, k, v), do)
+        want = _grads(want_fn, (q, k, v), do)
+        for n, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"{n} slopes {tuple(slopes.shape)}")
+        out, lse, _ = sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, causal=True, softcap=3.0,
+                                                         alibi_slopes=slopes, return_attn_probs=True)
+        assert lse.shape == (4, q.shape[0]) and torch.isposinf(lse[:, -3:]).all() and not out[-3:].any()
+
+
+def test_varlen_alibi_packed_takes_one_call(monkeypatch):
+    """cu_seqlens_q == cu_seqlens_k and per-head slopes: one attention call over the packed rows."""
+    q, k, v, _, cu_q, _ = _varlen_inputs([(a, a) for a, _ in VARLEN], 2, 2, 16, torch.float64, seed=2)
+    calls = []
+    real = sparseflash.flash_attn_interface.attention
+    monkeypatch.setattr(sparseflash.flash_attn_interface, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    sparseflash.flash_attn_varlen_func(q, k[:q.shape[0]], v[:q.shape[0]], cu_q, cu_q, 20, 20, alibi_slopes=torch.ones(2))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=lambda d: str(d)[6:])
+def test_func_softcap_alibi_kernels_against_float64(dtype, device):
+    """The Triton kernels through flash_attn_func (causal sliding window, Nq != Nk, GQA, softcap and
+    ALiBi): output and gradients within 2x PyTorch's own error (SDPA-free formula in dtype)."""
+    B, Nq, Nk, H, Hk, D, causal, window = CASES[4]
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(B, Nq, H, D, generator=g) * 2
+    k, v = (torch.randn(B, Nk, Hk, D, generator=g) for _ in range(2))
+    do = torch.randn(B, Nq, H, D, generator=g)
+    slopes = torch.rand(H, generator=g)
+    allowed = _allowed(Nq, Nk, causal, window)
+    ref = _grads(lambda a, b, c: _softcapped(a, b, c, allowed, 4.0, slopes.double()), [t.double() for t in (q, k, v)],
+                 do.double())
+    pt = _grads(lambda a, b, c: _softcapped(a, b, c, allowed.to(device), 4.0, slopes.to(device, dtype)),
+                [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
+    got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window, softcap=4.0,
+                                                             alibi_slopes=slopes.to(device)),
+                 [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
+    _check(f"softcap-alibi {dtype}", [t.cpu() for t in got], [t.cpu() for t in pt], ref, dtype)
