@@ -20,13 +20,15 @@ What it does with the model's mask:
 - ``attention_mask is None``: causal iff the module (``module.is_causal``, or an ``is_causal``
   keyword) is causal and ``Nq > 1``; every key attended otherwise.
 - a 4-D mask (bool, True = attend; or additive float, 0 = attend, the dtype's minimum = masked):
-  it must be the causal (bottom-right aligned) or the full mask with right padding of the keys; it
-  becomes ``causal`` plus ``key_lengths``. Anything else (left padding, sliding-window layers,
-  packed sequences, prefix-LM or image-token overlays, additive biases) raises ValueError naming
-  the case: sparseflash has no token-level mask for them, and silently attending more or fewer
-  pairs than the model asks for would be wrong. Express a window with a pattern instead
-  (``pattern="local"``, ``pattern_kwargs={"window": ...}``) on a model whose config has no sliding
-  window.
+  the causal (bottom-right aligned) or the full mask with right padding of the keys becomes
+  ``causal`` plus ``key_lengths`` (the kernels' fastest path); any other mask whose every query
+  row attends one contiguous run of keys, the same for every head, becomes per-query
+  ``key_ranges`` (`mask_to_key_ranges`), exact at token level: left padding (batched, cached
+  ``generate``), sliding-window layers (Mistral, Gemma 2), packed sequences, prefix-LM. Rows with
+  holes (image-token overlays and the like) and additive biases raise ValueError naming the case:
+  attending more or fewer pairs than the model asks for would be wrong.
+- ``softcap`` (transformers passes the module's ``attn_logit_softcapping``, Gemma 2): tanh
+  soft-capping in the kernels (`sparseflash.attention`'s ``softcap``); ``position_bias`` is refused.
 - the pattern is resolved per (layer, Nq, Nk) and device and cached: ``None`` (dense), a
   `sparseflash.patterns` name (called with ``seq_k=Nk`` where ``Nq != Nk``), a `BlockMask`, a
   callable ``f(seq_q, seq_k) -> BlockMask | None``, or a list / dict giving one of these per layer
@@ -44,26 +46,52 @@ import torch
 
 from sparseflash.mask import BlockMask
 
-__all__ = ["register", "make_attention_function", "mask_to_key_lengths"]
+__all__ = ["register", "make_attention_function", "mask_to_key_lengths", "mask_to_key_ranges"]
 
 _BACKENDS = ("auto", "triton", "reference")
 
 
-def mask_to_key_lengths(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Key lengths ``[batch]`` for a 4-D transformers mask ``[B, 1 or H, Nq, Nk]`` that is exactly
-    (keys ``j < length[b]``) & (with ``causal``: ``j <= i + Nk - Nq``); ValueError otherwise."""
+def _allowed(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The bool ``[B, 1 or H, Nq, Nk]`` (True = attend) of a 4-D transformers mask."""
     if attention_mask.dim() != 4:
         raise ValueError(f"attention_mask must be 4-D [batch, heads, q, k], got shape {tuple(attention_mask.shape)}")
     if attention_mask.dtype == torch.bool:
-        allowed = attention_mask
-    elif attention_mask.is_floating_point():
+        return attention_mask
+    if attention_mask.is_floating_point():
         lowest = torch.finfo(attention_mask.dtype).min
         if not bool(((attention_mask == 0) | (attention_mask <= lowest / 2) | torch.isneginf(attention_mask)).all()):
             raise ValueError("attention_mask carries additive biases (values other than 0 and the dtype's minimum): "
                              "sparseflash supports masks, not score biases")
-        allowed = attention_mask == 0
-    else:
-        raise TypeError(f"attention_mask must be bool or floating, got {attention_mask.dtype}")
+        return attention_mask == 0
+    raise TypeError(f"attention_mask must be bool or floating, got {attention_mask.dtype}")
+
+
+def mask_to_key_ranges(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-query key ranges ``[B, Nq, 2]`` (int64 ``(start, end)``, ``(0, 0)`` for a row that attends
+    nothing) of a 4-D transformers mask ``[B, 1 or H, Nq, Nk]`` whose every row attends one
+    contiguous run of keys, the same for every head (`sparseflash.attention`'s ``key_ranges``:
+    exactly the mask's pairs); ValueError otherwise."""
+    allowed = _allowed(attention_mask)
+    if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
+        raise ValueError("attention_mask differs between heads: sparseflash's key ranges are shared by the heads")
+    a = allowed[:, 0]  # [B, Nq, Nk]
+    nk = a.shape[-1]
+    cols = torch.arange(nk, device=a.device)
+    some = a.any(-1)
+    start = torch.where(some, torch.where(a, cols, nk).amin(-1), 0)
+    end = torch.where(some, torch.where(a, cols + 1, 0).amax(-1), 0)
+    if not torch.equal(a, (cols >= start[..., None]) & (cols < end[..., None])):
+        raise ValueError("attention_mask has a query row whose keys are not one contiguous run (e.g. an image-token "
+                         "or other overlay): sparseflash takes such masks as causal + key_lengths or as per-query "
+                         "key ranges only")
+    return torch.stack([start, end], dim=-1)
+
+
+def mask_to_key_lengths(attention_mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Key lengths ``[batch]`` for a 4-D transformers mask ``[B, 1 or H, Nq, Nk]`` that is exactly
+    (keys ``j < length[b]``) & (with ``causal``: ``j <= i + Nk - Nq``); ValueError otherwise
+    (`mask_to_key_ranges` takes more masks)."""
+    allowed = _allowed(attention_mask)
     B, _, nq, nk = allowed.shape
     lengths = allowed.any(dim=-2).any(dim=1).sum(-1)  # [B]: keys anyone attends
     cols = torch.arange(nk, device=allowed.device)
@@ -117,16 +145,24 @@ def make_attention_function(pattern=None, *, pattern_kwargs: dict | None = None,
         if kwargs.get("output_attentions"):
             raise ValueError("sparseflash attention does not form attention probabilities: output_attentions=True "
                              "needs attn_implementation='eager'")
-        if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-            raise ValueError("sparseflash attention has no logit soft-capping or position bias: use 'eager' or 'sdpa'")
+        if kwargs.get("position_bias") is not None:
+            raise ValueError("sparseflash attention has no position bias: use 'eager' or 'sdpa'")
+        softcap = kwargs.get("softcap")
+        softcap = float(softcap) if softcap else None  # (None or 0: off)
         nq, nk = query.shape[2], key.shape[2]
         is_causal = kwargs.get("is_causal")
         is_causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal) and nq > 1
-        key_lengths = None
+        key_lengths = key_ranges = None
         if attention_mask is not None:
-            key_lengths = mask_to_key_lengths(attention_mask, is_causal)
-            if bool((key_lengths >= nk).all()):
-                key_lengths = None
+            try:
+                key_lengths = mask_to_key_lengths(attention_mask, is_causal)
+            except ValueError:  # (a bias raises again below)
+                # left padding, sliding windows, packed sequences: the mask's own pairs, per query
+                key_ranges = mask_to_key_ranges(attention_mask)
+                is_causal = False
+            else:
+                if bool((key_lengths >= nk).all()):
+                    key_lengths = None
         layer = getattr(module, "layer_idx", None)
         pat = pattern
         if per_layer:
@@ -144,7 +180,7 @@ def make_attention_function(pattern=None, *, pattern_kwargs: dict | None = None,
         if chosen == "auto":
             chosen = "triton" if query.device.type == "cuda" else "reference"
         out = sparseflash.attention(query, key, value, mask, causal=is_causal, scale=scaling, key_lengths=key_lengths,
-                                    dropout_p=float(dropout), backend=chosen)
+                                    key_ranges=key_ranges, softcap=softcap, dropout_p=float(dropout), backend=chosen)
         return out.transpose(1, 2).contiguous(), None
 
     sparseflash_attention.masks = masks

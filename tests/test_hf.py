@@ -1,6 +1,7 @@
-"""sparseflash.hf: tiny Llama / BERT models built from configs (no weights fetched) with sparseflash
-attention against transformers' eager attention; mask conversion and its refusals.
-Skipped without transformers (pip install 'sparseflash[hf]')."""
+"""sparseflash.hf: tiny Llama / BERT / Mistral / Gemma-2 models built from configs (no weights
+fetched) with sparseflash attention against transformers' eager attention (right and left padding,
+batched left-padded cached generation, sliding-window layers, softcap); mask conversion and its
+refusals. Skipped without transformers (pip install 'sparseflash[hf]')."""
 
 from __future__ import annotations
 
@@ -100,10 +101,11 @@ def test_per_layer_patterns_and_generation(registered):
 def test_refusals(registered):
     model = _llama()
     ids, mask = _batch()
-    left = mask.flip(-1)
+    holes = torch.ones(3, 1, N, N).tril().bool()
+    holes[1, :, 40:, 10:20] = False  # rows whose keys are not one run
     model.set_attn_implementation("blocksparse")
-    with pytest.raises(ValueError, match="right padding"):
-        model(ids, attention_mask=left)
+    with pytest.raises(ValueError, match="not one contiguous run"):
+        model(ids, attention_mask=holes)
     with pytest.raises(ValueError, match="contain 'flash'|containing 'flash'"):
         sfhf.register("sparseflash")
     causal = torch.ones(1, 1, 5, 7, dtype=torch.bool).tril(2)
@@ -116,6 +118,87 @@ def test_refusals(registered):
     bias[..., 0] = -1.5
     with pytest.raises(ValueError, match="additive biases"):
         sfhf.mask_to_key_lengths(bias, False)
+    with pytest.raises(ValueError, match="additive biases"):
+        sfhf.mask_to_key_ranges(bias)
+    # ranges: left padding (3 keys) + causal + a window of 3 (j >= i), and a row that attends nothing
+    i, j = torch.arange(5)[:, None], torch.arange(7)[None, :]
+    m = (j >= 3) & (j <= i + 2) & (j > i - 1)
+    assert sfhf.mask_to_key_ranges(m[None, None]).tolist() == [[[0, 0], [3, 4], [3, 5], [3, 6], [4, 7]]]
+    with pytest.raises(ValueError, match="differs between heads"):
+        sfhf.mask_to_key_ranges(torch.stack([m, m.flip(-1)])[None])
+
+
+def _left(mask):
+    """The same lengths as left padding."""
+    return torch.stack([row.roll(int((row == 0).sum())) for row in mask])
+
+
+def _mistral(window=16):
+    cfg = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                     sliding_window=window)
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(cfg).eval()
+
+
+def _gemma2():
+    cfg = transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=256, sliding_window=12, attn_logit_softcapping=2.0,
+                                    query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger q/k projections: scores reach past the cap of 2, where tanh bends
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("build", [_llama, _mistral, _gemma2], ids=["llama", "mistral-window16", "gemma2-softcap-window12"])
+def test_left_padding_windows_and_softcap_match_eager(registered, build):
+    """Left and right padding, sliding-window layers (shorter than the sequence) and Gemma 2's
+    softcap: the logits of every real token equal eager attention's (the reference backend)."""
+    model = build()
+    ids, right = _batch()
+    for mask in (right, _left(right), torch.ones_like(right)):
+        valid = mask.bool()
+        got = _run(model, "blocksparse", ids, mask)
+        want = _run(model, "eager", ids, mask)
+        torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+    if build is _gemma2:  # the cap is real: without it the logits differ
+        attn = model.model.layers[0].self_attn
+        attn.attn_logit_softcapping = None
+        uncapped = _run(model, "eager", ids, torch.ones_like(right))
+        attn.attn_logit_softcapping = 2.0
+        assert (uncapped - _run(model, "blocksparse", ids, torch.ones_like(right))).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("build", [_llama, _gemma2], ids=["llama", "gemma2"])
+def test_batched_left_padded_generation(registered, build):
+    """Batched greedy generation with left padding and a KV cache: the same tokens as eager."""
+    model = build()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 97, (3, 14), generator=g)
+    mask = _left((torch.arange(14)[None, :] < torch.tensor([14, 9, 5])[:, None]).long())
+    ids = ids * mask
+    outs = {}
+    for impl in ("eager", "blocksparse"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(outs["eager"], outs["blocksparse"])
+
+
+def test_gemma2_through_the_kernels(device):
+    """Gemma 2's sliding window (key ranges) and softcap in the Triton kernels (interpreter on CPU),
+    left padding, against eager attention."""
+    sfhf.register("blocksparse-kernels", backend="triton")
+    model = _gemma2().to(device)
+    ids, right = _batch()
+    ids, mask = ids[:, :24].to(device), _left(right[:, :24] * (torch.arange(24) < torch.tensor([[24], [20], [9]]))).to(device)
+    valid = mask.bool()
+    torch.testing.assert_close(_run(model, "blocksparse-kernels", ids, mask)[valid], _run(model, "eager", ids, mask)[valid],
+                               rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
