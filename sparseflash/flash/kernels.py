@@ -328,9 +328,11 @@ def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M: tl
         m_row = o_m < seq_q
         b_sq = tl.load(SEG_Q + i_b * stride_sqb + o_m, mask=m_row, other=0)
         sq_lo, sq_hi = _seg_range(b_sq, m_row)
-        if ALIBI:
-            return b_sq, sq_lo, sq_hi, SEG_Q + i_b * stride_sqb + seq_q
-        return b_sq, sq_lo, sq_hi, SEG_K + i_b * stride_skb
+        if ALIBI:  # (one return per branch: the compiler types every return of a function)
+            p_sk = SEG_Q + i_b * stride_sqb + seq_q
+        else:
+            p_sk = SEG_K + i_b * stride_skb
+        return b_sq, sq_lo, sq_hi, p_sk
     else:
         return tl.zeros([BLOCK_M], dtype=tl.int32), 0, 0, SEG_K
 
