@@ -21,8 +21,10 @@ dropout), which halves the RNG work against 16 bits. The probability actually ap
 by ``1 / (1 - effective_p(p))``, so the expectation is exact. A p that would round to 0 or to 1
 without being 0 or 1 (0 < p < 1/512 or 1 - 1/512 <= p < 1) is refused rather than silently turned
 off or into "drop everything". The Triton kernels compute these bits in registers (forward and,
-regenerated, backward) and `keep_mask` below computes them in NumPy, bit for bit, so tests
-compare kernels and reference exactly.
+regenerated, backward) and `keep_mask` below computes them with torch ops on int64 tensors, bit
+for bit, so tests compare kernels and reference exactly; being torch ops only (32-bit products
+split into 16-bit halves, so nothing overflows), the reference path with dropout traces under
+``torch.compile`` (``fullgraph=True`` included: there the seed stays a tensor, never a host int).
 
 Seeds follow torch's generators, so ``torch.manual_seed`` controls dropout: each call draws its
 (seed_lo, seed_hi, offset) with one small torch random op on the inputs' device (`draw_rng`) and
@@ -33,14 +35,14 @@ memory, and backward reuses it: a call captured in a CUDA graph (``torch.compile
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 __all__ = ["keep_mask", "draw_rng", "rng_values", "next_seed_offset", "threshold", "effective_p", "check_p", "LEVELS"]
 
-_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
-_W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
-_MASK32 = np.uint64(0xFFFFFFFF)
+# Philox4x32 constants as Python ints (no NumPy scalars: torch.compile guards on module globals)
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
+_MASK32 = 0xFFFFFFFF
 
 
 ROUNDS = 7
@@ -85,39 +87,58 @@ def rng_values(rng: torch.Tensor) -> tuple[int, int]:
     return lo | (hi << 31), offset
 
 
-def next_seed_offset(device, generator: torch.Generator | None = None) -> tuple[int, int]:
-    """(seed, offset) of the next dropout call: `rng_values` of `draw_rng` (advances the generator)."""
-    return rng_values(draw_rng(device, generator))
+def next_seed_offset(device, generator: torch.Generator | None = None):
+    """(seed, offset) of the next dropout call: `rng_values` of `draw_rng` (advances the generator).
+    Under ``torch.compile`` they stay 0-dim int64 tensors on ``device`` (reading them on the host
+    would break the graph); `keep_mask` takes either."""
+    rng = draw_rng(device, generator)
+    if torch.compiler.is_compiling():
+        return rng[0] | (rng[1] << 31), rng[2]
+    return rng_values(rng)
+
+
+def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit halves of ``a * m`` for 32-bit values ``a`` (int64 tensor) and ``m``,
+    from 16-bit partial products: no intermediate reaches 2**63."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    m_hi, m_lo = m >> 16, m & 0xFFFF
+    mid = a_hi * m_lo + a_lo * m_hi
+    t = a_lo * m_lo + ((mid & 0xFFFF) << 16)
+    return (a_hi * m_hi + (mid >> 16) + (t >> 32)) & _MASK32, t & _MASK32
 
 
 def _philox(c0, c1, c2, c3, k0, k1):
-    """Philox4x32 (ROUNDS rounds) on uint32 arrays (NumPy, arithmetic in uint64)."""
-    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in (c0, c1, c2, c3))
-    k0, k1 = np.uint64(k0), np.uint64(k1)
+    """Philox4x32 (ROUNDS rounds) on int64 tensors holding 32-bit values (keys: ints or tensors)."""
     for _ in range(ROUNDS):
-        p0 = _M0 * c0
-        p1 = _M1 * c2
-        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _MASK32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _MASK32)
-        k0 = (k0 + np.uint64(_W0)) & _MASK32
-        k1 = (k1 + np.uint64(_W1)) & _MASK32
+        hi0, lo0 = _mulhilo(c0, _M0)
+        hi1, lo1 = _mulhilo(c2, _M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + _W0) & _MASK32
+        k1 = (k1 + _W1) & _MASK32
     return c0, c1, c2, c3
 
 
-def keep_mask(seed: int, offset: int, batch: int, heads_q: int, seq_q: int, seq_k: int, p: float,
+def keep_mask(seed, offset, batch: int, heads_q: int, seq_q: int, seq_k: int, p: float,
               device=None) -> torch.Tensor:
     """The kernels' keep-mask as a bool tensor ``[batch, heads_q, seq_q, seq_k]`` (for testing and
-    the reference path; materialises every pair, so keep it to modest sizes)."""
-    seed_lo, seed_hi = split_seed(seed)
+    the reference path; materialises every pair, so keep it to modest sizes). ``seed`` and
+    ``offset`` are ints or 0-dim int64 tensors (`next_seed_offset`)."""
+    device = torch.device(device or "cpu")
+    seed = torch.as_tensor(seed, dtype=torch.int64, device=device)
+    offset = torch.as_tensor(offset, dtype=torch.int64, device=device)
+    seed_lo, seed_hi = seed & 0x7FFFFFFF, (seed >> 31) & 0x7FFFFFFF  # split_seed, on tensors
     thresh = threshold(p)
-    u = np.uint64
-    rows = np.arange(seq_q, dtype=np.uint64)[:, None]
-    cols = np.arange(seq_k, dtype=np.uint64)[None, :]
-    c0 = np.broadcast_to((cols // u(32)) * u(4) + (cols % u(8)) // u(2), (seq_q, seq_k))
-    c1 = np.broadcast_to((rows // u(16)) * u(8) + rows % u(8), (seq_q, seq_k))
-    word = np.broadcast_to(((cols // u(8)) % u(4)).astype(np.int64), (seq_q, seq_k))
-    shift = u(16) * ((rows // u(8)) % u(2)) + u(8) * (cols % u(2))
-    out = np.empty((batch * heads_q, seq_q, seq_k), dtype=bool)
-    for bh in range(batch * heads_q):
-        r = _philox(c0, c1, u(bh), u(offset), seed_lo, seed_hi)
-        out[bh] = ((np.choose(word, r) >> shift) & u(0xFF)).astype(np.int64) >= thresh
-    return torch.from_numpy(out.reshape(batch, heads_q, seq_q, seq_k)).to(device or "cpu")
+    rows = torch.arange(seq_q, dtype=torch.int64, device=device)[:, None]
+    cols = torch.arange(seq_k, dtype=torch.int64, device=device)[None, :]
+    c0 = ((cols // 32) * 4 + (cols % 8) // 2).expand(seq_q, seq_k)
+    c1 = ((rows // 16) * 8 + rows % 8).expand(seq_q, seq_k)
+    word = ((cols // 8) % 4).expand(seq_q, seq_k)
+    shift = 16 * ((rows // 8) % 2) + 8 * (cols % 2)
+    out = []
+    for bh in range(batch * heads_q):  # one [seq_q, seq_k] slice at a time: bounded memory
+        r = _philox(c0, c1, torch.full_like(c0, bh), offset.expand(seq_q, seq_k), seed_lo, seed_hi)
+        w = torch.where(word == 0, r[0], torch.where(word == 1, r[1], torch.where(word == 2, r[2], r[3])))
+        out.append(((w >> shift) & 0xFF) >= thresh)
+    if not out:
+        return torch.zeros(batch, heads_q, seq_q, seq_k, dtype=torch.bool, device=device)
+    return torch.stack(out).reshape(batch, heads_q, seq_q, seq_k)

@@ -252,3 +252,32 @@ def test_compiled_reduce_overhead_draws_fresh_bits():
     for a, b in zip(outs, outs[1:]):
         assert not torch.equal(a, b), "two steps drew the same dropout bits"
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_compiled_reference_with_dropout_on_cpu():
+    """torch.compile over the reference path with dropout (issue 42): the function with
+    fullgraph=True (the seed stays a tensor) and a module; the compiled function draws the same
+    keep-mask as the eager call from the same generator state, and gradients flow."""
+    import sparseflash
+    from sparseflash.nn import SparseAttention
+
+    q, k, v = (torch.randn(1, 2, 40, 16, requires_grad=True) for _ in range(3))
+    fn = lambda q, k, v: sparseflash.attention(q, k, v, dropout_p=0.25, backend="reference")  # noqa: E731
+    torch.manual_seed(3)
+    eager = fn(q, k, v)
+    torch.manual_seed(3)
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")(q, k, v)
+    torch.testing.assert_close(compiled, eager)
+    compiled.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    m = SparseAttention(32, 2, pattern="butterfly", dropout=0.1, block_size=16, backend="reference").train()
+    y = torch.compile(m, backend="eager")(torch.randn(2, 40, 32))
+    y.sum().backward()
+    assert y.shape == (2, 40, 32) and m.parameters().__next__().grad is not None
+
+
+def test_keep_mask_takes_tensor_seeds():
+    seed, offset = (5 << 31) | 77, 3
+    ints = keep_mask(seed, offset, 2, 1, 33, 47, 0.3)
+    tensors = keep_mask(torch.tensor(seed), torch.tensor(offset), 2, 1, 33, 47, 0.3)
+    assert torch.equal(ints, tensors) and ints.shape == (2, 1, 33, 47)
