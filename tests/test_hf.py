@@ -173,9 +173,10 @@ def test_left_padding_windows_and_softcap_match_eager(registered, build):
         assert (uncapped - _run(model, "blocksparse", ids, torch.ones_like(right))).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("build", [_llama, _gemma2], ids=["llama", "gemma2"])
+@pytest.mark.parametrize("build", [_llama, _mistral, _gemma2], ids=["llama", "mistral-window16", "gemma2"])
 def test_batched_left_padded_generation(registered, build):
-    """Batched greedy generation with left padding and a KV cache: the same tokens as eager."""
+    """Batched greedy generation with left padding and a KV cache (past the sliding windows): the
+    same tokens as eager."""
     model = build()
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 97, (3, 14), generator=g)
@@ -185,7 +186,7 @@ def test_batched_left_padded_generation(registered, build):
     for impl in ("eager", "blocksparse"):
         model.set_attn_implementation(impl)
         with torch.no_grad():
-            outs[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            outs[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(outs["eager"], outs["blocksparse"])
 
 
