@@ -615,3 +615,14 @@ def test_stopper_prediction_and_signals():
             assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # an ignored signal stays ignored
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_cpu_size_warning():
+    """A GPU-sized config started on a CPU is told its estimated time (the issue's 146 s steps)."""
+    from sparseflash.experiments.lra.configs import get_config
+
+    text = T.cpu_size_warning(get_config("listops", "quick"), 146.0, 2499)
+    assert "146.0 s" in text and "about 101.3 h" in text and "--config tiny" in text
+    assert "about 17 min" in T.cpu_size_warning(get_config("listops", "quick"), 0.5, 2000)
+    assert T.cpu_size_warning(get_config("listops", "quick"), 0.1, 2000) is None  # 200 s: no warning
+    assert T.cpu_size_warning(get_config("listops", "tiny"), 146.0, 2499) is None

@@ -9,6 +9,11 @@
   and a cosine schedule. Their batch sizes and learning rate are not published; ours are marked.
 - ``quick``: the same model, a shorter schedule with a higher learning rate and cosine decay,
   sized for a few minutes on one H100 (evaluation on a fixed subset where the split is large).
+- ``tiny``: sized for a CPU (two cores, a few minutes): SDPA attention (PyTorch's CPU kernel),
+  text-like inputs cut to 256 tokens (ListOps to 64: its outer operator and first arguments),
+  a smaller model on the 1024-pixel tasks, a few hundred steps, evaluation on a subset. A check
+  that the pipeline learns, not a result to compare with the papers (`_TINY` says what each task
+  reached on a CPU).
 
 Either variant trains a classifier; ``train.objective="denoise"`` (``--objective denoise``)
 self-pretrains the same encoder on the training inputs instead (masked tokens, ``train.mask_ratio``;
@@ -36,7 +41,7 @@ __all__ = ["TASKS", "VARIANTS", "SPEED_TASKS", "LRA5", "OBJECTIVES", "TrainConfi
            "apply_overrides", "config_from_dict"]
 
 TASKS = ("listops", "text", "text4k", "retrieval", "image", "pathfinder32", "pathfinder64", "pathx", "path256")
-VARIANTS = ("faithful", "quick")
+VARIANTS = ("faithful", "quick", "tiny")
 SPEED_TASKS = ("listops", "text", "text4k", "retrieval", "image", "pathfinder32", "pathx", "path256")
 LRA5 = ("listops", "text", "retrieval", "image", "pathfinder32")  # the tasks of the paper's geometric mean
 SCHEDULES = ("linear", "cosine", "inverse_sqrt", "constant")
@@ -192,9 +197,28 @@ _TRAIN = {
 }
 _INIT_FROM = {"pathx": "pathfinder64", "path256": "pathx"}
 
+# tiny (CPU): task -> (train kwargs, model overrides, data overrides). Measured on 2 shared CPU
+# cores (torch 2.13), generated data: see the README's "Training on a CPU".
+_TINY_TEXT = (dict(batch_size=32, steps=300, lr=1e-3, warmup_steps=30, schedule="cosine", eval_every=100,
+                   eval_batches=16, log_every=25, save_every=100), {}, {"seq_len": 256})
+_TINY_PIXELS = (dict(batch_size=32, steps=200, lr=1e-3, warmup_steps=20, schedule="cosine", eval_every=100,
+                     eval_batches=8, log_every=25, save_every=100), dict(d_model=32, d_ff=64), {})
+_TINY = {
+    # ListOps cut to its first 64 tokens: the outer operator and its first arguments, the cue that LRA
+    # models' 36-37% comes from; 2 cores: 36% val / 36% test in about a minute (seq 256, 300 steps: 18%)
+    "listops": (dict(batch_size=32, steps=600, lr=1e-3, warmup_steps=50, schedule="cosine", eval_every=200,
+                     eval_batches=16, log_every=50, save_every=200), {}, {"seq_len": 64}),
+    "text": _TINY_TEXT, "text4k": _TINY_TEXT, "retrieval": _TINY_TEXT,
+    "image": _TINY_PIXELS, "pathfinder32": _TINY_PIXELS,
+    # fixed image lengths (4K-64K tokens): still hours on a CPU; the smallest batch and schedule
+    "pathfinder64": (dict(batch_size=4, steps=100, lr=1e-3, warmup_steps=10, schedule="cosine", eval_every=50,
+                          eval_batches=4, log_every=10, save_every=50), dict(d_model=32, d_ff=64), {}),
+}
+_TINY["pathx"] = _TINY["path256"] = _TINY["pathfinder64"]
+
 
 def get_config(task: str, variant: str = "quick", overrides=None) -> ExperimentConfig:
-    """The config of ``task`` (one of `TASKS`) in ``variant`` (``"faithful"`` or ``"quick"``),
+    """The config of ``task`` (one of `TASKS`) in ``variant`` (``"faithful"``, ``"quick"`` or ``"tiny"``),
     with ``overrides`` (``["model.d_model=128", "train.lr=3e-4", "data.difficulty='easy'"]`` or a
     dict of the same keys) applied."""
     if task not in TASKS:
@@ -209,6 +233,13 @@ def get_config(task: str, variant: str = "quick", overrides=None) -> ExperimentC
     train = TrainConfig(**(faithful if variant == "faithful" else quick))
     # Pathfinder: the release's images (the authors' generator, quirks included) unless overridden
     data = {"difficulty": "hard", "fidelity": "release"} if task.startswith("path") else {}
+    if variant == "tiny":
+        tiny_train, tiny_model, tiny_data = _TINY[task]
+        train = TrainConfig(**tiny_train)
+        # no attention dropout: with it SDPA leaves its CPU flash kernel for the math path (5x slower there)
+        model = dataclasses.replace(model, attention="sdpa", attn_dropout=0.0, **tiny_model)
+        data.update(tiny_data)
+        notes = "tiny: a CPU-sized check that the pipeline learns (configs.py docstring); " + notes
     cfg = ExperimentConfig(task=task, variant=variant, model=model, train=train, data=data,
                            init_from_task=_INIT_FROM.get(task), notes=notes)
     if overrides:

@@ -497,6 +497,24 @@ def _n_batches(ds, batch_size: int, max_batches: int | None) -> int:
     return math.ceil(n / batch_size)
 
 
+CPU_WARN_S = 600  # a run on a CPU expected to take longer than this gets a warning
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+
+
+def cpu_size_warning(cfg: ExperimentConfig, step_s: float, steps_left: int) -> str | None:
+    """The warning for a run on a CPU whose remaining steps (at ``step_s`` each, the first step's
+    time) take longer than `CPU_WARN_S`, or None. Tiny configs are CPU-sized and never warned about."""
+    left = step_s * steps_left
+    if cfg.variant == "tiny" or left <= CPU_WARN_S:
+        return None
+    return (f"warning: --config {cfg.variant} is sized for a GPU: its first step took {step_s:.1f} s on this CPU, so "
+            f"the {steps_left} steps left would take about {_duration(left)} (plus evaluation); --config tiny trains "
+            f"{cfg.task} on a CPU in minutes (SIGTERM or --time-limit stop with a checkpoint)")
+
+
 def _now_iso() -> str:
     return datetime.datetime.now().isoformat(timespec="seconds")
 
@@ -691,6 +709,10 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
     net.train()
     batches = iter(loader)
     stopped_by = None
+    if lead and device.type == "cpu" and cfg.variant != "tiny" and step < stop:
+        print(f"note: --config {cfg.variant} is sized for a GPU (batch {tc.batch_size}, {tc.steps} steps); its time "
+              f"on this CPU is estimated after the first step; --config tiny is sized for a CPU", file=sys.stderr,
+              flush=True)
     with stopper:
         while step < stop:
             nxt = step + 1
@@ -736,6 +758,10 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 stopper.timing["step_s"] = clock() - t_step
+                if lead and step == start_step + 1 and device.type == "cpu":
+                    warning = cpu_size_warning(cfg, stopper.timing["step_s"], stop - step)
+                    if warning:
+                        print(warning, file=sys.stderr, flush=True)
 
             postfix = None
             if step % tc.log_every == 0 or step == stop:
