@@ -238,6 +238,8 @@ def test_kernels_compile_for_sm90():
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the checkout's root first: the child imports sparseflash also where it is not installed (run in place)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     script = Path(__file__).with_name("_compile_sm90.py")
     r = subprocess.run([sys.executable, str(script), "alibi-segments-softcap"], env=env, capture_output=True, text=True,
                        timeout=600)
