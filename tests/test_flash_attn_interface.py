@@ -46,12 +46,12 @@ def _sdpa(q, k, v, allowed, scale=None, alibi_slopes=None):
     group = q.shape[2] // k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.repeat_interleave(group, 2).transpose(1, 2), v.repeat_interleave(group, 2).transpose(1, 2)
     empty = ~allowed.any(-1)
-    fixed = allowed.clone()
+    fixed = allowed.to(q.device).clone()
     fixed[empty] = True
     attn_mask = fixed
     if alibi_slopes is not None:
         Nq, Nk = allowed.shape
-        dist = (torch.arange(Nq)[:, None] + Nk - Nq - torch.arange(Nk)[None, :]).abs().to(q.dtype)
+        dist = (torch.arange(Nq)[:, None] + Nk - Nq - torch.arange(Nk)[None, :]).abs().to(q.device, q.dtype)
         bias = -alibi_slopes.to(q.dtype).reshape(-1, q.shape[2])[:, :, None, None] * dist
         attn_mask = bias.masked_fill(~fixed, float("-inf"))
     o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask, scale=scale).transpose(1, 2)
@@ -66,7 +66,7 @@ def _softcapped(q, k, v, allowed, softcap, alibi_slopes=None):
     s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
         Nq, Nk = allowed.shape
-        dist = (torch.arange(Nq)[:, None] + Nk - Nq - torch.arange(Nk)[None, :]).abs().to(q.dtype)
+        dist = (torch.arange(Nq)[:, None] + Nk - Nq - torch.arange(Nk)[None, :]).abs().to(q.device, q.dtype)
         s = s - alibi_slopes.to(q.dtype).reshape(-1, q.shape[2])[:, :, None, None] * dist
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
     return torch.einsum("bhij,bjhd->bihd", p, v)

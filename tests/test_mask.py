@@ -179,9 +179,9 @@ def _full_token_mask(fn, B, H, Nq, Nk):
     return fn(b, h, q, kv).expand(B, H, Nq, Nk)
 
 
-def _doc_fn(Nk, seed):
+def _doc_fn(Nk, seed, device=None):
     g = torch.Generator().manual_seed(seed)
-    docs = torch.cumsum(torch.rand(2, Nk, generator=g) < 0.03, dim=1)  # per-batch document ids
+    docs = torch.cumsum(torch.rand(2, Nk, generator=g) < 0.03, dim=1).to(device)  # per-batch document ids
 
     def fn(b, h, q_idx, kv_idx):
         return (docs[b, q_idx.clamp(max=Nk - 1)] == docs[b, kv_idx]) & (kv_idx <= q_idx)
@@ -456,7 +456,7 @@ def test_attention_takes_flex_block_mask(backend, device):
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 2, Nq, 16, generator=g).to(device, dtype)
     k, v = (torch.randn(2, 1, Nk, 16, generator=g).to(device, dtype) for _ in range(2))
-    fn = _doc_fn(100, 3)
+    fn = _doc_fn(100, 3, device)
     fb = flex.create_block_mask(lambda b, h, qi, kv: fn(b, h, qi + 30, kv), 2, None, Nq, Nk, device=device,
                                 BLOCK_SIZE=32)
     conv = as_block_mask(fb)
