@@ -45,8 +45,9 @@ def _sdpa(q, k, v, allowed, scale=None, alibi_slopes=None):
     [B, H]): flash-attn's documented bias -slope * |i + Nk - Nq - j| as an additive float mask."""
     group = q.shape[2] // k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.repeat_interleave(group, 2).transpose(1, 2), v.repeat_interleave(group, 2).transpose(1, 2)
+    allowed = allowed.to(q.device)
     empty = ~allowed.any(-1)
-    fixed = allowed.to(q.device).clone()
+    fixed = allowed.clone()
     fixed[empty] = True
     attn_mask = fixed
     if alibi_slopes is not None:

@@ -475,7 +475,7 @@ def test_attention_takes_flex_block_mask(backend, device):
     # block-level: every listed block full, so attention is exactly Flex's
     layout = rand_layout(2, 1, 3, 4, p=0.6, seed=3)
     layout[..., -1] = True  # no empty rows
-    m = BlockMask.from_layout(layout, block_size=32, seq_q=Nq, seq_k=Nk)
+    m = BlockMask.from_layout(layout, block_size=32, seq_q=Nq, seq_k=Nk).to(device)
     lean = m.to_flex(layout_in_mask_mod=False)  # the block lists only (eager Flex reads just mask_mod)
     assert as_block_mask(lean).is_exact and as_block_mask(lean).equal(m)
     want = flex.flex_attention(q.double(), k.double(), v.double(), block_mask=m.to_flex(), enable_gqa=True)
