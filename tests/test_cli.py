@@ -225,7 +225,12 @@ _ENTRY_POINTS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.l
                  "sparseflash.experiments.lra.speed", "sparseflash.experiments.lra.curves",
                  "sparseflash.experiments.bench.packed", "sparseflash.experiments.bench.host",
                  "sparseflash.experiments.bench.dropout", "sparseflash.experiments.bench.tune_tiles",
-                 "sparseflash.experiments.bench.inspect_kernels", "sparseflash.experiments.hf_example"]
+                 "sparseflash.experiments.bench.inspect_kernels", "sparseflash.experiments.hf_example",
+                 *(f"sparseflash.experiments.studies.{m}" for m in (
+                     "gluon.gluon_probe", "host_cost.breakdown", "host_cost.host_python", "host_cost.pieces",
+                     "host_cost.host_cost", "tma.ws_probe", "tma.tma_ab", "hopper.fwd_bench", "hopper.plot",
+                     "hopper.compile_check", "hopper.bwd_parts", "hopper.fwd_epilogue", "hopper.power_probe",
+                     "hopper.bwd_knobs", "hopper.short_rows", "short_rows.fixed_cost", "short_rows.short_rows"))]
 
 
 def _run_module(name, argv, monkeypatch) -> int:

@@ -43,7 +43,6 @@ Prints a table; with --out writes gluon_probe_<seq>.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import traceback
 from pathlib import Path
@@ -54,6 +53,7 @@ import triton
 
 __all__ = ["main", "probe_forward", "compile_sm90", "Variant", "VARIANTS", "parse_variant", "GLUON_ERROR"]
 
+from sparseflash.cli import ArgumentParser, run_command
 from sparseflash.flash.hopper import GLUON_ERROR  # the package's guarded gluon import, shared
 
 if GLUON_ERROR is None:
@@ -509,7 +509,7 @@ def memory_floor(q, mask, density: float) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.gluon.gluon_probe", description=__doc__.splitlines()[0])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--blocks", type=int, default=3, help="key blocks of 128 per q-block row of the sparse mask")
@@ -614,4 +614,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

@@ -18,11 +18,12 @@ gradient difference of each variant that computes dQ from ``portable``. ``--vari
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import torch
+
+from sparseflash.cli import ArgumentParser, run_command
 
 CASES = [(16384, 128, "dense"), (16384, 128, "causal"), (16384, 64, "causal"), (8192, 128, "dense"),
          (8192, 128, "causal"), (1024, 64, "dense"), (16384, 128, "random"), (4096, 128, "random"),
@@ -33,7 +34,7 @@ VARIANTS = {"portable": dict(MODE="off"), "hopper": {}, "nogroups": dict(HEAD_GR
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper.bwd_knobs", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--cases", nargs="+", type=int, default=None, help="indices into CASES (default: all)")
@@ -83,4 +84,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

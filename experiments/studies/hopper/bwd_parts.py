@@ -19,12 +19,13 @@ Every call goes through `launch.bwd` (the short path off, TMA descriptors on, as
 
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 from pathlib import Path
 
 import torch
+
+from sparseflash.cli import ArgumentParser, run_command
 
 CASES = [(16384, 128, "dense"), (16384, 128, "random"), (4096, 128, "random"), (4096, 128, "causal"),
          (16384, 64, "dense"), (4096, 64, "random")]
@@ -86,7 +87,7 @@ def measure(n: int, d: int, kind: str, dq_parts: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper.bwd_parts", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--dq-parts", action="store_true", help="also time the kernel with DQ_PARTS 1, 2, 3")
     args = ap.parse_args(argv)
@@ -110,4 +111,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -12,13 +12,14 @@ arrives in the PTX. Exit status 1 when a case fails to compile.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
 import torch
+
+from sparseflash.cli import ArgumentParser, run_command
 
 __all__ = ["compile_case", "CASES", "main"]
 
@@ -62,7 +63,7 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper.compile_check", description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=["fwd", "bwd"], default="fwd")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--dump", default=None, help="write each case's PTX here")
@@ -103,4 +104,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -24,7 +24,6 @@ TFLOP/s count attended pairs only (`bench.flops`). Writes hopper_fwd.csv / .json
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
@@ -33,6 +32,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from sparseflash.cli import ArgumentParser, run_command
 
 PROVIDERS = ("hopper", "hopper-fwd", "portable", "flex", "sdpa-flash", "sdpa-cudnn")
 # (forward, backward) modes of the sparseflash providers, held over the whole timed step
@@ -139,7 +140,7 @@ def _write(out: Path, rows: list, meta: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper.fwd_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--masks", nargs="+", default=["dense", "random", "butterfly", "causal", "local"])
@@ -222,4 +223,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -12,12 +12,13 @@ largest difference. Writes fwd_epilogue.json with --out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 
 import torch
+
+from sparseflash.cli import ArgumentParser, run_command
 
 CASES = [(4096, 128, "causal"), (4096, 128, "dense"), (4096, 64, "causal"), (4096, 64, "dense"),
          (16384, 128, "dense"), (16384, 64, "dense"), (16384, 128, "causal"), (4096, 128, "random"),
@@ -26,7 +27,7 @@ VARIANTS = ("store", "tma", "cudnn")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper.fwd_epilogue", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -77,4 +78,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -10,10 +10,11 @@ causal) or to FlexAttention (block masks). Needs only the JSON (no GPU).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from sparseflash.cli import ArgumentParser, run_command
 
 PROVIDERS = ("hopper", "hopper-fwd", "portable", "flex", "sdpa-flash", "sdpa-cudnn")
 LABELS = {"hopper": "sparseflash (Hopper kernels)", "hopper-fwd": "Hopper forward + portable backward",
@@ -74,7 +75,7 @@ def plot(rows: list[dict], meta: dict, out: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper.plot", description=__doc__.splitlines()[0])
     ap.add_argument("results", help="hopper_fwd.json written by fwd_bench --out")
     ap.add_argument("--out", default=None, help="directory for hopper_tflops.png (default: the JSON's)")
     args = ap.parse_args(argv)
@@ -85,4 +86,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

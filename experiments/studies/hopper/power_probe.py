@@ -11,7 +11,6 @@ meanwhile; the table gives each window's mean clock and power. Needs nvidia-smi 
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+
+from sparseflash.cli import ArgumentParser, run_command
 
 
 def _burst(step, n: int) -> float:
@@ -34,7 +35,7 @@ def _burst(step, n: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper.power_probe", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -96,4 +97,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

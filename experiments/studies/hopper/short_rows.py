@@ -12,10 +12,11 @@ the kernels interleaved over ``--rounds`` rounds (median kept, every round in th
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
+
+from sparseflash.cli import ArgumentParser, run_command
 
 # (tokens per sequence, 128-key blocks per row of a random mask)
 CASES = [(1024, 1), (1024, 2), (2048, 2), (4096, 1), (4096, 2), (4096, 3), (4096, 4), (4096, 6), (16384, 3),
@@ -23,7 +24,7 @@ CASES = [(1024, 1), (1024, 2), (2048, 2), (4096, 1), (4096, 2), (4096, 3), (4096
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper.short_rows", description=__doc__.splitlines()[0])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -73,4 +74,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

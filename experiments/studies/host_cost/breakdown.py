@@ -11,12 +11,13 @@ few tile configs. Prints a table; ``--out`` writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 
 import torch
+
+from sparseflash.cli import ArgumentParser, run_command
 
 
 def _graph_ms(fn, bench):
@@ -54,7 +55,7 @@ def _kernel_ms(fn, reps=20):
 def main(argv=None) -> int:
     from sparseflash.experiments.bench.config import add_shape_args
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.host_cost.breakdown", description=__doc__.splitlines()[0])
     add_shape_args(ap)
     ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.25, 0.1])
     ap.add_argument("--causal", action="store_true")
@@ -127,4 +128,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

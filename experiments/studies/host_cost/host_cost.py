@@ -23,7 +23,6 @@ time of the same call (CUDA-graph replay), so the table says which side bounds i
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -34,6 +33,7 @@ import time
 
 import torch
 
+from sparseflash.cli import ArgumentParser, run_command
 from sparseflash.experiments.bench.timing import SLEEP_CYCLES, graph_ms, host_us
 
 def _recorded_launches(fn):
@@ -65,7 +65,7 @@ def _recorded_launches(fn):
 def main(argv=None) -> int:
     from sparseflash.experiments.bench.config import add_shape_args
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.host_cost.host_cost", description=__doc__.splitlines()[0])
     add_shape_args(ap)
     ap.add_argument("--blocks-per-row", type=int, default=3, help="random mask of 128-blocks; 0: mask=None")
     ap.add_argument("--calls", type=int, default=30)
@@ -197,4 +197,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

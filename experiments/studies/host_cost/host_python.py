@@ -17,7 +17,6 @@ cProfile of the forward + backward (top functions by own time).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import io
@@ -25,6 +24,8 @@ import os
 import pstats
 
 import torch
+
+from sparseflash.cli import ArgumentParser, run_command
 
 __all__ = ["measure", "table", "stubbed_kernels", "main"]
 
@@ -122,7 +123,7 @@ def table(seq_len: int = 4096, blocks: int = 3, head_dims=(64, 128), calls: int 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.host_cost.host_python", description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=3, help="key blocks of 128 per row of a random mask (0: dense)")
@@ -148,4 +149,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

@@ -20,13 +20,14 @@ direct backward. Writes DIR/pieces.json and prints the table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from sparseflash.cli import ArgumentParser, run_command
 
 
 def main(argv=None) -> int:
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
     from sparseflash.flash import fast, launch, native
     from sparseflash.patterns import random as random_mask
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.host_cost.pieces", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=15)
@@ -138,4 +139,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

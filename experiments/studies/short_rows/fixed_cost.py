@@ -20,11 +20,12 @@ fixed_cost.png (time against blocks per row, measured points and the fitted line
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections import defaultdict
 from pathlib import Path
+
+from sparseflash.cli import ArgumentParser, run_command
 
 __all__ = ["fit_fixed_cost", "main"]
 
@@ -102,7 +103,7 @@ def _plot(fits: list[dict], path: Path) -> None:
 def main(argv=None) -> int:
     from sparseflash.experiments.bench.results import load_results
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.short_rows.fixed_cost", description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="bench sparsity CSV/JSON files or directories")
     ap.add_argument("--out", default=None, help="write fixed_cost.json and fixed_cost.png here")
     ap.add_argument("--min-points", type=int, default=3)
@@ -127,4 +128,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

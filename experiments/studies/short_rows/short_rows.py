@@ -23,12 +23,12 @@ Prints a table; with --out writes short_rows.json and short_rows.png (redrawn fr
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 
+from sparseflash.cli import ArgumentParser, run_command
 from sparseflash.experiments.bench.timing import graph_ms as _ms
 
 __all__ = ["main", "plot", "IMPLEMENTATIONS"]
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     from sparseflash.experiments.bench.results import environment
     from sparseflash.patterns import random as random_mask
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.short_rows.short_rows", description=__doc__.splitlines()[0])
     ap.add_argument("--providers", nargs="+", default=["sparseflash", "sdpa-cudnn", "sdpa-flash", "flex"],
                     choices=list(IMPLEMENTATIONS))
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -186,4 +186,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

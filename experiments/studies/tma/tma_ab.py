@@ -16,11 +16,12 @@ writes tma_ab.json. (Until 953b949 it compared the forward only, "off" against "
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
+
+from sparseflash.cli import ArgumentParser, run_command
 
 __all__ = ["main"]
 
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     from sparseflash.flash import launch
     from sparseflash.patterns import random as random_mask
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.tma.tma_ab", description=__doc__.splitlines()[0])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--out", default=None)
@@ -123,4 +124,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))

@@ -21,7 +21,6 @@ Prints a table; with --out writes ws_probe_<seq>.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import traceback
 from pathlib import Path
@@ -29,6 +28,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+
+from sparseflash.cli import ArgumentParser, run_command
 
 __all__ = ["main"]
 
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
     from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.patterns import random as random_mask
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.tma.ws_probe", description=__doc__.splitlines()[0])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--blocks", type=int, default=3, help="key blocks of 128 per q-block row of the sparse mask")
@@ -213,4 +214,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command(main))
