@@ -21,10 +21,11 @@ dropout), which halves the RNG work against 16 bits. The probability actually ap
 by ``1 / (1 - effective_p(p))``, so the expectation is exact. A p that would round to 0 or to 1
 without being 0 or 1 (0 < p < 1/512 or 1 - 1/512 <= p < 1) is refused rather than silently turned
 off or into "drop everything". The Triton kernels compute these bits in registers (forward and,
-regenerated, backward) and `keep_mask` below computes them with torch ops on int64 tensors, bit
-for bit, so tests compare kernels and reference exactly; being torch ops only (32-bit products
-split into 16-bit halves, so nothing overflows), the reference path with dropout traces under
-``torch.compile`` (``fullgraph=True`` included: there the seed stays a tensor, never a host int).
+regenerated, backward) and `keep_mask` below computes them bit for bit, so tests compare kernels
+and reference exactly: in NumPy for an eager call with an int seed, and in torch ops on int64
+tensors (32-bit products from 16-bit halves, so nothing overflows; about 8x slower on a CPU) for a
+tensor seed or under ``torch.compile``, whose graph the reference path with dropout then joins
+(``fullgraph=True`` included: there the seed stays a tensor, never a host int).
 
 Seeds follow torch's generators, so ``torch.manual_seed`` controls dropout: each call draws its
 (seed_lo, seed_hi, offset) with one small torch random op on the inputs' device (`draw_rng`) and
@@ -35,11 +36,12 @@ memory, and backward reuses it: a call captured in a CUDA graph (``torch.compile
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["keep_mask", "draw_rng", "rng_values", "next_seed_offset", "threshold", "effective_p", "check_p", "LEVELS"]
 
-# Philox4x32 constants as Python ints (no NumPy scalars: torch.compile guards on module globals)
+# Philox4x32 constants as Python ints (the NumPy path converts them; torch.compile never sees NumPy scalars)
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _MASK32 = 0xFFFFFFFF
@@ -107,6 +109,38 @@ def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (a_hi * m_hi + (mid >> 16) + (t >> 32)) & _MASK32, t & _MASK32
 
 
+def _philox_np(c0, c1, c2, c3, k0, k1):
+    """Philox4x32 (ROUNDS rounds) on uint32 arrays (NumPy, arithmetic in uint64)."""
+    u = np.uint64
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in (c0, c1, c2, c3))
+    k0, k1, m0, m1, mask = u(k0), u(k1), u(_M0), u(_M1), u(_MASK32)
+    for _ in range(ROUNDS):
+        p0 = m0 * c0
+        p1 = m1 * c2
+        c0, c1, c2, c3 = ((p1 >> u(32)) ^ c1 ^ k0, p1 & mask, (p0 >> u(32)) ^ c3 ^ k1, p0 & mask)
+        k0 = (k0 + u(_W0)) & mask
+        k1 = (k1 + u(_W1)) & mask
+    return c0, c1, c2, c3
+
+
+def _keep_mask_np(seed: int, offset: int, batch: int, heads_q: int, seq_q: int, seq_k: int, p: float,
+                  device=None) -> torch.Tensor:
+    seed_lo, seed_hi = split_seed(seed)
+    thresh = threshold(p)
+    u = np.uint64
+    rows = np.arange(seq_q, dtype=np.uint64)[:, None]
+    cols = np.arange(seq_k, dtype=np.uint64)[None, :]
+    c0 = np.broadcast_to((cols // u(32)) * u(4) + (cols % u(8)) // u(2), (seq_q, seq_k))
+    c1 = np.broadcast_to((rows // u(16)) * u(8) + rows % u(8), (seq_q, seq_k))
+    word = np.broadcast_to(((cols // u(8)) % u(4)).astype(np.int64), (seq_q, seq_k))
+    shift = u(16) * ((rows // u(8)) % u(2)) + u(8) * (cols % u(2))
+    out = np.empty((batch * heads_q, seq_q, seq_k), dtype=bool)
+    for bh in range(batch * heads_q):
+        r = _philox_np(c0, c1, u(bh), u(offset), seed_lo, seed_hi)
+        out[bh] = ((np.choose(word, r) >> shift) & u(0xFF)).astype(np.int64) >= thresh
+    return torch.from_numpy(out.reshape(batch, heads_q, seq_q, seq_k)).to(device or "cpu")
+
+
 def _philox(c0, c1, c2, c3, k0, k1):
     """Philox4x32 (ROUNDS rounds) on int64 tensors holding 32-bit values (keys: ints or tensors)."""
     for _ in range(ROUNDS):
@@ -122,7 +156,10 @@ def keep_mask(seed, offset, batch: int, heads_q: int, seq_q: int, seq_k: int, p:
               device=None) -> torch.Tensor:
     """The kernels' keep-mask as a bool tensor ``[batch, heads_q, seq_q, seq_k]`` (for testing and
     the reference path; materialises every pair, so keep it to modest sizes). ``seed`` and
-    ``offset`` are ints or 0-dim int64 tensors (`next_seed_offset`)."""
+    ``offset`` are ints (NumPy computes the bits) or 0-dim int64 tensors (`next_seed_offset` under
+    ``torch.compile``; torch ops compute them, equal bit for bit)."""
+    if not (torch.compiler.is_compiling() or isinstance(seed, torch.Tensor) or isinstance(offset, torch.Tensor)):
+        return _keep_mask_np(int(seed), int(offset), batch, heads_q, seq_q, seq_k, p, device)
     device = torch.device(device or "cpu")
     seed = torch.as_tensor(seed, dtype=torch.int64, device=device)
     offset = torch.as_tensor(offset, dtype=torch.int64, device=device)
