@@ -181,14 +181,22 @@ def plot(result: dict, samples: Path, out: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num", type=int, default=160, help="generated images per fidelity and resolution")
+    from sparseflash.cli import ArgumentParser, CommandError, check_output_dir, positive_int
+
+    ap = ArgumentParser(prog="calibrate.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num", type=positive_int, default=160, help="generated images per fidelity and resolution")
     ap.add_argument("--samples", type=Path, default=DEFAULT_SAMPLES, help="folder of the release sample strips")
     ap.add_argument("--out", type=Path, default=HERE)
     ap.add_argument("--plot-only", action="store_true", help="redraw calibration.png from calibration.json")
     args = ap.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    missing = [f for f in FILES.values() if not (args.samples / f).is_file()]
+    if missing:
+        raise CommandError(f"--samples {args.samples} lacks {', '.join(missing)}",
+                           "point --samples at shared/pathfinder-release-samples")
+    check_output_dir(args.out)
     if args.plot_only:
+        if not (args.out / "calibration.json").is_file():
+            raise CommandError(f"no {args.out / 'calibration.json'} to redraw", "run without --plot-only first")
         result = json.loads((args.out / "calibration.json").read_text())
     else:
         result = run(args.num, args.samples, args.out)
@@ -197,4 +205,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from sparseflash.cli import run_command
+
+    raise SystemExit(run_command(main))
