@@ -268,3 +268,39 @@ def test_hopper_plot_from_saved_rows(tmp_path):
     src.write_text(json.dumps(dict(meta=dict(commit="abc", device_name="GPU"), rows=rows)))
     assert hopper_plot([str(src), "--out", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "hopper_tflops.png").stat().st_size > 10_000
+
+
+def _calibrate():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "studies", "pathfinder-generator", "calibrate.py")
+    spec = importlib.util.spec_from_file_location("calibrate", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pathfinder_calibration_measures_what_it_says():
+    # The generator calibration's measures on images with known answers: a "/" stroke lands in the
+    # "/" bin, markers are found where the generator's layers put them, black share and levels.
+    import numpy as np
+
+    from sparseflash.experiments.lra.data import pathfinder as pf
+
+    cal = _calibrate()
+    img = np.zeros((64, 64), np.uint8)
+    for t in range(10, 50):
+        img[60 - t, t] = 200  # y down: rising to the right is "/"
+    d = cal.stroke_directions(img)
+    assert d[1] > 0.8 and abs(d.sum() - 1) < 1e-9
+    p = pf.params_for(64, "hard", "release")
+    made = pf.render_many(p, np.random.default_rng(4), [0, 1, 0, 1], True)
+    for image, layers in made:
+        found = sorted(cal.markers(image, p.marker_radius))
+        want = sorted(tuple(int(v) for v in t) for t in layers["tips"])
+        assert all(abs(a - b) <= 1 for f, w in zip(found, want) for a, b in zip(f, w)), (found, want)
+        m = cal.measure(image, p.marker_radius)
+        assert m["black"] == pytest.approx((image == 0).mean()) and 200 <= m["marker_interior"] <= 240
+    if os.path.isdir(cal.DEFAULT_SAMPLES):  # the 16 real release images (shared/, beside the checkout)
+        real = cal.real_images(cal.DEFAULT_SAMPLES, 128)
+        assert len(real) == 8 and all(r.shape == (128, 128) and r.max() == 255 for r in real)
