@@ -507,7 +507,7 @@ def test_wide_head_dim_default_tiles_fit_hopper():
         assert not too_big, (extra, too_big)
 
 
-# ----------------------------------------------------------------------------- host cost (issue 21)
+# ----------------------------------------------------------------- host cost per call against GPU time
 @pytest.mark.interpreter
 def test_host_bench_cpu_smoke(tmp_path):
     """`bench.host` on CPU (kernels as no-ops): every provider x setting x pass gets a positive

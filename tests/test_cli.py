@@ -1,7 +1,7 @@
 """The `sparseflash` command's error handling: a known failure is one line on stderr and exit 2.
 
-In-process through `sparseflash.cli.main`, plus one subprocess run of issue 23's example (the
-installed entry point, so that nothing between it and `main` prints a traceback). About 5 s on CPU.
+In-process through `sparseflash.cli.main`, plus one subprocess run of a training command on a missing
+folder (the installed entry point, so that nothing between it and `main` prints a traceback). About 5 s on CPU.
 """
 
 import os
@@ -23,7 +23,7 @@ def _one_error_line(err: str) -> str:
 
 
 def test_issue_example_missing_data_is_one_line(tmp_path):
-    """`sparseflash lra train ... --data /nonexistent` (issue 23): one line, exit 2, no traceback."""
+    """`sparseflash lra train ... --data /nonexistent`: one line, exit 2, no traceback."""
     env = {**os.environ, "SPARSEFLASH_DEBUG": ""}
     r = subprocess.run([sys.executable, "-m", "sparseflash", "lra", "train", "--task", "listops", "--config", "quick",
                         "--data", str(tmp_path / "nonexistent"), "--out", str(tmp_path / "runs" / "x")],

@@ -1,4 +1,4 @@
-"""README.md and BENCHMARKS.md stay true to the tree (issue 23): the "Where things are" tree names
+"""README.md and BENCHMARKS.md stay true to the tree: the "Where things are" tree names
 only paths that exist and every folder of experiments/results/ and experiments/studies/, and every
 repository path the two documents cite exists. Reads files only; well under 1 s."""
 

@@ -255,7 +255,7 @@ def test_compiled_reduce_overhead_draws_fresh_bits():
 
 
 def test_compiled_reference_with_dropout_on_cpu():
-    """torch.compile over the reference path with dropout (issue 42): the function with
+    """torch.compile over the reference path with dropout: the function with
     fullgraph=True (the seed stays a tensor) and a module; the compiled function draws the same
     keep-mask as the eager call from the same generator state, and gradients flow."""
     import sparseflash

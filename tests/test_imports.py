@@ -1,6 +1,6 @@
 """The library's import graph: no module of `sparseflash` imports one that imports it back.
 
-Issue 23: `sparseflash.mask` and `sparseflash.analysis` imported each other (the mask's `.plot()`
+Once `sparseflash.mask` and `sparseflash.analysis` imported each other (the mask's `.plot()`
 reached into analysis, which imports the mask). The pictures now live in `sparseflash._picture`,
 below both. Checked two ways: the import statements anywhere in each file (module level or inside
 functions) form an acyclic graph, and a fresh interpreter importing `sparseflash.mask` (and drawing

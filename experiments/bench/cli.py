@@ -1,7 +1,7 @@
 """`sparseflash bench sparsity|seqlen` and `sparseflash plot`: argument declarations and handlers.
 
     sparseflash bench sparsity [--pattern butterfly local random] [--seq-len 4096 16384] ...
-    sparseflash bench sparsity --preset kernel-check          # issue 3's first performance check
+    sparseflash bench sparsity --preset kernel-check          # the standard performance check
     sparseflash bench seqlen [--pattern butterfly] [--seq-len 512 ... 65536] ...
     sparseflash plot RESULTS [RESULTS ...] --out DIR           # redraw every figure from saved rows
 
@@ -77,7 +77,7 @@ def _add_common(p: argparse.ArgumentParser, bench: str) -> None:
         g.add_argument("--masked-densities", choices=("ends", "all"),
                        help="where masked dense-compute providers run: densest and sparsest mask (default) or all")
         g.add_argument("--preset", choices=("kernel-check",),
-                       help="kernel-check: issue 3's first performance check (bf16, d 64/128, seq 4K/16K, "
+                       help="kernel-check: the standard performance check (bf16, d 64/128, seq 4K/16K, "
                             "16 heads, 16K tokens, random/butterfly at 1, ~0.5, 0.25, 0.1, vs SDPA flash/cuDNN "
                             "and FlexAttention, outputs checked against the reference)")
     g.add_argument("--quick", action="store_true", help="a smaller sweep (fewer lengths, densities, shorter timing)")

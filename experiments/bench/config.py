@@ -130,7 +130,7 @@ def defaults(bench: str, device: str, quick: bool = False) -> dict:
 
 # Named presets: fields that replace the defaults (explicit command-line options still win).
 PRESETS = {
-    # issue 3, "First performance check": bf16, d 64/128, seq 4K/16K, 16 heads, 16K tokens, density
+    # the standard performance check: bf16, d 64/128, seq 4K/16K, 16 heads, 16K tokens, density
     # 1.0 and random / butterfly at ~0.5, 0.25, 0.1, fwd and fwd+bwd, against SDPA flash / cuDNN and
     # FlexAttention on the same block mask.
     "kernel-check": dict(

@@ -1,4 +1,4 @@
-"""Host cost per call against GPU time (issue 21): how much of a short call the host bounds.
+"""Host cost per call against GPU time: how much of a short call the host bounds.
 
     python -m sparseflash.experiments.bench.host --out DIR [--seq-len 4096] [--head-dims 64 128] [--blocks 3]
     python -m sparseflash.experiments.bench.host --device cpu --out DIR   (smoke run: kernels are no-ops, labelled)

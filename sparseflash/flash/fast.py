@@ -1,4 +1,4 @@
-"""The short path of an eager `sparseflash.attention` call (issue 21: host cost per call).
+"""The short path of an eager `sparseflash.attention` call: less host time per repeated call.
 
 A model calls attention with the same shapes, layouts, mask and scalars step after step. The
 first call of each such combination goes the general way (`api._check_inputs`, `flash_attention`,

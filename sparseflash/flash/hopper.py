@@ -1,4 +1,5 @@
-"""Hopper (sm_90) forward: a warp-specialised, ping-pong Gluon kernel (issue 22, stages 1 and 6).
+"""Hopper (sm_90) forward: a warp-specialised, ping-pong Gluon kernel (design and measurements:
+experiments/studies/hopper/README.md).
 
 The portable kernels (`kernels.py`) run everywhere Triton does; on an H100 they leave the tensor
 cores idle while the softmax runs, because one program's matmuls and its softmax are one
@@ -16,7 +17,7 @@ dependent chain. This kernel takes FlashAttention-3's structure, written in Gluo
 - **persistent** grid of one CTA per SM walking q tiles p, p + G, ...; barrier phases are counted
   over the CTA's whole stream, so the next tile's Q and first K/V tiles load during the current
   tile's last steps and epilogue;
-- **epilogue** (stage 6): each warpgroup writes its half of O into shared memory and one TMA
+- **epilogue**: each warpgroup writes its half of O into shared memory and one TMA
   store takes it out (`EPILOGUE`), so the next tile starts without waiting on global stores.
 
 The block-sparse list walk is the portable kernels': a q tile visits the k blocks of its row list
@@ -388,7 +389,7 @@ if GLUON_ERROR is None:
 
 
 # How the consumers write O: "tma" (registers -> shared memory -> a TMA store, when O's layout takes a
-# descriptor; 1.0-1.24x faster, most on short walks: experiments/studies/hopper/README.md, stage 6),
+# descriptor; 1.0-1.24x faster, most on short walks: experiments/studies/hopper/README.md, the TMA epilogue),
 # "store" (registers -> global memory, what other layouts of O get).
 EPILOGUE = "tma"
 CONSUMER_REGS = 232  # second consumer warpgroup (setmaxnreg); the first takes what is left

@@ -1,5 +1,5 @@
-"""Hopper (sm_90) backward: a warp-specialised Gluon kernel for dQ, dK and dV in one pass (issue 22,
-stages 2 to 6).
+"""Hopper (sm_90) backward: a warp-specialised Gluon kernel for dQ, dK and dV in one pass
+(design and measurements: experiments/studies/hopper/README.md).
 
 The portable backward (`kernels.py`) runs two kernels that each recompute P and dP: dQ walks the
 row lists, dK/dV the column lists, seven matmuls per tile pair. This one does five, as
@@ -70,7 +70,7 @@ MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "auto")
 # many 128-row q blocks on average: below, the kernel's fixed costs (the float32 dQ buffer zeroed and
 # cast, each tile's K/V load and dK/dV stores) outweigh its faster steps (H100, 16K tokens, random
 # masks: 0.75x the portable backward's speed at 3 blocks, 0.95x at 13, 1.16x at 26, 1.23x at 52 for
-# d=128; 1.01x at 13 for d=64; experiments/studies/hopper/README.md, stage 7).
+# d=128; 1.01x at 13 for d=64; experiments/studies/hopper/README.md, the column-list threshold).
 LIST_MIN_BLOCKS = 16.0
 QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
 ROTATE = True  # stagger the column walks (`_step`)

@@ -14,7 +14,7 @@ cap, the dK/dV orientation (q_rows) and whether its tiles load through TMA descr
 Strides: the leading strides of each launch's tensors are passed divided by their common
 power-of-two alignment when it is 2, 4 or 8 (`_aligned_strides`), for the kernels to multiply back.
 
-Per-call cost (issue 21): what a launch derives from shapes, strides, dtypes and scalars is a
+Per-call cost (a short call is bound by host time): what a launch derives from shapes, strides, dtypes and scalars is a
 `_Plan` computed once per key; repeat launches of a plan go straight to the compiled kernel's
 C launcher (`_launch`, FAST_LAUNCH; see the comment above it for why that is safe).
 """

@@ -1,4 +1,4 @@
-"""The native short path (issue 21): `_native.cpp`, built on first use, runs a repeated eager call's
+"""The native short path, for the host cost of repeated eager calls: `_native.cpp`, built on first use, runs a repeated eager call's
 forward, autograd node and backward in C++ with the Triton kernels that `sparseflash.flash.fast`
 compiled and bound. It removes the Python autograd Function and Triton's per-launch argument
 parsing from the hot path; what it launches is exactly what the Python short path launches.
