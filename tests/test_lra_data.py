@@ -187,36 +187,46 @@ def _disk(r):
     return x * x + y * y <= r * r
 
 
-@pytest.mark.parametrize("resolution,difficulty,n",
-                         [(32, "hard", 60), (32, "easy", 40), (64, "easy", 20), (128, "hard", 4), (256, "hard", 6)])
-def test_pathfinder_geometry_and_markers(resolution, difficulty, n):
-    """On rendered images: no pixel is drawn by two snakes; each target snake is one chain of paddles
-    (its drawn pixels connect once the inter-paddle gaps, at most 2 * (margin + 2), are bridged);
-    the marker centres sit on drawn pixels of the snakes they claim, the same snake exactly when
-    the label is 1. Also reported: how often plain pixel connectivity of the whole image (no snake
-    identities, gaps bridged by margin + 1) agrees with the label."""
-    p = pf.params_for(resolution, difficulty)
+@pytest.mark.parametrize("resolution,difficulty,n,fidelity",
+                         [(32, "hard", 60, "clean"), (32, "easy", 40, "clean"), (64, "easy", 20, "clean"),
+                          (128, "hard", 4, "clean"), (256, "hard", 6, "clean"), (32, "hard", 60, "release"),
+                          (64, "hard", 8, "release")])
+def test_pathfinder_geometry_and_markers(resolution, difficulty, n, fidelity):
+    """On rendered images: each target snake is one chain of paddles (its drawn pixels connect once
+    the inter-paddle gaps, at most 2 * (margin + 2), are bridged); the markers sit on the tips of
+    the snakes they claim, the same snake exactly when the label is 1. Clean images also: no pixel
+    is drawn by two snakes, nearly every distractor placed, markers on drawn pixels of their own
+    snake (release images break these three by design: targets may touch, distractor seeds mostly
+    fail, a distractor may cover snake 1's last paddle). Also reported: how often plain pixel
+    connectivity of the whole image (no snake identities, gaps bridged by margin + 1) agrees with
+    the label."""
+    p = pf.params_for(resolution, difficulty, fidelity)
+    clean = fidelity == "clean"
     agree = {0: [], 1: []}
     for i in range(n):
         label = i % 2
         img, lay = pf.render(p, np.random.default_rng([11, i]), label, return_layers=True)
         assert img.dtype == np.uint8 and img.shape == (resolution, resolution) and img.max() == 255
         ids, m = lay["ids"], lay["margin"]
-        assert lay["count"].max() <= 1, "a pixel is drawn by two snakes"
-        assert lay["num_distractors"] >= p.num_distractors - 2
+        if clean:
+            assert lay["count"].max() <= 1, "a pixel is drawn by two snakes"
+            assert lay["num_distractors"] >= p.num_distractors - 2
         for s in (1, 2):
-            comp, k = ndimage.label(ndimage.binary_dilation(ids == s, _disk(m + 2)))
+            drawn = (ids == s) if clean else (ids == s) | (lay["count"] > 1)
+            comp, k = ndimage.label(ndimage.binary_dilation(drawn, _disk(m + 2)))
             o, t = lay["origins"][s - 1], lay["terminals"][s - 1]
-            assert k == 1 and comp[o] == comp[t] == 1, f"target snake {s} is not one chain"
+            assert comp[o] == comp[t] != 0, f"target snake {s} is not one chain"
+            assert k == 1 or not clean
         tips, snakes = lay["tips"], lay["tip_snakes"]
-        assert [ids[t] for t in tips] == list(snakes), "a marker is not on a drawn pixel of its snake"
+        if clean:
+            assert [ids[t] for t in tips] == list(snakes), "a marker is not on a drawn pixel of its snake"
         assert (snakes[0] == snakes[1]) == bool(label)
-        assert tips[0] in lay["origins"] and tips[1] in lay["terminals"]
+        assert tips[0] == lay["origins"][snakes[0] - 1] and tips[1] == lay["terminals"][snakes[1] - 1]
         assert all(img[t] >= 0.75 * 255 for t in tips)  # markers are as bright as the brightest paddles
         comp, _ = ndimage.label(ndimage.binary_dilation(img >= 32, _disk(m + 1)))  # above the Lanczos rings
         agree[label].append((comp[tips[0]] == comp[tips[1]]) == bool(label))
-    print(f"\npathfinder{resolution} {difficulty}: whole-image pixel connectivity agrees with the label for "
-          f"{np.mean(agree[1]):.2f} of label-1 and {np.mean(agree[0]):.2f} of label-0 images")
+    print(f"\npathfinder{resolution} {difficulty} {fidelity}: whole-image pixel connectivity agrees with the label "
+          f"for {np.mean(agree[1]):.2f} of label-1 and {np.mean(agree[0]):.2f} of label-0 images")
     assert np.mean(agree[1]) >= 0.9  # connected markers are always pixel-connected along their snake
 
 
