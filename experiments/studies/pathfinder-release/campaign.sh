@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Pathfinder-32 on release-fidelity data, split over as many device commands as it needs.
 #   experiments/studies/pathfinder-release/campaign.sh RUNS MINUTES
+# On a shared tree, run it from a snapshot of one commit, so edits in progress never reach the device:
+#   git archive HEAD sparseflash patterns pyproject.toml experiments/__init__.py experiments/lra experiments/bench \
+#     experiments/studies/__init__.py experiments/studies/pathfinder-release | tar x -C .snap; git rev-parse HEAD > .snap/COMMIT
+#   (carry .snap and RUNS; cd .snap && DATA=/tmp/pf/rel CLEAN=/tmp/pf/clean bash .../campaign.sh ../RUNS 9)
 # Each call makes the data if this machine has none (200K release-fidelity hard images for training,
 # 20K clean ones for cross-evaluation; deterministic, so every call makes the same images), then
 # resumes (or starts) the stage's runs side by side until MINUTES have passed; they stop with a
@@ -17,6 +21,9 @@ py=${PYTHON:-python3}
 rel=${DATA:-data/lra-release}; clean=${CLEAN:-data/lra-clean}
 num=${NUM:-200000}; num_clean=${NUM_CLEAN:-20000}; workers=${WORKERS:-16}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+# Run from a snapshot (git archive) the tree has no .git of its own: a COMMIT file beside it names
+# what runs, so results do not record the commit of some .git further up.
+[ -f COMMIT ] && export SPARSEFLASH_COMMIT=$(cat COMMIT)
 t0=$(date +%s)
 mkdir -p "$runs"
 make() {  # make ROOT FIDELITY NUM
