@@ -487,14 +487,10 @@ def _seed(text: str) -> int:
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     from sparseflash.cli import non_negative_int, positive_int
-    from sparseflash.experiments.lra.configs import TASKS, VARIANTS
     from sparseflash.experiments.lra.model import ATTENTIONS
-    from sparseflash.experiments.lra.train import _minutes
+    from sparseflash.experiments.lra.train import _minutes, add_data_arguments, add_device_arguments
 
-    p.add_argument("--task", choices=TASKS)
-    p.add_argument("--config", default="quick", choices=VARIANTS, help="settings variant (default: quick)")
-    p.add_argument("--data", help="data root directory given to the loaders")
-    p.add_argument("--cache-dir", help="cache directory for the loaders")
+    add_data_arguments(p, task_required=False)  # --plot-only needs no task
     p.add_argument("--out", help="output directory (runs/, sweep.{csv,json,md,png})")
     p.add_argument("--pattern", default="butterfly", choices=SWEEP_PATTERNS, help="default: butterfly")
     p.add_argument("--densities", nargs="+", type=_density, default=[1.0, 0.5, 0.25, 0.125],
@@ -509,8 +505,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                         "pathfinder64 sweep at the same densities and seeds, for Path-X)")
     p.add_argument("--time-limit", type=_minutes, metavar="MINUTES",
                    help="end the whole sweep, every run resumable, within MINUTES of its start (exit status 75)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--precision", choices=("bf16", "fp32"), help="default: bf16 autocast on CUDA, fp32 on CPU")
+    add_device_arguments(p)
     p.add_argument("--num-workers", type=non_negative_int, default=2, help="data-loader workers (default 2)")
     p.add_argument("--timing-warmup", type=non_negative_int, default=5, help="untimed steps before the step timing (default 5)")
     p.add_argument("--timing-repeats", type=positive_int, default=20, help="timed steps per run (default 20)")

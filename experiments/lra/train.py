@@ -105,7 +105,7 @@ from sparseflash.experiments.lra.model import (
     ATTENTIONS, LRAClassifier, LRADenoiser, ModelConfig, load_pretrained, mask_positions, parse_pattern_spec)
 
 __all__ = ["train", "evaluate", "build_model", "eval_mask", "denoise_loss", "StepBatches", "collate", "lr_factor",
-           "register_lra", "main", "EXIT_STOPPED", "EVAL_MASK_SEED"]
+           "register_lra", "main", "EXIT_STOPPED", "EVAL_MASK_SEED", "add_data_arguments", "add_device_arguments"]
 
 _TRAIN_COLS = ("step", "epoch", "lr", "loss", "acc", "grad_norm", "step_ms", "tokens_per_s", "mem_gb", "time_s")
 _EVAL_COLS = ("step", "split", "weights", "loss", "acc", "n", "time_s")
@@ -536,70 +536,111 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
     continues exactly where it stopped. Every segment of a run split over commands is listed in
     ``summary["segments"]`` (step range, wall time, how it ended, host, command line).
     """
-    clock = _Stopper.clock  # every duration of a run (logs, stopping predictions) on the deadline's clock
-    t_start = clock()
-    started_at = _now_iso()
-    rank, world, device = _dist_setup(device)
-    lead = rank == 0
-    out = Path(out_dir)
-    ckpt_dir = out / "checkpoints"
-    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0):
-        raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
-    if deadline is not None and not isinstance(deadline, (int, float)):
-        raise ValueError(f"deadline must be a time.monotonic() value or None, got {deadline!r}")
-    precision = precision or ("bf16" if device.type == "cuda" else "fp32")
-    if precision not in ("bf16", "fp32"):
-        raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+    run = _Run(cfg, out_dir, datasets=datasets, data_root=data_root, cache_dir=cache_dir, device=device,
+               max_steps=max_steps, precision=precision, deadline=deadline)
+    run.build(init_from)
+    run.resume_from(resume)
+    run.prepare_loop(compile, num_workers)
+    run.run_steps(show_progress)
+    return run.finish()
 
-    if datasets is None:
-        if data_root is None:
-            raise ValueError("give the data directory (--data DIR) or datasets=")
-        datasets = load_datasets(cfg, data_root, cache_dir)
-    if lead:  # only once the arguments and the data are known good: a failed start leaves no folder
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-    cfg = config_from_dict(cfg.to_dict())  # resolved copy; the caller's config is left alone
-    fit_to_data(cfg, datasets["train"])
-    tc = cfg.train
-    steps_per_epoch = len(datasets["train"]) // tc.batch_size
-    if tc.epochs is not None:
-        tc.steps = max(1, round(tc.epochs * steps_per_epoch))
-    if tc.warmup_epochs is not None:
-        tc.warmup_steps = round(tc.warmup_epochs * steps_per_epoch)
-    cfg.validate()
-    if tc.batch_size % world:
-        raise ValueError(f"train.batch_size ({tc.batch_size}) must be divisible by the number of ranks ({world})")
-    stop = tc.steps if max_steps is None else min(max_steps, tc.steps)
 
-    denoise = tc.objective == "denoise"
-    _seed_all(tc.seed)  # the same initial weights on every rank
-    model = build_model(cfg)
-    if init_from:
-        state = torch.load(init_from, map_location="cpu", weights_only=False)
-        notes = load_pretrained(model, state.get("model", state))
-        if lead:
-            source = ((state.get("config") or {}).get("train") or {}).get("objective", "classify")
-            print(f"initialised from {init_from} (a {source} checkpoint, into a {tc.objective} model)"
-                  + "".join(f"\n  {n}" for n in notes), file=sys.stderr)
-    model.to(device)
-    opt = _optimizer(model, tc, device)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, tc.steps, tc.warmup_steps, tc.schedule, tc.min_lr_ratio))
-    _seed_all(tc.seed + 1 + rank)  # dropout streams differ per rank
+class _Run:
+    """One command of a training run, as the steps `train` calls in order.
 
-    logs = _Logs(out, lead, _EVAL_COLS_DENOISE if denoise else _EVAL_COLS)
-    # best on val: highest accuracy (classify), lowest masked-token loss (denoise)
-    best = {"loss": None, "acc": None, "step": None} if denoise else {"acc": -1.0, "step": None}
-    step, best_state = 0, None
-    segments, timing = [], None  # earlier commands of this run; their time estimates
-    if resume == "auto":
-        resume = str(ckpt_dir / "last.pt") if (ckpt_dir / "last.pt").exists() else None
-    if resume:
+    The steps share the run's state (step, best-on-val record and weights, logs, stopper, timing
+    window) through the instance, so that the checkpoints, the logs and the summary see exactly
+    what the step loop left. The steps must run in this order: it fixes the order of the RNG draws
+    (initial weights, then per-rank dropout streams), of the file writes and of the collectives
+    every rank takes part in, on which bit-identical resumes and data-parallel runs rest."""
+
+    def __init__(self, cfg: ExperimentConfig, out_dir, *, datasets, data_root, cache_dir, device, max_steps,
+                 precision, deadline):
+        """Devices and precision, then the data and the resolved config (schedule in steps)."""
+        self.clock = _Stopper.clock  # every duration of a run (logs, stopping predictions) on the deadline's clock
+        self.t_start = self.clock()
+        self.started_at = _now_iso()
+        self.rank, self.world, device = _dist_setup(device)
+        self.device, self.deadline = device, deadline
+        self.lead = self.rank == 0
+        self.out = Path(out_dir)
+        self.ckpt_dir = self.out / "checkpoints"
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0):
+            raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
+        if deadline is not None and not isinstance(deadline, (int, float)):
+            raise ValueError(f"deadline must be a time.monotonic() value or None, got {deadline!r}")
+        precision = precision or ("bf16" if device.type == "cuda" else "fp32")
+        if precision not in ("bf16", "fp32"):
+            raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+        self.precision = precision
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+        if datasets is None:
+            if data_root is None:
+                raise ValueError("give the data directory (--data DIR) or datasets=")
+            datasets = load_datasets(cfg, data_root, cache_dir)
+        self.datasets = datasets
+        if self.lead:  # only once the arguments and the data are known good: a failed start leaves no folder
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        cfg = config_from_dict(cfg.to_dict())  # resolved copy; the caller's config is left alone
+        fit_to_data(cfg, datasets["train"])
+        tc = cfg.train
+        steps_per_epoch = len(datasets["train"]) // tc.batch_size
+        if tc.epochs is not None:
+            tc.steps = max(1, round(tc.epochs * steps_per_epoch))
+        if tc.warmup_epochs is not None:
+            tc.warmup_steps = round(tc.warmup_epochs * steps_per_epoch)
+        cfg.validate()
+        if tc.batch_size % self.world:
+            raise ValueError(f"train.batch_size ({tc.batch_size}) must be divisible by the number of ranks ({self.world})")
+        self.cfg, self.tc = cfg, tc
+        self.stop = tc.steps if max_steps is None else min(max_steps, tc.steps)
+        self.denoise = tc.objective == "denoise"
+
+    def build(self, init_from: str | None) -> None:
+        """Model (optionally from ``init_from``), optimizer, schedule, logs and the empty best-on-val record."""
+        tc, lead = self.tc, self.lead
+        _seed_all(tc.seed)  # the same initial weights on every rank
+        model = build_model(self.cfg)
+        if init_from:
+            state = torch.load(init_from, map_location="cpu", weights_only=False)
+            notes = load_pretrained(model, state.get("model", state))
+            if lead:
+                source = ((state.get("config") or {}).get("train") or {}).get("objective", "classify")
+                print(f"initialised from {init_from} (a {source} checkpoint, into a {tc.objective} model)"
+                      + "".join(f"\n  {n}" for n in notes), file=sys.stderr)
+        model.to(self.device)
+        self.model = model
+        self.opt = _optimizer(model, tc, self.device)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: lr_factor(s, tc.steps, tc.warmup_steps, tc.schedule, tc.min_lr_ratio))
+        _seed_all(tc.seed + 1 + self.rank)  # dropout streams differ per rank
+
+        self.logs = _Logs(self.out, lead, _EVAL_COLS_DENOISE if self.denoise else _EVAL_COLS)
+        # best on val: highest accuracy (classify), lowest masked-token loss (denoise)
+        self.best = {"loss": None, "acc": None, "step": None} if self.denoise else {"acc": -1.0, "step": None}
+        self.step, self.best_state = 0, None
+        self.segments, self.timing = [], None  # earlier commands of this run; their time estimates
+
+    def resume_from(self, resume: str | None) -> None:
+        """Continue from checkpoint ``resume`` (``"auto"``: last.pt if there is one); write config.json."""
+        if resume == "auto":
+            resume = str(self.ckpt_dir / "last.pt") if (self.ckpt_dir / "last.pt").exists() else None
+        self.resume = resume
+        if resume:
+            self._load_checkpoint(resume)
+        if self.lead:
+            (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+        self.t_offset = sum(seg["wall_s"] for seg in self.segments)  # wall time of the earlier commands, for time_s
+        self.start_step = self.step
+
+    def _load_checkpoint(self, resume: str) -> None:
+        ckpt_dir = self.ckpt_dir
         ck = torch.load(resume, map_location="cpu", weights_only=False)
         if "optimizer" not in ck:
             raise ValueError(f"cannot resume from {resume}: it holds weights only (best.pt?); resume from a full "
                              f"checkpoint such as {ckpt_dir / 'last.pt'}")
-        saved, ours = ck["config"], cfg.to_dict()
+        saved, ours = ck["config"], self.cfg.to_dict()
         # a field the checkpoint lacks is newer than the run, which ran with its default behaviour
         defaults = {"model": ModelConfig().__dict__, "train": TrainConfig().__dict__}
         diff = sorted(f"{s}.{k}" for s in ("model", "train") for k in ours[s]
@@ -607,243 +648,306 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
         diff += [k for k in ("task", "data") if saved[k] != ours[k]]
         if diff:
             raise ValueError(f"cannot resume {resume}: its config differs in {diff}")
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        step, best = ck["step"], ck["best"]
+        self.model.load_state_dict(ck["model"])
+        self.opt.load_state_dict(ck["optimizer"])
+        self.sched.load_state_dict(ck["scheduler"])
+        self.step, self.best = ck["step"], ck["best"]
         rngs = ck["rng"]
-        if len(rngs) == world:
-            _set_rng_state(rngs[rank])
-        elif lead:
-            print(f"warning: checkpoint has RNG states of {len(rngs)} ranks, running {world}: dropout streams restart",
+        if len(rngs) == self.world:
+            _set_rng_state(rngs[self.rank])
+        elif self.lead:
+            print(f"warning: checkpoint has RNG states of {len(rngs)} ranks, running {self.world}: dropout streams restart",
                   file=sys.stderr)
-        segments, timing = list(ck.get("segments", [])), ck.get("timing")
+        self.segments, self.timing = list(ck.get("segments", [])), ck.get("timing")
         if "best_model" in ck:
-            best_state = ck["best_model"]
+            self.best_state = ck["best_model"]
         elif (ckpt_dir / "best.pt").exists():  # a checkpoint of an older version: best.pt is all there is
-            best_state = torch.load(ckpt_dir / "best.pt", map_location="cpu", weights_only=False)["model"]
+            self.best_state = torch.load(ckpt_dir / "best.pt", map_location="cpu", weights_only=False)["model"]
         if "logs" in ck:
-            logs.truncate_to(ck["logs"], step)
+            self.logs.truncate_to(ck["logs"], self.step)
         else:
-            logs.truncate_after(step)
-    if lead:
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    t_offset = sum(seg["wall_s"] for seg in segments)  # wall time of the earlier commands, for time_s
-    start_step = step
+            self.logs.truncate_after(self.step)
 
-    net = model
-    if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if compile:
-        net = torch.compile(net)
+    def prepare_loop(self, compile: bool, num_workers: int) -> None:
+        """The wrapped model (DDP, compile), the training loader, the evaluation settings and the stopper."""
+        tc, device, datasets = self.tc, self.device, self.datasets
+        net = self.model
+        if self.world > 1:
+            net = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        if compile:
+            net = torch.compile(net)
+        self.net = net
 
-    sampler = StepBatches(len(datasets["train"]), tc.batch_size, tc.seed, rank, world, start_step=step)
-    loader = torch.utils.data.DataLoader(datasets["train"], batch_sampler=sampler, collate_fn=collate,
-                                         num_workers=num_workers, pin_memory=device.type == "cuda",
-                                         worker_init_fn=_ignore_stop_signals if num_workers else None,
-                                         generator=torch.Generator().manual_seed(tc.seed))
-    eval_kw = dict(batch_size=tc.eval_batch_size or tc.batch_size, max_batches=tc.eval_batches, device=device,
-                   autocast=autocast, rank=rank, world=world, num_workers=num_workers, objective=tc.objective,
-                   mask_ratio=tc.mask_ratio)
-    val_batches = _n_batches(datasets["val"], eval_kw["batch_size"], tc.eval_batches)
-    has_test = datasets.get("test") is not None
-    test_batches = _n_batches(datasets["test"], eval_kw["batch_size"], tc.eval_batches) if has_test else 0
-    tokens_per_step = tc.batch_size * cfg.model.seq_len * (2 if cfg.model.dual else 1)
-    stopper = _Stopper(deadline, timing)
+        self.sampler = StepBatches(len(datasets["train"]), tc.batch_size, tc.seed, self.rank, self.world,
+                                   start_step=self.step)
+        self.loader = torch.utils.data.DataLoader(datasets["train"], batch_sampler=self.sampler, collate_fn=collate,
+                                                  num_workers=num_workers, pin_memory=device.type == "cuda",
+                                                  worker_init_fn=_ignore_stop_signals if num_workers else None,
+                                                  generator=torch.Generator().manual_seed(tc.seed))
+        self.eval_kw = dict(batch_size=tc.eval_batch_size or tc.batch_size, max_batches=tc.eval_batches, device=device,
+                            autocast=self.autocast, rank=self.rank, world=self.world, num_workers=num_workers,
+                            objective=tc.objective, mask_ratio=tc.mask_ratio)
+        self.val_batches = _n_batches(datasets["val"], self.eval_kw["batch_size"], tc.eval_batches)
+        self.has_test = datasets.get("test") is not None
+        self.test_batches = _n_batches(datasets["test"], self.eval_kw["batch_size"], tc.eval_batches) if self.has_test else 0
+        self.tokens_per_step = tc.batch_size * self.cfg.model.seq_len * (2 if self.cfg.model.dual else 1)
+        self.stopper = _Stopper(self.deadline, self.timing)
+        if self.resume and self.best_state is not None:  # best.pt may be from after the checkpoint
+            self.save_weights(self.ckpt_dir / "best.pt", self.best_state, self.best["step"])
 
-    def segment(end: str) -> dict:
+    # ---- checkpoints and validation, at any step
+    def segment(self, end: str) -> dict:
+        """This command's entry in ``segments`` (of last.pt and summary.json), as if it ended now by ``end``."""
+        device = self.device
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        return {"start_step": start_step, "end_step": step, "wall_s": clock() - t_start, "started": started_at,
-                "ended": _now_iso(), "end": end, "host": platform.node(), "device": str(device), "gpu": gpu,
-                "world_size": world, "resumed_from": resume, "command": shlex.join(sys.argv)}
+        return {"start_step": self.start_step, "end_step": self.step, "wall_s": self.clock() - self.t_start,
+                "started": self.started_at, "ended": _now_iso(), "end": end, "host": platform.node(),
+                "device": str(device), "gpu": gpu, "world_size": self.world, "resumed_from": self.resume,
+                "command": shlex.join(sys.argv)}
 
-    def save_weights(path: Path, state: dict, at_step: int) -> None:
-        if lead:
-            _atomic_save({"model": state, "step": at_step, "config": cfg.to_dict(), "best": best}, path)
+    def save_weights(self, path: Path, state: dict, at_step: int) -> None:
+        if self.lead:
+            _atomic_save({"model": state, "step": at_step, "config": self.cfg.to_dict(), "best": self.best}, path)
 
-    def save_full(end: str) -> None:
+    def save_full(self, end: str) -> None:
         """last.pt: everything the next command needs to continue as if this one had gone on."""
-        t0 = clock()
-        rngs = _gather(_rng_state(), world)  # every rank takes part
-        if lead:
-            obj = {"model": model.state_dict(), "step": step, "config": cfg.to_dict(), "best": best,
-                   "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rngs, "world_size": world,
-                   "data": {"epoch": step // sampler.steps_per_epoch, "batch_in_epoch": step % sampler.steps_per_epoch,
-                            "steps_per_epoch": sampler.steps_per_epoch, "order_seed": tc.seed},
-                   "best_model": best_state, "logs": logs.sizes(), "segments": segments + [segment(end)],
-                   "timing": stopper.timing}
-            _atomic_save(obj, ckpt_dir / "last.pt")
-        stopper.timing["save_s"] = clock() - t0
+        t0 = self.clock()
+        rngs = _gather(_rng_state(), self.world)  # every rank takes part
+        if self.lead:
+            step, spe = self.step, self.sampler.steps_per_epoch
+            obj = {"model": self.model.state_dict(), "step": step, "config": self.cfg.to_dict(), "best": self.best,
+                   "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "rng": rngs,
+                   "world_size": self.world,
+                   "data": {"epoch": step // spe, "batch_in_epoch": step % spe,
+                            "steps_per_epoch": spe, "order_seed": self.tc.seed},
+                   "best_model": self.best_state, "logs": self.logs.sizes(),
+                   "segments": self.segments + [self.segment(end)], "timing": self.stopper.timing}
+            _atomic_save(obj, self.ckpt_dir / "last.pt")
+        self.stopper.timing["save_s"] = self.clock() - t0
 
-    def validate_now() -> dict:
-        nonlocal best, best_state
+    def validate_now(self) -> dict:
+        """Evaluate on val, log it, and keep the weights (best.pt) if they are the best so far."""
+        clock, step, best = self.clock, self.step, self.best
         t0 = clock()
-        r = evaluate(model, datasets["val"], **eval_kw)
-        stopper.timing["eval_batch_s"] = (clock() - t0) / max(1, val_batches)
-        logs.write("eval", {"step": step, "split": "val", "weights": "current", **r,
-                            "time_s": t_offset + clock() - t_start})
-        better = (best["step"] is None or r["loss"] < best["loss"]) if denoise else r["acc"] > best["acc"]
+        r = evaluate(self.model, self.datasets["val"], **self.eval_kw)
+        self.stopper.timing["eval_batch_s"] = (clock() - t0) / max(1, self.val_batches)
+        self.logs.write("eval", {"step": step, "split": "val", "weights": "current", **r,
+                                 "time_s": self.t_offset + clock() - self.t_start})
+        better = (best["step"] is None or r["loss"] < best["loss"]) if self.denoise else r["acc"] > best["acc"]
         if better:
-            best = ({"loss": r["loss"], "acc": r["acc"], "step": step} if denoise
-                    else {"acc": r["acc"], "loss": r["loss"], "step": step})
-            best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            save_weights(ckpt_dir / "best.pt", best_state, step)
+            self.best = ({"loss": r["loss"], "acc": r["acc"], "step": step} if self.denoise
+                         else {"acc": r["acc"], "loss": r["loss"], "step": step})
+            self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            self.save_weights(self.ckpt_dir / "best.pt", self.best_state, step)
         return r
 
-    if resume and best_state is not None:
-        save_weights(ckpt_dir / "best.pt", best_state, best["step"])  # best.pt may be from after the checkpoint
+    def is_eval_step(self, s: int) -> bool:
+        return s % self.tc.eval_every == 0 or s == self.tc.steps
 
-    def is_eval_step(s: int) -> bool:
-        return s % tc.eval_every == 0 or s == tc.steps
+    # ---- the step loop
+    def run_steps(self, show_progress: bool) -> None:
+        """Steps from the resumed one to ``stop``, or until a signal or the deadline ends the command
+        (then with a full checkpoint)."""
+        cfg, tc, device, clock = self.cfg, self.tc, self.device, self.clock
+        self.mask = self.model.pattern_mask()
+        desc = f"{cfg.task} {cfg.model.attention}/{cfg.model.pattern or 'dense'}"
+        from sparseflash._progress import Progress
 
-    mask = model.pattern_mask()
-    desc = f"{cfg.task} {cfg.model.attention}/{cfg.model.pattern or 'dense'}"
-    from sparseflash._progress import Progress
+        self.bar = bar = Progress(self.stop, desc, disable=not (self.lead and show_progress))
+        bar.n = self.step
+        self.window = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, count, grad-norm sum
+        self.win_steps, self.t_last, self.paused = 0, clock(), 0.0  # paused: eval / checkpoint time, not step time
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.net.train()
+        self.batches = iter(self.loader)  # held by the run, as long as the run, like the loader's workers
+        self.stopped_by = None
+        if self.lead and device.type == "cpu" and cfg.variant != "tiny" and self.step < self.stop:
+            print(f"note: --config {cfg.variant} is sized for a GPU (batch {tc.batch_size}, {tc.steps} steps); its time "
+                  f"on this CPU is estimated after the first step; --config tiny is sized for a CPU", file=sys.stderr,
+                  flush=True)
+        with self.stopper:
+            while self.step < self.stop:
+                self.stopped_by = self._stop_reason()
+                if self.stopped_by is not None:
+                    break
+                end_zone = self.stopper.deadline is not None and self.stopper.in_end_zone()
+                t_step = clock()
+                lr_used = self._train_step(next(self.batches))
+                self._time_step(end_zone, t_step)
+                postfix = None
+                if self.step % tc.log_every == 0 or self.step == self.stop:
+                    postfix = self._log_window(end_zone, lr_used)
+                t_pause = clock()
+                postfix = self._validate_and_save(postfix)
+                self.paused += clock() - t_pause
+                bar.update(1, postfix=postfix)
+            # (nothing to save if no step ran)
+            if self.stopped_by is not None and not (self.resume and self.step == self.start_step):
+                self.save_full(self.stopped_by)
+        bar.close()
 
-    bar = Progress(stop, desc, disable=not (lead and show_progress))
-    bar.n = step
-    window = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, count, grad-norm sum
-    win_steps, t_last, paused = 0, clock(), 0.0  # paused: eval / checkpoint time, not step time
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    net.train()
-    batches = iter(loader)
-    stopped_by = None
-    if lead and device.type == "cpu" and cfg.variant != "tiny" and step < stop:
-        print(f"note: --config {cfg.variant} is sized for a GPU (batch {tc.batch_size}, {tc.steps} steps); its time "
-              f"on this CPU is estimated after the first step; --config tiny is sized for a CPU", file=sys.stderr,
-              flush=True)
-    with stopper:
-        while step < stop:
-            nxt = step + 1
-            cost = {"evals": val_batches if is_eval_step(nxt) else 0,
-                    "tests": (2 * test_batches + (val_batches if not is_eval_step(nxt) else 0)) if nxt == stop else 0}
-            stopped_by = stopper.reason(first=step == start_step, **cost)
-            if world > 1:  # every rank stops at the same step
-                flag = torch.tensor([_STOP_CODES[stopped_by]], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                stopped_by = {v: k for k, v in _STOP_CODES.items()}[int(flag.item())]
-            if stopped_by is not None:
-                break
-            end_zone = stopper.deadline is not None and stopper.in_end_zone()
-            t_step = clock()
-            b = next(batches)
-            tokens, lengths = b["tokens"].to(device, non_blocking=True), b["lengths"].to(device, non_blocking=True)
-            if denoise:  # the mask comes from torch's generator on the device: checkpointed with the run
-                masked = mask_positions(torch.rand(tokens.shape, device=device), lengths, tc.mask_ratio)
-                with autocast:
-                    logits = net(tokens, lengths, masked)
-                loss, correct, count = denoise_loss(logits, tokens, masked, label_smoothing=tc.label_smoothing)
+    def _stop_reason(self) -> str | None:
+        """Why the command ends before the next step (None: it runs), the same on every rank."""
+        nxt = self.step + 1
+        val_batches, test_batches = self.val_batches, self.test_batches
+        cost = {"evals": val_batches if self.is_eval_step(nxt) else 0,
+                "tests": (2 * test_batches + (val_batches if not self.is_eval_step(nxt) else 0)) if nxt == self.stop else 0}
+        stopped_by = self.stopper.reason(first=self.step == self.start_step, **cost)
+        if self.world > 1:  # every rank stops at the same step
+            flag = torch.tensor([_STOP_CODES[stopped_by]], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stopped_by = {v: k for k, v in _STOP_CODES.items()}[int(flag.item())]
+        return stopped_by
+
+    def _train_step(self, b: dict) -> float:
+        """One update on batch ``b``, added to the log window; returns the lr it used."""
+        tc, device, net = self.tc, self.device, self.net
+        tokens, lengths = b["tokens"].to(device, non_blocking=True), b["lengths"].to(device, non_blocking=True)
+        if self.denoise:  # the mask comes from torch's generator on the device: checkpointed with the run
+            masked = mask_positions(torch.rand(tokens.shape, device=device), lengths, tc.mask_ratio)
+            with self.autocast:
+                logits = net(tokens, lengths, masked)
+            loss, correct, count = denoise_loss(logits, tokens, masked, label_smoothing=tc.label_smoothing)
+        else:
+            labels = b["labels"].to(device, non_blocking=True)
+            with self.autocast:
+                logits = net(tokens, lengths)
+            loss = F.cross_entropy(logits.float(), labels, label_smoothing=tc.label_smoothing)
+            correct, count = (logits.argmax(-1) == labels).sum(), labels.numel()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if tc.grad_clip > 0:
+            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+        else:
+            gnorm = torch.zeros((), device=device)
+        lr_used = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        self.win_steps += 1
+        with torch.no_grad():
+            count = torch.as_tensor(count, dtype=torch.float64, device=device)
+            self.window += torch.stack([loss.detach().double() * count, correct.double(), count, gnorm.double()])
+        return lr_used
+
+    def _time_step(self, end_zone: bool, t_step: float) -> None:
+        """Near the deadline (or with no estimate yet, at a command's first step) time this very step."""
+        step, first = self.step, self.step == self.start_step + 1
+        if end_zone or first:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.stopper.timing["step_s"] = self.clock() - t_step
+            if self.lead and first and self.device.type == "cpu":
+                warning = cpu_size_warning(self.cfg, self.stopper.timing["step_s"], self.stop - step)
+                if warning:
+                    print(warning, file=sys.stderr, flush=True)
+
+    def _log_window(self, end_zone: bool, lr_used: float) -> str:
+        """Write the train record of the steps since the last one; returns the progress bar's postfix."""
+        device, world = self.device, self.world
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = self.clock()
+        if world > 1:
+            dist.all_reduce(self.window)
+        ls, correct, count, gsum = self.window.tolist()
+        dt = (now - self.t_last - self.paused) / self.win_steps
+        if not end_zone:
+            self.stopper.timing["step_s"] = dt
+        rec = {"step": self.step, "epoch": round(self.step / self.sampler.steps_per_epoch, 4), "lr": lr_used,
+               "loss": ls / count, "acc": correct / count, "grad_norm": gsum / (self.win_steps * world),
+               "step_ms": 1e3 * dt, "tokens_per_s": self.tokens_per_step / dt,
+               "mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+               "time_s": self.t_offset + now - self.t_start}
+        self.logs.write("train", rec)
+        self.window.zero_()
+        self.win_steps, self.t_last, self.paused = 0, now, 0.0
+        return f"loss {rec['loss']:.3f} acc {rec['acc']:.3f} lr {rec['lr']:.2e} {rec['step_ms']:.0f} ms/step"
+
+    def _validate_and_save(self, postfix: str | None) -> str | None:
+        """The validation and the checkpoint the step just taken triggers; returns the bar's postfix."""
+        step = self.step
+        if self.is_eval_step(step):
+            r = self.validate_now()
+            if self.denoise:
+                shown = f" | val loss {r['loss']:.3f} acc {r['acc']:.3f} (best loss {self.best['loss']:.3f})"
             else:
-                labels = b["labels"].to(device, non_blocking=True)
-                with autocast:
-                    logits = net(tokens, lengths)
-                loss = F.cross_entropy(logits.float(), labels, label_smoothing=tc.label_smoothing)
-                correct, count = (logits.argmax(-1) == labels).sum(), labels.numel()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if tc.grad_clip > 0:
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-            else:
-                gnorm = torch.zeros((), device=device)
-            lr_used = opt.param_groups[0]["lr"]
-            opt.step()
-            sched.step()
-            step += 1
-            win_steps += 1
-            with torch.no_grad():
-                count = torch.as_tensor(count, dtype=torch.float64, device=device)
-                window += torch.stack([loss.detach().double() * count, correct.double(), count, gnorm.double()])
-            if end_zone or step == start_step + 1:  # near the deadline (or no estimate yet): time this very step
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                stopper.timing["step_s"] = clock() - t_step
-                if lead and step == start_step + 1 and device.type == "cpu":
-                    warning = cpu_size_warning(cfg, stopper.timing["step_s"], stop - step)
-                    if warning:
-                        print(warning, file=sys.stderr, flush=True)
+                shown = f" | val {r['acc']:.3f} (best {self.best['acc']:.3f})"
+            postfix = (postfix or self.bar.postfix) + shown
+        if step % self.tc.save_every == 0 or step == self.stop:
+            self.save_full("done" if step == self.tc.steps else "max_steps" if step == self.stop else "checkpoint")
+        return postfix
 
-            postfix = None
-            if step % tc.log_every == 0 or step == stop:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                now = clock()
-                if world > 1:
-                    dist.all_reduce(window)
-                ls, correct, count, gsum = window.tolist()
-                dt = (now - t_last - paused) / win_steps
-                if not end_zone:
-                    stopper.timing["step_s"] = dt
-                rec = {"step": step, "epoch": round(step / sampler.steps_per_epoch, 4), "lr": lr_used,
-                       "loss": ls / count, "acc": correct / count, "grad_norm": gsum / (win_steps * world),
-                       "step_ms": 1e3 * dt, "tokens_per_s": tokens_per_step / dt,
-                       "mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
-                       "time_s": t_offset + now - t_start}
-                logs.write("train", rec)
-                postfix = f"loss {rec['loss']:.3f} acc {rec['acc']:.3f} lr {rec['lr']:.2e} {rec['step_ms']:.0f} ms/step"
-                window.zero_()
-                win_steps, t_last, paused = 0, now, 0.0
-            t_pause = clock()
-            if is_eval_step(step):
-                r = validate_now()
-                if denoise:
-                    shown = f" | val loss {r['loss']:.3f} acc {r['acc']:.3f} (best loss {best['loss']:.3f})"
-                else:
-                    shown = f" | val {r['acc']:.3f} (best {best['acc']:.3f})"
-                postfix = (postfix or bar.postfix) + shown
-            if step % tc.save_every == 0 or step == stop:
-                save_full("done" if step == tc.steps else "max_steps" if step == stop else "checkpoint")
-            paused += clock() - t_pause
-            bar.update(1, postfix=postfix)
-        if stopped_by is not None and not (resume and step == start_step):  # (nothing to save if no step ran)
-            save_full(stopped_by)
-    bar.close()
+    # ---- the end
+    def finish(self) -> dict:
+        """The closing validation and the test evaluations of a run that ended; summary.json."""
+        cfg, tc, model, step, mask, device = self.cfg, self.tc, self.model, self.step, self.mask, self.device
+        summary = {"task": cfg.task, "variant": cfg.variant, "objective": tc.objective,
+                   **({"mask_ratio": tc.mask_ratio} if self.denoise else {}), "attention": cfg.model.attention,
+                   "pattern": cfg.model.pattern or "dense", "pattern_kwargs": cfg.model.pattern_kwargs,
+                   "block_size": cfg.model.block_size, "density": mask.density() if mask is not None else 1.0,
+                   "token_density": mask.token_density() if mask is not None else 1.0,
+                   "params": sum(p.numel() for p in model.parameters()), "steps": step, "schedule_steps": tc.steps,
+                   "finished": self.stopped_by is None, "stopped_by": self.stopped_by,
+                   "world_size": self.world, "precision": self.precision, "device": str(device),
+                   "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                   "torch": torch.__version__, "best_val": self.best}
+        if self.stopped_by is not None:
+            if self.lead:
+                print(f"stopped at step {step} by {self.stopped_by}; continue with --resume", flush=True)
+        else:
+            if step < tc.steps and not self.is_eval_step(step):
+                self.validate_now()  # the end of a --max-steps run; after its checkpoint, so a resumed run never sees it
+                summary["best_val"] = self.best
+            if self.has_test:
+                summary.update(self._test())
+        end = self.stopped_by or ("done" if step == tc.steps else "max_steps")
+        summary["segments"] = self.segments + [self.segment(end)]
+        summary["resumed_from"] = self.resume
+        summary["wall_s"] = self.clock() - self.t_start  # this command
+        summary["wall_s_total"] = sum(seg["wall_s"] for seg in summary["segments"])  # every command of the run
+        if self.lead:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
 
-    summary = {"task": cfg.task, "variant": cfg.variant, "objective": tc.objective,
-               **({"mask_ratio": tc.mask_ratio} if denoise else {}), "attention": cfg.model.attention,
-               "pattern": cfg.model.pattern or "dense", "pattern_kwargs": cfg.model.pattern_kwargs,
-               "block_size": cfg.model.block_size, "density": mask.density() if mask is not None else 1.0,
-               "token_density": mask.token_density() if mask is not None else 1.0,
-               "params": sum(p.numel() for p in model.parameters()), "steps": step, "schedule_steps": tc.steps,
-               "finished": stopped_by is None, "stopped_by": stopped_by,
-               "world_size": world, "precision": precision, "device": str(device),
-               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-               "torch": torch.__version__, "best_val": best}
-    if stopped_by is not None:
-        if lead:
-            print(f"stopped at step {step} by {stopped_by}; continue with --resume", flush=True)
-    else:
-        if step < tc.steps and not is_eval_step(step):
-            validate_now()  # the end of a --max-steps run; after its checkpoint, so a resumed run never sees it
-            summary["best_val"] = best
-        if has_test:
-            now_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            for weights, state in (("final", now_state), ("best", best_state)):
-                if state is None:
-                    continue
-                model.load_state_dict(state)
-                r = evaluate(model, datasets["test"], **eval_kw)
-                logs.write("eval", {"step": step, "split": "test", "weights": weights, **r,
-                                    "time_s": t_offset + clock() - t_start})
-                summary[f"test_{weights}"] = r
-            model.load_state_dict(now_state)
-    summary["segments"] = segments + [segment(stopped_by or ("done" if step == tc.steps else "max_steps"))]
-    summary["resumed_from"] = resume
-    summary["wall_s"] = clock() - t_start  # this command
-    summary["wall_s_total"] = sum(seg["wall_s"] for seg in summary["segments"])  # every command of the run
-    if lead:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    def _test(self) -> dict:
+        """Test evaluations with the final and the best-on-val weights (the model keeps the final)."""
+        model, results = self.model, {}
+        now_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        for weights, state in (("final", now_state), ("best", self.best_state)):
+            if state is None:
+                continue
+            model.load_state_dict(state)
+            r = evaluate(model, self.datasets["test"], **self.eval_kw)
+            self.logs.write("eval", {"step": self.step, "split": "test", "weights": weights, **r,
+                                     "time_s": self.t_offset + self.clock() - self.t_start})
+            results[f"test_{weights}"] = r
+        model.load_state_dict(now_state)
+        return results
 
 
 # -------------------------------------------------------------------------------------------- CLI
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    from sparseflash.cli import non_negative_int, positive_int
-
-    p.add_argument("--task", required=True, choices=TASKS)
+def add_data_arguments(p: argparse.ArgumentParser, *, task_required: bool) -> None:
+    """--task, --config, --data, --cache-dir: the head of every command that trains (train, sweep),
+    declared once so that their names, defaults and help stay the same."""
+    p.add_argument("--task", required=task_required, choices=TASKS)
     p.add_argument("--config", default="quick", choices=VARIANTS, help="settings variant (default: quick)")
     p.add_argument("--data", help="data root directory given to the loaders")
     p.add_argument("--cache-dir", help="cache directory for the loaders")
+
+
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """--device, --precision, as `train` takes them (train, sweep)."""
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), help="default: bf16 autocast on CUDA, fp32 on CPU")
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from sparseflash.cli import non_negative_int, positive_int
+
+    add_data_arguments(p, task_required=True)
     p.add_argument("--out", required=True, help="output directory (metrics, checkpoints, summary)")
     p.add_argument("--attention", choices=ATTENTIONS, help="attention implementation (default: the config's)")
     p.add_argument("--pattern", help="block pattern of sparseflash.patterns, e.g. butterfly or "
@@ -855,8 +959,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="end the command, with a checkpoint to --resume from, before a step that would not "
                         f"finish within MINUTES of the command's start (exit status {EXIT_STOPPED}); allow a little "
                         "for Python start-up")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--precision", choices=("bf16", "fp32"), help="default: bf16 autocast on CUDA, fp32 on CPU")
+    add_device_arguments(p)
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--resume", nargs="?", const="auto", help="resume from CHECKPOINT (default OUT/checkpoints/last.pt)")
     p.add_argument("--init-from", metavar="CHECKPOINT",
