@@ -102,7 +102,6 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_ke
         raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
     check_dropout_p(float(dropout_p))
     if mask is not None:
-        mask = as_block_mask(mask)  # (attention converts a Flex mask before this; other types raise here)
         if (mask.seq_q, mask.seq_k) != (Nq, Nk):
             raise ValueError(
                 f"mask was built for seq_q={mask.seq_q}, seq_k={mask.seq_k} but q has seq {Nq} and k has seq {Nk}"

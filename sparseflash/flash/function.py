@@ -130,18 +130,13 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
-        # slopes and softcap last, by count: a context built by hand without them (the host-cost
-        # study calls backward on one) keeps working
-        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, *rest = ctx.saved_tensors
-        slopes = rest[0] if rest else None
-        scale, causal, mask_bq, mask_bk, dropout_p, density, *rest = ctx.params
-        softcap = rest[0] if rest else 0.0
+        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes = ctx.saved_tensors
+        scale, causal, mask_bq, mask_bk, dropout_p, density, softcap = ctx.params
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, _bwd_impl)(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths,
                                                                      rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
                                                                      dropout_p, density, slopes, softcap)
-        # one per input of apply; trailing Nones past the inputs given are allowed (slopes, softcap left out)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
