@@ -1,4 +1,78 @@
-"""`sparseflash.attention`: input validation and dispatch to the Triton kernels or the reference."""
+"""`sparseflash.attention`: input validation and dispatch to the Triton kernels or the reference.
+
+Every option and the paths a call can take:
+
+`sparseflash.attention(q, k, v, mask=None, *, causal=False, scale=None, key_lengths=None,
+return_lse=False, dropout_p=0.0, generator=None, segment_ids=None, key_ranges=None, softcap=None,
+alibi_slopes=None, backend="auto")`
+
+- q `[B, Hq, Nq, D]`, k and v `[B, Hkv, Nk, D]`; `Hq` a multiple of `Hkv` (GQA / MQA); fp16,
+  bf16, fp32 (fp64 through the reference; fp32 dots follow `torch.set_float32_matmul_precision`:
+  full precision by default, tf32 at "high" / "medium", as `torch.matmul`); head_dim up to 256 on the Triton kernels (more: a ValueError), any value (40, 80, 96 ...); the reference backend takes any head_dim;
+  any sequence lengths, `Nq != Nk`; arbitrary strides.
+- `mask`: a `BlockMask`, shared or per batch and per head; `None` is dense attention. Pair (i, j)
+  is attended iff its block is on, and with `causal` `j <= i + Nk - Nq` (bottom-right aligned),
+  and with `key_lengths` `j < key_lengths[b]`. A row that attends to nothing gives 0 and zero
+  gradients, never NaN.
+- `segment_ids`: packed variable-length documents. An int tensor `[B, N]` (or a pair for
+  `Nq != Nk`); pair (i, j) is attended only if `seg_q[b, i] == seg_k[b, j]`, exact at token level
+  (boundaries anywhere), combined with any mask, `causal` (on positions of the packed row: causal
+  inside each document), `key_lengths`, GQA, dropout. Each call builds the block lists on the
+  device so that block pairs sharing no document are never visited, and only tiles that hold
+  more than one id compare ids element-wise. Flash-attn's `cu_seqlens`:
+  `sparseflash.segments_from_cu_seqlens(cu_seqlens, total)`. Conventions (padding, id order) in
+  `sparseflash/segments.py`.
+- `key_ranges`: an int tensor `[B or 1, Nq, 2]`; query i attends only keys
+  `key_ranges[b, i, 0] <= j < key_ranges[b, i, 1]`, exact at token level, combined with the mask,
+  `causal`, `key_lengths`, GQA, dropout (not with `segment_ids`); block pairs no range reaches are
+  skipped. Flash-attn's varlen sequences, causal bottom-right in each:
+  `sparseflash.segments.key_ranges_from_cu_seqlens`.
+- `softcap` (a float > 0): scores `s` become `softcap * tanh(s / softcap)` (Gemma 2);
+  `alibi_slopes` (float32 `[Hq]` or `[B, Hq]`, no gradient): `-slope[b, h] * |i + Nk - Nq - j|`
+  added after (flash-attn's definitions). Both in the kernels, forward and backward, combined
+  with everything above; such calls run the portable kernels (not the Hopper ones, nor the
+  short path below), and each softcap value compiles its own kernel variant.
+- `mask` also takes torch's FlexAttention `BlockMask` (converted by `BlockMask.from_flex`); any
+  other type raises an error that says how to build a `BlockMask`.
+- Autograd for q, k, v (and through the returned log-sum-exp); registered with `torch.library`,
+  so `torch.compile(fullgraph=True)` traces it. The portable backward is deterministic (no
+  atomics); the Hopper backward below adds dQ with TMA reductions, so under
+  `torch.use_deterministic_algorithms(True)` the portable one runs.
+- On Hopper (sm_90) the forward runs a warp-specialised Gluon kernel
+  (`sparseflash/flash/hopper.py`). It is FlashAttention-3's design: a TMA loader warp, two
+  consumer warpgroups taking turns on the tensor cores, a persistent grid. It is 1.05–1.07× cuDNN
+  at d=128 (0.99× at d=64) and 1.44–1.51× FlexAttention on block masks at d=128, 1.15–1.20× at
+  d=64 (BENCHMARKS.md "Hopper kernels"). The
+  backward of dense, causal and key_lengths calls runs a one-pass Gluon backward
+  (`hopper_bwd.py`), 1.07–1.28× the portable one; forward + backward is then level with cuDNN
+  on dense calls (1.00–1.04×) and 0.95–1.00× on causal ones.
+  Block-sparse backwards take it when a key tile's column list holds at least 16 blocks on
+  average (`hopper_bwd.LIST_MIN_BLOCKS`) and keep the portable kernels below
+  (`SPARSEFLASH_HOPPER_BWD=on` forces the Hopper one, `off` turns it off); `SPARSEFLASH_HOPPER=off` keeps the portable kernels
+  everywhere.
+- Repeated eager calls are cheap: a call whose shapes, layouts, mask and scalars were seen before
+  skips validation and planning (`sparseflash/flash/fast.py`; `SPARSEFLASH_FAST_PATH=0` turns it
+  off), and on CUDA its forward, autograd node and backward run in C++ with the same kernels
+  (`sparseflash/flash/native.py`): less host time per call than SDPA's forward and about its
+  forward + backward; an eager fwd+bwd takes the time of its own kernels, and every LRA task's
+  training step is faster with our dense kernel than with SDPA's (or ties it: Text 4K)
+  (BENCHMARKS.md "Host cost"). The C++ part is compiled once, in the background of the first CUDA
+  calls (about a minute; they take the Python path meanwhile), into `~/.cache/sparseflash`; it
+  needs a C++20 compiler (`$CXX` or `c++`); without one it warns and the Python path serves
+  (`SPARSEFLASH_NATIVE=0` turns it off).
+- `dropout_p`: attention dropout inside the kernels; the keep-mask is regenerated in backward
+  from a Philox counter (seeded by one small torch random op on the device, so `torch.manual_seed`
+  controls it and a call captured in a CUDA graph draws fresh bits on every replay) and
+  `sparseflash.dropout.keep_mask` reproduces it bit for bit. Each decision uses 8 random bits
+  (as FlashAttention-2): p is applied in steps of 1/256 (`sparseflash.dropout.effective_p`;
+  0.1 → 0.1016) and kept values are scaled by its complement, so outputs stay unbiased.
+- `backend`: `"triton"` (the kernels; CUDA, or CPU with `TRITON_INTERPRET=1`), `"reference"`
+  (plain PyTorch, chunked; defines correctness), `"auto"` (CUDA → triton, CPU → reference).
+- On Hopper (sm_90+) the kernels load 16-bit tiles through TMA descriptors where that measured
+  faster (`SPARSEFLASH_TMA=auto`, the default; `on` wherever the inputs allow, `off` never);
+  eager calls under 1e11 estimated FLOPs keep pointer loads, whose host cost is lower
+  (BENCHMARKS.md, "Host cost"); calls captured in a CUDA graph take descriptors at any size.
+"""
 
 from __future__ import annotations
 
