@@ -132,6 +132,8 @@ def save_json(out, name: str, rows: list, meta: dict | None = None) -> Path:
 def _write(out: Path, rows: list, meta: dict) -> None:
     import csv
 
+    stamp = {k: meta.get(k) for k in ("device_name", "torch", "triton", "sparseflash", "commit", "date")}
+    rows = [dict(r, **stamp) for r in rows]  # every row says where and when it ran
     save_json(out, "hopper_fwd.json", rows, meta)
     with open(out / "hopper_fwd.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -15,11 +15,12 @@ call's key has been seen (the short path's entry exists):
   op), forward without grad and forward + backward (``torch.autograd.grad``).
 
 "Our own" cost of a fwd+bwd is ours minus that floor; it is also the sum of lookup + forward +
-direct backward. Writes DIR/pieces.json and prints the table.
+direct backward. Writes DIR/pieces.json and DIR/pieces.csv and prints the table.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import statistics
 import time
@@ -134,7 +135,13 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        stamp = {k: meta.get(k) for k in ("device_name", "torch", "triton", "sparseflash", "commit", "date")}
+        rows = [dict(r, **stamp) for r in rows]  # every row says where and when it ran
         (out / "pieces.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        with open(out / "pieces.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
     return 0
 
 
