@@ -485,3 +485,31 @@ def test_conv_stem_starts_as_identity_and_mixes_neighbours():
         LRAClassifier(_cfg(vocab_size=257, seq_len=64, conv_stem=1))
     with pytest.raises(ValueError, match="conv_stem"):
         LRAClassifier(_cfg(vocab_size=257, seq_len=64, grid=(8, 8), conv_stem=-1))
+
+
+@pytest.mark.parametrize("pattern, pooling, stem", [("butterfly", "mean", 0), ("random", "cls", 0), (None, "mean", 1),
+                                                    ("butterfly", "cls", 1)])
+def test_black_is_padding_trims_to_the_widest_image_exactly(monkeypatch, pattern, pooling, stem):
+    """The encoder runs on the packed drawn pixels trimmed to the widest image of the batch (rounded up
+    to the block size); the logits equal those of the untrimmed packed sequence, a pattern's top-left
+    corner standing in for the whole pattern."""
+    torch.manual_seed(0)
+    cfg = _cfg(vocab_size=257, num_classes=2, black_is_padding=True, seq_len=128, grid=(8, 16), block_size=8,
+               pattern=pattern, pooling=pooling, pattern_kwargs={"blocks_per_row": 2} if pattern == "random" else {},
+               conv_stem=stem)
+    model = LRAClassifier(cfg).eval()
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(2, 257, (3, cfg.seq_len), generator=g)
+    tokens[torch.rand(tokens.shape, generator=g) < 0.7] = 1
+    enc = model.encoder
+    order, packed, width = enc._pack(tokens, None)
+    assert width == -(-int(packed.max()) // cfg.block_size) * cfg.block_size < cfg.seq_len
+    with torch.no_grad():
+        got, feats = model(tokens), enc.features(tokens, None)[0]
+    full_pack = enc._pack
+    monkeypatch.setattr(type(enc), "_pack", lambda self, t, l: (*full_pack(t, l)[:2], t.shape[1]))
+    with torch.no_grad():
+        want, want_feats = model(tokens), enc.features(tokens, None)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(feats, want_feats, rtol=1e-5, atol=1e-6)
+    assert feats.shape == (3, cfg.seq_len + (pooling == "cls"), cfg.d_model)
