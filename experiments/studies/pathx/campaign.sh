@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Path-X with the FlashAttention recipe on release-fidelity data, in stages, over as many device
+# commands (and machine leases) as it needs:
+#   experiments/studies/pathx/campaign.sh STATE MINUTES
+# Stages, in order (each resumes where the last command stopped):
+#   data64    200K Pathfinder-64 hard images, release fidelity (deterministic: every machine makes the same)
+#   pretrain  the faithful Pathfinder-64 config, black pixels as padding, butterfly, to its end
+#   data128   200K Path-X hard images, release fidelity; 20K clean ones for cross-evaluation
+#   finetune  Path-X from pretrain's best weights (position grid upsampled 2x2), 200 epochs, butterfly
+# STATE holds the runs (logs, checkpoints: last.pt to resume, best.pt) and is carried from one call to
+# the next; the data live on the machine only (DATA, default /tmp/pathx-data) and are made again on a
+# fresh one (--resume finishes an interrupted generation byte-identically). Run from a snapshot of one
+# commit (see ../pathfinder-release/campaign.sh) with a COMMIT file beside it.
+# Exit 0 once every stage is done, 75 when the time is up.
+set -uo pipefail
+state=$1; minutes=$2
+py=${PYTHON:-python3}
+data=${DATA:-/tmp/pathx-data}; workers=${WORKERS:-16}; pattern=${PATTERN:-butterfly}
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+[ -f COMMIT ] && export SPARSEFLASH_COMMIT=$(cat COMMIT)
+t0=$(date +%s)
+mkdir -p "$state"
+left() { echo $(( minutes * 60 - ($(date +%s) - t0) )); }
+log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - t0 ))s] $*" | tee -a "$state/campaign.log"; }
+done_run() { grep -q "\"finished\": true" "$1/summary.json" 2>/dev/null; }
+
+complete() {  # complete ROOT RES FIDELITY
+    $py -c "import json,sys; sys.exit(0 if json.load(open('$1/pathfinder$2/curv_contour_length_14/generation.json')).get('complete') else 1)" 2>/dev/null
+}
+make() {  # make ROOT RES FIDELITY NUM TASK: generate (resumable) within the time left, then the loader cache
+    if ! complete "$1" "$2" "$3"; then
+        log "data $2 px $3: generating ($4 images, $workers workers)"
+        timeout $(( $(left) - 20 )) $py -m sparseflash lra data pathfinder --resolution "$2" --difficulty hard --num "$4" \
+            --out "$1" --fidelity "$3" --workers "$workers" --no-progress --resume 2>&1 | tail -n 1 | tee -a "$state/campaign.log"
+        complete "$1" "$2" "$3" || { log "data $2 px $3: not complete yet"; return 75; }
+    fi
+    $py -c "
+from sparseflash.experiments.lra.data import get_dataset
+for s in ('train', 'val', 'test'): get_dataset('$5', '$1', s, fidelity='$3', workers=$workers)" || return 1
+    log "data $2 px $3: ready"
+}
+train() {  # train NAME TASK ARGS...: run until done or the time left
+    local name=$1 task=$2; shift 2
+    done_run "$state/$name" && return 0
+    local lim=$(( $(left) - 30 ))
+    [ "$lim" -lt 60 ] && return 75
+    log "$name: training (limit $lim s)"
+    $py -m sparseflash lra train --task "$task" --config faithful --data "$data/$task" --attention sparseflash \
+        --pattern "$pattern" --set model.black_is_padding=True --num-workers 6 --no-progress --resume \
+        --time-limit "$($py -c "print($lim / 60)")" --out "$state/$name" "$@" >> "$state/$name.log" 2>&1
+    local rc=$?
+    log "$name: exit $rc; $(tail -n 1 "$state/$name/eval.csv" 2>/dev/null)"
+    done_run "$state/$name" && return 0
+    return $(( rc == 0 ? 75 : rc ))
+}
+
+make "$data/pathfinder64" 64 release 200000 pathfinder64 || exit $?
+train pretrain pathfinder64 || exit $?
+make "$data/pathx" 128 release 200000 pathx || exit $?
+train finetune pathx --init-from "$state/pretrain/checkpoints/best.pt" || exit $?
+if [ ! -f "$state/finetune/crosseval-clean.json" ]; then
+    make "$data/pathx-clean" 128 clean 20000 pathx || exit $?
+    $py -m sparseflash lra evaluate "$state/finetune" --data "$data/pathx-clean" --fidelity clean --split all \
+        --out "$state/finetune/crosseval-clean.json" 2>&1 | tail -n 1 | tee -a "$state/campaign.log"
+fi
+log "all stages done"
