@@ -1,0 +1,509 @@
+"""BENCHMARKS.md from the results tables: one command writes the whole file.
+
+    python -m sparseflash.experiments.bench.report            # rewrite BENCHMARKS.md
+    python -m sparseflash.experiments.bench.report --check    # exit 1 when BENCHMARKS.md is stale
+
+The prose lives in `BENCHMARKS.template.md` beside this module; every ``{{name}}`` there is a
+value computed here from the tables under experiments/results/ (and the few study tables the
+document quotes): a markdown table, a range of ratios, a commit or a date. No number is typed into
+the template, so a re-run that replaces a table changes the document the next time this runs, and
+`tests/test_benchmarks_md.py` fails until it does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+
+__all__ = ["ROOT", "TEMPLATE", "render", "values", "main"]
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = Path(__file__).with_name("BENCHMARKS.template.md")
+OUTPUT = ROOT / "BENCHMARKS.md"
+RES = "experiments/results"
+_PLACEHOLDER = re.compile(r"\{\{([a-z0-9_]+)\}\}")
+
+
+# ----------------------------------------------------------------------------- loading
+_TEXT = {"commit", "date", "param", "search", "note", "status", "torch", "triton", "sparseflash"}
+
+
+def _value(v: str, key: str = ""):
+    if key in _TEXT:
+        return v
+    if v in ("", None):
+        return None
+    if v in ("True", "False"):
+        return v == "True"
+    try:
+        f = float(v)
+    except ValueError:
+        return v
+    return int(f) if re.fullmatch(r"-?\d+", v) else f
+
+
+def table(path: str) -> list[dict]:
+    """Rows of a results CSV (numbers parsed), path relative to the repository root."""
+    with open(ROOT / path, newline="") as f:
+        return [{k: _value(v, k) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _json(path: str):
+    return json.loads((ROOT / path).read_text())
+
+
+def pick(rows, **want) -> list[dict]:
+    return [r for r in rows if all(r.get(k) == v for k, v in want.items())]
+
+
+def one(rows, **want) -> dict:
+    found = pick(rows, **want)
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} rows match {want}")
+    return found[0]
+
+
+# ----------------------------------------------------------------------------- formatting
+def ms3(x: float) -> str:
+    """Milliseconds as the tables print them: 3 decimals below 10, 4 significant digits above."""
+    return f"{x:.3f}" if x < 10 else f"{x:.4g}"
+
+
+def sig3(x: float) -> str:
+    return f"{x:.3g}" if x < 100 else f"{x:.1f}"
+
+
+def tf(x: float) -> str:
+    return f"{x:.0f}"
+
+
+def span(xs, fmt="{:.2f}", sep="–") -> str:
+    lo, hi = fmt.format(min(xs)), fmt.format(max(xs))
+    return lo if lo == hi else f"{lo}{sep}{hi}"
+
+
+def pct_span(xs) -> str:
+    return span([100 * x for x in xs], "{:.0f}") + "%"
+
+
+def short(commit: str) -> str:
+    return str(commit)[:7]
+
+
+def day(date: str) -> str:
+    return str(date)[:10]
+
+
+def md_table(header, lines) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(out + ["| " + " | ".join(map(str, line)) + " |" for line in lines])
+
+
+def _stamp(rows, what="commit") -> str:
+    vals = sorted({short(r[what]) if what == "commit" else r[what] for r in rows})
+    if len(vals) != 1:
+        raise ValueError(f"expected one {what}, got {vals}")
+    return vals[0]
+
+
+# ----------------------------------------------------------------------------- the sparsity-bench tables
+SHAPES = [(4096, 64), (4096, 128), (16384, 64), (16384, 128)]
+MODES = ("fwd", "fwdbwd")
+
+
+def _dense(rows, provider, n, d, mode):
+    """A dense time: the provider's dense row, or Flex's all-on block mask (density 1; the faster of
+    the run's two all-on masks, random and butterfly)."""
+    if provider == "flex":
+        return min(pick(rows, provider="flex", seq_len=n, head_dim=d, mode=mode, rel_density=1.0), key=lambda r: r["ms"])
+    return one(rows, provider=provider, seq_len=n, head_dim=d, mode=mode)
+
+
+def _sparsest(rows, provider, pattern, n, d, mode):
+    cand = pick(rows, provider=provider, pattern=pattern, seq_len=n, head_dim=d, mode=mode)
+    return min(cand, key=lambda r: r["rel_density"])
+
+
+def _cell(r, bold=False, fmt=ms3):
+    text = f"{fmt(r['ms'])}"
+    return f"**{text}** ({tf(r['tflops'])})" if bold else f"{text} ({tf(r['tflops'])})"
+
+
+def dense_section(v: dict, rows, key: str, shapes=SHAPES, fmt=ms3) -> None:
+    """The dense table of a kernel-check style run and its ratios against FA2, cuDNN and Flex."""
+    provs = ["sparseflash-dense", "sdpa-flash", "sdpa-cudnn", "flex"]
+    lines = []
+    for n, d in shapes:
+        line = [n, d]
+        for p in provs:
+            cells = [_cell(_dense(rows, p, n, d, m), bold=(p == "sparseflash-dense" and key == "kc"), fmt=fmt)
+                     for m in MODES]
+            line.append(" ; ".join(cells))
+        lines.append(line)
+    v[f"{key}_dense_table"] = md_table(
+        ["N", "d", "sparseflash", "SDPA flash (FA2)", "SDPA cuDNN", "FlexAttention"], lines)
+    ratio = lambda other: [_dense(rows, other, n, d, m)["ms"] / _dense(rows, "sparseflash-dense", n, d, m)["ms"]
+                           for n, d in shapes for m in MODES]
+    v[f"{key}_x_fa2"] = span(ratio("sdpa-flash"))
+    v[f"{key}_x_flex"] = span(ratio("flex"))
+    v[f"{key}_x_cudnn"] = span(ratio("sdpa-cudnn"))
+    v[f"{key}_commit"] = _stamp(rows)
+    v[f"{key}_date"] = day(_stamp(rows, "date"))
+    v[f"{key}_max_err"] = re.sub(r"e-0(\d)", r"e-\1", f"{max(r['max_err'] for r in rows if r.get('max_err') is not None):.1e}")
+
+
+def sparse_section(v: dict, rows) -> None:
+    lines, keep4, keep16 = [], [], []
+    blocks = {4096: set(), 16384: set()}
+    for n, d in SHAPES:
+        line = [n, d]
+        less = {m: [] for m in MODES}
+        for pat in ("random", "butterfly"):
+            cells = []
+            for m in MODES:
+                r = _sparsest(rows, "sparseflash", pat, n, d, m)
+                base = _dense(rows, "sparseflash-dense", n, d, m)
+                keep = r["tflops"] / base["tflops"]
+                (keep4 if n == 4096 else keep16).append(keep)
+                cells.append(f"{ms3(r['ms'])} ({tf(r['tflops'])}, {100 * keep:.0f}%)")
+                fx = _sparsest(rows, "flex", pat, n, d, m)
+                assert fx["rel_density"] == r["rel_density"]
+                less[m].append(f"{100 * (1 - r['ms'] / fx['ms']):.0f}%")
+                blocks[n].add(round(r["rel_density"] * n / r["block_size"]) if r.get("block_size")
+                              else round(r["rel_density"] * n / 128))
+            line.append(" ; ".join(cells))
+        line.append(" ; ".join(" / ".join(less[m]) for m in MODES))
+        lines.append(line)
+    v["kc_sparse_table"] = md_table(["N", "d", "random", "butterfly", "less than Flex (random / butterfly)"], lines)
+    v["kc_keep_16k"] = pct_span(keep16)
+    v["kc_keep_4k"] = pct_span(keep4)
+    v["kc_blocks_4k"] = span(blocks[4096], "{}")
+    v["kc_blocks_16k"] = span(blocks[16384], "{}")
+    dens = {r["rel_density"] for n, d in SHAPES for p in ("random", "butterfly")
+            for r in [_sparsest(rows, "sparseflash", p, n, d, "fwd")]}
+    v["kc_density"] = f"{sum(dens) / len(dens):.1f}"
+
+
+def eager_dense(v: dict, rows) -> None:
+    ratios = [one(rows, provider="sdpa-flash", seq_len=n, head_dim=d, mode=m)["ms"]
+              / one(rows, provider="sparseflash-dense", seq_len=n, head_dim=d, mode=m)["ms"]
+              for n, d in SHAPES for m in MODES]
+    v["eager_x_fa2"] = span(ratios)
+    v["eager_commit"] = _stamp(rows)
+
+
+def h200_check(v: dict, rows) -> None:
+    """The H200 re-check: dense against cuDNN, block-sparse ~0.1 against Flex."""
+    def ratios(other, shapes, modes, sparse):
+        out = []
+        for n, d in shapes:
+            for m in modes:
+                for pat in (("random",) if sparse else (None,)):
+                    if sparse:
+                        out.append(_sparsest(rows, other, pat, n, d, m)["ms"] / _sparsest(rows, "sparseflash", pat, n, d, m)["ms"])
+                    else:
+                        out.append(_dense(rows, other, n, d, m)["ms"] / _dense(rows, "sparseflash-dense", n, d, m)["ms"])
+        return out
+    d128 = [s for s in SHAPES if s[1] == 128]
+    d64 = [s for s in SHAPES if s[1] == 64]
+    v["h200_fwd_x_cudnn"] = span(ratios("sdpa-cudnn", SHAPES, ("fwd",), False))
+    v["h200_fb_x_cudnn"] = span(ratios("sdpa-cudnn", SHAPES, ("fwdbwd",), False))
+    v["h200_fwd_x_flex_d128"] = span(ratios("flex", d128, ("fwd",), True))
+    v["h200_fwd_x_flex_d64"] = span(ratios("flex", d64, ("fwd",), True))
+    v["h200_fb_x_flex"] = span(ratios("flex", SHAPES, ("fwdbwd",), True))
+    v["h200_commit"] = _stamp(rows)
+    v["h200_date"] = day(_stamp(rows, "date"))
+    v["h200_gpu"] = _stamp(rows, "device_name").replace("NVIDIA ", "")
+
+
+# ----------------------------------------------------------------------------- Hopper
+HOPPER_PROVIDERS = ("hopper", "portable", "flex", "sdpa-flash", "sdpa-cudnn")
+HOPPER_MASKS = ("dense", "causal", "random", "butterfly", "local")
+
+
+def hopper_section(v: dict, rows) -> None:
+    n, seqs = 16384, sorted({r["seq"] for r in rows})
+    g = lambda nn, d, mask, p, m: next((r for r in rows if (r["seq"], r["head_dim"], r["mask"], r["provider"], r["mode"])
+                                        == (nn, d, mask, p, m) and r.get("ms") is not None), None)
+    get = lambda d, mask, p, m: g(n, d, mask, p, m)
+    for m, key in (("fwd", "hopper_fwd_table"), ("fwdbwd", "hopper_fb_table")):
+        lines = []
+        for d in (64, 128):
+            for mask in HOPPER_MASKS:
+                if d == 64 and mask not in ("dense", "causal"):
+                    continue  # d=64 block-sparse rows are in the JSON
+                cells = []
+                for p in HOPPER_PROVIDERS:
+                    r = get(d, mask, p, m)
+                    cells.append("-" if r is None else
+                                 (f"**{r['ms']:.3f}** ({tf(r['tflops'])})" if p == "hopper" else f"{r['ms']:.3f} ({tf(r['tflops'])})"))
+                lines.append([n, d, mask, *cells])
+        v[key] = md_table(["N", "d", "mask", "**hopper**", "portable", "FlexAttention", "SDPA flash", "SDPA cuDNN"], lines)
+    def x(other, d, masks, m):  # over both sequence lengths of the run
+        return [g(nn, d, k, other, m)["ms"] / g(nn, d, k, "hopper", m)["ms"] for nn in seqs for k in masks]
+    v["hop_fwd_cudnn_d128"] = span(x("sdpa-cudnn", 128, ("dense",), "fwd"))
+    v["hop_fwd_cudnn_d64"] = span(x("sdpa-cudnn", 64, ("dense",), "fwd"))
+    v["hop_fb_cudnn_dense"] = span(x("sdpa-cudnn", 64, ("dense",), "fwdbwd") + x("sdpa-cudnn", 128, ("dense",), "fwdbwd"))
+    v["hop_fb_cudnn_causal"] = span(x("sdpa-cudnn", 64, ("causal",), "fwdbwd") + x("sdpa-cudnn", 128, ("causal",), "fwdbwd"))
+    sparse = ("random", "butterfly", "local")
+    v["hop_fwd_flex_d128"] = span(x("flex", 128, sparse, "fwd"))
+    v["hop_fwd_flex_d64"] = span(x("flex", 64, sparse, "fwd"))
+    v["hop_fb_flex_rb"] = span(x("flex", 64, ("random", "butterfly"), "fwdbwd") + x("flex", 128, ("random", "butterfly"), "fwdbwd"))
+    spread = [max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1 for r in rows
+              if isinstance(r.get("ms_rounds"), list) and len(r["ms_rounds"]) > 1 and min(r["ms_rounds"]) > 0]
+    spread.sort()
+    v["hop_spread_median"] = f"{100 * spread[len(spread) // 2]:.1f}%"
+    v["hop_spread_p90"] = f"{100 * spread[int(0.9 * (len(spread) - 1))]:.0f}%"
+    v["hop_random_density"] = f"{_stamp(pick(rows, seq=n, mask='random', provider='hopper'), 'density'):.1f}"
+    commits = sorted({short(r["commit"]) for r in rows})
+    v["hop_commits"] = " and ".join(commits)
+    v["hop_date"] = day(min(r["date"] for r in rows))
+    v["hop_gpu"] = _stamp(rows, "device_name").replace("NVIDIA ", "").split()[0]
+
+
+def _hopper_rows() -> list[dict]:
+    return _json(f"{RES}/hopper/hopper_fwd.json")["rows"]
+
+
+# ----------------------------------------------------------------------------- seqlen, causal, head dims
+SEQLEN_COLUMNS = (1024, 4096, 16384, 32768, 65536)  # the printed columns; the CSV has 512 to 64K
+
+
+def seqlen_section(v: dict, rows) -> None:
+    rows = pick(rows, mode="fwdbwd", status="ok")
+    lens = [n for n in SEQLEN_COLUMNS if any(r["seq_len"] == n for r in rows)]
+    label = lambda n: f"{n // 1024}K"
+    order = [("sparseflash-dense", "dense", "sparseflash dense"), ("sdpa-flash", "dense", "SDPA flash"),
+             ("sdpa-cudnn", "dense", "SDPA cuDNN"), ("sparseflash", "butterfly", "sparseflash butterfly")]
+    lines = []
+    for prov, pat, name in order:
+        by_n = {r["seq_len"]: r for r in pick(rows, provider=prov, pattern=pat)}
+        lines.append([name] + [ms3(by_n[n]["ms"]) if n in by_n else "-" for n in lens])
+    v["seqlen_table"] = md_table(["provider"] + [label(n) for n in lens], lines)
+    big = max(lens)
+    bf = one(rows, provider="sparseflash", pattern="butterfly", seq_len=big)
+    v["seqlen_big"] = label(big)
+    v["seqlen_big_density"] = f"{bf['rel_density']:.3f}"
+    v["seqlen_x_dense"] = f"{one(rows, provider='sparseflash-dense', seq_len=big)['ms'] / bf['ms']:.0f}"
+    v["seqlen_x_cudnn"] = f"{one(rows, provider='sdpa-cudnn', seq_len=big)['ms'] / bf['ms']:.0f}"
+    v["seqlen_commit"] = _stamp(rows)
+
+
+def causal_section(v: dict, rows) -> None:
+    big = [s for s in SHAPES if s[0] == 16384]
+    dense_section(v, rows, "causal", shapes=big, fmt=lambda x: f"{x:.3g}")
+    # ratios over every shape of the run, not only the 16K rows printed
+    r = lambda other: [_dense(rows, other, n, d, m)["ms"] / _dense(rows, "sparseflash-dense", n, d, m)["ms"]
+                       for n, d in SHAPES for m in MODES]
+    v["causal_x_fa2"], v["causal_x_flex"], v["causal_x_cudnn"] = span(r("sdpa-flash")), span(r("flex")), span(r("sdpa-cudnn"))
+    wins = total = 0
+    dens = set()
+    for n, d in SHAPES:
+        for pat in ("random", "butterfly"):
+            for m in MODES:
+                ours, fx = _sparsest(rows, "sparseflash", pat, n, d, m), _sparsest(rows, "flex", pat, n, d, m)
+                total += 1
+                wins += ours["ms"] < fx["ms"]
+                dens.add(ours["density"])
+    v["causal_wins"], v["causal_points"] = str(wins), str(total)
+    v["causal_sparse_density"] = f"{sum(dens) / len(dens):.2f}"
+
+
+def head_dims_section(v: dict) -> None:
+    base = f"{RES}/head-dims"
+    d32, d40, d256 = (table(f"{base}/d{d}/sparsity.csv") for d in (32, 40, 256))
+    v["hd_commit_32"], v["hd_commit_40"], v["hd_commit_256"] = _stamp(d32), _stamp(d40), _stamp(d256)
+    shapes = lambda rows: sorted({(r["seq_len"], r["head_dim"]) for r in rows})
+    dense_ratio = lambda rows, other: [_dense(rows, other, n, d, m)["ms"] / _dense(rows, "sparseflash-dense", n, d, m)["ms"]
+                                       for n, d in shapes(rows) for m in MODES]
+    v["hd32_x_cudnn"] = span(dense_ratio(d32, "sdpa-cudnn"))
+    v["hd40_tflops"] = span([r["tflops"] for r in pick(d40, provider="sparseflash-dense")], "{:.0f}")
+    v["hd256_x_fa2"] = span(dense_ratio(d256, "sdpa-flash"))
+    v["hd256_cudnn_faster"] = span([1 / x for x in dense_ratio(d256, "sdpa-cudnn")])
+    less = [1 - _sparsest(d256, "sparseflash", p, n, d, m)["ms"] / _sparsest(d256, "flex", p, n, d, m)["ms"]
+            for n, d in shapes(d256) for p in ("random", "butterfly") for m in MODES]
+    v["hd256_less_than_flex"] = pct_span(less)
+
+
+# ----------------------------------------------------------------------------- dropout
+def dropout_section(v: dict, rows) -> None:
+    mine = [r for r in rows if r["provider"] == "sparseflash"]
+    for d in (64, 128):
+        for m, key in (("fwd", "fwd"), ("fwdbwd", "fb")):
+            v[f"do_{key}_d{d}"] = "+" + span([r[f"{m}_overhead_pct"] for r in pick(mine, head_dim=d)], "{:.0f}") + "%"
+            for p in ("sdpa-flash", "sdpa-cudnn"):
+                v[f"do_{key}_d{d}_{p.split('-')[1]}"] = "+" + span(
+                    [r[f"{m}_overhead_pct"] for r in pick(rows, provider=p, head_dim=d)], "{:.0f}") + "%"
+    for p in ("sdpa-cudnn",):  # cuDNN over both head dims
+        for m, key in (("fwd", "fwd"), ("fwdbwd", "fb")):
+            v[f"do_{key}_cudnn"] = "+" + span([r[f"{m}_overhead_pct"] for r in pick(rows, provider=p)], "{:.0f}") + "%"
+    for m, key in (("fwd", "fwd"), ("fwdbwd", "fb")):
+        x = [one(rows, provider="sdpa-flash", seq_len=n, head_dim=d, mask="dense")[f"{m}_ms_p0.1"]
+             / one(rows, provider="sparseflash", seq_len=n, head_dim=d, mask="dense")[f"{m}_ms_p0.1"]
+             for n, d in SHAPES]
+        v[f"do_{key}_x_fa2"] = span(x)
+    v["do_commit"], v["do_date"] = _stamp(rows), day(_stamp(rows, "date"))
+    v["do_p"] = f"{_stamp(rows, 'p'):g}"
+
+
+# ----------------------------------------------------------------------------- short rows (study table)
+def short_rows_section(v: dict, kc) -> None:
+    fits = _json("experiments/studies/short_rows/results/fixed-cost/fixed_cost.json")["fits"]
+    at4k = lambda mode: [f["fixed_blocks"] for f in fits if f["seq_len"] == 4096 and f["mode"] == mode]
+    v["sr_fixed_fwd"] = span(at4k("fwd"), "{:.1f}")
+    v["sr_fixed_bwd"] = span(at4k("bwd"), "{:.1f}")
+    blocks = 3
+    v["sr_blocks"] = str(blocks)
+    v["sr_keep_ours"] = pct_span([blocks / (blocks + x) for x in at4k("fwd")] + [
+        one(kc, provider="sparseflash", pattern="random", seq_len=4096, head_dim=d, mode="fwd", rel_density=blocks / 32)["tflops"]
+        / _dense(kc, "sparseflash-dense", 4096, d, "fwd")["tflops"] for d in (64, 128)])
+    v["sr_keep_flex"] = pct_span([
+        _sparsest(kc, "flex", p, 4096, d, m)["tflops"] / _dense(kc, "flex", 4096, d, m)["tflops"]
+        for p in ("random", "butterfly") for d in (64, 128) for m in MODES])
+
+
+# ----------------------------------------------------------------------------- host cost
+def host_section(v: dict) -> None:
+    pieces = _json(f"{RES}/host/pieces.json")
+    meta, rows = pieces["meta"], {r["piece"]: r for r in pieces["rows"]}
+    us = lambda x: f"{x:.1f}" if x < 100 else f"{x:.0f}"
+    fmt = lambda r, bold=False: (f"**{us(r['host_us'])}** ({us(r['host_us_min'])})" if bold
+                                 else f"{us(r['host_us'])} ({us(r['host_us_min'])})")
+    goal_fwd, goal_own = "40", "120"  # the host-cost study's goals (microseconds), not measurements
+    fwd = ["ours", "ours python short path", "ours general", "sdpa (dense)", "autograd floor"]
+    line_f = ["forward, no grad"] + [fmt(rows[f"fwd no-grad: {k}"], i == 0) for i, k in enumerate(fwd)] + [goal_fwd]
+    line_b = ["fwd+bwd (`autograd.grad`)"] + [fmt(rows[f"fwd+bwd: {k}"], i == 0) for i, k in enumerate(fwd)] + ["—"]
+    floor = rows["fwd+bwd: autograd floor"]
+    own = lambda k: (rows[f"fwd+bwd: {k}"]["host_us"] - floor["host_us"], rows[f"fwd+bwd: {k}"]["host_us_min"] - floor["host_us_min"])
+    o1, o2 = own("ours"), own("ours python short path")
+    line_o = ["our own part of fwd+bwd (ours − the do-nothing Function)", f"**{o1[0]:.0f}** ({o1[1]:.0f})",
+              f"{o2[0]:.0f} ({o2[1]:.0f})", "", "", "", goal_own]
+    v["host_pieces_table"] = md_table(["call (d=64)", "ours (native)", "ours, Python short path", "ours, general path",
+                                       "SDPA (dense)", "Python autograd Function doing nothing", "goal"],
+                                      [line_f, line_b, line_o])
+    v["pieces_commit"], v["pieces_gpu"] = short(meta["commit"]), meta["device_name"].replace("NVIDIA ", "").split()[0]
+    v["pieces_shape"] = f"B={meta['B']}, H={meta['H']}, {meta['N'] // 1024}K, d={meta['D']}"
+    v["pieces_density"] = re.search(r"density ([0-9.]+)", meta["mask"]).group(1)
+    h = table(f"{RES}/host/host.csv")
+    kern = lambda d, kl, checked, prov="sparseflash": one(
+        [r for r in h if r.get("mask") != "dense"], provider=prov, head_dim=d, key_lengths=kl, kl_checked=checked)["eager_over_kernels"]
+    v["hk_plain"] = span([kern(64, False, False), kern(128, False, False)])
+    v["hk_checked"] = f"{kern(64, True, True):.2f} / {kern(128, True, True):.2f}"
+    v["hk_commit"], v["hk_gpu"] = _stamp(h), _stamp(h, "device_name").replace("NVIDIA ", "")
+    v["hk_n"] = f"{_stamp(h, 'N') // 1024}K"
+    v["hk_goal"] = "1.15"  # the host-cost study's goal for eager / own kernels, not a measurement
+    v["hk_density"] = f"{_stamp([r for r in h if r.get('mask') != 'dense'], 'density'):.3f}"
+
+
+# ----------------------------------------------------------------------------- packed
+def packed_section(v: dict) -> None:
+    rows = table(f"{RES}/packed/packed.csv")
+    ratio = lambda m: [one(rows, provider="sdpa-dense", mean_doc_len=r["mean_doc_len"], head_dim=r["head_dim"])[f"{m}_ms"]
+                       / r[f"{m}_ms"] for r in pick(rows, provider="sparseflash-segments")]
+    v["pk_x_sdpa_fwd"], v["pk_x_sdpa_fb"] = span(ratio("fwd"), "{:.1f}"), span(ratio("fwdbwd"), "{:.1f}")
+    fx = table(f"{RES}/packed/flex-d128/packed.csv")
+    ours, flex = one(fx, provider="sparseflash-segments"), one(fx, provider="flex-document")
+    less = lambda m: 1 - flex[f"{m}_ms"] / ours[f"{m}_ms"]  # Flex's time saved, paired run
+    v["pk_flex_less_fwd"], v["pk_flex_less_fb"] = pct_span([less("fwd")]), pct_span([less("fwdbwd")])
+    v["pk_flex_ms"] = f"{flex['fwd_ms']:.2f} / {flex['fwdbwd_ms']:.2f}"
+    v["pk_ours_ms"] = f"{ours['fwd_ms']:.2f} / {ours['fwdbwd_ms']:.2f}"
+    v["pk_mean_doc"] = f"{int(flex['mean_doc_len'])}"
+    v["pk_means"] = " or ".join(str(int(x)) for x in sorted({r["mean_doc_len"] for r in rows}))
+    v["pk_commit"], v["pk_date"] = _stamp(rows), day(_stamp(rows, "date"))
+    v["pk_rows"] = f"{_stamp(rows, 'batch')} rows of {_stamp(rows, 'seq_len') // 1024}K tokens"
+
+
+# ----------------------------------------------------------------------------- LRA training steps (read only)
+def lra_section(v: dict) -> None:
+    rerun = [r for r in table("experiments/lra/results/speed-paired-short/paired.csv") if r["status"] == "ok"]
+    redone = {r["task"] for r in rerun}  # the short-rounds run re-measured these tasks; its rows replace the first run's
+    rows = [r for r in table("experiments/lra/results/speed-paired/paired.csv")
+            if r["status"] == "ok" and r["task"] not in redone] + rerun
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    name = lambda t: f"{t} ({_stamp(pick(rows, task=t), 'seq_len') // 1024}K)"
+    dense = {t: one(rows, task=t, provider="sparseflash") for t in tasks}
+    faster = [t for t in tasks if dense[t]["ratio_hi"] < 1]
+    v["lra_dense_x_sdpa"] = span([dense[t]["ratio"] for t in faster], "{:.3f}")
+    v["lra_dense_faster"] = str(len(faster))
+    v["lra_dense_ties"] = ", ".join(name(t) for t in tasks if t not in faster) or "none"
+    sparse_ok = [t for t in tasks if all(r["ratio_hi"] < 1 and r["vs_dense_hi"] < 1 for r in rows
+                                         if r["task"] == t and r["provider"].startswith("sparseflash/") and r["density"] <= 0.5)]
+    v["lra_sparse_faster"] = str(len(sparse_ok))
+    v["lra_sparse_ties"] = ", ".join(name(t) for t in tasks if t not in sparse_ok) or "none"
+    v["lra_tasks"] = str(len(tasks))
+    envs = [_json(f"experiments/lra/results/{f}/paired.json")["environment"] for f in ("speed-paired", "speed-paired-short")]
+    v["lra_gpu"] = " / ".join(sorted({e["gpu"].replace("NVIDIA ", "") for e in envs}))
+    v["lra_commit"] = " / ".join(sorted({short(e["commit"]) for e in envs}))
+
+
+# ----------------------------------------------------------------------------- the document
+def values() -> dict[str, str]:
+    v: dict[str, str] = {}
+    kc = table(f"{RES}/kernel-check/sparsity.csv")
+    dense_section(v, kc, "kc")
+    sparse_section(v, kc)
+    eager_dense(v, table(f"{RES}/sparsity/sparsity.csv"))
+    hop = _hopper_rows()
+    hopper_section(v, hop)
+    h200_check(v, table(f"{RES}/kernel-check-h200/sparsity.csv"))
+    seqlen_section(v, table(f"{RES}/seqlen/seqlen.csv"))
+    causal_section(v, table(f"{RES}/causal/sparsity.csv"))
+    head_dims_section(v)
+    dropout_section(v, table(f"{RES}/dropout/dropout.csv"))
+    short_rows_section(v, kc)
+    host_section(v)
+    packed_section(v)
+    lra_section(v)
+    stamped = [kc, table(f"{RES}/causal/sparsity.csv"), table(f"{RES}/seqlen/seqlen.csv"), table(f"{RES}/sparsity/sparsity.csv"),
+               hop, table(f"{RES}/kernel-check-h200/sparsity.csv")]
+    dates = sorted(day(r["date"]) for rows in stamped for r in rows)
+    v["first_date"], v["last_date"] = dates[0], dates[-1]
+    cfg = _json(f"{RES}/kernel-check/sparsity.json")["meta"]["config"]
+    v["heads"], v["tokens"] = str(cfg["heads"]), f"{cfg['tokens'] // 1024}K"
+    v["block"], v["dtype"] = str(cfg["block_size"]), cfg["dtype"]
+    from sparseflash.experiments.bench.flops import MODE_FACTOR
+
+    v["fwdbwd_factor"] = f"{MODE_FACTOR['fwdbwd']:g}"
+    v["torch"] = _stamp(kc, "torch")
+    v["triton"] = _stamp(kc, "triton")
+    v["gpu"] = _stamp(kc, "device_name")
+    return v
+
+
+def render(template: str | None = None) -> str:
+    """BENCHMARKS.md's text: the template with every placeholder filled."""
+    text = TEMPLATE.read_text() if template is None else template
+    v = values()
+    missing = sorted(set(_PLACEHOLDER.findall(text)) - set(v))
+    if missing:
+        raise KeyError(f"template placeholders with no value: {missing}")
+    body = _PLACEHOLDER.sub(lambda m: v[m.group(1)], text)
+    return "<!-- generated by `python -m sparseflash.experiments.bench.report` from experiments/results/ and " \
+           "experiments/bench/BENCHMARKS.template.md: edit those, not this file -->\n" + body
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparseflash.experiments.bench.report",
+                                 description="write BENCHMARKS.md from the results tables and its template")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when BENCHMARKS.md differs")
+    ap.add_argument("--out", default=str(OUTPUT), help="where to write (default: the repository's BENCHMARKS.md)")
+    args = ap.parse_args(argv)
+    text = render()
+    out = Path(args.out)
+    if args.check:
+        if not out.is_file() or out.read_text() != text:
+            print(f"{out} is stale: run python -m sparseflash.experiments.bench.report", file=sys.stderr)
+            return 1
+        print(f"{out} is current")
+        return 0
+    out.write_text(text)
+    print(f"wrote {out} ({text.count(chr(10))} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
