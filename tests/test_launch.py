@@ -54,7 +54,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(launch, "_INTERPRETING", False)
     monkeypatch.setattr(launch, "FAST_LAUNCH", True)
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(launch, "_raw_stream", lambda index: 77)
+    monkeypatch.setattr(launch, "raw_stream", lambda index: 77)
     plan = launch._Plan("_test_kernel", (5, 6), (launch._T, launch._T, 48, 0.5), dict(C=7, num_warps=4),
                         TileConfig(16, 16), False, torch.device("cuda"))
     return kernel, plan

@@ -196,7 +196,7 @@ def lookup(q, k, v, mask, causal, scale, key_lengths):
         return None
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
            k.device, v.device, causal, causal.__class__, scale, scale.__class__,
-           None if kl is None else (kl.shape, kl.stride(), kl.dtype, kl.device), launch._state(),
+           None if kl is None else (kl.shape, kl.stride(), kl.dtype, kl.device), launch.plan_state(),
            torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None)
     try:
         entry = cache.get(key)
@@ -227,10 +227,10 @@ def call(entry: _Entry, q, k, v, key_lengths) -> Tensor:
     nat = entry.native
     if nat is None:
         nat = entry.make_native()
-    if nat and _native.ENABLED and launch.FAST_LAUNCH and not launch.POISON_OUTPUTS and launch._hooks_idle():
+    if nat and _native.ENABLED and launch.FAST_LAUNCH and not launch.POISON_OUTPUTS and launch.hooks_idle():
         dev = _cuda_device()
         if dev == nat.device:
-            o = nat.forward(q, k, v, key_lengths, launch._raw_stream(dev))
+            o = nat.forward(q, k, v, key_lengths, launch.raw_stream(dev))
             if o is not None:
                 return o
             err = _native._MOD.last_error()  # None without an error: an address the plan does not take
@@ -243,10 +243,10 @@ def call(entry: _Entry, q, k, v, key_lengths) -> Tensor:
 
 def _build(q, k, v, mask, causal, scale, kl):
     """The entry of a new key, or _NO when the short path does not take such calls."""
-    from sparseflash.flash.function import _check_runnable, _work, mask_lists
+    from sparseflash.flash.function import check_runnable, estimate_work, mask_lists
 
     try:
-        _check_runnable(q)
+        check_runnable(q)
     except (TypeError, ValueError, RuntimeError):
         return _NO  # the general path raises it
     if q.device.type == "cpu":
@@ -258,7 +258,7 @@ def _build(q, k, v, mask, causal, scale, kl):
     kv_idx, q_idx, mask_bq, mask_bk, density = mask_lists(mask, q.device)
     if density < 0:
         return _NO
-    work = _work(q, k, density)
+    work = estimate_work(q, k, density)
     fwd = launch.quick_fwd(q, k, v, kv_idx, kl, scale, causal, mask_bq or None, mask_bk or None, work=work)
     if fwd is None:
         return _NO

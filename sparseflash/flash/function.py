@@ -38,7 +38,7 @@ def _rng_draw(rng: Optional[Tensor], device) -> Tensor:
     return rng.clone()  # an op's output may not alias its input
 
 
-def _work(q: Tensor, k: Tensor, density: float) -> float:
+def estimate_work(q: Tensor, k: Tensor, density: float) -> float:
     """A call's estimated forward FLOPs, 4 B Hq Nq Nk D x the mask's density (causal, key_lengths
     and segment ids not counted: an upper bound); -1 when the density is unknown. Computed in the
     ops' implementations, where shapes are concrete even under torch.compile."""
@@ -56,7 +56,7 @@ def _fwd_eager(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
     so an eager call allocates only its outputs."""
     rng = _rng_draw(rng, q.device) if dropout_p > 0.0 else None
     o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None, dropout_p, rng,
-                        work=_work(q, k, density), seg=_seg(seg_q, seg_k, slopes), softcap=softcap)
+                        work=estimate_work(q, k, density), seg=_seg(seg_q, seg_k, slopes), softcap=softcap)
     return o, lse, rng
 
 
@@ -88,7 +88,7 @@ def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
                scale: float, causal: bool, mask_bq: int, mask_bk: int,
                dropout_p: float, density: float, slopes: Optional[Tensor], softcap: float) -> tuple[Tensor, Tensor, Tensor]:
     return launch.bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale, causal,
-                      mask_bq or None, mask_bk or None, dropout_p, rng, work=_work(q, k, density),
+                      mask_bq or None, mask_bk or None, dropout_p, rng, work=estimate_work(q, k, density),
                       seg=_seg(seg_q, seg_k, slopes), softcap=softcap)
 
 
@@ -115,7 +115,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     ``seg_q``, ``seg_k``: int32 segment ids [1 or B, seq] (packed documents) or None; ``seg_q`` with
     ``seg_k`` None: the int32 key-range table [1 or B, 2, seq_q] (`sparseflash.segments.check_key_ranges`).
     ``density``: the mask's fraction of on blocks (1 dense, -1 unknown), for the launchers'
-    estimate of the call's work (`_work`, `launch._tma_plan`)."""
+    estimate of the call's work (`estimate_work`, `launch._tma_plan`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
@@ -189,7 +189,7 @@ def mask_lists(mask: BlockMask | None, device) -> tuple[Optional[Tensor], Option
     return index.kv_idx, index.q_idx, mask_bq, mask_bk, -1.0 if index.density is None else index.density
 
 
-def _check_runnable(q: Tensor) -> None:
+def check_runnable(q: Tensor) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the triton backend takes float16, bfloat16 or float32 inputs, got {q.dtype} "
                         f"(use backend='reference' for float64)")
@@ -211,7 +211,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
     the int32 (seg_q, seg_k) of `sparseflash.segments.check_segment_ids`; ``key_ranges``: the
     int32 table of `sparseflash.segments.check_key_ranges`; not both; ``softcap`` a float > 0 or
     None; ``alibi_slopes`` [1 or B, Hq] or None)."""
-    _check_runnable(q)
+    check_runnable(q)
     density = 1.0
     seg_q = seg_k = None
     if segments is not None or key_ranges is not None:

@@ -561,7 +561,7 @@ class _Plan:
         self.bound = {}
 
 
-def _state() -> tuple:
+def plan_state() -> tuple:
     """The module state a plan depends on beyond its inputs (part of every plan key)."""
     return _INTERPRETING, TMA_MODE, GATHER_MAX, tuple(_OVERRIDE.items()) if _OVERRIDE else ()
 
@@ -624,7 +624,7 @@ def _runtime_knobs():
     return _KNOBS or None
 
 
-def _hooks_idle() -> bool:
+def hooks_idle() -> bool:
     """Triton has its launch knobs and no launch hook is set (triton 3.6+ keeps them in
     HookChains, empty by default; a profiler such as proton adds to them)."""
     rt = _runtime_knobs()
@@ -641,9 +641,9 @@ def _current_device() -> int:
 
 
 try:  # what Triton's own CUDA driver asks for the current stream
-    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+    from torch._C import _cuda_getCurrentRawStream as raw_stream
 except ImportError:  # pragma: no cover
-    def _raw_stream(index):
+    def raw_stream(index):
         return torch.cuda.current_stream(index).cuda_stream
 
 
@@ -683,20 +683,20 @@ def _launch(plan: _Plan, tensors) -> tuple | None:
         ptrs = [t.data_ptr() for t in tensors]
         key = (_current_device(), tuple(p & 15 == 0 for p in ptrs), tuple(t.dtype for t in tensors))
         bound = plan.bound.get(key)
-        if bound is not None and _hooks_idle():
+        if bound is not None and hooks_idle():
             run, function, meta, values = bound[:4]
             values = list(values)
             for i, p in zip(plan.slots, ptrs):
                 values[i] = p
             g = plan.grid
-            run(g[0], g[1], 1, _raw_stream(key[0]), function, meta, None, None, None, *values)
+            run(g[0], g[1], 1, raw_stream(key[0]), function, meta, None, None, None, *values)
             return key, bound
     args = list(plan.args)
     for i, t in zip(plan.slots, tensors):
         args[i] = t
     kernel = getattr(kernels, plan.kernel)
     compiled = kernel[plan.grid](*args, **plan.kwargs)
-    if fast and _hooks_idle():
+    if fast and hooks_idle():
         try:
             bound = _bind(plan, kernel, compiled, args)
         except Exception:  # an unexpected Triton: keep its own launch path
@@ -796,7 +796,7 @@ def _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, drop
              softcap=0.0) -> tuple:
     return ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, _layout(kv_idx),
             None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
-            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), _state(), softcap)
+            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), plan_state(), softcap)
 
 
 # The tensors of each kernel's launch in the order its plan's slots take them. Placeholders for
@@ -882,7 +882,7 @@ def _bwd_key(kind, do, q, k, v, idx, key_lengths, scale, causal, mask_bq, mask_b
              softcap=0.0):
     return (kind, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), q.dtype, q.device, _layout(idx),
             None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
-            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), _state(), *extra, softcap)
+            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), plan_state(), *extra, softcap)
 
 
 def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, q_idx, *,
@@ -981,7 +981,7 @@ class _Quick:
         """Launch with ``ts`` the role tensors (indexed by the markers; None where a role is unused)
         and ``ptrs`` their addresses (`quick_ptrs`)."""
         b = self.bound
-        if b is not None and FAST_LAUNCH and _hooks_idle():
+        if b is not None and FAST_LAUNCH and hooks_idle():
             run, function, meta, values, dev = b[:5]
             values = list(values)
             acc = 0
@@ -990,7 +990,7 @@ class _Quick:
                 acc |= p
             if not acc & 15 and _current_device() == dev:
                 g = self.plan.grid
-                run(g[0], g[1], 1, _raw_stream(dev), function, meta, None, None, None, *values)
+                run(g[0], g[1], 1, raw_stream(dev), function, meta, None, None, None, *values)
                 return
         done = _launch(self.plan, tuple(ts[r] if isinstance(r, _R) else r for r in self.layout))
         if b is None and done is not None and all(done[0][1]):  # keep the all-aligned bound launch

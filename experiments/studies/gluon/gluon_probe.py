@@ -476,10 +476,10 @@ def memory_floor(q, mask, density: float) -> dict:
     # The backward alone (launch.bwd: the dQ and dK/dV kernels), normal inputs against the same
     # reads from L2 (stride-0 views of one head for Q, K, V, O, dO, LSE; dQ, dK, dV still written)
     from sparseflash.flash import launch
-    from sparseflash.flash.function import _work
+    from sparseflash.flash.function import estimate_work
 
     idx, mb, scale = mask.index(q.device), mask.block_size[0], D ** -0.5
-    work = _work(q, q, density)  # what the public call passes: the same load mode (TMA or pointer)
+    work = estimate_work(q, q, density)  # what the public call passes: the same load mode (TMA or pointer)
     with torch.no_grad():
         o, lse = launch.fwd(qg, kg, vg, idx.kv_idx, None, scale, False, mb, mb, 0.0, None, work=work)
 

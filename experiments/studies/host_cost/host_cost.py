@@ -102,10 +102,10 @@ def main(argv=None) -> int:
 
     # the launch rows pass the call's work estimate as the public call does, so that they take
     # the same load mode (TMA or pointer) under SPARSEFLASH_TMA=auto
-    from sparseflash.flash.function import _work
+    from sparseflash.flash.function import estimate_work
 
     density = mask.density() if mask is not None else 1.0
-    work = _work(q, k, density)
+    work = estimate_work(q, k, density)
     idx = mask.index(dev) if mask is not None else None
     kv_idx, q_idx = (idx.kv_idx, idx.q_idx) if idx is not None else (None, None)
     mb = 128 if mask is not None else None
