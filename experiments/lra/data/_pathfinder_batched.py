@@ -82,6 +82,11 @@ class BatchedTargets:
         # indexing (flat raster offsets stay below 2**31: checked below).
         self.cring = np.ascontiguousarray(g.cring[self.ci].transpose(2, 0, 1)).astype(np.int32)
         self.reach = g.reach
+        self.cflat = self.cdy * self.Wc + self.cdx  # candidate head offsets from the pivot
+        self.last = self.nc - 1
+        # the pivot's step along each orientation, as the reference computes it
+        self.step_sin = (self.L + 2 * self.m) * self.sin
+        self.step_cos = (self.L + 2 * self.m) * self.cos
         vals = np.arange(256).astype(np.uint8).astype(np.float32) / 255
         self.free = (1 - vals).astype(np.float64)  # the reference's float32 1 - occupancy
         thr = _collision_thresholds()
@@ -96,7 +101,7 @@ class BatchedTargets:
             offs.append(((yy + y0) * self.Wc + xx + x0).astype(np.int64))
             vals8.append(m8[yy, xx])
         q = max(o.size for o in offs)
-        self.poff = np.stack([np.concatenate([o, np.full(q - o.size, o[0])]) for o in offs])
+        self.poff = np.stack([np.concatenate([o, np.full(q - o.size, o[0])]) for o in offs]).astype(np.int32)
         self.pval = np.stack([np.concatenate([v, np.full(q - v.size, v[0])]) for v in vals8])
         # The collision test can only fail where the mask reaches thr < 256 (b >= 204): test there only.
         core = [np.flatnonzero(thr[v] <= 255) for v in vals8]
@@ -105,6 +110,7 @@ class BatchedTargets:
                               for o, c in zip(offs, core)]).astype(np.int32)
         self.cthr = np.stack([np.concatenate([thr[v[c]], np.full(qc - c.size, thr[v[c[0]]])])
                               for v, c in zip(vals8, core)]).astype(np.uint8)  # all <= 255 on the core
+        self.kcoff, self.kcthr = self.coff[360:], self.cthr[360:]  # by candidate k
         # First seed: M1's free space must be a rectangle [y0, y1] x [x0, x1] of image pixels.
         M1 = g.M1[self.P:self.P + self.H, self.P:self.P + self.W] <= 0.3
         ys, xs = np.flatnonzero(M1.any(1)), np.flatnonzero(M1.any(0))
@@ -123,6 +129,7 @@ class BatchedTargets:
                 fy, fx = np.append(fy, 0), np.append(fx, 0)
             self.seed_box[d + 180] = (y0 - fy.min(), y1 - fy.max(), x0 - fx.min(), x1 - fx.max())
         self.B = max(_MIN_BATCH, _BATCH_BYTES // (2 * self.S))
+        self.kc_rows = np.arange(self.B) * self.ci.shape[1]  # row starts of a flattened [n, Kc], n <= B
         if (self.B + 1) * self.S >= 2 ** 31:
             raise AssertionError("flat raster offsets of a batch overflow int32")
         # What a commit can change: the image minus its border band (outside it M0 is 255 already,
@@ -142,11 +149,12 @@ class BatchedTargets:
     def _inside(self, y, x):
         return (y >= 0) & (y < self.H) & (x >= 0) & (x < self.W)
 
-    def _commit(self, R, rows, anchor, pid):
-        idx = np.take(self.poff, pid, axis=0)
-        idx += (rows * self.S + anchor)[:, None]
-        v = np.take(R, idx)
-        np.maximum(v, np.take(self.pval, pid, axis=0), out=v)
+    def _commit(self, R, anchor, pid):
+        """Paste paddles pid (max) into R at flat offsets anchor (each row's raster offset included)."""
+        idx = self.poff.take(pid, axis=0)
+        idx += anchor.astype(np.int32)[:, None]
+        v = R.take(idx)
+        np.maximum(v, self.pval.take(pid, axis=0), out=v)
         R[idx] = v
 
     # ------------------------------------------------------------------------------------- stages
@@ -196,106 +204,136 @@ class BatchedTargets:
         """Candidate heads around pivots (npy, npx) after orientations t on rasters R (flat, one per
         row at ``offset``): their indices [n, Kc] and unnormalised probabilities, continuity weight
         times 1 - occupancy dilated by the margin, 0 outside the image (the reference's pmf)."""
-        P, H, W, Wc, rc = self.P, self.H, self.W, self.Wc, self.reach
-        cand = np.take(self.ci, t, axis=0)  # [n, Kc]
-        base = (offset + (npy + P) * Wc + npx + P).astype(np.int32)
-        idx = np.take(self.cring, t, axis=1)
-        idx += base[None, :, None]
-        occ = np.take(R, idx).max(0)  # [n, Kc] dilated occupancy
-        pmf = np.take(self.free, occ)
-        pmf *= np.take(self.cw, t, axis=0)
-        near = np.flatnonzero((npy < rc) | (npy >= H - rc) | (npx < rc) | (npx >= W - rc))
-        if near.size:  # near the border: candidates outside the image are out
-            c = cand[near]
-            hy, hx = npy[near, None] + self.cdy[c], npx[near, None] + self.cdx[c]
-            pmf[near] *= ~((hy < 0) | (hy >= H) | (hx < 0) | (hx >= W))
-        return cand, pmf
+        return self._pmf(R, offset + (npy + self.P) * self.Wc + npx + self.P, t)
 
-    def _extend(self, rng, R, rows, st, i):
-        """One growth step of snake i on the attempts ``rows``: returns the rows that survive."""
-        L, m, P, Wc, S = self.L, self.m, self.P, self.Wc, self.S
+    def _pmf(self, R, base, t):
+        """``candidates`` at flat pivot offsets ``base``. A candidate head outside the image needs no
+        test of its own: the head pixel (the disk's centre) lies in the border band, occupancy 255
+        in every raster, so its 1 - occupancy factor is exactly 0 already."""
+        idx = self.cring.take(t, axis=1)
+        idx += base.astype(np.int32)[None, :, None]
+        pmf = self.free.take(R.take(idx).max(0))  # [n, Kc]: 1 - occupancy dilated by the margin
+        pmf *= self.cw.take(t, axis=0)
+        return self.ci.take(t, axis=0), pmf
+
+    def _blocked(self, R, anchor, k):
+        """Whether candidate k's paddle with its head at flat offset anchor collides (the reference's
+        ``(R + mask).max() >= 1.8``, on the mask's core only)."""
+        idx = self.kcoff.take(k, axis=0)
+        idx += anchor.astype(np.int32)[:, None]
+        return (R.take(idx) >= self.kcthr.take(k, axis=0)).any(1)
+
+    # The attempts still alive are the rows of one int64 array Z (kept in attempt order, so a step's
+    # survivors are one gather): their attempt, the raster offset of their canvas's pixel (0, 0)
+    # and, per snake i, columns 2 + 4i..: pivot y, pivot x, orientation id (which is also the id of
+    # its newest paddle, not yet committed) and the flat offset of that paddle's anchor.
+    def _extend(self, rng, R, Z, i, hist_k, hist_h, s):
+        """One growth step of snake i on the attempts Z: returns the rows of Z that survive, updated."""
+        c = 2 + 4 * i
         Ri = R[i]
-        t = st["tid"][i, rows]
-        npy = np.ceil(st["py"][i, rows] + (L + 2 * m) * self.sin[t]).astype(np.int64)
-        npx = np.ceil(st["px"][i, rows] + (L + 2 * m) * self.cos[t]).astype(np.int64)
-        cand, pmf = self.candidates(Ri, rows * S, npy, npx, t)
+        t = Z[:, c + 2]
+        npy = np.ceil(Z[:, c] + self.step_sin.take(t)).astype(np.int64)
+        npx = np.ceil(Z[:, c + 1] + self.step_cos.take(t)).astype(np.int64)
+        base = Z[:, 1] + npy * self.Wc
+        base += npx
+        cand, pmf = self._pmf(Ri, base, t)
         total = pmf.sum(1)
-        live = np.flatnonzero(total >= 1e-4)
-        full = live.size == rows.size  # usual: skip the copies that select the live rows
-        cmf = np.cumsum(pmf if full else pmf[live], 1)
-        cmf /= (total if full else total[live])[:, None]
-        last = self.nc[t if full else t[live]] - 1
-        todo = np.arange(live.size)
-        k_of = np.full(live.size, -1, np.int64)
-        for attempt in range(self.g.p.max_paddle_retrial + 1):
-            u = rng.random(todo.size)
-            if attempt == 0:
-                j = np.minimum((cmf <= u[:, None]).sum(1), last)
-            else:
-                j = np.minimum((cmf[todo] <= u[:, None]).sum(1), last[todo])
-            r = live[todo]
-            k = cand[r, j]
-            anchor = (npy[r] + self.cdy[k] + P) * Wc + npx[r] + self.cdx[k] + P
-            pid = 360 + k
-            idx = np.take(self.coff, pid, axis=0)
-            idx += (rows[r] * S + anchor).astype(np.int32)[:, None]
-            ok = ~(np.take(Ri, idx) >= np.take(self.cthr, pid, axis=0)).any(1)
-            k_of[todo[ok]] = k[ok]
-            todo = todo[~ok]
-        good = k_of >= 0
-        r, k = live[good], k_of[good]
-        rows_ok = rows[r]
-        anchor = (npy[r] + self.cdy[k] + P) * Wc + npx[r] + self.cdx[k] + P
+        live = total >= 1e-4
+        pos = None  # usual: every row lives, so skip the copies that select the live ones
+        if not live.all():
+            pos = np.flatnonzero(live)
+            if pos.size == 0:
+                return Z[:0]
+            t, npy, npx, base, cand, pmf, total = (a[pos] for a in (t, npy, npx, base, cand, pmf, total))
+        n = t.size
+        cmf = np.cumsum(pmf, 1)
+        cmf /= total[:, None]
+        last = self.last.take(t)
+        kc = cand.shape[1]
+        j = (cmf <= rng.random(n)[:, None]).sum(1)
+        np.minimum(j, last, out=j)
+        j += self.kc_rows[:n]
+        k = cand.take(j)
+        anchor = base + self.cflat.take(k)
+        bad = np.flatnonzero(self._blocked(Ri, anchor, k))
+        if bad.size:  # retries, for the rows whose paddle collided (no draws once none is left)
+            k[bad] = -1
+            todo = bad
+            for _ in range(self.g.p.max_paddle_retrial):
+                u = rng.random(todo.size)
+                j = (cmf[todo] <= u[:, None]).sum(1)
+                np.minimum(j, last[todo], out=j)
+                j += todo * kc
+                kt = cand.take(j)
+                at = base[todo] + self.cflat.take(kt)
+                hit = self._blocked(Ri, at, kt)
+                ok = ~hit
+                k[todo[ok]], anchor[todo[ok]] = kt[ok], at[ok]
+                todo = todo[hit]
+                if todo.size == 0:
+                    break
+            good = np.flatnonzero(k >= 0)
+            k, anchor, npy, npx = k[good], anchor[good], npy[good], npx[good]
+            pos = good if pos is None else pos[good]
+        if pos is not None:
+            Z = Z.take(pos, axis=0)
         # The snake's previous paddle joins its own reference; the new one is the other's obstacle
         # (release: R[0] is R[1], the shared occupancy, which gets only the previous paddle).
-        self._commit(R[i], rows_ok, st["anchor"][i, rows_ok], st["pid"][i, rows_ok])
+        self._commit(Ri, Z[:, c + 3], Z[:, c + 2])
+        pid = k + 360
         if not self.release:
-            self._commit(R[1 - i], rows_ok, anchor, 360 + k)
-        st["py"][i, rows_ok], st["px"][i, rows_ok], st["tid"][i, rows_ok] = npy[r], npx[r], 360 + k
-        st["anchor"][i, rows_ok], st["pid"][i, rows_ok] = anchor, 360 + k
-        st["k"][i, st["step"], rows_ok] = k
-        st["hy"][i, st["step"], rows_ok] = npy[r] + self.cdy[k]
-        st["hx"][i, st["step"], rows_ok] = npx[r] + self.cdx[k]
-        return rows_ok
+            self._commit(R[1 - i], anchor, pid)
+        rows = Z[:, 0]
+        hist_k[i, s, rows] = k
+        hist_h[i, s, rows] = anchor - Z[:, 1]
+        Z[:, c], Z[:, c + 1], Z[:, c + 2], Z[:, c + 3] = npy, npx, pid, anchor
+        return Z
 
     def _batch(self, rng, n):
-        """n attempts; returns (successful attempts in order, their state, the occupancy rasters)."""
-        S, L, m = self.S, self.L, self.m
+        """n attempts; returns (the state of the successful ones, in attempt order; the occupancy rasters)."""
+        S, L, m, P, Wc = self.S, self.L, self.m, self.P, self.Wc
         if self._R is None:
             self._R = (np.empty(self.B * S, np.uint8), np.empty(self.B * S, np.uint8))
             for r in self._R:
                 r.reshape(self.B, S)[:] = self.M0
+            self._dirty = np.zeros(0, np.int64)
         if n > self.B:
             raise AssertionError(f"a batch of {n} attempts exceeds the buffer's {self.B}")
+        Hc, y0, y1, x0, x1 = self.box
+        if self._dirty.size:  # only rows that got paddles differ from M0: reset those
+            for r in self._R[:2 - self.release]:
+                r.reshape(self.B, Hc, Wc)[self._dirty, y0:y1, x0:x1] = 0
         R = (self._R[0][:n * S], self._R[1][:n * S])
         if self.release:
             R = (R[0], R[0])
-        Hc, y0, y1, x0, x1 = self.box
-        for r in R[:2 - self.release]:  # rows beyond the previous batch's are still M0, zeroing them again is harmless
-            r.reshape(n, Hc, self.Wc)[:, y0:y1, x0:x1] = 0
         ok, s1, s2 = self._seeds(rng, n)
         rows = np.flatnonzero(ok)
+        self._dirty = rows
         steps = self.g.p.contour_length - 1
-        st = {"tid": np.zeros((2, n), np.int64), "py": np.zeros((2, n), np.int64), "px": np.zeros((2, n), np.int64),
-              "anchor": np.zeros((2, n), np.int64), "pid": np.zeros((2, n), np.int64),
-              "k": np.zeros((2, steps, n), np.int64), "hy": np.zeros((2, steps, n), np.int64),
-              "hx": np.zeros((2, steps, n), np.int64), "seeds": (s1, s2)}
+        Z = np.empty((rows.size, 10), np.int64)
+        Z[:, 0] = rows
+        Z[:, 1] = rows * S + P * Wc + P
         for i, (ty, tx, d) in enumerate((s1, s2)):
+            ty, tx, d = ty[rows], tx[rows], d[rows]
             hy = np.ceil(ty + L * self.sin[d]).astype(np.int64)
             hx = np.ceil(tx + L * self.cos[d]).astype(np.int64)
-            st["py"][i] = np.ceil(hy - (L + m) * self.sin[d]).astype(np.int64)
-            st["px"][i] = np.ceil(hx - (L + m) * self.cos[d]).astype(np.int64)
-            st["tid"][i], st["pid"][i], st["anchor"][i] = d, d, self._flat(ty, tx)
+            c = 2 + 4 * i
+            Z[:, c] = np.ceil(hy - (L + m) * self.sin[d]).astype(np.int64)
+            Z[:, c + 1] = np.ceil(hx - (L + m) * self.cos[d]).astype(np.int64)
+            Z[:, c + 2] = d
+            Z[:, c + 3] = Z[:, 1] + ty * Wc + tx
         if not self.release:  # clean: each seed is the other snake's obstacle from the start
-            self._commit(R[0], rows, st["anchor"][1, rows], st["pid"][1, rows])
-            self._commit(R[1], rows, st["anchor"][0, rows], st["pid"][0, rows])
+            self._commit(R[0], Z[:, 9], Z[:, 8])
+            self._commit(R[1], Z[:, 5], Z[:, 4])
+        # Every surviving attempt has all steps of both snakes written: the rest may stay garbage.
+        hist_k = np.empty((2, steps, n), np.int64)
+        hist_h = np.empty((2, steps, n), np.int64)  # the head's y * Wc + x
         for s in range(steps):
-            st["step"] = s
             for i in (0, 1):
-                if rows.size == 0:
-                    return rows, st, R
-                rows = self._extend(rng, R, rows, st, i)
-        return rows, st, R
+                if Z.shape[0] == 0:
+                    return {"Z": Z}, R
+                Z = self._extend(rng, R, Z, i, hist_k, hist_h, s)
+        return {"Z": Z, "k": hist_k, "h": hist_h, "seeds": (s1, s2)}, R
 
     def sample(self, rng, count: int, max_attempts: int):
         """``count`` pairs of target snakes: a list of (occupancy float32 canvas, [snake dict] * 2)."""
@@ -307,18 +345,21 @@ class BatchedTargets:
             need = count - len(out)
             rate = (succ + 1) / (attempts + 2)  # this chunk's own history: deterministic
             n = int(min(self.B, max_attempts - attempts, max(_MIN_BATCH, math.ceil(1.2 * need / rate))))
-            rows, st, R = self._batch(rng, n)
+            st, R = self._batch(rng, n)
+            got = st["Z"].shape[0]
             attempts += n
-            succ += rows.size
-            for a in rows[:need]:
-                out.append(self._pair(a, st, R))
+            succ += got
+            for q in range(min(need, got)):
+                out.append(self._pair(q, st, R))
         return out
 
-    def _pair(self, a, st, R):
-        g, S = self.g, self.S
+    def _pair(self, q, st, R):
+        """Successful attempt q of a batch (counted among the successes) as (occupancy, snakes)."""
+        g, S, P, Wc = self.g, self.S, self.P, self.Wc
+        a = int(st["Z"][q, 0])
         M = R[0][a * S:(a + 1) * S].copy()
-        last = 1 if self.release else 0  # release: only snake 2's last paddle is committed
-        self._commit(M, np.zeros(1, np.int64), st["anchor"][last, a:a + 1], st["pid"][last, a:a + 1])
+        c = 6 if self.release else 2  # release: only snake 2's last paddle is committed
+        self._commit(M, st["Z"][q:q + 1, c + 3] - a * S, st["Z"][q:q + 1, c + 2])
         M = (M.astype(np.float32) / 255).reshape(g.M0.shape)
         snakes = []
         for i, (ty, tx, d) in enumerate(st["seeds"]):
@@ -329,7 +370,8 @@ class BatchedTargets:
             head = tail
             for s in range(st["k"].shape[1]):
                 k = int(st["k"][i, s, a])
-                head = (int(st["hy"][i, s, a]), int(st["hx"][i, s, a]))
+                h = int(st["h"][i, s, a]) + P * Wc + P  # the head's flat canvas offset
+                head = (h // Wc - P, h % Wc - P)
                 patches.append(g.slices(head[0], head[1], g.cpatch[k]))
                 thetas.append(float(g.corient[k]))
             snakes.append({"origin": tail, "terminal": head, "patches": patches, "thetas": thetas})
