@@ -67,31 +67,28 @@ class _Fallback:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, key, do, q, k, v, o, lse, kl, kv_idx, q_idx, scale, causal, bq, bk, work):
-        self.calls.append(dict(key=key, do=do, kl=kl, kv_idx=kv_idx, scale=scale, causal=causal, bq=bq, work=work))
+    def __call__(self, do, q, k, v, o, lse, kl):
+        self.calls.append(dict(do=do, q=q, o=o, lse=lse, kl=kl))
         return torch.full_like(q, 1.0), torch.full_like(k, 2.0), torch.full_like(v, 3.0)
 
 
 @pytest.fixture
-def dry(mod, monkeypatch):
-    """A plan of stand-in launches (function 0: counted, not run) and a recording fallback."""
+def dry(mod):
+    """A plan of stand-in launches (function 0: counted, not run) with a recording fallback."""
     fb = _Fallback()
-    mod.set_fallback(fb)
     B, Hq, Hkv, N, D = 2, 4, 2, 32, 16
     rows = torch.empty((), dtype=torch.float32).expand(B, Hq, N)
     fwd = mod.make_launch(0, [1, 1, 1], 128, 0, [0] * 6, [8] * 6, [(i, i) for i in range(6)])
-    kv_idx = torch.zeros(1, 1, 2, 2, dtype=torch.int32)
-    plan = mod.Plan(7, 0, fwd, rows, False, kv_idx, None, 0.25, True, 16, 0, 123.0)
+    plan = mod.Plan(0, fwd, rows, False, fb)
     q = torch.randn(B, Hq, N, D, requires_grad=True)
     k, v = (torch.randn(B, Hkv, N, D, requires_grad=True) for _ in range(2))
-    yield SimpleNamespace(mod=mod, plan=plan, fb=fb, q=q, k=k, v=v)
-    mod.set_fallback(fast._native_fallback)
+    return SimpleNamespace(mod=mod, plan=plan, fb=fb, q=q, k=k, v=v)
 
 
 @needs_cxx
 def test_native_node_falls_back_then_launches(dry):
-    """Without a launch for dO's layout the node calls the fallback with the plan's lists and
-    scalars; once the plan has that layout's launches it runs them (two) and returns gradients
+    """Without a launch for dO's layout the node calls the plan's fallback with dO and what the
+    forward saved; once the plan has that layout's launches it runs them (two) and returns gradients
     shaped like q, k, v (grouped heads); another layout falls back again."""
     m, plan, q, k, v = dry.mod, dry.plan, dry.q, dry.k, dry.v
     n0 = m.dry_launches()
@@ -101,8 +98,8 @@ def test_native_node_falls_back_then_launches(dry):
     do = torch.randn_like(o)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     (c,) = dry.fb.calls
-    assert c["key"] == 7 and c["do"] is not None and c["kl"] is None and c["kv_idx"].shape == (1, 1, 2, 2)
-    assert (c["scale"], c["causal"], c["bq"], c["work"]) == (0.25, True, 16, 123.0)
+    assert torch.equal(c["do"], do) and c["q"] is q and c["kl"] is None
+    assert c["o"].shape == q.shape and c["lse"].shape == q.shape[:3]
     assert torch.equal(dk, torch.full_like(k, 2.0))
     bwd = m.make_launch(0, [1, 1, 1], 128, 0, [0] * 11, [8] * 11, [(i, i) for i in range(11)])
     plan.add_bwd(list(do.stride()), bwd, bwd)
@@ -151,10 +148,13 @@ def test_native_build_is_cached(mod, tmp_path, monkeypatch):
 
 
 @pytest.mark.interpreter
-@needs_cxx
-def test_fallback_without_its_entry_runs_the_general_backward(mod):
-    """A native node whose fast-path entry is gone (its cache cleared) still gets its gradients:
-    the fallback runs the general backward with the lists and scalars the plan kept."""
+def test_fallback_without_its_entry_runs_the_general_backward():
+    """A native plan's fallback runs its entry's backward while the entry lives, and once the entry
+    is gone (its cache cleared) the general backward with the lists and scalars it kept; it does
+    not keep the entry alive (the entry holds the plan, which holds the fallback)."""
+    import gc
+    import weakref
+
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 2, 32, 16, generator=g) for _ in range(4))
     mask = sparseflash.BlockMask.from_layout(torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), block_size=16)
@@ -162,10 +162,24 @@ def test_fallback_without_its_entry_runs_the_general_backward(mod):
 
     kv_idx, q_idx, bq, bk, density = mask_lists(mask, q.device)
     o, lse = launch.fwd(q, k, v, kv_idx, None, 0.25, False, bq or None, bk or None, 0.0, None)
-    got = fast._native_fallback(-1, do, q, k, v, o, lse, None, kv_idx, q_idx, 0.25, False, bq, bk, -1.0)
     want = launch.bwd(do, q, k, v, o, lse, None, kv_idx, q_idx, None, 0.25, False, bq or None, bk or None, 0.0, None)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    entry = fast._build(q, k, v, mask, False, 0.25, None)
+    fb = fast._NativeFallback(entry)
+    seen = []
+    real = fast._Entry.backward
+    fast._Entry.backward = lambda self, *a: (seen.append(1), real(self, *a))[1]
+    try:
+        got_alive = fb(do, q, k, v, o, lse, None)
+    finally:
+        fast._Entry.backward = real
+    assert seen == [1]
+    ref = weakref.ref(entry)
+    del entry
+    gc.collect()
+    assert ref() is None
+    got = fb(do, q, k, v, o, lse, None)
+    for a, b, c in zip(got_alive, got, want):
+        assert torch.equal(a, c) and torch.equal(b, c)
 
 
 # ------------------------------------------------------------------------------------- GPU

@@ -1,6 +1,6 @@
-// The native short path of a repeated eager sparseflash.attention call (issue 21): the forward,
-// its autograd node and the backward in C++, launching the Triton kernels that the Python short
-// path (sparseflash/flash/fast.py) compiled and bound. Built on first use by native.py.
+// The native short path of a repeated eager sparseflash.attention call, for its host cost: the
+// forward, its autograd node and the backward in C++, launching the Triton kernels that the Python
+// short path (sparseflash/flash/fast.py) compiled and bound. Built on first use by native.py.
 //
 // A Launch is one bound Triton kernel: its CUfunction, grid, block and shared memory, and one
 // 8-byte slot per kernel parameter (Triton's order: the non-constexpr arguments, then the global
@@ -8,7 +8,8 @@
 // A Plan is one fast-path entry: the forward Launch and, per layout of the incoming gradient,
 // the dQ and dK/dV Launches. Anything the plan has no launch for (a new dO layout, a stream being
 // captured, a misaligned address) goes back to Python: `forward` returns None, the backward
-// calls the registered fallback.
+// calls the plan's fallback, a Python callable given with the plan (this module imports nothing
+// of the Python side).
 //
 // Roles: forward (q, k, v, o, lse, key_lengths); backward adds (do, delta, dq, dk, dv).
 // No CUDA headers: the driver entry points are looked up in libcuda at first use.
@@ -183,31 +184,30 @@ struct BwdLaunches {
   LaunchPtr dq, dkdv;
 };
 
-// The Python function a backward goes to when the plan has no launch for it: fallback(key, do, q,
-// k, v, o, lse, key_lengths, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work) -> (dq, dk, dv),
-// with what the general backward needs should the Python entry be gone.
-py::object* g_fallback = nullptr;  // never freed: outlives every node
-
 struct Plan {
-  int64_t key;       // the Python entry's id for the fallback
   int64_t device;    // CUDA device index
   LaunchPtr fwd;
   std::vector<BwdLaunches> bwd;
   at::Tensor rows;   // float32 [B, H, Nq], stride 0: empty_like gives the LSE and delta
   bool has_kl;
-  // the call's mask lists and scalars, for the fallback
-  at::Tensor kv_idx, q_idx;
-  double scale, work;
-  bool causal;
-  int64_t mask_bq, mask_bk;
+  // The Python backward for what the plan has no launch for: fallback(do, q, k, v, o, lse,
+  // key_lengths) -> (dq, dk, dv). A raw reference, released under the GIL: a plan's last owner
+  // may be an autograd node freed on an engine thread that does not hold it.
+  PyObject* fallback;
 
-  Plan(int64_t key_, int64_t device_, LaunchPtr fwd_, at::Tensor rows_, bool has_kl_,
-       std::optional<at::Tensor> kv_idx_, std::optional<at::Tensor> q_idx_, double scale_, bool causal_,
-       int64_t mask_bq_, int64_t mask_bk_, double work_)
-      : key(key_), device(device_), fwd(std::move(fwd_)), rows(std::move(rows_)), has_kl(has_kl_),
-        kv_idx(kv_idx_.value_or(at::Tensor())), q_idx(q_idx_.value_or(at::Tensor())), scale(scale_), work(work_),
-        causal(causal_), mask_bq(mask_bq_), mask_bk(mask_bk_) {
+  Plan(int64_t device_, LaunchPtr fwd_, at::Tensor rows_, bool has_kl_, py::object fallback_)
+      : device(device_), fwd(std::move(fwd_)), rows(std::move(rows_)), has_kl(has_kl_),
+        fallback(fallback_.release().ptr()) {
     if (fwd != nullptr && fwd->max_role >= kFwdRoles) fwd = nullptr;  // it would read a backward role
+  }
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+
+  ~Plan() {
+    if (fallback != nullptr && Py_IsInitialized()) {  // (after the interpreter is gone: leaked)
+      py::gil_scoped_acquire gil;
+      Py_DECREF(fallback);
+    }
   }
 
   void add_bwd(std::vector<int64_t> do_strides, LaunchPtr dq, LaunchPtr dkdv) {
@@ -301,11 +301,9 @@ struct AttentionBackward : public torch::autograd::Node {
         return {dq, dk, dv};
       }
     }
-    if (g_fallback == nullptr) throw std::runtime_error("sparseflash native backward: no fallback registered");
     py::gil_scoped_acquire gil;
-    auto opt = [](const at::Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
-    py::object r = (*g_fallback)(plan->key, d_o, q, k, v, o, lse, opt(kl), opt(plan->kv_idx), opt(plan->q_idx),
-                                 plan->scale, plan->causal, plan->mask_bq, plan->mask_bk, plan->work);
+    py::object r = py::reinterpret_borrow<py::object>(plan->fallback)(d_o, q, k, v, o, lse,
+                                                                      kl.defined() ? py::cast(kl) : py::none());
     auto t = r.cast<std::tuple<at::Tensor, at::Tensor, at::Tensor>>();
     return {std::get<0>(t), std::get<1>(t), std::get<2>(t)};
   }
@@ -353,11 +351,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pack", &Launch::pack, py::arg("ptrs"))
       .def_property_readonly("function", [](const Launch& l) { return l.function; });
   py::class_<Plan, PlanPtr>(m, "Plan")
-      .def(py::init<int64_t, int64_t, LaunchPtr, at::Tensor, bool, std::optional<at::Tensor>,
-                    std::optional<at::Tensor>, double, bool, int64_t, int64_t, double>(),
-           py::arg("key"), py::arg("device"), py::arg("fwd"), py::arg("rows"), py::arg("has_kl"), py::arg("kv_idx"),
-           py::arg("q_idx"), py::arg("scale"), py::arg("causal"), py::arg("mask_bq"), py::arg("mask_bk"),
-           py::arg("work"))
+      .def(py::init<int64_t, LaunchPtr, at::Tensor, bool, py::object>(), py::arg("device"), py::arg("fwd"),
+           py::arg("rows"), py::arg("has_kl"), py::arg("fallback"))
       .def("add_bwd", &Plan::add_bwd, py::arg("do_strides"), py::arg("dq"), py::arg("dkdv"))
       .def_property_readonly("n_bwd", &Plan::n_bwd)
       .def_readonly("device", &Plan::device)
@@ -378,10 +373,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::string e = std::move(g_last_error);
     g_last_error.clear();
     return e;
-  });
-  m.def("set_fallback", [](py::object f) {
-    if (g_fallback == nullptr) g_fallback = new py::object();
-    *g_fallback = std::move(f);
   });
   m.def("dry_launches", []() { return g_dry_launches.load(); });
 }

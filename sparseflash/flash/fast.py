@@ -1,17 +1,23 @@
 """The short path of an eager `sparseflash.attention` call: less host time per repeated call.
 
+One unit with its C++ half (`sparseflash.flash.native`, `_native.cpp`), entered here only:
+`sparseflash.attention` calls `lookup`, then `build` for a new key or `call` for a known one. This
+module calls `launch`, `function` and `native` through their public names; none of them calls back
+(a native plan's backward fallback is a callable this module hands it with the plan).
+
 A model calls attention with the same shapes, layouts, mask and scalars step after step. The
 first call of each such combination goes the general way (`api._check_inputs`, `flash_attention`,
 the launchers' plans) and leaves a `_Entry` keyed by everything that validation and the launch
 plans read: shapes, strides, dtypes and devices of q, k, v and key_lengths, the mask (its own
 cache, `BlockMask._fast`, so entries go with the mask), causal and scale with their types, the
 launchers' module state. A later call with the same key skips validation and planning: it
-allocates the outputs and calls the kernels' C launchers (`launch._Quick`); under autograd one
+allocates the outputs and calls the kernels' C launchers (`launch.quick_fwd`); under autograd one
 `torch.autograd.Function` with five inputs carries it (`_FastFunction`), without autograd
 (no_grad, inference, inputs that need no grad) none does. On CUDA, once the entry's forward is
 bound and the C++ module is built, the entry's `native.Plan` serves its calls instead: the same
 kernels launched from C++, with a C++ autograd node whose backward runs the dQ and dK/dV launches
-of each dO layout the Python backward has bound (`sparseflash.flash.native`).
+of each dO layout the Python backward has bound (`sparseflash.flash.native`); what it has no
+launch for comes back to the entry's Python backward (`_NativeFallback`).
 
 What stays per call: the key_lengths range check when it is on (a host synchronisation, as in
 the general path: ``check_key_lengths=False`` skips it), the alignment of every address (else the
@@ -29,12 +35,13 @@ contiguous key_lengths. Everything else goes the general way, as does every call
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 from torch import Tensor
 from torch.autograd import forward_ad as _forward_ad
 
-from sparseflash.flash import launch, native as _native
+from sparseflash.flash import launch, native
 from sparseflash.mask import BlockMask
 
 __all__ = ["ENABLED", "Miss", "lookup", "build", "call", "clear"]
@@ -63,7 +70,7 @@ except ImportError:  # pragma: no cover - a CPU-only build has no native plans e
 
 
 class _Entry:
-    """One combination's forward (a `launch._Quick`) and, per layout of the incoming gradient,
+    """One combination's forward (a `launch.quick_fwd` launch) and, per layout of the incoming gradient,
     its backward pair; the mask's lists and the call's scalars."""
 
     __slots__ = ("fwd", "bwd", "kv_idx", "q_idx", "scale", "causal", "mask_bq", "mask_bk", "work", "cuda", "seq_k",
@@ -122,7 +129,7 @@ class _Entry:
         if pair[0].bound is not None and pair[1].bound is not None and do.stride() not in self.native_bwd:
             self.native_bwd.add(do.stride())
             try:
-                dq, dkdv = _native.launch_of(pair[0]), _native.launch_of(pair[1])
+                dq, dkdv = native.launch_of(pair[0]), native.launch_of(pair[1])
             except RuntimeError:  # the kernel's parameters are not what was packed: this layout stays in Python
                 return
             if dq is not None and dkdv is not None:
@@ -131,16 +138,15 @@ class _Entry:
     def make_native(self):
         """The native plan, made once the forward is bound and the module is built; False when
         it will not be (its kernel does not fit a plain launch, or the build failed)."""
-        if self.fwd.bound is None or not _native.ENABLED:
+        if self.fwd.bound is None or not native.ENABLED:
             return None
-        mod = _native.module()
-        if mod is None:
-            if _native._FAILED is None:
+        if native.module() is None:
+            if native.failed() is None:
                 return None  # building: ask again on a later call
             self.native = False
             return False
         try:
-            plan = _native.plan_of(self)
+            plan = native.make_plan(self.fwd, self.rows, self.has_kl, _NativeFallback(self))
         except Exception as e:  # noqa: BLE001 - an unexpected Triton ABI: the Python path serves the entry
             import warnings
 
@@ -149,6 +155,28 @@ class _Entry:
             plan = None
         self.native = plan if plan is not None else False
         return self.native
+
+
+class _NativeFallback:
+    """The backward a native plan calls for what it has no launch for (a new dO layout, capture, a
+    misaligned address): its entry's own (which gives the plan a new layout's launches), or the
+    general backward with the entry's lists and scalars once the entry is gone (its cache cleared).
+    It holds the entry weakly: the entry holds the plan, which holds this."""
+
+    __slots__ = ("entry", "args")
+
+    def __init__(self, entry: _Entry):
+        self.entry = weakref.ref(entry)
+        self.args = (entry.kv_idx, entry.q_idx, entry.scale, entry.causal, entry.mask_bq or None,
+                     entry.mask_bk or None, entry.work)
+
+    def __call__(self, do, q, k, v, o, lse, kl):
+        entry = self.entry()
+        if entry is not None:
+            return entry.backward(do, q, k, v, o, lse, kl)
+        kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work = self.args
+        return launch.bwd(do, q, k, v, o, lse, None, kv_idx, q_idx, kl, scale, causal, mask_bq, mask_bk, 0.0, None,
+                          work=work)
 
 
 class _FastFunction(torch.autograd.Function):
@@ -227,13 +255,13 @@ def call(entry: _Entry, q, k, v, key_lengths) -> Tensor:
     nat = entry.native
     if nat is None:
         nat = entry.make_native()
-    if nat and _native.ENABLED and launch.FAST_LAUNCH and not launch.POISON_OUTPUTS and launch.hooks_idle():
+    if nat and native.ENABLED and launch.FAST_LAUNCH and not launch.POISON_OUTPUTS and launch.hooks_idle():
         dev = _cuda_device()
         if dev == nat.device:
             o = nat.forward(q, k, v, key_lengths, launch.raw_stream(dev))
             if o is not None:
                 return o
-            err = _native._MOD.last_error()  # None without an error: an address the plan does not take
+            err = native.last_error()  # "" without an error: an address the plan does not take
             if err:
                 raise RuntimeError(err)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -264,16 +292,3 @@ def _build(q, k, v, mask, causal, scale, kl):
         return _NO
     return _Entry(fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k, kl is not None)
 
-
-def _native_fallback(key, do, q, k, v, o, lse, kl, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work):
-    """The backward of a native call that its plan has no launch for (`native`): the entry's own
-    backward (which gives the plan the launches of a new dO layout), or the general backward
-    when the entry is gone (its cache was cleared)."""
-    entry = _native._ENTRIES.get(key)
-    if entry is not None:
-        return entry.backward(do, q, k, v, o, lse, kl)
-    return launch.bwd(do, q, k, v, o, lse, None, kv_idx, q_idx, kl, scale, causal, mask_bq or None, mask_bk or None,
-                      0.0, None, work=work)
-
-
-_native.set_fallback(_native_fallback)

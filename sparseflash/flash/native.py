@@ -10,11 +10,13 @@ Building: the first CUDA call that the short path serves starts a compile in a b
 ``sparseflash.flash.native.ENABLED = False``) turns the path off; a failed build warns once and
 leaves it off. It needs a C++20 compiler (``$CXX``, else ``c++``) and torch's headers.
 
-A `Plan` is made per fast-path entry once its forward is bound, its backward launches per layout of
-the incoming gradient once the Python backward has bound them (`fast._Entry`). A backward the plan
-has no launch for (a new dO layout, CUDA-graph capture, a misaligned address) calls `_fallback`,
-the Python short path's backward. Launch hooks (a profiler): the forward checks them per call and
-goes the Python way while one is set; a backward whose forward ran native stays native.
+The C++ half of the short path, whose one entry point is `sparseflash.flash.fast`: it calls this
+module, never the other way round. `make_plan` makes a `Plan` per fast-path entry once the entry's
+forward is bound; the entry gives it the backward launches per layout of the incoming gradient once
+its Python backward has bound them. A backward the plan has no launch for (a new dO layout,
+CUDA-graph capture, a misaligned address) calls the ``fallback`` given with the plan (the Python
+short path's backward). Launch hooks (a profiler): the forward checks them per call and goes the
+Python way while one is set; a backward whose forward ran native stays native.
 """
 
 from __future__ import annotations
@@ -29,12 +31,11 @@ import sysconfig
 import tempfile
 import threading
 import warnings
-import weakref
 from pathlib import Path
 
 import torch
 
-__all__ = ["ENABLED", "load", "module", "ready", "launch_of", "plan_of", "cache_dir"]
+__all__ = ["ENABLED", "load", "module", "ready", "failed", "last_error", "launch_of", "make_plan", "cache_dir"]
 
 ENABLED = os.environ.get("SPARSEFLASH_NATIVE", "1") not in ("", "0")
 
@@ -43,9 +44,6 @@ _MOD = None
 _FAILED: str | None = None
 _THREAD: threading.Thread | None = None
 _LOCK = threading.Lock()
-_ENTRIES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # plan key -> fast._Entry
-_NEXT_KEY = [0]
-_FALLBACK = None  # set by `set_fallback`
 
 
 def cache_dir() -> Path:
@@ -103,19 +101,7 @@ def _build_and_import():
     spec = importlib.util.spec_from_file_location(name, so)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    if _FALLBACK is not None:
-        mod.set_fallback(_FALLBACK)
     return mod
-
-
-def set_fallback(fn) -> None:
-    """The Python backward the module calls for what it does not take itself (`fast` registers
-    its own at import; registered here rather than imported, so that this module never imports
-    `fast`)."""
-    global _FALLBACK
-    _FALLBACK = fn
-    if _MOD is not None:
-        _MOD.set_fallback(fn)
 
 
 def load():
@@ -153,15 +139,27 @@ def ready() -> bool:
     return _MOD is not None
 
 
+def failed() -> str | None:
+    """Why the build failed (the path then stays off), or None: built, building or not started."""
+    return _FAILED
+
+
+def last_error() -> str:
+    """The launch error of the last `Plan.forward` that returned None for one, "" when none (an
+    address the plan does not take is no error); reading it clears it."""
+    return _MOD.last_error() if _MOD is not None else ""
+
+
 _FLOATS = {"fp32", "f32"}
 _INTS = {"i1": (1, 0xFF), "u1": (1, 0xFF), "i8": (1, 0xFF), "u8": (1, 0xFF), "i16": (2, 0xFFFF), "u16": (2, 0xFFFF),
          "i32": (4, 0xFFFFFFFF), "u32": (4, 0xFFFFFFFF), "i64": (8, 2**64 - 1), "u64": (8, 2**64 - 1)}
 
 
 def launch_of(quick, mod=None):
-    """The native `Launch` of a bound `launch._Quick`, or None when its kernel does not fit the
-    plain launch (clusters, cooperative or PDL launches, scratch buffers, tuple or TMA arguments).
-    Raises RuntimeError when the kernel's own parameter list disagrees with the packed one."""
+    """The native `Launch` of a bound quick launch (`launch.quick_fwd`, `launch.quick_bwd`), or None
+    when its kernel does not fit the plain launch (clusters, cooperative or PDL launches, scratch
+    buffers, tuple or TMA arguments). Raises RuntimeError when the kernel's own parameter list
+    disagrees with the packed one."""
     mod = mod or _MOD
     b = quick.bound
     if mod is None or b is None or len(b) < 6:
@@ -210,15 +208,15 @@ def launch_of(quick, mod=None):
     return made
 
 
-def plan_of(entry):
-    """A native `Plan` for fast-path ``entry`` (its forward bound), or None."""
+def make_plan(fwd, rows, has_kl: bool, fallback):
+    """A native `Plan` whose forward is the bound quick launch ``fwd``, or None (no module yet, or
+    a kernel `launch_of` refuses). ``rows``: the float32 [B, H, Nq] that empty_like turns into the
+    LSE and delta; ``has_kl``: calls pass key_lengths; ``fallback(do, q, k, v, o, lse, key_lengths)
+    -> (dq, dk, dv)``: the backward of what the plan has no launch for."""
     mod = _MOD
     if mod is None:
         return None
-    fwd = launch_of(entry.fwd, mod)
-    if fwd is None:
+    launch = launch_of(fwd, mod)
+    if launch is None:
         return None
-    key = _NEXT_KEY[0] = _NEXT_KEY[0] + 1
-    _ENTRIES[key] = entry
-    return mod.Plan(key, entry.fwd.bound[4], fwd, entry.rows, entry.has_kl, entry.kv_idx, entry.q_idx, entry.scale,
-                    entry.causal, entry.mask_bq or 0, entry.mask_bk or 0, entry.work)
+    return mod.Plan(fwd.bound[4], launch, rows, has_kl, fallback)
