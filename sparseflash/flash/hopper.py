@@ -40,29 +40,21 @@ import os
 import torch
 import triton
 
-__all__ = ["fwd", "plan", "unsupported", "layouts", "GLUON_ERROR", "MODE"]
+from sparseflash.flash.hopper_common import GLUON_ERROR, LN2, LOG2E, TILE, descriptor, sm_count
 
-try:
+__all__ = ["fwd", "plan", "unsupported", "layouts", "tensor_layout", "GLUON_ERROR", "MODE", "TILE"]
+
+if GLUON_ERROR is None:  # (the guarded import, and the helpers the backward shares: `hopper_common`)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    # triton 3.6 names the TMA load async_copy_global_to_shared; 3.9 renamed it async_load (and the
-    # store async_copy_shared_to_global, async_store)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # (likewise)
-    GLUON_ERROR = None
-except Exception as e:  # noqa: BLE001 - no gluon / no hopper module: every call takes the portable path
-    GLUON_ERROR = f"{type(e).__name__}: {e}"
+    from sparseflash.flash.hopper_common import list_layout, list_start, tile_coord, tma_load, tma_store, wgmma_layout
 
 # "auto": the kernel on sm_90 wherever `unsupported` allows it; "off": never (the portable
 # kernels always). SPARSEFLASH_HOPPER sets the starting value.
 MODE = os.environ.get("SPARSEFLASH_HOPPER", "auto")
-
-TILE = 128  # q rows per CTA (two warpgroups of 64) and keys per step
-LN2 = 0.6931471805599453
-LOG2E = 1.4426950408889634
 
 
 def _stages(head_dim: int) -> int:
@@ -77,19 +69,8 @@ if GLUON_ERROR is None:
     _LN2 = gl.constexpr(LN2)
 
     @gluon.constexpr_function
-    def _list_layout(nb_p2, warps):
-        # a row list spread over the lanes (replicated over warps): counting entries is a warp reduction
-        return gl.BlockedLayout([max(1, nb_p2 // 32)], [32], [warps], [0])
-
-    @gluon.constexpr_function
-    def _wgmma_layout(n):
-        # one warpgroup's wgmma accumulator of [64, n]: 4 warps stacked along the rows
-        n = getattr(n, "value", n)
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-    @gluon.constexpr_function
     def _p_layout(head_dim):
-        return gl.DotOperandLayout(operand_index=0, parent=_wgmma_layout(head_dim), k_width=2)
+        return gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(head_dim), k_width=2)
 
     @gluon.jit
     def _tile_coords(base, n_tiles, m_tiles, n_heads, CAUSAL: gl.constexpr):
@@ -140,31 +121,12 @@ if GLUON_ERROR is None:
             SUB: gl.constexpr = MASK_BK // _TILE
             p_list = (KV_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
                       + (start_m // MASK_BQ).to(gl.int64) * stride_im)
-            offs = gl.arange(0, NB_P2, layout=_list_layout(NB_P2, WARPS))
+            offs = gl.arange(0, NB_P2, layout=list_layout(NB_P2, WARPS))
             blocks = gl.load(p_list + offs, mask=offs < n_kblocks, other=1 << 30)
             # (C division truncates towards zero: a negative bound counts nothing)
             j_full = gl.sum((blocks < full_end // MASK_BK).to(gl.int32), axis=0) * SUB
             j_valid = gl.sum((blocks < (valid_end + MASK_BK - 1) // MASK_BK).to(gl.int32), axis=0) * SUB
         return p_list, j_full, j_valid, kv_end, causal_off
-
-    @gluon.jit
-    def _list_start(p_list, j, DENSE: gl.constexpr, MASK_B: gl.constexpr, STEP: gl.constexpr):
-        """First row (key or query) of step j of a walk in steps of STEP rows: dense, every step;
-        else every step of each listed block of MASK_B rows (a row walk's keys, the forward's, or
-        a column walk's queries, the backward's)."""
-        if DENSE:
-            return j * STEP
-        else:
-            SUB: gl.constexpr = MASK_B // STEP
-            return gl.load(p_list + j // SUB) * MASK_B + (j % SUB) * STEP
-
-    @gluon.jit
-    def _coord(b, h, n, BNHD: gl.constexpr):
-        """A tile's descriptor coordinates: [B, H, N, D] memory, or [B, N, H, D] (BNHD)."""
-        if BNHD:
-            return [b, n, h, 0]
-        else:
-            return [b, h, n, 0]
 
     @gluon.jit
     def _fill(desc, coord, ready, empty, buf, phase):
@@ -173,7 +135,7 @@ if GLUON_ERROR is None:
         ``desc`` at ``coord`` into ``buf``, completing on ``ready``."""
         mbarrier.wait(empty, phase ^ 1)
         mbarrier.expect(ready, desc.block_type.nbytes)
-        _tma_load(desc, coord, ready, buf)
+        tma_load(desc, coord, ready, buf)
 
     @gluon.jit
     def _loader(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
@@ -192,14 +154,14 @@ if GLUON_ERROR is None:
                     KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
                     MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 1)
                 qi = n_done % 2
-                _fill(desc_q, _coord(b, h, pm * _TILE, Q_BNHD), q_ready.index(qi), q_empty.index(qi),
+                _fill(desc_q, tile_coord(b, h, pm * _TILE, Q_BNHD), q_ready.index(qi), q_empty.index(qi),
                       q_bufs.index(qi), (n_done // 2) & 1)
                 for j in range(j_valid):
-                    start_n = _list_start(p_list, j, DENSE, MASK_BK, _TILE)
+                    start_n = list_start(p_list, j, DENSE, MASK_BK, _TILE)
                     s = it % STAGES
                     ph = (it // STAGES) & 1
-                    _fill(desc_k, _coord(b, hk, start_n, KV_BNHD), k_ready.index(s), k_empty.index(s), k_bufs.index(s), ph)
-                    _fill(desc_v, _coord(b, hk, start_n, KV_BNHD), v_ready.index(s), v_empty.index(s), v_bufs.index(s), ph)
+                    _fill(desc_k, tile_coord(b, hk, start_n, KV_BNHD), k_ready.index(s), k_empty.index(s), k_bufs.index(s), ph)
+                    _fill(desc_v, tile_coord(b, hk, start_n, KV_BNHD), v_ready.index(s), v_empty.index(s), v_bufs.index(s), ph)
                     it += 1
                 n_done += 1
 
@@ -209,7 +171,7 @@ if GLUON_ERROR is None:
         """Online softmax of one raw score tile (log2 domain, the scale folded into the exponent's
         FMA): (P, new running max, new running sum, the factor that rescales O)."""
         if j >= j_full:  # the masked band: keys past kv_end and, causal, above the diagonal
-            start_n = _list_start(p_list, j, DENSE, MASK_BK, _TILE)
+            start_n = list_start(p_list, j, DENSE, MASK_BK, _TILE)
             cols = start_n + gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout))
             keep = gl.expand_dims(cols < kv_end, 0)
             if CAUSAL:
@@ -233,8 +195,8 @@ if GLUON_ERROR is None:
                   NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                   STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr):
         """One consumer warpgroup (rows WG*64 .. WG*64+63 of each tile): wgmma, softmax, epilogue."""
-        s_layout: gl.constexpr = _wgmma_layout(_TILE)  # S: [64, 128] fp32
-        o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # O: [64, HEAD_DIM] fp32
+        s_layout: gl.constexpr = wgmma_layout(_TILE)  # S: [64, 128] fp32
+        o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # O: [64, HEAD_DIM] fp32
         p_layout: gl.constexpr = _p_layout(HEAD_DIM)  # P as the register operand of P V
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -323,7 +285,7 @@ if GLUON_ERROR is None:
                     tma.store_wait(0)  # this warpgroup's store of the last tile has read o_s
                     o_s.reshape([_HALF, HEAD_DIM]).store(o.to(o_s.dtype))
                     fence_async_shared()
-                    _tma_store(desc_o, _coord(b, h, start_m + WG * _HALF, O_BNHD), o_s)
+                    tma_store(desc_o, tile_coord(b, h, start_m + WG * _HALF, O_BNHD), o_s)
                 else:
                     rows_o = start_m + r_o
                     o_ptrs = (O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
@@ -394,11 +356,6 @@ if GLUON_ERROR is None:
 EPILOGUE = "tma"
 CONSUMER_REGS = 232  # second consumer warpgroup (setmaxnreg); the first takes what is left
 LOADER_REGS = 40
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
@@ -484,24 +441,6 @@ def layouts(q, k, v):
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(block: tuple, dtype: torch.dtype):
-    gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(block), gdt)
-
-
-def _descriptor(t: torch.Tensor, layout, rows: int, cols: int | None = None):
-    """A TMA descriptor of [B, H, N, D] ``t`` in its `_layout`, blocks of ``rows`` x ``cols``
-    (default: all of D)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    strides, bnhd = layout
-    B, H, N, D = t.shape
-    cols = cols or D
-    shape, block = ([B, N, H, D], (1, rows, 1, cols)) if bnhd else ([B, H, N, D], (1, 1, rows, cols))
-    return TensorDescriptor(t, shape, list(strides), list(block), _smem_layout(block, t.dtype))
-
-
 def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay, *,
         num_sms=None):
     """Fill ``o`` (like q) and ``lse`` (float32 [B, Hq, Nq], +inf for rows with no key); returns
@@ -518,12 +457,12 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     o_lay = tensor_layout(o) if EPILOGUE == "tma" else None
     n_tiles = B * H * triton.cdiv(Nq, TILE)
     if num_sms is None:
-        num_sms = _sm_count(q.device.index)
+        num_sms = sm_count(q.device.index)
     grid = (max(1, min(n_tiles, num_sms)),)
-    desc_q = _descriptor(q, lay[0], TILE)
+    desc_q = descriptor(q, lay[0], TILE)
     _hopper_fwd_kernel[grid](
-        desc_q, _descriptor(k, lay[1], TILE), _descriptor(v, lay[2], TILE),
-        desc_q if o_lay is None else _descriptor(o, o_lay, TILE // 2), o, lse, idx, q if key_lengths is None else key_lengths,
+        desc_q, descriptor(k, lay[1], TILE), descriptor(v, lay[2], TILE),
+        desc_q if o_lay is None else descriptor(o, o_lay, TILE // 2), o, lse, idx, q if key_lengths is None else key_lengths,
         H, H // Hk, Nq, Nk, n_kb, scale * LOG2E, n_tiles, *i_strides, so[0], so[1], so[2],
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),

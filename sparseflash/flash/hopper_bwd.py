@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from sparseflash.flash import hopper
-from sparseflash.flash.hopper import GLUON_ERROR, LOG2E, TILE
+from sparseflash.flash.hopper_common import GLUON_ERROR, LOG2E, TILE, descriptor, sm_count
 
 __all__ = ["bwd", "plan", "unsupported", "do_layout", "QT", "MODE", "LIST_MIN_BLOCKS"]
 
@@ -95,7 +95,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparseflash.flash.hopper import _coord, _list_layout, _list_start, _tma_load, _wgmma_layout
+    from sparseflash.flash.hopper_common import list_layout, list_start, tile_coord, tma_load, wgmma_layout
 
     if hasattr(tma, "async_atomic_add"):
         _tma_add = tma.async_atomic_add
@@ -177,7 +177,7 @@ if GLUON_ERROR is None:
             SUB: gl.constexpr = MASK_BQ // _QT
             p_list = (Q_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
                       + (start_n // MASK_BK).to(gl.int64) * stride_in)
-            offs = gl.arange(0, NB_P2, layout=_list_layout(NB_P2, WARPS))
+            offs = gl.arange(0, NB_P2, layout=list_layout(NB_P2, WARPS))
             blocks = gl.load(p_list + offs, mask=offs < n_qblocks, other=1 << 30)
             n_skip = gl.sum((blocks < skip_below // MASK_BQ).to(gl.int32), axis=0)
             n_part = gl.sum((blocks < (full_from + MASK_BQ - 1) // MASK_BQ).to(gl.int32), axis=0)
@@ -200,7 +200,7 @@ if GLUON_ERROR is None:
             j = j_skip + gl.where(j >= n_steps, j - n_steps, j)
         else:
             j = j_skip + jj
-        return j, _list_start(p_list, j, DENSE, MASK_BQ, _QT)
+        return j, list_start(p_list, j, DENSE, MASK_BQ, _QT)
 
     @gluon.jit
     def _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN: gl.constexpr):
@@ -213,8 +213,8 @@ if GLUON_ERROR is None:
     def _fill2(desc, coord, buf, desc_row, coord_row, buf_row, ready):
         """TMA-load a tile and its rows' [1, QT] float32 vector (LSE or delta), on one barrier."""
         mbarrier.expect(ready, desc.block_type.nbytes + desc_row.block_type.nbytes)
-        _tma_load(desc, coord, ready, buf)
-        _tma_load(desc_row, coord_row, ready, buf_row)
+        tma_load(desc, coord, ready, buf)
+        tma_load(desc_row, coord_row, ready, buf_row)
 
     @gluon.jit
     def _bwd_loader(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf,
@@ -236,8 +236,8 @@ if GLUON_ERROR is None:
                 # (a fresh barrier passes a parity-1 wait at once; K and V share one barrier pair)
                 mbarrier.wait(kv_empty, (n_done & 1) ^ 1)
                 mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-                _tma_load(desc_k, _coord(b, hk, start_n, KV_BNHD), kv_ready, k_buf)
-                _tma_load(desc_v, _coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
+                tma_load(desc_k, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, k_buf)
+                tma_load(desc_v, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
                 for g in range(group):
                     h = hk * group + g
                     p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
@@ -249,9 +249,9 @@ if GLUON_ERROR is None:
                         ph = (it // STAGES) & 1
                         bh = b * (n_heads_kv * group) + h
                         mbarrier.wait(step_empty.index(s), ph ^ 1)  # both warpgroups are done with the slot
-                        _fill2(desc_q, _coord(b, h, start_m, Q_BNHD), q_bufs.index(s), desc_lse, [bh, start_m],
+                        _fill2(desc_q, tile_coord(b, h, start_m, Q_BNHD), q_bufs.index(s), desc_lse, [bh, start_m],
                                lse_bufs.index(s), q_ready.index(s))
-                        _fill2(desc_do, _coord(b, h, start_m, DO_BNHD), do_bufs.index(s), desc_dlt, [bh, start_m],
+                        _fill2(desc_do, tile_coord(b, h, start_m, DO_BNHD), do_bufs.index(s), desc_dlt, [bh, start_m],
                                dlt_bufs.index(s), do_ready.index(s))
                         it += 1
                 n_done += 1
@@ -313,10 +313,10 @@ if GLUON_ERROR is None:
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
         j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
         never waits for the other's dS^T of the step it is on."""
-        s_layout: gl.constexpr = _wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
-        a_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
+        s_layout: gl.constexpr = wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
+        a_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
         DH: gl.constexpr = HEAD_DIM // 2
-        q_layout: gl.constexpr = _wgmma_layout(DH)  # dQ[:, half]: [QT, HEAD_DIM / 2] fp32
+        q_layout: gl.constexpr = wgmma_layout(DH)  # dQ[:, half]: [QT, HEAD_DIM / 2] fp32
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -641,19 +641,19 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     acc = torch.zeros((B, H, Nq, D), device=q.device, dtype=torch.float32)
     dk, dv = new(k), new(v)
     sk, sv = dk.stride(), dv.stride()
-    desc_dq = hopper._descriptor(acc, (acc.stride(), False), QT, D // 2)  # each warpgroup adds half of D
+    desc_dq = descriptor(acc, (acc.stride(), False), QT, D // 2)  # each warpgroup adds half of D
     n_bhk = B * Hk
     n_tiles = triton.cdiv(Nk, TILE) * n_bhk
     if num_sms is None:
-        num_sms = hopper._sm_count(q.device.index)
+        num_sms = sm_count(q.device.index)
     n_kt = n_tiles // n_bhk
     n_units = n_bhk * ((n_kt + 1) // 2) if causal else n_tiles  # (causal: pairs of tiles, `_key_tile`)
     grid = max(1, min(n_units, num_sms))
     gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
     n_rounds = triton.cdiv(n_units, grid) * (2 if causal else 1)
     _hopper_bwd_kernel[(grid,)](
-        hopper._descriptor(q, lay[0], QT), hopper._descriptor(k, lay[1], TILE), hopper._descriptor(v, lay[2], TILE),
-        hopper._descriptor(do, do_lay, QT), desc_dq, _row_descriptor(lse2), _row_descriptor(delta), dk, dv, idx,
+        descriptor(q, lay[0], QT), descriptor(k, lay[1], TILE), descriptor(v, lay[2], TILE),
+        descriptor(do, do_lay, QT), desc_dq, _row_descriptor(lse2), _row_descriptor(delta), dk, dv, idx,
         q if key_lengths is None else key_lengths, n_tiles, n_rounds, n_bhk, gh, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E,
         scale, *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,

@@ -54,11 +54,12 @@ import triton
 __all__ = ["main", "probe_forward", "compile_sm90", "Variant", "VARIANTS", "parse_variant", "GLUON_ERROR"]
 
 from sparseflash.cli import ArgumentParser, run_command
-from sparseflash.flash.hopper import GLUON_ERROR  # the package's guarded gluon import, shared
+from sparseflash.flash.hopper_common import GLUON_ERROR  # the package's guarded gluon import, shared
 
 if GLUON_ERROR is None:
-    from sparseflash.flash.hopper import (_tma_load, fence_async_shared, gl, gluon, mbarrier,  # noqa: F401
-                                          warpgroup_mma, warpgroup_mma_wait)
+    from sparseflash.flash.hopper_common import (fence_async_shared, gl, gluon, mbarrier,  # noqa: F401
+                                                 warpgroup_mma, warpgroup_mma_wait)
+    from sparseflash.flash.hopper_common import tma_load as _tma_load
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
