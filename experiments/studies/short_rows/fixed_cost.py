@@ -20,6 +20,7 @@ fixed_cost.png (time against blocks per row, measured points and the fitted line
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from collections import defaultdict
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
 
     ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.short_rows.fixed_cost", description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="bench sparsity CSV/JSON files or directories")
-    ap.add_argument("--out", default=None, help="write fixed_cost.json and fixed_cost.png here")
+    ap.add_argument("--out", default=None, help="write fixed_cost.json, fixed_cost.csv and fixed_cost.png here")
     ap.add_argument("--min-points", type=int, default=3)
     args = ap.parse_args(argv)
     rows, _ = load_results(args.results)
@@ -121,7 +122,15 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        for f in fits:  # every fit says where and when its points ran
+            group = [r for r in rows if all(r.get(k) == f[k] for k in ("provider", "pattern", "seq_len", "head_dim", "mode"))]
+            for k in ("device_name", "torch", "triton", "sparseflash", "commit", "date"):
+                f[k] = "; ".join(sorted({str(r[k]) for r in group if r.get(k) not in (None, "")}))
         (out / "fixed_cost.json").write_text(json.dumps({"sources": args.results, "fits": fits}, indent=1))
+        with open(out / "fixed_cost.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=[k for k in fits[0] if k != "points"], extrasaction="ignore")
+            w.writeheader()
+            w.writerows(fits)
         _plot(fits, out / "fixed_cost.png")
         print(f"wrote {out / 'fixed_cost.json'} and {out / 'fixed_cost.png'}")
     return 0

@@ -23,6 +23,7 @@ Prints a table; with --out writes short_rows.json and short_rows.png (redrawn fr
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -167,7 +168,13 @@ def main(argv=None) -> int:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             meta = environment(torch.device("cuda"))
-            (out / "short_rows.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+            stamp = {k: meta.get(k) for k in ("device_name", "torch", "triton", "sparseflash", "commit", "date")}
+            stamped = [dict(r, **stamp) for r in rows]  # every row says where and when it ran
+            (out / "short_rows.json").write_text(json.dumps({"meta": meta, "rows": stamped}, indent=1, default=str))
+            with open(out / "short_rows.csv", "w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in stamped for k in r)))
+                w.writeheader()
+                w.writerows(stamped)
     print("\nshare of each implementation's own 4K x 4K rate (%), sparse / dense on r*128 keys / "
           "own r*128 keys per q tile:")
     for d in args.head_dims:
