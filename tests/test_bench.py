@@ -528,3 +528,22 @@ def test_host_bench_cpu_smoke(tmp_path):
     assert {(r["mask"], r["key_lengths"]) for r in rows} == {("dense", "False"), ("dense", "True"),
                                                              ("random1", "False"), ("random1", "True")}
     assert "sparseflash-unbound" in host.table(data["rows"])
+
+
+def test_a_rerun_replaces_the_table_instead_of_adding_files(tmp_path):
+    """Results are current truth: write_results writes one table per benchmark under fixed names,
+    every row stamped; a re-run (another commit) replaces it, history is git's."""
+    from sparseflash.experiments.bench.results import write_results
+
+    def rows(commit, ms):
+        return [dict(bench="sparsity", provider="sparseflash", pattern="random", mode="fwd", seq_len=256, head_dim=16,
+                     ms=ms, status="ok", device_name="GPU", torch="t", triton="tr", commit=commit, date="2026-01-01")]
+
+    write_results(rows("aaaaaaa", 1.0), {"command": "first"}, tmp_path, "sparsity")
+    write_results(rows("bbbbbbb", 2.0), {"command": "second"}, tmp_path, "sparsity")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sparsity.csv", "sparsity.json", "sparsity_table.md"]
+    got, metas = load_results(tmp_path)
+    assert [(r["commit"], r["ms"]) for r in got] == [("bbbbbbb", 2.0)] and metas[0]["command"] == "second"
+    with open(tmp_path / "sparsity.csv", newline="") as f:
+        row = next(csv.DictReader(f))
+    assert all(row[k] for k in ("device_name", "torch", "triton", "commit", "date"))
