@@ -12,7 +12,6 @@ the template, so a re-run that replaces a table changes the document the next ti
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import re
@@ -71,10 +70,6 @@ def one(rows, **want) -> dict:
 def ms3(x: float) -> str:
     """Milliseconds as the tables print them: 3 decimals below 10, 4 significant digits above."""
     return f"{x:.3f}" if x < 10 else f"{x:.4g}"
-
-
-def sig3(x: float) -> str:
-    return f"{x:.3g}" if x < 100 else f"{x:.1f}"
 
 
 def tf(x: float) -> str:
@@ -156,7 +151,7 @@ def dense_section(v: dict, rows, key: str, shapes=SHAPES, fmt=ms3) -> None:
     v[f"{key}_max_err"] = re.sub(r"e-0(\d)", r"e-\1", f"{max(r['max_err'] for r in rows if r.get('max_err') is not None):.1e}")
 
 
-def sparse_section(v: dict, rows) -> None:
+def sparse_section(v: dict, rows, block: int) -> None:
     lines, keep4, keep16 = [], [], []
     blocks = {4096: set(), 16384: set()}
     for n, d in SHAPES:
@@ -173,8 +168,7 @@ def sparse_section(v: dict, rows) -> None:
                 fx = _sparsest(rows, "flex", pat, n, d, m)
                 assert fx["rel_density"] == r["rel_density"]
                 less[m].append(f"{100 * (1 - r['ms'] / fx['ms']):.0f}%")
-                blocks[n].add(round(r["rel_density"] * n / r["block_size"]) if r.get("block_size")
-                              else round(r["rel_density"] * n / 128))
+                blocks[n].add(round(r["rel_density"] * n / block))
             line.append(" ; ".join(cells))
         line.append(" ; ".join(" / ".join(less[m]) for m in MODES))
         lines.append(line)
@@ -183,6 +177,7 @@ def sparse_section(v: dict, rows) -> None:
     v["kc_keep_4k"] = pct_span(keep4)
     v["kc_blocks_4k"] = span(blocks[4096], "{}")
     v["kc_blocks_16k"] = span(blocks[16384], "{}")
+    v["kc_row_4k"], v["kc_row_16k"] = str(4096 // block), str(16384 // block)
     dens = {r["rel_density"] for n, d in SHAPES for p in ("random", "butterfly")
             for r in [_sparsest(rows, "sparseflash", p, n, d, "fwd")]}
     v["kc_density"] = f"{sum(dens) / len(dens):.1f}"
@@ -418,6 +413,9 @@ def packed_section(v: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- LRA training steps (read only)
+LRA_SPARSE_MAX = 0.5  # block-sparse LRA steps counted: density at most this
+
+
 def lra_section(v: dict) -> None:
     rerun = [r for r in table("experiments/lra/results/speed-paired-short/paired.csv") if r["status"] == "ok"]
     redone = {r["task"] for r in rerun}  # the short-rounds run re-measured these tasks; its rows replace the first run's
@@ -431,10 +429,11 @@ def lra_section(v: dict) -> None:
     v["lra_dense_faster"] = str(len(faster))
     v["lra_dense_ties"] = ", ".join(name(t) for t in tasks if t not in faster) or "none"
     sparse_ok = [t for t in tasks if all(r["ratio_hi"] < 1 and r["vs_dense_hi"] < 1 for r in rows
-                                         if r["task"] == t and r["provider"].startswith("sparseflash/") and r["density"] <= 0.5)]
+                                         if r["task"] == t and r["provider"].startswith("sparseflash/") and r["density"] <= LRA_SPARSE_MAX)]
     v["lra_sparse_faster"] = str(len(sparse_ok))
     v["lra_sparse_ties"] = ", ".join(name(t) for t in tasks if t not in sparse_ok) or "none"
     v["lra_tasks"] = str(len(tasks))
+    v["lra_sparse_max"] = f"{LRA_SPARSE_MAX:g}"
     envs = [_json(f"experiments/lra/results/{f}/paired.json")["environment"] for f in ("speed-paired", "speed-paired-short")]
     v["lra_gpu"] = " / ".join(sorted({e["gpu"].replace("NVIDIA ", "") for e in envs}))
     v["lra_commit"] = " / ".join(sorted({short(e["commit"]) for e in envs}))
@@ -444,8 +443,9 @@ def lra_section(v: dict) -> None:
 def values() -> dict[str, str]:
     v: dict[str, str] = {}
     kc = table(f"{RES}/kernel-check/sparsity.csv")
+    cfg = _json(f"{RES}/kernel-check/sparsity.json")["meta"]["config"]
     dense_section(v, kc, "kc")
-    sparse_section(v, kc)
+    sparse_section(v, kc, cfg["block_size"])
     eager_dense(v, table(f"{RES}/sparsity/sparsity.csv"))
     hop = _hopper_rows()
     hopper_section(v, hop)
@@ -462,7 +462,6 @@ def values() -> dict[str, str]:
                hop, table(f"{RES}/kernel-check-h200/sparsity.csv")]
     dates = sorted(day(r["date"]) for rows in stamped for r in rows)
     v["first_date"], v["last_date"] = dates[0], dates[-1]
-    cfg = _json(f"{RES}/kernel-check/sparsity.json")["meta"]["config"]
     v["heads"], v["tokens"] = str(cfg["heads"]), f"{cfg['tokens'] // 1024}K"
     v["block"], v["dtype"] = str(cfg["block_size"]), cfg["dtype"]
     from sparseflash.experiments.bench.flops import MODE_FACTOR
@@ -487,7 +486,9 @@ def render(template: str | None = None) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sparseflash.experiments.bench.report",
+    from sparseflash.cli import ArgumentParser
+
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.bench.report",
                                  description="write BENCHMARKS.md from the results tables and its template")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when BENCHMARKS.md differs")
     ap.add_argument("--out", default=str(OUTPUT), help="where to write (default: the repository's BENCHMARKS.md)")
@@ -506,4 +507,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from sparseflash.cli import run_command
+
+    raise SystemExit(run_command(main))
