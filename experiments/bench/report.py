@@ -191,6 +191,24 @@ def eager_dense(v: dict, rows) -> None:
     v["eager_commit"] = _stamp(rows)
 
 
+PROPORTIONAL_SLACK = 1.6  # "falls in proportion to density": time within this factor of dense time x density
+
+
+def eager_sweep(v: dict, rows) -> None:
+    """How far down the eager density sweep the forward's time stays proportional to density: the
+    lowest density of the random and butterfly grids where it holds, per sequence length."""
+    def lowest(n):
+        found = []
+        for pat in ("random", "butterfly"):
+            ok = [r["rel_density"] for r in pick(rows, provider="sparseflash", pattern=pat, seq_len=n, mode="fwd", status="ok")
+                  if r["ms"] <= PROPORTIONAL_SLACK * r["rel_density"]
+                  * one(rows, provider="sparseflash-dense", seq_len=n, head_dim=r["head_dim"], mode="fwd")["ms"]]
+            found.append(min(ok))
+        return f"1/{round(1 / max(found))}"
+    v["sweep_low_16k"], v["sweep_low_4k"] = lowest(16384), lowest(4096)
+    v["sweep_slack"] = f"{PROPORTIONAL_SLACK:g}"
+
+
 def h200_check(v: dict, rows) -> None:
     """The H200 re-check: dense against cuDNN, block-sparse ~0.1 against Flex."""
     def ratios(other, shapes, modes, sparse):
@@ -446,7 +464,9 @@ def values() -> dict[str, str]:
     cfg = _json(f"{RES}/kernel-check/sparsity.json")["meta"]["config"]
     dense_section(v, kc, "kc")
     sparse_section(v, kc, cfg["block_size"])
-    eager_dense(v, table(f"{RES}/sparsity/sparsity.csv"))
+    sweep = table(f"{RES}/sparsity/sparsity.csv")
+    eager_dense(v, sweep)
+    eager_sweep(v, sweep)
     hop = _hopper_rows()
     hopper_section(v, hop)
     h200_check(v, table(f"{RES}/kernel-check-h200/sparsity.csv"))
