@@ -262,6 +262,7 @@ def hopper_section(v: dict, rows) -> None:
     v["hop_fwd_cudnn_d64"] = span(x("sdpa-cudnn", 64, ("dense",), "fwd"))
     v["hop_fb_cudnn_dense"] = span(x("sdpa-cudnn", 64, ("dense",), "fwdbwd") + x("sdpa-cudnn", 128, ("dense",), "fwdbwd"))
     v["hop_fb_cudnn_causal"] = span(x("sdpa-cudnn", 64, ("causal",), "fwdbwd") + x("sdpa-cudnn", 128, ("causal",), "fwdbwd"))
+    v["hop_causal_cudnn"] = f"{get(128, 'causal', 'sdpa-cudnn', 'fwd')['ms'] / get(128, 'causal', 'hopper', 'fwd')['ms']:.2f}"
     sparse = ("random", "butterfly", "local")
     v["hop_fwd_flex_d128"] = span(x("flex", 128, sparse, "fwd"))
     v["hop_fwd_flex_d64"] = span(x("flex", 64, sparse, "fwd"))
@@ -308,7 +309,7 @@ def seqlen_section(v: dict, rows) -> None:
 
 def causal_section(v: dict, rows) -> None:
     big = [s for s in SHAPES if s[0] == 16384]
-    dense_section(v, rows, "causal", shapes=big, fmt=lambda x: f"{x:.3g}")
+    dense_section(v, rows, "causal", shapes=big, fmt=lambda x: f"{x:#.3g}")
     # ratios over every shape of the run, not only the 16K rows printed
     r = lambda other: [_dense(rows, other, n, d, m)["ms"] / _dense(rows, "sparseflash-dense", n, d, m)["ms"]
                        for n, d in SHAPES for m in MODES]
