@@ -1,7 +1,7 @@
 """The short path of an eager `sparseflash.attention` call: less host time per repeated call.
 
 One unit with its C++ half (`sparseflash.flash.native`, `_native.cpp`), entered here only:
-`sparseflash.attention` calls `lookup`, then `build` for a new key or `call` for a known one. This
+`sparseflash.attention` calls `lookup`, `build` when the key is new, then `call`. This
 module calls `launch`, `function` and `native` through their public names; none of them calls back
 (a native plan's backward fallback is a callable this module hands it with the plan).
 
