@@ -101,7 +101,7 @@ class BatchedTargets:
             offs.append(((yy + y0) * self.Wc + xx + x0).astype(np.int64))
             vals8.append(m8[yy, xx])
         q = max(o.size for o in offs)
-        self.poff = np.stack([np.concatenate([o, np.full(q - o.size, o[0])]) for o in offs]).astype(np.int32)
+        self.poff = np.stack([np.concatenate([o, np.full(q - o.size, o[0])]) for o in offs])
         self.pval = np.stack([np.concatenate([v, np.full(q - v.size, v[0])]) for v in vals8])
         # The collision test can only fail where the mask reaches thr < 256 (b >= 204): test there only.
         core = [np.flatnonzero(thr[v] <= 255) for v in vals8]
@@ -151,8 +151,8 @@ class BatchedTargets:
 
     def _commit(self, R, anchor, pid):
         """Paste paddles pid (max) into R at flat offsets anchor (each row's raster offset included)."""
-        idx = self.poff.take(pid, axis=0)
-        idx += anchor.astype(np.int32)[:, None]
+        idx = self.poff.take(pid, axis=0)  # int64: a scatter through int32 indices is ~2x slower
+        idx += anchor[:, None]
         v = R.take(idx)
         np.maximum(v, self.pval.take(pid, axis=0), out=v)
         R[idx] = v
