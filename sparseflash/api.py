@@ -4,16 +4,24 @@ Every option and the paths a call can take:
 
 `sparseflash.attention(q, k, v, mask=None, *, causal=False, scale=None, key_lengths=None,
 return_lse=False, dropout_p=0.0, generator=None, segment_ids=None, key_ranges=None, softcap=None,
-alibi_slopes=None, backend="auto")`
+alibi_slopes=None, exact=True, backend="auto")`
 
 - q `[B, Hq, Nq, D]`, k and v `[B, Hkv, Nk, D]`; `Hq` a multiple of `Hkv` (GQA / MQA); fp16,
   bf16, fp32 (fp64 through the reference; fp32 dots follow `torch.set_float32_matmul_precision`:
   full precision by default, tf32 at "high" / "medium", as `torch.matmul`); head_dim up to 256 on the Triton kernels (more: a ValueError), any value (40, 80, 96 ...); the reference backend takes any head_dim;
   any sequence lengths, `Nq != Nk`; arbitrary strides.
 - `mask`: a `BlockMask`, shared or per batch and per head; `None` is dense attention. Pair (i, j)
-  is attended iff its block is on, and with `causal` `j <= i + Nk - Nq` (bottom-right aligned),
-  and with `key_lengths` `j < key_lengths[b]`. A row that attends to nothing gives 0 and zero
-  gradients, never NaN.
+  is attended iff its block is on, and inside a partial block of a mask built from a token-level
+  definition (`BlockMask.from_fn`, `from_dense`, `from_flex` with a mask_mod) iff that definition
+  attends it, and with `causal` `j <= i + Nk - Nq` (bottom-right aligned), and with `key_lengths`
+  `j < key_lengths[b]`. A row that attends to nothing gives 0 and zero gradients, never NaN.
+- `exact` (default True): the token-level definition is applied inside partial blocks, forward
+  and backward, from one bit tile per partial block built once per device
+  (`BlockMask.exact_bits`; memory proportional to the partial blocks); full blocks run as
+  before, with no element-wise work. `exact=False` computes every pair of an on block
+  (block-level, the behaviour before exact masks). Exact calls with partial blocks take the
+  portable kernels (not the Hopper ones, nor the short path of repeated calls below); under
+  torch.compile call `mask.exact_bits(device)` once outside the compiled code.
 - `segment_ids`: packed variable-length documents. An int tensor `[B, N]` (or a pair for
   `Nq != Nk`); pair (i, j) is attended only if `seg_q[b, i] == seg_k[b, j]`, exact at token level
   (boundaries anywhere), combined with any mask, `causal` (on positions of the packed row: causal
@@ -143,6 +151,20 @@ def _scale(scale, q) -> float:
     return float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
 
 
+def _check_exact(exact) -> bool:
+    if exact.__class__ is not bool:
+        raise TypeError(f"exact must be a bool (True: a mask's token-level definition is applied inside its partial "
+                        f"blocks; False: every pair of an on block is attended), got {exact!r}")
+    return exact
+
+
+def _needs_bits(mask, q, exact: bool) -> bool:
+    """Whether a call applies bits inside partial blocks: ``exact`` and a mask with a token-level
+    definition and at least one partial block (its bits are built here on first use)."""
+    return exact and mask is not None and mask.mask_mod is not None and isinstance(q, torch.Tensor) \
+        and mask.exact_bits(q.device) is not None
+
+
 def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -228,7 +250,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
               causal: bool = False, scale: float | None = None, key_lengths: torch.Tensor | None = None,
               return_lse: bool = False, dropout_p: float = 0.0, generator: torch.Generator | None = None,
               segment_ids=None, key_ranges: torch.Tensor | None = None, softcap: float | None = None,
-              alibi_slopes: torch.Tensor | None = None, backend: str = "auto",
+              alibi_slopes: torch.Tensor | None = None, exact: bool = True, backend: str = "auto",
               check_key_lengths: bool | None = None):
     """Block-sparse (or dense) scaled dot-product attention.
 
@@ -240,7 +262,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             ``[batch, heads_q, q_blocks, k_blocks]``; ``None`` means dense attention. A mask on
             another device is moved (and its index form cached) on first use. Torch's
             FlexAttention ``BlockMask`` is accepted and converted by `BlockMask.from_flex`
-            (its partial blocks, like any mask's, are computed whole: see `BlockMask.partial`).
+            (its ``mask_mod`` is applied inside its partial blocks, as Flex does).
         causal: also require ``j <= i + seq_k - seq_q`` (bottom-right aligned).
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         key_lengths: int tensor ``[batch]``; keys ``j >= key_lengths[b]`` are not attended. Its
@@ -279,6 +301,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             ``i`` and key ``j``, as flash-attn defines it. The slopes get no gradient.
             Both combine with every option above (calls with either take the portable kernels,
             not the Hopper ones nor the short path of repeated calls).
+        exact: True (default): a mask built from a token-level definition (``mask.mask_mod``) is
+            applied exactly, token by token, inside its partial blocks (`BlockMask.partial`),
+            forward and backward; full blocks cost what they did. False: every pair of an on
+            block is attended (block-level; ``mask.block_level()`` gives the same). Masks
+            without a ``mask_mod`` are the same either way.
         backend: ``"auto"`` (CUDA, or CPU with ``TRITON_INTERPRET=1`` -> ``"triton"``; CPU ->
             ``"reference"``), ``"triton"`` or ``"reference"``.
 
@@ -288,9 +315,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     """
     if mask is not None and mask.__class__ is not BlockMask:
         mask = as_block_mask(mask)  # torch's FlexAttention BlockMask, converted; anything else raises
+    exact = _check_exact(exact)
     if segment_ids is None and key_ranges is None and softcap is None and alibi_slopes is None and not return_lse \
             and (backend == "auto" or backend == "triton") and generator is None \
-            and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0:
+            and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0 \
+            and not _needs_bits(mask, q, exact):
         # the short path of a repeated eager call (sparseflash.flash.fast): a known key skips validation
         # and planning; a new one is validated here first. None: a call it does not take.
         fast = _FAST or _fast_module()
@@ -329,7 +358,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         return reference.attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
                                    return_lse=return_lse, dropout_p=dropout_p, dropout_keep=keep,
                                    segment_ids=segments, key_ranges=key_ranges, softcap=softcap,
-                                   alibi_slopes=slopes)
+                                   alibi_slopes=slopes, exact=exact)
 
     if q.device.type == "cpu" and _interpreting() and not torch.compiler.is_compiling():
         from sparseflash._compat import check_interpreter_versions
@@ -341,4 +370,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
 
     return flash_attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
                            return_lse=return_lse, dropout_p=dropout_p, generator=generator, segments=segments,
-                           key_ranges=ranges, softcap=softcap, alibi_slopes=slopes)
+                           key_ranges=ranges, softcap=softcap, alibi_slopes=slopes, exact=exact)

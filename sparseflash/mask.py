@@ -1,8 +1,9 @@
 """`BlockMask`: the one mask type sparseflash speaks.
 
 A block mask says, for every (query block, key block) tile of the attention matrix, whether that
-tile is computed. Attention semantics are block-level: every token pair inside an "on" block is
-attended (subject to `causal` and `key_lengths`, which the attention call applies on top).
+tile is computed. Without a token-level definition every token pair inside an "on" block is
+attended (subject to `causal` and `key_lengths`, which the attention call applies on top); with
+one, `sparseflash.attention` applies it inside the blocks it covers only in part (below).
 
 Layout: a boolean tensor broadcastable to ``[batch, heads, q_blocks, k_blocks]``; it is stored
 4-D with size-1 batch / head dims where the mask is shared. ``q_blocks = ceil(seq_q / block_q)``,
@@ -22,12 +23,21 @@ Token-level source and partial blocks. A mask built from a token-level definitio
 (`BlockMask.from_fn`, `BlockMask.from_dense`, `BlockMask.from_flex` with a ``mask_mod``) keeps that
 definition as ``mask.mask_mod`` (FlexAttention's convention: ``fn(b, h, q_idx, kv_idx) -> bool``)
 and records which on blocks it covers completely (``mask.full``) and which only in part
-(``mask.partial``). `sparseflash.attention` is block-level: it computes a partial block entirely,
-every pair in it attended (subject to ``causal`` and ``key_lengths``), so its result equals the
-token-level definition only where ``mask.partial`` is empty (``mask.is_exact``). ``mask.to_flex()``
-hands FlexAttention the exact definition (the ``mask_mod`` runs inside partial blocks);
-``mask.to_dense(exact=True)`` is the token-level truth. Without a ``mask_mod`` (block layouts,
-the pattern zoo) every on block is full and the two semantics are the same.
+(``mask.partial``). ``mask.to_dense(exact=True)`` is the token-level truth, and what
+`sparseflash.attention` computes by default (``exact=True``), as FlexAttention does with
+``mask.to_flex()``: full blocks as every on block was before, partial blocks pair by pair.
+``exact=False`` (or ``mask.block_level()``) computes every pair of an on block instead, which
+equals the truth only where ``mask.partial`` is empty (``mask.is_exact``). Without a
+``mask_mod`` (block layouts, the pattern zoo) every on block is full and the two are the same.
+
+Exact masks inside partial blocks (`BlockMask.exact_bits`, computed once per device, cached):
+``bits [P, block_q, ceil(block_k / 32)]`` int32, one bit tile per partial block (P of them, in the
+row-major order of ``mask.partial``'s nonzeros; bit ``c % 32`` of word ``c // 32`` of row ``r``
+is pair ``(r, c)`` of the block, 0 past the sequences' ends), evaluated from ``mask_mod`` over the
+partial blocks only, so memory is proportional to P (a 128K-token causal window of 1024 at block
+128: 2040 tiles, 4 MB), never ``seq_q x seq_k``; and int32 tables aligned with the lists,
+``kv_tile`` with ``kv_idx`` and ``q_tile`` with ``q_idx``, giving each listed block's tile, -1 for
+a full block (and the padding). The kernels read a tile's bits only in partial blocks.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import torch
 
 from sparseflash._picture import plot_layout, text_picture
 
-__all__ = ["BlockMask", "BlockIndex", "as_block_mask"]
+__all__ = ["BlockMask", "BlockIndex", "ExactBits", "as_block_mask"]
 
 # Token pairs (batch x heads x rows x keys) `from_fn` evaluates at once: the mask function's
 # int64 intermediates then take 512 MiB on a GPU (64K x 64K in 64 chunks), 32 MiB on a CPU.
@@ -285,6 +295,81 @@ class BlockIndex:
     density: float | None = None
 
 
+@dataclass(frozen=True)
+class ExactBits:
+    """The token-level definition of a mask's partial blocks on one device, as the kernels read it
+    (see the module docstring, "Exact masks inside partial blocks").
+
+    ``bits [P, block_q, ceil(block_k / 32)]`` int32: bit ``c % 32`` of word ``c // 32`` in row
+    ``r`` of tile ``p`` says whether pair ``(r, c)`` of the p-th partial block (in the row-major
+    order of ``mask.partial``'s nonzeros) is attended; pairs past the sequences' ends are 0.
+    ``tile_of [B', H', QB, KB]`` int32: each block's tile index, -1 for a full or off block.
+    ``kv_tile`` / ``q_tile``: ``tile_of`` read along the mask's row lists (aligned with
+    `BlockIndex.kv_idx`) and column lists (aligned with ``q_idx``); -1 at full blocks and padding.
+    """
+
+    bits: torch.Tensor
+    tile_of: torch.Tensor
+    kv_tile: torch.Tensor
+    q_tile: torch.Tensor
+
+    def tables(self, kv_idx: torch.Tensor, q_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_tile, q_tile) aligned with other row / column lists of the same grid (e.g. the mask's
+        lists pruned per call by segment ids), whose batch / head dims broadcast with ``tile_of``."""
+        return _tile_table(self.tile_of, kv_idx), _tile_table(self.tile_of.transpose(-1, -2), q_idx)
+
+
+def _tile_table(tile_of: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``tile_of [.., R, C]`` gathered along the sorted lists ``idx [.., R, C]`` (padding C: -1)."""
+    n = tile_of.shape[-1]
+    lead = torch.broadcast_shapes(tile_of.shape[:-2], idx.shape[:-2])
+    t = tile_of.expand(*lead, *tile_of.shape[-2:])
+    i = idx.expand(*lead, *idx.shape[-2:]).long()
+    out = torch.where(i < n, t.gather(-1, i.clamp(max=n - 1)), -1)
+    return out.to(torch.int32).contiguous()
+
+
+def _pack_bits(on: torch.Tensor) -> torch.Tensor:
+    """bool ``[n, R, C]`` -> int32 ``[n, R, ceil(C / 32)]``, bit ``c % 32`` of word ``c // 32``."""
+    n, r, c = on.shape
+    w = math.ceil(c / 32)
+    on = torch.nn.functional.pad(on, (0, 32 * w - c)).view(n, r, w, 32)
+    words = (on.to(torch.int64) << torch.arange(32, device=on.device)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _eval_partial(fn, nz: torch.Tensor, seq_q: int, seq_k: int, block_size: tuple[int, int],
+                  chunk_elems: int) -> torch.Tensor:
+    """``fn`` over the blocks ``nz [P, 4]`` (batch, head, q block, k block), a chunk of blocks at a
+    time, packed (`_pack_bits`): int32 ``[P, block_q, ceil(block_k / 32)]``. Called with ``b, h
+    [n, 1, 1, 1]``, ``q_idx [n, 1, block_q, 1]``, ``kv_idx [n, 1, 1, block_k]`` (indices past a
+    sequence's end clamped to its last token; those pairs are then set off)."""
+    bq, bk = block_size
+    dev = nz.device
+    oq, ok = torch.arange(bq, device=dev), torch.arange(bk, device=dev)
+    step = max(1, chunk_elems // (bq * bk))
+    out = []
+    for i in range(0, nz.shape[0], step):
+        blk = nz[i:i + step]
+        n = blk.shape[0]
+        q = blk[:, 2, None] * bq + oq  # [n, bq]
+        kv = blk[:, 3, None] * bk + ok  # [n, bk]
+        on = fn(blk[:, 0].view(n, 1, 1, 1), blk[:, 1].view(n, 1, 1, 1), q.clamp(max=seq_q - 1).view(n, 1, bq, 1),
+                kv.clamp(max=seq_k - 1).view(n, 1, 1, bk))
+        if not isinstance(on, torch.Tensor) or on.dtype != torch.bool:
+            what = f"a tensor of dtype {on.dtype}" if isinstance(on, torch.Tensor) else type(on).__name__
+            raise TypeError(f"mask_mod must return a bool torch.Tensor (FlexAttention's convention), got {what} "
+                            f"from {fn!r}")
+        try:
+            on = on.to(dev).expand(n, 1, bq, bk).reshape(n, bq, bk)
+        except RuntimeError:
+            raise ValueError(f"mask_mod returned shape {tuple(on.shape)} for index tensors b, h [{n},1,1,1], "
+                             f"q_idx [{n},1,{bq},1], kv_idx [{n},1,1,{bk}]: it must broadcast elementwise") from None
+        on = on & (q < seq_q)[:, :, None] & (kv < seq_k)[:, None, :]
+        out.append(_pack_bits(on))
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
 class BlockMask:
     """A block-sparse attention mask: a bool block layout plus the lengths it was built for.
 
@@ -294,11 +379,12 @@ class BlockMask:
 
     ``mask_mod`` (optional): the token-level definition the mask was pooled from, ``fn(b, h, q_idx,
     kv_idx) -> bool`` as in FlexAttention; ``full`` (optional, with ``mask_mod``): bool layout of the
-    on blocks whose every real pair it attends. See the module docstring for what
-    `sparseflash.attention` does with the other, partial, blocks (it computes them entirely).
+    on blocks whose every real pair it attends. `sparseflash.attention` applies ``mask_mod`` pair
+    by pair inside the other, partial, blocks (by default; ``exact=False`` computes them entirely;
+    module docstring).
     """
 
-    __slots__ = ("layout", "block_size", "seq_q", "seq_k", "mask_mod", "_full", "_index_cache", "_fast")
+    __slots__ = ("layout", "block_size", "seq_q", "seq_k", "mask_mod", "_full", "_index_cache", "_exact_cache", "_fast")
 
     def __init__(self, layout: torch.Tensor, block_size=128, seq_q: int | None = None, seq_k: int | None = None,
                  *, full: torch.Tensor | None = None, mask_mod=None):
@@ -335,6 +421,7 @@ class BlockMask:
         self.mask_mod = mask_mod
         self._full = full
         self._index_cache: dict[torch.device, BlockIndex] = {}
+        self._exact_cache: dict[torch.device, ExactBits | None] = {}
         self._fast: dict = {}  # sparseflash.flash.fast's entries for calls with this mask
 
     # ------------------------------------------------------------------ constructors
@@ -403,9 +490,10 @@ class BlockMask:
         bounded at any length; every real pair is evaluated once (64K x 64K causal sliding window:
         well under a second on an H100). Block (i, j) is on iff ``fn`` is True for some pair in it:
         the layout equals ``from_dense`` of the full token mask. ``.full`` marks the on blocks where
-        ``fn`` holds for every real pair, ``.partial`` the others; `sparseflash.attention` computes
-        a partial block entirely (it is block-level), so it matches ``fn`` exactly only when
-        ``mask.is_exact``. ``fn`` is kept as ``mask.mask_mod`` (``to_flex`` applies it exactly).
+        ``fn`` holds for every real pair, ``.partial`` the others. ``fn`` is kept as
+        ``mask.mask_mod``: `sparseflash.attention` applies it inside partial blocks (its default
+        ``exact=True``), as ``to_flex`` does; with ``exact=False`` it computes partial blocks
+        entirely, which matches ``fn`` only when ``mask.is_exact``.
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable as fn(b, h, q_idx, kv_idx) -> bool tensor, got {fn!r}")
@@ -442,19 +530,21 @@ class BlockMask:
     @property
     def partial(self) -> torch.Tensor:
         """Bool layout of the on blocks that ``mask_mod`` attends only in part. `sparseflash.attention`
-        computes these blocks entirely (every pair, subject to ``causal`` / ``key_lengths``), so
-        there it attends pairs that ``mask_mod`` excludes. Empty without a ``mask_mod``."""
+        applies ``mask_mod`` pair by pair in these blocks (`exact_bits`); with ``exact=False`` it
+        computes them entirely (every pair, subject to ``causal`` / ``key_lengths``). Empty without
+        a ``mask_mod``."""
         return self.layout & ~self.full
 
     @property
     def is_exact(self) -> bool:
-        """True when no on block is partial: block-level attention equals the token-level definition."""
+        """True when no on block is partial: block-level attention (``exact=False``) equals the
+        token-level definition, and exact attention needs no bits."""
         return self._full is None or not bool(self.partial.any())
 
     def block_level(self) -> "BlockMask":
         """The same layout without the token-level definition: every pair of an on block attended,
-        which is what `sparseflash.attention` computes (``block_level().to_flex()`` makes
-        FlexAttention compute the same)."""
+        which is what `sparseflash.attention` computes with ``exact=False`` (``block_level().to_flex()``
+        makes FlexAttention compute the same)."""
         return BlockMask(self.layout, self.block_size, self.seq_q, self.seq_k)
 
     def density(self) -> float:
@@ -511,12 +601,15 @@ class BlockMask:
                         mask_mod=_mod_to(self.mask_mod, device))
         if device in self._index_cache:
             out._index_cache[device] = self._index_cache[device]
+        if device in self._exact_cache:
+            out._exact_cache[device] = self._exact_cache[device]
         return out
 
     def to_dense(self, exact: bool = False) -> torch.Tensor:
         """Token-level bool mask ``[B', H', seq_q, seq_k]``: every pair of an on block (what
-        `sparseflash.attention` attends), or with ``exact=True`` only those ``mask_mod`` also attends
-        (FlexAttention's semantics; the same without a ``mask_mod``)."""
+        `sparseflash.attention` attends with ``exact=False``), or with ``exact=True`` only those
+        ``mask_mod`` also attends (what it attends by default, and FlexAttention's semantics; the
+        same without a ``mask_mod``)."""
         bq, bk = self.block_size
         dense = self.layout.repeat_interleave(bq, dim=-2).repeat_interleave(bk, dim=-1)
         dense = dense[..., : self.seq_q, : self.seq_k]
@@ -553,6 +646,46 @@ class BlockMask:
             cached = self._index_cache[device] = replace(cached, density=self.density())
         return cached
 
+    def exact_bits(self, device=None) -> ExactBits | None:
+        """The bit tiles of the partial blocks on ``device`` (default: the mask's), built once and
+        cached; None when there is nothing to apply at token level (no ``mask_mod``, or no
+        partial block). ``mask_mod`` runs on the mask's device, over the partial blocks only (a
+        chunk of blocks at a time, as `from_fn`), so memory is ``P x block_q x block_k / 8``
+        bytes for P partial blocks, never ``seq_q x seq_k``.
+
+        Building reads the number of partial blocks back (a host synchronisation on a GPU), so
+        under ``torch.compile`` or CUDA-graph capture call it once outside first; there it raises.
+        """
+        if self._full is None:
+            return None
+        device = self.layout.device if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        try:
+            return self._exact_cache[device]
+        except KeyError:
+            pass
+        if _tracing():
+            raise RuntimeError(
+                "a mask with a token-level definition (mask_mod) builds its partial blocks' bits on first use, "
+                "which cannot happen inside torch.compile or CUDA-graph capture: call mask.exact_bits(device) once "
+                "outside, or pass exact=False for block-level attention")
+        partial = self.partial
+        nz = partial.nonzero()  # [P, 4], row-major: the tile order
+        if nz.shape[0] == 0:
+            self._exact_cache[device] = None
+            return None
+        chunk = _FN_CHUNK_ELEMS["cuda" if self.device.type == "cuda" else "cpu"]
+        bits = _eval_partial(self.mask_mod, nz, self.seq_q, self.seq_k, self.block_size, chunk).to(device)
+        tile_of = torch.full(partial.shape, -1, dtype=torch.int32, device=self.device)
+        tile_of[partial] = torch.arange(nz.shape[0], dtype=torch.int32, device=self.device)
+        tile_of = tile_of.to(device)
+        index = self.index(device)
+        kv_tile = _tile_table(tile_of, index.kv_idx)
+        q_tile = _tile_table(tile_of.transpose(-1, -2), index.q_idx)
+        out = self._exact_cache[device] = ExactBits(bits.contiguous(), tile_of, kv_tile, q_tile)
+        return out
+
     def expand_as_heads(self, batch: int, heads: int) -> "BlockMask":
         """A mask whose layout is materialised to ``[batch, heads, QB, KB]``."""
         self._check_broadcast(batch, heads)
@@ -570,9 +703,8 @@ class BlockMask:
         ``mask_mod`` if it has one, and with ``causal`` ``kv_idx <= q_idx + seq_k - seq_q``
         (blocks with no causal pair are dropped, cut ones become partial). So
         ``flex_attention(q, k, v, block_mask=mask.to_flex(causal))`` attends exactly the pairs of
-        ``mask.to_dense(exact=True)`` (& causal), and equals ``sparseflash.attention(q, k, v, mask,
-        causal=causal)`` wherever ``mask.is_exact`` (for a block-level copy of a mask that is not,
-        ``mask.block_level().to_flex()``).
+        ``mask.to_dense(exact=True)`` (& causal), as ``sparseflash.attention(q, k, v, mask,
+        causal=causal)`` does (for the block-level ``exact=False``, ``mask.block_level().to_flex()``).
 
         ``block_size``: Flex's tile (default this mask's). Compiled FlexAttention needs multiples of
         128 (smaller tiles fail to lower in torch 2.11); a multiple of this mask's block pools the

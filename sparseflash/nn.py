@@ -21,8 +21,9 @@ sequence length and device and cached, so a model that sees several lengths buil
 
 Attention dropout (``dropout``) applies only in training. ``backend="auto"`` runs the Triton
 kernels on CUDA and the PyTorch reference elsewhere (a model under the Triton interpreter would take
-minutes per step; pass ``backend="triton"`` to force it). A mask with partial blocks (see
-`BlockMask.partial`) is computed block-level, like every `sparseflash.attention` call.
+minutes per step; pass ``backend="triton"`` to force it). A mask built from a token-level
+definition is applied exactly inside its partial blocks (see `BlockMask.partial`), as
+`sparseflash.attention` does by default.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 Semantics (identical to the Triton kernels):
 
 - pair (i, j) is attended iff its block is on in ``mask`` (``None``: every block), and with
+  ``exact`` and a mask built from a token-level definition iff ``mask.mask_mod`` attends it, and with
   ``causal`` ``j <= i + seq_k - seq_q`` (bottom-right aligned), and with ``key_lengths``
   ``j < key_lengths[b]``, and with ``segment_ids`` ``seg_q[b, i] == seg_k[b, j]`` (packed
   documents; `sparseflash.segments` states the conventions), and with ``key_ranges``
@@ -39,7 +40,8 @@ _CHUNK_ELEMS = 1 << 25
 
 
 def _token_mask_rows(mask: BlockMask | None, rows: torch.Tensor, seq_k: int, causal: bool, seq_q: int,
-                     key_lengths: torch.Tensor | None, device, segments=None, key_ranges=None) -> torch.Tensor | None:
+                     key_lengths: torch.Tensor | None, device, segments=None, key_ranges=None,
+                     exact: bool = False) -> torch.Tensor | None:
     """Bool [B' , H', len(rows), seq_k] (broadcastable) of attended pairs for the given query rows."""
     cols = torch.arange(seq_k, device=device)
     allowed = None
@@ -47,6 +49,12 @@ def _token_mask_rows(mask: BlockMask | None, rows: torch.Tensor, seq_k: int, cau
         bq, bk = mask.block_size
         layout = mask.layout.to(device)
         allowed = layout[:, :, rows // bq][..., cols // bk]  # [B', H', R, seq_k]
+        if exact and mask.mask_mod is not None:  # the token-level definition, on the mask's device
+            d = mask.device
+            b = torch.arange(layout.shape[0], device=d).view(-1, 1, 1, 1)
+            h = torch.arange(layout.shape[1], device=d).view(1, -1, 1, 1)
+            on = mask.mask_mod(b, h, rows.to(d).view(1, 1, -1, 1), cols.to(d).view(1, 1, 1, -1))
+            allowed = allowed & on.to(device)
     if causal:
         c = (cols[None, :] <= rows[:, None] + (seq_k - seq_q))[None, None]
         allowed = c if allowed is None else allowed & c
@@ -100,7 +108,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
               return_lse: bool = False, dropout_p: float = 0.0, dropout_keep: torch.Tensor | None = None,
               chunk_rows: int | None = None, compute_dtype: torch.dtype | None = None, segment_ids=None,
               key_ranges: torch.Tensor | None = None, softcap: float | None = None,
-              alibi_slopes: torch.Tensor | None = None):
+              alibi_slopes: torch.Tensor | None = None, exact: bool = False):
     """Reference block-sparse attention. Shapes as `sparseflash.attention`; no input validation
     beyond what the computation needs (`sparseflash.attention` validates).
 
@@ -111,6 +119,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     ``key_ranges[b, i, 0] <= j < key_ranges[b, i, 1]``.
     ``softcap`` (a float > 0): scores become ``softcap * tanh(s / softcap)``; ``alibi_slopes``
     (``[Hq]`` or ``[B, Hq]``, no gradient): ``- slope * |i + seq_k - seq_q - j|`` is added after.
+    ``exact``: apply ``mask.mask_mod`` (a mask built from a token-level definition) to every pair,
+    as `sparseflash.attention`'s default ``exact=True`` does; False: block-level.
     ``compute_dtype`` overrides the float32 / float64 computation (e.g. ``q.dtype`` to measure
     what the same computation in bf16 costs in accuracy, as the tests do).
     Returns ``out`` or ``(out, lse)`` with ``lse`` float32 ``[B, Hq, seq_q]``.
@@ -136,7 +146,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     outs, lses = [], []
     for r0 in range(0, Nq, chunk_rows):
         rows = torch.arange(r0, min(Nq, r0 + chunk_rows), device=q.device)
-        allowed = _token_mask_rows(mask, rows, Nk, causal, Nq, key_lengths, q.device, segments, key_ranges)
+        allowed = _token_mask_rows(mask, rows, Nk, causal, Nq, key_lengths, q.device, segments, key_ranges, exact)
         keep = None if dropout_keep is None else dropout_keep[:, :, r0 : r0 + len(rows)]
         bias = None if alibi_slopes is None else _alibi_rows(alibi_slopes, rows, Nk, Nq, compute)
         args = (qc[:, :, r0 : r0 + len(rows)], kc, vc, allowed, scale, keep, dropout_p, softcap, bias)

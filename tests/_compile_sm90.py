@@ -53,6 +53,9 @@ def compile_plan(plan, tensors, target):
         if p.is_constexpr:
             sig[name] = "constexpr"
             consts[(i,)] = kw.pop(name) if name in kw else p.default
+        elif args[i] is None:  # a slot a variant leaves empty (Triton takes None as a constexpr)
+            sig[name] = "constexpr"
+            consts[(i,)] = None
         else:
             sig[name] = _type(args[i])
     if kw:
@@ -78,27 +81,41 @@ def main(names) -> None:
         "alibi-keylen": (launch.with_alibi(None, slopes), 0.0, 0.0, True, kl),
         "alibi-segments-softcap": (launch.with_alibi(seg, slopes), 5.0, 0.0, False, None),
         "alibi-ranges-dropout": (launch.with_alibi(ranges, slopes), 0.0, 0.1, False, None),
+        "exact-causal": (None, 0.0, 0.0, True, None),  # a sliding-window mask's partial-block bits
     }
     target = GPUTarget("cuda", 90, 32)
     for name in names:
         s, cap, p, causal, klv = variants[name]
         r = rng if p > 0 else None
+        kv_idx = q_idx = ex = mb = None
+        if name.startswith("exact"):
+            from sparseflash import BlockMask
+
+            mask = BlockMask.from_fn(lambda b, h, qi, kv: (qi >= kv) & (qi - kv < 100), N, block_size=128)
+            index, eb = mask.index(), mask.exact_bits()
+            kv_idx, q_idx, mb = index.kv_idx, index.q_idx, 128
+            ex = launch.ExactTiles((eb.bits, eb.kv_tile, eb.q_tile))
         for q_rows in (False, True):
             with launch.tile_config(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(128, 64, 8, 3),
                                     dkdv=TileConfig(64, 128, 8, 3, q_rows=q_rows)):
-                jobs = [("dkdv", launch._dkdv_plan(do, q, k, v, dk, dv, None, klv, 0.125, causal, None, None, p, None, s,
-                                                   cap),
-                         launch._dkdv_tensors(q, k, v, do, lse, delta, dk, dv, None, klv, s, r, (q, k, v, do)))]
+                jobs = [("dkdv", launch._dkdv_plan(do, q, k, v, dk, dv, q_idx, klv, 0.125, causal, mb, mb, p, None, s,
+                                                   cap, ex),
+                         launch._dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, klv, s, r, (q, k, v, do),
+                                              ex and (ex[2], ex[0])))]
                 if not q_rows:
-                    jobs += [("fwd", launch._fwd_plan(q, k, v, o, None, klv, 0.125, causal, None, None, p, None, s, cap),
-                              launch._fwd_tensors(q, k, v, o, lse, None, klv, s, r, (q, k, v))),
-                             ("dq", launch._dq_plan(do, q, k, v, o, dq, None, klv, 0.125, causal, None, None, p, None, s,
-                                                    False, cap),
-                              launch._dq_tensors(q, k, v, o, do, lse, None, delta, dq, None, klv, s, r,
-                                                 (q, k, v, do, o)))]
+                    jobs += [("fwd", launch._fwd_plan(q, k, v, o, kv_idx, klv, 0.125, causal, mb, mb, p, None, s, cap,
+                                                      ex),
+                              launch._fwd_tensors(q, k, v, o, lse, kv_idx, klv, s, r, (q, k, v), ex and (ex[1], ex[0]))),
+                             ("dq", launch._dq_plan(do, q, k, v, o, dq, kv_idx, klv, 0.125, causal, mb, mb, p, None, s,
+                                                    False, cap, ex),
+                              launch._dq_tensors(q, k, v, o, do, lse, None, delta, dq, kv_idx, klv, s, r,
+                                                 (q, k, v, do, o), ex and (ex[1], ex[0])))]
                 for kind, plan, ts in jobs:
                     ptx = compile_plan(plan, ts, target)
                     print(f"{name} {kind} q_rows={q_rows}: {len(ptx.splitlines())} lines of PTX", flush=True)
+                    if os.environ.get("SPARSEFLASH_PTX_DIR"):  # for comparing a variant's code across trees
+                        with open(os.path.join(os.environ["SPARSEFLASH_PTX_DIR"], f"{name}-{kind}-{q_rows}.ptx"), "w") as f:
+                            f.write(ptx)
 
 
 if __name__ == "__main__":

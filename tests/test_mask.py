@@ -270,8 +270,9 @@ def test_from_fn_takes_flex_mask_mods():
     assert m.equal(zoo & BlockMask.from_layout(torch.ones(10, 10, dtype=torch.bool).tril(), block_size=32, seq_q=300))
 
 
-def test_partial_blocks_are_computed_whole():
-    """attention() is block-level: a partial block counts every pair (the docstring's promise)."""
+def test_partial_blocks_are_computed_whole_with_exact_false():
+    """attention(exact=False) is block-level: a partial block counts every pair; the default applies
+    mask_mod inside it (the docstrings' promise)."""
     import sparseflash
 
     fn = MASK_FNS["causal-window"][0]
@@ -279,7 +280,7 @@ def test_partial_blocks_are_computed_whole():
     assert not m.is_exact
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 100, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    out = sparseflash.attention(q, k, v, m, backend="reference")
+    out = sparseflash.attention(q, k, v, m, backend="reference", exact=False)
 
     def masked(allowed):
         s = (q @ k.transpose(-1, -2)) / math.sqrt(8)
@@ -288,6 +289,7 @@ def test_partial_blocks_are_computed_whole():
     torch.testing.assert_close(out, masked(m.to_dense()))
     assert (out - masked(m.to_dense(exact=True))).abs().max() > 1e-3
     assert sparseflash.attention(q, k, v, m.block_level(), backend="reference").equal(out)
+    torch.testing.assert_close(sparseflash.attention(q, k, v, m, backend="reference"), masked(m.to_dense(exact=True)))
 
 
 def test_combined_masks_keep_the_token_level_definition():
@@ -385,7 +387,9 @@ def test_flex_attention_equals_sparseflash(causal, Nq, Nk):
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
     torch.testing.assert_close(exact, p @ v, rtol=1e-5, atol=1e-5)
     block = flex.flex_attention(q, k, v, block_mask=fm.block_level().to_flex(causal))
-    torch.testing.assert_close(block, sparseflash.attention(q, k, v, fm, causal=causal, backend="reference"),
+    torch.testing.assert_close(block, sparseflash.attention(q, k, v, fm, causal=causal, backend="reference",
+                                                            exact=False), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(exact, sparseflash.attention(q, k, v, fm, causal=causal, backend="reference"),
                                rtol=1e-5, atol=1e-5)
 
 

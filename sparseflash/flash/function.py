@@ -10,6 +10,9 @@ that the forward op draws from torch's generator when none is passed (`sparsefla
 and returns for backward; the kernels read it from memory, so CUDA graphs replay fresh draws.
 Without dropout an eager call makes none (`_fwd_eager`); the op returns a placeholder.
 
+Exact masks: a mask's partial-block bits and the tables aligning them with the block lists
+(`exact_tables`) ride along both ops as three more optional tensors (`launch.ExactTiles`).
+
 Score modifications: ``softcap`` (a float, 0 off) and ``slopes`` (ALiBi, float32 [1 or B, Hq] or
 None; no gradient) ride along both ops; the launchers take them as `launch.with_alibi`'s ``seg``
 and their ``softcap``.
@@ -51,21 +54,25 @@ def estimate_work(q: Tensor, k: Tensor, density: float) -> float:
 def _fwd_eager(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int, dropout_p: float,
-               density: float, slopes: Optional[Tensor], softcap: float) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+               density: float, slopes: Optional[Tensor], softcap: float, bits: Optional[Tensor] = None,
+               kv_tile: Optional[Tensor] = None, q_tile: Optional[Tensor] = None
+               ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The forward outside torch.compile: without dropout no rng tensor (None: nothing reads it),
     so an eager call allocates only its outputs."""
     rng = _rng_draw(rng, q.device) if dropout_p > 0.0 else None
     o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None, dropout_p, rng,
-                        work=estimate_work(q, k, density), seg=_seg(seg_q, seg_k, slopes), softcap=softcap)
+                        work=estimate_work(q, k, density), seg=_seg(seg_q, seg_k, slopes), softcap=softcap,
+                        exact=_exact(bits, kv_tile, q_tile))
     return o, lse, rng
 
 
 def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int, dropout_p: float,
-               density: float, slopes: Optional[Tensor], softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+               density: float, slopes: Optional[Tensor], softcap: float, bits: Optional[Tensor] = None,
+               kv_tile: Optional[Tensor] = None, q_tile: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     o, lse, rng = _fwd_eager(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-                             dropout_p, density, slopes, softcap)
+                             dropout_p, density, slopes, softcap, bits, kv_tile, q_tile)
     if rng is None:  # an op returns tensors: a placeholder, never read
         rng = torch.empty(3, dtype=torch.int64, device=q.device)
     return o, lse, rng
@@ -76,7 +83,7 @@ _flash_fwd = torch.library.custom_op("sparseflash::flash_fwd", _fwd_impl, mutate
 
 @_flash_fwd.register_fake
 def _(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk, dropout_p, density, slopes,
-      softcap):
+      softcap, bits=None, kv_tile=None, q_tile=None):
     B, Hq, Nq, _ = q.shape
     return (torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32),
             torch.empty(3, dtype=torch.int64, device=q.device))
@@ -86,10 +93,12 @@ def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
                kv_idx: Optional[Tensor], q_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int,
-               dropout_p: float, density: float, slopes: Optional[Tensor], softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+               dropout_p: float, density: float, slopes: Optional[Tensor], softcap: float,
+               bits: Optional[Tensor] = None, kv_tile: Optional[Tensor] = None,
+               q_tile: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return launch.bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale, causal,
                       mask_bq or None, mask_bk or None, dropout_p, rng, work=estimate_work(q, k, density),
-                      seg=_seg(seg_q, seg_k, slopes), softcap=softcap)
+                      seg=_seg(seg_q, seg_k, slopes), softcap=softcap, exact=_exact(bits, kv_tile, q_tile))
 
 
 _flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutates_args=())
@@ -97,7 +106,7 @@ _flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutate
 
 @_flash_bwd.register_fake
 def _(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-      dropout_p, density, slopes, softcap):
+      dropout_p, density, slopes, softcap, bits=None, kv_tile=None, q_tile=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -115,29 +124,36 @@ class FlashAttentionFunction(torch.autograd.Function):
     ``seg_q``, ``seg_k``: int32 segment ids [1 or B, seq] (packed documents) or None; ``seg_q`` with
     ``seg_k`` None: the int32 key-range table [1 or B, 2, seq_q] (`sparseflash.segments.check_key_ranges`).
     ``density``: the mask's fraction of on blocks (1 dense, -1 unknown), for the launchers'
-    estimate of the call's work (`estimate_work`, `launch._tma_plan`)."""
+    estimate of the call's work (`estimate_work`, `launch._tma_plan`).
+    ``bits``, ``kv_tile``, ``q_tile`` (all or none): a mask's partial-block bits and its tile tables
+    aligned with ``kv_idx`` / ``q_idx`` (`sparseflash.mask.ExactBits`): token-exact partial blocks."""
 
     @staticmethod
     def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-                dropout_p, density, slopes=None, softcap=0.0):
+                dropout_p, density, slopes=None, softcap=0.0, bits=None, kv_tile=None, q_tile=None):
         o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_eager)(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k,
                                                                        scale, causal, mask_bq, mask_bk, dropout_p, density,
-                                                                       slopes, softcap)
-        ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes)
+                                                                       slopes, softcap, bits, kv_tile, q_tile)
+        # (the exact tensors after the first twelve: a hand-built context of twelve still unpacks)
+        ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes, bits, kv_tile,
+                              q_tile)
         ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p, density, softcap)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes = saved[:12]
+        bits, kv_tile, q_tile = saved[12:] if len(saved) > 12 else (None, None, None)
         scale, causal, mask_bq, mask_bk, dropout_p, density, softcap = ctx.params
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, _bwd_impl)(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths,
                                                                      rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-                                                                     dropout_p, density, slopes, softcap)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None, None
+                                                                     dropout_p, density, slopes, softcap, bits, kv_tile,
+                                                                     q_tile)
+        return (dq, dk, dv) + (None,) * 17
 
 
 def _seg(seg_q: Optional[Tensor], seg_k: Optional[Tensor], slopes: Optional[Tensor] = None):
@@ -147,6 +163,23 @@ def _seg(seg_q: Optional[Tensor], seg_k: Optional[Tensor], slopes: Optional[Tens
     if seg_q is not None:
         seg = launch.KeyRanges((seg_q, seg_q)) if seg_k is None else (seg_q, seg_k)
     return launch.with_alibi(seg, slopes)
+
+
+def _exact(bits: Optional[Tensor], kv_tile: Optional[Tensor], q_tile: Optional[Tensor]):
+    """The launchers' ``exact``: a `launch.ExactTiles`, or None without bits."""
+    return None if bits is None else launch.ExactTiles((bits, kv_tile, q_tile))
+
+
+def exact_tables(mask: BlockMask | None, exact: bool, device, kv_idx: Optional[Tensor], q_idx: Optional[Tensor],
+                 per_call: bool) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(bits, kv_tile, q_tile) of a call: the mask's partial-block bits (`BlockMask.exact_bits`) with
+    tables aligned with the call's lists (the mask's own, cached; ``per_call``: lists pruned for
+    this call, gathered anew), or three None when ``exact`` is off or the mask has none."""
+    eb = None if mask is None or not exact else mask.exact_bits(device)
+    if eb is None:
+        return None, None, None
+    kv_tile, q_tile = eb.tables(kv_idx, q_idx) if per_call else (eb.kv_tile, eb.q_tile)
+    return eb.bits, kv_tile, q_tile
 
 
 # Block size of the lists that segments alone (mask=None) prune to: the tiles the kernels are
@@ -206,11 +239,12 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
                     scale: float, key_lengths: Tensor | None = None, return_lse: bool = False,
                     dropout_p: float = 0.0, generator: torch.Generator | None = None,
                     segments: tuple[Tensor, Tensor] | None = None, key_ranges: Tensor | None = None,
-                    softcap: float | None = None, alibi_slopes: Tensor | None = None):
+                    softcap: float | None = None, alibi_slopes: Tensor | None = None, exact: bool = True):
     """The Triton path of `sparseflash.attention` (inputs already validated there; ``segments``:
     the int32 (seg_q, seg_k) of `sparseflash.segments.check_segment_ids`; ``key_ranges``: the
     int32 table of `sparseflash.segments.check_key_ranges`; not both; ``softcap`` a float > 0 or
-    None; ``alibi_slopes`` [1 or B, Hq] or None)."""
+    None; ``alibi_slopes`` [1 or B, Hq] or None; ``exact``: apply a mask's token-level definition
+    inside its partial blocks, `exact_tables`)."""
     check_runnable(q)
     density = 1.0
     seg_q = seg_k = None
@@ -224,6 +258,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
         launch._fit(16, mask_bk, "block_k")
     else:
         kv_idx, q_idx, mask_bq, mask_bk, density = mask_lists(mask, q.device)
+    bits, kv_tile, q_tile = exact_tables(mask, exact, q.device, kv_idx, q_idx, seg_q is not None)
     rng = None
     if dropout_p > 0.0 and generator is not None:
         from sparseflash.dropout import draw_rng
@@ -242,7 +277,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
     slopes = None if alibi_slopes is None else alibi_slopes.detach().to(torch.float32).contiguous()
     o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal,
                                           mask_bq, mask_bk, float(dropout_p), float(density), slopes,
-                                          float(softcap or 0.0))
+                                          float(softcap or 0.0), bits, kv_tile, q_tile)
     if return_lse:
         return o, torch.where(lse == float("inf"), float("-inf"), lse)
     return o

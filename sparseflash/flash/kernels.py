@@ -42,6 +42,17 @@ flash-attn's varlen sequences with causal bottom-right aligned in each one
 (`sparseflash.segments.key_ranges_from_cu_seqlens`). Block pairs no range reaches are pruned from
 the lists per call (`function.segment_lists`).
 
+Exact masks (EXACT, compiled out when off: the KV_TILE / Q_TILE and BITS arguments are None
+then, so default kernels keep their signature and code): a mask built from a token-level
+definition carries one bit tile per partial block, ``[block_q, ceil(block_k / 32)]`` int32 words
+(`sparseflash.mask.ExactBits`), and an int32 table laid out as the row lists (KV_TILE, forward and
+dQ) and one as the column lists (Q_TILE, dK/dV) that gives each listed block's tile, -1 for a
+full block. Every tile of a walk, in the mask-free and the masked loop alike, loads its entry
+(one scalar load); only tiles of partial blocks read their bits (`_exact_bits`, the kernel tile's
+sub-rectangle of the mask block's bits) and AND them into the scores (forward) or probabilities
+(backward), so full blocks do no element-wise work. As with segments, the forward keeps its
+pivot finite on every tile: a row may have seen no attended key so far, or none at all.
+
 Score modifications (compiled out when off; flash-attn's definitions, in this order, on the
 scaled score s of every computed pair before any mask): SOFTCAP > 0 (a constexpr: one variant per
 cap) makes ``s = SOFTCAP * tanh(s / SOFTCAP)``; ALIBI adds ``-slope[b, h] * |i + seq_k - seq_q - j|``
@@ -349,6 +360,33 @@ def _range_rows(SEG_Q, stride_sqb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, KEY_R
         return tl.zeros([BLOCK_M], dtype=tl.int32), tl.zeros([BLOCK_M], dtype=tl.int32)
 
 
+# ----------------------------------------------------------------------------- exact masks
+@triton.jit
+def _exact_tile(p_tile, j, SUB: tl.constexpr, EXACT: tl.constexpr):
+    """The bit-tile index of the mask block holding kernel tile j of a walk (its list entry j // SUB),
+    -1 for a full block; -1 without EXACT."""
+    if EXACT:
+        return tl.load(p_tile + j // SUB)
+    else:
+        return -1
+
+
+@triton.jit
+def _exact_bits(BITS, t, r, c, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, TRANS: tl.constexpr):
+    """Whether each pair of a tile is attended, from bit tile t (>= 0): rows r [BLOCK_M] and keys c
+    [BLOCK_N] counted from the mask block's corner. [BLOCK_M, BLOCK_N] bool, [BLOCK_N, BLOCK_M]
+    with TRANS. Row r of a tile holds ceil(MASK_BK / 32) int32 words, key c in bit c % 32 of
+    word c // 32 (`sparseflash.mask.ExactBits`); every index stays inside the tile."""
+    W: tl.constexpr = (MASK_BK + 31) // 32
+    p = BITS + t.to(tl.int64) * (MASK_BQ * W)
+    if TRANS:
+        w = tl.load(p + r[None, :] * W + (c // 32)[:, None])  # [BLOCK_N, BLOCK_M]
+        return ((w >> (c % 32)[:, None]) & 1) != 0
+    else:
+        w = tl.load(p + r[:, None] * W + (c // 32)[None, :])  # [BLOCK_M, BLOCK_N]
+        return ((w >> (c % 32)[None, :]) & 1) != 0
+
+
 # ----------------------------------------------------------------------------- score modifications
 @triton.jit
 def _tanh(x):
@@ -414,12 +452,13 @@ def _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.cons
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh,
-               DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2,
+               DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2, p_tile, BITS,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
                MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
                GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr,
-               KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+               KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+               EXACT: tl.constexpr = False, MASK_BQ: tl.constexpr = 16):
     # TMA: K/V tiles come through 4-D tensor descriptors (Hopper's bulk copies) at (i_b, i_hk,
     # start_n); rows past seq_k and columns past HEAD_DIM read as zeros, as the pointer loads'
     # masks give. With TMA the kernel runs one loop (MASKED), applying the element mask from tile
@@ -448,6 +487,11 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         if KEY_RANGES:  # every tile: row i attends keys b_rlo[i] <= j < b_rhi[i] only
             o_kn = (start_n + o_n)[None, :]
             b_s = tl.where((o_kn >= b_rlo[:, None]) & (o_kn < b_rhi[:, None]), b_s, float("-inf"))
+        if EXACT:  # a partial block: its bits; a full one (t < 0) costs one scalar load
+            t = _exact_tile(p_tile, j, MASK_BK // BLOCK_N, EXACT)
+            if t >= 0:
+                b_s = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, (start_n + o_n) % MASK_BK, MASK_BQ, MASK_BK, False),
+                               b_s, float("-inf"))
         if MASKED and TMA:  # one loop: the element mask only from tile j_mask on (a branch per tile)
             if j >= j_mask:
                 b_s, m_new, m_pivot = _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL)
@@ -459,7 +503,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         else:
             m_new = tl.maximum(m_i, tl.max(b_s, 1))
             m_pivot = m_new
-        if SEGMENTS or KEY_RANGES:  # a row may have seen no key of its segment (range) yet: keep the pivot finite
+        if SEGMENTS or KEY_RANGES or EXACT:  # a row may have seen no key of its segment (range, bits) yet: keep the pivot finite
             m_pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
         b_p = tl.math.exp2(b_s - m_pivot[:, None])
         alpha = tl.math.exp2(m_i - m_pivot)
@@ -476,7 +520,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
+def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
@@ -490,14 +534,16 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stri
                 DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                 DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False,
                 SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
-                ALIBI: tl.constexpr = False):
+                ALIBI: tl.constexpr = False, EXACT: tl.constexpr = False):
     """DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
     [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are unused placeholders.
     SEG_Q, SEG_K (SEGMENTS): int32 segment ids [B or 1, seq] (batch strides stride_sqb, stride_skb,
     0 when shared); keys whose id differs from the query's are not attended.
     KEY_RANGES (instead of SEGMENTS): SEG_Q is an int32 table [B or 1, 2, seq_q] (batch stride
     stride_sqb) of each query's key range: query i attends keys start[i] <= j < end[i] only.
-    SOFTCAP, ALIBI: the score modifications (module docstring); ALIBI's slopes in SEG_K."""
+    SOFTCAP, ALIBI: the score modifications (module docstring); ALIBI's slopes in SEG_K.
+    KV_TILE, BITS (EXACT; None otherwise): the bit-tile index of each row-list entry (int32, laid
+    out as KV_IDX) and the bit tiles (module docstring)."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -529,6 +575,9 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stri
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
+    p_tile = KV_TILE
+    if EXACT:  # the tile table's row, laid out as the row list's
+        p_tile = KV_TILE + i_b * stride_ib + i_h * stride_ih + (start_m // MASK_BQ).to(tl.int64) * stride_im
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -538,16 +587,16 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stri
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end,
                                    causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
                                    DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full, b_sq, sq_lo, sq_hi, p_sk,
-                                   b_rlo, b_rhi, slope2,
+                                   b_rlo, b_rhi, slope2, p_tile, BITS,
                                    False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                   GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
+                                   GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI, EXACT, MASK_BQ)
         j_lo = j_full
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end,
                                causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
                                DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full, b_sq, sq_lo, sq_hi, p_sk,
-                               b_rlo, b_rhi, slope2,
+                               b_rlo, b_rhi, slope2, p_tile, BITS,
                                True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                               GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
+                               GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI, EXACT, MASK_BQ)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc * (drop_scale / l_safe)[:, None]
@@ -562,11 +611,12 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stri
 @triton.jit
 def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
                 stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
-                DESC_Q, DESC_DO, i_b, i_h, j_mask, b_sk, sk_lo, sk_hi, p_sq, slope2,
+                DESC_Q, DESC_DO, i_b, i_h, j_mask, b_sk, sk_lo, sk_hi, p_sq, slope2, p_tile, BITS,
                 MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, Q_ROWS: tl.constexpr, MASK_BQ: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 DOT_PREC: tl.constexpr, GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr,
-                SEGMENTS: tl.constexpr, KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+                SEGMENTS: tl.constexpr, KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                EXACT: tl.constexpr = False, MASK_BK: tl.constexpr = 16):
     # TMA: Q and dO tiles through descriptors (rows past seq_q read as zeros) in one loop that
     # applies the causal mask (MASKED) only below tile j_mask.
     m_d = o_d < HEAD_DIM
@@ -597,6 +647,10 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
                 b_rlo = tl.load(p_sq + o_m, mask=m_row, other=0)
                 b_rhi = tl.load(p_sq + seq_q + o_m, mask=m_row, other=0)
                 b_p = tl.where((o_n[None, :] >= b_rlo[:, None]) & (o_n[None, :] < b_rhi[:, None]), b_p, 0.0)
+            if EXACT:
+                t = _exact_tile(p_tile, j, MASK_BQ // BLOCK_M, EXACT)
+                if t >= 0:
+                    b_p = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, o_n % MASK_BK, MASK_BQ, MASK_BK, False), b_p, 0.0)
             if TMA:
                 b_do = DESC_DO.load([i_b, i_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
             else:
@@ -628,6 +682,10 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
                 b_rlo = tl.load(p_sq + o_m, mask=m_row, other=0)
                 b_rhi = tl.load(p_sq + seq_q + o_m, mask=m_row, other=0)
                 b_pT = tl.where((o_n[:, None] >= b_rlo[None, :]) & (o_n[:, None] < b_rhi[None, :]), b_pT, 0.0)
+            if EXACT:
+                t = _exact_tile(p_tile, j, MASK_BQ // BLOCK_M, EXACT)
+                if t >= 0:
+                    b_pT = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, o_n % MASK_BK, MASK_BQ, MASK_BK, True), b_pT, 0.0)
             if TMA:
                 b_do = DESC_DO.load([i_b, i_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
             else:
@@ -648,7 +706,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
@@ -664,9 +722,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
                      DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                      DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1,
                      TMA: tl.constexpr = False, SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False,
-                     SOFTCAP: tl.constexpr = 0.0, ALIBI: tl.constexpr = False):
+                     SOFTCAP: tl.constexpr = 0.0, ALIBI: tl.constexpr = False, EXACT: tl.constexpr = False):
     """DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA unused placeholders. SEG_Q, SEG_K (SEGMENTS, KEY_RANGES, ALIBI): as the forward's."""
+    without TMA unused placeholders. SEG_Q, SEG_K (SEGMENTS, KEY_RANGES, ALIBI): as the forward's.
+    Q_TILE, BITS (EXACT; None otherwise): the bit-tile index of each column-list entry (laid out
+    as Q_IDX) and the bit tiles."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -742,20 +802,24 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
                 j_skip = n_skip * SUB
                 j_part = tl.maximum(n_part, n_skip) * SUB
                 j_end = n * SUB
+            p_tile = Q_TILE
+            if EXACT:  # the tile table's column, laid out as the column list's
+                p_tile = Q_TILE + i_b * stride_ib + i_h * stride_ih + (start_n // MASK_BK).to(tl.int64) * stride_in
             i_b32 = i_b.to(tl.int32)
             i_h32 = i_h.to(tl.int32)
             j_hi = j_end if TMA else j_part  # TMA: one loop, the causal mask below j_part
             dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_skip, j_hi, start_n, o_n, o_d,
                                  seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                  i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi, p_sq,
-                                 slope2, CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                 GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
+                                 slope2, p_tile, BITS, CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                 BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI, EXACT, MASK_BK)
             if not TMA:
                 dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_part, j_end, start_n, o_n,
                                      o_d, seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                      i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi,
-                                     p_sq, slope2, False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D,
-                                     DOT_PREC, GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
+                                     p_sq, slope2, p_tile, BITS, False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N,
+                                     HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI,
+                                     EXACT, MASK_BK)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
     m_keep = (o_n < kv_end)[:, None]
     dk = tl.where(m_keep, dk * sm_scale, 0.0)
@@ -769,12 +833,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, KEY_LEN, SEG_Q, SEG
 @triton.jit
 def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
-              DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2,
+              DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2, p_tile, BITS,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
               MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
               GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr,
-              KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+              KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              EXACT: tl.constexpr = False, MASK_BQ: tl.constexpr = 16):
     # TMA: as in _fwd_inner, K/V through descriptors in one loop masking from tile j_mask on.
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
@@ -804,6 +869,11 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
         if KEY_RANGES:
             o_kn = (start_n + o_n)[None, :]
             b_p = tl.where((o_kn >= b_rlo[:, None]) & (o_kn < b_rhi[:, None]), b_p, 0.0)
+        if EXACT:
+            t = _exact_tile(p_tile, j, MASK_BK // BLOCK_N, EXACT)
+            if t >= 0:
+                b_p = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, (start_n + o_n) % MASK_BK, MASK_BQ, MASK_BK, False),
+                               b_p, 0.0)
         b_dp = _dot(do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
             keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
@@ -816,7 +886,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -832,11 +902,11 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN, SEG_Q,
                    DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
                    HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False,
                    SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
-                   ALIBI: tl.constexpr = False):
+                   ALIBI: tl.constexpr = False, EXACT: tl.constexpr = False):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
     DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA unused placeholders."""
+    without TMA unused placeholders. KV_TILE, BITS (EXACT): as the forward's."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -883,6 +953,9 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN, SEG_Q,
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
+    p_tile = KV_TILE
+    if EXACT:
+        p_tile = KV_TILE + i_b * stride_ib + i_h * stride_ih + (start_m // MASK_BQ).to(tl.int64) * stride_im
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     i_b32 = i_b.to(tl.int32)
@@ -891,14 +964,14 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KEY_LEN, SEG_Q,
     if not TMA:
         dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                        stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                       DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2,
+                       DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2, p_tile, BITS,
                        False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA,
-                       SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
+                       SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI, EXACT, MASK_BQ)
         j_lo = j_full
     dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
                    stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                   DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2,
+                   DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2, p_tile, BITS,
                    True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA,
-                   SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI)
+                   SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI, EXACT, MASK_BQ)
     tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_q)

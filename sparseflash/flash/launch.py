@@ -30,7 +30,7 @@ import torch
 
 from sparseflash.flash import kernels
 
-__all__ = ["TileConfig", "tile_config", "fwd", "bwd", "bwd_dq", "bwd_dkdv"]
+__all__ = ["TileConfig", "tile_config", "fwd", "bwd", "bwd_dq", "bwd_dkdv", "ExactTiles"]
 
 
 @dataclass(frozen=True)
@@ -477,6 +477,34 @@ class KeyRanges(tuple):
     KEY_RANGES; it takes the slot of the query segment ids)."""
 
 
+class ExactTiles(tuple):
+    """The bits of a call whose mask applies a token-level definition inside its partial blocks:
+    ``(bits, kv_tile, q_tile)``, `sparseflash.mask.ExactBits`'s words [P, block_q, ceil(block_k /
+    32)] and its int32 tables laid out exactly as the call's row lists (kv_idx) and column lists
+    (q_idx) (the kernels' EXACT). Calls with them take the portable kernels."""
+
+
+def _exact_slots(exact) -> tuple:
+    """The plan's argument entries of the tile table and bit slots: tensors of the call (`_T`) with
+    bits, else None (a constexpr to Triton: the default kernels keep their signature and code)."""
+    return (None, None) if exact is None else (_T, _T)
+
+
+def _exact_flag(exact) -> dict:
+    """The EXACT constexpr, passed only when on (other plans keep their kwargs)."""
+    return {} if exact is None else dict(EXACT=True)
+
+
+def _check_exact(exact, idx, what: str):
+    """The (table, bits) of a launch: the table must be laid out as the list it follows."""
+    bits, table = exact[0], exact[1] if what == "kv_idx" else exact[2]
+    if idx is None or table.shape != idx.shape or table.stride() != idx.stride() or table.dtype != torch.int32 \
+            or bits.dtype != torch.int32 or not bits.is_contiguous():
+        raise ValueError(f"exact tiles must come with block lists: an int32 table shaped and strided as {what} "
+                         f"{None if idx is None else tuple(idx.shape)}, got {tuple(table.shape)} {table.dtype}")
+    return table, bits
+
+
 class Alibi(tuple):
     """The ``seg`` of a call with ALiBi slopes: ``(table, slopes)``. ``slopes``: float32 [1 or B,
     Hq], contiguous (the kernels' SEG_K slot); ``table`` (the SEG_Q slot): None, a `KeyRanges`
@@ -708,28 +736,32 @@ def _launch(plan: _Plan, tensors) -> tuple | None:
 
 
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
-        dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0, seg=None, softcap: float = 0.0):
+        dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0, seg=None, softcap: float = 0.0,
+        exact: ExactTiles | None = None):
     """Forward launch. Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows).
     ``rng``: the `sparseflash.dropout.draw_rng` tensor, read when dropout_p > 0. ``work``: the
     call's estimated forward FLOPs, -1 unknown (`_tma_plan`). ``seg``: int32 segment ids
     (seg_q, seg_k), a `KeyRanges`, an `Alibi` (`with_alibi`), or None (`_seg_args`). ``softcap``:
-    > 0 soft-caps the scores (the kernels' SOFTCAP). Calls with any of these take the portable
-    kernels (the Hopper ones have none of them)."""
+    > 0 soft-caps the scores (the kernels' SOFTCAP). ``exact``: an `ExactTiles` (the kernels'
+    EXACT). Calls with any of these take the portable kernels (the Hopper ones have none of them):
+    this test, and `bwd`'s, is where that is decided."""
     B, Hq, Nq, D = q.shape
-    if dropout_p <= 0.0 and seg is None and not softcap and scale > 0.0:
+    if dropout_p <= 0.0 and seg is None and not softcap and exact is None and scale > 0.0:
         lay = _hopper_layouts(q, k, v, mask_bq, mask_bk, work)
         if lay is not None:
             return hopper_fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, lay=lay)
     tma_plan = _tma_plan(_block_d(D), q, k, v, work=work)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
-    key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan, softcap)
+    key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan, softcap,
+                   exact is not None)
     plan = _plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
-                 tma_plan, seg, softcap)
+                 tma_plan, seg, softcap, exact)
     rng = None if dropout_p <= 0.0 else _checked_rng(rng, q.device)
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
     descs = _tma_args(plan.cfg, tma_plan, _block_d(D), (q, bm), (k, bn), (v, bn))[0]  # (q, k, v) without TMA
-    _launch(plan, _fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs))
+    ex = None if exact is None else _check_exact(exact, kv_idx, "kv_idx")
+    _launch(plan, _fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs, ex))
     return o, lse
 
 
@@ -793,30 +825,31 @@ def _hopper_layouts(q, k, v, mask_bq, mask_bk, work: float):
 
 
 def _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan,
-             softcap=0.0) -> tuple:
+             softcap=0.0, exact: bool = False) -> tuple:
     return ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, _layout(kv_idx),
             None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
-            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), plan_state(), softcap)
+            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), plan_state(), softcap, exact)
 
 
 # The tensors of each kernel's launch in the order its plan's slots take them. Placeholders for
 # arguments a variant never reads are q (or the lists). Also called with role markers instead of
 # the per-call tensors (`quick_fwd`, `quick_bwd`), so the order is written once.
-def _fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs) -> tuple:
+# ``ex``: the (tile table, bits) pair of an exact call (`_check_exact`), in the slots after the list.
+def _fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs, ex=None) -> tuple:
     idx = q if kv_idx is None else kv_idx
     sq, sk = _seg_pair(seg, q)
-    return (q, k, v, o, lse, idx, idx if key_lengths is None else key_lengths, sq, sk, q if rng is None else rng,
-            *descs)
+    return (q, k, v, o, lse, idx, *(ex or ()), idx if key_lengths is None else key_lengths, sq, sk,
+            q if rng is None else rng, *descs)
 
 
-def _dq_tensors(q, k, v, o, do, lse, dlse, delta, dq, kv_idx, key_lengths, seg, rng, descs) -> tuple:
+def _dq_tensors(q, k, v, o, do, lse, dlse, delta, dq, kv_idx, key_lengths, seg, rng, descs, ex=None) -> tuple:
     return (q, k, v, o, do, lse, lse if dlse is None else dlse, delta, dq, q if kv_idx is None else kv_idx,
+            *(ex or ()), *_bwd_tensors(q, key_lengths, rng, seg), *descs)
+
+
+def _dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, key_lengths, seg, rng, descs, ex=None) -> tuple:
+    return (q, k, v, do, lse, delta, dk, dv, q if q_idx is None else q_idx, *(ex or ()),
             *_bwd_tensors(q, key_lengths, rng, seg), *descs)
-
-
-def _dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, key_lengths, seg, rng, descs) -> tuple:
-    return (q, k, v, do, lse, delta, dk, dv, q if q_idx is None else q_idx, *_bwd_tensors(q, key_lengths, rng, seg),
-            *descs)
 
 
 def _softcap_flag(softcap: float) -> dict:
@@ -824,7 +857,8 @@ def _softcap_flag(softcap: float) -> dict:
     return dict(SOFTCAP=float(softcap)) if softcap else {}
 
 
-def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg, softcap=0.0):
+def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg, softcap=0.0,
+              exact=None):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     cfg = _config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
@@ -834,31 +868,31 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
     (_, _, *seg_strides), seg_flags = _seg_args(seg, q)
     strides, align = _aligned_strides(q, k, v, o)
     tma = _tma_taken(cfg, tma_plan)
-    args = (_T,) * 9 + (*seg_strides, *strides, *i_strides, Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634,
-                         _T, thresh, drop_scale, _T, _T, _T)
+    args = (_T,) * 6 + _exact_slots(exact) + (_T,) * 3 + (*seg_strides, *strides, *i_strides, Hq, Hq // Hkv, Nq, Nk,
+                                                          scale * 1.4426950408889634, _T, thresh, drop_scale, _T, _T, _T)
     kwargs = dict(HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2),
                   DENSE=kv_idx is None, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
                   DOT_PREC=_dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, **seg_flags,
-                  **_softcap_flag(softcap))
+                  **_softcap_flag(softcap), **_exact_flag(exact))
     return _Plan("_fwd_kernel", (_cdiv(Nq, cfg.block_m), B * Hq), args, kwargs, cfg, tma, q.device)
 
 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
         mask_bq: int | None, mask_bk: int | None, dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0,
-        seg=None, softcap: float = 0.0):
+        seg=None, softcap: float = 0.0, exact: ExactTiles | None = None):
     """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv). The
     sm_90 calls the Hopper forward takes (`_hopper_layouts`) whose dO TMA can read run the one-pass
     Hopper backward instead (`hopper_bwd`; its MODE "auto" leaves block-sparse calls with short
-    column lists here, `hopper_bwd.LIST_MIN_BLOCKS`). ``seg``, ``softcap``: as `fwd`'s."""
-    if dropout_p <= 0.0 and seg is None and not softcap and scale > 0.0:
+    column lists here, `hopper_bwd.LIST_MIN_BLOCKS`). ``seg``, ``softcap``, ``exact``: as `fwd`'s."""
+    if dropout_p <= 0.0 and seg is None and not softcap and exact is None and scale > 0.0:
         lays = _hopper_bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work, q_idx is not None)
         if lays is not None:
             return hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, lays=lays)
     delta = _new(lse)
     args = (do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng)
-    dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse, work=work, seg=seg, softcap=softcap)
-    dk, dv = bwd_dkdv(*args, q_idx, work=work, seg=seg, softcap=softcap)
+    dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse, work=work, seg=seg, softcap=softcap, exact=exact)
+    dk, dv = bwd_dkdv(*args, q_idx, work=work, seg=seg, softcap=softcap, exact=exact)
     return dq, dk, dv
 
 
@@ -869,49 +903,51 @@ def _bwd_tensors(q, key_lengths, rng, seg) -> tuple:
     return q if key_lengths is None else key_lengths, sq, sk, q if rng is None else rng
 
 
-def _bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap=0.0) -> tuple[tuple, dict]:
+def _bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap=0.0, exact=None) -> tuple[tuple, dict]:
     """(segment batch strides, the constexprs) both backward kernels take."""
     D = q.shape[-1]
     (_, _, *seg_strides), seg_flags = _seg_args(seg, q)
     return tuple(seg_strides), dict(HEAD_DIM=D, BLOCK_D=_block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
                                     DROPOUT=dropout_p > 0.0, DOT_PREC=_dot_precision(q.dtype), **seg_flags,
-                                    **_softcap_flag(softcap))
+                                    **_softcap_flag(softcap), **_exact_flag(exact))
 
 
 def _bwd_key(kind, do, q, k, v, idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan, *extra,
-             softcap=0.0):
+             softcap=0.0, exact: bool = False):
     return (kind, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), q.dtype, q.device, _layout(idx),
             None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
-            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), plan_state(), *extra, softcap)
+            dropout_p, _frozen(tma_plan), _dot_precision(q.dtype), plan_state(), *extra, softcap, exact)
 
 
 def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, q_idx, *,
-             work: float = -1.0, seg=None, softcap: float = 0.0):
+             work: float = -1.0, seg=None, softcap: float = 0.0, exact: ExactTiles | None = None):
     """dK, dV: one program per (k tile, batch * kv head), walking the column lists (delta from `bwd_dq`)."""
     tma_plan = _tma_plan(_block_d(q.shape[-1]), q, k, v, do, work=work)
     dk, dv = _new(k), _new(v)
     key = _bwd_key("dkdv", do, q, k, v, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan,
-                   softcap=softcap)
+                   softcap=softcap, exact=exact is not None)
     plan = _plan(key, _dkdv_plan, do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
-                 tma_plan, seg, softcap)
+                 tma_plan, seg, softcap, exact)
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
     descs = _tma_args(plan.cfg, tma_plan, _block_d(q.shape[-1]), (q, bm), (k, bn), (v, bn), (do, bm))[0]
     rng = None if dropout_p <= 0.0 else _checked_rng(rng, q.device)
-    _launch(plan, _dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, key_lengths, seg, rng, descs))
+    ex = None if exact is None else _check_exact(exact, q_idx, "q_idx")
+    _launch(plan, _dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, key_lengths, seg, rng, descs, ex))
     return dk, dv
 
 
 def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg,
-               softcap=0.0):
+               softcap=0.0, exact=None):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    seg_strides, constexprs = _bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap)
+    seg_strides, constexprs = _bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap, exact)
     cfg = _config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                   dropout_p > 0, tma_plan is not None)
     _, ci_s, nb_p2 = _list_args(q_idx, B, Hq, q)
     strides, align = _aligned_strides(q, k, v, do, dk, dv)
-    args = (_T,) * 12 + (*seg_strides, *strides, *ci_s, Hq, Hkv, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale,
-                         _T, *_drop_consts(dropout_p), _T, _T, _T, _T)
+    args = (_T,) * 9 + _exact_slots(exact) + (_T,) * 3 + (*seg_strides, *strides, *ci_s, Hq, Hkv, Hq // Hkv, Nq, Nk,
+                                                          scale * 1.4426950408889634, scale, _T,
+                                                          *_drop_consts(dropout_p), _T, _T, _T, _T)
     kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
                   MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=q_idx is None,
                   **cfg.launch_options(), **constexprs, Q_ROWS=cfg.q_rows, ALIGN=align, TMA=_tma_taken(cfg, tma_plan))
@@ -919,33 +955,35 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
 
 
 def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, kv_idx,
-           *, o, dlse=None, work: float = -1.0, seg=None, softcap: float = 0.0):
+           *, o, dlse=None, work: float = -1.0, seg=None, softcap: float = 0.0, exact: ExactTiles | None = None):
     """dQ: one program per (q tile, batch * q head), walking the row lists. It first writes
     delta = rowsum(dO * O) - dLSE (float32 [B, Hq, Nq]) into ``delta``, for `bwd_dkdv`."""
     tma_plan = _tma_plan(_block_d(q.shape[-1]), q, k, v, do, o, work=work)
     dq = _new(q)
     key = _bwd_key("dq", do, q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan,
-                   o.stride(), dlse is None, softcap=softcap)
+                   o.stride(), dlse is None, softcap=softcap, exact=exact is not None)
     plan = _plan(key, _dq_plan, do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
-                 tma_plan, seg, dlse is not None, softcap)
+                 tma_plan, seg, dlse is not None, softcap, exact)
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
     descs = _tma_args(plan.cfg, tma_plan, _block_d(q.shape[-1]), (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))[0]
     rng = None if dropout_p <= 0.0 else _checked_rng(rng, q.device)
-    _launch(plan, _dq_tensors(q, k, v, o, do, lse, dlse, delta, dq, kv_idx, key_lengths, seg, rng, descs))
+    ex = None if exact is None else _check_exact(exact, kv_idx, "kv_idx")
+    _launch(plan, _dq_tensors(q, k, v, o, do, lse, dlse, delta, dq, kv_idx, key_lengths, seg, rng, descs, ex))
     return dq
 
 
 def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg,
-             has_dlse, softcap=0.0):
+             has_dlse, softcap=0.0, exact=None):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    seg_strides, constexprs = _bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap)
+    seg_strides, constexprs = _bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap, exact)
     cfg = _config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                   dropout_p > 0, tma_plan is not None)
     _, ri_s, nb_p2 = _list_args(kv_idx, B, Hq, q)
     strides, align = _aligned_strides(q, k, v, do, o, dq)
-    args = (_T,) * 13 + (*seg_strides, *strides, *ri_s, Hq, Hq // Hkv, Nq, Nk, scale * 1.4426950408889634, scale,
-                         _T, *_drop_consts(dropout_p), _T, _T, _T, _T, _T)
+    args = (_T,) * 10 + _exact_slots(exact) + (_T,) * 3 + (*seg_strides, *strides, *ri_s, Hq, Hq // Hkv, Nq, Nk,
+                                                           scale * 1.4426950408889634, scale, _T,
+                                                           *_drop_consts(dropout_p), _T, _T, _T, _T, _T)
     kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
                   MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=_gather(nb_p2), DENSE=kv_idx is None,
                   HAS_DLSE=has_dlse, **cfg.launch_options(), **constexprs, ALIGN=align, TMA=_tma_taken(cfg, tma_plan))
