@@ -291,3 +291,22 @@ def test_exact_bits_match_the_token_mask(name):
         want = torch.where(idx < n, tile_of.gather(-1, idx.clamp(max=n - 1).long()), -1)
         assert torch.equal(table, want.to(torch.int32))
 
+
+# ---------------------------------------------------------------- the benchmark's CPU mode
+def test_exact_bench_cpu_mode(tmp_path, device):
+    """The exact-mask benchmark end to end in its tiny CPU mode: rows labelled as CPU, the exact
+    provider equal to the reference, the block-level one not."""
+    if device != "cpu":
+        pytest.skip("the CPU mode; the GPU run is the lead's command")
+    import json
+
+    from sparseflash.experiments.bench import exact
+
+    assert exact.main(["--device", "cpu", "--out", str(tmp_path), "--tokens", "64", "--window", "20",
+                       "--masks", "sliding-window"]) == 0
+    rows = json.loads((tmp_path / "exact.json").read_text())["rows"]
+    assert [r["provider"] for r in rows] == ["sparseflash-exact", "sparseflash-block"]
+    assert all(r["status"] == "ok" and r["device"] == "cpu" and r["note"] for r in rows)
+    assert rows[0]["max_diff_vs_reference"] < 1e-5 < rows[1]["max_diff_vs_reference"]
+    assert rows[0]["partial_blocks"] > 0 and rows[0]["block_overcount"] > 1 and rows[0]["fwdbwd_ms"] > 0
+    assert (tmp_path / "exact.csv").read_text().startswith("bench,provider")
