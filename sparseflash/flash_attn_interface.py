@@ -28,8 +28,9 @@ Semantics as flash-attn 2 documents them:
   asks for ``torch.use_deterministic_algorithms(True)`` or ``SPARSEFLASH_HOPPER_BWD=off``, which
   turn off the one-pass Hopper backward that adds dQ with TMA reductions (an error says so).
 - ``mask``: a `BlockMask` for ``(seqlen_q, seqlen_k)`` (varlen: for the packed rows
-  ``(total_q, total_k)``), ANDed with everything above. Its partial blocks are computed whole, as
-  in `sparseflash.attention`.
+  ``(total_q, total_k)``), ANDed with everything above. A mask built from a token-level definition
+  is applied exactly inside its partial blocks, as in `sparseflash.attention`; ``exact=False``
+  computes them whole (block-level).
 - ``softcap > 0``: scores ``softcap * tanh(s / softcap)`` (``s`` the scaled score; 0.0: off), in
   the kernels forward and backward.
 - ``alibi_slopes`` float32 ``[nheads]`` or ``[batch, nheads]``: ``-slope * |i + seqlen_k - seqlen_q
@@ -110,7 +111,7 @@ def _lse_as_flash_attn(lse: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, mask=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, mask=None, exact=True):
     """flash-attn 2's ``flash_attn_func`` (module docstring: semantics and what differs).
 
     Args:
@@ -125,6 +126,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         deterministic: a deterministic backward (see the module docstring on Hopper).
         return_attn_probs: also return ``softmax_lse`` and ``S_dmask`` (None).
         mask: a `BlockMask` (or FlexAttention BlockMask) for ``(seqlen_q, seqlen_k)``.
+        exact: apply the mask's token-level definition inside its partial blocks (as
+            `sparseflash.attention`; False: block-level).
 
     Returns:
         ``out`` ``[batch, seqlen_q, nheads, headdim]``, or ``(out, softmax_lse [batch, nheads,
@@ -143,7 +146,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         key_ranges = key_ranges_from_cu_seqlens(*ends, nq, causal, window)
     out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
                     causal=causal and window is None, scale=softmax_scale, dropout_p=dropout_p,
-                    key_ranges=key_ranges, return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes)
+                    key_ranges=key_ranges, return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes,
+                    exact=exact)
     if not return_attn_probs:
         return out.transpose(1, 2).contiguous()
     o, lse = out
@@ -174,7 +178,7 @@ def _check_cu_seqlens(cu, name: str, total: int, max_seqlen, max_name: str, devi
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, *, mask=None):
+                           deterministic=False, return_attn_probs=False, *, mask=None, exact=True):
     """flash-attn 2's ``flash_attn_varlen_func`` (module docstring: semantics and what differs).
 
     Args:
@@ -183,7 +187,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]``: sequence ``b`` holds query tokens
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and key tokens ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``.
         max_seqlen_q, max_seqlen_k: the longest sequences (checked against the cu_seqlens).
-        Others: as `flash_attn_func`, per sequence; ``mask`` for the packed rows ``(total_q, total_k)``.
+        Others: as `flash_attn_func`, per sequence; ``mask`` (and ``exact``) for the packed rows
+            ``(total_q, total_k)``.
 
     Returns:
         ``out`` ``[total_q, nheads, headdim]``, or ``(out, softmax_lse [nheads, total_q], None)``.
@@ -207,7 +212,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     key_ranges = key_ranges_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], False, window)
     out = attention(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
                     mask, scale=softmax_scale, dropout_p=dropout_p, key_ranges=key_ranges,
-                    return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes)
+                    return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes, exact=exact)
     if not return_attn_probs:
         return out[0].transpose(0, 1).contiguous()
     o, lse = out

@@ -194,6 +194,21 @@ def test_repeated_calls_stay_exact(device):
         torch.testing.assert_close(sparseflash.attention(q, k, v, mask, exact=False), block, atol=1e-5, rtol=1e-5)
 
 
+def test_flash_attn_interface_passes_exact(device):
+    from sparseflash.flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+
+    mask = BlockMask.from_fn(sliding_causal(20), 64, block_size=32).to(device)
+    q, k, v, _ = make_qkv(1, 2, 2, 64, 64, 16, torch.float32, device, seed=10)
+    for exact in (True, False):
+        want = sparseflash.attention(q, k, v, mask, exact=exact, backend="reference").transpose(1, 2)
+        got = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=mask, exact=exact)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        cu = torch.tensor([0, 64], dtype=torch.int32, device=device)
+        got = flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 64, 64,
+                                     mask=mask, exact=exact)
+        torch.testing.assert_close(got, want[0], atol=1e-5, rtol=1e-5)
+
+
 def test_masks_without_partial_blocks_need_no_bits():
     aligned = BlockMask.from_fn(lambda b, h, qi, kv: qi // 32 >= kv // 32, 128, block_size=32)
     assert aligned.is_exact and aligned.exact_bits() is None
