@@ -209,6 +209,38 @@ def test_flash_attn_interface_passes_exact(device):
         torch.testing.assert_close(got, want[0], atol=1e-5, rtol=1e-5)
 
 
+def test_torch_compile(device):
+    """fullgraph torch.compile traces an exact call once the bits exist (built outside the graph,
+    as the index is); before that the error says what to do."""
+    mask = BlockMask.from_fn(sliding_causal(20), 64, block_size=32).to(device)
+    q, k, v, do = make_qkv(1, 2, 2, 64, 64, 16, torch.float32, device, seed=12)
+
+    def f(q, k, v):
+        return sparseflash.attention(q, k, v, mask, backend="triton")
+
+    with pytest.raises(RuntimeError, match=r"exact_bits\(device\) once outside"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch._dynamo.reset()
+    mask.exact_bits(device)
+    check_attention(torch.compile(f, fullgraph=True, backend="aot_eager"), q, k, v, do, mask=mask,
+                    ref_kwargs=EXACT_REF)
+
+
+def test_bits_keep_the_hopper_kernels_out(device, monkeypatch):
+    """The one place that sends calls with bits to the portable kernels: the Hopper layouts are
+    never asked for (forward and backward)."""
+    def refuse(*a, **k):
+        raise AssertionError("the Hopper kernels were considered for a call with bits")
+
+    monkeypatch.setattr(launch, "_hopper_layouts", refuse)
+    monkeypatch.setattr(launch, "_hopper_bwd_layouts", refuse)
+    mask = BlockMask.from_fn(sliding_causal(20), 64, block_size=32).to(device)
+    q, k, v, do = make_qkv(1, 1, 1, 64, 64, 16, torch.bfloat16, device, seed=13)
+    q.requires_grad_()
+    sparseflash.attention(q, k, v, mask, backend="triton").backward(do)
+    assert q.grad is not None and not torch.isnan(q.grad).any()
+
+
 def test_masks_without_partial_blocks_need_no_bits():
     aligned = BlockMask.from_fn(lambda b, h, qi, kv: qi // 32 >= kv // 32, 128, block_size=32)
     assert aligned.is_exact and aligned.exact_bits() is None
