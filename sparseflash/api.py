@@ -18,7 +18,9 @@ alibi_slopes=None, exact=True, backend="auto")`
 - `exact` (default True): the token-level definition is applied inside partial blocks, forward
   and backward, from one bit tile per partial block built once per device
   (`BlockMask.exact_bits`; memory proportional to the partial blocks); full blocks run as
-  before, with no element-wise work. `exact=False` computes every pair of an on block
+  before, with no element-wise work. Combined with everything else here (`causal`,
+  `key_lengths`, `segment_ids`, `key_ranges`, GQA, dropout, `softcap`, `alibi_slopes`, masks per
+  batch and head). `exact=False` computes every pair of an on block
   (block-level, the behaviour before exact masks). Exact calls with partial blocks take the
   portable kernels (not the Hopper ones, nor the short path of repeated calls below); under
   torch.compile call `mask.exact_bits(device)` once outside the compiled code.

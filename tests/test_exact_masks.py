@@ -124,7 +124,7 @@ def _window_mask(N, device, block=32):
     return BlockMask.from_fn(lambda b, h, qi, kv: (qi - kv).abs() < 24, N, block_size=block).to(device)
 
 
-COMBOS = ["causal-key_lengths", "segment_ids", "key_ranges", "dropout"]
+COMBOS = ["causal-key_lengths", "segment_ids", "key_ranges", "dropout", "softcap-alibi"]
 
 
 @pytest.mark.parametrize("combo", COMBOS)
@@ -147,6 +147,10 @@ def test_combinations(combo, device):
         kr = torch.stack([(i - 30).clamp(min=0), i + 1], dim=-1)[None].to(torch.int32)  # [1, N, 2]
         kw = dict(key_ranges=kr)
         ref["key_ranges"] = kr
+    elif combo == "softcap-alibi":
+        slopes = torch.tensor([0.3, 0.05], device=device)
+        kw = dict(softcap=2.0, alibi_slopes=slopes)
+        ref.update(softcap=2.0, alibi_slopes=slopes)
     else:  # dropout: the kernels' keep-mask, reproduced for the reference
         from sparseflash.dropout import keep_mask, next_seed_offset
 
