@@ -1,11 +1,13 @@
 """Tests of the batched Pathfinder sampler (experiments/lra/data/_pathfinder_batched.py): its tables
 against the reference's arithmetic, purity and worker-count independence of what the writer
-writes, geometry invariants at every resolution, and a small statistical comparison with the
-reference generator at 32 px that fails if the task drifts. About 15 s on one core."""
+writes, geometry invariants at every resolution, a small statistical comparison with the
+reference generator at 32 px that fails if the task drifts, and pinned hashes of a few images (a
+speed-up must not change a single draw). About 30 s on one core."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
@@ -158,3 +160,27 @@ def test_batched_matches_reference_statistics_at_32(fidelity):
     levels = np.union1d(a, b)
     table = np.array([[np.sum(a == v) for v in levels], [np.sum(b == v) for v in levels]])
     assert stats.chi2_contingency(table).pvalue > 1e-3
+
+
+# sha256 (first 16 hex digits) of the images of render_many(params_for(resolution, difficulty,
+# fidelity), default_rng([4, resolution]), [0, 1, 0, ...][:n]), as drawn by the sampler before its
+# rewrite for speed (commit 8d8dfcc). Tied to the resampling of the NumPy and Pillow in use: if an
+# upgrade of either changes them, check the images, then re-pin.
+_PINNED = {
+    ("release", 32, "hard", 6): "f803db93e8ddc589",
+    ("release", 64, "hard", 2): "fdb8966325ef2378",
+    ("release", 128, "hard", 3): "be62131d049e40d7",
+    ("clean", 64, "hard", 2): "9176efadc184483e",
+    ("clean", 128, "easy", 2): "794ed4a837411eab",
+    ("release", 256, "hard", 2): "9227f1de43f7382e",
+}
+
+
+@pytest.mark.parametrize("key", list(_PINNED), ids=lambda k: "-".join(map(str, k)))
+def test_batched_images_are_pinned(key):
+    """The batched sampler's output is part of the data's definition (datasets are regenerated on
+    every machine): the same seed must give byte-identical images, at both fidelities."""
+    fidelity, resolution, difficulty, n = key
+    p = pf.params_for(resolution, difficulty, fidelity)
+    imgs = pf.render_many(p, np.random.default_rng([4, resolution]), [i % 2 for i in range(n)])
+    assert hashlib.sha256(b"".join(i.tobytes() for i in imgs)).hexdigest()[:16] == _PINNED[key]
