@@ -55,6 +55,7 @@ under the Triton interpreter would take minutes per step); on CUDA through the T
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -69,7 +70,7 @@ from sparseflash.nn import SparseAttention, resolve_pattern
 
 __all__ = [
     "ATTENTIONS", "ModelConfig", "LRAClassifier", "LRADenoiser", "mask_positions", "AttentionKernel", "build_pattern",
-    "parse_pattern_spec", "upsample_grid", "load_pretrained", "GridRotary",
+    "parse_pattern_spec", "upsample_grid", "load_pretrained", "GridRotary", "kept_pixels", "packed_width", "host_plan",
 ]
 
 ATTENTIONS = ("sparseflash", "torch", "sdpa", "flex")
@@ -475,6 +476,44 @@ class _ConvStem(nn.Module):
         return x + self.conv(y).flatten(2).transpose(1, 2)
 
 
+def kept_pixels(tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """black_is_padding: the pixels the encoder keeps, bool ``[B, N]``: drawn (gray level > 0, token
+    id > 1; id 0 is padding) and inside each row's length."""
+    keep = tokens > 1
+    if lengths is not None:
+        keep &= torch.arange(tokens.shape[-1], device=tokens.device)[None, :] < lengths[:, None]
+    return keep
+
+
+def packed_width(longest: int, seq_len: int, block_size: int) -> int:
+    """The width the black_is_padding encoder runs on: the batch's longest kept count rounded up to
+    the block size (at least one block), at most ``seq_len``."""
+    return min(seq_len, max(1, -(-int(longest) // block_size)) * block_size)
+
+
+def host_plan(cfg: ModelConfig, tokens: torch.Tensor, lengths: torch.Tensor | None) -> tuple[int, bool]:
+    """What the encoder would read back from the device for this batch, computed on the host from
+    the batch's CPU tensors: (the attended width before a CLS token, whether nothing in it is padding).
+
+    The width is `packed_width` of the longest kept count with ``black_is_padding``, else
+    ``seq_len``; "nothing is padding" is every key length (the kept counts with
+    ``black_is_padding``) reaching that width, where the encoder drops the lengths. Under
+    `Encoder.planned` with this plan the encoder reads nothing back (CUDA-graph capture) and
+    computes what it computes unplanned. Also does the input checks that read values (lengths in
+    range; ``augment="dihedral"`` needs unpadded inputs), on the host."""
+    N = tokens.shape[-1]
+    flat_len = None if lengths is None else lengths.reshape(-1)
+    if flat_len is not None and flat_len.numel() and (int(flat_len.min()) < 0 or int(flat_len.max()) > N):
+        raise ValueError(f"lengths must lie in [0, {N}], got values in [{int(flat_len.min())}, {int(flat_len.max())}]")
+    if cfg.augment == "dihedral" and flat_len is not None and bool((flat_len < N).any()):
+        raise ValueError("augment='dihedral' needs unpadded grid inputs (every length == seq_len)")
+    if cfg.black_is_padding:
+        counts = kept_pixels(tokens.reshape(-1, N), flat_len).sum(1)
+        width = packed_width(int(counts.max()), N, cfg.block_size)
+        return width, bool((counts >= width).all())
+    return N, flat_len is None or bool((flat_len >= N).all())
+
+
 class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -494,6 +533,20 @@ class Encoder(nn.Module):
         self.norm = nn.LayerNorm(cfg.d_model)
         self._masks: dict = {}  # (attended length, device) -> BlockMask | None
         self._flex_cache: dict = {}
+        self._plan: tuple[int, bool] | None = None  # `planned`: (width, nothing is padding) from the host
+
+    @contextlib.contextmanager
+    def planned(self, width: int, no_padding: bool):
+        """Inside, the encoder takes the attended width and the "nothing is padding" decision from
+        `host_plan` instead of reading the device (``int(packed.max())``, the key-length check), so
+        a forward can be captured in a CUDA graph. The plan must be the batch's own (`host_plan`)
+        or a wider one with ``no_padding=False``: black pixels past every count are attended by no
+        row and their outputs are zeroed, so a wider width computes the same function."""
+        previous, self._plan = self._plan, (int(width), bool(no_padding))
+        try:
+            yield
+        finally:
+            self._plan = previous
 
     def pattern_mask(self, n: int, device) -> BlockMask | None:
         """The block pattern for ``n`` attended positions on ``device`` (built once, cached)."""
@@ -521,16 +574,14 @@ class Encoder(nn.Module):
         count ``[B]``, and the width the encoder runs on: the longest count rounded up to the block
         size). Rows past a count are black pixels: trimming them is exact, since no row attends to
         them (key lengths) and their outputs are zeroed. One device read per call, as the length
-        check; under torch.compile that read is a graph break, and each width a recompile (a few)."""
-        N = tokens.shape[1]
-        keep = tokens > 1  # [B, N]; gray level 0 is token id 1, id 0 is padding
-        if lengths is not None:
-            keep &= torch.arange(N, device=tokens.device)[None, :] < lengths[:, None]
+        check; under torch.compile that read is a graph break, and each width a recompile (a few).
+        Under `planned` the width is the host's and nothing is read."""
+        keep = kept_pixels(tokens, lengths)  # [B, N]
         order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # [B, N]
         packed = keep.sum(1)
-        bs = self.cfg.block_size
-        width = min(N, max(1, -(-int(packed.max()) // bs)) * bs)
-        return order, packed, width
+        if self._plan is not None:  # computed on the host (`planned`): no device read
+            return order, packed, self._plan[0]
+        return order, packed, packed_width(int(packed.max()), tokens.shape[1], self.cfg.block_size)
 
     def _encode(self, tokens: torch.Tensor, lengths: torch.Tensor | None, masked: torch.Tensor | None = None,
                 mask_vector: torch.Tensor | None = None):
@@ -565,9 +616,14 @@ class Encoder(nn.Module):
                 x = x.gather(1, sel[..., None].expand(B, width, x.shape[-1]))
                 lengths = packed
         m = x.shape[1]  # attended positions before the CLS token
-        # one device read per step (the layers skip sparseflash's own check)
-        if lengths is not None and not torch.compiler.is_compiling() and key_lengths_range(lengths, m, "lengths")[0] >= m:
-            lengths = None  # nothing is padding: skip building masks (pixel tasks, speed runs)
+        # one device read per step (the layers skip sparseflash's own check); none under a host plan
+        if lengths is not None:
+            if self._plan is not None:
+                no_padding = self._plan[1]
+            else:
+                no_padding = not torch.compiler.is_compiling() and key_lengths_range(lengths, m, "lengths")[0] >= m
+            if no_padding:
+                lengths = None  # nothing is padding: skip building masks (pixel tasks, speed runs)
         if self.cls is not None:
             x = torch.cat([self.cls.to(x.dtype).expand(B, 1, -1), x], dim=1)
             lengths = None if lengths is None else lengths + 1
@@ -648,7 +704,8 @@ class _LRAModel(nn.Module):
         maps (``tokens.gather(-1, perm)`` applies it); else None."""
         if self.cfg.augment != "dihedral" or not self.training:
             return None
-        if lengths is not None and bool((lengths < tokens.shape[-1]).any()):
+        # under a host plan `host_plan` checked this on the host (a read here would break a CUDA-graph capture)
+        if lengths is not None and self.encoder._plan is None and bool((lengths < tokens.shape[-1]).any()):
             raise ValueError("augment='dihedral' needs unpadded grid inputs (every length == seq_len)")
         # one symmetry per example, drawn from torch's generator on the device (checkpointed)
         pick = torch.randint(self._dihedral.shape[0], tokens.shape[:1], device=tokens.device)
