@@ -264,6 +264,283 @@ def test_command_line(tmp_path, monkeypatch, capsys):
         T.main(["--task", "listops", "--data", str(tmp_path), "--out", str(tmp_path / "x"), "--device", "tpu"])
 
 
+# ------------------------------------------------------------------------------- --cuda-graphs
+class Pixels:
+    """A toy pixel task for black_is_padding: ``side x side`` images of token ids (gray level + 1),
+    black (id 1) but for a random share of drawn pixels (5-45% per image, so batches differ in
+    width); label 1 iff the image's drawn pixels are bright."""
+
+    def __init__(self, n, side=32, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        N = side * side
+        drawn = torch.rand(n, N, generator=g) < torch.rand(n, 1, generator=g) * 0.4 + 0.05
+        bright = torch.rand(n, 1, generator=g) < 0.5
+        gray = torch.where(bright, torch.randint(128, 256, (n, N), generator=g), torch.randint(1, 128, (n, N), generator=g))
+        self.tokens = torch.where(drawn, gray + 1, torch.ones_like(gray))
+        self.labels = bright[:, 0].long()
+        self.seq_len, self.vocab_size, self.num_classes, self.pad_id = N, 257, 2, 0
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"tokens": self.tokens[i], "length": self.seq_len, "label": int(self.labels[i])}
+
+
+def pixel_datasets(n=128, side=32):
+    return {"train": Pixels(n, side, seed=0), "val": Pixels(32, side, seed=1), "test": Pixels(32, side, seed=2)}
+
+
+def pixel_config(**over):
+    """pathfinder32 at toy size, black pixels as padding, dropout off."""
+    return toy_config("pathfinder32", **{"model.black_is_padding": True, "model.d_model": 64, "model.d_ff": 128,
+                                         "model.block_size": 64, "train.steps": 12, "train.eval_every": 6,
+                                         "train.log_every": 1, "train.eps": 1e-3, **over})
+
+
+def test_cuda_graphs_refused_where_it_cannot_run(tmp_path):
+    """--cuda-graphs: a clear error on a CPU (before any folder is made) and for what it does not capture."""
+    with pytest.raises(ValueError, match="--cuda-graphs needs a CUDA device, got device 'cpu'"):
+        T.train(pixel_config(), tmp_path / "run", datasets=pixel_datasets(), device="cpu", cuda_graphs=True,
+                show_progress=False)
+    assert not (tmp_path / "run").exists()
+    cuda = torch.device("cuda")  # only compared, never touched
+    T.check_cuda_graphs(pixel_config(), cuda)  # what it is for
+    for kw, over, match in [({"compile": True}, {}, "exclude each other"), ({"world": 2}, {}, "one process"),
+                            ({}, {"train.objective": "denoise", "model.black_is_padding": False}, "classifier"),
+                            ({}, {"model.attention": "flex"}, "flex")]:
+        with pytest.raises(ValueError, match=match):
+            T.check_cuda_graphs(pixel_config(**over), cuda, **kw)
+
+
+def test_cuda_graphs_command_line(tmp_path, monkeypatch):
+    p = argparse.ArgumentParser()
+    T.add_train_arguments(p)
+    args = p.parse_args(["--task", "pathx", "--out", "x", "--cuda-graphs"])
+    assert args.cuda_graphs and args.max_graphs == T.MAX_GRAPHS
+    assert p.parse_args(["--task", "pathx", "--out", "x", "--max-graphs", "4"]).max_graphs == 4
+    with pytest.raises(SystemExit):
+        p.parse_args(["--task", "pathx", "--out", "x", "--max-graphs", "0"])
+    monkeypatch.setattr(T, "load_datasets", lambda cfg, root, cache_dir=None: pixel_datasets())
+    with pytest.raises(ValueError, match="--cuda-graphs needs a CUDA device"):
+        T.main(["--task", "pathfinder32", "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--device", "cpu",
+                "--cuda-graphs", "--no-progress", "--set", "model.black_is_padding=True"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_graph_bucket_policy():
+    """Each plan gets its own graph while fewer than the bound are captured; past it, the narrowest
+    captured graph at least as wide that applies key lengths, else none (an eager step)."""
+    bucket = T.graph_bucket
+    assert bucket((256, False), {}, 2) == ((256, False), True)
+    captured = {(256, False): 0}
+    assert bucket((256, False), captured, 2) == ((256, False), False)
+    assert bucket((128, False), captured, 2) == ((128, False), True)  # below the bound: its own
+    captured[(512, False)] = 1
+    assert bucket((128, False), captured, 2) == ((256, False), False)  # the narrowest wider one
+    assert bucket((384, True), captured, 2) == ((512, False), False)  # lengths applied: same function
+    assert bucket((640, False), captured, 2) is None  # nothing wide enough: eager
+    assert bucket((128, True), {(128, True): 0, (256, True): 1}, 2) == ((128, True), False)
+    assert bucket((64, False), {(128, True): 0, (256, True): 1}, 2) is None  # a graph without lengths fits only its own
+
+
+def _pixel_model(**over):
+    from sparseflash.experiments.lra.model import LRAClassifier, ModelConfig
+
+    cfg = dict(vocab_size=257, num_classes=2, seq_len=256, grid=(16, 16), pos_emb="grid", d_model=16, n_heads=2,
+               n_layers=2, d_ff=32, dropout=0.0, attn_dropout=0.0, block_size=16, black_is_padding=True,
+               pattern="butterfly")
+    cfg.update(over)
+    torch.manual_seed(0)
+    return LRAClassifier(ModelConfig(**cfg)).eval()
+
+
+@pytest.mark.parametrize("over", [{}, {"pooling": "cls"}, {"black_is_padding": False}, {"conv_stem": 1}],
+                         ids=["mean", "cls", "no-bip", "stem"])
+def test_host_plan_is_what_the_encoder_reads(over):
+    """`host_plan` computes on the CPU what the encoder reads back from the device (the width, and
+    whether nothing is padding); under `Encoder.planned` with it, or with a wider plan that applies
+    the lengths, the logits are the unplanned ones, and no device value is read (`int` of a tensor
+    would fail: the encoder's reads are replaced)."""
+    from sparseflash.experiments.lra.model import host_plan
+
+    model = _pixel_model(**over)
+    data = Pixels(6, side=16, seed=3)
+    tokens = data.tokens
+    lengths = torch.tensor([256, 256, 200, 256, 256, 100])
+    for lens in (lengths, torch.full((6,), 256)):
+        plan = host_plan(model.cfg, tokens, lens)
+        if model.cfg.black_is_padding:
+            _, packed, width = model.encoder._pack(tokens, lens)
+            assert plan == (width, bool((packed >= width).all())) and width % 16 == 0 and width < 256
+        else:
+            assert plan == (256, bool((lens == 256).all()))
+        with torch.no_grad():
+            want = model(tokens, lens)
+            with model.encoder.planned(*plan):
+                torch.testing.assert_close(model(tokens, lens), want, rtol=0, atol=1e-6)
+            if plan[0] + 16 <= 256:
+                with model.encoder.planned(plan[0] + 16, False):
+                    torch.testing.assert_close(model(tokens, lens), want, rtol=1e-5, atol=1e-5)
+    assert model.encoder._plan is None  # the context restores it
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, 256\]"):
+        host_plan(model.cfg, tokens, lengths + 200)
+
+
+def test_host_plan_checks_dihedral_inputs_and_collate_adds_it():
+    from sparseflash.experiments.lra.model import host_plan
+
+    model = _pixel_model(augment="dihedral")
+    data = Pixels(4, side=16, seed=4)
+    with pytest.raises(ValueError, match="augment='dihedral' needs unpadded"):
+        host_plan(model.cfg, data.tokens, torch.tensor([256, 256, 255, 256]))
+    b = T.collate_planned(model.cfg, [data[i] for i in range(4)])
+    assert b["plan"] == host_plan(model.cfg, b["tokens"], b["lengths"]) and b["tokens"].shape == (4, 256)
+
+
+class _ReplayedBody:
+    """A CPU stand-in for a CUDA graph: its replay runs the captured step again (what the graph replays)."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+class _CPUGraphedTrainStep(T.GraphedTrainStep):
+    """GraphedTrainStep with its two CUDA pieces (the warm-up on a side stream, the capture) done on
+    the CPU: everything else (buckets, static inputs and gradients, lr tensors, the window, the
+    eager first step) is the class's own."""
+
+    def _warm_up(self, key):
+        rng = torch.get_rng_state()
+        for _ in range(self.warmup):
+            self._body(key, update=False)
+        self.opt.zero_grad(set_to_none=False)
+        torch.set_rng_state(rng)
+
+    def _record(self, key):
+        def replay():
+            with self._device_lrs():
+                self._body(key, update=True)
+        return _ReplayedBody(replay)
+
+
+def test_graphed_steps_match_eager_on_cpu(tmp_path, monkeypatch):
+    """The whole --cuda-graphs path of train() (planned batches from the loader, buckets with a bound
+    of 2, the eager first step, static gradients, lr tensors, the window, checkpoints, a resume in
+    either direction), with graphs that rerun the captured step on the CPU: the eager run's
+    per-step records and weights, up to the float32 lr tensor and capturable AdamW's rounding.
+    The GPU tests check the real graphs."""
+    import importlib
+
+    adam = importlib.import_module("torch.optim.adam")  # (torch.optim.adam, the attribute, is a function)
+    real = adam._get_capturable_supported_devices  # capturable AdamW on CPU tensors: its device-tensor arithmetic
+    monkeypatch.setattr(adam, "_get_capturable_supported_devices", lambda *a, **k: [*real(*a, **k), "cpu"])
+    monkeypatch.setattr(T, "check_cuda_graphs", lambda *a, **k: None)
+    monkeypatch.setattr(T, "GraphedTrainStep", _CPUGraphedTrainStep)
+    over = {"model.block_size": 16, "model.d_model": 32, "model.d_ff": 64, "train.eval_every": 5}
+    cfg = lambda: pixel_config(**over)  # noqa: E731
+    kw = dict(datasets=pixel_datasets(64, side=16), device="cpu", show_progress=False)
+    T.train(cfg(), tmp_path / "eager", **kw)
+    summary = T.train(cfg(), tmp_path / "graphs", cuda_graphs=True, max_graphs=2, **kw)
+    g = summary["cuda_graphs"]
+    assert g["graphs"] == 2 and g["replayed"] + g["eager"] == 12 and g["replayed"] >= 6, g
+    for first, second, name in ((False, True, "eager-then-graphs"), (True, False, "graphs-then-eager")):
+        T.train(cfg(), tmp_path / name, cuda_graphs=first, max_graphs=2, max_steps=5, **kw)
+        T.train(cfg(), tmp_path / name, cuda_graphs=second, max_graphs=2, resume="auto", **kw)
+    want, want_rows = _params(tmp_path / "eager"), _train_records(tmp_path / "eager")
+    for name in ("graphs", "eager-then-graphs", "graphs-then-eager"):
+        got, rows = _params(tmp_path / name), _train_records(tmp_path / name)
+        assert got["step"] == 12 and len(rows) == 12, name
+        for r, w in zip(rows, want_rows):
+            assert r == pytest.approx(w, rel=1e-4, abs=1e-6), (name, r, w)
+        for key, t in want["model"].items():
+            torch.testing.assert_close(got["model"][key], t, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+        assert [g["capturable"] for g in got["optimizer"]["param_groups"]] == [name != "graphs-then-eager"] * 2
+        assert all(isinstance(g["lr"], float) for g in got["optimizer"]["param_groups"])  # the checkpoint keeps floats
+
+
+def _train_records(out):
+    return [{k: float(v) for k, v in r.items() if k in ("loss", "acc", "grad_norm", "lr")} for r in _records(out / "train.csv")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_cuda_graphs_match_eager(tmp_path, precision):
+    """Dropout off, the same initialisation and data: training steps replayed from CUDA graphs (at
+    most 3 captured, so batches also take a wider graph or an eager step) give the eager run's
+    per-step loss, accuracy, grad norm and lr, its validation and its final weights, to float
+    rounding; so does a run that switches between eager and graphs at a resume (an eager
+    checkpoint into graphs, a graph checkpoint into eager)."""
+    tol = {"fp32": dict(rtol=1e-4, atol=1e-4), "bf16": dict(rtol=2e-2, atol=2e-3)}[precision]
+    kw = dict(datasets=pixel_datasets(), device="cuda", precision=precision, show_progress=False)
+    T.train(pixel_config(), tmp_path / "eager", **kw)
+    graphed = T.train(pixel_config(), tmp_path / "graphs", cuda_graphs=True, max_graphs=3, **kw)
+    g = graphed["cuda_graphs"]
+    assert 1 <= g["graphs"] <= 3 and g["replayed"] + g["eager"] == 12 and g["replayed"] >= 6, g
+    for first, second, name in ((False, True, "eager-then-graphs"), (True, False, "graphs-then-eager")):
+        T.train(pixel_config(), tmp_path / name, cuda_graphs=first, max_steps=5, **kw)
+        T.train(pixel_config(), tmp_path / name, cuda_graphs=second, resume="auto", **kw)
+    want = _params(tmp_path / "eager")
+    want_rows, want_evals = _train_records(tmp_path / "eager"), _records(tmp_path / "eager" / "eval.csv")
+    for name in ("graphs", "eager-then-graphs", "graphs-then-eager"):
+        got = _params(tmp_path / name)
+        assert got["step"] == 12, name
+        rows = _train_records(tmp_path / name)
+        assert len(rows) == len(want_rows) == 12, name
+        for r, w in zip(rows, want_rows):
+            assert r["lr"] == pytest.approx(w["lr"], rel=1e-12), name
+            for col in ("loss", "grad_norm"):
+                assert r[col] == pytest.approx(w[col], rel=tol["rtol"], abs=tol["atol"] * 10), (name, col, r, w)
+            assert abs(r["acc"] - w["acc"]) <= 1 / 16 + 1e-9, (name, r, w)  # at most one prediction on the edge flips
+        evals = _records(tmp_path / name / "eval.csv")
+        assert [(e["step"], e["split"]) for e in evals] == [(e["step"], e["split"]) for e in want_evals]
+        for e, w in zip(evals, want_evals):
+            assert float(e["loss"]) == pytest.approx(float(w["loss"]), rel=tol["rtol"], abs=tol["atol"] * 10), name
+        for key, t in want["model"].items():
+            torch.testing.assert_close(got["model"][key], t, **tol, msg=lambda m: f"{name} {key}: {m}")
+        for sa, sb in zip(want["optimizer"]["state"].values(), got["optimizer"]["state"].values()):
+            assert float(sa["step"]) == float(sb["step"]) == 12, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dropout,attn_dropout", [(0.0, 0.0), (0.0, 0.1), (0.1, 0.0)],
+                         ids=["off", "attention", "residual"])
+def test_gpu_cuda_graph_replays_draw_fresh_dropout(dropout, attn_dropout):
+    """Replays of one captured step on one batch with lr 0 (the weights never move): with dropout,
+    torch's (residual / FFN) or sparseflash's (attention, whose seed is a device draw), every
+    replay gives another loss; without, every replay gives the same one, bit for bit."""
+    from sparseflash.experiments.lra.model import LRAClassifier
+
+    cfg = pixel_config(**{"model.dropout": dropout, "model.attn_dropout": attn_dropout})
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = LRAClassifier(cfg.model).to(device).train()
+    opt = T._optimizer(model, cfg.train, device, capturable=True)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    window = torch.zeros(4, dtype=torch.float64, device=device)
+    step = T.GraphedTrainStep(model, opt, window, grad_clip=1.0)
+    data = Pixels(16, seed=5)
+    b = T.collate([data[i] for i in range(16)])
+    assert not step.run(b)  # no optimizer state yet: the caller steps eagerly (here by hand)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(b["tokens"].to(device), b["lengths"].to(device))
+    torch.nn.functional.cross_entropy(logits.float(), b["labels"].to(device)).backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    losses = []
+    for _ in range(4):
+        window.zero_()
+        assert step.run(b)
+        losses.append(window[0].item() / window[2].item())
+    assert step.summary()["graphs"] == 1 and step.summary()["replayed"] == 4
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # lr 0: the same weights every time
+    if dropout or attn_dropout:
+        assert len(set(losses)) == len(losses), losses
+    else:
+        assert len(set(losses)) == 1, losses
+
+
 # ---------------------------------------------------------------- the speed experiment (speed.py)
 def test_speed_summary_speedups_and_geomean():
     from sparseflash.experiments.lra.speed import summarize

@@ -42,6 +42,22 @@ stopping through an all-reduce of one number per step.
 Path-X / Path-256: ``--init-from CKPT`` loads a model trained at a smaller resolution and
 upsamples its 2-D position grid (2x2 duplication from Path-64 to Path-X).
 
+CUDA graphs. ``--cuda-graphs`` (one CUDA process, classifier, not with ``--compile``) replays each
+training step from a CUDA graph (`GraphedTrainStep`): forward, loss, backward, clipping, AdamW and
+the log window's update, one graph per bucket of (attended width, nothing is padding), captured
+when first seen, at most ``--max-graphs`` (16; past it a batch takes the narrowest wider graph,
+else an eager step, with one warning). With ``model.black_is_padding`` the width is the batch's
+widest image rounded up to the block size, computed by the loader's workers from the CPU batch
+(`collate_planned`, `model.host_plan`), so a step reads nothing back from the device: its host
+cost is three input copies, the lr and a replay, where the eager Path-X step is bound by the
+host's launches. The optimizer's first step runs eagerly (it makes the AdamW state); evaluation
+stays eager. Dropout draws fresh masks at each replay from the device generator (sparseflash's
+attention dropout draws its seed there too), so a run with dropout is statistically, not bitwise,
+the eager one, and a resumed run (its graphs captured anew) is not bit-identical to an
+uninterrupted one; without dropout the losses and weights agree with eager training to float
+rounding (test_gpu_cuda_graphs_match_eager). Checkpoints are the same as eager ones (float lrs;
+only the groups' ``capturable`` flag differs, set by each command) and resume either way.
+
 Self-pretraining (SPT; Amos, Berant & Gupta, "Never Train from Scratch", ICLR 2024).
 ``--objective denoise`` (``train.objective``) trains the same encoder, on the task's own training
 inputs and without labels, to fill in masked tokens, for a classifier to start from:
@@ -78,8 +94,10 @@ inputs and without labels, to fill in masked tokens, for a classifier to start f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
+import functools
 import gc
 import json
 import math
@@ -91,6 +109,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -102,10 +121,11 @@ import torch.nn.functional as F
 from sparseflash.experiments.lra.configs import (
     OBJECTIVES, TASKS, VARIANTS, ExperimentConfig, TrainConfig, config_from_dict, get_config)
 from sparseflash.experiments.lra.model import (
-    ATTENTIONS, LRAClassifier, LRADenoiser, ModelConfig, load_pretrained, mask_positions, parse_pattern_spec)
+    ATTENTIONS, LRAClassifier, LRADenoiser, ModelConfig, host_plan, load_pretrained, mask_positions, parse_pattern_spec)
 
-__all__ = ["train", "evaluate", "build_model", "eval_mask", "denoise_loss", "StepBatches", "collate", "lr_factor",
-           "register_lra", "main", "EXIT_STOPPED", "EVAL_MASK_SEED", "add_data_arguments", "add_device_arguments"]
+__all__ = ["train", "evaluate", "build_model", "eval_mask", "denoise_loss", "StepBatches", "collate", "collate_planned",
+           "lr_factor", "register_lra", "main", "EXIT_STOPPED", "EVAL_MASK_SEED", "add_data_arguments",
+           "add_device_arguments", "GraphedTrainStep", "graph_bucket", "check_cuda_graphs", "MAX_GRAPHS"]
 
 _TRAIN_COLS = ("step", "epoch", "lr", "loss", "acc", "grad_norm", "step_ms", "tokens_per_s", "mem_gb", "time_s")
 _EVAL_COLS = ("step", "split", "weights", "loss", "acc", "n", "time_s")
@@ -149,6 +169,15 @@ def collate(items: list[dict]) -> dict:
     }
 
 
+def collate_planned(model_cfg: ModelConfig, items: list[dict]) -> dict:
+    """`collate` plus ``plan``, the batch's `host_plan` (attended width, nothing is padding), for
+    --cuda-graphs: computed here, in the loader's workers, from the CPU tensors, so the training
+    step picks its graph without reading the device."""
+    b = collate(items)
+    b["plan"] = host_plan(model_cfg, b["tokens"], b["lengths"])
+    return b
+
+
 def load_datasets(cfg: ExperimentConfig, root, cache_dir=None) -> dict:
     from sparseflash.experiments.lra.data import get_dataset  # written alongside; imported when needed
 
@@ -188,13 +217,15 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def _optimizer(model, tc, device):
+def _optimizer(model, tc, device, capturable: bool = False):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         # Matrices of linear layers decay; biases, norms, embeddings and position tables do not.
         (decay if p.dim() >= 2 and "embed" not in name and ".pos." not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kw = {"fused": True} if device.type == "cuda" else {}
+    if capturable:  # --cuda-graphs: the step may be captured (fused AdamW keeps its step counts on the device either way)
+        kw["capturable"] = True
     return torch.optim.AdamW(groups, lr=tc.lr, betas=tuple(tc.betas), eps=tc.eps, **kw)
 
 
@@ -484,6 +515,211 @@ def evaluate(model, ds, *, batch_size: int, max_batches: int | None, device, aut
     return r
 
 
+# ------------------------------------------------------------------------------------ CUDA graphs
+MAX_GRAPHS = 16  # --cuda-graphs: captured training steps at most (one per width bucket; a handful at 64 / 128 px)
+
+
+def check_cuda_graphs(cfg: ExperimentConfig, device, *, compile: bool = False, world: int = 1) -> None:
+    """Refuse --cuda-graphs where the captured step could not be the eager one (ValueError)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"--cuda-graphs needs a CUDA device, got device {str(device)!r}: CUDA graphs replay captured "
+                         f"GPU work (drop the flag on a CPU)")
+    if compile:
+        raise ValueError("--cuda-graphs and --compile exclude each other: the graphs capture the eager step "
+                         "(torch.compile's own CUDA graphs are its mode='reduce-overhead')")
+    if world > 1:
+        raise ValueError(f"--cuda-graphs runs in one process, got {world} ranks: DDP's gradient all-reduce is not "
+                         f"captured here")
+    if cfg.train.objective != "classify":
+        raise ValueError(f"--cuda-graphs captures the classifier's step (train.objective='classify'), got "
+                         f"train.objective={cfg.train.objective!r}")
+    if cfg.model.attention == "flex":
+        raise ValueError("--cuda-graphs does not take model.attention='flex' (its padding mask is built per batch "
+                         "outside the graph); use sparseflash, sdpa or torch")
+
+
+def graph_bucket(plan: tuple[int, bool], captured, max_graphs: int) -> tuple[tuple[int, bool], bool] | None:
+    """The graph that runs a batch of `host_plan` ``plan``, as (its key, whether to capture it
+    first), or None: the step runs eagerly.
+
+    Its own graph when captured, or captured now while fewer than ``max_graphs`` are; past the
+    bound, the narrowest captured graph at least as wide that applies the key lengths (key
+    ``(width, False)``): the same function (`Encoder.planned`), at the cost of the wider width."""
+    if plan in captured:
+        return plan, False
+    if len(captured) < max_graphs:
+        return plan, True
+    wider = [key for key in captured if key[0] >= plan[0] and not key[1]]
+    return (min(wider), False) if wider else None
+
+
+class GraphedTrainStep:
+    """The classifier's training step replayed from CUDA graphs: one per bucket of `host_plan`
+    (the attended width, with ``black_is_padding`` the batch's widest image rounded up to the
+    block size, and whether nothing is padding), captured when first seen, at most ``max_graphs``.
+
+    A graph holds the step of `_Run._train_step`: zeroing the gradients, forward (under
+    `Encoder.planned`, so the encoder reads nothing back), the cross-entropy loss, backward,
+    gradient clipping, the AdamW step and the metrics window's update. Around it, on the host,
+    `run` copies the batch into static buffers, picks the graph (`graph_bucket`, from the plan that
+    the loader computed from the CPU batch: no device read), writes the learning rate the scheduler
+    set into a device tensor and replays. The caller steps the scheduler and its counters.
+
+    - Learning rate: the optimizer's groups keep float lrs (so checkpoints, the scheduler and an
+      eager step are as without graphs); a graph's AdamW step reads the lr from a float32 device
+      tensor per group (``capturable=True``: fused AdamW computes in float32 either way), set
+      before every replay.
+    - Gradients: static tensors, made by the first warm-up's backward (for the parameters the step
+      gives a gradient), zeroed inside each graph; the backward adds into them.
+    - Optimizer state: made by the optimizer's first step, which runs eagerly (`run` answers False
+      while there is none): a captured first step would re-create the state at every replay.
+    - Randomness: dropout (torch's and sparseflash's, which draws its seed with a torch random op
+      on the device) comes from the device's default generator, which CUDA graphs advance at
+      every replay: fresh masks each step. The warm-up before a capture restores the generator.
+    - Before a capture: two forward+backward passes on the capture stream (Triton compiles, caches
+      of masks and indices are filled outside the graph), RNG restored, gradients zeroed.
+    - One memory pool for all graphs: everything a graph keeps (parameters, gradients, optimizer
+      state, lr, window, inputs) lives outside it, so graphs only share scratch and never run at once.
+    - Capture runs with ``capture_error_mode="thread_local"``: the loader's pin-memory thread keeps
+      calling CUDA while a capture is under way.
+    """
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, window: torch.Tensor, *,
+                 grad_clip: float, label_smoothing: float = 0.0, autocast_dtype: torch.dtype | None = torch.bfloat16,
+                 max_graphs: int = MAX_GRAPHS, warmup: int = 2):
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
+        self.model, self.opt, self.window = model, opt, window
+        self.device = window.device
+        self.grad_clip, self.label_smoothing, self.autocast_dtype = grad_clip, label_smoothing, autocast_dtype
+        self.max_graphs, self.warmup = max_graphs, warmup
+        self.graphs: dict = {}  # plan key -> torch.cuda.CUDAGraph
+        self.lr = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=self.device) for g in opt.param_groups]
+        self.inputs = None  # static tokens, lengths (or None), labels
+        self.grads = None  # parameter -> its static gradient
+        self.pool = self.stream = None  # made at the first capture
+        self.replayed = self.eager = 0
+        self.warned = False
+
+    def summary(self) -> dict:
+        return {"graphs": len(self.graphs), "buckets": [list(k) for k in sorted(self.graphs)],
+                "replayed": self.replayed, "eager": self.eager, "max_graphs": self.max_graphs}
+
+    def run(self, b: dict) -> bool:
+        """One training step on batch ``b`` (tokens, lengths, labels; ``plan`` from `collate_planned`,
+        else computed here) through a graph; False when the step must run eagerly instead (the
+        optimizer's first step, a batch of another shape, past the bound with no wider graph)."""
+        if not self.opt.state:
+            self.eager += 1
+            return False
+        tokens, lengths, labels = b["tokens"], b.get("lengths"), b["labels"]
+        if self.inputs is None:
+            self.inputs = (torch.zeros(tokens.shape, dtype=torch.long, device=self.device),
+                           None if lengths is None else torch.zeros(lengths.shape, dtype=torch.long, device=self.device),
+                           torch.zeros(labels.shape, dtype=torch.long, device=self.device))
+        s_tokens, s_lengths, s_labels = self.inputs
+        if tokens.shape != s_tokens.shape or (lengths is None) != (s_lengths is None) or labels.shape != s_labels.shape:
+            self.eager += 1
+            return False
+        plan = b.get("plan") or host_plan(self.model.cfg, tokens, lengths)
+        pick = graph_bucket(tuple(plan), self.graphs, self.max_graphs)
+        if pick is None:
+            if not self.warned:
+                self.warned = True
+                print(f"warning: --cuda-graphs: {len(self.graphs)} graphs captured (the bound, --max-graphs), none "
+                      f"as wide as width {plan[0]}: such steps run eagerly (not reported again)",
+                      file=sys.stderr, flush=True)
+            self.eager += 1
+            return False
+        key, new = pick
+        s_tokens.copy_(tokens, non_blocking=True)
+        if lengths is not None:
+            s_lengths.copy_(lengths, non_blocking=True)
+        s_labels.copy_(labels, non_blocking=True)
+        for t, g in zip(self.lr, self.opt.param_groups):
+            t.fill_(g["lr"])
+        if new:
+            self._capture(key)
+        self.graphs[key].replay()
+        self.replayed += 1
+        return True
+
+    def _capture(self, key: tuple[int, bool]) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:  # the first warm-up's backward makes the static gradients (those the step gives)
+            p.grad = None if self.grads is None else self.grads.get(p)
+        self._warm_up(key)
+        if self.grads is None:
+            self.grads = {p: p.grad for p in params if p.grad is not None}
+        self.graphs[key] = self._record(key)
+
+    def _warm_up(self, key: tuple[int, bool]) -> None:
+        """Forward+backward passes of the step on the capture stream, outside any graph (kernels
+        compile, caches fill), leaving the device generator as it found it and the gradients zero."""
+        device = self.device
+        if self.stream is None:
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+        rng = torch.cuda.get_rng_state(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(max(1, self.warmup)):
+                self._body(key, update=False)
+            self.opt.zero_grad(set_to_none=False)
+        torch.cuda.current_stream(device).wait_stream(self.stream)
+        torch.cuda.set_rng_state(rng, device)
+
+    def _record(self, key: tuple[int, bool]):
+        """The step captured in a CUDA graph (nothing runs: `run` replays it)."""
+        if not all(g["capturable"] for g in self.opt.param_groups):
+            raise ValueError("GraphedTrainStep captures the optimizer's step: it needs capturable=True")
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with self._device_lrs(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
+                                                      capture_error_mode="thread_local"):
+                self._body(key, update=True)
+        except Exception as e:
+            raise RuntimeError(f"--cuda-graphs: capturing the training step of width {key[0]} failed ({e}); "
+                               f"train without --cuda-graphs") from e
+        return graph
+
+    @contextlib.contextmanager
+    def _device_lrs(self):
+        """The optimizer's groups hold the lr tensors instead of their floats: what AdamW's step reads then."""
+        groups = self.opt.param_groups
+        floats = [g["lr"] for g in groups]
+        try:
+            for g, t in zip(groups, self.lr):
+                g["lr"] = t
+            yield
+        finally:
+            for g, lr in zip(groups, floats):
+                g["lr"] = lr
+
+    def _body(self, key: tuple[int, bool], update: bool) -> None:
+        """The step `_Run._train_step` takes, on the static inputs (the warm-up: without the update)."""
+        model, opt = self.model, self.opt
+        tokens, lengths, labels = self.inputs
+        opt.zero_grad(set_to_none=False)
+        autocast = (torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
+                    if self.autocast_dtype is not None else nullcontext())
+        with model.encoder.planned(*key), autocast:
+            logits = model(tokens, lengths)
+        loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
+        correct = (logits.argmax(-1) == labels).sum()
+        loss.backward()
+        if not update:
+            return
+        if self.grad_clip > 0:
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip)
+        else:
+            gnorm = torch.zeros((), device=self.device)
+        opt.step()
+        with torch.no_grad():
+            count = torch.full((), float(labels.numel()), dtype=torch.float64, device=self.device)
+            self.window += torch.stack([loss.detach().double() * count, correct.double(), count, gnorm.double()])
+
+
 # ------------------------------------------------------------------------------------------ train
 def build_model(cfg: ExperimentConfig) -> torch.nn.Module:
     """The model ``cfg.train.objective`` trains: `LRAClassifier` ("classify") or `LRADenoiser` ("denoise")."""
@@ -522,7 +758,8 @@ def _now_iso() -> str:
 def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_root=None, cache_dir=None,
           device: str | None = None, max_steps: int | None = None, resume: str | None = None,
           init_from: str | None = None, compile: bool = False, precision: str | None = None,
-          num_workers: int = 0, show_progress: bool = True, deadline: float | None = None) -> dict:
+          num_workers: int = 0, show_progress: bool = True, deadline: float | None = None,
+          cuda_graphs: bool = False, max_graphs: int = MAX_GRAPHS) -> dict:
     """Train ``cfg`` and write everything under ``out_dir``; returns the summary dict.
 
     ``datasets``: ``{"train", "val"[, "test"]}`` objects with the loader interface (default: load
@@ -535,9 +772,17 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
     checkpoint; the summary then has ``stopped_by`` set (and no test evaluation) and ``--resume``
     continues exactly where it stopped. Every segment of a run split over commands is listed in
     ``summary["segments"]`` (step range, wall time, how it ended, host, command line).
+
+    ``cuda_graphs`` (CUDA, classifier, one process, not with ``compile``): training steps are
+    replayed from CUDA graphs, one per width bucket, at most ``max_graphs`` (`GraphedTrainStep`):
+    the eager step's semantics (loss, clipping, AdamW, schedule, logs) at a fraction of its host
+    time. Evaluation stays eager. Dropout draws fresh masks at every replay, but not the eager
+    run's masks, and a resumed run captures its graphs anew: with dropout, runs and resumes are
+    statistically, not bitwise, those of eager training.
     """
     run = _Run(cfg, out_dir, datasets=datasets, data_root=data_root, cache_dir=cache_dir, device=device,
-               max_steps=max_steps, precision=precision, deadline=deadline)
+               max_steps=max_steps, precision=precision, deadline=deadline, cuda_graphs=cuda_graphs,
+               max_graphs=max_graphs, compile=compile)
     run.build(init_from)
     run.resume_from(resume)
     run.prepare_loop(compile, num_workers)
@@ -555,7 +800,7 @@ class _Run:
     every rank takes part in, on which bit-identical resumes and data-parallel runs rest."""
 
     def __init__(self, cfg: ExperimentConfig, out_dir, *, datasets, data_root, cache_dir, device, max_steps,
-                 precision, deadline):
+                 precision, deadline, cuda_graphs: bool = False, max_graphs: int = MAX_GRAPHS, compile: bool = False):
         """Devices and precision, then the data and the resolved config (schedule in steps)."""
         self.clock = _Stopper.clock  # every duration of a run (logs, stopping predictions) on the deadline's clock
         self.t_start = self.clock()
@@ -569,6 +814,11 @@ class _Run:
             raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
         if deadline is not None and not isinstance(deadline, (int, float)):
             raise ValueError(f"deadline must be a time.monotonic() value or None, got {deadline!r}")
+        if cuda_graphs:
+            check_cuda_graphs(cfg, device, compile=compile, world=self.world)
+            if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+                raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
+        self.cuda_graphs, self.max_graphs, self.graphs = bool(cuda_graphs), max_graphs, None
         precision = precision or ("bf16" if device.type == "cuda" else "fp32")
         if precision not in ("bf16", "fp32"):
             raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
@@ -611,7 +861,7 @@ class _Run:
                       + "".join(f"\n  {n}" for n in notes), file=sys.stderr)
         model.to(self.device)
         self.model = model
-        self.opt = _optimizer(model, tc, self.device)
+        self.opt = _optimizer(model, tc, self.device, capturable=self.cuda_graphs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, tc.steps, tc.warmup_steps, tc.schedule, tc.min_lr_ratio))
         _seed_all(tc.seed + 1 + self.rank)  # dropout streams differ per rank
@@ -650,6 +900,9 @@ class _Run:
             raise ValueError(f"cannot resume {resume}: its config differs in {diff}")
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["optimizer"])
+        for group in self.opt.param_groups:  # this command's choice, whichever the checkpoint's command made
+            if "capturable" in group:
+                group["capturable"] = self.cuda_graphs
         self.sched.load_state_dict(ck["scheduler"])
         self.step, self.best = ck["step"], ck["best"]
         rngs = ck["rng"]
@@ -681,7 +934,9 @@ class _Run:
 
         self.sampler = StepBatches(len(datasets["train"]), tc.batch_size, tc.seed, self.rank, self.world,
                                    start_step=self.step)
-        self.loader = torch.utils.data.DataLoader(datasets["train"], batch_sampler=self.sampler, collate_fn=collate,
+        # --cuda-graphs: the workers also compute each batch's plan (width bucket) from the CPU tensors
+        collate_fn = functools.partial(collate_planned, self.cfg.model) if self.cuda_graphs else collate
+        self.loader = torch.utils.data.DataLoader(datasets["train"], batch_sampler=self.sampler, collate_fn=collate_fn,
                                                   num_workers=num_workers, pin_memory=device.type == "cuda",
                                                   worker_init_fn=_ignore_stop_signals if num_workers else None,
                                                   generator=torch.Generator().manual_seed(tc.seed))
@@ -757,6 +1012,11 @@ class _Run:
         self.bar = bar = Progress(self.stop, desc, disable=not (self.lead and show_progress))
         bar.n = self.step
         self.window = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, count, grad-norm sum
+        if self.cuda_graphs:  # the graphs update this very window tensor
+            self.graphs = GraphedTrainStep(self.model, self.opt, self.window, grad_clip=tc.grad_clip,
+                                           label_smoothing=tc.label_smoothing,
+                                           autocast_dtype=torch.bfloat16 if self.precision == "bf16" else None,
+                                           max_graphs=self.max_graphs)
         self.win_steps, self.t_last, self.paused = 0, clock(), 0.0  # paused: eval / checkpoint time, not step time
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -803,6 +1063,20 @@ class _Run:
 
     def _train_step(self, b: dict) -> float:
         """One update on batch ``b``, added to the log window; returns the lr it used."""
+        lr_used = self.opt.param_groups[0]["lr"]
+        if self.graphs is None:
+            self._eager_update(b)
+        elif not self.graphs.run(b):
+            with warnings.catch_warnings():  # a --cuda-graphs step run eagerly: fused AdamW is the same either way
+                warnings.filterwarnings("ignore", message=".*capturable=True.*")
+                self._eager_update(b)
+        self.sched.step()
+        self.step += 1
+        self.win_steps += 1
+        return lr_used
+
+    def _eager_update(self, b: dict) -> None:
+        """The update of `_train_step` in eager mode (`GraphedTrainStep` replays the same)."""
         tc, device, net = self.tc, self.device, self.net
         tokens, lengths = b["tokens"].to(device, non_blocking=True), b["lengths"].to(device, non_blocking=True)
         if self.denoise:  # the mask comes from torch's generator on the device: checkpointed with the run
@@ -822,15 +1096,10 @@ class _Run:
             gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         else:
             gnorm = torch.zeros((), device=device)
-        lr_used = self.opt.param_groups[0]["lr"]
         self.opt.step()
-        self.sched.step()
-        self.step += 1
-        self.win_steps += 1
         with torch.no_grad():
             count = torch.as_tensor(count, dtype=torch.float64, device=device)
             self.window += torch.stack([loss.detach().double() * count, correct.double(), count, gnorm.double()])
-        return lr_used
 
     def _time_step(self, end_zone: bool, t_step: float) -> None:
         """Near the deadline (or with no estimate yet, at a command's first step) time this very step."""
@@ -903,6 +1172,8 @@ class _Run:
                 summary["best_val"] = self.best
             if self.has_test:
                 summary.update(self._test())
+        if self.graphs is not None:  # this command's graphs
+            summary["cuda_graphs"] = self.graphs.summary()
         end = self.stopped_by or ("done" if step == tc.steps else "max_steps")
         summary["segments"] = self.segments + [self.segment(end)]
         summary["resumed_from"] = self.resume
@@ -961,6 +1232,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "for Python start-up")
     add_device_arguments(p)
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay training steps from CUDA graphs, one per width bucket (CUDA, classifier, one process; "
+                        "for black_is_padding pixel tasks, whose steps are host-bound); evaluation stays eager")
+    p.add_argument("--max-graphs", type=positive_int, default=MAX_GRAPHS,
+                   help=f"--cuda-graphs: graphs captured at most (default {MAX_GRAPHS}); past it a batch takes the "
+                        f"narrowest wider graph, else an eager step")
     p.add_argument("--resume", nargs="?", const="auto", help="resume from CHECKPOINT (default OUT/checkpoints/last.pt)")
     p.add_argument("--init-from", metavar="CHECKPOINT",
                    help="initialise weights (upsampling a 2-D position grid); the encoder must fit, the other "
@@ -1015,7 +1292,7 @@ def _cmd_train(args) -> int:
     summary = train(cfg, args.out, data_root=args.data, cache_dir=args.cache_dir, device=args.device,
                     max_steps=args.max_steps, resume=args.resume, init_from=args.init_from, compile=args.compile,
                     precision=args.precision, num_workers=args.num_workers, show_progress=not args.no_progress,
-                    deadline=deadline)
+                    deadline=deadline, cuda_graphs=args.cuda_graphs, max_graphs=args.max_graphs)
     if int(os.environ.get("RANK", "0")) == 0 and summary["stopped_by"] is None:
         best = summary["best_val"]
         if summary["objective"] == "denoise":
