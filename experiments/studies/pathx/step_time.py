@@ -7,7 +7,11 @@ For each task: a batch pool of real generated images (release fidelity, hard), t
 step on the next batch of the pool (so the trimmed width varies as in training), for:
 - ``black_is_padding`` off (every pixel a token), on but untrimmed (the packed sequence at full
   length, as before trimming), on and trimmed (the default);
-- dense and butterfly; eager and torch.compile (trimmed only).
+- dense and butterfly; eager, torch.compile and CUDA graphs (trimmed only). CUDA graphs: the
+  training loop's ``--cuda-graphs`` step (`train.GraphedTrainStep`: one graph per width bucket,
+  capturable fused AdamW; the optimizer's first step eager), every batch of the pool captured
+  during the warm-up; the batches' plans (`model.host_plan`) are computed beforehand, as the
+  loader's workers do in training.
 Median GPU time per step over the timed steps, CUDA events; peak memory. Also the data loader's
 throughput on the same images written to disk (batches/s for a few worker counts), since a fast
 step can make the loader the limit. Writes step_time.csv/json and prints a table.
@@ -21,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseflash.experiments.lra.configs import get_config
-from sparseflash.experiments.lra.model import Encoder, LRAClassifier, parse_pattern_spec
+from sparseflash.experiments.lra.model import Encoder, LRAClassifier, host_plan, parse_pattern_spec
 
 _RES = {"pathfinder64": 64, "pathx": 128, "path256": 256}
 
@@ -54,15 +59,29 @@ def _model(task: str, pattern: str, bip: bool, device) -> LRAClassifier:
     return LRAClassifier(cfg.model).to(device)
 
 
-def _time_steps(model, pool: torch.Tensor, batch: int, compile: bool, steps: int, warmup: int) -> dict:
+def _time_steps(model, pool: torch.Tensor, batch: int, compile: bool, steps: int, warmup: int,
+                plans: list | None = None) -> dict:
+    """``plans``: the pool batches' `host_plan`s, for CUDA graphs (None: eager or compiled steps)."""
+    from sparseflash.experiments.lra.train import GraphedTrainStep
+
     device = pool.device
     net = torch.compile(model) if compile else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    graphs = plans is not None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphs)
     labels = torch.randint(0, 2, (batch,), device=device)
     n_batches = pool.shape[0] // batch
+    runner = None
+    if graphs:  # room for every width of the pool; the warm-up sees each batch once after the eager first step
+        runner = GraphedTrainStep(model, opt, torch.zeros(4, dtype=torch.float64, device=device), grad_clip=1.0,
+                                  max_graphs=max(64, n_batches))
+        warmup = max(warmup, n_batches + 1)
+        warnings.filterwarnings("ignore", message=".*capturable=True.*")  # the eager first step
 
     def step(i):
-        tokens = pool[(i % n_batches) * batch:(i % n_batches + 1) * batch]
+        j = i % n_batches
+        tokens = pool[j * batch:(j + 1) * batch]
+        if runner is not None and runner.run({"tokens": tokens, "lengths": None, "labels": labels, "plan": plans[j]}):
+            return
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = net(tokens, None)
@@ -89,8 +108,13 @@ def _time_steps(model, pool: torch.Tensor, batch: int, compile: bool, steps: int
         step(i)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t1) / steps * 1e3
-    return {"step_ms": statistics.median(times), "wall_ms": wall, "warmup_s": warm_s,
-            "mem_gb": torch.cuda.max_memory_allocated() / 2**30}
+    out = {"step_ms": statistics.median(times), "wall_ms": wall, "warmup_s": warm_s,
+           "mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+           # a graph's scratch sits in its private pool: reserved, not allocated between replays
+           "reserved_gb": torch.cuda.memory_reserved() / 2**30, "graphs": 0, "eager_steps": 0}
+    if runner is not None:
+        out.update(graphs=len(runner.graphs), eager_steps=runner.eager)
+    return out
 
 
 def _loader_rate(task: str, root: Path, batch: int, workers_list, seconds: float = 8.0) -> list[dict]:
@@ -127,6 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--loader-workers", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-graphs", action="store_true", help="no CUDA-graph rows")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -147,27 +172,34 @@ def main(argv=None) -> int:
               f"{(toks > 1).float().mean():.3f}", flush=True)
         pool = toks.to(dev)
         batch = get_config(task, "faithful").train.batch_size
-        variants = [("off", False, False), ("untrimmed", True, False), ("trimmed", True, False)]
+        variants = [("off", False, False, False), ("untrimmed", True, False, False), ("trimmed", True, False, False)]
         if not args.no_compile:
-            variants.append(("trimmed", True, True))
+            variants.append(("trimmed", True, True, False))
+        if not args.no_graphs:
+            variants.append(("trimmed", True, False, True))
         for pattern in ("dense", "butterfly"):
-            for bip_mode, bip, comp in variants:
+            for bip_mode, bip, comp, graphs in variants:
                 if bip_mode == "untrimmed":
                     Encoder._pack = lambda self, t, l: (*full_pack(self, t, l)[:2], t.shape[1])
                 try:
                     model = _model(task, pattern, bip, dev)
-                    r = _time_steps(model, pool, batch, comp, args.steps, args.warmup)
+                    plans = None
+                    if graphs:  # what the loader's workers compute from the CPU batches in training
+                        plans = [host_plan(model.cfg, toks[j * batch:(j + 1) * batch], None)
+                                 for j in range(len(toks) // batch)]
+                    r = _time_steps(model, pool, batch, comp, args.steps, args.warmup, plans)
                     err = ""
                 except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-                    r, err = {"step_ms": float("nan"), "wall_ms": float("nan"), "warmup_s": 0.0, "mem_gb": 0.0}, repr(e)[:200]
+                    r, err = {"step_ms": float("nan"), "wall_ms": float("nan"), "warmup_s": 0.0, "mem_gb": 0.0,
+                              "reserved_gb": 0.0, "graphs": 0, "eager_steps": 0}, repr(e)[:200]
                 finally:
                     Encoder._pack = full_pack
                     torch._dynamo.reset()
                 row = {"task": task, "batch": batch, "pattern": pattern, "black_is_padding": bip_mode,
-                       "compile": comp, **r, "error": err, **meta}
+                       "compile": comp, "cuda_graphs": graphs, **r, "error": err, **meta}
                 rows.append(row)
-                print(f"  {pattern:9s} bip={bip_mode:9s} compile={comp!s:5s} {r['step_ms']:8.2f} ms (wall "
-                      f"{r['wall_ms']:.2f}) {r['mem_gb']:.1f} GB {err}", flush=True)
+                print(f"  {pattern:9s} bip={bip_mode:9s} compile={comp!s:5s} graphs={graphs!s:5s} {r['step_ms']:8.2f} ms "
+                      f"(wall {r['wall_ms']:.2f}) {r['mem_gb']:.1f} GB {err}", flush=True)
                 del model
                 torch.cuda.empty_cache()
         loader_rows += [{**lr, **meta} for lr in _loader_rate(task, root, batch, args.loader_workers)]
@@ -179,10 +211,10 @@ def main(argv=None) -> int:
         w.writeheader()
         w.writerows(rows)
     (out / "step_time.json").write_text(json.dumps({"meta": meta, "steps": rows, "loader": loader_rows}, indent=1))
-    print("\ntask         pattern   black_is_padding compile  step_ms  wall_ms")
+    print("\ntask         pattern   black_is_padding compile cuda_graphs  step_ms  wall_ms")
     for r in rows:
-        print(f"{r['task']:12s} {r['pattern']:9s} {r['black_is_padding']:16s} {r['compile']!s:7s} {r['step_ms']:8.2f} "
-              f"{r['wall_ms']:8.2f}")
+        print(f"{r['task']:12s} {r['pattern']:9s} {r['black_is_padding']:16s} {r['compile']!s:7s} "
+              f"{r['cuda_graphs']!s:11s} {r['step_ms']:8.2f} {r['wall_ms']:8.2f}")
     return 0
 
 
