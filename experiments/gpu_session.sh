@@ -37,7 +37,8 @@ for stage in "$@"; do
         dropout) $t $py -m pytest -q -x -p no:cacheprovider tests/test_dropout.py --tb=short
                  $t $py -m sparseflash.experiments.bench.dropout --cuda-graph --out "$d" ;;
         tests)   # SHARDS pytest processes side by side (compiling the many kernel variants is the slow part)
-                 $py -m pytest --collect-only -q -p no:cacheprovider tests/test_flash.py tests/test_dropout.py tests/test_bench.py tests/test_studies.py tests/test_segments.py tests/test_launch.py tests/test_lra_denoise.py \
+                 # TEST_FILES replaces the default list of test files
+                 $py -m pytest --collect-only -q -p no:cacheprovider ${TEST_FILES:-tests/test_flash.py tests/test_dropout.py tests/test_bench.py tests/test_studies.py tests/test_segments.py tests/test_launch.py tests/test_lra_denoise.py} \
                      | grep '::' > "$d/ids.txt"
                  split -n "r/${SHARDS:-12}" "$d/ids.txt" "$d/shard_"
                  for f in "$d"/shard_*; do
