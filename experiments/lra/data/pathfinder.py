@@ -59,9 +59,10 @@ reference sd) finds no difference. CPU time per image on one core of the 2-core 
 (``write_pathfinder``, PNG included), batched vs reference: 2.0 vs 11 ms at 32, 28 vs 530 ms at 64,
 19-20 vs 141 ms at 128, 4.8 vs 13 ms at 256. On the 16-core GPU host: 3727 / 201 / 355 / 909 images/s at 32 / 64 / 128 / 256 px
 hard (200K Path-X in 9.4 minutes; 64 and 256 px measured before the last change, which cut ~20% at
-128 px). What remains at 128 px: gathers of the dilated occupancy ~25%, the rest of each growth
-step ~20%, distractors (still one at a time) ~10%, writes to the rasters ~10%, resets ~5%, then
-image assembly and PNG (see the study's README).
+128 px). A later rewrite of the growth step (byte-identical) made target sampling 1.8x faster at 64
+px and 1.3x at 128 px on the 2-core machine. What remains at 128 px: gathers of the dilated
+occupancy ~35% of a growth step, commits and collision tests ~15% each; distractors (still one at a
+time) ~15% of an image, then image assembly and PNG (see the study's README).
 
 Determinism: with the reference method image g of a (resolution, difficulty) is drawn from a
 generator seeded by ``(seed, resolution, difficulty, g)``; with the batched one it is slot g % K of
