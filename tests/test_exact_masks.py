@@ -172,6 +172,14 @@ def test_tilings(tiles, device):
         check_attention(triton_impl(mask), q, k, v, do, mask=mask, ref_kwargs=EXACT_REF)
 
 
+def test_tma_loads(device, tma_on):
+    """Every kernel on TMA descriptor loads (one loop, the element mask from a tile on) with bits."""
+    mask = BlockMask.from_fn(sliding_causal(40), 100, block_size=32).to(device)
+    q, k, v, do = make_qkv(1, 2, 1, 100, 100, 16, torch.bfloat16, device, seed=14)
+    check_attention(triton_impl(mask, causal=True), q, k, v, do, mask=mask, causal=True, ref_kwargs=EXACT_REF)
+    assert len(tma_on) == 3 and all(tma_on), f"a kernel did not take the TMA path: {tma_on}"
+
+
 # ---------------------------------------------------------------- exact=False, the short path, errors
 def test_exact_false_is_block_level(device):
     """exact=False gives the old block-level numbers bit for bit (those of mask.block_level()),
