@@ -372,19 +372,38 @@ def _exact_tile(p_tile, j, SUB: tl.constexpr, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _exact_bits(BITS, t, r, c, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, TRANS: tl.constexpr):
-    """Whether each pair of a tile is attended, from bit tile t (>= 0): rows r [BLOCK_M] and keys c
-    [BLOCK_N] counted from the mask block's corner. [BLOCK_M, BLOCK_N] bool, [BLOCK_N, BLOCK_M]
-    with TRANS. Row r of a tile holds ceil(MASK_BK / 32) int32 words, key c in bit c % 32 of
-    word c // 32 (`sparseflash.mask.ExactBits`); every index stays inside the tile."""
+def _exact_bits(BITS, t, r, c0, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+    """Whether each pair of a tile is attended, from bit tile t (>= 0): rows r [BLOCK_M] and keys
+    c0 .. c0 + BLOCK_N - 1 counted from the mask block's corner (c0 a multiple of BLOCK_N).
+    [BLOCK_M, BLOCK_N] bool, [BLOCK_N, BLOCK_M] with TRANS. Row r of a tile holds
+    ceil(MASK_BK / 32) int32 words, key c in bit c % 32 of word c // 32
+    (`sparseflash.mask.ExactBits`); every index stays inside the tile. From 32 keys on, a row's
+    BLOCK_N / 32 words are loaded once and expanded in registers: one load per key would move 32x
+    the bytes, and its software pipelining would hold BLOCK_M x BLOCK_N words of shared memory a
+    stage (over the sm_90 limit at d=128)."""
     W: tl.constexpr = (MASK_BK + 31) // 32
     p = BITS + t.to(tl.int64) * (MASK_BQ * W)
-    if TRANS:
-        w = tl.load(p + r[None, :] * W + (c // 32)[:, None])  # [BLOCK_N, BLOCK_M]
-        return ((w >> (c % 32)[:, None]) & 1) != 0
+    if BLOCK_N >= 32:
+        NW: tl.constexpr = BLOCK_N // 32
+        wi = c0 // 32 + tl.arange(0, NW)
+        sh = tl.arange(0, 32)
+        if TRANS:
+            w = tl.load(p + r[None, :] * W + wi[:, None])  # [NW, BLOCK_M]
+            b = (w[:, None, :] >> sh[None, :, None]) & 1  # [NW, 32, BLOCK_M]
+            return tl.reshape(b, (BLOCK_N, BLOCK_M)) != 0
+        else:
+            w = tl.load(p + r[:, None] * W + wi[None, :])  # [BLOCK_M, NW]
+            b = (w[:, :, None] >> sh[None, None, :]) & 1  # [BLOCK_M, NW, 32]
+            return tl.reshape(b, (BLOCK_M, BLOCK_N)) != 0
     else:
-        w = tl.load(p + r[:, None] * W + (c // 32)[None, :])  # [BLOCK_M, BLOCK_N]
-        return ((w >> (c % 32)[None, :]) & 1) != 0
+        c = c0 + tl.arange(0, BLOCK_N)
+        if TRANS:
+            w = tl.load(p + r[None, :] * W + (c // 32)[:, None])  # [BLOCK_N, BLOCK_M]
+            return ((w >> (c % 32)[:, None]) & 1) != 0
+        else:
+            w = tl.load(p + r[:, None] * W + (c // 32)[None, :])  # [BLOCK_M, BLOCK_N]
+            return ((w >> (c % 32)[None, :]) & 1) != 0
 
 
 # ----------------------------------------------------------------------------- score modifications
@@ -490,7 +509,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         if EXACT:  # a partial block: its bits; a full one (t < 0) costs one scalar load
             t = _exact_tile(p_tile, j, MASK_BK // BLOCK_N, EXACT)
             if t >= 0:
-                b_s = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, (start_n + o_n) % MASK_BK, MASK_BQ, MASK_BK, False),
+                b_s = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, start_n % MASK_BK, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, False),
                                b_s, float("-inf"))
         if MASKED and TMA:  # one loop: the element mask only from tile j_mask on (a branch per tile)
             if j >= j_mask:
@@ -650,7 +669,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
             if EXACT:
                 t = _exact_tile(p_tile, j, MASK_BQ // BLOCK_M, EXACT)
                 if t >= 0:
-                    b_p = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, o_n % MASK_BK, MASK_BQ, MASK_BK, False), b_p, 0.0)
+                    b_p = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, start_n % MASK_BK, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, False), b_p, 0.0)
             if TMA:
                 b_do = DESC_DO.load([i_b, i_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
             else:
@@ -685,7 +704,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
             if EXACT:
                 t = _exact_tile(p_tile, j, MASK_BQ // BLOCK_M, EXACT)
                 if t >= 0:
-                    b_pT = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, o_n % MASK_BK, MASK_BQ, MASK_BK, True), b_pT, 0.0)
+                    b_pT = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, start_n % MASK_BK, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, True), b_pT, 0.0)
             if TMA:
                 b_do = DESC_DO.load([i_b, i_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
             else:
@@ -872,7 +891,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
         if EXACT:
             t = _exact_tile(p_tile, j, MASK_BK // BLOCK_N, EXACT)
             if t >= 0:
-                b_p = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, (start_n + o_n) % MASK_BK, MASK_BQ, MASK_BK, False),
+                b_p = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, start_n % MASK_BK, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, False),
                                b_p, 0.0)
         b_dp = _dot(do, tl.trans(b_v), None, DOT_PREC)  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
