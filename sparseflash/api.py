@@ -154,7 +154,9 @@ def _scale(scale, q) -> float:
 
 
 def _check_exact(exact) -> bool:
-    if exact.__class__ is not bool:
+    # isinstance, not a class identity test: under torch.compile (torch 2.11) the identity test of a
+    # traced constant fails, which broke every compiled call
+    if not isinstance(exact, bool):
         raise TypeError(f"exact must be a bool (True: a mask's token-level definition is applied inside its partial "
                         f"blocks; False: every pair of an on block is attended), got {exact!r}")
     return exact
