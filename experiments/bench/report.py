@@ -431,6 +431,22 @@ def packed_section(v: dict) -> None:
     v["pk_rows"] = f"{_stamp(rows, 'batch')} rows of {_stamp(rows, 'seq_len') // 1024}K tokens"
 
 
+def exact_section(v: dict) -> None:
+    """Token-exact masks against the same mask block-level and FlexAttention (GPU time)."""
+    rows = pick(table(f"{RES}/exact/exact.csv"), status="ok")
+    ex = pick(rows, provider="sparseflash-exact")
+    other = lambda r, p: one(rows, provider=p, mask=r["mask"], head_dim=r["head_dim"])
+    for m, col in (("fwd", "fwd_gpu_ms"), ("fb", "fwdbwd_gpu_ms")):
+        v[f"ex_x_flex_{m}"] = span([other(r, "flex")[col] / r[col] for r in ex])
+        v[f"ex_cost_{m}"] = pct_span([r[col] / other(r, "sparseflash-block")[col] - 1 for r in ex])
+    v["ex_diff"] = f"{max(r['max_diff_vs_flex'] for r in ex):.3g}"
+    v["ex_block_diff"] = span([r["max_diff_vs_flex"] for r in pick(rows, provider="sparseflash-block")], "{:.2g}")
+    win = pick(ex, mask="sliding-window")[0]
+    v["ex_bits"] = f"{win['bits_mb']:.2f} MB ({int(win['partial_blocks'])} partial blocks, built once in {win['bits_build_ms']:.0f} ms)"
+    v["ex_gpu"], v["ex_commit"], v["ex_date"] = _stamp(rows, "device_name"), _stamp(rows), day(_stamp(rows, "date"))
+    v["ex_shape"] = f"{_stamp(rows, 'seq_len') // 1024}K tokens, {_stamp(rows, 'heads')} heads, {_stamp(rows, 'dtype')}"
+
+
 # ----------------------------------------------------------------------------- LRA training steps (read only)
 LRA_SPARSE_MAX = 0.5  # block-sparse LRA steps counted: density at most this
 
@@ -478,6 +494,7 @@ def values() -> dict[str, str]:
     short_rows_section(v, kc)
     host_section(v)
     packed_section(v)
+    exact_section(v)
     lra_section(v)
     stamped = [kc, table(f"{RES}/causal/sparsity.csv"), table(f"{RES}/seqlen/seqlen.csv"), table(f"{RES}/sparsity/sparsity.csv"),
                hop, table(f"{RES}/kernel-check-h200/sparsity.csv")]
