@@ -502,6 +502,44 @@ def test_gpu_cuda_graphs_match_eager(tmp_path, precision):
             assert float(sa["step"]) == float(sb["step"]) == 12, name
 
 
+def _eager_step(model, opt, b, device):
+    """The optimizer's first step, eagerly, as `_Run._eager_update` takes it: in a function, so its
+    autograd graph is gone when it returns (as it is in a training run) and the capture that
+    follows makes the parameters' gradient accumulators anew on its own stream."""
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        logits = model(b["tokens"].to(device), b["lengths"].to(device))
+    torch.nn.functional.cross_entropy(logits.float(), b["labels"].to(device)).backward()
+    opt.step()
+
+
+def test_graphed_step_refuses_a_live_autograd_graph(monkeypatch):
+    """An eager step's graph still referenced (its logits kept) binds the parameters' gradient
+    accumulators to its stream, which a capture cannot use: GraphedTrainStep says so before
+    anything is captured (on a GPU the capture would fail and leave the process's CUDA state
+    unusable), leaves the caller's gradients alone, and captures once the graph is dropped."""
+    import importlib
+
+    adam = importlib.import_module("torch.optim.adam")
+    real = adam._get_capturable_supported_devices
+    monkeypatch.setattr(adam, "_get_capturable_supported_devices", lambda *a, **k: [*real(*a, **k), "cpu"])
+    model = _pixel_model().train()
+    opt = T._optimizer(model, pixel_config().train, torch.device("cpu"), capturable=True)
+    step = _CPUGraphedTrainStep(model, opt, torch.zeros(4, dtype=torch.float64), grad_clip=1.0, autocast_dtype=None)
+    data = Pixels(8, side=16, seed=6)
+    b = T.collate([data[i] for i in range(8)])
+    assert not step.run(b)
+    logits = model(b["tokens"], b["lengths"])  # kept: its graph reaches every parameter
+    torch.nn.functional.cross_entropy(logits, b["labels"]).backward()
+    opt.step()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="autograd graph through .* still alive"):
+        step.run(b)
+    assert not step.graphs and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    del logits
+    assert step.run(b) and step.summary()["graphs"] == 1
+    assert step.run(b) and step.summary()["replayed"] == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dropout,attn_dropout", [(0.0, 0.0), (0.0, 0.1), (0.1, 0.0)],
                          ids=["off", "attention", "residual"])
@@ -523,10 +561,7 @@ def test_gpu_cuda_graph_replays_draw_fresh_dropout(dropout, attn_dropout):
     data = Pixels(16, seed=5)
     b = T.collate([data[i] for i in range(16)])
     assert not step.run(b)  # no optimizer state yet: the caller steps eagerly (here by hand)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = model(b["tokens"].to(device), b["lengths"].to(device))
-    torch.nn.functional.cross_entropy(logits.float(), b["labels"].to(device)).backward()
-    opt.step()
+    _eager_step(model, opt, b, device)
     before = [p.detach().clone() for p in model.parameters()]
     losses = []
     for _ in range(4):
@@ -539,6 +574,42 @@ def test_gpu_cuda_graph_replays_draw_fresh_dropout(dropout, attn_dropout):
         assert len(set(losses)) == len(losses), losses
     else:
         assert len(set(losses)) == 1, losses
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_refuses_a_live_autograd_graph():
+    """The state the capture cannot handle, on a GPU: the eager first step's logits kept, so its
+    graph holds the parameters' gradient accumulators on the default stream (a captured backward
+    would make the legacy stream wait on the capturing one: cudaErrorStreamCaptureImplicit). The
+    step refuses before capturing, the process stays usable, and once the logits are dropped the
+    step is captured and replayed. (Last of the graph tests: should the refusal ever miss, the
+    failed capture could not spoil the others.)"""
+    from sparseflash.experiments.lra.model import LRAClassifier
+
+    cfg = pixel_config()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = LRAClassifier(cfg.model).to(device).train()
+    opt = T._optimizer(model, cfg.train, device, capturable=True)
+    window = torch.zeros(4, dtype=torch.float64, device=device)
+    step = T.GraphedTrainStep(model, opt, window, grad_clip=1.0)
+    data = Pixels(16, seed=5)
+    b = T.collate([data[i] for i in range(16)])
+    assert not step.run(b)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(b["tokens"].to(device), b["lengths"].to(device))
+    torch.nn.functional.cross_entropy(logits.float(), b["labels"].to(device)).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="autograd graph through .* still alive"):
+        step.run(b)
+    assert not step.graphs
+    del logits
+    for _ in range(2):
+        window.zero_()
+        assert step.run(b)
+        assert torch.isfinite(window).all() and window[2].item() == 16
+    torch.cuda.synchronize()
+    assert step.summary()["graphs"] == 1 and step.summary()["replayed"] == 2
 
 
 # ---------------------------------------------------------------- the speed experiment (speed.py)

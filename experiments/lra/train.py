@@ -51,7 +51,8 @@ widest image rounded up to the block size, computed by the loader's workers from
 (`collate_planned`, `model.host_plan`), so a step reads nothing back from the device: its host
 cost is three input copies, the lr and a replay, where the eager Path-X step is bound by the
 host's launches. The optimizer's first step runs eagerly (it makes the AdamW state); evaluation
-stays eager. Dropout draws fresh masks at each replay from the device generator (sparseflash's
+stays eager. A capture needs every autograd graph through the parameters gone (a caller keeping an
+eager step's loss or logits gets a clear error instead of a failed capture). Dropout draws fresh masks at each replay from the device generator (sparseflash's
 attention dropout draws its seed there too), so a run with dropout is statistically, not bitwise,
 the eager one, and a resumed run (its graphs captured anew) is not bit-identical to an
 uninterrupted one; without dropout the losses and weights agree with eager training to float
@@ -577,8 +578,10 @@ class GraphedTrainStep:
     - Randomness: dropout (torch's and sparseflash's, which draws its seed with a torch random op
       on the device) comes from the device's default generator, which CUDA graphs advance at
       every replay: fresh masks each step. The warm-up before a capture restores the generator.
-    - Before a capture: two forward+backward passes on the capture stream (Triton compiles, caches
-      of masks and indices are filled outside the graph), RNG restored, gradients zeroed.
+    - Before a capture: no autograd graph through the parameters may be alive (`_check_no_live_graph`:
+      else a clear error, before anything is captured), then two forward+backward passes on the
+      capture stream (Triton compiles, caches of masks and indices are filled outside the graph),
+      RNG restored, gradients zeroed.
     - One memory pool for all graphs: everything a graph keeps (parameters, gradients, optimizer
       state, lr, window, inputs) lives outside it, so graphs only share scratch and never run at once.
     - Capture runs with ``capture_error_mode="thread_local"``: the loader's pin-memory thread keeps
@@ -647,12 +650,54 @@ class GraphedTrainStep:
 
     def _capture(self, key: tuple[int, bool]) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
+        self._check_no_live_graph(params)
         for p in params:  # the first warm-up's backward makes the static gradients (those the step gives)
             p.grad = None if self.grads is None else self.grads.get(p)
         self._warm_up(key)
         if self.grads is None:
             self.grads = {p: p.grad for p in params if p.grad is not None}
         self.graphs[key] = self._record(key)
+
+    @staticmethod
+    def _check_no_live_graph(params: list) -> None:
+        """Raise before a capture if an autograd graph through ``params`` is still alive.
+
+        Autograd keeps one gradient accumulator (AccumulateGrad node) per parameter while any graph
+        through it lives, and runs it on the stream that was current when the node was made. A graph
+        kept alive from an eager step (a loss or logits still referenced) thus binds the accumulators
+        to the default stream: the captured backward would have to make the legacy stream wait on
+        the capturing one, which CUDA refuses (cudaErrorStreamCaptureImplicit); the capture is then
+        invalidated, and after the failed capture even eager random ops of the process fail (seen on
+        an H100, torch 2.11), so the check comes first. Only without such a graph does the warm-up
+        make the accumulators anew on the capture stream. A parameter's accumulator is alive iff a tag set on
+        it survives dropping every reference this method holds; graphs kept only by reference
+        cycles are collected first."""
+        def accumulator(p):
+            with torch.enable_grad():  # a view of a leaf: no kernel; its grad_fn leads to the accumulator
+                return p.view_as(p).grad_fn.next_functions[0][0]
+
+        def alive() -> list:
+            tag = "_sparseflash_graphed_probe"
+            for p in params:
+                accumulator(p).metadata[tag] = True  # made here and freed at once unless a graph holds it
+            held = []
+            for p in params:
+                meta = accumulator(p).metadata
+                if meta.pop(tag, False):
+                    held.append(p)
+            return held
+
+        held = alive()
+        if held:
+            gc.collect()
+            held = alive()
+        if held:
+            raise RuntimeError(
+                f"--cuda-graphs: an autograd graph through {len(held)} of the model's {len(params)} trainable "
+                f"parameters is still alive (a loss, logits or other output of an earlier forward still "
+                f"referenced): its gradient accumulators run on the stream it ran on, so the training step "
+                f"cannot be captured; drop those references (e.g. `del loss, logits`, or run the eager step "
+                f"in a function) before GraphedTrainStep.run")
 
     def _warm_up(self, key: tuple[int, bool]) -> None:
         """Forward+backward passes of the step on the capture stream, outside any graph (kernels
