@@ -44,20 +44,21 @@ upsamples its 2-D position grid (2x2 duplication from Path-64 to Path-X).
 
 CUDA graphs. ``--cuda-graphs`` (one CUDA process, classifier, not with ``--compile``) replays each
 training step from a CUDA graph (`GraphedTrainStep`): forward, loss, backward, clipping, AdamW and
-the log window's update, one graph per bucket of (attended width, nothing is padding), captured
-when first seen, at most ``--max-graphs`` (16; past it a batch takes the narrowest wider graph,
-else an eager step, with one warning). With ``model.black_is_padding`` the width is the batch's
-widest image rounded up to the block size, computed by the loader's workers from the CPU batch
-(`collate_planned`, `model.host_plan`), so a step reads nothing back from the device: its host
-cost is three input copies, the lr and a replay, where the eager Path-X step is bound by the
-host's launches. The optimizer's first step runs eagerly (it makes the AdamW state); evaluation
-stays eager. A capture needs every autograd graph through the parameters gone (a caller keeping an
-eager step's loss or logits gets a clear error instead of a failed capture). Dropout draws fresh masks at each replay from the device generator (sparseflash's
-attention dropout draws its seed there too), so a run with dropout is statistically, not bitwise,
-the eager one, and a resumed run (its graphs captured anew) is not bit-identical to an
-uninterrupted one; without dropout the losses and weights agree with eager training to float
-rounding (test_gpu_cuda_graphs_match_eager). Checkpoints are the same as eager ones (float lrs;
-only the groups' ``capturable`` flag differs, set by each command) and resume either way.
+the log window's update, one graph per bucket of (attended width, nothing is padding), captured when
+first seen, at most ``--max-graphs`` (16; past it a batch takes the narrowest wider graph, else an
+eager step, with one warning). With ``model.black_is_padding`` the width is the batch's widest image
+rounded up to the block size, computed by the loader's workers from the CPU batch
+(`collate_planned`, `model.host_plan`), so a step reads nothing back from the device: its host cost
+is three input copies, the lr and a replay, where the eager Path-X step is bound by the host's
+launches. The optimizer's first step runs eagerly (it makes the AdamW state); evaluation stays
+eager. A capture needs every autograd graph through the parameters gone (a caller keeping an eager
+step's loss or logits gets a clear error instead of a failed capture). Dropout draws fresh masks at
+each replay from the device generator (sparseflash's attention dropout draws its seed there too), so
+a run with dropout is statistically, not bitwise, the eager one, and a resumed run (its graphs
+captured anew) is not bit-identical to an uninterrupted one; without dropout the losses and weights
+agree with eager training to float rounding (test_gpu_cuda_graphs_match_eager). Checkpoints are the
+same as eager ones (float lrs; only the groups' ``capturable`` flag differs, set by each command)
+and resume either way.
 
 Self-pretraining (SPT; Amos, Berant & Gupta, "Never Train from Scratch", ICLR 2024).
 ``--objective denoise`` (``train.objective``) trains the same encoder, on the task's own training
@@ -669,9 +670,9 @@ class GraphedTrainStep:
         the capturing one, which CUDA refuses (cudaErrorStreamCaptureImplicit); the capture is then
         invalidated, and after the failed capture even eager random ops of the process fail (seen on
         an H100, torch 2.11), so the check comes first. Only without such a graph does the warm-up
-        make the accumulators anew on the capture stream. A parameter's accumulator is alive iff a tag set on
-        it survives dropping every reference this method holds; graphs kept only by reference
-        cycles are collected first."""
+        make the accumulators anew on the capture stream. A parameter's accumulator is alive iff a
+        tag set on it survives dropping every reference this method holds; graphs kept only by
+        reference cycles are collected first."""
         def accumulator(p):
             with torch.enable_grad():  # a view of a leaf: no kernel; its grad_fn leads to the accumulator
                 return p.view_as(p).grad_fn.next_functions[0][0]
