@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseflash.mask import BlockMask, _check_len, _pair
+from sparseflash.mask import BlockMask, _pair, check_len
 
 
 def check_int(value, name: str, minimum: int = 0, what: str = "int") -> int:
@@ -71,8 +71,8 @@ class Grid:
 
 
 def grid(seq_len, seq_k, block_size, device) -> Grid:
-    seq_q = _check_len(seq_len, "seq_len")
-    seq_k = seq_q if seq_k is None else _check_len(seq_k, "seq_k")
+    seq_q = check_len(seq_len, "seq_len")
+    seq_k = seq_q if seq_k is None else check_len(seq_k, "seq_k")
     bq, bk = _pair(block_size)
     qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
     off = seq_k - seq_q

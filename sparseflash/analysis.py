@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseflash._picture import plot_layout
-from sparseflash.mask import BlockMask, _check_len
+from sparseflash.mask import BlockMask, check_len
 
 __all__ = [
     "plot_mask", "row_stats", "reach_layers", "ZooEntry", "zoo", "zoo_table", "format_table",
@@ -143,10 +143,10 @@ def zoo(seq_len: int, *, block_size: int = 128, device=None) -> list[ZooEntry]:
     """
     from sparseflash import patterns as P
 
-    n = _check_len(seq_len, "seq_len")
+    n = check_len(seq_len, "seq_len")
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int for the zoo (butterfly needs square blocks), got {block_size!r}")
-    b = _check_len(block_size, "block_size")
+    b = check_len(block_size, "block_size")
     nb = math.ceil(n / b)
     s = max(1, round(math.sqrt(nb)))
     l = s * b

@@ -1,5 +1,12 @@
 """`sparseflash.attention`: input validation and dispatch to the Triton kernels or the reference.
 
+The call path: `attention` tries the short path of repeated eager calls first
+(`sparseflash.flash.fast.try_call`: a call seen before skips validation; a new one is validated
+here), else validates (`_check_inputs`) and dispatches to `sparseflash.reference.attention` or
+`sparseflash.flash.flash_attention` (flash/function.py: the autograd Function and torch.library
+ops) -> `launch.fwd` / `launch.bwd` (flash/launch.py; `flash/dispatch.py` picks the portable
+Triton kernels of flash/kernels.py or the Hopper Gluon ones of flash/hopper.py, hopper_bwd.py).
+
 Every option and the paths a call can take:
 
 `sparseflash.attention(q, k, v, mask=None, *, causal=False, scale=None, key_lengths=None,
@@ -93,7 +100,7 @@ import torch
 
 from sparseflash.dropout import check_p as check_dropout_p
 from sparseflash.mask import BlockMask, as_block_mask
-from sparseflash.mask import _tracing as _capturing
+from sparseflash.mask import tracing as _capturing
 from sparseflash.segments import check_key_ranges, check_segment_ids
 
 __all__ = ["attention", "resolve_backend", "key_lengths_range"]
@@ -169,6 +176,18 @@ def _needs_bits(mask, q, exact: bool) -> bool:
         and mask.exact_bits(q.device) is not None
 
 
+def _checks_lengths(check_key_lengths: bool | None) -> bool:
+    """Whether a call checks its key_lengths' range: its own choice, else `CHECK_KEY_LENGTHS`."""
+    return CHECK_KEY_LENGTHS if check_key_lengths is None else check_key_lengths
+
+
+def _validated_scale(q, k, v, mask, causal, scale, key_lengths, check_key_lengths, backend) -> float | None:
+    """For the short path's new keys: the checks of `_check_inputs` (a call without dropout), then
+    the call's resolved scale when the backend resolves to the kernels, else None."""
+    _check_inputs(q, k, v, mask, causal, scale, key_lengths, 0.0, check_key_lengths)
+    return _scale(scale, q) if resolve_backend(backend, q.device, q.dtype) == "triton" else None
+
+
 def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -206,7 +225,7 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_ke
             raise ValueError(
                 f"mask was built for seq_q={mask.seq_q}, seq_k={mask.seq_k} but q has seq {Nq} and k has seq {Nk}"
             )
-        mask._check_broadcast(B, Hq, "mask")
+        mask.check_broadcast(B, Hq, "mask")
     if key_lengths is not None:
         if not isinstance(key_lengths, torch.Tensor):
             raise TypeError(f"key_lengths must be an integer torch.Tensor [batch], got {type(key_lengths).__name__}")
@@ -216,7 +235,7 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_ke
             raise ValueError(f"key_lengths must have shape [batch] = [{B}], got {tuple(key_lengths.shape)}")
         if key_lengths.device != q.device:
             raise ValueError(f"key_lengths must be on q's device {q.device}, got {key_lengths.device}")
-        if (CHECK_KEY_LENGTHS if check_key_lengths is None else check_key_lengths) and not _capturing():
+        if _checks_lengths(check_key_lengths) and not _capturing():
             key_lengths_range(key_lengths, Nk)
 
 
@@ -325,18 +344,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0 \
             and not _needs_bits(mask, q, exact):
         # the short path of a repeated eager call (sparseflash.flash.fast): a known key skips validation
-        # and planning; a new one is validated here first. None: a call it does not take.
-        fast = _FAST or _fast_module()
-        entry = fast.lookup(q, k, v, mask, causal, scale, key_lengths)
-        if entry is not None:
-            if entry.__class__ is fast.Miss:
-                _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
-                entry = fast.build(entry, q, k, v, mask, causal, _scale(scale, q), key_lengths,
-                                   resolve_backend(backend, q.device, q.dtype) == "triton")
-            elif key_lengths is not None and (CHECK_KEY_LENGTHS if check_key_lengths is None else check_key_lengths):
-                key_lengths_range(key_lengths, k.shape[2])  # (not while capturing: lookup says None then)
-            if entry is not None:
-                return fast.call(entry, q, k, v, key_lengths)
+        # and planning; a new one is validated first (the lambda). None: a call it does not take.
+        out = (_FAST or _fast_module()).try_call(
+            q, k, v, mask, causal, scale, key_lengths,
+            lambda: _validated_scale(q, k, v, mask, causal, scale, key_lengths, check_key_lengths, backend),
+            key_lengths_range if key_lengths is not None and _checks_lengths(check_key_lengths) else None)
+        if out is not None:
+            return out
     _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
     ranges = check_key_ranges(key_ranges, q.shape[0], q.shape[2], k.shape[2], q.device)

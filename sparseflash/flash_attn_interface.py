@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from sparseflash.api import attention
-from sparseflash.mask import _tracing
+from sparseflash.mask import tracing
 from sparseflash.segments import key_ranges_from_cu_seqlens
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
@@ -165,7 +165,7 @@ def _check_cu_seqlens(cu, name: str, total: int, max_seqlen, max_name: str, devi
         raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"{max_name} must be a non-negative int, got {max_seqlen!r}")
-    if _tracing():
+    if tracing():
         return
     c = cu.cpu().long()
     lengths = c[1:] - c[:-1]
@@ -233,7 +233,7 @@ def _alibi_packed(slopes, q, k, cu_q, cu_k, mask) -> bool:
         raise ValueError(f"alibi_slopes must be a float32 tensor [nheads] = [{q.shape[1]}] or [batch, nheads] = "
                          f"[{n_seq}, {q.shape[1]}] (batch: the sequences of cu_seqlens_q), got {got}")
     per_head = slopes.dim() == 1 or n_seq == 1
-    if _tracing():
+    if tracing():
         same = cu_q is cu_k and q.shape[0] == k.shape[0]
         if not (per_head and same):
             raise NotImplementedError("alibi_slopes in flash_attn_varlen_func under torch.compile needs per-head "

@@ -74,7 +74,8 @@ def _pair(block_size, name: str = "block_size") -> tuple[int, int]:
     return bq, bk
 
 
-def _check_len(value, name: str) -> int:
+def check_len(value, name: str) -> int:
+    """``value`` when it is a positive int number of tokens; else a TypeError / ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int number of tokens, got {value!r}")
     if value <= 0:
@@ -82,12 +83,12 @@ def _check_len(value, name: str) -> int:
     return value
 
 
-def _tracing() -> bool:
+def tracing() -> bool:
     """True under torch.compile tracing or CUDA-graph capture, where reading values would sync or break."""
     return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _sorted_nonzero(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_nonzero(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of a bool [..., R, C] tensor: (count [..., R] int32, indices [..., R, C] int32).
 
     Nonzero column indices come first in increasing order; padding entries hold C.
@@ -384,7 +385,8 @@ class BlockMask:
     module docstring).
     """
 
-    __slots__ = ("layout", "block_size", "seq_q", "seq_k", "mask_mod", "_full", "_index_cache", "_exact_cache", "_fast")
+    __slots__ = ("layout", "block_size", "seq_q", "seq_k", "mask_mod", "_full", "_index_cache", "_exact_cache",
+                 "fast_entries")
 
     def __init__(self, layout: torch.Tensor, block_size=128, seq_q: int | None = None, seq_k: int | None = None,
                  *, full: torch.Tensor | None = None, mask_mod=None):
@@ -393,8 +395,8 @@ class BlockMask:
         qb, kb = layout.shape[-2:]
         if seq_q is None:
             raise TypeError("seq_q is required: the number of query tokens the mask was built for")
-        seq_q = _check_len(seq_q, "seq_q")
-        seq_k = seq_q if seq_k is None else _check_len(seq_k, "seq_k")
+        seq_q = check_len(seq_q, "seq_q")
+        seq_k = seq_q if seq_k is None else check_len(seq_k, "seq_k")
         if qb != math.ceil(seq_q / bq) or kb != math.ceil(seq_k / bk):
             raise ValueError(
                 f"layout grid {qb}x{kb} does not match seq_q={seq_q}, seq_k={seq_k} with block size "
@@ -422,7 +424,7 @@ class BlockMask:
         self._full = full
         self._index_cache: dict[torch.device, BlockIndex] = {}
         self._exact_cache: dict[torch.device, ExactBits | None] = {}
-        self._fast: dict = {}  # sparseflash.flash.fast's entries for calls with this mask
+        self.fast_entries: dict = {}  # sparseflash.flash.fast's entries for calls with this mask
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -497,8 +499,8 @@ class BlockMask:
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable as fn(b, h, q_idx, kv_idx) -> bool tensor, got {fn!r}")
-        seq_q = _check_len(seq_q, "seq_q")
-        seq_k = seq_q if seq_k is None else _check_len(seq_k, "seq_k")
+        seq_q = check_len(seq_q, "seq_q")
+        seq_k = seq_q if seq_k is None else check_len(seq_k, "seq_k")
         for name, v in (("batch", batch), ("heads", heads)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive int or None (shared), got {v!r}")
@@ -637,12 +639,12 @@ class BlockMask:
         cached = self._index_cache.get(device)
         if cached is None:
             layout = self.layout.to(device)
-            kv_num, kv_idx = _sorted_nonzero(layout)
-            q_num, q_idx = _sorted_nonzero(layout.transpose(-1, -2))
-            cached = BlockIndex(kv_num, kv_idx, q_num, q_idx, None if _tracing() else self.density())
+            kv_num, kv_idx = sorted_nonzero(layout)
+            q_num, q_idx = sorted_nonzero(layout.transpose(-1, -2))
+            cached = BlockIndex(kv_num, kv_idx, q_num, q_idx, None if tracing() else self.density())
             if not torch.compiler.is_compiling():
                 self._index_cache[device] = cached
-        elif cached.density is None and not _tracing():
+        elif cached.density is None and not tracing():
             cached = self._index_cache[device] = replace(cached, density=self.density())
         return cached
 
@@ -665,7 +667,7 @@ class BlockMask:
             return self._exact_cache[device]
         except KeyError:
             pass
-        if _tracing():
+        if tracing():
             raise RuntimeError(
                 "a mask with a token-level definition (mask_mod) builds its partial blocks' bits on first use, "
                 "which cannot happen inside torch.compile or CUDA-graph capture: call mask.exact_bits(device) once "
@@ -688,7 +690,7 @@ class BlockMask:
 
     def expand_as_heads(self, batch: int, heads: int) -> "BlockMask":
         """A mask whose layout is materialised to ``[batch, heads, QB, KB]``."""
-        self._check_broadcast(batch, heads)
+        self.check_broadcast(batch, heads)
         shape = (batch, heads, *self.num_blocks)
         return BlockMask(self.layout.expand(shape).contiguous(), self.block_size, self.seq_q, self.seq_k,
                          full=None if self._full is None else self._full.expand(shape).contiguous(),
@@ -801,7 +803,8 @@ class BlockMask:
                 mod = own_mod
         return cls(layout, (bq, bk), seq_q, seq_k, full=None if mod is None else full, mask_mod=mod)
 
-    def _check_broadcast(self, batch: int, heads: int, what: str = "mask") -> None:
+    def check_broadcast(self, batch: int, heads: int, what: str = "mask") -> None:
+        """Raises unless the layout broadcasts to ``batch`` x ``heads`` (each 1 or equal)."""
         b, h = self.layout.shape[:2]
         if b not in (1, batch) or h not in (1, heads):
             raise ValueError(

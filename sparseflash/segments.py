@@ -49,7 +49,7 @@ _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def _tracing() -> bool:
-    from sparseflash.mask import _tracing as tracing
+    from sparseflash.mask import tracing
 
     return tracing()
 

@@ -23,8 +23,8 @@ except ImportError as e:  # pragma: no cover
     print(f"cannot compile for CUDA here: {e}")
     sys.exit(3)
 
-from sparseflash.flash import kernels, launch  # noqa: E402
-from sparseflash.flash.launch import TileConfig  # noqa: E402
+from sparseflash.flash import kernels, launch, operands, tiles  # noqa: E402
+from sparseflash.flash.tiles import TileConfig  # noqa: E402
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 
@@ -71,16 +71,16 @@ def main(names) -> None:
     o, do, dq, dk, dv = (torch.empty_like(t) for t in (q, q, q, k, v))
     lse, delta = torch.empty(B, H, N), torch.empty(B, H, N)
     seg = (torch.zeros(B, N, dtype=torch.int32), torch.zeros(B, N, dtype=torch.int32))
-    ranges = launch.KeyRanges((torch.zeros(1, 2, N, dtype=torch.int32),) * 2)
+    ranges = operands.KeyRanges((torch.zeros(1, 2, N, dtype=torch.int32),) * 2)
     slopes = torch.rand(1, H)
     kl = torch.full((B,), N, dtype=torch.int64)
     rng = torch.zeros(3, dtype=torch.int64)
     variants = {  # name: (seg, softcap, dropout_p, causal, key_lengths)
         "default": (None, 0.0, 0.0, False, None),
         "softcap-causal": (None, 30.0, 0.0, True, None),
-        "alibi-keylen": (launch.with_alibi(None, slopes), 0.0, 0.0, True, kl),
-        "alibi-segments-softcap": (launch.with_alibi(seg, slopes), 5.0, 0.0, False, None),
-        "alibi-ranges-dropout": (launch.with_alibi(ranges, slopes), 0.0, 0.1, False, None),
+        "alibi-keylen": (operands.with_alibi(None, slopes), 0.0, 0.0, True, kl),
+        "alibi-segments-softcap": (operands.with_alibi(seg, slopes), 5.0, 0.0, False, None),
+        "alibi-ranges-dropout": (operands.with_alibi(ranges, slopes), 0.0, 0.1, False, None),
         "exact-causal": (None, 0.0, 0.0, True, None),  # a sliding-window mask's partial-block bits
     }
     target = GPUTarget("cuda", 90, 32)
@@ -94,21 +94,21 @@ def main(names) -> None:
             mask = BlockMask.from_fn(lambda b, h, qi, kv: (qi >= kv) & (qi - kv < 100), N, block_size=128)
             index, eb = mask.index(), mask.exact_bits()
             kv_idx, q_idx, mb = index.kv_idx, index.q_idx, 128
-            ex = launch.ExactTiles((eb.bits, eb.kv_tile, eb.q_tile))
+            ex = operands.ExactTiles((eb.bits, eb.kv_tile, eb.q_tile))
         for q_rows in (False, True):
-            with launch.tile_config(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(128, 64, 8, 3),
+            with tiles.tile_config(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(128, 64, 8, 3),
                                     dkdv=TileConfig(64, 128, 8, 3, q_rows=q_rows)):
                 jobs = [("dkdv", launch._dkdv_plan(do, q, k, v, dk, dv, q_idx, klv, 0.125, causal, mb, mb, p, None, s,
                                                    cap, ex),
-                         launch._dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, klv, s, r, (q, k, v, do),
+                         operands.dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, klv, s, r, (q, k, v, do),
                                               ex and (ex[2], ex[0])))]
                 if not q_rows:
                     jobs += [("fwd", launch._fwd_plan(q, k, v, o, kv_idx, klv, 0.125, causal, mb, mb, p, None, s, cap,
                                                       ex),
-                              launch._fwd_tensors(q, k, v, o, lse, kv_idx, klv, s, r, (q, k, v), ex and (ex[1], ex[0]))),
+                              operands.fwd_tensors(q, k, v, o, lse, kv_idx, klv, s, r, (q, k, v), ex and (ex[1], ex[0]))),
                              ("dq", launch._dq_plan(do, q, k, v, o, dq, kv_idx, klv, 0.125, causal, mb, mb, p, None, s,
                                                     False, cap, ex),
-                              launch._dq_tensors(q, k, v, o, do, lse, None, delta, dq, kv_idx, klv, s, r,
+                              operands.dq_tensors(q, k, v, o, do, lse, None, delta, dq, kv_idx, klv, s, r,
                                                  (q, k, v, do, o), ex and (ex[1], ex[0])))]
                 for kind, plan, ts in jobs:
                     ptx = compile_plan(plan, ts, target)

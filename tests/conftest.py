@@ -93,24 +93,24 @@ def tma_on(monkeypatch, device):
     the path it meant to cover was taken."""
     import torch
 
-    from sparseflash.flash import launch
+    from sparseflash.flash import tiles
 
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA descriptors need sm_90 or newer")
     from sparseflash.flash import fast
 
-    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    monkeypatch.setattr(tiles, "TMA_MODE", "on")
     # these tests cover the portable kernels' descriptor loads: the Hopper forward stays out
     monkeypatch.setattr("sparseflash.flash.hopper.MODE", "off")
     # every call through the launchers' decisions (the short path takes only calls without descriptors)
     monkeypatch.setattr(fast, "ENABLED", False)
     taken = []
-    real = launch._tma_args
+    real = tiles.tma_args
 
     def spy(*a):
         args, tma = real(*a)
         taken.append(tma)
         return args, tma
 
-    monkeypatch.setattr(launch, "_tma_args", spy)
+    monkeypatch.setattr(tiles, "tma_args", spy)
     return taken

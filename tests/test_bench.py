@@ -386,12 +386,12 @@ def test_presets_and_defaults_resolve_without_a_gpu():
 
 def test_tune_configs_parse():
     from sparseflash.experiments.bench import tune_tiles
-    from sparseflash.flash import launch
+    from sparseflash.flash import tiles
 
     assert tune_tiles.parse_config("64,64,4,3") == (64, 64, 4, 3)
     assert tune_tiles.parse_config("64,64,4,3,168") == (64, 64, 4, 3, 168)
     assert tune_tiles.parse_config("64,64,4,3,,1") == (64, 64, 4, 3, None, True)
-    assert launch.TileConfig(*tune_tiles.parse_config("128,64,8,3,128,0")) == launch.TileConfig(128, 64, 8, 3, 128, False)
+    assert tiles.TileConfig(*tune_tiles.parse_config("128,64,8,3,128,0")) == tiles.TileConfig(128, 64, 8, 3, 128, False)
     for bad in ("64,64,4", "64,,4,3"):
         with pytest.raises(ValueError, match="tile config"):
             tune_tiles.parse_config(bad)

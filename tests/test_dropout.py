@@ -12,7 +12,7 @@ from _attn_check import check_attention, make_qkv
 import sparseflash
 from sparseflash import BlockMask
 from sparseflash.dropout import effective_p, keep_mask, next_seed_offset
-from sparseflash.flash import launch
+from sparseflash.flash import TileConfig, launch, tile_config
 
 
 def _gen(device, seed):
@@ -106,10 +106,10 @@ def test_keep_mask_does_not_depend_on_tiles(tiles, device, monkeypatch):
     q, k, v, do = make_qkv(B, H, H, Nq, Nk, D, torch.float32, device, seed=4)
     seed, offset = next_seed_offset(device, _gen(device, 21))
     keep = keep_mask(seed, offset, B, H, Nq, Nk, p, device=device)
-    cfg = [launch.TileConfig(*t) if len(t) > 2 else launch.TileConfig(*t, 4, 1) for t in tiles]
+    cfg = [TileConfig(*t) if len(t) > 2 else TileConfig(*t, 4, 1) for t in tiles]
 
     def impl(q, k, v):
-        with launch.tile_config(*cfg):
+        with tile_config(*cfg):
             return sparseflash.attention(q, k, v, mask=mask, dropout_p=p, generator=_gen(device, 21), backend="triton")
 
     check_attention(impl, q, k, v, do, mask=mask, ref_kwargs=dict(dropout_p=effective_p(p), dropout_keep=keep))

@@ -14,7 +14,7 @@ from _attn_check import check_attention, make_qkv
 
 import sparseflash
 from sparseflash import BlockMask
-from sparseflash.flash import TileConfig, launch, tile_config
+from sparseflash.flash import TileConfig, dispatch, launch, tile_config
 
 EXACT_REF = dict(exact=True)
 
@@ -244,8 +244,8 @@ def test_bits_keep_the_hopper_kernels_out(device, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the Hopper kernels were considered for a call with bits")
 
-    monkeypatch.setattr(launch, "_hopper_layouts", refuse)
-    monkeypatch.setattr(launch, "_hopper_bwd_layouts", refuse)
+    monkeypatch.setattr(dispatch, "_fwd_layouts", refuse)
+    monkeypatch.setattr(dispatch, "_bwd_layouts", refuse)
     mask = BlockMask.from_fn(sliding_causal(20), 64, block_size=32).to(device)
     q, k, v, do = make_qkv(1, 1, 1, 64, 64, 16, torch.bfloat16, device, seed=13)
     q.requires_grad_()

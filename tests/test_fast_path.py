@@ -27,7 +27,7 @@ def _fresh():
     def clear():
         fast.clear()
         for m in _call.masks.values():
-            m._fast.clear()
+            m.fast_entries.clear()
 
     clear()
     yield
@@ -137,7 +137,7 @@ def test_no_grad_and_partial_grad_and_do_layouts(spy):
         fast.ENABLED = True
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    entries = list(_call.masks["mask"]._fast.values())
+    entries = list(_call.masks["mask"].fast_entries.values())
     assert len(entries) == 1 and len(entries[0].bwd) == 2
     q, k, v, do = _inputs(1, 2, 2, 64, 32, torch.float32, 3)
     q.requires_grad_()
@@ -202,7 +202,7 @@ def test_steps_aside(spy, monkeypatch):
     assert spy["built"] == 2 and len(fast._DENSE) == 2
     mask = BlockMask.from_layout(torch.ones(4, 4, dtype=torch.bool), block_size=16)
     sparseflash.attention(q, k, v, mask=mask)
-    assert len(mask._fast) == 1 and len(fast._DENSE) == 2
+    assert len(mask.fast_entries) == 1 and len(fast._DENSE) == 2
 
 
 def test_quick_launch_binds_and_passes_what_the_general_launch_would(fake, monkeypatch):
@@ -212,7 +212,7 @@ def test_quick_launch_binds_and_passes_what_the_general_launch_would(fake, monke
     through `_launch` again."""
     kernel, plan = fake
     fixed = torch.zeros(8, dtype=torch.int32)
-    quick = launch._Quick(plan, (launch._K, fixed))  # slot A: role k; slot B: a fixed tensor
+    quick = launch.QuickLaunch(plan, (launch._K, fixed))  # slot A: role k; slot B: a fixed tensor
     a1, a2 = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)
     def call(*ts):
         quick(ts, launch.quick_ptrs(ts))

@@ -14,7 +14,7 @@ from _attn_check import check_attention, make_qkv
 
 import sparseflash
 from sparseflash import BlockMask
-from sparseflash.flash import TileConfig, launch, tile_config
+from sparseflash.flash import TileConfig, launch, operands, tile_config, tiles
 from sparseflash.flash.kernels import _tf32_round
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -186,22 +186,22 @@ def test_row_alignment_hint(device):
     layout) reach the kernels divided by that alignment and multiplied back inside; results stay
     exact, and the alignment is only claimed where it holds."""
     t = lambda *shape: torch.empty(*shape, device=device)  # noqa: E731
-    assert launch._aligned_strides(t(2, 3, 50, 40))[1] == 8
-    assert launch._aligned_strides(t(2, 3, 50, 40), t(2, 3, 50, 40)) == ((750, 250, 5, 1) * 2, 8)
-    assert launch._aligned_strides(t(2, 3, 50, 64)) == ((9600, 3200, 64, 1), 1)
-    assert launch._aligned_strides(t(2, 3, 50, 20))[1] == 4
-    assert launch._aligned_strides(t(2, 3, 50, 64), t(2, 3, 50, 128))[1] == 1  # divisible by 16: Triton knows
-    assert launch._aligned_strides(t(2, 3, 50, 40), t(2, 3, 50, 20))[1] == 4
-    assert launch._aligned_strides(t(2, 3, 50, 40).transpose(-1, -2))[1] == 1  # no unit last stride
-    assert launch._aligned_strides(t(2, 1, 50, 40).expand(2, 3, 50, 40))[1] == 8  # stride 0
-    assert launch._aligned_strides(t(2, 3, 51, 41))[1] == 1
+    assert operands.aligned_strides(t(2, 3, 50, 40))[1] == 8
+    assert operands.aligned_strides(t(2, 3, 50, 40), t(2, 3, 50, 40)) == ((750, 250, 5, 1) * 2, 8)
+    assert operands.aligned_strides(t(2, 3, 50, 64)) == ((9600, 3200, 64, 1), 1)
+    assert operands.aligned_strides(t(2, 3, 50, 20))[1] == 4
+    assert operands.aligned_strides(t(2, 3, 50, 64), t(2, 3, 50, 128))[1] == 1  # divisible by 16: Triton knows
+    assert operands.aligned_strides(t(2, 3, 50, 40), t(2, 3, 50, 20))[1] == 4
+    assert operands.aligned_strides(t(2, 3, 50, 40).transpose(-1, -2))[1] == 1  # no unit last stride
+    assert operands.aligned_strides(t(2, 1, 50, 40).expand(2, 3, 50, 40))[1] == 8  # stride 0
+    assert operands.aligned_strides(t(2, 3, 51, 41))[1] == 1
     big = torch.empty_strided((2, 1, 1, 40), (2**31 + 8, 40, 40, 1), device="meta")
-    assert launch._aligned_strides(big)[1] == 1  # divided, the stride would pass as int32 and wrap
+    assert operands.aligned_strides(big)[1] == 1  # divided, the stride would pass as int32 and wrap
     B, N, H, D = 2, 70, 2, 40
     g = torch.Generator().manual_seed(14)
     qkv = torch.randn(B, N, 3, H, D, generator=g).to(device, torch.float16)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # row stride 3 * H * D = 240
-    assert launch._aligned_strides(q, k, v)[1] == 8
+    assert operands.aligned_strides(q, k, v)[1] == 8
     do = torch.randn(B, H, N, D, generator=g).to(device, torch.float16)
     mask = random_mask(1, 1, N, N, 32, 0.6, seed=15).to(device)
     check_attention(triton_impl(mask, causal=True), q, k, v, do, mask=mask, causal=True)
@@ -210,7 +210,7 @@ def test_row_alignment_hint(device):
     # one tensor less aligned than the rest sets the launch's alignment: dO with row stride 44
     q, k, v, _ = make_qkv(1, 2, 2, 33, 33, 40, torch.float16, device, seed=18)
     do = torch.randn(1, 2, 33, 44, generator=g).to(device, torch.float16)[..., :40]
-    assert launch._aligned_strides(q, k, v, do)[1] == 4
+    assert operands.aligned_strides(q, k, v, do)[1] == 4
     check_attention(triton_impl(), q, k, v, do)
 
 
@@ -283,11 +283,11 @@ def test_list_args_read_shared_lists_with_stride_zero(device):
     """Lists shared over batch or heads are read in place with stride 0 (no expanded view per
     launch); lists that cannot broadcast are refused."""
     idx = torch.zeros(1, 3, 4, 5, dtype=torch.int32, device=device)
-    lists, strides, nb_p2 = launch._list_args(idx, 2, 3, idx)
+    lists, strides, nb_p2 = operands.list_args(idx, 2, 3, idx)
     assert lists is idx and strides == (0, 20, 5) and nb_p2 == 8
-    assert launch._list_args(idx[:, :1], 2, 3, idx)[1] == (0, 0, 5)
+    assert operands.list_args(idx[:, :1], 2, 3, idx)[1] == (0, 0, 5)
     with pytest.raises(ValueError, match="broadcast"):
-        launch._list_args(idx, 2, 4, idx)
+        operands.list_args(idx, 2, 4, idx)
 
 
 # ---------------------------------------------------------------- TMA loads (forward, dQ, dK/dV)
@@ -368,7 +368,7 @@ def test_tma_kv_cache_slice_and_dropout(device, tma_on):
     cache[:, :, 40:] = float("nan")
     cache[:, :, 40:, 1] = float("inf")
     k, v = cache[:, :, :40, 0], cache[:, :, :40, 1]
-    assert not k.is_contiguous() and launch._tma_strides(k) is not None
+    assert not k.is_contiguous() and tiles.tma_strides(k) is not None
     o = sparseflash.attention(q, k, v, causal=True, backend="triton")
     ref = reference.attention(q.double(), k.double(), v.double(), causal=True)
     assert torch.isfinite(o).all()
@@ -377,7 +377,7 @@ def test_tma_kv_cache_slice_and_dropout(device, tma_on):
     q, k, v, do = make_qkv(1, 2, 2, 70, 70, 32, torch.bfloat16, device, seed=27)
     outs = []
     for mode in ("on", "off"):
-        launch.TMA_MODE = mode  # (the tma_on fixture restores it)
+        tiles.TMA_MODE = mode  # (the tma_on fixture restores it)
         for q_rows in (False, True):
             with tile_config(dkdv=TileConfig(32, 32, q_rows=q_rows)):
                 g = torch.Generator(device=device).manual_seed(5)
@@ -393,69 +393,69 @@ def test_tma_kv_cache_slice_and_dropout(device, tma_on):
 
 def test_tma_eligibility_rules(device, monkeypatch):
     t = lambda *shape, dtype=torch.float16: torch.empty(*shape, device=device, dtype=dtype)  # noqa: E731
-    assert launch._tma_strides(t(2, 3, 50, 64)) is not None
-    assert launch._tma_strides(t(1, 3, 50, 40)) is not None  # rows of 80 bytes: 16-byte multiples
-    assert launch._tma_strides(t(2, 3, 64, 64)[:, :, :50]) is not None  # a slice of a longer cache
-    assert launch._tma_strides(t(2, 1, 50, 64)) is not None  # size-1 dimensions
-    assert launch._tma_strides(t(1, 1, 1, 64)) is not None
-    assert launch._tma_strides(t(2, 1, 50, 64).expand(2, 3, 50, 64)) is None  # heads expanded (stride 0)
-    assert launch._tma_strides(t(2, 50, 3, 64).transpose(1, 2)) is None  # heads inside rows
-    assert launch._tma_strides(t(2, 3, 50, 20)) is None  # 40-byte rows
-    assert launch._tma_strides(t(2, 3, 50, 64).transpose(-1, -2)) is None
-    assert launch._tma_strides(t(2, 3, 50, 65)[..., 1:]) is None  # base 2 bytes past alignment
-    assert launch._tma_strides(t(1, 1, 1, 36)) is not None  # one row of 72 bytes: its stride is never used
+    assert tiles.tma_strides(t(2, 3, 50, 64)) is not None
+    assert tiles.tma_strides(t(1, 3, 50, 40)) is not None  # rows of 80 bytes: 16-byte multiples
+    assert tiles.tma_strides(t(2, 3, 64, 64)[:, :, :50]) is not None  # a slice of a longer cache
+    assert tiles.tma_strides(t(2, 1, 50, 64)) is not None  # size-1 dimensions
+    assert tiles.tma_strides(t(1, 1, 1, 64)) is not None
+    assert tiles.tma_strides(t(2, 1, 50, 64).expand(2, 3, 50, 64)) is None  # heads expanded (stride 0)
+    assert tiles.tma_strides(t(2, 50, 3, 64).transpose(1, 2)) is None  # heads inside rows
+    assert tiles.tma_strides(t(2, 3, 50, 20)) is None  # 40-byte rows
+    assert tiles.tma_strides(t(2, 3, 50, 64).transpose(-1, -2)) is None
+    assert tiles.tma_strides(t(2, 3, 50, 65)[..., 1:]) is None  # base 2 bytes past alignment
+    assert tiles.tma_strides(t(1, 1, 1, 36)) is not None  # one row of 72 bytes: its stride is never used
     one = t(1, 1, 1, 36)
-    monkeypatch.setattr(launch, "TMA_MODE", "on")
-    plan = launch._tma_plan(64, one, one, one)
-    (d, _, _), _ = launch._tma_args(TileConfig(32, 32), plan, 64, *[(one, 32)] * 3)  # size-1 dims: strides TMA accepts
+    monkeypatch.setattr(tiles, "TMA_MODE", "on")
+    plan = tiles.tma_plan(64, one, one, one)
+    (d, _, _), _ = tiles.tma_args(TileConfig(32, 32), plan, 64, *[(one, 32)] * 3)  # size-1 dims: strides TMA accepts
     assert d.strides == [40, 40, 40, 1] and d.block_shape == [1, 1, 32, 64]
-    assert launch._tma_strides(t(1, 1, 2, 36)) is None
+    assert tiles.tma_strides(t(1, 1, 2, 36)) is None
     k = t(1, 2, 64, 32)
-    monkeypatch.setattr(launch, "TMA_MODE", "yes")
+    monkeypatch.setattr(tiles, "TMA_MODE", "yes")
     with pytest.raises(ValueError, match="TMA_MODE"):
-        launch._tma_plan(32, k.float())  # refused whatever the inputs
-    monkeypatch.setattr(launch, "TMA_MODE", "off")
-    assert launch._tma_plan(32, k, k, k) is None
-    monkeypatch.setattr(launch, "TMA_MODE", "on")
-    assert launch._tma_plan(32, k, k, k) is not None
-    assert launch._tma_plan(32, k.float(), k.float()) is None  # 16-bit inputs only
-    assert launch._tma_plan(256, t(1, 2, 64, 256)) is None  # head_dim <= 128
-    assert launch._tma_plan(32, k, k.transpose(1, 2).contiguous().transpose(1, 2)) is None  # one tensor not eligible
-    plan = launch._tma_plan(32, k)
+        tiles.tma_plan(32, k.float())  # refused whatever the inputs
+    monkeypatch.setattr(tiles, "TMA_MODE", "off")
+    assert tiles.tma_plan(32, k, k, k) is None
+    monkeypatch.setattr(tiles, "TMA_MODE", "on")
+    assert tiles.tma_plan(32, k, k, k) is not None
+    assert tiles.tma_plan(32, k.float(), k.float()) is None  # 16-bit inputs only
+    assert tiles.tma_plan(256, t(1, 2, 64, 256)) is None  # head_dim <= 128
+    assert tiles.tma_plan(32, k, k.transpose(1, 2).contiguous().transpose(1, 2)) is None  # one tensor not eligible
+    plan = tiles.tma_plan(32, k)
     pointer_tile, tma_tile = TileConfig(32, 32), TileConfig(32, 32, tma=True)
-    assert launch._tma_args(pointer_tile, plan, 32, (k, 32))[1] is True  # "on": any tile
-    assert launch._tma_args(pointer_tile, None, 32, (k, 32))[1] is False
-    monkeypatch.setattr(launch, "TMA_MODE", "auto")
-    assert launch._tma_args(pointer_tile, plan, 32, (k, 32))[1] is False  # "auto": the tile decides
-    assert launch._tma_args(tma_tile, plan, 32, (k, 32))[1] is True
-    assert launch._tma_args(tma_tile, None, 32, (k, 32)) == ((k,), False)
+    assert tiles.tma_args(pointer_tile, plan, 32, (k, 32))[1] is True  # "on": any tile
+    assert tiles.tma_args(pointer_tile, None, 32, (k, 32))[1] is False
+    monkeypatch.setattr(tiles, "TMA_MODE", "auto")
+    assert tiles.tma_args(pointer_tile, plan, 32, (k, 32))[1] is False  # "auto": the tile decides
+    assert tiles.tma_args(tma_tile, plan, 32, (k, 32))[1] is True
+    assert tiles.tma_args(tma_tile, None, 32, (k, 32)) == ((k,), False)
     if device == "cpu":
-        assert launch._tma_plan(32, k) is None  # "auto" needs a CUDA device of compute capability >= 9
+        assert tiles.tma_plan(32, k) is None  # "auto" needs a CUDA device of compute capability >= 9
 
 
 def test_tma_default_tiles(monkeypatch):
     """With inputs TMA can read, the defaults take the tiles measured fastest with TMA where it
     won, and the pointer loads' own tiles where it did not, with dropout, at other head dims, or
     when the inputs cannot be descriptors (a pointer-tuned tile must never run on TMA by default)."""
-    monkeypatch.setattr(launch, "_INTERPRETING", False)  # (the interpreter has its own small tiles)
+    monkeypatch.setattr(tiles, "INTERPRETING", False)  # (the interpreter has its own small tiles)
     cuda = torch.device("cuda")
     for kind in ("fwd", "dq", "dkdv"):
         for D in (64, 128):
             for k_blocks in (None, 32, 128):
-                pointer = launch._default_config(kind, D, cuda, k_blocks, False, tma=False)
+                pointer = tiles.default_config(kind, D, cuda, k_blocks, False, tma=False)
                 assert not pointer.tma
-                tma = launch._default_config(kind, D, cuda, k_blocks, False, tma=True)
-                assert tma == (launch._tma_config(kind, D, k_blocks) or pointer)
-                assert launch._default_config(kind, D, cuda, k_blocks, True, tma=True) == \
-                    launch._default_config(kind, D, cuda, k_blocks, True, tma=False)  # dropout: untimed with TMA
-        assert not launch._default_config(kind, 96, cuda, None, False, tma=True).tma
-    assert launch._tma_config("fwd", 64, None) is None  # d=64 dense forward: TMA measured slower
+                tma = tiles.default_config(kind, D, cuda, k_blocks, False, tma=True)
+                assert tma == (tiles.tma_config(kind, D, k_blocks) or pointer)
+                assert tiles.default_config(kind, D, cuda, k_blocks, True, tma=True) == \
+                    tiles.default_config(kind, D, cuda, k_blocks, True, tma=False)  # dropout: untimed with TMA
+        assert not tiles.default_config(kind, 96, cuda, None, False, tma=True).tma
+    assert tiles.tma_config("fwd", 64, None) is None  # d=64 dense forward: TMA measured slower
     # a few measured choices, spelled out (experiments/studies/tma/results/SUMMARY.txt part 4)
-    assert launch._default_config("dkdv", 128, cuda, None, False, tma=True) == TileConfig(64, 64, 4, 2, tma=True)
-    assert launch._default_config("dkdv", 128, cuda, None, False, tma=False) == TileConfig(64, 128, 8, 3)
-    assert launch._default_config("fwd", 128, cuda, 32, False, tma=True) == TileConfig(64, 64, 4, 3, tma=True)
-    assert launch._default_config("fwd", 64, cuda, None, False, tma=True) == TileConfig(128, 64, 8, 3)
-    assert launch._default_config("dq", 64, cuda, 32, False, tma=True) == TileConfig(64, 64, 4, 3)  # level: pointer
+    assert tiles.default_config("dkdv", 128, cuda, None, False, tma=True) == TileConfig(64, 64, 4, 2, tma=True)
+    assert tiles.default_config("dkdv", 128, cuda, None, False, tma=False) == TileConfig(64, 128, 8, 3)
+    assert tiles.default_config("fwd", 128, cuda, 32, False, tma=True) == TileConfig(64, 64, 4, 3, tma=True)
+    assert tiles.default_config("fwd", 64, cuda, None, False, tma=True) == TileConfig(128, 64, 8, 3)
+    assert tiles.default_config("dq", 64, cuda, 32, False, tma=True) == TileConfig(64, 64, 4, 3)  # level: pointer
 
 
 def test_tma_work_threshold(device, monkeypatch):
@@ -463,26 +463,26 @@ def test_tma_work_threshold(device, monkeypatch):
     FLOPs, and for every call inside CUDA-graph capture (host cost paid once); the ops estimate a
     call's work from the mask's density, which the index reads once."""
     cuda = torch.device("cuda")
-    monkeypatch.setattr(launch, "_INTERPRETING", False)
-    monkeypatch.setattr(launch, "_sm_major", lambda index: 9)
-    assert launch._tma_auto(cuda, -1.0) and launch._tma_auto(cuda, launch.TMA_MIN_WORK)
-    assert not launch._tma_auto(cuda, launch.TMA_MIN_WORK / 2)
-    assert launch._tma_auto(cuda, launch.TMA_MIN_WORK / 2, capturing=True)
-    assert not launch._tma_auto(torch.device("cpu"), launch.TMA_MIN_WORK)
-    assert not launch._tma_auto(torch.device("cpu"), 1.0, capturing=True)
-    monkeypatch.setattr(launch, "_sm_major", lambda index: 8)
-    assert not launch._tma_auto(cuda, launch.TMA_MIN_WORK)
-    assert not launch._tma_auto(cuda, 1.0, capturing=True)
-    # _tma_plan follows the rule in "auto" (and "on" ignores it)
+    monkeypatch.setattr(tiles, "INTERPRETING", False)
+    monkeypatch.setattr(tiles, "sm_major", lambda index: 9)
+    assert tiles.tma_auto(cuda, -1.0) and tiles.tma_auto(cuda, tiles.TMA_MIN_WORK)
+    assert not tiles.tma_auto(cuda, tiles.TMA_MIN_WORK / 2)
+    assert tiles.tma_auto(cuda, tiles.TMA_MIN_WORK / 2, capturing=True)
+    assert not tiles.tma_auto(torch.device("cpu"), tiles.TMA_MIN_WORK)
+    assert not tiles.tma_auto(torch.device("cpu"), 1.0, capturing=True)
+    monkeypatch.setattr(tiles, "sm_major", lambda index: 8)
+    assert not tiles.tma_auto(cuda, tiles.TMA_MIN_WORK)
+    assert not tiles.tma_auto(cuda, 1.0, capturing=True)
+    # tma_plan follows the rule in "auto" (and "on" ignores it)
     k = torch.empty(1, 2, 64, 32, dtype=torch.float16, device=device)
     decided = []
-    monkeypatch.setattr(launch, "_tma_auto", lambda dev, work, capturing: decided.append(work) or work >= 5 or capturing)
-    monkeypatch.setattr(launch, "TMA_MODE", "auto")
-    assert launch._tma_plan(32, k, work=4.0) is None and launch._tma_plan(32, k, work=5.0) is not None
-    monkeypatch.setattr(launch, "_in_graph_capture", lambda t: True)  # inside a CUDA-graph capture
-    assert launch._tma_plan(32, k, work=4.0) is not None
-    monkeypatch.setattr(launch, "TMA_MODE", "on")
-    assert launch._tma_plan(32, k, work=4.0) is not None
+    monkeypatch.setattr(tiles, "tma_auto", lambda dev, work, capturing: decided.append(work) or work >= 5 or capturing)
+    monkeypatch.setattr(tiles, "TMA_MODE", "auto")
+    assert tiles.tma_plan(32, k, work=4.0) is None and tiles.tma_plan(32, k, work=5.0) is not None
+    monkeypatch.setattr(tiles, "_in_graph_capture", lambda t: True)  # inside a CUDA-graph capture
+    assert tiles.tma_plan(32, k, work=4.0) is not None
+    monkeypatch.setattr(tiles, "TMA_MODE", "on")
+    assert tiles.tma_plan(32, k, work=4.0) is not None
     assert decided == [4.0, 5.0, 4.0]
     # every launch gets the call's work: 4 B H Nq Nk D x the mask's density (the general path's
     # launchers; the short path estimates the same work once per key, sparseflash.flash.fast._build)
@@ -510,9 +510,9 @@ def test_index_density_filled_after_tracing(monkeypatch):
     from sparseflash import mask as mask_mod
 
     m = BlockMask.from_layout(torch.tensor([[True, False], [True, True]]), 16)
-    monkeypatch.setattr(mask_mod, "_tracing", lambda: True)
+    monkeypatch.setattr(mask_mod, "tracing", lambda: True)
     assert m.index("cpu").density is None
-    monkeypatch.setattr(mask_mod, "_tracing", lambda: False)
+    monkeypatch.setattr(mask_mod, "tracing", lambda: False)
     assert m.index("cpu").density == 0.75
     assert m.index("cpu") is m.index("cpu")  # cached again
 
@@ -587,7 +587,7 @@ def test_gpu_graph_capture_after_eager_warmup(N):
         graph.replay()
         torch.cuda.synchronize()
         work = 4.0 * B * H * N * N * 128 * (1.0 if mask is None else mask.density())
-        if work >= launch.TMA_MIN_WORK:
+        if work >= tiles.TMA_MIN_WORK:
             hopper_dq = mask is None and torch.cuda.get_device_capability()[0] == 9
             for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
                 assert torch.equal(a, b) or (name == "dq" and hopper_dq), name
@@ -601,14 +601,14 @@ def test_fp32_dots_follow_torch_matmul_precision(monkeypatch):
     """fp32 inputs take tf32 dots exactly when torch.matmul would (set_float32_matmul_precision
     "high" or "medium"); never under the interpreter; 16-bit inputs are unaffected."""
     saved = torch.get_float32_matmul_precision()
-    monkeypatch.setattr(launch, "_INTERPRETING", False)
+    monkeypatch.setattr(tiles, "INTERPRETING", False)
     try:
         for prec, want in (("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")):
             torch.set_float32_matmul_precision(prec)
-            assert launch._dot_precision(torch.float32) == want
-            assert launch._dot_precision(torch.bfloat16) == "tf32"
-        monkeypatch.setattr(launch, "_INTERPRETING", True)
-        assert launch._dot_precision(torch.float32) == "ieee"
+            assert operands.dot_precision(torch.float32) == want
+            assert operands.dot_precision(torch.bfloat16) == "tf32"
+        monkeypatch.setattr(tiles, "INTERPRETING", True)
+        assert operands.dot_precision(torch.float32) == "ieee"
     finally:
         torch.set_float32_matmul_precision(saved)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sparseflash
-from sparseflash.flash import hopper, hopper_bwd, launch
+from sparseflash.flash import dispatch, hopper, hopper_bwd, tiles
 from sparseflash.patterns import butterfly, random as random_mask
 
 from _attn_check import check_attention, make_qkv
@@ -51,38 +51,38 @@ def test_bwd_choice(monkeypatch):
     take it, and dO needs a layout descriptors take."""
     assert hopper_bwd.MODE in ("auto", "on", "off")
     q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
-    assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
+    assert dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
     assert hopper_bwd.do_layout(q) is not None
     assert hopper_bwd.do_layout(q.transpose(2, 3)) is None
     assert hopper_bwd.unsupported(q, q, q, q) == "not an sm_90 GPU"
-    monkeypatch.setattr(launch, "_hopper_layouts", lambda *a: "lay")  # as if on an sm_90 GPU
+    monkeypatch.setattr(dispatch, "_fwd_layouts", lambda *a: "lay")  # as if on an sm_90 GPU
     monkeypatch.setattr(hopper_bwd, "MODE", "off")
-    assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
+    assert dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
     monkeypatch.setattr(hopper_bwd, "MODE", "on")
-    assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
-    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) == ("lay", hopper_bwd.do_layout(q))
-    assert launch._hopper_bwd_layouts(q.float(), q, q, q, q, None, None, -1.0) is None  # dO dtype differs
+    assert dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch._bwd_layouts(q.float(), q, q, q, q, None, None, -1.0) is None  # dO dtype differs
     monkeypatch.setattr(hopper_bwd, "MODE", "auto")
-    assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
-    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) is None  # unknown list length: portable
+    assert dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) is None  # unknown list length: portable
     # block lists: this kernel once a key tile's column holds LIST_MIN_BLOCKS q blocks of 128 rows on average
     B, H, N, D = q.shape
     per_block = 4.0 * B * H * N * D * hopper.TILE  # the work of one 128-row q block in every column
     long_lists = per_block * hopper_bwd.LIST_MIN_BLOCKS
-    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, long_lists, True) == ("lay", hopper_bwd.do_layout(q))
-    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, long_lists * 0.99, True) is None
+    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, long_lists, True) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, long_lists * 0.99, True) is None
     monkeypatch.setattr(hopper_bwd, "LIST_MIN_BLOCKS", 0.5)
-    assert launch._hopper_bwd_layouts(q, q, q, q, q, 128, 128, per_block * 0.5, True) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, per_block * 0.5, True) == ("lay", hopper_bwd.do_layout(q))
     # dQ's reductions add in arrival order: deterministic algorithms keep the portable backward
     torch.use_deterministic_algorithms(True)
     try:
-        assert launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
+        assert dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
         assert "deterministic" in hopper_bwd._do_unsupported(q, q)
     finally:
         torch.use_deterministic_algorithms(False)
     monkeypatch.setattr(hopper_bwd, "MODE", "fast")
     with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER_BWD"):
-        launch._hopper_bwd_layouts(q, q, q, q, q, None, None, -1.0)
+        dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0)
 
 
 def test_unsupported_reasons(monkeypatch):
@@ -131,11 +131,11 @@ def test_cpu_calls_never_take_it(monkeypatch, device):
     """Descriptor loads on CPU (the interpreter, TMA_MODE on) keep the portable forward."""
     if device != "cpu":
         pytest.skip("a CPU run")
-    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    monkeypatch.setattr(tiles, "TMA_MODE", "on")
     called = []
     monkeypatch.setattr(hopper, "fwd", lambda *a, **k: called.append(1))
     q = torch.randn(1, 1, 32, 16)
-    assert launch._hopper_layouts(q, q, q, None, None, -1.0) is None
+    assert dispatch._fwd_layouts(q, q, q, None, None, -1.0) is None
     assert not called
 
 
@@ -158,7 +158,7 @@ def hopper_spy(monkeypatch):
     """Every call takes descriptors (so small shapes reach the kernel); counts the Hopper forwards."""
     from sparseflash.flash import fast
 
-    monkeypatch.setattr(launch, "TMA_MODE", "on")
+    monkeypatch.setattr(tiles, "TMA_MODE", "on")
     monkeypatch.setattr(fast, "ENABLED", False)
     return _count_calls(monkeypatch, hopper, "fwd")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sparseflash
-from sparseflash.flash import TileConfig, kernels, launch, tile_config
+from sparseflash.flash import TileConfig, kernels, launch, tile_config, tiles
 
 
 def _kernel_fn(A, B, n, x, C, D=3, E=None):
@@ -51,7 +51,7 @@ def fake(monkeypatch):
     """A plan of the stand-in kernel on a (pretend) CUDA device, with bound launches possible."""
     kernel = _Kernel()
     monkeypatch.setattr(kernels, "_test_kernel", kernel, raising=False)
-    monkeypatch.setattr(launch, "_INTERPRETING", False)
+    monkeypatch.setattr(tiles, "INTERPRETING", False)
     monkeypatch.setattr(launch, "FAST_LAUNCH", True)
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
     monkeypatch.setattr(launch, "raw_stream", lambda index: 77)
@@ -161,7 +161,7 @@ def test_gpu_bound_launches_match_triton(setting, monkeypatch):
 
     from sparseflash.flash import fast
 
-    monkeypatch.setattr(launch, "TMA_MODE", "off")
+    monkeypatch.setattr(tiles, "TMA_MODE", "off")
     monkeypatch.setattr(fast, "ENABLED", False)  # the general path's launches (the short path's: test_fast_path)
     B, Hq, N, D = 2, 4, 512, 64
     Hkv = 2 if setting == "gqa-causal" else Hq

@@ -191,7 +191,7 @@ def _entries():
 
     found = list(fast._DENSE.values())
     for m in _call.masks.values():
-        found += list(m._fast.values())
+        found += list(m.fast_entries.values())
     return [e for e in found if isinstance(e, fast._Entry)]
 
 
@@ -206,7 +206,7 @@ def test_gpu_native_matches_the_python_short_path(setting, mod, monkeypatch):
 
     fast.clear()
     for m in _call.masks.values():
-        m._fast.clear()
+        m.fast_entries.clear()
     for seed in range(2):
         _call(setting, seed)
         _call(setting, seed, do_t=True)

@@ -16,7 +16,7 @@ from _attn_check import check_attention, make_qkv
 
 import sparseflash
 from sparseflash import BlockMask, reference
-from sparseflash.flash import TileConfig, launch, tile_config
+from sparseflash.flash import TileConfig, dispatch, launch, tile_config
 from sparseflash.segments import key_ranges_from_cu_seqlens
 
 
@@ -168,8 +168,8 @@ def test_portable_kernels_only(device, monkeypatch):
     from sparseflash.flash import fast
 
     seen = []
-    monkeypatch.setattr(launch, "_hopper_layouts", lambda *a, **kw: seen.append("fwd"))
-    monkeypatch.setattr(launch, "_hopper_bwd_layouts", lambda *a, **kw: seen.append("bwd"))
+    monkeypatch.setattr(dispatch, "_fwd_layouts", lambda *a, **kw: seen.append("fwd"))
+    monkeypatch.setattr(dispatch, "_bwd_layouts", lambda *a, **kw: seen.append("bwd"))
     real_lookup = fast.lookup
     monkeypatch.setattr(fast, "lookup", lambda *a: seen.append("fast") or real_lookup(*a))
     q, k, v, do = make_qkv(1, 2, 2, 20, 20, 16, torch.float16, device)

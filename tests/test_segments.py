@@ -15,7 +15,7 @@ from _attn_check import check_attention, make_qkv
 import sparseflash
 from sparseflash import BlockMask, reference
 from sparseflash.flash import TileConfig, function, launch, tile_config
-from sparseflash.mask import _sorted_nonzero
+from sparseflash.mask import sorted_nonzero
 from sparseflash.segments import check_segment_ids, segment_block_layout, segments_from_cu_seqlens
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -174,12 +174,12 @@ def test_segment_lists_are_the_pruned_layout(device):
     kv_idx, q_idx, bq, bk = function.segment_lists(seg, seg, mask, torch.device(device))
     assert (bq, bk) == (32, 32) and kv_idx.shape == (2, 3, 7, 7) and q_idx.shape == (2, 3, 7, 7)
     want = mask.layout.cpu() & _pooled(seg.cpu(), seg.cpu(), 32, 32)
-    assert torch.equal(kv_idx.cpu(), _sorted_nonzero(want)[1]) and torch.equal(q_idx.cpu(), _sorted_nonzero(want.transpose(-1, -2))[1])
+    assert torch.equal(kv_idx.cpu(), sorted_nonzero(want)[1]) and torch.equal(q_idx.cpu(), sorted_nonzero(want.transpose(-1, -2))[1])
     assert torch.equal(want[1], mask.layout.cpu()[0])  # one document: the mask itself
     kv_idx, q_idx, bq, bk = function.segment_lists(seg, seg, None, torch.device(device))
     nb = math.ceil(200 / function.SEGMENT_BLOCK)
     assert (bq, bk) == (function.SEGMENT_BLOCK,) * 2 and kv_idx.shape == (2, 1, nb, nb)
-    assert torch.equal(kv_idx.cpu(), _sorted_nonzero(_pooled(seg.cpu(), seg.cpu(), bq, bk))[1])
+    assert torch.equal(kv_idx.cpu(), sorted_nonzero(_pooled(seg.cpu(), seg.cpu(), bq, bk))[1])
 
 
 # ---------------------------------------------------------------- kernels against the reference

@@ -89,7 +89,7 @@ def test_host_python_times_without_launching():
 def test_tma_ab_knows_which_path_ran(monkeypatch):
     """tma_ab refuses to report a TMA row that ran on pointer loads: its check follows the launcher."""
     from sparseflash.experiments.studies.tma import tma_ab
-    from sparseflash.flash import launch
+    from sparseflash.flash import tiles
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda" and torch.cuda.get_device_capability()[0] < 9:
@@ -104,15 +104,15 @@ def test_tma_ab_knows_which_path_ran(monkeypatch):
     from sparseflash.flash import fast
 
     monkeypatch.setattr(fast, "ENABLED", False)  # the launchers' own decisions on every call
-    monkeypatch.setattr(launch, "TMA_MODE", "on")
-    assert tma_ab._takes_tma(launch, fwd_bwd(q, k, v)) == [True] * 3  # forward, dQ, dK/dV
+    monkeypatch.setattr(tiles, "TMA_MODE", "on")
+    assert tma_ab._takes_tma(tiles, fwd_bwd(q, k, v)) == [True] * 3  # forward, dQ, dK/dV
     # .sum().backward() hands the backward an expanded dO (stride 0): pointer loads there
-    assert tma_ab._takes_tma(launch, lambda: sparseflash.attention(q, k, v, backend="triton").sum().backward()) \
+    assert tma_ab._takes_tma(tiles, lambda: sparseflash.attention(q, k, v, backend="triton").sum().backward()) \
         == [True, False, False]
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    assert tma_ab._takes_tma(launch, fwd_bwd(q32, k32, v32)) == [False] * 3  # fp32: pointer loads
-    monkeypatch.setattr(launch, "TMA_MODE", "off")
-    assert tma_ab._takes_tma(launch, fwd_bwd(q, k, v)) == [False] * 3
+    assert tma_ab._takes_tma(tiles, fwd_bwd(q32, k32, v32)) == [False] * 3  # fp32: pointer loads
+    monkeypatch.setattr(tiles, "TMA_MODE", "off")
+    assert tma_ab._takes_tma(tiles, fwd_bwd(q, k, v)) == [False] * 3
 
 
 @pytest.mark.skipif(not ptxas_available(), reason="needs the ptxas bundled with Linux triton wheels")

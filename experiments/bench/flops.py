@@ -46,7 +46,7 @@ def attended_pairs(mask: BlockMask | None, batch: int, heads: int, seq_q: int, s
         raise TypeError(f"mask must be a sparseflash.BlockMask or None, got {type(mask).__name__}")
     if (mask.seq_q, mask.seq_k) != (seq_q, seq_k):
         raise ValueError(f"mask is for seq_q={mask.seq_q}, seq_k={mask.seq_k}, not {seq_q}, {seq_k}")
-    mask._check_broadcast(batch, heads)
+    mask.check_broadcast(batch, heads)
     per_slice = mask.attended_pairs(causal)  # [B', H']
     b, h = per_slice.shape
     return int(per_slice.sum()) * (batch // b) * (heads // h)

@@ -108,7 +108,7 @@ def compile_launches(run) -> dict:
     register cap): {kernel name: CompiledKernel}. Kernels already in the in-memory cache do not
     reach the hook; each caller compiles fresh launches. The portable launchers choose tiles by
     the tensors' device: on CPU tensors they take the interpreter's 32 x 32 tile (which compiles
-    to mma.sync, not wgmma). Give them the GPU's tiles with `launch.tile_config`, as `main` does."""
+    to mma.sync, not wgmma). Give them the GPU's tiles with `tiles.tile_config`, as `main` does."""
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
@@ -161,11 +161,11 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
     can change the kernel that compiles). ``segments``: the packed-documents variant (segment ids)."""
     import triton
 
-    from sparseflash.flash import launch
+    from sparseflash.flash import launch, tiles
     from sparseflash.mask import BlockMask
 
-    saved_interp = launch._interpreting
-    launch._interpreting = lambda: False
+    saved_interp = tiles.interpreting
+    tiles.interpreting = lambda: False
 
     def run():
         B, H, N, D = batch, heads, seq, head_dim
@@ -179,11 +179,11 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
             lists = (idx.kv_idx, idx.q_idx)
         else:
             lists = (None, None)
-        cfgs = {kind: launch._default_config(kind, D, cuda, triton.cdiv(N, mask_block) if mask_block else None, dropout > 0,
+        cfgs = {kind: tiles.default_config(kind, D, cuda, triton.cdiv(N, mask_block) if mask_block else None, dropout > 0,
                                              segments=segments)
                 for kind in ("fwd", "dkdv", "dq")}
         if dtype == torch.float32:
-            cfgs = {kind: launch._fp32_config(c, kind, D) for kind, c in cfgs.items()}
+            cfgs = {kind: tiles.fp32_config(c, kind, D) for kind, c in cfgs.items()}
         cfgs.update(tiles or {})
         mb = mask_block or None
         lse = torch.zeros(B, H, N)
@@ -192,7 +192,7 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
         if segments:
             ids = torch.zeros(B, N, dtype=torch.int32)
             seg = (ids, ids[:, :])
-        with launch.tile_config(**cfgs):
+        with tiles.tile_config(**cfgs):
             if "fwd" in kinds:
                 launch.fwd(q, k, v, lists[0], None, scale, causal, mb, mb, dropout, rng, seg=seg)
             bargs = (do, q, k, v, lse, lse, None, scale, causal, mb, mb, dropout, rng)
@@ -204,7 +204,7 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
     try:
         compiled = compile_launches(run)
     finally:
-        launch._interpreting = saved_interp
+        tiles.interpreting = saved_interp
     return compiled
 
 

@@ -1,15 +1,16 @@
 """The short path of an eager `sparseflash.attention` call: less host time per repeated call.
 
 One unit with its C++ half (`sparseflash.flash.native`, `_native.cpp`), entered here only:
-`sparseflash.attention` calls `lookup`, `build` when the key is new, then `call`. This
-module calls `launch`, `function` and `native` through their public names; none of them calls back
-(a native plan's backward fallback is a callable this module hands it with the plan).
+`sparseflash.attention` calls `try_call` (`lookup`, `build` when the key is new, then `call`),
+which answers None for a call that takes the general path. This module calls `launch`, `function`
+and `native` through their public names; none of them calls back (a native plan's backward
+fallback is a callable this module hands it with the plan).
 
 A model calls attention with the same shapes, layouts, mask and scalars step after step. The
-first call of each such combination goes the general way (`api._check_inputs`, `flash_attention`,
+first call of each such combination goes the general way (the caller's validation, `flash_attention`,
 the launchers' plans) and leaves a `_Entry` keyed by everything that validation and the launch
 plans read: shapes, strides, dtypes and devices of q, k, v and key_lengths, the mask (its own
-cache, `BlockMask._fast`, so entries go with the mask), causal and scale with their types, the
+cache, `BlockMask.fast_entries`, so entries go with the mask), causal and scale with their types, the
 launchers' module state. A later call with the same key skips validation and planning: it
 allocates the outputs and calls the kernels' C launchers (`launch.quick_fwd`); under autograd one
 `torch.autograd.Function` with five inputs carries it (`_FastFunction`), without autograd
@@ -27,7 +28,7 @@ Taken only for the common case: CUDA tensors (or CPU under the Triton interprete
 type torch.Tensor, no dropout, no segment ids, no return_lse, backend "auto" or "triton", outside torch.compile
 traces and CUDA-graph capture (those keep the general path: the ops the compiler traces, TMA
 descriptors in captured graphs), calls small enough that the launchers keep pointer loads (below
-`launch.TMA_MIN_WORK`; larger calls are GPU-bound, and the general path gives them TMA), and a
+`tiles.TMA_MIN_WORK`; larger calls are GPU-bound, and the general path gives them TMA), and a
 contiguous key_lengths. Everything else goes the general way, as does every call with
 ``sparseflash.flash.fast.ENABLED = False`` (``SPARSEFLASH_FAST_PATH=0``).
 """
@@ -44,11 +45,11 @@ from torch.autograd import forward_ad as _forward_ad
 from sparseflash.flash import launch, native
 from sparseflash.mask import BlockMask
 
-__all__ = ["ENABLED", "Miss", "lookup", "build", "call", "clear"]
+__all__ = ["ENABLED", "Miss", "try_call", "lookup", "build", "call", "clear"]
 
 ENABLED = os.environ.get("SPARSEFLASH_FAST_PATH", "1") not in ("", "0")
 
-_DENSE: dict = {}  # mask=None entries; a mask's own are in mask._fast
+_DENSE: dict = {}  # mask=None entries; a mask's own are in mask.fast_entries
 _MAX_ENTRIES = 256
 _NO = object()  # a key whose calls go the general way
 
@@ -196,6 +197,26 @@ class _FastFunction(torch.autograd.Function):
         return None, dq, dk, dv, None
 
 
+def try_call(q, k, v, mask, causal, scale, key_lengths, validate, check_lengths=None) -> Tensor | None:
+    """The output of a call the short path serves, or None when it must take the general path.
+    For calls without dropout, segment ids, key ranges, score modifications, bits or return_lse,
+    with backend "auto" or "triton" (the caller's test). ``validate()``: the caller's checks of the
+    call, run only when its key is new (they raise for a bad call); returns the call's resolved
+    scale (a float) when its backend is the kernels, else None. ``check_lengths(key_lengths,
+    seq_k)``: the key_lengths range check for a known key, None when off."""
+    entry = lookup(q, k, v, mask, causal, scale, key_lengths)
+    if entry is None:
+        return None
+    if entry.__class__ is Miss:
+        resolved = validate()
+        entry = build(entry, q, k, v, mask, causal, resolved, key_lengths, resolved is not None)
+        if entry is None:
+            return None
+    elif check_lengths is not None and key_lengths is not None:
+        check_lengths(key_lengths, k.shape[2])  # (not while capturing: lookup says None then)
+    return call(entry, q, k, v, key_lengths)
+
+
 class Miss:
     """`lookup`'s answer for a key not seen yet: where `build` stores its entry."""
 
@@ -216,7 +237,7 @@ def lookup(q, k, v, mask, causal, scale, key_lengths):
     if mask is None:
         cache = _DENSE
     elif type(mask) is BlockMask:
-        cache = mask._fast
+        cache = mask.fast_entries
     else:
         return None
     kl = key_lengths

@@ -11,10 +11,10 @@ and returns for backward; the kernels read it from memory, so CUDA graphs replay
 Without dropout an eager call makes none (`_fwd_eager`); the op returns a placeholder.
 
 Exact masks: a mask's partial-block bits and the tables aligning them with the block lists
-(`exact_tables`) ride along both ops as three more optional tensors (`launch.ExactTiles`).
+(`exact_tables`) ride along both ops as three more optional tensors (`operands.ExactTiles`).
 
 Score modifications: ``softcap`` (a float, 0 off) and ``slopes`` (ALiBi, float32 [1 or B, Hq] or
-None; no gradient) ride along both ops; the launchers take them as `launch.with_alibi`'s ``seg``
+None; no gradient) ride along both ops; the launchers take them as `operands.with_alibi`'s ``seg``
 and their ``softcap``.
 """
 
@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from sparseflash.flash import launch
+from sparseflash.flash import launch, operands, tiles
 from sparseflash.mask import BlockMask
 
 __all__ = ["flash_attention", "FlashAttentionFunction"]
@@ -124,7 +124,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     ``seg_q``, ``seg_k``: int32 segment ids [1 or B, seq] (packed documents) or None; ``seg_q`` with
     ``seg_k`` None: the int32 key-range table [1 or B, 2, seq_q] (`sparseflash.segments.check_key_ranges`).
     ``density``: the mask's fraction of on blocks (1 dense, -1 unknown), for the launchers'
-    estimate of the call's work (`estimate_work`, `launch._tma_plan`).
+    estimate of the call's work (`estimate_work`, `tiles.tma_plan`).
     ``bits``, ``kv_tile``, ``q_tile`` (all or none): a mask's partial-block bits and its tile tables
     aligned with ``kv_idx`` / ``q_idx`` (`sparseflash.mask.ExactBits`): token-exact partial blocks."""
 
@@ -158,16 +158,16 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 def _seg(seg_q: Optional[Tensor], seg_k: Optional[Tensor], slopes: Optional[Tensor] = None):
     """The launchers' ``seg``: segment ids (seg_q, seg_k), or with seg_k None the key-range table
-    seg_q (`launch.KeyRanges`); with ALiBi ``slopes`` a `launch.Alibi` holding them too."""
+    seg_q (`operands.KeyRanges`); with ALiBi ``slopes`` a `operands.Alibi` holding them too."""
     seg = None
     if seg_q is not None:
-        seg = launch.KeyRanges((seg_q, seg_q)) if seg_k is None else (seg_q, seg_k)
-    return launch.with_alibi(seg, slopes)
+        seg = operands.KeyRanges((seg_q, seg_q)) if seg_k is None else (seg_q, seg_k)
+    return operands.with_alibi(seg, slopes)
 
 
 def _exact(bits: Optional[Tensor], kv_tile: Optional[Tensor], q_tile: Optional[Tensor]):
-    """The launchers' ``exact``: a `launch.ExactTiles`, or None without bits."""
-    return None if bits is None else launch.ExactTiles((bits, kv_tile, q_tile))
+    """The launchers' ``exact``: a `operands.ExactTiles`, or None without bits."""
+    return None if bits is None else operands.ExactTiles((bits, kv_tile, q_tile))
 
 
 def exact_tables(mask: BlockMask | None, exact: bool, device, kv_idx: Optional[Tensor], q_idx: Optional[Tensor],
@@ -194,7 +194,7 @@ def segment_lists(seg_q: Tensor, seg_k: Tensor | None, mask: BlockMask | None, d
     (`sparseflash.segments.segment_block_layout`), ``[B or B', H', QB, KB]``; with ``seg_k`` None,
     ``seg_q`` is a key-range table and the pairs its ranges reach (`key_range_block_layout`, keys
     ``seq_k``). Built on the device at every call (a sort per list, no host synchronisation)."""
-    from sparseflash.mask import _sorted_nonzero
+    from sparseflash.mask import sorted_nonzero
     from sparseflash.segments import key_range_block_layout, segment_block_layout
 
     bq, bk = (SEGMENT_BLOCK, SEGMENT_BLOCK) if mask is None else mask.block_size
@@ -204,8 +204,8 @@ def segment_lists(seg_q: Tensor, seg_k: Tensor | None, mask: BlockMask | None, d
         layout = segment_block_layout(seg_q, seg_k, bq, bk)
     if mask is not None:
         layout = mask.layout.to(device) & layout
-    _, kv_idx = _sorted_nonzero(layout)
-    _, q_idx = _sorted_nonzero(layout.transpose(-1, -2))
+    _, kv_idx = sorted_nonzero(layout)
+    _, q_idx = sorted_nonzero(layout.transpose(-1, -2))
     return kv_idx, q_idx, bq, bk
 
 
@@ -217,8 +217,8 @@ def mask_lists(mask: BlockMask | None, device) -> tuple[Optional[Tensor], Option
         return None, None, 0, 0, 1.0
     index = mask.index(device)
     mask_bq, mask_bk = mask.block_size
-    launch._fit(16, mask_bq, "block_q")
-    launch._fit(16, mask_bk, "block_k")
+    tiles.fit_tile(16, mask_bq, "block_q")
+    tiles.fit_tile(16, mask_bk, "block_k")
     return index.kv_idx, index.q_idx, mask_bq, mask_bk, -1.0 if index.density is None else index.density
 
 
@@ -254,8 +254,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
             index = mask.index(q.device)
             density = -1.0 if index.density is None else index.density
         kv_idx, q_idx, mask_bq, mask_bk = segment_lists(seg_q, seg_k, mask, q.device, k.shape[2])
-        launch._fit(16, mask_bq, "block_q")
-        launch._fit(16, mask_bk, "block_k")
+        tiles.fit_tile(16, mask_bq, "block_q")
+        tiles.fit_tile(16, mask_bk, "block_k")
     else:
         kv_idx, q_idx, mask_bq, mask_bk, density = mask_lists(mask, q.device)
     bits, kv_tile, q_tile = exact_tables(mask, exact, q.device, kv_idx, q_idx, seg_q is not None)

@@ -156,7 +156,7 @@ _INTS = {"i1": (1, 0xFF), "u1": (1, 0xFF), "i8": (1, 0xFF), "u8": (1, 0xFF), "i1
 
 
 def launch_of(quick, mod=None):
-    """The native `Launch` of a bound quick launch (`launch.quick_fwd`, `launch.quick_bwd`), or None
+    """The native `Launch` of a bound `launch.QuickLaunch` (`quick_fwd`, `quick_bwd`), or None
     when its kernel does not fit the plain launch (clusters, cooperative or PDL launches, scratch
     buffers, tuple or TMA arguments). Raises RuntimeError when the kernel's own parameter list
     disagrees with the packed one."""

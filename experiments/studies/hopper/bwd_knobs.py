@@ -50,9 +50,9 @@ def main(argv=None) -> int:
     from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.experiments.studies.hopper.bwd_parts import captured_bwd_args
     from sparseflash.experiments.studies.hopper.fwd_bench import save_json
-    from sparseflash.flash import fast, hopper_bwd, launch
+    from sparseflash.flash import fast, hopper_bwd, launch, tiles
 
-    fast.ENABLED, launch.TMA_MODE = False, "on"  # every call takes descriptors, so the Hopper kernels
+    fast.ENABLED, tiles.TMA_MODE = False, "on"  # every call takes descriptors, so the Hopper kernels
     saved = {k: getattr(hopper_bwd, k) for k in DEFAULTS}
     rows = []
     for n, d, kind in cases:

@@ -93,10 +93,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    from sparseflash.flash import fast, launch
+    from sparseflash.flash import fast, tiles
 
     fast.ENABLED = False  # 4K calls would take the short path (quick launches), not launch.bwd
-    launch.TMA_MODE = "on"  # the portable kernels' descriptor loads, as large calls take them
+    tiles.TMA_MODE = "on"  # the portable kernels' descriptor loads, as large calls take them
     rows = []
     for n, d, kind in CASES:
         rows.append(measure(n, d, kind, args.dq_parts))

@@ -35,9 +35,9 @@ def main(argv=None) -> int:
     import sparseflash
     from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.experiments.studies.hopper.fwd_bench import _call, _mask, save_json
-    from sparseflash.flash import fast, hopper, launch
+    from sparseflash.flash import fast, hopper, tiles
 
-    fast.ENABLED, launch.TMA_MODE = False, "on"  # every call takes descriptors, so the Hopper kernel
+    fast.ENABLED, tiles.TMA_MODE = False, "on"  # every call takes descriptors, so the Hopper kernel
     rows = []
     for n, d, kind in CASES:
         B, H = max(1, 16384 // n), 16

@@ -22,9 +22,9 @@ def run(n: int, d: int, kind: str, dq_parts: int = 4) -> None:
 
     import sparseflash
     from sparseflash.experiments.studies.hopper.fwd_bench import _mask
-    from sparseflash.flash import fast, hopper_bwd, launch
+    from sparseflash.flash import fast, hopper_bwd, tiles
 
-    fast.ENABLED, launch.TMA_MODE = False, "on"
+    fast.ENABLED, tiles.TMA_MODE = False, "on"
     hopper_bwd.MODE, hopper_bwd.DQ_PARTS = "on", dq_parts
     B, H = max(1, 16384 // n), 16
     q, k, v, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))

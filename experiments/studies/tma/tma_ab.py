@@ -3,10 +3,10 @@
     python -m sparseflash.experiments.studies.tma.tma_ab [--out DIR] [--head-dims 64 128] [--seqs 4096 16384]
 
 Times `sparseflash.attention` in GPU time (CUDA-graph replays), the forward alone and forward +
-backward, with ``launch.TMA_MODE = "off"`` (pointer loads in every kernel, at their tiles),
+backward, with ``tiles.TMA_MODE = "off"`` (pointer loads in every kernel, at their tiles),
 ``"on"`` (every kernel's tiles through tensor descriptors, at the TMA tiles where TMA was
-measured faster) and ``"auto"`` (the default: `launch._tma_plan`'s rules, e.g. pointer loads
-for calls under ``launch.TMA_MIN_WORK``), on the same inputs
+measured faster) and ``"auto"`` (the default: `tiles.tma_plan`'s rules, e.g. pointer loads
+for calls under ``tiles.TMA_MIN_WORK``), on the same inputs
 and masks; it stops if an "on" call ran a kernel on pointer loads.
 bf16, 16 heads, batch * seq = 16K tokens, head_dim 64 and 128, seq 4K and 16K, dense and a
 random block mask at density ~0.1 (3 of 32 blocks of 128 per row at 4K, 13 of 128 at 16K).
@@ -26,24 +26,24 @@ from sparseflash.cli import ArgumentParser, run_command
 __all__ = ["main"]
 
 
-def _takes_tma(launch, fn) -> list[bool]:
+def _takes_tma(tiles, fn) -> list[bool]:
     """Each kernel launch's choice of TMA (the launcher's own decision) while ``fn()`` runs."""
-    taken, real = [], launch._tma_args
+    taken, real = [], tiles.tma_args
 
     def spy(*a):
         args, tma = real(*a)
         taken.append(tma)
         return args, tma
 
-    launch._tma_args = spy
+    tiles.tma_args = spy
     try:
         fn()
     finally:
-        launch._tma_args = real
+        tiles.tma_args = real
     return taken
 
 
-def _ab(args, rows, launch, sparseflash, random_mask, graph_ms):
+def _ab(args, rows, tiles, sparseflash, random_mask, graph_ms):
     """Time every setting both ways, appending rows."""
     for n in args.seqs:
         nb = n // 128
@@ -62,10 +62,10 @@ def _ab(args, rows, launch, sparseflash, random_mask, graph_ms):
             for name, mask in (("dense", None), ("random 0.1", sparse)):
                 t, out = {}, {}
                 for mode in ("off", "on", "auto"):
-                    launch.TMA_MODE = mode
+                    tiles.TMA_MODE = mode
                     o, grads = fwd_bwd(mask)
                     out[mode] = (o.detach(), *grads)
-                    if mode == "on" and _takes_tma(launch, lambda: fwd_bwd(mask)) != [True] * 3:
+                    if mode == "on" and _takes_tma(tiles, lambda: fwd_bwd(mask)) != [True] * 3:
                         raise SystemExit(f"a kernel did not take the TMA path at N={n}, d={d} ({name})")
                     with torch.no_grad():
                         t[mode, "fwd"] = graph_ms(lambda: sparseflash.attention(q, k, v, mask=mask))
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     import sparseflash
     from sparseflash.experiments.bench.results import environment
     from sparseflash.experiments.bench.timing import graph_ms
-    from sparseflash.flash import launch
+    from sparseflash.flash import tiles
     from sparseflash.patterns import random as random_mask
 
     ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.tma.tma_ab", description=__doc__.splitlines()[0])
@@ -96,15 +96,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     rows = []
-    saved = launch.TMA_MODE
+    saved = tiles.TMA_MODE
     # everything on a side stream: autograd runs the backward on its forward's stream, and one on
     # the legacy default stream cannot join the CUDA-graph capture (as in timing.measure)
     side = torch.cuda.Stream()
     try:
         with torch.cuda.stream(side):
-            _ab(args, rows, launch, sparseflash, random_mask, graph_ms)
+            _ab(args, rows, tiles, sparseflash, random_mask, graph_ms)
     finally:
-        launch.TMA_MODE = saved
+        tiles.TMA_MODE = saved
 
     print("\nsparse rate as % of the dense rate at the same seq, head_dim and pass (the 80% bar):")
     for r in rows:

@@ -1,0 +1,65 @@
+"""Which kernel family runs a call: the portable Triton kernels (`kernels.py`, everywhere) or the
+Hopper Gluon kernels (`hopper.py` forward, `hopper_bwd.py` backward; sm_90 only). `hopper_plan`
+is the one place this is decided; the launchers (`launch.fwd`, `launch.bwd`) ask it first and run
+the portable kernels when it answers None.
+
+The Hopper kernels take a call when, in this order:
+- it uses none of what they do not implement: dropout, segment ids or key ranges, ALiBi, softcap,
+  exact-mask bits, a scale <= 0 (their running max is taken on raw scores);
+- it runs on an sm_90 GPU, compiled (not the interpreter), and TMA_MODE gives it descriptors
+  (`tiles.tma_wanted`: "on", or in "auto" calls of at least `tiles.TMA_MIN_WORK` FLOPs or captured
+  in a CUDA graph);
+- `hopper.plan` takes it (``SPARSEFLASH_HOPPER``, gluon present, fp16 / bf16, head_dim 64 or 128,
+  mask blocks multiples of 128, layouts TMA takes);
+- backward only: `hopper_bwd.plan` takes dO and O (``SPARSEFLASH_HOPPER_BWD``, deterministic
+  algorithms off) and block-sparse column lists are long enough (`hopper_bwd.LIST_MIN_BLOCKS`).
+Gluon is imported only past the device test, so CPU runs never import it.
+"""
+
+from __future__ import annotations
+
+from sparseflash.flash import tiles
+
+__all__ = ["hopper_plan"]
+
+
+def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout_p: float = 0.0, seg=None,
+                softcap: float = 0.0, exact=None, do=None, o=None, lists: bool = False):
+    """The Hopper kernels' layouts when they run this call, else None (the portable kernels). The
+    forward's with ``do`` None: `hopper.layouts` of (q, k, v); the backward's: (those,
+    `hopper_bwd.do_layout` of dO), ``lists`` saying whether the call walks block lists. ``work``:
+    the call's estimated forward FLOPs (-1 unknown); the other arguments as `launch.fwd` takes them."""
+    if dropout_p > 0.0 or seg is not None or softcap or exact is not None or not scale > 0.0:
+        return None  # features the Hopper kernels do not have
+    if do is None:
+        return _fwd_layouts(q, k, v, mask_bq, mask_bk, work)
+    return _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work, lists)
+
+
+def _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float, lists: bool = False):
+    """(q, k, v layouts, dO layout) when the backward runs the Hopper kernel, else None: where the
+    forward would (`_fwd_layouts`) and `hopper_bwd.plan` takes dO, O and the walk (``lists``:
+    block lists, whose mean length per key tile comes from the work estimate)."""
+    lay = _fwd_layouts(q, k, v, mask_bq, mask_bk, work)
+    if lay is None:
+        return None
+    from sparseflash.flash import hopper, hopper_bwd
+
+    cols = None
+    if lists:  # 128-row q blocks per key tile's walk: work = 4 B H Nq Nk D x density (-1: unknown)
+        B, H, _, D = q.shape
+        cols = work / (4.0 * B * H * k.shape[2] * D * hopper.TILE) if work > 0 else -1.0
+    return hopper_bwd.plan(do, q, o, lay, cols)
+
+
+def _fwd_layouts(q, k, v, mask_bq, mask_bk, work: float):
+    """The descriptor layouts (`hopper.layouts`) when the forward runs the warp-specialised Hopper
+    kernel, else None: on sm_90, for the calls TMA_MODE gives descriptors (`tiles.tma_wanted`),
+    then as `hopper.plan` decides."""
+    if q.device.type != "cuda" or tiles.interpreting() or tiles.sm_major(q.device.index) != 9:
+        return None
+    if not tiles.tma_wanted(q, tiles.block_d(q.shape[-1]), work):
+        return None
+    from sparseflash.flash import hopper
+
+    return hopper.plan(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk)
