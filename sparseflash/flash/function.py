@@ -1,4 +1,6 @@
-"""Autograd and torch.library wrappers around the launchers, and `flash_attention`.
+"""Autograd and torch.library wrappers around the launchers, and `flash_attention`: the layer
+between `sparseflash.attention` (api.py, which calls `flash_attention` after validation) and the
+launchers `launch.fwd` / `launch.bwd` (launch.py), which the ops' implementations call.
 
 Two custom ops, ``sparseflash::flash_fwd`` and ``sparseflash::flash_bwd``, carry the kernels
 (with fake implementations, so ``torch.compile`` traces models that call them without a graph

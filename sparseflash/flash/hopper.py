@@ -24,8 +24,8 @@ The block-sparse list walk is the portable kernels': a q tile visits the k block
 (dense: every block), split into a mask-free prefix and a masked band (key_lengths, causal
 bottom-right), and skips the rest. Rows with no keys give O = 0 and an LSE of +inf.
 
-Scope (everything else takes the portable path, see `unsupported`; the launcher also keeps a
-scale <= 0 there, as the running max is taken on raw scores): an sm_90 GPU, float16 or
+Scope (everything else takes the portable path, see `unsupported`; `dispatch.hopper_plan` also keeps
+a scale <= 0 there, as the running max is taken on raw scores): an sm_90 GPU, float16 or
 bfloat16, head_dim 64 or 128 (K and V alike), mask blocks that are multiples of 128 (or dense),
 no dropout, no segment ids, layouts TMA descriptors take: [B, H, N, D] or [B, N, H, D] memory
 (a transposed view) with unit last stride and 16-byte aligned strides.
@@ -385,8 +385,8 @@ def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None)
 
 
 def plan(q, k, v, *, mask_bq=None, mask_bk=None):
-    """The `layouts` of (q, k, v) when this kernel runs the call (no dropout, no segment ids: the
-    launcher's part), else None; each check once."""
+    """The `layouts` of (q, k, v) when this kernel runs the call (no dropout, no segment ids:
+    `dispatch.hopper_plan`'s part), else None; each check once."""
     if unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk) is not None:
         return None
     return layouts(q, k, v)  # cached by layout: the second look is a dictionary hit
