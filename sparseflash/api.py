@@ -344,10 +344,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0 \
             and not _needs_bits(mask, q, exact):
         # the short path of a repeated eager call (sparseflash.flash.fast): a known key skips validation
-        # and planning; a new one is validated first (the lambda). None: a call it does not take.
+        # and planning; a new one is validated first (`_validated_scale`). None: a call it does not take.
+        # (A function and its extra arguments, not a closure: a lambda here would make every local of
+        # this function a cell, a microsecond more per call.)
         out = (_FAST or _fast_module()).try_call(
-            q, k, v, mask, causal, scale, key_lengths,
-            lambda: _validated_scale(q, k, v, mask, causal, scale, key_lengths, check_key_lengths, backend),
+            q, k, v, mask, causal, scale, key_lengths, _validated_scale, (check_key_lengths, backend),
             key_lengths_range if key_lengths is not None and _checks_lengths(check_key_lengths) else None)
         if out is not None:
             return out

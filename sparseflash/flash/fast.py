@@ -197,18 +197,20 @@ class _FastFunction(torch.autograd.Function):
         return None, dq, dk, dv, None
 
 
-def try_call(q, k, v, mask, causal, scale, key_lengths, validate, check_lengths=None) -> Tensor | None:
+def try_call(q, k, v, mask, causal, scale, key_lengths, validate, validate_args=(),
+             check_lengths=None) -> Tensor | None:
     """The output of a call the short path serves, or None when it must take the general path.
     For calls without dropout, segment ids, key ranges, score modifications, bits or return_lse,
-    with backend "auto" or "triton" (the caller's test). ``validate()``: the caller's checks of the
-    call, run only when its key is new (they raise for a bad call); returns the call's resolved
-    scale (a float) when its backend is the kernels, else None. ``check_lengths(key_lengths,
-    seq_k)``: the key_lengths range check for a known key, None when off."""
+    with backend "auto" or "triton" (the caller's test). ``validate(q, k, v, mask, causal, scale,
+    key_lengths, *validate_args)``: the caller's checks of the call, run only when its key is new
+    (they raise for a bad call); returns the call's resolved scale (a float) when its backend is
+    the kernels, else None. ``check_lengths(key_lengths, seq_k)``: the key_lengths range check for
+    a known key, None when off."""
     entry = lookup(q, k, v, mask, causal, scale, key_lengths)
     if entry is None:
         return None
     if entry.__class__ is Miss:
-        resolved = validate()
+        resolved = validate(q, k, v, mask, causal, scale, key_lengths, *validate_args)
         entry = build(entry, q, k, v, mask, causal, resolved, key_lengths, resolved is not None)
         if entry is None:
             return None
