@@ -16,6 +16,10 @@ set -uo pipefail
 state=$1; minutes=$2
 py=${PYTHON:-python3}
 data=${DATA:-/tmp/pathx-data}; workers=${WORKERS:-16}; pattern=${PATTERN:-butterfly}
+# CONFIG / NUM / NUM_CLEAN shrink the campaign for a CPU rehearsal (CONFIG=tiny NUM=400 NUM_CLEAN=100);
+# GRAPHS=1 trains with --cuda-graphs (one captured step per width)
+config=${CONFIG:-faithful}; num=${NUM:-200000}; num_clean=${NUM_CLEAN:-20000}
+graphs=(); [ "${GRAPHS:-0}" = 1 ] && graphs=(--cuda-graphs)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 [ -f COMMIT ] && export SPARSEFLASH_COMMIT=$(cat COMMIT)
 t0=$(date +%s)
@@ -45,8 +49,8 @@ train() {  # train NAME TASK ARGS...: run until done or the time left
     local lim=$(( $(left) - 30 ))
     [ "$lim" -lt 60 ] && return 75
     log "$name: training (limit $lim s)"
-    $py -m sparseflash lra train --task "$task" --config faithful --data "$data/$task" --attention sparseflash \
-        --pattern "$pattern" --set model.black_is_padding=True --num-workers 6 --no-progress --resume \
+    $py -m sparseflash lra train --task "$task" --config "$config" --data "$data/$task" --attention sparseflash \
+        --pattern "$pattern" --set model.black_is_padding=True --num-workers 6 --no-progress --resume "${graphs[@]}" \
         --time-limit "$($py -c "print($lim / 60)")" --out "$state/$name" "$@" >> "$state/$name.log" 2>&1
     local rc=$?
     log "$name: exit $rc; $(tail -n 1 "$state/$name/eval.csv" 2>/dev/null)"
@@ -54,12 +58,12 @@ train() {  # train NAME TASK ARGS...: run until done or the time left
     return $(( rc == 0 ? 75 : rc ))
 }
 
-make "$data/pathfinder64" 64 release 200000 pathfinder64 || exit $?
+make "$data/pathfinder64" 64 release "$num" pathfinder64 || exit $?
 train pretrain pathfinder64 || exit $?
-make "$data/pathx" 128 release 200000 pathx || exit $?
+make "$data/pathx" 128 release "$num" pathx || exit $?
 train finetune pathx --init-from "$state/pretrain/checkpoints/best.pt" || exit $?
 if [ ! -f "$state/finetune/crosseval-clean.json" ]; then
-    make "$data/pathx-clean" 128 clean 20000 pathx || exit $?
+    make "$data/pathx-clean" 128 clean "$num_clean" pathx || exit $?
     $py -m sparseflash lra evaluate "$state/finetune" --data "$data/pathx-clean" --fidelity clean --split all \
         --out "$state/finetune/crosseval-clean.json" 2>&1 | tail -n 1 | tee -a "$state/campaign.log"
 fi
