@@ -118,7 +118,7 @@ _RNG_ARGS = ["drop_thresh"]
 @triton.jit
 def _aligned(stride_b, stride_h, stride_r, ALIGN: tl.constexpr):
     """A tensor's batch, head and row strides, which the launcher passes divided by ALIGN (the
-    largest power of two < 16 dividing them all, `launch._aligned_strides`): multiplied back here, the
+    largest power of two < 16 dividing them all, `operands.aligned_strides`): multiplied back here, the
     compiler knows every row starts ALIGN-aligned. Triton's own specialisation only recognises
     strides divisible by 16, so a head_dim of 40 would get element-wise loads without it."""
     return stride_b * ALIGN, stride_h * ALIGN, stride_r * ALIGN
