@@ -161,11 +161,11 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
     can change the kernel that compiles). ``segments``: the packed-documents variant (segment ids)."""
     import triton
 
-    from sparseflash.flash import launch, tiles
+    from sparseflash.flash import launch, tiles as policy
     from sparseflash.mask import BlockMask
 
-    saved_interp = tiles.interpreting
-    tiles.interpreting = lambda: False
+    saved_interp = policy.interpreting
+    policy.interpreting = lambda: False
 
     def run():
         B, H, N, D = batch, heads, seq, head_dim
@@ -179,11 +179,11 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
             lists = (idx.kv_idx, idx.q_idx)
         else:
             lists = (None, None)
-        cfgs = {kind: tiles.default_config(kind, D, cuda, triton.cdiv(N, mask_block) if mask_block else None, dropout > 0,
+        cfgs = {kind: policy.default_config(kind, D, cuda, triton.cdiv(N, mask_block) if mask_block else None, dropout > 0,
                                              segments=segments)
                 for kind in ("fwd", "dkdv", "dq")}
         if dtype == torch.float32:
-            cfgs = {kind: tiles.fp32_config(c, kind, D) for kind, c in cfgs.items()}
+            cfgs = {kind: policy.fp32_config(c, kind, D) for kind, c in cfgs.items()}
         cfgs.update(tiles or {})
         mb = mask_block or None
         lse = torch.zeros(B, H, N)
@@ -192,7 +192,7 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
         if segments:
             ids = torch.zeros(B, N, dtype=torch.int32)
             seg = (ids, ids[:, :])
-        with tiles.tile_config(**cfgs):
+        with policy.tile_config(**cfgs):
             if "fwd" in kinds:
                 launch.fwd(q, k, v, lists[0], None, scale, causal, mb, mb, dropout, rng, seg=seg)
             bargs = (do, q, k, v, lse, lse, None, scale, causal, mb, mb, dropout, rng)
@@ -204,7 +204,7 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
     try:
         compiled = compile_launches(run)
     finally:
-        tiles.interpreting = saved_interp
+        policy.interpreting = saved_interp
     return compiled
 
 
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     tiles = {}
     for spec in args.tile:
         from sparseflash.experiments.bench.tune_tiles import parse_config
-        from sparseflash.flash.launch import TileConfig
+        from sparseflash.flash.tiles import TileConfig
 
         kind, _, nums = spec.partition("=")
         tiles[kind] = TileConfig(*parse_config(nums))

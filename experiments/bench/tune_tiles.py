@@ -93,7 +93,7 @@ def _compile_one(spec):
     """Worker: compile one (kind, D, N, blocks per row, config) by running it once at batch 1."""
     kind, D, N, bpr, cfg, dropout = spec
     try:
-        from sparseflash.flash.launch import TileConfig, tile_config
+        from sparseflash.flash.tiles import TileConfig, tile_config
 
         with tile_config(**{kind: TileConfig(*cfg)}):
             call, _ = _setting(kind, D, N, bpr, heads=16, batch=1, device="cuda", dropout=dropout)  # as timed
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     import triton
     import triton.testing
 
-    from sparseflash.flash.launch import TileConfig, tile_config
+    from sparseflash.flash.tiles import TileConfig, tile_config
 
     os.makedirs(args.out, exist_ok=True)
     if args.configs:

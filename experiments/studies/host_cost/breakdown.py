@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
     import sparseflash
     from sparseflash.flash import launch
-    from sparseflash.flash.launch import TileConfig, tile_config
+    from sparseflash.flash.tiles import TileConfig, tile_config
     from sparseflash.patterns import random as random_mask
 
     N, D, H = args.seq_len, args.head_dim, args.heads
