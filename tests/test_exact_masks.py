@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from _attn_check import check_attention, make_qkv
+from _hopper import compile_sm90
 
 import sparseflash
 from sparseflash import BlockMask
@@ -271,20 +272,8 @@ def test_bad_exact_is_refused(bad):
 def test_exact_kernels_compile_for_sm90():
     """The EXACT variants of the three kernels (causal window, lists, bits) compile for sm_90 here,
     without a GPU (tests/_compile_sm90.py; about a minute on 2 cores, hence slow)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    script = Path(__file__).with_name("_compile_sm90.py")
-    r = subprocess.run([sys.executable, str(script), "exact-causal"], env=env, capture_output=True, text=True,
-                       timeout=900)
-    if r.returncode == 3:
-        pytest.skip(r.stdout.strip())
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert r.stdout.count("lines of PTX") == 4, r.stdout
+    out = compile_sm90("exact-causal", timeout=900)
+    assert out.count("lines of PTX") == 4, out
 
 
 # ---------------------------------------------------------------- memory

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from _attn_check import check_attention, make_qkv
+from _hopper import compile_sm90
 
 import sparseflash
 from sparseflash import BlockMask, reference
@@ -232,18 +233,5 @@ def test_kernels_compile_for_sm90():
     typed by the compiler): forward, dQ and both dK/dV orientations with softcap, ALiBi and packed
     segment ids compile for sm_90 here, without a GPU (tests/_compile_sm90.py; run it with every
     variant's name to compile the others)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # the checkout's root first: the child imports sparseflash also where it is not installed (run in place)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    script = Path(__file__).with_name("_compile_sm90.py")
-    r = subprocess.run([sys.executable, str(script), "alibi-segments-softcap"], env=env, capture_output=True, text=True,
-                       timeout=600)
-    if r.returncode == 3:
-        pytest.skip(r.stdout.strip())
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert r.stdout.count("lines of PTX") == 4, r.stdout
+    out = compile_sm90("alibi-segments-softcap", timeout=600)
+    assert out.count("lines of PTX") == 4, out

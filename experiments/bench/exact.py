@@ -28,7 +28,6 @@ by design). Writes DIR/exact.csv and DIR/exact.json.
 
 from __future__ import annotations
 
-import csv
 import json
 import sys
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 
 from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
+from sparseflash.experiments.bench.results import write_tidy
 
 PROVIDERS = ("sparseflash-exact", "sparseflash-block", "flex")
 MASKS = ("sliding-window", "documents")
@@ -180,16 +180,7 @@ def run(args) -> list[dict]:
 
 
 def write(rows: list[dict], out: Path, meta: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "exact.json", "w") as f:
-        json.dump(dict(schema="sparseflash-exact/1", meta=meta, rows=rows), f, indent=1)
-    cols = []
-    for r in rows:
-        cols += [c for c in r if c not in cols]
-    with open(out / "exact.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
+    write_tidy(rows, meta, out, "exact", "sparseflash-exact/1")
 
 
 def main(argv=None) -> int:

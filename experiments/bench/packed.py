@@ -28,7 +28,6 @@ timing). Writes DIR/packed.csv, DIR/packed.json and DIR/packed.png.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 
 from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
+from sparseflash.experiments.bench.results import write_tidy
 
 PROVIDERS = ("sparseflash-segments", "flex-document", "sparseflash-dense", "sdpa-dense")
 
@@ -209,16 +209,7 @@ def run(args) -> list[dict]:
 
 
 def write(rows: list[dict], out: Path, meta: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "packed.json", "w") as f:
-        json.dump(dict(schema="sparseflash-packed/1", meta=meta, rows=rows), f, indent=1)
-    cols = []
-    for r in rows:
-        cols += [c for c in r if c not in cols]
-    with open(out / "packed.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
+    write_tidy(rows, meta, out, "packed", "sparseflash-packed/1")
 
 
 def plot(out: Path) -> Path:

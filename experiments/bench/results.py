@@ -128,6 +128,22 @@ def write_results(rows: list[dict], meta: dict, out_dir, stem: str) -> dict:
     return {k: str(v) for k, v in paths.items()}
 
 
+def write_tidy(rows: list[dict], meta: dict, out_dir, stem: str, schema: str) -> None:
+    """``<stem>.json`` (schema, meta, rows) and ``<stem>.csv`` (every column any row has, in order of
+    appearance) under ``out_dir``: the free-form tables of the benches that do not share `COLUMNS`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{stem}.json", "w") as f:
+        json.dump(dict(schema=schema, meta=meta, rows=rows), f, indent=1)
+    cols = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+
+
 def _parse_csv_row(r: dict) -> dict:
     out = dict(r)
     for k, v in r.items():
