@@ -17,7 +17,7 @@ state=$1; minutes=$2
 py=${PYTHON:-python3}
 data=${DATA:-/tmp/pathx-data}; workers=${WORKERS:-16}; pattern=${PATTERN:-butterfly}
 # CONFIG / NUM / NUM_CLEAN shrink the campaign for a CPU rehearsal (CONFIG=tiny NUM=400 NUM_CLEAN=100);
-# GRAPHS=1 trains with --cuda-graphs (one captured step per width)
+# GRAPHS=1 trains with --cuda-graphs (one captured step per width); LOADER_WORKERS (6) the loader's processes
 config=${CONFIG:-faithful}; num=${NUM:-200000}; num_clean=${NUM_CLEAN:-20000}
 graphs=(); [ "${GRAPHS:-0}" = 1 ] && graphs=(--cuda-graphs)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
@@ -50,7 +50,7 @@ train() {  # train NAME TASK ARGS...: run until done or the time left
     [ "$lim" -lt 60 ] && return 75
     log "$name: training (limit $lim s)"
     $py -m sparseflash lra train --task "$task" --config "$config" --data "$data/$task" --attention sparseflash \
-        --pattern "$pattern" --set model.black_is_padding=True --num-workers 6 --no-progress --resume "${graphs[@]}" \
+        --pattern "$pattern" --set model.black_is_padding=True --num-workers "${LOADER_WORKERS:-6}" --no-progress --resume "${graphs[@]}" \
         --time-limit "$($py -c "print($lim / 60)")" --out "$state/$name" "$@" >> "$state/$name.log" 2>&1
     local rc=$?
     log "$name: exit $rc; $(tail -n 1 "$state/$name/eval.csv" 2>/dev/null)"
@@ -58,9 +58,14 @@ train() {  # train NAME TASK ARGS...: run until done or the time left
     return $(( rc == 0 ? 75 : rc ))
 }
 
-make "$data/pathfinder64" 64 release "$num" pathfinder64 || exit $?
-train pretrain pathfinder64 || exit $?
+# a fresh machine skips the Pathfinder-64 data once pretraining is done (the fine-tune needs only its weights)
+if ! done_run "$state/pretrain"; then
+    make "$data/pathfinder64" 64 release "$num" pathfinder64 || exit $?
+    train pretrain pathfinder64 || exit $?
+fi
 make "$data/pathx" 128 release "$num" pathx || exit $?
+# ONLY=data stops here, the data ready (a call that runs GPU tests beside the generation)
+[ "${ONLY:-}" = data ] && { log "ONLY=data: stopping with the data ready"; exit 75; }
 train finetune pathx --init-from "$state/pretrain/checkpoints/best.pt" || exit $?
 if [ ! -f "$state/finetune/crosseval-clean.json" ]; then
     make "$data/pathx-clean" 128 clean "$num_clean" pathx || exit $?
