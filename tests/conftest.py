@@ -45,7 +45,71 @@ def pytest_report_header(config):
     return f"WARNING: {problem}" if problem else None
 
 
+def _skip_nested_lang_patching() -> None:
+    """Make the Triton interpreter's device-function calls skip re-patching triton.language
+    while a kernel launch has it patched already.
+
+    Under the interpreter every call of a @triton.jit helper from inside a kernel re-runs
+    ``_patch_lang`` (``inspect.getmembers`` over triton.language, its tensor and math modules),
+    though the enclosing launch patched the same modules and restores them only when it ends:
+    the re-patch installs equivalent wrappers over wrappers it skips. That redundant work was
+    about 40% of the CPU time of a kernel test. Here a nested call whose language modules are
+    already patched by the running launch does nothing; any other call (a launch, a helper
+    that sees a language module the launch did not patch) goes through the stock function, so
+    the patched state the kernels run under is the stock one. SPARSEFLASH_STOCK_INTERPRETER=1
+    leaves the interpreter untouched; a triton without these internals is left untouched too."""
+    if os.environ.get("SPARSEFLASH_STOCK_INTERPRETER") == "1":
+        return
+    try:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return
+    stock = getattr(interp, "_patch_lang", None)
+    executor = getattr(interp, "GridExecutor", None)
+    scope_cls = getattr(interp, "_LangPatchScope", None)
+    if stock is None or executor is None or scope_cls is None or getattr(stock, "_sparseflash_shim", False):
+        return
+    patched: list[set] = []  # per running launch: ids of the language modules it patched
+    langs_of: dict = {}
+
+    def langs(fn) -> frozenset:
+        key = id(fn.__globals__)
+        if key not in langs_of:  # the same scan as the stock function's
+            langs_of[key] = frozenset(id(v) for v in fn.__globals__.values()
+                                      if inspect.ismodule(v) and v in [tl, tl.core])
+        return langs_of[key]
+
+    def patch_lang(fn):
+        mods = langs(fn)
+        if patched and mods and mods <= patched[-1]:
+            return scope_cls()  # nothing to restore: the launch's own scope restores its changes
+        scope = stock(fn)
+        if patched:
+            patched[-1] |= mods
+        return scope
+
+    patch_lang._sparseflash_shim = True
+    patch_lang._sparseflash_stock = stock  # for tests/test_compat.py's comparison with the stock path
+    launch = executor.__call__
+
+    def call(self, *args, **kwargs):
+        patched.append(set())  # filled by the launch's own (stock) _patch_lang call
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    call._sparseflash_stock = launch
+    interp._patch_lang = patch_lang
+    executor.__call__ = call
+
+
 def pytest_configure(config):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _skip_nested_lang_patching()
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
     config.addinivalue_line("markers", "slow: long on CPU; runs only with SPARSEFLASH_SLOW=1 (always on GPU)")
     config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors under the interpreter; "

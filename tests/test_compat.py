@@ -1,4 +1,4 @@
-"""Known-bad version pairs on the Triton interpreter path (`sparseflash._compat`). About 1 s on CPU."""
+"""Known-bad version pairs on the Triton interpreter path (`sparseflash._compat`), and the test suite's interpreter shim (conftest). About 5 s on CPU."""
 
 import numpy
 import pytest
@@ -64,3 +64,34 @@ def test_info_reports_the_interpreter_pair(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(numpy, "__version__", "2.4.1")
     assert "numpy<2.4" in info()["triton_interpreter"]
+
+
+@pytest.mark.interpreter
+def test_conftest_interpreter_shim_changes_nothing_but_time(monkeypatch):
+    """tests/conftest.py has the interpreter skip re-patching triton.language on nested jit calls
+    inside a launch: the same numbers as the stock interpreter, bit for bit (forward and backward,
+    a mask with partial blocks, GQA, causal)."""
+    from triton.runtime import interpreter as interp
+
+    shim = interp._patch_lang
+    if not getattr(shim, "_sparseflash_shim", False):
+        pytest.skip("the shim is off (SPARSEFLASH_STOCK_INTERPRETER=1, or a triton without its internals)")
+    from sparseflash import BlockMask
+
+    mask = BlockMask.from_fn(lambda b, h, qi, kv: (qi >= kv) & (qi - kv < 20), 40, block_size=16)
+    g = torch.Generator().manual_seed(0)
+    q, do = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    k, v = torch.randn(1, 1, 40, 16, generator=g), torch.randn(1, 1, 40, 16, generator=g)
+
+    def run():
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        o = sparseflash.attention(qq, kk, vv, mask, causal=True, backend="triton")
+        o.backward(do)
+        return o.detach(), qq.grad, kk.grad, vv.grad
+
+    fast = run()
+    monkeypatch.setattr(interp, "_patch_lang", shim._sparseflash_stock)
+    monkeypatch.setattr(interp.GridExecutor, "__call__", interp.GridExecutor.__call__._sparseflash_stock)
+    stock = run()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), fast, stock):
+        assert torch.equal(a, b), name
