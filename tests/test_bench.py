@@ -461,23 +461,30 @@ def test_gpu_kernel_ms_is_the_calls_own_kernels():
     assert len(names) >= 1 and max(names.values()) >= 0.8 * ms
 
 
+def _inspect_kernels(*argvs):
+    """The rows `inspect_kernels --json` prints for each argument list, from one child process
+    (outside the interpreter: it compiles for sm_90), which calls its main once per list (one
+    start-up of torch and triton instead of one per list)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys\nfrom sparseflash.experiments.bench.inspect_kernels import main\n"
+            "for argv in json.loads(sys.argv[1]):\n    assert main(['--json', *argv]) == 0\n")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
+    assert len(rows) == len(argvs), out.stdout[-2000:]
+    return rows
+
+
 @pytest.mark.skipif(not ptxas_available(), reason="needs the ptxas bundled with Linux triton wheels")
 def test_inspect_kernels_row_alignment_for_hopper():
     """Compiled for sm_90 (no GPU needed), head_dim 40 (row stride 80 bytes, not a multiple of 16
     elements) gives the same kernels as head_dim 64 on the same tiles, thanks to the row-alignment
     hint: the async-copy K/V pipeline (same shared memory), no extra spills, loops as long. Without
     the hint the d=40 forward had 24 KB of shared memory and a 458-instruction loop (d=64: 344)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tiles = ["--tile", "fwd=128,64,8,3", "--tile", "dkdv=32,128,4,3", "--tile", "dq=64,64,4,3"]
-
-    def compile_rows(d):
-        cmd = [sys.executable, "-m", "sparseflash.experiments.bench.inspect_kernels", "--json", "--head-dim", str(d),
-               *tiles]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return {r["kernel"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
-
-    d40, d64 = compile_rows(40), compile_rows(64)
+    d40, d64 = ({r["kernel"]: r for r in rows}
+                for rows in _inspect_kernels(["--head-dim", "40", *tiles], ["--head-dim", "64", *tiles]))
     assert sorted(d40) == ["_bwd_dkdv_kernel", "_bwd_dq_kernel", "_fwd_kernel"]
     problems = []
     for name, a in d40.items():
@@ -495,13 +502,8 @@ def test_inspect_kernels_row_alignment_for_hopper():
 def test_wide_head_dim_default_tiles_fit_hopper():
     """The default tiles past head_dim 128, compiled for sm_90 (no GPU needed), fit in shared
     memory in bf16 and in fp32 (the bf16 dQ tile would need 303 KB in fp32; fp32 keeps smaller ones)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for extra in ([], ["--fp32"]):
-        cmd = [sys.executable, "-m", "sparseflash.experiments.bench.inspect_kernels", "--json", "--head-dim", "256",
-               *extra]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        rows = json.loads(out.stdout.strip().splitlines()[-1])
+    extras = ([], ["--fp32"])
+    for extra, rows in zip(extras, _inspect_kernels(*(["--head-dim", "256", *extra] for extra in extras))):
         assert sorted(r["kernel"] for r in rows) == ["_bwd_dkdv_kernel", "_bwd_dq_kernel", "_fwd_kernel"]
         too_big = [(r["kernel"], r["shared"]) for r in rows if r["shared"] > 227 * 1024]
         assert not too_big, (extra, too_big)
