@@ -1,4 +1,5 @@
-"""Known-bad version pairs on the Triton interpreter path (`sparseflash._compat`), and the test suite's interpreter shim (conftest). About 5 s on CPU."""
+"""Known-bad version pairs on the Triton interpreter path (`sparseflash._compat`), and the test
+suite's interpreter shim (tests/conftest.py). About 5 s on CPU."""
 
 import numpy
 import pytest
