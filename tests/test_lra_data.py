@@ -312,6 +312,27 @@ def test_write_pathfinder_layout_metadata_and_balance(pf_release, tmp_path):
     assert (Path(other["folder"]) / "imgs" / "0" / "sample_0.png").read_bytes() != img_a
 
 
+def test_pathfinder_split_and_with_rows_locate_a_run_s_training_images(pf_release, tmp_path):
+    """`pathfinder_split` gives the generation indices each split reads, and `with_rows` reads any
+    of them: a prefix of a folder made again (same seed) can be split into images a run trained on
+    and images it never saw."""
+    from sparseflash.experiments.lra.data import pathfinder_split
+
+    root, cache = pf_release / "w1", tmp_path / "cache"
+    splits = {s: get_dataset("pathfinder32", root, s, cache_dir=cache) for s in ("train", "val", "test")}
+    parts = [pathfinder_split(50, s) for s in ("train", "val", "test")]
+    assert [len(p) for p in parts] == [40, 5, 5]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(50))
+    for s, rows in zip(("train", "val", "test"), parts):
+        again = splits["train"].with_rows(rows)
+        assert len(again) == len(rows)
+        for i in (0, len(rows) - 1):
+            assert torch.equal(again[i]["tokens"], splits[s][i]["tokens"]) and again[i]["label"] == splits[s][i]["label"]
+    assert not np.array_equal(pathfinder_split(50, "train", seed=1), parts[0])
+    with pytest.raises(ValueError, match=r"rows must be .* \[0, 50\)"):
+        splits["train"].with_rows([0, 50])
+
+
 # ------------------------------------------------------------------------------------------ fixtures
 def write_png(path: Path, arr: np.ndarray):
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,11 +11,13 @@ The loaders (and torch) are imported on first use, so the generators' worker pro
 TASKS = ("listops", "text", "text4k", "retrieval", "image", "pathfinder32", "pathfinder64", "pathx", "path256")
 SPLITS = ("train", "val", "test")
 
-__all__ = ["TASKS", "SPLITS", "get_dataset", "LRADataset", "DatasetNotFoundError", "MalformedDataError"]
+__all__ = ["TASKS", "SPLITS", "get_dataset", "LRADataset", "DatasetNotFoundError", "MalformedDataError",
+           "pathfinder_split"]
 
 
 def __getattr__(name):
-    if name in ("get_dataset", "LRADataset", "DatasetNotFoundError", "MalformedDataError", "PATHFINDER_BLACKLIST"):
+    if name in ("get_dataset", "LRADataset", "DatasetNotFoundError", "MalformedDataError", "PATHFINDER_BLACKLIST",
+                "pathfinder_split"):
         from sparseflash.experiments.lra.data import datasets
 
         return getattr(datasets, name)

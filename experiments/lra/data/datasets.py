@@ -57,7 +57,7 @@ from sparseflash._progress import progress
 from sparseflash.experiments.lra.data import SPLITS, TASKS
 
 __all__ = ["TASKS", "SPLITS", "get_dataset", "LRADataset", "DatasetNotFoundError", "MalformedDataError",
-           "PATHFINDER_BLACKLIST"]
+           "PATHFINDER_BLACKLIST", "pathfinder_split"]
 
 PATHFINDER_BLACKLIST = frozenset({"pathfinder32/curv_baseline/imgs/0/sample_172.png"})
 _PATH_RES = {"pathfinder32": 32, "pathfinder64": 64, "pathx": 128, "path256": 256}
@@ -115,6 +115,18 @@ class LRADataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self._labels) if self._index is None else len(self._index)
+
+    def with_rows(self, rows) -> "LRADataset":
+        """The same store read at ``rows`` (positions in the store, i.e. generation indices of a
+        Pathfinder folder) instead of this split's: e.g. the images of a folder that a model's
+        training split held, located with `pathfinder_split`."""
+        rows = np.asarray(rows, np.int64)
+        n = len(self._labels)
+        if rows.ndim != 1 or (rows.size and (rows.min() < 0 or rows.max() >= n)):
+            raise ValueError(f"rows must be a 1-D array of store positions in [0, {n}), got shape {rows.shape}")
+        return LRADataset(self.task, self.split, self.store, rows, seq_len=self.seq_len, max_len=self.max_len,
+                          vocab_size=self.vocab_size, num_classes=self.num_classes, offset=self.offset,
+                          pairs=self.pairs)
 
     def _row(self, j: int) -> int:
         return int(j) if self._index is None else int(self._index[j])
@@ -507,7 +519,9 @@ def _pathfinder(root, task, difficulty, cache, workers, fidelity=None):
     return _store(cache, f"{name}-{sub}", folder, key, build), have
 
 
-def _path_split(n: int, split: str, seed: int) -> np.ndarray:
+def pathfinder_split(n: int, split: str, seed: int = 42) -> np.ndarray:
+    """Sorted generation indices of ``split`` in a Pathfinder folder of ``n`` images (80/10/10 by a
+    seeded permutation; ``seed`` is `get_dataset`'s ``split_seed``)."""
     perm = np.random.default_rng(seed).permutation(n)
     n_train, n_val = int(0.8 * n), int(0.1 * n)
     bounds = {"train": (0, n_train), "val": (n_train, n_train + n_val), "test": (n_train + n_val, n)}[split]
@@ -575,6 +589,6 @@ def get_dataset(task: str, root, split: str, *, cache_dir=None, **task_options) 
         raise ValueError(f"fidelity must be one of {FIDELITIES} or None (whatever the folder holds), got {fidelity!r}")
     store, have = _pathfinder(root, task, difficulty, cache, task_options.get("workers", 1), fidelity)
     n = len(np.load(store / "labels.npy", mmap_mode="r"))
-    ds = LRADataset(task, split, store, _path_split(n, split, int(split_seed)), offset=1, **common)
+    ds = LRADataset(task, split, store, pathfinder_split(n, split, int(split_seed)), offset=1, **common)
     ds.difficulty, ds.fidelity = difficulty, have
     return ds
