@@ -23,6 +23,17 @@ graphs=(); [ "${GRAPHS:-0}" = 1 ] && graphs=(--cuda-graphs)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 [ -f COMMIT ] && export SPARSEFLASH_COMMIT=$(cat COMMIT)
 t0=$(date +%s)
+# On the device: REQUIRE=STAGE refuses to start unless STAGE's run came with the carried state (a
+# missing carry would otherwise redo hours), and with OUT set the state goes back at exit as
+# pxstate.tgz.part-* of at most 15 MiB each (a returned file over 16 MiB is dropped); unpack them
+# here with `cat FILES_AT/pxstate.tgz.part-* | tar xzf - -C REPO`.
+if [ -n "${REQUIRE:-}" ] && ! grep -q '"finished": true' "$state/${REQUIRE}/summary.json" 2>/dev/null; then
+    echo "campaign: $state/${REQUIRE} did not arrive with the carried state; stopping before any work" >&2
+    exit 3
+fi
+if [ -n "${OUT:-}" ]; then
+    trap 'tar czf - -C "$(dirname "$state")" "$(basename "$state")" | split -b 15M - "$OUT/pxstate.tgz.part-"' EXIT
+fi
 mkdir -p "$state"
 left() { echo $(( minutes * 60 - ($(date +%s) - t0) )); }
 log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - t0 ))s] $*" | tee -a "$state/campaign.log"; }
