@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseflash.mask import BlockMask, _pair, check_len
+from sparseflash.mask import BlockMask, block_pair, check_len
 
 
 def check_int(value, name: str, minimum: int = 0, what: str = "int") -> int:
@@ -73,7 +73,7 @@ class Grid:
 def grid(seq_len, seq_k, block_size, device) -> Grid:
     seq_q = check_len(seq_len, "seq_len")
     seq_k = seq_q if seq_k is None else check_len(seq_k, "seq_k")
-    bq, bk = _pair(block_size)
+    bq, bk = block_pair(block_size)
     qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
     off = seq_k - seq_q
     q0 = torch.arange(qb, device=device, dtype=torch.int64) * bq

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from sparseflash.mask import BlockMask
 from sparseflash.patterns._grid import check_bool, check_int, global_positions, grid, random_blocks
-from sparseflash.patterns.global_tokens import _global_layout
-from sparseflash.patterns.local import _local_layout
+from sparseflash.patterns.global_tokens import global_layout
+from sparseflash.patterns.local import local_layout
 
 
 def bigbird(seq_len: int, window: int, global_tokens, random_blocks_per_row: int, *, block_size=128,
@@ -24,6 +24,6 @@ def bigbird(seq_len: int, window: int, global_tokens, random_blocks_per_row: int
     k = check_int(random_blocks_per_row, "random_blocks_per_row", 0)
     causal = check_bool(causal, "causal")
     pos = global_positions(global_tokens, g.seq_k, g.p_lo.device)
-    base = _local_layout(g, window, causal) | _global_layout(g, pos, causal)
+    base = local_layout(g, window, causal) | global_layout(g, pos, causal)
     allowed = g.causal() if causal else g.d_lo.new_ones(g.shape, dtype=bool)
     return g.mask(base | random_blocks(allowed & ~base, k, heads, seed))

@@ -8,7 +8,8 @@ from sparseflash.mask import BlockMask
 from sparseflash.patterns._grid import Grid, check_bool, check_int, grid, has_multiple
 
 
-def _dilated_layout(g: Grid, window: int, dilation: int, causal: bool) -> torch.Tensor:
+def dilated_layout(g: Grid, window: int, dilation: int, causal: bool) -> torch.Tensor:
+    """Tiles whose token pairs include a dilated-window pair (shared with longformer)."""
     lo = g.d_lo.clamp(min=0 if causal else -window)
     hi = g.d_hi.clamp(max=window)
     return has_multiple(lo, hi, dilation)
@@ -25,4 +26,4 @@ def dilated(seq_len: int, window: int, dilation: int, *, block_size=128, seq_k: 
     g = grid(seq_len, seq_k, block_size, device)
     window = check_int(window, "window", 0, "int number of tokens")
     dilation = check_int(dilation, "dilation", 1)
-    return g.mask(_dilated_layout(g, window, dilation, check_bool(causal, "causal")))
+    return g.mask(dilated_layout(g, window, dilation, check_bool(causal, "causal")))

@@ -10,7 +10,7 @@ from sparseflash.patterns._grid import Grid, check_bool, global_positions, grid
 _FAR = 1 << 62
 
 
-def _global_layout(g: Grid, pos: torch.Tensor, causal: bool) -> torch.Tensor:
+def global_layout(g: Grid, pos: torch.Tensor, causal: bool) -> torch.Tensor:
     """Tiles holding a pair (i, j) with p in ``pos`` or j in ``pos`` (and j <= p if causal)."""
     qb, kb = g.shape
     off = g.seq_k - g.seq_q
@@ -41,4 +41,4 @@ def global_tokens(seq_len: int, tokens, *, block_size=128, seq_k: int | None = N
     """
     g = grid(seq_len, seq_k, block_size, device)
     pos = global_positions(tokens, g.seq_k, g.p_lo.device)
-    return g.mask(_global_layout(g, pos, check_bool(causal, "causal")))
+    return g.mask(global_layout(g, pos, check_bool(causal, "causal")))

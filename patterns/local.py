@@ -8,7 +8,8 @@ from sparseflash.mask import BlockMask
 from sparseflash.patterns._grid import Grid, check_bool, check_int, grid
 
 
-def _local_layout(g: Grid, window: int, causal: bool) -> torch.Tensor:
+def local_layout(g: Grid, window: int, causal: bool) -> torch.Tensor:
+    """Tiles that meet the band of the local window (shared with bigbird and random)."""
     # The tile's offsets [d_lo, d_hi] meet the allowed band [lo, window].
     lo = 0 if causal else -window
     return (g.d_lo <= window) & (g.d_hi >= lo)
@@ -24,4 +25,4 @@ def local(seq_len: int, window: int, *, block_size=128, seq_k: int | None = None
     """
     g = grid(seq_len, seq_k, block_size, device)
     window = check_int(window, "window", 0, "int number of tokens")
-    return g.mask(_local_layout(g, window, check_bool(causal, "causal")))
+    return g.mask(local_layout(g, window, check_bool(causal, "causal")))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from sparseflash.mask import BlockMask
 from sparseflash.patterns._grid import check_bool, check_int, global_positions, grid
-from sparseflash.patterns.dilated import _dilated_layout
-from sparseflash.patterns.global_tokens import _global_layout
+from sparseflash.patterns.dilated import dilated_layout
+from sparseflash.patterns.global_tokens import global_layout
 
 
 def longformer(seq_len: int, window: int, global_tokens, *, dilation: int = 1, block_size=128,
@@ -21,4 +21,4 @@ def longformer(seq_len: int, window: int, global_tokens, *, dilation: int = 1, b
     dilation = check_int(dilation, "dilation", 1)
     causal = check_bool(causal, "causal")
     pos = global_positions(global_tokens, g.seq_k, g.p_lo.device)
-    return g.mask(_dilated_layout(g, window, dilation, causal) | _global_layout(g, pos, causal))
+    return g.mask(dilated_layout(g, window, dilation, causal) | global_layout(g, pos, causal))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sparseflash.mask import BlockMask
 from sparseflash.patterns._grid import check_bool, check_int, grid, random_blocks
-from sparseflash.patterns.local import _local_layout
+from sparseflash.patterns.local import local_layout
 
 
 def random(seq_len: int, blocks_per_row: int, *, block_size=128, seq_k: int | None = None, heads: int = 1,
@@ -23,5 +23,5 @@ def random(seq_len: int, blocks_per_row: int, *, block_size=128, seq_k: int | No
     k = check_int(blocks_per_row, "blocks_per_row", 0)
     diagonal = check_bool(diagonal, "diagonal")
     allowed = g.causal() if check_bool(causal, "causal") else g.d_lo.new_ones(g.shape, dtype=bool)
-    base = _local_layout(g, 0, False) if diagonal else g.d_lo.new_zeros(g.shape, dtype=bool)
+    base = local_layout(g, 0, False) if diagonal else g.d_lo.new_zeros(g.shape, dtype=bool)
     return g.mask(base | random_blocks(allowed & ~base, k, heads, seed))

@@ -58,7 +58,8 @@ __all__ = ["BlockMask", "BlockIndex", "ExactBits", "as_block_mask"]
 _FN_CHUNK_ELEMS = {"cuda": 1 << 26, "cpu": 1 << 22}
 
 
-def _pair(block_size, name: str = "block_size") -> tuple[int, int]:
+def block_pair(block_size, name: str = "block_size") -> tuple[int, int]:
+    """``block_size`` (an int or a pair of ints) as a checked (block_q, block_k) pair; the error names ``name``."""
     if isinstance(block_size, bool):
         raise TypeError(f"{name} must be an int or a pair of ints, got a bool")
     if isinstance(block_size, int):
@@ -155,7 +156,7 @@ class _CombinedMod:
         return _CombinedMod(self.op, [_mod_to(p, device) for p in self.parts])
 
 
-class _HeadStackMod:
+class HeadStackMod:
     """mask_mod of masks stacked along heads: head ``h`` in ``[starts[i], starts[i] + heads[i])`` reads
     ``parts[i]`` at head ``h - starts[i]``."""
 
@@ -173,10 +174,10 @@ class _HeadStackMod:
         return out
 
     def to(self, device):
-        return _HeadStackMod([_mod_to(p, device) for p in self.parts], self.heads)
+        return HeadStackMod([_mod_to(p, device) for p in self.parts], self.heads)
 
 
-_OWN_MODS = (_LayoutMod, _DenseMod, _CombinedMod, _HeadStackMod)
+_OWN_MODS = (_LayoutMod, _DenseMod, _CombinedMod, HeadStackMod)
 
 
 def _mod_to(mod, device):
@@ -391,7 +392,7 @@ class BlockMask:
     def __init__(self, layout: torch.Tensor, block_size=128, seq_q: int | None = None, seq_k: int | None = None,
                  *, full: torch.Tensor | None = None, mask_mod=None):
         layout = _as_layout(layout)
-        bq, bk = _pair(block_size)
+        bq, bk = block_pair(block_size)
         qb, kb = layout.shape[-2:]
         if seq_q is None:
             raise TypeError("seq_q is required: the number of query tokens the mask was built for")
@@ -435,7 +436,7 @@ class BlockMask:
         ``seq_q = QB * block_q`` and ``seq_k = KB * block_k``.
         """
         layout = _as_layout(layout)
-        bq, bk = _pair(block_size)
+        bq, bk = block_pair(block_size)
         if seq_q is None:
             seq_q = layout.shape[-2] * bq
             seq_k = layout.shape[-1] * bk if seq_k is None else seq_k
@@ -457,7 +458,7 @@ class BlockMask:
                 f"token_mask must be [seq_q, seq_k], [heads, seq_q, seq_k] or [batch, heads, seq_q, seq_k], "
                 f"got shape {tuple(token_mask.shape)}"
             )
-        bq, bk = _pair(block_size)
+        bq, bk = block_pair(block_size)
         seq_q, seq_k = token_mask.shape[-2:]
         if seq_q == 0 or seq_k == 0:
             raise ValueError(f"token_mask must have nonzero lengths, got shape {tuple(token_mask.shape)}")
@@ -504,7 +505,7 @@ class BlockMask:
         for name, v in (("batch", batch), ("heads", heads)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive int or None (shared), got {v!r}")
-        bq, bk = _pair(block_size)
+        bq, bk = block_pair(block_size)
         device = torch.device("cpu" if device is None else device)
         any_, all_ = _eval_blocks(fn, seq_q, seq_k, (bq, bk), batch or 1, heads or 1, device)
         return cls(any_, (bq, bk), seq_q, seq_k, full=all_, mask_mod=fn)
@@ -725,7 +726,7 @@ class BlockMask:
         device = self.device if device is None else torch.device(device)
         src = self.to(device)
         bq, bk = src.block_size
-        fb = src.block_size if block_size is None else _pair(block_size)
+        fb = src.block_size if block_size is None else block_pair(block_size)
         coarse = fb != src.block_size
         parts = []
         if layout_in_mask_mod or coarse:
