@@ -541,15 +541,17 @@ def test_graphed_step_refuses_a_live_autograd_graph(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dropout,attn_dropout", [(0.0, 0.0), (0.0, 0.1), (0.1, 0.0)],
-                         ids=["off", "attention", "residual"])
-def test_gpu_cuda_graph_replays_draw_fresh_dropout(dropout, attn_dropout):
+@pytest.mark.parametrize("over", [{}, {"model.attn_dropout": 0.1}, {"model.dropout": 0.1},
+                                  {"model.augment": "dihedral"}],
+                         ids=["off", "attention", "residual", "dihedral"])
+def test_gpu_cuda_graph_replays_draw_fresh_dropout(over):
     """Replays of one captured step on one batch with lr 0 (the weights never move): with dropout,
-    torch's (residual / FFN) or sparseflash's (attention, whose seed is a device draw), every
-    replay gives another loss; without, every replay gives the same one, bit for bit."""
+    torch's (residual / FFN) or sparseflash's (attention, whose seed is a device draw), or with the
+    dihedral augmentation (a device draw of one grid symmetry per example), every replay gives
+    another loss; without, every replay gives the same one, bit for bit."""
     from sparseflash.experiments.lra.model import LRAClassifier
 
-    cfg = pixel_config(**{"model.dropout": dropout, "model.attn_dropout": attn_dropout})
+    cfg = pixel_config(**over)
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = LRAClassifier(cfg.model).to(device).train()
@@ -570,7 +572,7 @@ def test_gpu_cuda_graph_replays_draw_fresh_dropout(dropout, attn_dropout):
         losses.append(window[0].item() / window[2].item())
     assert step.summary()["graphs"] == 1 and step.summary()["replayed"] == 4
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # lr 0: the same weights every time
-    if dropout or attn_dropout:
+    if over:
         assert len(set(losses)) == len(losses), losses
     else:
         assert len(set(losses)) == 1, losses
