@@ -37,16 +37,26 @@ for stage in "$@"; do
         dropout) $t $py -m pytest -q -x -p no:cacheprovider tests/test_dropout.py --tb=short
                  $t $py -m sparseflash.experiments.bench.dropout --cuda-graph --out "$d" ;;
         tests)   # SHARDS pytest processes side by side (compiling the many kernel variants is the slow part)
-                 # TEST_FILES replaces the default list of test files
-                 $py -m pytest --collect-only -q -p no:cacheprovider ${TEST_FILES:-tests/test_flash.py tests/test_dropout.py tests/test_bench.py tests/test_studies.py tests/test_segments.py tests/test_launch.py tests/test_lra_denoise.py} \
-                     | grep '::' > "$d/ids.txt"
-                 split -n "r/${SHARDS:-12}" "$d/ids.txt" "$d/shard_"
-                 for f in "$d"/shard_*; do
-                     mapfile -t ids < "$f"
-                     $t $py -m pytest -q -p no:cacheprovider --durations=5 "${ids[@]}" > "$f.log" 2>&1 &
-                 done
-                 wait
-                 for f in "$d"/shard_*.log; do echo "--- $f"; tail -n 12 "$f"; done ;;
+                 # TEST_FILES replaces the default list of test files; TEST_IDS (a file of test ids, one a
+                 # line, as `pytest --collect-only -q` prints them) replaces both: ids hold spaces, so they
+                 # never go through a shell variable
+                 if [ -n "${TEST_IDS:-}" ]; then
+                     grep '::' "$TEST_IDS" > "$d/ids.txt"
+                 else
+                     $py -m pytest --collect-only -q -p no:cacheprovider ${TEST_FILES:-tests/test_flash.py tests/test_dropout.py tests/test_bench.py tests/test_studies.py tests/test_segments.py tests/test_launch.py tests/test_lra_denoise.py} \
+                         | grep '::' > "$d/ids.txt"
+                 fi
+                 if [ ! -s "$d/ids.txt" ]; then  # (pytest given no ids would run every test, in every shard)
+                     echo "tests: no test ids collected (see above)"
+                 else
+                     split -n "r/${SHARDS:-12}" "$d/ids.txt" "$d/shard_"
+                     for f in "$d"/shard_*; do
+                         mapfile -t ids < "$f"
+                         [ "${#ids[@]}" -gt 0 ] && $t $py -m pytest -q -p no:cacheprovider --durations=5 "${ids[@]}" > "$f.log" 2>&1 &
+                     done
+                     wait
+                     for f in "$d"/shard_*.log; do echo "--- $f"; tail -n 12 "$f"; done
+                 fi ;;
         tune)    # TUNE_ARGS replaces the default search (e.g. --kinds dkdv --dropout 0 0.1 --configs ...)
                  $t $py -m sparseflash.experiments.bench.tune_tiles ${TUNE_ARGS:---seq-lens 4096 16384 --densities 1 0.1} --out "$d" ;;
         causal)  # the kernel check, causal, GPU time (experiments/results/causal/)
