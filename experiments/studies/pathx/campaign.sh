@@ -77,10 +77,14 @@ fi
 make "$data/pathx" 128 release "$num" pathx || exit $?
 # ONLY=data stops here, the data ready (a call that runs GPU tests beside the generation)
 [ "${ONLY:-}" = data ] && { log "ONLY=data: stopping with the data ready"; exit 75; }
-train finetune pathx --init-from "$state/pretrain/checkpoints/best.pt" || exit $?
-if [ ! -f "$state/finetune/crosseval-clean.json" ]; then
+# AUGMENT=dihedral fine-tunes a second run, finetune-dihedral, with a random flip / quarter turn per
+# example (the faithful run memorises its 160K images; see README.md)
+ft=finetune; extra=()
+[ -n "${AUGMENT:-}" ] && { ft=finetune-$AUGMENT; extra=(--set "model.augment=$AUGMENT"); }
+train "$ft" pathx --init-from "$state/pretrain/checkpoints/best.pt" "${extra[@]}" || exit $?
+if [ ! -f "$state/$ft/crosseval-clean.json" ]; then
     make "$data/pathx-clean" 128 clean "$num_clean" pathx || exit $?
-    $py -m sparseflash lra evaluate "$state/finetune" --data "$data/pathx-clean" --fidelity clean --split all \
-        --out "$state/finetune/crosseval-clean.json" 2>&1 | tail -n 1 | tee -a "$state/campaign.log"
+    $py -m sparseflash lra evaluate "$state/$ft" --data "$data/pathx-clean" --fidelity clean --split all \
+        --out "$state/$ft/crosseval-clean.json" 2>&1 | tail -n 1 | tee -a "$state/campaign.log"
 fi
 log "all stages done"
