@@ -124,6 +124,12 @@ def test_config_overrides_and_errors():
                        (["train.schedule=step"], "train.schedule"), (["model.n_heads=3"], "divisible")]:
         with pytest.raises(ValueError, match=match):
             get_config("listops", "quick", bad)
+    # a step count that an epoch count would overwrite is refused, naming the way out
+    for steps, epochs in (("train.steps=3", "train.epochs=None"), ("train.warmup_steps=5", "train.warmup_epochs=None")):
+        with pytest.raises(ValueError, match=rf"derives it from {epochs.split('=')[0]}=.*set {epochs}"):
+            get_config("pathx", "faithful", [steps])
+    both = get_config("pathx", "faithful", ["train.steps=3", "train.epochs=None"])
+    assert both.train.steps == 3 and both.train.epochs is None
     with pytest.raises(ValueError, match="task must be one of"):
         get_config("cifar", "quick")
     with pytest.raises(ValueError, match="variant must be one of"):

@@ -273,6 +273,14 @@ def apply_overrides(cfg: ExperimentConfig, overrides) -> ExperimentConfig:
         if name not in fields:
             raise ValueError(f"override {key!r}: {type(target).__name__} has no field {name!r}; fields: {fields}")
         setattr(target, name, _coerce(value, hints[name], key))
+    # a step count set while the config derives it from epochs would be overwritten without a word
+    keys = {k for k, _ in items}
+    for steps, epochs in (("train.steps", "train.epochs"), ("train.warmup_steps", "train.warmup_epochs")):
+        derived_from = getattr(cfg.train, epochs.split(".")[1])
+        if steps in keys and derived_from is not None:
+            raise ValueError(f"override {steps!r}: this config derives it from {epochs}={derived_from!r} "
+                             f"({steps.split('.')[1]} = epochs x (train size // batch size)); set {epochs}=None "
+                             f"as well, or stop a run early with --max-steps")
     return cfg
 
 
