@@ -325,7 +325,7 @@ def test_pathfinder_split_and_with_rows_locate_a_run_s_training_images(pf_releas
     assert sorted(np.concatenate(parts).tolist()) == list(range(50))
     for s, rows in zip(("train", "val", "test"), parts):
         again = splits["train"].with_rows(rows)
-        assert len(again) == len(rows)
+        assert len(again) == len(rows) and again.store_size == 50 and again.fidelity == splits[s].fidelity
         for i in (0, len(rows) - 1):
             assert torch.equal(again[i]["tokens"], splits[s][i]["tokens"]) and again[i]["label"] == splits[s][i]["label"]
     assert not np.array_equal(pathfinder_split(50, "train", seed=1), parts[0])

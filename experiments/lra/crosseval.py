@@ -26,23 +26,38 @@ from sparseflash.experiments.lra.configs import config_from_dict
 SPLITS = ("train", "val", "test", "all")
 
 
-def evaluate_run(run_dir, data_root, *, fidelity: str | None = None, split: str = "test",
-                 checkpoint: str = "best.pt", device: str | None = None, batch_size: int = 512,
-                 workers: int = 1) -> dict:
-    """Accuracy and loss of a run's weights on ``split`` of ``data_root`` (see the module docstring)."""
-    from sparseflash.experiments.lra.data import get_dataset
-    from sparseflash.experiments.lra.train import build_model, evaluate, fit_to_data
-
-    run = Path(run_dir)
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    ckpt = run / "checkpoints" / checkpoint
+def load_checkpoint(run_dir, checkpoint: str = "best.pt") -> tuple:
+    """(config, state) of ``run_dir/checkpoints/checkpoint``, a `sparseflash lra train` checkpoint."""
+    ckpt = Path(run_dir) / "checkpoints" / checkpoint
     if not ckpt.is_file():
         raise FileNotFoundError(f"no checkpoint {ckpt} (give a `sparseflash lra train` output folder that has one)")
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     if "config" not in state or "model" not in state:
         raise ValueError(f"{ckpt} is not a checkpoint written by `sparseflash lra train` (no config or model)")
-    cfg = config_from_dict(state["config"])
+    return config_from_dict(state["config"]), state
+
+
+def trained_model(cfg, state, dataset, device) -> torch.nn.Module:
+    """The checkpoint's model, fitted to ``dataset`` as training fitted it, on ``device``, in eval mode."""
+    from sparseflash.experiments.lra.train import build_model, fit_to_data
+
+    fit_to_data(cfg, dataset)
+    model = build_model(cfg)
+    model.load_state_dict(state["model"])
+    return model.to(device).eval()
+
+
+def evaluate_run(run_dir, data_root, *, fidelity: str | None = None, split: str = "test",
+                 checkpoint: str = "best.pt", device: str | None = None, batch_size: int = 512,
+                 workers: int = 1) -> dict:
+    """Accuracy and loss of a run's weights on ``split`` of ``data_root`` (see the module docstring)."""
+    from sparseflash.experiments.lra.data import get_dataset
+    from sparseflash.experiments.lra.train import evaluate
+
+    run = Path(run_dir)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    cfg, state = load_checkpoint(run, checkpoint)
     data = dict(cfg.data)
     trained_on = data.get("fidelity")
     if fidelity is not None:
@@ -51,11 +66,8 @@ def evaluate_run(run_dir, data_root, *, fidelity: str | None = None, split: str 
         data["workers"] = workers
     parts = ("train", "val", "test") if split == "all" else (split,)
     sets = [get_dataset(cfg.task, data_root, s, **data) for s in parts]
-    fit_to_data(cfg, sets[0])
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = build_model(cfg)
-    model.load_state_dict(state["model"])
-    model.to(dev)
+    model = trained_model(cfg, state, sets[0], dev)
     autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if dev.type == "cuda"
                 else torch.autocast("cpu", enabled=False))
     t0 = time.perf_counter()

@@ -41,6 +41,7 @@ defaults to ``<root>/.sparseflash_cache``.
 
 from __future__ import annotations
 
+import copy
 import csv
 import hashlib
 import json
@@ -116,17 +117,22 @@ class LRADataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self._labels) if self._index is None else len(self._index)
 
+    @property
+    def store_size(self) -> int:
+        """Examples in the whole store (every split of the folder), the range of `with_rows`."""
+        return len(self._labels)
+
     def with_rows(self, rows) -> "LRADataset":
-        """The same store read at ``rows`` (positions in the store, i.e. generation indices of a
-        Pathfinder folder) instead of this split's: e.g. the images of a folder that a model's
-        training split held, located with `pathfinder_split`."""
+        """This dataset (same store, options and attributes) read at ``rows``, positions in the
+        store (generation indices of a Pathfinder folder), instead of its split's: e.g. the images
+        of a folder that a model's training split held, located with `pathfinder_split`."""
         rows = np.asarray(rows, np.int64)
-        n = len(self._labels)
+        n = self.store_size
         if rows.ndim != 1 or (rows.size and (rows.min() < 0 or rows.max() >= n)):
             raise ValueError(f"rows must be a 1-D array of store positions in [0, {n}), got shape {rows.shape}")
-        return LRADataset(self.task, self.split, self.store, rows, seq_len=self.seq_len, max_len=self.max_len,
-                          vocab_size=self.vocab_size, num_classes=self.num_classes, offset=self.offset,
-                          pairs=self.pairs)
+        out = copy.copy(self)  # the memory maps are read-only: the copy shares them
+        out._index = rows
+        return out
 
     def _row(self, j: int) -> int:
         return int(j) if self._index is None else int(self._index[j])

@@ -25,9 +25,9 @@ import torch
 
 
 def main(argv=None) -> int:
-    from sparseflash.experiments.lra.configs import config_from_dict
+    from sparseflash.experiments.lra.crosseval import load_checkpoint, trained_model
     from sparseflash.experiments.lra.data import get_dataset, pathfinder_split
-    from sparseflash.experiments.lra.train import build_model, evaluate, fit_to_data
+    from sparseflash.experiments.lra.train import evaluate
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="a `sparseflash lra train` output folder")
@@ -40,18 +40,14 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     run = Path(a.run)
-    state = torch.load(run / "checkpoints" / a.checkpoint, map_location="cpu", weights_only=False)
-    cfg = config_from_dict(state["config"])
+    cfg, state = load_checkpoint(run, a.checkpoint)
     data = dict(cfg.data)
     trained_on = data.get("fidelity")
     fidelity = a.fidelity or trained_on
     data.update(fidelity=fidelity, workers=1)
     base = get_dataset(cfg.task, a.data, "train", **data)
-    n = np.load(Path(base.store) / "labels.npy", mmap_mode="r").shape[0]  # images in the folder
-    fit_to_data(cfg, base)
-    model = build_model(cfg)
-    model.load_state_dict(state["model"])
-    model.eval()
+    n = base.store_size  # images in the folder
+    model = trained_model(cfg, state, base, torch.device("cpu"))
     if fidelity == trained_on:
         seen = np.isin(np.arange(n), pathfinder_split(a.full_size, "train", int(data.get("split_seed", 42))))
         groups = {"trained on": np.flatnonzero(seen), "never seen": np.flatnonzero(~seen)}
