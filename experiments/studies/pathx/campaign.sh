@@ -27,7 +27,8 @@ t0=$(date +%s)
 # missing carry would otherwise redo hours), and with OUT set the state goes back at exit as
 # pxstate.tgz.part-* of at most 15 MiB each (a returned file over 16 MiB is dropped); unpack them
 # here with `cat FILES_AT/pxstate.tgz.part-* | tar xzf - -C REPO`.
-if [ -n "${REQUIRE:-}" ] && ! grep -q '"finished": true' "$state/${REQUIRE}/summary.json" 2>/dev/null; then
+done_run() { grep -q "\"finished\": true" "$1/summary.json" 2>/dev/null; }
+if [ -n "${REQUIRE:-}" ] && ! done_run "$state/$REQUIRE"; then
     echo "campaign: $state/${REQUIRE} did not arrive with the carried state; stopping before any work" >&2
     exit 3
 fi
@@ -37,7 +38,6 @@ fi
 mkdir -p "$state"
 left() { echo $(( minutes * 60 - ($(date +%s) - t0) )); }
 log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - t0 ))s] $*" | tee -a "$state/campaign.log"; }
-done_run() { grep -q "\"finished\": true" "$1/summary.json" 2>/dev/null; }
 
 complete() {  # complete ROOT RES FIDELITY
     $py -c "import json,sys; sys.exit(0 if json.load(open('$1/pathfinder$2/curv_contour_length_14/generation.json')).get('complete') else 1)" 2>/dev/null
