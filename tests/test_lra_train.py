@@ -226,6 +226,30 @@ def test_init_from_upsamples_position_grid(tmp_path):
     torch.testing.assert_close(post, pre.repeat_interleave(2, 0).repeat_interleave(2, 1), rtol=0, atol=1e-9)
 
 
+def test_freeze_keeps_named_parameters_and_trains_the_rest(tmp_path):
+    data = {k: Majority(n, seq_len=16, seed=s) for k, n, s in (("train", 64, 0), ("val", 16, 1), ("test", 16, 2))}
+    over = {"train.steps": 4, "model.block_size": 8, "train.lr": 1e-2}
+    T.train(toy_config("pathfinder32", **over), tmp_path / "init", datasets=data, device="cpu", show_progress=False)
+    init = _params(tmp_path / "init")["model"]
+    T.train(toy_config("pathfinder32", **over, **{"train.freeze": ("encoder.pos", "head")}), tmp_path / "frozen",
+            datasets=data, device="cpu", init_from=str(tmp_path / "init" / "checkpoints" / "last.pt"),
+            show_progress=False)
+    after = _params(tmp_path / "frozen")
+    frozen = [n for n in init if n.startswith(("encoder.pos.", "head."))]
+    assert "encoder.pos.grid" in frozen and len(frozen) >= 3
+    for n, t in init.items():
+        assert torch.equal(t, after["model"][n]) == (n in frozen), n
+    summary = json.loads((tmp_path / "frozen" / "summary.json").read_text())
+    assert summary["trainable_params"] == summary["params"] - sum(init[n].numel() for n in frozen)
+    assert config_from_dict(json.loads((tmp_path / "frozen" / "config.json").read_text())).train.freeze == \
+        ("encoder.pos", "head")
+    with pytest.raises(ValueError, match=r"train.freeze: 'encoder.position' names no parameter"):
+        T.train(toy_config("pathfinder32", **over, **{"train.freeze": ("encoder.position",)}), tmp_path / "typo",
+                datasets=data, device="cpu", show_progress=False)
+    with pytest.raises(ValueError, match="train.freeze must be a tuple"):
+        toy_config("pathfinder32", **{"train.freeze": ("",)}).validate()
+
+
 def _ddp_worker(rank, world, init_file, out):
     import torch.distributed as dist
 

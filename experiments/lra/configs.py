@@ -71,6 +71,10 @@ class TrainConfig:
     seed: int = 0
     objective: str = "classify"  # "denoise": self-pretraining, predict masked tokens (train.py's docstring)
     mask_ratio: float = 0.15  # denoise: the fraction of each sequence's real tokens that is masked
+    # parameters kept at their initial (or --init-from) values, by name or name prefix, e.g.
+    # ("encoder.pos",): a fine-tune whose learned position table (92% of a Path-X model's
+    # parameters) would otherwise be free to memorise the training images
+    freeze: tuple[str, ...] = ()
 
     def validate(self) -> "TrainConfig":
         for name in ("batch_size", "steps", "eval_every", "log_every", "save_every"):
@@ -103,6 +107,8 @@ class TrainConfig:
             raise ValueError(f"train.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"train.objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if not (isinstance(self.freeze, tuple) and all(isinstance(f, str) and f for f in self.freeze)):
+            raise ValueError(f"train.freeze must be a tuple of parameter names or prefixes, got {self.freeze!r}")
         r = self.mask_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1:
             raise ValueError(f"train.mask_ratio must be a number in (0, 1), got {r!r}")
@@ -141,6 +147,8 @@ def config_from_dict(d: dict) -> ExperimentConfig:
         model["grid"] = tuple(model["grid"])
     train = d.pop("train")
     train["betas"] = tuple(train["betas"])
+    if "freeze" in train:
+        train["freeze"] = tuple(train["freeze"])
     return ExperimentConfig(model=ModelConfig(**model), train=TrainConfig(**train), **d)
 
 

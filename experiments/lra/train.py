@@ -125,7 +125,7 @@ from sparseflash.experiments.lra.configs import (
 from sparseflash.experiments.lra.model import (
     ATTENTIONS, LRAClassifier, LRADenoiser, ModelConfig, host_plan, load_pretrained, mask_positions, parse_pattern_spec)
 
-__all__ = ["train", "evaluate", "build_model", "eval_mask", "denoise_loss", "StepBatches", "collate", "collate_planned",
+__all__ = ["train", "evaluate", "build_model", "freeze_parameters", "eval_mask", "denoise_loss", "StepBatches", "collate", "collate_planned",
            "lr_factor", "register_lra", "main", "EXIT_STOPPED", "EVAL_MASK_SEED", "add_data_arguments",
            "add_device_arguments", "GraphedTrainStep", "graph_bucket", "check_cuda_graphs", "MAX_GRAPHS"]
 
@@ -219,9 +219,29 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
+def freeze_parameters(model: torch.nn.Module, prefixes) -> int:
+    """Turns off ``requires_grad`` of every parameter named by one of ``prefixes`` (the name itself or
+    a dotted prefix of it: ``"encoder.pos"`` holds ``encoder.pos.grid``); returns how many numbers
+    were frozen. A prefix that names no parameter is an error (a typo would train everything)."""
+    names = [n for n, _ in model.named_parameters()]
+    total = 0
+    for prefix in prefixes:
+        hit = [n for n in names if n == prefix or n.startswith(prefix + ".")]
+        if not hit:
+            roots = sorted({n.rsplit(".", 1)[0] for n in names})
+            raise ValueError(f"train.freeze: {prefix!r} names no parameter of this model; its modules are {roots}")
+        for n, p in model.named_parameters():
+            if n in hit and p.requires_grad:
+                p.requires_grad_(False)
+                total += p.numel()
+    return total
+
+
 def _optimizer(model, tc, device, capturable: bool = False):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # train.freeze
+            continue
         # Matrices of linear layers decay; biases, norms, embeddings and position tables do not.
         (decay if p.dim() >= 2 and "embed" not in name and ".pos." not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -905,6 +925,10 @@ class _Run:
                 source = ((state.get("config") or {}).get("train") or {}).get("objective", "classify")
                 print(f"initialised from {init_from} (a {source} checkpoint, into a {tc.objective} model)"
                       + "".join(f"\n  {n}" for n in notes), file=sys.stderr)
+        frozen = freeze_parameters(model, tc.freeze)
+        if lead and frozen:
+            print(f"frozen (train.freeze): {frozen} of {sum(p.numel() for p in model.parameters())} parameters",
+                  file=sys.stderr)
         model.to(self.device)
         self.model = model
         self.opt = _optimizer(model, tc, self.device, capturable=self.cuda_graphs)
@@ -1204,7 +1228,9 @@ class _Run:
                    "pattern": cfg.model.pattern or "dense", "pattern_kwargs": cfg.model.pattern_kwargs,
                    "block_size": cfg.model.block_size, "density": mask.density() if mask is not None else 1.0,
                    "token_density": mask.token_density() if mask is not None else 1.0,
-                   "params": sum(p.numel() for p in model.parameters()), "steps": step, "schedule_steps": tc.steps,
+                   "params": sum(p.numel() for p in model.parameters()),
+                   "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                   "steps": step, "schedule_steps": tc.steps,
                    "finished": self.stopped_by is None, "stopped_by": self.stopped_by,
                    "world_size": self.world, "precision": self.precision, "device": str(device),
                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -77,10 +77,13 @@ fi
 make "$data/pathx" 128 release "$num" pathx || exit $?
 # ONLY=data stops here, the data ready (a call that runs GPU tests beside the generation)
 [ "${ONLY:-}" = data ] && { log "ONLY=data: stopping with the data ready"; exit 75; }
-# AUGMENT=dihedral fine-tunes a second run, finetune-dihedral, with a random flip / quarter turn per
-# example (the faithful run memorises its 160K images; see README.md)
+# Variants of the fine-tune, each its own run beside the faithful one (which memorises its 160K
+# images; see README.md): AUGMENT=dihedral (finetune-dihedral) draws a random flip / quarter turn
+# per example; FREEZE=encoder.pos (finetune-frozen-encoder-pos) keeps the pretrained, upsampled
+# position table fixed (92% of the model's parameters); both together: finetune-dihedral-frozen-...
 ft=finetune; extra=()
-[ -n "${AUGMENT:-}" ] && { ft=finetune-$AUGMENT; extra=(--set "model.augment=$AUGMENT"); }
+[ -n "${AUGMENT:-}" ] && { ft=$ft-$AUGMENT; extra+=(--set "model.augment=$AUGMENT"); }
+[ -n "${FREEZE:-}" ] && { ft=$ft-frozen-${FREEZE//./-}; extra+=(--set "train.freeze=['$FREEZE']"); }
 train "$ft" pathx --init-from "$state/pretrain/checkpoints/best.pt" "${extra[@]}" || exit $?
 if [ ! -f "$state/$ft/crosseval-clean.json" ]; then
     make "$data/pathx-clean" 128 clean "$num_clean" pathx || exit $?
