@@ -75,8 +75,9 @@ if ! done_run "$state/pretrain"; then
     train pretrain pathfinder64 || exit $?
 fi
 make "$data/pathx" 128 release "$num" pathx || exit $?
-# ONLY=data stops here, the data ready (a call that runs GPU tests beside the generation)
-[ "${ONLY:-}" = data ] && { log "ONLY=data: stopping with the data ready"; exit 75; }
+# ONLY=data stops here with exit 0, the data ready (a call that runs GPU tests beside the generation;
+# variants.sh, before its fine-tunes start side by side)
+[ "${ONLY:-}" = data ] && { log "ONLY=data: stopping with the data ready"; exit 0; }
 # Variants of the fine-tune, each its own run beside the faithful one (which memorises its 160K
 # images; see README.md): AUGMENT=dihedral (finetune-dihedral) draws a random flip / quarter turn
 # per example; FREEZE=encoder.pos (finetune-frozen-encoder-pos) keeps the pretrained, upsampled
@@ -86,7 +87,10 @@ ft=finetune; extra=()
 [ -n "${FREEZE:-}" ] && { ft=$ft-frozen-${FREEZE//./-}; extra+=(--set "train.freeze=['$FREEZE']"); }
 train "$ft" pathx --init-from "$state/pretrain/checkpoints/best.pt" "${extra[@]}" || exit $?
 if [ ! -f "$state/$ft/crosseval-clean.json" ]; then
+    # variants.sh may finish two runs at once: one generation of the clean data at a time
+    mkdir -p "$data"; exec {lock}>"$data/.clean.lock"; flock "$lock"
     make "$data/pathx-clean" 128 clean "$num_clean" pathx || exit $?
+    flock -u "$lock"
     $py -m sparseflash lra evaluate "$state/$ft" --data "$data/pathx-clean" --fidelity clean --split all \
         --out "$state/$ft/crosseval-clean.json" 2>&1 | tail -n 1 | tee -a "$state/campaign.log"
 fi

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Path-X fine-tune variants side by side on one GPU, each resuming where the last command stopped:
+#   experiments/studies/pathx/variants.sh STATE MINUTES SPEC [SPEC ...]
+# A SPEC is one variant's settings for campaign.sh, e.g. "FREEZE=encoder.pos" or
+# "AUGMENT=dihedral FREEZE=encoder.pos" ("" is the faithful run). The trimmed, CUDA-graphed step
+# leaves the GPU idle part of the time (the host feeds it), so two runs on one GPU cost less than
+# two in turn; each one's step_ms in its train.csv says how much.
+# The data are made once first (campaign.sh with ONLY=data); each variant then gets
+# LOADER_WORKERS (default 16 / number of variants) and writes STATE/<run>.log as campaign.sh does.
+# REQUIRE and OUT behave as in campaign.sh: the state goes back once, at exit, in 15 MiB parts.
+set -uo pipefail
+state=$1; minutes=$2; shift 2
+[ $# -ge 1 ] || { echo "variants.sh: give at least one SPEC" >&2; exit 2; }
+here=$(cd "$(dirname "$0")" && pwd)
+t0=$(date +%s)
+if [ -n "${OUT:-}" ]; then
+    trap 'tar czf - -C "$(dirname "$state")" "$(basename "$state")" | split -b 15M - "$OUT/pxstate.tgz.part-"' EXIT
+fi
+OUT= ONLY=data bash "$here/campaign.sh" "$state" "$minutes" || exit $?
+left=$(( minutes * 60 - ($(date +%s) - t0) ))
+mins=$(python3 -c "print(max(0, $left // 60))")
+[ "$mins" -ge 2 ] || { echo "variants.sh: no time left after the data" >&2; exit 75; }
+workers=${LOADER_WORKERS:-$(( 16 / $# ))}
+pids=()
+for spec in "$@"; do
+    # the variant's settings and nothing inherited: AUGMENT / FREEZE unset unless the SPEC sets them
+    env -u AUGMENT -u FREEZE -u ONLY OUT= REQUIRE= LOADER_WORKERS="$workers" $spec \
+        bash "$here/campaign.sh" "$state" "$mins" &
+    pids+=($!)
+done
+# exit as campaign.sh does: an error code if any variant failed, else 75 if any has time left to run, else 0
+rc=0
+for p in "${pids[@]}"; do
+    wait "$p"; r=$?
+    if [ "$r" -ne 0 ] && [ "$r" -ne 75 ]; then rc=$r; elif [ "$r" -eq 75 ] && [ "$rc" -eq 0 ]; then rc=75; fi
+done
+exit $rc
