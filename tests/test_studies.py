@@ -311,3 +311,47 @@ def test_pathfinder_calibration_measures_what_it_says():
     if os.path.isdir(cal.DEFAULT_SAMPLES):  # the 16 real release images (shared/, beside the checkout)
         real = cal.real_images(cal.DEFAULT_SAMPLES, 128)
         assert len(real) == 8 and all(r.shape == (128, 128) and r.max() == 255 for r in real)
+
+
+# ----------------------------------------------------------------------------- Path-X campaign tools
+def test_pathx_drift_measures_change_and_cell_spread():
+    from sparseflash.experiments.studies.pathx.drift import drift
+
+    grid = torch.randn(4, 4, 8)
+    w = torch.randn(40, 40)
+    before = {"encoder.pos.grid": grid, "encoder.w": w, "tiny.bias": torch.zeros(3)}
+    same = {"encoder.pos.grid": grid.repeat_interleave(2, 0).repeat_interleave(2, 1), "encoder.w": w.clone(),
+            "tiny.bias": torch.ones(3)}
+    rows = {r[0]: r for r in drift(before, same)}
+    assert set(rows) == {"encoder.pos.grid", "encoder.w"}  # small non-position tensors are left out
+    assert rows["encoder.pos.grid"][1] == 0 and rows["encoder.pos.grid"][4] == 0 and rows["encoder.w"][4] is None
+    moved = dict(same, **{"encoder.w": 3 * w})
+    moved["encoder.pos.grid"] = same["encoder.pos.grid"].clone()
+    moved["encoder.pos.grid"][0, 0] += 1.0  # one copy of one cell leaves its three twins
+    rows = {r[0]: r for r in drift(before, moved)}
+    assert rows["encoder.w"][1] == pytest.approx(2.0) and rows["encoder.w"][3] == pytest.approx(3 * float(w.norm()))
+    assert rows["encoder.pos.grid"][4] > 0 and rows["encoder.pos.grid"][1] > 0
+
+
+def test_pathx_curves_table_and_figure(tmp_path):
+    from sparseflash.experiments.studies.pathx import curves
+
+    run = tmp_path / "state" / "finetune"
+    run.mkdir(parents=True)
+    with open(run / "train.csv", "w") as f:  # 10 steps an epoch, logged every step
+        f.write("step,epoch,lr,loss,acc\n")
+        f.writelines(f"{s},{s / 10:.2f},0.001,{1 / s:.4f},{0.5 + s / 100:.4f}\n" for s in range(1, 41))
+    (run / "eval.csv").write_text("step,split,weights,loss,acc,n,time_s\n10,val,current,0.69,0.5,64,1\n"
+                                  "20,val,current,0.70,0.52,64,2\n20,val,best,0.70,0.52,64,2\n40,test,best,0.7,0.5,64,3\n")
+    out = tmp_path / "out"
+    assert curves.main(["--state", str(tmp_path / "state"), "--runs", "finetune", "--window", "20", "--out", str(out)]) == 0
+    rows = list(curves.csv.DictReader(open(out / "curves.csv")))
+    train = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train] == ["20", "40"] and [r["epoch"] for r in train] == ["2.0", "4.0"]
+    assert float(train[0]["acc"]) == pytest.approx(0.5 + 10.5 / 100, abs=1e-4)  # mean of steps 1-20
+    assert [(r["step"], r["acc"]) for r in rows if r["split"] == "val"] == [("10", "0.5000"), ("20", "0.5200")]
+    assert (out / "curves.png").stat().st_size > 10_000
+    (out / "curves.png").unlink()
+    assert curves.main(["--out", str(out)]) == 0 and (out / "curves.png").exists()  # redrawn from the table
+    with pytest.raises(SystemExit):
+        curves.main(["--state", str(tmp_path / "state"), "--runs", "missing", "--out", str(out)])
