@@ -6,6 +6,7 @@ backward, by the Triton kernels (EXACT), checked against the float64 reference o
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -252,6 +253,25 @@ def test_bits_keep_the_hopper_kernels_out(device, monkeypatch):
     q.requires_grad_()
     sparseflash.attention(q, k, v, mask, backend="triton").backward(do)
     assert q.grad is not None and not torch.isnan(q.grad).any()
+
+
+def test_bits_take_the_hopper_forward_only_when_switched_on(monkeypatch):
+    """HOPPER_EXACT "on" lets a forward call with bits ask for the Hopper layouts; the backward with
+    bits never does; a value other than on / off is refused, naming the switch."""
+    asked = []
+    monkeypatch.setattr(dispatch, "_fwd_layouts", lambda *a: asked.append("fwd") or "lay")
+    monkeypatch.setattr(dispatch, "_bwd_layouts", lambda *a: asked.append("bwd") or "lays")
+    q = torch.zeros(1, 1, 256, 64, dtype=torch.bfloat16)
+    bits = object()  # (the dispatch looks only at whether there are bits)
+    plan = functools.partial(dispatch.hopper_plan, q, q, q, 128, 128, -1.0, scale=0.125, exact=bits)
+    assert plan() is None and asked == []  # the default: off
+    monkeypatch.setattr(dispatch, "HOPPER_EXACT", "on")
+    assert plan() == "lay" and asked == ["fwd"]
+    assert plan(do=q, o=q) is None and asked == ["fwd"]
+    assert plan(softcap=5.0) is None  # the Hopper kernels still have no softcap
+    monkeypatch.setattr(dispatch, "HOPPER_EXACT", "yes")
+    with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER_EXACT"):
+        plan()
 
 
 def test_masks_without_partial_blocks_need_no_bits():

@@ -33,7 +33,7 @@ def sm90_compiles():
             "for kernel in ('fwd', 'bwd'):\n"
             "    print('kernel', kernel, flush=True)\n"
             "    main(['--kernel', kernel, '--json', '--seq', '300', '--head-dims', '64', '128', '--cases', 'dense',\n"
-            "          'sparse256 causal'])\n")
+            "          'sparse256 causal', 'exact256 causal+keylen', '--exact'])\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     rows, kernel = {}, None
     for line in out.stdout.splitlines():
@@ -50,11 +50,13 @@ def test_compiles_for_sm90(kernel, consumer_regs, sm90_compiles):
     """The forward and the one-pass backward build for sm_90 with this machine's triton (in a
     subprocess: the test session may run under the interpreter), at head_dim 64 and 128: wgmma
     and TMA loads, registers handed to the consumer warpgroups with setmaxnreg (232 each in the
-    forward, 240 in the backward), within the 227 KB of shared memory."""
+    forward, 240 in the backward), within the 227 KB of shared memory; the forward also with
+    exact-mask bits (EXACT)."""
     out = sm90_compiles
     assert kernel in out["rows"], out["stderr"][-3000:]
     rows = out["rows"][kernel]
-    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows), out["stdout"][-3000:]
+    cases = ["dense", "sparse256 causal"] + (["exact256 causal+keylen"] if kernel == "fwd" else [])
+    assert [r["case"] for r in rows] == cases * 2 and all(r["status"] == "ok" for r in rows), out["stdout"][-3000:]
     for r in rows:
         assert r["wgmma"] > 0 and r["tma_loads"] > 0, r
         assert consumer_regs in r["setmaxnreg"].split("/"), r
@@ -233,6 +235,51 @@ def test_gpu_against_reference(case, dtype, hopper_spy, hopper_bwd_spy):
     if kl is not None and 0 in kl:
         o = sparseflash.attention(q, k, v, mask=mask, causal=causal, key_lengths=key_lengths)
         assert o[kl.index(0)].abs().max().item() == 0.0
+
+
+def _exact_mask(kind, n):
+    from sparseflash import BlockMask
+
+    if kind == "window":  # causal sliding window of 300 over 128-blocks
+        return BlockMask.from_fn(lambda b, h, i, j: (i >= j) & (i - j < 300), n, block_size=128, device="cuda")
+    if kind == "documents":  # document ids over 256-blocks (two steps per list entry)
+        doc = torch.cumsum(torch.rand(n, generator=torch.Generator().manual_seed(5)) < 0.004, 0).to("cuda")
+        return BlockMask.from_fn(lambda b, h, i, j: doc[i] == doc[j], n, block_size=256, device="cuda")
+    if kind == "tokens":  # a random token mask per head with fully masked rows
+        g = torch.Generator().manual_seed(6)
+        tok = torch.rand(1, 2, n, n, generator=g) < 0.05  # [B, H, N, N]
+        tok[:, :, 100:140] = False
+        return BlockMask.from_dense(tok.to("cuda"), block_size=128)
+    raise ValueError(kind)
+
+
+EXACT_CASES = [  # (B, Hq, Hkv, N, D, mask, causal, key_lengths, dtype)
+    (1, 2, 2, 1000, 64, "window", False, None, torch.bfloat16),
+    (2, 4, 2, 1050, 128, "documents", False, [1050, 900], torch.float16),
+    (1, 2, 2, 640, 64, "tokens", False, None, torch.bfloat16),
+    (1, 2, 1, 1000, 128, "window", True, [777], torch.bfloat16),
+]
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: f"{c[1]}/{c[2]}x{c[3]}-d{c[4]}-{c[5]}"
+                         f"{'-causal' if c[6] else ''}{'-kl' if c[7] else ''}-{str(c[8])[6:]}")
+def test_gpu_exact_bits_against_reference(case, monkeypatch, hopper_spy):
+    """The Hopper forward with exact-mask bits (HOPPER_EXACT on): output and, through the portable
+    backward reading its LSE, gradients against the float64 reference on the mask's exact pairs;
+    rows a token mask leaves empty give 0."""
+    monkeypatch.setattr(dispatch, "HOPPER_EXACT", "on")
+    B, Hq, Hkv, N, D, kind, causal, kl, dtype = case
+    q, k, v, do = make_qkv(B, Hq, Hkv, N, N, D, dtype, "cuda", seed=N + D)
+    mask = _exact_mask(kind, N)
+    assert mask.exact_bits("cuda") is not None
+    key_lengths = None if kl is None else torch.tensor(kl, device="cuda")
+    check_attention(lambda a, b, c: sparseflash.attention(a, b, c, mask=mask, causal=causal, key_lengths=key_lengths),
+                    q, k, v, do, mask=mask, causal=causal, key_lengths=key_lengths, ref_kwargs=dict(exact=True))
+    assert hopper_spy, "the Hopper forward did not run"
+    if kind == "tokens":
+        o = sparseflash.attention(q, k, v, mask=mask)
+        assert o[:, :, 100:140].abs().max().item() == 0.0
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")

@@ -5,7 +5,9 @@ the portable kernels when it answers None.
 
 The Hopper kernels take a call when, in this order:
 - it uses none of what they do not implement: dropout, segment ids or key ranges, ALiBi, softcap,
-  exact-mask bits, a scale <= 0 (their running max is taken on raw scores);
+  a scale <= 0 (their running max is taken on raw scores), and exact-mask bits except in the
+  forward while `HOPPER_EXACT` is "on" (``SPARSEFLASH_HOPPER_EXACT=on``; "off", the default, until
+  the GPU tests have checked the Hopper forward's bits against the float64 reference);
 - it runs on an sm_90 GPU, compiled (not the interpreter), and TMA_MODE gives it descriptors
   (`tiles.tma_wanted`: "on", or in "auto" calls of at least `tiles.TMA_MIN_WORK` FLOPs or captured
   in a CUDA graph);
@@ -18,9 +20,15 @@ Gluon is imported only past the device test, so CPU runs never import it.
 
 from __future__ import annotations
 
+import os
+
 from sparseflash.flash import tiles
 
-__all__ = ["hopper_plan"]
+__all__ = ["hopper_plan", "HOPPER_EXACT"]
+
+# "on": forward calls with exact-mask bits may take the Hopper forward (its EXACT); "off": they keep
+# the portable kernels. The backward with bits is always the portable one.
+HOPPER_EXACT = os.environ.get("SPARSEFLASH_HOPPER_EXACT", "off")
 
 
 def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout_p: float = 0.0, seg=None,
@@ -29,8 +37,13 @@ def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout
     forward's with ``do`` None: `hopper.layouts` of (q, k, v); the backward's: (those,
     `hopper_bwd.do_layout` of dO), ``lists`` saying whether the call walks block lists. ``work``:
     the call's estimated forward FLOPs (-1 unknown); the other arguments as `launch.fwd` takes them."""
-    if dropout_p > 0.0 or seg is not None or softcap or exact is not None or not scale > 0.0:
+    if dropout_p > 0.0 or seg is not None or softcap or not scale > 0.0:
         return None  # features the Hopper kernels do not have
+    if exact is not None:  # exact bits: the Hopper forward only, and only while HOPPER_EXACT is "on"
+        if HOPPER_EXACT not in ("on", "off"):
+            raise ValueError(f"dispatch.HOPPER_EXACT (SPARSEFLASH_HOPPER_EXACT) must be 'on' or 'off', got {HOPPER_EXACT!r}")
+        if do is not None or HOPPER_EXACT == "off":
+            return None
     if do is None:
         return _fwd_layouts(q, k, v, mask_bq, mask_bk, work)
     return _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work, lists)

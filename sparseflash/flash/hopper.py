@@ -28,7 +28,8 @@ Scope (everything else takes the portable path, see `unsupported`; `dispatch.hop
 a scale <= 0 there, as the running max is taken on raw scores): an sm_90 GPU, float16 or
 bfloat16, head_dim 64 or 128 (K and V alike), mask blocks that are multiples of 128 (or dense),
 no dropout, no segment ids, layouts TMA descriptors take: [B, H, N, D] or [B, N, H, D] memory
-(a transposed view) with unit last stride and 16-byte aligned strides.
+(a transposed view) with unit last stride and 16-byte aligned strides. Exact-mask bits (EXACT: a
+step in a partial block ANDs its bit tile into the scores) only when `dispatch.HOPPER_EXACT` is "on".
 Outputs: O like q, and the LSE (natural log, float32 [B, H, N]) that the backward reads.
 """
 
@@ -166,11 +167,42 @@ if GLUON_ERROR is None:
                 n_done += 1
 
     @gluon.jit
-    def _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off, rows,
-                      s_layout: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, MASK_BK: gl.constexpr):
+    def _exact_keep(BITS, tb, rows, c0, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
+        """Which pairs of a [64, 128] score tile bit tile ``tb`` attends: rows ``rows`` (absolute),
+        keys ``c0`` .. ``c0`` + 127 counted from the mask block's corner. Row r of a bit tile holds
+        ceil(MASK_BK / 32) int32 words, key c in bit c % 32 of word c // 32 (`mask.ExactBits`);
+        each element loads its own word (the 32 elements of a word hit the same cache line)."""
+        W: gl.constexpr = (MASK_BK + 31) // 32
+        cols = c0 + gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout))
+        p = (BITS + tb.to(gl.int64) * (MASK_BQ * W) + gl.expand_dims((rows % MASK_BQ) * W, 1)
+             + gl.expand_dims(cols // 32, 0))
+        w = gl.load(p)
+        return ((w >> gl.expand_dims(cols % 32, 0)) & 1) != 0
+
+    @gluon.jit
+    def _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off, rows, p_tile, BITS,
+                      s_layout: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, MASK_BK: gl.constexpr,
+                      EXACT: gl.constexpr, MASK_BQ: gl.constexpr):
         """Online softmax of one raw score tile (log2 domain, the scale folded into the exponent's
-        FMA): (P, new running max, new running sum, the factor that rescales O)."""
-        if j >= j_full:  # the masked band: keys past kv_end and, causal, above the diagonal
+        FMA): (P, new running max, new running sum, the factor that rescales O). EXACT: a step in a
+        partial block (its bit-tile index >= 0) also drops the pairs its bits leave out, and a row
+        may then have seen no key yet at any step, so the pivot is always kept finite."""
+        if EXACT:
+            start_n = list_start(p_list, j, DENSE, MASK_BK, _TILE)
+            if j >= j_full:
+                cols = start_n + gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout))
+                keep = gl.expand_dims(cols < kv_end, 0)
+                if CAUSAL:
+                    keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + causal_off, 1))
+                qk = gl.where(keep, qk, float("-inf"))
+            SUB: gl.constexpr = MASK_BK // _TILE
+            tb = gl.load(p_tile + j // SUB)
+            if tb >= 0:
+                qk = gl.where(_exact_keep(BITS, tb, rows, start_n % MASK_BK, s_layout, MASK_BQ, MASK_BK), qk,
+                              float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+            m_piv = gl.where(m_new == float("-inf"), 0.0, m_new)
+        elif j >= j_full:  # the masked band: keys past kv_end and, causal, above the diagonal
             start_n = list_start(p_list, j, DENSE, MASK_BK, _TILE)
             cols = start_n + gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout))
             keep = gl.expand_dims(cols < kv_end, 0)
@@ -189,11 +221,11 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                  desc_o, O, LSE, KV_IDX, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
-                  stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
+                  desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
+                  stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
                   WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                   NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                  STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr):
+                  STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr, EXACT: gl.constexpr):
         """One consumer warpgroup (rows WG*64 .. WG*64+63 of each tile): wgmma, softmax, epilogue."""
         s_layout: gl.constexpr = wgmma_layout(_TILE)  # S: [64, 128] fp32
         o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # O: [64, HEAD_DIM] fp32
@@ -218,6 +250,10 @@ if GLUON_ERROR is None:
                     MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 4)
                 start_m = pm * _TILE
                 rows = start_m + r_s
+                p_tile = KV_TILE  # EXACT: the bit-tile indices, laid out as the row lists
+                if EXACT:
+                    p_tile = (KV_TILE + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
+                              + (start_m // MASK_BQ).to(gl.int64) * stride_im)
                 qi = n_done % 2
                 mbarrier.wait(q_ready.index(qi), (n_done // 2) & 1)
                 q_s = q_bufs.index(qi).reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
@@ -236,7 +272,8 @@ if GLUON_ERROR is None:
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_s, k_s))[0]
                     mbarrier.arrive(k_empty.index(s))
                     p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale, 0, j_full, p_list, kv_end, causal_off,
-                                                       rows, s_layout, DENSE, CAUSAL, MASK_BK)
+                                                       rows, p_tile, BITS, s_layout, DENSE, CAUSAL, MASK_BK, EXACT,
+                                                       MASK_BQ)
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
                     s_prev = s
                     ph_prev = (it // STAGES) & 1
@@ -257,7 +294,8 @@ if GLUON_ERROR is None:
                         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_s, k_s))[0]
                         mbarrier.arrive(k_empty.index(s))
                         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off,
-                                                           rows, s_layout, DENSE, CAUSAL, MASK_BK)
+                                                           rows, p_tile, BITS, s_layout, DENSE, CAUSAL, MASK_BK, EXACT,
+                                                           MASK_BQ)
                         p_next = gl.convert_layout(p.to(dtype), p_layout)
                         # p_op (registers the running wgmma reads) stays live until it retires
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_prev, p_op))[0]
@@ -298,13 +336,14 @@ if GLUON_ERROR is None:
             tma.store_wait(0)  # (shared memory must outlive the last store's read)
 
     @gluon.jit
-    def _hopper_fwd_kernel(desc_q, desc_k, desc_v, desc_o, O, LSE, KV_IDX, KEY_LEN,
+    def _hopper_fwd_kernel(desc_q, desc_k, desc_v, desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN,
                            n_heads, group, seq_q, seq_k, n_kblocks, qk_scale, n_tiles,
                            stride_ib, stride_ih, stride_im, stride_ob, stride_oh, stride_om,
                            HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr):
+                           Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr,
+                           EXACT: gl.constexpr):
         m_tiles = (seq_q + _TILE - 1) // _TILE
         q_bufs = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
         k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
@@ -335,13 +374,15 @@ if GLUON_ERROR is None:
         # their constexpr entries into tensors)
         gl.warp_specialize([
             (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                         desc_o, O, LSE, KV_IDX, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
-                         stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                         0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD)),
+                         desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
+                         stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
+                         0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                         EXACT)),
             (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                         desc_o, O, LSE, KV_IDX, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
-                         stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                         1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD)),
+                         desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
+                         stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
+                         1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                         EXACT)),
             (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
                        stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
@@ -442,15 +483,20 @@ def layouts(q, k, v):
 
 
 def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay, *,
-        num_sms=None):
+        num_sms=None, exact=None):
     """Fill ``o`` (like q) and ``lse`` (float32 [B, Hq, Nq], +inf for rows with no key); returns
     them. ``lists``: (row lists or a placeholder, their [B, H, row] strides, NB_P2, entries per
     row; None for dense), as `launch.hopper_fwd` makes them. ``lay``: `layouts` of (q, k, v).
-    Call only when `unsupported` is None."""
+    ``exact``: None, or (bit-tile table laid out as the row lists, bits) of a mask applied exactly
+    inside its partial blocks (`operands.check_exact`; block lists required). Call only when
+    `unsupported` is None."""
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     dense = lists is None
     idx, i_strides, nb_p2, n_kb = (q, (0, 0, 0), 2, 0) if dense else lists
+    if exact is not None and dense:
+        raise ValueError("exact bits come with block lists (a dense call has none)")
+    kv_tile, bits = (q, q) if exact is None else exact
     so = o.stride()
     if EPILOGUE not in ("tma", "store"):
         raise ValueError(f"hopper.EPILOGUE must be 'tma' or 'store', got {EPILOGUE!r}")
@@ -462,10 +508,11 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     desc_q = descriptor(q, lay[0], TILE)
     _hopper_fwd_kernel[grid](
         desc_q, descriptor(k, lay[1], TILE), descriptor(v, lay[2], TILE),
-        desc_q if o_lay is None else descriptor(o, o_lay, TILE // 2), o, lse, idx, q if key_lengths is None else key_lengths,
+        desc_q if o_lay is None else descriptor(o, o_lay, TILE // 2), o, lse, idx, kv_tile, bits,
+        q if key_lengths is None else key_lengths,
         H, H // Hk, Nq, Nk, n_kb, scale * LOG2E, n_tiles, *i_strides, so[0], so[1], so[2],
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        TMA_O=o_lay is not None, O_BNHD=bool(o_lay and o_lay[1]), num_warps=4)
+        TMA_O=o_lay is not None, O_BNHD=bool(o_lay and o_lay[1]), EXACT=exact is not None, num_warps=4)
     return o, lse

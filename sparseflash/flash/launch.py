@@ -233,7 +233,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     lay = dispatch.hopper_plan(q, k, v, mask_bq, mask_bk, work, scale=scale, dropout_p=dropout_p, seg=seg,
                                softcap=softcap, exact=exact)
     if lay is not None:
-        return hopper_fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, lay=lay)
+        return hopper_fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, lay=lay, exact=exact)
     tma_plan = tiles.tma_plan(tiles.block_d(D), q, k, v, work=work)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
@@ -250,17 +250,18 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
 
 
 def hopper_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, *, lay=None,
-               num_sms=None):
+               num_sms=None, exact: ExactTiles | None = None):
     """The Hopper forward (`hopper.fwd`) with its outputs and list arguments made here. ``lay``:
-    `hopper.layouts` of (q, k, v), if known."""
+    `hopper.layouts` of (q, k, v), if known; ``exact``: as `fwd`'s."""
     from sparseflash.flash import hopper
 
     B, Hq, Nq, _ = q.shape
     lists = None
     if kv_idx is not None:
         lists = (*list_args(kv_idx, B, Hq, q), kv_idx.shape[-1])
+    ex = None if exact is None else check_exact(exact, kv_idx, "kv_idx")
     return hopper.fwd(q, k, v, _new(q), _new(q, (B, Hq, Nq), torch.float32), lists, key_lengths, scale, causal,
-                      mask_bq, mask_bk, lay or hopper.layouts(q, k, v), num_sms=num_sms)
+                      mask_bq, mask_bk, lay or hopper.layouts(q, k, v), num_sms=num_sms, exact=ex)
 
 
 def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, *,
