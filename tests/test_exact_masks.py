@@ -255,9 +255,9 @@ def test_bits_keep_the_hopper_kernels_out(device, monkeypatch):
     assert q.grad is not None and not torch.isnan(q.grad).any()
 
 
-def test_bits_take_the_hopper_forward_only_when_switched_on(monkeypatch):
-    """HOPPER_EXACT "on" lets a forward call with bits ask for the Hopper layouts; the backward with
-    bits never does; a value other than on / off is refused, naming the switch."""
+def test_bits_take_the_hopper_kernels_only_when_switched_on(monkeypatch):
+    """HOPPER_EXACT "on" lets calls with bits ask for the Hopper layouts, forward and backward;
+    "off" (the default) never; a value other than on / off is refused, naming the switch."""
     asked = []
     monkeypatch.setattr(dispatch, "_fwd_layouts", lambda *a: asked.append("fwd") or "lay")
     monkeypatch.setattr(dispatch, "_bwd_layouts", lambda *a: asked.append("bwd") or "lays")
@@ -267,7 +267,7 @@ def test_bits_take_the_hopper_forward_only_when_switched_on(monkeypatch):
     assert plan() is None and asked == []  # the default: off
     monkeypatch.setattr(dispatch, "HOPPER_EXACT", "on")
     assert plan() == "lay" and asked == ["fwd"]
-    assert plan(do=q, o=q) is None and asked == ["fwd"]
+    assert plan(do=q, o=q, lists=True) == "lays" and asked == ["fwd", "bwd"]
     assert plan(softcap=5.0) is None  # the Hopper kernels still have no softcap
     monkeypatch.setattr(dispatch, "HOPPER_EXACT", "yes")
     with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER_EXACT"):

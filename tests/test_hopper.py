@@ -50,12 +50,12 @@ def test_compiles_for_sm90(kernel, consumer_regs, sm90_compiles):
     """The forward and the one-pass backward build for sm_90 with this machine's triton (in a
     subprocess: the test session may run under the interpreter), at head_dim 64 and 128: wgmma
     and TMA loads, registers handed to the consumer warpgroups with setmaxnreg (232 each in the
-    forward, 240 in the backward), within the 227 KB of shared memory; the forward also with
-    exact-mask bits (EXACT)."""
+    forward, 240 in the backward), within the 227 KB of shared memory; also with exact-mask bits
+    (EXACT)."""
     out = sm90_compiles
     assert kernel in out["rows"], out["stderr"][-3000:]
     rows = out["rows"][kernel]
-    cases = ["dense", "sparse256 causal"] + (["exact256 causal+keylen"] if kernel == "fwd" else [])
+    cases = ["dense", "sparse256 causal", "exact256 causal+keylen"]
     assert [r["case"] for r in rows] == cases * 2 and all(r["status"] == "ok" for r in rows), out["stdout"][-3000:]
     for r in rows:
         assert r["wgmma"] > 0 and r["tma_loads"] > 0, r
@@ -264,10 +264,9 @@ EXACT_CASES = [  # (B, Hq, Hkv, N, D, mask, causal, key_lengths, dtype)
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: f"{c[1]}/{c[2]}x{c[3]}-d{c[4]}-{c[5]}"
                          f"{'-causal' if c[6] else ''}{'-kl' if c[7] else ''}-{str(c[8])[6:]}")
-def test_gpu_exact_bits_against_reference(case, monkeypatch, hopper_spy):
-    """The Hopper forward with exact-mask bits (HOPPER_EXACT on): output and, through the portable
-    backward reading its LSE, gradients against the float64 reference on the mask's exact pairs;
-    rows a token mask leaves empty give 0."""
+def test_gpu_exact_bits_against_reference(case, monkeypatch, hopper_spy, hopper_bwd_spy):
+    """The Hopper kernels with exact-mask bits (HOPPER_EXACT on): output and gradients against the
+    float64 reference on the mask's exact pairs; rows a token mask leaves empty give 0."""
     monkeypatch.setattr(dispatch, "HOPPER_EXACT", "on")
     B, Hq, Hkv, N, D, kind, causal, kl, dtype = case
     q, k, v, do = make_qkv(B, Hq, Hkv, N, N, D, dtype, "cuda", seed=N + D)
@@ -277,6 +276,7 @@ def test_gpu_exact_bits_against_reference(case, monkeypatch, hopper_spy):
     check_attention(lambda a, b, c: sparseflash.attention(a, b, c, mask=mask, causal=causal, key_lengths=key_lengths),
                     q, k, v, do, mask=mask, causal=causal, key_lengths=key_lengths, ref_kwargs=dict(exact=True))
     assert hopper_spy, "the Hopper forward did not run"
+    assert hopper_bwd_spy, "the Hopper backward did not run"
     if kind == "tokens":
         o = sparseflash.attention(q, k, v, mask=mask)
         assert o[:, :, 100:140].abs().max().item() == 0.0

@@ -5,9 +5,9 @@ the portable kernels when it answers None.
 
 The Hopper kernels take a call when, in this order:
 - it uses none of what they do not implement: dropout, segment ids or key ranges, ALiBi, softcap,
-  a scale <= 0 (their running max is taken on raw scores), and exact-mask bits except in the
-  forward while `HOPPER_EXACT` is "on" (``SPARSEFLASH_HOPPER_EXACT=on``; "off", the default, until
-  the GPU tests have checked the Hopper forward's bits against the float64 reference);
+  a scale <= 0 (their running max is taken on raw scores), and exact-mask bits unless
+  `HOPPER_EXACT` is "on" (``SPARSEFLASH_HOPPER_EXACT=on``; "off", the default, until the GPU tests
+  have checked the Hopper kernels' bits against the float64 reference);
 - it runs on an sm_90 GPU, compiled (not the interpreter), and TMA_MODE gives it descriptors
   (`tiles.tma_wanted`: "on", or in "auto" calls of at least `tiles.TMA_MIN_WORK` FLOPs or captured
   in a CUDA graph);
@@ -26,8 +26,8 @@ from sparseflash.flash import tiles
 
 __all__ = ["hopper_plan", "HOPPER_EXACT"]
 
-# "on": forward calls with exact-mask bits may take the Hopper forward (its EXACT); "off": they keep
-# the portable kernels. The backward with bits is always the portable one.
+# "on": calls with exact-mask bits may take the Hopper kernels (their EXACT), as other calls do;
+# "off": they keep the portable kernels.
 HOPPER_EXACT = os.environ.get("SPARSEFLASH_HOPPER_EXACT", "off")
 
 
@@ -39,10 +39,10 @@ def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout
     the call's estimated forward FLOPs (-1 unknown); the other arguments as `launch.fwd` takes them."""
     if dropout_p > 0.0 or seg is not None or softcap or not scale > 0.0:
         return None  # features the Hopper kernels do not have
-    if exact is not None:  # exact bits: the Hopper forward only, and only while HOPPER_EXACT is "on"
+    if exact is not None:  # exact bits: the Hopper kernels only while HOPPER_EXACT is "on"
         if HOPPER_EXACT not in ("on", "off"):
             raise ValueError(f"dispatch.HOPPER_EXACT (SPARSEFLASH_HOPPER_EXACT) must be 'on' or 'off', got {HOPPER_EXACT!r}")
-        if do is not None or HOPPER_EXACT == "off":
+        if HOPPER_EXACT == "off":
             return None
     if do is None:
         return _fwd_layouts(q, k, v, mask_bq, mask_bk, work)

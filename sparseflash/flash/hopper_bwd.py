@@ -292,6 +292,18 @@ if GLUON_ERROR is None:
         tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
 
     @gluon.jit
+    def _exact_keep_t(BITS, tb, keys, queries, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
+        """Which pairs of a [64 keys, QT queries] P^T tile bit tile ``tb`` attends (absolute ``keys``
+        and ``queries``; a bit tile's row is a query: ceil(MASK_BK / 32) int32 words, key c in bit
+        c % 32 of word c // 32, `mask.ExactBits`); each element loads its own word."""
+        W: gl.constexpr = (MASK_BK + 31) // 32
+        kk = keys % MASK_BK
+        p = (BITS + tb.to(gl.int64) * (MASK_BQ * W) + gl.expand_dims((queries % MASK_BQ) * W, 0)
+             + gl.expand_dims(kk // 32, 1))
+        w = gl.load(p)
+        return ((w >> gl.expand_dims(kk % 32, 1)) & 1) != 0
+
+    @gluon.jit
     def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
         """Put step p's dQ[:, half WG] ([QT, DH] float32) in its staging buffer, once the reducer has
         read that buffer's last halves, and tell the reducer."""
@@ -303,16 +315,17 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _bwd_consumer(q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
-                      step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh,
-                      n_heads_kv,
+                      step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds,
+                      n_bhk, gh, n_heads_kv,
                       group, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
         j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
-        never waits for the other's dS^T of the step it is on."""
+        never waits for the other's dS^T of the step it is on. EXACT: a step in a partial block
+        zeroes P^T (and so dS^T) where its bit tile (Q_TILE, laid out as the column lists) is 0."""
         s_layout: gl.constexpr = wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
         DH: gl.constexpr = HEAD_DIM // 2
@@ -348,6 +361,10 @@ if GLUON_ERROR is None:
                     p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
                                                           DENSE, CAUSAL, 4)
+                    p_tile = Q_TILE
+                    if EXACT:
+                        p_tile = (Q_TILE + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
+                                  + (start_n // MASK_BK).to(gl.int64) * stride_in)
                     for jj in range(0, j_end - j_skip):
                         j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
                         s = it % STAGES
@@ -368,6 +385,11 @@ if GLUON_ERROR is None:
                         if CAUSAL:
                             if j < j_part:
                                 pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(cols + causal_off, 0), pt, 0.0)
+                        if EXACT:
+                            SUB: gl.constexpr = MASK_BQ // _QT
+                            tb = gl.load(p_tile + j // SUB)
+                            if tb >= 0:
+                                pt = gl.where(_exact_keep_t(BITS, tb, keys, cols, s_layout, MASK_BQ, MASK_BK), pt, 0.0)
                         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
                         ds16 = (pt * (dpt - dlt)).to(dtype)
                         p_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -441,7 +463,8 @@ if GLUON_ERROR is None:
                 n_done += 1
 
     @gluon.jit
-    def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, KEY_LEN,
+    def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, Q_TILE, BITS,
+                           KEY_LEN,
                            n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
                            stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
                            stride_dvb, stride_dvh, stride_dvn,
@@ -449,7 +472,7 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr):
+                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -481,19 +504,19 @@ if GLUON_ERROR is None:
         fence_async_shared()
         gl.warp_specialize([
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX,
+                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS)),
+                             DQ_PARTS, EXACT)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX,
+                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS)),
+                             DQ_PARTS, EXACT)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -626,15 +649,19 @@ def do_layout(do):
 
 
 def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay, do_lay,
-        *, new=torch.empty_like, num_sms=None):
+        *, new=torch.empty_like, num_sms=None, exact=None):
     """(dq, dk, dv) like (q, k, v). ``lists``: (column lists or a placeholder, their [B, H, k block]
     strides, NB_P2, number of q blocks; None for dense), as `launch.hopper_bwd` makes them.
     ``lay``: `hopper.layouts` of (q, k, v); ``do_lay``: `do_layout` of dO; ``new``: allocates an
-    output like a tensor. Call only when `unsupported` is None."""
+    output like a tensor. ``exact``: None, or (bit-tile table laid out as the column lists, bits)
+    (`operands.check_exact`; block lists required). Call only when `unsupported` is None."""
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     dense = lists is None
     idx, i_strides, nb_p2, n_qb = (q, (0, 0, 0), 2, 0) if dense else lists
+    if exact is not None and dense:
+        raise ValueError("exact bits come with block lists (a dense call has none)")
+    q_tile, bits = (q, q) if exact is None else exact
     mask_q = mask_bq or TILE  # (the kernel's MASK_BQ; dense walks ignore it)
     n_pad = _padded_rows(Nq, None if dense else mask_q)
     lse2, delta = _delta(o, do, lse, dlse, n_pad)
@@ -653,13 +680,13 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     n_rounds = triton.cdiv(n_units, grid) * (2 if causal else 1)
     _hopper_bwd_kernel[(grid,)](
         descriptor(q, lay[0], QT), descriptor(k, lay[1], TILE), descriptor(v, lay[2], TILE),
-        descriptor(do, do_lay, QT), desc_dq, _row_descriptor(lse2), _row_descriptor(delta), dk, dv, idx,
+        descriptor(do, do_lay, QT), desc_dq, _row_descriptor(lse2), _row_descriptor(delta), dk, dv, idx, q_tile, bits,
         q if key_lengths is None else key_lengths, n_tiles, n_rounds, n_bhk, gh, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E,
         scale, *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, num_warps=4)
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, EXACT=exact is not None, num_warps=4)
     if DQ_PARTS < 4:
         return None, dk, dv
     dq = new(q)

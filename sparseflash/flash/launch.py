@@ -265,9 +265,9 @@ def hopper_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq
 
 
 def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, *,
-               lays=None, num_sms=None):
+               lays=None, num_sms=None, exact: ExactTiles | None = None):
     """The Hopper backward (`hopper_bwd.bwd`) with its list arguments made here. ``lays``: (the
-    `hopper.layouts` of (q, k, v), `hopper_bwd.do_layout` of dO), if known."""
+    `hopper.layouts` of (q, k, v), `hopper_bwd.do_layout` of dO), if known; ``exact``: as `bwd`'s."""
     from sparseflash.flash import hopper, hopper_bwd as hb
 
     B, Hq = q.shape[:2]
@@ -275,8 +275,9 @@ def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, caus
     if q_idx is not None:
         lists = (*list_args(q_idx, B, Hq, q), q_idx.shape[-1])
     lay, do_lay = lays or (hopper.layouts(q, k, v), hb.do_layout(do))
+    ex = None if exact is None else check_exact(exact, q_idx, "q_idx")
     return hb.bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale, causal, mask_bq, mask_bk, lay, do_lay, new=_new,
-                  num_sms=num_sms)
+                  num_sms=num_sms, exact=ex)
 
 
 def _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan,
@@ -316,7 +317,8 @@ def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, cau
     lays = dispatch.hopper_plan(q, k, v, mask_bq, mask_bk, work, scale=scale, dropout_p=dropout_p, seg=seg,
                                 softcap=softcap, exact=exact, do=do, o=o, lists=q_idx is not None)
     if lays is not None:
-        return hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, lays=lays)
+        return hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, lays=lays,
+                          exact=exact)
     delta = _new(lse)
     args = (do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng)
     dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse, work=work, seg=seg, softcap=softcap, exact=exact)

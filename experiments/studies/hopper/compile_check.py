@@ -23,8 +23,8 @@ from sparseflash.cli import ArgumentParser, run_command
 
 __all__ = ["compile_case", "CASES", "main"]
 
-# (label, dense, causal, key_lengths, mask block); "exact" cases (forward only) apply a sliding
-# window's bits inside its partial blocks (EXACT)
+# (label, dense, causal, key_lengths, mask block); "exact" cases apply a sliding window's bits inside
+# its partial blocks (EXACT)
 CASES = [("dense", True, False, False, 128), ("causal+keylen", True, True, True, 128),
          ("sparse128", False, False, False, 128), ("sparse256 causal", False, True, False, 256)]
 EXACT_CASES = [("exact128", False, False, False, 128), ("exact256 causal+keylen", False, True, True, 256)]
@@ -33,8 +33,8 @@ EXACT_CASES = [("exact128", False, False, False, 128), ("exact256 causal+keylen"
 def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: int, seq: int = 1000,
                  dtype=torch.bfloat16, kernel: str = "fwd", exact: bool = False):
     """The CompiledKernel of one forward (``kernel`` "fwd") or backward ("bwd") call's shape,
-    compiled for sm_90 without a GPU; ``exact`` (forward, block lists): with a sliding window's bit
-    tiles (the kernel's EXACT)."""
+    compiled for sm_90 without a GPU; ``exact`` (block lists): with a sliding window's bit tiles
+    (the kernels' EXACT)."""
     from sparseflash.experiments.bench.inspect_kernels import compile_launches
     from sparseflash.flash import hopper
     from sparseflash.flash.launch import hopper_bwd, hopper_fwd
@@ -68,7 +68,7 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
         o, do = torch.empty_like(q), torch.empty_like(q)
         lse = torch.empty(B, H, N)
         compiled = compile_launches(lambda: hopper_bwd(do, q, k, v, o, lse, None, q_idx, kl, D ** -0.5, causal, bq, bq,
-                                                       num_sms=132))
+                                                       num_sms=132, exact=ex))
     if name not in compiled:
         raise RuntimeError("the compile hook was not called (kernel already in the cache?)")
     return compiled[name]
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ok = True
     rows = []
     for d in args.head_dims:
-        for label, dense, causal, keylen, block in CASES + (EXACT_CASES if args.exact and args.kernel == "fwd" else []):
+        for label, dense, causal, keylen, block in CASES + (EXACT_CASES if args.exact else []):
             if args.cases and label not in args.cases:
                 continue
             try:
