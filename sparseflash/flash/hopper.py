@@ -170,15 +170,21 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _exact_keep(BITS, tb, rows, c0, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
         """Which pairs of a [64, 128] score tile bit tile ``tb`` attends: rows ``rows`` (absolute),
-        keys ``c0`` .. ``c0`` + 127 counted from the mask block's corner. Row r of a bit tile holds
-        ceil(MASK_BK / 32) int32 words, key c in bit c % 32 of word c // 32 (`mask.ExactBits`);
-        each element loads its own word (the 32 elements of a word hit the same cache line)."""
+        keys ``c0`` .. ``c0`` + 127 counted from the mask block's corner (c0 a multiple of 128).
+        Row r of a bit tile holds ceil(MASK_BK / 32) int32 words, key c in bit c % 32 of word
+        c // 32 (`mask.ExactBits`). The tile's 4 words of each row are loaded as 4 row vectors (8
+        words a thread) and spread over the columns in registers: a pointer per element would cost
+        128 registers a thread and spill."""
         W: gl.constexpr = (MASK_BK + 31) // 32
-        cols = c0 + gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout))
-        p = (BITS + tb.to(gl.int64) * (MASK_BQ * W) + gl.expand_dims((rows % MASK_BQ) * W, 1)
-             + gl.expand_dims(cols // 32, 0))
-        w = gl.load(p)
-        return ((w >> gl.expand_dims(cols % 32, 0)) & 1) != 0
+        p = BITS + tb.to(gl.int64) * (MASK_BQ * W) + (rows % MASK_BQ) * W + c0 // 32  # [64] row pointers
+        w0 = gl.expand_dims(gl.load(p), 1)
+        w1 = gl.expand_dims(gl.load(p + 1), 1)
+        w2 = gl.expand_dims(gl.load(p + 2), 1)
+        w3 = gl.expand_dims(gl.load(p + 3), 1)
+        c = gl.expand_dims(gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout)), 0)
+        k = c // 32
+        w = gl.where(k == 0, w0, gl.where(k == 1, w1, gl.where(k == 2, w2, w3)))
+        return ((w >> (c % 32)) & 1) != 0
 
     @gluon.jit
     def _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off, rows, p_tile, BITS,

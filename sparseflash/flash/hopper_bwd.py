@@ -292,16 +292,19 @@ if GLUON_ERROR is None:
         tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
 
     @gluon.jit
-    def _exact_keep_t(BITS, tb, keys, queries, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
-        """Which pairs of a [64 keys, QT queries] P^T tile bit tile ``tb`` attends (absolute ``keys``
-        and ``queries``; a bit tile's row is a query: ceil(MASK_BK / 32) int32 words, key c in bit
-        c % 32 of word c // 32, `mask.ExactBits`); each element loads its own word."""
+    def _exact_keep_t(BITS, tb, kw0, queries, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
+        """Which pairs of a [64 keys, QT queries] P^T tile bit tile ``tb`` attends: keys from
+        ``kw0`` * 32 on (counted from the mask block's corner; the warpgroup's 64 keys are 2 words
+        of each query's row, `mask.ExactBits`), queries ``queries`` (absolute). The two words of
+        each query are loaded as two column vectors and spread over the keys in registers (a
+        pointer per element would cost 64 registers a thread)."""
         W: gl.constexpr = (MASK_BK + 31) // 32
-        kk = keys % MASK_BK
-        p = (BITS + tb.to(gl.int64) * (MASK_BQ * W) + gl.expand_dims((queries % MASK_BQ) * W, 0)
-             + gl.expand_dims(kk // 32, 1))
-        w = gl.load(p)
-        return ((w >> gl.expand_dims(kk % 32, 1)) & 1) != 0
+        p = BITS + tb.to(gl.int64) * (MASK_BQ * W) + (queries % MASK_BQ) * W + kw0  # [QT] column pointers
+        w0 = gl.expand_dims(gl.load(p), 0)
+        w1 = gl.expand_dims(gl.load(p + 1), 0)
+        i = gl.expand_dims(gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout)), 1)
+        w = gl.where(i < 32, w0, w1)
+        return ((w >> (i % 32)) & 1) != 0
 
     @gluon.jit
     def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
@@ -389,7 +392,8 @@ if GLUON_ERROR is None:
                             SUB: gl.constexpr = MASK_BQ // _QT
                             tb = gl.load(p_tile + j // SUB)
                             if tb >= 0:
-                                pt = gl.where(_exact_keep_t(BITS, tb, keys, cols, s_layout, MASK_BQ, MASK_BK), pt, 0.0)
+                                kw0 = (start_n % MASK_BK + WG * _HALF) // 32
+                                pt = gl.where(_exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK), pt, 0.0)
                         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
                         ds16 = (pt * (dpt - dlt)).to(dtype)
                         p_op = gl.convert_layout(pt.to(dtype), op_layout)
