@@ -8,7 +8,8 @@
 # tma_ab and a tile search per kernel and mode), eager-4k (the kernel check at 4K, eager), host-cost
 # (host time per call, SPARSEFLASH_TMA=off and auto), host (issue 21: host us per call of ours, bound
 # and unbound launches, and SDPA's, side by side; eager fwd+bwd against GPU time at 4K), short-rows (per-row fixed cost, with the
-# baselines), gluon (experiments/studies/gluon/gluon_probe.py), packed (segment_ids tests, then packed
+# baselines), gluon (experiments/studies/gluon/gluon_probe.py), exact (the Hopper kernels' exact-mask tests,
+# then bench.exact), packed (segment_ids tests, then packed
 # documents against FlexAttention's document mask: experiments/bench/packed.py), short-calls (issue 21:
 # the native, short-path, compile and graph tests, then eager fwd+bwd against its own kernels' time),
 # lra-paired (issue 21: every LRA task's training step paired with SDPA's), lra-speed, lra-train. Each stage
@@ -98,6 +99,10 @@ for stage in "$@"; do
         gluon)   # the Gluon probe: a persistent warp-specialised forward (GLUON_ARGS: extra options,
                  # e.g. --variant ...), timed beside ours on the same inputs
                  $t $py -m sparseflash.experiments.studies.gluon.gluon_probe --out "$d" ${GLUON_ARGS:-} ;;
+        exact)   # token-exact masks: the Hopper kernels' bits against the float64 reference, then the
+                 # bench (portable and Hopper rows beside the block-level call and FlexAttention)
+                 $t $py -m pytest -q -p no:cacheprovider tests/test_hopper.py -k exact_bits --tb=short
+                 $t $py -m sparseflash.experiments.bench.exact --out "$d" ${EXACT_ARGS:-} ;;
         packed)  # PACKED_ARGS: extra options (e.g. --causal both --mean-lens 128 512 2048)
                  $t $py -m pytest -q -x -p no:cacheprovider tests/test_segments.py --tb=short
                  $t $py -m sparseflash.experiments.bench.packed --out "$d" ${PACKED_ARGS:-} ;;

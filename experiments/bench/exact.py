@@ -14,6 +14,9 @@ Masks (both causal, built with `BlockMask.from_fn` on the device, block 128 on a
 Providers, bf16, forward and forward+backward:
 - ``sparseflash-exact``: `sparseflash.attention(q, k, v, mask)` (the default ``exact=True``: bits
   read in partial blocks only; built once per mask, outside the timed calls);
+- ``sparseflash-exact-hopper`` (GPU): the same call with `dispatch.HOPPER_EXACT` "on" for all of
+  its calls, forward and backward (``SPARSEFLASH_HOPPER_EXACT=on``): the Hopper kernels with bits,
+  where they take the call (sm_90), beside the portable kernels' row above;
 - ``sparseflash-block``: the same call with ``exact=False``: every pair of an on block (the work
   without the bits, and a different result: the reference point for their cost);
 - ``flex``: compiled ``flex_attention`` with ``mask.to_flex(layout_in_mask_mod=False)`` (its full
@@ -28,6 +31,7 @@ by design). Writes DIR/exact.csv and DIR/exact.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -38,7 +42,7 @@ import torch
 from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
 from sparseflash.experiments.bench.results import write_tidy
 
-PROVIDERS = ("sparseflash-exact", "sparseflash-block", "flex")
+PROVIDERS = ("sparseflash-exact", "sparseflash-exact-hopper", "sparseflash-block", "flex")
 MASKS = ("sliding-window", "documents")
 
 
@@ -91,7 +95,7 @@ def _calls(provider: str, q, k, v, mask, flex_mask):
     """A zero-argument forward call of ``provider``."""
     import sparseflash
 
-    if provider == "sparseflash-exact":
+    if provider in ("sparseflash-exact", "sparseflash-exact-hopper"):  # (the switch: `_switch`)
         return lambda: sparseflash.attention(q, k, v, mask)
     if provider == "sparseflash-block":
         return lambda: sparseflash.attention(q, k, v, mask, exact=False)
@@ -103,6 +107,21 @@ def _calls(provider: str, q, k, v, mask, flex_mask):
     raise ValueError(f"unknown provider {provider!r}")
 
 
+@contextlib.contextmanager
+def _switch(provider: str):
+    """`dispatch.HOPPER_EXACT` as ``provider`` needs it, for all of its calls (the backward runs
+    after the forward call returns, and CUDA graphs are captured inside)."""
+    from sparseflash.flash import dispatch
+
+    saved = dispatch.HOPPER_EXACT
+    if provider == "sparseflash-exact-hopper":
+        dispatch.HOPPER_EXACT = "on"
+    try:
+        yield
+    finally:
+        dispatch.HOPPER_EXACT = saved
+
+
 def run(args) -> list[dict]:
     from sparseflash.experiments.bench import timing
     from sparseflash.experiments.bench.flops import attention_flops
@@ -112,7 +131,8 @@ def run(args) -> list[dict]:
     cuda = device.type == "cuda"
     env = environment(device)
     dtype = torch.bfloat16 if cuda else torch.float32
-    providers = [p for p in args.providers if cuda or p != "flex"]  # eager Flex on a CPU is not the point
+    # eager Flex on a CPU is not the point; the Hopper kernels need an sm_90 GPU
+    providers = [p for p in args.providers if cuda or p not in ("flex", "sparseflash-exact-hopper")]
     rows = []
     for kind in args.masks:
         mask, label = build_mask(kind, args.tokens, args.window, args.doc_len, args.block, device)
@@ -138,27 +158,28 @@ def run(args) -> list[dict]:
                            token_density=round(pairs / (args.batch * args.heads * args.tokens ** 2), 5),
                            block_overcount=round(block_pairs / pairs, 4), status="ok",
                            note="" if cuda else CPU_NOTE, **env)
-                try:
-                    with torch.no_grad():
-                        outs[prov] = fwd().float()
+                with _switch(prov):
+                    try:
+                        with torch.no_grad():
+                            outs[prov] = fwd().float()
 
-                    def fwdbwd():
-                        return torch.autograd.grad(fwd(), (q, k, v), do)
+                        def fwdbwd():
+                            return torch.autograd.grad(fwd(), (q, k, v), do)
 
-                    for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-                        if cuda:
-                            with torch.set_grad_enabled(mode == "fwdbwd"):
-                                ms = timing.stream_ms(fn, calls=5)
-                                gpu = float("nan") if args.no_graph else timing.graph_ms(fn)
-                        else:
-                            ms, gpu = cpu_ms(fn), float("nan")
-                        row[f"{mode}_ms"] = ms
-                        row[f"{mode}_gpu_ms"] = gpu
-                        row[f"{mode}_tflops"] = attention_flops(pairs, D, mode) / (min(ms, gpu) if gpu == gpu
-                                                                                    else ms) / 1e9
-                except Exception as e:  # a provider this machine cannot run: a row that says so
-                    row["status"] = "error"
-                    row["note"] = (row["note"] + " " + f"{type(e).__name__}: {str(e).splitlines()[0][:160]}").strip()
+                        for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+                            if cuda:
+                                with torch.set_grad_enabled(mode == "fwdbwd"):
+                                    ms = timing.stream_ms(fn, calls=5)
+                                    gpu = float("nan") if args.no_graph else timing.graph_ms(fn)
+                            else:
+                                ms, gpu = cpu_ms(fn), float("nan")
+                            row[f"{mode}_ms"] = ms
+                            row[f"{mode}_gpu_ms"] = gpu
+                            row[f"{mode}_tflops"] = attention_flops(pairs, D, mode) / (min(ms, gpu) if gpu == gpu
+                                                                                        else ms) / 1e9
+                    except Exception as e:  # a provider this machine cannot run: a row that says so
+                        row["status"] = "error"
+                        row["note"] = (row["note"] + " " + f"{type(e).__name__}: {str(e).splitlines()[0][:160]}").strip()
                 rows.append(row)
                 print(json.dumps({k_: row.get(k_) for k_ in ("provider", "mask", "head_dim", "fwd_ms", "fwd_gpu_ms",
                                                              "fwdbwd_ms", "fwdbwd_gpu_ms", "status")}), flush=True)
