@@ -42,5 +42,5 @@ def stack(masks: Sequence[BlockMask]) -> BlockMask:
         return BlockMask(layout, first.block_size, first.seq_q, first.seq_k)
     # Token-level definitions (from_fn / from_dense / from_flex masks) stay: head h reads its own mask's.
     full = torch.cat([m.full.expand(batch, -1, -1, -1) for m in masks], dim=1)
-    mod = HeadStackMod([m._token_mod() for m in masks], [m.shape[1] for m in masks])
+    mod = HeadStackMod([m.token_mod() for m in masks], [m.shape[1] for m in masks])
     return BlockMask(layout, first.block_size, first.seq_q, first.seq_k, full=full, mask_mod=mod)

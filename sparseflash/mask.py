@@ -838,11 +838,13 @@ class BlockMask:
         # Token level: each side's truth is (its block is on) & its mask_mod. A block is known full
         # if it is full on one side (|) or on both (&); the rest of the on blocks count as partial
         # (for & an on block may even hold no attended pair: pooling an intersection is not exact).
-        mod = _CombinedMod(op, [self._token_mod(), other._token_mod()])
+        mod = _CombinedMod(op, [self.token_mod(), other.token_mod()])
         return BlockMask(layout, self.block_size, self.seq_q, self.seq_k, full=op(self.full, other.full), mask_mod=mod)
 
-    def _token_mod(self):
-        """The token-level truth as one mask_mod: the block lookup, and mask_mod if there is one."""
+    def token_mod(self):
+        """The mask's token-level truth as one mask_mod function (FlexAttention's convention, see
+        `from_fn`): the block lookup, and ``mask_mod`` where there is one. Used to combine masks
+        (``|``, ``&``, the pattern zoo's head stacks) without losing their token-level definitions."""
         lookup = _LayoutMod(self.layout, self.block_size)
         return lookup if self.mask_mod is None else _CombinedMod(operator.and_, [lookup, self.mask_mod])
 

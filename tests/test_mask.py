@@ -504,3 +504,17 @@ def test_attention_mask_of_another_type_says_how_to_build_one():
     fb = flex.create_block_mask(causal_fn, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
     with pytest.raises(ValueError, match="mask was built for seq_q=32, seq_k=32"):
         sparseflash.attention(q, q, q, fb)
+
+
+def test_token_mod_is_the_exact_truth():
+    """`BlockMask.token_mod` evaluated on every pair gives `to_dense(exact=True)`, for a mask with a
+    token-level definition and for a layout-only one (its blocks)."""
+    n = 70
+    with_fn = BlockMask.from_fn(lambda b, h, i, j: (i >= j) & (i - j < 9), n, block_size=16)
+    layout_only = BlockMask.from_layout(torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0]], dtype=torch.bool), block_size=32)
+    for mask, seq in ((with_fn, n), (layout_only, 96)):
+        i = torch.arange(seq).view(1, 1, -1, 1)
+        j = torch.arange(seq).view(1, 1, 1, -1)
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+        got = mask.token_mod()(zero, zero, i, j).expand(1, 1, seq, seq)
+        assert torch.equal(got, mask.to_dense(exact=True).expand(1, 1, seq, seq))
