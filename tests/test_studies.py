@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -355,3 +356,21 @@ def test_pathx_curves_table_and_figure(tmp_path):
     assert curves.main(["--out", str(out)]) == 0 and (out / "curves.png").exists()  # redrawn from the table
     with pytest.raises(SystemExit):
         curves.main(["--state", str(tmp_path / "state"), "--runs", "missing", "--out", str(out)])
+
+
+def test_pathx_rim_probe_regions_and_threshold():
+    from sparseflash.experiments.studies.pathx.rim_probe import region_features, threshold_accuracy
+
+    k = 6
+    patches = np.arange(2 * 2 * 13 * 13, dtype=np.float32).reshape(2, 2 * 13 * 13)
+    f = region_features(patches, k)
+    assert f["patches"] is patches
+    assert f["interior"].shape == (2, 2 * 21) and f["rim"].shape == (2, 2 * 16) and f["outside"].shape == (2, 2 * 132)
+    centre = 6 * 13 + 6
+    assert centre in f["interior"][0] and centre not in f["rim"][0]
+    assert np.array_equal(f["rim-difference"], np.full((2, 16), 169.0))  # second patch = first + 169
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=400)
+    y = (x < 0.3).astype(int)  # a rule "below t": found, and perfect on held-out data
+    assert threshold_accuracy(x[:300], y[:300], x[300:], y[300:]) > 0.97
+    assert threshold_accuracy(x[:300], rng.integers(0, 2, 300), x[300:], rng.integers(0, 2, 100)) < 0.7
