@@ -336,7 +336,7 @@ def test_cuda_graphs_refused_where_it_cannot_run(tmp_path):
     assert not (tmp_path / "run").exists()
     cuda = torch.device("cuda")  # only compared, never touched
     T.check_cuda_graphs(pixel_config(), cuda)  # what it is for
-    for kw, over, match in [({"compile": True}, {}, "exclude each other"), ({"world": 2}, {}, "one process"),
+    for kw, over, match in [({"compile": True}, {}, "exclude each other"),
                             ({}, {"train.objective": "denoise", "model.black_is_padding": False}, "classifier"),
                             ({}, {"model.attention": "flex"}, "flex")]:
         with pytest.raises(ValueError, match=match):
@@ -487,6 +487,78 @@ def test_graphed_steps_match_eager_on_cpu(tmp_path, monkeypatch):
             torch.testing.assert_close(got["model"][key], t, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
         assert [g["capturable"] for g in got["optimizer"]["param_groups"]] == [name != "graphs-then-eager"] * 2
         assert all(isinstance(g["lr"], float) for g in got["optimizer"]["param_groups"])  # the checkpoint keeps floats
+
+
+def _cpu_graphs():
+    """The --cuda-graphs path with graphs that rerun the captured step on the CPU (as the test above
+    sets it up), for a process of its own."""
+    import importlib
+
+    adam = importlib.import_module("torch.optim.adam")
+    real = adam._get_capturable_supported_devices
+    adam._get_capturable_supported_devices = lambda *a, **k: [*real(*a, **k), "cpu"]
+    T.check_cuda_graphs = lambda *a, **k: None
+    T.GraphedTrainStep = _CPUGraphedTrainStep
+
+
+def _graphed_ddp_worker(rank, world, init_file, out):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    _cpu_graphs()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    T.train(pixel_config(**_GRAPHED_DDP_OVER), out, datasets=pixel_datasets(64, side=16), device="cpu",
+            cuda_graphs=True, max_graphs=2, show_progress=False)
+    T.close_distributed()
+
+
+_GRAPHED_DDP_OVER = {"model.block_size": 16, "model.d_model": 32, "model.d_ff": 64, "train.eval_every": 6,
+                     "model.attention": "torch"}
+
+
+def test_graphed_data_parallel_matches_one_process(tmp_path):
+    """Two gloo ranks with --cuda-graphs (graphs rerun on the CPU, as above; no DDP wrapper: one
+    all-reduce of the gradients inside each step, `average_gradients`) == one eager process with
+    the whole batch; the ranks' halves may take different width buckets at different steps (a rank
+    capturing while the other replays), and the collectives must still pair up."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_graphed_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "dp")), nprocs=2, join=True)
+    T.train(pixel_config(**_GRAPHED_DDP_OVER), tmp_path / "single", datasets=pixel_datasets(64, side=16), device="cpu",
+            show_progress=False)
+    a, b = _params(tmp_path / "dp"), _params(tmp_path / "single")
+    assert a["world_size"] == 2 and a["step"] == b["step"] == 12
+    summary = json.loads((tmp_path / "dp" / "summary.json").read_text())
+    assert summary["cuda_graphs"]["replayed"] >= 6, summary["cuda_graphs"]
+    for name, t in a["model"].items():
+        torch.testing.assert_close(t, b["model"][name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _graphed_nccl_worker(rank, world, init_file, out):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    T.train(pixel_config(), out, datasets=pixel_datasets(), device=f"cuda:{rank}", precision="fp32",
+            cuda_graphs=True, max_graphs=3, show_progress=False)
+    T.close_distributed()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_graphed_data_parallel_matches_one_gpu(tmp_path):
+    """Two NCCL ranks with --cuda-graphs (the gradient all-reduce captured in each rank's graphs)
+    give the weights of one eager GPU with the whole batch, fp32, dropout off."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_graphed_nccl_worker, args=(2, str(tmp_path / "init"), str(tmp_path / "dp")), nprocs=2, join=True)
+    T.train(pixel_config(), tmp_path / "single", datasets=pixel_datasets(), device="cuda", precision="fp32",
+            show_progress=False)
+    a, b = _params(tmp_path / "dp"), _params(tmp_path / "single")
+    assert a["world_size"] == 2 and a["step"] == b["step"] == 12
+    assert json.loads((tmp_path / "dp" / "summary.json").read_text())["cuda_graphs"]["replayed"] >= 6
+    for name, t in a["model"].items():
+        torch.testing.assert_close(t, b["model"][name], rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 def _train_records(out):

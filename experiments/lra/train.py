@@ -37,12 +37,15 @@ Data parallel. ``torchrun`` sets WORLD_SIZE; each rank then takes a contiguous s
 ``batch_size / world`` of the same global batch, DDP averages gradients (NCCL on CUDA, gloo on
 CPU), so the effective batch and the update equal a single-process run (up to float summation
 order; dropout masks differ per rank). Only rank 0 logs and writes files. The ranks agree on
-stopping through an all-reduce of one number per step.
+stopping through an all-reduce of one number per step. With ``--cuda-graphs`` the ranks run the
+module itself and average the gradients with one all-reduce of a flat buffer (`average_gradients`),
+captured inside each rank's graphed step: a DDP wrapper holds the parameters' gradient accumulators
+bound to the stream they were made on, which a capture cannot take (`GraphedTrainStep`).
 
 Path-X / Path-256: ``--init-from CKPT`` loads a model trained at a smaller resolution and
 upsamples its 2-D position grid (2x2 duplication from Path-64 to Path-X).
 
-CUDA graphs. ``--cuda-graphs`` (one CUDA process, classifier, not with ``--compile``) replays each
+CUDA graphs. ``--cuda-graphs`` (CUDA, classifier, not with ``--compile``) replays each
 training step from a CUDA graph (`GraphedTrainStep`): forward, loss, backward, clipping, AdamW and
 the log window's update, one graph per bucket of (attended width, nothing is padding), captured when
 first seen, at most ``--max-graphs`` (16; past it a batch takes the narrowest wider graph, else an
@@ -125,7 +128,7 @@ from sparseflash.experiments.lra.configs import (
 from sparseflash.experiments.lra.model import (
     ATTENTIONS, LRAClassifier, LRADenoiser, ModelConfig, host_plan, load_pretrained, mask_positions, parse_pattern_spec)
 
-__all__ = ["train", "evaluate", "build_model", "freeze_parameters", "eval_mask", "denoise_loss", "StepBatches", "collate", "collate_planned",
+__all__ = ["train", "evaluate", "build_model", "freeze_parameters", "average_gradients", "eval_mask", "denoise_loss", "StepBatches", "collate", "collate_planned",
            "lr_factor", "register_lra", "main", "EXIT_STOPPED", "EVAL_MASK_SEED", "add_data_arguments",
            "add_device_arguments", "GraphedTrainStep", "graph_bucket", "check_cuda_graphs", "MAX_GRAPHS"]
 
@@ -235,6 +238,24 @@ def freeze_parameters(model: torch.nn.Module, prefixes) -> int:
                 p.requires_grad_(False)
                 total += p.numel()
     return total
+
+
+def average_gradients(params, world: int) -> None:
+    """Average the gradients of ``params`` over the ``world`` data-parallel ranks, as DDP does, with
+    one all-reduce of a flat buffer (the step with ``--cuda-graphs``, where the ranks run the module
+    without a DDP wrapper; inside a captured step the collective is captured too). Every rank calls
+    it exactly once per update, eager or replayed, so the collectives pair up whichever graph (width
+    bucket) each rank's half of the batch takes."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if world <= 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _optimizer(model, tc, device, capturable: bool = False):
@@ -541,7 +562,7 @@ def evaluate(model, ds, *, batch_size: int, max_batches: int | None, device, aut
 MAX_GRAPHS = 16  # --cuda-graphs: captured training steps at most (one per width bucket; a handful at 64 / 128 px)
 
 
-def check_cuda_graphs(cfg: ExperimentConfig, device, *, compile: bool = False, world: int = 1) -> None:
+def check_cuda_graphs(cfg: ExperimentConfig, device, *, compile: bool = False) -> None:
     """Refuse --cuda-graphs where the captured step could not be the eager one (ValueError)."""
     device = torch.device(device)
     if device.type != "cuda":
@@ -550,9 +571,6 @@ def check_cuda_graphs(cfg: ExperimentConfig, device, *, compile: bool = False, w
     if compile:
         raise ValueError("--cuda-graphs and --compile exclude each other: the graphs capture the eager step "
                          "(torch.compile's own CUDA graphs are its mode='reduce-overhead')")
-    if world > 1:
-        raise ValueError(f"--cuda-graphs runs in one process, got {world} ranks: DDP's gradient all-reduce is not "
-                         f"captured here")
     if cfg.train.objective != "classify":
         raise ValueError(f"--cuda-graphs captures the classifier's step (train.objective='classify'), got "
                          f"train.objective={cfg.train.objective!r}")
@@ -607,17 +625,20 @@ class GraphedTrainStep:
       state, lr, window, inputs) lives outside it, so graphs only share scratch and never run at once.
     - Capture runs with ``capture_error_mode="thread_local"``: the loader's pin-memory thread keeps
       calling CUDA while a capture is under way.
+    - Data parallel (``world`` > 1): the step averages the gradients over the ranks after the
+      backward (`average_gradients`, one all-reduce, captured with the rest); the warm-up runs none,
+      so a rank capturing a new width while another replays still pairs its collectives.
     """
 
     def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, window: torch.Tensor, *,
                  grad_clip: float, label_smoothing: float = 0.0, autocast_dtype: torch.dtype | None = torch.bfloat16,
-                 max_graphs: int = MAX_GRAPHS, warmup: int = 2):
+                 max_graphs: int = MAX_GRAPHS, warmup: int = 2, world: int = 1):
         if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
             raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
         self.model, self.opt, self.window = model, opt, window
         self.device = window.device
         self.grad_clip, self.label_smoothing, self.autocast_dtype = grad_clip, label_smoothing, autocast_dtype
-        self.max_graphs, self.warmup = max_graphs, warmup
+        self.max_graphs, self.warmup, self.world = max_graphs, warmup, world
         self.graphs: dict = {}  # plan key -> torch.cuda.CUDAGraph
         self.lr = [torch.tensor(float(g["lr"]), dtype=torch.float32, device=self.device) for g in opt.param_groups]
         self.inputs = None  # static tokens, lengths (or None), labels
@@ -774,8 +795,9 @@ class GraphedTrainStep:
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
         correct = (logits.argmax(-1) == labels).sum()
         loss.backward()
-        if not update:
+        if not update:  # (the warm-up runs no collective: the ranks capture at different steps)
             return
+        average_gradients(model.parameters(), self.world)
         if self.grad_clip > 0:
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip)
         else:
@@ -881,7 +903,7 @@ class _Run:
         if deadline is not None and not isinstance(deadline, (int, float)):
             raise ValueError(f"deadline must be a time.monotonic() value or None, got {deadline!r}")
         if cuda_graphs:
-            check_cuda_graphs(cfg, device, compile=compile, world=self.world)
+            check_cuda_graphs(cfg, device, compile=compile)
             if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
                 raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
         self.cuda_graphs, self.max_graphs, self.graphs = bool(cuda_graphs), max_graphs, None
@@ -995,7 +1017,7 @@ class _Run:
         """The wrapped model (DDP, compile), the training loader, the evaluation settings and the stopper."""
         tc, device, datasets = self.tc, self.device, self.datasets
         net = self.model
-        if self.world > 1:
+        if self.world > 1 and not self.cuda_graphs:  # (with graphs: `average_gradients`)
             net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None)
         if compile:
@@ -1086,7 +1108,7 @@ class _Run:
             self.graphs = GraphedTrainStep(self.model, self.opt, self.window, grad_clip=tc.grad_clip,
                                            label_smoothing=tc.label_smoothing,
                                            autocast_dtype=torch.bfloat16 if self.precision == "bf16" else None,
-                                           max_graphs=self.max_graphs)
+                                           max_graphs=self.max_graphs, world=self.world)
         self.win_steps, self.t_last, self.paused = 0, clock(), 0.0  # paused: eval / checkpoint time, not step time
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -1162,6 +1184,8 @@ class _Run:
             correct, count = (logits.argmax(-1) == labels).sum(), labels.numel()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.graphs is not None:  # data parallel with --cuda-graphs: no DDP wrapper (`average_gradients`)
+            average_gradients(self.model.parameters(), self.world)
         if tc.grad_clip > 0:
             gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         else:
