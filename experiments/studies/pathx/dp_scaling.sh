@@ -44,6 +44,8 @@ import csv, glob, json, os, statistics, sys
 out, device = sys.argv[1], sys.argv[2]
 rows = []
 for run in sorted(glob.glob(os.path.join(out, "b*-r*"))):
+    if not os.path.isdir(run):  # (each run's .log sits beside its folder)
+        continue
     name = os.path.basename(run)
     batch, ranks = (int(x[1:]) for x in name.split("-"))
     try:
