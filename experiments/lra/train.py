@@ -246,8 +246,10 @@ def average_gradients(params, world: int) -> None:
     without a DDP wrapper; inside a captured step the collective is captured too). Every rank calls
     it exactly once per update, eager or replayed, so the collectives pair up whichever graph (width
     bucket) each rank's half of the batch takes."""
+    if world <= 1:
+        return
     grads = [p.grad for p in params if p.grad is not None]
-    if world <= 1 or not grads:
+    if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
