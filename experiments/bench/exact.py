@@ -80,17 +80,6 @@ def exact_pairs(mask) -> int:
     return full + int(on.sum())
 
 
-def cpu_ms(fn, reps: int = 3) -> float:
-    """Median wall ms of ``fn`` on a CPU after one untimed call (the tiny labelled mode)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
 def _calls(provider: str, q, k, v, mask, flex_mask):
     """A zero-argument forward call of ``provider``."""
     import sparseflash
@@ -162,21 +151,9 @@ def run(args) -> list[dict]:
                     try:
                         with torch.no_grad():
                             outs[prov] = fwd().float()
-
-                        def fwdbwd():
-                            return torch.autograd.grad(fwd(), (q, k, v), do)
-
-                        for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-                            if cuda:
-                                with torch.set_grad_enabled(mode == "fwdbwd"):
-                                    ms = timing.stream_ms(fn, calls=5)
-                                    gpu = float("nan") if args.no_graph else timing.graph_ms(fn)
-                            else:
-                                ms, gpu = cpu_ms(fn), float("nan")
-                            row[f"{mode}_ms"] = ms
-                            row[f"{mode}_gpu_ms"] = gpu
-                            row[f"{mode}_tflops"] = attention_flops(pairs, D, mode) / (min(ms, gpu) if gpu == gpu
-                                                                                        else ms) / 1e9
+                        row.update(timing.fwd_fwdbwd_times(fwd, (q, k, v), do,
+                                                           lambda mode: attention_flops(pairs, D, mode), cuda=cuda,
+                                                           graphs=not args.no_graph))
                     except Exception as e:  # a provider this machine cannot run: a row that says so
                         row["status"] = "error"
                         row["note"] = (row["note"] + " " + f"{type(e).__name__}: {str(e).splitlines()[0][:160]}").strip()

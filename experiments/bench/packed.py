@@ -110,16 +110,6 @@ def _calls(provider: str, q, k, v, seg, causal: bool, flex_mask):
     raise ValueError(f"unknown provider {provider!r}")
 
 
-def _cpu_ms(fn, reps: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
 def run(args) -> list[dict]:
     from sparseflash.experiments.bench import timing
     from sparseflash.experiments.bench.flops import attention_flops
@@ -166,25 +156,9 @@ def run(args) -> list[dict]:
                     try:
                         with torch.no_grad():
                             outs[prov] = fwd().float()
-
-                        def fwdbwd():
-                            return torch.autograd.grad(fwd(), (q, k, v), do)
-
-                        for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-                            if cuda:
-                                if mode == "fwd":
-                                    with torch.no_grad():
-                                        ms = timing.stream_ms(fn, calls=5)
-                                        gpu = float("nan") if args.no_graph else timing.graph_ms(fn)
-                                else:
-                                    ms = timing.stream_ms(fn, calls=5)
-                                    gpu = float("nan") if args.no_graph else timing.graph_ms(fn)
-                            else:
-                                ms, gpu = _cpu_ms(fn), float("nan")
-                            flops = attention_flops(pairs, D, mode)
-                            row[f"{mode}_ms"] = ms
-                            row[f"{mode}_gpu_ms"] = gpu
-                            row[f"{mode}_tflops"] = flops / (min(ms, gpu) if gpu == gpu else ms) / 1e9
+                        row.update(timing.fwd_fwdbwd_times(fwd, (q, k, v), do,
+                                                           lambda mode: attention_flops(pairs, D, mode), cuda=cuda,
+                                                           graphs=not args.no_graph))
                     except Exception as e:  # a provider this machine cannot run: a row that says so
                         row["status"] = "error"
                         row["note"] = (row["note"] + " " + f"{type(e).__name__}: {str(e).splitlines()[0][:160]}").strip()

@@ -124,6 +124,39 @@ def graph_ms(fn, rep_ms: float = 100.0) -> float:
         return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
 
 
+def cpu_ms(fn, reps: int = 3) -> float:
+    """Median wall ms of ``fn`` on a CPU after one untimed call (the benches' tiny labelled mode)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def fwd_fwdbwd_times(fwd, inputs, do, flops_of, *, cuda: bool, graphs: bool = True) -> dict:
+    """``{fwd,fwdbwd}_{ms,gpu_ms,tflops}`` of a forward call ``fwd()`` and of forward+backward (the
+    gradients of ``inputs`` against ``do``). On CUDA: calls back to back (`stream_ms`, host cost
+    included) and CUDA-graph replays (`graph_ms`; NaN with ``graphs`` False), the forward without
+    autograd; on a CPU `cpu_ms`, GPU times NaN. ``flops_of(mode)``: the FLOPs a mode counts; the
+    rate uses the faster of the two times."""
+    def fwdbwd():
+        return torch.autograd.grad(fwd(), inputs, do)
+
+    out = {}
+    for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+        if cuda:
+            with torch.set_grad_enabled(mode == "fwdbwd"):
+                ms = stream_ms(fn, calls=5)
+                gpu = graph_ms(fn) if graphs else float("nan")
+        else:
+            ms, gpu = cpu_ms(fn), float("nan")
+        out[f"{mode}_ms"], out[f"{mode}_gpu_ms"] = ms, gpu
+        out[f"{mode}_tflops"] = flops_of(mode) / (min(ms, gpu) if gpu == gpu else ms) / 1e9
+    return out
+
+
 def stream_ms(step, calls: int, warmup_ms: float = 25.0, rep_ms: float = 100.0, min_samples: int = 5) -> float:
     """ms per call of ``step`` issued back to back on the current CUDA stream: median over samples
     of at least ``calls`` calls each (events around each sample, none between its calls, so the
