@@ -168,6 +168,16 @@ if GLUON_ERROR is None:
                 n_done += 1
 
     @gluon.jit
+    def _band_mask(qk, start_n, kv_end, causal_off, rows, s_layout: gl.constexpr, CAUSAL: gl.constexpr):
+        """A score tile of the masked band with keys at or past kv_end and, causal, those above the
+        bottom-right diagonal set to -inf."""
+        cols = start_n + gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < kv_end, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + causal_off, 1))
+        return gl.where(keep, qk, float("-inf"))
+
+    @gluon.jit
     def _exact_keep(BITS, tb, rows, c0, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
         """Which pairs of a [64, 128] score tile bit tile ``tb`` attends: rows ``rows`` (absolute),
         keys ``c0`` .. ``c0`` + 127 counted from the mask block's corner (c0 a multiple of 128).
@@ -197,11 +207,7 @@ if GLUON_ERROR is None:
         if EXACT:
             start_n = list_start(p_list, j, DENSE, MASK_BK, _TILE)
             if j >= j_full:
-                cols = start_n + gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout))
-                keep = gl.expand_dims(cols < kv_end, 0)
-                if CAUSAL:
-                    keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + causal_off, 1))
-                qk = gl.where(keep, qk, float("-inf"))
+                qk = _band_mask(qk, start_n, kv_end, causal_off, rows, s_layout, CAUSAL)
             SUB: gl.constexpr = MASK_BK // _TILE
             tb = gl.load(p_tile + j // SUB)
             if tb >= 0:
@@ -210,12 +216,7 @@ if GLUON_ERROR is None:
             m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
             m_piv = gl.where(m_new == float("-inf"), 0.0, m_new)
         elif j >= j_full:  # the masked band: keys past kv_end and, causal, above the diagonal
-            start_n = list_start(p_list, j, DENSE, MASK_BK, _TILE)
-            cols = start_n + gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout))
-            keep = gl.expand_dims(cols < kv_end, 0)
-            if CAUSAL:
-                keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + causal_off, 1))
-            qk = gl.where(keep, qk, float("-inf"))
+            qk = _band_mask(qk, list_start(p_list, j, DENSE, MASK_BK, _TILE), kv_end, causal_off, rows, s_layout, CAUSAL)
             m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
             m_piv = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key so far stays finite
         else:
