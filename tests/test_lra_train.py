@@ -250,6 +250,36 @@ def test_freeze_keeps_named_parameters_and_trains_the_rest(tmp_path):
         toy_config("pathfinder32", **{"train.freeze": ("",)}).validate()
 
 
+def test_frozen_run_keeps_frozen_weights_once_and_resumes(tmp_path):
+    """last.pt keeps the best weights less the frozen parameters (equal to its "model"'s); a run
+    stopped and resumed restores them: the same best.pt and weights as a run straight through."""
+    data = {k: Majority(n, seq_len=16, seed=s) for k, n, s in (("train", 64, 0), ("val", 16, 1), ("test", 16, 2))}
+    over = {"train.steps": 6, "model.block_size": 8, "train.lr": 1e-2, "train.eval_every": 2}
+    T.train(toy_config("pathfinder32", **over), tmp_path / "init", datasets=data, device="cpu", show_progress=False)
+    over["train.freeze"] = ("encoder.pos",)
+    kw = dict(datasets=data, device="cpu", init_from=str(tmp_path / "init" / "checkpoints" / "last.pt"),
+              show_progress=False)
+    T.train(toy_config("pathfinder32", **over), tmp_path / "straight", **kw)
+    T.train(toy_config("pathfinder32", **over), tmp_path / "split", max_steps=3, **kw)
+    mid = _params(tmp_path / "split")
+    assert mid["best"]["step"] == 2 and mid["best_model_from_model"] == ["encoder.pos.grid"]
+    assert "encoder.pos.grid" not in mid["best_model"] and "encoder.embed.weight" in mid["best_model"]
+    best_mid = torch.load(tmp_path / "split" / "checkpoints" / "best.pt", weights_only=False)
+    # a resume rewrites best.pt from the restored best weights (the command itself runs no step here)
+    T.train(toy_config("pathfinder32", **over), tmp_path / "split", max_steps=3, resume="auto", **kw)
+    again = torch.load(tmp_path / "split" / "checkpoints" / "best.pt", weights_only=False)
+    assert again["step"] == 2 and again["model"].keys() == best_mid["model"].keys()
+    assert all(torch.equal(t, again["model"][n]) for n, t in best_mid["model"].items())
+    T.train(toy_config("pathfinder32", **over), tmp_path / "split", resume="auto", **kw)
+    a, b = _params(tmp_path / "straight"), _params(tmp_path / "split")
+    assert a["step"] == b["step"] == 6 and a["best"] == b["best"]
+    for key in ("model", "best_model"):
+        assert a[key].keys() == b[key].keys() and all(torch.equal(t, b[key][n]) for n, t in a[key].items()), key
+    best = [torch.load(p / "checkpoints" / "best.pt", weights_only=False) for p in (tmp_path / "straight", tmp_path / "split")]
+    assert best[0]["step"] == best[1]["step"] and best[0]["model"].keys() == best[1]["model"].keys()
+    assert all(torch.equal(t, best[1]["model"][n]) for n, t in best[0]["model"].items())
+
+
 def _ddp_worker(rank, world, init_file, out):
     import torch.distributed as dist
 

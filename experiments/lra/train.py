@@ -1008,6 +1008,9 @@ class _Run:
         self.segments, self.timing = list(ck.get("segments", [])), ck.get("timing")
         if "best_model" in ck:
             self.best_state = ck["best_model"]
+            if self.best_state is not None and ck.get("best_model_from_model"):  # frozen: saved once, in "model"
+                shared, best = set(ck["best_model_from_model"]), self.best_state
+                self.best_state = {k: (v if k in shared else best[k]) for k, v in ck["model"].items()}
         elif (ckpt_dir / "best.pt").exists():  # a checkpoint of an older version: best.pt is all there is
             self.best_state = torch.load(ckpt_dir / "best.pt", map_location="cpu", weights_only=False)["model"]
         if "logs" in ck:
@@ -1065,12 +1068,18 @@ class _Run:
         rngs = _gather(_rng_state(), self.world)  # every rank takes part
         if self.lead:
             step, spe = self.step, self.sampler.steps_per_epoch
+            # the best weights less the frozen parameters, which are the same in "model" (a frozen Path-X
+            # position table is 92% of the model: this keeps a run's state small enough to carry)
+            frozen = [n for n, p in self.model.named_parameters() if not p.requires_grad]
+            best = (None if self.best_state is None
+                    else {k: v for k, v in self.best_state.items() if k not in frozen})
             obj = {"model": self.model.state_dict(), "step": step, "config": self.cfg.to_dict(), "best": self.best,
                    "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "rng": rngs,
                    "world_size": self.world,
                    "data": {"epoch": step // spe, "batch_in_epoch": step % spe,
                             "steps_per_epoch": spe, "order_seed": self.tc.seed},
-                   "best_model": self.best_state, "logs": self.logs.sizes(),
+                   "best_model": best, "best_model_from_model": frozen if best is not None else [],
+                   "logs": self.logs.sizes(),
                    "segments": self.segments + [self.segment(end)], "timing": self.stopper.timing}
             _atomic_save(obj, self.ckpt_dir / "last.pt")
         self.stopper.timing["save_s"] = self.clock() - t0

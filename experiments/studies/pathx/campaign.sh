@@ -81,10 +81,18 @@ make "$data/pathx" 128 release "$num" pathx || exit $?
 # Variants of the fine-tune, each its own run beside the faithful one (which memorises its 160K
 # images; see README.md): AUGMENT=dihedral (finetune-dihedral) draws a random flip / quarter turn
 # per example; FREEZE=encoder.pos (finetune-frozen-encoder-pos) keeps the pretrained, upsampled
-# position table fixed (92% of the model's parameters); both together: finetune-dihedral-frozen-...
+# position table fixed (92% of the model's parameters); both together: finetune-dihedral-frozen-...;
+# SET / TAG (below) any other setting
 ft=finetune; extra=()
 [ -n "${AUGMENT:-}" ] && { ft=$ft-$AUGMENT; extra+=(--set "model.augment=$AUGMENT"); }
 [ -n "${FREEZE:-}" ] && { ft=$ft-frozen-${FREEZE//./-}; extra+=(--set "train.freeze=['$FREEZE']"); }
+# SET: other settings ("train.lr=3e-4", several separated by ';'), for a run named ...-TAG
+if [ -n "${SET:-}" ]; then
+    [ -n "${TAG:-}" ] || { echo "campaign: SET needs TAG, the suffix that names the run" >&2; exit 2; }
+    IFS=';' read -ra sets <<< "$SET"
+    for x in "${sets[@]}"; do extra+=(--set "$x"); done
+fi
+[ -n "${TAG:-}" ] && ft=$ft-$TAG
 train "$ft" pathx --init-from "$state/pretrain/checkpoints/best.pt" "${extra[@]}" || exit $?
 if [ ! -f "$state/$ft/crosseval-clean.json" ]; then
     # variants.sh may finish two runs at once: one generation of the clean data at a time
