@@ -241,11 +241,12 @@ def test_torch_compile(device):
 
 
 def test_bits_keep_the_hopper_kernels_out(device, monkeypatch):
-    """The one place that sends calls with bits to the portable kernels: the Hopper layouts are
-    never asked for (forward and backward)."""
+    """The one place that sends calls with bits to the portable kernels: with HOPPER_EXACT "off" the
+    Hopper layouts are never asked for (forward and backward)."""
     def refuse(*a, **k):
         raise AssertionError("the Hopper kernels were considered for a call with bits")
 
+    monkeypatch.setattr(dispatch, "HOPPER_EXACT", "off")
     monkeypatch.setattr(dispatch, "_fwd_layouts", refuse)
     monkeypatch.setattr(dispatch, "_bwd_layouts", refuse)
     mask = BlockMask.from_fn(sliding_causal(20), 64, block_size=32).to(device)
@@ -256,15 +257,16 @@ def test_bits_keep_the_hopper_kernels_out(device, monkeypatch):
 
 
 def test_bits_take_the_hopper_kernels_only_when_switched_on(monkeypatch):
-    """HOPPER_EXACT "on" lets calls with bits ask for the Hopper layouts, forward and backward;
-    "off" (the default) never; a value other than on / off is refused, naming the switch."""
+    """HOPPER_EXACT "on" (the default) lets calls with bits ask for the Hopper layouts, forward and
+    backward; "off" never; a value other than on / off is refused, naming the switch."""
     asked = []
     monkeypatch.setattr(dispatch, "_fwd_layouts", lambda *a: asked.append("fwd") or "lay")
     monkeypatch.setattr(dispatch, "_bwd_layouts", lambda *a: asked.append("bwd") or "lays")
     q = torch.zeros(1, 1, 256, 64, dtype=torch.bfloat16)
     bits = object()  # (the dispatch looks only at whether there are bits)
     plan = functools.partial(dispatch.hopper_plan, q, q, q, 128, 128, -1.0, scale=0.125, exact=bits)
-    assert plan() is None and asked == []  # the default: off
+    monkeypatch.setattr(dispatch, "HOPPER_EXACT", "off")
+    assert plan() is None and asked == []
     monkeypatch.setattr(dispatch, "HOPPER_EXACT", "on")
     assert plan() == "lay" and asked == ["fwd"]
     assert plan(do=q, o=q, lists=True) == "lays" and asked == ["fwd", "bwd"]

@@ -13,10 +13,10 @@ Masks (both causal, built with `BlockMask.from_fn` on the device, block 128 on a
 
 Providers, bf16, forward and forward+backward:
 - ``sparseflash-exact``: `sparseflash.attention(q, k, v, mask)` (the default ``exact=True``: bits
-  read in partial blocks only; built once per mask, outside the timed calls);
-- ``sparseflash-exact-hopper`` (GPU): the same call with `dispatch.HOPPER_EXACT` "on" for all of
-  its calls, forward and backward (``SPARSEFLASH_HOPPER_EXACT=on``): the Hopper kernels with bits,
-  where they take the call (sm_90), beside the portable kernels' row above;
+  read in partial blocks only; built once per mask, outside the timed calls) on the portable
+  kernels: `dispatch.HOPPER_EXACT` "off" for all of its calls, forward and backward;
+- ``sparseflash-exact-hopper`` (GPU): the same call with `dispatch.HOPPER_EXACT` "on" (the
+  default): the Hopper kernels with bits where they take the call (sm_90), the portable ones elsewhere;
 - ``sparseflash-block``: the same call with ``exact=False``: every pair of an on block (the work
   without the bits, and a different result: the reference point for their cost);
 - ``flex``: compiled ``flex_attention`` with ``mask.to_flex(layout_in_mask_mod=False)`` (its full
@@ -105,6 +105,8 @@ def _switch(provider: str):
     saved = dispatch.HOPPER_EXACT
     if provider == "sparseflash-exact-hopper":
         dispatch.HOPPER_EXACT = "on"
+    elif provider == "sparseflash-exact":
+        dispatch.HOPPER_EXACT = "off"
     try:
         yield
     finally:

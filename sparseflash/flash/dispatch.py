@@ -5,9 +5,9 @@ the portable kernels when it answers None.
 
 The Hopper kernels take a call when, in this order:
 - it uses none of what they do not implement: dropout, segment ids or key ranges, ALiBi, softcap,
-  a scale <= 0 (their running max is taken on raw scores), and exact-mask bits unless
-  `HOPPER_EXACT` is "on" (``SPARSEFLASH_HOPPER_EXACT=on``; "off", the default, until the GPU tests
-  have checked the Hopper kernels' bits against the float64 reference);
+  a scale <= 0 (their running max is taken on raw scores), and exact-mask bits when
+  `HOPPER_EXACT` is "off" (``SPARSEFLASH_HOPPER_EXACT=off``; "on", the default since the GPU tests
+  checked the Hopper kernels' bits against the float64 reference on an H200);
 - it runs on an sm_90 GPU, compiled (not the interpreter), and TMA_MODE gives it descriptors
   (`tiles.tma_wanted`: "on", or in "auto" calls of at least `tiles.TMA_MIN_WORK` FLOPs or captured
   in a CUDA graph);
@@ -28,7 +28,7 @@ __all__ = ["hopper_plan", "HOPPER_EXACT"]
 
 # "on": calls with exact-mask bits may take the Hopper kernels (their EXACT), as other calls do;
 # "off": they keep the portable kernels.
-HOPPER_EXACT = os.environ.get("SPARSEFLASH_HOPPER_EXACT", "off")
+HOPPER_EXACT = os.environ.get("SPARSEFLASH_HOPPER_EXACT", "on")
 
 
 def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout_p: float = 0.0, seg=None,
@@ -39,7 +39,7 @@ def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout
     the call's estimated forward FLOPs (-1 unknown); the other arguments as `launch.fwd` takes them."""
     if dropout_p > 0.0 or seg is not None or softcap or not scale > 0.0:
         return None  # features the Hopper kernels do not have
-    if exact is not None:  # exact bits: the Hopper kernels only while HOPPER_EXACT is "on"
+    if exact is not None:  # exact bits: the Hopper kernels unless HOPPER_EXACT is "off"
         if HOPPER_EXACT not in ("on", "off"):
             raise ValueError(f"dispatch.HOPPER_EXACT (SPARSEFLASH_HOPPER_EXACT) must be 'on' or 'off', got {HOPPER_EXACT!r}")
         if HOPPER_EXACT == "off":

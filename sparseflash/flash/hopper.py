@@ -29,8 +29,8 @@ a scale <= 0 there, as the running max is taken on raw scores): an sm_90 GPU, fl
 bfloat16, head_dim 64 or 128 (K and V alike), mask blocks that are multiples of 128 (or dense),
 no dropout, no segment ids, layouts TMA descriptors take: [B, H, N, D] or [B, N, H, D] memory
 (a transposed view) with unit last stride and 16-byte aligned strides. Exact-mask bits (EXACT: a
-step in a partial block ANDs its bit tile into the scores; the backward's zeroes P^T) only when
-`dispatch.HOPPER_EXACT` is "on".
+step in a partial block ANDs its bit tile into the scores; the backward's zeroes P^T) unless
+`dispatch.HOPPER_EXACT` is "off".
 Outputs: O like q, and the LSE (natural log, float32 [B, H, N]) that the backward reads.
 """
 

@@ -135,8 +135,8 @@ class ExactTiles(tuple):
     """The bits of a call whose mask applies a token-level definition inside its partial blocks:
     ``(bits, kv_tile, q_tile)``, `sparseflash.mask.ExactBits`'s words [P, block_q, ceil(block_k /
     32)] and its int32 tables laid out exactly as the call's row lists (kv_idx) and column lists
-    (q_idx) (the kernels' EXACT). Calls with them take the portable kernels unless
-    `dispatch.HOPPER_EXACT` is "on"."""
+    (q_idx) (the kernels' EXACT). Calls with them take the portable kernels when
+    `dispatch.HOPPER_EXACT` is "off"."""
 
 
 def exact_flag(exact) -> dict:
