@@ -98,7 +98,8 @@ def draw(table: Path, png: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--state", type=Path, help="the campaign's state folder (pxstate/): rebuild curves.csv from it")
-    p.add_argument("--runs", nargs="+", default=["finetune", "finetune-dihedral"], help="run folders in the state")
+    p.add_argument("--runs", nargs="+", default=["finetune", "finetune-dihedral", "finetune-frozen-encoder-pos", "finetune-dihedral-frozen-encoder-pos",
+                                                 "finetune-frozen-encoder-pos-lr3e-4", "finetune-frozen-encoder-pos-lr3e-5"], help="run folders in the state")
     p.add_argument("--window", type=int, default=2500, help="training steps averaged into one row")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)

@@ -40,5 +40,5 @@ tar czf "$out/results.tgz" -C "$(dirname "$w")" --exclude='*.pt' "$(basename "$w
 left=$(( minutes * 60 - ($(date +%s) - t0) ))
 mins=$(( left / 60 ))
 stamp "3. variants for $mins minutes"
-[ "$mins" -ge 3 ] || { echo "no time left for the variants"; exit 75; }
+[ "$mins" -ge 2 ] || { echo "no time left for the variants (under 2 minutes)"; exit 75; }
 bash "$here/variants.sh" "$state" "$mins" "$@"

@@ -1,0 +1,604 @@
+"""Can the Path-X Transformer learn the marker-neighbourhood cue when it sees only the neighbourhoods?
+
+    PYTHONPATH=. python experiments/studies/pathx/neighbourhood.py --num 20000 --radius 6 \\
+        --runs scratch pretrained-frozen pretrained --minutes 12 [--device cpu|cuda] [--out DIR]
+
+The probe (`experiments/lra/probe.py`) found that the gray levels around the two markers of a hard
+128 px Pathfinder image predict its label at ~75% (the relative direction of the two end paddles),
+while the faithful Path-X Transformer stays at chance on whole images. This script asks whether
+that Transformer learns the cue at all when it is given nothing else:
+
+1. Data: ``--num`` hard release-fidelity 128 px images drawn by the generator with their layers
+   (true marker centres ``tips``), balanced labels (alternating within each chunk of 10), chunk c
+   from the seed ``(seed, 128, 17, c)``, over ``--workers`` processes; split 80 / 10 / 10 by a
+   permutation seeded with ``seed``. Cached as ``CACHE/pathx-hard-release-n{num}-s{seed}.npz``.
+2. Mask: every pixel farther than ``--radius`` (Euclidean, pixel centres, default the probe's
+   k = ceil(marker radius) + 3 = 6) from both marker centres is set to black; ``--keep full`` keeps
+   the whole image (the control; slow on a CPU).
+3. Tokens exactly as the Path-X loader (`LRADataset` of ``get_dataset("pathx", ...)``): gray level
+   + 1 in raster order, 16,384 of them, ``length`` 16,384, pad id 0, vocabulary 257. With
+   ``model.black_is_padding`` the model drops the black pixels (token 1), so it attends to the
+   few hundred kept pixels at their true 128x128 grid positions.
+4. Train: ``get_config("pathx", "faithful")`` with ``model.black_is_padding=True`` (dense
+   attention, the faithful recipe's lr 1e-4, batch 32, cosine with one warm-up epoch) on
+   ``train.steps`` = ``--steps``; on a CPU ``model.attention=sdpa`` (on CUDA the faithful
+   ``sparseflash``, or ``--attention``). Presets (``--runs``): ``scratch`` (fresh weights),
+   ``pretrained`` (``--init-from``, the Pathfinder-64 weights, position grid upsampled 2x2),
+   ``pretrained-frozen`` (the same with ``train.freeze=("encoder.pos",)``); ``--freeze`` adds
+   prefixes to every run. ``--minutes`` sizes ``--steps`` from a measured step time when
+   ``--steps`` is not given, and is a deadline in any case.
+5. Beside it, the probe's MLP (`probe.fit_mlp`) on the same train / test images: the two
+   (2R+1)^2 square patches around the markers (raster order) of the masked image, i.e. exactly
+   the pixels the Transformer sees, the same held-out test images.
+6. Out: ``OUT/runs/<tag>/`` (the training run: train.csv, eval.csv, summary.json, checkpoints),
+   ``OUT/probe-<data tag>.json``, and the table of every run in OUT, rebuilt at the end of each
+   command: ``neighbourhood.csv`` / ``.json`` (settings, steps, wall time, held-out accuracy with
+   its standard error sqrt(p (1 - p) / n), the curve files) and ``neighbourhood.png`` (training and
+   validation accuracy against steps, the MLP's held-out accuracy as a horizontal line).
+   ``--report-only`` rebuilds just the table and figure (e.g. after runs started side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RES = 128
+SIDE_SEQ = RES * RES
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+DEFAULT_OUT = HERE / "results" / "neighbourhood"
+DEFAULT_CACHE = REPO / "runs" / "neighbourhood-cache"  # /runs/ is git-ignored
+DEFAULT_INIT = REPO / "pxstate" / "pretrain" / "checkpoints" / "best.pt"
+PRESETS = {  # name: (start from --init-from, freeze the position table)
+    "scratch": (False, False),
+    "pretrained": (True, False),
+    "pretrained-frozen": (True, True),
+}
+STREAM = 17  # the generator stream of this study's images (the probe uses 3)
+COLUMNS = ["tag", "preset", "keep", "radius", "num", "n_train", "n_val", "n_test", "init_from", "freeze", "lr",
+           "batch_size", "schedule_steps", "steps", "warmup_steps", "attention", "device", "threads", "wall_s",
+           "step_ms", "mean_tokens", "train_acc_last", "val_best", "val_best_step", "test_acc", "test_se",
+           "test_final_acc", "test_final_se", "mlp_acc", "mlp_se", "mlp_features", "curve_train", "curve_eval",
+           "commit", "date", "torch", "cpu"]
+
+
+def default_radius() -> int:
+    """The probe's patch half-size k = ceil(marker radius) + 3 (6 at 128 px)."""
+    from sparseflash.experiments.lra.data import pathfinder as pf
+
+    return int(math.ceil(pf.RESOLUTIONS[RES]["marker_radius"])) + 3
+
+
+# ------------------------------------------------------------------------------------------ data
+def _chunk(job):
+    """Images, marker centres and labels of one generator chunk (10 images at 128 px)."""
+    from sparseflash.experiments.lra.data import pathfinder as pf
+
+    seed, chunk, count = job
+    p = pf.params_for(RES, "hard", "release")
+    labels = [(chunk * pf.CHUNK[RES] + i) % 2 for i in range(pf.CHUNK[RES])]
+    made = pf.render_many(p, np.random.default_rng([seed, RES, STREAM, chunk]), labels, True)[:count]
+    images = np.stack([img for img, _ in made]).astype(np.uint8)
+    tips = np.asarray([[tuple(int(v) for v in t) for t in lay["tips"]] for _, lay in made], np.int16)
+    return images, tips, np.asarray(labels[:count], np.int8)
+
+
+def generate(num: int, seed: int = 0, workers: int = 1, show_progress: bool = True):
+    """(images uint8 [num, 128, 128], tips int16 [num, 2, 2] as (y, x), labels int8 [num])."""
+    from sparseflash.experiments.lra.data import pathfinder as pf
+    from sparseflash.experiments.lra.data._parallel import run_ordered
+
+    K = pf.CHUNK[RES]
+    jobs = [(seed, c, min(K, num - c * K)) for c in range(-(-num // K))]
+    parts = list(run_ordered(_chunk, jobs, workers, f"Path-X hard release {num} images", total=num,
+                             weight=lambda r: len(r[2]), show_progress=show_progress))
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+
+
+def load_or_generate(cache: Path, num: int, seed: int, workers: int, show_progress: bool = True):
+    """`generate`'s arrays, read from ``cache`` when a previous command made them."""
+    path = Path(cache) / f"pathx-hard-release-n{num}-s{seed}.npz"
+    if path.is_file():
+        z = np.load(path)
+        return z["images"], z["tips"], z["labels"], {"cache": str(path), "generated_s": None}
+    t0 = time.perf_counter()
+    images, tips, labels = generate(num, seed, workers, show_progress)
+    dt = time.perf_counter() - t0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}-{os.getpid()}.npz")
+    np.savez_compressed(tmp, images=images, tips=tips, labels=labels)
+    os.replace(tmp, path)
+    print(f"generated {num} images in {dt:.0f} s on {workers} workers -> {path}", flush=True)
+    return images, tips, labels, {"cache": str(path), "generated_s": round(dt, 1)}
+
+
+def split_indices(n: int, seed: int = 0) -> dict:
+    """80 / 10 / 10 split of ``n`` images by a permutation seeded with (seed, 23)."""
+    perm = np.random.default_rng([seed, 23]).permutation(n)
+    a, b = int(0.8 * n), int(0.9 * n)
+    return {"train": np.sort(perm[:a]), "val": np.sort(perm[a:b]), "test": np.sort(perm[b:])}
+
+
+# ------------------------------------------------------------------------------------------ mask
+def neighbourhood_mask(tips, radius: float, size: int = RES) -> np.ndarray:
+    """bool ``[n, size, size]``: pixels whose centre lies within ``radius`` of either marker centre
+    (``tips [n, 2, 2]``, (y, x))."""
+    tips = np.asarray(tips, np.float64).reshape(-1, 2, 2)
+    yy, xx = np.mgrid[:size, :size].astype(np.float64)
+    keep = np.zeros((len(tips), size, size), bool)
+    for m in range(2):
+        ty, tx = tips[:, m, 0][:, None, None], tips[:, m, 1][:, None, None]
+        keep |= (yy - ty) ** 2 + (xx - tx) ** 2 <= radius * radius
+    return keep
+
+
+def mask_images(images, tips, radius: float | None) -> np.ndarray:
+    """The images with every pixel outside the two markers' neighbourhoods set to black (gray 0);
+    ``radius`` None: the images unchanged (a copy)."""
+    images = np.asarray(images)
+    if radius is None:
+        return images.copy()
+    out = np.zeros_like(images)
+    chunk = 2048
+    for s in range(0, len(images), chunk):
+        keep = neighbourhood_mask(tips[s:s + chunk], radius, images.shape[-1])
+        out[s:s + chunk] = np.where(keep, images[s:s + chunk], 0)
+    return out
+
+
+def marker_patches(images, tips, half: int) -> np.ndarray:
+    """float32 ``[n, 2 (2 half + 1)^2]``: the square patch around each marker (markers in raster
+    order, as the probe orders them; zeros outside the image), gray levels / 255."""
+    images = np.asarray(images)
+    s = 2 * half + 1
+    big = np.pad(images, ((0, 0), (half, half), (half, half)))
+    out = np.empty((len(images), 2, s * s), np.float32)
+    for i, (img, t) in enumerate(zip(big, np.asarray(tips))):
+        for m, (y, x) in enumerate(sorted((int(a), int(b)) for a, b in t)):
+            out[i, m] = img[y:y + s, x:x + s].ravel()
+    return out.reshape(len(images), -1) / 255.0
+
+
+# -------------------------------------------------------------------------------------- dataset
+class NeighbourhoodDataset:
+    """Path-X images held in memory, read as the Path-X loader reads them (`LRADataset`):
+    ``{"tokens": LongTensor[16384] (gray level + 1, raster order), "length": 16384, "label": int}``,
+    vocabulary 257, pad id 0, two classes."""
+
+    task = "pathx"
+
+    def __init__(self, images, labels, split: str = "train"):
+        images = np.asarray(images, np.uint8)
+        self.images = np.ascontiguousarray(images.reshape(len(images), -1))
+        self.label_array = np.asarray(labels, np.int64)
+        if len(self.images) != len(self.label_array):
+            raise ValueError(f"{len(self.images)} images but {len(self.label_array)} labels")
+        self.split = split
+        self.seq_len = self.max_len = self.images.shape[1]
+        self.vocab_size, self.num_classes, self.pad_id, self.offset = 257, 2, 0, 1
+
+    def __len__(self) -> int:
+        return len(self.label_array)
+
+    def __getitem__(self, i: int) -> dict:
+        import torch
+
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"index {i} out of range for {self.split} of size {len(self)}")
+        tokens = torch.from_numpy(self.images[i].astype(np.int64)) + self.offset
+        return {"tokens": tokens, "length": self.seq_len, "label": int(self.label_array[i])}
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self.label_array.copy()
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.full(len(self), self.seq_len, np.int64)
+
+    def kept_counts(self) -> np.ndarray:
+        """Tokens a ``black_is_padding`` model attends to in each image (drawn pixels)."""
+        return (self.images > 0).sum(1)
+
+
+# ------------------------------------------------------------------------------------- run info
+def _git_commit() -> str:
+    try:
+        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                           timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(Path(__file__).relative_to(REPO))],
+                               cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        return c + ("+uncommitted-script" if dirty else "")
+    except Exception:  # noqa: BLE001 - not a git checkout
+        return "unknown"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _se(p, n) -> float | None:
+    return None if p is None or not n else math.sqrt(p * (1 - p) / n)
+
+
+# ----------------------------------------------------------------------------------------- probe
+def run_probe(out: Path, data_tag: str, images_masked, tips, labels, idx, half: int, epochs: int, seed: int) -> dict:
+    """The probe's MLP on the masked marker patches: train on the train split (its own 15% slice for
+    early stopping), test on the test split. Cached in ``OUT/probe-<data_tag>.json``."""
+    path = out / f"probe-{data_tag}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    from sparseflash.experiments.lra.probe import fit_mlp
+
+    t0 = time.perf_counter()
+    tr, te = idx["train"], idx["test"]
+    x_tr = marker_patches(images_masked[tr], tips[tr], half)
+    x_te = marker_patches(images_masked[te], tips[te], half)
+    acc = fit_mlp(x_tr, labels[tr].astype(np.int64), x_te, labels[te].astype(np.int64), seed=seed, epochs=epochs)
+    r = {"data": data_tag, "acc": acc, "se": _se(acc, len(te)), "n_train": int(len(tr)), "n_test": int(len(te)),
+         "features": int(x_tr.shape[1]), "patch_half": half, "epochs": epochs,
+         "seconds": round(time.perf_counter() - t0, 1)}
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(r, indent=1) + "\n")
+    print(f"probe MLP on the same pixels ({r['features']} features): held-out {100 * acc:.1f} +- "
+          f"{100 * r['se']:.1f}% ({len(te)} test images, {r['seconds']} s)", flush=True)
+    return r
+
+
+# ----------------------------------------------------------------------------------------- train
+def build_config(args, preset: str, n_train: int, device_type: str):
+    from sparseflash.experiments.lra.configs import get_config
+
+    cfg = get_config("pathx", "faithful")
+    cfg.model.black_is_padding = True
+    cfg.model.attention = args.attention or ("sdpa" if device_type == "cpu" else cfg.model.attention)
+    if args.pattern:
+        cfg.model.pattern = args.pattern
+    tc = cfg.train
+    spe = max(1, n_train // args.batch_size)
+    tc.batch_size, tc.lr, tc.seed = args.batch_size, args.lr, args.seed
+    tc.epochs, tc.warmup_epochs = None, None
+    tc.steps = args.steps
+    tc.warmup_steps = min(spe, max(1, args.steps // 10)) if args.warmup is None else args.warmup  # faithful: 1 epoch
+    tc.eval_every = args.eval_every or max(50, args.steps // 20)
+    tc.eval_batches = None  # the whole val split
+    tc.save_every = max(tc.eval_every, args.steps)
+    tc.log_every = args.log_every or max(10, min(100, tc.eval_every // 5))
+    tc.freeze = tuple(dict.fromkeys((("encoder.pos",) if PRESETS[preset][1] else ()) + tuple(args.freeze)))
+    return cfg.validate()
+
+
+def _read_csv(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def measure_step_s(cfg, datasets, device: str, init_from, n_steps: int = 6) -> float:
+    """Seconds per training step of ``cfg`` on ``device`` (a throw-away run of a few steps)."""
+    import tempfile
+
+    from sparseflash.experiments.lra.train import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        c = type(cfg)(**{**cfg.__dict__})
+        from sparseflash.experiments.lra.configs import config_from_dict
+
+        c = config_from_dict(cfg.to_dict())
+        c.train.steps, c.train.eval_every, c.train.log_every, c.train.save_every = n_steps, 10**6, 2, 10**6
+        small = {"train": datasets["train"], "val": _Head(datasets["val"], 32)}
+        train(c, tmp, datasets=small, device=device, init_from=init_from, show_progress=False)
+        rows = _read_csv(Path(tmp) / "train.csv")
+    ms = [float(r["step_ms"]) for r in rows[1:]] or [float(r["step_ms"]) for r in rows]
+    return float(np.median(ms)) / 1e3
+
+
+class _Head:
+    """The first ``n`` items of a dataset (same attributes)."""
+
+    def __init__(self, ds, n):
+        self.ds, self.n = ds, min(n, len(ds))
+        for a in ("seq_len", "vocab_size", "num_classes", "pad_id", "task", "split"):
+            setattr(self, a, getattr(ds, a))
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self.ds[i % self.n]
+
+
+def held_out(run_dir: Path, cfg, datasets, device: str) -> dict:
+    """Test accuracy with the best-on-val and the final weights (from the run's summary, or evaluated
+    here from its checkpoints when the run stopped before its own test evaluation)."""
+    import torch
+
+    from sparseflash.experiments.lra.train import build_model, evaluate
+
+    s = json.loads((run_dir / "summary.json").read_text())
+    out = {}
+    for w in ("best", "final"):
+        r = s.get(f"test_{w}")
+        if r is None:
+            ck = run_dir / "checkpoints" / ("best.pt" if w == "best" else "last.pt")
+            if not ck.is_file():
+                continue
+            state = torch.load(ck, map_location="cpu", weights_only=False)["model"]
+            model = build_model(cfg)
+            model.load_state_dict(state)
+            model.to(device)
+            r = evaluate(model, datasets["test"], batch_size=cfg.train.batch_size, max_batches=None,
+                         device=torch.device(device), autocast=__import__("contextlib").nullcontext())
+        out[w] = r
+    return out
+
+
+def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict) -> dict:
+    import torch
+
+    from sparseflash.experiments.lra.train import train
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    init = str(args.init_from) if PRESETS[preset][0] else None
+    if init and not Path(init).is_file():
+        raise SystemExit(f"--init-from {init}: no such file (the Pathfinder-64 pretrained weights; see the "
+                         f"study README: campaign.sh makes them)")
+    tag = args.tag or f"{preset}-{data_tag}" + (f"-lr{args.lr:g}" if args.lr != 1e-4 else "")
+    if args.tag and len(args.runs) > 1:
+        tag = f"{args.tag}-{preset}"
+    run_dir = args.out / "runs" / tag
+    if (run_dir / "result.json").is_file() and not args.overwrite:
+        print(f"{tag}: done before ({run_dir / 'result.json'}); --overwrite to train again", flush=True)
+        return json.loads((run_dir / "result.json").read_text())
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    t_start = time.monotonic()
+    deadline = t_start + 60 * args.minutes if args.minutes else None
+    if args.steps is None:
+        if not args.minutes:
+            raise SystemExit("give --steps, or --minutes to size them from a measured step time")
+        args_steps = args
+        probe_cfg = build_config(_with(args, steps=100), preset, len(datasets["train"]), torch.device(device).type)
+        step_s = measure_step_s(probe_cfg, datasets, device, init)
+        n_val = len(datasets["val"])
+        # the training budget less ~20 evaluations of val (a forward is ~1/3 of a step) and two of test
+        budget = 60 * args.minutes * 0.92 - (20 * n_val / args.batch_size + 2 * len(datasets["test"]) / args.batch_size) * step_s / 3
+        steps = max(20, int(budget / step_s) - 10)
+        print(f"{tag}: {1e3 * step_s:.0f} ms a step measured; {steps} steps fit in {args.minutes} min", flush=True)
+        args_steps = _with(args, steps=steps)
+    else:
+        args_steps = args
+    cfg = build_config(args_steps, preset, len(datasets["train"]), torch.device(device).type)
+    print(f"{tag}: {cfg.train.steps} steps of {cfg.train.batch_size}, lr {cfg.train.lr:g}, warm-up "
+          f"{cfg.train.warmup_steps}, eval every {cfg.train.eval_every}, attention {cfg.model.attention}, "
+          f"init {init or 'none'}, freeze {cfg.train.freeze or 'none'}, torch threads {torch.get_num_threads()}",
+          flush=True)
+    t0 = time.perf_counter()
+    summary = train(cfg, run_dir, datasets=datasets, device=device, init_from=init, deadline=deadline,
+                    show_progress=not args.no_progress)
+    wall = time.perf_counter() - t0
+    test = held_out(run_dir, cfg, datasets, device)
+    tr_rows = _read_csv(run_dir / "train.csv")
+    last = tr_rows[-5:]
+    n_test = len(datasets["test"])
+    best, final = test.get("best", {}), test.get("final", {})
+    counts = np.concatenate([datasets[s].kept_counts() for s in ("train",)])
+    row = {
+        "tag": tag, "preset": preset, "keep": args.keep, "radius": None if args.keep == "full" else args.radius,
+        "num": args.num, "n_train": len(datasets["train"]), "n_val": len(datasets["val"]), "n_test": n_test,
+        "init_from": init, "freeze": ",".join(cfg.train.freeze), "lr": cfg.train.lr, "batch_size": cfg.train.batch_size,
+        "schedule_steps": cfg.train.steps, "steps": summary["steps"], "warmup_steps": cfg.train.warmup_steps,
+        "attention": cfg.model.attention, "device": str(device), "threads": torch.get_num_threads(),
+        "wall_s": round(wall, 1),
+        "step_ms": round(float(np.median([float(r["step_ms"]) for r in tr_rows])), 1) if tr_rows else None,
+        "mean_tokens": round(float(counts.mean()), 1),
+        "train_acc_last": round(float(np.mean([float(r["acc"]) for r in last])), 4) if last else None,
+        "val_best": (summary.get("best_val") or {}).get("acc"), "val_best_step": (summary.get("best_val") or {}).get("step"),
+        "test_acc": best.get("acc"), "test_se": _se(best.get("acc"), best.get("n")),
+        "test_final_acc": final.get("acc"), "test_final_se": _se(final.get("acc"), final.get("n")),
+        "mlp_acc": probe["acc"], "mlp_se": probe["se"], "mlp_features": probe["features"],
+        "curve_train": str((run_dir / "train.csv").relative_to(args.out)),
+        "curve_eval": str((run_dir / "eval.csv").relative_to(args.out)),
+        **meta, "stopped_by": summary.get("stopped_by"),
+    }
+    (run_dir / "result.json").write_text(json.dumps(row, indent=1) + "\n")
+    # the checkpoints are big (the 1M-number position table) and reproducible: keep only the summary
+    if not args.keep_checkpoints:
+        for ck in (run_dir / "checkpoints").glob("*.pt"):
+            ck.unlink()
+        try:
+            (run_dir / "checkpoints").rmdir()
+        except OSError:
+            pass
+    print(f"{tag}: {row['steps']} steps in {wall / 60:.1f} min; held-out (best-on-val weights) "
+          f"{100 * (row['test_acc'] or 0):.1f} +- {100 * (row['test_se'] or 0):.1f}%, final weights "
+          f"{100 * (row['test_final_acc'] or 0):.1f}%; probe MLP on the same pixels {100 * probe['acc']:.1f} +- "
+          f"{100 * probe['se']:.1f}%", flush=True)
+    return row
+
+
+def _with(args, **kw):
+    a = argparse.Namespace(**vars(args))
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+# ---------------------------------------------------------------------------------------- report
+def report(out: Path) -> list[dict]:
+    """neighbourhood.csv / .json / .png from every ``OUT/runs/*/result.json``."""
+    rows = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/result.json"))]
+    if not rows:
+        print(f"no finished runs under {out / 'runs'}", flush=True)
+        return rows
+    with open(out / "neighbourhood.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    (out / "neighbourhood.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    plot(out, rows)
+    return rows
+
+
+def plot(out: Path, rows: list[dict]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    mlp_seen = {}
+    for i, r in enumerate(rows):
+        c = colors[i % len(colors)]
+        tr = _read_csv(out / r["curve_train"])
+        ev = [e for e in _read_csv(out / r["curve_eval"]) if e["split"] == "val"]
+        if tr:
+            s = np.array([float(e["step"]) for e in tr])
+            a = np.array([float(e["acc"]) for e in tr])
+            k = max(1, len(a) // 40)  # running mean over ~1/40 of the run
+            sm = np.convolve(a, np.ones(k) / k, mode="valid")
+            ax.plot(s[k - 1:], 100 * sm, color=c, lw=1, alpha=0.6, label=f"{r['tag']}: train (dropout on)")
+        if ev:
+            ax.plot([float(e["step"]) for e in ev], [100 * float(e["acc"]) for e in ev], "o-", color=c, ms=3, lw=1.6,
+                    label=f"{r['tag']}: val; test {100 * (r['test_acc'] or 0):.1f}±{100 * (r['test_se'] or 0):.1f}%")
+        key = (r["keep"], r["radius"], r["num"])
+        if key not in mlp_seen:
+            mlp_seen[key] = True
+            ax.axhline(100 * r["mlp_acc"], color="black", ls="--", lw=1,
+                       label=f"probe MLP, same pixels ({r['keep']} R={r['radius']}): "
+                             f"{100 * r['mlp_acc']:.1f}±{100 * r['mlp_se']:.1f}%")
+    ax.axhline(50, color="gray", ls=":", lw=0.8)
+    ax.set_xlabel("training step (batch 32)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title("Path-X Transformer on the marker neighbourhoods only (hard, release, 128 px)")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_ylim(40, 90)
+    fig.tight_layout()
+    path = out / "neighbourhood.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ main
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Example (CPU, ~12 minutes a run): PYTHONPATH=. python experiments/studies/pathx/neighbourhood.py "
+               "--num 20000 --runs scratch --minutes 12 --threads 1",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = ap.add_argument_group("data")
+    d.add_argument("--num", type=int, default=20000, help="hard release 128 px images to draw (80/10/10 split); default 20000")
+    d.add_argument("--seed", type=int, default=0, help="seed of the images, the split and the training order")
+    d.add_argument("--workers", type=int, default=2, help="processes drawing the images (default 2)")
+    d.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"folder of the cached arrays (default {DEFAULT_CACHE})")
+    d.add_argument("--radius", type=float, default=None,
+                   help="keep the pixels within this distance of either marker centre (default the probe's k = 6)")
+    d.add_argument("--keep", choices=("neighbourhood", "full"), default="neighbourhood",
+                   help="'full': the unmasked images (the control; slow on a CPU)")
+    t = ap.add_argument_group("training")
+    t.add_argument("--runs", nargs="+", choices=tuple(PRESETS), default=["scratch"],
+                   help="presets, one after another: scratch | pretrained (--init-from) | pretrained-frozen "
+                        "(--init-from, position table frozen)")
+    t.add_argument("--init-from", type=Path, default=DEFAULT_INIT,
+                   help=f"checkpoint of the pretrained presets (default {DEFAULT_INIT.relative_to(REPO)}; its 64x64 "
+                        f"position grid is upsampled 2x2)")
+    t.add_argument("--freeze", nargs="*", default=[], help="parameter name prefixes to freeze in every run, e.g. encoder.pos")
+    t.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (faithful: 1e-4)")
+    t.add_argument("--steps", type=int, default=None, help="length of the cosine schedule; default: what fits in --minutes")
+    t.add_argument("--minutes", type=float, default=None, help="time limit of each run (sizes --steps if not given)")
+    t.add_argument("--warmup", type=int, default=None, help="warm-up steps (default min(one epoch, steps / 10))")
+    t.add_argument("--batch-size", type=int, default=32, help="default 32 (faithful)")
+    t.add_argument("--eval-every", type=int, default=None, help="validation interval (default steps / 20)")
+    t.add_argument("--log-every", type=int, default=None)
+    t.add_argument("--device", default=None, help="cpu or cuda (default cuda if available)")
+    t.add_argument("--attention", default=None, help="model.attention (default sdpa on a CPU, faithful sparseflash on CUDA)")
+    t.add_argument("--pattern", default=None, help="model.pattern (default dense, the faithful config's)")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's)")
+    t.add_argument("--mlp-epochs", type=int, default=60, help="epochs of the probe MLP (default 60, the probe's)")
+    o = ap.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default the study's results/neighbourhood)")
+    o.add_argument("--tag", default=None, help="run name (default <preset>-<data>)")
+    o.add_argument("--overwrite", action="store_true", help="train a run again even if its result.json exists")
+    o.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' .pt files (deleted by default)")
+    o.add_argument("--generate-only", action="store_true", help="make the cached images and stop")
+    o.add_argument("--report-only", action="store_true", help="rebuild the table and the figure from OUT/runs and stop")
+    o.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+    if a.num < 20:
+        ap.error(f"--num must be at least 20, got {a.num}")
+    if a.radius is not None and a.radius <= 0:
+        ap.error("--radius must be positive")
+    if a.keep == "full" and a.radius is not None:
+        ap.error("--radius has no meaning with --keep full")
+    for name in ("steps", "batch_size", "workers"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.report_only:
+        report(a.out)
+        return 0
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    images, tips, labels, gen = load_or_generate(a.cache, a.num, a.seed, a.workers, not a.no_progress)
+    if a.generate_only:
+        return 0
+    if a.keep == "neighbourhood" and a.radius is None:
+        a.radius = default_radius()
+    radius = a.radius if a.keep == "neighbourhood" else None
+    data_tag = f"R{a.radius:g}" if radius is not None else "full"
+    data_tag += f"-n{a.num}" + (f"-s{a.seed}" if a.seed else "")
+    masked = mask_images(images, tips, radius)
+    del images
+    idx = split_indices(len(labels), a.seed)
+    datasets = {s: NeighbourhoodDataset(masked[ix], labels[ix], s) for s, ix in idx.items()}
+    counts = datasets["train"].kept_counts()
+    print(f"{data_tag}: {len(labels)} images ({', '.join(f'{s} {len(ix)}' for s, ix in idx.items())}), "
+          f"labels {100 * labels.mean():.1f}% positive; kept (drawn) pixels an image: mean {counts.mean():.0f}, "
+          f"max {counts.max()}", flush=True)
+    half = int(math.ceil(radius)) if radius is not None else default_radius()
+    probe = run_probe(a.out, data_tag, masked, tips, labels.astype(np.int64), idx, half, a.mlp_epochs, a.seed)
+    meta = {"commit": _git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__, "cpu": f"{_cpu_name()} ({os.cpu_count()} logical)",
+            "python": platform.python_version(), "data_cache": gen["cache"], "generated_s": gen["generated_s"],
+            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
+    for preset in a.runs:
+        run_one(a, preset, data_tag, datasets, probe, meta)
+    rows = report(a.out)
+    print(f"wrote {a.out / 'neighbourhood.csv'}, .json, .png ({len(rows)} runs)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
