@@ -4,6 +4,7 @@ same mask_mod, on one exact mask per setting.
 
     python -m sparseflash.experiments.bench.exact --out DIR [--tokens 16384] [--batch 1] [--heads 16]
         [--masks sliding-window documents] [--window 1024] [--doc-len 2048] [--head-dims 64 128] [--no-graph]
+        [--providers ...]   (the default four; add sparseflash-exact-hopper-bwd sparseflash-block-hopper-bwd)
     python -m sparseflash.experiments.bench.exact --device cpu --out DIR   (tiny CPU run, labelled as such)
 
 Masks (both causal, built with `BlockMask.from_fn` on the device, block 128 on a GPU):
@@ -17,6 +18,10 @@ Providers, bf16, forward and forward+backward:
   kernels: `dispatch.HOPPER_EXACT` "off" for all of its calls, forward and backward;
 - ``sparseflash-exact-hopper`` (GPU): the same call with `dispatch.HOPPER_EXACT` "on" (the
   default): the Hopper kernels with bits where they take the call (sm_90), the portable ones elsewhere;
+- ``sparseflash-exact-hopper-bwd`` / ``sparseflash-block-hopper-bwd`` (GPU, not run by default): the
+  exact-hopper / block rows with the Hopper backward for every block-sparse call
+  (`hopper_bwd.MODE` "on", ``SPARSEFLASH_HOPPER_BWD=on``), whose "auto" leaves column lists shorter
+  than `hopper_bwd.LIST_MIN_BLOCKS` to the portable backward (a 1024 window has ~9 a column);
 - ``sparseflash-block``: the same call with ``exact=False``: every pair of an on block (the work
   without the bits, and a different result: the reference point for their cost);
 - ``flex``: compiled ``flex_attention`` with ``mask.to_flex(layout_in_mask_mod=False)`` (its full
@@ -42,7 +47,10 @@ import torch
 from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
 from sparseflash.experiments.bench.results import write_tidy
 
-PROVIDERS = ("sparseflash-exact", "sparseflash-exact-hopper", "sparseflash-block", "flex")
+PROVIDERS = ("sparseflash-exact", "sparseflash-exact-hopper", "sparseflash-block", "flex",
+             "sparseflash-exact-hopper-bwd", "sparseflash-block-hopper-bwd")
+DEFAULT_PROVIDERS = PROVIDERS[:4]
+GPU_ONLY = ("flex", "sparseflash-exact-hopper", "sparseflash-exact-hopper-bwd", "sparseflash-block-hopper-bwd")
 MASKS = ("sliding-window", "documents")
 
 
@@ -84,9 +92,9 @@ def _calls(provider: str, q, k, v, mask, flex_mask):
     """A zero-argument forward call of ``provider``."""
     import sparseflash
 
-    if provider in ("sparseflash-exact", "sparseflash-exact-hopper"):  # (the switch: `_switch`)
+    if provider in ("sparseflash-exact", "sparseflash-exact-hopper", "sparseflash-exact-hopper-bwd"):  # (`_switch`)
         return lambda: sparseflash.attention(q, k, v, mask)
-    if provider == "sparseflash-block":
+    if provider in ("sparseflash-block", "sparseflash-block-hopper-bwd"):
         return lambda: sparseflash.attention(q, k, v, mask, exact=False)
     if provider == "flex":
         from sparseflash.experiments.bench.providers import _flex_compiled
@@ -103,14 +111,21 @@ def _switch(provider: str):
     from sparseflash.flash import dispatch
 
     saved = dispatch.HOPPER_EXACT
-    if provider == "sparseflash-exact-hopper":
+    if provider in ("sparseflash-exact-hopper", "sparseflash-exact-hopper-bwd"):
         dispatch.HOPPER_EXACT = "on"
     elif provider == "sparseflash-exact":
         dispatch.HOPPER_EXACT = "off"
+    bwd = None
+    if provider.endswith("-hopper-bwd"):  # (GPU only: the module imports Gluon)
+        from sparseflash.flash import hopper_bwd as bwd
+
+        saved_mode, bwd.MODE = bwd.MODE, "on"
     try:
         yield
     finally:
         dispatch.HOPPER_EXACT = saved
+        if bwd is not None:
+            bwd.MODE = saved_mode
 
 
 def run(args) -> list[dict]:
@@ -123,7 +138,7 @@ def run(args) -> list[dict]:
     env = environment(device)
     dtype = torch.bfloat16 if cuda else torch.float32
     # eager Flex on a CPU is not the point; the Hopper kernels need an sm_90 GPU
-    providers = [p for p in args.providers if cuda or p not in ("flex", "sparseflash-exact-hopper")]
+    providers = [p for p in args.providers if cuda or p not in GPU_ONLY]
     rows = []
     for kind in args.masks:
         mask, label = build_mask(kind, args.tokens, args.window, args.doc_len, args.block, device)
@@ -195,7 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--doc-len", type=positive_int, default=None, help="mean document length (GPU 2048, CPU 30)")
     ap.add_argument("--block", type=positive_int, default=None, help="mask block (GPU 128, CPU 32)")
     ap.add_argument("--head-dims", type=positive_int, nargs="+", default=None, help="GPU 64 128, CPU 16")
-    ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    ap.add_argument("--providers", nargs="+", default=list(DEFAULT_PROVIDERS), choices=PROVIDERS)
     ap.add_argument("--no-graph", action="store_true", help="eager timings only (no CUDA-graph replays)")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
