@@ -261,7 +261,7 @@ def test_bits_take_the_hopper_kernels_only_when_switched_on(monkeypatch):
     backward; "off" never; a value other than on / off is refused, naming the switch."""
     asked = []
     monkeypatch.setattr(dispatch, "_fwd_layouts", lambda *a: asked.append("fwd") or "lay")
-    monkeypatch.setattr(dispatch, "_bwd_layouts", lambda *a: asked.append("bwd") or "lays")
+    monkeypatch.setattr(dispatch, "_bwd_layouts", lambda *a: asked.append(("bwd", a[-1])) or "lays")
     q = torch.zeros(1, 1, 256, 64, dtype=torch.bfloat16)
     bits = object()  # (the dispatch looks only at whether there are bits)
     plan = functools.partial(dispatch.hopper_plan, q, q, q, 128, 128, -1.0, scale=0.125, exact=bits)
@@ -269,7 +269,7 @@ def test_bits_take_the_hopper_kernels_only_when_switched_on(monkeypatch):
     assert plan() is None and asked == []
     monkeypatch.setattr(dispatch, "HOPPER_EXACT", "on")
     assert plan() == "lay" and asked == ["fwd"]
-    assert plan(do=q, o=q, lists=True) == "lays" and asked == ["fwd", "bwd"]
+    assert plan(do=q, o=q, lists=True) == "lays" and asked == ["fwd", ("bwd", True)]  # (told: the call has bits)
     assert plan(softcap=5.0) is None  # the Hopper kernels still have no softcap
     monkeypatch.setattr(dispatch, "HOPPER_EXACT", "yes")
     with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER_EXACT"):

@@ -90,6 +90,9 @@ def test_bwd_choice(monkeypatch):
     long_lists = per_block * hopper_bwd.LIST_MIN_BLOCKS
     assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, long_lists, True) == ("lay", hopper_bwd.do_layout(q))
     assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, long_lists * 0.99, True) is None
+    # ... except for calls with exact-mask bits, whatever their lists' length
+    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, long_lists * 0.1, True, True) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True, True) == ("lay", hopper_bwd.do_layout(q))
     monkeypatch.setattr(hopper_bwd, "LIST_MIN_BLOCKS", 0.5)
     assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, per_block * 0.5, True) == ("lay", hopper_bwd.do_layout(q))
     # dQ's reductions add in arrival order: deterministic algorithms keep the portable backward

@@ -46,13 +46,14 @@ def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout
             return None
     if do is None:
         return _fwd_layouts(q, k, v, mask_bq, mask_bk, work)
-    return _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work, lists)
+    return _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work, lists, exact is not None)
 
 
-def _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float, lists: bool = False):
+def _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float, lists: bool = False, exact: bool = False):
     """(q, k, v layouts, dO layout) when the backward runs the Hopper kernel, else None: where the
     forward would (`_fwd_layouts`) and `hopper_bwd.plan` takes dO, O and the walk (``lists``:
-    block lists, whose mean length per key tile comes from the work estimate)."""
+    block lists, whose mean length per key tile comes from the work estimate; ``exact``: the call
+    has exact-mask bits)."""
     lay = _fwd_layouts(q, k, v, mask_bq, mask_bk, work)
     if lay is None:
         return None
@@ -62,7 +63,7 @@ def _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float, lists: bool = Fa
     if lists:  # 128-row q blocks per key tile's walk: work = 4 B H Nq Nk D x density (-1: unknown)
         B, H, _, D = q.shape
         cols = work / (4.0 * B * H * k.shape[2] * D * hopper.TILE) if work > 0 else -1.0
-    return hopper_bwd.plan(do, q, o, lay, cols)
+    return hopper_bwd.plan(do, q, o, lay, cols, exact=exact)
 
 
 def _fwd_layouts(q, k, v, mask_bq, mask_bk, work: float):
