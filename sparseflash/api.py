@@ -28,9 +28,11 @@ alibi_slopes=None, exact=True, backend="auto")`
   before, with no element-wise work. Combined with everything else here (`causal`,
   `key_lengths`, `segment_ids`, `key_ranges`, GQA, dropout, `softcap`, `alibi_slopes`, masks per
   batch and head). `exact=False` computes every pair of an on block
-  (block-level, the behaviour before exact masks). Exact calls with partial blocks take the
-  portable kernels (not the Hopper ones, nor the short path of repeated calls below); under
-  torch.compile call `mask.exact_bits(device)` once outside the compiled code.
+  (block-level, the behaviour before exact masks). On Hopper, exact calls run the Hopper
+  kernels with their bits, forward and backward (the backward at any column-list length;
+  `SPARSEFLASH_HOPPER_EXACT=off` keeps them on the portable kernels); they skip the short path of
+  repeated calls below. Under torch.compile call `mask.exact_bits(device)` once outside the
+  compiled code.
 - `segment_ids`: packed variable-length documents. An int tensor `[B, N]` (or a pair for
   `Nq != Nk`); pair (i, j) is attended only if `seg_q[b, i] == seg_k[b, j]`, exact at token level
   (boundaries anywhere), combined with any mask, `causal` (on positions of the packed row: causal
@@ -64,7 +66,8 @@ alibi_slopes=None, exact=True, backend="auto")`
   (`hopper_bwd.py`), 1.07–1.28× the portable one; forward + backward is then level with cuDNN
   on dense calls (1.00–1.04×) and 0.95–1.00× on causal ones.
   Block-sparse backwards take it when a key tile's column list holds at least 16 blocks on
-  average (`hopper_bwd.LIST_MIN_BLOCKS`) and keep the portable kernels below
+  average (`hopper_bwd.LIST_MIN_BLOCKS`; calls with exact-mask bits at any length) and keep the
+  portable kernels below
   (`SPARSEFLASH_HOPPER_BWD=on` forces the Hopper one, `off` turns it off); `SPARSEFLASH_HOPPER=off` keeps the portable kernels
   everywhere.
 - Repeated eager calls are cheap: a call whose shapes, layouts, mask and scalars were seen before
