@@ -67,8 +67,8 @@ PRESETS = {  # name: (start from --init-from, freeze the position table)
     "pretrained-frozen": (True, True),
 }
 STREAM = 17  # the generator stream of this study's images (the probe uses 3)
-COLUMNS = ["tag", "preset", "keep", "radius", "num", "n_train", "n_val", "n_test", "init_from", "freeze", "lr",
-           "batch_size", "schedule_steps", "steps", "warmup_steps", "attention", "device", "threads", "wall_s",
+COLUMNS = ["tag", "preset", "keep", "radius", "num", "n_train", "n_val", "n_test", "init_from", "freeze", "overrides", "pos_emb", "lr",
+           "batch_size", "schedule_steps", "steps", "warmup_steps", "attention", "attn_dropout", "device", "threads", "wall_s",
            "step_ms", "mean_tokens", "train_acc_last", "val_best", "val_best_step", "test_acc", "test_se",
            "test_final_acc", "test_final_se", "mlp_acc", "mlp_se", "mlp_features", "curve_train", "curve_eval",
            "commit", "date", "torch", "cpu"]
@@ -263,6 +263,27 @@ def run_probe(out: Path, data_tag: str, images_masked, tips, labels, idx, half: 
     return r
 
 
+def mlp_controls(out: Path, data_tag: str, images_masked, tips, labels, idx, half: int, seed: int) -> dict:
+    """How the probe's MLP does with few epochs (1, 2, 4; the Transformer runs see a few) and without
+    the alignment the patches give it: the same MLP on the whole masked image (16,384 pixels at their
+    absolute positions, what a model without translation invariance sees). ``OUT/mlp_controls-<data_tag>.json``."""
+    from sparseflash.experiments.lra.probe import fit_mlp
+
+    tr, te = idx["train"], idx["test"]
+    r = {"data": data_tag, "n_train": int(len(tr)), "n_test": int(len(te)), "seed": seed}
+    xp = marker_patches(images_masked, tips, half)
+    for ep in (1, 2, 4):
+        r[f"patches_epochs{ep}"] = fit_mlp(xp[tr], labels[tr], xp[te], labels[te], seed=seed, epochs=ep)
+    xf = images_masked.reshape(len(labels), -1).astype(np.float32) / 255.0
+    for ep in (4, 20):
+        r[f"whole_masked_image_epochs{ep}"] = fit_mlp(xf[tr], labels[tr], xf[te], labels[te], seed=seed, epochs=ep)
+    for k in list(r):
+        if k.startswith(("patches_", "whole_")):
+            print(f"MLP control {k}: held-out {100 * r[k]:.1f} +- {100 * _se(r[k], len(te)):.1f}%", flush=True)
+    (out / f"mlp_controls-{data_tag}.json").write_text(json.dumps(r, indent=1) + "\n")
+    return r
+
+
 # ----------------------------------------------------------------------------------------- train
 def build_config(args, preset: str, n_train: int, device_type: str):
     from sparseflash.experiments.lra.configs import get_config
@@ -272,6 +293,9 @@ def build_config(args, preset: str, n_train: int, device_type: str):
     cfg.model.attention = args.attention or ("sdpa" if device_type == "cpu" else cfg.model.attention)
     if args.pattern:
         cfg.model.pattern = args.pattern
+    # attention dropout sends SDPA on a CPU to its math path (3-5x slower there): off on a CPU unless asked
+    cfg.model.attn_dropout = (args.attn_dropout if args.attn_dropout is not None
+                              else 0.0 if device_type == "cpu" else cfg.model.attn_dropout)
     tc = cfg.train
     spe = max(1, n_train // args.batch_size)
     tc.batch_size, tc.lr, tc.seed = args.batch_size, args.lr, args.seed
@@ -283,6 +307,10 @@ def build_config(args, preset: str, n_train: int, device_type: str):
     tc.save_every = max(tc.eval_every, args.steps)
     tc.log_every = args.log_every or max(10, min(100, tc.eval_every // 5))
     tc.freeze = tuple(dict.fromkeys((("encoder.pos",) if PRESETS[preset][1] else ()) + tuple(args.freeze)))
+    if args.set:
+        from sparseflash.experiments.lra.configs import apply_overrides
+
+        apply_overrides(cfg, args.set)
     return cfg.validate()
 
 
@@ -300,7 +328,6 @@ def measure_step_s(cfg, datasets, device: str, init_from, n_steps: int = 6) -> f
     from sparseflash.experiments.lra.train import train
 
     with tempfile.TemporaryDirectory() as tmp:
-        c = type(cfg)(**{**cfg.__dict__})
         from sparseflash.experiments.lra.configs import config_from_dict
 
         c = config_from_dict(cfg.to_dict())
@@ -364,14 +391,16 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
     if init and not Path(init).is_file():
         raise SystemExit(f"--init-from {init}: no such file (the Pathfinder-64 pretrained weights; see the "
                          f"study README: campaign.sh makes them)")
-    tag = args.tag or f"{preset}-{data_tag}" + (f"-lr{args.lr:g}" if args.lr != 1e-4 else "")
+    tag = args.tag or (f"{preset}-{data_tag}" + (f"-lr{args.lr:g}" if args.lr != 1e-4 else "")
+                       + "".join(f"-{o.rpartition('.')[2]}" for o in args.set))
     if args.tag and len(args.runs) > 1:
         tag = f"{args.tag}-{preset}"
     run_dir = args.out / "runs" / tag
     if (run_dir / "result.json").is_file() and not args.overwrite:
         print(f"{tag}: done before ({run_dir / 'result.json'}); --overwrite to train again", flush=True)
         return json.loads((run_dir / "result.json").read_text())
-    if run_dir.exists():
+    resuming = bool(args.resume and (run_dir / "checkpoints" / "last.pt").is_file() and not args.overwrite)
+    if run_dir.exists() and not resuming:
         import shutil
 
         shutil.rmtree(run_dir)
@@ -380,7 +409,6 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
     if args.steps is None:
         if not args.minutes:
             raise SystemExit("give --steps, or --minutes to size them from a measured step time")
-        args_steps = args
         probe_cfg = build_config(_with(args, steps=100), preset, len(datasets["train"]), torch.device(device).type)
         step_s = measure_step_s(probe_cfg, datasets, device, init)
         n_val = len(datasets["val"])
@@ -393,13 +421,18 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
         args_steps = args
     cfg = build_config(args_steps, preset, len(datasets["train"]), torch.device(device).type)
     print(f"{tag}: {cfg.train.steps} steps of {cfg.train.batch_size}, lr {cfg.train.lr:g}, warm-up "
-          f"{cfg.train.warmup_steps}, eval every {cfg.train.eval_every}, attention {cfg.model.attention}, "
+          f"{cfg.train.warmup_steps}, eval every {cfg.train.eval_every}, attention {cfg.model.attention} "
+          f"(dropout {cfg.model.attn_dropout}), "
           f"init {init or 'none'}, freeze {cfg.train.freeze or 'none'}, torch threads {torch.get_num_threads()}",
           flush=True)
     t0 = time.perf_counter()
     summary = train(cfg, run_dir, datasets=datasets, device=device, init_from=init, deadline=deadline,
-                    show_progress=not args.no_progress)
-    wall = time.perf_counter() - t0
+                    show_progress=not args.no_progress, resume="auto" if resuming else None)
+    if summary.get("stopped_by") and args.resume:
+        print(f"{tag}: stopped at step {summary['steps']} of {cfg.train.steps} ({summary['stopped_by']}); the same "
+              f"command continues it", flush=True)
+        return None
+    wall = float(summary.get("wall_s_total") or time.perf_counter() - t0)
     test = held_out(run_dir, cfg, datasets, device)
     tr_rows = _read_csv(run_dir / "train.csv")
     last = tr_rows[-5:]
@@ -409,9 +442,10 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
     row = {
         "tag": tag, "preset": preset, "keep": args.keep, "radius": None if args.keep == "full" else args.radius,
         "num": args.num, "n_train": len(datasets["train"]), "n_val": len(datasets["val"]), "n_test": n_test,
-        "init_from": init, "freeze": ",".join(cfg.train.freeze), "lr": cfg.train.lr, "batch_size": cfg.train.batch_size,
+        "init_from": init, "freeze": ",".join(cfg.train.freeze), "overrides": " ".join(args.set),
+        "pos_emb": cfg.model.pos_emb, "lr": cfg.train.lr, "batch_size": cfg.train.batch_size,
         "schedule_steps": cfg.train.steps, "steps": summary["steps"], "warmup_steps": cfg.train.warmup_steps,
-        "attention": cfg.model.attention, "device": str(device), "threads": torch.get_num_threads(),
+        "attention": cfg.model.attention, "attn_dropout": cfg.model.attn_dropout, "device": str(device), "threads": torch.get_num_threads(),
         "wall_s": round(wall, 1),
         "step_ms": round(float(np.median([float(r["step_ms"]) for r in tr_rows])), 1) if tr_rows else None,
         "mean_tokens": round(float(counts.mean()), 1),
@@ -538,12 +572,22 @@ def parse_args(argv=None):
     t.add_argument("--device", default=None, help="cpu or cuda (default cuda if available)")
     t.add_argument("--attention", default=None, help="model.attention (default sdpa on a CPU, faithful sparseflash on CUDA)")
     t.add_argument("--pattern", default=None, help="model.pattern (default dense, the faithful config's)")
+    t.add_argument("--attn-dropout", type=float, default=None,
+                   help="model.attn_dropout (default 0 on a CPU, where it costs 3-5x a step; faithful 0.1 on CUDA)")
+    t.add_argument("--set", nargs="*", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="config overrides applied last, e.g. model.pos_emb=grid_sincos (see configs.apply_overrides)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's)")
     t.add_argument("--mlp-epochs", type=int, default=60, help="epochs of the probe MLP (default 60, the probe's)")
+    t.add_argument("--mlp-controls", action="store_true",
+                   help="also fit the MLP for 1, 2, 4 epochs and on the whole masked image (no alignment); "
+                        "OUT/mlp_controls-<data>.json")
     o = ap.add_argument_group("output")
     o.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default the study's results/neighbourhood)")
     o.add_argument("--tag", default=None, help="run name (default <preset>-<data>)")
     o.add_argument("--overwrite", action="store_true", help="train a run again even if its result.json exists")
+    o.add_argument("--resume", action="store_true",
+                   help="continue a run that an earlier command (--minutes) stopped; needs --steps. Without it a "
+                        "run stopped by --minutes is reported as it stands (its schedule unfinished)")
     o.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' .pt files (deleted by default)")
     o.add_argument("--generate-only", action="store_true", help="make the cached images and stop")
     o.add_argument("--report-only", action="store_true", help="rebuild the table and the figure from OUT/runs and stop")
@@ -553,6 +597,8 @@ def parse_args(argv=None):
         ap.error(f"--num must be at least 20, got {a.num}")
     if a.radius is not None and a.radius <= 0:
         ap.error("--radius must be positive")
+    if a.resume and a.steps is None:
+        ap.error("--resume needs --steps (the schedule must be the same in every command)")
     if a.keep == "full" and a.radius is not None:
         ap.error("--radius has no meaning with --keep full")
     for name in ("steps", "batch_size", "workers"):
@@ -589,15 +635,16 @@ def main(argv=None) -> int:
           f"max {counts.max()}", flush=True)
     half = int(math.ceil(radius)) if radius is not None else default_radius()
     probe = run_probe(a.out, data_tag, masked, tips, labels.astype(np.int64), idx, half, a.mlp_epochs, a.seed)
+    if a.mlp_controls:
+        mlp_controls(a.out, data_tag, masked, tips, labels.astype(np.int64), idx, half, a.seed)
     meta = {"commit": _git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "cpu": f"{_cpu_name()} ({os.cpu_count()} logical)",
             "python": platform.python_version(), "data_cache": gen["cache"], "generated_s": gen["generated_s"],
             "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
-    for preset in a.runs:
-        run_one(a, preset, data_tag, datasets, probe, meta)
+    unfinished = [p for p in a.runs if run_one(a, p, data_tag, datasets, probe, meta) is None]
     rows = report(a.out)
     print(f"wrote {a.out / 'neighbourhood.csv'}, .json, .png ({len(rows)} runs)", flush=True)
-    return 0
+    return 75 if unfinished else 0  # 75: stopped, continue with the same command (train.EXIT_STOPPED)
 
 
 if __name__ == "__main__":
