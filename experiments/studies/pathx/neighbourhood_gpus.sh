@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The marker-neighbourhood runs at full length, one variant per GPU, resumable across commands:
+#   experiments/studies/pathx/neighbourhood_gpus.sh STATE MINUTES
+# From a snapshot's root (as campaign.sh). Draws NUM (default 100000) images once into CACHE
+# (default /tmp/nb-cache; a fresh machine draws them again, the same images), then trains the four
+# variants side by side for the minutes left, each its own process on GPU i mod (number of GPUs),
+# each with its own results folder STATE/nb-<variant>/ (neighbourhood.py --resume: exit 75 until
+# its STEPS (default 50000) are done):
+#   frozen   the faithful model from Pathfinder-64 pretraining (STATE/pretrain), position table frozen
+#   scratch  the faithful model from scratch
+#   conv     from scratch with model.conv_stem=2 (each token first sees its 5x5 surroundings)
+#   conv-sincos  the same with fixed 2-D sin-cos positions instead of the learned table
+# With OUT set the state goes back at exit as OUT/pxstate.tgz.part-* (15 MiB each), as campaign.sh's.
+# CPU rehearsal: NUM=40 STEPS=3 DEVICE=cpu WORKERS=2 ... STATE 3
+set -uo pipefail
+state=$1; minutes=$2
+here=$(cd "$(dirname "$0")" && pwd)
+py=${PYTHON:-python3}
+num=${NUM:-100000}; steps=${STEPS:-50000}; cache=${CACHE:-/tmp/nb-cache}; device=${DEVICE:-cuda}
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+[ -f COMMIT ] && export SPARSEFLASH_COMMIT=$(cat COMMIT)
+t0=$(date +%s)
+if [ -n "${OUT:-}" ]; then
+    trap 'tar czf - -C "$(dirname "$state")" "$(basename "$state")" | split -b 15M - "$OUT/pxstate.tgz.part-"' EXIT
+fi
+[ -f "$state/pretrain/checkpoints/best.pt" ] || { echo "neighbourhood_gpus: $state/pretrain/checkpoints/best.pt did not arrive" >&2; exit 3; }
+$py "$here/neighbourhood.py" --num "$num" --workers "${WORKERS:-16}" --cache "$cache" --generate-only --no-progress || exit $?
+left=$(( minutes * 60 - ($(date +%s) - t0) - 30 ))
+[ "$left" -ge 120 ] || { echo "neighbourhood_gpus: no time left after the data" >&2; exit 75; }
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+common=(--num "$num" --cache "$cache" --device "$device" --steps "$steps" --resume --no-progress
+        --minutes "$($py -c "print($left / 60)")")
+declare -A extra=(
+    [frozen]="--runs pretrained-frozen --init-from $state/pretrain/checkpoints/best.pt"
+    [scratch]="--runs scratch"
+    [conv]="--runs scratch --set model.conv_stem=2 --tag conv-stem2"
+    [conv-sincos]="--runs scratch --set model.conv_stem=2 model.pos_emb=grid_sincos --tag conv-stem2-sincos"
+)
+pids=(); i=0
+for v in frozen scratch conv conv-sincos; do
+    dev=(); [ "$gpus" -ge 2 ] && dev=(env CUDA_VISIBLE_DEVICES=$(( i % gpus )))
+    mkdir -p "$state/nb-$v"
+    # shellcheck disable=SC2086
+    "${dev[@]}" $py "$here/neighbourhood.py" "${common[@]}" --out "$state/nb-$v" ${extra[$v]} \
+        > "$state/nb-$v.log" 2>&1 &
+    pids+=($!); i=$(( i + 1 ))
+done
+rc=0
+for p in "${pids[@]}"; do
+    wait "$p"; r=$?
+    if [ "$r" -ne 0 ] && [ "$r" -ne 75 ]; then rc=$r; elif [ "$r" -eq 75 ] && [ "$rc" -eq 0 ]; then rc=75; fi
+done
+for v in frozen scratch conv conv-sincos; do echo "== $v"; tail -n 3 "$state/nb-$v.log"; done
+exit $rc
