@@ -115,3 +115,68 @@ def test_end_to_end_writes_the_table(tmp_path):
     # a second command reuses the cache and the finished run
     assert nb.main(args) == 0
     assert len(list(csv.DictReader(open(out / "neighbourhood.csv")))) == 1
+
+
+def test_cnn_control_writes_its_json(tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = ["--num", "40", "--workers", "1", "--cache", str(cache), "--out", str(out), "--cnn-controls",
+            "--cnn-epochs", "1", "--cnn-batch-size", "8", "--cnn-width", "2", "--mlp-epochs", "2", "--threads", "1",
+            "--no-progress"]
+    assert nb.main(args) == 0
+    res = json.loads((out / "cnn_controls-R6-n40.json").read_text())
+    assert set(res["inputs"]) == {"masked", "full"}
+    for name, r in res["inputs"].items():
+        assert r["input"] == name and r["n_train"] == 32 and r["n_val"] == 4 and r["n_test"] == 4
+        assert r["test_acc"] in (0, 0.25, 0.5, 0.75, 1)
+        assert r["test_se"] == pytest.approx(math.sqrt(r["test_acc"] * (1 - r["test_acc"]) / 4))
+        assert 1 <= r["steps"] <= 4 and r["params"] == sum(p.numel() for p in nb.build_cnn(2).parameters())
+        with open(out / r["curve"], newline="") as f:
+            curve = list(csv.DictReader(f))
+        assert curve and int(curve[-1]["step"]) == r["steps"]
+        assert any(int(c["step"]) == r["val_best_step"] and float(c["val_acc"]) == r["val_best"] for c in curve)
+    assert res["inputs"]["masked"]["radius"] == 6 and res["inputs"]["full"]["radius"] is None
+    rows = list(csv.DictReader(open(out / "cnn_controls-R6-n40.csv")))
+    assert [r["input"] for r in rows] == ["masked", "full"]
+    # --cnn-controls alone trains no Transformer (and leaves the Transformer table alone)
+    assert not (out / "runs").exists() and not (out / "neighbourhood.csv").exists()
+
+
+def test_cnn_pooled_features_do_not_depend_on_where_a_pattern_sits():
+    torch.manual_seed(0)
+    model = nb.build_cnn(4).eval()  # fresh weights; BatchNorm the identity in eval mode
+    pattern = torch.rand(9, 9)
+
+    def image(y, x, p=pattern):
+        img = torch.zeros(1, 1, 128, 128)
+        img[0, 0, y:y + 9, x:x + 9] = p
+        return img
+
+    with torch.no_grad():
+        f = model.features(torch.cat([image(40, 40), image(48, 64), image(72, 48), image(40, 40, pattern.T),
+                                      torch.zeros(1, 1, 128, 128)]))
+    scale = f[0].abs().max()
+    # shifted by multiples of the total stride (8), away from the border: the same pooled features
+    assert model.stride == 8
+    assert torch.allclose(f[1], f[0], atol=1e-5 * scale) and torch.allclose(f[2], f[0], atol=1e-5 * scale)
+    # ... while a different pattern (the transpose) or none changes them: the features see the pattern
+    assert (f[3] - f[0]).abs().max() > 0.05 * scale and (f[4] - f[0]).abs().max() > 0.05 * scale
+
+
+def test_cnn_learns_a_translated_orientation_cue():
+    """Horizontal against vertical bars at random places in 32x32 images: the CNN trainer must learn it."""
+    rng = np.random.default_rng(0)
+    n = 600
+    images = np.zeros((n, 32, 32), np.uint8)
+    labels = np.arange(n) % 2
+    for i in range(n):
+        y, x = rng.integers(2, 24, 2)
+        if labels[i]:
+            images[i, y + 3, x:x + 7] = 255
+        else:
+            images[i, y:y + 7, x + 3] = 255
+    idx = nb.split_indices(n, 0)
+    torch.set_num_threads(1)
+    r = nb.train_cnn(images, labels, idx, epochs=4, batch_size=16, lr=3e-3, width=2, hidden=16, patience=100,
+                     log=lambda s: None)
+    assert r["test_acc"] >= 0.9, r
+    assert r["steps"] == r["schedule_steps"] == 4 * (480 // 16)
