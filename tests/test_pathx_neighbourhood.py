@@ -141,6 +141,36 @@ def test_cnn_control_writes_its_json(tmp_path):
     assert not (out / "runs").exists() and not (out / "neighbourhood.csv").exists()
 
 
+def test_cnn_marker_channel_is_the_two_disks(tmp_path, monkeypatch):
+    """'+markers' inputs reach the CNN as two channels: the gray levels (masked or full) and 255 on
+    exactly the pixels within MARKER_DISK of either marker centre."""
+    seen = {}
+
+    def fake_train(images, labels, idx, **kw):
+        seen[len(seen)] = np.asarray(images)
+        return {"test_acc": 0.5, "test_se": 0.0, "test_final_acc": 0.5, "val_best_step": 1, "steps": 1,
+                "epochs_run": 1, "stopped_by": None, "curve": [{"step": 1}]}
+
+    monkeypatch.setattr(nb, "train_cnn", fake_train)
+    images = np.zeros((3, 128, 128), np.uint8)
+    images[:, 60:70, 60:70] = 200
+    tips = np.array([[[10, 10], [64, 64]], [[0, 127], [127, 0]], [[50, 50], [52, 80]]], np.int16)
+
+    class A:
+        cnn_inputs = ["full+markers", "masked+markers"]
+        cnn_epochs, cnn_batch_size, cnn_lr, cnn_width, cnn_pool, cnn_patience, cnn_minutes, seed = 1, 8, 1e-3, 2, "meanmax", 1, None, 0
+
+    nb.cnn_controls(tmp_path, "t", images, tips, np.zeros(3, np.int8), {}, 6.0, A, {})
+    full, masked = seen[0], seen[1]
+    assert full.shape == masked.shape == (3, 2, 128, 128)
+    assert np.array_equal(full[:, 0], images) and np.array_equal(masked[:, 0], nb.mask_images(images, tips, 6.0))
+    yy, xx = np.mgrid[:128, :128]
+    for i, t in enumerate(tips):
+        disk = ((yy - t[0, 0]) ** 2 + (xx - t[0, 1]) ** 2 <= 9) | ((yy - t[1, 0]) ** 2 + (xx - t[1, 1]) ** 2 <= 9)
+        assert np.array_equal(full[i, 1] == 255, disk) and np.array_equal(full[i, 1] != 0, disk)
+    assert np.array_equal(full[:, 1], masked[:, 1])
+
+
 def test_cnn_pooled_features_do_not_depend_on_where_a_pattern_sits():
     torch.manual_seed(0)
     model = nb.build_cnn(4).eval()  # fresh weights; BatchNorm the identity in eval mode

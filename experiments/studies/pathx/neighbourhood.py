@@ -285,14 +285,17 @@ def mlp_controls(out: Path, data_tag: str, images_masked, tips, labels, idx, hal
 
 
 # ------------------------------------------------------------------------------------ CNN control
-CNN_INPUTS = ("masked", "full")
+# "+markers": a second input channel with the two marker disks, so the CNN is told where the markers
+# are (what the aligned probe is given) and has only to compare them
+CNN_INPUTS = ("masked", "full", "masked+markers", "full+markers")
+MARKER_DISK = 3.0  # radius of the disks of the marker channel (the markers' own radius)
 
 
-def build_cnn(width: int = 8, hidden: int = 64, pool: str = "meanmax"):
+def build_cnn(width: int = 8, hidden: int = 64, pool: str = "meanmax", in_ch: int = 1):
     """A small translation-equivariant CNN: five 3x3 convolutions (no bias, BatchNorm, ReLU), total
     stride 8 (a stride-2 first convolution, whose 3x3 kernel still reads every pixel, and two 2x2 max
     pools), then global pooling over positions (``meanmax``: mean and max concatenated; ``mean``;
-    ``max``) and a two-layer head (``hidden`` units, 2 logits). Input ``[n, 1, H, W]`` in [0, 1].
+    ``max``) and a two-layer head (``hidden`` units, 2 logits). Input ``[n, in_ch, H, W]`` in [0, 1].
     ``width`` 8: 1 -> 16 (stride 2, 64 px) -> 32, pool -> 32 -> 64 (32 px), pool -> 64 (16 px);
     receptive field 45 px; 78K parameters. ``model.features(x)`` is the pooled vector."""
     import torch
@@ -310,7 +313,7 @@ def build_cnn(width: int = 8, hidden: int = 64, pool: str = "meanmax"):
 
         def __init__(self):
             super().__init__()
-            self.body = nn.Sequential(*block(1, 2 * w, 2), *block(2 * w, 4 * w), nn.MaxPool2d(2),
+            self.body = nn.Sequential(*block(in_ch, 2 * w, 2), *block(2 * w, 4 * w), nn.MaxPool2d(2),
                                       *block(4 * w, 4 * w), *block(4 * w, 8 * w), nn.MaxPool2d(2),
                                       *block(8 * w, 8 * w))
             self.pool = pool
@@ -335,7 +338,8 @@ def build_cnn(width: int = 8, hidden: int = 64, pool: str = "meanmax"):
 def _cnn_batch(images, ix):
     import torch
 
-    return torch.from_numpy(images[ix]).float().div_(255.0).unsqueeze(1)
+    x = torch.from_numpy(images[ix]).float().div_(255.0)
+    return x.unsqueeze(1) if x.dim() == 3 else x  # [n, H, W] (gray) or [n, C, H, W] (gray + marker channel)
 
 
 def _cnn_eval(model, images, labels, ix, batch: int = 250):
@@ -358,7 +362,7 @@ def _cnn_eval(model, images, labels, ix, batch: int = 250):
 def train_cnn(images, labels, idx, *, epochs: float = 3, batch_size: int = 64, lr: float = 2e-3, width: int = 8,
               hidden: int = 64, pool: str = "meanmax", evals_per_epoch: int = 4, patience: int = 4,
               minutes: float | None = None, seed: int = 0, log=print) -> dict:
-    """Train `build_cnn` on ``images`` (uint8 ``[n, H, W]``, scaled to [0, 1]) with the split ``idx``: Adam,
+    """Train `build_cnn` on ``images`` (uint8 ``[n, H, W]`` or ``[n, C, H, W]``, scaled to [0, 1]) with the split ``idx``: Adam,
     ``lr`` with a cosine decay to 0 over ``epochs`` epochs (100 warm-up steps), weight decay 0; validation
     on the whole val split ``evals_per_epoch`` times an epoch; stops early after ``patience`` evaluations
     without a better val accuracy, or at ``minutes``. Test accuracy with the best-on-val weights and
@@ -371,7 +375,8 @@ def train_cnn(images, labels, idx, *, epochs: float = 3, batch_size: int = 64, l
     torch.manual_seed(seed)
     labels = np.asarray(labels)
     tr, va, te = (np.asarray(idx[s]) for s in ("train", "val", "test"))
-    model = build_cnn(width, hidden, pool).to(memory_format=torch.channels_last)
+    in_ch = 1 if np.asarray(images[:1]).ndim == 3 else int(images.shape[1])
+    model = build_cnn(width, hidden, pool, in_ch).to(memory_format=torch.channels_last)
     n_params = sum(p.numel() for p in model.parameters())
     spe = max(1, len(tr) // batch_size)
     total = max(1, int(round(epochs * spe)))
@@ -449,7 +454,9 @@ def cnn_controls(out: Path, data_tag: str, images, tips, labels, idx, radius: fl
     res = json.loads(path.read_text()) if path.is_file() else {"data": data_tag, "inputs": {}}
     out.mkdir(parents=True, exist_ok=True)
     for name in args.cnn_inputs:
-        x = mask_images(images, tips, radius) if name == "masked" else np.asarray(images)
+        x = mask_images(images, tips, radius) if name.startswith("masked") else np.asarray(images)
+        if name.endswith("+markers"):  # a second channel: the two marker disks (radius 3), given
+            x = np.stack([x, 255 * neighbourhood_mask(tips, MARKER_DISK, x.shape[-1]).astype(np.uint8)], 1)
         print(f"CNN control on the {name} images ({data_tag}; {args.cnn_epochs:g} epochs max, batch "
               f"{args.cnn_batch_size}, lr {args.cnn_lr:g}, width {args.cnn_width}, pool {args.cnn_pool}, "
               f"torch threads {torch.get_num_threads()})", flush=True)
@@ -458,7 +465,8 @@ def cnn_controls(out: Path, data_tag: str, images, tips, labels, idx, radius: fl
                       width=args.cnn_width, pool=args.cnn_pool, patience=args.cnn_patience,
                       minutes=args.cnn_minutes, seed=args.seed, log=lambda s: print(s, flush=True))
         r["wall_s"] = round(time.perf_counter() - t0, 1)
-        r.update(input=name, radius=radius if name == "masked" else None, **meta)
+        r.update(input=name, radius=radius if name.startswith("masked") else None,
+                 marker_channel=MARKER_DISK if name.endswith("+markers") else None, **meta)
         curve = r.pop("curve")
         cpath = out / f"cnn_controls-{data_tag}-{name}-curve.csv"
         with open(cpath, "w", newline="") as f:
@@ -472,7 +480,7 @@ def cnn_controls(out: Path, data_tag: str, images, tips, labels, idx, radius: fl
               f"{100 * r['test_acc']:.1f} +- {100 * r['test_se']:.1f}%, final weights {100 * r['test_final_acc']:.1f}%; "
               f"{r['steps']} steps ({r['epochs_run']:g} epochs, {r['stopped_by'] or 'schedule done'}) in "
               f"{r['wall_s'] / 60:.1f} min", flush=True)
-    cols = ["input", "radius", "test_acc", "test_se", "test_final_acc", "val_best", "val_best_epoch", "epochs_run",
+    cols = ["input", "radius", "marker_channel", "test_acc", "test_se", "test_final_acc", "val_best", "val_best_epoch", "epochs_run",
             "steps", "stopped_by", "wall_s", "ms_per_step", "params", "width", "pool", "batch_size", "lr", "threads",
             "commit", "date"]
     with open(out / f"cnn_controls-{data_tag}.csv", "w", newline="") as f:
@@ -784,8 +792,9 @@ def parse_args(argv=None):
                    help="train the small CNN on the masked images (radius --radius, default 6, whatever --keep says) "
                         "and on the full images, same split; OUT/cnn_controls-R<radius>-n<num>.json / .csv / "
                         "-<input>-curve.csv. Trains no Transformer unless --runs is given")
-    c.add_argument("--cnn-inputs", nargs="+", choices=CNN_INPUTS, default=list(CNN_INPUTS),
-                   help="which inputs (default both: masked full); entries already in the JSON are kept")
+    c.add_argument("--cnn-inputs", nargs="+", choices=CNN_INPUTS, default=list(CNN_INPUTS[:2]),
+                   help="which inputs (default: masked full; '+markers' adds a channel with the two marker "
+                        "disks); entries already in the JSON are kept")
     c.add_argument("--cnn-epochs", type=float, default=3, help="length of the cosine schedule in epochs (default 3)")
     c.add_argument("--cnn-batch-size", type=int, default=64)
     c.add_argument("--cnn-lr", type=float, default=2e-3, help="Adam peak learning rate (default 2e-3)")
