@@ -32,9 +32,8 @@ if [ -n "${REQUIRE:-}" ] && ! done_run "$state/$REQUIRE"; then
     echo "campaign: $state/${REQUIRE} did not arrive with the carried state; stopping before any work" >&2
     exit 3
 fi
-if [ -n "${OUT:-}" ]; then
-    trap 'tar czf - -C "$(dirname "$state")" "$(basename "$state")" | split -b 15M - "$OUT/pxstate.tgz.part-"' EXIT
-fi
+. "$(dirname "$0")/state.sh"
+send_state_back "$state"
 mkdir -p "$state"
 left() { echo $(( minutes * 60 - ($(date +%s) - t0) )); }
 log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - t0 ))s] $*" | tee -a "$state/campaign.log"; }

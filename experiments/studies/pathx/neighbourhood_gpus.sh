@@ -20,9 +20,8 @@ num=${NUM:-100000}; steps=${STEPS:-50000}; cache=${CACHE:-/tmp/nb-cache}; device
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 [ -f COMMIT ] && export SPARSEFLASH_COMMIT=$(cat COMMIT)
 t0=$(date +%s)
-if [ -n "${OUT:-}" ]; then
-    trap 'tar czf - -C "$(dirname "$state")" "$(basename "$state")" | split -b 15M - "$OUT/pxstate.tgz.part-"' EXIT
-fi
+. "$here/state.sh"
+send_state_back "$state"
 [ -f "$state/pretrain/checkpoints/best.pt" ] || { echo "neighbourhood_gpus: $state/pretrain/checkpoints/best.pt did not arrive" >&2; exit 3; }
 $py "$here/neighbourhood.py" --num "$num" --workers "${WORKERS:-16}" --cache "$cache" --generate-only --no-progress || exit $?
 left=$(( minutes * 60 - ($(date +%s) - t0) - 30 ))
@@ -45,10 +44,6 @@ for v in frozen scratch conv conv-sincos; do
         > "$state/nb-$v.log" 2>&1 &
     pids+=($!); i=$(( i + 1 ))
 done
-rc=0
-for p in "${pids[@]}"; do
-    wait "$p"; r=$?
-    if [ "$r" -ne 0 ] && [ "$r" -ne 75 ]; then rc=$r; elif [ "$r" -eq 75 ] && [ "$rc" -eq 0 ]; then rc=75; fi
-done
+wait_runs "${pids[@]}"; rc=$?
 for v in frozen scratch conv conv-sincos; do echo "== $v"; tail -n 3 "$state/nb-$v.log"; done
 exit $rc

@@ -14,9 +14,8 @@ state=$1; minutes=$2; shift 2
 [ $# -ge 1 ] || { echo "variants.sh: give at least one SPEC" >&2; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
 t0=$(date +%s)
-if [ -n "${OUT:-}" ]; then
-    trap 'tar czf - -C "$(dirname "$state")" "$(basename "$state")" | split -b 15M - "$OUT/pxstate.tgz.part-"' EXIT
-fi
+. "$here/state.sh"
+send_state_back "$state"
 OUT= ONLY=data bash "$here/campaign.sh" "$state" "$minutes" || exit $?
 left=$(( minutes * 60 - ($(date +%s) - t0) ))
 mins=$(python3 -c "print(max(0, $left // 60))")
@@ -33,9 +32,4 @@ for spec in "$@"; do
     pids+=($!); i=$(( i + 1 ))
 done
 # exit as campaign.sh does: an error code if any variant failed, else 75 if any has time left to run, else 0
-rc=0
-for p in "${pids[@]}"; do
-    wait "$p"; r=$?
-    if [ "$r" -ne 0 ] && [ "$r" -ne 75 ]; then rc=$r; elif [ "$r" -eq 75 ] && [ "$rc" -eq 0 ]; then rc=75; fi
-done
-exit $rc
+wait_runs "${pids[@]}"
