@@ -37,6 +37,27 @@ FEATURES = ("coords", "patches", "coords+patches")
 COLUMNS = ["resolution", "fidelity", "features", "n_train", "n_test", "acc", "se", "seconds"]
 
 
+def patch_half(resolution: int) -> int:
+    """The patches' half-size k = ceil(marker radius) + 3 (6 at 128 px)."""
+    from sparseflash.experiments.lra.data import pathfinder as pf
+
+    return int(math.ceil(pf.RESOLUTIONS[resolution]["marker_radius"])) + 3
+
+
+def marker_patches(images, tips, half: int) -> np.ndarray:
+    """float32 ``[n, 2 (2 half + 1)^2]``: the square patch around each marker of ``images`` ``[n, H, W]``
+    (``tips [n, 2, 2]``, (y, x)), the markers in raster order (an image does not say which is which),
+    zeros outside the image, gray levels / 255."""
+    images = np.asarray(images)
+    s = 2 * half + 1
+    big = np.pad(images, ((0, 0), (half, half), (half, half)))
+    out = np.empty((len(images), 2, s * s), np.float32)
+    for i, (img, t) in enumerate(zip(big, np.asarray(tips))):
+        for m, (y, x) in enumerate(sorted((int(a), int(b)) for a, b in t)):
+            out[i, m] = img[y:y + s, x:x + s].ravel()
+    return out.reshape(len(images), -1) / 255.0
+
+
 def _probe_chunk(job):
     from sparseflash.experiments.lra.data import pathfinder as pf
 
@@ -44,14 +65,9 @@ def _probe_chunk(job):
     p = pf.params_for(resolution, "hard", fidelity)
     labels = [(chunk * pf.CHUNK[resolution] + i) % 2 for i in range(pf.CHUNK[resolution])]
     made = pf.render_many(p, np.random.default_rng([seed, resolution, 3, chunk]), labels, True)[:count]
-    pad = np.pad  # patches near the border see zeros outside the image
-    coords, patches = [], []
-    for img, lay in made:
-        tips = sorted(tuple(int(v) for v in t) for t in lay["tips"])
-        big = pad(img, k)
-        coords.append([v / resolution for t in tips for v in t])
-        patches.append(np.concatenate([big[y:y + 2 * k + 1, x:x + 2 * k + 1].ravel() for y, x in tips]) / 255.0)
-    return (np.asarray(coords, np.float32), np.asarray(patches, np.float32),
+    tips = np.asarray([[tuple(int(v) for v in t) for t in lay["tips"]] for _, lay in made])
+    coords = [[v / resolution for t in sorted(map(tuple, ts)) for v in t] for ts in tips]
+    return (np.asarray(coords, np.float32), marker_patches(np.stack([img for img, _ in made]), tips, k),
             np.asarray(labels[:count], np.int64))
 
 
@@ -61,8 +77,7 @@ def probe_data(resolution: int, fidelity: str, num: int, *, seed: int = 0, worke
     from sparseflash.experiments.lra.data import pathfinder as pf
     from sparseflash.experiments.lra.data._parallel import run_ordered
 
-    r = pf.RESOLUTIONS[resolution]["marker_radius"]
-    k = int(math.ceil(r)) + 3
+    k = patch_half(resolution)
     K = pf.CHUNK[resolution]
     jobs = [(resolution, fidelity, seed, c, k, min(K, num - c * K)) for c in range(-(-num // K))]
     parts = list(run_ordered(_probe_chunk, jobs, workers, f"probe data {resolution}px {fidelity}", total=num,

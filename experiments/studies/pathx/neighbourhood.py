@@ -47,12 +47,13 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from sparseflash.experiments.lra.probe import marker_patches, patch_half  # the probe's features
 
 RES = 128
 SIDE_SEQ = RES * RES
@@ -76,9 +77,7 @@ COLUMNS = ["tag", "preset", "keep", "radius", "num", "n_train", "n_val", "n_test
 
 def default_radius() -> int:
     """The probe's patch half-size k = ceil(marker radius) + 3 (6 at 128 px)."""
-    from sparseflash.experiments.lra.data import pathfinder as pf
-
-    return int(math.ceil(pf.RESOLUTIONS[RES]["marker_radius"])) + 3
+    return patch_half(RES)
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -158,19 +157,6 @@ def mask_images(images, tips, radius: float | None) -> np.ndarray:
     return out
 
 
-def marker_patches(images, tips, half: int) -> np.ndarray:
-    """float32 ``[n, 2 (2 half + 1)^2]``: the square patch around each marker (markers in raster
-    order, as the probe orders them; zeros outside the image), gray levels / 255."""
-    images = np.asarray(images)
-    s = 2 * half + 1
-    big = np.pad(images, ((0, 0), (half, half), (half, half)))
-    out = np.empty((len(images), 2, s * s), np.float32)
-    for i, (img, t) in enumerate(zip(big, np.asarray(tips))):
-        for m, (y, x) in enumerate(sorted((int(a), int(b)) for a, b in t)):
-            out[i, m] = img[y:y + s, x:x + s].ravel()
-    return out.reshape(len(images), -1) / 255.0
-
-
 # -------------------------------------------------------------------------------------- dataset
 class NeighbourhoodDataset:
     """Path-X images held in memory, read as the Path-X loader reads them (`LRADataset`):
@@ -214,17 +200,6 @@ class NeighbourhoodDataset:
 
 
 # ------------------------------------------------------------------------------------- run info
-def _git_commit() -> str:
-    try:
-        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                           timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(Path(__file__).relative_to(REPO))],
-                               cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        return c + ("+uncommitted-script" if dirty else "")
-    except Exception:  # noqa: BLE001 - not a git checkout
-        return "unknown"
-
-
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -836,7 +811,9 @@ def parse_args(argv=None):
 def _meta(argv) -> dict:
     import torch
 
-    return {"commit": _git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    from sparseflash.experiments.bench.results import git_commit
+
+    return {"commit": git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "cpu": f"{_cpu_name()} ({os.cpu_count()} logical)",
             "python": platform.python_version(),
             "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
