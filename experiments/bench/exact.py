@@ -47,6 +47,10 @@ import torch
 from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
 from sparseflash.experiments.bench.results import write_tidy
 
+# sparseflash providers: (exact, dispatch.HOPPER_EXACT, hopper_bwd.MODE), None leaving a switch as it is
+_SPARSEFLASH = {"sparseflash-exact": (True, "off", None), "sparseflash-exact-hopper": (True, "on", None),
+                "sparseflash-block": (False, None, None), "sparseflash-exact-hopper-bwd": (True, "on", "on"),
+                "sparseflash-block-hopper-bwd": (False, None, "on")}
 PROVIDERS = ("sparseflash-exact", "sparseflash-exact-hopper", "sparseflash-block", "flex",
              "sparseflash-exact-hopper-bwd", "sparseflash-block-hopper-bwd")
 DEFAULT_PROVIDERS = PROVIDERS[:4]
@@ -92,10 +96,9 @@ def _calls(provider: str, q, k, v, mask, flex_mask):
     """A zero-argument forward call of ``provider``."""
     import sparseflash
 
-    if provider in ("sparseflash-exact", "sparseflash-exact-hopper", "sparseflash-exact-hopper-bwd"):  # (`_switch`)
-        return lambda: sparseflash.attention(q, k, v, mask)
-    if provider in ("sparseflash-block", "sparseflash-block-hopper-bwd"):
-        return lambda: sparseflash.attention(q, k, v, mask, exact=False)
+    if provider in _SPARSEFLASH:  # (its switches: `_switch`)
+        exact = _SPARSEFLASH[provider][0]
+        return lambda: sparseflash.attention(q, k, v, mask, exact=exact)
     if provider == "flex":
         from sparseflash.experiments.bench.providers import _flex_compiled
 
@@ -110,16 +113,15 @@ def _switch(provider: str):
     after the forward call returns, and CUDA graphs are captured inside)."""
     from sparseflash.flash import dispatch
 
+    _, hopper_exact, bwd_mode = _SPARSEFLASH.get(provider, (None, None, None))
     saved = dispatch.HOPPER_EXACT
-    if provider in ("sparseflash-exact-hopper", "sparseflash-exact-hopper-bwd"):
-        dispatch.HOPPER_EXACT = "on"
-    elif provider == "sparseflash-exact":
-        dispatch.HOPPER_EXACT = "off"
+    if hopper_exact is not None:
+        dispatch.HOPPER_EXACT = hopper_exact
     bwd = None
-    if provider.endswith("-hopper-bwd"):  # (GPU only: the module imports Gluon)
+    if bwd_mode is not None:  # (GPU only: the module imports Gluon)
         from sparseflash.flash import hopper_bwd as bwd
 
-        saved_mode, bwd.MODE = bwd.MODE, "on"
+        saved_mode, bwd.MODE = bwd.MODE, bwd_mode
     try:
         yield
     finally:
