@@ -585,7 +585,9 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
         import shutil
 
         shutil.rmtree(run_dir)
-    t_start = time.monotonic()
+    # the first run's --minutes count from the command's start (data, masks and probe included), so a
+    # command given MINUTES ends within them; later runs' from their own start
+    t_start, args.t_command = getattr(args, "t_command", None) or time.monotonic(), None
     deadline = t_start + 60 * args.minutes if args.minutes else None
     if args.steps is None:
         if not args.minutes:
@@ -594,7 +596,7 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
         step_s = measure_step_s(probe_cfg, datasets, device, init)
         n_val = len(datasets["val"])
         # the training budget less ~20 evaluations of val (a forward is ~1/3 of a step) and two of test
-        budget = 60 * args.minutes * 0.92 - (20 * n_val / args.batch_size + 2 * len(datasets["test"]) / args.batch_size) * step_s / 3
+        budget = (deadline - time.monotonic()) * 0.92 - (20 * n_val / args.batch_size + 2 * len(datasets["test"]) / args.batch_size) * step_s / 3
         steps = max(20, int(budget / step_s) - 10)
         print(f"{tag}: {1e3 * step_s:.0f} ms a step measured; {steps} steps fit in {args.minutes} min", flush=True)
         args_steps = _with(args, steps=steps)
@@ -607,8 +609,9 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
           f"init {init or 'none'}, freeze {cfg.train.freeze or 'none'}, torch threads {torch.get_num_threads()}",
           flush=True)
     t0 = time.perf_counter()
+    workers = args.loader_workers if args.loader_workers is not None else (0 if torch.device(device).type == "cpu" else 4)
     summary = train(cfg, run_dir, datasets=datasets, device=device, init_from=init, deadline=deadline,
-                    show_progress=not args.no_progress, resume="auto" if resuming else None)
+                    show_progress=not args.no_progress, resume="auto" if resuming else None, num_workers=workers)
     if summary.get("stopped_by") and args.resume:
         print(f"{tag}: stopped at step {summary['steps']} of {cfg.train.steps} ({summary['stopped_by']}); the same "
               f"command continues it", flush=True)
@@ -745,7 +748,9 @@ def parse_args(argv=None):
     t.add_argument("--freeze", nargs="*", default=[], help="parameter name prefixes to freeze in every run, e.g. encoder.pos")
     t.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (faithful: 1e-4)")
     t.add_argument("--steps", type=int, default=None, help="length of the cosine schedule; default: what fits in --minutes")
-    t.add_argument("--minutes", type=float, default=None, help="time limit of each run (sizes --steps if not given)")
+    t.add_argument("--minutes", type=float, default=None,
+                   help="time limit of each run; the first run's counts from the command's start (data, masks and "
+                        "probe included); sizes --steps if not given")
     t.add_argument("--warmup", type=int, default=None, help="warm-up steps (default min(one epoch, steps / 10))")
     t.add_argument("--batch-size", type=int, default=32, help="default 32 (faithful)")
     t.add_argument("--eval-every", type=int, default=None, help="validation interval (default steps / 20)")
@@ -758,6 +763,9 @@ def parse_args(argv=None):
     t.add_argument("--set", nargs="*", default=[], metavar="SECTION.FIELD=VALUE",
                    help="config overrides applied last, e.g. model.pos_emb=grid_sincos (see configs.apply_overrides)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's)")
+    t.add_argument("--loader-workers", type=int, default=None,
+                   help="data-loader processes feeding each run (default 0 on a CPU, 4 on CUDA: one process "
+                        "cannot turn 16,384-token images into batches as fast as a GPU trains on ~150 tokens)")
     t.add_argument("--mlp-epochs", type=int, default=60, help="epochs of the probe MLP (default 60, the probe's)")
     t.add_argument("--mlp-controls", action="store_true",
                    help="also fit the MLP for 1, 2, 4 epochs and on the whole masked image (no alignment); "
@@ -820,7 +828,9 @@ def _meta(argv) -> dict:
 
 
 def main(argv=None) -> int:
+    t_command = time.monotonic()
     a = parse_args(argv)
+    a.t_command = t_command
     if a.report_only:
         report(a.out)
         return 0

@@ -5,7 +5,7 @@
 # (default /tmp/nb-cache; a fresh machine draws them again, the same images), then trains the four
 # variants side by side for the minutes left, each its own process on GPU i mod (number of GPUs),
 # each with its own results folder STATE/nb-<variant>/ (neighbourhood.py --resume: exit 75 until
-# its STEPS (default 50000) are done):
+# its STEPS (default 50000) are done; STEPS=auto sizes each schedule to the minutes left instead):
 #   frozen   the faithful model from Pathfinder-64 pretraining (STATE/pretrain), position table frozen
 #   scratch  the faithful model from scratch
 #   conv     from scratch with model.conv_stem=2 (each token first sees its 5x5 surroundings)
@@ -27,8 +27,9 @@ $py "$here/neighbourhood.py" --num "$num" --workers "${WORKERS:-16}" --cache "$c
 left=$(( minutes * 60 - ($(date +%s) - t0) - 30 ))
 [ "$left" -ge 120 ] || { echo "neighbourhood_gpus: no time left after the data" >&2; exit 75; }
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-common=(--num "$num" --cache "$cache" --device "$device" --steps "$steps" --resume --no-progress
-        --minutes "$($py -c "print($left / 60)")")
+common=(--num "$num" --cache "$cache" --device "$device" --no-progress --minutes "$($py -c "print($left / 60)")")
+# STEPS=auto: each run sizes its schedule to the minutes left (one command, finished with its test score)
+[ "$steps" = auto ] || common+=(--steps "$steps" --resume)
 declare -A extra=(
     [frozen]="--runs pretrained-frozen --init-from $state/pretrain/checkpoints/best.pt"
     [scratch]="--runs scratch"
@@ -40,7 +41,8 @@ for v in frozen scratch conv conv-sincos; do
     dev=(); [ "$gpus" -ge 2 ] && dev=(env CUDA_VISIBLE_DEVICES=$(( i % gpus )))
     mkdir -p "$state/nb-$v"
     # shellcheck disable=SC2086
-    "${dev[@]}" $py "$here/neighbourhood.py" "${common[@]}" --out "$state/nb-$v" ${extra[$v]} \
+    # --minutes count from each process's start; past them (+30 s) SIGTERM makes a run checkpoint and stop
+    "${dev[@]}" timeout -s TERM -k 30 $(( left + 30 )) $py "$here/neighbourhood.py" "${common[@]}" --out "$state/nb-$v" ${extra[$v]} \
         > "$state/nb-$v.log" 2>&1 &
     pids+=($!); i=$(( i + 1 ))
 done
