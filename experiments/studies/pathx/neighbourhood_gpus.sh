@@ -36,8 +36,18 @@ declare -A extra=(
     [conv]="--runs scratch --set model.conv_stem=2 --tag conv-stem2"
     [conv-sincos]="--runs scratch --set model.conv_stem=2 model.pos_emb=grid_sincos --tag conv-stem2-sincos"
 )
+names=(frozen scratch conv conv-sincos)
+# VARIANTS="name=options;name=options...": other runs instead (PRETRAIN in options stands for the
+# pretrained weights), e.g. "frozen-lr3e-4=--runs pretrained-frozen --init-from PRETRAIN --lr 3e-4"
+if [ -n "${VARIANTS:-}" ]; then
+    names=()
+    IFS=';' read -ra specs <<< "$VARIANTS"
+    for spec in "${specs[@]}"; do
+        n=${spec%%=*}; names+=("$n"); extra[$n]=${spec#*=}; extra[$n]=${extra[$n]//PRETRAIN/$state/pretrain/checkpoints/best.pt}
+    done
+fi
 pids=(); i=0
-for v in frozen scratch conv conv-sincos; do
+for v in "${names[@]}"; do
     dev=(); [ "$gpus" -ge 2 ] && dev=(env CUDA_VISIBLE_DEVICES=$(( i % gpus )))
     mkdir -p "$state/nb-$v"
     # shellcheck disable=SC2086
@@ -47,5 +57,5 @@ for v in frozen scratch conv conv-sincos; do
     pids+=($!); i=$(( i + 1 ))
 done
 wait_runs "${pids[@]}"; rc=$?
-for v in frozen scratch conv conv-sincos; do echo "== $v"; tail -n 3 "$state/nb-$v.log"; done
+for v in "${names[@]}"; do echo "== $v"; tail -n 3 "$state/nb-$v.log"; done
 exit $rc
