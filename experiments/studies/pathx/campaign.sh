@@ -32,6 +32,10 @@ if [ -n "${REQUIRE:-}" ] && ! done_run "$state/$REQUIRE"; then
     echo "campaign: $state/${REQUIRE} did not arrive with the carried state; stopping before any work" >&2
     exit 3
 fi
+if [ -n "${INIT:-}" ]; then  # the fine-tune's starting weights (below)
+    [ -n "${TAG:-}" ] || { echo "campaign: INIT needs TAG, the suffix that names the run" >&2; exit 2; }
+    [ -f "$state/$INIT" ] || { echo "campaign: INIT $state/$INIT did not arrive with the carried state" >&2; exit 3; }
+fi
 . "$(dirname "$0")/state.sh"
 send_state_back "$state"
 mkdir -p "$state"
@@ -91,8 +95,12 @@ if [ -n "${SET:-}" ]; then
     IFS=';' read -ra sets <<< "$SET"
     for x in "${sets[@]}"; do extra+=(--set "$x"); done
 fi
+# INIT: the fine-tune's starting weights, a path under STATE (default pretrain's best, its 64x64
+# position grid upsampled 2x2), e.g. a marker-neighbourhood run's best.pt (neighbourhood.md: a
+# curriculum from the markers' surroundings to whole images); needs TAG
+init=${INIT:-pretrain/checkpoints/best.pt}  # checked before any work, above
 [ -n "${TAG:-}" ] && ft=$ft-$TAG
-train "$ft" pathx --init-from "$state/pretrain/checkpoints/best.pt" "${extra[@]}" || exit $?
+train "$ft" pathx --init-from "$state/$init" "${extra[@]}" || exit $?
 if [ ! -f "$state/$ft/crosseval-clean.json" ]; then
     # variants.sh may finish two runs at once: one generation of the clean data at a time
     mkdir -p "$data"; exec {lock}>"$data/.clean.lock"; flock "$lock"

@@ -687,7 +687,8 @@ def plot(out: Path, rows: list[dict]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.6))
+    many = len(rows) > 4  # the legend beside the axes, not over the curves
+    fig, ax = plt.subplots(figsize=(12.5 if many else 8, 4.8 if many else 4.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     mlp_seen = {}
     for i, r in enumerate(rows):
@@ -713,7 +714,10 @@ def plot(out: Path, rows: list[dict]) -> Path:
     ax.set_xlabel("training step (batch 32)")
     ax.set_ylabel("accuracy (%)")
     ax.set_title("Path-X Transformer on the marker neighbourhoods only (hard, release, 128 px)")
-    ax.legend(fontsize=7, loc="upper left")
+    if many:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    else:
+        ax.legend(fontsize=7, loc="upper left")
     ax.set_ylim(40, 90)
     fig.tight_layout()
     path = out / "neighbourhood.png"
