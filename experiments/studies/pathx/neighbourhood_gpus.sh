@@ -3,7 +3,8 @@
 #   experiments/studies/pathx/neighbourhood_gpus.sh STATE MINUTES
 # From a snapshot's root (as campaign.sh). Draws NUM (default 100000) images once into CACHE
 # (default /tmp/nb-cache; a fresh machine draws them again, the same images), then trains the four
-# variants side by side for the minutes left, each its own process on GPU i mod (number of GPUs),
+# variants side by side for the minutes left, each its own process on GPU (i + FIRST_GPU) mod (number
+# of GPUs; FIRST_GPU default 0),
 # each with its own results folder STATE/nb-<variant>/ (neighbourhood.py --resume: exit 75 until
 # its STEPS (default 50000) are done; STEPS=auto sizes each schedule to the minutes left instead):
 #   frozen   the faithful model from Pathfinder-64 pretraining (STATE/pretrain), position table frozen
@@ -48,7 +49,7 @@ if [ -n "${VARIANTS:-}" ]; then
 fi
 pids=(); i=0
 for v in "${names[@]}"; do
-    dev=(); [ "$gpus" -ge 2 ] && dev=(env CUDA_VISIBLE_DEVICES=$(( i % gpus )))
+    dev=(); [ "$gpus" -ge 2 ] && dev=(env CUDA_VISIBLE_DEVICES=$(( (i + ${FIRST_GPU:-0}) % gpus )))
     mkdir -p "$state/nb-$v"
     # shellcheck disable=SC2086
     # --minutes count from each process's start; past them (+30 s) SIGTERM makes a run checkpoint and stop
