@@ -117,6 +117,23 @@ def test_end_to_end_writes_the_table(tmp_path):
     assert len(list(csv.DictReader(open(out / "neighbourhood.csv")))) == 1
 
 
+def test_minutes_count_from_the_command_start(tmp_path):
+    """A command that spent its minutes before training (data, masks, probe) stops its run at once,
+    checkpointed and resumable, instead of training past the command's limit."""
+    import time
+
+    out = tmp_path / "out"
+    args = ["--num", "40", "--workers", "1", "--cache", str(tmp_path / "cache"), "--out", str(out), "--runs",
+            "scratch", "--steps", "40", "--batch-size", "8", "--mlp-epochs", "2", "--threads", "1", "--device",
+            "cpu", "--no-progress", "--minutes", "0.5", "--resume"]
+    assert nb.main(args, started=time.monotonic() - 60) == 75
+    summary = json.loads((out / "runs" / "scratch-R6-n40" / "summary.json").read_text())
+    assert summary["stopped_by"] == "time_limit" and summary["steps"] == 0
+    assert nb.main(args[:-3] + ["--resume"]) == 0  # the same run, continued without a limit, finishes
+    summary = json.loads((out / "runs" / "scratch-R6-n40" / "summary.json").read_text())
+    assert summary["steps"] == 40 and not summary.get("stopped_by")
+
+
 def test_cnn_control_writes_its_json(tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = ["--num", "40", "--workers", "1", "--cache", str(cache), "--out", str(out), "--cnn-controls",

@@ -831,8 +831,9 @@ def _meta(argv) -> dict:
             "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
 
 
-def main(argv=None) -> int:
-    t_command = time.monotonic()
+def main(argv=None, started: float | None = None) -> int:
+    """``started``: the `time.monotonic` value the command's ``--minutes`` count from (default now)."""
+    t_command = time.monotonic() if started is None else started
     a = parse_args(argv)
     a.t_command = t_command
     if a.report_only:
