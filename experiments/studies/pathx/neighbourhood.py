@@ -611,7 +611,8 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
     t0 = time.perf_counter()
     workers = args.loader_workers if args.loader_workers is not None else (0 if torch.device(device).type == "cpu" else 4)
     summary = train(cfg, run_dir, datasets=datasets, device=device, init_from=init, deadline=deadline,
-                    show_progress=not args.no_progress, resume="auto" if resuming else None, num_workers=workers)
+                    show_progress=not args.no_progress, resume="auto" if resuming else None, num_workers=workers,
+                    cuda_graphs=bool(args.cuda_graphs))
     if summary.get("stopped_by") and args.resume:
         print(f"{tag}: stopped at step {summary['steps']} of {cfg.train.steps} ({summary['stopped_by']}); the same "
               f"command continues it", flush=True)
@@ -767,6 +768,9 @@ def parse_args(argv=None):
     t.add_argument("--set", nargs="*", default=[], metavar="SECTION.FIELD=VALUE",
                    help="config overrides applied last, e.g. model.pos_emb=grid_sincos (see configs.apply_overrides)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's)")
+    t.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the training steps from CUDA graphs (train.py's --cuda-graphs; CUDA only): the "
+                        "eager step of a ~150-token model is host-bound (GPUs 10-15%% busy at 11-14 ms a step)")
     t.add_argument("--loader-workers", type=int, default=None,
                    help="data-loader processes feeding each run (default 0 on a CPU, 4 on CUDA: one process "
                         "cannot turn 16,384-token images into batches as fast as a GPU trains on ~150 tokens)")

@@ -29,6 +29,9 @@ left=$(( minutes * 60 - ($(date +%s) - t0) - 30 ))
 [ "$left" -ge 120 ] || { echo "neighbourhood_gpus: no time left after the data" >&2; exit 75; }
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 common=(--num "$num" --cache "$cache" --device "$device" --no-progress --minutes "$($py -c "print($left / 60)")")
+# GRAPHS=1: training steps replayed from CUDA graphs (the eager ~150-token step is host-bound; not yet
+# run on a GPU; STEPS=auto then sizes the schedule from an eager step and undershoots)
+[ "${GRAPHS:-0}" = 1 ] && common+=(--cuda-graphs)
 # STEPS=auto: each run sizes its schedule to the minutes left (one command, finished with its test score)
 [ "$steps" = auto ] || common+=(--steps "$steps" --resume)
 declare -A extra=(
