@@ -227,3 +227,41 @@ def test_cnn_learns_a_translated_orientation_cue():
                      log=lambda s: None)
     assert r["test_acc"] >= 0.9, r
     assert r["steps"] == r["schedule_steps"] == 4 * (480 // 16)
+
+
+def test_radius_stages_chain_their_weights_and_resume(tmp_path):
+    """--radius-stages: one run a stage, each initialised from the previous stage's best weights, the
+    whole image last; a second command finds them done. zero_shot.py then scores the stages' weights
+    on fresh images at each radius."""
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    base = ["--num", "40", "--workers", "1", "--cache", str(cache), "--out", str(out), "--batch-size", "8",
+            "--eval-every", "2", "--mlp-epochs", "2", "--threads", "1", "--device", "cpu", "--no-progress"]
+    assert nb.main(base + ["--runs", "scratch", "--steps", "2", "--keep-checkpoints", "--tag", "seed", "--no-probe"]) == 0
+    first = out / "runs" / "seed" / "checkpoints" / "best.pt"
+    stages = base + ["--runs", "pretrained-frozen", "--init-from", str(first), "--radius-stages", "9", "full",
+                     "--steps", "2", "--no-probe", "--tag", "cur"]
+    assert nb.main(stages) == 0
+    r1 = json.loads((out / "runs" / "cur-1-R9" / "result.json").read_text())
+    r2 = json.loads((out / "runs" / "cur-2-full" / "result.json").read_text())
+    assert r1["init_from"] == str(first) and r1["radius"] == 9 and r1["freeze"] == "encoder.pos"
+    assert r2["init_from"] == str(out / "runs" / "cur-1-R9" / "checkpoints" / "best.pt") and r2["keep"] == "full"
+    assert r1["mlp_acc"] is None
+    assert r2["mean_tokens"] > r1["mean_tokens"]  # the whole image: every drawn pixel
+    mtime = (out / "runs" / "cur-2-full" / "result.json").stat().st_mtime
+    assert nb.main(stages) == 0 and (out / "runs" / "cur-2-full" / "result.json").stat().st_mtime == mtime
+    with pytest.raises(SystemExit, match="init-from"):
+        nb.main(base + ["--runs", "scratch", "--radius-stages", "9", "--steps", "2"])
+    with pytest.raises(SystemExit, match="positive radius"):
+        nb.main(base + ["--runs", "pretrained", "--init-from", str(first), "--radius-stages", "0", "--steps", "2"])
+
+    zs = pytest.importorskip("sparseflash.experiments.studies.pathx.zero_shot")
+    zout = tmp_path / "zs"
+    assert zs.main([str(out / "runs" / "cur-2-full" / "checkpoints" / "best.pt"), "--labels", "curriculum",
+                    "--num", "8", "--radii", "6", "full", "--cache", str(cache), "--out", str(zout), "--workers", "1",
+                    "--device", "cpu", "--threads", "1"]) == 0
+    rows = list(csv.DictReader(open(zout / "zero_shot.csv")))
+    assert [r["input"] for r in rows] == ["R6", "full"] and all(int(r["n"]) == 8 for r in rows)
+    assert float(rows[1]["mean_tokens"]) > float(rows[0]["mean_tokens"])
+    assert (zout / "zero_shot.png").is_file()
+    with pytest.raises(SystemExit):
+        zs.main([str(tmp_path / "missing.pt"), "--out", str(zout)])

@@ -36,6 +36,13 @@ that Transformer learns the cue at all when it is given nothing else:
    its standard error sqrt(p (1 - p) / n), the curve files) and ``neighbourhood.png`` (training and
    validation accuracy against steps, the MLP's held-out accuracy as a horizontal line).
    ``--report-only`` rebuilds just the table and figure (e.g. after runs started side by side).
+7. A curriculum (``--radius-stages 9 12 16 24 full``, one preset that starts from ``--init-from``):
+   one run a stage, in order, each on the same images masked at the stage's radius (``full``: the
+   whole image, the real Path-X input) and initialised from the previous stage's best-on-val
+   weights (the first from ``--init-from``), checkpoints kept; each stage gets ``--stage-minutes``
+   (default: the minutes left shared equally among the stages not yet run), and a later command
+   skips the stages already done. ``--no-probe``
+   skips the probe MLP (a minute a radius on 100K images).
 """
 
 from __future__ import annotations
@@ -483,7 +490,7 @@ def build_config(args, preset: str, n_train: int, device_type: str):
     tc.epochs, tc.warmup_epochs = None, None
     tc.steps = args.steps
     tc.warmup_steps = min(spe, max(1, args.steps // 10)) if args.warmup is None else args.warmup  # faithful: 1 epoch
-    tc.eval_every = args.eval_every or max(50, args.steps // 20)
+    tc.eval_every = args.eval_every or max(50, args.steps // getattr(args, "evals", 20))
     tc.eval_batches = None  # the whole val split
     tc.save_every = max(tc.eval_every, args.steps)
     tc.log_every = args.log_every or max(10, min(100, tc.eval_every // 5))
@@ -596,7 +603,8 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
         step_s = measure_step_s(probe_cfg, datasets, device, init)
         n_val = len(datasets["val"])
         # the training budget less ~20 evaluations of val (a forward is ~1/3 of a step) and two of test
-        budget = (deadline - time.monotonic()) * 0.92 - (20 * n_val / args.batch_size + 2 * len(datasets["test"]) / args.batch_size) * step_s / 3
+        evals = getattr(args, "evals", 20)
+        budget = (deadline - time.monotonic()) * 0.92 - (evals * n_val / args.batch_size + 2 * len(datasets["test"]) / args.batch_size) * step_s / 3
         steps = max(20, int(budget / step_s) - 10)
         print(f"{tag}: {1e3 * step_s:.0f} ms a step measured; {steps} steps fit in {args.minutes} min", flush=True)
         args_steps = _with(args, steps=steps)
@@ -654,8 +662,8 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
             pass
     print(f"{tag}: {row['steps']} steps in {wall / 60:.1f} min; held-out (best-on-val weights) "
           f"{100 * (row['test_acc'] or 0):.1f} +- {100 * (row['test_se'] or 0):.1f}%, final weights "
-          f"{100 * (row['test_final_acc'] or 0):.1f}%; probe MLP on the same pixels {100 * probe['acc']:.1f} +- "
-          f"{100 * probe['se']:.1f}%", flush=True)
+          f"{100 * (row['test_final_acc'] or 0):.1f}%" + ("" if probe["acc"] is None else
+          f"; probe MLP on the same pixels {100 * probe['acc']:.1f} +- {100 * probe['se']:.1f}%"), flush=True)
     return row
 
 
@@ -706,7 +714,7 @@ def plot(out: Path, rows: list[dict]) -> Path:
             ax.plot([float(e["step"]) for e in ev], [100 * float(e["acc"]) for e in ev], "o-", color=c, ms=3, lw=1.6,
                     label=f"{r['tag']}: val; test {100 * (r['test_acc'] or 0):.1f}±{100 * (r['test_se'] or 0):.1f}%")
         key = (r["keep"], r["radius"], r["num"])
-        if key not in mlp_seen:
+        if key not in mlp_seen and r.get("mlp_acc") is not None:
             mlp_seen[key] = True
             ax.axhline(100 * r["mlp_acc"], color="black", ls="--", lw=1,
                        label=f"probe MLP, same pixels ({r['keep']} R={r['radius']}): "
@@ -768,6 +776,12 @@ def parse_args(argv=None):
     t.add_argument("--set", nargs="*", default=[], metavar="SECTION.FIELD=VALUE",
                    help="config overrides applied last, e.g. model.pos_emb=grid_sincos (see configs.apply_overrides)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's)")
+    t.add_argument("--radius-stages", nargs="+", default=None, metavar="R",
+                   help="a curriculum: one run a stage at these radii in order ('full': the whole image), each "
+                        "from the previous stage's best weights, the first from --init-from (docstring, 7.)")
+    t.add_argument("--stage-minutes", type=float, default=None,
+                   help="--radius-stages: minutes a stage (default: the minutes left shared by the stages left)")
+    t.add_argument("--no-probe", action="store_true", help="skip the probe MLP on the masked pixels")
     t.add_argument("--cuda-graphs", action="store_true",
                    help="replay the training steps from CUDA graphs (train.py's --cuda-graphs; CUDA only): the "
                         "eager step of a ~150-token model is host-bound (GPUs 10-15%% busy at 11-14 ms a step)")
@@ -835,6 +849,77 @@ def _meta(argv) -> dict:
             "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
 
 
+NO_PROBE = {"acc": None, "se": None, "features": None}
+
+
+def _stage_radius(v: str) -> float | None:
+    if v == "full":
+        return None
+    try:
+        r = float(v)
+    except ValueError:
+        r = float("nan")
+    if not r > 0:
+        raise SystemExit(f"--radius-stages: each stage is a positive radius in pixels or 'full', got {v!r}")
+    return r
+
+
+def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
+    """The curriculum of ``--radius-stages`` (docstring, 7.): 0 when every stage is done, 75 when the
+    time ran out first (the same command continues with the next stage)."""
+    radii = [_stage_radius(v) for v in a.radius_stages]
+    if len(a.runs) != 1 or not PRESETS[a.runs[0]][0]:
+        raise SystemExit(f"--radius-stages runs one preset that starts from --init-from (pretrained or "
+                         f"pretrained-frozen), got --runs {' '.join(a.runs)}")
+    if not a.init_from:
+        raise SystemExit("--radius-stages: give --init-from, the first stage's starting weights")
+    base = a.tag or f"{a.runs[0]}-stages"
+    end = a.t_command + 60 * a.minutes if a.minutes else None
+    init, status = a.init_from, 0
+    for k, r in enumerate(radii):
+        name = "full" if r is None else f"R{r:g}"
+        tag = f"{base}-{k + 1}-{name}"
+        best = a.out / "runs" / tag / "checkpoints" / "best.pt"
+        if (a.out / "runs" / tag / "result.json").is_file() and not a.overwrite:
+            print(f"{tag}: done before", flush=True)
+            last = best.with_name("last.pt")
+            init = best if best.is_file() else last if last.is_file() else init
+            continue
+        left = None if end is None else (end - time.monotonic()) / 60
+        if left is not None and left * 60 < 60:
+            print(f"stages: no time left for {tag}; the same command continues", flush=True)
+            status = 75
+            break
+        masked = mask_images(images, tips, r)
+        datasets = {s: NeighbourhoodDataset(masked[ix], labels[ix], s) for s, ix in idx.items()}
+        data_tag = f"{name}-n{a.num}" + (f"-s{a.seed}" if a.seed else "")
+        probe = NO_PROBE
+        if not a.no_probe:
+            half = int(math.ceil(r)) if r is not None else default_radius()
+            probe = run_probe(a.out, data_tag, masked, tips, labels.astype(np.int64), idx, half, a.mlp_epochs, a.seed)
+        share = None if left is None else (end - time.monotonic()) / 60 / (len(radii) - k)
+        if a.stage_minutes:
+            share = a.stage_minutes if share is None else min(a.stage_minutes, (end - time.monotonic()) / 60)
+        sa = _with(a, radius=r, keep="full" if r is None else "neighbourhood", init_from=Path(init), tag=tag,
+                   keep_checkpoints=True, t_command=None, minutes=share, evals=5)  # short stages: 5 validations
+        row = run_one(sa, a.runs[0], data_tag, datasets, probe, meta)
+        del masked, datasets
+        if row is None:  # stopped by its time limit with --resume: continue it next command
+            status = 75
+            break
+        if not row["steps"]:  # no time for a single step: not done, the next command runs it
+            (a.out / "runs" / tag / "result.json").unlink()
+            status = 75
+            break
+        # the next stage starts from this one's best-on-val weights; a stage cut before its first
+        # validation has only its last weights, and one cut before its first step leaves init as it was
+        last = best.with_name("last.pt")
+        init = best if best.is_file() else last if last.is_file() else init
+    rows = report(a.out)
+    print(f"wrote {a.out / 'neighbourhood.csv'}, .json, .png ({len(rows)} runs)", flush=True)
+    return status
+
+
 def main(argv=None, started: float | None = None) -> int:
     """``started``: the `time.monotonic` value the command's ``--minutes`` count from (default now)."""
     t_command = time.monotonic() if started is None else started
@@ -855,8 +940,11 @@ def main(argv=None, started: float | None = None) -> int:
     radius = a.radius if a.keep == "neighbourhood" else None
     data_tag = f"R{a.radius:g}" if radius is not None else "full"
     data_tag += f"-n{a.num}" + (f"-s{a.seed}" if a.seed else "")
-    masked = mask_images(images, tips, radius)
     idx = split_indices(len(labels), a.seed)
+    if a.radius_stages:
+        return run_stages(a, images, tips, labels, idx, {**_meta(argv), "data_cache": gen["cache"],
+                                                         "generated_s": gen["generated_s"]})
+    masked = mask_images(images, tips, radius)
     if a.cnn_controls:
         cnn_radius = a.radius if a.radius is not None else default_radius()
         cnn_tag = f"R{cnn_radius:g}-n{a.num}" + (f"-s{a.seed}" if a.seed else "")
@@ -869,7 +957,8 @@ def main(argv=None, started: float | None = None) -> int:
           f"labels {100 * labels.mean():.1f}% positive; kept (drawn) pixels an image: mean {counts.mean():.0f}, "
           f"max {counts.max()}", flush=True)
     half = int(math.ceil(radius)) if radius is not None else default_radius()
-    probe = run_probe(a.out, data_tag, masked, tips, labels.astype(np.int64), idx, half, a.mlp_epochs, a.seed)
+    probe = NO_PROBE if a.no_probe else run_probe(a.out, data_tag, masked, tips, labels.astype(np.int64), idx, half,
+                                                  a.mlp_epochs, a.seed)
     if a.mlp_controls:
         mlp_controls(a.out, data_tag, masked, tips, labels.astype(np.int64), idx, half, a.seed)
     meta = {**_meta(argv), "data_cache": gen["cache"], "generated_s": gen["generated_s"]}

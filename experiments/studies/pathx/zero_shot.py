@@ -1,0 +1,163 @@
+"""How much of a marker-neighbourhood model's cue survives more ink, before any further training.
+
+A model trained on the pixels within R = 6 of the two markers (``neighbourhood.py``) is evaluated,
+unchanged, on fresh hard release 128 px images masked at wider radii and on the whole images
+(every drawn pixel: the real Path-X input). If it keeps part of its accuracy on whole images, a
+whole-image fine-tune starts from a model that already reads the cue there; if it falls to chance
+at R = 12 already, the curriculum needs its intermediate radii.
+
+    PYTHONPATH=. python experiments/studies/pathx/zero_shot.py CHECKPOINT [CHECKPOINT ...] \\
+        --num 2000 --radii 6 12 24 48 full [--seed 1] [--out results/neighbourhood/zero_shot]
+
+Writes ``OUT/zero_shot.csv`` and ``.json`` (one row a checkpoint and input: accuracy, its standard
+error, loss, mean drawn tokens) and ``zero_shot.png``. The images are drawn with ``--seed`` (default
+1; the neighbourhood runs drew theirs with seed 0, so none of these was trained on) and cached in
+``--cache``. On a CPU the faithful attention becomes SDPA (as in ``neighbourhood.py``); evaluation
+has no dropout, so the function is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "neighbourhood" / "zero_shot"
+DEFAULT_CACHE = Path("runs") / "neighbourhood-cache"
+
+
+def _radius(v: str) -> float | None:
+    if v == "full":
+        return None
+    r = float(v)
+    if not r > 0:
+        raise argparse.ArgumentTypeError(f"a radius is a positive number of pixels or 'full', got {v!r}")
+    return r
+
+
+def evaluate_checkpoint(path: Path, images, tips, labels, radii, device: str, batch_size: int) -> list[dict]:
+    """Accuracy of the checkpoint's model (its own config, ``model.black_is_padding`` as trained) on
+    ``images`` masked at each radius (None: whole images)."""
+    import contextlib
+
+    import torch
+
+    from sparseflash.experiments.lra.configs import config_from_dict
+    from sparseflash.experiments.lra.train import build_model, evaluate
+    from sparseflash.experiments.studies.pathx.neighbourhood import NeighbourhoodDataset, mask_images
+
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    if "config" not in ck or "model" not in ck:
+        raise SystemExit(f"{path}: not a training checkpoint (needs 'config' and 'model'); give a run's best.pt")
+    cfg = config_from_dict(ck["config"])
+    if cfg.task != "pathx":
+        raise SystemExit(f"{path}: a {cfg.task!r} model; this check needs a Path-X (128 px) one")
+    if torch.device(device).type == "cpu":
+        cfg.model.attention = "sdpa"  # the same function without the GPU kernels
+    model = build_model(cfg.validate())
+    model.load_state_dict(ck["model"])
+    model.to(device)
+    rows = []
+    for r in radii:
+        ds = NeighbourhoodDataset(mask_images(images, tips, r), labels, "zero-shot")
+        t0 = time.perf_counter()
+        res = evaluate(model, ds, batch_size=batch_size, max_batches=None, device=torch.device(device),
+                       autocast=contextlib.nullcontext())
+        acc, n = float(res["acc"]), int(res["n"])
+        rows.append({"checkpoint": str(path), "step": ck.get("step"), "input": "full" if r is None else f"R{r:g}",
+                     "radius": r, "n": n, "acc": round(acc, 4), "se": round(math.sqrt(acc * (1 - acc) / n), 4),
+                     "loss": round(float(res["loss"]), 4), "mean_tokens": round(float(ds.kept_counts().mean()), 1),
+                     "seconds": round(time.perf_counter() - t0, 1)})
+        print(f"{path.parent.parent.name if path.parent.name == 'checkpoints' else path.name}: "
+              f"{rows[-1]['input']:>5}: {100 * acc:.1f} +- {100 * rows[-1]['se']:.1f}% "
+              f"({rows[-1]['mean_tokens']:.0f} tokens an image, {rows[-1]['seconds']} s)", flush=True)
+    return rows
+
+
+def plot(out: Path, rows: list[dict]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = list(dict.fromkeys(r["label"] for r in rows))
+    inputs = list(dict.fromkeys(r["input"] for r in rows))
+    for name in names:
+        rs = {r["input"]: r for r in rows if r["label"] == name}
+        xs = [i for i, k in enumerate(inputs) if k in rs]
+        ys = [100 * rs[inputs[i]]["acc"] for i in xs]
+        es = [100 * rs[inputs[i]]["se"] for i in xs]
+        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name)
+    ax.axhline(50, color="gray", ls=":", lw=0.8)
+    ax.set_xticks(range(len(inputs)), [f"{k}\n({np.mean([r['mean_tokens'] for r in rows if r['input'] == k]):.0f} tokens)"
+                                       for k in inputs])
+    ax.set_xlabel("input: pixels within R of either marker, or the whole image")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.set_title("Marker-neighbourhood models on wider inputs, no further training")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "zero_shot.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoints", nargs="+", type=Path, help="best.pt of neighbourhood (or Path-X) runs")
+    ap.add_argument("--labels", nargs="*", default=None, help="a name for each checkpoint in the table and figure")
+    ap.add_argument("--num", type=int, default=2000, help="fresh images to evaluate on (default 2000)")
+    ap.add_argument("--seed", type=int, default=1, help="their seed (default 1; the training images used 0)")
+    ap.add_argument("--radii", nargs="+", type=_radius, default=[6.0, 12.0, 24.0, None],
+                    help="radii in pixels, 'full' for the whole image (default 6 12 24 full)")
+    ap.add_argument("--workers", type=int, default=2, help="processes drawing the images (default 2)")
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"image cache folder (default {DEFAULT_CACHE})")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default cuda if available)")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    a = ap.parse_args(argv)
+    if a.labels is not None and len(a.labels) != len(a.checkpoints):
+        ap.error(f"--labels: {len(a.labels)} names for {len(a.checkpoints)} checkpoints")
+    if a.num < 2:
+        ap.error(f"--num must be at least 2, got {a.num}")
+    for c in a.checkpoints:
+        if not c.is_file():
+            ap.error(f"checkpoint {c}: no such file")
+    import torch
+
+    from sparseflash.experiments.studies.pathx.neighbourhood import load_or_generate
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    images, tips, labels, _ = load_or_generate(a.cache, a.num, a.seed, a.workers)
+    rows = []
+    for i, c in enumerate(a.checkpoints):
+        label = a.labels[i] if a.labels else str(c)
+        rows += [dict(r, label=label) for r in evaluate_checkpoint(c, images, tips, labels, a.radii, device, a.batch_size)]
+    a.out.mkdir(parents=True, exist_ok=True)
+    from sparseflash.experiments.bench.results import git_commit
+
+    meta = {"num": a.num, "seed": a.seed, "device": device, "torch": torch.__version__, "commit": git_commit(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": " ".join(sys.argv)}
+    (a.out / "zero_shot.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    cols = ["label", "input", "radius", "acc", "se", "loss", "n", "mean_tokens", "step", "checkpoint", "seconds"]
+    with open(a.out / "zero_shot.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {a.out / 'zero_shot.csv'}, .json, {plot(a.out, rows).name}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
