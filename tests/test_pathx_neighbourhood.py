@@ -246,6 +246,10 @@ def test_radius_stages_chain_their_weights_and_resume(tmp_path):
     assert r1["init_from"] == str(first) and r1["radius"] == 9 and r1["freeze"] == "encoder.pos"
     assert r2["init_from"] == str(out / "runs" / "cur-1-R9" / "checkpoints" / "best.pt") and r2["keep"] == "full"
     assert r1["mlp_acc"] is None
+    # one set of weights a chain is kept (the state travels between machines): the newest stage's best
+    assert sorted(p.relative_to(out).as_posix() for p in out.glob("runs/cur-*/checkpoints/*.pt")) == [
+        "runs/cur-2-full/checkpoints/best.pt"]
+    assert first.is_file()  # weights from outside the chain are never deleted
     assert r2["mean_tokens"] > r1["mean_tokens"]  # the whole image: every drawn pixel
     mtime = (out / "runs" / "cur-2-full" / "result.json").stat().st_mtime
     assert nb.main(stages) == 0 and (out / "runs" / "cur-2-full" / "result.json").stat().st_mtime == mtime

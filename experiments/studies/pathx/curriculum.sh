@@ -12,6 +12,8 @@
 #   fine-lr1e-4  the same at lr 1e-4
 #   coarse       R 9 12 16 24 32 48 full, lr 3e-4, 1.5 x STAGE_MINUTES a stage
 #   direct       whole images at once, lr 3e-4, 30,000 steps resumed across commands (the control)
+# Only the newest stage of a variant keeps its weights (best.pt; last.pt while it can resume), so
+# the state stays small enough to carry (~5-10 MB a variant).
 # Each variant's runs go to STATE/nb-cur-<variant>/runs/<variant>-<k>-<radius>/ (checkpoints kept);
 # a later command skips the stages done and continues. With OUT set the state goes back at exit
 # (neighbourhood_gpus.sh). CPU rehearsal: NUM=40 DEVICE=cpu WORKERS=2 STAGE_MINUTES=0.3 ... STATE 4

@@ -914,7 +914,14 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
         # the next stage starts from this one's best-on-val weights; a stage cut before its first
         # validation has only its last weights, and one cut before its first step leaves init as it was
         last = best.with_name("last.pt")
-        init = best if best.is_file() else last if last.is_file() else init
+        previous, init = init, best if best.is_file() else last if last.is_file() else init
+        # the state is carried between machines (64 MiB in all): keep one set of weights a chain, the
+        # newest stage's; earlier stages keep their curves and results
+        if best.is_file() and last.is_file():
+            last.unlink()
+        if k and Path(previous) != Path(init) and Path(previous).parent.parent.parent == a.out / "runs":
+            for ck in Path(previous).parent.glob("*.pt"):
+                ck.unlink()
     rows = report(a.out)
     print(f"wrote {a.out / 'neighbourhood.csv'}, .json, .png ({len(rows)} runs)", flush=True)
     return status
