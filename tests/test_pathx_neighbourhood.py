@@ -267,5 +267,7 @@ def test_radius_stages_chain_their_weights_and_resume(tmp_path):
     assert [r["input"] for r in rows] == ["R6", "full"] and all(int(r["n"]) == 8 for r in rows)
     assert float(rows[1]["mean_tokens"]) > float(rows[0]["mean_tokens"])
     assert (zout / "zero_shot.png").is_file()
+    (zout / "zero_shot.png").unlink()
+    assert zs.main(["--replot", "--out", str(zout)]) == 0 and (zout / "zero_shot.png").is_file()
     with pytest.raises(SystemExit):
         zs.main([str(tmp_path / "missing.pt"), "--out", str(zout)])

@@ -10,7 +10,7 @@ at R = 12 already, the curriculum needs its intermediate radii.
         --num 2000 --radii 6 12 24 48 full [--seed 1] [--out results/neighbourhood/zero_shot]
 
 Writes ``OUT/zero_shot.csv`` and ``.json`` (one row a checkpoint and input: accuracy, its standard
-error, loss, mean drawn tokens) and ``zero_shot.png``. The images are drawn with ``--seed`` (default
+error, loss, mean drawn tokens) and ``zero_shot.png`` (``--replot`` redraws it from the JSON). The images are drawn with ``--seed`` (default
 1; the neighbourhood runs drew theirs with seed 0, so none of these was trained on) and cached in
 ``--cache``. On a CPU the faithful attention becomes SDPA (as in ``neighbourhood.py``); evaluation
 has no dropout, so the function is the same.
@@ -101,7 +101,7 @@ def plot(out: Path, rows: list[dict]) -> Path:
                                        for k in inputs])
     ax.set_xlabel("input: pixels within R of either marker, or the whole image")
     ax.set_ylabel("held-out accuracy (%)")
-    ax.set_title("Marker-neighbourhood models on wider inputs, no further training")
+    ax.set_title("Neighbourhood-trained models at other radii, no further training")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "zero_shot.png"
@@ -112,7 +112,7 @@ def plot(out: Path, rows: list[dict]) -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoints", nargs="+", type=Path, help="best.pt of neighbourhood (or Path-X) runs")
+    ap.add_argument("checkpoints", nargs="*", type=Path, help="best.pt of neighbourhood (or Path-X) runs")
     ap.add_argument("--labels", nargs="*", default=None, help="a name for each checkpoint in the table and figure")
     ap.add_argument("--num", type=int, default=2000, help="fresh images to evaluate on (default 2000)")
     ap.add_argument("--seed", type=int, default=1, help="their seed (default 1; the training images used 0)")
@@ -124,7 +124,14 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="cpu or cuda (default cuda if available)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--replot", action="store_true", help="redraw OUT/zero_shot.png from OUT/zero_shot.json and stop")
     a = ap.parse_args(argv)
+    if a.replot:
+        rows = json.loads((a.out / "zero_shot.json").read_text())["rows"]
+        print(f"wrote {plot(a.out, rows)}", flush=True)
+        return 0
+    if not a.checkpoints:
+        ap.error("give at least one checkpoint (or --replot)")
     if a.labels is not None and len(a.labels) != len(a.checkpoints):
         ap.error(f"--labels: {len(a.labels)} names for {len(a.checkpoints)} checkpoints")
     if a.num < 2:
