@@ -490,7 +490,7 @@ def build_config(args, preset: str, n_train: int, device_type: str):
     tc.epochs, tc.warmup_epochs = None, None
     tc.steps = args.steps
     tc.warmup_steps = min(spe, max(1, args.steps // 10)) if args.warmup is None else args.warmup  # faithful: 1 epoch
-    tc.eval_every = args.eval_every or max(50, args.steps // getattr(args, "evals", 20))
+    tc.eval_every = args.eval_every or max(50, args.steps // args.evals)
     tc.eval_batches = None  # the whole val split
     tc.save_every = max(tc.eval_every, args.steps)
     tc.log_every = args.log_every or max(10, min(100, tc.eval_every // 5))
@@ -603,8 +603,7 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
         step_s = measure_step_s(probe_cfg, datasets, device, init)
         n_val = len(datasets["val"])
         # the training budget less ~20 evaluations of val (a forward is ~1/3 of a step) and two of test
-        evals = getattr(args, "evals", 20)
-        budget = (deadline - time.monotonic()) * 0.92 - (evals * n_val / args.batch_size + 2 * len(datasets["test"]) / args.batch_size) * step_s / 3
+        budget = (deadline - time.monotonic()) * 0.92 - (args.evals * n_val / args.batch_size + 2 * len(datasets["test"]) / args.batch_size) * step_s / 3
         steps = max(20, int(budget / step_s) - 10)
         print(f"{tag}: {1e3 * step_s:.0f} ms a step measured; {steps} steps fit in {args.minutes} min", flush=True)
         args_steps = _with(args, steps=steps)
@@ -820,6 +819,7 @@ def parse_args(argv=None):
     o.add_argument("--generate-only", action="store_true", help="make the cached images and stop")
     o.add_argument("--report-only", action="store_true", help="rebuild the table and the figure from OUT/runs and stop")
     o.add_argument("--no-progress", action="store_true")
+    ap.set_defaults(evals=20)  # validations a run (radius stages: 5)
     a = ap.parse_args(argv)
     if a.num < 20:
         ap.error(f"--num must be at least 20, got {a.num}")
@@ -831,6 +831,16 @@ def parse_args(argv=None):
         ap.error("--radius has no meaning with --keep full")
     if a.runs is None:
         a.runs = [] if a.cnn_controls else ["scratch"]
+    if a.radius_stages:  # checked before minutes of data drawing, with the messages the command prints
+        try:
+            a.radius_stages = [radius_arg(v) for v in a.radius_stages]
+        except argparse.ArgumentTypeError as e:
+            raise SystemExit(f"--radius-stages: each stage is {e}") from None
+        if len(a.runs) != 1 or not PRESETS[a.runs[0]][0]:
+            raise SystemExit(f"--radius-stages runs one preset that starts from --init-from (pretrained or "
+                             f"pretrained-frozen), got --runs {' '.join(a.runs)}")
+        if not a.init_from:
+            raise SystemExit("--radius-stages: give --init-from, the first stage's starting weights")
     for name in ("steps", "batch_size", "workers", "cnn_batch_size", "cnn_width"):
         v = getattr(a, name)
         if v is not None and v < 1:
@@ -852,7 +862,8 @@ def _meta(argv) -> dict:
 NO_PROBE = {"acc": None, "se": None, "features": None}
 
 
-def _stage_radius(v: str) -> float | None:
+def radius_arg(v: str) -> float | None:
+    """A radius from the command line: a positive number of pixels, or ``"full"`` (None: the whole image)."""
     if v == "full":
         return None
     try:
@@ -860,19 +871,21 @@ def _stage_radius(v: str) -> float | None:
     except ValueError:
         r = float("nan")
     if not r > 0:
-        raise SystemExit(f"--radius-stages: each stage is a positive radius in pixels or 'full', got {v!r}")
+        raise argparse.ArgumentTypeError(f"a positive radius in pixels or 'full', got {v!r}")
     return r
+
+
+def _chain_start(best: Path, init):
+    """The weights a stage hands to the next: its best-on-val ones; a stage cut before its first
+    validation has only its last ones, and one cut before its first step hands on ``init``."""
+    last = best.with_name("last.pt")
+    return best if best.is_file() else last if last.is_file() else init
 
 
 def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
     """The curriculum of ``--radius-stages`` (docstring, 7.): 0 when every stage is done, 75 when the
     time ran out first (the same command continues with the next stage)."""
-    radii = [_stage_radius(v) for v in a.radius_stages]
-    if len(a.runs) != 1 or not PRESETS[a.runs[0]][0]:
-        raise SystemExit(f"--radius-stages runs one preset that starts from --init-from (pretrained or "
-                         f"pretrained-frozen), got --runs {' '.join(a.runs)}")
-    if not a.init_from:
-        raise SystemExit("--radius-stages: give --init-from, the first stage's starting weights")
+    radii = a.radius_stages  # parsed and checked with the other arguments
     base = a.tag or f"{a.runs[0]}-stages"
     end = a.t_command + 60 * a.minutes if a.minutes else None
     init, status = a.init_from, 0
@@ -882,11 +895,10 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
         best = a.out / "runs" / tag / "checkpoints" / "best.pt"
         if (a.out / "runs" / tag / "result.json").is_file() and not a.overwrite:
             print(f"{tag}: done before", flush=True)
-            last = best.with_name("last.pt")
-            init = best if best.is_file() else last if last.is_file() else init
+            init = _chain_start(best, init)
             continue
         left = None if end is None else (end - time.monotonic()) / 60
-        if left is not None and left * 60 < 60:
+        if left is not None and left < 1:
             print(f"stages: no time left for {tag}; the same command continues", flush=True)
             status = 75
             break
@@ -897,9 +909,10 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
         if not a.no_probe:
             half = int(math.ceil(r)) if r is not None else default_radius()
             probe = run_probe(a.out, data_tag, masked, tips, labels.astype(np.int64), idx, half, a.mlp_epochs, a.seed)
-        share = None if left is None else (end - time.monotonic()) / 60 / (len(radii) - k)
+        left = None if end is None else (end - time.monotonic()) / 60  # after the masks and the probe
+        share = left if left is None else left / (len(radii) - k)
         if a.stage_minutes:
-            share = a.stage_minutes if share is None else min(a.stage_minutes, (end - time.monotonic()) / 60)
+            share = a.stage_minutes if left is None else min(a.stage_minutes, left)
         sa = _with(a, radius=r, keep="full" if r is None else "neighbourhood", init_from=Path(init), tag=tag,
                    keep_checkpoints=True, t_command=None, minutes=share, evals=5)  # short stages: 5 validations
         row = run_one(sa, a.runs[0], data_tag, datasets, probe, meta)
@@ -911,10 +924,8 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
             (a.out / "runs" / tag / "result.json").unlink()
             status = 75
             break
-        # the next stage starts from this one's best-on-val weights; a stage cut before its first
-        # validation has only its last weights, and one cut before its first step leaves init as it was
         last = best.with_name("last.pt")
-        previous, init = init, best if best.is_file() else last if last.is_file() else init
+        previous, init = init, _chain_start(best, init)
         # the state is carried between machines (64 MiB in all): keep one set of weights a chain, the
         # newest stage's; earlier stages keep their curves and results
         if best.is_file() and last.is_file():

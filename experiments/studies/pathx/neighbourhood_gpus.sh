@@ -3,8 +3,7 @@
 #   experiments/studies/pathx/neighbourhood_gpus.sh STATE MINUTES
 # From a snapshot's root (as campaign.sh). Draws NUM (default 100000) images once into CACHE
 # (default /tmp/nb-cache; a fresh machine draws them again, the same images), then trains the four
-# variants side by side for the minutes left, each its own process on GPU (i + FIRST_GPU) mod (number
-# of GPUs; FIRST_GPU default 0),
+# variants side by side for the minutes left, each its own process on GPU i mod (number of GPUs),
 # each with its own results folder STATE/nb-<variant>/ (neighbourhood.py --resume: exit 75 until
 # its STEPS (default 50000) are done; STEPS=auto sizes each schedule to the minutes left instead):
 #   frozen   the faithful model from Pathfinder-64 pretraining (STATE/pretrain), position table frozen
@@ -52,10 +51,10 @@ if [ -n "${VARIANTS:-}" ]; then
 fi
 pids=(); i=0
 for v in "${names[@]}"; do
-    dev=(); [ "$gpus" -ge 2 ] && dev=(env CUDA_VISIBLE_DEVICES=$(( (i + ${FIRST_GPU:-0}) % gpus )))
+    dev=(); [ "$gpus" -ge 2 ] && dev=(env CUDA_VISIBLE_DEVICES=$(( i % gpus )))
     mkdir -p "$state/nb-$v"
-    # shellcheck disable=SC2086
     # --minutes count from each process's start; past them (+30 s) SIGTERM makes a run checkpoint and stop
+    # shellcheck disable=SC2086
     "${dev[@]}" timeout -s TERM -k 30 $(( left + 30 )) $py "$here/neighbourhood.py" "${common[@]}" --out "$state/nb-$v" ${extra[$v]} \
         > "$state/nb-$v.log" 2>&1 &
     pids+=($!); i=$(( i + 1 ))

@@ -7,8 +7,7 @@
 # two in turn; each one's step_ms in its train.csv says how much.
 # The data are made once first (campaign.sh with ONLY=data); each variant then gets
 # LOADER_WORKERS (default: the cores / number of variants, at most 16) and writes STATE/<run>.log as
-# campaign.sh does. On a machine with several GPUs variant i runs on GPU (i + FIRST_GPU) mod their
-# number (FIRST_GPU default 0).
+# campaign.sh does. On a machine with several GPUs variant i runs on GPU i mod their number.
 # REQUIRE and OUT behave as in campaign.sh: the state goes back once, at exit, in 15 MiB parts.
 set -uo pipefail
 state=$1; minutes=$2; shift 2
@@ -26,8 +25,8 @@ cores=$(nproc); per=$(( cores / $# )); workers=${LOADER_WORKERS:-$(( per > 16 ? 
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 pids=(); i=0
 for spec in "$@"; do
-    dev=(); [ "$gpus" -ge 2 ] && dev=(CUDA_VISIBLE_DEVICES=$(( (i + ${FIRST_GPU:-0}) % gpus )))
-    # the variant's settings and nothing inherited: AUGMENT / FREEZE / SET / TAG unset unless the SPEC sets them
+    dev=(); [ "$gpus" -ge 2 ] && dev=(CUDA_VISIBLE_DEVICES=$(( i % gpus )))
+    # the variant's settings and nothing inherited: AUGMENT / FREEZE / SET / TAG / INIT unset unless the SPEC sets them
     env -u AUGMENT -u FREEZE -u SET -u TAG -u INIT -u ONLY OUT= REQUIRE= LOADER_WORKERS="$workers" "${dev[@]}" $spec \
         bash "$here/campaign.sh" "$state" "$mins" &
     pids+=($!); i=$(( i + 1 ))

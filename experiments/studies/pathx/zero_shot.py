@@ -28,18 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "results" / "neighbourhood" / "zero_shot"
-DEFAULT_CACHE = Path("runs") / "neighbourhood-cache"
+from sparseflash.experiments.studies.pathx.neighbourhood import DEFAULT_CACHE, radius_arg
+from sparseflash.experiments.studies.pathx.neighbourhood import DEFAULT_OUT as NEIGHBOURHOOD_OUT
 
-
-def _radius(v: str) -> float | None:
-    if v == "full":
-        return None
-    r = float(v)
-    if not r > 0:
-        raise argparse.ArgumentTypeError(f"a radius is a positive number of pixels or 'full', got {v!r}")
-    return r
+DEFAULT_OUT = NEIGHBOURHOOD_OUT / "zero_shot"
 
 
 def evaluate_checkpoint(path: Path, images, tips, labels, radii, device: str, batch_size: int) -> list[dict]:
@@ -116,7 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--labels", nargs="*", default=None, help="a name for each checkpoint in the table and figure")
     ap.add_argument("--num", type=int, default=2000, help="fresh images to evaluate on (default 2000)")
     ap.add_argument("--seed", type=int, default=1, help="their seed (default 1; the training images used 0)")
-    ap.add_argument("--radii", nargs="+", type=_radius, default=[6.0, 12.0, 24.0, None],
+    ap.add_argument("--radii", nargs="+", type=radius_arg, default=[6.0, 12.0, 24.0, None],
                     help="radii in pixels, 'full' for the whole image (default 6 12 24 full)")
     ap.add_argument("--workers", type=int, default=2, help="processes drawing the images (default 2)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"image cache folder (default {DEFAULT_CACHE})")
