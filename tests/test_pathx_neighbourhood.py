@@ -271,3 +271,52 @@ def test_radius_stages_chain_their_weights_and_resume(tmp_path):
     assert zs.main(["--replot", "--out", str(zout)]) == 0 and (zout / "zero_shot.png").is_file()
     with pytest.raises(SystemExit):
         zs.main([str(tmp_path / "missing.pt"), "--out", str(zout)])
+
+
+def test_path256_stage_starts_from_a_pathx_model_with_its_grid_upsampled(tmp_path):
+    """--resolution 256: Path-256 images, its config and a 256x256 position grid; a Path-X (128 px)
+    checkpoint starts it with its table upsampled 2x2 (frozen, so the trained table is exactly the
+    upsampled one). zero_shot.py scores a Path-X model on 256 px images the same way, and on clean
+    images with --fidelity clean."""
+    from sparseflash.experiments.lra.model import upsample_grid
+
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    base = ["--num", "40", "--workers", "1", "--cache", str(cache), "--out", str(out), "--batch-size", "8",
+            "--eval-every", "2", "--threads", "1", "--device", "cpu", "--no-progress", "--no-probe"]
+    assert nb.main(base + ["--runs", "scratch", "--steps", "2", "--keep-checkpoints", "--tag", "px"]) == 0
+    px = out / "runs" / "px" / "checkpoints" / "best.pt"
+    assert nb.main(base + ["--resolution", "256", "--runs", "pretrained-frozen", "--init-from", str(px),
+                           "--radius-stages", "12", "--steps", "2", "--tag", "p256"]) == 0
+    assert (cache / "path256-hard-release-n40-s0.npz").is_file()
+    r = json.loads((out / "runs" / "p256-1-R12" / "result.json").read_text())
+    assert r["resolution"] == 256 and r["radius"] == 12 and r["freeze"] == "encoder.pos"
+    cfg = json.loads((out / "runs" / "p256-1-R12" / "config.json").read_text())
+    assert cfg["task"] == "path256" and cfg["model"]["grid"] == [256, 256] and cfg["model"]["black_is_padding"]
+    g128 = torch.load(px, map_location="cpu", weights_only=False)["model"]["encoder.pos.grid"]
+    g256 = torch.load(out / "runs" / "p256-1-R12" / "checkpoints" / "best.pt", map_location="cpu",
+                      weights_only=False)["model"]["encoder.pos.grid"]
+    assert tuple(g128.shape[:2]) == (128, 128) and tuple(g256.shape[:2]) == (256, 256)
+    assert torch.equal(g256, upsample_grid(g128, (256, 256)))
+    with open(out / "neighbourhood.csv", newline="") as f:
+        assert sorted(row["resolution"] for row in csv.DictReader(f)) == ["128", "256"]
+
+    images, tips, labels, _ = nb.load_or_generate(cache, 40, 0, 1, False, resolution=256)
+    assert images.shape == (40, 256, 256) and tips.shape == (40, 2, 2) and int(tips.max()) < 256
+    ds = nb.NeighbourhoodDataset(images, labels)
+    assert (ds.task, ds.seq_len, ds.resolution) == ("path256", 256 * 256, 256)
+    with pytest.raises(ValueError, match="images must be"):
+        nb.NeighbourhoodDataset(images.reshape(40, -1), labels)
+    with pytest.raises(ValueError, match="resolution"):
+        nb.generate(2, resolution=64)
+
+    zs = pytest.importorskip("sparseflash.experiments.studies.pathx.zero_shot")
+    for extra, cached in ((["--resolution", "256"], "path256-hard-release-n8-s1.npz"),
+                          (["--fidelity", "clean"], "pathx-hard-clean-n8-s1.npz")):
+        zout = tmp_path / ("zs-" + extra[1])
+        assert zs.main([str(px), "--num", "8", "--radii", "8", "full", "--cache", str(cache), "--out", str(zout),
+                        "--workers", "1", "--device", "cpu", "--threads", "1", *extra]) == 0
+        assert (cache / cached).is_file()
+        rows = list(csv.DictReader(open(zout / "zero_shot.csv")))
+        assert [row["input"] for row in rows] == ["R8", "full"] and all(int(row["n"]) == 8 for row in rows)
+        assert json.loads((zout / "zero_shot.json").read_text())["meta"][extra[0][2:]] == (
+            256 if extra[1] == "256" else "clean")

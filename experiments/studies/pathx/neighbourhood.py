@@ -8,7 +8,9 @@ The probe (`experiments/lra/probe.py`) found that the gray levels around the two
 while the faithful Path-X Transformer stays at chance on whole images. This script asks whether
 that Transformer learns the cue at all when it is given nothing else:
 
-1. Data: ``--num`` hard release-fidelity 128 px images drawn by the generator with their layers
+1. Data: ``--num`` hard release-fidelity 128 px images (``--resolution 256``: Path-256's, with its
+   config and a 256x256 position grid, a Path-X checkpoint's grid upsampled 2x2; cached as
+   ``path256-hard-release-...``) drawn by the generator with their layers
    (true marker centres ``tips``), balanced labels (alternating within each chunk of 10), chunk c
    from the seed ``(seed, 128, 17, c)``, over ``--workers`` processes; split 80 / 10 / 10 by a
    permutation seeded with ``seed``. Cached as ``CACHE/pathx-hard-release-n{num}-s{seed}.npz``.
@@ -62,8 +64,8 @@ import numpy as np
 
 from sparseflash.experiments.lra.probe import marker_patches, patch_half  # the probe's features
 
-RES = 128
-SIDE_SEQ = RES * RES
+RES = 128  # the default resolution (Path-X); --resolution 256: Path-256
+TASKS = {128: "pathx", 256: "path256"}  # resolution: the LRA task (config, position grid) of its images
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 DEFAULT_OUT = HERE / "results" / "neighbourhood"
@@ -75,52 +77,60 @@ PRESETS = {  # name: (start from --init-from, freeze the position table)
     "pretrained-frozen": (True, True),
 }
 STREAM = 17  # the generator stream of this study's images (the probe uses 3)
-COLUMNS = ["tag", "preset", "keep", "radius", "num", "n_train", "n_val", "n_test", "init_from", "freeze", "overrides", "pos_emb", "lr",
+COLUMNS = ["tag", "preset", "resolution", "keep", "radius", "num", "n_train", "n_val", "n_test", "init_from", "freeze", "overrides", "pos_emb", "lr",
            "batch_size", "schedule_steps", "steps", "warmup_steps", "attention", "attn_dropout", "device", "threads", "wall_s",
            "step_ms", "mean_tokens", "train_acc_last", "val_best", "val_best_step", "test_acc", "test_se",
            "test_final_acc", "test_final_se", "mlp_acc", "mlp_se", "mlp_features", "curve_train", "curve_eval",
            "commit", "date", "torch", "cpu"]
 
 
-def default_radius() -> int:
-    """The probe's patch half-size k = ceil(marker radius) + 3 (6 at 128 px)."""
-    return patch_half(RES)
+def default_radius(resolution: int = RES) -> int:
+    """The probe's patch half-size k = ceil(marker radius) + 3 (6 at 128 px, 8 at 256)."""
+    return patch_half(resolution)
 
 
 # ------------------------------------------------------------------------------------------ data
 def _chunk(job):
-    """Images, marker centres and labels of one generator chunk (10 images at 128 px)."""
+    """Images, marker centres and labels of one generator chunk (10 images at 128 or 256 px)."""
     from sparseflash.experiments.lra.data import pathfinder as pf
 
-    seed, chunk, count = job
-    p = pf.params_for(RES, "hard", "release")
-    labels = [(chunk * pf.CHUNK[RES] + i) % 2 for i in range(pf.CHUNK[RES])]
-    made = pf.render_many(p, np.random.default_rng([seed, RES, STREAM, chunk]), labels, True)[:count]
+    seed, chunk, count, fidelity, res = job
+    p = pf.params_for(res, "hard", fidelity)
+    labels = [(chunk * pf.CHUNK[res] + i) % 2 for i in range(pf.CHUNK[res])]
+    made = pf.render_many(p, np.random.default_rng([seed, res, STREAM, chunk]), labels, True)[:count]
     images = np.stack([img for img, _ in made]).astype(np.uint8)
     tips = np.asarray([[tuple(int(v) for v in t) for t in lay["tips"]] for _, lay in made], np.int16)
     return images, tips, np.asarray(labels[:count], np.int8)
 
 
-def generate(num: int, seed: int = 0, workers: int = 1, show_progress: bool = True):
-    """(images uint8 [num, 128, 128], tips int16 [num, 2, 2] as (y, x), labels int8 [num])."""
+def generate(num: int, seed: int = 0, workers: int = 1, show_progress: bool = True, fidelity: str = "release",
+             resolution: int = RES):
+    """(images uint8 [num, res, res], tips int16 [num, 2, 2] as (y, x), labels int8 [num]) of hard
+    ``resolution`` px images (128: Path-X, 256: Path-256) of the generator's ``fidelity`` ("release",
+    this study's data, or "clean")."""
     from sparseflash.experiments.lra.data import pathfinder as pf
     from sparseflash.experiments.lra.data._parallel import run_ordered
 
-    K = pf.CHUNK[RES]
-    jobs = [(seed, c, min(K, num - c * K)) for c in range(-(-num // K))]
-    parts = list(run_ordered(_chunk, jobs, workers, f"Path-X hard release {num} images", total=num,
+    if resolution not in TASKS:
+        raise ValueError(f"resolution must be one of {tuple(TASKS)}, got {resolution!r}")
+    K = pf.CHUNK[resolution]
+    jobs = [(seed, c, min(K, num - c * K), fidelity, resolution) for c in range(-(-num // K))]
+    parts = list(run_ordered(_chunk, jobs, workers, f"{TASKS[resolution]} hard {fidelity} {num} images", total=num,
                              weight=lambda r: len(r[2]), show_progress=show_progress))
     return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
 
 
-def load_or_generate(cache: Path, num: int, seed: int, workers: int, show_progress: bool = True):
+def load_or_generate(cache: Path, num: int, seed: int, workers: int, show_progress: bool = True,
+                     fidelity: str = "release", resolution: int = RES):
     """`generate`'s arrays, read from ``cache`` when a previous command made them."""
-    path = Path(cache) / f"pathx-hard-release-n{num}-s{seed}.npz"
+    if resolution not in TASKS:
+        raise ValueError(f"resolution must be one of {tuple(TASKS)}, got {resolution!r}")
+    path = Path(cache) / f"{TASKS[resolution]}-hard-{fidelity}-n{num}-s{seed}.npz"
     if path.is_file():
         z = np.load(path)
         return z["images"], z["tips"], z["labels"], {"cache": str(path), "generated_s": None}
     t0 = time.perf_counter()
-    images, tips, labels = generate(num, seed, workers, show_progress)
+    images, tips, labels = generate(num, seed, workers, show_progress, fidelity, resolution)
     dt = time.perf_counter() - t0
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}-{os.getpid()}.npz")
@@ -166,14 +176,16 @@ def mask_images(images, tips, radius: float | None) -> np.ndarray:
 
 # -------------------------------------------------------------------------------------- dataset
 class NeighbourhoodDataset:
-    """Path-X images held in memory, read as the Path-X loader reads them (`LRADataset`):
-    ``{"tokens": LongTensor[16384] (gray level + 1, raster order), "length": 16384, "label": int}``,
-    vocabulary 257, pad id 0, two classes."""
-
-    task = "pathx"
+    """Path-X (or Path-256) images ``[n, res, res]`` held in memory, read as the task's loader reads
+    them (`LRADataset`): ``{"tokens": LongTensor[res^2] (gray level + 1, raster order), "length":
+    res^2, "label": int}``, vocabulary 257, pad id 0, two classes."""
 
     def __init__(self, images, labels, split: str = "train"):
         images = np.asarray(images, np.uint8)
+        if images.ndim != 3 or images.shape[1] != images.shape[2] or images.shape[1] not in TASKS:
+            raise ValueError(f"images must be [n, res, res] with res in {tuple(TASKS)}, got shape {images.shape}")
+        self.resolution = images.shape[1]
+        self.task = TASKS[self.resolution]
         self.images = np.ascontiguousarray(images.reshape(len(images), -1))
         self.label_array = np.asarray(labels, np.int64)
         if len(self.images) != len(self.label_array):
@@ -476,7 +488,7 @@ def cnn_controls(out: Path, data_tag: str, images, tips, labels, idx, radius: fl
 def build_config(args, preset: str, n_train: int, device_type: str):
     from sparseflash.experiments.lra.configs import get_config
 
-    cfg = get_config("pathx", "faithful")
+    cfg = get_config(TASKS[args.resolution], "faithful")
     cfg.model.black_is_padding = True
     cfg.model.attention = args.attention or ("sdpa" if device_type == "cpu" else cfg.model.attention)
     if args.pattern:
@@ -632,7 +644,8 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
     best, final = test.get("best", {}), test.get("final", {})
     counts = np.concatenate([datasets[s].kept_counts() for s in ("train",)])
     row = {
-        "tag": tag, "preset": preset, "keep": args.keep, "radius": None if args.keep == "full" else args.radius,
+        "tag": tag, "preset": preset, "resolution": args.resolution, "keep": args.keep,
+        "radius": None if args.keep == "full" else args.radius,
         "num": args.num, "n_train": len(datasets["train"]), "n_val": len(datasets["val"]), "n_test": n_test,
         "init_from": init, "freeze": ",".join(cfg.train.freeze), "overrides": " ".join(args.set),
         "pos_emb": cfg.model.pos_emb, "lr": cfg.train.lr, "batch_size": cfg.train.batch_size,
@@ -721,7 +734,8 @@ def plot(out: Path, rows: list[dict]) -> Path:
     ax.axhline(50, color="gray", ls=":", lw=0.8)
     ax.set_xlabel("training step (batch 32)")
     ax.set_ylabel("accuracy (%)")
-    ax.set_title("Path-X Transformer on the marker neighbourhoods only (hard, release, 128 px)")
+    res = sorted({int(r.get("resolution") or RES) for r in rows})
+    ax.set_title(f"Path-X Transformer on the marker neighbourhoods only (hard, release, {'/'.join(map(str, res))} px)")
     if many:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     else:
@@ -742,7 +756,10 @@ def parse_args(argv=None):
                "--num 20000 --runs scratch --minutes 12 --threads 1",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     d = ap.add_argument_group("data")
-    d.add_argument("--num", type=int, default=20000, help="hard release 128 px images to draw (80/10/10 split); default 20000")
+    d.add_argument("--num", type=int, default=20000, help="hard release images to draw (80/10/10 split); default 20000")
+    d.add_argument("--resolution", type=int, choices=tuple(TASKS), default=RES,
+                   help="128 (Path-X, default) or 256 (Path-256: its config, a 256x256 position grid; a Path-X "
+                        "checkpoint's grid is upsampled 2x2)")
     d.add_argument("--seed", type=int, default=0, help="seed of the images, the split and the training order")
     d.add_argument("--workers", type=int, default=2, help="processes drawing the images (default 2)")
     d.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"folder of the cached arrays (default {DEFAULT_CACHE})")
@@ -907,7 +924,7 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
         data_tag = f"{name}-n{a.num}" + (f"-s{a.seed}" if a.seed else "")
         probe = NO_PROBE
         if not a.no_probe:
-            half = int(math.ceil(r)) if r is not None else default_radius()
+            half = int(math.ceil(r)) if r is not None else default_radius(a.resolution)
             probe = run_probe(a.out, data_tag, masked, tips, labels.astype(np.int64), idx, half, a.mlp_epochs, a.seed)
         left = None if end is None else (end - time.monotonic()) / 60  # after the masks and the probe
         share = left if left is None else left / (len(radii) - k)
@@ -950,11 +967,12 @@ def main(argv=None, started: float | None = None) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    images, tips, labels, gen = load_or_generate(a.cache, a.num, a.seed, a.workers, not a.no_progress)
+    images, tips, labels, gen = load_or_generate(a.cache, a.num, a.seed, a.workers, not a.no_progress,
+                                                 resolution=a.resolution)
     if a.generate_only:
         return 0
     if a.keep == "neighbourhood" and a.radius is None:
-        a.radius = default_radius()
+        a.radius = default_radius(a.resolution)
     radius = a.radius if a.keep == "neighbourhood" else None
     data_tag = f"R{a.radius:g}" if radius is not None else "full"
     data_tag += f"-n{a.num}" + (f"-s{a.seed}" if a.seed else "")
@@ -964,7 +982,7 @@ def main(argv=None, started: float | None = None) -> int:
                                                          "generated_s": gen["generated_s"]})
     masked = mask_images(images, tips, radius)
     if a.cnn_controls:
-        cnn_radius = a.radius if a.radius is not None else default_radius()
+        cnn_radius = a.radius if a.radius is not None else default_radius(a.resolution)
         cnn_tag = f"R{cnn_radius:g}-n{a.num}" + (f"-s{a.seed}" if a.seed else "")
         cnn_controls(a.out, cnn_tag, images, tips, labels, idx, cnn_radius, a,
                      {**_meta(argv), "data_cache": gen["cache"]})
@@ -974,7 +992,7 @@ def main(argv=None, started: float | None = None) -> int:
     print(f"{data_tag}: {len(labels)} images ({', '.join(f'{s} {len(ix)}' for s, ix in idx.items())}), "
           f"labels {100 * labels.mean():.1f}% positive; kept (drawn) pixels an image: mean {counts.mean():.0f}, "
           f"max {counts.max()}", flush=True)
-    half = int(math.ceil(radius)) if radius is not None else default_radius()
+    half = int(math.ceil(radius)) if radius is not None else default_radius(a.resolution)
     probe = NO_PROBE if a.no_probe else run_probe(a.out, data_tag, masked, tips, labels.astype(np.int64), idx, half,
                                                   a.mlp_epochs, a.seed)
     if a.mlp_controls:

@@ -2,7 +2,8 @@
 # The marker-neighbourhood runs at full length, one variant per GPU, resumable across commands:
 #   experiments/studies/pathx/neighbourhood_gpus.sh STATE MINUTES
 # From a snapshot's root (as campaign.sh). Draws NUM (default 100000) images once into CACHE
-# (default /tmp/nb-cache; a fresh machine draws them again, the same images), then trains the four
+# (default /tmp/nb-cache; a fresh machine draws them again, the same images; RESOLUTION=256: Path-256
+# images), then trains the four
 # variants side by side for the minutes left, each its own process on GPU i mod (number of GPUs),
 # each with its own results folder STATE/nb-<variant>/ (neighbourhood.py --resume: exit 75 until
 # its STEPS (default 50000) are done; STEPS=auto sizes each schedule to the minutes left instead):
@@ -17,17 +18,18 @@ state=$1; minutes=$2
 here=$(cd "$(dirname "$0")" && pwd)
 py=${PYTHON:-python3}
 num=${NUM:-100000}; steps=${STEPS:-50000}; cache=${CACHE:-/tmp/nb-cache}; device=${DEVICE:-cuda}
+res=${RESOLUTION:-128}  # 256: Path-256 images (neighbourhood.py --resolution)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 [ -f COMMIT ] && export SPARSEFLASH_COMMIT=$(cat COMMIT)
 t0=$(date +%s)
 . "$here/state.sh"
 send_state_back "$state"
 [ -f "$state/pretrain/checkpoints/best.pt" ] || { echo "neighbourhood_gpus: $state/pretrain/checkpoints/best.pt did not arrive" >&2; exit 3; }
-$py "$here/neighbourhood.py" --num "$num" --workers "${WORKERS:-16}" --cache "$cache" --generate-only --no-progress || exit $?
+$py "$here/neighbourhood.py" --num "$num" --resolution "$res" --workers "${WORKERS:-16}" --cache "$cache" --generate-only --no-progress || exit $?
 left=$(( minutes * 60 - ($(date +%s) - t0) - 30 ))
 [ "$left" -ge 120 ] || { echo "neighbourhood_gpus: no time left after the data" >&2; exit 75; }
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-common=(--num "$num" --cache "$cache" --device "$device" --no-progress --minutes "$($py -c "print($left / 60)")")
+common=(--num "$num" --resolution "$res" --cache "$cache" --device "$device" --no-progress --minutes "$($py -c "print($left / 60)")")
 # GRAPHS=1: training steps replayed from CUDA graphs (the eager ~150-token step is host-bound; not yet
 # run on a GPU; STEPS=auto then sizes the schedule from an eager step and undershoots)
 [ "${GRAPHS:-0}" = 1 ] && common+=(--cuda-graphs)

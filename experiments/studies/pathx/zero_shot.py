@@ -36,25 +36,38 @@ DEFAULT_OUT = NEIGHBOURHOOD_OUT / "zero_shot"
 
 def evaluate_checkpoint(path: Path, images, tips, labels, radii, device: str, batch_size: int) -> list[dict]:
     """Accuracy of the checkpoint's model (its own config, ``model.black_is_padding`` as trained) on
-    ``images`` masked at each radius (None: whole images)."""
+    ``images`` masked at each radius (None: whole images). A Path-X (128 px) model on 256 px images
+    runs as a Path-256 model with its position grid upsampled 2x2 (`model.load_pretrained`, as the
+    recipe's Path-256 fine-tune starts)."""
     import contextlib
+    import dataclasses
 
     import torch
 
     from sparseflash.experiments.lra.configs import config_from_dict
+    from sparseflash.experiments.lra.model import load_pretrained
     from sparseflash.experiments.lra.train import build_model, evaluate
-    from sparseflash.experiments.studies.pathx.neighbourhood import NeighbourhoodDataset, mask_images
+    from sparseflash.experiments.studies.pathx.neighbourhood import TASKS, NeighbourhoodDataset, mask_images
 
     ck = torch.load(path, map_location="cpu", weights_only=False)
     if "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path}: not a training checkpoint (needs 'config' and 'model'); give a run's best.pt")
     cfg = config_from_dict(ck["config"])
-    if cfg.task != "pathx":
-        raise SystemExit(f"{path}: a {cfg.task!r} model; this check needs a Path-X (128 px) one")
+    res = images.shape[-1]
+    if cfg.task not in ("pathx", "path256") or (cfg.task == "path256" and res != 256):
+        raise SystemExit(f"{path}: a {cfg.task!r} model; this check takes a Path-X model (128 or 256 px images) "
+                         f"or a Path-256 one (256 px images)")
+    upsampled = cfg.task != TASKS[res]
+    if upsampled:
+        cfg.task = TASKS[res]
+        cfg.model = dataclasses.replace(cfg.model, seq_len=res * res, grid=(res, res))
     if torch.device(device).type == "cpu":
         cfg.model.attention = "sdpa"  # the same function without the GPU kernels
     model = build_model(cfg.validate())
-    model.load_state_dict(ck["model"])
+    if upsampled:
+        load_pretrained(model, ck["model"])
+    else:
+        model.load_state_dict(ck["model"])
     model.to(device)
     rows = []
     for r in radii:
@@ -110,6 +123,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="their seed (default 1; the training images used 0)")
     ap.add_argument("--radii", nargs="+", type=radius_arg, default=[6.0, 12.0, 24.0, None],
                     help="radii in pixels, 'full' for the whole image (default 6 12 24 full)")
+    ap.add_argument("--resolution", type=int, choices=(128, 256), default=128,
+                    help="128 (Path-X, default) or 256 (Path-256; a Path-X model's grid upsampled 2x2)")
+    ap.add_argument("--fidelity", choices=("release", "clean"), default="release",
+                    help="generator of the images (default release, the training images'; clean: the cross-evaluation)")
     ap.add_argument("--workers", type=int, default=2, help="processes drawing the images (default 2)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"image cache folder (default {DEFAULT_CACHE})")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
@@ -138,7 +155,8 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    images, tips, labels, _ = load_or_generate(a.cache, a.num, a.seed, a.workers)
+    images, tips, labels, _ = load_or_generate(a.cache, a.num, a.seed, a.workers, fidelity=a.fidelity,
+                                               resolution=a.resolution)
     rows = []
     for i, c in enumerate(a.checkpoints):
         label = a.labels[i] if a.labels else str(c)
@@ -146,7 +164,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     from sparseflash.experiments.bench.results import git_commit
 
-    meta = {"num": a.num, "seed": a.seed, "device": device, "torch": torch.__version__, "commit": git_commit(),
+    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "fidelity": a.fidelity, "device": device, "torch": torch.__version__, "commit": git_commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": " ".join(sys.argv)}
     (a.out / "zero_shot.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     cols = ["label", "input", "radius", "acc", "se", "loss", "n", "mean_tokens", "step", "checkpoint", "seconds"]
