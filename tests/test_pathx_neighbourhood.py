@@ -295,8 +295,15 @@ def test_path256_stage_starts_from_a_pathx_model_with_its_grid_upsampled(tmp_pat
     g128 = torch.load(px, map_location="cpu", weights_only=False)["model"]["encoder.pos.grid"]
     g256 = torch.load(out / "runs" / "p256-1-R12" / "checkpoints" / "best.pt", map_location="cpu",
                       weights_only=False)["model"]["encoder.pos.grid"]
-    assert tuple(g128.shape[:2]) == (128, 128) and tuple(g256.shape[:2]) == (256, 256)
-    assert torch.equal(g256, upsample_grid(g128, (256, 256)))
+    # the frozen 256 table is the 128 one duplicated 2x2, and the stage's kept weights store only that
+    # source (compact_grid), which loading upsamples again
+    assert torch.equal(g256, g128)
+    big = {"encoder.pos.grid": upsample_grid(g128, (256, 256))}
+    path = tmp_path / "big.pt"
+    torch.save({"model": dict(big)}, path)
+    assert nb.compact_grid(path) == 2
+    assert torch.equal(torch.load(path, weights_only=False)["model"]["encoder.pos.grid"], g128)
+    assert nb.compact_grid(path) == 1  # a random 128 table is not block-constant: kept
     with open(out / "neighbourhood.csv", newline="") as f:
         assert sorted(row["resolution"] for row in csv.DictReader(f)) == ["128", "256"]
 
@@ -320,3 +327,85 @@ def test_path256_stage_starts_from_a_pathx_model_with_its_grid_upsampled(tmp_pat
         assert [row["input"] for row in rows] == ["R8", "full"] and all(int(row["n"]) == 8 for row in rows)
         assert json.loads((zout / "zero_shot.json").read_text())["meta"][extra[0][2:]] == (
             256 if extra[1] == "256" else "clean")
+    # the pooling rescaled to the 16,384 positions the model was trained on: the same images, another loss
+    zout = tmp_path / "zs-rescaled"
+    assert zs.main([str(px), "--num", "8", "--radii", "8", "full", "--cache", str(cache), "--out", str(zout),
+                    "--workers", "1", "--device", "cpu", "--threads", "1", "--resolution", "256", "--rescale-pooling"]) == 0
+    plain = list(csv.DictReader(open(tmp_path / "zs-256" / "zero_shot.csv")))
+    rescaled = list(csv.DictReader(open(zout / "zero_shot.csv")))
+    assert [r["mean_tokens"] for r in rescaled] == [r["mean_tokens"] for r in plain]
+    assert all(a["loss"] != b["loss"] for a, b in zip(plain, rescaled))
+    # a Path-256 stage's compacted weights load for scoring too
+    assert zs.main([str(out / "runs" / "p256-1-R12" / "checkpoints" / "best.pt"), "--num", "8", "--radii", "full",
+                    "--cache", str(cache), "--out", str(tmp_path / "zs-p256"), "--workers", "1", "--device", "cpu",
+                    "--threads", "1", "--resolution", "256"]) == 0
+
+
+def test_minutes_size_the_schedule_from_a_measured_step(tmp_path, monkeypatch):
+    """Without --steps, --minutes sizes the schedule from measure_step_s, which times the run's own
+    loader settings over the later half of its steps."""
+    seen = {}
+    real = nb.measure_step_s
+
+    def spy(cfg, datasets, device, init_from, n_steps=None, num_workers=0):
+        seen.update(n_steps=n_steps, num_workers=num_workers)
+        seen["step_s"] = real(cfg, datasets, device, init_from, n_steps, num_workers)
+        return seen["step_s"]
+
+    monkeypatch.setattr(nb, "measure_step_s", spy)
+    out = tmp_path / "out"
+    args = ["--num", "40", "--workers", "1", "--cache", str(tmp_path / "cache"), "--out", str(out), "--runs", "scratch",
+            "--batch-size", "8", "--threads", "1", "--device", "cpu", "--no-progress", "--no-probe", "--minutes", "0.3",
+            "--loader-workers", "1", "--tag", "timed"]
+    assert nb.main(args) == 0
+    assert seen["num_workers"] == 1 and 0 < seen["step_s"] < 5
+    r = json.loads((out / "runs" / "timed" / "result.json").read_text())
+    # the budget (0.3 min less evaluations) over the measured step, never below the floor of 20; a
+    # loaded machine may stop the run at its deadline before the schedule's end
+    assert r["schedule_steps"] >= 20 and 1 <= r["steps"] <= r["schedule_steps"]
+    assert r["wall_s"] < 0.3 * 60 + 30
+
+
+def test_stage_minutes_one_for_all_or_one_a_stage(tmp_path):
+    base = ["--runs", "pretrained-frozen", "--init-from", str(tmp_path / "w.pt"), "--radius-stages", "8", "16", "full"]
+    assert nb.parse_args(base + ["--stage-minutes", "1.5"]).stage_minutes == [1.5, 1.5, 1.5]
+    assert nb.parse_args(base + ["--stage-minutes", "5", "1", "2"]).stage_minutes == [5, 1, 2]
+    for bad in (["5", "1"], ["1", "0", "1"]):
+        with pytest.raises(SystemExit):
+            nb.parse_args(base + ["--stage-minutes", *bad])
+    with pytest.raises(SystemExit):
+        nb.parse_args(["--runs", "scratch", "--stage-minutes", "1"])  # only with --radius-stages
+
+
+def test_curriculum_report_collects_runs_without_weights_and_orders_the_stages(tmp_path):
+    cr = pytest.importorskip("sparseflash.experiments.studies.pathx.curriculum_report")
+    state, out = tmp_path / "pxstate", tmp_path / "report"
+
+    def run(folder, tag, radius, acc, tokens, pattern=None):
+        d = state / folder / "runs" / tag
+        (d / "checkpoints").mkdir(parents=True)
+        (d / "checkpoints" / "best.pt").write_bytes(b"weights")
+        (d / "train.csv").write_text("step,acc\n1,0.5\n")
+        (d / "result.json").write_text(json.dumps({
+            "tag": tag, "radius": radius, "mean_tokens": tokens, "lr": 3e-4, "steps": 10, "wall_s": 1.0, "step_ms": 11.0,
+            "train_acc_last": acc, "val_best": acc, "val_best_step": 10, "test_acc": acc, "test_se": 0.005,
+            "n_test": 10000, "init_from": f"x/runs/{tag}-prev/checkpoints/best.pt", "torch": "2.11", "commit": "abc",
+            "date": "2026-11-27"}))
+        (d / "summary.json").write_text(json.dumps({"pattern": pattern, "density": 0.06, "gpu": "H200"}))
+
+    run("nb-f3", "frozen-lr3e-4", 6.0, 0.647, 149.0)
+    run("nb-f3", "frozen-lr1e-3", 6.0, 0.515, 149.0)  # not the curriculum's start: left out
+    run("nb-cur-coarse", "coarse-2-full", None, 0.581, 2154.0)
+    run("nb-cur-coarse", "coarse-1-R9", 9.0, 0.636, 185.0)
+    run("nb-cont-bfly", "cont-bfly-1-full", None, 0.572, 2154.0, "butterfly")
+    assert cr.main(["--collect", str(state), "--out", str(out)]) == 0
+    assert not list(out.rglob("*.pt")) and (out / "runs" / "coarse" / "coarse-1-R9" / "train.csv").is_file()
+    rows = list(csv.DictReader(open(out / "curriculum.csv")))
+    assert [(r["chain"], r["stage"], r["input"]) for r in rows] == [
+        ("start", "0", "R6"), ("coarse", "1", "R9"), ("coarse", "2", "full"), ("cont-bfly", "1", "full")]
+    assert rows[-1]["pattern"] == "butterfly" and rows[1]["pattern"] == "dense" and rows[1]["init_from"] == "coarse-1-R9-prev"
+    assert (out / "curriculum.png").is_file()
+    (out / "curriculum.png").unlink()
+    assert cr.main(["--out", str(out)]) == 0 and (out / "curriculum.png").is_file()  # from the copies alone
+    with pytest.raises(SystemExit):
+        cr.main(["--out", str(tmp_path / "empty")])

@@ -42,6 +42,7 @@ that Transformer learns the cue at all when it is given nothing else:
    one run a stage, in order, each on the same images masked at the stage's radius (``full``: the
    whole image, the real Path-X input) and initialised from the previous stage's best-on-val
    weights (the first from ``--init-from``), checkpoints kept; each stage gets ``--stage-minutes``
+   (one value, or one a stage)
    (default: the minutes left shared equally among the stages not yet run), and a later command
    skips the stages already done. ``--no-probe``
    skips the probe MLP (a minute a radius on 100K images).
@@ -521,21 +522,31 @@ def _read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def measure_step_s(cfg, datasets, device: str, init_from, n_steps: int = 6) -> float:
-    """Seconds per training step of ``cfg`` on ``device`` (a throw-away run of a few steps)."""
+def measure_step_s(cfg, datasets, device: str, init_from, n_steps: int | None = None, num_workers: int = 0) -> float:
+    """Seconds per training step of ``cfg`` on ``device``: a throw-away run of ``n_steps`` (default
+    6 on a CPU, 60 on a GPU) with the run's own loader processes, the median over its second half.
+    The first steps of a GPU run pay for kernel compilation at each new packed width and for the
+    loader's start; a 6-step measurement there read 35-46 ms for a 16-19 ms step, and the
+    schedules it sized used half their minutes."""
     import tempfile
 
+    import torch
+
     from sparseflash.experiments.lra.train import train
+
+    if n_steps is None:
+        n_steps = 6 if torch.device(device).type == "cpu" else 60
 
     with tempfile.TemporaryDirectory() as tmp:
         from sparseflash.experiments.lra.configs import config_from_dict
 
         c = config_from_dict(cfg.to_dict())
-        c.train.steps, c.train.eval_every, c.train.log_every, c.train.save_every = n_steps, 10**6, 2, 10**6
+        c.train.steps, c.train.eval_every, c.train.save_every = n_steps, 10**6, 10**6
+        c.train.log_every = max(2, n_steps // 10)
         small = {"train": datasets["train"], "val": _Head(datasets["val"], 32)}
-        train(c, tmp, datasets=small, device=device, init_from=init_from, show_progress=False)
+        train(c, tmp, datasets=small, device=device, init_from=init_from, show_progress=False, num_workers=num_workers)
         rows = _read_csv(Path(tmp) / "train.csv")
-    ms = [float(r["step_ms"]) for r in rows[1:]] or [float(r["step_ms"]) for r in rows]
+    ms = [float(r["step_ms"]) for r in rows[len(rows) // 2:]] or [float(r["step_ms"]) for r in rows]
     return float(np.median(ms)) / 1e3
 
 
@@ -608,11 +619,12 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
     # command given MINUTES ends within them; later runs' from their own start
     t_start, args.t_command = getattr(args, "t_command", None) or time.monotonic(), None
     deadline = t_start + 60 * args.minutes if args.minutes else None
+    workers = args.loader_workers if args.loader_workers is not None else (0 if torch.device(device).type == "cpu" else 4)
     if args.steps is None:
         if not args.minutes:
             raise SystemExit("give --steps, or --minutes to size them from a measured step time")
         probe_cfg = build_config(_with(args, steps=100), preset, len(datasets["train"]), torch.device(device).type)
-        step_s = measure_step_s(probe_cfg, datasets, device, init)
+        step_s = measure_step_s(probe_cfg, datasets, device, init, num_workers=workers)
         n_val = len(datasets["val"])
         # the training budget less ~20 evaluations of val (a forward is ~1/3 of a step) and two of test
         budget = (deadline - time.monotonic()) * 0.92 - (args.evals * n_val / args.batch_size + 2 * len(datasets["test"]) / args.batch_size) * step_s / 3
@@ -628,7 +640,6 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
           f"init {init or 'none'}, freeze {cfg.train.freeze or 'none'}, torch threads {torch.get_num_threads()}",
           flush=True)
     t0 = time.perf_counter()
-    workers = args.loader_workers if args.loader_workers is not None else (0 if torch.device(device).type == "cpu" else 4)
     summary = train(cfg, run_dir, datasets=datasets, device=device, init_from=init, deadline=deadline,
                     show_progress=not args.no_progress, resume="auto" if resuming else None, num_workers=workers,
                     cuda_graphs=bool(args.cuda_graphs))
@@ -795,8 +806,9 @@ def parse_args(argv=None):
     t.add_argument("--radius-stages", nargs="+", default=None, metavar="R",
                    help="a curriculum: one run a stage at these radii in order ('full': the whole image), each "
                         "from the previous stage's best weights, the first from --init-from (docstring, 7.)")
-    t.add_argument("--stage-minutes", type=float, default=None,
-                   help="--radius-stages: minutes a stage (default: the minutes left shared by the stages left)")
+    t.add_argument("--stage-minutes", type=float, nargs="+", default=None, metavar="M",
+                   help="--radius-stages: minutes a stage, one value for all or one a stage (e.g. a long first "
+                        "stage: 5 1 1 2); default: the minutes left shared by the stages left")
     t.add_argument("--no-probe", action="store_true", help="skip the probe MLP on the masked pixels")
     t.add_argument("--cuda-graphs", action="store_true",
                    help="replay the training steps from CUDA graphs (train.py's --cuda-graphs; CUDA only): the "
@@ -858,6 +870,14 @@ def parse_args(argv=None):
                              f"pretrained-frozen), got --runs {' '.join(a.runs)}")
         if not a.init_from:
             raise SystemExit("--radius-stages: give --init-from, the first stage's starting weights")
+    if a.stage_minutes is not None:
+        if not a.radius_stages:
+            ap.error("--stage-minutes is for --radius-stages")
+        if len(a.stage_minutes) not in (1, len(a.radius_stages)) or min(a.stage_minutes) <= 0:
+            ap.error(f"--stage-minutes: one positive value, or one for each of the {len(a.radius_stages)} stages, "
+                     f"got {' '.join(f'{m:g}' for m in a.stage_minutes)}")
+        if len(a.stage_minutes) == 1:
+            a.stage_minutes = a.stage_minutes * len(a.radius_stages)
     for name in ("steps", "batch_size", "workers", "cnn_batch_size", "cnn_width"):
         v = getattr(a, name)
         if v is not None and v < 1:
@@ -890,6 +910,33 @@ def radius_arg(v: str) -> float | None:
     if not r > 0:
         raise argparse.ArgumentTypeError(f"a positive radius in pixels or 'full', got {v!r}")
     return r
+
+
+def compact_grid(path: Path) -> int:
+    """Rewrite the checkpoint at ``path`` with its position grid stored as the smallest grid whose
+    block duplication (`model.upsample_grid`) gives it back exactly; returns the factor (1: unchanged).
+    Lossless: a frozen table that was upsampled 2x2 (Path-64 -> Path-X) or 4x4 (-> Path-256) keeps
+    only its source (a 256x256x64 table: 17 MB -> 1 MB), and `model.load_pretrained`, which every
+    stage and ``zero_shot.py`` load through, upsamples it again. A trained table is not
+    block-constant and stays as it is. The carried state is limited to 64 MiB, the working tree
+    included."""
+    import torch
+
+    from sparseflash.experiments.lra.model import upsample_grid
+
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    g = ck.get("model", {}).get("encoder.pos.grid")
+    if g is None or g.dim() != 3:
+        return 1
+    H, W, _ = g.shape
+    for f in (16, 8, 4, 2):
+        if H % f == 0 and W % f == 0 and torch.equal(upsample_grid(g[::f, ::f], (H, W)), g):
+            ck["model"]["encoder.pos.grid"] = g[::f, ::f].clone()
+            tmp = path.with_name(f".{path.name}.tmp")
+            torch.save(ck, tmp)
+            os.replace(tmp, path)
+            return f
+    return 1
 
 
 def _chain_start(best: Path, init):
@@ -929,7 +976,7 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
         left = None if end is None else (end - time.monotonic()) / 60  # after the masks and the probe
         share = left if left is None else left / (len(radii) - k)
         if a.stage_minutes:
-            share = a.stage_minutes if left is None else min(a.stage_minutes, left)
+            share = a.stage_minutes[k] if left is None else min(a.stage_minutes[k], left)
         sa = _with(a, radius=r, keep="full" if r is None else "neighbourhood", init_from=Path(init), tag=tag,
                    keep_checkpoints=True, t_command=None, minutes=share, evals=5)  # short stages: 5 validations
         row = run_one(sa, a.runs[0], data_tag, datasets, probe, meta)
@@ -947,6 +994,8 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
         # newest stage's; earlier stages keep their curves and results
         if best.is_file() and last.is_file():
             last.unlink()
+        if best.is_file():
+            compact_grid(best)
         if k and Path(previous) != Path(init) and Path(previous).parent.parent.parent == a.out / "runs":
             for ck in Path(previous).parent.glob("*.pt"):
                 ck.unlink()

@@ -34,11 +34,14 @@ from sparseflash.experiments.studies.pathx.neighbourhood import DEFAULT_OUT as N
 DEFAULT_OUT = NEIGHBOURHOOD_OUT / "zero_shot"
 
 
-def evaluate_checkpoint(path: Path, images, tips, labels, radii, device: str, batch_size: int) -> list[dict]:
+def evaluate_checkpoint(path: Path, images, tips, labels, radii, device: str, batch_size: int,
+                        rescale_pooling: bool = False) -> list[dict]:
     """Accuracy of the checkpoint's model (its own config, ``model.black_is_padding`` as trained) on
     ``images`` masked at each radius (None: whole images). A Path-X (128 px) model on 256 px images
     runs as a Path-256 model with its position grid upsampled 2x2 (`model.load_pretrained`, as the
-    recipe's Path-256 fine-tune starts)."""
+    recipe's Path-256 fine-tune starts). ``rescale_pooling``: such a model's mean pooling divides by
+    the positions it was trained on (16,384), not the input's (65,536), so the pooled vector keeps
+    its scale (black-as-padding pooling sums the drawn pixels' outputs over all positions)."""
     import contextlib
     import dataclasses
 
@@ -64,10 +67,11 @@ def evaluate_checkpoint(path: Path, images, tips, labels, radii, device: str, ba
     if torch.device(device).type == "cpu":
         cfg.model.attention = "sdpa"  # the same function without the GPU kernels
     model = build_model(cfg.validate())
-    if upsampled:
-        load_pretrained(model, ck["model"])
-    else:
-        model.load_state_dict(ck["model"])
+    load_pretrained(model, ck["model"])  # the whole encoder and head; a smaller (compacted or Path-X) grid upsampled
+    if rescale_pooling and upsampled:
+        trained = int(np.prod(ck["config"]["model"]["grid"]))
+        encode = model.encoder.forward
+        model.encoder.forward = lambda tokens, lengths: encode(tokens, lengths) * (tokens.shape[1] / trained)
     model.to(device)
     rows = []
     for r in radii:
@@ -125,6 +129,9 @@ def main(argv=None) -> int:
                     help="radii in pixels, 'full' for the whole image (default 6 12 24 full)")
     ap.add_argument("--resolution", type=int, choices=(128, 256), default=128,
                     help="128 (Path-X, default) or 256 (Path-256; a Path-X model's grid upsampled 2x2)")
+    ap.add_argument("--rescale-pooling", action="store_true",
+                    help="with --resolution 256 and a Path-X model: mean pooling over the 16,384 positions it was "
+                         "trained on, not 65,536 (tells a scale mismatch from a lost cue)")
     ap.add_argument("--fidelity", choices=("release", "clean"), default="release",
                     help="generator of the images (default release, the training images'; clean: the cross-evaluation)")
     ap.add_argument("--workers", type=int, default=2, help="processes drawing the images (default 2)")
@@ -160,11 +167,12 @@ def main(argv=None) -> int:
     rows = []
     for i, c in enumerate(a.checkpoints):
         label = a.labels[i] if a.labels else str(c)
-        rows += [dict(r, label=label) for r in evaluate_checkpoint(c, images, tips, labels, a.radii, device, a.batch_size)]
+        rows += [dict(r, label=label) for r in evaluate_checkpoint(c, images, tips, labels, a.radii, device, a.batch_size,
+                                                                   a.rescale_pooling)]
     a.out.mkdir(parents=True, exist_ok=True)
     from sparseflash.experiments.bench.results import git_commit
 
-    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "fidelity": a.fidelity, "device": device, "torch": torch.__version__, "commit": git_commit(),
+    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "rescale_pooling": a.rescale_pooling, "fidelity": a.fidelity, "device": device, "torch": torch.__version__, "commit": git_commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": " ".join(sys.argv)}
     (a.out / "zero_shot.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     cols = ["label", "input", "radius", "acc", "se", "loss", "n", "mean_tokens", "step", "checkpoint", "seconds"]
