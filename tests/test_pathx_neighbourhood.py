@@ -347,9 +347,9 @@ def test_minutes_size_the_schedule_from_a_measured_step(tmp_path, monkeypatch):
     seen = {}
     real = nb.measure_step_s
 
-    def spy(cfg, datasets, device, init_from, n_steps=None, num_workers=0):
-        seen.update(n_steps=n_steps, num_workers=num_workers)
-        seen["step_s"] = real(cfg, datasets, device, init_from, n_steps, num_workers)
+    def spy(cfg, datasets, device, init_from, n_steps=None, num_workers=0, cuda_graphs=False):
+        seen.update(n_steps=n_steps, num_workers=num_workers, cuda_graphs=cuda_graphs)
+        seen["step_s"] = real(cfg, datasets, device, init_from, n_steps, num_workers, cuda_graphs)
         return seen["step_s"]
 
     monkeypatch.setattr(nb, "measure_step_s", spy)
@@ -358,7 +358,7 @@ def test_minutes_size_the_schedule_from_a_measured_step(tmp_path, monkeypatch):
             "--batch-size", "8", "--threads", "1", "--device", "cpu", "--no-progress", "--no-probe", "--minutes", "0.3",
             "--loader-workers", "1", "--tag", "timed"]
     assert nb.main(args) == 0
-    assert seen["num_workers"] == 1 and 0 < seen["step_s"] < 5
+    assert seen["num_workers"] == 1 and seen["cuda_graphs"] is False and 0 < seen["step_s"] < 5
     r = json.loads((out / "runs" / "timed" / "result.json").read_text())
     # the budget (0.3 min less evaluations) over the measured step, never below the floor of 20; a
     # loaded machine may stop the run at its deadline before the schedule's end
@@ -409,3 +409,26 @@ def test_curriculum_report_collects_runs_without_weights_and_orders_the_stages(t
     assert cr.main(["--out", str(out)]) == 0 and (out / "curriculum.png").is_file()  # from the copies alone
     with pytest.raises(SystemExit):
         cr.main(["--out", str(tmp_path / "empty")])
+
+
+def test_probe_trained_on_one_set_scores_each_test_set(tmp_path):
+    """fit_mlp_tests: one set of weights, several test sets (a cue that flips between the sets is
+    read on one and inverted on the other); xfidelity_probe.py writes its table."""
+    from sparseflash.experiments.lra.probe import fit_mlp, fit_mlp_tests
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1500, 6)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    accs = fit_mlp_tests(x[:1000], y[:1000], {"same": (x[1000:], y[1000:]), "flipped": (x[1000:], 1 - y[1000:])},
+                         epochs=20)
+    assert accs["same"] > 0.9 and accs["flipped"] < 0.1
+    assert fit_mlp(x[:1000], y[:1000], x[1000:], y[1000:], epochs=20) == accs["same"]  # the same weights
+
+    xf = pytest.importorskip("sparseflash.experiments.studies.pathx.xfidelity_probe")
+    out = tmp_path / "out"
+    assert xf.main(["--num", "40", "--epochs", "2", "--workers", "1", "--cache", str(tmp_path / "cache"),
+                    "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "xfidelity_probe.csv")))
+    assert [(r["trained_on"], r["tested_on"]) for r in rows] == [
+        ("release", "release"), ("release", "clean"), ("clean", "release"), ("clean", "clean")]
+    assert all(int(r["n_test"]) == 8 and int(r["features"]) == 2 * 13 * 13 for r in rows)

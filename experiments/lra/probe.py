@@ -89,22 +89,31 @@ def fit_mlp(x_train, y_train, x_test, y_test, *, seed: int = 0, epochs: int = 60
             lr: float = 1e-3, batch_size: int = 256) -> float:
     """Held-out accuracy of a small MLP (features standardised on the training part; the epoch with
     the best accuracy on a 15% validation slice of the training part is the one tested)."""
+    return fit_mlp_tests(x_train, y_train, {"test": (x_test, y_test)}, seed=seed, epochs=epochs, hidden=hidden, lr=lr,
+                         batch_size=batch_size)["test"]
+
+
+def fit_mlp_tests(x_train, y_train, tests: dict, *, seed: int = 0, epochs: int = 60, hidden: int = 128,
+                  lr: float = 1e-3, batch_size: int = 256) -> dict:
+    """`fit_mlp` with several test sets: ``tests`` maps a name to ``(x, y)``; returns each one's
+    accuracy with the same weights (the epoch best on the validation slice), e.g. a probe trained
+    on one generator fidelity and tested on both."""
     import torch
     from torch import nn
 
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    x_train, x_test = np.asarray(x_train, np.float32), np.asarray(x_test, np.float32)
+    x_train = np.asarray(x_train, np.float32)
     mu, sd = x_train.mean(0), x_train.std(0) + 1e-6
-    xt, xs = torch.from_numpy((x_train - mu) / sd), torch.from_numpy((x_test - mu) / sd)
-    yt, ys = torch.as_tensor(y_train), torch.as_tensor(y_test)
+    xt, yt = torch.from_numpy((x_train - mu) / sd), torch.as_tensor(y_train)
+    ts = {k: (torch.from_numpy((np.asarray(x, np.float32) - mu) / sd), torch.as_tensor(y)) for k, (x, y) in tests.items()}
     perm = torch.randperm(len(xt), generator=g)
     n_val = max(1, int(0.15 * len(xt)))
     val, fit = perm[:n_val], perm[n_val:]
     model = nn.Sequential(nn.Linear(xt.shape[1], hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                           nn.Linear(hidden, 2))
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)
-    best, best_test = -1.0, 0.5
+    best, best_tests = -1.0, {k: 0.5 for k in tests}
     for _ in range(epochs):
         model.train()
         order = fit[torch.randperm(len(fit), generator=g)]
@@ -119,8 +128,8 @@ def fit_mlp(x_train, y_train, x_test, y_test, *, seed: int = 0, epochs: int = 60
             acc_val = (model(xt[val]).argmax(1) == yt[val]).float().mean().item()
             if acc_val > best:
                 best = acc_val
-                best_test = (model(xs).argmax(1) == ys).float().mean().item()
-    return best_test
+                best_tests = {k: (model(x).argmax(1) == y).float().mean().item() for k, (x, y) in ts.items()}
+    return best_tests
 
 
 def run_probe(resolutions, fidelities, num: int, *, seed: int = 0, workers: int = 1, epochs: int = 60,

@@ -16,10 +16,12 @@
 #   bfly-coarse        R 8 16 32 64, whole images; butterfly, lr 3e-4; 4 1.5 1.5 2 3
 #   dense-stages       as bfly-stages from the dense weights, dense attention
 # (SCALE multiplies every stage's minutes; ~13 minutes a chain: two 9-minute commands, or three.)
+# GRAPHS=1 (the default here) replays the steps from CUDA graphs (2-4x the eager steps a minute if they
+# behave as in the Path-X fine-tune); GRAPHS=0 if a capture fails.
 # Only the newest stage of a chain keeps its weights, its frozen 256x256 table stored as the 64x64 source
 # it was duplicated from (neighbourhood.compact_grid: 17 MB -> ~1 MB), so the state stays small enough to carry.
 # Runs go to STATE/nb-p256-<variant>/runs/; with OUT set the state goes back at exit
-# (neighbourhood_gpus.sh). CPU rehearsal: NUM=40 DEVICE=cpu WORKERS=2 SCALE=0.05 ... STATE 4
+# (neighbourhood_gpus.sh). CPU rehearsal: NUM=40 DEVICE=cpu GRAPHS=0 WORKERS=2 SCALE=0.05 ... STATE 4
 set -uo pipefail
 state=$1; minutes=$2
 here=$(cd "$(dirname "$0")" && pwd)
@@ -36,4 +38,4 @@ RESOLUTION=256 STEPS=auto VARIANTS="p256-bfly-stages=$common --init-from $state/
 p256-bfly-stages-lr1e-4=$common --init-from $state/$bfly --pattern butterfly --lr 1e-4 --radius-stages $fine --stage-minutes $fine_m --tag bfly-stages-lr1e-4;\
 p256-bfly-coarse=$common --init-from $state/$bfly --pattern butterfly --lr 3e-4 --radius-stages $coarse --stage-minutes $coarse_m --tag bfly-coarse;\
 p256-dense-stages=$common --init-from $state/$dense --lr 3e-4 --radius-stages $fine --stage-minutes $fine_m --tag dense-stages" \
-    exec bash "$here/neighbourhood_gpus.sh" "$state" "$minutes"
+    GRAPHS=${GRAPHS:-1} exec bash "$here/neighbourhood_gpus.sh" "$state" "$minutes"

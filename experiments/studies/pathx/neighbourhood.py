@@ -522,9 +522,11 @@ def _read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def measure_step_s(cfg, datasets, device: str, init_from, n_steps: int | None = None, num_workers: int = 0) -> float:
+def measure_step_s(cfg, datasets, device: str, init_from, n_steps: int | None = None, num_workers: int = 0,
+                   cuda_graphs: bool = False) -> float:
     """Seconds per training step of ``cfg`` on ``device``: a throw-away run of ``n_steps`` (default
-    6 on a CPU, 60 on a GPU) with the run's own loader processes, the median over its second half.
+    6 on a CPU, 60 on a GPU) with the run's own loader processes (and CUDA graphs, if the run replays
+    its steps from them: each new width is captured in the first half), the median over its second half.
     The first steps of a GPU run pay for kernel compilation at each new packed width and for the
     loader's start; a 6-step measurement there read 35-46 ms for a 16-19 ms step, and the
     schedules it sized used half their minutes."""
@@ -544,7 +546,8 @@ def measure_step_s(cfg, datasets, device: str, init_from, n_steps: int | None = 
         c.train.steps, c.train.eval_every, c.train.save_every = n_steps, 10**6, 10**6
         c.train.log_every = max(2, n_steps // 10)
         small = {"train": datasets["train"], "val": _Head(datasets["val"], 32)}
-        train(c, tmp, datasets=small, device=device, init_from=init_from, show_progress=False, num_workers=num_workers)
+        train(c, tmp, datasets=small, device=device, init_from=init_from, show_progress=False, num_workers=num_workers,
+              cuda_graphs=cuda_graphs)
         rows = _read_csv(Path(tmp) / "train.csv")
     ms = [float(r["step_ms"]) for r in rows[len(rows) // 2:]] or [float(r["step_ms"]) for r in rows]
     return float(np.median(ms)) / 1e3
@@ -624,7 +627,8 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
         if not args.minutes:
             raise SystemExit("give --steps, or --minutes to size them from a measured step time")
         probe_cfg = build_config(_with(args, steps=100), preset, len(datasets["train"]), torch.device(device).type)
-        step_s = measure_step_s(probe_cfg, datasets, device, init, num_workers=workers)
+        step_s = measure_step_s(probe_cfg, datasets, device, init, num_workers=workers,
+                                cuda_graphs=bool(args.cuda_graphs))
         n_val = len(datasets["val"])
         # the training budget less ~20 evaluations of val (a forward is ~1/3 of a step) and two of test
         budget = (deadline - time.monotonic()) * 0.92 - (args.evals * n_val / args.batch_size + 2 * len(datasets["test"]) / args.batch_size) * step_s / 3

@@ -30,8 +30,9 @@ left=$(( minutes * 60 - ($(date +%s) - t0) - 30 ))
 [ "$left" -ge 120 ] || { echo "neighbourhood_gpus: no time left after the data" >&2; exit 75; }
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 common=(--num "$num" --resolution "$res" --cache "$cache" --device "$device" --no-progress --minutes "$($py -c "print($left / 60)")")
-# GRAPHS=1: training steps replayed from CUDA graphs (the eager ~150-token step is host-bound; not yet
-# run on a GPU; STEPS=auto then sizes the schedule from an eager step and undershoots)
+# GRAPHS=1: training steps replayed from CUDA graphs (the eager step of these short packed sequences is
+# host-bound: 11 ms at 128 px, 16-19 ms at 256; the graphed Path-X fine-tune took 4.3 ms). Not yet run
+# from this script on a GPU; STEPS=auto times graphed steps then (measure_step_s).
 [ "${GRAPHS:-0}" = 1 ] && common+=(--cuda-graphs)
 # STEPS=auto: each run sizes its schedule to the minutes left (one command, finished with its test score)
 [ "$steps" = auto ] || common+=(--steps "$steps" --resume)
