@@ -432,3 +432,7 @@ def test_probe_trained_on_one_set_scores_each_test_set(tmp_path):
     assert [(r["trained_on"], r["tested_on"]) for r in rows] == [
         ("release", "release"), ("release", "clean"), ("clean", "release"), ("clean", "clean")]
     assert all(int(r["n_test"]) == 8 and int(r["features"]) == 2 * 13 * 13 for r in rows)
+    assert xf.main(["--num", "40", "--epochs", "2", "--workers", "1", "--cache", str(tmp_path / "cache"),
+                    "--out", str(out), "--binarize"]) == 0
+    rows = list(csv.DictReader(open(out / "xfidelity_probe-binary.csv")))
+    assert len(rows) == 4 and all(r["binarize"] == "True" for r in rows)

@@ -12,8 +12,8 @@ it would carry over.
 Images: hard 128 px, drawn by `neighbourhood.generate` with seed ``--seed`` for each fidelity (cached
 as neighbourhood's are), split 80 / 20 by `neighbourhood.split_indices` (val and test together form the
 held-out part). Features: `probe.marker_patches` with half-size ``--half`` (default the probe's k = 6).
-Writes ``OUT/xfidelity_probe.csv`` / ``.json``: one row per (trained on, tested on) with the accuracy
-and its standard error.
+Writes ``OUT/xfidelity_probe.csv`` / ``.json`` (``-binary`` with ``--binarize``: drawn or not instead
+of gray levels): one row per (trained on, tested on) with the accuracy and its standard error.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num", type=int, default=10000, help="images per fidelity (default 10000: 8K train, 2K held out)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--half", type=int, default=None, help="patch half-size (default the probe's k: 6 at 128 px)")
+    ap.add_argument("--binarize", action="store_true",
+                    help="drawn or not (gray > 0) instead of gray levels: leaves the geometry, removes the renderings' "
+                         "gray-level differences (release markers 213-226 inside a 255 ring)")
     ap.add_argument("--epochs", type=int, default=60)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
@@ -57,6 +60,8 @@ def main(argv=None) -> int:
         idx = split_indices(len(labels), a.seed)
         held = np.sort(np.concatenate([idx["val"], idx["test"]]))
         x = marker_patches(images, tips, half)
+        if a.binarize:
+            x = (x > 0).astype(np.float32)
         y = labels.astype(np.int64)
         data[fid] = {"train": (x[idx["train"]], y[idx["train"]]), "held": (x[held], y[held])}
     rows = []
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
             acc = accs[test_on]
             rows.append({"trained_on": train_on, "tested_on": test_on, "acc": round(acc, 4),
                          "se": round(math.sqrt(acc * (1 - acc) / n), 4), "n_train": len(data[train_on]["train"][1]),
-                         "n_test": n, "patch_half": half, "features": int(data[train_on]["train"][0].shape[1]),
+                         "n_test": n, "patch_half": half, "binarize": a.binarize, "features": int(data[train_on]["train"][0].shape[1]),
                          "seconds": round(time.perf_counter() - t0, 1)})
             print(f"trained on {train_on:7s} tested on {test_on:7s}: {100 * acc:.1f} +- {100 * rows[-1]['se']:.1f}%",
                   flush=True)
@@ -78,14 +83,15 @@ def main(argv=None) -> int:
 
     from sparseflash.experiments.bench.results import git_commit
 
-    meta = {"num": a.num, "seed": a.seed, "half": half, "epochs": a.epochs, "torch": torch.__version__,
+    meta = {"num": a.num, "seed": a.seed, "half": half, "binarize": a.binarize, "epochs": a.epochs, "torch": torch.__version__,
             "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    (a.out / "xfidelity_probe.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    with open(a.out / "xfidelity_probe.csv", "w", newline="") as f:
+    name = "xfidelity_probe" + ("-binary" if a.binarize else "")
+    (a.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    with open(a.out / f"{name}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"wrote {a.out / 'xfidelity_probe.csv'}, .json", flush=True)
+    print(f"wrote {a.out / name}.csv, .json", flush=True)
     return 0
 
 
