@@ -380,3 +380,14 @@ def test_exact_bench_cpu_mode(tmp_path, device):
     assert rows[0]["max_diff_vs_reference"] < 1e-5 < rows[1]["max_diff_vs_reference"]
     assert rows[0]["partial_blocks"] > 0 and rows[0]["block_overcount"] > 1 and rows[0]["fwdbwd_ms"] > 0
     assert (tmp_path / "exact.csv").read_text().startswith("bench,provider")
+    # the same exact masks from the kernels' predicates (key ranges for the window, segment ids for
+    # the documents) instead of bits: equal to the reference too
+    assert exact.main(["--device", "cpu", "--out", str(tmp_path / "pred"), "--tokens", "64", "--window", "20",
+                       "--doc-len", "16", "--providers", "sparseflash-predicate", "sparseflash-block"]) == 0
+    rows = json.loads((tmp_path / "pred" / "exact.json").read_text())["rows"]
+    assert [(r["mask"], r["provider"]) for r in rows] == [
+        ("sliding-window", "sparseflash-predicate"), ("sliding-window", "sparseflash-block"),
+        ("documents", "sparseflash-predicate"), ("documents", "sparseflash-block")]
+    assert all(r["status"] == "ok" for r in rows)
+    assert all(r["max_diff_vs_reference"] < 1e-5 for r in rows if r["provider"] == "sparseflash-predicate")
+    assert all(r["max_diff_vs_reference"] > 1e-5 for r in rows if r["provider"] == "sparseflash-block")

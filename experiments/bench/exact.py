@@ -24,6 +24,10 @@ Providers, bf16, forward and forward+backward:
   than `hopper_bwd.LIST_MIN_BLOCKS` to the portable backward (a 1024 window has ~9 a column);
 - ``sparseflash-block``: the same call with ``exact=False``: every pair of an on block (the work
   without the bits, and a different result: the reference point for their cost);
+- ``sparseflash-predicate`` (not run by default): the same exact mask from the kernels' own
+  token-level predicates instead of bits: the block-level mask (``exact=False``) with
+  ``key_ranges`` ``[i - window + 1, i + 1)`` for the window, ``segment_ids`` and ``causal=True``
+  for the documents (what `flash_attn_func`'s ``window_size`` and packed documents use);
 - ``flex``: compiled ``flex_attention`` with ``mask.to_flex(layout_in_mask_mod=False)`` (its full
   and partial lists and the mask_mod; built once outside the timed calls).
 
@@ -50,16 +54,17 @@ from sparseflash.experiments.bench.results import write_tidy
 # sparseflash providers: (exact, dispatch.HOPPER_EXACT, hopper_bwd.MODE), None leaving a switch as it is
 _SPARSEFLASH = {"sparseflash-exact": (True, "off", None), "sparseflash-exact-hopper": (True, "on", None),
                 "sparseflash-block": (False, None, None), "sparseflash-exact-hopper-bwd": (True, "on", "on"),
-                "sparseflash-block-hopper-bwd": (False, None, "on")}
+                "sparseflash-block-hopper-bwd": (False, None, "on"), "sparseflash-predicate": (False, None, None)}
 PROVIDERS = ("sparseflash-exact", "sparseflash-exact-hopper", "sparseflash-block", "flex",
-             "sparseflash-exact-hopper-bwd", "sparseflash-block-hopper-bwd")
+             "sparseflash-exact-hopper-bwd", "sparseflash-block-hopper-bwd", "sparseflash-predicate")
 DEFAULT_PROVIDERS = PROVIDERS[:4]
 GPU_ONLY = ("flex", "sparseflash-exact-hopper", "sparseflash-exact-hopper-bwd", "sparseflash-block-hopper-bwd")
 MASKS = ("sliding-window", "documents")
 
 
 def build_mask(kind: str, tokens: int, window: int, doc_len: int, block: int, device):
-    """The `BlockMask` of ``kind`` (from_fn on ``device``) and its mask_mod's description."""
+    """The `BlockMask` of ``kind`` (from_fn on ``device``), its mask_mod's description, and the
+    `sparseflash.attention` arguments that give the same mask from in-kernel predicates."""
     from sparseflash import BlockMask
 
     if kind == "sliding-window":
@@ -67,6 +72,8 @@ def build_mask(kind: str, tokens: int, window: int, doc_len: int, block: int, de
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
         label = f"window={window}"
+        i = torch.arange(tokens, device=device)
+        predicate = {"key_ranges": torch.stack([(i - window + 1).clamp(min=0), i + 1], -1)[None].to(torch.int32)}
     elif kind == "documents":
         from sparseflash.experiments.bench.packed import document_ids
 
@@ -76,9 +83,10 @@ def build_mask(kind: str, tokens: int, window: int, doc_len: int, block: int, de
             return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
         label = f"docs={int(doc.max()) + 1} mean_len={doc_len}"
+        predicate = {"segment_ids": doc[None].to(torch.int32), "causal": True}
     else:
         raise ValueError(f"unknown mask {kind!r}, expected one of {MASKS}")
-    return BlockMask.from_fn(mask_mod, tokens, block_size=block, device=device), label
+    return BlockMask.from_fn(mask_mod, tokens, block_size=block, device=device), label, predicate
 
 
 def exact_pairs(mask) -> int:
@@ -92,10 +100,12 @@ def exact_pairs(mask) -> int:
     return full + int(on.sum())
 
 
-def _calls(provider: str, q, k, v, mask, flex_mask):
+def _calls(provider: str, q, k, v, mask, flex_mask, predicate=None):
     """A zero-argument forward call of ``provider``."""
     import sparseflash
 
+    if provider == "sparseflash-predicate":
+        return lambda: sparseflash.attention(q, k, v, mask, exact=False, **predicate)
     if provider in _SPARSEFLASH:  # (its switches: `_switch`)
         exact = _SPARSEFLASH[provider][0]
         return lambda: sparseflash.attention(q, k, v, mask, exact=exact)
@@ -143,7 +153,7 @@ def run(args) -> list[dict]:
     providers = [p for p in args.providers if cuda or p not in GPU_ONLY]
     rows = []
     for kind in args.masks:
-        mask, label = build_mask(kind, args.tokens, args.window, args.doc_len, args.block, device)
+        mask, label, predicate = build_mask(kind, args.tokens, args.window, args.doc_len, args.block, device)
         t0 = time.perf_counter()
         eb = mask.exact_bits(device)
         bits_ms = (time.perf_counter() - t0) * 1000
@@ -158,7 +168,7 @@ def run(args) -> list[dict]:
                 t.requires_grad_()
             outs = {}
             for prov in providers:
-                fwd = _calls(prov, q, k, v, mask, flex_mask)
+                fwd = _calls(prov, q, k, v, mask, flex_mask, predicate)
                 row = dict(bench="exact", provider=prov, mask=kind, mask_label=label, batch=args.batch,
                            heads=args.heads, seq_len=args.tokens, head_dim=D, dtype=str(dtype).replace("torch.", ""),
                            block=args.block, partial_blocks=0 if eb is None else int(eb.bits.shape[0]),
