@@ -12,7 +12,7 @@ that Transformer learns the cue at all when it is given nothing else:
    config and a 256x256 position grid, a Path-X checkpoint's grid upsampled 2x2; cached as
    ``path256-hard-release-...``) drawn by the generator with their layers
    (true marker centres ``tips``), balanced labels (alternating within each chunk of 10), chunk c
-   from the seed ``(seed, 128, 17, c)``, over ``--workers`` processes; split 80 / 10 / 10 by a
+   from the seed ``(seed, resolution, 17, c)``, over ``--workers`` processes; split 80 / 10 / 10 by a
    permutation seeded with ``seed``. Cached as ``CACHE/pathx-hard-release-n{num}-s{seed}.npz``.
 2. Mask: every pixel farther than ``--radius`` (Euclidean, pixel centres, default the probe's
    k = ceil(marker radius) + 3 = 6) from both marker centres is set to black; ``--keep full`` keeps
