@@ -37,6 +37,17 @@ def test_mask_keeps_exactly_the_pixels_within_radius():
     assert nb.default_radius() == 6
     assert (nb.neighbourhood_mask(np.array([[[64, 64], [64, 64]]]), 6)[0]).sum() == 113
     assert np.array_equal(nb.mask_images(images, tips, None), images)
+    # at 256 px, against the squared distance of every pixel in integers, for radii on and off the
+    # integer grid (sqrt(50): r^2 rounds just above 50)
+    tips = rng.integers(-3, 259, (40, 2, 2)).astype(np.int16)  # centres may sit off the image
+    yy, xx = np.mgrid[:256, :256]
+    for radius in (8, 9.5, 24, 96, math.sqrt(50)):
+        want = np.zeros((40, 256, 256), bool)
+        for m in range(2):
+            d2 = (yy[None] - tips[:, m, 0, None, None].astype(np.int64)) ** 2 + (
+                xx[None] - tips[:, m, 1, None, None].astype(np.int64)) ** 2
+            want |= d2 <= radius * radius
+        assert np.array_equal(nb.neighbourhood_mask(tips, radius, 256), want), radius
 
 
 def test_marker_patches_are_the_probes(drawn):
