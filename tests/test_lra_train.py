@@ -95,6 +95,11 @@ def test_collate_single_and_dual():
     assert b["tokens"].shape == (3, 32) and b["lengths"].shape == (3,) and b["labels"].shape == (3,)
     b = T.collate([Majority(4, dual=True)[i] for i in range(3)])
     assert b["tokens"].shape == (3, 2, 32) and b["lengths"].shape == (3, 2)
+    # int16 / int32 tokens stay so (less to pass between processes); other dtypes become int64
+    items = [{"tokens": torch.arange(5, dtype=dt), "length": 5, "label": 0} for dt in (torch.int16,) * 2]
+    assert T.collate(items)["tokens"].dtype == torch.int16
+    items = [{"tokens": np.arange(5, dtype=np.uint8), "length": 5, "label": 1}]
+    assert T.collate(items)["tokens"].dtype == torch.long
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

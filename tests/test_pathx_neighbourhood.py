@@ -88,8 +88,9 @@ def test_tokens_match_the_pathx_loader(drawn, tmp_path):
                 ref.seq_len, ref.vocab_size, ref.num_classes, ref.pad_id)
             for i, j in enumerate(ref.indices):
                 a, b = ref[i], ours[int(j)]
-                assert a["tokens"].dtype == b["tokens"].dtype == torch.long
-                assert torch.equal(a["tokens"], b["tokens"]), (name, split, i)
+                # the same values; ours int16, a quarter of the bytes through the loader (collate keeps them)
+                assert a["tokens"].dtype == torch.long and b["tokens"].dtype == torch.int16
+                assert torch.equal(a["tokens"], b["tokens"].long()), (name, split, i)
                 assert int(a["length"]) == int(b["length"]) == 128 * 128
                 assert a["label"] == b["label"]
     # black_is_padding keeps exactly the drawn pixels of the neighbourhoods: no pad/black off-by-one

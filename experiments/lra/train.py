@@ -165,10 +165,17 @@ class StepBatches:
             step += 1
 
 
+_TOKEN_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
 def collate(items: list[dict]) -> dict:
-    """Stack loader items: tokens ``[B, N]`` (``[B, 2, N]`` for Retrieval), lengths, labels."""
+    """Stack loader items: tokens ``[B, N]`` (``[B, 2, N]`` for Retrieval), lengths, labels. Tokens
+    an item gives as int16 or int32 stay so (a Path-256 batch of int64 is 16 MB to pass between
+    processes and copy to the device; int16 is 4 MB), others become int64; the training and
+    evaluation steps make them int64 on the device."""
+    toks = [torch.as_tensor(it["tokens"]) for it in items]
     return {
-        "tokens": torch.stack([torch.as_tensor(it["tokens"], dtype=torch.long) for it in items]),
+        "tokens": torch.stack([t if t.dtype in _TOKEN_DTYPES else t.long() for t in toks]),
         "lengths": torch.stack([torch.as_tensor(it["length"], dtype=torch.long) for it in items]),
         "labels": torch.tensor([int(it["label"]) for it in items], dtype=torch.long),
     }
@@ -535,7 +542,7 @@ def evaluate(model, ds, *, batch_size: int, max_batches: int | None, device, aut
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct, count (examples or tokens), examples
     for j, b in enumerate(loader):
-        tokens, lengths = b["tokens"].to(device), b["lengths"].to(device)
+        tokens, lengths = b["tokens"].to(device).long(), b["lengths"].to(device)
         if objective == "denoise":
             masked = eval_mask(shard[j * per_rank:(j + 1) * per_rank], b["lengths"], tuple(tokens.shape), mask_ratio)
             masked = masked.to(device)
@@ -1181,7 +1188,8 @@ class _Run:
     def _eager_update(self, b: dict) -> None:
         """The update of `_train_step` in eager mode (`GraphedTrainStep` replays the same)."""
         tc, device, net = self.tc, self.device, self.net
-        tokens, lengths = b["tokens"].to(device, non_blocking=True), b["lengths"].to(device, non_blocking=True)
+        tokens = b["tokens"].to(device, non_blocking=True).long()  # (int16 from some loaders: `collate`)
+        lengths = b["lengths"].to(device, non_blocking=True)
         if self.denoise:  # the mask comes from torch's generator on the device: checkpointed with the run
             masked = mask_positions(torch.rand(tokens.shape, device=device), lengths, tc.mask_ratio)
             with self.autocast:

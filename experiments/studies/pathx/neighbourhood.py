@@ -182,8 +182,8 @@ def mask_images(images, tips, radius: float | None) -> np.ndarray:
 # -------------------------------------------------------------------------------------- dataset
 class NeighbourhoodDataset:
     """Path-X (or Path-256) images ``[n, res, res]`` held in memory, read as the task's loader reads
-    them (`LRADataset`): ``{"tokens": LongTensor[res^2] (gray level + 1, raster order), "length":
-    res^2, "label": int}``, vocabulary 257, pad id 0, two classes."""
+    them (`LRADataset`): ``{"tokens": int16 Tensor[res^2] (gray level + 1, raster order; the loader's
+    are int64, same values), "length": res^2, "label": int}``, vocabulary 257, pad id 0, two classes."""
 
     def __init__(self, images, labels, split: str = "train"):
         images = np.asarray(images, np.uint8)
@@ -207,7 +207,8 @@ class NeighbourhoodDataset:
 
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {self.split} of size {len(self)}")
-        tokens = torch.from_numpy(self.images[i].astype(np.int64)) + self.offset
+        # int16 (gray + 1 <= 256): a quarter of int64's bytes through the loader (`train.collate`)
+        tokens = torch.from_numpy(self.images[i].astype(np.int16)) + self.offset
         return {"tokens": tokens, "length": self.seq_len, "label": int(self.label_array[i])}
 
     @property
