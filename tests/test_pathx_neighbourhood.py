@@ -325,6 +325,15 @@ def test_path256_stage_starts_from_a_pathx_model_with_its_grid_upsampled(tmp_pat
     assert (ds.task, ds.seq_len, ds.resolution) == ("path256", 256 * 256, 256)
     with pytest.raises(ValueError, match="images must be"):
         nb.NeighbourhoodDataset(images.reshape(40, -1), labels)
+    # a split as indices into the shared arrays: the same items as a copied split, no copy of the images
+    ix = np.array([3, 17, 5])
+    part, copied = nb.NeighbourhoodDataset(images, labels, "test", index=ix), nb.NeighbourhoodDataset(images[ix], labels[ix])
+    assert np.shares_memory(part.images, images) and len(part) == 3
+    for i in range(3):
+        assert torch.equal(part[i]["tokens"], copied[i]["tokens"]) and part[i]["label"] == copied[i]["label"]
+    assert np.array_equal(part.kept_counts(), copied.kept_counts()) and np.array_equal(part.labels, labels[ix])
+    with pytest.raises(ValueError, match="index must lie"):
+        nb.NeighbourhoodDataset(images, labels, index=[40])
     with pytest.raises(ValueError, match="resolution"):
         nb.generate(2, resolution=64)
 
