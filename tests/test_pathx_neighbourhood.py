@@ -112,7 +112,7 @@ def test_end_to_end_writes_the_table(tmp_path):
             "--steps", "3", "--batch-size", "8", "--eval-every", "2", "--mlp-epochs", "2", "--threads", "1",
             "--device", "cpu", "--no-progress"]
     assert nb.main(args) == 0
-    assert (cache / "pathx-hard-release-n40-s0.npz").is_file()
+    assert (cache / "pathx-hard-release-n40-s0.images.npy").is_file()
     with open(out / "neighbourhood.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 1
@@ -299,7 +299,7 @@ def test_path256_stage_starts_from_a_pathx_model_with_its_grid_upsampled(tmp_pat
     px = out / "runs" / "px" / "checkpoints" / "best.pt"
     assert nb.main(base + ["--resolution", "256", "--runs", "pretrained-frozen", "--init-from", str(px),
                            "--radius-stages", "12", "--steps", "2", "--tag", "p256"]) == 0
-    assert (cache / "path256-hard-release-n40-s0.npz").is_file()
+    assert (cache / "path256-hard-release-n40-s0.images.npy").is_file()
     r = json.loads((out / "runs" / "p256-1-R12" / "result.json").read_text())
     assert r["resolution"] == 256 and r["radius"] == 12 and r["freeze"] == "encoder.pos"
     cfg = json.loads((out / "runs" / "p256-1-R12" / "config.json").read_text())
@@ -338,8 +338,8 @@ def test_path256_stage_starts_from_a_pathx_model_with_its_grid_upsampled(tmp_pat
         nb.generate(2, resolution=64)
 
     zs = pytest.importorskip("sparseflash.experiments.studies.pathx.zero_shot")
-    for extra, cached in ((["--resolution", "256"], "path256-hard-release-n8-s1.npz"),
-                          (["--fidelity", "clean"], "pathx-hard-clean-n8-s1.npz")):
+    for extra, cached in ((["--resolution", "256"], "path256-hard-release-n8-s1.images.npy"),
+                          (["--fidelity", "clean"], "pathx-hard-clean-n8-s1.images.npy")):
         zout = tmp_path / ("zs-" + extra[1])
         assert zs.main([str(px), "--num", "8", "--radii", "8", "full", "--cache", str(cache), "--out", str(zout),
                         "--workers", "1", "--device", "cpu", "--threads", "1", *extra]) == 0
@@ -457,3 +457,17 @@ def test_probe_trained_on_one_set_scores_each_test_set(tmp_path):
                     "--out", str(out), "--binarize"]) == 0
     rows = list(csv.DictReader(open(out / "xfidelity_probe-binary.csv")))
     assert len(rows) == 4 and all(r["binarize"] == "True" for r in rows)
+
+
+def test_cache_is_memory_mapped_and_reads_old_npz(tmp_path):
+    made = nb.load_or_generate(tmp_path, 12, 5, 1, False)
+    again = nb.load_or_generate(tmp_path, 12, 5, 1, False)
+    assert isinstance(again[0], np.memmap) and again[3]["generated_s"] is None
+    for a, b in zip(made[:3], again[:3]):
+        assert np.array_equal(a, b)
+    assert np.array_equal(nb.mask_images(again[0], again[1], 6), nb.mask_images(made[0], made[1], 6))
+    assert type(nb.mask_images(again[0], again[1], None)) is np.ndarray  # a copy in memory
+    # a cache an earlier commit wrote (one compressed .npz) is read as it is
+    np.savez_compressed(tmp_path / "pathx-hard-release-n12-s6.npz", images=made[0], tips=made[1], labels=made[2])
+    old = nb.load_or_generate(tmp_path, 12, 6, 1, False)
+    assert old[3]["cache"].endswith(".npz") and np.array_equal(old[0], made[0])

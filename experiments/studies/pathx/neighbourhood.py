@@ -13,7 +13,7 @@ that Transformer learns the cue at all when it is given nothing else:
    ``path256-hard-release-...``) drawn by the generator with their layers
    (true marker centres ``tips``), balanced labels (alternating within each chunk of 10), chunk c
    from the seed ``(seed, resolution, 17, c)``, over ``--workers`` processes; split 80 / 10 / 10 by a
-   permutation seeded with ``seed``. Cached as ``CACHE/pathx-hard-release-n{num}-s{seed}.npz``.
+   permutation seeded with ``seed``. Cached as ``CACHE/pathx-hard-release-n{num}-s{seed}.*.npy``.
 2. Mask: every pixel farther than ``--radius`` (Euclidean, pixel centres, default the probe's
    k = ceil(marker radius) + 3 = 6) from both marker centres is set to black; ``--keep full`` keeps
    the whole image (the control; slow on a CPU).
@@ -123,22 +123,32 @@ def generate(num: int, seed: int = 0, workers: int = 1, show_progress: bool = Tr
 
 def load_or_generate(cache: Path, num: int, seed: int, workers: int, show_progress: bool = True,
                      fidelity: str = "release", resolution: int = RES):
-    """`generate`'s arrays, read from ``cache`` when a previous command made them."""
+    """`generate`'s arrays, read from ``cache`` when a previous command made them: three ``.npy``
+    files ``CACHE/<task>-hard-<fidelity>-n<num>-s<seed>.{images,tips,labels}.npy``, the images
+    memory-mapped read-only (runs side by side share one copy through the page cache, and a 6.5 GB
+    Path-256 set opens at once instead of decompressing in every process). A ``.npz`` of the same
+    name (what earlier commits wrote) is read as it is."""
     if resolution not in TASKS:
         raise ValueError(f"resolution must be one of {tuple(TASKS)}, got {resolution!r}")
-    path = Path(cache) / f"{TASKS[resolution]}-hard-{fidelity}-n{num}-s{seed}.npz"
-    if path.is_file():
-        z = np.load(path)
-        return z["images"], z["tips"], z["labels"], {"cache": str(path), "generated_s": None}
+    stem = Path(cache) / f"{TASKS[resolution]}-hard-{fidelity}-n{num}-s{seed}"
+    old = stem.with_name(stem.name + ".npz")
+    if old.is_file():
+        z = np.load(old)
+        return z["images"], z["tips"], z["labels"], {"cache": str(old), "generated_s": None}
+    files = {k: stem.with_name(f"{stem.name}.{k}.npy") for k in ("tips", "labels", "images")}
+    if all(f.is_file() for f in files.values()):
+        return (np.load(files["images"], mmap_mode="r"), np.load(files["tips"]), np.load(files["labels"]),
+                {"cache": str(files["images"]), "generated_s": None})
     t0 = time.perf_counter()
-    images, tips, labels = generate(num, seed, workers, show_progress, fidelity, resolution)
+    arrays = dict(zip(("images", "tips", "labels"), generate(num, seed, workers, show_progress, fidelity, resolution)))
     dt = time.perf_counter() - t0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}-{os.getpid()}.npz")
-    np.savez_compressed(tmp, images=images, tips=tips, labels=labels)
-    os.replace(tmp, path)
-    print(f"generated {num} images in {dt:.0f} s on {workers} workers -> {path}", flush=True)
-    return images, tips, labels, {"cache": str(path), "generated_s": round(dt, 1)}
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for k, f in files.items():  # the images last: their file's presence says the set is complete
+        tmp = f.with_name(f".{f.name}-{os.getpid()}.npy")
+        np.save(tmp, arrays[k])
+        os.replace(tmp, f)
+    print(f"generated {num} images in {dt:.0f} s on {workers} workers -> {files['images']}", flush=True)
+    return arrays["images"], arrays["tips"], arrays["labels"], {"cache": str(files["images"]), "generated_s": round(dt, 1)}
 
 
 def split_indices(n: int, seed: int = 0) -> dict:
@@ -170,8 +180,8 @@ def mask_images(images, tips, radius: float | None) -> np.ndarray:
     ``radius`` None: the images unchanged (a copy)."""
     images = np.asarray(images)
     if radius is None:
-        return images.copy()
-    out = np.zeros_like(images)
+        return np.array(images)
+    out = np.zeros(images.shape, images.dtype)
     chunk = 2048
     for s in range(0, len(images), chunk):
         keep = neighbourhood_mask(tips[s:s + chunk], radius, images.shape[-1])
@@ -983,7 +993,7 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
             print(f"stages: no time left for {tag}; the same command continues", flush=True)
             status = 75
             break
-        masked = mask_images(images, tips, r)
+        masked = images if r is None else mask_images(images, tips, r)  # whole images: read in place
         datasets = {s: NeighbourhoodDataset(masked, labels, s, index=ix) for s, ix in idx.items()}
         data_tag = f"{name}-n{a.num}" + (f"-s{a.seed}" if a.seed else "")
         probe = NO_PROBE
