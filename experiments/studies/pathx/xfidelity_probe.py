@@ -1,4 +1,4 @@
-"""Is the marker cue of hard 128 px images the same in both generator fidelities?
+"""Is the marker cue of hard 128 px (or 256 px) images the same in both generator fidelities?
 
 The probe MLP reads ~73-75% of the labels from the patches around the two markers in release and in
 clean images alike (`sparseflash lra probe`), yet the Transformer trained on release marker
@@ -12,8 +12,8 @@ it would carry over.
 Images: hard 128 px, drawn by `neighbourhood.generate` with seed ``--seed`` for each fidelity (cached
 as neighbourhood's are), split 80 / 20 by `neighbourhood.split_indices` (val and test together form the
 held-out part). Features: `probe.marker_patches` with half-size ``--half`` (default the probe's k = 6).
-Writes ``OUT/xfidelity_probe.csv`` / ``.json`` (``-binary`` with ``--binarize``: drawn or not instead
-of gray levels): one row per (trained on, tested on) with the accuracy and its standard error.
+Writes ``OUT/xfidelity_probe.csv`` / ``.json`` (``-256`` with ``--resolution 256``; ``-binary`` with
+``--binarize``: drawn or not instead of gray levels): one row per (trained on, tested on) with the accuracy and its standard error.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num", type=int, default=10000, help="images per fidelity (default 10000: 8K train, 2K held out)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resolution", type=int, choices=(128, 256), default=128, help="128 (Path-X, default) or 256 (Path-256)")
     ap.add_argument("--half", type=int, default=None, help="patch half-size (default the probe's k: 6 at 128 px)")
     ap.add_argument("--binarize", action="store_true",
                     help="drawn or not (gray > 0) instead of gray levels: leaves the geometry, removes the renderings' "
@@ -51,12 +52,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.num < 20:
         ap.error(f"--num must be at least 20, got {a.num}")
-    half = a.half if a.half is not None else default_radius()
+    half = a.half if a.half is not None else default_radius(a.resolution)
     if half < 1:
         ap.error(f"--half must be positive, got {half}")
     data = {}
     for fid in FIDELITIES:
-        images, tips, labels, _ = load_or_generate(a.cache, a.num, a.seed, a.workers, fidelity=fid)
+        images, tips, labels, _ = load_or_generate(a.cache, a.num, a.seed, a.workers, fidelity=fid,
+                                                   resolution=a.resolution)
         idx = split_indices(len(labels), a.seed)
         held = np.sort(np.concatenate([idx["val"], idx["test"]]))
         x = marker_patches(images, tips, half)
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
         for test_on in FIDELITIES:
             n = len(data[test_on]["held"][1])
             acc = accs[test_on]
-            rows.append({"trained_on": train_on, "tested_on": test_on, "acc": round(acc, 4),
+            rows.append({"resolution": a.resolution, "trained_on": train_on, "tested_on": test_on, "acc": round(acc, 4),
                          "se": round(math.sqrt(acc * (1 - acc) / n), 4), "n_train": len(data[train_on]["train"][1]),
                          "n_test": n, "patch_half": half, "binarize": a.binarize, "features": int(data[train_on]["train"][0].shape[1]),
                          "seconds": round(time.perf_counter() - t0, 1)})
@@ -83,9 +85,9 @@ def main(argv=None) -> int:
 
     from sparseflash.experiments.bench.results import git_commit
 
-    meta = {"num": a.num, "seed": a.seed, "half": half, "binarize": a.binarize, "epochs": a.epochs, "torch": torch.__version__,
+    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "half": half, "binarize": a.binarize, "epochs": a.epochs, "torch": torch.__version__,
             "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    name = "xfidelity_probe" + ("-binary" if a.binarize else "")
+    name = "xfidelity_probe" + ("" if a.resolution == 128 else f"-{a.resolution}") + ("-binary" if a.binarize else "")
     (a.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     with open(a.out / f"{name}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]))
