@@ -26,14 +26,28 @@ t0=$(date +%s)
 send_state_back "$state"
 [ -f "$state/pretrain/checkpoints/best.pt" ] || { echo "neighbourhood_gpus: $state/pretrain/checkpoints/best.pt did not arrive" >&2; exit 3; }
 $py "$here/neighbourhood.py" --num "$num" --resolution "$res" --workers "${WORKERS:-16}" --cache "$cache" --generate-only --no-progress || exit $?
+graphs=${GRAPHS:-0}
+if [ "$graphs" = 1 ]; then
+    # a graphed run must not cost the command: 40 graphed steps on these images first (~30-60 s, its
+    # own process); if they fail, this command's runs step eagerly
+    check=$(mktemp -d)
+    if ! timeout 150 $py "$here/neighbourhood.py" --num "$num" --resolution "$res" --cache "$cache" --device "$device" \
+            --no-progress --runs pretrained-frozen --init-from "$state/pretrain/checkpoints/best.pt" --pattern butterfly \
+            --steps 40 --eval-every 1000 --no-probe --cuda-graphs --out "$check" --tag graphs-check > "$check.log" 2>&1; then
+        echo "neighbourhood_gpus: the CUDA-graph check failed (last lines below); these runs step eagerly (GRAPHS=0)" >&2
+        tail -n 5 "$check.log" >&2
+        graphs=0
+    fi
+    rm -rf "$check"
+fi
 left=$(( minutes * 60 - ($(date +%s) - t0) - 30 ))
 [ "$left" -ge 120 ] || { echo "neighbourhood_gpus: no time left after the data" >&2; exit 75; }
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 common=(--num "$num" --resolution "$res" --cache "$cache" --device "$device" --no-progress --minutes "$($py -c "print($left / 60)")")
 # GRAPHS=1: training steps replayed from CUDA graphs (the eager step of these short packed sequences is
-# host-bound: 11 ms at 128 px, 16-19 ms at 256; the graphed Path-X fine-tune took 4.3 ms). Not yet run
-# from this script on a GPU; STEPS=auto times graphed steps then (measure_step_s).
-[ "${GRAPHS:-0}" = 1 ] && common+=(--cuda-graphs)
+# host-bound: 11 ms at 128 px, 16-19 ms at 256; the graphed Path-X fine-tune took 4.3 ms), after a
+# 40-step graphed check above. Not yet run from this script on a GPU; STEPS=auto times graphed steps.
+[ "$graphs" = 1 ] && common+=(--cuda-graphs)
 # STEPS=auto: each run sizes its schedule to the minutes left (one command, finished with its test score)
 [ "$steps" = auto ] || common+=(--steps "$steps" --resume)
 declare -A extra=(
