@@ -265,8 +265,17 @@ def test_radius_stages_chain_their_weights_and_resume(tmp_path):
     assert r2["mean_tokens"] > r1["mean_tokens"]  # the whole image: every drawn pixel
     mtime = (out / "runs" / "cur-2-full" / "result.json").stat().st_mtime
     assert nb.main(stages) == 0 and (out / "runs" / "cur-2-full" / "result.json").stat().st_mtime == mtime
-    with pytest.raises(SystemExit, match="init-from"):
-        nb.main(base + ["--runs", "scratch", "--radius-stages", "9", "--steps", "2"])
+    with pytest.raises(SystemExit, match="one preset"):
+        nb.main(base + ["--runs", "scratch", "pretrained", "--radius-stages", "9", "--steps", "2"])
+    # a scratch chain: fresh weights first (here with fixed sin-cos positions, no table), then each
+    # stage from the previous one's
+    assert nb.main(base + ["--runs", "scratch", "--radius-stages", "9", "full", "--steps", "2", "--no-probe", "--tag", "sc",
+                           "--set", "model.pos_emb=grid_sincos"]) == 0
+    s1 = json.loads((out / "runs" / "sc-1-R9" / "result.json").read_text())
+    s2 = json.loads((out / "runs" / "sc-2-full" / "result.json").read_text())
+    assert (s1["preset"], s1["init_from"]) == ("scratch", None) and s1["pos_emb"] == "grid_sincos"
+    assert (s2["preset"], s2["init_from"]) == ("pretrained", str(out / "runs" / "sc-1-R9" / "checkpoints" / "best.pt"))
+    assert s2["freeze"] == "" and s2["pos_emb"] == "grid_sincos"
     with pytest.raises(SystemExit, match="positive radius"):
         nb.main(base + ["--runs", "pretrained", "--init-from", str(first), "--radius-stages", "0", "--steps", "2"])
 

@@ -38,7 +38,8 @@ that Transformer learns the cue at all when it is given nothing else:
    its standard error sqrt(p (1 - p) / n), the curve files) and ``neighbourhood.png`` (training and
    validation accuracy against steps, the MLP's held-out accuracy as a horizontal line).
    ``--report-only`` rebuilds just the table and figure (e.g. after runs started side by side).
-7. A curriculum (``--radius-stages 9 12 16 24 full``, one preset that starts from ``--init-from``):
+7. A curriculum (``--radius-stages 9 12 16 24 full``, one preset: the first stage from ``--init-from``,
+   or from fresh weights with ``scratch``, whose later stages run as ``pretrained``):
    one run a stage, in order, each on the same images masked at the stage's radius (``full``: the
    whole image, the real Path-X input) and initialised from the previous stage's best-on-val
    weights (the first from ``--init-from``), checkpoints kept; each stage gets ``--stage-minutes``
@@ -892,10 +893,10 @@ def parse_args(argv=None):
             a.radius_stages = [radius_arg(v) for v in a.radius_stages]
         except argparse.ArgumentTypeError as e:
             raise SystemExit(f"--radius-stages: each stage is {e}") from None
-        if len(a.runs) != 1 or not PRESETS[a.runs[0]][0]:
-            raise SystemExit(f"--radius-stages runs one preset that starts from --init-from (pretrained or "
-                             f"pretrained-frozen), got --runs {' '.join(a.runs)}")
-        if not a.init_from:
+        if len(a.runs) != 1:
+            raise SystemExit(f"--radius-stages runs one preset (scratch: the first stage from fresh weights; "
+                             f"pretrained or pretrained-frozen: from --init-from), got --runs {' '.join(a.runs)}")
+        if PRESETS[a.runs[0]][0] and not a.init_from:
             raise SystemExit("--radius-stages: give --init-from, the first stage's starting weights")
     if a.stage_minutes is not None:
         if not a.radius_stages:
@@ -979,7 +980,9 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
     radii = a.radius_stages  # parsed and checked with the other arguments
     base = a.tag or f"{a.runs[0]}-stages"
     end = a.t_command + 60 * a.minutes if a.minutes else None
-    init, status = a.init_from, 0
+    # a scratch chain starts from fresh weights; its later stages start from the previous stage's
+    # (the "pretrained" preset: nothing frozen); the other presets start every stage from weights
+    init, status = (a.init_from if PRESETS[a.runs[0]][0] else None), 0
     for k, r in enumerate(radii):
         name = "full" if r is None else f"R{r:g}"
         tag = f"{base}-{k + 1}-{name}"
@@ -1004,9 +1007,10 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
         share = left if left is None else left / (len(radii) - k)
         if a.stage_minutes:
             share = a.stage_minutes[k] if left is None else min(a.stage_minutes[k], left)
-        sa = _with(a, radius=r, keep="full" if r is None else "neighbourhood", init_from=Path(init), tag=tag,
+        preset = a.runs[0] if init is None or PRESETS[a.runs[0]][0] else "pretrained"
+        sa = _with(a, radius=r, keep="full" if r is None else "neighbourhood", init_from=init and Path(init), tag=tag,
                    keep_checkpoints=True, t_command=None, minutes=share, evals=5)  # short stages: 5 validations
-        row = run_one(sa, a.runs[0], data_tag, datasets, probe, meta)
+        row = run_one(sa, preset, data_tag, datasets, probe, meta)
         del masked, datasets
         if row is None:  # stopped by its time limit with --resume: continue it next command
             status = 75
@@ -1023,7 +1027,7 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
             last.unlink()
         if best.is_file():
             compact_grid(best)
-        if k and Path(previous) != Path(init) and Path(previous).parent.parent.parent == a.out / "runs":
+        if k and previous and Path(previous) != Path(init) and Path(previous).parent.parent.parent == a.out / "runs":
             for ck in Path(previous).parent.glob("*.pt"):
                 ck.unlink()
     rows = report(a.out)
