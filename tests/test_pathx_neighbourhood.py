@@ -484,3 +484,23 @@ def test_cache_is_memory_mapped_and_reads_old_npz(tmp_path):
     np.savez_compressed(tmp_path / "pathx-hard-release-n12-s6.npz", images=made[0], tips=made[1], labels=made[2])
     old = nb.load_or_generate(tmp_path, 12, 6, 1, False)
     assert old[3]["cache"].endswith(".npz") and np.array_equal(old[0], made[0])
+
+
+def test_position_codes_reads_coordinates_through_each_code(tmp_path):
+    pc = pytest.importorskip("sparseflash.experiments.studies.pathx.position_codes")
+    ck = tmp_path / "best.pt"
+    torch.save({"model": {"encoder.pos.grid": torch.randn(8, 8, 6)}}, ck)
+    out = tmp_path / "out"
+    assert pc.main(["--checkpoint", str(ck), "--num", "40", "--epochs", "2", "--workers", "1", "--out", str(out),
+                    "--cache", str(tmp_path / "cache")]) == 0
+    assert (tmp_path / "cache" / "path256-hard-release-n40-s0.images.npy").is_file()
+    rows = list(csv.DictReader(open(out / "position_codes.csv")))
+    assert [(r["features"], int(r["dims"])) for r in rows] == [
+        ("coordinates", 4), ("learned table at the markers", 12), ("2-D sin-cos codes at the markers", 12)]
+    meta = json.loads((out / "position_codes.json").read_text())["meta"]
+    assert meta["table"] == [8, 8] and -1 <= meta["neighbour_cosine"] <= 1
+    r, c = pc.marker_cells(np.array([[[5, 1], [2, 9]]]), 256)  # raster order: (2, 9) first
+    assert r.tolist() == [[2, 5]] and c.tolist() == [[9, 1]]
+    torch.save({"model": {}}, ck)
+    with pytest.raises(SystemExit):
+        pc.main(["--checkpoint", str(ck), "--num", "40", "--out", str(out), "--cache", str(tmp_path / "cache")])
