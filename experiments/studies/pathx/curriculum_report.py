@@ -16,9 +16,7 @@ commit, date) and ``OUT/curriculum.png``.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -36,9 +34,6 @@ CHAINS = {  # folder under STATE: (chain name in the table, legend)
     "nb-cont-fine": ("cont-fine", "fine lr 1e-4, whole images continued"),
 }
 KEEP = ("config.json", "eval.csv", "train.csv", "summary.json", "result.json", "metrics.jsonl")
-COLUMNS = ["chain", "stage", "tag", "input", "radius", "mean_tokens", "lr", "pattern", "density", "steps", "wall_s",
-           "step_ms", "train_acc_last", "val_best", "val_best_step", "test_acc", "test_se", "n_test", "init_from",
-           "gpu", "torch", "commit", "date"]
 
 
 def collect(state: Path, out: Path) -> int:
@@ -146,11 +141,9 @@ def main(argv=None) -> int:
     if not (a.out / "runs").is_dir():
         ap.error(f"{a.out / 'runs'}: no runs to report (collect them first with --collect STATE)")
     table = rows(a.out)
-    with open(a.out / "curriculum.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS)
-        w.writeheader()
-        w.writerows(table)
-    (a.out / "curriculum.json").write_text(json.dumps({"rows": table}, indent=1) + "\n")
+    from sparseflash.experiments.bench.results import write_tidy
+
+    write_tidy(table, {"runs": str(a.out / "runs")}, a.out, "curriculum", "pathx-curriculum/1")
     for t in table:
         print(f"{t['chain']:12s} {t['stage']:2d} {t['input']:>5s} {t['mean_tokens']:7.0f} tokens  lr {t['lr']:g}  "
               f"{t['pattern']:9s} {t['steps']:6d} steps  test {100 * t['test_acc']:.1f} +- {100 * t['test_se']:.1f}%")

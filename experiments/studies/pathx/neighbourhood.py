@@ -681,7 +681,7 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
     last = tr_rows[-5:]
     n_test = len(datasets["test"])
     best, final = test.get("best", {}), test.get("final", {})
-    counts = np.concatenate([datasets[s].kept_counts() for s in ("train",)])
+    counts = datasets["train"].kept_counts()
     row = {
         "tag": tag, "preset": preset, "resolution": args.resolution, "keep": args.keep,
         "radius": None if args.keep == "full" else args.radius,
@@ -913,7 +913,8 @@ def parse_args(argv=None):
     return a
 
 
-def _meta(argv) -> dict:
+def run_meta(argv=None) -> dict:
+    """Where and when a command ran: commit, date, torch, CPU, Python and its command line."""
     import torch
 
     from sparseflash.experiments.bench.results import git_commit
@@ -1058,14 +1059,14 @@ def main(argv=None, started: float | None = None) -> int:
     data_tag += f"-n{a.num}" + (f"-s{a.seed}" if a.seed else "")
     idx = split_indices(len(labels), a.seed)
     if a.radius_stages:
-        return run_stages(a, images, tips, labels, idx, {**_meta(argv), "data_cache": gen["cache"],
+        return run_stages(a, images, tips, labels, idx, {**run_meta(argv), "data_cache": gen["cache"],
                                                          "generated_s": gen["generated_s"]})
-    masked = mask_images(images, tips, radius)
+    masked = images if radius is None else mask_images(images, tips, radius)  # whole images: read in place
     if a.cnn_controls:
         cnn_radius = a.radius if a.radius is not None else default_radius(a.resolution)
         cnn_tag = f"R{cnn_radius:g}-n{a.num}" + (f"-s{a.seed}" if a.seed else "")
         cnn_controls(a.out, cnn_tag, images, tips, labels, idx, cnn_radius, a,
-                     {**_meta(argv), "data_cache": gen["cache"]})
+                     {**run_meta(argv), "data_cache": gen["cache"]})
     del images
     datasets = {s: NeighbourhoodDataset(masked, labels, s, index=ix) for s, ix in idx.items()}
     counts = datasets["train"].kept_counts()
@@ -1077,7 +1078,7 @@ def main(argv=None, started: float | None = None) -> int:
                                                   a.mlp_epochs, a.seed)
     if a.mlp_controls:
         mlp_controls(a.out, data_tag, masked, tips, labels.astype(np.int64), idx, half, a.seed)
-    meta = {**_meta(argv), "data_cache": gen["cache"], "generated_s": gen["generated_s"]}
+    meta = {**run_meta(argv), "data_cache": gen["cache"], "generated_s": gen["generated_s"]}
     if not a.runs:
         return 0
     unfinished = [p for p in a.runs if run_one(a, p, data_tag, datasets, probe, meta) is None]

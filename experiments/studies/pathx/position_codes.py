@@ -18,8 +18,6 @@ Images: `neighbourhood.load_or_generate` (hard, release, seed ``--seed``), split
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
 import time
 from pathlib import Path
@@ -107,17 +105,12 @@ def main(argv=None) -> int:
         print(f"{name:34s} {100 * acc:.1f} +- {100 * out_rows[-1]['se']:.1f}%", flush=True)
     print(f"table {source} from {a.checkpoint}: neighbouring cells' cosine {smooth['neighbour_cosine']:.3f}, "
           f"far cells' {smooth['far_cosine']:.3f}", flush=True)
-    from sparseflash.experiments.bench.results import git_commit
+    from sparseflash.experiments.bench.results import write_tidy
+    from sparseflash.experiments.studies.pathx.neighbourhood import run_meta
 
-    a.out.mkdir(parents=True, exist_ok=True)
     meta = {"checkpoint": str(a.checkpoint), "table": list(source), "resolution": a.resolution, "num": a.num,
-            "seed": a.seed, **smooth, "torch": torch.__version__, "commit": git_commit(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    (a.out / "position_codes.json").write_text(json.dumps({"meta": meta, "rows": out_rows}, indent=1) + "\n")
-    with open(a.out / "position_codes.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, list(out_rows[0]))
-        w.writeheader()
-        w.writerows(out_rows)
+            "seed": a.seed, **smooth, **run_meta(argv)}
+    write_tidy(out_rows, meta, a.out, "position_codes", "pathx-position-codes/1")
     print(f"wrote {a.out / 'position_codes.csv'}, .json", flush=True)
     return 0
 

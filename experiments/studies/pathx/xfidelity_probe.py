@@ -19,8 +19,6 @@ Writes ``OUT/xfidelity_probe.csv`` / ``.json`` (``-256`` with ``--resolution 256
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
 import time
 from pathlib import Path
@@ -80,19 +78,13 @@ def main(argv=None) -> int:
                          "seconds": round(time.perf_counter() - t0, 1)})
             print(f"trained on {train_on:7s} tested on {test_on:7s}: {100 * acc:.1f} +- {100 * rows[-1]['se']:.1f}%",
                   flush=True)
-    a.out.mkdir(parents=True, exist_ok=True)
-    import torch
+    from sparseflash.experiments.bench.results import write_tidy
+    from sparseflash.experiments.studies.pathx.neighbourhood import run_meta
 
-    from sparseflash.experiments.bench.results import git_commit
-
-    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "half": half, "binarize": a.binarize, "epochs": a.epochs, "torch": torch.__version__,
-            "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "half": half, "binarize": a.binarize,
+            "epochs": a.epochs, **run_meta(argv)}
     name = "xfidelity_probe" + ("" if a.resolution == 128 else f"-{a.resolution}") + ("-binary" if a.binarize else "")
-    (a.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    with open(a.out / f"{name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_tidy(rows, meta, a.out, name, "pathx-xfidelity-probe/1")
     print(f"wrote {a.out / name}.csv, .json", flush=True)
     return 0
 

@@ -19,10 +19,8 @@ has no dropout, so the function is the same.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -169,17 +167,12 @@ def main(argv=None) -> int:
         label = a.labels[i] if a.labels else str(c)
         rows += [dict(r, label=label) for r in evaluate_checkpoint(c, images, tips, labels, a.radii, device, a.batch_size,
                                                                    a.rescale_pooling)]
-    a.out.mkdir(parents=True, exist_ok=True)
-    from sparseflash.experiments.bench.results import git_commit
+    from sparseflash.experiments.bench.results import write_tidy
+    from sparseflash.experiments.studies.pathx.neighbourhood import run_meta
 
-    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "rescale_pooling": a.rescale_pooling, "fidelity": a.fidelity, "device": device, "torch": torch.__version__, "commit": git_commit(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": " ".join(sys.argv)}
-    (a.out / "zero_shot.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    cols = ["label", "input", "radius", "acc", "se", "loss", "n", "mean_tokens", "step", "checkpoint", "seconds"]
-    with open(a.out / "zero_shot.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, cols, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "rescale_pooling": a.rescale_pooling,
+            "fidelity": a.fidelity, "device": device, **run_meta(argv)}
+    write_tidy(rows, meta, a.out, "zero_shot", "pathx-zero-shot/1")
     print(f"wrote {a.out / 'zero_shot.csv'}, .json, {plot(a.out, rows).name}", flush=True)
     return 0
 
