@@ -32,10 +32,17 @@ from sparseflash.experiments.studies.pathx.neighbourhood import DEFAULT_OUT as N
 DEFAULT_OUT = NEIGHBOURHOOD_OUT / "zero_shot"
 
 
-def evaluate_checkpoint(path: Path, images, tips, labels, radii, device: str, batch_size: int,
-                        rescale_pooling: bool = False) -> list[dict]:
+def masked_sets(images, tips, labels, radii) -> dict:
+    """The evaluation set at each radius (None: whole images), masked once for every checkpoint."""
+    from sparseflash.experiments.studies.pathx.neighbourhood import NeighbourhoodDataset, mask_images
+
+    return {r: NeighbourhoodDataset(images if r is None else mask_images(images, tips, r), labels, "zero-shot")
+            for r in radii}
+
+
+def evaluate_checkpoint(path: Path, sets: dict, device: str, batch_size: int, rescale_pooling: bool = False) -> list[dict]:
     """Accuracy of the checkpoint's model (its own config, ``model.black_is_padding`` as trained) on
-    ``images`` masked at each radius (None: whole images). A Path-X (128 px) model on 256 px images
+    each of `masked_sets`' sets (radius: set; None: whole images). A Path-X (128 px) model on 256 px images
     runs as a Path-256 model with its position grid upsampled 2x2 (`model.load_pretrained`, as the
     recipe's Path-256 fine-tune starts). ``rescale_pooling``: such a model's mean pooling divides by
     the positions it was trained on (16,384), not the input's (65,536), so the pooled vector keeps
@@ -48,13 +55,13 @@ def evaluate_checkpoint(path: Path, images, tips, labels, radii, device: str, ba
     from sparseflash.experiments.lra.configs import config_from_dict
     from sparseflash.experiments.lra.model import load_pretrained
     from sparseflash.experiments.lra.train import build_model, evaluate
-    from sparseflash.experiments.studies.pathx.neighbourhood import TASKS, NeighbourhoodDataset, mask_images
+    from sparseflash.experiments.studies.pathx.neighbourhood import TASKS
 
     ck = torch.load(path, map_location="cpu", weights_only=False)
     if "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path}: not a training checkpoint (needs 'config' and 'model'); give a run's best.pt")
     cfg = config_from_dict(ck["config"])
-    res = images.shape[-1]
+    res = next(iter(sets.values())).resolution
     if cfg.task not in ("pathx", "path256") or (cfg.task == "path256" and res != 256):
         raise SystemExit(f"{path}: a {cfg.task!r} model; this check takes a Path-X model (128 or 256 px images) "
                          f"or a Path-256 one (256 px images)")
@@ -72,15 +79,14 @@ def evaluate_checkpoint(path: Path, images, tips, labels, radii, device: str, ba
         model.encoder.forward = lambda tokens, lengths: encode(tokens, lengths) * (tokens.shape[1] / trained)
     model.to(device)
     rows = []
-    for r in radii:
-        ds = NeighbourhoodDataset(mask_images(images, tips, r), labels, "zero-shot")
+    for r, ds in sets.items():
         t0 = time.perf_counter()
-        res = evaluate(model, ds, batch_size=batch_size, max_batches=None, device=torch.device(device),
-                       autocast=contextlib.nullcontext())
-        acc, n = float(res["acc"]), int(res["n"])
+        ev = evaluate(model, ds, batch_size=batch_size, max_batches=None, device=torch.device(device),
+                      autocast=contextlib.nullcontext())
+        acc, n = float(ev["acc"]), int(ev["n"])
         rows.append({"checkpoint": str(path), "step": ck.get("step"), "input": "full" if r is None else f"R{r:g}",
                      "radius": r, "n": n, "acc": round(acc, 4), "se": round(math.sqrt(acc * (1 - acc) / n), 4),
-                     "loss": round(float(res["loss"]), 4), "mean_tokens": round(float(ds.kept_counts().mean()), 1),
+                     "loss": round(float(ev["loss"]), 4), "mean_tokens": round(float(ds.kept_counts().mean()), 1),
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{path.parent.parent.name if path.parent.name == 'checkpoints' else path.name}: "
               f"{rows[-1]['input']:>5}: {100 * acc:.1f} +- {100 * rows[-1]['se']:.1f}% "
@@ -162,11 +168,11 @@ def main(argv=None) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     images, tips, labels, _ = load_or_generate(a.cache, a.num, a.seed, a.workers, fidelity=a.fidelity,
                                                resolution=a.resolution)
+    sets = masked_sets(images, tips, labels, a.radii)
     rows = []
     for i, c in enumerate(a.checkpoints):
         label = a.labels[i] if a.labels else str(c)
-        rows += [dict(r, label=label) for r in evaluate_checkpoint(c, images, tips, labels, a.radii, device, a.batch_size,
-                                                                   a.rescale_pooling)]
+        rows += [dict(r, label=label) for r in evaluate_checkpoint(c, sets, device, a.batch_size, a.rescale_pooling)]
     from sparseflash.experiments.bench.results import write_tidy
     from sparseflash.experiments.studies.pathx.neighbourhood import run_meta
 
