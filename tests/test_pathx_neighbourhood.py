@@ -439,6 +439,14 @@ def test_curriculum_report_collects_runs_without_weights_and_orders_the_stages(t
     assert cr.main(["--out", str(out)]) == 0 and (out / "curriculum.png").is_file()  # from the copies alone
     with pytest.raises(SystemExit):
         cr.main(["--out", str(tmp_path / "empty")])
+    # Path-256: its own chains only (the Path-X folders above are not collected)
+    run("nb-p256-sincos-stages", "sincos-stages-2-full", None, 0.62, 2451.0, "butterfly")
+    run("nb-p256-sincos-stages", "sincos-stages-1-R8", 8.0, 0.651, 285.0, "butterfly")
+    out256 = tmp_path / "report256"
+    assert cr.main(["--resolution", "256", "--collect", str(state), "--out", str(out256)]) == 0
+    rows = list(csv.DictReader(open(out256 / "curriculum.csv")))
+    assert [(r["chain"], r["input"]) for r in rows] == [("sincos-stages", "R8"), ("sincos-stages", "full")]
+    assert (out256 / "curriculum.png").is_file()
 
 
 def test_probe_trained_on_one_set_scores_each_test_set(tmp_path):
