@@ -292,6 +292,42 @@ def test_radius_stages_chain_their_weights_and_resume(tmp_path):
     assert zs.main(["--replot", "--out", str(zout)]) == 0 and (zout / "zero_shot.png").is_file()
     with pytest.raises(SystemExit):
         zs.main([str(tmp_path / "missing.pt"), "--out", str(zout)])
+    # the swap test runs through the same command: one row a radius, every image paired
+    assert zs.main([str(out / "runs" / "cur-2-full" / "checkpoints" / "best.pt"), "--num", "8", "--radii", "full",
+                    "--swap", "6", "--cache", str(cache), "--out", str(zout), "--workers", "1", "--device", "cpu",
+                    "--threads", "1"]) == 0
+    rows = list(csv.DictReader(open(zout / "zero_shot.csv")))
+    assert [r["input"] for r in rows] == ["full", "swapR6"] and float(rows[1]["radius"]) == 6
+    with pytest.raises(SystemExit):
+        zs.main([str(out / "runs" / "cur-2-full" / "checkpoints" / "best.pt"), "--swap", "0", "--out", str(zout)])
+
+
+def test_swap_puts_one_images_marker_neighbourhoods_into_an_image_of_the_other_label():
+    zs = pytest.importorskip("sparseflash.experiments.studies.pathx.zero_shot")
+    rng = np.random.default_rng(3)
+    n, size, r = 9, 32, 3.0
+    images = rng.integers(1, 256, size=(n, size, size)).astype(np.uint8)  # every pixel drawn: nothing hides
+    tips = rng.integers(4, size - 4, size=(n, 2, 2))
+    labels = np.array([1, 0, 1, 1, 0, 1, 0, 1, 1])  # 3 zeros, 6 ones: 6 composites
+    out, lab = zs.swapped_images(images, tips, labels, r, seed=0)
+    assert out.shape == (6, size, size) and sorted(lab.tolist()) == [0, 0, 0, 1, 1, 1]
+    yy, xx = np.mgrid[:size, :size]
+
+    def near(t):
+        return ((yy - t[0, 0]) ** 2 + (xx - t[0, 1]) ** 2 <= r * r) | ((yy - t[1, 0]) ** 2 + (xx - t[1, 1]) ** 2 <= r * r)
+
+    used_a, used_b = set(), set()
+    for img, la in zip(out, lab):
+        # find A (its neighbourhoods are copied exactly) and B (the other label, the rest copied exactly)
+        a = [i for i in range(n) if labels[i] == la and np.array_equal(img[near(tips[i])], images[i][near(tips[i])])]
+        b = [j for j in range(n) if labels[j] != la
+             and np.array_equal(img[~near(tips[a[0]]) & ~near(tips[j])], images[j][~near(tips[a[0]]) & ~near(tips[j])])
+             and not img[near(tips[j]) & ~near(tips[a[0]])].any()]
+        assert len(a) == 1 and len(b) == 1
+        used_a.add(a[0]); used_b.add(b[0])
+    assert len(used_a) == 6 and len(used_b) == 6  # distinct pairs, every A once
+    with pytest.raises(ValueError, match="both labels"):
+        zs.swapped_images(images, tips, np.ones(n, int), r)
 
 
 def test_path256_stage_starts_from_a_pathx_model_with_its_grid_upsampled(tmp_path):

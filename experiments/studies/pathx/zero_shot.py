@@ -14,6 +14,15 @@ error, loss, mean drawn tokens) and ``zero_shot.png`` (``--replot`` redraws it f
 1; the neighbourhood runs drew theirs with seed 0, so none of these was trained on) and cached in
 ``--cache``. On a CPU the faithful attention becomes SDPA (as in ``neighbourhood.py``); evaluation
 has no dropout, so the function is the same.
+
+``--swap R [R ...]``: where in a whole image does a model find its answer? Each image A is paired
+with an image B of the other label. The test image is B with the pixels within R of B's markers
+blackened, and the pixels within R of A's markers copied in from A: A's markers and the ends of
+its snakes, in B's ink otherwise. Input ``swapR``'s accuracy is then the share of answers that
+follow A's marker neighbourhoods; 1 minus it is the share that follows the rest of B. A model
+that reads a cue at the markers (their places, or the snakes' ends there) keeps its whole-image
+accuracy. A model that traces B's paths falls below 50%: B's paths now end in blackened
+neighbourhoods, not at its markers. A model that needs both is near 50%.
 """
 
 from __future__ import annotations
@@ -38,6 +47,46 @@ def masked_sets(images, tips, labels, radii) -> dict:
 
     return {r: NeighbourhoodDataset(images if r is None else mask_images(images, tips, r), labels, "zero-shot")
             for r in radii}
+
+
+def swapped_images(images, tips, labels, radius: float, seed: int = 0):
+    """The ``--swap`` set (docstring): ``(images [m, res, res], labels [m])`` of A's label, one
+    composite for each image A of the smaller class and each of the same number of images of the
+    other (2 x the smaller class's count in all), every A paired with a distinct B of the other
+    label (random pairing, ``seed``)."""
+    from sparseflash.experiments.studies.pathx.neighbourhood import neighbourhood_mask
+
+    images, labels = np.asarray(images), np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    ones, zeros = rng.permutation(np.flatnonzero(labels == 1)), rng.permutation(np.flatnonzero(labels == 0))
+    m = min(len(ones), len(zeros))
+    if m == 0:
+        raise ValueError("--swap needs images of both labels")
+    a = np.concatenate([ones[:m], zeros[:m]])
+    b = np.concatenate([zeros[:m], ones[:m]])  # each A's partner has the other label
+    out = np.empty((2 * m,) + images.shape[1:], images.dtype)
+    chunk = 2048
+    for s in range(0, 2 * m, chunk):
+        ia, ib = a[s:s + chunk], b[s:s + chunk]
+        keep_a = neighbourhood_mask(tips[ia], radius, images.shape[-1])
+        keep_b = neighbourhood_mask(tips[ib], radius, images.shape[-1])
+        out[s:s + chunk] = np.where(keep_a, images[ia], np.where(keep_b, 0, images[ib]))
+    return out, labels[a]
+
+
+def swapped_sets(images, tips, labels, radii, seed: int = 0) -> dict:
+    """`swapped_images` at each radius, keyed ``"swapR"`` as `masked_sets`' are keyed by radius."""
+    from sparseflash.experiments.studies.pathx.neighbourhood import NeighbourhoodDataset
+
+    sets = {}
+    for r in radii:
+        composite, lab = swapped_images(images, tips, labels, r, seed)
+        sets[f"swapR{r:g}"] = NeighbourhoodDataset(composite, lab, "zero-shot")
+    return sets
+
+
+def _input_name(key) -> str:
+    return "full" if key is None else key if isinstance(key, str) else f"R{key:g}"
 
 
 def evaluate_checkpoint(path: Path, sets: dict, device: str, batch_size: int, rescale_pooling: bool = False) -> list[dict]:
@@ -84,8 +133,9 @@ def evaluate_checkpoint(path: Path, sets: dict, device: str, batch_size: int, re
         ev = evaluate(model, ds, batch_size=batch_size, max_batches=None, device=torch.device(device),
                       autocast=contextlib.nullcontext())
         acc, n = float(ev["acc"]), int(ev["n"])
-        rows.append({"checkpoint": str(path), "step": ck.get("step"), "input": "full" if r is None else f"R{r:g}",
-                     "radius": r, "n": n, "acc": round(acc, 4), "se": round(math.sqrt(acc * (1 - acc) / n), 4),
+        rows.append({"checkpoint": str(path), "step": ck.get("step"), "input": _input_name(r),
+                     "radius": r if not isinstance(r, str) else float(r[len("swapR"):]), "n": n,
+                     "acc": round(acc, 4), "se": round(math.sqrt(acc * (1 - acc) / n), 4),
                      "loss": round(float(ev["loss"]), 4), "mean_tokens": round(float(ds.kept_counts().mean()), 1),
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{path.parent.parent.name if path.parent.name == 'checkpoints' else path.name}: "
@@ -112,7 +162,9 @@ def plot(out: Path, rows: list[dict]) -> Path:
     ax.axhline(50, color="gray", ls=":", lw=0.8)
     ax.set_xticks(range(len(inputs)), [f"{k}\n({np.mean([r['mean_tokens'] for r in rows if r['input'] == k]):.0f} tokens)"
                                        for k in inputs])
-    ax.set_xlabel("input: pixels within R of either marker, or the whole image")
+    ax.set_xlabel("input: pixels within R of either marker, or the whole image"
+                  + ("; swapR: one image's marker neighbourhoods in an image of the other label"
+                     if any(k.startswith("swap") for k in inputs) else ""), fontsize=8)
     ax.set_ylabel("held-out accuracy (%)")
     ax.set_title("Neighbourhood-trained models at other radii, no further training")
     ax.legend(fontsize=8)
@@ -133,6 +185,8 @@ def main(argv=None) -> int:
                     help="radii in pixels, 'full' for the whole image (default 6 12 24 full)")
     ap.add_argument("--resolution", type=int, choices=(128, 256), default=128,
                     help="128 (Path-X, default) or 256 (Path-256; a Path-X model's grid upsampled 2x2)")
+    ap.add_argument("--swap", nargs="+", type=float, default=[], metavar="R",
+                    help="also the swap test at these radii (docstring): A's marker neighbourhoods in B's image")
     ap.add_argument("--rescale-pooling", action="store_true",
                     help="with --resolution 256 and a Path-X model: mean pooling over the 16,384 positions it was "
                          "trained on, not 65,536 (tells a scale mismatch from a lost cue)")
@@ -154,6 +208,8 @@ def main(argv=None) -> int:
         ap.error("give at least one checkpoint (or --replot)")
     if a.labels is not None and len(a.labels) != len(a.checkpoints):
         ap.error(f"--labels: {len(a.labels)} names for {len(a.checkpoints)} checkpoints")
+    if any(r <= 0 for r in a.swap):
+        ap.error(f"--swap: radii must be positive, got {' '.join(f'{r:g}' for r in a.swap)}")
     if a.num < 2:
         ap.error(f"--num must be at least 2, got {a.num}")
     for c in a.checkpoints:
@@ -169,6 +225,7 @@ def main(argv=None) -> int:
     images, tips, labels, _ = load_or_generate(a.cache, a.num, a.seed, a.workers, fidelity=a.fidelity,
                                                resolution=a.resolution)
     sets = masked_sets(images, tips, labels, a.radii)
+    sets.update(swapped_sets(images, tips, labels, a.swap, a.seed))
     rows = []
     for i, c in enumerate(a.checkpoints):
         label = a.labels[i] if a.labels else str(c)
@@ -176,7 +233,7 @@ def main(argv=None) -> int:
     from sparseflash.experiments.bench.results import write_tidy
     from sparseflash.experiments.studies.pathx.neighbourhood import run_meta
 
-    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "rescale_pooling": a.rescale_pooling,
+    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "swap": a.swap, "rescale_pooling": a.rescale_pooling,
             "fidelity": a.fidelity, "device": device, **run_meta(argv)}
     write_tidy(rows, meta, a.out, "zero_shot", "pathx-zero-shot/1")
     print(f"wrote {a.out / 'zero_shot.csv'}, .json, {plot(a.out, rows).name}", flush=True)
