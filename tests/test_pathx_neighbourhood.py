@@ -294,10 +294,11 @@ def test_radius_stages_chain_their_weights_and_resume(tmp_path):
         zs.main([str(tmp_path / "missing.pt"), "--out", str(zout)])
     # the swap test runs through the same command: one row a radius, every image paired
     assert zs.main([str(out / "runs" / "cur-2-full" / "checkpoints" / "best.pt"), "--num", "8", "--radii", "full",
-                    "--swap", "6", "--cache", str(cache), "--out", str(zout), "--workers", "1", "--device", "cpu",
-                    "--threads", "1"]) == 0
+                    "--swap", "6", "--markers-from", "clean", "--cache", str(cache), "--out", str(zout),
+                    "--workers", "1", "--device", "cpu", "--threads", "1"]) == 0
     rows = list(csv.DictReader(open(zout / "zero_shot.csv")))
-    assert [r["input"] for r in rows] == ["full", "swapR6"] and float(rows[1]["radius"]) == 6
+    assert [r["input"] for r in rows] == ["full", "swapR6", "markers-from-clean"] and float(rows[1]["radius"]) == 6
+    assert all(int(r["n"]) == 8 for r in rows)
     with pytest.raises(SystemExit):
         zs.main([str(out / "runs" / "cur-2-full" / "checkpoints" / "best.pt"), "--swap", "0", "--out", str(zout)])
 
@@ -328,6 +329,30 @@ def test_swap_puts_one_images_marker_neighbourhoods_into_an_image_of_the_other_l
     assert len(used_a) == 6 and len(used_b) == 6  # distinct pairs, every A once
     with pytest.raises(ValueError, match="both labels"):
         zs.swapped_images(images, tips, np.ones(n, int), r)
+
+
+def test_transplanted_marker_discs_come_from_a_donor_of_the_other_label():
+    zs = pytest.importorskip("sparseflash.experiments.studies.pathx.zero_shot")
+    rng = np.random.default_rng(4)
+    n, size = 6, 24
+    images = rng.integers(1, 100, size=(n, size, size)).astype(np.uint8)
+    donors = rng.integers(150, 256, size=(n, size, size)).astype(np.uint8)
+    tips = np.array([[[3, 4], [12, 20]]] * n)
+    donor_tips = np.array([[[15, 10], [5, 5]]] * n)  # raster order pairs (5, 5) with (3, 4)
+    labels, donor_labels = np.array([0, 1, 0, 1, 1, 0]), np.array([1, 1, 0, 0, 1, 0])
+    partners = zs.opposite_partners(labels, donor_labels, seed=0)
+    assert all(donor_labels[partners] != labels)
+    out = zs.transplant_markers(images, tips, donors, donor_tips, 2.0, partners)
+    for i, j in enumerate(partners):
+        for (ty, tx), (sy, sx) in (((3, 4), (5, 5)), ((12, 20), (15, 10))):
+            for dy in range(-2, 3):
+                for dx in range(-2, 3):
+                    want = donors[j, sy + dy, sx + dx] if dy * dy + dx * dx <= 4 else images[i, ty + dy, tx + dx]
+                    assert out[i, ty + dy, tx + dx] == want
+        changed = out[i] != images[i]
+        assert changed.sum() == 2 * 13  # two discs of radius 2 (13 pixels each), nothing else
+    with pytest.raises(ValueError, match="both labels"):
+        zs.opposite_partners(labels, np.ones(n, int))
 
 
 def test_path256_stage_starts_from_a_pathx_model_with_its_grid_upsampled(tmp_path):

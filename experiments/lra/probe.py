@@ -58,6 +58,12 @@ def marker_patches(images, tips, half: int) -> np.ndarray:
     return out.reshape(len(images), -1) / 255.0
 
 
+def marker_coords(tips, resolution: int) -> np.ndarray:
+    """float32 ``[n, 4]``: the two marker centres (``tips [n, 2, 2]``, (y, x)) in raster order, / resolution."""
+    return np.asarray([[v / resolution for t in sorted(tuple(int(a) for a in t) for t in ts) for v in t]
+                       for ts in np.asarray(tips)], np.float32).reshape(-1, 4)
+
+
 def _probe_chunk(job):
     from sparseflash.experiments.lra.data import pathfinder as pf
 
@@ -66,8 +72,7 @@ def _probe_chunk(job):
     labels = [(chunk * pf.CHUNK[resolution] + i) % 2 for i in range(pf.CHUNK[resolution])]
     made = pf.render_many(p, np.random.default_rng([seed, resolution, 3, chunk]), labels, True)[:count]
     tips = np.asarray([[tuple(int(v) for v in t) for t in lay["tips"]] for _, lay in made])
-    coords = [[v / resolution for t in sorted(map(tuple, ts)) for v in t] for ts in tips]
-    return (np.asarray(coords, np.float32), marker_patches(np.stack([img for img, _ in made]), tips, k),
+    return (marker_coords(tips, resolution), marker_patches(np.stack([img for img, _ in made]), tips, k),
             np.asarray(labels[:count], np.int64))
 
 

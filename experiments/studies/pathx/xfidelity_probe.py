@@ -12,8 +12,10 @@ it would carry over.
 Images: hard 128 px, drawn by `neighbourhood.generate` with seed ``--seed`` for each fidelity (cached
 as neighbourhood's are), split 80 / 20 by `neighbourhood.split_indices` (val and test together form the
 held-out part). Features: `probe.marker_patches` with half-size ``--half`` (default the probe's k = 6).
-Writes ``OUT/xfidelity_probe.csv`` / ``.json`` (``-256`` with ``--resolution 256``; ``-binary`` with
-``--binarize``: drawn or not instead of gray levels): one row per (trained on, tested on) with the accuracy and its standard error.
+``--features coords``: the two marker coordinates instead (the probe's ``coords``: does the
+coordinate cue, 64% of Path-256 labels in either fidelity, mean the same in both?).
+Writes ``OUT/xfidelity_probe.csv`` / ``.json`` (``-256`` with ``--resolution 256``; ``-coords`` with
+``--features coords``; ``-binary`` with ``--binarize``: drawn or not instead of gray levels): one row per (trained on, tested on) with the accuracy and its standard error.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparseflash.experiments.lra.probe import fit_mlp_tests, marker_patches
+from sparseflash.experiments.lra.probe import fit_mlp_tests, marker_coords, marker_patches
 from sparseflash.experiments.studies.pathx.neighbourhood import (DEFAULT_CACHE, default_radius, load_or_generate,
                                                                  split_indices)
 
@@ -40,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resolution", type=int, choices=(128, 256), default=128, help="128 (Path-X, default) or 256 (Path-256)")
     ap.add_argument("--half", type=int, default=None, help="patch half-size (default the probe's k: 6 at 128 px)")
+    ap.add_argument("--features", choices=("patches", "coords"), default="patches",
+                    help="patches (default) or the two marker coordinates alone (the probe's coords)")
     ap.add_argument("--binarize", action="store_true",
                     help="drawn or not (gray > 0) instead of gray levels: leaves the geometry, removes the renderings' "
                          "gray-level differences (release markers 213-226 inside a 255 ring)")
@@ -59,8 +63,8 @@ def main(argv=None) -> int:
                                                    resolution=a.resolution)
         idx = split_indices(len(labels), a.seed)
         held = np.sort(np.concatenate([idx["val"], idx["test"]]))
-        x = marker_patches(images, tips, half)
-        if a.binarize:
+        x = marker_patches(images, tips, half) if a.features == "patches" else marker_coords(tips, a.resolution)
+        if a.binarize and a.features == "patches":
             x = (x > 0).astype(np.float32)
         y = labels.astype(np.int64)
         data[fid] = {"train": (x[idx["train"]], y[idx["train"]]), "held": (x[held], y[held])}
@@ -74,16 +78,19 @@ def main(argv=None) -> int:
             acc = accs[test_on]
             rows.append({"resolution": a.resolution, "trained_on": train_on, "tested_on": test_on, "acc": round(acc, 4),
                          "se": round(math.sqrt(acc * (1 - acc) / n), 4), "n_train": len(data[train_on]["train"][1]),
-                         "n_test": n, "patch_half": half, "binarize": a.binarize, "features": int(data[train_on]["train"][0].shape[1]),
+                         "n_test": n, "feature_set": a.features, "patch_half": half, "binarize": a.binarize,
+                         "features": int(data[train_on]["train"][0].shape[1]),
                          "seconds": round(time.perf_counter() - t0, 1)})
             print(f"trained on {train_on:7s} tested on {test_on:7s}: {100 * acc:.1f} +- {100 * rows[-1]['se']:.1f}%",
                   flush=True)
     from sparseflash.experiments.bench.results import write_tidy
     from sparseflash.experiments.studies.pathx.neighbourhood import run_meta
 
-    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "half": half, "binarize": a.binarize,
+    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "features": a.features, "half": half,
+            "binarize": a.binarize,
             "epochs": a.epochs, **run_meta(argv)}
-    name = "xfidelity_probe" + ("" if a.resolution == 128 else f"-{a.resolution}") + ("-binary" if a.binarize else "")
+    name = ("xfidelity_probe" + ("" if a.resolution == 128 else f"-{a.resolution}") + ("-coords" if a.features == "coords" else "")
+            + ("-binary" if a.binarize and a.features == "patches" else ""))
     write_tidy(rows, meta, a.out, name, "pathx-xfidelity-probe/1")
     print(f"wrote {a.out / name}.csv, .json", flush=True)
     return 0

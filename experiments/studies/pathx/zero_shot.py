@@ -23,6 +23,14 @@ follow A's marker neighbourhoods; 1 minus it is the share that follows the rest 
 that reads a cue at the markers (their places, or the snakes' ends there) keeps its whole-image
 accuracy. A model that traces B's paths falls below 50%: B's paths now end in blackened
 neighbourhoods, not at its markers. A model that needs both is near 50%.
+
+``--markers-from FIDELITY``: the whole images with each marker disc (radius marker_radius + 1)
+replaced by the disc of an image of the *other label* drawn by the other generator. Each image keeps
+its own paths and its own marker places; the markers' rendering changes (release markers: interior
+207-214 inside a brighter ring; clean: 255), and the few snake pixels inside the discs come from
+an image of the other label. A model that finds the markers by their rendering and answers from
+their places recovers on clean images given release discs. One that reads the paths does not care.
+One that reads the snake ends inside the discs falls below 50%.
 """
 
 from __future__ import annotations
@@ -85,6 +93,40 @@ def swapped_sets(images, tips, labels, radii, seed: int = 0) -> dict:
     return sets
 
 
+def opposite_partners(labels, partner_labels, seed: int = 0) -> np.ndarray:
+    """For each of ``labels`` an index into ``partner_labels`` of the other label (random, ``seed``)."""
+    labels, partner_labels = np.asarray(labels), np.asarray(partner_labels)
+    rng = np.random.default_rng(seed)
+    pools = {v: np.flatnonzero(partner_labels != v) for v in (0, 1)}
+    if not len(pools[0]) or not len(pools[1]):
+        raise ValueError("partners of the other label need partner images of both labels")
+    return np.array([rng.choice(pools[int(v)]) for v in labels], np.int64)
+
+
+def transplant_markers(images, tips, donor_images, donor_tips, radius: float, donor_index=None) -> np.ndarray:
+    """``images`` with the pixels within ``radius`` of each marker centre replaced by the donor
+    image's pixels at the same offsets from its marker (donor ``donor_index[i]`` for image ``i``,
+    default ``i``), the markers of both taken in raster order; offsets outside either image are left
+    alone."""
+    images, donor_images = np.asarray(images), np.asarray(donor_images)
+    if images.shape[1:] != donor_images.shape[1:]:
+        raise ValueError(f"images {images.shape} and donor images {donor_images.shape} must have one size")
+    donor_index = np.arange(len(images)) if donor_index is None else np.asarray(donor_index)
+    size = images.shape[-1]
+    r = int(math.floor(radius))
+    dy, dx = np.mgrid[-r:r + 1, -r:r + 1]
+    disc = dy ** 2 + dx ** 2 <= radius * radius
+    dy, dx = dy[disc], dx[disc]
+    out = np.array(images)
+    for i, j in enumerate(donor_index):
+        for (ty, tx), (sy, sx) in zip(sorted(map(tuple, np.asarray(tips[i]).tolist())),
+                                      sorted(map(tuple, np.asarray(donor_tips[j]).tolist()))):
+            y, x, v, u = ty + dy, tx + dx, sy + dy, sx + dx
+            ok = (y >= 0) & (y < size) & (x >= 0) & (x < size) & (v >= 0) & (v < size) & (u >= 0) & (u < size)
+            out[i, y[ok], x[ok]] = donor_images[j, v[ok], u[ok]]
+    return out
+
+
 def _input_name(key) -> str:
     return "full" if key is None else key if isinstance(key, str) else f"R{key:g}"
 
@@ -134,7 +176,8 @@ def evaluate_checkpoint(path: Path, sets: dict, device: str, batch_size: int, re
                       autocast=contextlib.nullcontext())
         acc, n = float(ev["acc"]), int(ev["n"])
         rows.append({"checkpoint": str(path), "step": ck.get("step"), "input": _input_name(r),
-                     "radius": r if not isinstance(r, str) else float(r[len("swapR"):]), "n": n,
+                     "radius": r if not isinstance(r, str) else (float(r[5:]) if r.startswith("swapR") else None),
+                     "n": n,
                      "acc": round(acc, 4), "se": round(math.sqrt(acc * (1 - acc) / n), 4),
                      "loss": round(float(ev["loss"]), 4), "mean_tokens": round(float(ds.kept_counts().mean()), 1),
                      "seconds": round(time.perf_counter() - t0, 1)})
@@ -187,6 +230,8 @@ def main(argv=None) -> int:
                     help="128 (Path-X, default) or 256 (Path-256; a Path-X model's grid upsampled 2x2)")
     ap.add_argument("--swap", nargs="+", type=float, default=[], metavar="R",
                     help="also the swap test at these radii (docstring): A's marker neighbourhoods in B's image")
+    ap.add_argument("--markers-from", choices=("release", "clean"), default=None,
+                    help="also the whole images with their marker discs drawn by this generator (docstring)")
     ap.add_argument("--rescale-pooling", action="store_true",
                     help="with --resolution 256 and a Path-X model: mean pooling over the 16,384 positions it was "
                          "trained on, not 65,536 (tells a scale mismatch from a lost cue)")
@@ -208,6 +253,8 @@ def main(argv=None) -> int:
         ap.error("give at least one checkpoint (or --replot)")
     if a.labels is not None and len(a.labels) != len(a.checkpoints):
         ap.error(f"--labels: {len(a.labels)} names for {len(a.checkpoints)} checkpoints")
+    if a.markers_from == a.fidelity:
+        ap.error(f"--markers-from {a.markers_from}: the images are already {a.fidelity}; name the other generator")
     if any(r <= 0 for r in a.swap):
         ap.error(f"--swap: radii must be positive, got {' '.join(f'{r:g}' for r in a.swap)}")
     if a.num < 2:
@@ -226,6 +273,17 @@ def main(argv=None) -> int:
                                                resolution=a.resolution)
     sets = masked_sets(images, tips, labels, a.radii)
     sets.update(swapped_sets(images, tips, labels, a.swap, a.seed))
+    if a.markers_from:
+        from sparseflash.experiments.lra.data import pathfinder as pf
+        from sparseflash.experiments.studies.pathx.neighbourhood import NeighbourhoodDataset
+
+        donor, donor_tips, donor_labels, _ = load_or_generate(a.cache, a.num, a.seed, a.workers,
+                                                              fidelity=a.markers_from, resolution=a.resolution)
+        # donors of the other label: a disc's snake pixels cannot hand an image its own label
+        partners = opposite_partners(labels, donor_labels, a.seed)
+        radius = pf.RESOLUTIONS[a.resolution]["marker_radius"] + 1
+        sets[f"markers-from-{a.markers_from}"] = NeighbourhoodDataset(
+            transplant_markers(images, tips, donor, donor_tips, radius, partners), labels, "zero-shot")
     rows = []
     for i, c in enumerate(a.checkpoints):
         label = a.labels[i] if a.labels else str(c)
@@ -233,7 +291,8 @@ def main(argv=None) -> int:
     from sparseflash.experiments.bench.results import write_tidy
     from sparseflash.experiments.studies.pathx.neighbourhood import run_meta
 
-    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "swap": a.swap, "rescale_pooling": a.rescale_pooling,
+    meta = {"num": a.num, "seed": a.seed, "resolution": a.resolution, "swap": a.swap, "markers_from": a.markers_from,
+            "rescale_pooling": a.rescale_pooling,
             "fidelity": a.fidelity, "device": device, **run_meta(argv)}
     write_tidy(rows, meta, a.out, "zero_shot", "pathx-zero-shot/1")
     print(f"wrote {a.out / 'zero_shot.csv'}, .json, {plot(a.out, rows).name}", flush=True)
