@@ -205,11 +205,14 @@ def plot(out: Path, rows: list[dict]) -> Path:
     ax.axhline(50, color="gray", ls=":", lw=0.8)
     ax.set_xticks(range(len(inputs)), [f"{k}\n({np.mean([r['mean_tokens'] for r in rows if r['input'] == k]):.0f} tokens)"
                                        for k in inputs])
-    ax.set_xlabel("input: pixels within R of either marker, or the whole image"
-                  + ("; swapR: one image's marker neighbourhoods in an image of the other label"
-                     if any(k.startswith("swap") for k in inputs) else ""), fontsize=8)
+    notes = ["input: pixels within R of either marker, or the whole image"]
+    if any(k.startswith("swap") for k in inputs):
+        notes.append("swapR: one image's marker neighbourhoods in an image of the other label")
+    if any(k.startswith("markers-from") for k in inputs):
+        notes.append("markers-from-X: whole images, marker discs drawn by generator X (from the other label)")
+    ax.set_xlabel("\n".join(notes), fontsize=8)
     ax.set_ylabel("held-out accuracy (%)")
-    ax.set_title("Neighbourhood-trained models at other radii, no further training")
+    ax.set_title("Trained models on fresh images of other inputs, no further training")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "zero_shot.png"
