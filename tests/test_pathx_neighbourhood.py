@@ -536,6 +536,12 @@ def test_probe_trained_on_one_set_scores_each_test_set(tmp_path):
     rows = list(csv.DictReader(open(out / "xfidelity_probe-binary.csv")))
     assert len(rows) == 4 and all(r["binarize"] == "True" for r in rows)
     assert xf.main(["--num", "40", "--epochs", "2", "--workers", "1", "--cache", str(tmp_path / "cache"),
+                    "--out", str(out), "--features", "coords"]) == 0
+    rows = list(csv.DictReader(open(out / "xfidelity_probe-coords.csv")))
+    assert len(rows) == 4 and all(int(r["features"]) == 4 and r["feature_set"] == "coords" for r in rows)
+    with pytest.raises(SystemExit):
+        xf.main(["--features", "coords", "--binarize", "--out", str(out)])
+    assert xf.main(["--num", "40", "--epochs", "2", "--workers", "1", "--cache", str(tmp_path / "cache"),
                     "--out", str(out), "--resolution", "256"]) == 0
     rows = list(csv.DictReader(open(out / "xfidelity_probe-256.csv")))
     assert len(rows) == 4 and all(r["resolution"] == "256" and int(r["features"]) == 2 * 17 * 17 for r in rows)

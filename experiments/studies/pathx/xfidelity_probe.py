@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.num < 20:
         ap.error(f"--num must be at least 20, got {a.num}")
+    if a.binarize and a.features != "patches":
+        ap.error("--binarize applies to --features patches (coordinates have no gray levels)")
     half = a.half if a.half is not None else default_radius(a.resolution)
     if half < 1:
         ap.error(f"--half must be positive, got {half}")
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
         idx = split_indices(len(labels), a.seed)
         held = np.sort(np.concatenate([idx["val"], idx["test"]]))
         x = marker_patches(images, tips, half) if a.features == "patches" else marker_coords(tips, a.resolution)
-        if a.binarize and a.features == "patches":
+        if a.binarize:
             x = (x > 0).astype(np.float32)
         y = labels.astype(np.int64)
         data[fid] = {"train": (x[idx["train"]], y[idx["train"]]), "held": (x[held], y[held])}

@@ -128,7 +128,15 @@ def transplant_markers(images, tips, donor_images, donor_tips, radius: float, do
 
 
 def _input_name(key) -> str:
+    """A set's key (a radius, None for whole images, or a named set) as the table's ``input``."""
     return "full" if key is None else key if isinstance(key, str) else f"R{key:g}"
+
+
+def _input_radius(key) -> float | None:
+    """The table's ``radius`` of a set: its radius, a swap set's radius, else None."""
+    if isinstance(key, str):
+        return float(key[len("swapR"):]) if key.startswith("swapR") else None
+    return key
 
 
 def evaluate_checkpoint(path: Path, sets: dict, device: str, batch_size: int, rescale_pooling: bool = False) -> list[dict]:
@@ -176,9 +184,7 @@ def evaluate_checkpoint(path: Path, sets: dict, device: str, batch_size: int, re
                       autocast=contextlib.nullcontext())
         acc, n = float(ev["acc"]), int(ev["n"])
         rows.append({"checkpoint": str(path), "step": ck.get("step"), "input": _input_name(r),
-                     "radius": r if not isinstance(r, str) else (float(r[5:]) if r.startswith("swapR") else None),
-                     "n": n,
-                     "acc": round(acc, 4), "se": round(math.sqrt(acc * (1 - acc) / n), 4),
+                     "radius": _input_radius(r), "n": n, "acc": round(acc, 4), "se": round(math.sqrt(acc * (1 - acc) / n), 4),
                      "loss": round(float(ev["loss"]), 4), "mean_tokens": round(float(ds.kept_counts().mean()), 1),
                      "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{path.parent.parent.name if path.parent.name == 'checkpoints' else path.name}: "
