@@ -25,8 +25,8 @@
 # (SCALE multiplies every stage's minutes; ~13 minutes a chain: two 9-minute commands, or three.)
 # Ran on 4 H200s (calls 29-31, 7 + 9 + 9 minutes): sincos-stages 62.0% on whole images; the two
 # frozen-table chains at chance at every radius; sincos-stages-lr1e-4 at chance from R 96 (neighbourhood.md).
-# GRAPHS=1 (the default here) replays the steps from CUDA graphs (2-4x the eager steps a minute if they
-# behave as in the Path-X fine-tune), after neighbourhood_gpus.sh's 40-step check (eager if it fails).
+# GRAPHS=1 (the default here) replays the steps from CUDA graphs (4.4-6.4 ms a step in calls 29-31, where the
+# eager 256 px step took 16-19 ms), after neighbourhood_gpus.sh's 40-step check (eager if it fails).
 # (The sin-cos chains have no table: their weights are ~0.4 MB.)
 # Only the newest stage of a chain keeps its weights, its frozen 256x256 table stored as the 64x64 source
 # it was duplicated from (neighbourhood.compact_grid: 17 MB -> ~1 MB), so the state stays small enough to carry.

@@ -774,7 +774,7 @@ def plot(out: Path, rows: list[dict]) -> Path:
     ax.set_xlabel("training step (batch 32)")
     ax.set_ylabel("accuracy (%)")
     res = sorted({int(r.get("resolution") or RES) for r in rows})
-    ax.set_title(f"Path-X Transformer on the marker neighbourhoods only (hard, release, {'/'.join(map(str, res))} px)")
+    ax.set_title(f"The faithful Transformer on the marker neighbourhoods only (hard, release, {'/'.join(map(str, res))} px)")
     if many:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     else:

@@ -46,7 +46,7 @@ gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 common=(--num "$num" --resolution "$res" --cache "$cache" --device "$device" --no-progress --minutes "$($py -c "print($left / 60)")")
 # GRAPHS=1: training steps replayed from CUDA graphs (the eager step of these short packed sequences is
 # host-bound: 11 ms at 128 px, 16-19 ms at 256; the graphed Path-X fine-tune took 4.3 ms), after a
-# 40-step graphed check above. Not yet run from this script on a GPU; STEPS=auto times graphed steps.
+# 40-step graphed check above (calls 29-31 of calls.md: 4.4-6.4 ms a step at 256 px); STEPS=auto times graphed steps.
 [ "$graphs" = 1 ] && common+=(--cuda-graphs)
 # STEPS=auto: each run sizes its schedule to the minutes left (one command, finished with its test score)
 [ "$steps" = auto ] || common+=(--steps "$steps" --resume)

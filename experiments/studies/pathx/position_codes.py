@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     import torch
 
     from sparseflash.experiments.lra.model import upsample_grid
-    from sparseflash.experiments.lra.probe import fit_mlp_tests
+    from sparseflash.experiments.lra.probe import fit_mlp
     from sparseflash.experiments.studies.pathx.neighbourhood import DEFAULT_CACHE, load_or_generate, split_indices
 
     grid = torch.load(a.checkpoint, map_location="cpu", weights_only=False)["model"].get("encoder.pos.grid")
@@ -97,8 +97,7 @@ def main(argv=None) -> int:
     for name, x in features.items():
         t0 = time.perf_counter()
         x = x.astype(np.float32)
-        acc = fit_mlp_tests(x[idx["train"]], y[idx["train"]], {"held": (x[held], y[held])}, seed=a.seed,
-                            epochs=a.epochs)["held"]
+        acc = fit_mlp(x[idx["train"]], y[idx["train"]], x[held], y[held], seed=a.seed, epochs=a.epochs)
         out_rows.append({"features": name, "dims": int(x.shape[1]), "acc": round(acc, 4),
                          "se": round(math.sqrt(acc * (1 - acc) / len(held)), 4), "n_train": int(len(idx["train"])),
                          "n_test": int(len(held)), "seconds": round(time.perf_counter() - t0, 1)})
