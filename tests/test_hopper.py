@@ -286,6 +286,24 @@ def test_gpu_exact_bits_against_reference(case, monkeypatch, hopper_spy, hopper_
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("fwd_pf,bwd_pf", [(False, 0), (True, 1), (True, 2), (True, 3)])
+@pytest.mark.parametrize("case", EXACT_CASES[1:3], ids=lambda c: f"d{c[4]}-{c[5]}")
+def test_gpu_exact_bits_where_loaded(case, fwd_pf, bwd_pf, monkeypatch, hopper_spy, hopper_bwd_spy):
+    """Every place the kernels may load a partial block's bits (`hopper.EXACT_PREFETCH`,
+    `hopper_bwd.EXACT_PREFETCH`) gives the reference's output and gradients."""
+    monkeypatch.setattr(dispatch, "HOPPER_EXACT", "on")
+    monkeypatch.setattr(hopper, "EXACT_PREFETCH", fwd_pf)
+    monkeypatch.setattr(hopper_bwd, "EXACT_PREFETCH", bwd_pf)
+    B, Hq, Hkv, N, D, kind, causal, kl, dtype = case
+    q, k, v, do = make_qkv(B, Hq, Hkv, N, N, D, dtype, "cuda", seed=N + D + 1)
+    mask = _exact_mask(kind, N)
+    key_lengths = None if kl is None else torch.tensor(kl, device="cuda")
+    check_attention(lambda a, b, c: sparseflash.attention(a, b, c, mask=mask, causal=causal, key_lengths=key_lengths),
+                    q, k, v, do, mask=mask, causal=causal, key_lengths=key_lengths, ref_kwargs=dict(exact=True))
+    assert hopper_spy and hopper_bwd_spy, "the Hopper kernels did not run"
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 def test_gpu_layouts_and_lse(hopper_spy):
     """[B, N, H, D] memory (a transposed view), and the LSE against the reference's; rows with no
     key give -inf through the API."""

@@ -79,6 +79,10 @@ ROTATE = True  # stagger the column walks (`_step`)
 # to shared memory and the hand-off to the reducer warp, which adds nothing; 4 everything.
 DQ_PARTS = 4
 HEAD_GROUPS = True  # run the heads in small groups (`_heads_per_group`)
+# Where a step with exact bits loads its bit-tile index and words: 0 both after its S^T (the first
+# version), 1 both before it waits for its Q, 2 the index before and the words once its two wgmmas are
+# issued, 3 the index before and the words after its S^T (experiments/studies/exact-prefetch/).
+EXACT_PREFETCH = 3
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -292,18 +296,30 @@ if GLUON_ERROR is None:
         tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
 
     @gluon.jit
-    def _exact_keep_t(BITS, tb, kw0, queries, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
-        """Which pairs of a [64 keys, QT queries] P^T tile bit tile ``tb`` attends: keys from
-        ``kw0`` * 32 on (counted from the mask block's corner; the warpgroup's 64 keys are 2 words
-        of each query's row, `mask.ExactBits`), queries ``queries`` (absolute). The two words of
-        each query are loaded as two column vectors and spread over the keys in registers (a
-        pointer per element would cost 64 registers a thread)."""
+    def _exact_words_t(BITS, tb, start_n, queries, WG: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
+                       AHEAD: gl.constexpr):
+        """For bit tile ``tb`` and the step's QT ``queries`` (absolute, a column vector): the two words that hold this
+        warpgroup's 64 keys (from ``start_n`` + WG * 64, counted from the mask block's corner: 2 words
+        of each query's row, `mask.ExactBits`), as two [QT] column vectors. AHEAD (loaded before it
+        is known whether the step needs them): ``tb`` may be -1 (a full block), whose loads are
+        masked off and give all ones; else ``tb`` >= 0."""
         W: gl.constexpr = (MASK_BK + 31) // 32
-        p = BITS + tb.to(gl.int64) * (MASK_BQ * W) + (queries % MASK_BQ) * W + kw0  # [QT] column pointers
-        w0 = gl.expand_dims(gl.load(p), 0)
-        w1 = gl.expand_dims(gl.load(p + 1), 0)
+        kw0 = (start_n % MASK_BK + WG * _HALF) // 32
+        if AHEAD:
+            part = (queries * 0 + tb) >= 0
+            p = BITS + gl.maximum(tb, 0).to(gl.int64) * (MASK_BQ * W) + (queries % MASK_BQ) * W + kw0  # [QT] pointers
+            return gl.load(p, mask=part, other=-1), gl.load(p + 1, mask=part, other=-1)
+        else:
+            p = BITS + tb.to(gl.int64) * (MASK_BQ * W) + (queries % MASK_BQ) * W + kw0
+            return gl.load(p), gl.load(p + 1)
+
+    @gluon.jit
+    def _exact_keep_t(w0, w1, s_layout: gl.constexpr):
+        """Which pairs of a [64 keys, QT queries] P^T tile the queries' two words (`_exact_words_t`)
+        attend, spread over the keys in registers (a pointer per element would cost 64 registers a
+        thread)."""
         i = gl.expand_dims(gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout)), 1)
-        w = gl.where(i < 32, w0, w1)
+        w = gl.where(i < 32, gl.expand_dims(w0, 0), gl.expand_dims(w1, 0))
         return ((w >> (i % 32)) & 1) != 0
 
     @gluon.jit
@@ -324,7 +340,8 @@ if GLUON_ERROR is None:
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr):
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr,
+                      PREFETCH: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
         j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
         never waits for the other's dS^T of the step it is on. EXACT: a step in a partial block
@@ -372,13 +389,22 @@ if GLUON_ERROR is None:
                         j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
                         s = it % STAGES
                         ph = (it // STAGES) & 1
+                        cols = start_m + gl.arange(0, _QT, layout=col_s)
+                        tb = 0  # EXACT: the step's bit-tile index and words (`_exact_words_t`), loaded where PREFETCH says
+                        if EXACT:
+                            SUB: gl.constexpr = MASK_BQ // _QT
+                            if PREFETCH > 0:
+                                tb = gl.load(p_tile + j // SUB)
+                            if PREFETCH == 1:
+                                w0, w1 = _exact_words_t(BITS, tb, start_n, cols, WG, MASK_BQ, MASK_BK, True)
                         q_s = q_bufs.index(s).reshape([_QT, HEAD_DIM])
                         do_s = do_bufs.index(s).reshape([_QT, HEAD_DIM])
                         mbarrier.wait(q_ready.index(s), ph)
                         st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                         mbarrier.wait(do_ready.index(s), ph)
                         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                        cols = start_m + gl.arange(0, _QT, layout=col_s)
+                        if EXACT and PREFETCH == 2:
+                            w0, w1 = _exact_words_t(BITS, tb, start_n, cols, WG, MASK_BQ, MASK_BK, True)
                         lse = lse_bufs.index(s).load(s_layout)  # [1, QT] (LSE * log2(e), padded: `_delta_kernel`)
                         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
                         pt = gl.exp2(st * qk_scale - lse)
@@ -389,11 +415,13 @@ if GLUON_ERROR is None:
                             if j < j_part:
                                 pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(cols + causal_off, 0), pt, 0.0)
                         if EXACT:
-                            SUB: gl.constexpr = MASK_BQ // _QT
-                            tb = gl.load(p_tile + j // SUB)
+                            if PREFETCH == 0:
+                                tb = gl.load(p_tile + j // SUB)
                             if tb >= 0:
-                                kw0 = (start_n % MASK_BK + WG * _HALF) // 32
-                                pt = gl.where(_exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK), pt, 0.0)
+                                if PREFETCH == 0 or PREFETCH == 3:
+                                    w0, w1 = _exact_words_t(BITS, tb, start_n, cols, WG, MASK_BQ, MASK_BK,
+                                                            False)
+                                pt = gl.where(_exact_keep_t(w0, w1, s_layout), pt, 0.0)
                         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
                         ds16 = (pt * (dpt - dlt)).to(dtype)
                         p_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -476,7 +504,8 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr):
+                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr,
+                           PREFETCH: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -513,14 +542,14 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, EXACT)),
+                             DQ_PARTS, EXACT, PREFETCH)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, EXACT)),
+                             DQ_PARTS, EXACT, PREFETCH)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -693,7 +722,8 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, EXACT=exact is not None, num_warps=4)
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, EXACT=exact is not None,
+        PREFETCH=int(EXACT_PREFETCH), num_warps=4)
     if DQ_PARTS < 4:
         return None, dk, dv
     dq = new(q)
