@@ -178,54 +178,42 @@ if GLUON_ERROR is None:
         return gl.where(keep, qk, float("-inf"))
 
     @gluon.jit
-    def _exact_words(BITS, p_tile, p_list, j, rows, s_layout: gl.constexpr, DENSE: gl.constexpr,
-                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
-        """Step j's first key, its bit-tile index (-1: a full block) and the tile's 4 words of each of
-        ``rows`` (absolute rows; all ones for a full block, whose loads are masked off). Row r of a bit
-        tile holds ceil(MASK_BK / 32) int32 words, key c in bit c % 32 of word c // 32
-        (`mask.ExactBits`); the step's 128 keys start at a multiple of 128 inside the mask block, so
-        they are 4 consecutive words. Loaded as 4 row vectors (8 words a thread): a pointer per
-        element would cost 128 registers a thread and spill. With PREFETCH the consumer calls this
-        before it waits for the step's K tile and its turn, so the loads' latency hides under the
-        other warpgroup's matmuls instead of stalling the softmax."""
-        start_n = list_start(p_list, j, DENSE, MASK_BK, _TILE)
-        SUB: gl.constexpr = MASK_BK // _TILE
-        tb = gl.load(p_tile + j // SUB)
+    def _exact_keep(BITS, tb, rows, c0, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
+        """Which pairs of a [64, 128] score tile bit tile ``tb`` attends: rows ``rows`` (absolute),
+        keys ``c0`` .. ``c0`` + 127 counted from the mask block's corner (c0 a multiple of 128).
+        Row r of a bit tile holds ceil(MASK_BK / 32) int32 words, key c in bit c % 32 of word
+        c // 32 (`mask.ExactBits`). The tile's 4 words of each row are loaded as 4 row vectors (8
+        words a thread) and spread over the columns in registers: a pointer per element would cost
+        128 registers a thread and spill. (Loading them before the step waits for its K tile and its
+        turn, to hide their latency, measured no faster: experiments/studies/exact-bits-cost/.)"""
         W: gl.constexpr = (MASK_BK + 31) // 32
-        part = (rows * 0 + tb) >= 0
-        p = BITS + gl.maximum(tb, 0).to(gl.int64) * (MASK_BQ * W) + (rows % MASK_BQ) * W + (start_n % MASK_BK) // 32
-        w0 = gl.load(p, mask=part, other=-1)
-        w1 = gl.load(p + 1, mask=part, other=-1)
-        w2 = gl.load(p + 2, mask=part, other=-1)
-        w3 = gl.load(p + 3, mask=part, other=-1)
-        return start_n, tb, w0, w1, w2, w3
-
-    @gluon.jit
-    def _exact_keep(w0, w1, w2, w3, s_layout: gl.constexpr):
-        """Which pairs of a [64, 128] score tile its rows' 4 words (`_exact_words`) attend, spread
-        over the columns in registers."""
+        p = BITS + tb.to(gl.int64) * (MASK_BQ * W) + (rows % MASK_BQ) * W + c0 // 32  # [64] row pointers
+        w0 = gl.expand_dims(gl.load(p), 1)
+        w1 = gl.expand_dims(gl.load(p + 1), 1)
+        w2 = gl.expand_dims(gl.load(p + 2), 1)
+        w3 = gl.expand_dims(gl.load(p + 3), 1)
         c = gl.expand_dims(gl.arange(0, _TILE, layout=gl.SliceLayout(0, s_layout)), 0)
         k = c // 32
-        w = gl.where(k == 0, gl.expand_dims(w0, 1), gl.where(k == 1, gl.expand_dims(w1, 1),
-                                                             gl.where(k == 2, gl.expand_dims(w2, 1),
-                                                                      gl.expand_dims(w3, 1))))
+        w = gl.where(k == 0, w0, gl.where(k == 1, w1, gl.where(k == 2, w2, w3)))
         return ((w >> (c % 32)) & 1) != 0
 
     @gluon.jit
-    def _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off, rows, ex,
+    def _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off, rows, p_tile, BITS,
                       s_layout: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, MASK_BK: gl.constexpr,
-                      EXACT: gl.constexpr):
+                      EXACT: gl.constexpr, MASK_BQ: gl.constexpr):
         """Online softmax of one raw score tile (log2 domain, the scale folded into the exponent's
-        FMA): (P, new running max, new running sum, the factor that rescales O). EXACT: ``ex`` is
-        the step's `_exact_words`; a step in a partial block (bit-tile index >= 0) also drops the
-        pairs its bits leave out, and a row may then have seen no key yet at any step, so the pivot
-        is always kept finite."""
+        FMA): (P, new running max, new running sum, the factor that rescales O). EXACT: a step in a
+        partial block (its bit-tile index >= 0) also drops the pairs its bits leave out, and a row
+        may then have seen no key yet at any step, so the pivot is always kept finite."""
         if EXACT:
-            start_n, tb, w0, w1, w2, w3 = ex
+            start_n = list_start(p_list, j, DENSE, MASK_BK, _TILE)
             if j >= j_full:
                 qk = _band_mask(qk, start_n, kv_end, causal_off, rows, s_layout, CAUSAL)
+            SUB: gl.constexpr = MASK_BK // _TILE
+            tb = gl.load(p_tile + j // SUB)
             if tb >= 0:
-                qk = gl.where(_exact_keep(w0, w1, w2, w3, s_layout), qk, float("-inf"))
+                qk = gl.where(_exact_keep(BITS, tb, rows, start_n % MASK_BK, s_layout, MASK_BQ, MASK_BK), qk,
+                              float("-inf"))
             m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
             m_piv = gl.where(m_new == float("-inf"), 0.0, m_new)
         elif j >= j_full:  # the masked band: keys past kv_end and, causal, above the diagonal
@@ -246,8 +234,7 @@ if GLUON_ERROR is None:
                   stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
                   WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                   NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                  STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr, EXACT: gl.constexpr,
-                  PREFETCH: gl.constexpr):
+                  STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr, EXACT: gl.constexpr):
         """One consumer warpgroup (rows WG*64 .. WG*64+63 of each tile): wgmma, softmax, epilogue."""
         s_layout: gl.constexpr = wgmma_layout(_TILE)  # S: [64, 128] fp32
         o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # O: [64, HEAD_DIM] fp32
@@ -286,9 +273,6 @@ if GLUON_ERROR is None:
                     # step 0: S_0 and its softmax only
                     s = it % STAGES
                     k_s = k_bufs.index(s).reshape([_TILE, HEAD_DIM])
-                    ex = 0  # EXACT: the step's bits (`_exact_words`), loaded ahead with PREFETCH
-                    if EXACT and PREFETCH:
-                        ex = _exact_words(BITS, p_tile, p_list, 0, rows, s_layout, DENSE, MASK_BQ, MASK_BK)
                     mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
                     mbarrier.wait(me, n_turns & 1)
                     qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -296,10 +280,9 @@ if GLUON_ERROR is None:
                     n_turns += 1
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_s, k_s))[0]
                     mbarrier.arrive(k_empty.index(s))
-                    if EXACT and not PREFETCH:
-                        ex = _exact_words(BITS, p_tile, p_list, 0, rows, s_layout, DENSE, MASK_BQ, MASK_BK)
                     p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale, 0, j_full, p_list, kv_end, causal_off,
-                                                       rows, ex, s_layout, DENSE, CAUSAL, MASK_BK, EXACT)
+                                                       rows, p_tile, BITS, s_layout, DENSE, CAUSAL, MASK_BK, EXACT,
+                                                       MASK_BQ)
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
                     s_prev = s
                     ph_prev = (it // STAGES) & 1
@@ -308,9 +291,6 @@ if GLUON_ERROR is None:
                         s = it % STAGES
                         k_s = k_bufs.index(s).reshape([_TILE, HEAD_DIM])
                         v_prev = v_bufs.index(s_prev).reshape([_TILE, HEAD_DIM])
-                        ex = 0
-                        if EXACT and PREFETCH:
-                            ex = _exact_words(BITS, p_tile, p_list, j, rows, s_layout, DENSE, MASK_BQ, MASK_BK)
                         mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
                         mbarrier.wait(me, n_turns & 1)
                         qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -322,10 +302,9 @@ if GLUON_ERROR is None:
                         # wgmma groups retire in order: S_j is done, P_{j-1} V_{j-1} may still run
                         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_s, k_s))[0]
                         mbarrier.arrive(k_empty.index(s))
-                        if EXACT and not PREFETCH:
-                            ex = _exact_words(BITS, p_tile, p_list, j, rows, s_layout, DENSE, MASK_BQ, MASK_BK)
                         p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off,
-                                                           rows, ex, s_layout, DENSE, CAUSAL, MASK_BK, EXACT)
+                                                           rows, p_tile, BITS, s_layout, DENSE, CAUSAL, MASK_BK, EXACT,
+                                                           MASK_BQ)
                         p_next = gl.convert_layout(p.to(dtype), p_layout)
                         # p_op (registers the running wgmma reads) stays live until it retires
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_prev, p_op))[0]
@@ -373,7 +352,7 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr,
-                           EXACT: gl.constexpr, PREFETCH: gl.constexpr):
+                           EXACT: gl.constexpr):
         m_tiles = (seq_q + _TILE - 1) // _TILE
         q_bufs = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
         k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
@@ -407,12 +386,12 @@ if GLUON_ERROR is None:
                          desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
                          stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
                          0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                         EXACT, PREFETCH)),
+                         EXACT)),
             (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                          desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
                          stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
                          1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                         EXACT, PREFETCH)),
+                         EXACT)),
             (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                        v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
                        stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
@@ -425,9 +404,6 @@ if GLUON_ERROR is None:
 # descriptor; 1.0-1.24x faster, most on short walks: experiments/studies/hopper/README.md, the TMA epilogue),
 # "store" (registers -> global memory, what other layouts of O get).
 EPILOGUE = "tma"
-# Exact bits: load a step's bit-tile index and words before waiting for its K tile and turn (True), or
-# after its scores (False: the first version, kept for measurement).
-EXACT_PREFETCH = True
 CONSUMER_REGS = 232  # second consumer warpgroup (setmaxnreg); the first takes what is left
 LOADER_REGS = 40
 
@@ -547,6 +523,5 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        TMA_O=o_lay is not None, O_BNHD=bool(o_lay and o_lay[1]), EXACT=exact is not None,
-        PREFETCH=bool(EXACT_PREFETCH), num_warps=4)
+        TMA_O=o_lay is not None, O_BNHD=bool(o_lay and o_lay[1]), EXACT=exact is not None, num_warps=4)
     return o, lse
