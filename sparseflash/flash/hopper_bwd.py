@@ -296,34 +296,33 @@ if GLUON_ERROR is None:
         tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
 
     @gluon.jit
-    def _exact_keep_t(BITS, tb, kr0, q0, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
-                      TRANSPOSED: gl.constexpr):
-        """Which pairs of a [64 keys, QT queries] P^T tile bit tile ``tb`` attends: keys from ``kr0``,
-        queries from ``q0`` (both counted from the mask block's corner; q0 a multiple of QT).
+    def _exact_keep_t(BITS, tb, kw0, queries, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
+        """Which pairs of a [64 keys, QT queries] P^T tile bit tile ``tb`` attends: keys from ``kw0``
+        * 32 on (counted from the mask block's corner; the warpgroup's 64 keys are 2 words of each
+        query's row, `mask.ExactBits`), queries ``queries`` (absolute). The two words of each query
+        are loaded as two column vectors (2 x 16 words a thread) and spread over the keys in
+        registers (a pointer per element would cost 64 registers a thread)."""
+        W: gl.constexpr = (MASK_BK + 31) // 32
+        p = BITS + tb.to(gl.int64) * (MASK_BQ * W) + (queries % MASK_BQ) * W + kw0  # [QT] column pointers
+        w0 = gl.expand_dims(gl.load(p), 0)
+        w1 = gl.expand_dims(gl.load(p + 1), 0)
+        i = gl.expand_dims(gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout)), 1)
+        w = gl.where(i < 32, w0, w1)
+        return ((w >> (i % 32)) & 1) != 0
 
-        TRANSPOSED: ``BITS`` holds the tiles transposed (`transposed_bits`: row = key, bit = query),
-        so a thread loads the two words of each of its 2 keys (4 words) and the bit of query c is bit
-        c % 32 of word c // 32, positions the compiler folds per register. Else the tiles as the
-        forward reads them (row = query, bit = key): the two words of this warpgroup's 64 keys for
-        each query, 2 x 16 words a thread."""
-        if TRANSPOSED:
-            WQ: gl.constexpr = (MASK_BQ + 31) // 32
-            keys = kr0 + gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout))
-            p = gl.expand_dims(BITS + tb.to(gl.int64) * (MASK_BK * WQ) + keys * WQ + q0 // 32, 1)  # [64, 1]
-            w0 = gl.load(p)
-            w1 = gl.load(p + 1)
-            c = gl.expand_dims(gl.arange(0, _QT, layout=gl.SliceLayout(0, s_layout)), 0)
-            w = gl.where(c < 32, w0, w1)
-            return ((w >> (c % 32)) & 1) != 0
-        else:
-            W: gl.constexpr = (MASK_BK + 31) // 32
-            queries = q0 + gl.arange(0, _QT, layout=gl.SliceLayout(0, s_layout))
-            p = gl.expand_dims(BITS + tb.to(gl.int64) * (MASK_BQ * W) + queries * W + kr0 // 32, 0)  # [1, QT]
-            w0 = gl.load(p)
-            w1 = gl.load(p + 1)
-            i = gl.expand_dims(gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout)), 1)
-            w = gl.where(i < 32, w0, w1)
-            return ((w >> (i % 32)) & 1) != 0
+    @gluon.jit
+    def _exact_keep_tt(BITS_T, tb, keys, q0, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
+        """`_exact_keep_t` from the transposed tiles (`transposed_bits`: row = key, bit = query):
+        ``keys`` ([64] row vector, counted from the mask block's corner), queries from ``q0`` (counted
+        likewise, a multiple of QT). A thread loads the two words of each of its 2 keys (4 words, where
+        `_exact_keep_t` loads 32) and tests bit c % 32 of word c // 32 for query c."""
+        WQ: gl.constexpr = (MASK_BQ + 31) // 32
+        p = gl.expand_dims(BITS_T + tb.to(gl.int64) * (MASK_BK * WQ) + keys * WQ + q0 // 32, 1)  # [64, 1]
+        w0 = gl.load(p)
+        w1 = gl.load(p + 1)
+        c = gl.expand_dims(gl.arange(0, _QT, layout=gl.SliceLayout(0, s_layout)), 0)
+        w = gl.where(c < 32, w0, w1)
+        return ((w >> (c % 32)) & 1) != 0
 
     @gluon.jit
     def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
@@ -412,8 +411,13 @@ if GLUON_ERROR is None:
                             SUB: gl.constexpr = MASK_BQ // _QT
                             tb = gl.load(p_tile + j // SUB)
                             if tb >= 0:
-                                pt = gl.where(_exact_keep_t(BITS, tb, start_n % MASK_BK + WG * _HALF, start_m % MASK_BQ,
-                                                            s_layout, MASK_BQ, MASK_BK, TRANSPOSED), pt, 0.0)
+                                if TRANSPOSED:
+                                    keep = _exact_keep_tt(BITS, tb, start_n % MASK_BK + r_s,
+                                                          start_m % MASK_BQ, s_layout, MASK_BQ, MASK_BK)
+                                else:
+                                    kw0 = (start_n % MASK_BK + WG * _HALF) // 32
+                                    keep = _exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK)
+                                pt = gl.where(keep, pt, 0.0)
                         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
                         ds16 = (pt * (dpt - dlt)).to(dtype)
                         p_op = gl.convert_layout(pt.to(dtype), op_layout)

@@ -12,6 +12,9 @@ GPU time (CUDA-graph replays, `timing.graph_ms`), bf16, the token-exact masks of
 - ``bwd_rows`` / ``bwd_transposed``: forward+backward with `hopper_bwd.EXACT_TRANSPOSED` False (the
   backward reads the forward's bit tiles: 2 words per query, 32 loads a thread per partial step) and
   True (transposed tiles, `hopper_bwd.transposed_bits`: 2 words per key, 4 loads a thread);
+- ``nopartial_*``: the exact call with its tile tables set to -1 (every block treated as full), so
+  the kernels run their EXACT variant without a single partial step: what that variant costs on
+  every step, apart from the bits (its output is the block-level one);
 - ``block_*``: the same mask block-level (``exact=False``), with the default backward and with the
   Hopper backward forced (``block_hopper_fwdbwd``, `hopper_bwd.MODE` "on": what the bits cost that
   kernel);
@@ -42,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--masks", nargs="+", default=["sliding-window", "documents"])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
@@ -51,7 +54,15 @@ def main(argv=None) -> int:
     from sparseflash.experiments.bench.providers import _flex_compiled
     from sparseflash.experiments.bench.results import environment
     from sparseflash.experiments.bench.timing import graph_ms
-    from sparseflash.flash import fast, hopper_bwd
+    from sparseflash.flash import fast, function, hopper_bwd
+
+    exact_tables = function.exact_tables
+
+    def _no_partial(*a, **kw):  # the call's bits with every tile index -1
+        bits, kv_tile, q_tile = exact_tables(*a, **kw)
+        if bits is None:
+            return bits, kv_tile, q_tile
+        return bits, torch.full_like(kv_tile, -1), torch.full_like(q_tile, -1)
 
     fast.ENABLED = False  # (every call through the general launcher, which reads the knobs)
     dev = torch.device("cuda")
@@ -78,6 +89,8 @@ def main(argv=None) -> int:
             variants = {"fwd": (fwd_call(), {}, False),
                         "bwd_rows": (fb(fwd_call()), dict(EXACT_TRANSPOSED=False), True),
                         "bwd_transposed": (fb(fwd_call()), dict(EXACT_TRANSPOSED=True), True),
+                        "nopartial_fwd": (fwd_call(), dict(NO_PARTIAL=True), False),
+                        "nopartial_fwdbwd": (fb(fwd_call()), dict(NO_PARTIAL=True), True),
                         "block_fwd": (fwd_call(False), {}, False),
                         "block_fwdbwd": (fb(fwd_call(False)), {}, True),
                         "block_hopper_fwdbwd": (fb(fwd_call(False)), dict(MODE="on"), True),
@@ -85,15 +98,21 @@ def main(argv=None) -> int:
                         "flex_fwdbwd": (fb(lambda: flex(q, k, v, block_mask=flex_mask)), {}, True)}
 
             def with_knobs(fn, knobs):
+                knobs = dict(knobs)
+                patch = knobs.pop("NO_PARTIAL", False)
+
                 def step():
                     saved = {key: getattr(hopper_bwd, key) for key in knobs}
                     for key, val in knobs.items():
                         setattr(hopper_bwd, key, val)
+                    if patch:
+                        function.exact_tables = _no_partial
                     try:
                         return fn()
                     finally:
                         for key, val in saved.items():
                             setattr(hopper_bwd, key, val)
+                        function.exact_tables = exact_tables
                 return step
 
             outs, times = {}, {nm: [] for nm in variants}
@@ -114,6 +133,7 @@ def main(argv=None) -> int:
                        **{f"{nm}_ms": round(statistics.median(t), 4) for nm, t in times.items()})
             row["maxdiff_bwd_transposed"] = max(float((a - b).abs().max())
                                                 for a, b in zip(outs["bwd_transposed"], outs["bwd_rows"]))
+            row["maxdiff_nopartial_vs_block_fwd"] = float((outs["nopartial_fwd"][0] - outs["block_fwd"][0]).abs().max())
             row["maxdiff_flex_vs_exact_fwd"] = float((outs["flex_fwd"][0] - outs["fwd"][0]).abs().max())
             rows.append(row)
             print(json.dumps(row), flush=True)
