@@ -286,45 +286,6 @@ def test_gpu_exact_bits_against_reference(case, monkeypatch, hopper_spy, hopper_
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: f"d{c[4]}-{c[5]}{'-causal' if c[6] else ''}")
-def test_gpu_exact_bits_rows_layout(case, monkeypatch, hopper_spy, hopper_bwd_spy):
-    """The backward reading the forward's bit tiles (`hopper_bwd.EXACT_TRANSPOSED` False, the
-    default reads them transposed) against the float64 reference."""
-    monkeypatch.setattr(dispatch, "HOPPER_EXACT", "on")
-    monkeypatch.setattr(hopper_bwd, "EXACT_TRANSPOSED", False)
-    B, Hq, Hkv, N, D, kind, causal, kl, dtype = case
-    q, k, v, do = make_qkv(B, Hq, Hkv, N, N, D, dtype, "cuda", seed=N + D + 1)
-    mask = _exact_mask(kind, N)
-    key_lengths = None if kl is None else torch.tensor(kl, device="cuda")
-    check_attention(lambda a, b, c: sparseflash.attention(a, b, c, mask=mask, causal=causal, key_lengths=key_lengths),
-                    q, k, v, do, mask=mask, causal=causal, key_lengths=key_lengths, ref_kwargs=dict(exact=True))
-    assert hopper_spy and hopper_bwd_spy, "the Hopper kernels did not run"
-
-
-@pytest.mark.parametrize("block", [(128, 128), (256, 128), (128, 256)])
-def test_transposed_bits(block):
-    """`hopper_bwd.transposed_bits` is the bit tiles transposed pair for pair, built once per bits
-    tensor and rebuilt after an in-place change."""
-    bq, bk = block
-    mask = sparseflash.BlockMask.from_fn(lambda b, h, i, j: ((i - j).abs() < 150) & ((i * 7 + j * 3) % 5 != 0), 640,
-                                         block_size=block)
-    bits = mask.exact_bits("cpu").bits
-
-    def unpack(w, rows, cols):
-        on = (w[..., None] >> torch.arange(32, dtype=torch.int32)) & 1
-        return on.reshape(w.shape[0], rows, -1)[:, :, :cols].bool()
-
-    bt = hopper_bwd.transposed_bits(bits, bq, bk)
-    assert bt.shape == (bits.shape[0], bk, bq // 32)
-    assert torch.equal(unpack(bits, bq, bk).transpose(1, 2), unpack(bt, bk, bq))
-    assert unpack(bits, bq, bk).any() and not unpack(bits, bq, bk).all()
-    assert hopper_bwd.transposed_bits(bits, bq, bk) is bt
-    bits[0] = 0
-    bt2 = hopper_bwd.transposed_bits(bits, bq, bk)
-    assert bt2 is not bt and not unpack(bt2[:1], bk, bq).any()
-
-
-@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 def test_gpu_layouts_and_lse(hopper_spy):
     """[B, N, H, D] memory (a transposed view), and the LSE against the reference's; rows with no
     key give -inf through the API."""

@@ -48,7 +48,6 @@ portable backward runs instead.
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 import triton
@@ -57,7 +56,7 @@ import triton.language as tl
 from sparseflash.flash import hopper
 from sparseflash.flash.hopper_common import GLUON_ERROR, LOG2E, TILE, descriptor, sm_count
 
-__all__ = ["bwd", "plan", "unsupported", "do_layout", "transposed_bits", "QT", "MODE", "LIST_MIN_BLOCKS"]
+__all__ = ["bwd", "plan", "unsupported", "do_layout", "QT", "MODE", "LIST_MIN_BLOCKS"]
 
 # "auto" (the default): this kernel wherever the Hopper forward runs and dO's layout allows, for walks
 # without block lists (dense, causal, key_lengths) and block lists of at least LIST_MIN_BLOCKS blocks a
@@ -80,9 +79,6 @@ ROTATE = True  # stagger the column walks (`_step`)
 # to shared memory and the hand-off to the reducer warp, which adds nothing; 4 everything.
 DQ_PARTS = 4
 HEAD_GROUPS = True  # run the heads in small groups (`_heads_per_group`)
-# Exact bits: read each partial block's tile transposed (`transposed_bits`: 4 words a thread per
-# step instead of 32; experiments/studies/exact-bits-cost/), or as the forward does (False).
-EXACT_TRANSPOSED = True
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -297,11 +293,13 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _exact_keep_t(BITS, tb, kw0, queries, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
-        """Which pairs of a [64 keys, QT queries] P^T tile bit tile ``tb`` attends: keys from ``kw0``
-        * 32 on (counted from the mask block's corner; the warpgroup's 64 keys are 2 words of each
-        query's row, `mask.ExactBits`), queries ``queries`` (absolute). The two words of each query
-        are loaded as two column vectors (2 x 16 words a thread) and spread over the keys in
-        registers (a pointer per element would cost 64 registers a thread)."""
+        """Which pairs of a [64 keys, QT queries] P^T tile bit tile ``tb`` attends: keys from
+        ``kw0`` * 32 on (counted from the mask block's corner; the warpgroup's 64 keys are 2 words
+        of each query's row, `mask.ExactBits`), queries ``queries`` (absolute). The two words of
+        each query are loaded as two column vectors and spread over the keys in registers (a
+        pointer per element would cost 64 registers a thread). Loading them ahead of the step's
+        scores, or from tiles stored transposed (4 loads a thread instead of 32), measured no
+        faster overall on an H200 (experiments/studies/exact-bits-cost/)."""
         W: gl.constexpr = (MASK_BK + 31) // 32
         p = BITS + tb.to(gl.int64) * (MASK_BQ * W) + (queries % MASK_BQ) * W + kw0  # [QT] column pointers
         w0 = gl.expand_dims(gl.load(p), 0)
@@ -309,20 +307,6 @@ if GLUON_ERROR is None:
         i = gl.expand_dims(gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout)), 1)
         w = gl.where(i < 32, w0, w1)
         return ((w >> (i % 32)) & 1) != 0
-
-    @gluon.jit
-    def _exact_keep_tt(BITS_T, tb, keys, q0, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
-        """`_exact_keep_t` from the transposed tiles (`transposed_bits`: row = key, bit = query):
-        ``keys`` ([64] row vector, counted from the mask block's corner), queries from ``q0`` (counted
-        likewise, a multiple of QT). A thread loads the two words of each of its 2 keys (4 words, where
-        `_exact_keep_t` loads 32) and tests bit c % 32 of word c // 32 for query c."""
-        WQ: gl.constexpr = (MASK_BQ + 31) // 32
-        p = gl.expand_dims(BITS_T + tb.to(gl.int64) * (MASK_BK * WQ) + keys * WQ + q0 // 32, 1)  # [64, 1]
-        w0 = gl.load(p)
-        w1 = gl.load(p + 1)
-        c = gl.expand_dims(gl.arange(0, _QT, layout=gl.SliceLayout(0, s_layout)), 0)
-        w = gl.where(c < 32, w0, w1)
-        return ((w >> (c % 32)) & 1) != 0
 
     @gluon.jit
     def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
@@ -342,8 +326,7 @@ if GLUON_ERROR is None:
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr,
-                      TRANSPOSED: gl.constexpr):
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
         j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
         never waits for the other's dS^T of the step it is on. EXACT: a step in a partial block
@@ -411,13 +394,8 @@ if GLUON_ERROR is None:
                             SUB: gl.constexpr = MASK_BQ // _QT
                             tb = gl.load(p_tile + j // SUB)
                             if tb >= 0:
-                                if TRANSPOSED:
-                                    keep = _exact_keep_tt(BITS, tb, start_n % MASK_BK + r_s,
-                                                          start_m % MASK_BQ, s_layout, MASK_BQ, MASK_BK)
-                                else:
-                                    kw0 = (start_n % MASK_BK + WG * _HALF) // 32
-                                    keep = _exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK)
-                                pt = gl.where(keep, pt, 0.0)
+                                kw0 = (start_n % MASK_BK + WG * _HALF) // 32
+                                pt = gl.where(_exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK), pt, 0.0)
                         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
                         ds16 = (pt * (dpt - dlt)).to(dtype)
                         p_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -500,8 +478,7 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr,
-                           TRANSPOSED: gl.constexpr):
+                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -538,14 +515,14 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, EXACT, TRANSPOSED)),
+                             DQ_PARTS, EXACT)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, EXACT, TRANSPOSED)),
+                             DQ_PARTS, EXACT)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -640,31 +617,6 @@ def plan(do, q, o, lay, cols: float | None = None, *, exact: bool = False):
     return lay, do_layout(do)
 
 
-_TRANSPOSED: dict = {}  # id(bits) -> (weak reference to bits, its version, transposed tiles)
-
-
-def transposed_bits(bits: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
-    """The bit tiles ``bits [P, block_q, ceil(block_k / 32)]`` (`mask.ExactBits`) transposed: int32
-    ``[P, block_k, ceil(block_q / 32)]``, bit ``r % 32`` of word ``r // 32`` in row ``c`` of a tile
-    saying whether pair (r, c) is attended. Cached per bits tensor (and its version, so an in-place
-    change is seen); built anew, uncached, while a CUDA graph is being captured."""
-    hit = _TRANSPOSED.get(id(bits))
-    if hit is not None and hit[0]() is bits and hit[1] == bits._version:
-        return hit[2]
-    P, R, W = bits.shape
-    on = ((bits[..., None] >> torch.arange(32, device=bits.device, dtype=torch.int32)) & 1).view(P, R, W * 32)
-    on = on[:, :, :block_k].transpose(1, 2)  # [P, block_k, block_q]
-    wq = -(-block_q // 32)
-    on = torch.nn.functional.pad(on, (0, 32 * wq - R)).reshape(P, block_k, wq, 32).to(torch.int64)
-    words = (on << torch.arange(32, device=bits.device)).sum(-1)
-    out = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
-    if not (bits.is_cuda and torch.cuda.is_current_stream_capturing()):
-        if id(bits) not in _TRANSPOSED:
-            weakref.finalize(bits, _TRANSPOSED.pop, id(bits), None)  # (the entry goes with the tensor)
-        _TRANSPOSED[id(bits)] = (weakref.ref(bits), bits._version, out)
-    return out
-
-
 def _padded_rows(n_q: int, mask_bq: int | None) -> int:
     """The q rows per head a walk can visit: whole 64-row steps (dense, ``mask_bq`` None), or
     every step of each listed block of ``mask_bq`` rows, the last block's too."""
@@ -719,9 +671,6 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     if exact is not None and dense:
         raise ValueError("exact bits come with block lists (a dense call has none)")
     q_tile, bits = (q, q) if exact is None else exact
-    transposed = exact is not None and EXACT_TRANSPOSED
-    if transposed:
-        bits = transposed_bits(bits, mask_bq, mask_bk)
     mask_q = mask_bq or TILE  # (the kernel's MASK_BQ; dense walks ignore it)
     n_pad = _padded_rows(Nq, None if dense else mask_q)
     lse2, delta = _delta(o, do, lse, dlse, n_pad)
@@ -746,8 +695,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, EXACT=exact is not None,
-        TRANSPOSED=transposed, num_warps=4)
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, EXACT=exact is not None, num_warps=4)
     if DQ_PARTS < 4:
         return None, dk, dv
     dq = new(q)

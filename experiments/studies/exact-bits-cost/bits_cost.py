@@ -1,4 +1,4 @@
-"""What exact-mask bits cost the Hopper kernels, and how the backward reads them.
+"""What exact-mask bits cost the Hopper kernels: the partial steps, and the EXACT variant itself.
 
     python experiments/studies/exact-bits-cost/bits_cost.py --out DIR [--tokens 16384] [--heads 16]
         [--head-dims 64 128] [--masks sliding-window documents] [--rounds 2]
@@ -8,10 +8,7 @@
 GPU time (CUDA-graph replays, `timing.graph_ms`), bf16, the token-exact masks of
 `experiments/bench/exact.py` (a causal sliding window of 1024, causal documents of mean length
 2048; 128-blocks), side by side in one process, rounds interleaved, medians reported:
-- ``fwd``: the forward with bits;
-- ``bwd_rows`` / ``bwd_transposed``: forward+backward with `hopper_bwd.EXACT_TRANSPOSED` False (the
-  backward reads the forward's bit tiles: 2 words per query, 32 loads a thread per partial step) and
-  True (transposed tiles, `hopper_bwd.transposed_bits`: 2 words per key, 4 loads a thread);
+- ``fwd``, ``fwdbwd``: the call with bits (the default, exact);
 - ``nopartial_*``: the exact call with its tile tables set to -1 (every block treated as full), so
   the kernels run their EXACT variant without a single partial step: what that variant costs on
   every step, apart from the bits (its output is the block-level one);
@@ -19,10 +16,10 @@ GPU time (CUDA-graph replays, `timing.graph_ms`), bf16, the token-exact masks of
   Hopper backward forced (``block_hopper_fwdbwd``, `hopper_bwd.MODE` "on": what the bits cost that
   kernel);
 - ``flex_*``: compiled FlexAttention on the same mask_mod, for the ratios the goals are stated in.
-``maxdiff_bwd_transposed``: the largest difference of its output and gradients from ``bwd_rows``'s
-(dQ's float32 sums arrive in any order, so the last bits may differ). Writes DIR/bits_cost.json and
-prints a table. (The first version of this script, at ec92ef6, timed where the kernels load the bits
-instead: results/prefetch_ec92ef6.json.)
+``maxdiff_nopartial_vs_block_fwd``: must be 0. Writes DIR/bits_cost.json and prints a table.
+(Versions of this script at ec92ef6 and 82b5295 also timed kernel variants that were then removed:
+bits loaded ahead of a step's scores, and the backward reading transposed bit tiles; their results
+are in results/ and the README.)
 """
 
 from __future__ import annotations
@@ -87,8 +84,7 @@ def main(argv=None) -> int:
 
             # name -> (fn, hopper_bwd knobs, fwd+bwd?)
             variants = {"fwd": (fwd_call(), {}, False),
-                        "bwd_rows": (fb(fwd_call()), dict(EXACT_TRANSPOSED=False), True),
-                        "bwd_transposed": (fb(fwd_call()), dict(EXACT_TRANSPOSED=True), True),
+                        "fwdbwd": (fb(fwd_call()), {}, True),
                         "nopartial_fwd": (fwd_call(), dict(NO_PARTIAL=True), False),
                         "nopartial_fwdbwd": (fb(fwd_call()), dict(NO_PARTIAL=True), True),
                         "block_fwd": (fwd_call(False), {}, False),
@@ -131,8 +127,6 @@ def main(argv=None) -> int:
             row = dict(mask=kind, mask_label=label, tokens=args.tokens, heads=args.heads, head_dim=D,
                        partial_blocks=int(mask.exact_bits(dev).bits.shape[0]),
                        **{f"{nm}_ms": round(statistics.median(t), 4) for nm, t in times.items()})
-            row["maxdiff_bwd_transposed"] = max(float((a - b).abs().max())
-                                                for a, b in zip(outs["bwd_transposed"], outs["bwd_rows"]))
             row["maxdiff_nopartial_vs_block_fwd"] = float((outs["nopartial_fwd"][0] - outs["block_fwd"][0]).abs().max())
             row["maxdiff_flex_vs_exact_fwd"] = float((outs["flex_fwd"][0] - outs["fwd"][0]).abs().max())
             rows.append(row)
