@@ -140,6 +140,21 @@ class _DenseMod:
         return _DenseMod(self.token_mask.to(device))
 
 
+class _RangeMod:
+    """mask_mod of key ranges: query i of batch row b attends keys ``start[b, i] <= j < end[b, i]``
+    (int64 ``[B', seq_q]`` each)."""
+
+    def __init__(self, start: torch.Tensor, end: torch.Tensor):
+        self.start, self.end = start, end
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        bb = _pick(self.start, 0, b)
+        return (kv_idx >= self.start[bb, q_idx]) & (kv_idx < self.end[bb, q_idx])
+
+    def to(self, device):
+        return _RangeMod(self.start.to(device), self.end.to(device))
+
+
 class _CombinedMod:
     """``op`` (and / or) of mask_mods, applied left to right."""
 
@@ -474,6 +489,52 @@ class BlockMask:
         while tm.dim() < 4:
             tm = tm.unsqueeze(0)
         return cls(pooled, (bq, bk), seq_q, seq_k, full=full, mask_mod=_DenseMod(tm))
+
+    @classmethod
+    def from_key_ranges(cls, key_ranges, seq_k: int, block_size=128) -> "BlockMask":
+        """Query ``i`` attends keys ``start[i] <= j < end[i]``: ``key_ranges`` an integer tensor
+        ``[batch or 1, seq_q, 2]`` of ``(start, end)`` pairs, as `sparseflash.attention`'s
+        ``key_ranges`` (a sliding window, flash-attn's varlen sequences:
+        `sparseflash.segments.key_ranges_from_cu_seqlens`), values clamped to ``[0, seq_k]``.
+
+        Built from the ranges on their device in O(seq_q x k_blocks) work, never a ``seq_q x
+        seq_k`` mask: a block is on iff some query's range meets its keys, full iff every real
+        query's range covers all of its real keys. The ranges are the mask's ``mask_mod``, so
+        `sparseflash.attention` applies them exactly inside the partial blocks (a sliding window of
+        1024 at 16K tokens: the diagonal and the window's far edge, 2 of ~9 blocks a row) with the
+        kernels' bit tiles, which run faster than the key-range predicate
+        (experiments/studies/exact-predicates/).
+        """
+        from sparseflash.segments import check_key_ranges
+
+        if not isinstance(key_ranges, torch.Tensor):
+            raise TypeError(f"key_ranges must be an integer torch.Tensor [batch, seq_q, 2], got {type(key_ranges).__name__}")
+        if key_ranges.dim() != 3:
+            raise ValueError(f"key_ranges must have shape [batch, seq_q, 2], got {tuple(key_ranges.shape)}")
+        seq_k = check_len(seq_k, "seq_k")
+        batch, seq_q = key_ranges.shape[0], check_len(key_ranges.shape[1], "seq_q (key_ranges.shape[1])")
+        table = check_key_ranges(key_ranges, batch, seq_q, seq_k, key_ranges.device)  # int32 [B', 2, seq_q]
+        bq, bk = block_pair(block_size)
+        start, end = table[:, 0].long(), table[:, 1].long()
+        qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
+        # on: the key blocks some query's range meets, as +1 / -1 at each range's first block and past
+        # its last one, summed per q block and along the keys
+        some = end > start
+        rows = torch.arange(seq_q, device=table.device) // bq
+        first = start // bk
+        past = torch.where(some, (end - 1) // bk + 1, first)  # (an empty range adds nothing)
+        marks = torch.zeros(batch, qb, kb + 1, dtype=torch.int64, device=table.device)
+        flat = marks.view(batch, -1)
+        flat.scatter_add_(1, rows * (kb + 1) + first, some.long())
+        flat.scatter_add_(1, rows * (kb + 1) + past, -some.long())
+        layout = (marks.cumsum(-1)[..., :kb] > 0).unsqueeze(1)  # [B', 1, QB, KB]
+        pad = qb * bq - seq_q  # rows past seq_q: no say in which blocks are full
+        lo = torch.nn.functional.pad(start, (0, pad), value=-1).view(batch, qb, bq).amax(-1)
+        hi = torch.nn.functional.pad(end, (0, pad), value=seq_k).view(batch, qb, bq).amin(-1)
+        c0 = torch.arange(0, seq_k, bk, device=table.device)
+        c1 = (c0 + bk).clamp(max=seq_k)
+        full = layout & ((lo[:, :, None] <= c0) & (hi[:, :, None] >= c1)).unsqueeze(1)
+        return cls(layout, (bq, bk), seq_q, seq_k, full=full, mask_mod=_RangeMod(start, end))
 
     @classmethod
     def from_fn(cls, fn, seq_q: int, seq_k: int | None = None, block_size=128, batch: int | None = None,

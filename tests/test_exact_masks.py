@@ -328,6 +328,40 @@ def test_long_sliding_window_bits_are_proportional_to_partial_blocks():
             assert torch.equal(on, fn(0, 0, rows, cols))
 
 
+@pytest.mark.parametrize("seq_q, seq_k, block, batch", [(200, 200, 16, 1), (90, 130, (16, 32), 2), (64, 40, 16, 1)])
+def test_from_key_ranges_is_the_token_mask(seq_q, seq_k, block, batch):
+    """`BlockMask.from_key_ranges` equals `from_dense` of the ranges' token mask: the layout, the
+    full blocks and every partial block's bits; per batch row, with empty and out-of-range ranges."""
+    g = torch.Generator().manual_seed(seq_q + seq_k)
+    i = torch.arange(seq_q)
+    start = i - 50 + torch.randint(-2, 3, (batch, seq_q), generator=g)  # a jittered window
+    end = i + 1 + torch.randint(-2, 3, (batch, seq_q), generator=g)
+    odd = torch.rand(batch, seq_q, generator=g) < 0.05  # a few rows anywhere
+    start = torch.where(odd, torch.randint(-5, seq_k, (batch, seq_q), generator=g), start)
+    end = torch.where(odd, start + torch.randint(-3, 60, (batch, seq_q), generator=g), end)
+    start[:, :3] = 7  # empty ranges
+    end[:, :3] = 7
+    end[:, -2:] = seq_k + 9  # past the end: clamped
+    kr = torch.stack([start, end], -1)
+    mask = BlockMask.from_key_ranges(kr, seq_k, block_size=block)
+    j = torch.arange(seq_k)
+    tok = (j >= start.clamp(0, seq_k)[..., None]) & (j < end.clamp(0, seq_k)[..., None])  # [B, seq_q, seq_k]
+    want = BlockMask.from_dense(tok[:, None], block_size=block)
+    assert torch.equal(mask.layout.expand_as(want.layout), want.layout)
+    assert torch.equal(mask.full.expand_as(want.full), want.full)
+    assert mask.partial.any() and mask.full.any()
+    assert torch.equal(mask.to_dense(exact=True).expand_as(want.to_dense(exact=True)), want.to_dense(exact=True))
+    assert torch.equal(mask.exact_bits().bits, want.exact_bits().bits)
+
+
+@pytest.mark.parametrize("bad, err", [(torch.zeros(10, 2, dtype=torch.int32), ValueError),
+                                      (torch.zeros(1, 10, 3, dtype=torch.int32), ValueError),
+                                      (torch.zeros(1, 10, 2), TypeError), ([[0, 1]], TypeError)])
+def test_from_key_ranges_refuses_bad_input(bad, err):
+    with pytest.raises(err, match="key_ranges"):
+        BlockMask.from_key_ranges(bad, 10)
+
+
 def _bits_masks():
     from sparseflash.patterns import butterfly, stack
 

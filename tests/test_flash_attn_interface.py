@@ -141,6 +141,86 @@ def test_func_kernels_against_float64(case, dtype, device):
     _check(_id(case), [t.cpu() for t in got], [t.cpu() for t in pt], ref, dtype)
 
 
+@pytest.fixture
+def window_masks(monkeypatch):
+    """flash_attn_func's window as a cached exact BlockMask from 16 tokens on (`WINDOW_MASK_MIN`), the
+    cache emptied before and after."""
+    fai = sparseflash.flash_attn_interface
+    monkeypatch.setattr(fai, "WINDOW_MASK_MIN", 16)
+    fai._WINDOW_MASKS.clear()
+    yield fai._WINDOW_MASKS
+    fai._WINDOW_MASKS.clear()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[7] != (-1, -1)], ids=_id)
+def test_func_window_mask_semantics(case, window_masks):
+    """float64: a window through the cached exact mask is still SDPA on flash-attn's token mask, and
+    the mask was built (once per shape)."""
+    B, Nq, Nk, H, Hk, D, causal, window = case
+    g = torch.Generator().manual_seed(Nq * Nk + 1)
+    q = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Nk, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64)
+    allowed = _allowed(Nq, Nk, causal, window)
+    for _ in range(2):
+        got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window),
+                     (q, k, v), do)
+    assert len(window_masks) == 1
+    want = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), (q, k, v), do)
+    for n, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16], ids=lambda d: str(d)[6:])
+def test_func_window_mask_kernels(dtype, device, window_masks):
+    """The Triton kernels (interpreter on CPU) running the window's cached mask with its bits: within
+    2x PyTorch's error of the float64 reference, the same mask reused by the second call."""
+    case = (1, 300, 300, 2, 1, 16, True, (100, -1))
+    B, Nq, Nk, H, Hk, D, causal, window = case
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, Nq, H, D, generator=g)
+    k, v = (torch.randn(B, Nk, Hk, D, generator=g) for _ in range(2))
+    do = torch.randn(B, Nq, H, D, generator=g)
+    allowed = _allowed(Nq, Nk, causal, window)
+    ref = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), [t.double() for t in (q, k, v)], do.double())
+    pt = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
+    det = device == "cpu" or torch.cuda.get_device_capability()[0] < 9
+    got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window, deterministic=det),
+                 [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
+    (mask,) = window_masks.values()
+    assert mask.exact_bits(torch.device(device)) is not None and mask.partial.any()
+    _check(_id(case), [t.cpu() for t in got], [t.cpu() for t in pt], ref, dtype)
+
+
+def test_func_window_mask_when(monkeypatch, window_masks):
+    """Which calls take the cached window mask: a window on sequences of at least WINDOW_MASK_MIN
+    tokens without mask=; shorter ones and calls with their own mask keep the key ranges; the cache
+    keeps the last few shapes."""
+    seen = []
+    real = sparseflash.flash_attn_interface.attention
+
+    def spy(*args, **kw):
+        seen.append((args[3], kw.get("key_ranges"), kw.get("exact")))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sparseflash.flash_attn_interface, "attention", spy)
+    q = torch.randn(1, 40, 2, 8, dtype=torch.float64)
+    sparseflash.flash_attn_func(q, q, q, window_size=(5, 0))
+    mask, kr, exact = seen[-1]
+    assert isinstance(mask, BlockMask) and kr is None and exact is True
+    sparseflash.flash_attn_func(q, q, q, window_size=(5, 0))
+    assert seen[-1][0] is mask
+    sparseflash.flash_attn_func(q[:, :10], q[:, :10], q[:, :10], window_size=(5, 0))  # under the minimum
+    assert seen[-1][0] is None and seen[-1][1] is not None
+    own = BlockMask.from_fn(lambda b, h, i, j: j <= i, 40, block_size=16)
+    sparseflash.flash_attn_func(q, q, q, window_size=(5, 0), mask=own)  # the caller's mask: key ranges too
+    assert seen[-1][0] is own and seen[-1][1] is not None
+    monkeypatch.setattr(sparseflash.flash_attn_interface, "_WINDOW_MASKS_MAX", 2)
+    for w in range(1, 5):
+        sparseflash.flash_attn_func(q, q, q, window_size=(w, 0))
+    assert len(window_masks) == 2 and list(window_masks)[-1][2] == (4, 0)
+
+
 def test_func_returns_and_views(monkeypatch):
     """(out, softmax_lse, None) with flash-attn's shapes (+inf where a row attends nothing); q, k, v
     reach attention as views of the caller's tensors (also slices of a packed qkv); mask= passes on."""

@@ -28,6 +28,11 @@ Providers, bf16, forward and forward+backward:
   token-level predicates instead of bits: the block-level mask (``exact=False``) with
   ``key_ranges`` ``[i - window + 1, i + 1)`` for the window, ``segment_ids`` and ``causal=True``
   for the documents (what `flash_attn_func`'s ``window_size`` and packed documents use);
+- ``flash-attn-api`` (not run by default): the same exact mask through flash-attn's interface, as a
+  flash-attn user writes it: `sparseflash.flash_attn_func` with ``causal=True, window_size=(window -
+  1, 0)`` for the window (a cached exact mask at this length), `sparseflash.flash_attn_varlen_func`
+  with the documents' ``cu_seqlens`` and ``causal=True`` for the documents (key ranges), on
+  ``[B, N, H, D]`` views (the output's transpose back to ``[B, N, H, D]`` is a copy, part of the call);
 - ``flex``: compiled ``flex_attention`` with ``mask.to_flex(layout_in_mask_mod=False)`` (its full
   and partial lists and the mask_mod; built once outside the timed calls).
 
@@ -56,7 +61,7 @@ _SPARSEFLASH = {"sparseflash-exact": (True, "off", None), "sparseflash-exact-hop
                 "sparseflash-block": (False, None, None), "sparseflash-exact-hopper-bwd": (True, "on", "on"),
                 "sparseflash-block-hopper-bwd": (False, None, "on"), "sparseflash-predicate": (False, None, None)}
 PROVIDERS = ("sparseflash-exact", "sparseflash-exact-hopper", "sparseflash-block", "flex",
-             "sparseflash-exact-hopper-bwd", "sparseflash-block-hopper-bwd", "sparseflash-predicate")
+             "sparseflash-exact-hopper-bwd", "sparseflash-block-hopper-bwd", "sparseflash-predicate", "flash-attn-api")
 DEFAULT_PROVIDERS = PROVIDERS[:4]
 GPU_ONLY = ("flex", "sparseflash-exact-hopper", "sparseflash-exact-hopper-bwd", "sparseflash-block-hopper-bwd")
 MASKS = ("sliding-window", "documents")
@@ -73,7 +78,8 @@ def build_mask(kind: str, tokens: int, window: int, doc_len: int, block: int, de
 
         label = f"window={window}"
         i = torch.arange(tokens, device=device)
-        predicate = {"key_ranges": torch.stack([(i - window + 1).clamp(min=0), i + 1], -1)[None].to(torch.int32)}
+        predicate = {"key_ranges": torch.stack([(i - window + 1).clamp(min=0), i + 1], -1)[None].to(torch.int32),
+                     "_flash_attn": dict(causal=True, window_size=(window - 1, 0))}
     elif kind == "documents":
         from sparseflash.experiments.bench.packed import document_ids
 
@@ -83,7 +89,10 @@ def build_mask(kind: str, tokens: int, window: int, doc_len: int, block: int, de
             return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
         label = f"docs={int(doc.max()) + 1} mean_len={doc_len}"
-        predicate = {"segment_ids": doc[None].to(torch.int32), "causal": True}
+        counts = torch.bincount(doc, minlength=int(doc.max()) + 1)
+        cu = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+        predicate = {"segment_ids": doc[None].to(torch.int32), "causal": True,
+                     "_flash_attn": dict(causal=True, cu_seqlens=cu, max_seqlen=int(counts.max()))}
     else:
         raise ValueError(f"unknown mask {kind!r}, expected one of {MASKS}")
     return BlockMask.from_fn(mask_mod, tokens, block_size=block, device=device), label, predicate
@@ -105,7 +114,17 @@ def _calls(provider: str, q, k, v, mask, flex_mask, predicate=None):
     import sparseflash
 
     if provider == "sparseflash-predicate":
-        return lambda: sparseflash.attention(q, k, v, mask, exact=False, **predicate)
+        kw = {key: val for key, val in predicate.items() if not key.startswith("_")}
+        return lambda: sparseflash.attention(q, k, v, mask, exact=False, **kw)
+    if provider == "flash-attn-api":  # [B, N, H, D] views in, the output back to [B, H, N, D]
+        fa = dict(predicate["_flash_attn"])
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        if "cu_seqlens" not in fa:
+            return lambda: sparseflash.flash_attn_func(qt, kt, vt, **fa).transpose(1, 2)
+        cu, n = fa.pop("cu_seqlens"), fa.pop("max_seqlen")
+        if q.shape[0] != 1:
+            raise ValueError("the varlen call packs one row of documents: run it with --batch 1")
+        return lambda: sparseflash.flash_attn_varlen_func(qt[0], kt[0], vt[0], cu, cu, n, n, **fa).transpose(0, 1)[None]
     if provider in _SPARSEFLASH:  # (its switches: `_switch`)
         exact = _SPARSEFLASH[provider][0]
         return lambda: sparseflash.attention(q, k, v, mask, exact=exact)
