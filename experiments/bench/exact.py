@@ -117,14 +117,16 @@ def _calls(provider: str, q, k, v, mask, flex_mask, predicate=None):
         kw = {key: val for key, val in predicate.items() if not key.startswith("_")}
         return lambda: sparseflash.attention(q, k, v, mask, exact=False, **kw)
     if provider == "flash-attn-api":  # [B, N, H, D] views in, the output back to [B, H, N, D]
+        # (the views are taken inside each call: a view node made outside would run its backward on
+        # the stream it was made on, which breaks a CUDA-graph capture of fwd+bwd)
         fa = dict(predicate["_flash_attn"])
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         if "cu_seqlens" not in fa:
-            return lambda: sparseflash.flash_attn_func(qt, kt, vt, **fa).transpose(1, 2)
+            return lambda: sparseflash.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), **fa).transpose(1, 2)
         cu, n = fa.pop("cu_seqlens"), fa.pop("max_seqlen")
         if q.shape[0] != 1:
             raise ValueError("the varlen call packs one row of documents: run it with --batch 1")
-        return lambda: sparseflash.flash_attn_varlen_func(qt[0], kt[0], vt[0], cu, cu, n, n, **fa).transpose(0, 1)[None]
+        return lambda: sparseflash.flash_attn_varlen_func(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, n, n,
+                                                          **fa).transpose(0, 1)[None]
     if provider in _SPARSEFLASH:  # (its switches: `_switch`)
         exact = _SPARSEFLASH[provider][0]
         return lambda: sparseflash.attention(q, k, v, mask, exact=exact)
