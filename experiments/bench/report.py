@@ -435,7 +435,7 @@ def exact_section(v: dict) -> None:
     """Token-exact masks against the same mask block-level and FlexAttention (GPU time)."""
     rows = pick(table(f"{RES}/exact/exact.csv"), status="ok")
     # what a call with bits runs by default on sm_90: the Hopper forward and backward with bits
-    ex = pick(rows, provider="sparseflash-exact-hopper-bwd")
+    ex = pick(rows, provider="sparseflash-exact-hopper")
     other = lambda r, p: one(rows, provider=p, mask=r["mask"], head_dim=r["head_dim"])
     for m, col in (("fwd", "fwd_gpu_ms"), ("fb", "fwdbwd_gpu_ms")):
         v[f"ex_x_flex_{m}"] = span([other(r, "flex")[col] / r[col] for r in ex])
@@ -444,6 +444,15 @@ def exact_section(v: dict) -> None:
     v["ex_block_diff"] = span([r["max_diff_vs_flex"] for r in pick(rows, provider="sparseflash-block")], "{:.2g}")
     win = pick(ex, mask="sliding-window")[0]
     v["ex_bits"] = f"{win['bits_mb']:.2f} MB ({int(win['partial_blocks'])} partial blocks, built once in {win['bits_build_ms']:.0f} ms)"
+    # flash-attn's interface on the same masks: the window through flash_attn_func, documents through the varlen call
+    fa = pick(rows, provider="flash-attn-api")
+    for m, col in (("fwd", "fwd_gpu_ms"), ("fb", "fwdbwd_gpu_ms")):
+        win = pick(fa, mask="sliding-window")
+        v[f"ex_fa_pred_{m}"] = span([other(r, "sparseflash-predicate")[col] / r[col] for r in win])
+        v[f"ex_fa_flex_{m}"] = span([other(r, "flex")[col] / r[col] for r in win])
+    docs = pick(fa, mask="documents")
+    v["ex_fa_varlen_eager"] = span([r["fwd_ms"] for r in docs], "{:.2f}")
+    v["ex_fa_varlen_gpu"] = span([r["fwd_gpu_ms"] for r in docs], "{:.2f}")
     v["ex_gpu"], v["ex_commit"], v["ex_date"] = _stamp(rows, "device_name"), _stamp(rows), day(_stamp(rows, "date"))
     v["ex_shape"] = f"{_stamp(rows, 'seq_len') // 1024}K tokens, {_stamp(rows, 'heads')} heads, {_stamp(rows, 'dtype')}"
 
