@@ -79,9 +79,6 @@ ROTATE = True  # stagger the column walks (`_step`)
 # to shared memory and the hand-off to the reducer warp, which adds nothing; 4 everything.
 DQ_PARTS = 4
 HEAD_GROUPS = True  # run the heads in small groups (`_heads_per_group`)
-# True compiles the kv_end masking branch into every call, as before it was left out of calls that cannot
-# need it (kept to measure that: experiments/studies/exact-bits-cost/)
-KEY_TAIL_ALWAYS = False
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -329,8 +326,7 @@ if GLUON_ERROR is None:
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr,
-                      KEY_TAIL: gl.constexpr):
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
         j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
         never waits for the other's dS^T of the step it is on. EXACT: a step in a partial block
@@ -389,9 +385,8 @@ if GLUON_ERROR is None:
                         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
                         pt = gl.exp2(st * qk_scale - lse)
                         dlt = dlt_bufs.index(s).load(s_layout)  # [1, QT]
-                        if KEY_TAIL:  # (else no tile reaches past kv_end: the branch is compiled out, see `bwd`)
-                            if key_mask:
-                                pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
+                        if key_mask:
+                            pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
                         if CAUSAL:
                             if j < j_part:
                                 pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(cols + causal_off, 0), pt, 0.0)
@@ -483,8 +478,7 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr,
-                           KEY_TAIL: gl.constexpr):
+                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -521,14 +515,14 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, EXACT, KEY_TAIL)),
+                             DQ_PARTS, EXACT)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, EXACT, KEY_TAIL)),
+                             DQ_PARTS, EXACT)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -701,11 +695,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, EXACT=exact is not None,
-        # a tile reaches past kv_end only with key_lengths or a partial last tile; otherwise the masking
-        # branch goes, which matters where it is if-converted into selects run on every step (with
-        # EXACT: experiments/studies/exact-bits-cost/)
-        KEY_TAIL=KEY_TAIL_ALWAYS or key_lengths is not None or Nk % TILE != 0, num_warps=4)
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, EXACT=exact is not None, num_warps=4)
     if DQ_PARTS < 4:
         return None, dk, dv
     dq = new(q)

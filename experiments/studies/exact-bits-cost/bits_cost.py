@@ -15,8 +15,6 @@ GPU time (CUDA-graph replays, `timing.graph_ms`), bf16, the token-exact masks of
 - ``block_*``: the same mask block-level (``exact=False``), with the default backward and with the
   Hopper backward forced (``block_hopper_fwdbwd``, `hopper_bwd.MODE` "on": what the bits cost that
   kernel);
-- ``tail_*``: the exact and block-level Hopper backward with `hopper_bwd.KEY_TAIL_ALWAYS` (the kv_end
-  masking branch compiled in, as every call had it before it was left out where no tile can need it);
 - ``flex_*``: compiled FlexAttention on the same mask_mod, for the ratios the goals are stated in.
 ``maxdiff_nopartial_vs_block_fwd``: must be 0. Writes DIR/bits_cost.json and prints a table.
 (Versions of this script at ec92ef6 and 82b5295 also timed kernel variants that were then removed:
@@ -92,8 +90,6 @@ def main(argv=None) -> int:
                         "block_fwd": (fwd_call(False), {}, False),
                         "block_fwdbwd": (fb(fwd_call(False)), {}, True),
                         "block_hopper_fwdbwd": (fb(fwd_call(False)), dict(MODE="on"), True),
-                        "tail_fwdbwd": (fb(fwd_call()), dict(KEY_TAIL_ALWAYS=True), True),
-                        "tail_block_hopper_fwdbwd": (fb(fwd_call(False)), dict(MODE="on", KEY_TAIL_ALWAYS=True), True),
                         "flex_fwd": (lambda: flex(q, k, v, block_mask=flex_mask), {}, False),
                         "flex_fwdbwd": (fb(lambda: flex(q, k, v, block_mask=flex_mask)), {}, True)}
 

@@ -9,9 +9,7 @@ process. Variants (module knobs of `sparseflash.flash.hopper_bwd`):
 - ``hopper``: the one-pass kernel as it runs by default (MODE "on" here, so block-sparse masks
   run it too): HEAD_GROUPS and, for causal calls, tiles dealt in long/short pairs;
 - ``nogroups``: the same with HEAD_GROUPS False (every head's key tile 0 first);
-- ``dkdv``: the kernel without its dQ part (DQ_PARTS 0), what dQ costs by difference;
-- ``keytail``: the kv_end masking branch compiled in (KEY_TAIL_ALWAYS), as every call had it before
-  it was left out where no key tile can reach past kv_end.
+- ``dkdv``: the kernel without its dQ part (DQ_PARTS 0), what dQ costs by difference.
 Prints a line per case and a table; writes bwd_knobs.json with --out. Also prints the largest
 gradient difference of each variant that computes dQ from ``portable``. ``--variants`` and
 ``--cases`` (indices into CASES) run a subset; ``--case N,D,MASK`` adds any case (MASK as
@@ -30,9 +28,9 @@ from sparseflash.cli import ArgumentParser, run_command
 CASES = [(16384, 128, "dense"), (16384, 128, "causal"), (16384, 64, "causal"), (8192, 128, "dense"),
          (8192, 128, "causal"), (1024, 64, "dense"), (16384, 128, "random"), (4096, 128, "random"),
          (4096, 128, "causal"), (16384, 64, "dense"), (4096, 64, "random"), (4096, 64, "causal")]
-DEFAULTS = dict(MODE="on", DQ_PARTS=4, HEAD_GROUPS=True, KEY_TAIL_ALWAYS=False)
+DEFAULTS = dict(MODE="on", DQ_PARTS=4, HEAD_GROUPS=True)
 VARIANTS = {"portable": dict(MODE="off"), "hopper": {}, "nogroups": dict(HEAD_GROUPS=False),
-            "dkdv": dict(DQ_PARTS=0), "keytail": dict(KEY_TAIL_ALWAYS=True)}
+            "dkdv": dict(DQ_PARTS=0)}
 
 
 def main(argv=None) -> int:
