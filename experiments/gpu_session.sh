@@ -100,9 +100,11 @@ for stage in "$@"; do
                  # e.g. --variant ...), timed beside ours on the same inputs
                  $t $py -m sparseflash.experiments.studies.gluon.gluon_probe --out "$d" ${GLUON_ARGS:-} ;;
         exact)   # token-exact masks: the Hopper kernels' bits against the float64 reference, then the
-                 # bench (portable and Hopper rows beside the block-level call and FlexAttention)
+                 # bench (the default path with bits beside the block-level call, the predicates,
+                 # flash-attn's interface and FlexAttention: BENCHMARKS.md's providers)
                  $t $py -m pytest -q -p no:cacheprovider tests/test_hopper.py -k exact_bits --tb=short
-                 $t $py -m sparseflash.experiments.bench.exact --out "$d" ${EXACT_ARGS:-} ;;
+                 $t $py -m sparseflash.experiments.bench.exact --out "$d" ${EXACT_ARGS:---providers \
+                     sparseflash-exact-hopper sparseflash-block sparseflash-predicate flash-attn-api flex} ;;
         packed)  # PACKED_ARGS: extra options (e.g. --causal both --mean-lens 128 512 2048)
                  $t $py -m pytest -q -x -p no:cacheprovider tests/test_segments.py --tb=short
                  $t $py -m sparseflash.experiments.bench.packed --out "$d" ${PACKED_ARGS:-} ;;
