@@ -505,25 +505,26 @@ class BlockMask:
         kernels' bit tiles, which run faster than the key-range predicate
         (experiments/studies/exact-predicates/).
         """
-        from sparseflash.segments import check_key_ranges
-
-        if not isinstance(key_ranges, torch.Tensor):
-            raise TypeError(f"key_ranges must be an integer torch.Tensor [batch, seq_q, 2], got {type(key_ranges).__name__}")
-        if key_ranges.dim() != 3:
-            raise ValueError(f"key_ranges must have shape [batch, seq_q, 2], got {tuple(key_ranges.shape)}")
+        if not isinstance(key_ranges, torch.Tensor) or key_ranges.dtype.is_floating_point \
+                or key_ranges.dtype.is_complex or key_ranges.dtype == torch.bool:
+            got = key_ranges.dtype if isinstance(key_ranges, torch.Tensor) else type(key_ranges).__name__
+            raise TypeError(f"key_ranges must be an integer torch.Tensor [batch, seq_q, 2], got {got}")
+        if key_ranges.dim() != 3 or key_ranges.shape[-1] != 2:
+            raise ValueError(f"key_ranges must have shape [batch, seq_q, 2]: (start, end) of each query's keys, "
+                             f"got {tuple(key_ranges.shape)}")
         seq_k = check_len(seq_k, "seq_k")
         batch, seq_q = key_ranges.shape[0], check_len(key_ranges.shape[1], "seq_q (key_ranges.shape[1])")
-        table = check_key_ranges(key_ranges, batch, seq_q, seq_k, key_ranges.device)  # int32 [B', 2, seq_q]
         bq, bk = block_pair(block_size)
-        start, end = table[:, 0].long(), table[:, 1].long()
+        start, end = key_ranges.long().clamp(0, seq_k).unbind(-1)  # [B', seq_q] each
         qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
         # on: the key blocks some query's range meets, as +1 / -1 at each range's first block and past
         # its last one, summed per q block and along the keys
         some = end > start
-        rows = torch.arange(seq_q, device=table.device) // bq
+        device = key_ranges.device
+        rows = torch.arange(seq_q, device=device) // bq
         first = start // bk
         past = torch.where(some, (end - 1) // bk + 1, first)  # (an empty range adds nothing)
-        marks = torch.zeros(batch, qb, kb + 1, dtype=torch.int64, device=table.device)
+        marks = torch.zeros(batch, qb, kb + 1, dtype=torch.int64, device=device)
         flat = marks.view(batch, -1)
         flat.scatter_add_(1, rows * (kb + 1) + first, some.long())
         flat.scatter_add_(1, rows * (kb + 1) + past, -some.long())
@@ -531,7 +532,7 @@ class BlockMask:
         pad = qb * bq - seq_q  # rows past seq_q: no say in which blocks are full
         lo = torch.nn.functional.pad(start, (0, pad), value=-1).view(batch, qb, bq).amax(-1)
         hi = torch.nn.functional.pad(end, (0, pad), value=seq_k).view(batch, qb, bq).amin(-1)
-        c0 = torch.arange(0, seq_k, bk, device=table.device)
+        c0 = torch.arange(0, seq_k, bk, device=device)
         c1 = (c0 + bk).clamp(max=seq_k)
         full = layout & ((lo[:, :, None] <= c0) & (hi[:, :, None] >= c1)).unsqueeze(1)
         return cls(layout, (bq, bk), seq_q, seq_k, full=full, mask_mod=_RangeMod(start, end))
