@@ -15,7 +15,11 @@ Semantics as flash-attn 2 documents them:
   .key_ranges_from_cu_seqlens`), exact at token level in the kernels.
 - ``window_size=(left, right)``: ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q
   + right`` (a negative side is unbounded; ``causal`` sets ``right = 0``), per sequence in the
-  varlen call. Exact, through the same key ranges; in `flash_attn_func` without ``mask=`` on
+  varlen call. Exact, through the same key ranges; in `flash_attn_varlen_func` without ``mask=`` (and
+  without ALiBi) on at least `VARLEN_MASK_MIN` packed tokens, through an exact `BlockMask` of the
+  sequences built once per cu_seqlens tensors and reused while they are the same, unchanged tensors
+  (the layers of a model share them: their values are checked on the host once, not per layer); in
+  `flash_attn_func` without ``mask=`` on
   sequences of at least `WINDOW_MASK_MIN` tokens, through a cached exact `BlockMask` of the window
   instead (`BlockMask.from_key_ranges`: bit tiles in its partial blocks, which the kernels run
   faster than the key-range test; built once per shape, a few milliseconds).
@@ -50,6 +54,7 @@ not the same bits).
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -200,7 +205,43 @@ def _window_mask(nq: int, nk: int, window: tuple[int, int], device) -> BlockMask
     return mask
 
 
-def _check_cu_seqlens(cu, name: str, total: int, max_seqlen, max_name: str, device) -> None:
+# A varlen call on at least VARLEN_MASK_MIN packed tokens, without mask=, runs as an exact BlockMask of its
+# sequences (`BlockMask.from_key_ranges`), built when its cu_seqlens tensors are first seen and reused while
+# they are the same tensors, unchanged: the layers of a model share one cu_seqlens per step, so the host
+# reads of cu_seqlens (the value checks) and the block layout are done once per step, not per layer, and
+# the kernels read bit tiles instead of the key-range test (faster: experiments/studies/exact-predicates/).
+VARLEN_MASK_MIN = 1024
+_VARLEN_MASKS: "OrderedDict[tuple, tuple]" = OrderedDict()  # key -> (weakrefs to cu_q, cu_k; mask)
+_VARLEN_MASKS_MAX = 4
+
+
+def _varlen_key(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int, window) -> tuple:
+    return (id(cu_q), cu_q._version, id(cu_k), cu_k._version, total_q, total_k, max_q, max_k, window, cu_q.device)
+
+
+def _varlen_mask_get(key: tuple, cu_q, cu_k) -> BlockMask | None:
+    hit = _VARLEN_MASKS.get(key)
+    if hit is None or hit[0]() is not cu_q or hit[1]() is not cu_k:  # (a freed tensor's id may be reused)
+        return None
+    _VARLEN_MASKS.move_to_end(key)
+    return hit[2]
+
+
+def _varlen_mask_put(key: tuple, cu_q, cu_k, key_ranges: torch.Tensor, total_k: int) -> BlockMask:
+    """Build (`BlockMask.from_key_ranges`, bits and lists included) and cache the exact mask of a
+    varlen call's sequences; the oldest of more than `_VARLEN_MASKS_MAX` entries goes."""
+    mask = BlockMask.from_key_ranges(key_ranges, total_k)
+    mask.exact_bits(key_ranges.device)
+    mask.index(key_ranges.device)
+    _VARLEN_MASKS[key] = (weakref.ref(cu_q), weakref.ref(cu_k), mask)
+    while len(_VARLEN_MASKS) > _VARLEN_MASKS_MAX:
+        _VARLEN_MASKS.popitem(last=False)
+    return mask
+
+
+def _check_cu_seqlens(cu, name: str, total: int, max_seqlen, max_name: str, device, values: bool = True) -> None:
+    """Validate a cu_seqlens tensor and its max_seqlen; ``values`` False: only what needs no host read
+    of the values (their type, shape, device)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor [batch + 1], got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
@@ -211,7 +252,7 @@ def _check_cu_seqlens(cu, name: str, total: int, max_seqlen, max_name: str, devi
         raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"{max_name} must be a non-negative int, got {max_seqlen!r}")
-    if tracing():
+    if tracing() or not values:
         return
     c = cu.cpu().long()
     lengths = c[1:] - c[:-1]
@@ -244,8 +285,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_flag("causal", causal)
     _check_flag("return_attn_probs", return_attn_probs)
     softcap = _check_options(softcap, deterministic, q)
-    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
-    _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k", q.device)
+    cached = vkey = None  # the exact mask of these very cu_seqlens tensors, checked and built before
+    use_mask = mask is None and alibi_slopes is None and min(q.shape[0], k.shape[0]) >= VARLEN_MASK_MIN \
+        and not tracing()
+    if use_mask:
+        _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q", q.device, False)
+        _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k", q.device, False)
+        vkey = _varlen_key(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                           _window(window_size, causal) or ((-1, 0) if causal else (-1, -1)))
+        cached = _varlen_mask_get(vkey, cu_seqlens_q, cu_seqlens_k)
+    if cached is None:
+        _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
+        _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k", q.device)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got shapes "
                          f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
@@ -255,7 +306,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if alibi_slopes is not None and alibi_slopes.dim() == 2:
         alibi_slopes = alibi_slopes.reshape(-1)  # one sequence: its slopes are the packed call's
     window = _window(window_size, causal) or ((-1, 0) if causal else (-1, -1))
-    key_ranges = key_ranges_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], False, window)
+    key_ranges = None
+    if cached is not None:
+        mask, exact = cached, True
+    else:
+        key_ranges = key_ranges_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], False, window)
+        if use_mask:
+            mask, exact = _varlen_mask_put(vkey, cu_seqlens_q, cu_seqlens_k, key_ranges, k.shape[0]), True
+            key_ranges = None
     out = attention(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
                     mask, scale=softmax_scale, dropout_p=dropout_p, key_ranges=key_ranges,
                     return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes, exact=exact)

@@ -318,12 +318,83 @@ def test_varlen_semantics_equal_sdpa_per_sequence(causal, window):
     assert torch.equal(got[0][-3:], torch.zeros_like(got[0][-3:]))  # padding queries: 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
-def test_varlen_kernels_against_float64(dtype, device, monkeypatch):
+@pytest.fixture
+def varlen_masks(monkeypatch):
+    """flash_attn_varlen_func's cached exact masks from 8 packed tokens on (`VARLEN_MASK_MIN`), the cache
+    emptied before and after."""
+    fai = sparseflash.flash_attn_interface
+    monkeypatch.setattr(fai, "VARLEN_MASK_MIN", 8)
+    fai._VARLEN_MASKS.clear()
+    yield fai._VARLEN_MASKS
+    fai._VARLEN_MASKS.clear()
+
+
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (4, -1)), (False, (3, 2))],
+                         ids=["full", "causal", "causal-w4", "w3,2"])
+def test_varlen_mask_semantics(causal, window, varlen_masks):
+    """float64: the varlen call through its cached exact mask is still SDPA per sequence (with
+    cu_seqlens_q != cu_seqlens_k, empty sequences and padding), the second call reusing the mask."""
+    q, k, v, do, cu_q, cu_k = _varlen_inputs(VARLEN, 4, 2, 16, torch.float64, pad_q=3, pad_k=2, seed=7)
+    for _ in range(2):
+        got = _grads(lambda a, b, c: sparseflash.flash_attn_varlen_func(a, b, c, cu_q, cu_k, 20, 17, causal=causal,
+                                                                        window_size=window), (q, k, v), do)
+    assert len(varlen_masks) == 1
+    want = _grads(lambda a, b, c: _varlen_sdpa(a, b, c, cu_q, cu_k, causal, window), (q, k, v), do)
+    for n, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=n)
+
+
+def test_varlen_mask_reuse_and_checks(monkeypatch, varlen_masks):
+    """The cu_seqlens values are read and checked once per cu_seqlens tensors: the same unchanged
+    tensors reuse the mask without a host read; a changed tensor (in place) or a new one is checked
+    and built again; a bad cu_seqlens is refused either way; mask= or ALiBi keep the key ranges."""
+    fai = sparseflash.flash_attn_interface
+    reads = []
+    real = fai._check_cu_seqlens
+    monkeypatch.setattr(fai, "_check_cu_seqlens",
+                        lambda *a, **kw: (reads.append(a[6] if len(a) > 6 else kw.get("values", True)), real(*a, **kw)))
+    q, k, v, _, cu_q, cu_k = _varlen_inputs(VARLEN, 2, 2, 8, torch.float64, seed=1)
+    call = lambda cq, ck, **kw: sparseflash.flash_attn_varlen_func(q, k, v, cq, ck, 20, 17, causal=True, **kw)
+    first = call(cu_q, cu_k)
+    assert reads.count(True) == 2 and len(varlen_masks) == 1
+    reads.clear()
+    again = call(cu_q, cu_k)
+    assert reads.count(True) == 0 and torch.equal(first, again)  # no host read of the values
+    (mask,) = [m for _, _, m in varlen_masks.values()]
+    cu_k2 = cu_k.clone()
+    call(cu_q, cu_k2)  # a new tensor, equal values: checked and built again
+    assert reads.count(True) == 2 and len(varlen_masks) == 2
+    reads.clear()
+    cu_k2[-1] = cu_k2[-2]  # in place: the last sequence loses its keys
+    out = call(cu_q, cu_k2)
+    assert reads.count(True) == 2 and len(varlen_masks) == 3
+    a = int(cu_q[-2])
+    assert torch.equal(out[a:int(cu_q[-1])], torch.zeros_like(out[a:int(cu_q[-1])]))
+    bad = cu_k.clone()
+    bad[1] = 100
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0, never decrease"):
+        call(cu_q, bad)
+    seen = []
+    real_attention = fai.attention
+    monkeypatch.setattr(fai, "attention", lambda *a, **kw: (seen.append(kw.get("key_ranges")), real_attention(*a, **kw))[1])
+    own = BlockMask.from_fn(lambda b, h, i, j: j >= 0, q.shape[0], k.shape[0], block_size=16)
+    call(cu_q, cu_k, mask=own)
+    assert seen[0] is not None  # the caller's mask: the key ranges
+    call(cu_q, cu_k, alibi_slopes=torch.ones(2))
+    assert len(varlen_masks) == 3 and mask is not None  # neither built a mask
+
+
+@pytest.mark.parametrize("dtype, route", [(torch.float16, "ranges"), (torch.bfloat16, "ranges"), (torch.float32, "ranges"),
+                                          (torch.float16, "mask")], ids=lambda x: str(x)[6:] if isinstance(x, torch.dtype) else x)
+def test_varlen_kernels_against_float64(dtype, route, device, monkeypatch):
     """The Triton kernels, causal bottom-right per sequence with cu_seqlens_q != cu_seqlens_k: output
-    and gradients within 2x PyTorch's own error (the same computation in dtype: the reference)."""
+    and gradients within 2x PyTorch's own error (the same computation in dtype: the reference);
+    through the key-range test, and through the cached exact mask (its bit tiles; route "mask")."""
     from sparseflash.flash import function
 
+    fai = sparseflash.flash_attn_interface
+    fai._VARLEN_MASKS.clear()
+    monkeypatch.setattr(fai, "VARLEN_MASK_MIN", 8 if route == "mask" else 1 << 40)
     if device == "cpu":
         monkeypatch.setattr(function, "SEGMENT_BLOCK", 32)  # several blocks to prune at this size
     q, k, v, do, cu_q, cu_k = _varlen_inputs(VARLEN, 2, 1, 40, torch.float32, pad_q=2, seed=3)
@@ -340,6 +411,8 @@ def test_varlen_kernels_against_float64(dtype, device, monkeypatch):
                                                                     causal=True),
                  [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
     _check(f"varlen {dtype}", [t.cpu() for t in got], [t.cpu() for t in pt], ref, dtype)
+    assert len(fai._VARLEN_MASKS) == (1 if route == "mask" else 0)
+    fai._VARLEN_MASKS.clear()
     # the reference's definition is flash-attn's
     torch.testing.assert_close(ref[0], _varlen_sdpa(q.double(), k.double(), v.double(), cu_q, cu_k, True))
 
