@@ -286,8 +286,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_flag("return_attn_probs", return_attn_probs)
     softcap = _check_options(softcap, deterministic, q)
     cached = vkey = None  # the exact mask of these very cu_seqlens tensors, checked and built before
+    # (not under torch.compile, which cannot key a cache on tensor identity; inside a CUDA-graph capture a
+    # cached mask is used, but none is built: a build reads cu_seqlens on the host)
     use_mask = mask is None and alibi_slopes is None and min(q.shape[0], k.shape[0]) >= VARLEN_MASK_MIN \
-        and not tracing()
+        and not torch.compiler.is_compiling()
     if use_mask:
         _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q", q.device, False)
         _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k", q.device, False)
@@ -311,7 +313,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         mask, exact = cached, True
     else:
         key_ranges = key_ranges_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], False, window)
-        if use_mask:
+        if use_mask and not tracing():
             mask, exact = _varlen_mask_put(vkey, cu_seqlens_q, cu_seqlens_k, key_ranges, k.shape[0]), True
             key_ranges = None
     out = attention(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
