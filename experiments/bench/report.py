@@ -451,6 +451,8 @@ def exact_section(v: dict) -> None:
         v[f"ex_fa_pred_{m}"] = span([other(r, "sparseflash-predicate")[col] / r[col] for r in win])
         v[f"ex_fa_flex_{m}"] = span([other(r, "flex")[col] / r[col] for r in win])
     docs = pick(fa, mask="documents")
+    for m, col in (("fwd", "fwd_gpu_ms"), ("fb", "fwdbwd_gpu_ms")):
+        v[f"ex_va_pred_{m}"] = span([other(r, "sparseflash-predicate")[col] / r[col] for r in docs])
     v["ex_fa_varlen_eager"] = span([r["fwd_ms"] for r in docs], "{:.2f}")
     v["ex_fa_varlen_gpu"] = span([r["fwd_gpu_ms"] for r in docs], "{:.2f}")
     v["ex_gpu"], v["ex_commit"], v["ex_date"] = _stamp(rows, "device_name"), _stamp(rows), day(_stamp(rows, "date"))
