@@ -15,14 +15,14 @@ Semantics as flash-attn 2 documents them:
   .key_ranges_from_cu_seqlens`), exact at token level in the kernels.
 - ``window_size=(left, right)``: ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q
   + right`` (a negative side is unbounded; ``causal`` sets ``right = 0``), per sequence in the
-  varlen call. Exact, through the same key ranges; in `flash_attn_varlen_func` without ``mask=`` (and
-  without ALiBi) on at least `VARLEN_MASK_MIN` packed tokens, through an exact `BlockMask` of the
-  sequences built once per cu_seqlens tensors and reused while they are the same, unchanged tensors
-  (the layers of a model share them: their values are checked on the host once, not per layer); in
-  `flash_attn_func` without ``mask=`` on
-  sequences of at least `WINDOW_MASK_MIN` tokens, through a cached exact `BlockMask` of the window
-  instead (`BlockMask.from_key_ranges`: bit tiles in its partial blocks, which the kernels run
-  faster than the key-range test; built once per shape, a few milliseconds).
+  varlen call. Exact, through the same key ranges.
+- How the key ranges run: without ``mask=`` on long calls, as a cached exact `BlockMask` of them
+  (`BlockMask.from_key_ranges`: bit tiles in its partial blocks, which the kernels run faster than
+  the key-range test; `_cached_mask`): a window from `WINDOW_MASK_MIN` tokens, built once per
+  shape; a varlen call from `VARLEN_MASK_MIN` packed tokens without ALiBi, built once per
+  cu_seqlens tensors and reused while they are the same, unchanged tensors (the layers of a model
+  share them, so their values are read and checked on the host once, not per layer). Shorter calls
+  (and shapes that change every call, a growing KV cache), and torch.compile, keep the key ranges.
 - A query that attends to nothing (``L_q > L_k`` with causal; tokens past ``cu_seqlens_q[-1]``)
   returns 0 with zero gradients; its ``softmax_lse`` is ``+inf`` as flash-attn's.
 - ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``: ``softmax_lse`` float32
@@ -47,6 +47,9 @@ Semantics as flash-attn 2 documents them:
   self-attention) and the slopes are per head; otherwise (per-sequence slopes, ``cu_seqlens_q !=
   cu_seqlens_k``) it runs one call per sequence (correct, slower; not with ``mask=``, nor inside
   torch.compile).
+
+Beyond flash-attn: float32 inputs, any head dim up to 256, ``mask=`` and ``exact=``. Not here:
+``flash_attn_with_kvcache`` and a paged KV cache.
 
 Dropout draws its bits as `sparseflash.attention` does (the same probability law as flash-attn,
 not the same bits).
@@ -166,13 +169,37 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return o.transpose(1, 2).contiguous(), _lse_as_flash_attn(lse), None
 
 
-# A window over long sequences runs as a cached exact BlockMask (bit tiles in its partial blocks), which
-# the kernels run faster than the same window as key-range predicates (1.2-1.7x on an H200 at 16K:
-# experiments/studies/exact-predicates/); shorter calls, and shapes that change every call (a growing
-# KV cache), keep the predicates, which cost no mask build.
+# Long calls without mask= run their key ranges as a cached exact mask (module docstring, "How the key
+# ranges run"): bit tiles, which the kernels run faster than the key-range test (1.1-1.7x on an H200 at
+# 16K: experiments/studies/exact-predicates/, BENCHMARKS.md). Below these lengths the key ranges stay.
 WINDOW_MASK_MIN = 1024  # tokens, queries and keys alike
-_WINDOW_MASKS: "OrderedDict[tuple, BlockMask]" = OrderedDict()
+VARLEN_MASK_MIN = 1024  # packed tokens, queries and keys alike
+_WINDOW_MASKS: "OrderedDict[tuple, tuple]" = OrderedDict()  # (lengths, window, device) -> ((), mask)
+_VARLEN_MASKS: "OrderedDict[tuple, tuple]" = OrderedDict()  # (cu_seqlens ids and versions, ...) -> (weakrefs, mask)
 _WINDOW_MASKS_MAX = 16
+_VARLEN_MASKS_MAX = 4
+
+
+def _cached_mask(cache: OrderedDict, limit: int, key: tuple, build=None, owners: tuple = ()) -> BlockMask | None:
+    """The exact mask ``cache`` (an LRU of ``limit`` entries) holds under ``key``; on a miss, the key
+    ranges ``build()`` returns, ``(key_ranges, seq_k)``, made into one (`BlockMask.from_key_ranges`,
+    its bits and lists built) and cached, or None without ``build`` or inside a trace (a build reads
+    the partial-block count back to the host). ``owners``: the tensors ``key`` names by identity,
+    held by weak references (a freed tensor's id may be reused)."""
+    hit = cache.get(key)
+    if hit is not None and all(ref() is t for ref, t in zip(hit[0], owners)):
+        cache.move_to_end(key)
+        return hit[1]
+    if build is None or tracing():
+        return None
+    key_ranges, seq_k = build()
+    mask = BlockMask.from_key_ranges(key_ranges, seq_k)
+    mask.exact_bits(key_ranges.device)
+    mask.index(key_ranges.device)
+    cache[key] = (tuple(weakref.ref(t) for t in owners), mask)
+    while len(cache) > limit:
+        cache.popitem(last=False)
+    return mask
 
 
 def _window_ranges(nq: int, nk: int, window: tuple[int, int], device) -> torch.Tensor:
@@ -183,60 +210,12 @@ def _window_ranges(nq: int, nk: int, window: tuple[int, int], device) -> torch.T
 
 
 def _window_mask(nq: int, nk: int, window: tuple[int, int], device) -> BlockMask | None:
-    """The exact `BlockMask` of flash-attn's window over one sequence (`BlockMask.from_key_ranges`,
-    its bits built), cached per (lengths, window, device) for the last `_WINDOW_MASKS_MAX` shapes;
-    None for sequences shorter than `WINDOW_MASK_MIN`, and inside a trace for a shape not yet
-    cached (a build reads the partial-block count back to the host)."""
+    """The cached exact mask of flash-attn's window over one sequence, per (lengths, window, device);
+    None below `WINDOW_MASK_MIN` tokens, and inside a trace for a shape not yet cached."""
     if min(nq, nk) < WINDOW_MASK_MIN:
         return None
-    key = (nq, nk, window, device)
-    mask = _WINDOW_MASKS.get(key)
-    if mask is not None:
-        _WINDOW_MASKS.move_to_end(key)
-        return mask
-    if tracing():
-        return None
-    mask = BlockMask.from_key_ranges(_window_ranges(nq, nk, window, device), nk)
-    mask.exact_bits(device)
-    mask.index(device)
-    _WINDOW_MASKS[key] = mask
-    while len(_WINDOW_MASKS) > _WINDOW_MASKS_MAX:
-        _WINDOW_MASKS.popitem(last=False)
-    return mask
-
-
-# A varlen call on at least VARLEN_MASK_MIN packed tokens, without mask=, runs as an exact BlockMask of its
-# sequences (`BlockMask.from_key_ranges`), built when its cu_seqlens tensors are first seen and reused while
-# they are the same tensors, unchanged: the layers of a model share one cu_seqlens per step, so the host
-# reads of cu_seqlens (the value checks) and the block layout are done once per step, not per layer, and
-# the kernels read bit tiles instead of the key-range test (faster: experiments/studies/exact-predicates/).
-VARLEN_MASK_MIN = 1024
-_VARLEN_MASKS: "OrderedDict[tuple, tuple]" = OrderedDict()  # key -> (weakrefs to cu_q, cu_k; mask)
-_VARLEN_MASKS_MAX = 4
-
-
-def _varlen_key(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int, window) -> tuple:
-    return (id(cu_q), cu_q._version, id(cu_k), cu_k._version, total_q, total_k, max_q, max_k, window, cu_q.device)
-
-
-def _varlen_mask_get(key: tuple, cu_q, cu_k) -> BlockMask | None:
-    hit = _VARLEN_MASKS.get(key)
-    if hit is None or hit[0]() is not cu_q or hit[1]() is not cu_k:  # (a freed tensor's id may be reused)
-        return None
-    _VARLEN_MASKS.move_to_end(key)
-    return hit[2]
-
-
-def _varlen_mask_put(key: tuple, cu_q, cu_k, key_ranges: torch.Tensor, total_k: int) -> BlockMask:
-    """Build (`BlockMask.from_key_ranges`, bits and lists included) and cache the exact mask of a
-    varlen call's sequences; the oldest of more than `_VARLEN_MASKS_MAX` entries goes."""
-    mask = BlockMask.from_key_ranges(key_ranges, total_k)
-    mask.exact_bits(key_ranges.device)
-    mask.index(key_ranges.device)
-    _VARLEN_MASKS[key] = (weakref.ref(cu_q), weakref.ref(cu_k), mask)
-    while len(_VARLEN_MASKS) > _VARLEN_MASKS_MAX:
-        _VARLEN_MASKS.popitem(last=False)
-    return mask
+    return _cached_mask(_WINDOW_MASKS, _WINDOW_MASKS_MAX, (nq, nk, window, device),
+                        lambda: (_window_ranges(nq, nk, window, device), nk))
 
 
 def _check_cu_seqlens(cu, name: str, total: int, max_seqlen, max_name: str, device, values: bool = True) -> None:
@@ -285,17 +264,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_flag("causal", causal)
     _check_flag("return_attn_probs", return_attn_probs)
     softcap = _check_options(softcap, deterministic, q)
+    window = _window(window_size, causal) or ((-1, 0) if causal else (-1, -1))
     cached = vkey = None  # the exact mask of these very cu_seqlens tensors, checked and built before
     # (not under torch.compile, which cannot key a cache on tensor identity; inside a CUDA-graph capture a
     # cached mask is used, but none is built: a build reads cu_seqlens on the host)
     use_mask = mask is None and alibi_slopes is None and min(q.shape[0], k.shape[0]) >= VARLEN_MASK_MIN \
         and not torch.compiler.is_compiling()
+    owners = (cu_seqlens_q, cu_seqlens_k)
     if use_mask:
         _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q", q.device, False)
         _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k", q.device, False)
-        vkey = _varlen_key(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
-                           _window(window_size, causal) or ((-1, 0) if causal else (-1, -1)))
-        cached = _varlen_mask_get(vkey, cu_seqlens_q, cu_seqlens_k)
+        vkey = (id(cu_seqlens_q), cu_seqlens_q._version, id(cu_seqlens_k), cu_seqlens_k._version, q.shape[0],
+                k.shape[0], max_seqlen_q, max_seqlen_k, window, q.device)
+        cached = _cached_mask(_VARLEN_MASKS, _VARLEN_MASKS_MAX, vkey, owners=owners)
     if cached is None:
         _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
         _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k", q.device)
@@ -307,15 +288,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                     softcap, alibi_slopes, return_attn_probs)
     if alibi_slopes is not None and alibi_slopes.dim() == 2:
         alibi_slopes = alibi_slopes.reshape(-1)  # one sequence: its slopes are the packed call's
-    window = _window(window_size, causal) or ((-1, 0) if causal else (-1, -1))
     key_ranges = None
-    if cached is not None:
-        mask, exact = cached, True
-    else:
+    if cached is None:
         key_ranges = key_ranges_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], False, window)
-        if use_mask and not tracing():
-            mask, exact = _varlen_mask_put(vkey, cu_seqlens_q, cu_seqlens_k, key_ranges, k.shape[0]), True
-            key_ranges = None
+        if use_mask:
+            cached = _cached_mask(_VARLEN_MASKS, _VARLEN_MASKS_MAX, vkey, lambda: (key_ranges, k.shape[0]), owners)
+    if cached is not None:
+        mask, exact, key_ranges = cached, True, None
     out = attention(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
                     mask, scale=softmax_scale, dropout_p=dropout_p, key_ranges=key_ranges,
                     return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes, exact=exact)
