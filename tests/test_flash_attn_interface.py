@@ -118,10 +118,18 @@ def test_func_semantics_equal_sdpa(case):
     assert torch.equal(got[0][:, empty], torch.zeros_like(got[0][:, empty]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4]], ids=_id)
-def test_func_kernels_against_float64(case, dtype, device):
-    """The Triton kernels (interpreter on CPU): output and gradients within 2x PyTorch's own error."""
+KERNEL_CASES = [(c, dt, "ranges") for dt in (torch.float16, torch.float32) for c in (CASES[1], CASES[2], CASES[4])] + [
+    ((1, 300, 300, 2, 1, 16, True, (100, -1)), torch.float16, "mask")]
+
+
+@pytest.mark.parametrize("case, dtype, route", KERNEL_CASES,
+                         ids=[f"{_id(c)}-{str(dt)[6:]}-{r}" for c, dt, r in KERNEL_CASES])
+def test_func_kernels_against_float64(case, dtype, route, device, monkeypatch):
+    """The Triton kernels (interpreter on CPU): output and gradients within 2x PyTorch's own error;
+    a window through the key-range test, or (route "mask") through its cached exact mask's bits."""
+    fai = sparseflash.flash_attn_interface
+    fai._WINDOW_MASKS.clear()
+    monkeypatch.setattr(fai, "WINDOW_MASK_MIN", 16 if route == "mask" else 1 << 40)
     B, Nq, Nk, H, Hk, D, causal, window = case
     g = torch.Generator().manual_seed(Nq + Nk)
     q = torch.randn(B, Nq, H, D, generator=g)
@@ -138,6 +146,10 @@ def test_func_kernels_against_float64(case, dtype, device):
             sparseflash.flash_attn_func(*(t.to(device, dtype) for t in (q, k, v)), deterministic=True)
     got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window, deterministic=det),
                  [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
+    if route == "mask":  # the window's cached mask ran, with its bits
+        ((_, mask),) = fai._WINDOW_MASKS.values()
+        assert mask.exact_bits(torch.device(device)) is not None and mask.partial.any()
+    fai._WINDOW_MASKS.clear()
     _check(_id(case), [t.cpu() for t in got], [t.cpu() for t in pt], ref, dtype)
 
 
@@ -169,27 +181,6 @@ def test_func_window_mask_semantics(case, window_masks):
     want = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), (q, k, v), do)
     for n, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=n)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16], ids=lambda d: str(d)[6:])
-def test_func_window_mask_kernels(dtype, device, window_masks):
-    """The Triton kernels (interpreter on CPU) running the window's cached mask with its bits: within
-    2x PyTorch's error of the float64 reference, the same mask reused by the second call."""
-    case = (1, 300, 300, 2, 1, 16, True, (100, -1))
-    B, Nq, Nk, H, Hk, D, causal, window = case
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(B, Nq, H, D, generator=g)
-    k, v = (torch.randn(B, Nk, Hk, D, generator=g) for _ in range(2))
-    do = torch.randn(B, Nq, H, D, generator=g)
-    allowed = _allowed(Nq, Nk, causal, window)
-    ref = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), [t.double() for t in (q, k, v)], do.double())
-    pt = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
-    det = device == "cpu" or torch.cuda.get_device_capability()[0] < 9
-    got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window, deterministic=det),
-                 [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
-    (mask,) = window_masks.values()
-    assert mask.exact_bits(torch.device(device)) is not None and mask.partial.any()
-    _check(_id(case), [t.cpu() for t in got], [t.cpu() for t in pt], ref, dtype)
 
 
 def test_func_window_mask_when(monkeypatch, window_masks):
@@ -360,7 +351,7 @@ def test_varlen_mask_reuse_and_checks(monkeypatch, varlen_masks):
     reads.clear()
     again = call(cu_q, cu_k)
     assert reads.count(True) == 0 and torch.equal(first, again)  # no host read of the values
-    (mask,) = [m for _, _, m in varlen_masks.values()]
+    (mask,) = [m for _, m in varlen_masks.values()]
     cu_k2 = cu_k.clone()
     call(cu_q, cu_k2)  # a new tensor, equal values: checked and built again
     assert reads.count(True) == 2 and len(varlen_masks) == 2
