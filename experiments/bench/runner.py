@@ -4,6 +4,10 @@ Each job is checked for availability first (a provider that cannot run here give
 status ``unavailable: why``), then measured; an exception in one provider becomes that row's
 status (``OOM``, ``unavailable: ...`` when SDPA finds no kernel for the inputs, or
 ``error: Type: message``) and the sweep goes on.
+
+On a CPU (the README's small labelled demo) each point is the median CPU time per call over five
+interleaved rounds on one thread, its 25th-75th percentile drawn as error bars; two runs agreed
+within 5% on all 36 rows on a quiet 2-core machine, within 20% on 33 of 36 under a load of 3-4.
 """
 
 from __future__ import annotations
