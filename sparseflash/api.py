@@ -56,7 +56,7 @@ alibi_slopes=None, exact=True, backend="auto")`
 - Autograd for q, k, v (and through the returned log-sum-exp); registered with `torch.library`,
   so `torch.compile(fullgraph=True)` traces it. The portable backward is deterministic (no
   atomics); the Hopper backward below adds dQ with TMA reductions, so under
-  `torch.use_deterministic_algorithms(True)` the portable one runs.
+  `torch.use_deterministic_algorithms(True)`, or on a call with `deterministic=True`, the portable one runs.
 - On Hopper (sm_90) the forward runs a warp-specialised Gluon kernel
   (`sparseflash/flash/hopper.py`). It is FlashAttention-3's design: a TMA loader warp, two
   consumer warpgroups taking turns on the tensor cores, a persistent grid. It is 1.05–1.07× cuDNN
@@ -277,7 +277,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
               return_lse: bool = False, dropout_p: float = 0.0, generator: torch.Generator | None = None,
               segment_ids=None, key_ranges: torch.Tensor | None = None, softcap: float | None = None,
               alibi_slopes: torch.Tensor | None = None, exact: bool = True, backend: str = "auto",
-              check_key_lengths: bool | None = None):
+              check_key_lengths: bool | None = None, deterministic: bool = False):
     """Block-sparse (or dense) scaled dot-product attention.
 
     Args:
@@ -332,6 +332,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             forward and backward; full blocks cost what they did. False: every pair of an on
             block is attended (block-level; ``mask.block_level()`` gives the same). Masks
             without a ``mask_mod`` are the same either way.
+        deterministic: True asks for a bitwise repeatable backward on every GPU: the call's
+            backward runs the portable kernels, which add without atomics, also on Hopper (whose
+            one-pass backward adds dQ in arrival order); slower there (BENCHMARKS.md). The forward
+            is deterministic either way. ``torch.use_deterministic_algorithms(True)`` does the same
+            for every call.
         backend: ``"auto"`` (CUDA, or CPU with ``TRITON_INTERPRET=1`` -> ``"triton"``; CPU ->
             ``"reference"``), ``"triton"`` or ``"reference"``.
 
@@ -342,7 +347,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     if mask is not None and mask.__class__ is not BlockMask:
         mask = as_block_mask(mask)  # torch's FlexAttention BlockMask, converted; anything else raises
     exact = _check_exact(exact)
-    if segment_ids is None and key_ranges is None and softcap is None and alibi_slopes is None and not return_lse \
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    if not deterministic and segment_ids is None and key_ranges is None and softcap is None and alibi_slopes is None and not return_lse \
             and (backend == "auto" or backend == "triton") and generator is None \
             and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0 \
             and not _needs_bits(mask, q, exact):
@@ -392,4 +399,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
 
     return flash_attention(q, k, v, mask, causal=causal, scale=scale, key_lengths=key_lengths,
                            return_lse=return_lse, dropout_p=dropout_p, generator=generator, segments=segments,
-                           key_ranges=ranges, softcap=softcap, alibi_slopes=slopes, exact=exact)
+                           key_ranges=ranges, softcap=softcap, alibi_slopes=slopes, exact=exact,
+                           deterministic=deterministic)

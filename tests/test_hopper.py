@@ -102,6 +102,11 @@ def test_bwd_choice(monkeypatch):
         assert "deterministic" in hopper_bwd._do_unsupported(q, q)
     finally:
         torch.use_deterministic_algorithms(False)
+    # ... and so does a call that asks for a deterministic backward, whatever the global switch
+    monkeypatch.setattr(dispatch, "_fwd_layouts", lambda *a: "lay")
+    assert dispatch.hopper_plan(q, q, q, None, None, -1.0, scale=0.1, do=q, o=q) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch.hopper_plan(q, q, q, None, None, -1.0, scale=0.1, do=q, o=q, deterministic=True) is None
+    assert dispatch.hopper_plan(q, q, q, None, None, -1.0, scale=0.1, deterministic=True) == "lay"  # forward: no atomics
     monkeypatch.setattr(hopper_bwd, "MODE", "fast")
     with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER_BWD"):
         dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0)
@@ -392,3 +397,23 @@ def test_gpu_deterministic_algorithms_keep_the_portable_backward(monkeypatch, ho
     assert not calls
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_gpu_deterministic_call_keeps_the_portable_backward(monkeypatch, hopper_spy):
+    """``deterministic=True`` on one call runs that call's backward on the portable kernels (bitwise
+    equal across runs), while the next call without it takes the Hopper backward again."""
+    calls = _count_calls(monkeypatch, hopper_bwd, "bwd")
+    monkeypatch.setattr(hopper_bwd, "MODE", "auto")
+    q, k, v, do = make_qkv(2, 8, 8, 2048, 2048, 128, torch.bfloat16, "cuda", seed=6)
+
+    def grads(**kw):
+        ts = [t.clone().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(sparseflash.attention(*ts, causal=True, **kw), ts, do)
+
+    first, second = grads(deterministic=True), grads(deterministic=True)
+    assert not calls
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    grads()
+    assert calls, "without deterministic=True the Hopper backward runs the call"

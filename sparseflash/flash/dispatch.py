@@ -13,7 +13,8 @@ The Hopper kernels take a call when, in this order:
   in a CUDA graph);
 - `hopper.plan` takes it (``SPARSEFLASH_HOPPER``, gluon present, fp16 / bf16, head_dim 64 or 128,
   mask blocks multiples of 128, layouts TMA takes);
-- backward only: `hopper_bwd.plan` takes dO and O (``SPARSEFLASH_HOPPER_BWD``, deterministic
+- backward only: the call did not ask for a deterministic backward (``deterministic=True``: the
+  portable backward, which adds without atomics), and `hopper_bwd.plan` takes dO and O (``SPARSEFLASH_HOPPER_BWD``, deterministic
   algorithms off) and block-sparse column lists are long enough (`hopper_bwd.LIST_MIN_BLOCKS`).
 Gluon is imported only past the device test, so CPU runs never import it.
 """
@@ -32,13 +33,15 @@ HOPPER_EXACT = os.environ.get("SPARSEFLASH_HOPPER_EXACT", "on")
 
 
 def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout_p: float = 0.0, seg=None,
-                softcap: float = 0.0, exact=None, do=None, o=None, lists: bool = False):
+                softcap: float = 0.0, exact=None, do=None, o=None, lists: bool = False, deterministic: bool = False):
     """The Hopper kernels' layouts when they run this call, else None (the portable kernels). The
     forward's with ``do`` None: `hopper.layouts` of (q, k, v); the backward's: (those,
     `hopper_bwd.do_layout` of dO), ``lists`` saying whether the call walks block lists. ``work``:
     the call's estimated forward FLOPs (-1 unknown); the other arguments as `launch.fwd` takes them."""
     if dropout_p > 0.0 or seg is not None or softcap or not scale > 0.0:
         return None  # features the Hopper kernels do not have
+    if do is not None and deterministic:
+        return None  # the Hopper backward adds dQ in arrival order; the portable one has no atomics
     if exact is not None:  # exact bits: the Hopper kernels unless HOPPER_EXACT is "off"
         if HOPPER_EXACT not in ("on", "off"):
             raise ValueError(f"dispatch.HOPPER_EXACT (SPARSEFLASH_HOPPER_EXACT) must be 'on' or 'off', got {HOPPER_EXACT!r}")

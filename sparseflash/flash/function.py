@@ -97,10 +97,11 @@ def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
                scale: float, causal: bool, mask_bq: int, mask_bk: int,
                dropout_p: float, density: float, slopes: Optional[Tensor], softcap: float,
                bits: Optional[Tensor] = None, kv_tile: Optional[Tensor] = None,
-               q_tile: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+               q_tile: Optional[Tensor] = None, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     return launch.bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale, causal,
                       mask_bq or None, mask_bk or None, dropout_p, rng, work=estimate_work(q, k, density),
-                      seg=_seg(seg_q, seg_k, slopes), softcap=softcap, exact=_exact(bits, kv_tile, q_tile))
+                      seg=_seg(seg_q, seg_k, slopes), softcap=softcap, exact=_exact(bits, kv_tile, q_tile),
+                      deterministic=deterministic)
 
 
 _flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutates_args=())
@@ -108,7 +109,7 @@ _flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutate
 
 @_flash_bwd.register_fake
 def _(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-      dropout_p, density, slopes, softcap, bits=None, kv_tile=None, q_tile=None):
+      dropout_p, density, slopes, softcap, bits=None, kv_tile=None, q_tile=None, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -122,7 +123,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     """o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale,
     causal, mask_bq, mask_bk, dropout_p, density[, slopes, softcap]); lse holds +inf for rows that
     attend to nothing. ``slopes``: ALiBi's float32 [1 or B, Hq] or None (no gradient); ``softcap``:
-    a float, 0 off.
+    a float, 0 off; ``deterministic``: the backward adds without atomics (bitwise repeatable).
     ``seg_q``, ``seg_k``: int32 segment ids [1 or B, seq] (packed documents) or None; ``seg_q`` with
     ``seg_k`` None: the int32 key-range table [1 or B, 2, seq_q] (`sparseflash.segments.check_key_ranges`).
     ``density``: the mask's fraction of on blocks (1 dense, -1 unknown), for the launchers'
@@ -132,14 +133,15 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-                dropout_p, density, slopes=None, softcap=0.0, bits=None, kv_tile=None, q_tile=None):
+                dropout_p, density, slopes=None, softcap=0.0, bits=None, kv_tile=None, q_tile=None,
+                deterministic=False):
         o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_eager)(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k,
                                                                        scale, causal, mask_bq, mask_bk, dropout_p, density,
                                                                        slopes, softcap, bits, kv_tile, q_tile)
         # (the exact tensors after the first twelve: a hand-built context of twelve still unpacks)
         ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes, bits, kv_tile,
                               q_tile)
-        ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p, density, softcap)
+        ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p, density, softcap, deterministic)
         ctx.set_materialize_grads(False)
         return o, lse
 
@@ -148,14 +150,14 @@ class FlashAttentionFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes = saved[:12]
         bits, kv_tile, q_tile = saved[12:] if len(saved) > 12 else (None, None, None)
-        scale, causal, mask_bq, mask_bk, dropout_p, density, softcap = ctx.params
+        scale, causal, mask_bq, mask_bk, dropout_p, density, softcap, deterministic = ctx.params
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, _bwd_impl)(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths,
                                                                      rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
                                                                      dropout_p, density, slopes, softcap, bits, kv_tile,
-                                                                     q_tile)
-        return (dq, dk, dv) + (None,) * 17
+                                                                     q_tile, deterministic)
+        return (dq, dk, dv) + (None,) * 18
 
 
 def _seg(seg_q: Optional[Tensor], seg_k: Optional[Tensor], slopes: Optional[Tensor] = None):
@@ -241,12 +243,13 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
                     scale: float, key_lengths: Tensor | None = None, return_lse: bool = False,
                     dropout_p: float = 0.0, generator: torch.Generator | None = None,
                     segments: tuple[Tensor, Tensor] | None = None, key_ranges: Tensor | None = None,
-                    softcap: float | None = None, alibi_slopes: Tensor | None = None, exact: bool = True):
+                    softcap: float | None = None, alibi_slopes: Tensor | None = None, exact: bool = True,
+                    deterministic: bool = False):
     """The Triton path of `sparseflash.attention` (inputs already validated there; ``segments``:
     the int32 (seg_q, seg_k) of `sparseflash.segments.check_segment_ids`; ``key_ranges``: the
     int32 table of `sparseflash.segments.check_key_ranges`; not both; ``softcap`` a float > 0 or
     None; ``alibi_slopes`` [1 or B, Hq] or None; ``exact``: apply a mask's token-level definition
-    inside its partial blocks, `exact_tables`)."""
+    inside its partial blocks, `exact_tables`; ``deterministic``: a backward without atomics)."""
     check_runnable(q)
     density = 1.0
     seg_q = seg_k = None
@@ -279,7 +282,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
     slopes = None if alibi_slopes is None else alibi_slopes.detach().to(torch.float32).contiguous()
     o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal,
                                           mask_bq, mask_bk, float(dropout_p), float(density), slopes,
-                                          float(softcap or 0.0), bits, kv_tile, q_tile)
+                                          float(softcap or 0.0), bits, kv_tile, q_tile, bool(deterministic))
     if return_lse:
         return o, torch.where(lse == float("inf"), float("-inf"), lse)
     return o

@@ -310,12 +310,13 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
         mask_bq: int | None, mask_bk: int | None, dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0,
-        seg=None, softcap: float = 0.0, exact: ExactTiles | None = None):
+        seg=None, softcap: float = 0.0, exact: ExactTiles | None = None, deterministic: bool = False):
     """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv); or the
-    one-pass Hopper backward (`hopper_bwd`) where `dispatch.hopper_plan` chooses it. ``seg``,
-    ``softcap``, ``exact``: as `fwd`'s."""
+    one-pass Hopper backward (`hopper_bwd`) where `dispatch.hopper_plan` chooses it (never with
+    ``deterministic``). ``seg``, ``softcap``, ``exact``: as `fwd`'s."""
     lays = dispatch.hopper_plan(q, k, v, mask_bq, mask_bk, work, scale=scale, dropout_p=dropout_p, seg=seg,
-                                softcap=softcap, exact=exact, do=do, o=o, lists=q_idx is not None)
+                                softcap=softcap, exact=exact, do=do, o=o, lists=q_idx is not None,
+                                deterministic=deterministic)
     if lays is not None:
         return hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, lays=lays,
                           exact=exact)
