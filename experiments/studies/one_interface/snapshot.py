@@ -1,0 +1,115 @@
+"""Bitwise before/after check for refactors of the host side: the outputs, LSE and gradients of a
+fixed set of calls (every kernel family and feature the default paths take), saved from one commit
+and compared with another's.
+
+    python -m sparseflash.experiments.studies.one_interface.snapshot save OUT.pt
+    python -m sparseflash.experiments.studies.one_interface.snapshot compare BEFORE.pt AFTER.pt
+
+On a GPU the calls run the default dispatch (Hopper kernels on sm_90 where they take a call, the
+portable ones elsewhere, the short path on repeated calls); on a CPU they run under the Triton
+interpreter at the same shapes divided down. The Hopper backward adds dQ in arrival order, so its
+dQ is compared within a bound (``DQ_RTOL``) rather than bitwise; everything else bitwise.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+DQ_RTOL = 2e-2  # dQ of the Hopper backward: float32 sums in arrival order, then one bf16 rounding
+
+
+def _cases(device: str):
+    from sparseflash.mask import BlockMask
+    from sparseflash.patterns import butterfly, local
+
+    big = 4096 if device == "cuda" else 256
+    small = 1000 if device == "cuda" else 200
+    win = big // 8
+    return [  # (name, (B, Hq, Hkv, Nq, Nk, D), dtype, kwargs, backward repeats)
+        ("dense-d128-hopper", (1, 16, 16, big, big, 128), torch.bfloat16, {}),
+        ("dense-d64-causal-hopper", (1, 16, 16, big, big, 64), torch.bfloat16, dict(causal=True)),
+        ("dense-small-portable", (2, 4, 2, small, small + 37, 64), torch.float16, dict(causal=True)),
+        ("keylen-gqa", (2, 8, 2, big, big, 128), torch.bfloat16, dict(key_lengths=[big, big // 3])),
+        ("butterfly", (1, 8, 8, big, big, 128), torch.bfloat16, dict(mask=butterfly(big))),
+        ("local-causal", (1, 8, 8, big, big, 64), torch.bfloat16, dict(mask=local(big, window=win), causal=True)),
+        ("exact-window", (1, 4, 4, big, big, 128), torch.bfloat16,
+         dict(mask=BlockMask.from_fn(lambda b, h, i, j: (i - j).abs() <= win // 3, big, block_size=128))),
+        ("dropout", (2, 4, 4, small, small, 64), torch.bfloat16, dict(dropout_p=0.1)),
+        ("segments", (2, 4, 4, small, small, 64), torch.bfloat16, dict(segment_ids="docs")),
+        ("softcap-alibi", (1, 4, 4, small, small, 80), torch.float16, dict(softcap=20.0, alibi_slopes="slopes")),
+        ("fp32-d40", (1, 2, 2, small, small, 40), torch.float32, dict(causal=True)),
+        ("repeat-fast-path", (4, 4, 4, 1024 if device == "cuda" else 128, 1024 if device == "cuda" else 128, 64),
+         torch.bfloat16, dict(repeat=3)),
+    ]
+
+
+def run(device: str) -> dict:
+    import sparseflash
+
+    out = {}
+    for name, (B, Hq, Hkv, Nq, Nk, D), dtype, kw in _cases(device):
+        kw = dict(kw)
+        repeat = kw.pop("repeat", 1)
+        g = torch.Generator(device=device).manual_seed(hash(name) % 2**31)
+        q = torch.randn(B, Hq, Nq, D, device=device, dtype=dtype, generator=g)
+        k, v = (torch.randn(B, Hkv, Nk, D, device=device, dtype=dtype, generator=g) for _ in range(2))
+        do = torch.randn(B, Hq, Nq, D, device=device, dtype=dtype, generator=g)
+        if "key_lengths" in kw:
+            kw["key_lengths"] = torch.tensor(kw["key_lengths"], device=device, dtype=torch.int32)
+        if kw.get("segment_ids") == "docs":
+            cuts = torch.tensor([0, Nq // 5, Nq // 5 + 3, Nq // 2, Nq], device=device)
+            ids = torch.bucketize(torch.arange(Nq, device=device), cuts[1:-1], right=True).to(torch.int32)
+            kw["segment_ids"] = ids.expand(B, Nq).contiguous()
+        if kw.get("alibi_slopes") == "slopes":
+            kw["alibi_slopes"] = torch.linspace(0.01, 0.3, Hq, device=device, dtype=torch.float32)
+        if "mask" in kw:
+            kw["mask"] = kw["mask"].to(device) if hasattr(kw["mask"], "to") else kw["mask"]
+        for _ in range(repeat):
+            torch.manual_seed(7)
+            ts = [t.clone().requires_grad_() for t in (q, k, v)]
+            if repeat > 1:
+                o = sparseflash.attention(*ts, **kw)
+                lse = torch.zeros(1)
+            else:
+                o, lse = sparseflash.attention(*ts, return_lse=True, **kw)
+            dq, dk, dv = torch.autograd.grad(o, ts, do)
+        out[name] = {n: t.detach().cpu() for n, t in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv))}
+        print(f"{name:24s} done", flush=True)
+    return out
+
+
+def compare(before: dict, after: dict) -> int:
+    bad = 0
+    print(f"{'case':24s} {'tensor':6s} {'equal':6s} max|diff|")
+    for name in before:
+        for t in before[name]:
+            a, b = before[name][t], after.get(name, {}).get(t)
+            if b is None:
+                print(f"{name:24s} {t:6s} MISSING")
+                bad += 1
+                continue
+            eq = torch.equal(a, b)
+            diff = float((a.double() - b.double()).abs().nan_to_num(0).max()) if a.numel() else 0.0
+            ok = eq or (t == "dq" and diff <= DQ_RTOL * float(a.double().abs().max()))
+            bad += not ok
+            print(f"{name:24s} {t:6s} {str(eq):6s} {diff:.3g}{'' if ok else '  <-- differs'}")
+    print(f"{bad} tensors differ beyond the rule")
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["save"] and len(argv) == 2:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.save(run(device), argv[1])
+        return 0
+    if argv[:1] == ["compare"] and len(argv) == 3:
+        return compare(torch.load(argv[1]), torch.load(argv[2]))
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

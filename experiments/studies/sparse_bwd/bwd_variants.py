@@ -1,0 +1,675 @@
+"""A study copy of the one-pass Hopper backward (`sparseflash/flash/hopper_bwd.py` at 3d521be) with
+the measurement switches the production kernel does not carry: how much of the dQ path runs
+(DQ_PARTS), the walk's rotation (ROTATE), head groups (HEAD_GROUPS), and for the fixed-cost
+decomposition (`decompose.py`) STORE_DKDV (False: the dK/dV stores are masked off, so they move no
+bytes) and WALK_ONLY (True: the consumer warpgroups do no arithmetic, they only take each step's
+Q/dO slot and hand it back, so the kernel is its loads, barriers and stores). Everything else is the
+production kernel's code; its docstring there explains the design.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from sparseflash.flash import hopper
+from sparseflash.flash.hopper_common import GLUON_ERROR, LOG2E, TILE, descriptor, sm_count
+
+__all__ = ["bwd", "QT"]
+
+# "auto" (the default): this kernel wherever the Hopper forward runs and dO's layout allows, for walks
+# without block lists (dense, causal, key_lengths) and block lists of at least LIST_MIN_BLOCKS blocks a
+# column; shorter lists keep the portable backward, faster there (experiments/studies/hopper/README.md,
+# stages 5 and 7). "on": every block-sparse call too. "off":
+# the portable backward everywhere. SPARSEFLASH_HOPPER_BWD sets it; SPARSEFLASH_HOPPER=off turns both
+# Hopper kernels off.
+MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "auto")
+
+# MODE "auto" runs block-sparse walks here only when a key tile's column list holds at least this
+# many 128-row q blocks on average: below, the kernel's fixed costs (the float32 dQ buffer zeroed and
+# cast, each tile's K/V load and dK/dV stores) outweigh its faster steps (H100, 16K tokens, random
+# masks: 0.75x the portable backward's speed at 3 blocks, 0.95x at 13, 1.16x at 26, 1.23x at 52 for
+# d=128; 1.01x at 13 for d=64; experiments/studies/hopper/README.md, the column-list threshold).
+LIST_MIN_BLOCKS = 16.0
+QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
+ROTATE = True  # stagger the column walks (`_step`)
+# How much of the dQ path runs (measurements of its parts; anything below 4 returns dQ as None):
+# 0 dK and dV only; 1 + the dS^T exchange between the warpgroups; 2 + the dQ matmul; 3 + dQ's store
+# to shared memory and the hand-off to the reducer warp, which adds nothing; 4 everything.
+DQ_PARTS = 4
+HEAD_GROUPS = True  # run the heads in small groups (`_heads_per_group`)
+STORE_DKDV = True  # False: the dK/dV stores masked off (no bytes move)
+WALK_ONLY = False  # True: the consumers only take and return each step's slot (implies no dQ)
+CONSUMER_REGS = 240
+LOADER_REGS = 24
+
+
+def _stages(head_dim: int) -> int:
+    """Q/dO ring depth. Shared memory, d=128: K, V 64 KB + 2 x (Q + dO) 64 KB + dS 32 KB + dQ staging
+    2 x 32 KB = 224 KB of the 227 KB an sm_90 CTA may have (so a third staging buffer does not fit)."""
+    return 2 if head_dim > 64 else 4
+
+
+if GLUON_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    from sparseflash.flash.hopper_common import list_layout, list_start, tile_coord, tma_load, wgmma_layout
+
+    if hasattr(tma, "async_atomic_add"):
+        _tma_add = tma.async_atomic_add
+    else:  # triton 3.6's gluon has the op in its builder but no wrapper
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_add(tensor_desc, coord, src, _semantic=None):
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
+
+    _TILE = gl.constexpr(TILE)
+    _QT = gl.constexpr(QT)
+    _DQ_BUFS = gl.constexpr(2)  # dQ staging buffers: the reducer reads one while the warpgroups fill the other
+    _HALF = gl.constexpr(TILE // 2)
+    _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a step's LSE or delta
+
+    @gluon.constexpr_function
+    def _ds_layout(dtype):
+        # dS^T [128 keys, QT queries]: written from registers, read transposed as wgmma's A
+        return gl.NVMMASharedLayout.get_default_for([TILE, QT], getattr(dtype, "value", dtype))
+
+    @gluon.jit
+    def _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, PAIR: gl.constexpr):
+        """This CTA's key tile in round ``rr``: (tile index, batch, kv head, first key); the index is
+        n_tiles when the CTA has none this round.
+
+        The stream runs through the (batch, kv head)s in groups of ``gh`` (`_heads_per_group`), so
+        the float32 dQ rows the CTAs add into stay in L2. Without PAIR, round r deals the next G
+        tiles of the stream (G CTAs) in a snake (CTA 0..G-1 when r is even, G-1..0 when odd). With
+        PAIR (causal: a tile's walk is longer the earlier its keys), a CTA takes key tile m of a head
+        in round 2r and tile n_kt - 1 - m of the same head in round 2r + 1, so every CTA's pair of
+        rounds costs about the same (a static schedule, balanced in any order of the pairs)."""
+        pid = gl.program_id(0)
+        G = gl.num_programs(0)
+        n_kt = n_tiles // n_bhk
+        if PAIR:
+            n_per = (n_kt + 1) // 2  # pairs per head
+            u = (rr // 2) * G + pid
+        else:
+            n_per = n_kt
+            u = rr * G + gl.where(rr % 2 == 0, pid, G - 1 - pid)
+        g = u // (gh * n_per)
+        heads = gl.maximum(gl.minimum(gh, n_bhk - g * gh), 1)  # (the last group may have fewer)
+        r = u - g * gh * n_per
+        bhk = g * gh + r % heads
+        m = r // heads
+        if PAIR:
+            n = gl.where(rr % 2 == 1, n_kt - 1 - m, m)
+            valid = (u < n_bhk * n_per) & ((rr % 2 == 0) | (n != m))  # (an odd n_kt's middle tile: once)
+        else:
+            n = m
+            valid = u < n_tiles
+        t = gl.where(valid, bhk * n_kt + n, n_tiles)
+        return t, bhk // n_heads_kv, bhk % n_heads_kv, n * _TILE
+
+    @gluon.jit
+    def _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
+              MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
+              CAUSAL: gl.constexpr, WARPS: gl.constexpr):
+        """The q tiles (of QT rows) one head's walk over a key tile visits: (pointer to the column
+        list, first step, end of the causal band, end). Steps j < j_skip see none of the tile's keys
+        (causal), j < j_part cross the diagonal; a tile wholly past kv_end has an empty walk."""
+        causal_off = seq_k - seq_q
+        skip_below = 0
+        full_from = 0
+        if CAUSAL:
+            skip_below = start_n - causal_off  # rows below see no key of the tile
+            full_from = start_n + _TILE - 1 - causal_off  # rows from here on see them all
+        if DENSE:
+            p_list = Q_IDX
+            n_rows = (seq_q + _QT - 1) // _QT
+            j_skip = gl.minimum(gl.maximum(skip_below, 0) // _QT, n_rows)
+            j_part = gl.minimum((gl.maximum(full_from, 0) + _QT - 1) // _QT, n_rows)
+            j_end = n_rows
+        else:
+            SUB: gl.constexpr = MASK_BQ // _QT
+            p_list = (Q_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
+                      + (start_n // MASK_BK).to(gl.int64) * stride_in)
+            offs = gl.arange(0, NB_P2, layout=list_layout(NB_P2, WARPS))
+            blocks = gl.load(p_list + offs, mask=offs < n_qblocks, other=1 << 30)
+            n_skip = gl.sum((blocks < skip_below // MASK_BQ).to(gl.int32), axis=0)
+            n_part = gl.sum((blocks < (full_from + MASK_BQ - 1) // MASK_BQ).to(gl.int32), axis=0)
+            n = gl.sum((blocks < n_qblocks).to(gl.int32), axis=0)
+            j_skip = n_skip * SUB
+            j_part = gl.maximum(n_part, n_skip) * SUB
+            j_end = n * SUB
+        if start_n >= kv_end:
+            j_end = j_skip
+        return p_list, j_skip, gl.maximum(j_part, j_skip), gl.maximum(j_end, j_skip)
+
+    @gluon.jit
+    def _step(p_list, jj, j_skip, j_end, start_n, DENSE: gl.constexpr, MASK_BQ: gl.constexpr, ROTATE: gl.constexpr):
+        """(j, first query row) of the jj-th step of a walk over j_skip .. j_end - 1. ROTATE starts
+        each key tile's walk at a different q tile (tile n at step 2n, wrapping), so CTAs on the
+        same head do not reduce into the same dQ rows at the same time."""
+        if ROTATE:
+            n_steps = j_end - j_skip
+            j = jj + ((start_n // _QT) % gl.maximum(n_steps, 1))
+            j = j_skip + gl.where(j >= n_steps, j - n_steps, j)
+        else:
+            j = j_skip + jj
+        return j, list_start(p_list, j, DENSE, MASK_BQ, _QT)
+
+    @gluon.jit
+    def _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN: gl.constexpr):
+        kv_end = seq_k
+        if HAS_KEYLEN:
+            kv_end = gl.minimum(gl.maximum(gl.load(KEY_LEN + b).to(gl.int32), 0), seq_k)
+        return kv_end
+
+    @gluon.jit
+    def _fill2(desc, coord, buf, desc_row, coord_row, buf_row, ready):
+        """TMA-load a tile and its rows' [1, QT] float32 vector (LSE or delta), on one barrier."""
+        mbarrier.expect(ready, desc.block_type.nbytes + desc_row.block_type.nbytes)
+        tma_load(desc, coord, ready, buf)
+        tma_load(desc_row, coord_row, ready, buf_row)
+
+    @gluon.jit
+    def _bwd_loader(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf,
+                    v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh,
+                    n_heads_kv, group, seq_q, seq_k, n_qblocks,
+                    stride_ib, stride_ih, stride_in,
+                    MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
+                    CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
+                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr, ROTATE: gl.constexpr):
+        """1 warp: K and V of each tile (once the consumers release the last tile's), then Q with its
+        rows' LSE and dO with their delta for every step, in walk order; barrier phases run over the
+        CTA's whole tile stream."""
+        it = 0  # steps issued so far: ring slot and phase
+        n_done = 0  # tiles started: the K/V phase
+        for rr in range(0, n_rounds):
+            t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
+            if t < n_tiles:
+                kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
+                # (a fresh barrier passes a parity-1 wait at once; K and V share one barrier pair)
+                mbarrier.wait(kv_empty, (n_done & 1) ^ 1)
+                mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+                tma_load(desc_k, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, k_buf)
+                tma_load(desc_v, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
+                for g in range(group):
+                    h = hk * group + g
+                    p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
+                                                          stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
+                                                          DENSE, CAUSAL, 1)
+                    for jj in range(0, j_end - j_skip):
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
+                        s = it % STAGES
+                        ph = (it // STAGES) & 1
+                        bh = b * (n_heads_kv * group) + h
+                        mbarrier.wait(step_empty.index(s), ph ^ 1)  # both warpgroups are done with the slot
+                        _fill2(desc_q, tile_coord(b, h, start_m, Q_BNHD), q_bufs.index(s), desc_lse, [bh, start_m],
+                               lse_bufs.index(s), q_ready.index(s))
+                        _fill2(desc_do, tile_coord(b, h, start_m, DO_BNHD), do_bufs.index(s), desc_dlt, [bh, start_m],
+                               dlt_bufs.index(s), do_ready.index(s))
+                        it += 1
+                n_done += 1
+
+    @gluon.jit
+    def _bwd_reducer(desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q,
+                     seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
+                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
+                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, ROTATE: gl.constexpr, DH: gl.constexpr,
+                     DQ_PARTS: gl.constexpr):
+        """1 warp: once both warpgroups have put a step's dQ halves in shared memory (dq_full), add
+        them into the float32 dQ buffer with TMA reductions, and hand a buffer back (dq_empty) once
+        its reductions have read it: with two buffers, one step later (after the next step's
+        reductions are issued). The walk is the loader's."""
+        it = 0
+        if DQ_PARTS < 3:  # (nothing to add: the warp returns)
+            n_rounds = 0
+        for rr in range(0, n_rounds):
+            t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
+            if t < n_tiles:
+                kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
+                for g in range(group):
+                    h = hk * group + g
+                    p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
+                                                          stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
+                                                          DENSE, CAUSAL, 1)
+                    for jj in range(0, j_end - j_skip):
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
+                        bi = it % _DQ_BUFS
+                        mbarrier.wait(dq_full.index(bi), (it // _DQ_BUFS) & 1)
+                        if DQ_PARTS >= 4:
+                            _tma_add(desc_dq, [b, h, start_m, 0], dq_bufs.index(2 * bi))
+                            _tma_add(desc_dq, [b, h, start_m, DH], dq_bufs.index(2 * bi + 1))
+                        if it > 0:
+                            tma.store_wait(2)  # the last step's two reductions have read their halves
+                            mbarrier.arrive(dq_empty.index((it - 1) % _DQ_BUFS))
+                        it += 1
+        tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
+
+    @gluon.jit
+    def _exact_keep_t(BITS, tb, kw0, queries, s_layout: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr):
+        """Which pairs of a [64 keys, QT queries] P^T tile bit tile ``tb`` attends: keys from
+        ``kw0`` * 32 on (counted from the mask block's corner; the warpgroup's 64 keys are 2 words
+        of each query's row, `mask.ExactBits`), queries ``queries`` (absolute). The two words of
+        each query are loaded as two column vectors and spread over the keys in registers (a
+        pointer per element would cost 64 registers a thread). Loading them ahead of the step's
+        scores, or from tiles stored transposed (4 loads a thread instead of 32), measured no
+        faster overall on an H200 (experiments/studies/exact-bits-cost/)."""
+        W: gl.constexpr = (MASK_BK + 31) // 32
+        p = BITS + tb.to(gl.int64) * (MASK_BQ * W) + (queries % MASK_BQ) * W + kw0  # [QT] column pointers
+        w0 = gl.expand_dims(gl.load(p), 0)
+        w1 = gl.expand_dims(gl.load(p + 1), 0)
+        i = gl.expand_dims(gl.arange(0, _HALF, layout=gl.SliceLayout(1, s_layout)), 1)
+        w = gl.where(i < 32, w0, w1)
+        return ((w >> (i % 32)) & 1) != 0
+
+    @gluon.jit
+    def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
+        """Put step p's dQ[:, half WG] ([QT, DH] float32) in its staging buffer, once the reducer has
+        read that buffer's last halves, and tell the reducer."""
+        bi = p % _DQ_BUFS
+        mbarrier.wait(dq_empty.index(bi), ((p // _DQ_BUFS) & 1) ^ 1)
+        dq_bufs.index(2 * bi + WG).reshape([_QT, DH]).store(dq)
+        fence_async_shared()
+        mbarrier.arrive(dq_full.index(bi))
+
+    @gluon.jit
+    def _bwd_consumer(q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
+                      step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds,
+                      n_bhk, gh, n_heads_kv,
+                      group, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+                      stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
+                      WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
+                      NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
+                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr,
+                      STORE_DKDV: gl.constexpr, WALK_ONLY: gl.constexpr):
+        """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
+        j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
+        never waits for the other's dS^T of the step it is on. EXACT: a step in a partial block
+        zeroes P^T (and so dS^T) where its bit tile (Q_TILE, laid out as the column lists) is 0."""
+        s_layout: gl.constexpr = wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
+        a_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
+        DH: gl.constexpr = HEAD_DIM // 2
+        q_layout: gl.constexpr = wgmma_layout(DH)  # dQ[:, half]: [QT, HEAD_DIM / 2] fp32
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = k_buf.dtype
+        causal_off = seq_k - seq_q
+        zero_s = gl.zeros([_HALF, _QT], gl.float32, layout=s_layout)
+        zero_q = gl.zeros([_QT, DH], gl.float32, layout=q_layout)
+        k_all = k_buf.reshape([_TILE, HEAD_DIM])
+        k_w = k_all.slice(WG * _HALF, _HALF, dim=0)
+        v_w = v_buf.reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
+        k_half = k_all.slice(WG * DH, DH, dim=1)  # [128 keys, HEAD_DIM / 2]: B of this half of dQ
+        r_s = WG * _HALF + gl.arange(0, _HALF, layout=row_s)
+        r_a = WG * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, a_layout))
+        c_a = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a_layout))
+        it = 0  # steps so far: ring slot and phase, dS buffer and phase
+        n_done = 0
+        for rr in range(0, n_rounds):
+            t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
+            if t < n_tiles:
+                kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
+                keys = start_n + r_s
+                key_mask = start_n + _TILE > kv_end  # the tile holding kv_end masks the keys past it
+                dk = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
+                dv = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
+                it0 = it  # (the tile's first step has no previous dQ to compute)
+                mbarrier.wait(kv_ready, n_done & 1)
+                for g in range(group):
+                    h = hk * group + g
+                    p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
+                                                          stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
+                                                          DENSE, CAUSAL, 4)
+                    p_tile = Q_TILE
+                    if EXACT:
+                        p_tile = (Q_TILE + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
+                                  + (start_n // MASK_BK).to(gl.int64) * stride_in)
+                    for jj in range(0, j_end - j_skip):
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
+                        s = it % STAGES
+                        ph = (it // STAGES) & 1
+                        if WALK_ONLY:
+                            mbarrier.wait(q_ready.index(s), ph)
+                            mbarrier.wait(do_ready.index(s), ph)
+                        else:
+                            q_s = q_bufs.index(s).reshape([_QT, HEAD_DIM])
+                            do_s = do_bufs.index(s).reshape([_QT, HEAD_DIM])
+                            mbarrier.wait(q_ready.index(s), ph)
+                            st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                            mbarrier.wait(do_ready.index(s), ph)
+                            dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                            cols = start_m + gl.arange(0, _QT, layout=col_s)
+                            lse = lse_bufs.index(s).load(s_layout)  # [1, QT] (LSE * log2(e), padded: `_delta_kernel`)
+                            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
+                            pt = gl.exp2(st * qk_scale - lse)
+                            dlt = dlt_bufs.index(s).load(s_layout)  # [1, QT]
+                            if key_mask:
+                                pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
+                            if CAUSAL:
+                                if j < j_part:
+                                    pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(cols + causal_off, 0), pt, 0.0)
+                            if EXACT:
+                                SUB: gl.constexpr = MASK_BQ // _QT
+                                tb = gl.load(p_tile + j // SUB)
+                                if tb >= 0:
+                                    kw0 = (start_n % MASK_BK + WG * _HALF) // 32
+                                    pt = gl.where(_exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK), pt, 0.0)
+                            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
+                            ds16 = (pt * (dpt - dlt)).to(dtype)
+                            p_op = gl.convert_layout(pt.to(dtype), op_layout)
+                            dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+                            # dS^T goes into buffer it % 2 once both warpgroups' dQ of two steps ago has read
+                            # it: each warpgroup arrives on a step's ds_ready only after its last dQ (of the
+                            # step before, or at a tile's first step the previous tile's last) has retired, so
+                            # the other's arrival on the last step's says so.
+                            if DQ_PARTS >= 1:
+                                if it > 0:
+                                    mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
+                            ds_bufs.index(it % 2).slice(WG * _HALF, _HALF, dim=0).store(ds16)
+                            ds_op = gl.convert_layout(ds16, op_layout)
+                            if DQ_PARTS >= 1:
+                                fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
+                                # With a previous step in the tile, its dQ (both dS^T halves are in the other
+                                # buffer) is issued before dK, so it is stored while dK runs. (Each branch ends
+                                # with dK and dV waited: an scf.if yields tensors, not wgmma tokens.)
+                                if it > it0:
+                                    if DQ_PARTS >= 2:
+                                        dq = warpgroup_mma(ds_bufs.index((it - 1) % 2).permute((1, 0)), k_half, zero_q,
+                                                           use_acc=False, is_async=True)
+                                        dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                                        r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
+                                        mbarrier.arrive(ds_ready.index(it % 2))  # (after the dQ above has read its buffer)
+                                        if DQ_PARTS >= 3:
+                                            _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
+                                        r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
+                                    else:
+                                        mbarrier.arrive(ds_ready.index(it % 2))
+                                        dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                                        r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
+                                    dk_w = r_kv[0]
+                                    dv_w = r_kv[1]
+                                else:
+                                    mbarrier.arrive(ds_ready.index(it % 2))
+                                    dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                                    r_kv0 = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
+                                    dk_w = r_kv0[0]
+                                    dv_w = r_kv0[1]
+                                dk = dk_w
+                                dv = dv_w
+                            else:
+                                dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                                res = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, ds_op, p_op, q_s, do_s))
+                                dk = res[0]
+                                dv = res[1]
+                        mbarrier.arrive(step_empty.index(s))
+                        it += 1
+                if DQ_PARTS >= 2:  # the tile's last dQ, before K goes
+                    if it > it0:
+                        pb = (it - 1) % 2
+                        mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
+                        dq = warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_half, zero_q, use_acc=False,
+                                           is_async=True)
+                        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
+                        if DQ_PARTS >= 3:
+                            _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
+                mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
+                # keys at or past kv_end take no part: their gradients are exactly zero
+                keys_a = start_n + r_a
+                keep = gl.expand_dims(keys_a < kv_end, 1)
+                in_seq = gl.expand_dims(keys_a < seq_k, 1)
+                off_k = gl.expand_dims(keys_a.to(gl.int64), 1)
+                p_dk = (DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + off_k * stride_dkn
+                        + gl.expand_dims(c_a, 0))
+                gl.store(p_dk, gl.where(keep, dk * sm_scale, 0.0).to(dtype), mask=in_seq & STORE_DKDV)
+                p_dv = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + off_k * stride_dvn
+                        + gl.expand_dims(c_a, 0))
+                gl.store(p_dv, gl.where(keep, dv, 0.0).to(dtype), mask=in_seq & STORE_DKDV)
+                n_done += 1
+
+    @gluon.jit
+    def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, Q_TILE, BITS,
+                           KEY_LEN,
+                           n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
+                           stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
+                           stride_dvb, stride_dvh, stride_dvn,
+                           HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
+                           DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                           Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
+                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr,
+                           STORE_DKDV: gl.constexpr, WALK_ONLY: gl.constexpr):
+        dtype: gl.constexpr = desc_q.dtype
+        q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
+        lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
+        dlt_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_dlt.block_type.shape, desc_dlt.layout)
+        k_buf = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
+        v_buf = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, _TILE, _QT], _ds_layout(dtype))
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * _DQ_BUFS] + desc_dq.block_type.shape, desc_dq.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        step_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [_DQ_BUFS, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [_DQ_BUFS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(_DQ_BUFS):
+            mbarrier.init(dq_full.index(i), count=2)  # both warpgroups stored their half of a step's dQ
+            mbarrier.init(dq_empty.index(i), count=1)
+        mbarrier.init(kv_ready, count=1)
+        mbarrier.init(kv_empty, count=2)  # both warpgroups are done with the tile's K and V
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups wrote their half of dS^T
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(step_empty.index(i), count=2)  # both warpgroups are done with a slot's Q and dO
+            mbarrier.init(do_ready.index(i), count=1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
+                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
+                             KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
+                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+                             stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
+                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
+                             DQ_PARTS, EXACT, STORE_DKDV, WALK_ONLY)),
+            (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
+                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
+                             KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
+                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
+                             stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
+                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
+                             DQ_PARTS, EXACT, STORE_DKDV, WALK_ONLY)),
+            (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
+                           k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
+                           n_qblocks,
+                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
+                           Q_BNHD, KV_BNHD, DO_BNHD, ROTATE)),
+            (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
+                            seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
+                            CAUSAL, HAS_KEYLEN, ROTATE, HEAD_DIM // 2, 0 if WALK_ONLY else DQ_PARTS)),
+        ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
+
+
+# ----------------------------------------------------------------------------- the two small kernels
+_LOG2E_TL = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def _rows(n_heads, seq_q, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """This program's (batch * head, batch, head, BLOCK row indices, head_dim indices, row mask)."""
+    i_bh = tl.program_id(1)
+    o_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return (i_bh, (i_bh // n_heads).to(tl.int64), (i_bh % n_heads).to(tl.int64), o_m, tl.arange(0, HEAD_DIM),
+            (o_m < seq_q)[:, None])
+
+
+@triton.jit
+def _delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+                  n_heads, seq_q, n_pad, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """For BLOCK rows of one (batch, head): delta = rowsum(dO * O) - dLSE and LSE2 = LSE * log2(e),
+    float32 [B * H, n_pad], rows seq_q .. n_pad - 1 padded with delta 0 and LSE2 +inf (P = 0), so
+    the backward's steps load them without masks."""
+    i_bh, i_b, i_h, o_m, o_d, m = _rows(n_heads, seq_q, BLOCK, HEAD_DIM)
+    b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + o_m.to(tl.int64)[:, None] * stride_om + o_d[None, :],
+                  mask=m, other=0.0)
+    b_do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :],
+                   mask=m, other=0.0)
+    delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)
+    p_row = i_bh.to(tl.int64) * seq_q + o_m
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
+    lse2 = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * _LOG2E_TL
+    p_pad = i_bh.to(tl.int64) * n_pad + o_m
+    tl.store(DELTA + p_pad, delta, mask=o_m < n_pad)
+    tl.store(LSE2 + p_pad, lse2, mask=o_m < n_pad)
+
+
+@triton.jit
+def _dq_cast_kernel(ACC, DQ, stride_qb, stride_qh, stride_qm, n_heads, seq_q, scale,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """dQ = scale * the float32 sums (contiguous [B, H, N, D]), cast to dQ's dtype, in dQ's layout."""
+    i_bh, i_b, i_h, o_m, o_d, m = _rows(n_heads, seq_q, BLOCK, HEAD_DIM)
+    acc = tl.load(ACC + (i_bh.to(tl.int64) * seq_q + o_m.to(tl.int64))[:, None] * HEAD_DIM + o_d[None, :], mask=m)
+    tl.store(DQ + i_b * stride_qb + i_h * stride_qh + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :],
+             (acc * scale).to(DQ.dtype.element_ty), mask=m)
+
+
+def _do_unsupported(do, q, o=None) -> str | None:
+    """Why the backward cannot take this dO (and O), or None; raises on a bad `MODE`."""
+    if MODE not in ("auto", "on", "off"):
+        raise ValueError(f"hopper_bwd.MODE (SPARSEFLASH_HOPPER_BWD) must be 'auto', 'on' or 'off', got {MODE!r}")
+    if MODE == "off":
+        return "SPARSEFLASH_HOPPER_BWD=off"
+    if torch.are_deterministic_algorithms_enabled():
+        return "torch.use_deterministic_algorithms(True): dQ's TMA reductions add in arrival order"
+    if do.dtype != q.dtype or do.shape != q.shape:
+        return f"dO of dtype {do.dtype} and shape {tuple(do.shape)}"
+    if o is not None and o.stride(-1) != 1:
+        return "O rows not contiguous (the delta kernel reads rows)"
+    if do_layout(do) is None:  # (also needs contiguous rows)
+        return "a dO layout TMA descriptors cannot take"
+    return None
+
+
+def unsupported(do, q, k, v, o=None, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
+    """Why this kernel cannot run a backward call, or None when it can: the forward's reasons
+    (`hopper.unsupported`), then dO's and O's (`_do_unsupported`)."""
+    return (hopper.unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk, dropout_p=dropout_p, seg=seg)
+            or _do_unsupported(do, q, o))
+
+
+def plan(do, q, o, lay, cols: float | None = None, *, exact: bool = False):
+    """(lay, dO's layout) when the backward runs a call whose forward runs the Hopper kernel with
+    layouts ``lay``, else None. ``cols``: None for walks without block lists, else the mean number
+    of 128-row q blocks in a key tile's column list (-1: unknown); MODE "auto" leaves lists shorter
+    than `LIST_MIN_BLOCKS` to the portable backward, unless the call has exact-mask bits
+    (``exact``): the portable backward's bits cost more than this kernel's fixed costs (a causal
+    window of 1024 at 16K, ~9 blocks a column, H200: this kernel 1.33x / 1.14x faster at d=64 /
+    128; experiments/studies/hopper/README.md)."""
+    if _do_unsupported(do, q, o) is not None:
+        return None
+    if cols is not None and MODE == "auto" and cols < LIST_MIN_BLOCKS and not exact:
+        return None
+    return lay, do_layout(do)
+
+
+def _padded_rows(n_q: int, mask_bq: int | None) -> int:
+    """The q rows per head a walk can visit: whole 64-row steps (dense, ``mask_bq`` None), or
+    every step of each listed block of ``mask_bq`` rows, the last block's too."""
+    unit = mask_bq or QT
+    return triton.cdiv(n_q, unit) * unit
+
+
+def _delta(o, do, lse, dlse, n_pad: int):
+    """(LSE * log2(e), delta = rowsum(dO * O) - dLSE), float32 [B * H, n_pad] each, rows past
+    Nq padded with +inf and 0 (`_delta_kernel`)."""
+    B, H, Nq, D = o.shape
+    lse2 = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
+    delta = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
+    so, sdo = o.stride(), do.stride()
+    _delta_kernel[(triton.cdiv(n_pad, QT), B * H)](
+        o, do, lse, o if dlse is None else dlse, lse2, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], H, Nq,
+        n_pad, HEAD_DIM=D, BLOCK=QT, HAS_DLSE=dlse is not None)
+    return lse2, delta
+
+
+def _heads_per_group(n_per: int, n_bhk: int, num_sms: int) -> int:
+    """How many (batch, kv head)s the tile stream runs at a time (`_key_tile`): enough for one round
+    of the CTAs (``n_per`` units each: key tiles, or causal pairs of them), no more, so the float32
+    dQ rows the CTAs add into stay in L2 (16K tokens, d=128: 2 heads, 16 MB, where a stream of key
+    tile 0 of every head first spans 16 heads, 128 MB). HEAD_GROUPS False: all of them."""
+    return max(1, min(n_bhk, triton.cdiv(num_sms, n_per))) if HEAD_GROUPS else n_bhk
+
+
+def _row_descriptor(t):
+    """A TMA descriptor of float32 [B * H, n_pad] ``t`` (`_delta`'s outputs), blocks of one step's QT rows."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, QT], _ROW_LAYOUT)
+
+
+def do_layout(do):
+    """`hopper.tensor_layout` of dO, or None."""
+    return hopper.tensor_layout(do)
+
+
+def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: bool, mask_bq, mask_bk, lay, do_lay,
+        *, new=torch.empty_like, num_sms=None, exact=None):
+    """(dq, dk, dv) like (q, k, v). ``lists``: (column lists or a placeholder, their [B, H, k block]
+    strides, NB_P2, number of q blocks; None for dense), as `launch.hopper_bwd` makes them.
+    ``lay``: `hopper.layouts` of (q, k, v); ``do_lay``: `do_layout` of dO; ``new``: allocates an
+    output like a tensor. ``exact``: None, or (bit-tile table laid out as the column lists, bits)
+    (`operands.check_exact`; block lists required). Call only when `unsupported` is None."""
+    B, H, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    dense = lists is None
+    idx, i_strides, nb_p2, n_qb = (q, (0, 0, 0), 2, 0) if dense else lists
+    if exact is not None and dense:
+        raise ValueError("exact bits come with block lists (a dense call has none)")
+    q_tile, bits = (q, q) if exact is None else exact
+    mask_q = mask_bq or TILE  # (the kernel's MASK_BQ; dense walks ignore it)
+    n_pad = _padded_rows(Nq, None if dense else mask_q)
+    lse2, delta = _delta(o, do, lse, dlse, n_pad)
+    acc = torch.zeros((B, H, Nq, D), device=q.device, dtype=torch.float32)
+    dk, dv = new(k), new(v)
+    sk, sv = dk.stride(), dv.stride()
+    desc_dq = descriptor(acc, (acc.stride(), False), QT, D // 2)  # each warpgroup adds half of D
+    n_bhk = B * Hk
+    n_tiles = triton.cdiv(Nk, TILE) * n_bhk
+    if num_sms is None:
+        num_sms = sm_count(q.device.index)
+    n_kt = n_tiles // n_bhk
+    n_units = n_bhk * ((n_kt + 1) // 2) if causal else n_tiles  # (causal: pairs of tiles, `_key_tile`)
+    grid = max(1, min(n_units, num_sms))
+    gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
+    n_rounds = triton.cdiv(n_units, grid) * (2 if causal else 1)
+    _hopper_bwd_kernel[(grid,)](
+        descriptor(q, lay[0], QT), descriptor(k, lay[1], TILE), descriptor(v, lay[2], TILE),
+        descriptor(do, do_lay, QT), desc_dq, _row_descriptor(lse2), _row_descriptor(delta), dk, dv, idx, q_tile, bits,
+        q if key_lengths is None else key_lengths, n_tiles, n_rounds, n_bhk, gh, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E,
+        scale, *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+        HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
+        CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
+        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=0 if WALK_ONLY else DQ_PARTS, EXACT=exact is not None,
+        STORE_DKDV=STORE_DKDV, WALK_ONLY=WALK_ONLY, num_warps=4)
+    if DQ_PARTS < 4 or WALK_ONLY:
+        return None, dk, dv
+    dq = new(q)
+    sq = dq.stride()
+    _dq_cast_kernel[(triton.cdiv(Nq, QT), B * H)](acc, dq, sq[0], sq[1], sq[2], H, Nq, scale, HEAD_DIM=D, BLOCK=QT)
+    return dq, dk, dv
