@@ -3,7 +3,7 @@
 The call path: `attention` tries the short path of repeated eager calls first
 (`sparseflash.flash.fast.try_call`: a call seen before skips validation; a new one is validated
 here), else validates (`_check_inputs`) and dispatches to `sparseflash.reference.attention` or
-`sparseflash.flash.flash_attention` (flash/function.py: the autograd Function and torch.library
+`sparseflash.flash.flash_attention` (flash/autograd.py: the autograd Function and torch.library
 ops) -> `launch.fwd` / `launch.bwd` (flash/launch.py; `flash/dispatch.py` picks the portable
 Triton kernels of flash/kernels.py or the Hopper Gluon ones of flash/hopper.py, hopper_bwd.py).
 
@@ -58,7 +58,7 @@ alibi_slopes=None, exact=True, backend="auto")`
   atomics); the Hopper backward below adds dQ with TMA reductions, so under
   `torch.use_deterministic_algorithms(True)`, or on a call with `deterministic=True`, the portable one runs.
 - On Hopper (sm_90) the forward runs a warp-specialised Gluon kernel
-  (`sparseflash/flash/hopper.py`). It is FlashAttention-3's design: a TMA loader warp, two
+  (`sparseflash/flash/hopper/forward.py`). It is FlashAttention-3's design: a TMA loader warp, two
   consumer warpgroups taking turns on the tensor cores, a persistent grid. It is 1.05–1.07× cuDNN
   at d=128 (0.99× at d=64) and 1.44–1.51× FlexAttention on block masks at d=128, 1.15–1.20× at
   d=64 (BENCHMARKS.md "Hopper kernels"). The

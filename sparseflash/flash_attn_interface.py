@@ -103,7 +103,7 @@ def _check_options(softcap, deterministic, q: torch.Tensor) -> float | None:
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if deterministic and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9 \
             and not torch.are_deterministic_algorithms_enabled():
-        from sparseflash.flash import hopper_bwd
+        from sparseflash.flash.hopper import backward as hopper_bwd
 
         if hopper_bwd.MODE != "off":
             raise NotImplementedError(

@@ -165,7 +165,7 @@ def tma_on(monkeypatch, device):
 
     monkeypatch.setattr(tiles, "TMA_MODE", "on")
     # these tests cover the portable kernels' descriptor loads: the Hopper forward stays out
-    monkeypatch.setattr("sparseflash.flash.hopper.MODE", "off")
+    monkeypatch.setattr("sparseflash.flash.hopper.forward.MODE", "off")
     # every call through the launchers' decisions (the short path takes only calls without descriptors)
     monkeypatch.setattr(fast, "ENABLED", False)
     taken = []

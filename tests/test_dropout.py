@@ -173,7 +173,7 @@ def test_cuda_graph_replays_draw_fresh_bits(monkeypatch):
     kernels read the draw from device memory), and each replay computes exactly what an eager call
     with that replay's draw computes."""
     from sparseflash import dropout
-    from sparseflash.flash.function import FlashAttentionFunction
+    from sparseflash.flash.autograd import FlashAttentionFunction
 
     q, k, v, do = make_qkv(2, 4, 2, 300, 300, 64, torch.bfloat16, "cuda", seed=8)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))

@@ -381,7 +381,7 @@ def test_varlen_kernels_against_float64(dtype, route, device, monkeypatch):
     """The Triton kernels, causal bottom-right per sequence with cu_seqlens_q != cu_seqlens_k: output
     and gradients within 2x PyTorch's own error (the same computation in dtype: the reference);
     through the key-range test, and through the cached exact mask (its bit tiles; route "mask")."""
-    from sparseflash.flash import function
+    from sparseflash.flash import autograd
 
     fai = sparseflash.flash_attn_interface
     fai._VARLEN_MASKS.clear()
@@ -492,11 +492,11 @@ def test_key_ranges_with_mask_key_lengths_tma_and_q_rows(device, tma_on, monkeyp
                                                                   key_ranges=ranges, backend="triton"),
                             q, k, v, do, mask=mask, causal=True, key_lengths=kl, ref_kwargs=dict(key_ranges=ranges))
     assert len(tma_on) == 6 and all(tma_on), f"a kernel did not take the TMA path: {tma_on}"
-    from sparseflash.flash import function
+    from sparseflash.flash import autograd
     from sparseflash.segments import check_key_ranges, key_range_block_layout
 
     table = check_key_ranges(ranges, 1, Nq, Nk, ranges.device)
-    kv_idx, _, bq, bk = function.segment_lists(table, None, mask, ranges.device, Nk)
+    kv_idx, _, bq, bk = autograd.segment_lists(table, None, mask, ranges.device, Nk)
     on = key_range_block_layout(table, Nk, 32, 32)
     assert bool((~on).any()) and int((kv_idx < kv_idx.shape[-1]).sum()) == int((mask.layout.to(on.device) & on).sum())
     # every attended pair lies in an on block of the pruned layout

@@ -1,4 +1,4 @@
-"""The Hopper forward (sparseflash/flash/hopper.py) and the one-pass backward (hopper_bwd.py):
+"""The Hopper forward (sparseflash/flash/hopper/forward.py) and the one-pass backward (hopper_bwd.py):
 compiled for sm_90 on any machine, checked against the float64 reference on an H100 through the
 public API (outputs and gradients; the GPU tests run the backward on block lists too)."""
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import sparseflash
-from sparseflash.flash import dispatch, hopper, hopper_bwd, tiles
+from sparseflash.flash import dispatch, tiles
+from sparseflash.flash.hopper import backward as hopper_bwd, forward as hopper
 from sparseflash.patterns import butterfly, random as random_mask
 
 from _attn_check import check_attention, make_qkv
@@ -312,8 +313,8 @@ def test_gpu_layouts_and_lse(hopper_spy):
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("bnhd", [False, True])
 def test_gpu_register_store_epilogue(monkeypatch, hopper_spy, bnhd):
-    """O through the registers-to-global stores (`hopper.EPILOGUE` "store", what an O layout
-    without a descriptor gets) is bitwise the TMA-store epilogue's: a tail whose last tile's second
+    """O through the registers-to-global stores (what an O layout without a descriptor gets:
+    `hopper.o_layout` None) is bitwise the TMA-store epilogue's: a tail whose last tile's second
     half lies wholly past seq_q (1050), causal, GQA, key_lengths with a batch of no keys (O = 0),
     [B, H, N, D] and [B, N, H, D] memory."""
     B, Hq, Hk, N, D = 2, 4, 2, 1050, 128
@@ -324,7 +325,7 @@ def test_gpu_register_store_epilogue(monkeypatch, hopper_spy, bnhd):
     kl = torch.tensor([1050, 0], device="cuda")
     with torch.no_grad():
         o_tma = sparseflash.attention(q, k, v, causal=True, key_lengths=kl)
-        monkeypatch.setattr(hopper, "EPILOGUE", "store")
+        monkeypatch.setattr(hopper, "o_layout", lambda o: None)
         o_st = sparseflash.attention(q, k, v, causal=True, key_lengths=kl)
     assert len(hopper_spy) == 2
     assert torch.equal(o_tma, o_st)

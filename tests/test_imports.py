@@ -180,14 +180,14 @@ def test_no_module_uses_another_modules_underscore_names():
 def test_short_path_layering():
     """The repeated-call short path is one unit entered through `fast`: fast calls native, native
     imports nothing of the library (its C++ backward reaches Python only through the fallback each
-    plan is given); the Hopper kernels share their helpers through `hopper_common`, which imports
+    plan is given); the Hopper kernels share their helpers through `hopper.common`, which imports
     neither of them."""
     graph = _graph()
     assert "sparseflash.flash.native" in graph["sparseflash.flash.fast"]
     assert not {m for m in graph["sparseflash.flash.native"] if m.startswith("sparseflash.")}
-    assert "sparseflash.flash.hopper_common" in graph["sparseflash.flash.hopper_bwd"]
-    assert "sparseflash.flash.hopper_common" in graph["sparseflash.flash.hopper"]
-    assert not graph["sparseflash.flash.hopper_common"]
+    assert "sparseflash.flash.hopper.common" in graph["sparseflash.flash.hopper.backward"]
+    assert "sparseflash.flash.hopper.common" in graph["sparseflash.flash.hopper.forward"]
+    assert not graph["sparseflash.flash.hopper.common"]
 
 
 def test_launcher_layering():
@@ -200,6 +200,6 @@ def test_launcher_layering():
     for m in ("dispatch", "tiles", "operands"):
         assert flash + "launch" not in graph[flash + m], m
     assert not {m for m in graph[flash + "tiles"] if m.startswith("sparseflash.")}
-    for m in ("launch", "dispatch", "tiles", "operands", "fast", "function"):
+    for m in ("launch", "dispatch", "tiles", "operands", "fast", "autograd"):
         lines = (PACKAGE / "flash" / f"{m}.py").read_text().count("\n")
         assert lines <= 500, f"{m}.py has {lines} lines"

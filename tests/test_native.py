@@ -158,7 +158,7 @@ def test_fallback_without_its_entry_runs_the_general_backward():
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(1, 2, 32, 16, generator=g) for _ in range(4))
     mask = sparseflash.BlockMask.from_layout(torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), block_size=16)
-    from sparseflash.flash.function import mask_lists
+    from sparseflash.flash.autograd import mask_lists
 
     kv_idx, q_idx, bq, bk, density = mask_lists(mask, q.device)
     o, lse = launch.fwd(q, k, v, kv_idx, None, 0.25, False, bq or None, bk or None, 0.0, None)

@@ -150,7 +150,7 @@ def _switch(provider: str):
         dispatch.HOPPER_EXACT = hopper_exact
     bwd = None
     if bwd_mode is not None:  # (GPU only: the module imports Gluon)
-        from sparseflash.flash import hopper_bwd as bwd
+        from sparseflash.flash.hopper import backward as bwd
 
         saved_mode, bwd.MODE = bwd.MODE, bwd_mode
     try:

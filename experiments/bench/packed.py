@@ -67,7 +67,7 @@ def attended_pairs(seg: torch.Tensor, causal: bool) -> int:
 def visited_block_fraction(seg: torch.Tensor, causal: bool) -> float:
     """Fraction of the (128 x 128) block pairs that the sparseflash kernels visit with these ids
     (of all block pairs; causal: of those on or below the diagonal)."""
-    from sparseflash.flash import function
+    from sparseflash.flash import autograd
     from sparseflash.segments import segment_block_layout
 
     b = function.SEGMENT_BLOCK

@@ -1,17 +1,17 @@
 """Triton block-sparse FlashAttention, one op in four layers (public function first):
 
 - `sparseflash.attention` (api.py): validation, the short path of repeated calls, dispatch here;
-- function.py: the torch.library ops, `FlashAttentionFunction` (autograd) and `flash_attention`;
+- autograd.py: the torch.library ops, `FlashAttentionFunction` (autograd) and `flash_attention`;
 - launch.py: the launchers (`fwd`, `bwd`: plans, grids, outputs, the launch), which ask
-  dispatch.py whether the Hopper Gluon kernels run a call (hopper.py forward, hopper_bwd.py
-  backward, hopper_common.py their shared helpers) and otherwise take tiles and TMA from tiles.py
+  dispatch.py whether the Hopper Gluon kernels run a call (hopper/: forward.py forward, backward.py
+  backward, hopper/common.py their shared helpers) and otherwise take tiles and TMA from tiles.py
   and the kernels' arguments from operands.py;
 - kernels.py: the portable @triton.jit kernels.
 
 fast.py is the short path of repeated eager calls (entered through `fast.try_call`; its C++ half:
 native.py, _native.cpp)."""
 
-from sparseflash.flash.function import FlashAttentionFunction, flash_attention
+from sparseflash.flash.autograd import FlashAttentionFunction, flash_attention
 from sparseflash.flash.tiles import TileConfig, tile_config
 
 __all__ = ["flash_attention", "FlashAttentionFunction", "TileConfig", "tile_config"]

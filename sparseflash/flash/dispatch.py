@@ -60,7 +60,7 @@ def _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float, lists: bool = Fa
     lay = _fwd_layouts(q, k, v, mask_bq, mask_bk, work)
     if lay is None:
         return None
-    from sparseflash.flash import hopper, hopper_bwd
+    from sparseflash.flash.hopper import backward as hopper_bwd, forward as hopper
 
     cols = None
     if lists:  # 128-row q blocks per key tile's walk: work = 4 B H Nq Nk D x density (-1: unknown)
@@ -77,6 +77,6 @@ def _fwd_layouts(q, k, v, mask_bq, mask_bk, work: float):
         return None
     if not tiles.tma_wanted(q, tiles.block_d(q.shape[-1]), work):
         return None
-    from sparseflash.flash import hopper
+    from sparseflash.flash.hopper import forward as hopper
 
     return hopper.plan(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk)

@@ -2,7 +2,7 @@
 
 One unit with its C++ half (`sparseflash.flash.native`, `_native.cpp`), entered here only:
 `sparseflash.attention` calls `try_call` (`lookup`, `build` when the key is new, then `call`),
-which answers None for a call that takes the general path. This module calls `launch`, `function`
+which answers None for a call that takes the general path. This module calls `launch`, `autograd`
 and `native` through their public names; none of them calls back (a native plan's backward
 fallback is a callable this module hands it with the plan).
 
@@ -294,7 +294,7 @@ def call(entry: _Entry, q, k, v, key_lengths) -> Tensor:
 
 def _build(q, k, v, mask, causal, scale, kl):
     """The entry of a new key, or _NO when the short path does not take such calls."""
-    from sparseflash.flash.function import check_runnable, estimate_work, mask_lists
+    from sparseflash.flash.autograd import check_runnable, estimate_work, mask_lists
 
     try:
         check_runnable(q)

@@ -31,7 +31,7 @@ Packed documents (SEGMENTS, compiled out when off): each program loads the segme
 own tile once; for every streamed tile it loads that tile's ids and, unless every id of both
 tiles is one and the same (one reduction per tile, `_seg_other`), ANDs ``seg_q == seg_k`` into
 the score mask. Block pairs sharing no document are not in the lists at all (the launcher's
-caller prunes them per call, `function.segment_lists`). With segments even a "mask-free" tile
+caller prunes them per call, `autograd.segment_lists`). With segments even a "mask-free" tile
 may leave a row without keys so far, so the forward keeps its pivot finite on every tile.
 
 Key ranges (KEY_RANGES, compiled out when off; never with SEGMENTS, whose pointer slot SEG_Q it
@@ -40,7 +40,7 @@ uses): query i attends keys ``start[i] <= j < end[i]`` only, read from an int32 
 the forward keeps its pivot finite as with segments. Exact at token level for any ranges, e.g.
 flash-attn's varlen sequences with causal bottom-right aligned in each one
 (`sparseflash.segments.key_ranges_from_cu_seqlens`). Block pairs no range reaches are pruned from
-the lists per call (`function.segment_lists`).
+the lists per call (`autograd.segment_lists`).
 
 Exact masks (EXACT, compiled out when off: the KV_TILE / Q_TILE and BITS arguments are None
 then, so default kernels keep their signature and code): a mask built from a token-level

@@ -1,7 +1,7 @@
 """Host launchers of the portable kernels (`kernels.py`): plans, grids, outputs, and the launch.
 
 The op's layers: `sparseflash.attention` (api.py: validation, the short path `fast.try_call`, then
-`flash_attention`) -> `FlashAttentionFunction` and its torch.library ops (function.py) -> `fwd` /
+`flash_attention`) -> `FlashAttentionFunction` and its torch.library ops (autograd.py) -> `fwd` /
 `bwd` here -> the kernels. `fwd` and `bwd` first ask `dispatch.hopper_plan` whether the Hopper
 Gluon kernels take the call (launched by `hopper_fwd`, `hopper_bwd`); else they launch the portable
 kernels with the tiles and TMA choice of `tiles` and the arguments of `operands`.
@@ -253,7 +253,7 @@ def hopper_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq
                num_sms=None, exact: ExactTiles | None = None):
     """The Hopper forward (`hopper.fwd`) with its outputs and list arguments made here. ``lay``:
     `hopper.layouts` of (q, k, v), if known; ``exact``: as `fwd`'s."""
-    from sparseflash.flash import hopper
+    from sparseflash.flash.hopper import forward as hopper
 
     B, Hq, Nq, _ = q.shape
     lists = None
@@ -268,7 +268,7 @@ def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, caus
                lays=None, num_sms=None, exact: ExactTiles | None = None):
     """The Hopper backward (`hopper_bwd.bwd`) with its list arguments made here. ``lays``: (the
     `hopper.layouts` of (q, k, v), `hopper_bwd.do_layout` of dO), if known; ``exact``: as `bwd`'s."""
-    from sparseflash.flash import hopper, hopper_bwd as hb
+    from sparseflash.flash.hopper import backward as hb, forward as hopper
 
     B, Hq = q.shape[:2]
     lists = None

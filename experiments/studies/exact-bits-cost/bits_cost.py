@@ -51,9 +51,10 @@ def main(argv=None) -> int:
     from sparseflash.experiments.bench.providers import _flex_compiled
     from sparseflash.experiments.bench.results import environment
     from sparseflash.experiments.bench.timing import graph_ms
-    from sparseflash.flash import fast, function, hopper_bwd
+    from sparseflash.flash import autograd, fast
+    from sparseflash.flash.hopper import backward as hopper_bwd
 
-    exact_tables = function.exact_tables
+    exact_tables = autograd.exact_tables
 
     def _no_partial(*a, **kw):  # the call's bits with every tile index -1
         bits, kv_tile, q_tile = exact_tables(*a, **kw)
@@ -102,13 +103,13 @@ def main(argv=None) -> int:
                     for key, val in knobs.items():
                         setattr(hopper_bwd, key, val)
                     if patch:
-                        function.exact_tables = _no_partial
+                        autograd.exact_tables = _no_partial
                     try:
                         return fn()
                     finally:
                         for key, val in saved.items():
                             setattr(hopper_bwd, key, val)
-                        function.exact_tables = exact_tables
+                        autograd.exact_tables = exact_tables
                 return step
 
             outs, times = {}, {nm: [] for nm in variants}

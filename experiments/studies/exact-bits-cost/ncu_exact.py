@@ -23,20 +23,21 @@ def main(argv=None) -> int:
     kind, d, variant = (argv or sys.argv[1:])[:3]
     import sparseflash
     from sparseflash.experiments.bench.exact import build_mask
-    from sparseflash.flash import fast, function, hopper_bwd
+    from sparseflash.flash import autograd, fast
+    from sparseflash.flash.hopper import backward as hopper_bwd
 
     fast.ENABLED, hopper_bwd.MODE = False, "on"
     dev = torch.device("cuda")
     mask, _, _ = build_mask(kind, 16384, 1024, 2048, 128, dev)
     mask.exact_bits(dev)
     if variant == "nopartial":
-        tables = function.exact_tables
+        tables = autograd.exact_tables
 
         def no_partial(*a, **kw):
             bits, kv_tile, q_tile = tables(*a, **kw)
             return bits, torch.full_like(kv_tile, -1), torch.full_like(q_tile, -1)
 
-        function.exact_tables = no_partial
+        autograd.exact_tables = no_partial
     elif variant not in ("block", "exact"):
         raise SystemExit(f"VARIANT must be block, nopartial or exact, got {variant!r}")
     q, k, v, do = (torch.randn(1, 16, 16384, int(d), device=dev, dtype=torch.bfloat16) for _ in range(4))

@@ -54,12 +54,12 @@ import triton
 __all__ = ["main", "probe_forward", "compile_sm90", "Variant", "VARIANTS", "parse_variant", "GLUON_ERROR"]
 
 from sparseflash.cli import ArgumentParser, run_command
-from sparseflash.flash.hopper_common import GLUON_ERROR  # the package's guarded gluon import, shared
+from sparseflash.flash.hopper.common import GLUON_ERROR  # the package's guarded gluon import, shared
 
 if GLUON_ERROR is None:
-    from sparseflash.flash.hopper_common import (fence_async_shared, gl, gluon, mbarrier,  # noqa: F401
+    from sparseflash.flash.hopper.common import (fence_async_shared, gl, gluon, mbarrier,  # noqa: F401
                                                  warpgroup_mma, warpgroup_mma_wait)
-    from sparseflash.flash.hopper_common import tma_load as _tma_load
+    from sparseflash.flash.hopper.common import tma_load as _tma_load
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -477,7 +477,7 @@ def memory_floor(q, mask, density: float) -> dict:
     # The backward alone (launch.bwd: the dQ and dK/dV kernels), normal inputs against the same
     # reads from L2 (stride-0 views of one head for Q, K, V, O, dO, LSE; dQ, dK, dV still written)
     from sparseflash.flash import launch
-    from sparseflash.flash.function import estimate_work
+    from sparseflash.flash.autograd import estimate_work
 
     idx, mb, scale = mask.index(q.device), mask.block_size[0], D ** -0.5
     work = estimate_work(q, q, density)  # what the public call passes: the same load mode (TMA or pointer)

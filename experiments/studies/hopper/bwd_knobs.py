@@ -4,7 +4,7 @@
 
 GPU time of the backward alone (CUDA-graph replays of `launch.bwd` with the arguments a real
 fwd+bwd passed it), bf16, 16 heads, 16K tokens per batch (B = 16384 / N), side by side in one
-process. Variants (module knobs of `sparseflash.flash.hopper_bwd`):
+process. Variants (module knobs of `sparseflash.flash.hopper.backward`):
 - ``portable``: the two Triton kernels (MODE "off");
 - ``hopper``: the one-pass kernel as it runs by default (MODE "on" here, so block-sparse masks
   run it too): HEAD_GROUPS and, for causal calls, tiles dealt in long/short pairs;
@@ -28,9 +28,9 @@ from sparseflash.cli import ArgumentParser, run_command
 CASES = [(16384, 128, "dense"), (16384, 128, "causal"), (16384, 64, "causal"), (8192, 128, "dense"),
          (8192, 128, "causal"), (1024, 64, "dense"), (16384, 128, "random"), (4096, 128, "random"),
          (4096, 128, "causal"), (16384, 64, "dense"), (4096, 64, "random"), (4096, 64, "causal")]
-DEFAULTS = dict(MODE="on", DQ_PARTS=4, HEAD_GROUPS=True)
-VARIANTS = {"portable": dict(MODE="off"), "hopper": {}, "nogroups": dict(HEAD_GROUPS=False),
-            "dkdv": dict(DQ_PARTS=0)}
+# (mode, knobs of the study copy experiments/studies/sparse_bwd/bwd_variants.py)
+VARIANTS = {"portable": ("off", {}), "hopper": ("on", {}), "nogroups": ("on", dict(HEAD_GROUPS=False)),
+            "dkdv": ("on", dict(DQ_PARTS=0))}
 
 
 def main(argv=None) -> int:
@@ -50,23 +50,18 @@ def main(argv=None) -> int:
     from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.experiments.studies.hopper.bwd_parts import captured_bwd_args
     from sparseflash.experiments.studies.hopper.fwd_bench import save_json
-    from sparseflash.flash import fast, hopper_bwd, launch, tiles
+    from sparseflash.experiments.studies.sparse_bwd.bwd_variants import routed
+    from sparseflash.flash import fast, launch, tiles
 
     fast.ENABLED, tiles.TMA_MODE = False, "on"  # every call takes descriptors, so the Hopper kernels
-    saved = {k: getattr(hopper_bwd, k) for k in DEFAULTS}
     rows = []
     for n, d, kind in cases:
         a, kw = captured_bwd_args(n, d, kind)
         times, grads = {}, {}
-        for name, knobs in variants.items():
+        for name, (mode, knobs) in variants.items():
             def step():
-                for key, val in dict(DEFAULTS, **knobs).items():
-                    setattr(hopper_bwd, key, val)
-                try:
+                with routed(mode, **knobs):
                     return launch.bwd(*a, **kw)
-                finally:
-                    for key, val in saved.items():
-                        setattr(hopper_bwd, key, val)
             grads[name] = step()
             torch.cuda.synchronize()
             times[name] = graph_ms(step)

@@ -8,7 +8,7 @@ forward + backward handed it, bf16, 16 heads, 16K tokens per batch. Columns (ms)
 - ``portable_dq``, ``portable_dkdv``: each of its kernels alone;
 - ``hopper``: the one-pass Gluon kernel (`hopper_bwd`, 5 matmuls, dQ by TMA reduce-add), with
   its delta, zero-fill and cast launches;
-- ``hopper_dkdv``: the same kernel without the dQ part (``hopper_bwd.DQ_PARTS = 0``: dK, dV
+- ``hopper_dkdv``: the same kernel without the dQ part (DQ_PARTS 0 of the study copy experiments/studies/sparse_bwd/bwd_variants.py: dK, dV
   only, plus the delta launch), which shows what the dQ accumulation costs;
 - with ``--dq-parts``, ``hopper_parts1`` .. ``hopper_parts3``: the kernel with DQ_PARTS 1 (+ the
   dS^T exchange between the warpgroups), 2 (+ the dQ wgmma; ptxas drops part of it, since its
@@ -58,7 +58,8 @@ def captured_bwd_args(n: int, d: int, kind: str):
 
 def measure(n: int, d: int, kind: str, dq_parts: bool = False) -> dict:
     from sparseflash.experiments.bench.timing import graph_ms
-    from sparseflash.flash import hopper_bwd, launch
+    from sparseflash.experiments.studies.sparse_bwd.bwd_variants import routed
+    from sparseflash.flash import launch
 
     real = launch.bwd
     a, kw = captured_bwd_args(n, d, kind)
@@ -69,12 +70,8 @@ def measure(n: int, d: int, kind: str, dq_parts: bool = False) -> dict:
         variants += [(f"hopper_parts{i}", "on", i) for i in (1, 2, 3)]
     for name, mode, dq_parts in variants:
         def step():
-            saved_modes = hopper_bwd.MODE, hopper_bwd.DQ_PARTS
-            hopper_bwd.MODE, hopper_bwd.DQ_PARTS = mode, dq_parts
-            try:
+            with routed(mode, DQ_PARTS=dq_parts):
                 real(*a, **kw)
-            finally:
-                hopper_bwd.MODE, hopper_bwd.DQ_PARTS = saved_modes
         step()
         torch.cuda.synchronize()
         row[name] = graph_ms(step)

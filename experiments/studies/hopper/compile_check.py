@@ -36,7 +36,7 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
     compiled for sm_90 without a GPU; ``exact`` (block lists): with a sliding window's bit tiles
     (the kernels' EXACT)."""
     from sparseflash.experiments.bench.inspect_kernels import compile_launches
-    from sparseflash.flash import hopper
+    from sparseflash.flash.hopper import forward as hopper
     from sparseflash.flash.launch import hopper_bwd, hopper_fwd
     from sparseflash.patterns import random as random_mask
 

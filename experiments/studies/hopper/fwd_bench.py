@@ -43,7 +43,7 @@ MODES = {"hopper": ("auto", "auto"), "hopper-fwd": ("auto", "off"), "portable": 
 @contextlib.contextmanager
 def _modes(provider: str):
     """Hold `hopper.MODE` and `hopper_bwd.MODE` at the provider's values (others: unchanged)."""
-    from sparseflash.flash import hopper, hopper_bwd
+    from sparseflash.flash.hopper import backward as hopper_bwd, forward as hopper
 
     saved = hopper.MODE, hopper_bwd.MODE
     hopper.MODE, hopper_bwd.MODE = MODES.get(provider, saved)

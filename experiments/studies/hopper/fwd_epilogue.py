@@ -3,7 +3,7 @@
     python -m sparseflash.experiments.studies.hopper.fwd_epilogue [--out DIR]
 
 Forward GPU time (CUDA-graph replays, `bench.timing.graph_ms`), bf16, 16 heads, 16K tokens per
-batch, the median of two rounds with the variants interleaved. Variants (`hopper.EPILOGUE`):
+batch, the median of two rounds with the variants interleaved. Variants ("store": `hopper.o_layout` answering None):
 ``store`` (O from registers to global memory), ``tma`` (through shared memory and a TMA store),
 and SDPA cuDNN on dense and causal cases. (The recorded run also had a variant without the O
 store, since removed: the compiler dropped the O arithmetic with it, so it bounded nothing.) ``tma_vs_store_maxdiff`` is the outputs'
@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     import sparseflash
     from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.experiments.studies.hopper.fwd_bench import _call, _mask, save_json
-    from sparseflash.flash import fast, hopper, tiles
+    from sparseflash.flash import fast, tiles
+    from sparseflash.flash.hopper import forward as hopper
 
     fast.ENABLED, tiles.TMA_MODE = False, "on"  # every call takes descriptors, so the Hopper kernel
     rows = []
@@ -56,12 +57,14 @@ def main(argv=None) -> int:
                         return fn(q, k, v)
                 else:
                     def step(var=var):
-                        saved, hopper.EPILOGUE = hopper.EPILOGUE, var
+                        saved = hopper.o_layout
+                        if var == "store":  # O stored from registers, as a layout without a descriptor
+                            hopper.o_layout = lambda o: None
                         try:
                             with torch.no_grad():
                                 return sparseflash.attention(q, k, v, mask=mask, causal=causal)
                         finally:
-                            hopper.EPILOGUE = saved
+                            hopper.o_layout = saved
                 if rnd == 0:
                     outs[var] = step().clone()
                 torch.cuda.synchronize()

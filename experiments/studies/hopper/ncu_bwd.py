@@ -22,10 +22,11 @@ def run(n: int, d: int, kind: str, dq_parts: int = 4) -> None:
 
     import sparseflash
     from sparseflash.experiments.studies.hopper.fwd_bench import _mask
-    from sparseflash.flash import fast, hopper_bwd, tiles
+    from sparseflash.experiments.studies.sparse_bwd.bwd_variants import routed
+    from sparseflash.flash import fast, tiles
 
     fast.ENABLED, tiles.TMA_MODE = False, "on"
-    hopper_bwd.MODE, hopper_bwd.DQ_PARTS = "on", dq_parts
+    routed("on", DQ_PARTS=dq_parts).__enter__()  # (for the rest of this profiled process)
     B, H = max(1, 16384 // n), 16
     q, k, v, do = (torch.randn(B, H, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))

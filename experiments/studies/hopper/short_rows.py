@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     import sparseflash
     from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.experiments.studies.hopper.fwd_bench import save_json
-    from sparseflash.flash import hopper
+    from sparseflash.flash.hopper import forward as hopper
     from sparseflash.patterns import random as random_mask
 
     saved = hopper.MODE

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
     # the launch rows pass the call's work estimate as the public call does, so that they take
     # the same load mode (TMA or pointer) under SPARSEFLASH_TMA=auto
-    from sparseflash.flash.function import estimate_work
+    from sparseflash.flash.autograd import estimate_work
 
     density = mask.density() if mask is not None else 1.0
     work = estimate_work(q, k, density)
@@ -131,10 +131,11 @@ def main(argv=None) -> int:
 
     from types import SimpleNamespace
 
-    from sparseflash.flash.function import FlashAttentionFunction
+    from sparseflash.flash.autograd import FlashAttentionFunction
 
     ctx = SimpleNamespace(saved_tensors=(q, k, v, o, lse, torch.empty(3, dtype=torch.int64, device=dev), kv_idx, q_idx,
-                                         None, None, None, None), params=(scale, False, mb or 0, mb or 0, 0.0, density, 0.0))
+                                         None, None, None, None, None, None, None),
+                          params=(scale, False, mb or 0, mb or 0, 0.0, density, 0.0, False))
 
     def fn_bwd():
         FlashAttentionFunction.backward(ctx, do, None)

@@ -1,4 +1,4 @@
-"""A study copy of the one-pass Hopper backward (`sparseflash/flash/hopper_bwd.py` at 3d521be) with
+"""A study copy of the one-pass Hopper backward (`sparseflash/flash/hopper/backward.py` at 3d521be) with
 the measurement switches the production kernel does not carry: how much of the dQ path runs
 (DQ_PARTS), the walk's rotation (ROTATE), head groups (HEAD_GROUPS), and for the fixed-cost
 decomposition (`decompose.py`) STORE_DKDV (False: the dK/dV stores are masked off, so they move no
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseflash.flash import hopper
-from sparseflash.flash.hopper_common import GLUON_ERROR, LOG2E, TILE, descriptor, sm_count
+from sparseflash.flash.hopper import forward as hopper
+from sparseflash.flash.hopper.common import GLUON_ERROR, LOG2E, TILE, descriptor, sm_count
 
 __all__ = ["bwd", "QT"]
 
@@ -59,7 +59,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparseflash.flash.hopper_common import list_layout, list_start, tile_coord, tma_load, wgmma_layout
+    from sparseflash.flash.hopper.common import list_layout, list_start, tile_coord, tma_load, wgmma_layout
 
     if hasattr(tma, "async_atomic_add"):
         _tma_add = tma.async_atomic_add
@@ -273,6 +273,15 @@ if GLUON_ERROR is None:
         return ((w >> (i % 32)) & 1) != 0
 
     @gluon.jit
+    def _store_on(seq_k, STORE_DKDV: gl.constexpr):
+        # Without the stores a runtime-false mask (seq_k < 0 never holds), not a constant one: with a
+        # constant the compiler drops dK and dV's whole computation as dead code.
+        if STORE_DKDV:
+            return seq_k >= 0
+        else:
+            return seq_k < 0
+
+    @gluon.jit
     def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
         """Put step p's dQ[:, half WG] ([QT, DH] float32) in its staging buffer, once the reducer has
         read that buffer's last halves, and tell the reducer."""
@@ -431,10 +440,10 @@ if GLUON_ERROR is None:
                 off_k = gl.expand_dims(keys_a.to(gl.int64), 1)
                 p_dk = (DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + off_k * stride_dkn
                         + gl.expand_dims(c_a, 0))
-                gl.store(p_dk, gl.where(keep, dk * sm_scale, 0.0).to(dtype), mask=in_seq & STORE_DKDV)
+                gl.store(p_dk, gl.where(keep, dk * sm_scale, 0.0).to(dtype), mask=in_seq & _store_on(seq_k, STORE_DKDV))
                 p_dv = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + off_k * stride_dvn
                         + gl.expand_dims(c_a, 0))
-                gl.store(p_dv, gl.where(keep, dv, 0.0).to(dtype), mask=in_seq & STORE_DKDV)
+                gl.store(p_dv, gl.where(keep, dv, 0.0).to(dtype), mask=in_seq & _store_on(seq_k, STORE_DKDV))
                 n_done += 1
 
     @gluon.jit
@@ -673,3 +682,36 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     sq = dq.stride()
     _dq_cast_kernel[(triton.cdiv(Nq, QT), B * H)](acc, dq, sq[0], sq[1], sq[2], H, Nq, scale, HEAD_DIM=D, BLOCK=QT)
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- patching it in
+KNOBS = ("DQ_PARTS", "ROTATE", "HEAD_GROUPS", "STORE_DKDV", "WALK_ONLY")
+
+
+def routed(mode: str = "on", **knobs):
+    """A context manager: `launch.hopper_bwd` runs this copy with ``knobs`` (names in KNOBS) set,
+    and the production module's MODE set to ``mode`` ("off": the portable backward), restored on
+    exit. With no knobs the copy runs the production kernel's code."""
+    import contextlib
+    import sys as _sys
+
+    from sparseflash.flash.hopper import backward as production
+
+    bad = set(knobs) - set(KNOBS)
+    if bad:
+        raise ValueError(f"unknown knobs {sorted(bad)}; known: {KNOBS}")
+    me = _sys.modules[__name__]
+
+    @contextlib.contextmanager
+    def cm():
+        saved = (production.bwd, production.MODE, {k: getattr(me, k) for k in KNOBS})
+        production.bwd, production.MODE = bwd, mode
+        for k, v in knobs.items():
+            setattr(me, k, v)
+        try:
+            yield
+        finally:
+            production.bwd, production.MODE = saved[0], saved[1]
+            for k, v in saved[2].items():
+                setattr(me, k, v)
+    return cm()

@@ -21,7 +21,6 @@ Linear fits ms = fixed + per_block * K per variant are printed last and written 
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import sys
@@ -52,20 +51,12 @@ def column_mask(n: int, k: int, heads: int, seed: int = 0, block: int = 128, dev
     return BlockMask.from_layout(lay_t.transpose(-1, -2).unsqueeze(0).contiguous().to(device), block_size=block)
 
 
-@contextlib.contextmanager
 def variant(name: str):
     """Routes `launch.hopper_bwd` through the study copy with ``name``'s switches, MODE "on"."""
-    from sparseflash.experiments.studies.sparse_bwd import bwd_variants as bv
-    from sparseflash.flash import hopper_bwd
+    from sparseflash.experiments.studies.sparse_bwd.bwd_variants import routed
 
     dq_parts, store, walk = VARIANTS[name]
-    saved = (hopper_bwd.bwd, hopper_bwd.MODE, bv.DQ_PARTS, bv.STORE_DKDV, bv.WALK_ONLY)
-    hopper_bwd.bwd, hopper_bwd.MODE = bv.bwd, "on"
-    bv.DQ_PARTS, bv.STORE_DKDV, bv.WALK_ONLY = dq_parts, store, walk
-    try:
-        yield
-    finally:
-        hopper_bwd.bwd, hopper_bwd.MODE, bv.DQ_PARTS, bv.STORE_DKDV, bv.WALK_ONLY = saved
+    return routed("on", DQ_PARTS=dq_parts, STORE_DKDV=store, WALK_ONLY=walk)
 
 
 def captured(n: int, d: int, k: int, heads: int = 16):
@@ -90,14 +81,15 @@ def captured(n: int, d: int, k: int, heads: int = 16):
     return saved["a"], saved["kw"]
 
 
-def measure(n: int, d: int, k: int) -> dict:
+def measure(n: int, d: int, k: int, variants=tuple(VARIANTS)) -> dict:
     from sparseflash.experiments.bench.timing import graph_ms
-    from sparseflash.flash import hopper_bwd, launch
+    from sparseflash.flash import launch
+    from sparseflash.flash.hopper import backward as hopper_bwd
 
     a, kw = captured(n, d, k)
     do_, q_, k_, v_, o_, lse_, dlse_ = a[:7]
     row = dict(seq=n, head_dim=d, blocks_per_col=k)
-    for name in VARIANTS:
+    for name in variants:
         with variant(name):
             launch.bwd(*a, **kw)
             torch.cuda.synchronize()
@@ -130,7 +122,7 @@ def fits(rows: list[dict]) -> list[dict]:
     for d in sorted({r["head_dim"] for r in rows}):
         sub = [r for r in rows if r["head_dim"] == d]
         x = torch.tensor([float(r["blocks_per_col"]) for r in sub], dtype=torch.float64)
-        for name in (*VARIANTS, "portable"):
+        for name in [v for v in (*VARIANTS, "portable") if v in sub[0]]:
             y = torch.tensor([r[name] for r in sub], dtype=torch.float64)
             A = torch.stack([torch.ones_like(x), x], 1)
             sol = torch.linalg.lstsq(A, y.unsqueeze(1)).solution.squeeze(1)
@@ -167,6 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--ks", type=int, nargs="+", default=list(KS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args(argv)
     if args.compile_only:
@@ -181,7 +174,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else None
     for d in args.head_dims:
         for k in args.ks:
-            rows.append(measure(args.seq, d, k))
+            rows.append(measure(args.seq, d, k, args.variants))
             print(" ".join(f"{a}={b:.3f}" if isinstance(b, float) else f"{a}={b}" for a, b in rows[-1].items()),
                   flush=True)
             if out:

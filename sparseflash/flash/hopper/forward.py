@@ -18,7 +18,8 @@ dependent chain. This kernel takes FlashAttention-3's structure, written in Gluo
   over the CTA's whole stream, so the next tile's Q and first K/V tiles load during the current
   tile's last steps and epilogue;
 - **epilogue**: each warpgroup writes its half of O into shared memory and one TMA
-  store takes it out (`EPILOGUE`), so the next tile starts without waiting on global stores.
+  store takes it out, so the next tile starts without waiting on global stores (an O whose layout
+  TMA cannot take is stored from registers).
 
 The block-sparse list walk is the portable kernels': a q tile visits the k blocks of its row list
 (dense: every block), split into a mask-free prefix and a masked band (key_lengths, causal
@@ -42,17 +43,17 @@ import os
 import torch
 import triton
 
-from sparseflash.flash.hopper_common import GLUON_ERROR, LN2, LOG2E, TILE, descriptor, sm_count
+from sparseflash.flash.hopper.common import GLUON_ERROR, LN2, LOG2E, TILE, descriptor, sm_count
 
 __all__ = ["fwd", "plan", "unsupported", "layouts", "tensor_layout", "GLUON_ERROR", "MODE", "TILE"]
 
-if GLUON_ERROR is None:  # (the guarded import, and the helpers the backward shares: `hopper_common`)
+if GLUON_ERROR is None:  # (the guarded import, and the helpers the backward shares: `common`)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparseflash.flash.hopper_common import list_layout, list_start, tile_coord, tma_load, tma_store, wgmma_layout
+    from sparseflash.flash.hopper.common import list_layout, list_start, tile_coord, tma_load, tma_store, wgmma_layout
 
 # "auto": the kernel on sm_90 wherever `unsupported` allows it; "off": never (the portable
 # kernels always). SPARSEFLASH_HOPPER sets the starting value.
@@ -400,10 +401,6 @@ if GLUON_ERROR is None:
 
 
 
-# How the consumers write O: "tma" (registers -> shared memory -> a TMA store, when O's layout takes a
-# descriptor; 1.0-1.24x faster, most on short walks: experiments/studies/hopper/README.md, the TMA epilogue),
-# "store" (registers -> global memory, what other layouts of O get).
-EPILOGUE = "tma"
 CONSUMER_REGS = 232  # second consumer warpgroup (setmaxnreg); the first takes what is left
 LOADER_REGS = 40
 
@@ -477,6 +474,11 @@ def _layout(shape: tuple, stride: tuple, esz: int, aligned: bool):
     return None if st is None else (st, True)
 
 
+def o_layout(o):
+    """The layout O's TMA-store epilogue takes (`tensor_layout`), None: O is stored from registers."""
+    return tensor_layout(o)
+
+
 def tensor_layout(t: torch.Tensor):
     """`_layout` of a [B, H, N, D] tensor (its address's 16-byte alignment included), or None."""
     return _layout(tuple(t.shape), t.stride(), t.element_size(), t.data_ptr() % 16 == 0)
@@ -507,9 +509,9 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         raise ValueError("exact bits come with block lists (a dense call has none)")
     kv_tile, bits = (q, q) if exact is None else exact
     so = o.stride()
-    if EPILOGUE not in ("tma", "store"):
-        raise ValueError(f"hopper.EPILOGUE must be 'tma' or 'store', got {EPILOGUE!r}")
-    o_lay = tensor_layout(o) if EPILOGUE == "tma" else None
+    # O through shared memory and a TMA store where its layout takes a descriptor (faster, most on short
+    # walks: experiments/studies/hopper/README.md, the TMA epilogue), else stored from registers
+    o_lay = o_layout(o)
     n_tiles = B * H * triton.cdiv(Nq, TILE)
     if num_sms is None:
         num_sms = sm_count(q.device.index)

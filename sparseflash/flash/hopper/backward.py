@@ -53,8 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseflash.flash import hopper
-from sparseflash.flash.hopper_common import GLUON_ERROR, LOG2E, TILE, descriptor, sm_count
+from sparseflash.flash.hopper import forward as hopper
+from sparseflash.flash.hopper.common import GLUON_ERROR, LOG2E, TILE, descriptor, sm_count
 
 __all__ = ["bwd", "plan", "unsupported", "do_layout", "QT", "MODE", "LIST_MIN_BLOCKS"]
 
@@ -73,12 +73,8 @@ MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "auto")
 # d=128; 1.01x at 13 for d=64; experiments/studies/hopper/README.md, the column-list threshold).
 LIST_MIN_BLOCKS = 16.0
 QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
-ROTATE = True  # stagger the column walks (`_step`)
-# How much of the dQ path runs (measurements of its parts; anything below 4 returns dQ as None):
-# 0 dK and dV only; 1 + the dS^T exchange between the warpgroups; 2 + the dQ matmul; 3 + dQ's store
-# to shared memory and the hand-off to the reducer warp, which adds nothing; 4 everything.
-DQ_PARTS = 4
-HEAD_GROUPS = True  # run the heads in small groups (`_heads_per_group`)
+# (Measurement variants of this kernel, without the dQ path, the walk's rotation or head groups,
+# live in the study copy experiments/studies/sparse_bwd/bwd_variants.py.)
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -95,7 +91,7 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparseflash.flash.hopper_common import list_layout, list_start, tile_coord, tma_load, wgmma_layout
+    from sparseflash.flash.hopper.common import list_layout, list_start, tile_coord, tma_load, wgmma_layout
 
     if hasattr(tma, "async_atomic_add"):
         _tma_add = tma.async_atomic_add
@@ -190,16 +186,13 @@ if GLUON_ERROR is None:
         return p_list, j_skip, gl.maximum(j_part, j_skip), gl.maximum(j_end, j_skip)
 
     @gluon.jit
-    def _step(p_list, jj, j_skip, j_end, start_n, DENSE: gl.constexpr, MASK_BQ: gl.constexpr, ROTATE: gl.constexpr):
-        """(j, first query row) of the jj-th step of a walk over j_skip .. j_end - 1. ROTATE starts
-        each key tile's walk at a different q tile (tile n at step 2n, wrapping), so CTAs on the
+    def _step(p_list, jj, j_skip, j_end, start_n, DENSE: gl.constexpr, MASK_BQ: gl.constexpr):
+        """(j, first query row) of the jj-th step of a walk over j_skip .. j_end - 1. Each key
+        tile's walk starts at a different q tile (tile n at step 2n, wrapping), so CTAs on the
         same head do not reduce into the same dQ rows at the same time."""
-        if ROTATE:
-            n_steps = j_end - j_skip
-            j = jj + ((start_n // _QT) % gl.maximum(n_steps, 1))
-            j = j_skip + gl.where(j >= n_steps, j - n_steps, j)
-        else:
-            j = j_skip + jj
+        n_steps = j_end - j_skip
+        j = jj + ((start_n // _QT) % gl.maximum(n_steps, 1))
+        j = j_skip + gl.where(j >= n_steps, j - n_steps, j)
         return j, list_start(p_list, j, DENSE, MASK_BQ, _QT)
 
     @gluon.jit
@@ -223,7 +216,7 @@ if GLUON_ERROR is None:
                     stride_ib, stride_ih, stride_in,
                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
-                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr, ROTATE: gl.constexpr):
+                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr):
         """1 warp: K and V of each tile (once the consumers release the last tile's), then Q with its
         rows' LSE and dO with their delta for every step, in walk order; barrier phases run over the
         CTA's whole tile stream."""
@@ -244,7 +237,7 @@ if GLUON_ERROR is None:
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
                                                           DENSE, CAUSAL, 1)
                     for jj in range(0, j_end - j_skip):
-                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ)
                         s = it % STAGES
                         ph = (it // STAGES) & 1
                         bh = b * (n_heads_kv * group) + h
@@ -260,15 +253,12 @@ if GLUON_ERROR is None:
     def _bwd_reducer(desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q,
                      seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
                      MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
-                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, ROTATE: gl.constexpr, DH: gl.constexpr,
-                     DQ_PARTS: gl.constexpr):
+                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, DH: gl.constexpr):
         """1 warp: once both warpgroups have put a step's dQ halves in shared memory (dq_full), add
         them into the float32 dQ buffer with TMA reductions, and hand a buffer back (dq_empty) once
         its reductions have read it: with two buffers, one step later (after the next step's
         reductions are issued). The walk is the loader's."""
         it = 0
-        if DQ_PARTS < 3:  # (nothing to add: the warp returns)
-            n_rounds = 0
         for rr in range(0, n_rounds):
             t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
             if t < n_tiles:
@@ -279,12 +269,11 @@ if GLUON_ERROR is None:
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
                                                           DENSE, CAUSAL, 1)
                     for jj in range(0, j_end - j_skip):
-                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ)
                         bi = it % _DQ_BUFS
                         mbarrier.wait(dq_full.index(bi), (it // _DQ_BUFS) & 1)
-                        if DQ_PARTS >= 4:
-                            _tma_add(desc_dq, [b, h, start_m, 0], dq_bufs.index(2 * bi))
-                            _tma_add(desc_dq, [b, h, start_m, DH], dq_bufs.index(2 * bi + 1))
+                        _tma_add(desc_dq, [b, h, start_m, 0], dq_bufs.index(2 * bi))
+                        _tma_add(desc_dq, [b, h, start_m, DH], dq_bufs.index(2 * bi + 1))
                         if it > 0:
                             tma.store_wait(2)  # the last step's two reductions have read their halves
                             mbarrier.arrive(dq_empty.index((it - 1) % _DQ_BUFS))
@@ -326,7 +315,7 @@ if GLUON_ERROR is None:
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr):
+                      STAGES: gl.constexpr, EXACT: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
         j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
         never waits for the other's dS^T of the step it is on. EXACT: a step in a partial block
@@ -371,7 +360,7 @@ if GLUON_ERROR is None:
                         p_tile = (Q_TILE + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
                                   + (start_n // MASK_BK).to(gl.int64) * stride_in)
                     for jj in range(0, j_end - j_skip):
-                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, ROTATE)
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ)
                         s = it % STAGES
                         ph = (it // STAGES) & 1
                         q_s = q_bufs.index(s).reshape([_QT, HEAD_DIM])
@@ -404,56 +393,41 @@ if GLUON_ERROR is None:
                         # it: each warpgroup arrives on a step's ds_ready only after its last dQ (of the
                         # step before, or at a tile's first step the previous tile's last) has retired, so
                         # the other's arrival on the last step's says so.
-                        if DQ_PARTS >= 1:
-                            if it > 0:
-                                mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
+                        if it > 0:
+                            mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
                         ds_bufs.index(it % 2).slice(WG * _HALF, _HALF, dim=0).store(ds16)
                         ds_op = gl.convert_layout(ds16, op_layout)
-                        if DQ_PARTS >= 1:
-                            fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
-                            # With a previous step in the tile, its dQ (both dS^T halves are in the other
-                            # buffer) is issued before dK, so it is stored while dK runs. (Each branch ends
-                            # with dK and dV waited: an scf.if yields tensors, not wgmma tokens.)
-                            if it > it0:
-                                if DQ_PARTS >= 2:
-                                    dq = warpgroup_mma(ds_bufs.index((it - 1) % 2).permute((1, 0)), k_half, zero_q,
-                                                       use_acc=False, is_async=True)
-                                    dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                                    r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
-                                    mbarrier.arrive(ds_ready.index(it % 2))  # (after the dQ above has read its buffer)
-                                    if DQ_PARTS >= 3:
-                                        _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
-                                    r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
-                                else:
-                                    mbarrier.arrive(ds_ready.index(it % 2))
-                                    dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                                    r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
-                                dk_w = r_kv[0]
-                                dv_w = r_kv[1]
-                            else:
-                                mbarrier.arrive(ds_ready.index(it % 2))
-                                dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                                r_kv0 = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
-                                dk_w = r_kv0[0]
-                                dv_w = r_kv0[1]
-                            dk = dk_w
-                            dv = dv_w
+                        fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
+                        # With a previous step in the tile, its dQ (both dS^T halves are in the other
+                        # buffer) is issued before dK, so it is stored while dK runs. (Each branch ends
+                        # with dK and dV waited: an scf.if yields tensors, not wgmma tokens.)
+                        if it > it0:
+                            dq = warpgroup_mma(ds_bufs.index((it - 1) % 2).permute((1, 0)), k_half, zero_q,
+                                               use_acc=False, is_async=True)
+                            dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                            r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
+                            mbarrier.arrive(ds_ready.index(it % 2))  # (after the dQ above has read its buffer)
+                            _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
+                            r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
+                            dk_w = r_kv[0]
+                            dv_w = r_kv[1]
                         else:
-                            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                            res = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, ds_op, p_op, q_s, do_s))
-                            dk = res[0]
-                            dv = res[1]
+                            mbarrier.arrive(ds_ready.index(it % 2))
+                            dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                            r_kv0 = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
+                            dk_w = r_kv0[0]
+                            dv_w = r_kv0[1]
+                        dk = dk_w
+                        dv = dv_w
                         mbarrier.arrive(step_empty.index(s))
                         it += 1
-                if DQ_PARTS >= 2:  # the tile's last dQ, before K goes
-                    if it > it0:
-                        pb = (it - 1) % 2
-                        mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
-                        dq = warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_half, zero_q, use_acc=False,
-                                           is_async=True)
-                        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
-                        if DQ_PARTS >= 3:
-                            _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
+                if it > it0:  # the tile's last dQ, before K goes
+                    pb = (it - 1) % 2
+                    mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
+                    dq = warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_half, zero_q, use_acc=False,
+                                       is_async=True)
+                    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
+                    _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
                 mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
                 # keys at or past kv_end take no part: their gradients are exactly zero
                 keys_a = start_n + r_a
@@ -478,7 +452,7 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr):
+                           EXACT: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -514,23 +488,23 @@ if GLUON_ERROR is None:
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
-                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, EXACT)),
+                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
+                             EXACT)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
-                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, EXACT)),
+                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
+                             EXACT)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
                            stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                           Q_BNHD, KV_BNHD, DO_BNHD, ROTATE)),
+                           Q_BNHD, KV_BNHD, DO_BNHD)),
             (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
-                            CAUSAL, HAS_KEYLEN, ROTATE, HEAD_DIM // 2, DQ_PARTS)),
+                            CAUSAL, HAS_KEYLEN, HEAD_DIM // 2)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
@@ -641,8 +615,8 @@ def _heads_per_group(n_per: int, n_bhk: int, num_sms: int) -> int:
     """How many (batch, kv head)s the tile stream runs at a time (`_key_tile`): enough for one round
     of the CTAs (``n_per`` units each: key tiles, or causal pairs of them), no more, so the float32
     dQ rows the CTAs add into stay in L2 (16K tokens, d=128: 2 heads, 16 MB, where a stream of key
-    tile 0 of every head first spans 16 heads, 128 MB). HEAD_GROUPS False: all of them."""
-    return max(1, min(n_bhk, triton.cdiv(num_sms, n_per))) if HEAD_GROUPS else n_bhk
+    tile 0 of every head first spans 16 heads, 128 MB)."""
+    return max(1, min(n_bhk, triton.cdiv(num_sms, n_per)))
 
 
 def _row_descriptor(t):
@@ -695,9 +669,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=DQ_PARTS, EXACT=exact is not None, num_warps=4)
-    if DQ_PARTS < 4:
-        return None, dk, dv
+        DO_BNHD=do_lay[1], EXACT=exact is not None, num_warps=4)
     dq = new(q)
     sq = dq.stride()
     _dq_cast_kernel[(triton.cdiv(Nq, QT), B * H)](acc, dq, sq[0], sq[1], sq[2], H, Nq, scale, HEAD_DIM=D, BLOCK=QT)

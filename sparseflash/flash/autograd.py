@@ -138,7 +138,6 @@ class FlashAttentionFunction(torch.autograd.Function):
         o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_eager)(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k,
                                                                        scale, causal, mask_bq, mask_bk, dropout_p, density,
                                                                        slopes, softcap, bits, kv_tile, q_tile)
-        # (the exact tensors after the first twelve: a hand-built context of twelve still unpacks)
         ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes, bits, kv_tile,
                               q_tile)
         ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p, density, softcap, deterministic)
@@ -147,9 +146,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
-        saved = ctx.saved_tensors
-        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes = saved[:12]
-        bits, kv_tile, q_tile = saved[12:] if len(saved) > 12 else (None, None, None)
+        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes, bits, kv_tile, q_tile = ctx.saved_tensors
         scale, causal, mask_bq, mask_bk, dropout_p, density, softcap, deterministic = ctx.params
         if do is None:
             do = torch.zeros_like(o)
