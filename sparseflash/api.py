@@ -97,7 +97,6 @@ alibi_slopes=None, exact=True, backend="auto")`
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -105,6 +104,7 @@ from sparseflash.dropout import check_p as check_dropout_p
 from sparseflash.mask import BlockMask, as_block_mask
 from sparseflash.mask import tracing as _capturing
 from sparseflash.segments import check_key_ranges, check_segment_ids
+from sparseflash import _env
 
 __all__ = ["attention", "resolve_backend", "key_lengths_range"]
 
@@ -116,11 +116,11 @@ _BACKENDS = ("auto", "triton", "reference")
 # the host can no longer run ahead of it). SPARSEFLASH_CHECK_KEY_LENGTHS=0 (or setting this to
 # False) skips it; the kernels then clamp each length to [0, seq_k] (the reference does not).
 # Never checked inside torch.compile traces or CUDA-graph capture.
-CHECK_KEY_LENGTHS = os.environ.get("SPARSEFLASH_CHECK_KEY_LENGTHS", "1") not in ("", "0")
+CHECK_KEY_LENGTHS = _env.flag("SPARSEFLASH_CHECK_KEY_LENGTHS", True)
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _env.interpreting()
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype = torch.float16) -> str:

@@ -34,6 +34,7 @@ import platform
 import sys
 import tempfile
 from pathlib import Path
+from sparseflash import _env
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -121,8 +122,6 @@ def check_output_file(path, option: str = "--out") -> Path:
 
 def info() -> dict:
     """Versions, devices and which attention backends can run here."""
-    import os
-
     import torch
 
     import sparseflash
@@ -132,7 +131,7 @@ def info() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
-        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", ""),
+        "TRITON_INTERPRET": _env.text("TRITON_INTERPRET"),
     }
     try:
         import numpy
@@ -216,7 +215,7 @@ def _known_error(e: BaseException) -> tuple[str, str] | None:
 def run_command(func, *args) -> int:
     """``func(*args)`` under the error contract: its int result (None: 0); a known failure is one
     line on stderr and `EXIT_USAGE`, Ctrl-C `EXIT_INTERRUPTED`, a bug keeps its traceback."""
-    debug = os.environ.get("SPARSEFLASH_DEBUG", "") not in ("", "0")
+    debug = _env.debug()
     try:
         return int(func(*args) or 0)
     except KeyboardInterrupt:

@@ -43,6 +43,21 @@ def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
     return found
 
 
+# Modules that import nothing of the library: every module may read its settings and constants there.
+LEAVES = {"sparseflash._env", "sparseflash._consts"}
+
+
+def test_leaves_and_one_place_for_the_environment():
+    """`_env` and `_consts` import nothing of the library, and `_env` is the only module of the
+    library that reads the environment (each variable in one place)."""
+    graph = _graph()
+    for leaf in LEAVES:
+        assert not {m for m in graph[leaf] if m.startswith("sparseflash")}, leaf
+    readers = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                     if "os.environ" in p.read_text() and p.name != "_env.py")
+    assert readers == [], readers
+
+
 def _graph() -> dict[str, set[str]]:
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     known = set(files)
@@ -184,10 +199,10 @@ def test_short_path_layering():
     neither of them."""
     graph = _graph()
     assert "sparseflash.flash.native" in graph["sparseflash.flash.fast"]
-    assert not {m for m in graph["sparseflash.flash.native"] if m.startswith("sparseflash.")}
+    assert not {m for m in graph["sparseflash.flash.native"] if m.startswith("sparseflash.")} - LEAVES
     assert "sparseflash.flash.hopper.common" in graph["sparseflash.flash.hopper.backward"]
     assert "sparseflash.flash.hopper.common" in graph["sparseflash.flash.hopper.forward"]
-    assert not graph["sparseflash.flash.hopper.common"]
+    assert not graph["sparseflash.flash.hopper.common"] - LEAVES
 
 
 def test_launcher_layering():
@@ -199,7 +214,7 @@ def test_launcher_layering():
     assert {flash + m for m in ("dispatch", "tiles", "operands", "kernels")} <= graph[flash + "launch"]
     for m in ("dispatch", "tiles", "operands"):
         assert flash + "launch" not in graph[flash + m], m
-    assert not {m for m in graph[flash + "tiles"] if m.startswith("sparseflash.")}
+    assert not {m for m in graph[flash + "tiles"] if m.startswith("sparseflash.")} - LEAVES
     for m in ("launch", "dispatch", "tiles", "operands", "fast", "autograd"):
         lines = (PACKAGE / "flash" / f"{m}.py").read_text().count("\n")
         assert lines <= 500, f"{m}.py has {lines} lines"

@@ -22,7 +22,6 @@ and their ``softcap``.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -30,6 +29,7 @@ from torch import Tensor
 
 from sparseflash.flash import launch, operands, tiles
 from sparseflash.mask import BlockMask
+from sparseflash import _env
 
 __all__ = ["flash_attention", "FlashAttentionFunction"]
 
@@ -229,7 +229,7 @@ def check_runnable(q: Tensor) -> None:
                         f"(use backend='reference' for float64)")
     if q.shape[-1] > 256:
         raise ValueError(f"the triton backend supports head_dim up to 256, got {q.shape[-1]}")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if q.device.type == "cpu" and not _env.interpreting():
         raise RuntimeError("the triton backend on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                            "in the environment before triton is imported, or use backend='reference'")
     if q.device.type not in ("cuda", "cpu"):

@@ -21,15 +21,15 @@ Gluon is imported only past the device test, so CPU runs never import it.
 
 from __future__ import annotations
 
-import os
 
 from sparseflash.flash import tiles
+from sparseflash import _env
 
 __all__ = ["hopper_plan", "HOPPER_EXACT"]
 
 # "on": calls with exact-mask bits may take the Hopper kernels (their EXACT), as other calls do;
 # "off": they keep the portable kernels.
-HOPPER_EXACT = os.environ.get("SPARSEFLASH_HOPPER_EXACT", "on")
+HOPPER_EXACT = _env.text("SPARSEFLASH_HOPPER_EXACT", "on")
 
 
 def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout_p: float = 0.0, seg=None,

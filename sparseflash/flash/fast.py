@@ -35,7 +35,6 @@ contiguous key_lengths. Everything else goes the general way, as does every call
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -44,10 +43,11 @@ from torch.autograd import forward_ad as _forward_ad
 
 from sparseflash.flash import launch, native
 from sparseflash.mask import BlockMask
+from sparseflash import _env
 
 __all__ = ["ENABLED", "Miss", "try_call", "lookup", "build", "call", "clear"]
 
-ENABLED = os.environ.get("SPARSEFLASH_FAST_PATH", "1") not in ("", "0")
+ENABLED = _env.flag("SPARSEFLASH_FAST_PATH", True)
 
 _DENSE: dict = {}  # mask=None entries; a mask's own are in mask.fast_entries
 _MAX_ENTRIES = 256

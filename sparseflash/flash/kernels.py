@@ -76,16 +76,17 @@ Addressing: batch, head and row strides arrive divided by ALIGN and are multipli
 misses (head_dim 40).
 """
 
-import os
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from sparseflash import _env
+from sparseflash._consts import LN2 as _LN2, LOG2E as _LOG2E
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(_LOG2E)
+LN2 = tl.constexpr(_LN2)
 # Under the Triton interpreter inline PTX cannot run: helpers take a plain path there.
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+INTERPRET = tl.constexpr(_env.interpreting())
 
 
 @triton.jit

@@ -15,10 +15,10 @@ known by role, for `sparseflash.flash.fast` and its C++ half.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from sparseflash import _env
+from sparseflash._consts import LOG2E
 from sparseflash.flash import dispatch, kernels, operands, tiles
 from sparseflash.flash.operands import (ExactTiles, aligned_strides, bwd_consts, cdiv, check_exact, checked_rng,
                                        dkdv_tensors, dot_precision, dq_tensors, drop_consts, exact_flag, fwd_tensors,
@@ -118,7 +118,7 @@ def _frozen(tma_plan):
 # pre-run hooks, TRITON_DEBUG, and a first launch whose result does not look like a
 # CompiledKernel. FAST_LAUNCH = False (SPARSEFLASH_FAST_LAUNCH=0) turns it off, for A/B timing
 # or to let tools that hook JITFunction.run see every launch.
-FAST_LAUNCH = os.environ.get("SPARSEFLASH_FAST_LAUNCH", "1") not in ("", "0")
+FAST_LAUNCH = _env.flag("SPARSEFLASH_FAST_LAUNCH", True)
 
 
 _KNOBS = None
@@ -299,7 +299,7 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
     strides, align = aligned_strides(q, k, v, o)
     tma = tiles.tma_taken(cfg, tma_plan)
     args = (_T,) * 6 + _exact_slots(exact) + (_T,) * 3 + (*seg_strides, *strides, *i_strides, Hq, Hq // Hkv, Nq, Nk,
-                                                          scale * 1.4426950408889634, _T, thresh, drop_scale, _T, _T, _T)
+                                                          scale * LOG2E, _T, thresh, drop_scale, _T, _T, _T)
     kwargs = dict(HEAD_DIM=D, BLOCK_D=tiles.block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
                   DENSE=kv_idx is None, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
@@ -361,7 +361,7 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
     _, ci_s, nb_p2 = list_args(q_idx, B, Hq, q)
     strides, align = aligned_strides(q, k, v, do, dk, dv)
     args = (_T,) * 9 + _exact_slots(exact) + (_T,) * 3 + (*seg_strides, *strides, *ci_s, Hq, Hkv, Hq // Hkv, Nq, Nk,
-                                                          scale * 1.4426950408889634, scale, _T,
+                                                          scale * LOG2E, scale, _T,
                                                           *drop_consts(dropout_p), _T, _T, _T, _T)
     kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
                   MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=q_idx is None,
@@ -399,7 +399,7 @@ def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, ma
     _, ri_s, nb_p2 = list_args(kv_idx, B, Hq, q)
     strides, align = aligned_strides(q, k, v, do, o, dq)
     args = (_T,) * 10 + _exact_slots(exact) + (_T,) * 3 + (*seg_strides, *strides, *ri_s, Hq, Hq // Hkv, Nq, Nk,
-                                                           scale * 1.4426950408889634, scale, _T,
+                                                           scale * LOG2E, scale, _T,
                                                            *drop_consts(dropout_p), _T, _T, _T, _T, _T)
     kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
                   MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=kv_idx is None,

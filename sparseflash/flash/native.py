@@ -34,10 +34,11 @@ import warnings
 from pathlib import Path
 
 import torch
+from sparseflash import _env
 
 __all__ = ["ENABLED", "load", "module", "ready", "failed", "last_error", "launch_of", "make_plan", "cache_dir"]
 
-ENABLED = os.environ.get("SPARSEFLASH_NATIVE", "1") not in ("", "0")
+ENABLED = _env.flag("SPARSEFLASH_NATIVE", True)
 
 _SOURCE = Path(__file__).with_name("_native.cpp")
 _MOD = None
@@ -47,11 +48,11 @@ _LOCK = threading.Lock()
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPARSEFLASH_CACHE") or Path.home() / ".cache" / "sparseflash") / "native"
+    return Path(_env.text("SPARSEFLASH_CACHE") or Path.home() / ".cache" / "sparseflash") / "native"
 
 
 def _extra_flags() -> list[str]:
-    return os.environ.get("SPARSEFLASH_NATIVE_CXXFLAGS", "").split()
+    return _env.text("SPARSEFLASH_NATIVE_CXXFLAGS").split()
 
 
 def _tag() -> str:
@@ -65,7 +66,7 @@ def _compile(name: str, out: Path) -> None:
     from torch.utils import cpp_extension
 
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
-    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
+    cmd = [_env.text("CXX", "c++"), "-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
     # torch's own pybind11 ABI tags where it still sets them (torch < 2.10), so that this module
     # shares pybind11's internals, exception translators among them, with torch's

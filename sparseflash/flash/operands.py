@@ -14,11 +14,11 @@ outputs, computed from a call's inputs (no policy: tiles and TMA are `sparseflas
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from sparseflash.flash import tiles
+from sparseflash import _env
 
 __all__ = ["dot_precision", "cdiv", "aligned_strides", "GATHER_MAX", "gather", "list_args", "checked_rng",
            "drop_consts", "KeyRanges", "ExactTiles", "check_exact", "exact_flag", "Alibi", "with_alibi", "seg_pair",
@@ -81,7 +81,7 @@ def _align_plan(all_strides: tuple[tuple[int, ...], ...]) -> tuple[tuple, int]:
 
 # Lists up to this many entries are read from registers in the loop (GATHER), longer ones from
 # memory; see kernels._tile_start. SPARSEFLASH_GATHER_MAX overrides it (for measurement).
-GATHER_MAX = int(os.environ.get("SPARSEFLASH_GATHER_MAX", "512"))
+GATHER_MAX = int(_env.text("SPARSEFLASH_GATHER_MAX", "512"))
 
 
 def gather(nb_p2: int) -> bool:

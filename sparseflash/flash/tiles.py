@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
+from sparseflash import _env
 
 __all__ = ["TileConfig", "tile_config", "config", "default_config", "fp32_config", "tma_config", "fit_tile", "block_d",
            "interpreting", "INTERPRETING", "overrides", "TMA_MODE", "TMA_MIN_WORK", "sm_major", "tma_strides",
@@ -79,7 +79,7 @@ def overrides() -> tuple:
 
 # Read once, when kernels.py is imported (as kernels.INTERPRET is, and as Triton decides whether
 # its kernels are interpreted): not an environment lookup on every launch.
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRETING = _env.interpreting()
 
 
 def interpreting() -> bool:
@@ -266,7 +266,7 @@ def block_d(head_dim: int) -> int:
 # it, whatever the tile, the Triton interpreter included (tests cover the path on CPU with it;
 # tune_tiles times every config both ways with it). "off": never. SPARSEFLASH_TMA sets the
 # starting value.
-TMA_MODE = os.environ.get("SPARSEFLASH_TMA", "auto")
+TMA_MODE = _env.text("SPARSEFLASH_TMA", "auto")
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
 
 

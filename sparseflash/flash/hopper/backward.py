@@ -47,7 +47,6 @@ portable backward runs instead.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -55,6 +54,7 @@ import triton.language as tl
 
 from sparseflash.flash.hopper import forward as hopper
 from sparseflash.flash.hopper.common import GLUON_ERROR, LOG2E, TILE, descriptor, sm_count
+from sparseflash import _env
 
 __all__ = ["bwd", "plan", "unsupported", "do_layout", "QT", "MODE", "LIST_MIN_BLOCKS"]
 
@@ -64,7 +64,7 @@ __all__ = ["bwd", "plan", "unsupported", "do_layout", "QT", "MODE", "LIST_MIN_BL
 # stages 5 and 7). "on": every block-sparse call too. "off":
 # the portable backward everywhere. SPARSEFLASH_HOPPER_BWD sets it; SPARSEFLASH_HOPPER=off turns both
 # Hopper kernels off.
-MODE = os.environ.get("SPARSEFLASH_HOPPER_BWD", "auto")
+MODE = _env.text("SPARSEFLASH_HOPPER_BWD", "auto")
 
 # MODE "auto" runs block-sparse walks here only when a key tile's column list holds at least this
 # many 128-row q blocks on average: below, the kernel's fixed costs (the float32 dQ buffer zeroed and

@@ -16,8 +16,7 @@ import torch
 __all__ = ["GLUON_ERROR", "TILE", "LN2", "LOG2E", "descriptor", "sm_count"]
 
 TILE = 128  # q rows per forward CTA (two warpgroups of 64), keys per forward step and per backward CTA
-LN2 = 0.6931471805599453
-LOG2E = 1.4426950408889634
+from sparseflash._consts import LN2, LOG2E  # noqa: E402,F401 (re-exported for the kernels)
 
 try:
     from triton.experimental import gluon

@@ -38,12 +38,12 @@ Outputs: O like q, and the LSE (natural log, float32 [B, H, N]) that the backwar
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 
 from sparseflash.flash.hopper.common import GLUON_ERROR, LN2, LOG2E, TILE, descriptor, sm_count
+from sparseflash import _env
 
 __all__ = ["fwd", "plan", "unsupported", "layouts", "tensor_layout", "GLUON_ERROR", "MODE", "TILE"]
 
@@ -57,7 +57,7 @@ if GLUON_ERROR is None:  # (the guarded import, and the helpers the backward sha
 
 # "auto": the kernel on sm_90 wherever `unsupported` allows it; "off": never (the portable
 # kernels always). SPARSEFLASH_HOPPER sets the starting value.
-MODE = os.environ.get("SPARSEFLASH_HOPPER", "auto")
+MODE = _env.text("SPARSEFLASH_HOPPER", "auto")
 
 
 def _stages(head_dim: int) -> int:
