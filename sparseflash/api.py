@@ -5,7 +5,7 @@ The call path: `attention` tries the short path of repeated eager calls first
 here), else validates (`_check_inputs`) and dispatches to `sparseflash.reference.attention` or
 `sparseflash.flash.flash_attention` (flash/autograd.py: the autograd Function and torch.library
 ops) -> `launch.fwd` / `launch.bwd` (flash/launch.py; `flash/dispatch.py` picks the portable
-Triton kernels of flash/kernels.py or the Hopper Gluon ones of flash/hopper.py, hopper_bwd.py).
+Triton kernels of flash/kernels.py or the Hopper Gluon ones of flash/hopper/).
 
 Every option and the paths a call can take:
 
@@ -59,14 +59,11 @@ alibi_slopes=None, exact=True, backend="auto")`
   `torch.use_deterministic_algorithms(True)`, or on a call with `deterministic=True`, the portable one runs.
 - On Hopper (sm_90) the forward runs a warp-specialised Gluon kernel
   (`sparseflash/flash/hopper/forward.py`). It is FlashAttention-3's design: a TMA loader warp, two
-  consumer warpgroups taking turns on the tensor cores, a persistent grid. It is 1.05–1.07× cuDNN
-  at d=128 (0.99× at d=64) and 1.44–1.51× FlexAttention on block masks at d=128, 1.15–1.20× at
-  d=64 (BENCHMARKS.md "Hopper kernels"). The
-  backward of dense, causal and key_lengths calls runs a one-pass Gluon backward
-  (`hopper_bwd.py`), 1.07–1.28× the portable one; forward + backward is then level with cuDNN
-  on dense calls (1.00–1.04×) and 0.95–1.00× on causal ones.
+  consumer warpgroups taking turns on the tensor cores, a persistent grid. The backward of dense,
+  causal and key_lengths calls runs a one-pass Gluon backward (`flash/hopper/backward.py`). How
+  fast each is against cuDNN, FlashAttention-2 and FlexAttention: BENCHMARKS.md.
   Block-sparse backwards take it when a key tile's column list holds at least 16 blocks on
-  average (`hopper_bwd.LIST_MIN_BLOCKS`; calls with exact-mask bits at any length) and keep the
+  average (`hopper.backward.LIST_MIN_BLOCKS`; calls with exact-mask bits at any length) and keep the
   portable kernels below
   (`SPARSEFLASH_HOPPER_BWD=on` forces the Hopper one, `off` turns it off); `SPARSEFLASH_HOPPER=off` keeps the portable kernels
   everywhere.
@@ -75,8 +72,7 @@ alibi_slopes=None, exact=True, backend="auto")`
   off), and on CUDA its forward, autograd node and backward run in C++ with the same kernels
   (`sparseflash/flash/native.py`): less host time per call than SDPA's forward and about its
   forward + backward; an eager fwd+bwd takes the time of its own kernels, and every LRA task's
-  training step is faster with our dense kernel than with SDPA's (or ties it: Text 4K)
-  (BENCHMARKS.md "Host cost"). The C++ part is compiled once, in the background of the first CUDA
+  training step is at least as fast with our dense kernel as with SDPA's (BENCHMARKS.md "Host cost"). The C++ part is compiled once, in the background of the first CUDA
   calls (about a minute; they take the Python path meanwhile), into `~/.cache/sparseflash`; it
   needs a C++20 compiler (`$CXX` or `c++`); without one it warns and the Python path serves
   (`SPARSEFLASH_NATIVE=0` turns it off).

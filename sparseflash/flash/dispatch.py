@@ -1,5 +1,5 @@
 """Which kernel family runs a call: the portable Triton kernels (`kernels.py`, everywhere) or the
-Hopper Gluon kernels (`hopper.py` forward, `hopper_bwd.py` backward; sm_90 only). `hopper_plan`
+Hopper Gluon kernels (`hopper/forward.py`, `hopper/backward.py`; sm_90 only). `hopper_plan`
 is the one place this is decided; the launchers (`launch.fwd`, `launch.bwd`) ask it first and run
 the portable kernels when it answers None.
 

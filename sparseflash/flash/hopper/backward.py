@@ -36,9 +36,9 @@ the diagonal crosses, keys at or past kv_end (key_lengths) masked in the one til
 kv_end, and a tile wholly past kv_end writing zeros. Rows whose LSE is +inf (no key) give P = 0.
 
 By default (MODE "auto") it runs the walks without block lists (dense, causal and key_lengths
-calls, where it is 1.07-1.28x faster than the portable backward at 4K-16K tokens) and block-sparse
-walks whose column lists are long (`LIST_MIN_BLOCKS`); shorter lists keep the portable backward,
-faster there (experiments/studies/hopper/README.md has the numbers).
+calls, faster there than the portable backward) and block-sparse walks whose column lists are long
+(`LIST_MIN_BLOCKS`); shorter lists keep the portable backward, faster there (the measurements behind
+the rule: experiments/studies/hopper/README.md and experiments/studies/sparse_bwd/).
 Scope: as the forward's (`hopper.unsupported`), plus a dO layout TMA takes. dQ's float32 sums
 arrive in whatever order the CTAs finish, so dQ is not bitwise reproducible from run to run (its
 error bound is the same); dK and dV are. Under torch.use_deterministic_algorithms(True) the

@@ -1,4 +1,4 @@
-"""What the Hopper (sm_90) forward (`hopper.py`) and one-pass backward (`hopper_bwd.py`) share: the
+"""What the Hopper (sm_90) forward (`forward.py`) and one-pass backward (`backward.py`) share: the
 guarded Gluon import, the tile size, the Gluon helpers both kernels call (a list walk's step start,
 a tile's descriptor coordinates, the wgmma accumulator and list layouts, the TMA load and store
 under their names in this Triton) and the host's TMA descriptors and SM count.
