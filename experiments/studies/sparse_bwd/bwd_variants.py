@@ -43,6 +43,7 @@ DQ_PARTS = 4
 HEAD_GROUPS = True  # run the heads in small groups (`_heads_per_group`)
 STORE_DKDV = True  # False: the dK/dV stores masked off (no bytes move)
 WALK_ONLY = False  # True: the consumers only take and return each step's slot (implies no dQ)
+LONGEST_FIRST = False  # True: block-list walks deal key tiles longest column first (not causal; 128-key mask blocks)
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -85,7 +86,7 @@ if GLUON_ERROR is None:
         return gl.NVMMASharedLayout.get_default_for([TILE, QT], getattr(dtype, "value", dtype))
 
     @gluon.jit
-    def _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, PAIR: gl.constexpr):
+    def _key_tile(rr, ORDER, n_tiles, n_bhk, gh, n_heads_kv, PAIR: gl.constexpr):
         """This CTA's key tile in round ``rr``: (tile index, batch, kv head, first key); the index is
         n_tiles when the CTA has none this round.
 
@@ -94,27 +95,37 @@ if GLUON_ERROR is None:
         tiles of the stream (G CTAs) in a snake (CTA 0..G-1 when r is even, G-1..0 when odd). With
         PAIR (causal: a tile's walk is longer the earlier its keys), a CTA takes key tile m of a head
         in round 2r and tile n_kt - 1 - m of the same head in round 2r + 1, so every CTA's pair of
-        rounds costs about the same (a static schedule, balanced in any order of the pairs)."""
+        rounds costs about the same (a static schedule, balanced in any order of the pairs).
+
+        ``gh`` 0 (the study's LONGEST_FIRST, not causal): round r deals slots r*G .. r*G + G - 1 of
+        ORDER (tile indices, longest column first) in the same snake."""
         pid = gl.program_id(0)
         G = gl.num_programs(0)
         n_kt = n_tiles // n_bhk
-        if PAIR:
-            n_per = (n_kt + 1) // 2  # pairs per head
-            u = (rr // 2) * G + pid
-        else:
-            n_per = n_kt
+        if gh == 0:
             u = rr * G + gl.where(rr % 2 == 0, pid, G - 1 - pid)
-        g = u // (gh * n_per)
-        heads = gl.maximum(gl.minimum(gh, n_bhk - g * gh), 1)  # (the last group may have fewer)
-        r = u - g * gh * n_per
-        bhk = g * gh + r % heads
-        m = r // heads
-        if PAIR:
-            n = gl.where(rr % 2 == 1, n_kt - 1 - m, m)
-            valid = (u < n_bhk * n_per) & ((rr % 2 == 0) | (n != m))  # (an odd n_kt's middle tile: once)
-        else:
-            n = m
             valid = u < n_tiles
+            t0 = gl.load(ORDER + gl.minimum(u, n_tiles - 1))
+            bhk = t0 // n_kt
+            n = t0 % n_kt
+        else:
+            if PAIR:
+                n_per = (n_kt + 1) // 2  # pairs per head
+                u = (rr // 2) * G + pid
+            else:
+                n_per = n_kt
+                u = rr * G + gl.where(rr % 2 == 0, pid, G - 1 - pid)
+            g = u // (gh * n_per)
+            heads = gl.maximum(gl.minimum(gh, n_bhk - g * gh), 1)  # (the last group may have fewer)
+            r = u - g * gh * n_per
+            bhk = g * gh + r % heads
+            m = r // heads
+            if PAIR:
+                n = gl.where(rr % 2 == 1, n_kt - 1 - m, m)
+                valid = (u < n_bhk * n_per) & ((rr % 2 == 0) | (n != m))  # (an odd n_kt's middle tile: once)
+            else:
+                n = m
+                valid = u < n_tiles
         t = gl.where(valid, bhk * n_kt + n, n_tiles)
         return t, bhk // n_heads_kv, bhk % n_heads_kv, n * _TILE
 
@@ -182,7 +193,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _bwd_loader(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf,
-                    v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh,
+                    v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, ORDER, n_tiles, n_rounds, n_bhk, gh,
                     n_heads_kv, group, seq_q, seq_k, n_qblocks,
                     stride_ib, stride_ih, stride_in,
                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
@@ -194,7 +205,7 @@ if GLUON_ERROR is None:
         it = 0  # steps issued so far: ring slot and phase
         n_done = 0  # tiles started: the K/V phase
         for rr in range(0, n_rounds):
-            t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
+            t, b, hk, start_n = _key_tile(rr, ORDER, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
             if t < n_tiles:
                 kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
                 # (a fresh barrier passes a parity-1 wait at once; K and V share one barrier pair)
@@ -221,7 +232,7 @@ if GLUON_ERROR is None:
                 n_done += 1
 
     @gluon.jit
-    def _bwd_reducer(desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q,
+    def _bwd_reducer(desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, ORDER, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q,
                      seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
                      MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                      CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, ROTATE: gl.constexpr, DH: gl.constexpr,
@@ -234,7 +245,7 @@ if GLUON_ERROR is None:
         if DQ_PARTS < 3:  # (nothing to add: the warp returns)
             n_rounds = 0
         for rr in range(0, n_rounds):
-            t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
+            t, b, hk, start_n = _key_tile(rr, ORDER, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
             if t < n_tiles:
                 kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
                 for g in range(group):
@@ -293,7 +304,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _bwd_consumer(q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
-                      step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds,
+                      step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LEN, ORDER, n_tiles, n_rounds,
                       n_bhk, gh, n_heads_kv,
                       group, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
@@ -326,7 +337,7 @@ if GLUON_ERROR is None:
         it = 0  # steps so far: ring slot and phase, dS buffer and phase
         n_done = 0
         for rr in range(0, n_rounds):
-            t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
+            t, b, hk, start_n = _key_tile(rr, ORDER, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
             if t < n_tiles:
                 kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
                 keys = start_n + r_s
@@ -448,7 +459,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, Q_TILE, BITS,
-                           KEY_LEN,
+                           KEY_LEN, ORDER,
                            n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
                            stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
                            stride_dvb, stride_dvh, stride_dvn,
@@ -490,24 +501,24 @@ if GLUON_ERROR is None:
         gl.warp_specialize([
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
-                             KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
+                             KEY_LEN, ORDER, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
                              DQ_PARTS, EXACT, STORE_DKDV, WALK_ONLY)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
-                             KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
+                             KEY_LEN, ORDER, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
                              DQ_PARTS, EXACT, STORE_DKDV, WALK_ONLY)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
-                           k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
+                           k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, ORDER, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
                            stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
                            Q_BNHD, KV_BNHD, DO_BNHD, ROTATE)),
-            (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
+            (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, ORDER, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
                             CAUSAL, HAS_KEYLEN, ROTATE, HEAD_DIM // 2, 0 if WALK_ONLY else DQ_PARTS)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
@@ -665,11 +676,16 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     n_units = n_bhk * ((n_kt + 1) // 2) if causal else n_tiles  # (causal: pairs of tiles, `_key_tile`)
     grid = max(1, min(n_units, num_sms))
     gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
+    order = torch.zeros(1, dtype=torch.int32, device=q.device)  # (a placeholder: read only when ordered)
+    if LONGEST_FIRST and not dense and not causal and (mask_bk or TILE) == TILE:
+        cols = (idx < n_qb).sum(-1).expand(B, H, -1).reshape(B, Hk, H // Hk, -1).sum(2)  # [B, Hk, key tiles]
+        order = torch.argsort(cols.reshape(-1), descending=True, stable=True).to(torch.int32)
+        gh = 0
     n_rounds = triton.cdiv(n_units, grid) * (2 if causal else 1)
     _hopper_bwd_kernel[(grid,)](
         descriptor(q, lay[0], QT), descriptor(k, lay[1], TILE), descriptor(v, lay[2], TILE),
         descriptor(do, do_lay, QT), desc_dq, _row_descriptor(lse2), _row_descriptor(delta), dk, dv, idx, q_tile, bits,
-        q if key_lengths is None else key_lengths, n_tiles, n_rounds, n_bhk, gh, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E,
+        q if key_lengths is None else key_lengths, order, n_tiles, n_rounds, n_bhk, gh, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E,
         scale, *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
@@ -685,7 +701,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
 
 
 # ----------------------------------------------------------------------------- patching it in
-KNOBS = ("DQ_PARTS", "ROTATE", "HEAD_GROUPS", "STORE_DKDV", "WALK_ONLY")
+KNOBS = ("DQ_PARTS", "ROTATE", "HEAD_GROUPS", "STORE_DKDV", "WALK_ONLY", "LONGEST_FIRST")
 
 
 def routed(mode: str = "on", **knobs):

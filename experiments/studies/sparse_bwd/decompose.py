@@ -11,6 +11,8 @@ Variants (the study copy `bwd_variants.py` of the production kernel, patched in 
 - ``onepass``: the kernel as it runs (delta, zero-filled float32 dQ buffer, kernel, dQ cast);
 - ``no_dq``: no dQ path at all (DQ_PARTS 0: dK, dV only; the buffer is still allocated and zeroed);
 - ``no_store``: everything but the dK/dV stores (masked off: no bytes move);
+- ``ordered``: the kernel with key tiles dealt longest column first (`bwd_variants.LONGEST_FIRST`),
+  its largest difference from ``onepass`` in ``ordered_maxdiff``;
 - ``walk``: the consumers do no arithmetic, only take and return each step's Q/dO slot: the loads,
   the barriers, the K/V loads per tile and the dK/dV stores;
 - ``portable``: the two portable kernels (dQ over row lists, dK/dV over column lists), for reference;
@@ -31,17 +33,24 @@ import torch
 from sparseflash.cli import ArgumentParser, run_command
 
 KS = (1, 4, 13, 32, 128)
-VARIANTS = {  # name: (DQ_PARTS, STORE_DKDV, WALK_ONLY)
-    "onepass": (4, True, False),
-    "no_dq": (0, True, False),
-    "no_store": (4, False, False),
-    "walk": (0, True, True),
+VARIANTS = {  # name: knobs of the study copy (bwd_variants.KNOBS)
+    "onepass": {},
+    "no_dq": dict(DQ_PARTS=0),
+    "no_store": dict(STORE_DKDV=False),
+    "walk": dict(WALK_ONLY=True),
+    "ordered": dict(LONGEST_FIRST=True),
 }
 
 
-def column_mask(n: int, k: int, heads: int, seed: int = 0, block: int = 128, device="cuda"):
-    """A BlockMask with exactly ``k`` q blocks in every key column, drawn per head."""
+def column_mask(n: int, k: int, heads: int, seed: int = 0, block: int = 128, device="cuda", rows: bool = False):
+    """A BlockMask with exactly ``k`` q blocks in every key column, drawn per head; ``rows``: ``k``
+    key blocks in every query row instead (`patterns.random`: columns of Binomial(n / block, k / (n /
+    block)) blocks, what a random mask of that density gives the backward's column walks)."""
     from sparseflash.mask import BlockMask
+    from sparseflash.patterns import random as random_mask
+
+    if rows:
+        return random_mask(n, k, block_size=block, heads=heads, seed=seed, device=device)
 
     nb = n // block
     g = torch.Generator().manual_seed(seed)
@@ -55,18 +64,17 @@ def variant(name: str):
     """Routes `launch.hopper_bwd` through the study copy with ``name``'s switches, MODE "on"."""
     from sparseflash.experiments.studies.sparse_bwd.bwd_variants import routed
 
-    dq_parts, store, walk = VARIANTS[name]
-    return routed("on", DQ_PARTS=dq_parts, STORE_DKDV=store, WALK_ONLY=walk)
+    return routed("on", **VARIANTS[name])
 
 
-def captured(n: int, d: int, k: int, heads: int = 16):
+def captured(n: int, d: int, k: int, heads: int = 16, rows: bool = False):
     """(args, kwargs) that `launch.bwd` got from one fwd+bwd on `column_mask`."""
     import sparseflash
     from sparseflash.flash import launch
 
     g = torch.Generator(device="cuda").manual_seed(1)
     q, kk, v, do = (torch.randn(1, heads, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-    mask = column_mask(n, k, heads)
+    mask = column_mask(n, k, heads, rows=rows)
     real, saved = launch.bwd, {}
 
     def spy(*a, **kw):
@@ -81,18 +89,23 @@ def captured(n: int, d: int, k: int, heads: int = 16):
     return saved["a"], saved["kw"]
 
 
-def measure(n: int, d: int, k: int, variants=tuple(VARIANTS)) -> dict:
+def measure(n: int, d: int, k: int, variants=tuple(VARIANTS), rows: bool = False) -> dict:
     from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.flash import launch
     from sparseflash.flash.hopper import backward as hopper_bwd
 
-    a, kw = captured(n, d, k)
+    a, kw = captured(n, d, k, rows=rows)
     do_, q_, k_, v_, o_, lse_, dlse_ = a[:7]
-    row = dict(seq=n, head_dim=d, blocks_per_col=k)
+    row = dict(seq=n, head_dim=d, blocks_per_col=k, mask="random rows" if rows else "balanced columns")
+    ref = None
     for name in variants:
         with variant(name):
-            launch.bwd(*a, **kw)
+            got = launch.bwd(*a, **kw)
             torch.cuda.synchronize()
+            if name == "onepass":
+                ref = [t.clone() for t in got]
+            elif name == "ordered" and ref is not None:  # the same sums, other tiles first: equal up to dQ's order
+                row["ordered_maxdiff"] = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, ref))
             row[name] = graph_ms(lambda: launch.bwd(*a, **kw))
     saved = hopper_bwd.MODE
     hopper_bwd.MODE = "off"
@@ -122,7 +135,7 @@ def fits(rows: list[dict]) -> list[dict]:
     for d in sorted({r["head_dim"] for r in rows}):
         sub = [r for r in rows if r["head_dim"] == d]
         x = torch.tensor([float(r["blocks_per_col"]) for r in sub], dtype=torch.float64)
-        for name in [v for v in (*VARIANTS, "portable") if v in sub[0]]:
+        for name in [v for v in (*VARIANTS, "portable") if v in sub[0]]:  # (the variants run)
             y = torch.tensor([r[name] for r in sub], dtype=torch.float64)
             A = torch.stack([torch.ones_like(x), x], 1)
             sol = torch.linalg.lstsq(A, y.unsqueeze(1)).solution.squeeze(1)
@@ -160,6 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--ks", type=int, nargs="+", default=list(KS))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--rows", action="store_true", help="masks of K blocks a row (random), not K a column")
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args(argv)
     if args.compile_only:
@@ -174,12 +188,12 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else None
     for d in args.head_dims:
         for k in args.ks:
-            rows.append(measure(args.seq, d, k, args.variants))
+            rows.append(measure(args.seq, d, k, args.variants, args.rows))
             print(" ".join(f"{a}={b:.3f}" if isinstance(b, float) else f"{a}={b}" for a, b in rows[-1].items()),
                   flush=True)
             if out:
                 out.mkdir(parents=True, exist_ok=True)
-                with open(out / "decompose.csv", "w", newline="") as f:
+                with open(out / ("decompose_rows.csv" if args.rows else "decompose.csv"), "w", newline="") as f:
                     w = csv.DictWriter(f, fieldnames=list(rows[0]))
                     w.writeheader()
                     w.writerows(rows)
@@ -187,7 +201,7 @@ def main(argv=None) -> int:
     if out:
         from sparseflash.experiments.bench.results import environment
         env = environment(torch.device("cuda"))
-        (out / "decompose_fits.json").write_text(json.dumps(dict(env=env, fits=fit, rows=rows), indent=1))
+        (out / ("decompose_rows_fits.json" if args.rows else "decompose_fits.json")).write_text(json.dumps(dict(env=env, fits=fit, rows=rows), indent=1))
     print("\nhead_dim variant   fixed_ms per_block_ms")
     for f in fit:
         print(f"{f['head_dim']:8d} {f['variant']:9s} {f['fixed_ms']:8.3f} {f['per_block_ms']:12.4f}")
