@@ -113,6 +113,16 @@ def test_bwd_choice(monkeypatch):
         dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0)
 
 
+def test_list_threshold_per_gpu(monkeypatch):
+    """The column length from which block lists take the one-pass backward: the GPU's measured
+    value where one is recorded (H200), the default elsewhere and on CPU tensors."""
+    assert hopper_bwd.list_min_blocks(torch.device("cpu")) == hopper_bwd.LIST_MIN_BLOCKS
+    monkeypatch.setattr(hopper_bwd, "_gpu_name", lambda i: "NVIDIA H200")
+    assert hopper_bwd.list_min_blocks(torch.device("cuda", 0)) == hopper_bwd.LIST_MIN_BLOCKS_BY_GPU["H200"] == 10.0
+    monkeypatch.setattr(hopper_bwd, "_gpu_name", lambda i: "NVIDIA H100 80GB HBM3")
+    assert hopper_bwd.list_min_blocks(torch.device("cuda", 0)) == hopper_bwd.LIST_MIN_BLOCKS
+
+
 def test_unsupported_reasons(monkeypatch):
     q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
     assert hopper.unsupported(q, q, q) == "not an sm_90 GPU"

@@ -47,6 +47,7 @@ portable backward runs instead.
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
@@ -56,7 +57,8 @@ from sparseflash.flash.hopper import forward as hopper
 from sparseflash.flash.hopper.common import GLUON_ERROR, LOG2E, TILE, descriptor, sm_count
 from sparseflash import _env
 
-__all__ = ["bwd", "plan", "unsupported", "do_layout", "QT", "MODE", "LIST_MIN_BLOCKS"]
+__all__ = ["bwd", "plan", "unsupported", "do_layout", "list_min_blocks", "QT", "MODE", "LIST_MIN_BLOCKS",
+           "LIST_MIN_BLOCKS_BY_GPU"]
 
 # "auto" (the default): this kernel wherever the Hopper forward runs and dO's layout allows, for walks
 # without block lists (dense, causal, key_lengths) and block lists of at least LIST_MIN_BLOCKS blocks a
@@ -71,7 +73,11 @@ MODE = _env.text("SPARSEFLASH_HOPPER_BWD", "auto")
 # cast, each tile's K/V load and dK/dV stores) outweigh its faster steps (H100, 16K tokens, random
 # masks: 0.75x the portable backward's speed at 3 blocks, 0.95x at 13, 1.16x at 26, 1.23x at 52 for
 # d=128; 1.01x at 13 for d=64; experiments/studies/hopper/README.md, the column-list threshold).
+# GPUs whose measured crossover is elsewhere have their own value (`list_min_blocks`): on an H200 (more
+# memory bandwidth for the float32 dQ traffic) the one-pass kernel is already 1.12x faster at 13 blocks
+# a column (d=128, random rows) and 1.04x at d=64, slower at 4 (experiments/studies/sparse_bwd/).
 LIST_MIN_BLOCKS = 16.0
+LIST_MIN_BLOCKS_BY_GPU = {"H200": 10.0}
 QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
 # (Measurement variants of this kernel, without the dQ path, the walk's rotation or head groups,
 # live in the study copy experiments/studies/sparse_bwd/bwd_variants.py.)
@@ -586,9 +592,25 @@ def plan(do, q, o, lay, cols: float | None = None, *, exact: bool = False):
     128; experiments/studies/hopper/README.md)."""
     if _do_unsupported(do, q, o) is not None:
         return None
-    if cols is not None and MODE == "auto" and cols < LIST_MIN_BLOCKS and not exact:
+    if cols is not None and MODE == "auto" and cols < list_min_blocks(q.device) and not exact:
         return None
     return lay, do_layout(do)
+
+
+def list_min_blocks(device) -> float:
+    """The column length from which MODE "auto" runs block lists here on ``device``: the GPU's own
+    measured value in `LIST_MIN_BLOCKS_BY_GPU` (matched by name), else `LIST_MIN_BLOCKS`."""
+    if device.type == "cuda":
+        name = _gpu_name(device.index if device.index is not None else torch.cuda.current_device())
+        for key, value in LIST_MIN_BLOCKS_BY_GPU.items():
+            if key in name:
+                return value
+    return LIST_MIN_BLOCKS
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def _padded_rows(n_q: int, mask_bq: int | None) -> int:
