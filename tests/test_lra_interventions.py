@@ -134,7 +134,7 @@ def test_cue_tests_command_on_a_tiny_model(tmp_path):
     assert rows[0]["n"] == 40 and rows[1]["n"] + rows[1]["n_skipped"] == 20
     probe = json.loads((tmp_path / "o" / "balance_probe.json").read_text())
     assert {(r["set"], r["feature"]) for r in probe["rows"]} == {(s, f) for s in ("all", "balanced")
-                                                                 for f in ("coords", "paddle-directions")}
+                                                                 for f in ("coords", "paddle-directions", "patches")}
     assert probe["meta"]["cut_positives"] == rows[1]["n"] and probe["meta"]["commit"]
     with pytest.raises(SystemExit, match="'pathfinder32' model; --resolution 128"):
         cue_tests.load_model(tmp_path / "best.pt", 128, "cpu")

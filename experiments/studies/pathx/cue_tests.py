@@ -23,8 +23,9 @@ Path-256) is evaluated, unchanged, on:
 - ``balanced``: ``interventions.balance`` of a pool of ``--balance-pool`` images on the marker
   coordinates (`probe.marker_coords`) and the end-paddle cosine (`interventions.paddle_cosine`), so
   neither carries label information; the shortcut probe retrained on the balanced set measures
-  that (``balance_probe.csv``: the coordinate MLP and the one-threshold paddle-direction rule,
-  held out, before and after balancing). This part needs no checkpoint.
+  that (``balance_probe.csv``: the coordinate MLP, the one-threshold paddle-direction rule and,
+  as a check on what balancing leaves, the marker-patch MLP, held out, before and after
+  balancing). This part needs no checkpoint.
 
 Writes ``OUT/cue_tests.csv`` / ``.json`` (one row a checkpoint and set), ``OUT/balance_probe.csv``
 / ``.json`` and prints a table last. On a CPU the faithful attention becomes SDPA (as in
@@ -49,7 +50,7 @@ def _chunk(job):
     """One generator chunk of fresh images with their cut/joined versions and cue features."""
     from sparseflash.experiments.lra.data import interventions as iv
     from sparseflash.experiments.lra.data import pathfinder as pf
-    from sparseflash.experiments.lra.probe import marker_coords
+    from sparseflash.experiments.lra.probe import marker_coords, marker_patches, patch_half
 
     seed, chunk, count, fidelity, res, radius, n_paddles = job
     p = pf.params_for(res, "hard", fidelity)
@@ -63,13 +64,15 @@ def _chunk(job):
         if r is not None:
             changed[i], ok[i] = r[0], True
     cos = np.asarray([iv.paddle_cosine(lay) for _, lay in made], np.float32)
-    return images, tips, np.asarray(labels[:count], np.int8), changed, ok, marker_coords(tips, res), cos
+    return (images, tips, np.asarray(labels[:count], np.int8), changed, ok, marker_coords(tips, res), cos,
+            marker_patches(images, tips, patch_half(res)))
 
 
 def make_images(resolution: int, num: int, seed: int, *, fidelity: str = "release", workers: int = 1,
                 radius: float | None = None, n_paddles: int = 2, show_progress: bool = False) -> dict:
     """``num`` fresh hard images and what the tests need: ``images``, ``tips``, ``labels``,
-    ``changed`` (the cut / joined image, where ``ok``), ``ok``, ``coords`` ``[n, 4]``, ``cos`` ``[n]``."""
+    ``changed`` (the cut / joined image, where ``ok``), ``ok``, ``coords`` ``[n, 4]``, ``cos`` ``[n]``,
+    ``patches`` (`probe.marker_patches`)."""
     from sparseflash.experiments.lra.data import interventions as iv
     from sparseflash.experiments.lra.data import pathfinder as pf
     from sparseflash.experiments.lra.data._parallel import run_ordered
@@ -83,16 +86,17 @@ def make_images(resolution: int, num: int, seed: int, *, fidelity: str = "releas
     jobs = [(seed, c, min(K, num - c * K), fidelity, resolution, radius, n_paddles) for c in range(-(-num // K))]
     parts = list(run_ordered(_chunk, jobs, workers, f"cue tests {resolution}px {fidelity}", total=num,
                              weight=lambda r: len(r[2]), show_progress=show_progress))
-    keys = ("images", "tips", "labels", "changed", "ok", "coords", "cos")
+    keys = ("images", "tips", "labels", "changed", "ok", "coords", "cos", "patches")
     out = {k: np.concatenate([part[i] for part in parts]) for i, k in enumerate(keys)}
     out.update(resolution=resolution, radius=radius, n_paddles=n_paddles, fidelity=fidelity, seed=seed)
     return out
 
 
 def balance_probe(data: dict, *, seed: int = 0, bins: int = 20, epochs: int = 60) -> tuple[np.ndarray, list[dict]]:
-    """(indices of the balanced subset, probe rows): the coordinate MLP (`probe.fit_mlp`) and the
-    paddle-direction threshold rule (`rim_probe.threshold_accuracy`), each fitted on 75% and
-    tested on 25%, on all images and on the balanced subset."""
+    """(indices of the balanced subset, probe rows): the shortcut probe's MLP (`probe.fit_mlp`) on
+    the marker coordinates and on the marker patches, and the paddle-direction threshold rule
+    (`rim_probe.threshold_accuracy`), each fitted on 75% and tested on 25%, on all images and on
+    the balanced subset (balanced on the coordinates and the paddle direction, not the patches)."""
     from sparseflash.experiments.lra.data.interventions import balance
     from sparseflash.experiments.lra.probe import fit_mlp
     from sparseflash.experiments.studies.pathx.rim_probe import threshold_accuracy
@@ -110,7 +114,9 @@ def balance_probe(data: dict, *, seed: int = 0, bins: int = 20, epochs: int = 60
         for feature, acc in (("coords", fit_mlp(data["coords"][tr], labels[tr], data["coords"][te], labels[te],
                                                 epochs=epochs, seed=seed)),
                              ("paddle-directions", threshold_accuracy(data["cos"][tr], labels[tr], data["cos"][te],
-                                                                      labels[te]))):
+                                                                      labels[te])),
+                             ("patches", fit_mlp(data["patches"][tr], labels[tr], data["patches"][te], labels[te],
+                                                 epochs=epochs, seed=seed))):
             rows.append({"resolution": data["resolution"], "fidelity": data["fidelity"], "set": name,
                          "feature": feature, "n": int(len(idx)), "n_test": int(n_test),
                          "positives": float(labels[idx].mean()), "acc": round(float(acc), 4),
