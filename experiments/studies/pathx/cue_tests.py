@@ -27,6 +27,17 @@ Path-256) is evaluated, unchanged, on:
   as a check on what balancing leaves, the marker-patch MLP, held out, before and after
   balancing). This part needs no checkpoint.
 
+The headline models (their checkpoints are not kept in the repository; the paths are where the
+campaigns write them, as `experiments/studies/pathx/results/*/zero_shot.json` name them):
+
+    python experiments/studies/pathx/cue_tests.py runs/pf32r/dense-bip/checkpoints/best.pt \
+        runs/pf32r/butterfly-bip/checkpoints/best.pt --labels dense butterfly --resolution 32 --workers 16 --out OUT/r32
+    python experiments/studies/pathx/cue_tests.py pxstate/nb-cont-lr3e-4/runs/cont-lr3e-4-1-full/checkpoints/best.pt \
+        pxstate/nb-cont-dense/runs/cont-dense-1-full/checkpoints/best.pt pxstate/nb-cont-bfly/runs/cont-bfly-1-full/checkpoints/best.pt \
+        --labels dense-lr3e-4 dense butterfly --resolution 128 --workers 16 --out OUT/r128
+    python experiments/studies/pathx/cue_tests.py pxstate/nb-p256-sincos-stages/runs/sincos-stages-9-full/checkpoints/best.pt \
+        --labels sincos-lr3e-4 --resolution 256 --workers 16 --out OUT/r256
+
 Writes ``OUT/cue_tests.csv`` / ``.json`` (one row a checkpoint and set), ``OUT/balance_probe.csv``
 / ``.json`` and prints a table last. On a CPU the faithful attention becomes SDPA (as in
 ``zero_shot.py``); evaluation has no dropout, so the function is the same.
