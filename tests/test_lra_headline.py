@@ -84,3 +84,19 @@ def test_a_missing_zero_shot_row_is_an_error():
     with pytest.raises(LookupError, match="no row for"):
         headline._from_zero_shot(f"{headline._PX}/swap", "no-such-model", "swapR6",
                                  f"{headline._PX}/runs/cont-bfly/cont-bfly-1-full", "pathx", "swap-R6")
+
+
+def test_cue_tests_rows_read_the_follow_rate(monkeypatch):
+    """cue_tests.py's table becomes headline rows: the cut set's follow rate, the balanced set's accuracy."""
+    real = headline._read_json
+    table = {"meta": {"commit": "1234567890abcdef", "gpu": "NVIDIA H100 80GB HBM3", "date": "2026-12-01T10:00:00"},
+             "rows": [{"label": "dense", "set": "cut", "class": "cut positives", "n": 900, "follow": 0.25, "flip": 0.3},
+                      {"label": "dense", "set": "balanced", "class": "all", "n": 3000, "acc": 0.52}]}
+    monkeypatch.setattr(headline, "_read_json", lambda rel: table if rel == "X/cue_tests.json" else real(rel))
+    run = "experiments/studies/pathfinder-release/results/dense-bip"
+    cut = headline._from_cue_tests("X", "dense", "cut", "cut positives", run, "pathfinder32", "cut-positives")
+    assert (cut["test_acc"], cut["n_test"], cut["commit"], cut["date"], cut["run"]) == (0.25, 900, "1234567", "2026-12-01", "dense-bip")
+    bal = headline._from_cue_tests("X", "dense", "balanced", "all", run, "pathfinder32", "balanced")
+    assert bal["test_acc"] == 0.52 and bal["source"] == "X/cue_tests.json#dense/balanced/all"
+    with pytest.raises(LookupError, match="no row"):
+        headline._from_cue_tests("X", "butterfly", "cut", "cut positives", run, "pathfinder32", "cut-positives")

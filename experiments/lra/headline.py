@@ -26,6 +26,9 @@ Evaluation sets:
   fresh ones).
 - ``swap-R``: the swap test (``zero_shot.py --swap R``): the share of answers that follow the
   marker neighbourhoods (radius R) of an image of the other label.
+- ``cut-positives`` / ``joined-negatives`` / ``balanced`` (``studies/pathx/cue_tests.py``, rows read
+  by `_from_cue_tests` once a run of it is committed): the share of answers that follow a cut or a
+  join far from the markers, per class; accuracy on the cue-balanced set.
 
 Commits. Where a run file records the commit of the code that ran, that is the commit. The
 Pathfinder-32 runs' ``summary.json`` carries none (written before issue 56); for them ``commit``
@@ -162,6 +165,21 @@ def _from_zero_shot(folder: str, label: str, input_: str, run_dir: str, task: st
     return _row(task, "release", eval_set, s["pattern"], s["density"], _seed(run_dir), r["acc"], r["n"],
                 _short(m.get("commit")), "cpu" if m.get("device") == "cpu" else m.get("gpu", m.get("device")),
                 m.get("date"), f"{folder}/zero_shot.json#{label}/{input_}", res["tag"])
+
+
+def _from_cue_tests(folder: str, label: str, set_: str, cls: str, run_dir: str, task: str, eval_set: str) -> dict:
+    """A row of ``cue_tests.py``'s table: model ``label`` (trained in ``run_dir``) on ``set_`` /
+    ``cls``. For the cut set ``test_acc`` is the follow rate (answers equal to the changed image's
+    label: 0 for a cut positive, 1 for a joined negative); otherwise the accuracy."""
+    z = _read_json(f"{folder}/cue_tests.json")
+    r = next((r for r in z["rows"] if r["label"] == label and r["set"] == set_ and r["class"] == cls), None)
+    if r is None:
+        raise LookupError(f"{folder}/cue_tests.json: no row for {label!r} on {set_!r} / {cls!r}")
+    s, m = _read_json(f"{run_dir}/summary.json"), z["meta"]
+    name = _read_json(f"{run_dir}/result.json")["tag"] if (ROOT / run_dir / "result.json").is_file() else Path(run_dir).name
+    return _row(task, "release", eval_set, s["pattern"], s["density"], _seed(run_dir),
+                r["follow"] if set_ == "cut" else r["acc"], r["n"], _short(m.get("commit")),
+                m.get("gpu") or m.get("device"), m.get("date"), f"{folder}/cue_tests.json#{label}/{set_}/{cls}", name)
 
 
 def build_rows() -> list[dict]:
