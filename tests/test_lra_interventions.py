@@ -138,3 +138,47 @@ def test_cue_tests_command_on_a_tiny_model(tmp_path):
     assert probe["meta"]["cut_positives"] == rows[1]["n"] and probe["meta"]["commit"]
     with pytest.raises(SystemExit, match="'pathfinder32' model; --resolution 128"):
         cue_tests.load_model(tmp_path / "best.pt", 128, "cpu")
+
+
+def test_weights_export_is_bf16_small_and_loads_where_best_pt_does(tmp_path):
+    """experiments/lra/weights.py: a faithful Path-X model exports under 5 MB; the export of a
+    Pathfinder-32 checkpoint loads in cue_tests and answers like the fp32 weights."""
+    import json
+
+    import torch
+
+    from sparseflash.experiments.lra import weights
+    from sparseflash.experiments.lra.configs import get_config
+    from sparseflash.experiments.lra.train import build_model
+    from sparseflash.experiments.studies.pathx import cue_tests
+
+    px = get_config("pathx", "faithful", ["model.attention=sdpa"])
+    (tmp_path / "px" / "checkpoints").mkdir(parents=True)
+    torch.save({"config": px.to_dict(), "model": build_model(px.validate()).state_dict(), "step": 3},
+               tmp_path / "px" / "checkpoints" / "best.pt")
+    r = weights.export(tmp_path / "px" / "checkpoints" / "best.pt", tmp_path / "px.pt")
+    assert 1.0e6 < r["parameters"] < 1.3e6 and r["mb"] < 5 and r["commit"] == "unknown"
+    with pytest.raises(ValueError, match="over --max-mb 1"):
+        weights.export(tmp_path / "px" / "checkpoints" / "best.pt", tmp_path / "big.pt", max_mb=1)
+    assert not (tmp_path / "big.pt").exists()
+
+    cfg = get_config("pathfinder32", "quick", ["model.d_model=16", "model.d_ff=16", "model.attention=sdpa"])
+    torch.manual_seed(0)
+    run = tmp_path / "pf" / "checkpoints"
+    run.mkdir(parents=True)
+    torch.save({"config": cfg.to_dict(), "model": build_model(cfg.validate()).state_dict(), "step": 5}, run / "best.pt")
+    (tmp_path / "pf" / "summary.json").write_text(json.dumps({"commit": "abc1234"}))
+    assert weights.main([str(run / "best.pt"), str(tmp_path / "pf.pt")]) == 0
+    saved = torch.load(tmp_path / "pf.pt", weights_only=False)
+    assert saved["commit"] == "abc1234" and saved["step"] == 5 and len(saved["sha256"]) == 64
+    assert all(v.dtype == torch.bfloat16 for v in saved["model"].values() if v.is_floating_point())
+    images = pf.render_many(pf.params_for(32, "hard"), np.random.default_rng(1), [0, 1] * 8)
+    images = np.stack(images)
+    full, _ = cue_tests.load_model(run / "best.pt", 32, "cpu")
+    small, step = cue_tests.load_model(tmp_path / "pf.pt", 32, "cpu")
+    assert step == 5
+    agree = (cue_tests.predict(full, images, "cpu") == cue_tests.predict(small, images, "cpu")).mean()
+    assert agree >= 0.8
+    with pytest.raises(ValueError, match="not a training checkpoint"):
+        torch.save({"x": 1}, tmp_path / "other.pt")
+        weights.export(tmp_path / "other.pt", tmp_path / "o.pt")
