@@ -15,6 +15,7 @@ folder of the other fidelity generated only for this).
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from sparseflash.experiments.lra.configs import config_from_dict
+from sparseflash.experiments.lra.provenance import code_commit
 
 SPLITS = ("train", "val", "test", "all")
 
@@ -81,7 +83,9 @@ def evaluate_run(run_dir, data_root, *, fidelity: str | None = None, split: str 
             "trained_on": trained_on, "data": str(data_root), "fidelity": getattr(sets[0], "fidelity", None),
             "split": split, "n": int(n), "acc": correct / max(n, 1), "loss": loss / max(n, 1),
             "acc_se": (correct / max(n, 1) * (1 - correct / max(n, 1)) / max(n, 1)) ** 0.5,
-            "seconds": round(time.perf_counter() - t0, 2), "device": str(dev)}
+            "seconds": round(time.perf_counter() - t0, 2), "device": str(dev),
+            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "commit": code_commit(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
 def main(args) -> int:

@@ -337,9 +337,9 @@ def _environment(device) -> dict:
         env["triton"] = None
     if torch.device(device).type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-    from sparseflash.experiments.bench.results import git_commit
+    from sparseflash.experiments.lra.provenance import code_commit
 
-    env["commit"] = git_commit()  # SPARSEFLASH_COMMIT overrides a copied tree's stale .git
+    env["commit"] = code_commit()  # SPARSEFLASH_COMMIT overrides a copied tree's stale .git
     return env
 
 

@@ -30,8 +30,11 @@ in progress with a full checkpoint, the line "stopped at step N by SIGTERM; cont
 --resume", and exit status 75 (`EXIT_STOPPED`); a second signal acts at once. ``--time-limit MIN``
 does the same before a step that, with the evaluation and checkpoint it triggers, is predicted not
 to end within MIN minutes of the command's start (see `_Stopper`). ``summary.json`` lists the run's
-commands in ``segments`` (step range, wall time, how each ended, host, GPU, command line) and
-their total wall time in ``wall_s_total``; a stopped command writes it with ``stopped_by`` set.
+commands in ``segments`` (step range, wall time, how each ended, the commit of its code, host, GPU,
+command line) and their total wall time in ``wall_s_total``; a stopped command writes it with
+``stopped_by`` set. ``commit`` (summary.json and each segment) is `provenance.code_commit`:
+``SPARSEFLASH_COMMIT`` when set (a snapshot sent to a GPU), else git HEAD, ``+dirty`` if the code
+differs from it.
 
 Data parallel. ``torchrun`` sets WORLD_SIZE; each rank then takes a contiguous slice of size
 ``batch_size / world`` of the same global batch, DDP averages gradients (NCCL on CUDA, gloo on
@@ -127,6 +130,7 @@ from sparseflash.experiments.lra.configs import (
     OBJECTIVES, TASKS, VARIANTS, ExperimentConfig, TrainConfig, config_from_dict, get_config)
 from sparseflash.experiments.lra.model import (
     ATTENTIONS, LRAClassifier, LRADenoiser, ModelConfig, host_plan, load_pretrained, mask_positions, parse_pattern_spec)
+from sparseflash.experiments.lra.provenance import code_commit
 
 __all__ = ["train", "evaluate", "build_model", "freeze_parameters", "average_gradients", "eval_mask", "denoise_loss", "StepBatches", "collate", "collate_planned",
            "lr_factor", "register_lra", "main", "EXIT_STOPPED", "EVAL_MASK_SEED", "add_data_arguments",
@@ -902,6 +906,7 @@ class _Run:
         self.clock = _Stopper.clock  # every duration of a run (logs, stopping predictions) on the deadline's clock
         self.t_start = self.clock()
         self.started_at = _now_iso()
+        self.commit = code_commit()  # this command's code (SPARSEFLASH_COMMIT on a GPU snapshot)
         self.rank, self.world, device = _dist_setup(device)
         self.device, self.deadline = device, deadline
         self.lead = self.rank == 0
@@ -1061,7 +1066,8 @@ class _Run:
         device = self.device
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         return {"start_step": self.start_step, "end_step": self.step, "wall_s": self.clock() - self.t_start,
-                "started": self.started_at, "ended": _now_iso(), "end": end, "host": platform.node(),
+                "started": self.started_at, "ended": _now_iso(), "end": end, "commit": self.commit,
+                "host": platform.node(),
                 "device": str(device), "gpu": gpu, "world_size": self.world, "resumed_from": self.resume,
                 "command": shlex.join(sys.argv)}
 
@@ -1277,7 +1283,7 @@ class _Run:
                    "finished": self.stopped_by is None, "stopped_by": self.stopped_by,
                    "world_size": self.world, "precision": self.precision, "device": str(device),
                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                   "torch": torch.__version__, "best_val": self.best}
+                   "torch": torch.__version__, "commit": self.commit, "best_val": self.best}
         if self.stopped_by is not None:
             if self.lead:
                 print(f"stopped at step {step} by {self.stopped_by}; continue with --resume", flush=True)

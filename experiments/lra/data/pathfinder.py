@@ -524,7 +524,10 @@ def render(params: PathfinderParams, rng, label: int, return_layers: bool = Fals
     (how many snakes draw each pixel: never more than one), ``markers`` (float coverage of the
     two disks), ``tips`` (marker centres, (y, x)), ``tip_snakes`` (snake id under each marker),
     ``origins`` / ``terminals`` (tips of the two target snakes), ``thetas`` (the orientation of
-    every paddle of each target snake, seed first, radians), ``margin``, ``num_distractors``.
+    every paddle of each target snake, seed first, radians), ``margin``, ``num_distractors``, and
+    what the image is drawn from: ``snakes`` (per snake, targets first: its contrast and its
+    paddles, seed first, as (canvas slices, line patch)), ``pad`` (the canvas border) and ``peak``
+    (the intensity scaled to 255); ``interventions.compose`` redraws the image from them.
     """
     if label not in (0, 1):
         raise ValueError(f"label must be 0 or 1, got {label!r}")
@@ -627,7 +630,8 @@ def _finish(p: PathfinderParams, g: _Geometry, rng, label: int, M, targets, retu
         np.maximum(markers[sl], disk, out=markers[sl])
     markers = markers[P:P + H, P:P + W]
     image = np.maximum(img[P:P + H, P:P + W], markers)
-    image = np.floor(image * (255.0 / image.max()) + 0.5).astype(np.uint8)
+    peak = float(image.max())
+    image = np.floor(image * (255.0 / peak) + 0.5).astype(np.uint8)
     if not return_layers:
         return image, {"margin": margin}
     layers = {
@@ -636,6 +640,11 @@ def _finish(p: PathfinderParams, g: _Geometry, rng, label: int, M, targets, retu
         "origins": tuple(s["origin"] for s in targets), "terminals": tuple(s["terminal"] for s in targets),
         "thetas": tuple(list(s["thetas"]) for s in targets),
         "margin": margin, "num_distractors": len(snakes) - 2,
+        # what the image is made of, to redraw it changed (`interventions.compose`): every snake's
+        # contrast and paddles (canvas slices, which are offset by `pad`, and line patches), and the
+        # intensity that became 255
+        "snakes": tuple((contrast, tuple((sl, line) for sl, line, _ in patches)) for _, contrast, patches in snakes),
+        "pad": P, "peak": peak,
     }
     return image, layers
 

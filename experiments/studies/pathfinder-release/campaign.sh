@@ -15,6 +15,11 @@
 # (butterfly 1 / 0.5 / 0.25 / 0.125, black as padding), one run after another, with the faithful
 # settings on a quarter of the schedule (15,600 steps: the quick variant, lr 1e-3 over 6,240 steps,
 # stays at chance on this data). RUNS names = $NAMES (default: all three).
+# Seeds (issue 56): a name ending in -sN (dense-bip-s1, butterfly-bip-s2) is that run with train.seed=N;
+# "sweep-seeds" is the sweep again with the seeds in $SWEEP_SEEDS (default "1 2"), in RUNS/sweep-seeds.
+#   NAMES="dense-bip-s1 butterfly-bip-s1 dense-bip-s2 butterfly-bip-s2" campaign.sh RUNS 9
+# A finished run also gets RUNS/<name>/weights-bf16.pt (`python -m sparseflash.experiments.lra.weights`:
+# its best-on-validation weights in bf16, ~0.3 MB), to carry back and commit.
 set -uo pipefail
 runs=$1; minutes=$2
 py=${PYTHON:-python3}
@@ -40,21 +45,30 @@ make "$clean" clean "$num_clean"
 echo "data ready after $(( $(date +%s) - t0 )) s"
 common=(--task pathfinder32 --config faithful --data "$rel" --attention sparseflash --compile --no-progress --resume)
 read -r -a names <<< "${NAMES:-dense-bip butterfly-bip sweep}"
+for name in "${names[@]}"; do  # every name known before anything starts
+    [[ $name =~ ^(dense-bip|butterfly-bip|dense)(-s[0-9]+)?$|^(sweep|sweep-seeds)$ ]] || { echo "unknown run name $name" >&2; exit 2; }
+done
 left=$(( minutes * 60 - ($(date +%s) - t0) - 60 ))  # a minute for the cross-evaluations
 pids=()
 for name in "${names[@]}"; do
     [ -f "$runs/$name/summary.json" ] && grep -q "\"finished\": true" "$runs/$name/summary.json" 2>/dev/null && continue
     lim=$($py -c "print(max($left, 30) / 60)")
-    case $name in
+    base=$name; seed=0
+    if [[ $name =~ ^(.*)-s([0-9]+)$ ]]; then base=${BASH_REMATCH[1]}; seed=${BASH_REMATCH[2]}; fi
+    case $base in
         dense-bip) args=(--pattern dense --set model.black_is_padding=True) ;;
         butterfly-bip) args=(--pattern butterfly --set model.black_is_padding=True) ;;
         dense) args=(--pattern dense) ;;
-        sweep) [ -f "$runs/sweep/sweep.csv" ] && ! grep -q ",stopped,\|,pending," "$runs/sweep/sweep.csv" && continue
+        sweep|sweep-seeds)
+               [ -f "$runs/$name/sweep.csv" ] && ! grep -q ",stopped,\|,pending," "$runs/$name/sweep.csv" && continue
+               read -r -a seeds <<< "$([ "$name" = sweep ] && echo 0 || echo "${SWEEP_SEEDS:-1 2}")"
                $py -m sparseflash lra sweep --task pathfinder32 --config faithful --data "$rel" --pattern butterfly \
-                   --densities 1 0.5 0.25 0.125 --set model.black_is_padding=True --set train.steps=15600 \
-                   --set train.eval_every=1560 --out "$runs/sweep" --time-limit "$lim" >> "$runs/sweep.log" 2>&1 &
+                   --densities 1 0.5 0.25 0.125 --seeds "${seeds[@]}" --set model.black_is_padding=True \
+                   --set train.steps=15600 --set train.eval_every=1560 --out "$runs/$name" --time-limit "$lim" \
+                   >> "$runs/$name.log" 2>&1 &
                pids+=($!); continue ;;
     esac
+    args+=(--set "train.seed=$seed")
     $py -m sparseflash lra train "${common[@]}" "${args[@]}" --time-limit "$lim" --out "$runs/$name" \
         >> "$runs/$name.log" 2>&1 &
     pids+=($!)
@@ -62,7 +76,7 @@ done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 for name in "${names[@]}"; do
-    [ "$name" = sweep ] && continue
+    [[ $name == sweep* ]] && { tail -n 3 "$runs/$name.log"; continue; }
     echo "--- $name: $(tail -n 1 "$runs/$name.log")"
     tail -n 2 "$runs/$name/eval.csv" 2>/dev/null
     if grep -q "\"finished\": true" "$runs/$name/summary.json" 2>/dev/null && [ ! -f "$runs/$name/crosseval-clean.json" ]; then
@@ -71,7 +85,9 @@ for name in "${names[@]}"; do
         $py -m sparseflash lra evaluate "$runs/$name" --data "$rel" --fidelity release --split test \
             --out "$runs/$name/eval-release-test.json" 2>&1 | tail -n 1
     fi
+    if grep -q "\"finished\": true" "$runs/$name/summary.json" 2>/dev/null && [ ! -f "$runs/$name/weights-bf16.pt" ]; then
+        $py -m sparseflash.experiments.lra.weights "$runs/$name/checkpoints/best.pt" "$runs/$name/weights-bf16.pt"
+    fi
 done
-tail -n 3 "$runs/sweep.log"
 echo "call took $(( $(date +%s) - t0 )) s"
 exit $rc

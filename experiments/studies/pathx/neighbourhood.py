@@ -917,9 +917,9 @@ def run_meta(argv=None) -> dict:
     """Where and when a command ran: commit, date, torch, CPU, Python and its command line."""
     import torch
 
-    from sparseflash.experiments.bench.results import git_commit
+    from sparseflash.experiments.lra.provenance import code_commit
 
-    return {"commit": git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    return {"commit": code_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__, "cpu": f"{_cpu_name()} ({os.cpu_count()} logical)",
             "python": platform.python_version(),
             "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}

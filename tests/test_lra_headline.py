@@ -1,0 +1,102 @@
+"""experiments/lra/results/headline.csv is built from the run files, and RESULTS.md's headline table and
+the README's LRA sentences are rendered from it (`python -m sparseflash.experiments.lra.headline`).
+CPU only, reads files (well under a second)."""
+
+import math
+
+import pytest
+
+from sparseflash.experiments.lra import headline
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return headline.build_rows()
+
+
+def test_csv_is_what_the_run_files_give(rows):
+    assert headline.CSV.read_text() == headline.csv_text(rows), \
+        "headline.csv differs from the run files: run python -m sparseflash.experiments.lra.headline"
+
+
+def test_results_md_and_readme_are_rendered_from_the_csv():
+    rows = headline.read_csv()
+    table = headline.block(headline.RESULTS_MD.read_text(), "headline").strip()
+    assert table == headline.render_table(rows), "RESULTS.md's headline table is stale: run the headline module"
+    sentence = " ".join(headline.block(headline.README.read_text(), "lra-headline").split())
+    assert sentence == headline.render_readme(rows), "README's LRA sentences are stale: run the headline module"
+
+
+def test_check_flag_passes_on_the_committed_files():
+    assert headline.main(["--check"]) == 0
+
+
+def test_every_row_has_its_columns_and_an_existing_source(rows):
+    keys = set()
+    for r in rows:
+        assert tuple(r) == headline.COLUMNS
+        assert r["task"] in headline.TASKS
+        path = headline.ROOT / r["source"].split("#")[0]
+        assert path.is_file(), f"{r['source']}: no such file"
+        assert 0 <= r["test_acc"] <= 1 and r["n_test"] > 0
+        assert math.isclose(r["stderr"], math.sqrt(r["test_acc"] * (1 - r["test_acc"]) / r["n_test"]))
+        assert r["commit"] and r["commit"] != "unknown", f"{r['source']}: no commit"
+        assert len(r["date"]) == 10 and r["gpu"]
+        key = tuple(r[k] for k in ("task", "train_fidelity", "eval_set", "pattern", "density", "seed", "run"))
+        assert key not in keys
+        keys.add(key)
+
+
+def test_a_changed_run_file_changes_the_table(rows, monkeypatch):
+    """The table follows the files: a different accuracy in a summary.json shows in the row and the prose."""
+    real = headline._read_json
+
+    def fake(rel):
+        d = real(rel)
+        if rel.endswith("dense-bip/summary.json"):
+            d = dict(d, test_best=dict(d["test_best"], acc=0.6543))
+        return d
+
+    monkeypatch.setattr(headline, "_read_json", fake)
+    changed = headline.build_rows()
+    row = next(r for r in changed if r["run"] == "dense-bip" and r["eval_set"] == "release")
+    assert row["test_acc"] == 0.6543
+    assert "65.4% dense" in headline.render_readme(changed)
+    assert "65.43 ± 0.34%" in headline.render_table(changed)
+
+
+def test_the_path256_gap_is_counted_in_standard_errors(rows):
+    r = next(r for r in rows if r["task"] == "path256" and r["eval_set"] == "release-val")
+    assert headline.published_gap(rows) == pytest.approx((0.631 - r["test_acc"]) / r["stderr"])
+    assert f"{headline.published_gap(rows):.1f} standard errors below" in headline.render_readme(rows)
+
+
+def test_update_block_replaces_one_block_and_rejects_none_or_two():
+    text = "a <!-- x -->old<!-- /x --> b"
+    assert headline.update_block(text, "x", "new", before="", after="") == "a <!-- x -->new<!-- /x --> b"
+    with pytest.raises(LookupError, match="expected one"):
+        headline.update_block("no block here", "x", "new")
+    with pytest.raises(LookupError, match="expected one"):
+        headline.update_block(text + text, "x", "new")
+
+
+def test_a_missing_zero_shot_row_is_an_error():
+    with pytest.raises(LookupError, match="no row for"):
+        headline._from_zero_shot(f"{headline._PX}/swap", "no-such-model", "swapR6",
+                                 f"{headline._PX}/runs/cont-bfly/cont-bfly-1-full", "pathx", "swap-R6")
+
+
+def test_cue_tests_rows_read_the_follow_rate(monkeypatch):
+    """cue_tests.py's table becomes headline rows: the cut set's follow rate, the balanced set's accuracy."""
+    real = headline._read_json
+    table = {"meta": {"commit": "1234567890abcdef", "gpu": "NVIDIA H100 80GB HBM3", "date": "2026-12-01T10:00:00"},
+             "rows": [{"label": "dense", "set": "cut", "class": "cut positives", "n": 900, "follow": 0.25, "flip": 0.3},
+                      {"label": "dense", "set": "balanced", "class": "all", "n": 3000, "acc": 0.52}]}
+    monkeypatch.setattr(headline, "_read_json", lambda rel: table if rel == "X/cue_tests.json" else real(rel))
+    run = "experiments/studies/pathfinder-release/results/dense-bip"
+    cut = headline._from_cue_tests("X", "dense", "cut", "cut positives", run, "pathfinder32", "cut-positives")
+    assert (cut["test_acc"], cut["n_test"], cut["commit"], cut["date"], cut["run"]) == (0.25, 900, "1234567", "2026-12-01", "dense-bip")
+    bal = headline._from_cue_tests("X", "dense", "balanced", "all", run, "pathfinder32", "balanced")
+    assert bal["test_acc"] == 0.52 and bal["source"] == "X/cue_tests.json#dense/balanced/all"
+    with pytest.raises(LookupError, match="no row"):
+        headline._from_cue_tests("X", "butterfly", "cut", "cut positives", run, "pathfinder32", "cut-positives")

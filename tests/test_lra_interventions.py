@@ -1,0 +1,184 @@
+"""The cut test and cue-balanced sets (experiments/lra/data/interventions.py, studies/pathx/cue_tests.py):
+redrawing an image from the generator's layers gives it back byte for byte; a cut severs the marked
+snake and a join links the two target snakes, both leaving every pixel near the markers as it was;
+balancing removes the label information from features that carry it. Small images, CPU, ~10 s."""
+
+import numpy as np
+import pytest
+from scipy import ndimage
+
+from sparseflash.experiments.lra.data import interventions as iv
+from sparseflash.experiments.lra.data import pathfinder as pf
+
+
+def _made(resolution, fidelity, n, seed=3):
+    p = pf.params_for(resolution, "hard", fidelity)
+    return p, pf.render_many(p, np.random.default_rng([seed, resolution]), [i % 2 for i in range(n)], True)
+
+
+@pytest.mark.parametrize("resolution,fidelity", [(32, "release"), (32, "clean"), (64, "release"), (128, "clean")])
+def test_compose_redraws_the_image_exactly(resolution, fidelity):
+    _, made = _made(resolution, fidelity, 4)
+    for img, lay in made:
+        assert np.array_equal(iv.compose(lay), img)
+        assert iv.chained(iv._drawn(lay, [lay["tip_snakes"][0] - 1]), [lay["origins"][lay["tip_snakes"][0] - 1],
+                                                                         lay["terminals"][lay["tip_snakes"][0] - 1]],
+                          lay["margin"])  # a whole target snake is one chain
+
+
+def _far(shape, tips, radius):
+    yy, xx = np.mgrid[:shape[0], :shape[1]]
+    return np.min([np.hypot(yy - y, xx - x) for y, x in tips], axis=0) > radius
+
+
+@pytest.mark.parametrize("resolution,fidelity", [(32, "release"), (128, "release"), (128, "clean")])
+def test_cut_and_join_change_the_path_and_nothing_near_the_markers(resolution, fidelity):
+    p, made = _made(resolution, fidelity, 12)
+    radius = iv.default_radius(resolution)
+    done = {0: 0, 1: 0}
+    for img, lay in made:
+        label = int(lay["tip_snakes"][0] == lay["tip_snakes"][1])
+        out = iv.cut(img, lay, p) if label else iv.join(img, lay, p)
+        if out is None:
+            continue
+        new, info = out
+        done[label] += 1
+        changed = new != img
+        assert changed.sum() == info["changed"] > 0 and new.dtype == np.uint8 and new.shape == img.shape
+        assert iv.unchanged_within(img, new, lay["tips"], radius)
+        assert _far(img.shape, lay["tips"], radius)[changed].all()
+        if label:  # the marked snake, less the paddles taken out, no longer links the markers
+            s, ks = info["snake"], info["paddles"]
+            assert len(ks) == 2 and 0 < min(ks) and max(ks) < len(lay["snakes"][s][1]) - 1
+            assert (new <= img).all()
+            assert not iv.chained(iv._drawn(lay, [s], [(s, k) for k in ks]), lay["tips"], lay["margin"])
+        else:  # only ink added, and it touches both target snakes
+            assert (new >= img).all()
+            grown = ndimage.binary_dilation(changed, iterations=2)
+            assert (grown & (lay["ids"] == 1)).any() and (grown & (lay["ids"] == 2)).any()
+    assert done[1] >= 2 and done[0] >= 2, done  # most images take a cut or a join
+
+
+def test_interventions_refuse_the_wrong_class_and_bad_layers():
+    p, made = _made(32, "release", 2)
+    (neg, lay0), (pos, lay1) = made
+    with pytest.raises(ValueError, match="cut takes images of label 1"):
+        iv.cut(neg, lay0, p)
+    with pytest.raises(ValueError, match="join takes images of label 0"):
+        iv.join(pos, lay1, p)
+    with pytest.raises(ValueError, match="missing"):
+        iv.compose({"tips": lay1["tips"]})
+    with pytest.raises(ValueError, match="params are for 64 px"):
+        iv.cut(pos, lay1, pf.params_for(64, "hard"))
+    with pytest.raises(ValueError, match="n_paddles"):
+        iv.cut(pos, lay1, p, n_paddles=0)
+
+
+def test_balance_removes_what_the_features_say_about_the_label():
+    from sparseflash.experiments.lra.probe import fit_mlp
+
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 1600)
+    x = np.stack([labels + rng.normal(0, 1.0, labels.size), rng.normal(0, 1, labels.size)], 1)  # feature 0 leaks
+    keep = iv.balance(x, labels, bins=10, epochs=15)
+    assert len(keep) > 400 and labels[keep].sum() * 2 == len(keep)  # as many of either label
+    te = keep[: len(keep) // 4]
+    tr = keep[len(keep) // 4:]
+    before = fit_mlp(x[400:], labels[400:], x[:400], labels[:400], epochs=15)
+    after = fit_mlp(x[tr], labels[tr], x[te], labels[te], epochs=15)
+    assert before > 0.65 and abs(after - 0.5) < 0.1, (before, after)
+    with pytest.raises(ValueError, match="both 0 and 1"):
+        iv.balance(x, np.zeros(len(x), int))
+
+
+def test_score_follow_and_flip_rates():
+    from sparseflash.experiments.studies.pathx.cue_tests import score
+
+    labels = np.array([1, 1, 0, 0, 1, 0])
+    ok = np.array([True, True, True, True, False, True])
+    data = {"labels": labels, "ok": ok}
+    pred = labels.copy()  # right on every unchanged image
+    tracer = 1 - labels[ok]  # follows every change
+    rows = score(pred, tracer, data, {"swapR4": (np.array([1, 0]), np.array([1, 1]))}, (np.array([1, 0]), np.array([1, 0])))
+    by = {(r["set"], r["class"]): r for r in rows}
+    assert by["fresh", "all"]["acc"] == 1.0
+    assert by["cut", "cut positives"]["follow"] == 1.0 and by["cut", "cut positives"]["flip"] == 1.0
+    assert by["cut", "cut positives"]["n"] == 2 and by["cut", "cut positives"]["n_skipped"] == 1
+    assert by["cut", "joined negatives"]["follow"] == 1.0 and by["cut", "joined negatives"]["n"] == 3
+    assert by["swapR4", "all"]["acc"] == 0.5 and by["balanced", "all"]["acc"] == 1.0
+    reader = labels[ok]  # answers as before: follows nothing
+    rows = score(pred, reader, data, {}, (np.array([1]), np.array([1])))
+    assert all(r["follow"] == 0.0 and r["flip"] == 0.0 for r in rows if r["set"] == "cut")
+
+
+def test_cue_tests_command_on_a_tiny_model(tmp_path):
+    """The whole command at 32 px on a small untrained Pathfinder-32 model (CPU): the tables it writes."""
+    import json
+
+    import torch
+
+    from sparseflash.experiments.lra.configs import get_config
+    from sparseflash.experiments.lra.train import build_model
+    from sparseflash.experiments.studies.pathx import cue_tests
+
+    cfg = get_config("pathfinder32", "quick", ["model.d_model=16", "model.d_ff=16", "model.attention=sdpa"])
+    torch.manual_seed(0)
+    torch.save({"config": cfg.to_dict(), "model": build_model(cfg.validate()).state_dict(), "step": 7},
+               tmp_path / "best.pt")
+    assert cue_tests.main([str(tmp_path / "best.pt"), "--labels", "tiny", "--resolution", "32", "--num", "40",
+                           "--balance-pool", "200", "--workers", "1", "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
+    rows = json.loads((tmp_path / "o" / "cue_tests.json").read_text())["rows"]
+    assert [(r["set"], r["class"]) for r in rows] == [("fresh", "all"), ("cut", "cut positives"),
+                                                      ("cut", "joined negatives"), ("swapR5", "all"), ("balanced", "all")]
+    assert all(r["label"] == "tiny" and r["step"] == 7 for r in rows)
+    assert rows[0]["n"] == 40 and rows[1]["n"] + rows[1]["n_skipped"] == 20
+    probe = json.loads((tmp_path / "o" / "balance_probe.json").read_text())
+    assert {(r["set"], r["feature"]) for r in probe["rows"]} == {(s, f) for s in ("all", "balanced")
+                                                                 for f in ("coords", "paddle-directions", "patches")}
+    assert probe["meta"]["cut_positives"] == rows[1]["n"] and probe["meta"]["commit"]
+    with pytest.raises(SystemExit, match="'pathfinder32' model; --resolution 128"):
+        cue_tests.load_model(tmp_path / "best.pt", 128, "cpu")
+
+
+def test_weights_export_is_bf16_small_and_loads_where_best_pt_does(tmp_path):
+    """experiments/lra/weights.py: a faithful Path-X model exports under 5 MB; the export of a
+    Pathfinder-32 checkpoint loads in cue_tests and answers like the fp32 weights."""
+    import json
+
+    import torch
+
+    from sparseflash.experiments.lra import weights
+    from sparseflash.experiments.lra.configs import get_config
+    from sparseflash.experiments.lra.train import build_model
+    from sparseflash.experiments.studies.pathx import cue_tests
+
+    px = get_config("pathx", "faithful", ["model.attention=sdpa"])
+    (tmp_path / "px" / "checkpoints").mkdir(parents=True)
+    torch.save({"config": px.to_dict(), "model": build_model(px.validate()).state_dict(), "step": 3},
+               tmp_path / "px" / "checkpoints" / "best.pt")
+    r = weights.export(tmp_path / "px" / "checkpoints" / "best.pt", tmp_path / "px.pt")
+    assert 1.0e6 < r["parameters"] < 1.3e6 and r["mb"] < 5 and r["commit"] == "unknown"
+    with pytest.raises(ValueError, match="over --max-mb 1"):
+        weights.export(tmp_path / "px" / "checkpoints" / "best.pt", tmp_path / "big.pt", max_mb=1)
+    assert not (tmp_path / "big.pt").exists()
+
+    cfg = get_config("pathfinder32", "quick", ["model.d_model=16", "model.d_ff=16", "model.attention=sdpa"])
+    torch.manual_seed(0)
+    run = tmp_path / "pf" / "checkpoints"
+    run.mkdir(parents=True)
+    torch.save({"config": cfg.to_dict(), "model": build_model(cfg.validate()).state_dict(), "step": 5}, run / "best.pt")
+    (tmp_path / "pf" / "summary.json").write_text(json.dumps({"commit": "abc1234"}))
+    assert weights.main([str(run / "best.pt"), str(tmp_path / "pf.pt")]) == 0
+    saved = torch.load(tmp_path / "pf.pt", weights_only=False)
+    assert saved["commit"] == "abc1234" and saved["step"] == 5 and len(saved["sha256"]) == 64
+    assert all(v.dtype == torch.bfloat16 for v in saved["model"].values() if v.is_floating_point())
+    images = pf.render_many(pf.params_for(32, "hard"), np.random.default_rng(1), [0, 1] * 8)
+    images = np.stack(images)
+    full, _ = cue_tests.load_model(run / "best.pt", 32, "cpu")
+    small, step = cue_tests.load_model(tmp_path / "pf.pt", 32, "cpu")
+    assert step == 5
+    agree = (cue_tests.predict(full, images, "cpu") == cue_tests.predict(small, images, "cpu")).mean()
+    assert agree >= 0.8
+    with pytest.raises(ValueError, match="not a training checkpoint"):
+        torch.save({"x": 1}, tmp_path / "other.pt")
+        weights.export(tmp_path / "other.pt", tmp_path / "o.pt")
