@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseflash.cli import ArgumentParser, positive_int, run_command
+from sparseflash.cmdline import ArgumentParser, positive_int, run_command
 
 import sparseflash.hf
 from sparseflash.experiments.lra.model import parse_pattern_spec

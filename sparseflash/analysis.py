@@ -339,7 +339,7 @@ def plot_density(rows: list[dict], path, *, exponents: dict | None = None):
 
 # ---------------------------------------------------------------------------- CLI
 def register(subparsers) -> None:
-    from sparseflash.cli import positive_int
+    from sparseflash.cmdline import positive_int
 
     p = subparsers.add_parser(
         "patterns", help="draw and analyse the pattern zoo at one length",
@@ -387,7 +387,7 @@ def _cmd_patterns(args) -> int:
     import os
 
     import sparseflash
-    from sparseflash.cli import check_output_dir
+    from sparseflash.cmdline import check_output_dir
 
     check_output_dir(args.out)
     os.makedirs(args.out, exist_ok=True)

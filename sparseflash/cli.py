@@ -9,115 +9,31 @@ function that only declares arguments (heavy imports happen when a command runs)
     sparseflash plot RESULTS              redraw figures from saved results        (experiments/bench)
     sparseflash lra data|show|train|speed LRA / Path-X data and experiments       (experiments/lra)
 
-Errors: a known failure of a command -- data missing or malformed, a bad option or config value
-(the ValueError / TypeError our validation raises, naming the argument), a file or folder that
-cannot be read or written -- ends it with one line on stderr, ``sparseflash: error: <what> (<what
-to do>)``, and exit status 2 (`EXIT_USAGE`, as argparse's own errors); a Ctrl-C ends it with exit
-status 130. Anything else is a bug and keeps its traceback. ``SPARSEFLASH_DEBUG=1`` re-raises every
-error, traceback included.
-
-The same contract holds for every ``python -m sparseflash.experiments...`` entry point: their
-``__main__`` block runs ``main`` through `run_command` (called in-process, ``main`` raises as any
-function does) and their parsers are this module's `ArgumentParser`, whose argument errors are
-the same one line (exit status 2). Commands check their arguments and output
-folders (`check_output_dir`, `check_output_file`) before any work starts; `CommandError` carries
-a known failure with its own remedy.
+The error contract (one line ``sparseflash: error: <what> (<what to do>)`` and exit status 2 for
+a known failure) and the argument helpers every command uses live in `sparseflash.cmdline`, a leaf
+module: the command modules import it, never this one, so loading them here makes no import loop.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
-import os
 import platform
 import sys
-import tempfile
-from pathlib import Path
-from sparseflash import _env
 
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+from sparseflash import _env
+# the shared error contract and argument helpers (re-exported: commands and tests use them from here too)
+from sparseflash.cmdline import (EXIT_INTERRUPTED, EXIT_USAGE, ArgumentParser, CommandError,  # noqa: F401
+                                 check_output_dir, check_output_file, known_error, non_negative_int, positive_int,
+                                 run_command)
+
+_known_error = known_error  # (its earlier name)
 
 _REGISTRARS = (
     "sparseflash.analysis",
     "sparseflash.experiments.bench.cli",
     "sparseflash.experiments.lra.cli",
 )
-
-
-class CommandError(Exception):
-    """A known failure and what to do about it: printed as ``sparseflash: error: <what> (<todo>)``."""
-
-    def __init__(self, what: str, todo: str):
-        super().__init__(what)
-        self.todo = todo
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors (a bad or missing argument) are the contract's one line and exit 2.
-    Subparsers inherit the class."""
-
-    def error(self, message):
-        self.exit(EXIT_USAGE, f"sparseflash: error: {message} (see {self.prog} --help)\n")
-
-
-def _integer(text: str, low: int, expected: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if v < low:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-    return v
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (the error names what was expected, never this function)."""
-    return _integer(text, 1, "a positive integer")
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0."""
-    return _integer(text, 0, "a non-negative integer")
-
-
-def check_output_dir(path, option: str = "--out") -> Path:
-    """Fail now, before any work, unless ``path`` is (or can become) a folder this process can
-    write: the missing folders are made, a probe file written and removed, and the folders this
-    made removed again (commands that refuse an existing output folder still see none).
-    Raises `CommandError` naming ``option``."""
-    path = Path(path)
-    made = []
-    try:
-        missing = [p for p in (path, *path.parents) if not p.exists()]
-        for p in reversed(missing):
-            p.mkdir()
-            made.append(p)
-        if not path.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".sparseflash-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise CommandError(f"{option} {path}: cannot write there ({e.strerror or e})",
-                           f"choose a folder you can write for {option}") from None
-    finally:
-        for p in reversed(made):
-            try:
-                p.rmdir()
-            except OSError:
-                pass
-    return path
-
-
-def check_output_file(path, option: str = "--out") -> Path:
-    """`check_output_dir` for the folder of an output file ``path``, which must not be a folder."""
-    path = Path(path)
-    if path.is_dir():
-        raise CommandError(f"{option} {path} is a folder", f"give {option} a file name such as {path / 'out.png'}")
-    check_output_dir(path.parent if str(path.parent) else Path("."), option)
-    return path
 
 
 def info() -> dict:
@@ -178,57 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(sub)
     return parser
-
-
-def _known_error(e: BaseException) -> tuple[str, str] | None:
-    """``(what, what to do)`` for a failure the user can fix, or None for a bug (keep its traceback).
-
-    The LRA data errors are matched by class name so that this module never imports the
-    experiments (they may not be installed)."""
-    names = {c.__name__ for c in type(e).__mro__}
-    what = str(e) or type(e).__name__
-    if isinstance(e, CommandError):
-        return what, e.todo
-    if "DatasetNotFoundError" in names:
-        return what, "check --data, or make the data: sparseflash lra data --help"
-    if "MalformedDataError" in names:
-        return what, "regenerate or replace that file: sparseflash lra data --help"
-    if isinstance(e, OSError):
-        if e.filename is not None and e.strerror:
-            what = f"{e.strerror}: {e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
-        if isinstance(e, FileExistsError):
-            return what, "choose another output folder, or pass the command's --overwrite / --resume if it has one"
-        if isinstance(e, PermissionError):
-            return what, "choose a folder you can read and write"
-        if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError)):
-            return what, "check the path"
-        if e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
-            return what, "check that the disk is writable and has space"
-        if e.errno is None:  # not the system's error: a file that is not what it should be (an unreadable PNG)
-            return what, "check that file; regenerate or replace it"
-        return what, "check the path and its disk"
-    if isinstance(e, (ValueError, TypeError)):
-        return what, "see the command's --help; SPARSEFLASH_DEBUG=1 shows the traceback"
-    return None
-
-
-def run_command(func, *args) -> int:
-    """``func(*args)`` under the error contract: its int result (None: 0); a known failure is one
-    line on stderr and `EXIT_USAGE`, Ctrl-C `EXIT_INTERRUPTED`, a bug keeps its traceback."""
-    debug = _env.debug()
-    try:
-        return int(func(*args) or 0)
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print("sparseflash: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as e:
-        known = None if debug else _known_error(e)
-        if known is None:
-            raise
-        print(f"sparseflash: error: {known[0]} ({known[1]})", file=sys.stderr)
-        return EXIT_USAGE
 
 
 def main(argv=None) -> int:

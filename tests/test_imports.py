@@ -218,3 +218,19 @@ def test_launcher_layering():
     for m in ("launch", "dispatch", "tiles", "operands", "fast", "autograd"):
         lines = (PACKAGE / "flash" / f"{m}.py").read_text().count("\n")
         assert lines <= 500, f"{m}.py has {lines} lines"
+
+
+def test_command_modules_do_not_import_the_entry_point():
+    """`sparseflash.cli` loads the modules that contribute commands (importlib, so a missing extra
+    is skipped); none of them imports `sparseflash.cli` back (they take the shared helpers from the
+    leaf `sparseflash.cmdline`), so the command line has no hidden import loop."""
+    from sparseflash import cli
+
+    root = PACKAGE.parent
+    for name in cli._REGISTRARS:
+        parts = name.split(".")
+        path = (PACKAGE.joinpath(*parts[1:]) if parts[1] != "experiments" else root.joinpath(*parts[1:]))
+        text = path.with_suffix(".py").read_text()
+        assert "sparseflash.cli " not in text and "sparseflash.cli\n" not in text and "from sparseflash import cli" \
+            not in text, name
+    assert not {m for m in _graph()["sparseflash.cmdline"] if m.startswith("sparseflash")} - LEAVES

@@ -217,7 +217,7 @@ def _cmd_bench(args) -> int:
     from sparseflash.experiments.bench import seqlen, sparsity
     from sparseflash.experiments.bench.results import write_results
 
-    from sparseflash.cli import check_output_dir
+    from sparseflash.cmdline import check_output_dir
 
     cfg = config_from_args(args)
     out = args.out or f"bench-results/{cfg.bench}-{cfg.device}"
@@ -239,7 +239,7 @@ def _cmd_bench(args) -> int:
 def _cmd_plot(args) -> int:
     from pathlib import Path
 
-    from sparseflash.cli import CommandError, check_output_dir
+    from sparseflash.cmdline import CommandError, check_output_dir
     from sparseflash.experiments.bench.plots import plot_results
 
     for r in args.results:

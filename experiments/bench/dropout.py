@@ -22,7 +22,7 @@ import subprocess
 
 import torch
 
-from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
+from sparseflash.cmdline import ArgumentParser, check_output_dir, positive_int, run_command
 
 
 def _call(provider, q, k, v, mask, p):

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
+from sparseflash.cmdline import ArgumentParser, check_output_dir, positive_int, run_command
 from sparseflash.experiments.bench.results import write_tidy
 
 # sparseflash providers: (exact, dispatch.HOPPER_EXACT, hopper_bwd.MODE), None leaving a switch as it is

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
+from sparseflash.cmdline import ArgumentParser, check_output_dir, positive_int, run_command
 
 COLUMNS = ["part", "provider", "pass", "head_dim", "mask", "density", "key_lengths", "kl_checked", "host_us",
            "host_us_min", "eager_ms", "gpu_ms", "eager_over_gpu", "kernel_ms", "eager_over_kernels",

@@ -22,7 +22,7 @@ import tempfile
 
 import torch
 
-from sparseflash.cli import ArgumentParser, non_negative_int, positive_int, run_command
+from sparseflash.cmdline import ArgumentParser, non_negative_int, positive_int, run_command
 
 TARGET_ARCH = 90
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
+from sparseflash.cmdline import ArgumentParser, check_output_dir, positive_int, run_command
 from sparseflash.experiments.bench.results import write_tidy
 
 PROVIDERS = ("sparseflash-segments", "flex-document", "sparseflash-dense", "sdpa-dense")

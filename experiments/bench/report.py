@@ -536,7 +536,7 @@ def render(template: str | None = None) -> str:
 
 
 def main(argv=None) -> int:
-    from sparseflash.cli import ArgumentParser
+    from sparseflash.cmdline import ArgumentParser
 
     ap = ArgumentParser(prog="python -m sparseflash.experiments.bench.report",
                                  description="write BENCHMARKS.md from the results tables and its template")
@@ -557,6 +557,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from sparseflash.cli import run_command
+    from sparseflash.cmdline import run_command
 
     raise SystemExit(run_command(main))

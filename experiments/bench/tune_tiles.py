@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
+from sparseflash.cmdline import ArgumentParser, check_output_dir, positive_int, run_command
 
 # (block_m, block_n, num_warps, num_stages[, maxnreg]); fwd/dq: block_m = q tile held, block_n = k
 # tile streamed; dkdv: block_n = k tile held, block_m = q tile streamed. A register cap (maxnreg)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import importlib
 import json
 
-from sparseflash.cli import check_output_dir, check_output_file
-from sparseflash.cli import non_negative_int as _non_negative
-from sparseflash.cli import positive_int as _positive
+from sparseflash.cmdline import check_output_dir, check_output_file
+from sparseflash.cmdline import non_negative_int as _non_negative
+from sparseflash.cmdline import positive_int as _positive
 
 __all__ = ["register", "EXTENSIONS"]
 

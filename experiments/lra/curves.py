@@ -79,7 +79,7 @@ def _table(runs) -> str:
 
 
 def _cmd(args) -> int:
-    from sparseflash.cli import CommandError, check_output_file
+    from sparseflash.cmdline import CommandError, check_output_file
 
     if not Path(args.runs).is_dir():
         raise CommandError(f"RUNS {args.runs} is not a folder", "give the folder that holds your lra train outputs")
@@ -102,7 +102,7 @@ def register_lra(sub) -> None:
 
 
 def main(argv=None) -> int:
-    from sparseflash.cli import ArgumentParser
+    from sparseflash.cmdline import ArgumentParser
 
     ap = ArgumentParser(prog="python -m sparseflash.experiments.lra.curves", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -111,6 +111,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from sparseflash.cli import run_command
+    from sparseflash.cmdline import run_command
 
     raise SystemExit(run_command(main))

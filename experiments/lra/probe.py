@@ -201,7 +201,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 def _main(args) -> int:
-    from sparseflash.cli import check_output_dir
+    from sparseflash.cmdline import check_output_dir
 
     check_output_dir(args.out)
     t0 = time.perf_counter()
@@ -214,7 +214,7 @@ def _main(args) -> int:
 
 
 def register_lra(sub) -> None:
-    from sparseflash.cli import positive_int
+    from sparseflash.cmdline import positive_int
     from sparseflash.experiments.lra.data._parallel import default_workers
 
     p = sub.add_parser("probe", help="how much of a Pathfinder label the marker positions alone give away",

@@ -650,7 +650,7 @@ def plot_speed(result: dict, out_dir) -> list[Path]:
 
 # -------------------------------------------------------------------------------------------- CLI
 def add_speed_arguments(p: argparse.ArgumentParser) -> None:
-    from sparseflash.cli import non_negative_int, positive_int
+    from sparseflash.cmdline import non_negative_int, positive_int
 
     p.add_argument("--task", default="all", help=f"'all' or a comma-separated list of {', '.join(SPEED_TASKS)}")
     p.add_argument("--out", required=True, help="output directory (with --plot-only: the directory to redraw)")
@@ -677,7 +677,7 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_speed(args) -> int:
-    from sparseflash.cli import CommandError, check_output_dir
+    from sparseflash.cmdline import CommandError, check_output_dir
 
     if args.plot_only:
         out = Path(args.out)
@@ -734,7 +734,7 @@ def register_lra(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    from sparseflash.cli import ArgumentParser
+    from sparseflash.cmdline import ArgumentParser
 
     parser = ArgumentParser(prog="python -m sparseflash.experiments.lra.speed", description=__doc__.split("\n\n")[0])
     add_speed_arguments(parser)
@@ -742,6 +742,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from sparseflash.cli import run_command
+    from sparseflash.cmdline import run_command
 
     sys.exit(run_command(main))

@@ -486,7 +486,7 @@ def _seed(text: str) -> int:
 
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
-    from sparseflash.cli import non_negative_int, positive_int
+    from sparseflash.cmdline import non_negative_int, positive_int
     from sparseflash.experiments.lra.model import ATTENTIONS
     from sparseflash.experiments.lra.train import _minutes, add_data_arguments, add_device_arguments
 
@@ -517,7 +517,7 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_sweep(args) -> int:
-    from sparseflash.cli import CommandError, check_output_dir
+    from sparseflash.cmdline import CommandError, check_output_dir
     from sparseflash.experiments.lra.configs import get_config
     from sparseflash.experiments.lra.train import EXIT_STOPPED
 
@@ -567,7 +567,7 @@ def register_lra(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    from sparseflash.cli import ArgumentParser
+    from sparseflash.cmdline import ArgumentParser
 
     parser = ArgumentParser(prog="python -m sparseflash.experiments.lra.sweep", description=__doc__.split("\n\n")[0])
     add_sweep_arguments(parser)
@@ -575,6 +575,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from sparseflash.cli import run_command
+    from sparseflash.cmdline import run_command
 
     sys.exit(run_command(main))

@@ -1337,7 +1337,7 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    from sparseflash.cli import non_negative_int, positive_int
+    from sparseflash.cmdline import non_negative_int, positive_int
 
     add_data_arguments(p, task_required=True)
     p.add_argument("--out", required=True, help="output directory (metrics, checkpoints, summary)")
@@ -1405,7 +1405,7 @@ def _minutes(text: str) -> float:
 def _cmd_train(args) -> int:
     """Exit status 0 when the run reached its end (the schedule or --max-steps), `EXIT_STOPPED` (75)
     when a signal or --time-limit ended it early with a checkpoint to ``--resume`` from."""
-    from sparseflash.cli import check_output_dir
+    from sparseflash.cmdline import check_output_dir
 
     deadline = _Stopper.clock() + 60 * args.time_limit if args.time_limit else None
     cfg = config_from_args(args)
@@ -1440,7 +1440,7 @@ def register_lra(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    from sparseflash.cli import ArgumentParser
+    from sparseflash.cmdline import ArgumentParser
 
     parser = ArgumentParser(prog="python -m sparseflash.experiments.lra.train", description=__doc__.split("\n\n")[0])
     add_train_arguments(parser)
@@ -1448,6 +1448,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from sparseflash.cli import run_command
+    from sparseflash.cmdline import run_command
 
     sys.exit(run_command(main))

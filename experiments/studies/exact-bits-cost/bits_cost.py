@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 
 

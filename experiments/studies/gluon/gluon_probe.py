@@ -53,7 +53,7 @@ import triton
 
 __all__ = ["main", "probe_forward", "compile_sm90", "Variant", "VARIANTS", "parse_variant", "GLUON_ERROR"]
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 from sparseflash.flash.hopper.common import GLUON_ERROR  # the package's guarded gluon import, shared
 
 if GLUON_ERROR is None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 CASES = [(16384, 128, "dense"), (16384, 128, "random"), (4096, 128, "random"), (4096, 128, "causal"),
          (16384, 64, "dense"), (4096, 64, "random")]

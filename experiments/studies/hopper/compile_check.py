@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 __all__ = ["compile_case", "CASES", "main"]
 

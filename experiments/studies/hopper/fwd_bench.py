@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 PROVIDERS = ("hopper", "hopper-fwd", "portable", "flex", "sdpa-flash", "sdpa-cudnn")
 # (forward, backward) modes of the sparseflash providers, held over the whole timed step

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 CASES = [(4096, 128, "causal"), (4096, 128, "dense"), (4096, 64, "causal"), (4096, 64, "dense"),
          (16384, 128, "dense"), (16384, 64, "dense"), (16384, 128, "causal"), (4096, 128, "random"),

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 PROVIDERS = ("hopper", "hopper-fwd", "portable", "flex", "sdpa-flash", "sdpa-cudnn")
 LABELS = {"hopper": "sparseflash (Hopper kernels)", "hopper-fwd": "Hopper forward + portable backward",

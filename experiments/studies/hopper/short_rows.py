@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 # (tokens per sequence, 128-key blocks per row of a random mask)
 CASES = [(1024, 1), (1024, 2), (2048, 2), (4096, 1), (4096, 2), (4096, 3), (4096, 4), (4096, 6), (16384, 3),

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 
 def _graph_ms(fn, bench):

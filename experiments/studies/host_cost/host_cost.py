@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 from sparseflash.experiments.bench.timing import SLEEP_CYCLES, graph_ms, host_us
 
 def _recorded_launches(fn):

@@ -25,7 +25,7 @@ import pstats
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 __all__ = ["measure", "table", "stubbed_kernels", "main"]
 

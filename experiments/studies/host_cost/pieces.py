@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 
 def main(argv=None) -> int:

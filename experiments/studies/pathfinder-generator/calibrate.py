@@ -181,7 +181,7 @@ def plot(result: dict, samples: Path, out: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    from sparseflash.cli import ArgumentParser, CommandError, check_output_dir, positive_int
+    from sparseflash.cmdline import ArgumentParser, CommandError, check_output_dir, positive_int
 
     ap = ArgumentParser(prog="calibrate.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--num", type=positive_int, default=160, help="generated images per fidelity and resolution")
@@ -205,6 +205,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from sparseflash.cli import run_command
+    from sparseflash.cmdline import run_command
 
     raise SystemExit(run_command(main))

@@ -26,7 +26,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 __all__ = ["fit_fixed_cost", "main"]
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 from sparseflash.experiments.bench.timing import graph_ms as _ms
 
 __all__ = ["main", "plot", "IMPLEMENTATIONS"]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 KS = (1, 4, 13, 32, 128)
 VARIANTS = {  # name: knobs of the study copy (bwd_variants.KNOBS)

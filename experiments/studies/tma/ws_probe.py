@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparseflash.cli import ArgumentParser, run_command
+from sparseflash.cmdline import ArgumentParser, run_command
 
 __all__ = ["main"]
 
