@@ -233,6 +233,23 @@ def h200_check(v: dict, rows) -> None:
     v["h200_gpu"] = _stamp(rows, "device_name").replace("NVIDIA ", "")
 
 
+def h200_training(v: dict, rows) -> None:
+    """Today's H200 16K run (random and butterfly at density ~0.1, d 64 and 128): fwd+bwd against
+    Flex on the same mask, against the ideal (density x our dense fwd+bwd), dense against cuDNN."""
+    x_flex, x_ideal, x_cudnn = [], [], []
+    for d in (64, 128):
+        dense = one(rows, provider="sparseflash-dense", seq_len=16384, head_dim=d, mode="fwdbwd")["ms"]
+        x_cudnn.append(one(rows, provider="sdpa-cudnn", seq_len=16384, head_dim=d, mode="fwdbwd")["ms"] / dense)
+        for pat in ("random", "butterfly"):
+            ours = _sparsest(rows, "sparseflash", pat, 16384, d, "fwdbwd")
+            x_flex.append(_sparsest(rows, "flex", pat, 16384, d, "fwdbwd")["ms"] / ours["ms"])
+            x_ideal.append(ours["ms"] / (ours["rel_density"] * dense))
+    v["h2_fb_x_flex"], v["h2_x_ideal"], v["h2_fb_x_cudnn"] = span(x_flex), span(x_ideal), span(x_cudnn)
+    v["h2_density"] = span([r["rel_density"] for r in pick(rows, provider="sparseflash", seq_len=16384, mode="fwdbwd")
+                            if r["rel_density"] < 0.5])
+    v["h2_commit"], v["h2_date"] = _stamp(rows), day(_stamp(rows, "date"))
+
+
 # ----------------------------------------------------------------------------- Hopper
 HOPPER_PROVIDERS = ("hopper", "portable", "flex", "sdpa-flash", "sdpa-cudnn")
 HOPPER_MASKS = ("dense", "causal", "random", "butterfly", "local")
@@ -499,6 +516,7 @@ def values() -> dict[str, str]:
     hop = _hopper_rows()
     hopper_section(v, hop)
     h200_check(v, table(f"{RES}/kernel-check-h200/sparsity.csv"))
+    h200_training(v, table(f"{RES}/kernel-check-h200-16k/sparsity.csv"))
     seqlen_section(v, table(f"{RES}/seqlen/seqlen.csv"))
     causal_section(v, table(f"{RES}/causal/sparsity.csv"))
     head_dims_section(v)
@@ -509,7 +527,7 @@ def values() -> dict[str, str]:
     exact_section(v)
     lra_section(v)
     stamped = [kc, table(f"{RES}/causal/sparsity.csv"), table(f"{RES}/seqlen/seqlen.csv"), table(f"{RES}/sparsity/sparsity.csv"),
-               hop, table(f"{RES}/kernel-check-h200/sparsity.csv")]
+               hop, table(f"{RES}/kernel-check-h200/sparsity.csv"), table(f"{RES}/kernel-check-h200-16k/sparsity.csv")]
     dates = sorted(day(r["date"]) for rows in stamped for r in rows)
     v["first_date"], v["last_date"] = dates[0], dates[-1]
     v["heads"], v["tokens"] = str(cfg["heads"]), f"{cfg['tokens'] // 1024}K"
