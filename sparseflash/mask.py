@@ -38,6 +38,11 @@ partial blocks only, so memory is proportional to P (a 128K-token causal window 
 128: 2040 tiles, 4 MB), never ``seq_q x seq_k``; and int32 tables aligned with the lists,
 ``kv_tile`` with ``kv_idx`` and ``q_tile`` with ``q_idx``, giving each listed block's tile, -1 for
 a full block (and the padding). The kernels read a tile's bits only in partial blocks.
+
+Where things are: this module is the mask core (layout, index form, exact bits, algebra); the
+token-level mask_mods and their evaluation over blocks are `sparseflash.mask_mods`, the FlexAttention
+conversions `sparseflash.mask_flex`, the pictures `sparseflash._picture`. Their public names are
+re-exported here where they were before (``HeadStackMod``).
 """
 
 from __future__ import annotations
@@ -49,13 +54,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from sparseflash import mask_flex
 from sparseflash._picture import plot_layout, text_picture
+from sparseflash.mask_mods import (FN_CHUNK_ELEMS, CombinedMod, DenseMod, HeadStackMod, LayoutMod, RangeMod,
+                                   check_fn_result, eval_blocks, eval_partial, mod_to)
 
-__all__ = ["BlockMask", "BlockIndex", "ExactBits", "as_block_mask"]
+__all__ = ["BlockMask", "BlockIndex", "ExactBits", "as_block_mask", "HeadStackMod"]
 
-# Token pairs (batch x heads x rows x keys) `from_fn` evaluates at once: the mask function's
-# int64 intermediates then take 512 MiB on a GPU (64K x 64K in 64 chunks), 32 MiB on a CPU.
-_FN_CHUNK_ELEMS = {"cuda": 1 << 26, "cpu": 1 << 22}
+# Token pairs (batch x heads x rows x keys) `from_fn` and `exact_bits` evaluate at once (the same dict as
+# `sparseflash.mask_mods.FN_CHUNK_ELEMS`, where it is documented).
+_FN_CHUNK_ELEMS = FN_CHUNK_ELEMS
+
 
 
 def block_pair(block_size, name: str = "block_size") -> tuple[int, int]:
@@ -104,201 +113,6 @@ def sorted_nonzero(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count, idx.contiguous()
 
 
-# ------------------------------------------------------------------ token-level functions
-def _pick(t: torch.Tensor, dim: int, idx):
-    """Index for dim ``dim`` of ``t``: ``idx`` where the dim is real, 0 where it is broadcast (size 1)."""
-    return idx if t.shape[dim] > 1 else 0
-
-
-class _LayoutMod:
-    """mask_mod of a block layout: pair (q, kv) is on iff its block is on. Broadcasts like FlexAttention's
-    mask_mods (tensors of indices in, a bool tensor out) and moves with ``.to(device)``."""
-
-    def __init__(self, layout: torch.Tensor, block_size: tuple[int, int]):
-        self.layout, self.block_size = layout, block_size
-
-    def __call__(self, b, h, q_idx, kv_idx):
-        bq, bk = self.block_size
-        lay = self.layout
-        return lay[_pick(lay, 0, b), _pick(lay, 1, h), q_idx // bq, kv_idx // bk]
-
-    def to(self, device):
-        return _LayoutMod(self.layout.to(device), self.block_size)
-
-
-class _DenseMod:
-    """mask_mod of a token-level bool mask ``[B', H', seq_q, seq_k]`` (a lookup)."""
-
-    def __init__(self, token_mask: torch.Tensor):
-        self.token_mask = token_mask
-
-    def __call__(self, b, h, q_idx, kv_idx):
-        tm = self.token_mask
-        return tm[_pick(tm, 0, b), _pick(tm, 1, h), q_idx, kv_idx]
-
-    def to(self, device):
-        return _DenseMod(self.token_mask.to(device))
-
-
-class _RangeMod:
-    """mask_mod of key ranges: query i of batch row b attends keys ``start[b, i] <= j < end[b, i]``
-    (int64 ``[B', seq_q]`` each)."""
-
-    def __init__(self, start: torch.Tensor, end: torch.Tensor):
-        self.start, self.end = start, end
-
-    def __call__(self, b, h, q_idx, kv_idx):
-        bb = _pick(self.start, 0, b)
-        return (kv_idx >= self.start[bb, q_idx]) & (kv_idx < self.end[bb, q_idx])
-
-    def to(self, device):
-        return _RangeMod(self.start.to(device), self.end.to(device))
-
-
-class _CombinedMod:
-    """``op`` (and / or) of mask_mods, applied left to right."""
-
-    def __init__(self, op, parts):
-        self.op, self.parts = op, tuple(parts)
-
-    def __call__(self, b, h, q_idx, kv_idx):
-        out = self.parts[0](b, h, q_idx, kv_idx)
-        for part in self.parts[1:]:
-            out = self.op(out, part(b, h, q_idx, kv_idx))
-        return out
-
-    def to(self, device):
-        return _CombinedMod(self.op, [_mod_to(p, device) for p in self.parts])
-
-
-class HeadStackMod:
-    """mask_mod of masks stacked along heads: head ``h`` in ``[starts[i], starts[i] + heads[i])`` reads
-    ``parts[i]`` at head ``h - starts[i]``."""
-
-    def __init__(self, parts, heads):
-        self.parts, self.heads = tuple(parts), tuple(heads)
-
-    def __call__(self, b, h, q_idx, kv_idx):
-        out, start = None, 0
-        for part, n in zip(self.parts, self.heads):
-            here = (h >= start) & (h < start + n)
-            # clamp keeps the index in range for the heads where `here` is False
-            v = here & part(b, (h - start).clamp(0, n - 1), q_idx, kv_idx)
-            out = v if out is None else out | v
-            start += n
-        return out
-
-    def to(self, device):
-        return HeadStackMod([_mod_to(p, device) for p in self.parts], self.heads)
-
-
-_OWN_MODS = (_LayoutMod, _DenseMod, _CombinedMod, HeadStackMod)
-
-
-def _mod_to(mod, device):
-    """Move a mask_mod made here (which holds tensors) to ``device``; a user's function is left as is."""
-    return mod.to(device) if isinstance(mod, _OWN_MODS) else mod
-
-
-def _causal_mod(b, h, q_idx, kv_idx):
-    # Module level so that torch.compile sees one function across masks (no recompiles).
-    return q_idx >= kv_idx
-
-
-def _offset_causal_mod(offset: int):
-    def causal_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + offset
-
-    return causal_mod
-
-
-def _check_fn_result(out, fn, shape: tuple[int, int, int, int], device) -> torch.Tensor:
-    """fn's result as a bool tensor broadcast to 4-D, with batch / head dims 1 or full."""
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-        what = f"a tensor of dtype {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise TypeError(
-            f"fn must return a bool torch.Tensor (FlexAttention's mask_mod convention), got {what} from {fn!r}"
-        )
-    if out.device != torch.device(device) and not (out.device.type == torch.device(device).type == "cuda"):
-        raise ValueError(f"fn returned a tensor on {out.device}, expected {device} (pass device= to match its tensors)")
-    try:
-        target = torch.broadcast_shapes(out.shape, (1, 1, shape[2], shape[3]))
-    except RuntimeError:
-        target = None
-    if target is None or len(target) != 4 or target[0] not in (1, shape[0]) or target[1] not in (1, shape[1]) \
-            or target[2:] != shape[2:]:
-        raise ValueError(
-            f"fn returned shape {tuple(out.shape)}, which does not broadcast to [batch, heads, q, kv] = "
-            f"{list(shape)} (it is called with b [{shape[0]},1,1,1], h [1,{shape[1]},1,1], q_idx [1,1,{shape[2]},1] "
-            f"and kv_idx [1,1,1,{shape[3]}] int64 tensors)"
-        )
-    return out.expand(target)
-
-
-def _eval_blocks(fn, seq_q: int, seq_k: int, block_size: tuple[int, int], batch: int, heads: int, device,
-                 chunk_elems: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(any, all) of ``fn`` over the real token pairs of every block: bool ``[B', H', QB, KB]`` each.
-
-    Query rows are evaluated a chunk of block rows at a time; indices past the end of a sequence are
-    clamped to its last token, which repeats a real row / column of the block and so changes neither
-    ``any`` nor ``all``. Memory: one chunk of ``chunk_elems`` pairs (plus fn's intermediates).
-    """
-    bq, bk = block_size
-    qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
-    device = torch.device(device)
-    if chunk_elems is None:
-        chunk_elems = _FN_CHUNK_ELEMS["cuda" if device.type == "cuda" else "cpu"]
-    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
-    kv = torch.arange(kb * bk, device=device).clamp_(max=seq_k - 1).view(1, 1, 1, kb * bk)
-    anys, alls = [], []
-    i0, step = 0, 1  # the first chunk is one block row; its result's shape sizes the rest
-    while i0 < qb:
-        i1 = min(qb, i0 + step)
-        q = torch.arange(i0 * bq, i1 * bq, device=device).clamp_(max=seq_q - 1).view(1, 1, -1, 1)
-        out = _check_fn_result(fn(b, h, q, kv), fn, (batch, heads, (i1 - i0) * bq, kb * bk), device)
-        lb, lh = out.shape[:2]
-        tiles = out.reshape(lb, lh, i1 - i0, bq, kb, bk)
-        anys.append(tiles.any(dim=-1).any(dim=-2))
-        alls.append(tiles.all(dim=-1).all(dim=-2))
-        if i0 == 0:
-            step = max(1, chunk_elems // (lb * lh * bq * kb * bk))
-        i0 = i1
-    lead = torch.broadcast_shapes(*(a.shape[:2] for a in anys))
-    any_ = torch.cat([a.expand(*lead, -1, -1) for a in anys], dim=2)
-    all_ = torch.cat([a.expand(*lead, -1, -1) for a in alls], dim=2)
-    return any_, all_
-
-
-def _pool(grid: torch.Tensor, fq: int, fk: int, fill: bool, reduce) -> torch.Tensor:
-    """Pool a bool ``[B, H, QB, KB]`` grid by ``fq x fk`` blocks, padding the edges with ``fill``."""
-    qb, kb = grid.shape[-2:]
-    padded = torch.nn.functional.pad(grid, (0, -kb % fk, 0, -qb % fq), value=fill)
-    B, H, Q, K = padded.shape
-    return reduce(reduce(padded.reshape(B, H, Q // fq, fq, K // fk, fk), -1), -2)
-
-
-def _by_row(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlexAttention's (num, indices) form of a bool [B, H, QB, KB]: on columns first, ascending; the
-    rest of each row holds the off columns (valid indices, never read)."""
-    num = layout.sum(-1, dtype=torch.int32)
-    idx = layout.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
-    return num.contiguous(), idx.contiguous()
-
-
-def _from_rows(num: torch.Tensor, idx: torch.Tensor, qb: int, kb: int) -> torch.Tensor:
-    """Bool [B, H, qb, kb] from a FlexAttention (num, indices) pair; entries past num and indices past
-    the grid (a mask made for longer sequences) are ignored."""
-    while num.dim() < 3:
-        num, idx = num.unsqueeze(0), idx.unsqueeze(0)
-    num, idx = num[..., :qb], idx[..., :qb, :]
-    valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None].long()
-    valid &= (idx >= 0) & (idx < kb)
-    counts = torch.zeros(*idx.shape[:-1], kb + 1, dtype=torch.int32, device=idx.device)
-    counts.scatter_add_(-1, torch.where(valid, idx.long(), kb), valid.to(torch.int32))
-    return counts[..., :kb] > 0
-
-
 @dataclass(frozen=True)
 class BlockIndex:
     """Compressed index form of a `BlockMask` on one device (see module docstring)."""
@@ -345,46 +159,6 @@ def _tile_table(tile_of: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     out = torch.where(i < n, t.gather(-1, i.clamp(max=n - 1)), -1)
     return out.to(torch.int32).contiguous()
 
-
-def _pack_bits(on: torch.Tensor) -> torch.Tensor:
-    """bool ``[n, R, C]`` -> int32 ``[n, R, ceil(C / 32)]``, bit ``c % 32`` of word ``c // 32``."""
-    n, r, c = on.shape
-    w = math.ceil(c / 32)
-    on = torch.nn.functional.pad(on, (0, 32 * w - c)).view(n, r, w, 32)
-    words = (on.to(torch.int64) << torch.arange(32, device=on.device)).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-
-
-def _eval_partial(fn, nz: torch.Tensor, seq_q: int, seq_k: int, block_size: tuple[int, int],
-                  chunk_elems: int) -> torch.Tensor:
-    """``fn`` over the blocks ``nz [P, 4]`` (batch, head, q block, k block), a chunk of blocks at a
-    time, packed (`_pack_bits`): int32 ``[P, block_q, ceil(block_k / 32)]``. Called with ``b, h
-    [n, 1, 1, 1]``, ``q_idx [n, 1, block_q, 1]``, ``kv_idx [n, 1, 1, block_k]`` (indices past a
-    sequence's end clamped to its last token; those pairs are then set off)."""
-    bq, bk = block_size
-    dev = nz.device
-    oq, ok = torch.arange(bq, device=dev), torch.arange(bk, device=dev)
-    step = max(1, chunk_elems // (bq * bk))
-    out = []
-    for i in range(0, nz.shape[0], step):
-        blk = nz[i:i + step]
-        n = blk.shape[0]
-        q = blk[:, 2, None] * bq + oq  # [n, bq]
-        kv = blk[:, 3, None] * bk + ok  # [n, bk]
-        on = fn(blk[:, 0].view(n, 1, 1, 1), blk[:, 1].view(n, 1, 1, 1), q.clamp(max=seq_q - 1).view(n, 1, bq, 1),
-                kv.clamp(max=seq_k - 1).view(n, 1, 1, bk))
-        if not isinstance(on, torch.Tensor) or on.dtype != torch.bool:
-            what = f"a tensor of dtype {on.dtype}" if isinstance(on, torch.Tensor) else type(on).__name__
-            raise TypeError(f"mask_mod must return a bool torch.Tensor (FlexAttention's convention), got {what} "
-                            f"from {fn!r}")
-        try:
-            on = on.to(dev).expand(n, 1, bq, bk).reshape(n, bq, bk)
-        except RuntimeError:
-            raise ValueError(f"mask_mod returned shape {tuple(on.shape)} for index tensors b, h [{n},1,1,1], "
-                             f"q_idx [{n},1,{bq},1], kv_idx [{n},1,1,{bk}]: it must broadcast elementwise") from None
-        on = on & (q < seq_q)[:, :, None] & (kv < seq_k)[:, None, :]
-        out.append(_pack_bits(on))
-    return torch.cat(out) if len(out) > 1 else out[0]
 
 
 class BlockMask:
@@ -488,7 +262,7 @@ class BlockMask:
         tm = token_mask
         while tm.dim() < 4:
             tm = tm.unsqueeze(0)
-        return cls(pooled, (bq, bk), seq_q, seq_k, full=full, mask_mod=_DenseMod(tm))
+        return cls(pooled, (bq, bk), seq_q, seq_k, full=full, mask_mod=DenseMod(tm))
 
     @classmethod
     def from_key_ranges(cls, key_ranges, seq_k: int, block_size=128) -> "BlockMask":
@@ -535,7 +309,7 @@ class BlockMask:
         c0 = torch.arange(0, seq_k, bk, device=device)
         c1 = (c0 + bk).clamp(max=seq_k)
         full = layout & ((lo[:, :, None] <= c0) & (hi[:, :, None] >= c1)).unsqueeze(1)
-        return cls(layout, (bq, bk), seq_q, seq_k, full=full, mask_mod=_RangeMod(start, end))
+        return cls(layout, (bq, bk), seq_q, seq_k, full=full, mask_mod=RangeMod(start, end))
 
     @classmethod
     def from_fn(cls, fn, seq_q: int, seq_k: int | None = None, block_size=128, batch: int | None = None,
@@ -569,7 +343,7 @@ class BlockMask:
                 raise ValueError(f"{name} must be a positive int or None (shared), got {v!r}")
         bq, bk = block_pair(block_size)
         device = torch.device("cpu" if device is None else device)
-        any_, all_ = _eval_blocks(fn, seq_q, seq_k, (bq, bk), batch or 1, heads or 1, device)
+        any_, all_ = eval_blocks(fn, seq_q, seq_k, (bq, bk), batch or 1, heads or 1, device)
         return cls(any_, (bq, bk), seq_q, seq_k, full=all_, mask_mod=fn)
 
     # ------------------------------------------------------------------ properties
@@ -663,7 +437,7 @@ class BlockMask:
             return self
         out = BlockMask(self.layout.to(device), self.block_size, self.seq_q, self.seq_k,
                         full=None if self._full is None else self._full.to(device),
-                        mask_mod=_mod_to(self.mask_mod, device))
+                        mask_mod=mod_to(self.mask_mod, device))
         if device in self._index_cache:
             out._index_cache[device] = self._index_cache[device]
         if device in self._exact_cache:
@@ -684,7 +458,7 @@ class BlockMask:
             h = torch.arange(dense.shape[1], device=dev).view(1, -1, 1, 1)
             q = torch.arange(self.seq_q, device=dev).view(1, 1, -1, 1)
             kv = torch.arange(self.seq_k, device=dev).view(1, 1, 1, -1)
-            out = _check_fn_result(self.mask_mod(b, h, q, kv), self.mask_mod, tuple(dense.shape), dev)
+            out = check_fn_result(self.mask_mod(b, h, q, kv), self.mask_mod, tuple(dense.shape), dev)
             dense = dense & out
         return dense
 
@@ -741,7 +515,7 @@ class BlockMask:
             self._exact_cache[device] = None
             return None
         chunk = _FN_CHUNK_ELEMS["cuda" if self.device.type == "cuda" else "cpu"]
-        bits = _eval_partial(self.mask_mod, nz, self.seq_q, self.seq_k, self.block_size, chunk).to(device)
+        bits = eval_partial(self.mask_mod, nz, self.seq_q, self.seq_k, self.block_size, chunk).to(device)
         tile_of = torch.full(partial.shape, -1, dtype=torch.int32, device=self.device)
         tile_of[partial] = torch.arange(nz.shape[0], dtype=torch.int32, device=self.device)
         tile_of = tile_of.to(device)
@@ -780,53 +554,14 @@ class BlockMask:
         and ignores the block lists, so it needs the lookup (forced on when ``block_size`` differs).
         """
         try:
-            from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
+            import torch.nn.attention.flex_attention  # noqa: F401  (torch >= 2.5)
         except ImportError as e:
             raise ImportError(f"to_flex needs torch.nn.attention.flex_attention (torch >= 2.5): {e}") from None
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {causal!r}")
         device = self.device if device is None else torch.device(device)
-        src = self.to(device)
-        bq, bk = src.block_size
-        fb = src.block_size if block_size is None else block_pair(block_size)
-        coarse = fb != src.block_size
-        parts = []
-        if layout_in_mask_mod or coarse:
-            parts.append(_LayoutMod(src.layout, src.block_size))
-        if src.mask_mod is not None:
-            parts.append(src.mask_mod)
-        if causal:
-            parts.append(_causal_mod if src.seq_q == src.seq_k else _offset_causal_mod(src.seq_k - src.seq_q))
-        layout, full = src.layout, src.full
-        if causal:
-            attended = src.pair_counts(causal=True)
-            layout = layout & (attended > 0)
-            full = full & (attended == src.pair_counts(causal=False))
-        if coarse and fb[0] % bq == 0 and fb[1] % bk == 0:
-            fq, fk = fb[0] // bq, fb[1] // bk
-            layout = _pool(layout, fq, fk, False, torch.any)
-            full = _pool(full, fq, fk, True, torch.all) & layout
-        elif coarse:
-            truth = _CombinedMod(operator.and_, parts)
-            layout, full = _eval_blocks(truth, src.seq_q, src.seq_k, fb, src.layout.shape[0], src.layout.shape[1],
-                                        device)
-            full = full & layout
-        kv_num, kv_idx = _by_row(layout & ~full)
-        full_num, full_idx = _by_row(full)
-        mask_mod = None
-        if len(parts) == 1 and not isinstance(parts[0], _OWN_MODS):
-            mask_mod = parts[0]  # the user's function, or the causal one, as it is
-        elif parts:
-            mod = parts[0] if len(parts) == 1 else _CombinedMod(operator.and_, parts)
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return mod(b, h, q_idx, kv_idx)
-
-            if layout_in_mask_mod and not (causal or coarse):
-                # lets from_flex recover this mask's own mask_mod instead of nesting lookups
-                mask_mod._sparseflash = (src.layout, src.block_size, src.mask_mod)
-        return FlexBlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tuple(fb),
-                                            mask_mod=mask_mod, seq_lengths=(src.seq_q, src.seq_k))
+        fb = self.block_size if block_size is None else block_pair(block_size)
+        return mask_flex.to_flex(self.to(device), causal, fb, layout_in_mask_mod)
 
     @classmethod
     def from_flex(cls, flex_mask) -> "BlockMask":
@@ -842,29 +577,12 @@ class BlockMask:
         """
         try:
             from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
-            from torch.nn.attention.flex_attention import noop_mask
         except ImportError as e:
             raise ImportError(f"from_flex needs torch.nn.attention.flex_attention (torch >= 2.5): {e}") from None
         if not isinstance(flex_mask, FlexBlockMask):
             raise TypeError(f"flex_mask must be a torch.nn.attention.flex_attention.BlockMask, got {type(flex_mask).__name__}")
-        seq_q, seq_k = (int(x) for x in flex_mask.seq_lengths)
-        bq, bk = (int(x) for x in flex_mask.BLOCK_SIZE)
-        qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
-        layout = _from_rows(flex_mask.kv_num_blocks, flex_mask.kv_indices, qb, kb)
-        full = torch.zeros_like(layout)
-        if flex_mask.full_kv_num_blocks is not None:
-            full = _from_rows(flex_mask.full_kv_num_blocks, flex_mask.full_kv_indices, qb, kb)
-        layout = layout | full
-        mod = flex_mask.mask_mod
-        if mod is noop_mask:
-            mod = None
-        tag = getattr(mod, "_sparseflash", None)
-        if tag is not None:
-            own_layout, own_block, own_mod = tag
-            inside = own_block == (bq, bk) and not bool((layout & ~own_layout.to(layout.device)).any())
-            if inside:  # the lookup in mod is implied by the layout: keep the mask's own mask_mod
-                mod = own_mod
-        return cls(layout, (bq, bk), seq_q, seq_k, full=None if mod is None else full, mask_mod=mod)
+        layout, block, seq_q, seq_k, full, mod = mask_flex.from_flex_parts(flex_mask)
+        return cls(layout, block, seq_q, seq_k, full=full, mask_mod=mod)
 
     def check_broadcast(self, batch: int, heads: int, what: str = "mask") -> None:
         """Raises unless the layout broadcasts to ``batch`` x ``heads`` (each 1 or equal)."""
@@ -900,15 +618,15 @@ class BlockMask:
         # Token level: each side's truth is (its block is on) & its mask_mod. A block is known full
         # if it is full on one side (|) or on both (&); the rest of the on blocks count as partial
         # (for & an on block may even hold no attended pair: pooling an intersection is not exact).
-        mod = _CombinedMod(op, [self.token_mod(), other.token_mod()])
+        mod = CombinedMod(op, [self.token_mod(), other.token_mod()])
         return BlockMask(layout, self.block_size, self.seq_q, self.seq_k, full=op(self.full, other.full), mask_mod=mod)
 
     def token_mod(self):
         """The mask's token-level truth as one mask_mod function (FlexAttention's convention, see
         `from_fn`): the block lookup, and ``mask_mod`` where there is one. Used to combine masks
         (``|``, ``&``, the pattern zoo's head stacks) without losing their token-level definitions."""
-        lookup = _LayoutMod(self.layout, self.block_size)
-        return lookup if self.mask_mod is None else _CombinedMod(operator.and_, [lookup, self.mask_mod])
+        lookup = LayoutMod(self.layout, self.block_size)
+        return lookup if self.mask_mod is None else CombinedMod(operator.and_, [lookup, self.mask_mod])
 
     def __or__(self, other):
         return self._combine(other, torch.logical_or, "|")
