@@ -387,7 +387,7 @@ def test_varlen_kernels_against_float64(dtype, route, device, monkeypatch):
     fai._VARLEN_MASKS.clear()
     monkeypatch.setattr(fai, "VARLEN_MASK_MIN", 8 if route == "mask" else 1 << 40)
     if device == "cpu":
-        monkeypatch.setattr(function, "SEGMENT_BLOCK", 32)  # several blocks to prune at this size
+        monkeypatch.setattr(autograd, "SEGMENT_BLOCK", 32)  # several blocks to prune at this size
     q, k, v, do, cu_q, cu_k = _varlen_inputs(VARLEN, 2, 1, 40, torch.float32, pad_q=2, seed=3)
     ranges = key_ranges_from_cu_seqlens(cu_q, cu_k, q.shape[0], causal=True)
 

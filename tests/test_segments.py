@@ -31,7 +31,7 @@ def small_blocks(monkeypatch, device):
     """On CPU, lists of 32-token blocks when segments alone prune (mask=None), so that rows of a
     hundred tokens have several blocks to skip; on a GPU the default (128)."""
     if device == "cpu":
-        monkeypatch.setattr(function, "SEGMENT_BLOCK", 32)
+        monkeypatch.setattr(autograd, "SEGMENT_BLOCK", 32)
 
 
 def _id(p):

@@ -70,7 +70,7 @@ def visited_block_fraction(seg: torch.Tensor, causal: bool) -> float:
     from sparseflash.flash import autograd
     from sparseflash.segments import segment_block_layout
 
-    b = function.SEGMENT_BLOCK
+    b = autograd.SEGMENT_BLOCK
     layout = segment_block_layout(seg, seg, b, b)[:, 0]
     nb = layout.shape[-1]
     if causal:
