@@ -18,7 +18,7 @@ blocks, or its layout) AND ``j <= i`` if ``causal`` AND ``seg[i] == seg[j]`` wit
 query block. Three placements are scored by the most work one rank gets (on block pairs) and by the
 traffic (key blocks some other rank needs): contiguous runs (documents and windows stay together),
 zig-zag (rank r takes chunks r and 2W-1-r of 2W: balanced causal) and a longest-processing-time greedy
-with equal block counts. The least traffic among the placements within 5% of the best balance wins.
+with equal block counts. The least traffic among the placements within 10% of the best balance wins.
 The plan's digest is all-gathered once; ranks that built different plans all raise.
 
 For each pair (my query blocks, rank s) the plan keeps the key blocks of s that some on block needs
@@ -61,6 +61,9 @@ import torch.distributed as dist
 from sparseflash.mask import BlockMask
 
 __all__ = ["Plan", "plan", "attention"]
+
+# a placement whose busiest rank has at most this much more work than the best one may win on traffic
+_BALANCE_SLACK = 1.1
 
 
 # ------------------------------------------------------------------ checks
@@ -203,7 +206,7 @@ class Plan:
                 traffic += int((need & ~mine).sum())
             scored[name] = (max(loads), traffic, loads)
         best = min(v[0] for v in scored.values())
-        ok = [n for n in cands if scored[n][0] <= best * 1.05 + 1e-9]
+        ok = [n for n in cands if scored[n][0] <= best * _BALANCE_SLACK + 1e-9]
         self.placement = min(ok, key=lambda n: (scored[n][1], scored[n][0]))
         self.owned = cands[self.placement]
         self.work = scored[self.placement][2]
@@ -507,8 +510,9 @@ def attention(q_l: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor, plan: Pla
         o, lse = part(s, ks, vs)
         outs.append(o)
         lses.append(lse)
-    # the empty sum ties this rank's output to the exchange, so its backward (entered by every rank) runs
-    tie = buf[:0].sum().to(q_l.dtype)
+    # empty sums tie this rank's output to the exchange, so its backward (entered by every rank) runs
+    # even when no query here attends anything, and q_l gets a (zero) gradient then too
+    tie = (buf[:0].sum() + q_l[:, :, :0].sum()).to(q_l.dtype)
     if not outs:
         o = torch.zeros_like(q_l) + tie
         lse = torch.full(q_l.shape[:3], -math.inf, device=q_l.device)
