@@ -41,8 +41,9 @@ def _cases(w):
     cases.append(("per-head-layout-N301", 301, 32, 2, 1, 16,
                   {"mask": BlockMask.from_layout(lay, 32, 301), "causal": True}, "reference"))
     if w == 2:
-        cases.append(("interpreter-causal-docs-N150", 150, 32, 2, 1, 16,
-                      {"causal": True, "segment_ids": _docs([40, 70, 40])}, "triton"))
+        cases.append(("interpreter-docs-N90", 90, 32, 2, 1, 16, {"segment_ids": _docs([40, 50])}, "triton"))
+    else:  # the 4-rank group: the cases whose plans differ most with the world size
+        cases = [c for c in cases if c[0].split("-")[0] in ("causal", "butterfly", "docs", "empty")]
     return cases
 
 
@@ -94,7 +95,7 @@ def _check_bytes(rank, w):
     k = torch.randn(1, 2, n, 16)
     kl = plan.shard(k)
     ql = plan.shard(torch.randn(1, 2, n, 16))
-    sfd.attention(ql, kl, kl, plan)
+    sfd.attention(ql, kl, kl, plan, backend="reference")
     assert plan.bytes_sent == 0 and plan.expected_bytes(kl, kl) == 0
     # a local window of 40 tokens sends only the halo: one block from the left neighbour, none else
     win = BlockMask.from_fn(lambda b, h, q, k: (q - k).abs() < 40, n, block_size=bs)
@@ -104,7 +105,7 @@ def _check_bytes(rank, w):
         if s != rank:
             assert len(plan.needed[rank][s]) == (2 if abs(s - rank) == 1 else 0), plan.needed[rank]
     kl = plan.shard(k)
-    sfd.attention(ql, kl, kl, plan)
+    sfd.attention(ql, kl, kl, plan, backend="reference")
     per_block = kl[:, :, :bs].numel() * kl.element_size() * 2
     neighbours = sum(1 for s in range(w) if abs(s - rank) == 1)
     assert plan.bytes_sent == plan.expected_bytes(kl, kl) == 2 * neighbours * per_block
@@ -144,7 +145,8 @@ def _worker(rank, w, init, out_dir):
         for case in _cases(w):
             _check_case(rank, w, *case)
         _check_bytes(rank, w)
-        _check_errors(rank, w)
+        if w == 2:
+            _check_errors(rank, w)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
