@@ -4,7 +4,10 @@ Each spawned group runs every case in one go (process start-up dominates); a fai
 the ranks and fails the test with the rank's traceback.
 """
 
+import csv
 import os
+import subprocess
+import sys
 import tempfile
 import traceback
 
@@ -171,3 +174,28 @@ def test_plan_needs_an_initialised_group():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(RuntimeError, match="group: torch.distributed is not initialised"):
         sfd.plan(128, None)
+
+
+def test_benchmark_script_smoke(tmp_path):
+    """experiments/bench/context_parallel.py end to end on 2 gloo ranks at tiny sizes (its GPU run is the lead's)."""
+    out = tmp_path / "cp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(29500 + os.getpid() % 1000), "-m", "experiments.bench.context_parallel",
+           "--out", str(out), "--device", "cpu", "--backend", "reference", "--check-len", "200",
+           "--dense-lens", "256", "--sparse-lens", "448", "--block", "32", "--heads", "2", "--dim", "16",
+           "--window", "64", "--reps", "1", "--warmup", "0", "--one-gpu-max", "1000"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(out / "context_parallel.csv") as f:
+        rows = list(csv.DictReader(f))
+    checks = [r for r in rows if r["kind"] == "check"]
+    assert {r["case"] for r in checks} == {"dense-causal", "documents", "butterfly"}
+    assert all(r["passed"] == "True" for r in checks), checks
+    cp = {r["case"]: r for r in rows if r["provider"] == "sparseflash-cp" and r["kind"] == "time"}
+    assert set(cp) == {"dense-causal", "window", "documents", "butterfly"}
+    for r in cp.values():
+        assert float(r["ms"]) > 0 and r["sent_bytes"] == r["plan_bytes"], r
+        assert float(r["work_max_over_mean"]) <= 1.1, r
+    assert (out / "context_parallel.png").exists()

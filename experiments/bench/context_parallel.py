@@ -92,21 +92,38 @@ def one_gpu_call(q, k, v, kw, dtype_backend="auto"):
 
 
 def _time(fn, warmup: int, reps: int, sync_group=True) -> float:
+    """Median ms of ``fn`` (CUDA events on a GPU; wall time in the CPU smoke mode)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(reps):
         if sync_group:
             dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        sync()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            sync()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def _peak_reset(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device):
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else ""
 
 
 def _tensors(n, args, device, dtype, seed=0):
@@ -126,12 +143,12 @@ def check(args, base, device, rank, world):
         grads = {}
         for name, dtype in (("ref64", torch.float64), ("1gpu", torch.bfloat16)):
             qq, kk, vv = (t.to(dtype).requires_grad_() for t in (q, k, v))
-            o = one_gpu_call(qq, kk, vv, kw, "reference" if dtype == torch.float64 else "auto")
+            o = one_gpu_call(qq, kk, vv, kw, "reference" if dtype == torch.float64 else args.backend)
             o.backward(do.to(dtype))
             grads[name] = [o.detach().double(), qq.grad.double(), kk.grad.double(), vv.grad.double()]
         plan = sfd.plan(n, None, block_size=args.block, **kw)
         qq, kk, vv = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
-        o = plan.unshard(sfd.attention(plan.shard(qq), plan.shard(kk), plan.shard(vv), plan))
+        o = plan.unshard(sfd.attention(plan.shard(qq), plan.shard(kk), plan.shard(vv), plan, backend=args.backend))
         o.backward(do.to(torch.bfloat16))
         gs = [qq.grad.float(), kk.grad.float(), vv.grad.float()]
         for t in gs:
@@ -156,10 +173,10 @@ def timing(args, base, device, rank, world, kind, n):
     ql, kl, vl, dol = (plan.shard(t).detach().requires_grad_() for t in (q, k, v, do))
 
     def step():
-        o = sfd.attention(ql, kl, vl, plan)
+        o = sfd.attention(ql, kl, vl, plan, backend=args.backend)
         o.backward(dol)
 
-    torch.cuda.reset_peak_memory_stats()
+    _peak_reset(device)
     plan.bytes_sent = 0
     step()  # first call: compile, build the sub-masks' bits
     sent = torch.tensor([plan.bytes_sent], device=device, dtype=torch.float64)
@@ -167,7 +184,7 @@ def timing(args, base, device, rank, world, kind, n):
     dist.all_reduce(sent)
     dist.all_reduce(planned)
     ms = _time(step, args.warmup, args.reps)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = _peak(device)
     work = plan.work
     rows.append(dict(base, kind="time", case=kind, seq_len=n, provider="sparseflash-cp", ms=ms,
                      plan_bytes=int(planned.item()), sent_bytes=int(sent.item()),
@@ -180,19 +197,19 @@ def timing(args, base, device, rank, world, kind, n):
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
 
             def one():
-                one_gpu_call(qq, kk, vv, kw).backward(do)
+                one_gpu_call(qq, kk, vv, kw, args.backend).backward(do)
 
-            torch.cuda.reset_peak_memory_stats()
+            _peak_reset(device)
             one_ms = _time(one, args.warmup, args.reps, sync_group=False)
             rows.append(dict(base, kind="time", case=kind, seq_len=n, provider="sparseflash-1gpu", world=1, ms=one_ms,
-                             peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+                             peak_gib=_peak(device)))
             del qq, kk, vv
         dist.barrier()
         t = torch.tensor([one_ms or 0.0], device=device)
         dist.broadcast(t, 0)
         one_ms = float(t.item())
         rows[0]["speedup_vs_1gpu"] = one_ms / ms
-    if kind == "dense-causal" and not args.skip_torch_cp:
+    if kind == "dense-causal" and not args.skip_torch_cp and device.type == "cuda":
         row = dict(base, kind="time", case=kind, seq_len=n, provider="torch-cp-cudnn")
         try:
             row["ms"] = torch_cp_ms(args, q, k, v, do, world, device)
@@ -273,20 +290,27 @@ def parse(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-torch-cp", action="store_true")
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: a smoke run on gloo (tiny sizes, float32 through --backend reference)")
+    p.add_argument("--backend", default="auto", help="sparseflash.attention's backend (cpu smoke: reference)")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse(argv)
     local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    if args.device == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", local)
     import triton
 
     base = {f: "" for f in FIELDS}
-    base.update(world=world, heads=args.heads, head_dim=args.dim, gpu=torch.cuda.get_device_name(device),
+    base.update(world=world, heads=args.heads, head_dim=args.dim, gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 torch=torch.__version__, triton=triton.__version__, commit=_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     rows = [] if args.skip_check else check(args, base, device, rank, world)
