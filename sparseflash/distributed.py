@@ -517,6 +517,9 @@ def attention(q_l: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor, plan: Pla
         o = torch.zeros_like(q_l) + tie
         lse = torch.full(q_l.shape[:3], -math.inf, device=q_l.device)
         return (o, lse) if return_lse else o
-    o, lse = _merge(outs, lses, q_l.dtype)
-    o = o + tie
+    if len(outs) == 1:  # one source: its result is the answer (empty rows already 0 / -inf)
+        o, lse = outs[0] + tie, lses[0]
+    else:
+        o, lse = _merge(outs, lses, q_l.dtype)
+        o = o + tie
     return (o, lse) if return_lse else o
