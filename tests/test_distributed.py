@@ -1,0 +1,201 @@
+"""sparseflash.distributed on CPU + gloo: 2 and 4 spawned ranks against the one-process attention.
+
+Each spawned group runs every case in one go (process start-up dominates); a failing case raises in
+the ranks and fails the test with the rank's traceback.
+"""
+
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import sparseflash
+import sparseflash.distributed as sfd
+from sparseflash import BlockMask
+from sparseflash.patterns import butterfly
+
+
+def _docs(lengths):
+    return torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])
+
+
+def _cases(w):
+    """(name, N, block, heads_q, heads_kv, d, plan kwargs, backend)."""
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    cases.append(("dense-N333", 333, 64, 2, 2, 16, {}, "reference"))
+    cases.append(("causal-N613-gqa", 613, 32, 4, 2, 16, {"causal": True}, "reference"))
+    cases.append(("butterfly-N500", 500, 32, 2, 1, 16, {"mask": butterfly(500, block_size=32)}, "reference"))
+    window = BlockMask.from_fn(lambda b, h, q, k: (k <= q) & (q - k < 45), 450, block_size=32)
+    cases.append(("window45-causal-N450", 450, 32, 2, 2, 16, {"mask": window}, "reference"))
+    seg = _docs([100, 7, 20, 250, 3, 233])  # crosses rank boundaries, some shorter than a block
+    cases.append(("docs-causal-N613", 613, 32, 2, 2, 16, {"causal": True, "segment_ids": seg}, "reference"))
+    empty = BlockMask.from_fn(lambda b, h, q, k: ((q - k).abs() < 70) & ~((q >= 50) & (q < 90)) & (k < 380),
+                              397, block_size=32)  # rows 50..89 attend nothing; keys past 380 never
+    cases.append(("empty-rows-N397", 397, 32, 2, 2, 16, {"mask": empty}, "reference"))
+    lay = torch.rand(1, 2, 10, 10, generator=g) < 0.3
+    cases.append(("per-head-layout-N301", 301, 32, 2, 1, 16,
+                  {"mask": BlockMask.from_layout(lay, 32, 301), "causal": True}, "reference"))
+    if w == 2:
+        cases.append(("interpreter-docs-N90", 90, 32, 2, 1, 16, {"segment_ids": _docs([40, 50])}, "triton"))
+    else:  # the 4-rank group: the cases whose plans differ most with the world size
+        cases = [c for c in cases if c[0].split("-")[0] in ("causal", "butterfly", "docs", "empty")]
+    return cases
+
+
+def _check_case(rank, w, name, n, bs, hq, hk, d, kw, backend):
+    g = torch.Generator().manual_seed(1234)  # the same tensors on every rank
+    q = torch.randn(1, hq, n, d, generator=g)
+    k = torch.randn(1, hk, n, d, generator=g)
+    v = torch.randn(1, hk, n, d, generator=g)
+    go = torch.randn(1, hq, n, d, generator=g)
+    gl = torch.randn(1, hq, n, generator=g)
+    # one process, full sequence
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    seg = kw.get("segment_ids")
+    o_ref, lse_ref = sparseflash.attention(qr, kr, vr, kw.get("mask"), causal=kw.get("causal", False),
+                                           segment_ids=None if seg is None else seg[None], return_lse=True,
+                                           backend=backend)
+    lse_ref_f = torch.where(torch.isfinite(lse_ref), lse_ref, torch.zeros_like(lse_ref))
+    ((o_ref * go).sum() + (lse_ref_f * gl).sum()).backward()
+    # distributed
+    plan = sfd.plan(n, None, block_size=bs, **kw)
+    qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
+    o_l, lse_l = sfd.attention(plan.shard(qd), plan.shard(kd), plan.shard(vd), plan, return_lse=True,
+                               backend=backend)
+    assert o_l.shape == (1, hq, plan.local_len, d)
+    o = plan.unshard(o_l)
+    lse = plan.unshard(lse_l.unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(lse_ref)), name
+    lse_f = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    ((o * go).sum() + (lse_f * gl).sum()).backward()
+    grads = [qd.grad, kd.grad, vd.grad]
+    for t in grads:
+        dist.all_reduce(t)  # each rank holds its own rows' gradients
+    tol = dict(atol=2e-5, rtol=2e-4) if backend == "reference" else dict(atol=2e-4, rtol=2e-3)
+    for what, a, b in (("out", o, o_ref), ("lse", lse_f, lse_ref_f), ("dq", grads[0], qr.grad),
+                       ("dk", grads[1], kr.grad), ("dv", grads[2], vr.grad)):
+        assert not torch.isnan(a).any(), f"{name}: {what} has NaN"
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name} ({w} ranks, {plan.placement}): {what}: {m}")
+    # traffic: the forward and backward exchanges each send what the plan says
+    expected = plan.expected_bytes(plan.shard(k), plan.shard(v), backward=True)
+    assert plan.bytes_sent == expected, (name, plan.bytes_sent, expected)
+
+
+def _check_bytes(rank, w):
+    n, bs = 512, 32
+    # documents that start and end on rank boundaries: nothing is sent
+    seg = torch.arange(n) // (n // w)
+    plan = sfd.plan(n, None, causal=True, segment_ids=seg, block_size=bs)
+    assert plan.placement == "contiguous", plan.placement
+    k = torch.randn(1, 2, n, 16)
+    kl = plan.shard(k)
+    ql = plan.shard(torch.randn(1, 2, n, 16))
+    sfd.attention(ql, kl, kl, plan, backend="reference")
+    assert plan.bytes_sent == 0 and plan.expected_bytes(kl, kl) == 0
+    # a local window of 40 tokens sends only the halo: one block from the left neighbour, none else
+    win = BlockMask.from_fn(lambda b, h, q, k: (q - k).abs() < 40, n, block_size=bs)
+    plan = sfd.plan(n, None, mask=win, block_size=bs)
+    assert plan.placement == "contiguous", plan.placement
+    for s in range(w):
+        if s != rank:
+            assert len(plan.needed[rank][s]) == (2 if abs(s - rank) == 1 else 0), plan.needed[rank]
+    kl = plan.shard(k)
+    sfd.attention(ql, kl, kl, plan, backend="reference")
+    per_block = kl[:, :, :bs].numel() * kl.element_size() * 2
+    neighbours = sum(1 for s in range(w) if abs(s - rank) == 1)
+    assert plan.bytes_sent == plan.expected_bytes(kl, kl) == 2 * neighbours * per_block
+
+
+def _check_errors(rank, w):
+    n = 300
+    plan = sfd.plan(n, None, causal=True, block_size=32)
+    with pytest.raises(ValueError, match="x: the plan was built for seq_len=300"):
+        plan.shard(torch.randn(1, 1, 299, 16))
+    ql = plan.shard(torch.randn(1, 2, n, 16))
+    with pytest.raises(ValueError, match="k_l: this plan's shards hold local_len"):
+        sfd.attention(ql, ql[:, :, :-1], ql, plan)
+    with pytest.raises(ValueError, match="v_l is on meta"):
+        sfd.attention(ql, ql, torch.empty(ql.shape, device="meta"), plan)
+    with pytest.raises(ValueError, match="o_l: this plan's shards"):
+        plan.unshard(ql[:, :, :5])
+    with pytest.raises(ValueError, match="mask was built for"):
+        sfd.plan(n, None, mask=butterfly(200, block_size=32), block_size=32)
+    with pytest.raises(ValueError, match="mask has block size"):
+        sfd.plan(n, None, mask=butterfly(n, block_size=64), block_size=32)
+    with pytest.raises(ValueError, match="segment_ids must have shape"):
+        sfd.plan(n, None, segment_ids=torch.zeros(n + 1, dtype=torch.int64), block_size=32)
+    # ranks that disagree all raise (nobody hangs)
+    with pytest.raises(ValueError, match="the ranks built different plans"):
+        sfd.plan(n, None, causal=(rank == 0), block_size=32)
+    # a shard of a plan for another length
+    other = sfd.plan(n + 200, None, block_size=32)
+    with pytest.raises(ValueError, match="q_l: this plan's shards hold local_len"):
+        sfd.attention(other.shard(torch.randn(1, 2, n + 200, 16)), ql, ql, plan)
+
+
+def _worker(rank, w, init, out_dir):
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=w)
+        torch.set_num_threads(1)
+        for case in _cases(w):
+            _check_case(rank, w, *case)
+        _check_bytes(rank, w)
+        if w == 2:
+            _check_errors(rank, w)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_matches_one_process(world, tmp_path):
+    init = f"file://{tempfile.mktemp(dir=tmp_path)}"
+    try:
+        mp.spawn(_worker, args=(world, init, str(tmp_path)), nprocs=world, join=True)
+    except Exception:
+        errs = sorted(p for p in os.listdir(tmp_path) if p.endswith(".err"))
+        msg = "\n".join(open(os.path.join(tmp_path, p)).read() for p in errs)
+        pytest.fail(f"ranks failed:\n{msg}")
+
+
+def test_plan_needs_an_initialised_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="group: torch.distributed is not initialised"):
+        sfd.plan(128, None)
+
+
+def test_benchmark_script_smoke(tmp_path):
+    """experiments/bench/context_parallel.py end to end on 2 gloo ranks at tiny sizes (its GPU run is the lead's)."""
+    out = tmp_path / "cp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(29500 + os.getpid() % 1000), "-m", "experiments.bench.context_parallel",
+           "--out", str(out), "--device", "cpu", "--backend", "reference", "--check-len", "200",
+           "--dense-lens", "256", "--sparse-lens", "448", "--block", "32", "--heads", "2", "--dim", "16",
+           "--window", "64", "--reps", "1", "--warmup", "0", "--one-gpu-max", "1000"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(out / "context_parallel.csv") as f:
+        rows = list(csv.DictReader(f))
+    checks = [r for r in rows if r["kind"] == "check"]
+    assert {r["case"] for r in checks} == {"dense-causal", "documents", "butterfly"}
+    assert all(r["passed"] == "True" for r in checks), checks
+    cp = {r["case"]: r for r in rows if r["provider"] == "sparseflash-cp" and r["kind"] == "time"}
+    assert set(cp) == {"dense-causal", "window", "documents", "butterfly"}
+    for r in cp.values():
+        assert float(r["ms"]) > 0 and r["sent_bytes"] == r["plan_bytes"], r
+        assert float(r["work_max_over_mean"]) <= 1.1, r
+    assert (out / "context_parallel.png").exists()
