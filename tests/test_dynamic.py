@@ -319,3 +319,30 @@ def test_cuda_graph_replay_with_changing_inputs():
         ref = sparseflash.attention(nq, nk, nv, topk_blocks(nq, nk, 2, 128, causal=True, group_size=2), causal=True,
                                     backend="reference")
         assert (out.float() - ref.float()).abs().max() < 2e-2
+
+
+# ------------------------------------------------------------------ scripts (CPU smoke runs)
+def test_topk_train_script_runs(tmp_path):
+    import csv
+
+    from sparseflash.experiments import topk_train
+
+    assert topk_train.main(["--out", str(tmp_path), "--steps", "2", "--seq-len", "32", "--d-model", "16",
+                            "--batch", "2", "--layers", "1"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "topk_train.csv")))
+    assert [r["variant"] for r in rows] == ["dense", "dense", "local", "local", "topk", "topk"]
+    assert all(math.isfinite(float(r["loss"])) for r in rows) and (tmp_path / "topk_train.png").stat().st_size
+
+
+def test_dynamic_bench_cpu_smoke(tmp_path):
+    import json
+
+    from sparseflash.experiments.bench import dynamic
+
+    assert dynamic.main(["--device", "cpu", "--out", str(tmp_path), "--tokens", "64", "--block", "16", "--heads", "1",
+                           "--ks", "2"]) == 0
+    rows = json.loads((tmp_path / "dynamic.json").read_text())["rows"]
+    assert {r["provider"] for r in rows} == {"select", "index", "fixed", "per-call"}
+    assert all(r["status"] == "ok" for r in rows)
+    assert all(r["max_diff"] == 0.0 for r in rows if r["provider"] == "per-call")  # the same mask, the same kernels
+    assert (tmp_path / "dynamic.png").stat().st_size and (tmp_path / "dynamic.csv").stat().st_size

@@ -45,10 +45,10 @@ import torch
 
 from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
 
-BLOCK = 128
+BLOCK = 128  # the default block (--block)
 
 
-def flex_mask_from_ids(pick: torch.Tensor, n: int):
+def flex_mask_from_ids(pick: torch.Tensor, n: int, block: int = BLOCK):
     """A Flex BlockMask for causal attention from top-k ids ``pick [B, H, QB, W]`` (-1 = none; the own
     block is added here): the own block partial (causal mask_mod), the selected ones full. Built on
     the device without a host read."""
@@ -67,7 +67,7 @@ def flex_mask_from_ids(pick: torch.Tensor, n: int):
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    return FlexBlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=causal,
+    return FlexBlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=causal,
                                         seq_lengths=(n, n))
 
 
@@ -88,7 +88,7 @@ def run(args) -> list[dict]:
     cuda = device.type == "cuda"
     env = environment(device)
     dtype = torch.bfloat16 if cuda else torch.float32
-    n, H = args.tokens, args.heads
+    n, H, B = args.tokens, args.heads, args.block
     rows = []
     flex_fn = None
     if cuda and not args.no_flex:
@@ -97,10 +97,10 @@ def run(args) -> list[dict]:
         flex_fn = _flex_compiled()
 
     def gpu(fn):
-        return timing.kernel_ms(fn)[0] if cuda else timing.cpu_ms(fn)
+        return timing.kernel_ms(fn)[0] if cuda else timing.cpu_ms(fn, reps=1)
 
     def eager(fn):
-        return timing.stream_ms(fn, calls=5) if cuda else timing.cpu_ms(fn)
+        return timing.stream_ms(fn, calls=5) if cuda else timing.cpu_ms(fn, reps=1)
 
     for D in args.head_dims:
         g = torch.Generator(device=device).manual_seed(D)
@@ -108,20 +108,20 @@ def run(args) -> list[dict]:
         for t in (q, k, v):
             t.requires_grad_()
         for K in args.ks:
-            base = dict(bench="dynamic", heads=H, seq_len=n, head_dim=D, k_blocks=K, kb=n // BLOCK,
+            base = dict(bench="dynamic", heads=H, seq_len=n, head_dim=D, k_blocks=K, kb=n // B, block=B,
                         dtype=str(dtype).replace("torch.", ""), causal=True, note="" if cuda else CPU_NOTE, **env)
 
             def select():
-                return topk_indices(q, k, K, BLOCK, causal=True)
+                return topk_indices(q, k, K, B, causal=True)
 
             def per_call_fwd():
-                ids = topk_indices(q, k, K, BLOCK, causal=True)
-                return sparseflash.attention(q, k, v, BlockMask.from_indices(ids, n, block_size=BLOCK, check=False),
+                ids = topk_indices(q, k, K, B, causal=True)
+                return sparseflash.attention(q, k, v, BlockMask.from_indices(ids, n, block_size=B, check=False),
                                              causal=True)
 
             ids = select()
-            dyn = BlockMask.from_indices(ids, n, block_size=BLOCK)
-            fixed = BlockMask.from_layout(dyn.layout.clone(), BLOCK, n)
+            dyn = BlockMask.from_indices(ids, n, block_size=B)
+            fixed = BlockMask.from_layout(dyn.layout.clone(), B, n)
             fixed.index(device)
 
             def fixed_fwd():
@@ -134,14 +134,14 @@ def run(args) -> list[dict]:
 
             sel_ms = gpu(select)
             add("select", "fwd", gpu_ms=sel_ms, density=round(float(fixed.density()), 4))
-            add("index", "fwd", gpu_ms=gpu(lambda: BlockMask.from_indices(ids, n, block_size=BLOCK, check=False).index()))
+            add("index", "fwd", gpu_ms=gpu(lambda: BlockMask.from_indices(ids, n, block_size=B, check=False).index()))
             with torch.no_grad():
                 o_dyn, o_fix = per_call_fwd().float(), fixed_fwd().float()
             diff_fixed = float((o_dyn - o_fix).abs().max())
             diff_flex = float("nan")
             if flex_fn is not None:
                 with torch.no_grad():
-                    o_flex = flex_fn(q, k, v, block_mask=flex_mask_from_ids(ids, n)).float()
+                    o_flex = flex_fn(q, k, v, block_mask=flex_mask_from_ids(ids, n, B)).float()
                 diff_flex = float((o_dyn - o_flex).abs().max())
             for mode in ("fwd", "fwdbwd"):
                 def wrap(f):
@@ -171,8 +171,8 @@ def run(args) -> list[dict]:
                 pc["meets_goal"] = pc["ms"] <= pc["goal_ms"]
                 if flex_fn is not None:
                     def flex_fwd():
-                        pick = topk_indices(q, k, K, BLOCK, causal=True)
-                        return flex_fn(q, k, v, block_mask=flex_mask_from_ids(pick, n))
+                        pick = topk_indices(q, k, K, B, causal=True)
+                        return flex_fn(q, k, v, block_mask=flex_mask_from_ids(pick, n, B))
 
                     fl = dict(ms=eager(wrap(flex_fwd)), max_diff=diff_flex)
                     try:
@@ -183,8 +183,8 @@ def run(args) -> list[dict]:
                         from torch.nn.attention.flex_attention import flex_attention
 
                         def flex_step():
-                            pick = topk_indices(q, k, K, BLOCK, causal=True)
-                            return flex_attention(q, k, v, block_mask=flex_mask_from_ids(pick, n))
+                            pick = topk_indices(q, k, K, B, causal=True)
+                            return flex_attention(q, k, v, block_mask=flex_mask_from_ids(pick, n, B))
 
                         try:
                             comp_flex = torch.compile(flex_step, fullgraph=True)
@@ -204,7 +204,7 @@ def run(args) -> list[dict]:
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     with torch.no_grad():
-                        sparseflash.attention(q, k, v, BlockMask.from_indices(ids, n, block_size=BLOCK), causal=True)
+                        sparseflash.attention(q, k, v, BlockMask.from_indices(ids, n, block_size=B), causal=True)
                 except Exception as e:  # noqa: BLE001 - the finding is the row
                     status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 finally:
@@ -268,6 +268,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=positive_int, default=None, help="GPU 16384, CPU 512 (a multiple of 128)")
     ap.add_argument("--heads", type=positive_int, default=None, help="GPU 16, CPU 2")
     ap.add_argument("--head-dims", type=positive_int, nargs="+", default=None, help="GPU 64 128, CPU 16")
+    ap.add_argument("--block", type=positive_int, default=BLOCK, help="block size (a multiple of 16; default 128)")
     ap.add_argument("--ks", type=positive_int, nargs="+", default=None, help="key blocks selected (GPU 8 16, CPU 1)")
     ap.add_argument("--compile-ks", type=positive_int, nargs="*", default=[16],
                     help="the Ks also timed under torch.compile (GPU only; default 16)")
@@ -277,11 +278,11 @@ def main(argv=None) -> int:
         print(plot(Path(args.plot)))
         return 0
     cuda = args.device.startswith("cuda")
-    for name, g, c in (("tokens", 16384, 512), ("heads", 16, 2), ("head_dims", [64, 128], [16]), ("ks", [8, 16], [1])):
+    for name, g, c in (("tokens", 16384, 256), ("heads", 16, 2), ("head_dims", [64, 128], [16]), ("ks", [8, 16], [1])):
         if getattr(args, name) is None:
             setattr(args, name, g if cuda else c)
-    if args.tokens % BLOCK:
-        ap.error(f"--tokens must be a multiple of {BLOCK}, got {args.tokens}")
+    if args.block % 16 or args.tokens % args.block:
+        ap.error(f"--block must be a multiple of 16 and --tokens a multiple of --block, got {args.block}, {args.tokens}")
     if cuda and not torch.cuda.is_available():
         ap.error("--device cuda without a CUDA GPU")
     check_output_dir(args.out)
