@@ -39,6 +39,12 @@ partial blocks only, so memory is proportional to P (a 128K-token causal window 
 ``kv_tile`` with ``kv_idx`` and ``q_tile`` with ``q_idx``, giving each listed block's tile, -1 for
 a full block (and the padding). The kernels read a tile's bits only in partial blocks.
 
+Per-call masks (a layout selected on the GPU every step: `BlockMask.from_indices` from key-block
+ids such as a top-k's, ``from_layout(..., dynamic=True)``, `sparseflash.topk_blocks`): the mask is
+``dynamic``; its lists are ranked from the layout by cumulative sums instead of a sort
+(`ranked_lists`, the same lists) and its density is never read back (``BlockIndex.density`` None,
+-1 to the launchers), so building it and attending with it make no host synchronisation.
+
 Where things are: this module is the mask core (layout, index form, exact bits, algebra); the
 token-level mask_mods and their evaluation over blocks are `sparseflash.mask_mods`, the FlexAttention
 conversions `sparseflash.mask_flex`, the pictures `sparseflash._picture`. Their public names are
@@ -137,7 +143,8 @@ class BlockIndex:
     q_num: torch.Tensor  # [B', H', KB] int32
     q_idx: torch.Tensor  # [B', H', KB, QB] int32
     # fraction of the layout's blocks that are on (host float), read once outside torch.compile
-    # traces and CUDA-graph captures (None when built inside one, until a later call outside)
+    # traces and CUDA-graph captures (None when built inside one, until a later call outside; always
+    # None for a dynamic mask, whose density is never read back)
     density: float | None = None
 
 
