@@ -25,7 +25,10 @@ import torch
 
 from sparseflash.mask import BlockMask, block_pair
 
-__all__ = ["topk_blocks", "block_scores", "pool_blocks"]
+__all__ = ["topk_blocks", "topk_indices", "block_scores", "pool_blocks"]
+
+# per-head counts on their device, made once (a host-to-device copy inside a CUDA-graph capture would fail)
+_COUNTS: dict = {}
 
 
 def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -91,24 +94,38 @@ def _counts(num_blocks, n_sel: int, device) -> tuple[int, torch.Tensor | None]:
                          f"got {len(num_blocks)}")
     if any(n < 0 for n in num_blocks):
         raise ValueError(f"num_blocks must be >= 0, got {list(num_blocks)}")
-    return max(num_blocks), torch.tensor(num_blocks, device=device)
+    key = (tuple(num_blocks), str(device))
+    if key not in _COUNTS:
+        _COUNTS[key] = torch.tensor(num_blocks, device=device)
+    return max(num_blocks), _COUNTS[key]
 
 
-@torch.no_grad()
 def topk_blocks(q: torch.Tensor, k: torch.Tensor, num_blocks, block_size=128, causal: bool = False, *,
                 group_size: int = 1, sink_blocks: int = 0, check: bool = False) -> BlockMask:
     """The top ``num_blocks`` key blocks of every query block, as a per-call `BlockMask` (module docstring).
 
     ``q [B, Hq, seq_q, D]``, ``k [B, Hk, seq_k, D]`` (Hk divides Hq). ``num_blocks``: an int, or one
-    int per selection (per query head; per group with ``group_size``). ``causal``: bottom-right
-    aligned as `sparseflash.attention`'s (key j is visible to query i when ``j <= i + seq_k - seq_q``);
-    the own blocks are always on and not counted. ``group_size``: consecutive query heads sharing
-    one selection, scored by their mean (``Hq // Hk`` shares one per KV head, as NSA). ``sink_blocks``:
-    the first key blocks, always on (where causal allows them) and not counted. ``check``: passed to
-    `BlockMask.from_indices` (the ids made here are in range by construction).
+    int per selection (per query head; per group with ``group_size``; read on the host, it fixes
+    the width of the top-k). ``causal``: bottom-right aligned as `sparseflash.attention`'s (key j
+    is visible to query i when ``j <= i + seq_k - seq_q``); the own blocks are always on and not
+    counted. ``group_size``: consecutive query heads sharing one selection, scored by their mean
+    (``Hq // Hk`` shares one per KV head, as NSA). ``sink_blocks``: the first key blocks, always on
+    (where causal allows them) and not counted. ``check``: passed to `BlockMask.from_indices` (the
+    ids made here are in range by construction).
 
-    Returns a mask of layout ``[B, Hq, QB, KB]`` for ``seq_q`` x ``seq_k`` tokens.
+    Returns a mask of layout ``[B, Hq, QB, KB]`` for ``seq_q`` x ``seq_k`` tokens: `topk_indices`
+    through `BlockMask.from_indices`.
     """
+    indices = topk_indices(q, k, num_blocks, block_size, causal, group_size=group_size, sink_blocks=sink_blocks)
+    return BlockMask.from_indices(indices, q.shape[2], k.shape[2], block_size, check=check)
+
+
+@torch.no_grad()
+def topk_indices(q: torch.Tensor, k: torch.Tensor, num_blocks, block_size=128, causal: bool = False, *,
+                 group_size: int = 1, sink_blocks: int = 0) -> torch.Tensor:
+    """The key-block ids `topk_blocks` selects, int64 ``[B, Hq, QB, W]`` (-1 = none; the own and
+    sink blocks, then the top-k best first), the input of `BlockMask.from_indices`: the selection
+    alone (benchmarks time it apart from the index build)."""
     _check_qk(q, k)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
@@ -158,4 +175,4 @@ def topk_blocks(q: torch.Tensor, k: torch.Tensor, num_blocks, block_size=128, ca
     indices = torch.cat([p.long() for p in parts], dim=-1)
     if group_size > 1:
         indices = indices.repeat_interleave(group_size, dim=1)
-    return BlockMask.from_indices(indices, seq_q, seq_k, (bq, bk), check=check)
+    return indices

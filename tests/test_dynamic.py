@@ -233,20 +233,19 @@ def test_topk_blocks_rejects_bad_tensors():
 
 
 # ------------------------------------------------------------------ torch.compile, nn
-def test_compile_fullgraph_from_indices_and_selection():
-    """topk_blocks + from_indices + the index traced by torch.compile(fullgraph=True) (CPU, the
-    graph only: attention itself runs eagerly on CPU in this lane)."""
-    q, k, _, _ = make_qkv(1, 2, 2, 64, 64, 8, torch.float32, "cpu", seed=4)
+def test_compile_fullgraph_selection_index_and_attention():
+    """topk_blocks + from_indices + attention in one torch.compile(fullgraph=True) graph (CPU: the
+    eager backend runs the traced graph, the kernels under the interpreter): no graph break, and
+    the result of the eager call."""
+    q, k, v, _ = make_qkv(1, 2, 2, 64, 64, 16, torch.float32, DEV, seed=4)
 
-    def lists(q, k):
-        m = topk_blocks(q, k, 2, 16, causal=True)
-        idx = m.index(q.device)
-        return idx.kv_idx, idx.q_idx
+    def step(q, k, v):
+        mask = topk_blocks(q, k, 1, 16, causal=True)
+        return sparseflash.attention(q, k, v, mask, causal=True)
 
     torch._dynamo.reset()
-    got = torch.compile(lists, fullgraph=True, backend="eager")(q, k)
-    want = lists(q, k)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = torch.compile(step, fullgraph=True, backend="eager")(q, k, v)
+    assert torch.equal(got, step(q, k, v))
 
 
 def test_sparse_attention_topk_option():
