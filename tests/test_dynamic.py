@@ -346,3 +346,17 @@ def test_dynamic_bench_cpu_smoke(tmp_path):
     assert all(r["status"] == "ok" for r in rows)
     assert all(r["max_diff"] == 0.0 for r in rows if r["provider"] == "per-call")  # the same mask, the same kernels
     assert (tmp_path / "dynamic.png").stat().st_size and (tmp_path / "dynamic.csv").stat().st_size
+
+
+def test_from_indices_check_under_compile():
+    """Inside torch.compile the value check is torch._assert_async (no host read): good ids trace to
+    the eager lists, a bad id fails with the message naming the range."""
+    def lists(ids):
+        return BlockMask.from_indices(ids, 64, 64, 16).index().kv_idx
+
+    ids = torch.tensor([[0, 1], [2, -1], [3, 3], [1, 0]])
+    torch._dynamo.reset()
+    compiled = torch.compile(lists, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(ids), lists(ids))
+    with pytest.raises(RuntimeError, match=r"key-block ids in \[0, 4\) or -1"):
+        compiled(ids + 5)
