@@ -121,17 +121,16 @@ def sorted_nonzero(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def ranked_lists(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`sorted_nonzero` without a sort: an on column's place in its row's list is the number of on
-    columns before it (a cumulative sum), and it is scattered there; off columns go to a spare
-    slot past the row, which is cut off. Fixed shapes, a few elementwise kernels, no host read:
-    what per-call masks use (`BlockMask.from_indices`, ``from_layout(dynamic=True)``)."""
+    columns up to it (a cumulative sum), and it is scattered there; off columns go to a spare slot
+    before the row, which is cut off. Fixed shapes, six small kernels, no host read: what per-call
+    masks use (`BlockMask.from_indices`, ``from_layout(dynamic=True)``)."""
     n_cols = layout.shape[-1]
-    on = layout.to(torch.int32)
-    count = on.sum(-1, dtype=torch.int32)
-    place = torch.where(layout, on.cumsum(-1, dtype=torch.int32) - 1, n_cols).long()
+    rank = layout.cumsum(-1, dtype=torch.int64)  # [..., R, C]: on columns up to and including this one
+    place = torch.where(layout, rank, 0)  # 1..count for on columns, the spare slot 0 for off ones
     cols = torch.arange(n_cols, device=layout.device, dtype=torch.int32).expand(layout.shape)
     out = torch.full((*layout.shape[:-1], n_cols + 1), n_cols, dtype=torch.int32, device=layout.device)
     out.scatter_(-1, place, cols)  # (only the spare slot receives more than one column)
-    return count, out[..., :n_cols].contiguous()
+    return rank[..., -1].to(torch.int32), out[..., 1:].contiguous()
 
 
 @dataclass(frozen=True)
@@ -312,9 +311,9 @@ class BlockMask:
                              f"expected ceil(seq_q / block_q) = ceil({seq_q} / {bq}) = {qb}")
         if indices.shape[0] == 0 or indices.shape[1] == 0:
             raise ValueError(f"indices must have batch and heads of at least 1, got shape {tuple(indices.shape)}")
-        ids = indices.long()
-        ok = (ids >= -1) & (ids < kb)
+        ids = indices if indices.dtype == torch.int64 else indices.long()
         if check:
+            ok = (ids >= -1) & (ids < kb)
             if ids.device.type == "cpu" and not tracing():
                 bad = (~ok).nonzero()
                 if bad.shape[0]:
@@ -325,7 +324,7 @@ class BlockMask:
                 torch._assert_async(ok.all(), f"BlockMask.from_indices: indices must hold key-block ids in [0, {kb}) "
                                               f"or -1")
         # -1 and bad ids go to a spare column kb, cut off below
-        slot = torch.where(ok & (ids >= 0), ids, kb)
+        slot = torch.where(ids < 0, kb, ids.clamp(max=kb))
         layout = torch.zeros(*ids.shape[:3], kb + 1, dtype=torch.bool, device=ids.device)
         layout.scatter_(-1, slot, True)
         return cls.from_layout(layout[..., :kb], (bq, bk), seq_q, seq_k, dynamic=True)
