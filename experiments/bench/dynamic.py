@@ -94,7 +94,7 @@ def run(args) -> list[dict]:
     if cuda and not args.no_flex:
         from sparseflash.experiments.bench.providers import _flex_compiled
 
-        flex_fn = _flex_compiled()
+        flex_fn = _flex_compiled()  # (also raises dynamo's recompile limits, which the compiled rows need)
 
     def gpu(fn):
         return timing.kernel_ms(fn)[0] if cuda else timing.cpu_ms(fn, reps=1)
@@ -160,7 +160,6 @@ def run(args) -> list[dict]:
                 if cuda:
                     pc["graph_ms"] = timing.graph_ms(wrap(per_call_fwd))
                     if K in args.compile_ks:
-                        torch._dynamo.reset()
                         comp = torch.compile(per_call_fwd, fullgraph=True)
                         t0 = time.perf_counter()
                         wrap(comp)()
