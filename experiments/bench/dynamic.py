@@ -209,7 +209,6 @@ def run(args) -> list[dict]:
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
                 rows.append(dict(base, provider="sync-check", mode="fwd", status=status))
-        del q, k, v, do
         if cuda:
             torch.cuda.empty_cache()
     return rows
