@@ -39,6 +39,12 @@ partial blocks only, so memory is proportional to P (a 128K-token causal window 
 ``kv_tile`` with ``kv_idx`` and ``q_tile`` with ``q_idx``, giving each listed block's tile, -1 for
 a full block (and the padding). The kernels read a tile's bits only in partial blocks.
 
+Per-call masks (a layout selected on the GPU every step: `BlockMask.from_indices` from key-block
+ids such as a top-k's, ``from_layout(..., dynamic=True)``, `sparseflash.topk_blocks`): the mask is
+``dynamic``; its lists are ranked from the layout by cumulative sums instead of a sort
+(`ranked_lists`, the same lists) and its density is never read back (``BlockIndex.density`` None,
+-1 to the launchers), so building it and attending with it make no host synchronisation.
+
 Where things are: this module is the mask core (layout, index form, exact bits, algebra); the
 token-level mask_mods and their evaluation over blocks are `sparseflash.mask_mods`, the FlexAttention
 conversions `sparseflash.mask_flex`, the pictures `sparseflash._picture`. Their public names are
@@ -113,6 +119,20 @@ def sorted_nonzero(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count, idx.contiguous()
 
 
+def ranked_lists(layout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sorted_nonzero` without a sort: an on column's place in its row's list is the number of on
+    columns up to it (a cumulative sum), and it is scattered there; off columns go to a spare slot
+    before the row, which is cut off. Fixed shapes, six small kernels, no host read: what per-call
+    masks use (`BlockMask.from_indices`, ``from_layout(dynamic=True)``)."""
+    n_cols = layout.shape[-1]
+    rank = layout.cumsum(-1, dtype=torch.int64)  # [..., R, C]: on columns up to and including this one
+    place = torch.where(layout, rank, 0)  # 1..count for on columns, the spare slot 0 for off ones
+    cols = torch.arange(n_cols, device=layout.device, dtype=torch.int32).expand(layout.shape)
+    out = torch.full((*layout.shape[:-1], n_cols + 1), n_cols, dtype=torch.int32, device=layout.device)
+    out.scatter_(-1, place, cols)  # (only the spare slot receives more than one column)
+    return rank[..., -1].to(torch.int32), out[..., 1:].contiguous()
+
+
 @dataclass(frozen=True)
 class BlockIndex:
     """Compressed index form of a `BlockMask` on one device (see module docstring)."""
@@ -122,7 +142,8 @@ class BlockIndex:
     q_num: torch.Tensor  # [B', H', KB] int32
     q_idx: torch.Tensor  # [B', H', KB, QB] int32
     # fraction of the layout's blocks that are on (host float), read once outside torch.compile
-    # traces and CUDA-graph captures (None when built inside one, until a later call outside)
+    # traces and CUDA-graph captures (None when built inside one, until a later call outside; always
+    # None for a dynamic mask, whose density is never read back)
     density: float | None = None
 
 
@@ -176,7 +197,7 @@ class BlockMask:
     """
 
     __slots__ = ("layout", "block_size", "seq_q", "seq_k", "mask_mod", "_full", "_index_cache", "_exact_cache",
-                 "fast_entries")
+                 "fast_entries", "dynamic")
 
     def __init__(self, layout: torch.Tensor, block_size=128, seq_q: int | None = None, seq_k: int | None = None,
                  *, full: torch.Tensor | None = None, mask_mod=None):
@@ -215,21 +236,98 @@ class BlockMask:
         self._index_cache: dict[torch.device, BlockIndex] = {}
         self._exact_cache: dict[torch.device, ExactBits | None] = {}
         self.fast_entries: dict = {}  # sparseflash.flash.fast's entries for calls with this mask
+        # a per-call mask (`from_indices`, `from_layout(dynamic=True)`): its index never reads the density
+        # back (a host synchronisation); see `index`
+        self.dynamic = False
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_layout(cls, layout, block_size=128, seq_q: int | None = None, seq_k: int | None = None) -> "BlockMask":
+    def from_layout(cls, layout, block_size=128, seq_q: int | None = None, seq_k: int | None = None, *,
+                    dynamic: bool = False) -> "BlockMask":
         """Wrap a bool block layout ``[QB, KB]``, ``[H, QB, KB]`` or ``[B, H, QB, KB]``.
 
         ``seq_k`` defaults to ``seq_q``. Without ``seq_q`` the grid is taken as whole blocks:
         ``seq_q = QB * block_q`` and ``seq_k = KB * block_k``.
+
+        ``dynamic=True``: a mask made for one call (a layout selected on the GPU every step). Its
+        index is built on the layout's device without a sort or any host read (`ranked_lists`),
+        so building it and attending with it never synchronises with the host (CUDA graphs,
+        ``torch.compile``); its density stays unknown (``index().density`` None), and the eager
+        short path (`sparseflash.flash.fast`), which pays off only for masks used again, skips it.
         """
+        if not isinstance(dynamic, bool):
+            raise TypeError(f"dynamic must be a bool, got {dynamic!r}")
         layout = _as_layout(layout)
         bq, bk = block_pair(block_size)
         if seq_q is None:
             seq_q = layout.shape[-2] * bq
             seq_k = layout.shape[-1] * bk if seq_k is None else seq_k
-        return cls(layout, (bq, bk), seq_q, seq_k)
+        mask = cls(layout, (bq, bk), seq_q, seq_k)
+        mask.dynamic = dynamic
+        return mask
+
+    @classmethod
+    def from_indices(cls, indices, seq_q: int, seq_k: int | None = None, block_size=128, *,
+                     check: bool = True) -> "BlockMask":
+        """A per-call mask from key-block ids: ``indices`` an integer tensor ``[B or 1, H or 1, QB, K]``
+        (or ``[H, QB, K]``, ``[QB, K]``) listing, for query block ``i``, the key blocks it attends
+        (a top-k output as it comes: any order, duplicates allowed, ``-1`` = none; ``K`` any width).
+        ``QB = ceil(seq_q / block_q)``; ids lie in ``[0, ceil(seq_k / block_k))`` or are -1.
+
+        Built on the indices' device with fixed shapes and no host read: the ids are scattered into
+        the bool layout (duplicates and -1 fall away there) and the kernels' row and column lists
+        are ranked from it by cumulative sums (`ranked_lists`), so the mask is as cheap as a few
+        small kernels, capturable in a CUDA graph and traceable by ``torch.compile(fullgraph=True)``.
+        The mask is ``dynamic`` (see `from_layout`): its density is not read back.
+
+        ``block_size``: an int or ``(block_q, block_k)``, multiples of 16 (the kernels' smallest tile).
+        ``check``: validate the ids' values. On a CPU tensor outside a trace, a ValueError names the
+        first bad id; on a GPU (or under ``torch.compile``) the check is ``torch._assert_async``, which
+        does not synchronise: a bad id fails at the next synchronisation as a device-side assert
+        (which ends the CUDA context). ``check=False`` skips it; bad ids are then ignored (never read
+        out of bounds). Types and shapes are always checked (they need no device read).
+        """
+        if not isinstance(indices, torch.Tensor) or indices.dtype.is_floating_point or indices.dtype.is_complex \
+                or indices.dtype == torch.bool:
+            got = f"a {indices.dtype} tensor" if isinstance(indices, torch.Tensor) else type(indices).__name__
+            raise TypeError(f"indices must be an integer torch.Tensor of key-block ids [B, H, q_blocks, K] "
+                            f"(-1 = none), got {got}")
+        if indices.dim() not in (2, 3, 4):
+            raise ValueError(f"indices must be [q_blocks, K], [heads, q_blocks, K] or [batch, heads, q_blocks, K], "
+                             f"got shape {tuple(indices.shape)}")
+        if not isinstance(check, bool):
+            raise TypeError(f"check must be a bool, got {check!r}")
+        seq_q = check_len(seq_q, "seq_q")
+        seq_k = seq_q if seq_k is None else check_len(seq_k, "seq_k")
+        bq, bk = block_pair(block_size)
+        if bq % 16 or bk % 16:
+            raise ValueError(f"block_size must be multiples of 16 for the kernels (their smallest tile), got "
+                             f"{(bq, bk)}")
+        while indices.dim() < 4:
+            indices = indices.unsqueeze(0)
+        qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
+        if indices.shape[2] != qb:
+            raise ValueError(f"indices has {indices.shape[2]} query blocks (dim -2 of shape {tuple(indices.shape)}), "
+                             f"expected ceil(seq_q / block_q) = ceil({seq_q} / {bq}) = {qb}")
+        if indices.shape[0] == 0 or indices.shape[1] == 0:
+            raise ValueError(f"indices must have batch and heads of at least 1, got shape {tuple(indices.shape)}")
+        ids = indices if indices.dtype == torch.int64 else indices.long()
+        if check:
+            ok = (ids >= -1) & (ids < kb)
+            if ids.device.type == "cpu" and not tracing():
+                bad = (~ok).nonzero()
+                if bad.shape[0]:
+                    where = tuple(bad[0].tolist())
+                    raise ValueError(f"indices must hold key-block ids in [0, {kb}) or -1 (seq_k={seq_k}, block_k={bk}), "
+                                     f"got {int(ids[where])} at {where}")
+            else:
+                torch._assert_async(ok.all(), f"BlockMask.from_indices: indices must hold key-block ids in [0, {kb}) "
+                                              f"or -1")
+        # -1 and bad ids go to a spare column kb, cut off below
+        slot = torch.where(ids < 0, kb, ids.clamp(max=kb))
+        layout = torch.zeros(*ids.shape[:3], kb + 1, dtype=torch.bool, device=ids.device)
+        layout.scatter_(-1, slot, True)
+        return cls.from_layout(layout[..., :kb], (bq, bk), seq_q, seq_k, dynamic=True)
 
     @classmethod
     def from_dense(cls, token_mask, block_size=128) -> "BlockMask":
@@ -384,7 +482,9 @@ class BlockMask:
         """The same layout without the token-level definition: every pair of an on block attended,
         which is what `sparseflash.attention` computes with ``exact=False`` (``block_level().to_flex()``
         makes FlexAttention compute the same)."""
-        return BlockMask(self.layout, self.block_size, self.seq_q, self.seq_k)
+        out = BlockMask(self.layout, self.block_size, self.seq_q, self.seq_k)
+        out.dynamic = self.dynamic
+        return out
 
     def density(self) -> float:
         """Fraction of nonzero blocks (over every batch/head slice the layout stores)."""
@@ -438,6 +538,7 @@ class BlockMask:
         out = BlockMask(self.layout.to(device), self.block_size, self.seq_q, self.seq_k,
                         full=None if self._full is None else self._full.to(device),
                         mask_mod=mod_to(self.mask_mod, device))
+        out.dynamic = self.dynamic
         if device in self._index_cache:
             out._index_cache[device] = self._index_cache[device]
         if device in self._exact_cache:
@@ -476,12 +577,13 @@ class BlockMask:
         cached = self._index_cache.get(device)
         if cached is None:
             layout = self.layout.to(device)
-            kv_num, kv_idx = sorted_nonzero(layout)
-            q_num, q_idx = sorted_nonzero(layout.transpose(-1, -2))
-            cached = BlockIndex(kv_num, kv_idx, q_num, q_idx, None if tracing() else self.density())
+            lists = ranked_lists if self.dynamic else sorted_nonzero
+            kv_num, kv_idx = lists(layout)
+            q_num, q_idx = lists(layout.transpose(-1, -2))
+            cached = BlockIndex(kv_num, kv_idx, q_num, q_idx, None if tracing() or self.dynamic else self.density())
             if not torch.compiler.is_compiling():
                 self._index_cache[device] = cached
-        elif cached.density is None and not tracing():
+        elif cached.density is None and not (tracing() or self.dynamic):
             cached = self._index_cache[device] = replace(cached, density=self.density())
         return cached
 

@@ -19,6 +19,13 @@ sequence length and device and cached, so a model that sees several lengths buil
 - a list with one of the above per query head (``None`` there: that head is dense), stacked with
   `sparseflash.patterns.stack`.
 
+Per-step selection instead of a pattern: ``topk=n`` builds the mask of every forward from the
+layer's own q and k with `sparseflash.topk_blocks` (the top ``n`` key blocks of every query block
+by mean-pooled q·k, ``block_size`` blocks; with ``causal`` each query block's own block on and not
+counted), with ``topk_sinks`` always-on leading key blocks and, with ``topk_share_kv``, one
+selection per KV head shared by its query heads (NSA). The mask is built on the device without a
+host synchronisation; the selection carries no gradient.
+
 Attention dropout (``dropout``) applies only in training. ``backend="auto"`` runs the Triton
 kernels on CUDA and the PyTorch reference elsewhere (a model under the Triton interpreter would take
 minutes per step; pass ``backend="triton"`` to force it). A mask built from a token-level
@@ -142,6 +149,8 @@ class SparseAttention(nn.Module):
         bias: biases in both projections. ``block_size``: for patterns given by name.
         backend: ``"auto"`` (CUDA -> Triton kernels, else the PyTorch reference), ``"triton"``,
             ``"reference"``.
+        topk, topk_sinks, topk_share_kv: per-step top-k selection instead of ``pattern`` (module
+            docstring).
 
     ``forward(x, key_lengths=None, key_padding_mask=None)``: ``x [batch, seq, d_model]``;
     ``key_lengths`` int ``[batch]`` or ``key_padding_mask`` bool ``[batch, seq]`` (True = padding,
@@ -151,6 +160,7 @@ class SparseAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, pattern=None, *,
                  pattern_kwargs: dict | None = None, head_dim: int | None = None, causal: bool = False,
                  dropout: float = 0.0, bias: bool = True, block_size=128, backend: str = "auto",
+                 topk: int | None = None, topk_sinks: int = 0, topk_share_kv: bool = False,
                  device=None, dtype=None):
         super().__init__()
         for name, v in (("d_model", d_model), ("n_heads", n_heads)):
@@ -177,6 +187,16 @@ class SparseAttention(nn.Module):
             raise ValueError(f"a per-head pattern list must have one entry per query head ({n_heads}), got {len(pattern)}")
         if isinstance(pattern, str) and pattern != "dense":
             _zoo_generator(pattern)  # fail early on a misspelt name
+        if topk is not None:
+            if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+                raise ValueError(f"topk must be None or an int >= 0 (key blocks selected per query block), got {topk!r}")
+            if pattern is not None:
+                raise ValueError("pass topk and pattern not together: topk selects the mask every step")
+        if isinstance(topk_sinks, bool) or not isinstance(topk_sinks, int) or topk_sinks < 0:
+            raise ValueError(f"topk_sinks must be an int >= 0, got {topk_sinks!r}")
+        if not isinstance(topk_share_kv, bool):
+            raise TypeError(f"topk_share_kv must be a bool, got {topk_share_kv!r}")
+        self.topk, self.topk_sinks, self.topk_share_kv = topk, topk_sinks, topk_share_kv
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.pattern, self.pattern_kwargs, self.block_size = pattern, dict(pattern_kwargs or {}), block_size
         self.causal, self.dropout, self.backend = causal, float(dropout), backend
@@ -188,7 +208,9 @@ class SparseAttention(nn.Module):
     def extra_repr(self) -> str:
         pat = self.pattern if self.pattern is None or isinstance(self.pattern, str) else type(self.pattern).__name__
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-                f"head_dim={self.head_dim}, pattern={pat!r}, causal={self.causal}, dropout={self.dropout}")
+                f"head_dim={self.head_dim}, pattern={pat!r}, causal={self.causal}, dropout={self.dropout}"
+                + ("" if self.topk is None else f", topk={self.topk}, topk_sinks={self.topk_sinks}, "
+                                                f"topk_share_kv={self.topk_share_kv}"))
 
     def mask_for(self, seq_len: int, device) -> BlockMask | None:
         """The pattern's mask for ``seq_len`` tokens on ``device`` (built once, cached; the cache is
@@ -199,6 +221,14 @@ class SparseAttention(nn.Module):
             self._masks[key] = resolve_pattern(self.pattern, seq_len, block_size=self.block_size, device=device,
                                                pattern_kwargs=self.pattern_kwargs, n_heads=self.n_heads)
         return self._masks[key]
+
+    def select(self, q: torch.Tensor, k: torch.Tensor) -> BlockMask:
+        """This step's mask with ``topk`` (`sparseflash.topk_blocks` of the layer's q and k)."""
+        from sparseflash.dynamic import topk_blocks
+
+        group = self.n_heads // self.n_kv_heads if self.topk_share_kv else 1
+        return topk_blocks(q, k, self.topk, self.block_size, self.causal, group_size=group,
+                           sink_blocks=self.topk_sinks)
 
     def reset_masks(self) -> None:
         """Forget cached masks (after changing ``self.pattern``)."""
@@ -245,5 +275,6 @@ class SparseAttention(nn.Module):
                                  f"got {tuple(key_padding_mask.shape)}")
             key_lengths = padding_to_lengths(key_padding_mask.to(x.device))
         q, k, v = self.project(x)
-        o = self.attend(q, k, v, self.mask_for(x.shape[1], x.device), key_lengths)
+        o = self.attend(q, k, v, self.select(q, k) if self.topk is not None else self.mask_for(x.shape[1], x.device),
+                        key_lengths)
         return self.output(o)

@@ -518,3 +518,18 @@ def test_token_mod_is_the_exact_truth():
         zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
         got = mask.token_mod()(zero, zero, i, j).expand(1, 1, seq, seq)
         assert torch.equal(got, mask.to_dense(exact=True).expand(1, 1, seq, seq))
+
+
+def test_dynamic_layout_index_is_sync_free_form():
+    """from_layout(dynamic=True): the same lists as a plain mask, ranked without a sort, and no density
+    read back (None), even outside a trace; the plain mask's index keeps its density."""
+    from sparseflash.mask import ranked_lists, sorted_nonzero
+
+    lay = torch.rand(2, 3, 6, 5, generator=torch.Generator().manual_seed(0)) < 0.5
+    dyn, plain = BlockMask.from_layout(lay, 16, dynamic=True), BlockMask.from_layout(lay, 16)
+    a, b = dyn.index(), plain.index()
+    assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("kv_num", "kv_idx", "q_num", "q_idx"))
+    assert a.density is None and dyn.index().density is None and b.density == plain.density()
+    assert dyn.dynamic and not plain.dynamic
+    empty = torch.zeros(1, 1, 3, 4, dtype=torch.bool)
+    assert torch.equal(ranked_lists(empty)[1], sorted_nonzero(empty)[1]) and (ranked_lists(empty)[1] == 4).all()
