@@ -62,13 +62,13 @@ not the same bits).
 
 from __future__ import annotations
 
-import numbers
 import weakref
 from collections import OrderedDict
 
 import torch
 
 from sparseflash.api import attention
+from sparseflash.kvcache import flash_attn_with_kvcache, window_pair
 from sparseflash.mask import BlockMask, tracing
 from sparseflash.segments import key_ranges_from_cu_seqlens
 
@@ -86,25 +86,10 @@ def _check_tensors(q, k, v, dims: int, layout_q: str, layout_kv: str) -> None:
         raise ValueError(f"k and v must have the same shape {layout_kv}, got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
-def _window_pair(window_size) -> tuple[int, int]:
-    """window_size as two Python ints: a tuple or list of two ints, or a 2-element integer tensor
-    (as flash-attn's tests pass it); anything else is a TypeError naming what was expected."""
-    if isinstance(window_size, torch.Tensor):
-        if window_size.numel() != 2 or window_size.dtype.is_floating_point or window_size.dtype.is_complex \
-                or window_size.dtype == torch.bool:
-            raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; a tensor must "
-                            f"hold 2 integers, got dtype {window_size.dtype} shape {tuple(window_size.shape)}")
-        return tuple(int(w) for w in window_size.reshape(-1).tolist())
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])
-
-
 def _window(window_size, causal: bool) -> tuple[int, int] | None:
     """(left, right) as flash-attn applies it (negative: unbounded; causal: right = 0), or None when
     it bounds nothing beyond ``causal``."""
-    left, right = (w if w >= 0 else -1 for w in _window_pair(window_size))
+    left, right = (w if w >= 0 else -1 for w in window_pair(window_size))
     if causal:
         right = 0
     if left < 0 and (right < 0 or (right == 0 and causal)):
@@ -477,5 +462,3 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs, mask=mask, exact=exact)
 
-
-from sparseflash.kvcache import flash_attn_with_kvcache  # noqa: E402  (the decode side of the interface)

@@ -50,9 +50,24 @@ import torch
 
 from sparseflash.mask import BlockMask
 
-__all__ = ["flash_attn_with_kvcache", "decode_reference", "apply_rotary"]
+__all__ = ["flash_attn_with_kvcache", "decode_reference", "apply_rotary", "window_pair"]
 
 MAX_ROWS = 64  # query rows (tokens x GQA group) per kernel launch; longer query blocks run in chunks
+
+
+def window_pair(window_size) -> tuple[int, int]:
+    """window_size as two Python ints: a tuple or list of two ints, or a 2-element integer tensor
+    (as flash-attn's tests pass it); anything else is a TypeError naming what was expected."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.numel() != 2 or window_size.dtype.is_floating_point or window_size.dtype.is_complex \
+                or window_size.dtype == torch.bool:
+            raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; a tensor must "
+                            f"hold 2 integers, got dtype {window_size.dtype} shape {tuple(window_size.shape)}")
+        return tuple(int(w) for w in window_size.reshape(-1).tolist())
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
 
 
 def _int_vector(x, name: str, batch: int, device) -> torch.Tensor | None:
@@ -116,8 +131,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns:
         ``out [batch, seqlen_q, nheads, headdim]``, or ``(out, softmax_lse)``.
     """
-    from sparseflash.flash_attn_interface import _window_pair
-
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -200,7 +213,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             used = torch.arange(bt.shape[1])[None, :] < need[:, None]
             if bool(((bt < 0) | (bt >= k_cache.shape[0]))[used].any()):
                 raise ValueError(f"block_table holds page ids outside [0, {k_cache.shape[0]}) for keys in use")
-    left, right = (w if w >= 0 else -1 for w in _window_pair(window_size))
+    left, right = (w if w >= 0 else -1 for w in window_pair(window_size))
     if causal:
         right = 0
     local = causal or left >= 0 or right >= 0

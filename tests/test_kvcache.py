@@ -16,7 +16,7 @@ from _attn_check import assert_within_torch_error
 
 import sparseflash
 from sparseflash import BlockMask
-from sparseflash.kvcache import decode_reference
+from sparseflash.kvcache import decode_reference, window_pair
 
 
 def _rotary_complex(x, cos, sin, pos, interleaved):
@@ -205,8 +205,6 @@ def test_kernel_against_float64(case, device, monkeypatch):
 
 def _pt_same_dtype(qkv, kn, vn, kw, sl, lp, slopes, table, dtype):
     """`decode_reference` with every step in ``dtype`` (after the same append)."""
-    from sparseflash.flash_attn_interface import _window_pair
-
     q, kc, vc = (t.clone() for t in qkv)
     SN = kn.shape[1]
     B = q.shape[0]
@@ -218,7 +216,7 @@ def _pt_same_dtype(qkv, kn, vn, kw, sl, lp, slopes, table, dtype):
     else:
         rows = torch.arange(B)[:, None].expand(B, SN)
         kc[rows, pos], vc[rows, pos] = kn, vn
-    left, right = (w if w >= 0 else -1 for w in _window_pair(kw["window_size"]))
+    left, right = (w if w >= 0 else -1 for w in window_pair(kw["window_size"]))
     if kw["causal"]:
         right = 0
     start = lp if lp is not None else torch.zeros(B, dtype=torch.int32)

@@ -47,10 +47,9 @@ def copy_bandwidth(device) -> float:
     from sparseflash.experiments.bench.timing import graph_ms
 
     n = (1 << 30) // 4
-    a = torch.empty(n, device=device, dtype=torch.float32)
-    b = torch.empty_like(a)
-    ms = graph_ms(lambda: b.copy_(a))
-    del a, b
+    src = torch.empty(n, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    ms = graph_ms(lambda: dst.copy_(src))
     return 2 * n * 4 / (ms / 1e3)
 
 
