@@ -200,11 +200,15 @@ def pick_splits(batch: int, kv_heads: int, n_units: int, device: torch.device, m
     return max(1, min(want, n_units // min_units if n_units >= min_units else 1, 128))
 
 
-def decode_block_n(block_size: int | None) -> int:
-    """The key tile: 64, or the largest power of two (>= 16) dividing the mask's cache block."""
+def decode_block_n(block_size: int | None, block_d: int = 128) -> int:
+    """The key tile: 64 (32 for head dims over 128, whose K and V tiles and accumulator would crowd
+    the registers), or the largest power of two (>= 16) up to that dividing the mask's cache block."""
+    top = 64 if block_d <= 128 else 32
     if block_size is None:
-        return 64
+        return top
     for n in (64, 32, 16):
+        if n > top:
+            continue
         if block_size % n == 0:
             return n
     raise ValueError(f"mask: the cache block size must be a multiple of 16 for the decode kernel, got {block_size}")
@@ -240,7 +244,7 @@ def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, w
     BLOCK_M = max(16, triton.next_power_of_2(R))
     BLOCK_D = max(16, triton.next_power_of_2(D))
     mask_block = blocks[2] if blocks is not None else None
-    BLOCK_N = decode_block_n(mask_block)
+    BLOCK_N = decode_block_n(mask_block, BLOCK_D)
     paged = block_table is not None
     cap = max_len if max_len is not None else (block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1])
     if blocks is not None:
