@@ -1,4 +1,4 @@
-"""flash-attn 2's interface on sparseflash: `flash_attn_func` and `flash_attn_varlen_func`.
+"""flash-attn 2's interface on sparseflash: `flash_attn_func`, `flash_attn_varlen_func`, the packed variants.
 
 Same names, argument order, defaults and return values as ``flash_attn.flash_attn_interface``
 (flash-attn 2), plus ``mask=`` (a `BlockMask`, or torch's FlexAttention BlockMask), so code
