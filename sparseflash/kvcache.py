@@ -25,7 +25,9 @@ Semantics as flash-attn 2 documents them (``flash_attn.flash_attn_with_kvcache``
 
 Differences: a row that attends nothing returns 0 and lse ``-inf`` (flash-attn: ``-inf`` when it
 splits, ``+inf`` when not). ``rotary_cos`` without new ``k`` / ``v`` is an error (flash-attn ignores
-it). ``cache_seqlens`` values are checked on the host (one read; not while a CUDA graph is captured).
+it). ``cache_seqlens`` (and leftpad, batch index, page ids) are checked on the host: one read, a
+synchronisation per call, skipped while a CUDA graph is captured and with
+``SPARSEFLASH_CHECK_KEY_LENGTHS=0`` (`sparseflash.api.CHECK_KEY_LENGTHS`), as a decode loop wants.
 
 Beyond flash-attn: ``mask=``, block-sparse decoding: a `BlockMask` (or FlexAttention BlockMask made
 block-level) for ``(seqlen_q, seqlen_cache)`` with a single query block, whose layout ``[batch or 1,
@@ -48,6 +50,7 @@ import os
 
 import torch
 
+from sparseflash import api
 from sparseflash.mask import BlockMask
 
 __all__ = ["flash_attn_with_kvcache", "decode_reference", "apply_rotary", "window_pair"]
@@ -196,7 +199,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         SN = k.shape[1]
-    if not _capturing(dev):  # one host read: the bounds that in-place writes and the kernel rely on
+    if api.CHECK_KEY_LENGTHS and not _capturing(dev):  # one host read: the bounds in-place writes rely on
         s_host = seqlens.cpu().long()
         if bool((s_host < 0).any()) or int(s_host.max()) + SN > cap:
             raise ValueError(f"cache_seqlens + seqlen_new ({SN}) must lie in [0, {cap}] (the cache's length), got "

@@ -74,12 +74,20 @@ def _selection(B, Hk, nkb, density, gen, device):
 
 
 def _reference(q, k, v, keep=None):
-    """float32 attention: q [B, 1, H, D], k, v [B, N, Hk, D]; keep [B, Hk, N] (True: attended)."""
-    G = q.shape[2] // k.shape[2]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(G, 2)) / math.sqrt(q.shape[-1])
-    if keep is not None:
-        s = s.masked_fill(~keep.repeat_interleave(G, 1)[:, :, None, :], float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.float().repeat_interleave(G, 2))
+    """float32 attention: q [B, 1, H, D], k, v [B, N, Hk, D]; keep [B, Hk, N] (True: attended). One
+    batch row at a time, GQA groups without expanding K and V (a 256K cache stays in memory)."""
+    B, _, H, D = q.shape
+    Hk = k.shape[2]
+    out = torch.empty(B, 1, H, D, device=q.device, dtype=torch.float32)
+    for b in range(B):
+        qb = q[b, 0].float().view(Hk, H // Hk, D)
+        kb, vb = k[b].float(), v[b].float()  # [N, Hk, D]
+        s = torch.einsum("hgd,nhd->hgn", qb, kb) / math.sqrt(D)
+        if keep is not None:
+            s = s.masked_fill(~keep[b][:, None, :], float("-inf"))
+        out[b, 0] = torch.einsum("hgn,nhd->hgd", s.softmax(-1), vb).reshape(H, D)
+        del kb, vb
+    return out
 
 
 def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_fn):
@@ -90,9 +98,10 @@ def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_
     from sparseflash import BlockMask
 
     rows = []
-    q = torch.randn(B, 1, H, D, generator=gen).to(device, dtype)
-    k = torch.randn(B, N, Hk, D, generator=gen).to(device, dtype)
-    v = torch.randn(B, N, Hk, D, generator=gen).to(device, dtype)
+    dgen = torch.Generator(device=device).manual_seed(B * N)  # drawn on the device: a 256K cache in seconds
+    q = torch.randn(B, 1, H, D, generator=dgen, device=device, dtype=dtype)
+    k = torch.randn(B, N, Hk, D, generator=dgen, device=device, dtype=dtype)
+    v = torch.randn(B, N, Hk, D, generator=dgen, device=device, dtype=dtype)
     seqlens = torch.full((B,), N, dtype=torch.int32, device=device)
     nkb = N // BLOCK
     keep = mask = None
