@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
+from sparseflash.cmdline import ArgumentParser, check_output_dir, positive_int, run_command
 
 VARIANTS = ("dense", "local", "topk")
 

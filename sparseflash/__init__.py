@@ -6,7 +6,7 @@
 
 Where things are: `sparseflash.attention` (api.py: validation + dispatch), `BlockMask` (mask.py),
 the pure-PyTorch reference (reference.py), the Triton kernels, launchers and autograd wrapper
-(flash/), flash-attn 2's interface (flash_attn_interface.py), `sparseflash.nn.SparseAttention` (nn.py), the Hugging Face transformers hook
+(flash/), flash-attn 2's interface (flash_attn_interface.py; decoding with a KV cache: kvcache.py, kernel flash/decode.py), `sparseflash.nn.SparseAttention` (nn.py), the Hugging Face transformers hook
 (hf.py, optional extra ``[hf]``), the pattern zoo (`sparseflash.patterns`), analysis of masks (analysis.py), mask pictures (_picture.py),
 per-call block selection (`topk_blocks`, dynamic.py),
 benchmarks and LRA experiments (`sparseflash.experiments`), the CLI (cli.py).
@@ -27,9 +27,13 @@ from sparseflash.api import attention  # noqa: E402
 from sparseflash.mask import BlockIndex, BlockMask  # noqa: E402
 from sparseflash.dynamic import topk_blocks  # noqa: E402
 from sparseflash.segments import segments_from_cu_seqlens  # noqa: E402
-from sparseflash.flash_attn_interface import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from sparseflash.flash_attn_interface import (  # noqa: E402
+    flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "BlockMask", "BlockIndex", "topk_blocks", "segments_from_cu_seqlens", "flash_attn_func",
-           "flash_attn_varlen_func", "__version__"]
+           "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
+           "__version__"]

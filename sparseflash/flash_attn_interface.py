@@ -1,4 +1,4 @@
-"""flash-attn 2's interface on sparseflash: `flash_attn_func` and `flash_attn_varlen_func`.
+"""flash-attn 2's interface on sparseflash: `flash_attn_func`, `flash_attn_varlen_func`, the packed variants.
 
 Same names, argument order, defaults and return values as ``flash_attn.flash_attn_interface``
 (flash-attn 2), plus ``mask=`` (a `BlockMask`, or torch's FlexAttention BlockMask), so code
@@ -31,9 +31,10 @@ Semantics as flash-attn 2 documents them:
   always ``None``: sparseflash never materialises the attention probabilities (flash-attn returns
   them only with ``dropout_p > 0``, for tests; `sparseflash.dropout.keep_mask` reproduces our
   dropout pattern).
-- ``deterministic``: the portable backward is deterministic (no atomics); ``True`` on a Hopper GPU
-  asks for ``torch.use_deterministic_algorithms(True)`` or ``SPARSEFLASH_HOPPER_BWD=off``, which
-  turn off the one-pass Hopper backward that adds dQ with TMA reductions (an error says so).
+- ``deterministic=True``: this call's backward is bitwise repeatable on every GPU
+  (`sparseflash.attention(deterministic=True)`: the portable kernels, which add without atomics;
+  on Hopper this replaces the one-pass backward for the call, slower).
+- ``window_size``: any pair of ints: a tuple, a list or a 2-element integer tensor.
 - ``mask``: a `BlockMask` for ``(seqlen_q, seqlen_k)`` (varlen: for the packed rows
   ``(total_q, total_k)``), ANDed with everything above. A mask built from a token-level definition
   is applied exactly inside its partial blocks, as in `sparseflash.attention`; ``exact=False``
@@ -48,8 +49,12 @@ Semantics as flash-attn 2 documents them:
   cu_seqlens_k``) it runs one call per sequence (correct, slower; not with ``mask=``, nor inside
   torch.compile).
 
-Beyond flash-attn: float32 inputs, any head dim up to 256, ``mask=`` and ``exact=``. Not here:
-``flash_attn_with_kvcache`` and a paged KV cache.
+Packed variants (``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func`` and their varlen forms)
+are views: ``unbind`` of the packed tensor, no copy, gradients flow back into it. A paged k / v in
+the varlen call (``block_table``) is gathered page by page. Decoding against a KV cache,
+``flash_attn_with_kvcache``, lives in `sparseflash.kvcache` (re-exported here).
+
+Beyond flash-attn: float32 inputs, any head dim up to 256, ``mask=`` and ``exact=``.
 
 Dropout draws its bits as `sparseflash.attention` does (the same probability law as flash-attn,
 not the same bits).
@@ -63,10 +68,12 @@ from collections import OrderedDict
 import torch
 
 from sparseflash.api import attention
+from sparseflash.kvcache import flash_attn_with_kvcache, window_pair
 from sparseflash.mask import BlockMask, tracing
 from sparseflash.segments import key_ranges_from_cu_seqlens
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
 
 
 def _check_tensors(q, k, v, dims: int, layout_q: str, layout_kv: str) -> None:
@@ -82,10 +89,7 @@ def _check_tensors(q, k, v, dims: int, layout_q: str, layout_kv: str) -> None:
 def _window(window_size, causal: bool) -> tuple[int, int] | None:
     """(left, right) as flash-attn applies it (negative: unbounded; causal: right = 0), or None when
     it bounds nothing beyond ``causal``."""
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
-    left, right = (int(w) if w >= 0 else -1 for w in window_size)
+    left, right = (w if w >= 0 else -1 for w in window_pair(window_size))
     if causal:
         right = 0
     if left < 0 and (right < 0 or (right == 0 and causal)):
@@ -93,7 +97,7 @@ def _window(window_size, causal: bool) -> tuple[int, int] | None:
     return left, right
 
 
-def _check_options(softcap, deterministic, q: torch.Tensor) -> float | None:
+def _check_options(softcap, deterministic) -> float | None:
     """Validates softcap and deterministic; returns attention's ``softcap`` (None when 0.0: off)."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0.0: off), got {softcap!r}")
@@ -101,15 +105,6 @@ def _check_options(softcap, deterministic, q: torch.Tensor) -> float | None:
         raise ValueError(f"softcap must be a finite float >= 0 (0.0: off), got {softcap!r}")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    if deterministic and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9 \
-            and not torch.are_deterministic_algorithms_enabled():
-        from sparseflash.flash.hopper import backward as hopper_bwd
-
-        if hopper_bwd.MODE != "off":
-            raise NotImplementedError(
-                "deterministic=True on a Hopper GPU: the one-pass Hopper backward adds dQ in arrival order; "
-                "call torch.use_deterministic_algorithms(True) or set SPARSEFLASH_HOPPER_BWD=off, and the "
-                "portable backward (deterministic) runs")
     return float(softcap) if softcap > 0.0 else None
 
 
@@ -149,7 +144,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_tensors(q, k, v, 4, "[batch, seqlen_q, nheads, headdim]", "[batch, seqlen_k, nheads_k, headdim]")
     _check_flag("causal", causal)
     _check_flag("return_attn_probs", return_attn_probs)
-    softcap = _check_options(softcap, deterministic, q)
+    softcap = _check_options(softcap, deterministic)
     window = _window(window_size, causal)
     key_ranges = None
     if window is not None:  # one sequence per batch row: its key ranges, shared by the batch
@@ -162,7 +157,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
                     causal=causal and window is None, scale=softmax_scale, dropout_p=dropout_p,
                     key_ranges=key_ranges, return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes,
-                    exact=exact)
+                    exact=exact, deterministic=deterministic)
     if not return_attn_probs:
         return out.transpose(1, 2).contiguous()
     o, lse = out
@@ -244,7 +239,7 @@ def _check_cu_seqlens(cu, name: str, total: int, max_seqlen, max_name: str, devi
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, *, mask=None, exact=True):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, mask=None, exact=True):
     """flash-attn 2's ``flash_attn_varlen_func`` (module docstring: semantics and what differs).
 
     Args:
@@ -253,6 +248,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]``: sequence ``b`` holds query tokens
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and key tokens ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``.
         max_seqlen_q, max_seqlen_k: the longest sequences (checked against the cu_seqlens).
+        block_table: int32 ``[batch, max_blocks_per_seq]``, a paged k / v: then k, v are
+            ``[num_blocks, page_block_size, nheads_k, headdim]`` and key ``p`` of sequence ``b`` is row
+            ``p % page_block_size`` of page ``block_table[b, p // page_block_size]`` (``cu_seqlens_k`` gives
+            the sequences' lengths). The pages are gathered (a copy of the keys in use; gradients flow
+            back to k and v).
         Others: as `flash_attn_func`, per sequence; ``mask`` (and ``exact``) for the packed rows
             ``(total_q, total_k)``.
 
@@ -260,10 +260,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ``out`` ``[total_q, nheads, headdim]``, or ``(out, softmax_lse [nheads, total_q], None)``.
         Tokens past ``cu_seqlens_q[-1]`` get 0.
     """
+    if block_table is not None:
+        k, v = _gather_pages(k, v, block_table, cu_seqlens_k, max_seqlen_k)
     _check_tensors(q, k, v, 3, "[total_q, nheads, headdim]", "[total_k, nheads_k, headdim]")
     _check_flag("causal", causal)
     _check_flag("return_attn_probs", return_attn_probs)
-    softcap = _check_options(softcap, deterministic, q)
+    softcap = _check_options(softcap, deterministic)
     window = _window(window_size, causal) or ((-1, 0) if causal else (-1, -1))
     cached = vkey = None  # the exact mask of these very cu_seqlens tensors, checked and built before
     # (not under torch.compile, which cannot key a cache on tensor identity; inside a CUDA-graph capture a
@@ -285,7 +287,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
     if alibi_slopes is not None and not _alibi_packed(alibi_slopes, q, k, cu_seqlens_q, cu_seqlens_k, mask):
         return _varlen_per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
-                                    softcap, alibi_slopes, return_attn_probs)
+                                    softcap, alibi_slopes, return_attn_probs, deterministic)
     if alibi_slopes is not None and alibi_slopes.dim() == 2:
         alibi_slopes = alibi_slopes.reshape(-1)  # one sequence: its slopes are the packed call's
     key_ranges = None
@@ -297,11 +299,53 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         mask, exact, key_ranges = cached, True, None
     out = attention(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
                     mask, scale=softmax_scale, dropout_p=dropout_p, key_ranges=key_ranges,
-                    return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes, exact=exact)
+                    return_lse=return_attn_probs, softcap=softcap, alibi_slopes=alibi_slopes, exact=exact,
+                    deterministic=deterministic)
     if not return_attn_probs:
         return out[0].transpose(0, 1).contiguous()
     o, lse = out
     return o[0].transpose(0, 1).contiguous(), _lse_as_flash_attn(lse[0]), None
+
+
+def _gather_pages(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k):
+    """A paged k / v (``[num_blocks, page_block_size, nheads_k, headdim]``, ``block_table [batch,
+    max_blocks]``) as packed ``[total_k, nheads_k, headdim]`` tensors, sequence ``b`` holding
+    ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys read page by page (a differentiable gather)."""
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} with block_table must be a paged cache [num_blocks, page_block_size, nheads_k, "
+                             f"headdim], got {got}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k and v must have the same pages [num_blocks, page_block_size, nheads_k], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", 1 << 62, max_seqlen_k, "max_seqlen_k", k_cache.device)
+    rows = page_rows(block_table, cu_seqlens_k.long().diff(), k_cache.shape[0], k_cache.shape[1], "block_table")
+    return k_cache.flatten(0, 1)[rows], v_cache.flatten(0, 1)[rows]
+
+
+def page_rows(block_table, lengths: torch.Tensor, num_blocks: int, page: int, name: str) -> torch.Tensor:
+    """Rows of the flattened pages ``[num_blocks * page]`` that hold keys ``0 .. lengths[b] - 1`` of
+    every sequence ``b`` in turn (one host read of ``lengths``), after checking ``block_table``."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 \
+            or block_table.dtype not in (torch.int32, torch.int64):
+        got = (f"{block_table.dtype} {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor)
+               else type(block_table).__name__)
+        raise TypeError(f"{name} must be an int32 tensor [batch, max_blocks_per_seq] of page ids, got {got}")
+    if block_table.shape[0] != lengths.numel():
+        raise ValueError(f"{name} must have one row per sequence ({lengths.numel()}), got shape "
+                         f"{tuple(block_table.shape)}")
+    lens = lengths.long().to(block_table.device)
+    need = int(lens.max()) if lens.numel() else 0
+    if need > block_table.shape[1] * page:
+        raise ValueError(f"{name} holds {block_table.shape[1]} pages of {page} tokens per sequence, fewer than the "
+                         f"longest sequence's {need} keys")
+    b = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+    p = torch.arange(b.numel(), device=lens.device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    pages = block_table.long()[b, p // page]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_blocks):
+        raise ValueError(f"{name} holds page ids outside [0, {num_blocks}) for keys in use")
+    return pages * page + p % page
 
 
 def _alibi_packed(slopes, q, k, cu_q, cu_k, mask) -> bool:
@@ -336,7 +380,7 @@ def _alibi_packed(slopes, q, k, cu_q, cu_k, mask) -> bool:
 
 
 def _varlen_per_sequence(q, k, v, cu_q, cu_k, dropout_p, softmax_scale, causal, window_size, softcap, slopes,
-                         return_attn_probs):
+                         return_attn_probs, deterministic=False):
     """flash_attn_varlen_func one sequence at a time through `flash_attn_func` (ALiBi cases the
     packed call cannot express, `_alibi_packed`); sequences with no key and tokens past the last
     sequence get 0 (lse +inf)."""
@@ -353,7 +397,7 @@ def _varlen_per_sequence(q, k, v, cu_q, cu_k, dropout_p, softmax_scale, causal, 
             continue
         sl = slopes if slopes.dim() == 1 else slopes[b]
         r = flash_attn_func(q[None, a:e], k[None, c:f], v[None, c:f], dropout_p, softmax_scale, causal, window_size,
-                            softcap or 0.0, sl, False, return_attn_probs)
+                            softcap or 0.0, sl, deterministic, return_attn_probs)
         o, lse = (r[0], r[1]) if return_attn_probs else (r, None)
         outs.append(o[0])
         if return_attn_probs:
@@ -367,3 +411,54 @@ def _varlen_per_sequence(q, k, v, cu_q, cu_k, dropout_p, softmax_scale, causal, 
         return out
     lse = torch.cat(lses, dim=1) if lses else torch.full((H, q.shape[0]), float("inf"), device=q.device)
     return out, lse, None
+
+
+def _unpack(t, name: str, dims: int, n: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """The ``n`` views a packed tensor holds along its dim ``-3`` (no copy; gradients flow back)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != dims or t.shape[-3] != n:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be {dims}-D {layout} with {n} at dim -3, got {got}")
+    return t.unbind(-3)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, deterministic=False, return_attn_probs=False, *, mask=None,
+                              exact=True):
+    """flash-attn 2's ``flash_attn_qkvpacked_func``: ``qkv [batch, seqlen, 3, nheads, headdim]``, then
+    as `flash_attn_func` on its three views."""
+    q, k, v = _unpack(qkv, "qkv", 5, 3, "[batch, seqlen, 3, nheads, headdim]")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, mask=mask, exact=exact)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                             alibi_slopes=None, deterministic=False, return_attn_probs=False, *, mask=None, exact=True):
+    """flash-attn 2's ``flash_attn_kvpacked_func``: ``kv [batch, seqlen_k, 2, nheads_k, headdim]``, then
+    as `flash_attn_func`."""
+    k, v = _unpack(kv, "kv", 5, 2, "[batch, seqlen_k, 2, nheads_k, headdim]")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, mask=mask, exact=exact)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, mask=None, exact=True):
+    """flash-attn 2's ``flash_attn_varlen_qkvpacked_func``: ``qkv [total, 3, nheads, headdim]``, one
+    ``cu_seqlens`` for queries and keys, then as `flash_attn_varlen_func`."""
+    q, k, v = _unpack(qkv, "qkv", 4, 3, "[total, 3, nheads, headdim]")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  mask=mask, exact=exact)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, mask=None,
+                                    exact=True):
+    """flash-attn 2's ``flash_attn_varlen_kvpacked_func``: ``kv [total_k, 2, nheads_k, headdim]``, then
+    as `flash_attn_varlen_func`."""
+    k, v = _unpack(kv, "kv", 4, 2, "[total_k, 2, nheads_k, headdim]")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, mask=mask, exact=exact)
+

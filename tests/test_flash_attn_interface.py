@@ -8,6 +8,7 @@ varlen, packed and per-sequence calls); return values, views instead of copies, 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -138,14 +139,16 @@ def test_func_kernels_against_float64(case, dtype, route, device, monkeypatch):
     allowed = _allowed(Nq, Nk, causal, window)
     ref = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), [t.double() for t in (q, k, v)], do.double())
     pt = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
-    # deterministic=True: the portable backward (no atomics); on a Hopper GPU, whose one-pass backward
-    # is not deterministic, only where the caller turned deterministic algorithms on (else a clear error)
-    det = device == "cpu" or torch.cuda.get_device_capability()[0] < 9
-    if not det:
-        with pytest.raises(NotImplementedError, match="deterministic=True on a Hopper GPU"):
-            sparseflash.flash_attn_func(*(t.to(device, dtype) for t in (q, k, v)), deterministic=True)
-    got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window, deterministic=det),
+    # deterministic=True per call on every GPU (on Hopper: the portable backward for this call); the
+    # window also as a 2-element int tensor, as flash-attn's tests pass it
+    got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=torch.tensor(window),
+                                                             deterministic=True),
                  [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
+    if device == "cuda":  # bitwise repeatable
+        again = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window,
+                                                                   deterministic=True),
+                       [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
+        assert all(torch.equal(x, y) for x, y in zip(got, again))
     if route == "mask":  # the window's cached mask ran, with its bits
         ((_, mask),) = fai._WINDOW_MASKS.values()
         assert mask.exact_bits(torch.device(device)) is not None and mask.partial.any()
@@ -255,6 +258,15 @@ def test_func_errors_name_the_option():
         sparseflash.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="window_size must be a pair of ints"):
         sparseflash.flash_attn_func(q, q, q, window_size=4)
+    with pytest.raises(TypeError, match="window_size must be a pair of ints.*a tensor must hold 2 integers"):
+        sparseflash.flash_attn_func(q, q, q, window_size=torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError, match="window_size must be a pair of ints.*a tensor must hold 2 integers"):
+        sparseflash.flash_attn_func(q, q, q, window_size=torch.tensor([1, 2, 3]))
+    a = sparseflash.flash_attn_func(q, q, q, window_size=[3, 1])  # a list, a tensor and numpy ints: the same
+    b = sparseflash.flash_attn_func(q, q, q, window_size=torch.tensor([3, 1], dtype=torch.int32))
+    c = sparseflash.flash_attn_func(q, q, q, window_size=tuple(np.array([3, 1])))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a, c, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"q must be 4-D \[batch, seqlen_q, nheads, headdim\]"):
         sparseflash.flash_attn_func(q[0], q, q)
     with pytest.raises(TypeError, match="causal must be a bool"):
@@ -599,3 +611,83 @@ def test_func_softcap_alibi_kernels_against_float64(dtype, device):
                                                              alibi_slopes=slopes.to(device)),
                  [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
     _check(f"softcap-alibi {dtype}", [t.cpu() for t in got], [t.cpu() for t in pt], ref, dtype)
+
+
+def test_packed_variants_are_views_with_gradients(monkeypatch):
+    """The four packed functions pass views of the packed tensor (no copy) and equal the unpacked
+    calls; gradients flow back into the packed tensor; a wrong packing is a clear error."""
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 12, 3, 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    seen = []
+    real = sparseflash.flash_attn_interface.attention
+
+    def spy(a, b, c, *args, **kw):
+        seen.append((a, b, c))
+        return real(a, b, c, *args, **kw)
+
+    monkeypatch.setattr(sparseflash.flash_attn_interface, "attention", spy)
+    out = sparseflash.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(4, 0))
+    assert all(t.data_ptr() == qkv.data_ptr() + i * qkv.stride(2) * qkv.element_size()
+               for i, t in enumerate(seen[-1]))
+    q, k, v = qkv.detach().unbind(2)
+    torch.testing.assert_close(out, sparseflash.flash_attn_func(q, k, v, causal=True, window_size=(4, 0)))
+    out.sum().backward()
+    assert qkv.grad is not None and qkv.grad.shape == qkv.shape and qkv.grad.abs().sum() > 0
+    kv = qkv.detach()[:, :, 1:].clone().requires_grad_()
+    out = sparseflash.flash_attn_kvpacked_func(q, kv, return_attn_probs=True)
+    assert len(out) == 3 and out[2] is None
+    torch.testing.assert_close(out[0], sparseflash.flash_attn_func(q, k, v))
+    out[0].sum().backward()
+    assert kv.grad.abs().sum() > 0
+    cu = torch.tensor([0, 5, 12, 24], dtype=torch.int32)
+    flat = qkv.detach().flatten(0, 1).clone().requires_grad_()
+    got = sparseflash.flash_attn_varlen_qkvpacked_func(flat, cu, 12, causal=True)
+    fq, fk, fv = flat.detach().unbind(1)
+    torch.testing.assert_close(got, sparseflash.flash_attn_varlen_func(fq, fk, fv, cu, cu, 12, 12, causal=True))
+    got.sum().backward()
+    assert flat.grad.abs().sum() > 0
+    fkv = flat.detach()[:, 1:]
+    got = sparseflash.flash_attn_varlen_kvpacked_func(fq, fkv, cu, cu, 12, 12)
+    torch.testing.assert_close(got, sparseflash.flash_attn_varlen_func(fq, fk, fv, cu, cu, 12, 12))
+    with pytest.raises(ValueError, match=r"qkv must be 5-D \[batch, seqlen, 3, nheads, headdim\] with 3 at dim -3"):
+        sparseflash.flash_attn_qkvpacked_func(qkv[:, :, :2])
+    with pytest.raises(ValueError, match=r"kv must be 4-D \[total_k, 2, nheads_k, headdim\]"):
+        sparseflash.flash_attn_varlen_kvpacked_func(fq, flat, cu, cu, 12, 12)
+
+
+def test_varlen_block_table_reads_pages():
+    """flash_attn_varlen_func(block_table=...): k, v in pages (shuffled page ids, a page size that does
+    not divide the lengths) give what the packed keys give, with gradients into the pages."""
+    g = torch.Generator().manual_seed(6)
+    lens_k, page = [7, 13, 5], 4
+    cu_q = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 20, 25], dtype=torch.int32)
+    q = torch.randn(8, 4, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(25, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    n_pages, max_pages = 12, 4
+    perm = torch.randperm(n_pages, generator=g)
+    table = torch.full((3, max_pages), -1, dtype=torch.int32)
+    kp = torch.zeros(n_pages, page, 2, 16, dtype=torch.float64)
+    vp = torch.zeros_like(kp)
+    used = 0
+    for b, n in enumerate(lens_k):
+        for p in range(-(-n // page)):
+            pid = int(perm[used])
+            used += 1
+            table[b, p] = pid
+            lo = int(cu_k[b]) + p * page
+            hi = min(lo + page, int(cu_k[b + 1]))
+            kp[pid, : hi - lo], vp[pid, : hi - lo] = k[lo:hi], v[lo:hi]
+    kp.requires_grad_()
+    for causal in (False, True):
+        want = sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 13, causal=causal)
+        got = sparseflash.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 4, 13, causal=causal, block_table=table)
+        torch.testing.assert_close(got, want)
+    got.sum().backward()
+    assert kp.grad[perm[used:]].abs().sum() == 0 and kp.grad.abs().sum() > 0  # unused pages get nothing
+    with pytest.raises(ValueError, match="block_table holds 1 pages of 4 tokens per sequence"):
+        sparseflash.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 4, 13, block_table=table[:, :1])
+    with pytest.raises(TypeError, match=r"block_table must be an int32 tensor \[batch, max_blocks_per_seq\]"):
+        sparseflash.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 4, 13, block_table=table[0])
+    with pytest.raises(ValueError, match=r"k with block_table must be a paged cache"):
+        sparseflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 13, block_table=table)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from sparseflash.cli import ArgumentParser, check_output_dir, positive_int, run_command
+from sparseflash.cmdline import ArgumentParser, check_output_dir, positive_int, run_command
 
 BLOCK = 128  # the default block (--block)
 

@@ -1,0 +1,282 @@
+"""Decode speed: one query token against a KV cache, as a fraction of the memory bandwidth it needs.
+
+    python -m sparseflash.experiments.bench.decode --out experiments/results/decode
+
+bf16, head dim 128, GQA 32 query heads / 8 kv heads, batch 1-64, cache 4K-256K tokens (a point is
+skipped when its cache would not fit ``--max-cache-gb``). Dense: every cached key; sparse: 10% of
+the cache blocks of 128 tokens per (batch, kv head), drawn at random (block-sparse decoding, as a
+top-k selection gives). Providers:
+
+- ``sparseflash``: `sparseflash.flash_attn_with_kvcache` (the split-KV kernel, ``num_splits=0``),
+  cache ``[batch, seq, kv_heads, d]``; sparse through ``mask=``.
+- ``flex``: ``torch.compile(flex_attention)`` with ``enable_gqa``, cache ``[batch, kv_heads, seq, d]``;
+  sparse through a BlockMask of full blocks (``from_kv_blocks``, the 10% per query head).
+- ``sdpa``: ``scaled_dot_product_attention(enable_gqa=True)``, dense only.
+
+Time: GPU time per call from CUDA-graph replays (``do_bench_cudagraph`` median: no host cost; the
+cache is far larger than L2 from batch 4 / 16K on). Achieved bandwidth = bytes of cache the call must
+read (K and V of the attended keys; the query and output are negligible) / time, and its percentage
+of the device-copy bandwidth measured in the same run (``copy_`` of a 1 GiB buffer, read + write
+bytes / time). ``max_err`` compares each output with a float32 computation of the same attention.
+Also (``--deterministic-check``, on by default) fwd+bwd of `flash_attn_func` at 16K tokens, d 128, 16
+heads, causal, bf16, with and without ``deterministic=True``.
+
+Writes ``DIR/decode.csv`` (a row per provider x point), ``DIR/decode.json``, ``DIR/decode.png``,
+``DIR/deterministic.csv``; prints the table last. About 3-4 minutes on an H100 (most of it Flex's
+compilation per shape). ``--quick``: tiny sizes, for a CPU check of the script (interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sparseflash.experiments.bench.results import environment, write_tidy
+
+BLOCK = 128  # cache block of the sparse points (tokens)
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a device copy (read + write) of a 1 GiB buffer, CUDA-graph median."""
+    from sparseflash.experiments.bench.timing import graph_ms
+
+    n = (1 << 30) // 4
+    src = torch.empty(n, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    ms = graph_ms(lambda: dst.copy_(src))
+    return 2 * n * 4 / (ms / 1e3)
+
+
+def _time_ms(fn, device) -> float:
+    fn()
+    if device.type == "cuda":
+        from sparseflash.experiments.bench.timing import graph_ms
+
+        torch.cuda.synchronize()
+        return graph_ms(fn)
+    t0 = time.perf_counter()  # CPU (--quick): one call's wall time, a check of the script only
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _selection(B, Hk, nkb, density, gen, device):
+    """Per (batch, kv head) a random 10% (at least one) of the cache blocks: a bool layout [B, Hk, nkb]."""
+    n_sel = max(1, round(density * nkb))
+    scores = torch.rand(B, Hk, nkb, generator=gen)
+    top = scores.topk(n_sel, dim=-1).indices
+    return torch.zeros(B, Hk, nkb, dtype=torch.bool).scatter_(-1, top, True).to(device), n_sel
+
+
+def _reference(q, k, v, keep=None):
+    """float32 attention: q [B, 1, H, D], k, v [B, N, Hk, D]; keep [B, Hk, N] (True: attended). One
+    batch row at a time, GQA groups without expanding K and V (a 256K cache stays in memory)."""
+    B, _, H, D = q.shape
+    Hk = k.shape[2]
+    out = torch.empty(B, 1, H, D, device=q.device, dtype=torch.float32)
+    for b in range(B):
+        qb = q[b, 0].float().view(Hk, H // Hk, D)
+        kb, vb = k[b].float(), v[b].float()  # [N, Hk, D]
+        s = torch.einsum("hgd,nhd->hgn", qb, kb) / math.sqrt(D)
+        if keep is not None:
+            s = s.masked_fill(~keep[b][:, None, :], float("-inf"))
+        out[b, 0] = torch.einsum("hgn,nhd->hgd", s.softmax(-1), vb).reshape(H, D)
+        del kb, vb
+    return out
+
+
+def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_fn):
+    """Rows of one (batch, cache length, dense or sparse) point, one per provider."""
+    import torch.nn.functional as F
+
+    import sparseflash
+    from sparseflash import BlockMask
+
+    rows = []
+    dgen = torch.Generator(device=device).manual_seed(B * N)  # drawn on the device: a 256K cache in seconds
+    q = torch.randn(B, 1, H, D, generator=dgen, device=device, dtype=dtype)
+    k = torch.randn(B, N, Hk, D, generator=dgen, device=device, dtype=dtype)
+    v = torch.randn(B, N, Hk, D, generator=dgen, device=device, dtype=dtype)
+    seqlens = torch.full((B,), N, dtype=torch.int32, device=device)
+    nkb = N // BLOCK
+    keep = mask = None
+    n_sel = nkb
+    if sparse:
+        lay, n_sel = _selection(B, Hk, nkb, 0.10, gen, device)
+        mask = BlockMask.from_layout(lay[:, :, None, :], block_size=(BLOCK, BLOCK), seq_q=1, seq_k=N)
+        keep = lay.repeat_interleave(BLOCK, -1)
+    bytes_read = 2 * B * Hk * n_sel * BLOCK * D * torch.finfo(dtype).bits // 8
+    want = _reference(q, k, v, keep)
+    for prov in providers:
+        if prov == "sdpa" and sparse:
+            continue
+        try:
+            if prov == "sparseflash":
+                fn = lambda: sparseflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, mask=mask)
+            else:
+                qt, kt, vt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+                if prov == "sdpa":
+                    fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+                else:
+                    bm = None
+                    if sparse:
+                        from torch.nn.attention.flex_attention import BlockMask as FlexMask
+
+                        idx = lay.nonzero()[:, 2].view(B, Hk, n_sel).to(torch.int32)
+                        idx = idx.repeat_interleave(H // Hk, 1)[:, :, None, :].contiguous()  # [B, H, 1, n_sel]
+                        cnt = torch.full((B, H, 1), n_sel, dtype=torch.int32, device=device)
+                        bm = FlexMask.from_kv_blocks(torch.zeros_like(cnt), idx, cnt, idx, BLOCK_SIZE=BLOCK,
+                                                     seq_lengths=(1, N))
+                    fn = lambda: flex_fn(qt, kt, vt, block_mask=bm, enable_gqa=True).transpose(1, 2)
+            got = fn()
+            err = (got.float() - want).abs().max().item()
+            ms = _time_ms(fn, device)
+            rows.append(dict(provider=prov, status="ok", ms=ms, max_err=err))
+            del fn
+        except Exception as e:  # a provider that cannot run a point gives a row that says why
+            if device.type == "cuda" and "out of memory" in str(e):
+                torch.cuda.empty_cache()
+            rows.append(dict(provider=prov, status=f"error: {type(e).__name__}: {str(e)[:120]}", ms=float("nan"),
+                             max_err=float("nan")))
+    for r in rows:
+        r.update(batch=B, cache_len=N, heads=H, kv_heads=Hk, head_dim=D, dtype=str(dtype)[6:],
+                 mode="sparse" if sparse else "dense", density=n_sel / nkb, bytes_read=bytes_read)
+        r["gb_per_s"] = bytes_read / (r["ms"] / 1e3) / 1e9 if r["status"] == "ok" else float("nan")
+    return rows
+
+
+def deterministic_rows(device, n: int = 16384, heads: int = 16, d: int = 128) -> list[dict]:
+    """fwd+bwd of flash_attn_func, causal, bf16, batch 1, with and without deterministic=True."""
+    import sparseflash
+
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v, do = (torch.randn(1, n, heads, d, generator=gen).to(device, dtype) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    rows = []
+    for det in (False, True):
+        def step():
+            out = sparseflash.flash_attn_func(q, k, v, causal=True, deterministic=det)
+            out.backward(do)
+        ms = _time_ms(step, device) if device.type != "cuda" else _eager_ms(step)
+        rows.append(dict(bench="deterministic", seq_len=n, heads=heads, head_dim=d, causal=True,
+                         dtype=str(dtype)[6:], deterministic=det, fwd_bwd_ms=ms))
+    rows[1]["slowdown"] = rows[1]["fwd_bwd_ms"] / rows[0]["fwd_bwd_ms"]
+    return rows
+
+
+def _eager_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+
+def plot(rows, copy_bw, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, mode in zip(axes, ("dense", "sparse")):
+        for prov, style in (("sparseflash", "-o"), ("flex", "--s"), ("sdpa", ":^")):
+            for B in sorted({r["batch"] for r in rows}):
+                pts = [(r["cache_len"], r["pct_copy_bw"]) for r in rows
+                       if r["provider"] == prov and r["mode"] == mode and r["batch"] == B and r["status"] == "ok"]
+                if pts:
+                    xs, ys = zip(*sorted(pts))
+                    ax.plot(xs, ys, style, label=f"{prov} B{B}", markersize=4)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cache length (tokens)")
+        ax.set_title(f"{mode} decode ({'10% of cache blocks' if mode == 'sparse' else 'whole cache'})")
+        ax.axhline(80, color="grey", lw=0.8)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"% of device-copy bandwidth ({copy_bw / 1e12:.2f} TB/s)")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(rows) -> str:
+    head = f"{'mode':6} {'B':>3} {'cache':>7} {'provider':12} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'max_err':>8}  status"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['mode']:6} {r['batch']:>3} {r['cache_len']:>7} {r['provider']:12} {r['ms']:>8.4f} "
+                     f"{r['gb_per_s']:>7.0f} {r['pct_copy_bw']:>6.1f} {r['max_err']:>8.1e}  {r['status'][:40]}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for decode.csv, decode.json, decode.png, deterministic.csv")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--cache-lens", default="4096,32768,262144")
+    ap.add_argument("--providers", default="sparseflash,flex,sdpa")
+    ap.add_argument("--max-cache-gb", type=float, default=20.0, help="skip points whose K+V cache is larger")
+    ap.add_argument("--no-deterministic-check", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check of the script)")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    H, Hk, D, dtype = 32, 8, 128, torch.bfloat16
+    batches = [int(x) for x in args.batches.split(",")]
+    lens = [int(x) for x in args.cache_lens.split(",")]
+    providers = args.providers.split(",")
+    if args.quick:
+        H, Hk, D, batches, lens = 4, 2, 16, [1, 2], [256]
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        providers = [p for p in providers if device.type == "cuda" or p != "flex"]
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    flex_fn = None
+    if "flex" in providers:
+        import torch._dynamo as dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        dynamo.config.cache_size_limit = 256  # one compile per shape; never the unfused fallback
+        if hasattr(dynamo.config, "recompile_limit"):
+            dynamo.config.recompile_limit = 256
+        flex_fn = torch.compile(flex_attention, dynamic=False)
+    env = environment(device)
+    copy_bw = copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    t0 = time.time()
+    for sparse in (False, True):
+        for B in batches:
+            for N in lens:
+                if 2 * B * N * Hk * D * torch.finfo(dtype).bits / 8 > args.max_cache_gb * 2**30:
+                    continue
+                rows += run_point(B, N, H, Hk, D, dtype, device, sparse, providers, gen, flex_fn)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    for r in rows:
+        r["copy_gb_per_s"] = copy_bw / 1e9
+        r["pct_copy_bw"] = 100 * r["gb_per_s"] * 1e9 / copy_bw if copy_bw == copy_bw else float("nan")
+        r.update({k: v for k, v in env.items()})
+    out = Path(args.out)
+    meta = dict(bench="decode", command=" ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+                copy_gb_per_s=copy_bw / 1e9, seconds=time.time() - t0, **env)
+    write_tidy(rows, meta, out, "decode", "sparseflash.decode/1")
+    plot(rows, copy_bw if copy_bw == copy_bw else 1.0, out / "decode.png")
+    if not args.no_deterministic_check:
+        det = deterministic_rows(device, *((64, 1, 16) if args.quick else ()))
+        for r in det:
+            r.update(env)
+        write_tidy(det, dict(bench="deterministic", **env), out, "deterministic", "sparseflash.deterministic/1")
+        print("deterministic=True cost (fwd+bwd, causal): " + ", ".join(
+            f"{'det' if r['deterministic'] else 'default'} {r['fwd_bwd_ms']:.3f} ms" for r in det)
+            + f" (x{det[1]['slowdown']:.2f})")
+    print(f"{env['device_name']}: device copy {copy_bw / 1e9:.0f} GB/s (read + write); {time.time() - t0:.0f} s")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

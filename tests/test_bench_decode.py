@@ -1,0 +1,34 @@
+"""experiments/bench/decode.py on CPU (--quick: tiny sizes, the kernel under the interpreter): it
+writes decode.csv / .json / .png and deterministic.csv with a row per provider and point, every
+provider's output close to the float32 reference, and prints the table last."""
+
+from __future__ import annotations
+
+import csv
+
+import torch
+
+from sparseflash.experiments.bench import decode
+
+
+def test_decode_bench_quick(tmp_path, capsys):
+    assert decode.main(["--out", str(tmp_path), "--quick"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "decode.csv")))
+    # dense: sparseflash and sdpa; sparse: sparseflash (and flex on a GPU: its compile) at 2 batches x 1 length
+    want = {("dense", "sparseflash"), ("dense", "sdpa"), ("sparse", "sparseflash")}
+    cuda = torch.cuda.is_available()
+    if cuda:
+        want |= {("dense", "flex"), ("sparse", "flex")}
+    assert {(r["mode"], r["provider"]) for r in rows} == want
+    assert len(rows) == 2 * len(want) and all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
+    assert all(float(r["max_err"]) < (2e-3 if cuda else 1e-4) for r in rows)  # float16 on a GPU, float32 here
+    sparse = [r for r in rows if r["mode"] == "sparse"]
+    assert all(abs(float(r["density"]) - 0.5) < 0.01 or float(r["density"]) <= 0.25 for r in sparse)
+    assert all(int(r["bytes_read"]) < int(d["bytes_read"]) for r in sparse for d in rows
+               if d["mode"] == "dense" and (d["batch"], d["cache_len"]) == (r["batch"], r["cache_len"]))
+    assert (tmp_path / "decode.png").stat().st_size > 0
+    det = list(csv.DictReader(open(tmp_path / "deterministic.csv")))
+    assert [r["deterministic"] for r in det] == ["False", "True"] and all(float(r["fwd_bwd_ms"]) > 0 for r in det)
+    printed = capsys.readouterr().out.strip().splitlines()
+    n = len(rows)
+    assert printed[-n - 1].startswith("mode") and all(line.split()[0] in ("dense", "sparse") for line in printed[-n:])
