@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 
 from sparseflash import api
 from sparseflash.mask import BlockMask
+from sparseflash import _env
 
 __all__ = ["flash_attn_with_kvcache", "decode_reference", "apply_rotary", "window_pair"]
 
@@ -260,7 +260,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     args = dict(scale=scale, window=(left, right), softcap=float(softcap) if softcap > 0 else None, alibi=alibi,
                 batch_idx=batch_idx, block_table=block_table, blocks=blocks)
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = _env.interpreting()
     if (dev.type == "cuda" or interp) and q.dtype != torch.float64 and D <= 256:
         out, lse = _decode_chunks(q, k_cache, v_cache, seq_start, seq_end, num_splits, cap, **args)
     else:

@@ -30,13 +30,14 @@ applies rotary and appends new keys, and holds the plain-PyTorch reference of th
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from sparseflash import _env
+
+INTERPRETING = _env.interpreting()
 
 
 @triton.jit
