@@ -38,8 +38,8 @@ def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     nb = math.ceil(N / block)
     padded = torch.nn.functional.pad(x.float(), (0, 0, 0, nb * block - N))
     sums = padded.view(B, H, nb, block, D).sum(3)
-    counts = torch.full((nb,), float(block), device=x.device)
-    counts[-1] = N - (nb - 1) * block
+    # tokens per block, made on the device (no host-to-device copy: none may run inside a graph capture)
+    counts = (N - torch.arange(nb, device=x.device) * block).clamp(max=block).to(torch.float32)
     return sums / counts[:, None]
 
 

@@ -128,7 +128,9 @@ def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_
                         from torch.nn.attention.flex_attention import BlockMask as FlexMask
 
                         idx = lay.nonzero()[:, 2].view(B, Hk, n_sel).to(torch.int32)
-                        idx = idx.repeat_interleave(H // Hk, 1)[:, :, None, :].contiguous()  # [B, H, 1, n_sel]
+                        idx = idx.repeat_interleave(H // Hk, 1)[:, :, None, :]  # [B, H, 1, n_sel]
+                        # Flex's index lists are as wide as the key blocks (the rest is padding)
+                        idx = torch.nn.functional.pad(idx, (0, nkb - n_sel)).contiguous()
                         cnt = torch.full((B, H, 1), n_sel, dtype=torch.int32, device=device)
                         bm = FlexMask.from_kv_blocks(torch.zeros_like(cnt), idx, cnt, idx, BLOCK_SIZE=BLOCK,
                                                      seq_lengths=(1, N))
