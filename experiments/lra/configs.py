@@ -9,11 +9,13 @@
   and a cosine schedule. Their batch sizes and learning rate are not published; ours are marked.
 - ``quick``: the same model, a shorter schedule with a higher learning rate and cosine decay,
   sized for a few minutes on one H100 (evaluation on a fixed subset where the split is large).
-- ``tiny``: sized for a CPU (two cores, a few minutes): SDPA attention (PyTorch's CPU kernel),
-  text-like inputs cut to 256 tokens (ListOps to 64: its outer operator and first arguments),
-  a smaller model on the 1024-pixel tasks, a few hundred steps, evaluation on a subset. A check
-  that the pipeline learns, not a result to compare with the papers (`_TINY` says what each task
-  reached on a CPU).
+- ``tiny``: sized for a CPU (two cores, minutes): sparseflash attention (its PyTorch reference on
+  a CPU) through a butterfly pattern whose blocks are small enough to be sparse at the tiny length
+  (`_TINY_BLOCK`: block density 0.5 on ListOps and text, 0.31 on 1024 pixels), text-like inputs
+  cut to 256 tokens (ListOps to 64: its outer operator and first arguments), a smaller model on
+  the 1024-pixel tasks, a few hundred steps, evaluation on a subset. A check that the pipeline
+  learns, not a result to compare with the papers (`_TINY` says what each task reached on a CPU;
+  ``sparseflash lra data listops --size tiny`` writes just the ListOps examples it reads).
 
 Either variant trains a classifier; ``train.objective="denoise"`` (``--objective denoise``)
 self-pretrains the same encoder on the training inputs instead (masked tokens, ``train.mask_ratio``;
@@ -206,14 +208,16 @@ _TRAIN = {
 _INIT_FROM = {"pathx": "pathfinder64", "path256": "pathx"}
 
 # tiny (CPU): task -> (train kwargs, model overrides, data overrides). Measured on 2 shared CPU
-# cores (torch 2.13), generated data: see the README's "Training on a CPU".
+# cores (torch 2.13), generated data: experiments/README.md has the commands.
 _TINY_TEXT = (dict(batch_size=32, steps=300, lr=1e-3, warmup_steps=30, schedule="cosine", eval_every=100,
                    eval_batches=16, log_every=25, save_every=100), {}, {"seq_len": 256})
 _TINY_PIXELS = (dict(batch_size=32, steps=200, lr=1e-3, warmup_steps=20, schedule="cosine", eval_every=100,
                      eval_batches=8, log_every=25, save_every=100), dict(d_model=32, d_ff=64), {})
 _TINY = {
     # ListOps cut to its first 64 tokens: the outer operator and its first arguments, the cue that LRA
-    # models' 36-37% comes from; 2 cores: 36% val / 36% test in about a minute (seq 256, 300 steps: 18%)
+    # models' 36-37% comes from. sparseflash, butterfly at block 8 (density 0.5), 2 cores shared with
+    # other work: 35% val / 37% test (majority class 19%), 7 CPU-minutes; single-threaded, a step
+    # costs 41-49 ms of CPU (SDPA, dense: 33-36 ms). Seq 256 with SDPA, 300 steps: 18%
     "listops": (dict(batch_size=32, steps=600, lr=1e-3, warmup_steps=50, schedule="cosine", eval_every=200,
                      eval_batches=16, log_every=50, save_every=200), {}, {"seq_len": 64}),
     "text": _TINY_TEXT, "text4k": _TINY_TEXT, "retrieval": _TINY_TEXT,
