@@ -215,9 +215,9 @@ _TINY_PIXELS = (dict(batch_size=32, steps=200, lr=1e-3, warmup_steps=20, schedul
                      eval_batches=8, log_every=25, save_every=100), dict(d_model=32, d_ff=64), {})
 _TINY = {
     # ListOps cut to its first 64 tokens: the outer operator and its first arguments, the cue that LRA
-    # models' 36-37% comes from. sparseflash, butterfly at block 8 (density 0.5), 2 cores shared with
-    # other work: 35% val / 37% test (majority class 19%), 7 CPU-minutes; single-threaded, a step
-    # costs 41-49 ms of CPU (SDPA, dense: 33-36 ms). Seq 256 with SDPA, 300 steps: 18%
+    # models' 36-37% comes from. sparseflash (reference), butterfly at block 8 (density 0.5), 2 cores:
+    # 35% val / 37.5% test (majority class 19%) in 64 s; the same with SDPA, dense: 36% / 37% in 23 s.
+    # Seq 256 with SDPA, 300 steps: 18%
     "listops": (dict(batch_size=32, steps=600, lr=1e-3, warmup_steps=50, schedule="cosine", eval_every=200,
                      eval_batches=16, log_every=50, save_every=200), {}, {"seq_len": 64}),
     "text": _TINY_TEXT, "text4k": _TINY_TEXT, "retrieval": _TINY_TEXT,
