@@ -346,7 +346,8 @@ def _set_rng_state(s: dict) -> None:
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
     name, keys, pos, has_gauss, gauss = s["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    keys = keys.numpy() if torch.is_tensor(keys) else keys  # an array in checkpoints of older versions
+    np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, gauss))
     version, internal, gauss_next = s["python"]
     random.setstate((version, tuple(internal), gauss_next))
 
