@@ -69,8 +69,6 @@ def main(argv=None) -> int:
         ap.error(f"--checkpoint {a.checkpoint}: no such file")
     if a.num < 20:
         ap.error(f"--num must be at least 20, got {a.num}")
-    import torch
-
     from sparseflash.experiments.lra.model import upsample_grid
     from sparseflash.experiments.lra.probe import fit_mlp
     from sparseflash.experiments.studies.pathx.neighbourhood import DEFAULT_CACHE, load_or_generate, split_indices
