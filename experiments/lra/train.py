@@ -127,11 +127,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from sparseflash.experiments.lra.checkpoints import load_checkpoint
 from sparseflash.experiments.lra.configs import (
     OBJECTIVES, TASKS, VARIANTS, ExperimentConfig, TrainConfig, config_from_dict, get_config)
 from sparseflash.experiments.lra.model import (
     ATTENTIONS, LRAClassifier, LRADenoiser, ModelConfig, host_plan, load_pretrained, mask_positions, parse_pattern_spec)
-from sparseflash.experiments.lra.checkpoints import load_checkpoint
 from sparseflash.experiments.lra.provenance import code_commit
 
 __all__ = ["train", "evaluate", "build_model", "freeze_parameters", "average_gradients", "eval_mask", "denoise_loss", "StepBatches", "collate", "collate_planned",
