@@ -216,6 +216,8 @@ def _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_ke
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+        if scale <= 0:  # 0 would ignore the scores, < 0 reverse them: almost surely a mistake
+            raise ValueError(f"scale must be > 0 (the softmax scale; None gives 1 / sqrt(head_dim)), got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p <= 1.0):
         raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
     check_dropout_p(float(dropout_p))
@@ -286,7 +288,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             FlexAttention ``BlockMask`` is accepted and converted by `BlockMask.from_flex`
             (its ``mask_mod`` is applied inside its partial blocks, as Flex does).
         causal: also require ``j <= i + seq_k - seq_q`` (bottom-right aligned).
-        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        scale: softmax scale, a float > 0, default ``1 / sqrt(head_dim)``.
         key_lengths: int tensor ``[batch]``; keys ``j >= key_lengths[b]`` are not attended. Its
             values are checked to lie in ``[0, seq_k]``, which reads them back: a host
             synchronisation on a GPU. ``SPARSEFLASH_CHECK_KEY_LENGTHS=0`` in the environment (or

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 from sparseflash import _env
 
 __all__ = ["EXIT_USAGE", "EXIT_INTERRUPTED", "CommandError", "ArgumentParser", "positive_int", "non_negative_int",
-           "check_output_dir", "check_output_file", "known_error", "run_command"]
+           "check_output_dir", "check_output_file", "claim_output_dir", "known_error", "run_command"]
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -93,6 +94,38 @@ def check_output_dir(path, option: str = "--out") -> Path:
                 p.rmdir()
             except OSError:
                 pass
+    return path
+
+
+def claim_output_dir(path, *, owned, option: str = "--out", overwrite: bool = False, resume: bool = False,
+                     kind: str = "a run", resumable: bool = True) -> Path:
+    """The rule for a folder a command writes its run or results into (after `check_output_dir`): a
+    folder that already holds files is a user's data, so the command refuses it with a
+    `CommandError` naming ``--resume`` (``resumable`` commands) and ``--overwrite`` and
+    leaves every file as it was; ``resume`` accepts it as it is; ``overwrite`` starts it afresh by
+    removing the entries the command writes (``owned``: names or glob patterns, matched in the
+    folder itself) -- and refuses, removing nothing, when it holds anything else, which this
+    command did not write and will not delete."""
+    path = Path(path)
+    entries = sorted(path.iterdir()) if path.is_dir() else []
+    if not entries or resume:
+        return path
+    how = "pass --resume to continue it, --overwrite" if resumable else "pass --overwrite"
+    if not overwrite:
+        names = ", ".join(e.name for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise CommandError(f"{option} {path} already holds {kind} ({names})",
+                           f"{how} to start it afresh, or choose another folder for {option}")
+    ours = {e for pattern in owned for e in path.glob(pattern)}
+    foreign = [e.name for e in entries if e not in ours]
+    if foreign:
+        raise CommandError(f"--overwrite: {option} {path} holds files this command did not write "
+                           f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); nothing was removed",
+                           f"move them away, or choose another folder for {option}")
+    for e in entries:
+        if e.is_dir() and not e.is_symlink():
+            shutil.rmtree(e)
+        else:
+            e.unlink()
     return path
 
 

@@ -159,7 +159,7 @@ def test_tiny_denoise_run_learns(tmp_path):
     i = min(range(len(val)), key=lambda j: float(val[j]["loss"]))
     assert s["best_val"] == {"loss": float(val[i]["loss"]), "acc": float(val[i]["acc"]), "step": int(val[i]["step"])}
     assert s["best_val"]["acc"] > 0.95 and s["test_best"]["acc"] > 0.95 and s["test_best"]["tokens"] > 0
-    best = torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=False)
+    best = torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)
     assert best["step"] == s["best_val"]["step"] and "mask_embed" in best["model"]
 
 
@@ -177,7 +177,7 @@ def test_init_from_denoise_into_classify_and_back(tmp_path, capsys):
     big = {k: Repeat(n, seq_len=64, seed=s, min_len=64) for k, n, s in (("train", 32, 0), ("val", 16, 1), ("test", 16, 2))}
     over = {"train.steps": 2}
     T.train(_config("pathfinder32", **over), tmp_path / "spt", datasets=small, device="cpu", show_progress=False)
-    pre = torch.load(tmp_path / "spt" / "checkpoints" / "best.pt", weights_only=False)["model"]
+    pre = torch.load(tmp_path / "spt" / "checkpoints" / "best.pt", weights_only=True)["model"]
 
     # the loading itself: exact, and what is not in the checkpoint is the model's own initialisation
     cfg = _config("pathfinder32", **{"train.objective": "classify"})
@@ -205,7 +205,7 @@ def test_init_from_denoise_into_classify_and_back(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "initialised from" in err and "(a denoise checkpoint, into a classify model)" in err
     assert "skipped (not in this model): denoise_head.0.bias" in err and "upsampled (4, 4) -> (8, 8)" in err
-    post = torch.load(tmp_path / "ft" / "checkpoints" / "last.pt", weights_only=False)["model"]
+    post = torch.load(tmp_path / "ft" / "checkpoints" / "last.pt", weights_only=True)["model"]
     for name in pre:
         if name.startswith("encoder.") and name != "encoder.pos.grid":
             torch.testing.assert_close(post[name], pre[name], rtol=0, atol=1e-9)
@@ -244,11 +244,11 @@ def test_checkpoint_from_before_the_objective_resumes(tmp_path):
     cfg = _config(**{"train.objective": "classify", "train.mask_ratio": 0.15, "train.steps": 4})
     data = _data(64)
     T.train(cfg, tmp_path, datasets=data, device="cpu", max_steps=2, show_progress=False)
-    ck = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=False)
+    ck = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     del ck["config"]["train"]["objective"], ck["config"]["train"]["mask_ratio"]
     torch.save(ck, tmp_path / "checkpoints" / "last.pt")
     assert T.train(cfg, tmp_path, datasets=data, device="cpu", resume="auto", show_progress=False)["steps"] == 4
-    ck = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=False)
+    ck = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     del ck["config"]["train"]["objective"]
     torch.save(ck, tmp_path / "checkpoints" / "last.pt")
     with pytest.raises(ValueError, match=r"config differs in \['train.objective'\]"):  # ... the default, not any

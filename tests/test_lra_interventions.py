@@ -169,7 +169,7 @@ def test_weights_export_is_bf16_small_and_loads_where_best_pt_does(tmp_path):
     torch.save({"config": cfg.to_dict(), "model": build_model(cfg.validate()).state_dict(), "step": 5}, run / "best.pt")
     (tmp_path / "pf" / "summary.json").write_text(json.dumps({"commit": "abc1234"}))
     assert weights.main([str(run / "best.pt"), str(tmp_path / "pf.pt")]) == 0
-    saved = torch.load(tmp_path / "pf.pt", weights_only=False)
+    saved = torch.load(tmp_path / "pf.pt", weights_only=True)
     assert saved["commit"] == "abc1234" and saved["step"] == 5 and len(saved["sha256"]) == 64
     assert all(v.dtype == torch.bfloat16 for v in saved["model"].values() if v.is_floating_point())
     images = pf.render_many(pf.params_for(32, "hard"), np.random.default_rng(1), [0, 1] * 8)

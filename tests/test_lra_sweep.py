@@ -82,13 +82,18 @@ def test_tiny_sweep_resumes_skips_and_redraws(tmp_path, monkeypatch, capsys, one
         assert r["test_n"] == "32" and se == pytest.approx(math.sqrt(acc * (1 - acc) / 32))
         assert float(r["step_ms"]) > 0 and float(r["wall_s"]) > 0 and r["torch"] and r["date"]
 
+    # the same --out again: refused without --resume (or --overwrite)
+    from sparseflash.cmdline import CommandError
+
+    with pytest.raises(CommandError, match="already holds a sweep"):
+        S.main(_args(data, out, "--max-steps", "4"))
     # a longer schedule: every run resumes from its checkpoint; then nothing is left to do
     calls.clear()
-    assert S.main(_args(data, out, "--max-steps", "4")) == 0
+    assert S.main(_args(data, out, "--max-steps", "4", "--resume")) == 0
     assert calls == [(n, "auto") for n in names]
     calls.clear()
     before = (out / "runs" / names[0] / "summary.json").stat().st_mtime_ns
-    assert S.main(_args(data, out, "--max-steps", "4")) == 0
+    assert S.main(_args(data, out, "--max-steps", "4", "--resume")) == 0
     assert calls == [] and (out / "runs" / names[0] / "summary.json").stat().st_mtime_ns == before
     result = json.loads((out / "sweep.json").read_text())
     assert [r["steps"] for r in result["rows"]] == [4] * 4 and result["stopped_by"] is None

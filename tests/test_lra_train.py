@@ -58,7 +58,7 @@ def toy_config(task="listops", **over):
 
 
 def _params(out):
-    return torch.load(os.path.join(out, "checkpoints", "last.pt"), map_location="cpu", weights_only=False)
+    return torch.load(os.path.join(out, "checkpoints", "last.pt"), map_location="cpu", weights_only=True)
 
 
 # ------------------------------------------------------------------------------------- pieces
@@ -209,7 +209,7 @@ def test_resume_is_bit_identical(tmp_path, objective):
     evals = [_records(p / "eval.csv") for p in (tmp_path / "straight", tmp_path / "split")]
     assert evals[0] == evals[1] and [e["step"] for e in evals[0]] == ["3", "6", "8", "8", "8"]
     assert ("tokens" in evals[0][0]) == (objective == "denoise")
-    best = [torch.load(p / "checkpoints" / "best.pt", weights_only=False) for p in (tmp_path / "straight", tmp_path / "split")]
+    best = [torch.load(p / "checkpoints" / "best.pt", weights_only=True) for p in (tmp_path / "straight", tmp_path / "split")]
     assert best[0]["step"] == best[1]["step"] and all(torch.equal(t, best[1]["model"][n]) for n, t in best[0]["model"].items())
     with pytest.raises(ValueError, match=r"config differs in \['model.d_model'\]"):
         T.train(toy_config(**over, **{"model.d_model": 64}), tmp_path / "split", datasets=data, device="cpu",
@@ -269,10 +269,10 @@ def test_frozen_run_keeps_frozen_weights_once_and_resumes(tmp_path):
     mid = _params(tmp_path / "split")
     assert mid["best"]["step"] == 2 and mid["best_model_from_model"] == ["encoder.pos.grid"]
     assert "encoder.pos.grid" not in mid["best_model"] and "encoder.embed.weight" in mid["best_model"]
-    best_mid = torch.load(tmp_path / "split" / "checkpoints" / "best.pt", weights_only=False)
+    best_mid = torch.load(tmp_path / "split" / "checkpoints" / "best.pt", weights_only=True)
     # a resume rewrites best.pt from the restored best weights (the command itself runs no step here)
     T.train(toy_config("pathfinder32", **over), tmp_path / "split", max_steps=3, resume="auto", **kw)
-    again = torch.load(tmp_path / "split" / "checkpoints" / "best.pt", weights_only=False)
+    again = torch.load(tmp_path / "split" / "checkpoints" / "best.pt", weights_only=True)
     assert again["step"] == 2 and again["model"].keys() == best_mid["model"].keys()
     assert all(torch.equal(t, again["model"][n]) for n, t in best_mid["model"].items())
     T.train(toy_config("pathfinder32", **over), tmp_path / "split", resume="auto", **kw)
@@ -280,7 +280,7 @@ def test_frozen_run_keeps_frozen_weights_once_and_resumes(tmp_path):
     assert a["step"] == b["step"] == 6 and a["best"] == b["best"]
     for key in ("model", "best_model"):
         assert a[key].keys() == b[key].keys() and all(torch.equal(t, b[key][n]) for n, t in a[key].items()), key
-    best = [torch.load(p / "checkpoints" / "best.pt", weights_only=False) for p in (tmp_path / "straight", tmp_path / "split")]
+    best = [torch.load(p / "checkpoints" / "best.pt", weights_only=True) for p in (tmp_path / "straight", tmp_path / "split")]
     assert best[0]["step"] == best[1]["step"] and best[0]["model"].keys() == best[1]["model"].keys()
     assert all(torch.equal(t, best[1]["model"][n]) for n, t in best[0]["model"].items())
 
@@ -1011,7 +1011,7 @@ def test_sigterm_and_kill_then_resume_equal_one_run(tmp_path, one_thread, object
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert a["scheduler"] == b["scheduler"]
     assert torch.equal(a["rng"][0]["torch"], b["rng"][0]["torch"]) and a["rng"][0]["python"] == b["rng"][0]["python"]
-    best = [torch.load(p / "checkpoints" / "best.pt", weights_only=False) for p in (straight, split)]
+    best = [torch.load(p / "checkpoints" / "best.pt", weights_only=True) for p in (straight, split)]
     assert best[0]["step"] == best[1]["step"]
     assert all(torch.equal(t, best[1]["model"][n]) for n, t in best[0]["model"].items())
     for name in ("train.csv", "eval.csv"):

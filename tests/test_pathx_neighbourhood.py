@@ -374,9 +374,9 @@ def test_path256_stage_starts_from_a_pathx_model_with_its_grid_upsampled(tmp_pat
     assert r["resolution"] == 256 and r["radius"] == 12 and r["freeze"] == "encoder.pos"
     cfg = json.loads((out / "runs" / "p256-1-R12" / "config.json").read_text())
     assert cfg["task"] == "path256" and cfg["model"]["grid"] == [256, 256] and cfg["model"]["black_is_padding"]
-    g128 = torch.load(px, map_location="cpu", weights_only=False)["model"]["encoder.pos.grid"]
+    g128 = torch.load(px, map_location="cpu", weights_only=True)["model"]["encoder.pos.grid"]
     g256 = torch.load(out / "runs" / "p256-1-R12" / "checkpoints" / "best.pt", map_location="cpu",
-                      weights_only=False)["model"]["encoder.pos.grid"]
+                      weights_only=True)["model"]["encoder.pos.grid"]
     # the frozen 256 table is the 128 one duplicated 2x2, and the stage's kept weights store only that
     # source (compact_grid), which loading upsamples again
     assert torch.equal(g256, g128)
@@ -384,7 +384,7 @@ def test_path256_stage_starts_from_a_pathx_model_with_its_grid_upsampled(tmp_pat
     path = tmp_path / "big.pt"
     torch.save({"model": dict(big)}, path)
     assert nb.compact_grid(path) == 2
-    assert torch.equal(torch.load(path, weights_only=False)["model"]["encoder.pos.grid"], g128)
+    assert torch.equal(torch.load(path, weights_only=True)["model"]["encoder.pos.grid"], g128)
     assert nb.compact_grid(path) == 1  # a random 128 table is not block-constant: kept
     with open(out / "neighbourhood.csv", newline="") as f:
         assert sorted(row["resolution"] for row in csv.DictReader(f)) == ["128", "256"]

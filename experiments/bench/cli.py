@@ -97,13 +97,14 @@ def _add_common(p: argparse.ArgumentParser, bench: str) -> None:
     h.add_argument("--seed", type=int, default=0)
     h.add_argument("--out", help=f"output directory (default bench-results/{bench}-<device>)")
     h.add_argument("--no-plot", action="store_true", help="write CSV/JSON/tables only")
+    h.add_argument("--overwrite", action="store_true",
+                   help="replace the results in an --out folder that holds some; without it such a folder is refused")
     h.add_argument("--no-progress", action="store_true")
 
 
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: runtime vs sparsity / sequence length against baselines")
-    bsub = bench.add_subparsers(dest="bench_command", metavar="SWEEP")
-    bench.set_defaults(func=lambda args: (bench.print_help(), 0)[1])
+    bsub = bench.add_subparsers(dest="bench_command", metavar="SWEEP", required=True)  # none: a usage error
     for name, text in (("sparsity", "runtime vs density, sweeping each pattern's own parameter"),
                        ("seqlen", "runtime and peak memory vs sequence length, dense and one pattern")):
         p = bsub.add_parser(name, help=text, description=text)
@@ -217,11 +218,13 @@ def _cmd_bench(args) -> int:
     from sparseflash.experiments.bench import seqlen, sparsity
     from sparseflash.experiments.bench.results import write_results
 
-    from sparseflash.cmdline import check_output_dir
+    from sparseflash.cmdline import check_output_dir, claim_output_dir
 
     cfg = config_from_args(args)
     out = args.out or f"bench-results/{cfg.bench}-{cfg.device}"
     check_output_dir(out)  # before the measurements, not after them
+    claim_output_dir(out, owned=(f"{cfg.bench}.csv", f"{cfg.bench}.json", f"{cfg.bench}_table.md", "*.png"),
+                     overwrite=args.overwrite, kind="benchmark results", resumable=False)
     command = command_line(cfg)
     run = sparsity.run if cfg.bench == "sparsity" else seqlen.run
     rows, meta = run(cfg, command=command, show_progress=not args.no_progress)

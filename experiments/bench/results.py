@@ -173,7 +173,11 @@ def load_results(paths) -> tuple[list[dict], list[dict]]:
     rows, metas = [], []
     for f in files:
         if f.suffix == ".json":
-            data = json.loads(f.read_text())
+            try:
+                data = json.loads(f.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{f} is not valid JSON ({e}); regenerate it with sparseflash bench, or leave it "
+                                 f"out") from None
             if not isinstance(data, dict) or data.get("schema") != SCHEMA:
                 continue  # some other JSON file in the directory
             metas.append(data.get("meta", {}))

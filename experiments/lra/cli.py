@@ -1,6 +1,7 @@
 """``sparseflash lra ...``: the LRA / Path-X command group.
 
     sparseflash lra data listops --out DIR [--train 96000 --val 2000 --test 2000] [--seed S] [--workers N]
+    sparseflash lra data listops --size tiny --out DIR     just what --config tiny reads (19200 / 512 / 512)
     sparseflash lra data pathfinder --resolution {32,64,128,256} --difficulty {easy,medium,hard,all} \\
         --out DIR --num N [--seed S] [--workers N]
     sparseflash lra show listops DIR            samples, evaluated labels, length / depth / label histograms
@@ -29,13 +30,26 @@ EXTENSIONS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.lra.
               "sparseflash.experiments.lra.probe"]
 
 
+# examples per split: the release's, and what --config tiny reads (600 steps of 32; 16 evaluation
+# batches of 32 on val and on test)
+LISTOPS_SIZES = {"full": {"train": 96000, "val": 2000, "test": 2000}, "tiny": {"train": 19200, "val": 512, "test": 512}}
+LISTOPS_FILES = ("basic_train.tsv", "basic_val.tsv", "basic_test.tsv", "generator.json")
+
+
 def _cmd_data_listops(args) -> int:
     import time
     from pathlib import Path
 
+    from sparseflash.cmdline import claim_output_dir
     from sparseflash.experiments.lra.data.listops import write_listops
 
+    for split, n in LISTOPS_SIZES[args.size].items():
+        if getattr(args, split) is None:
+            setattr(args, split, n)
     check_output_dir(args.out)
+    folder = Path(args.out) / "listops-1000"
+    claim_output_dir(folder, owned=LISTOPS_FILES, option="--out", overwrite=args.overwrite, resume=False,
+                     kind="ListOps data", resumable=False)
     t0 = time.perf_counter()
     summary = write_listops(args.out, train=args.train, val=args.val, test=args.test, seed=args.seed,
                             min_len=args.min_len, max_len=args.max_len, max_depth=args.max_depth,
@@ -96,9 +110,14 @@ def _register_data(sub) -> None:
     lo = dsub.add_parser("listops", help="write listops-1000/basic_{train,val,test}.tsv",
                          description="LRA's ListOps generator: MIN, MAX, MED, SM trees, min-len < length < max-len.")
     lo.add_argument("--out", required=True, help="output root (listops-1000/ is created inside)")
-    lo.add_argument("--train", type=_non_negative, default=96000)
-    lo.add_argument("--val", type=_non_negative, default=2000)
-    lo.add_argument("--test", type=_non_negative, default=2000)
+    lo.add_argument("--size", choices=tuple(LISTOPS_SIZES), default="full",
+                    help="full: the release's 96000 / 2000 / 2000 examples (default); tiny: 19200 / 512 / 512, "
+                         "what --config tiny reads (--train / --val / --test override either)")
+    lo.add_argument("--train", type=_non_negative, default=None)
+    lo.add_argument("--val", type=_non_negative, default=None)
+    lo.add_argument("--test", type=_non_negative, default=None)
+    lo.add_argument("--overwrite", action="store_true",
+                    help="replace the ListOps files of an --out that holds them; without it such a folder is refused")
     lo.add_argument("--seed", type=_non_negative, default=0)
     lo.add_argument("--min-len", type=_non_negative, default=500)
     lo.add_argument("--max-len", type=_positive, default=2000)
@@ -155,8 +174,7 @@ def register(subparsers):
     p = subparsers.add_parser("lra", help="LRA / Path-X: data, pictures, training, speed",
                               description="LRA / Path-X: generate data in the release layout (data), look at it "
                                           "(show), train classifiers (train) and time them (speed).")
-    sub = p.add_subparsers(dest="lra_command", metavar="LRA_COMMAND")
-    p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
+    sub = p.add_subparsers(dest="lra_command", metavar="LRA_COMMAND", required=True)  # none: a usage error
     _register_data(sub)
     _register_show(sub)
     for name in EXTENSIONS:

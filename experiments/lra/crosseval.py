@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from sparseflash.experiments.lra.checkpoints import load_checkpoint as safe_load
 from sparseflash.experiments.lra.configs import config_from_dict
 from sparseflash.experiments.lra.provenance import code_commit
 
@@ -33,7 +34,7 @@ def load_checkpoint(run_dir, checkpoint: str = "best.pt") -> tuple:
     ckpt = Path(run_dir) / "checkpoints" / checkpoint
     if not ckpt.is_file():
         raise FileNotFoundError(f"no checkpoint {ckpt} (give a `sparseflash lra train` output folder that has one)")
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state = safe_load(ckpt)
     if "config" not in state or "model" not in state:
         raise ValueError(f"{ckpt} is not a checkpoint written by `sparseflash lra train` (no config or model)")
     return config_from_dict(state["config"]), state

@@ -16,7 +16,8 @@ the same for every seed; the seeds change the training (initialisation, dropout,
 
 Running. Each (seed, density) is an ordinary `sparseflash lra train` run in ``OUT/runs/<name>/``,
 made in seed-major order. The sweep is resumable like the runs: a finished run is skipped, an
-interrupted one resumed from its ``last.pt``, so a sweep can be split over commands or sessions;
+interrupted one resumed from its ``last.pt`` (``--resume``: an --out that holds a sweep is refused
+without it, or ``--overwrite``), so a sweep can be split over commands or sessions;
 ``--time-limit`` bounds the whole command (a run is not started with less than
 ``START_RESERVE_S`` left), SIGTERM / SIGINT stop it cleanly, exit status 75 as for ``train``.
 
@@ -404,7 +405,7 @@ def write_tables(result: dict, out_dir) -> None:
                      f"{pct(r['test_acc'])} | {pct(r['test_se'])} | {_fmt(r['step_ms'], '.2f')} | "
                      f"{_fmt(r['log_step_ms'], '.2f')} | {_fmt(r['wall_s'], '.1f')} | {_fmt(r['commands'], 'd')} |")
     if result.get("stopped_by"):
-        lines += ["", f"The sweep stopped early ({result['stopped_by']}); run the same command again to go on."]
+        lines += ["", f"The sweep stopped early ({result['stopped_by']}); run the same command again with --resume to go on."]
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
 
 
@@ -511,13 +512,21 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timing-repeats", type=positive_int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config field for every run (repeatable)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with the sweep in --out: finished runs are kept, stopped ones resumed, the rest run")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out that holds a sweep (its runs and tables are removed); without it, "
+                        "or --resume, such a folder is refused and left as it is")
     p.add_argument("--dry-run", action="store_true", help="print the settings each density gets; train nothing")
     p.add_argument("--plot-only", metavar="OUT", help="redraw OUT/sweep.png and OUT/sweep.md from OUT/sweep.json")
     p.add_argument("--no-progress", action="store_true")
 
 
+SWEEP_FILES = ("runs", "sweep.csv", "sweep.json", "sweep.md", "sweep.png")  # what --overwrite removes
+
+
 def _cmd_sweep(args) -> int:
-    from sparseflash.cmdline import CommandError, check_output_dir
+    from sparseflash.cmdline import CommandError, check_output_dir, claim_output_dir
     from sparseflash.experiments.lra.configs import get_config
     from sparseflash.experiments.lra.train import EXIT_STOPPED
 
@@ -541,8 +550,11 @@ def _cmd_sweep(args) -> int:
     if args.block_size is not None:
         overrides.append(f"model.block_size={args.block_size}")
     cfg = get_config(args.task, args.config, overrides)
+    if args.overwrite and args.resume:
+        raise CommandError("--overwrite and --resume contradict each other", "give one of them")
     if not args.dry_run:
         check_output_dir(args.out)
+        claim_output_dir(args.out, owned=SWEEP_FILES, overwrite=args.overwrite, resume=args.resume, kind="a sweep")
     result = run_sweep(cfg, args.out, pattern=args.pattern, densities=args.densities, seeds=args.seeds,
                        data_root=args.data, cache_dir=args.cache_dir, device=args.device, max_steps=args.max_steps,
                        deadline=deadline, num_workers=args.num_workers, precision=args.precision,
@@ -552,7 +564,7 @@ def _cmd_sweep(args) -> int:
         return 0
     print((Path(args.out) / "sweep.md").read_text())
     if result["stopped_by"]:
-        print(f"sweep stopped by {result['stopped_by']}; run the same command again to go on")
+        print(f"sweep stopped by {result['stopped_by']}; run the same command again with --resume to go on")
         return EXIT_STOPPED
     print(f"results in {args.out}: sweep.csv, sweep.json, sweep.md, sweep.png")
     return 0

@@ -4,6 +4,7 @@
         --pattern butterfly --out runs/listops-bf [--max-steps N] [--device cpu|cuda] [--time-limit MIN]
     sparseflash lra train ... --objective denoise  (self-pretraining: see below; then --init-from its best.pt)
     sparseflash lra train ... --resume            (same flags: continue OUT/checkpoints/last.pt)
+    sparseflash lra train ... --overwrite         (start afresh in an OUT that holds a run; else it is refused)
     torchrun --nproc-per-node 4 -m sparseflash.experiments.lra.train ...      (same flags)
 
 What a run does: bf16 autocast on CUDA, AdamW (no decay on biases, norms and embeddings), warm-up
@@ -126,6 +127,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from sparseflash.experiments.lra.checkpoints import load_checkpoint
 from sparseflash.experiments.lra.configs import (
     OBJECTIVES, TASKS, VARIANTS, ExperimentConfig, TrainConfig, config_from_dict, get_config)
 from sparseflash.experiments.lra.model import (
@@ -332,16 +334,22 @@ def _seed_all(seed: int) -> None:
 
 
 def _rng_state() -> dict:
+    """Every RNG's state as tensors and plain values, so that a checkpoint loads with weights_only=True."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "numpy": np.random.get_state(), "python": random.getstate()}
+            "numpy": (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+            "python": random.getstate()}
 
 
 def _set_rng_state(s: dict) -> None:
     torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
-    np.random.set_state(s["numpy"])
-    random.setstate(s["python"])
+    name, keys, pos, has_gauss, gauss = s["numpy"]
+    keys = keys.numpy() if torch.is_tensor(keys) else keys  # an array in checkpoints of older versions
+    np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = s["python"]
+    random.setstate((version, tuple(internal), gauss_next))
 
 
 def _gather(obj, world):
@@ -852,6 +860,16 @@ def cpu_size_warning(cfg: ExperimentConfig, step_s: float, steps_left: int) -> s
             f"{cfg.task} on a CPU in minutes (SIGTERM or --time-limit stop with a checkpoint)")
 
 
+def dense_pattern_warning(model_cfg: ModelConfig, mask) -> str | None:
+    """The warning for a run that asked for a pattern whose mask comes out dense at the attended
+    length (every block computed: a block size as long as the sequence), or None."""
+    if model_cfg.pattern in (None, "dense") or (mask is not None and mask.density() < 1.0):
+        return None
+    return (f"warning: --pattern {model_cfg.pattern} at --block-size {model_cfg.block_size} is dense for "
+            f"{model_cfg.attn_len} attended tokens (block density 1.0): this run computes dense attention; a "
+            f"smaller --block-size makes it sparse")
+
+
 def _now_iso() -> str:
     return datetime.datetime.now().isoformat(timespec="seconds")
 
@@ -955,7 +973,7 @@ class _Run:
         _seed_all(tc.seed)  # the same initial weights on every rank
         model = build_model(self.cfg)
         if init_from:
-            state = torch.load(init_from, map_location="cpu", weights_only=False)
+            state = load_checkpoint(init_from, "--init-from")
             notes = load_pretrained(model, state.get("model", state))
             if lead:
                 source = ((state.get("config") or {}).get("train") or {}).get("objective", "classify")
@@ -992,7 +1010,7 @@ class _Run:
 
     def _load_checkpoint(self, resume: str) -> None:
         ckpt_dir = self.ckpt_dir
-        ck = torch.load(resume, map_location="cpu", weights_only=False)
+        ck = load_checkpoint(resume, "--resume")
         if "optimizer" not in ck:
             raise ValueError(f"cannot resume from {resume}: it holds weights only (best.pt?); resume from a full "
                              f"checkpoint such as {ckpt_dir / 'last.pt'}")
@@ -1024,7 +1042,7 @@ class _Run:
                 shared, best = set(ck["best_model_from_model"]), self.best_state
                 self.best_state = {k: (v if k in shared else best[k]) for k, v in ck["model"].items()}
         elif (ckpt_dir / "best.pt").exists():  # a checkpoint of an older version: best.pt is all there is
-            self.best_state = torch.load(ckpt_dir / "best.pt", map_location="cpu", weights_only=False)["model"]
+            self.best_state = load_checkpoint(ckpt_dir / "best.pt")["model"]
         if "logs" in ck:
             self.logs.truncate_to(ck["logs"], self.step)
         else:
@@ -1122,6 +1140,10 @@ class _Run:
         (then with a full checkpoint)."""
         cfg, tc, device, clock = self.cfg, self.tc, self.device, self.clock
         self.mask = self.model.pattern_mask()
+        if self.lead:
+            warning = dense_pattern_warning(cfg.model, self.mask)
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
         desc = f"{cfg.task} {cfg.model.attention}/{cfg.model.pattern or 'dense'}"
         from sparseflash._progress import Progress
 
@@ -1360,6 +1382,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"--cuda-graphs: graphs captured at most (default {MAX_GRAPHS}); past it a batch takes the "
                         f"narrowest wider graph, else an eager step")
     p.add_argument("--resume", nargs="?", const="auto", help="resume from CHECKPOINT (default OUT/checkpoints/last.pt)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out folder that holds a run (its files are removed); without it, "
+                        "or --resume, such a folder is refused and left as it is")
     p.add_argument("--init-from", metavar="CHECKPOINT",
                    help="initialise weights (upsampling a 2-D position grid); the encoder must fit, the other "
                         "objective's head (classifier / denoiser) is skipped")
@@ -1402,14 +1427,22 @@ def _minutes(text: str) -> float:
     return v
 
 
+# what a run writes in its folder (`sweep` adds step_time.json): what --overwrite removes
+RUN_FILES = ("config.json", "summary.json", "checkpoints", "step_time.json", *_Logs.FILES)
+
+
 def _cmd_train(args) -> int:
     """Exit status 0 when the run reached its end (the schedule or --max-steps), `EXIT_STOPPED` (75)
     when a signal or --time-limit ended it early with a checkpoint to ``--resume`` from."""
-    from sparseflash.cmdline import check_output_dir
+    from sparseflash.cmdline import CommandError, check_output_dir, claim_output_dir
 
     deadline = _Stopper.clock() + 60 * args.time_limit if args.time_limit else None
     cfg = config_from_args(args)
+    if args.overwrite and args.resume:
+        raise CommandError("--overwrite and --resume contradict each other", "give one of them")
     check_output_dir(args.out)
+    if int(os.environ.get("RANK", "0")) == 0:
+        claim_output_dir(args.out, owned=RUN_FILES, overwrite=args.overwrite, resume=args.resume is not None)
     summary = train(cfg, args.out, data_root=args.data, cache_dir=args.cache_dir, device=args.device,
                     max_steps=args.max_steps, resume=args.resume, init_from=args.init_from, compile=args.compile,
                     precision=args.precision, num_workers=args.num_workers, show_progress=not args.no_progress,

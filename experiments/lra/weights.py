@@ -19,6 +19,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from sparseflash.experiments.lra.checkpoints import load_checkpoint
+
 __all__ = ["export", "main"]
 
 
@@ -37,7 +39,7 @@ def export(checkpoint, out, *, max_mb: float = 5.0) -> dict:
     checkpoint, out = Path(checkpoint), Path(out)
     if not checkpoint.is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint}: no such file")
-    ck = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    ck = load_checkpoint(checkpoint)
     if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
         raise ValueError(f"{checkpoint}: not a training checkpoint (needs 'config' and 'model')")
     model = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach().clone()

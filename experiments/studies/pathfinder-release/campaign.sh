@@ -64,7 +64,7 @@ for name in "${names[@]}"; do
                read -r -a seeds <<< "$([ "$name" = sweep ] && echo 0 || echo "${SWEEP_SEEDS:-1 2}")"
                $py -m sparseflash lra sweep --task pathfinder32 --config faithful --data "$rel" --pattern butterfly \
                    --densities 1 0.5 0.25 0.125 --seeds "${seeds[@]}" --set model.black_is_padding=True \
-                   --set train.steps=15600 --set train.eval_every=1560 --out "$runs/$name" --time-limit "$lim" \
+                   --set train.steps=15600 --set train.eval_every=1560 --out "$runs/$name" --time-limit "$lim" --resume \
                    >> "$runs/$name.log" 2>&1 &
                pids+=($!); continue ;;
     esac

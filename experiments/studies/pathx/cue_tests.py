@@ -52,6 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sparseflash.experiments.lra.checkpoints import load_checkpoint
+
 TASK_OF = {32: "pathfinder32", 64: "pathfinder64", 128: "pathx", 256: "path256"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cue_tests"
 
@@ -143,7 +145,7 @@ def load_model(path: Path, resolution: int, device: str):
     from sparseflash.experiments.lra.configs import config_from_dict
     from sparseflash.experiments.lra.train import build_model
 
-    ck = torch.load(path, map_location="cpu", weights_only=False)
+    ck = load_checkpoint(path)
     if "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path}: not a training checkpoint (needs 'config' and 'model'); give a run's best.pt")
     cfg = config_from_dict(ck["config"])

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from sparseflash.experiments.lra.checkpoints import load_checkpoint
+
 
 def drift(before: dict, after: dict) -> list[tuple[str, float, float, float, float | None]]:
     """(name, relative change, norm before, norm after, within-cell spread or None) per tensor."""
@@ -45,9 +47,9 @@ def main(argv=None) -> int:
     ap.add_argument("pretrained", type=Path)
     ap.add_argument("runs", type=Path, nargs="+")
     a = ap.parse_args(argv)
-    before = torch.load(a.pretrained, map_location="cpu", weights_only=False)["model"]
+    before = load_checkpoint(a.pretrained)["model"]
     for run in a.runs:
-        ck = torch.load(run / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+        ck = load_checkpoint(run / "checkpoints" / "last.pt")
         print(f"{run.name} (step {ck['step']}): tensor, relative change, norm before -> after")
         for name, rel, n0, n1, spread in drift(before, ck["model"]):
             extra = f", within-cell spread {spread:.2f}" if spread is not None else ""

@@ -64,6 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sparseflash.experiments.lra.checkpoints import load_checkpoint
 from sparseflash.experiments.lra.probe import marker_patches, patch_half  # the probe's features
 
 RES = 128  # the default resolution (Path-X); --resolution 256: Path-256
@@ -609,7 +610,7 @@ def held_out(run_dir: Path, cfg, datasets, device: str) -> dict:
             ck = run_dir / "checkpoints" / ("best.pt" if w == "best" else "last.pt")
             if not ck.is_file():
                 continue
-            state = torch.load(ck, map_location="cpu", weights_only=False)["model"]
+            state = load_checkpoint(ck)["model"]
             model = build_model(cfg)
             model.load_state_dict(state)
             model.to(device)
@@ -953,7 +954,7 @@ def compact_grid(path: Path) -> int:
 
     from sparseflash.experiments.lra.model import upsample_grid
 
-    ck = torch.load(path, map_location="cpu", weights_only=False)
+    ck = load_checkpoint(path)
     g = ck.get("model", {}).get("encoder.pos.grid")
     if g is None or g.dim() != 3:
         return 1

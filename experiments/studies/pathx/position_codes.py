@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sparseflash.experiments.lra.checkpoints import load_checkpoint
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "position_codes"
 DEFAULT_CKPT = HERE.parents[2] / "pxstate" / "pretrain" / "checkpoints" / "best.pt"
@@ -67,13 +69,11 @@ def main(argv=None) -> int:
         ap.error(f"--checkpoint {a.checkpoint}: no such file")
     if a.num < 20:
         ap.error(f"--num must be at least 20, got {a.num}")
-    import torch
-
     from sparseflash.experiments.lra.model import upsample_grid
     from sparseflash.experiments.lra.probe import fit_mlp
     from sparseflash.experiments.studies.pathx.neighbourhood import DEFAULT_CACHE, load_or_generate, split_indices
 
-    grid = torch.load(a.checkpoint, map_location="cpu", weights_only=False)["model"].get("encoder.pos.grid")
+    grid = load_checkpoint(a.checkpoint)["model"].get("encoder.pos.grid")
     if grid is None:
         ap.error(f"--checkpoint {a.checkpoint}: no learned grid table (encoder.pos.grid)")
     source = tuple(grid.shape[:2])

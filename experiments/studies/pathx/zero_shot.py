@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sparseflash.experiments.lra.checkpoints import load_checkpoint
 from sparseflash.experiments.studies.pathx.neighbourhood import DEFAULT_CACHE, radius_arg
 from sparseflash.experiments.studies.pathx.neighbourhood import DEFAULT_OUT as NEIGHBOURHOOD_OUT
 
@@ -156,7 +157,7 @@ def evaluate_checkpoint(path: Path, sets: dict, device: str, batch_size: int, re
     from sparseflash.experiments.lra.train import build_model, evaluate
     from sparseflash.experiments.studies.pathx.neighbourhood import TASKS
 
-    ck = torch.load(path, map_location="cpu", weights_only=False)
+    ck = load_checkpoint(path)
     if "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path}: not a training checkpoint (needs 'config' and 'model'); give a run's best.pt")
     cfg = config_from_dict(ck["config"])

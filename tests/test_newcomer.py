@@ -1,0 +1,225 @@
+"""What a newcomer meets (issue 58): output folders that hold a run are refused and left byte for
+byte (``--resume`` / ``--overwrite``), tiny LRA configs that are really sparse (and a warning when a
+pattern comes out dense), tiny's own data command, usage errors, ``scale`` > 0, the README's first
+code block, and checkpoints that load without running code. About 15 s on 2 CPU cores."""
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparseflash
+from sparseflash import cli
+from sparseflash.cmdline import CommandError, claim_output_dir
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("sparseflash: error: "), err
+    return lines[0]
+
+
+def _hashes(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _fake_run(folder: Path) -> dict:
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "checkpoints" / "last.pt").write_bytes(os.urandom(64))
+    (folder / "summary.json").write_text('{"steps": 600}')
+    (folder / "train.csv").write_text("step,loss\n200,1.5\n400,1.2\n600,1.1\n")
+    return _hashes(folder)
+
+
+def _tiny_listops(root: Path) -> Path:
+    from sparseflash.experiments.lra.data.listops import write_listops
+
+    write_listops(root, train=64, val=32, test=32, seed=1, min_len=10, max_len=120, max_depth=4, workers=1,
+                  show_progress=False)
+    return root
+
+
+# ------------------------------------------------------------------------- output folders
+def test_train_refuses_a_folder_holding_a_run_and_leaves_it_byte_for_byte(tmp_path, capsys):
+    run = tmp_path / "run"
+    before = _fake_run(run)
+    base = ["lra", "train", "--task", "listops", "--config", "tiny", "--data", str(tmp_path / "no-data"),
+            "--out", str(run)]
+    assert cli.main(base) == cli.EXIT_USAGE
+    line = _one_error_line(capsys.readouterr().err)
+    assert "already holds a run" in line and "--resume" in line and "--overwrite" in line and str(run) in line
+    assert _hashes(run) == before
+    # --overwrite removes only what a run writes: a folder holding anything else is refused whole
+    (run / "notes.txt").write_text("mine")
+    before = _hashes(run)
+    assert cli.main(base + ["--overwrite"]) == cli.EXIT_USAGE
+    line = _one_error_line(capsys.readouterr().err)
+    assert "notes.txt" in line and "nothing was removed" in line
+    assert _hashes(run) == before
+    assert cli.main(base + ["--overwrite", "--resume"]) == cli.EXIT_USAGE
+    assert "contradict" in _one_error_line(capsys.readouterr().err)
+    assert _hashes(run) == before
+
+
+def test_claim_output_dir_rules(tmp_path):
+    assert claim_output_dir(tmp_path / "new", owned=()) == tmp_path / "new"  # absent or empty: fine
+    run = tmp_path / "run"
+    before = _fake_run(run)
+    assert claim_output_dir(run, owned=(), resume=True) == run and _hashes(run) == before
+    with pytest.raises(CommandError, match=r"already holds results \(checkpoints, summary.json, train.csv\)") as e:
+        claim_output_dir(run, owned=(), kind="results", resumable=False)
+    assert "--resume" not in e.value.todo and "--overwrite" in e.value.todo
+    claim_output_dir(run, owned=("checkpoints", "*.json", "*.csv"), overwrite=True)
+    assert list(run.iterdir()) == []
+
+
+def test_train_overwrite_starts_afresh_tiny_is_sparse_and_a_dense_pattern_is_said(tmp_path, capsys):
+    """A tiny ListOps run goes through sparseflash with a mask of density < 1; the same folder again
+    with --overwrite starts afresh (no duplicate rows); a pattern whose blocks cover the sequence
+    says once that the run is dense."""
+    data = _tiny_listops(tmp_path / "data")
+    run = tmp_path / "run"
+    args = ["lra", "train", "--task", "listops", "--config", "tiny", "--data", str(data), "--out", str(run),
+            "--max-steps", "2", "--set", "train.batch_size=8", "--set", "train.eval_batches=1", "--set",
+            "train.log_every=1", "--set", "model.d_model=16", "--set", "model.d_ff=32", "--num-workers", "0",
+            "--no-progress"]
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["attention"] == "sparseflash" and summary["pattern"] == "butterfly"
+    assert summary["block_size"] == 8 and summary["density"] == 0.5 and "dense" not in err
+    assert [r.split(",")[0] for r in (run / "train.csv").read_text().splitlines()[1:]] == ["1", "2"]
+
+    assert cli.main(args + ["--block-size", "64", "--overwrite"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: --pattern butterfly at --block-size 64 is dense for 64 attended tokens") == 1, err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["density"] == 1.0 and summary["block_size"] == 64 and summary["resumed_from"] is None
+    assert [r.split(",")[0] for r in (run / "train.csv").read_text().splitlines()[1:]] == ["1", "2"]
+    assert sum(json.loads(line)["kind"] == "train" for line in (run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_bench_and_data_refuse_folders_that_hold_results(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "sparsity.json").write_text('{"rows": []}')
+    (out / "sparsity_table.md").write_text("# old\n")
+    before = _hashes(out)
+    args = ["bench", "sparsity", "--device", "cpu", "--seq-len", "128", "--out", str(out), "--no-progress"]
+    assert cli.main(args) == cli.EXIT_USAGE  # before any measurement
+    line = _one_error_line(capsys.readouterr().err)
+    assert "already holds benchmark results" in line and "--overwrite" in line and "--resume" not in line
+    assert _hashes(out) == before
+
+    # lra data listops into a folder that holds ListOps files: refused; --overwrite replaces them
+    root = tmp_path / "data"
+    (root / "listops-1000").mkdir(parents=True)
+    (root / "listops-1000" / "basic_train.tsv").write_text("Source\tTarget\n")
+    before = _hashes(root)
+    small = ["lra", "data", "listops", "--out", str(root), "--train", "4", "--val", "2", "--test", "2",
+             "--min-len", "10", "--max-len", "60", "--max-depth", "3", "--workers", "1", "--no-progress"]
+    assert cli.main(small) == cli.EXIT_USAGE
+    assert "already holds ListOps data" in _one_error_line(capsys.readouterr().err)
+    assert _hashes(root) == before
+    assert cli.main(small + ["--overwrite"]) == 0
+    assert len((root / "listops-1000" / "basic_train.tsv").read_text().splitlines()) == 1 + 4
+
+    # --size tiny: just what --config tiny reads (600 steps of 32; 16 evaluation batches of 32)
+    from sparseflash.experiments.lra import cli as lra_cli
+    from sparseflash.experiments.lra.configs import get_config
+
+    seen = {}
+
+    def fake_write(out, **kw):
+        seen.update(kw)
+        raise CommandError("stop here", "a test")
+
+    monkeypatch.setattr("sparseflash.experiments.lra.data.listops.write_listops", fake_write)
+    assert cli.main(["lra", "data", "listops", "--size", "tiny", "--out", str(tmp_path / "tiny")]) == cli.EXIT_USAGE
+    tc = get_config("listops", "tiny").train
+    assert (seen["train"], seen["val"], seen["test"]) == (tc.steps * tc.batch_size, tc.eval_batches * tc.batch_size,
+                                                          tc.eval_batches * tc.batch_size)
+    assert lra_cli.LISTOPS_SIZES["tiny"] == {"train": seen["train"], "val": seen["val"], "test": seen["test"]}
+
+
+def test_tiny_configs_are_sparse_at_their_length():
+    from sparseflash.experiments.lra.configs import TASKS, get_config
+    from sparseflash.experiments.lra.model import build_pattern
+
+    for task in TASKS:
+        m = get_config(task, "tiny").model
+        mask = build_pattern(m.pattern, m.attn_len, m.block_size)
+        assert m.attention == "sparseflash" and mask is not None and mask.density() < 1.0, task
+
+
+# ----------------------------------------------------------------------------- edges
+def test_usage_errors_bench_without_sweep_and_corrupt_plot_input(tmp_path, capsys):
+    for argv in (["bench"], ["lra"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == cli.EXIT_USAGE
+        assert "required" in _one_error_line(capsys.readouterr().err)
+    bad = tmp_path / "sparsity.json"
+    bad.write_text('{"schema": "sparseflash-bench/1", "rows": [')
+    assert cli.main(["plot", str(bad), "--out", str(tmp_path / "plots")]) == cli.EXIT_USAGE
+    line = _one_error_line(capsys.readouterr().err)
+    assert str(bad) in line and "not valid JSON" in line
+
+
+@pytest.mark.parametrize("scale", [0, 0.0, -0.125])
+def test_non_positive_scale_is_refused(scale):
+    q = torch.randn(1, 1, 16, 8)
+    with pytest.raises(ValueError, match=r"scale must be > 0"):
+        sparseflash.attention(q, q, q, scale=scale)
+
+
+def test_readme_first_code_block_runs_as_shown():
+    block = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    scope = {}
+    exec(compile(block, str(README), "exec"), scope)  # noqa: S102 - the README's own example
+    q, k, v, o = (scope[n] for n in ("q", "k", "v", "o"))
+    assert o.shape == q.shape and torch.isfinite(o).all()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_checkpoint_with_a_pickled_callable_is_refused(tmp_path, capsys):
+    from sparseflash.experiments.lra.checkpoints import load_checkpoint
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "config": {}, "hook": os.getcwd}, evil)  # a callable: unpickling would import it
+    with pytest.raises(ValueError, match="refused, it holds more than tensors and plain values"):
+        load_checkpoint(evil, "--resume")
+    good = tmp_path / "good.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "step": 3, "rng": ("MT19937", torch.arange(3), 1, 0, 0.0)}, good)
+    assert load_checkpoint(good)["step"] == 3
+    # a checkpoint of an older version: its NumPy RNG state is an array (data, let through), and it
+    # restores the same stream; an array beside a callable is still refused
+    import numpy as np
+
+    from sparseflash.experiments.lra import train as T
+
+    np.random.seed(5)
+    old = tmp_path / "old.pt"
+    torch.save({"rng": [{**T._rng_state(), "numpy": np.random.get_state()}]}, old)
+    expected = np.random.random(3)
+    np.random.seed(6)
+    T._set_rng_state(load_checkpoint(old)["rng"][0])
+    assert np.array_equal(np.random.random(3), expected)
+    torch.save({"numpy": np.random.get_state(), "hook": os.getcwd}, old)
+    with pytest.raises(ValueError, match="refused"):
+        load_checkpoint(old)
+    data = _tiny_listops(tmp_path / "data")
+    for flag in ("--resume", "--init-from"):
+        out = tmp_path / f"run{flag}"
+        assert cli.main(["lra", "train", "--task", "listops", "--config", "tiny", "--data", str(data), "--out",
+                         str(out), flag, str(evil), "--no-progress", "--num-workers", "0"]) == cli.EXIT_USAGE
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"{flag} {evil}: refused" in line
