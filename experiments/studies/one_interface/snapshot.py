@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         torch.save(run(device), argv[1])
         return 0
     if argv[:1] == ["compare"] and len(argv) == 3:
-        return compare(torch.load(argv[1]), torch.load(argv[2]))
+        return compare(torch.load(argv[1], weights_only=True), torch.load(argv[2], weights_only=True))
     print(__doc__)
     return 2
 
