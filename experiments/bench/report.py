@@ -250,6 +250,41 @@ def h200_training(v: dict, rows) -> None:
     v["h2_commit"], v["h2_date"] = _stamp(rows), day(_stamp(rows, "date"))
 
 
+def decode_section(v: dict, rows) -> None:
+    """`flash_attn_with_kvcache` decoding (bench.decode): the cache read rate of ours and Flex's."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    ours = [r for r in ok if r["provider"] == "sparseflash"]
+    v["dec_dense_tbs"] = span([r["gb_per_s"] / 1e3 for r in ours if r["mode"] == "dense"], "{:.1f}")
+    v["dec_sparse_tbs"] = span([r["gb_per_s"] / 1e3 for r in ours if r["mode"] == "sparse"], "{:.2f}")
+    x = []
+    for r in ours:
+        flex = [f for f in ok if f["provider"] == "flex" and (f["mode"], f["batch"], f["cache_len"])
+                == (r["mode"], r["batch"], r["cache_len"])]
+        x += [flex[0]["ms"] / r["ms"]] if flex else []
+    v["dec_x_flex"] = span(x, "{:.1f}")
+    v["dec_flex_points"], v["dec_points"] = str(len(x)), str(len(ours))
+    v["dec_commit"], v["dec_date"] = _stamp(rows), day(_stamp(rows, "date"))
+    v["dec_gpu"] = _stamp(rows, "device_name").replace("NVIDIA ", "")
+
+
+def dynamic_section(v: dict, rows) -> None:
+    """Per-call top-k masks (bench.dynamic), d=128: selection, index build, eager per call against
+    the fixed mask's GPU time, and against Flex built per call."""
+    def get(provider, mode="fwd"):
+        return one(rows, provider=provider, mode=mode)
+    v["dyn_select_ms"] = ms3(get("select")["gpu_ms"])
+    v["dyn_index_us"] = f"{get('index')['gpu_ms'] * 1e3:.0f}"
+    for mode, key in (("fwd", "f"), ("fwdbwd", "fb")):
+        pc, fixed = get("per-call", mode), get("fixed", mode)
+        v[f"dyn_{key}_eager"], v[f"dyn_{key}_gpu"] = ms3(pc["ms"]), ms3(pc["gpu_ms"])
+        v[f"dyn_{key}_goal"], v[f"dyn_{key}_fixed"] = ms3(pc["goal_ms"]), ms3(fixed["gpu_ms"])
+        v[f"dyn_{key}_x_flex"] = f"{pc['speedup_vs_flex']:.2f}"
+    v["dyn_k"] = str(int(get("select")["k_blocks"]))
+    pc = get("per-call")
+    v["dyn_goal_factor"] = f"{(pc['goal_ms'] - get('select')['gpu_ms']) / get('fixed')['gpu_ms']:.1f}"
+    v["dyn_commit"], v["dyn_date"] = _stamp(rows), day(_stamp(rows, "date"))
+
+
 # ----------------------------------------------------------------------------- Hopper
 HOPPER_PROVIDERS = ("hopper", "portable", "flex", "sdpa-flash", "sdpa-cudnn")
 HOPPER_MASKS = ("dense", "causal", "random", "butterfly", "local")
@@ -517,6 +552,8 @@ def values() -> dict[str, str]:
     hopper_section(v, hop)
     h200_check(v, table(f"{RES}/kernel-check-h200/sparsity.csv"))
     h200_training(v, table(f"{RES}/kernel-check-h200-16k/sparsity.csv"))
+    decode_section(v, table(f"{RES}/decode/decode.csv"))
+    dynamic_section(v, table(f"{RES}/dynamic/dynamic.csv"))
     seqlen_section(v, table(f"{RES}/seqlen/seqlen.csv"))
     causal_section(v, table(f"{RES}/causal/sparsity.csv"))
     head_dims_section(v)
