@@ -71,3 +71,20 @@ def check_attention(impl, q, k, v, do, *, mask=None, causal=False, scale=None, k
     for name, got, pt, ref in pairs:
         errs[name] = assert_within_torch_error(name, got, pt, ref, q.dtype, factor)
     return errs
+
+
+def flash_attn_allowed(lq: int, lk: int, causal: bool, window=(-1, -1)) -> torch.Tensor:
+    """flash-attn's documented mask of one sequence: query i (of lq) attends key j (of lk) iff
+    i + lk - lq - left <= j <= i + lk - lq + right (bottom-right aligned; a negative bound is
+    none; causal sets right to 0)."""
+    left, right = window
+    if causal:
+        right = 0
+    i = torch.arange(lq)[:, None] + lk - lq
+    j = torch.arange(lk)[None, :]
+    m = torch.ones(lq, lk, dtype=torch.bool)
+    if right >= 0:
+        m &= j <= i + right
+    if left >= 0:
+        m &= j >= i - left
+    return m

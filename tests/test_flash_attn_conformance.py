@@ -28,7 +28,7 @@ import zlib
 
 import pytest
 import torch
-from _attn_check import assert_within_torch_error
+from _attn_check import assert_within_torch_error, flash_attn_allowed
 
 import sparseflash
 
@@ -161,19 +161,6 @@ CASES = _gpu_cases() if HAS_CUDA else CPU_CASES
 
 
 # ---------------------------------------------------------------- the float64 reference (flash-attn's semantics)
-def _allowed(lq: int, lk: int, causal: bool, window) -> torch.Tensor:
-    """Query i (of lq) may attend key j (of lk): bottom-right aligned window / causal."""
-    left, right = window
-    if causal:
-        right = 0
-    i = torch.arange(lq)[:, None] + lk - lq
-    j = torch.arange(lk)[None, :]
-    m = torch.ones(lq, lk, dtype=torch.bool)
-    if right >= 0:
-        m &= j <= i + right
-    if left >= 0:
-        m &= j >= i - left
-    return m
 
 
 def _attend(q, k, v, allowed, rel, *, softcap, slopes, ct):
@@ -217,7 +204,7 @@ def test_attention_families(case, device):
     allowed = torch.zeros(B, Sq, Sk, dtype=torch.bool)
     rel = torch.zeros(B, Sq, Sk, dtype=torch.long)
     for b in range(B):
-        allowed[b, :lq[b], :lk[b]] = _allowed(lq[b], lk[b], c["causal"], window)
+        allowed[b, :lq[b], :lk[b]] = flash_attn_allowed(lq[b], lk[b], c["causal"], window)
         rel[b] = torch.arange(Sq)[:, None] + lk[b] - lq[b] - torch.arange(Sk)[None, :]
     qmask = (torch.arange(Sq)[None, :] < torch.tensor(lq)[:, None])[..., None, None]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _attn_check import assert_within_torch_error
+from _attn_check import assert_within_torch_error, flash_attn_allowed
 
 import sparseflash
 from sparseflash import BlockMask, reference
@@ -25,19 +25,6 @@ def poison(monkeypatch):
     monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
 
 
-def _allowed(Lq: int, Lk: int, causal: bool, window=(-1, -1)) -> torch.Tensor:
-    """flash-attn's documented mask of one sequence: i + Lk - Lq - left <= j <= i + Lk - Lq + right."""
-    left, right = window
-    if causal:
-        right = 0
-    i = torch.arange(Lq)[:, None] + Lk - Lq
-    j = torch.arange(Lk)[None, :]
-    m = torch.ones(Lq, Lk, dtype=torch.bool)
-    if right >= 0:
-        m &= j <= i + right
-    if left >= 0:
-        m &= j >= i - left
-    return m
 
 
 def _sdpa(q, k, v, allowed, scale=None, alibi_slopes=None):
@@ -110,7 +97,7 @@ def test_func_semantics_equal_sdpa(case):
     q = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(B, Nk, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
     do = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64)
-    allowed = _allowed(Nq, Nk, causal, window)
+    allowed = flash_attn_allowed(Nq, Nk, causal, window)
     got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window), (q, k, v), do)
     want = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), (q, k, v), do)
     for n, a, b in zip(("out", "dq", "dk", "dv"), got, want):
@@ -136,7 +123,7 @@ def test_func_kernels_against_float64(case, dtype, route, device, monkeypatch):
     q = torch.randn(B, Nq, H, D, generator=g)
     k, v = (torch.randn(B, Nk, Hk, D, generator=g) for _ in range(2))
     do = torch.randn(B, Nq, H, D, generator=g)
-    allowed = _allowed(Nq, Nk, causal, window)
+    allowed = flash_attn_allowed(Nq, Nk, causal, window)
     ref = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), [t.double() for t in (q, k, v)], do.double())
     pt = _grads(lambda a, b, c: _sdpa(a, b, c, allowed), [t.to(device, dtype) for t in (q, k, v)], do.to(device, dtype))
     # deterministic=True per call on every GPU (on Hopper: the portable backward for this call); the
@@ -176,7 +163,7 @@ def test_func_window_mask_semantics(case, window_masks):
     q = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(B, Nk, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
     do = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64)
-    allowed = _allowed(Nq, Nk, causal, window)
+    allowed = flash_attn_allowed(Nq, Nk, causal, window)
     for _ in range(2):
         got = _grads(lambda a, b, c: sparseflash.flash_attn_func(a, b, c, causal=causal, window_size=window),
                      (q, k, v), do)
@@ -234,7 +221,7 @@ def test_func_returns_and_views(monkeypatch):
     for a, b in zip(seen[0], (q, k, v)):
         assert a.data_ptr() == b.data_ptr() and a._base is not None  # a view, never a copy
     scores = torch.einsum("bihd,bjhd->bhij", q, k[:, :20]) / 4.0
-    scores = scores.masked_fill(~_allowed(30, 20, True), float("-inf"))
+    scores = scores.masked_fill(~flash_attn_allowed(30, 20, True), float("-inf"))
     want = torch.logsumexp(scores, -1)
     assert torch.isposinf(lse[..., :10]).all()  # flash-attn's value for rows that attend nothing
     torch.testing.assert_close(lse[..., 10:], want[..., 10:])
@@ -303,7 +290,7 @@ def _varlen_sdpa(q, k, v, cu_q, cu_k, causal, window=(-1, -1)):
             continue
         if e == c:
             continue  # no keys: the rows stay 0
-        o = _sdpa(q[None, a:b], k[None, c:e], v[None, c:e], _allowed(b - a, e - c, causal, window))[0]
+        o = _sdpa(q[None, a:b], k[None, c:e], v[None, c:e], flash_attn_allowed(b - a, e - c, causal, window))[0]
         out = torch.cat([out[:a], o, out[b:]])
     return out
 
@@ -532,7 +519,7 @@ def test_func_softcap_alibi_semantics(case):
     q = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64) * 3
     k, v = (torch.randn(B, Nk, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
     do = torch.randn(B, Nq, H, D, generator=g, dtype=torch.float64)
-    allowed = _allowed(Nq, Nk, causal, window)
+    allowed = flash_attn_allowed(Nq, Nk, causal, window)
     slopes = torch.rand(B, H, generator=g, dtype=torch.float64) * 0.5
     runs = [(dict(alibi_slopes=slopes[0]), lambda a, b, c: _sdpa(a, b, c, allowed, alibi_slopes=slopes[0])),
             (dict(alibi_slopes=slopes), lambda a, b, c: _sdpa(a, b, c, allowed, alibi_slopes=slopes)),
@@ -568,7 +555,7 @@ def test_varlen_alibi_softcap_semantics(same_cu):
                 s, e, s2, e2 = int(cu_q[d]), int(cu_q[d + 1]), int(cu_k[d]), int(cu_k[d + 1])
                 if e > s and e2 > s2:
                     sl = slopes if slopes.dim() == 1 else slopes[d]
-                    o = _softcapped(a[None, s:e], b[None, s2:e2], c[None, s2:e2], _allowed(e - s, e2 - s2, True), 3.0, sl)
+                    o = _softcapped(a[None, s:e], b[None, s2:e2], c[None, s2:e2], flash_attn_allowed(e - s, e2 - s2, True), 3.0, sl)
                     out = torch.cat([out[:s], o[0], out[e:]])
             return out
 
@@ -602,7 +589,7 @@ def test_func_softcap_alibi_kernels_against_float64(dtype, device):
     k, v = (torch.randn(B, Nk, Hk, D, generator=g) for _ in range(2))
     do = torch.randn(B, Nq, H, D, generator=g)
     slopes = torch.rand(H, generator=g)
-    allowed = _allowed(Nq, Nk, causal, window)
+    allowed = flash_attn_allowed(Nq, Nk, causal, window)
     ref = _grads(lambda a, b, c: _softcapped(a, b, c, allowed, 4.0, slopes.double()), [t.double() for t in (q, k, v)],
                  do.double())
     pt = _grads(lambda a, b, c: _softcapped(a, b, c, allowed.to(device), 4.0, slopes.to(device, dtype)),

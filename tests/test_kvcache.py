@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _attn_check import assert_within_torch_error
+from _attn_check import assert_within_torch_error, flash_attn_allowed
 
 import sparseflash
 from sparseflash import BlockMask
@@ -32,18 +32,6 @@ def _rotary_complex(x, cos, sin, pos, interleaved):
     return torch.cat((parts.to(x.dtype), x[..., r:]), -1)
 
 
-def _allowed(Lq, Lk, causal, window):
-    left, right = window
-    if causal:
-        right = 0
-    i = torch.arange(Lq)[:, None] + Lk - Lq
-    j = torch.arange(Lk)[None, :]
-    m = torch.ones(Lq, Lk, dtype=torch.bool)
-    if right >= 0:
-        m &= j <= i + right
-    if left >= 0:
-        m &= j >= i - left
-    return m
 
 
 def _cache(B, N, Hk, D, dtype=torch.float64, seed=0):
@@ -99,7 +87,7 @@ def test_semantics_equal_sdpa_per_row(causal, window, rotary, leftpad, bidx):
             qb = _rotary_complex(qb, cos, sin, qpos, rotary)
         start, end = (int(lp[b]) if leftpad else 0), s + SN
         keys, vals = want_k[start:end], want_v[start:end]
-        allowed = _allowed(SQ, end - start, causal, window)
+        allowed = flash_attn_allowed(SQ, end - start, causal, window)
         kk = keys.repeat_interleave(H // Hk, 1).transpose(0, 1)
         vv = vals.repeat_interleave(H // Hk, 1).transpose(0, 1)
         scores = torch.einsum("qhd,hkd->hqk", qb[0], kk) / math.sqrt(D)
