@@ -1,5 +1,5 @@
 """Train a small causal language model with per-step top-k block selection beside dense attention
-and a fixed local pattern: loss curves and step time (issue 55's example).
+and a fixed local pattern: loss curves and step time: what per-step selection costs in a real training loop.
 
     python -m sparseflash.experiments.topk_train --out DIR                  (CPU: tiny, ~5 minutes on 2 cores)
     python -m sparseflash.experiments.topk_train --out DIR --device cuda --seq-len 4096 --block 128 \\

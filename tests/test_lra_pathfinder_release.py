@@ -189,4 +189,4 @@ def test_cross_evaluation_of_a_run_on_the_other_fidelity(tmp_path):
     assert r["trained_on"] == "release" and r["fidelity"] == "clean" and r["n"] == 40 and 0 <= r["acc"] <= 1
     from sparseflash.experiments.lra.provenance import code_commit
 
-    assert r["commit"] == code_commit() and r["date"][:2] == "20" and r["gpu"] is None  # the code that ran (issue 56)
+    assert r["commit"] == code_commit() and r["date"][:2] == "20" and r["gpu"] is None  # the code that ran, recorded

@@ -1,4 +1,4 @@
-"""What a newcomer meets (issue 58): output folders that hold a run are refused and left byte for
+"""What a newcomer meets: output folders that hold a run are refused and left byte for
 byte (``--resume`` / ``--overwrite``), tiny LRA configs that are really sparse (and a warning when a
 pattern comes out dense), tiny's own data command, usage errors, ``scale`` > 0, the README's first
 code block, and checkpoints that load without running code. About 15 s on 2 CPU cores."""

@@ -1,4 +1,4 @@
-"""Masks selected on the GPU every call (issue 55): top-k block selection + `BlockMask.from_indices`
+"""Masks selected on the GPU every call: top-k block selection + `BlockMask.from_indices`
 + attention, against the same call with the mask fixed and against FlexAttention with its block
 mask built per call.
 
@@ -18,8 +18,8 @@ One row per (head_dim, K, provider, mode):
 - ``per-call``: selection + index + attention every call, eager (``ms``, `timing.stream_ms`: the
   host shows where it is the longer), ``graph_ms`` the whole step replayed from a CUDA graph, and
   ``compiled_ms`` the step under ``torch.compile(fullgraph=True)`` (for ``--compile-ks`` only;
-  ``compile_s`` its first call). ``goal_ms`` = select gpu_ms + 1.1 x fixed gpu_ms (issue 55's
-  bound for the eager per-call time) and ``meets_goal``.
+  ``compile_s`` its first call). ``goal_ms`` = select gpu_ms + 1.1 x fixed gpu_ms (the bound
+  a per-call mask should meet to cost no more than selecting plus a fixed mask's call) and ``meets_goal``.
 - ``flex``: FlexAttention with its block mask built per call from the same top-k ids
   (``BlockMask.from_kv_blocks``: own block partial with a causal mask_mod, the selected blocks
   full): ``ms`` = mask built eagerly + ``torch.compile(flex_attention)`` (Flex's usual use),

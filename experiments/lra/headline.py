@@ -31,7 +31,7 @@ Evaluation sets:
   join far from the markers, per class; accuracy on the cue-balanced set.
 
 Commits. Where a run file records the commit of the code that ran, that is the commit. The
-Pathfinder-32 runs' ``summary.json`` carries none (written before issue 56); for them ``commit``
+Pathfinder-32 runs' ``summary.json`` carries none (written before run records kept their commit); for them ``commit``
 is what the history shows, prefixed ``history:``, one commit per command of a run joined by
 ``>``: ``+dirty`` where the tree sent to the GPU had uncommitted edits
 (``experiments/studies/pathfinder-release/calls.md``), and the HEAD at the time each command

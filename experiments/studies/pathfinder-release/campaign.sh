@@ -15,7 +15,7 @@
 # (butterfly 1 / 0.5 / 0.25 / 0.125, black as padding), one run after another, with the faithful
 # settings on a quarter of the schedule (15,600 steps: the quick variant, lr 1e-3 over 6,240 steps,
 # stays at chance on this data). RUNS names = $NAMES (default: all three).
-# Seeds (issue 56): a name ending in -sN (dense-bip-s1, butterfly-bip-s2) is that run with train.seed=N;
+# Seeds (one run per setting cannot bound a seed's variance): a name ending in -sN (dense-bip-s1, butterfly-bip-s2) is that run with train.seed=N;
 # "sweep-seeds" is the sweep again with the seeds in $SWEEP_SEEDS (default "1 2"), in RUNS/sweep-seeds.
 #   NAMES="dense-bip-s1 butterfly-bip-s1 dense-bip-s2 butterfly-bip-s2" campaign.sh RUNS 9
 # A finished run also gets RUNS/<name>/weights-bf16.pt (`python -m sparseflash.experiments.lra.weights`:
