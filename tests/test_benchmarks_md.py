@@ -19,8 +19,8 @@ def test_benchmarks_md_is_what_the_report_command_writes():
                     + "\n".join(diff))
 
 
-def test_benchmarks_md_is_at_most_220_lines():
-    assert report.render().count("\n") <= 220
+def test_benchmarks_md_is_at_most_200_lines():
+    assert report.render().count("\n") <= 200
 
 
 def test_template_holds_placeholders_not_measurements():

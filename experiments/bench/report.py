@@ -227,7 +227,6 @@ def h200_check(v: dict, rows) -> None:
     v["h200_fb_x_cudnn"] = span(ratios("sdpa-cudnn", SHAPES, ("fwdbwd",), False))
     v["h200_fwd_x_flex_d128"] = span(ratios("flex", d128, ("fwd",), True))
     v["h200_fwd_x_flex_d64"] = span(ratios("flex", d64, ("fwd",), True))
-    v["h200_fb_x_flex"] = span(ratios("flex", SHAPES, ("fwdbwd",), True))
     v["h200_commit"] = _stamp(rows)
     v["h200_date"] = day(_stamp(rows, "date"))
     v["h200_gpu"] = _stamp(rows, "device_name").replace("NVIDIA ", "")
