@@ -116,6 +116,8 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from sparseflash.experiments.bench.plots import save_figure
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for v in VARIANTS:
         pts = [(r["step"], r["loss"]) for r in rows if r["variant"] == v]
@@ -127,11 +129,7 @@ def plot(rows: list[dict], out: Path, title: str) -> Path:
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "topk_train.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "topk_train.png")
 
 
 def main(argv=None) -> int:

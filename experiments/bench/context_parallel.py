@@ -246,6 +246,8 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from sparseflash.experiments.bench.plots import save_figure
+
     timed = [r for r in rows if r["kind"] == "time" and r.get("ms")]
     labels = sorted({(r["case"], r["seq_len"]) for r in timed}, key=lambda c: (c[0], c[1]))
     provs = sorted({r["provider"] for r in timed})
@@ -266,8 +268,7 @@ def plot(rows, path):
     world = max((r["world"] for r in timed), default=1)
     ax.set_title(f"context parallel, {world} GPUs ({timed[0]['gpu'] if timed else ''})")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def _lens(text):

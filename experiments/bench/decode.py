@@ -185,6 +185,8 @@ def plot(rows, copy_bw, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from sparseflash.experiments.bench.plots import save_figure, suptitle
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, mode in zip(axes, ("dense", "sparse")):
         for prov, style in (("sparseflash", "-o"), ("flex", "--s"), ("sdpa", ":^")):
@@ -201,9 +203,8 @@ def plot(rows, copy_bw, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"% of device-copy bandwidth ({copy_bw / 1e12:.2f} TB/s)")
     axes[1].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    suptitle(fig, "decode with a KV cache: bf16, one query token", rows)
+    save_figure(fig, path, dpi=120)
 
 
 def table(rows) -> str:

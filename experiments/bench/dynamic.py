@@ -221,6 +221,8 @@ def plot(out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from sparseflash.experiments.bench.plots import save_figure, suptitle
+
     rows = [r for r in json.loads((out / "dynamic.json").read_text())["rows"] if r["status"] == "ok"]
     panels = sorted({(r["head_dim"], r["mode"]) for r in rows if r["provider"] in ("fixed", "per-call")})
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.6 * max(1, len(panels)), 4), squeeze=False)
@@ -241,13 +243,9 @@ def plot(out: Path) -> Path:
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=7)
     r0 = rows[0] if rows else {}
-    fig.suptitle(f"top-k blocks per call: {r0.get('seq_len')} tokens, {r0.get('heads')} heads, causal, "
-                 f"{r0.get('dtype')}, {r0.get('device_name')}", fontsize=9)
-    fig.tight_layout()
-    path = out / "dynamic.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    suptitle(fig, f"top-k blocks per call: {r0.get('seq_len')} tokens, {r0.get('heads')} heads, causal, {r0.get('dtype')}",
+             rows)
+    return save_figure(fig, out / "dynamic.png")
 
 
 def _fmt(x) -> str:

@@ -194,6 +194,8 @@ def plot(out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from sparseflash.experiments.bench.plots import save_figure, suptitle
+
     rows = [r for r in json.loads((out / "packed.json").read_text())["rows"] if r["status"] == "ok"]
     panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
     fig, axes = plt.subplots(2, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 7), squeeze=False)
@@ -214,13 +216,9 @@ def plot(out: Path) -> Path:
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
     r0 = rows[0] if rows else {}
-    fig.suptitle(f"packed documents: {r0.get('batch')} x {r0.get('seq_len')} tokens, {r0.get('heads')} heads, "
-                 f"{r0.get('dtype')}, {r0.get('device_name')}", fontsize=10)
-    fig.tight_layout()
-    path = out / "packed.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    suptitle(fig, f"packed documents: {r0.get('batch')} x {r0.get('seq_len')} tokens, {r0.get('heads')} heads, "
+             f"{r0.get('dtype')}", rows)
+    return save_figure(fig, out / "packed.png")
 
 
 def main(argv=None) -> int:

@@ -51,13 +51,25 @@ def _panel_title(key, mode):
     return f"N={n} B={b} H={h} d={d} {dtype}{' causal' if causal else ''}\n{_MODE_NAMES.get(mode, mode)}"
 
 
-def _suptitle(fig, text, rows):
+def suptitle(fig, text, rows):
+    """The figure's title: ``text`` and the devices of ``rows``, marked as CPU results when any row
+    ran on a CPU (a CPU run is a check of the script, not a measurement)."""
     devices = sorted({str(r.get("device_name")) for r in rows})
     cpu = any(r.get("device") == "cpu" for r in rows)
     title = f"{text} -- {', '.join(devices)}"
     if cpu:
         title = f"{CPU_NOTE}: {title}"
     fig.suptitle(title, fontsize=10, color="firebrick" if cpu else "black")
+
+
+def save_figure(fig, path, dpi: int = 110) -> Path:
+    """Lay out, write and close ``fig``; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return Path(path)
 
 
 def _grid(n_rows, n_cols):
@@ -95,7 +107,7 @@ def _sparsity_figures(rows, out: Path) -> list[str]:
         for kind, (fig, axes) in figs.items():
             what = {"runtime": "runtime vs density", "speedup": "sparseflash speedup vs density",
                     "tflops": "effective TFLOP/s (computed pairs only) vs density"}[kind]
-            _suptitle(fig, f"{pattern}: {what}", prow)
+            suptitle(fig, f"{pattern}: {what}", prow)
             path = out / f"sparsity_{kind}_{pattern}.png"
             fig.savefig(path, dpi=110)
             written.append(str(path))
@@ -243,7 +255,7 @@ def _seqlen_figures(rows, out: Path) -> list[str]:
                 ax.set_title(f"H={h} d={d} {dtype}{' causal' if causal else ''}, batch x seq = {tokens}"
                              f"\n{_MODE_NAMES.get(mode, mode)}", fontsize=8)
                 _legend(ax)
-        _suptitle(fig, f"{what} vs sequence length (x: out of memory)", rows)
+        suptitle(fig, f"{what} vs sequence length (x: out of memory)", rows)
         path = out / f"seqlen_{what}.png"
         fig.savefig(path, dpi=110)
         written.append(str(path))
