@@ -27,8 +27,6 @@ from sparseflash.cmdline import (EXIT_INTERRUPTED, EXIT_USAGE, ArgumentParser, C
                                  check_output_dir, check_output_file, known_error, non_negative_int, positive_int,
                                  run_command)
 
-_known_error = known_error  # (its earlier name)
-
 _REGISTRARS = (
     "sparseflash.analysis",
     "sparseflash.experiments.bench.cli",

@@ -103,14 +103,14 @@ def test_bug_keeps_its_traceback(monkeypatch):
     (ValueError("window must be positive, got -1"), "--help"),
 ])
 def test_known_error_hints(exc, expected):
-    what, todo = cli._known_error(exc)
+    what, todo = cli.known_error(exc)
     assert expected in todo
     assert ("/x/y" in what) or ("window" in what)
 
 
 def test_unknown_error_is_not_known():
-    assert cli._known_error(RuntimeError("kernel failed")) is None
-    assert cli._known_error(KeyError("k")) is None
+    assert cli.known_error(RuntimeError("kernel failed")) is None
+    assert cli.known_error(KeyError("k")) is None
 
 
 # ------------------------------------------------------------------ every command, bad arguments
@@ -217,7 +217,7 @@ def test_unwritable_output_fails_before_any_work(tmp_path, capsys, monkeypatch, 
 
 def test_unreadable_file_gets_no_disk_hint():
     """An OSError that is not the system's (PIL's 'cannot identify image file') is about the file."""
-    what, todo = cli._known_error(OSError("cannot identify image file 'sample_3.png'"))
+    what, todo = cli.known_error(OSError("cannot identify image file 'sample_3.png'"))
     assert "sample_3.png" in what and "writable" not in todo and "regenerate or replace" in todo
 
 

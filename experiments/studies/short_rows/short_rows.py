@@ -75,7 +75,7 @@ def plot(out_dir) -> Path:
     implementation's share of its own 4K x 4K rate against blocks per row, solid for block-sparse
     rows, dashed for its dense kernel on the same number of keys, dotted for the row-keys layout
     (rows measured before it existed have none); the 80% bar drawn across."""
-    from sparseflash.experiments.bench.plots import _color, _grid, _suptitle
+    from sparseflash.experiments.bench.plots import _color, _grid, suptitle
 
     out_dir = Path(out_dir)
     data = json.loads((out_dir / "short_rows.json").read_text())
@@ -107,7 +107,7 @@ def plot(out_dir) -> Path:
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_ylim(20, 102)
     axes[0][0].legend(fontsize=6, loc="lower right")
-    _suptitle(fig, f"Short rows: rate against row length, 4K queries, B=4, H=16, bf16, GPU time "
+    suptitle(fig, f"Short rows: rate against row length, 4K queries, B=4, H=16, bf16, GPU time "
                    f"(commit {meta.get('commit')})", [meta])
     path = out_dir / "short_rows.png"
     fig.savefig(path, dpi=130)
