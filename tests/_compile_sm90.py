@@ -41,26 +41,27 @@ def _type(a) -> str:
     raise TypeError(f"unexpected kernel argument {a!r}")
 
 
-def compile_plan(plan, tensors, target):
-    """PTX of ``plan`` (a launch._Plan) with ``tensors`` in its slots, compiled for ``target``."""
+def compile_plan(plan, tensors: dict, target):
+    """PTX of ``plan`` (a launch._Plan) with ``tensors`` (parameter name -> tensor) in its tensor
+    arguments, compiled for ``target``."""
     fn = getattr(kernels, plan.kernel)
-    args = list(plan.args)
-    for i, t in zip(plan.slots, tensors):
-        args[i] = t
-    kw = {k: v for k, v in plan.kwargs.items() if k not in ("num_warps", "num_stages", "maxnreg")}
+    args = {**plan.args, **{n: tensors[n] for n in plan.tensors}}
+    opts = dict(num_warps=args.pop("num_warps", 4), num_stages=args.pop("num_stages", 2))
+    args.pop("maxnreg", None)
     sig, consts = {}, {}
     for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
+        given = name in args
+        value = args.pop(name) if given else p.default
         if p.is_constexpr:
             sig[name] = "constexpr"
-            consts[(i,)] = kw.pop(name) if name in kw else p.default
-        elif args[i] is None:  # a slot a variant leaves empty (Triton takes None as a constexpr)
+            consts[(i,)] = value
+        elif value is None:  # an argument a variant does not read (Triton takes None as a constexpr)
             sig[name] = "constexpr"
             consts[(i,)] = None
         else:
-            sig[name] = _type(args[i])
-    if kw:
-        raise TypeError(f"{plan.kernel} has no parameters {sorted(kw)}")
-    opts = dict(num_warps=plan.kwargs.get("num_warps", 4), num_stages=plan.kwargs.get("num_stages", 2))
+            sig[name] = _type(value)
+    if args:
+        raise TypeError(f"{plan.kernel} has no parameters {sorted(args)}")
     return triton.compile(ASTSource(fn, sig, consts), target=target, options=opts).asm["ptx"]
 
 
@@ -71,17 +72,17 @@ def main(names) -> None:
     o, do, dq, dk, dv = (torch.empty_like(t) for t in (q, q, q, k, v))
     lse, delta = torch.empty(B, H, N), torch.empty(B, H, N)
     seg = (torch.zeros(B, N, dtype=torch.int32), torch.zeros(B, N, dtype=torch.int32))
-    ranges = operands.KeyRanges((torch.zeros(1, 2, N, dtype=torch.int32),) * 2)
+    ranges = torch.zeros(1, 2, N, dtype=torch.int32)
     slopes = torch.rand(1, H)
     kl = torch.full((B,), N, dtype=torch.int64)
     rng = torch.zeros(3, dtype=torch.int64)
-    variants = {  # name: (seg, softcap, dropout_p, causal, key_lengths)
-        "default": (None, 0.0, 0.0, False, None),
-        "softcap-causal": (None, 30.0, 0.0, True, None),
-        "alibi-keylen": (operands.with_alibi(None, slopes), 0.0, 0.0, True, kl),
-        "alibi-segments-softcap": (operands.with_alibi(seg, slopes), 5.0, 0.0, False, None),
-        "alibi-ranges-dropout": (operands.with_alibi(ranges, slopes), 0.0, 0.1, False, None),
-        "exact-causal": (None, 0.0, 0.0, True, None),  # a sliding-window mask's partial-block bits
+    variants = {  # name: ((segments, key_ranges, slopes), softcap, dropout_p, causal, key_lengths)
+        "default": ((None, None, None), 0.0, 0.0, False, None),
+        "softcap-causal": ((None, None, None), 30.0, 0.0, True, None),
+        "alibi-keylen": ((None, None, slopes), 0.0, 0.0, True, kl),
+        "alibi-segments-softcap": ((seg, None, slopes), 5.0, 0.0, False, None),
+        "alibi-ranges-dropout": ((None, ranges, slopes), 0.0, 0.1, False, None),
+        "exact-causal": ((None, None, None), 0.0, 0.0, True, None),  # a sliding-window mask's partial-block bits
     }
     target = GPUTarget("cuda", 90, 32)
     for name in names:
@@ -95,21 +96,20 @@ def main(names) -> None:
             index, eb = mask.index(), mask.exact_bits()
             kv_idx, q_idx, mb = index.kv_idx, index.q_idx, 128
             ex = operands.ExactTiles((eb.bits, eb.kv_tile, eb.q_tile))
+        common = dict(Q=q, K=k, V=v, LSE=lse, KEY_LEN=klv, RNG=r, **operands.table_tensors(*s))
         for q_rows in (False, True):
             with tiles.tile_config(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(128, 64, 8, 3),
                                     dkdv=TileConfig(64, 128, 8, 3, q_rows=q_rows)):
-                jobs = [("dkdv", launch._dkdv_plan(do, q, k, v, dk, dv, q_idx, klv, 0.125, causal, mb, mb, p, None, s,
-                                                   cap, ex),
-                         operands.dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, klv, s, r, (q, k, v, do),
-                                              ex and (ex[2], ex[0])))]
+                named = dict(tables=s, softcap=cap, exact=ex is not None)
+                jobs = [("dkdv", launch.plan_dkdv(do, q, k, v, dk, dv, q_idx, klv, 0.125, causal, mb, mb, p, **named),
+                         dict(common, DO=do, DELTA=delta, DK=dk, DV=dv, Q_IDX=q_idx,
+                              **({} if ex is None else dict(Q_TILE=ex[2], BITS=ex[0]))))]
                 if not q_rows:
-                    jobs += [("fwd", launch._fwd_plan(q, k, v, o, kv_idx, klv, 0.125, causal, mb, mb, p, None, s, cap,
-                                                      ex),
-                              operands.fwd_tensors(q, k, v, o, lse, kv_idx, klv, s, r, (q, k, v), ex and (ex[1], ex[0]))),
-                             ("dq", launch._dq_plan(do, q, k, v, o, dq, kv_idx, klv, 0.125, causal, mb, mb, p, None, s,
-                                                    False, cap, ex),
-                              operands.dq_tensors(q, k, v, o, do, lse, None, delta, dq, kv_idx, klv, s, r,
-                                                 (q, k, v, do, o), ex and (ex[1], ex[0])))]
+                    rows = dict(KV_IDX=kv_idx, **({} if ex is None else dict(KV_TILE=ex[1], BITS=ex[0])))
+                    jobs += [("fwd", launch.plan_fwd(q, k, v, o, kv_idx, klv, 0.125, causal, mb, mb, p, **named),
+                              dict(common, O=o, **rows)),
+                             ("dq", launch.plan_dq(do, q, k, v, o, dq, kv_idx, klv, 0.125, causal, mb, mb, p, **named),
+                              dict(common, O=o, DO=do, DELTA=delta, DQ=dq, **rows))]
                 for kind, plan, ts in jobs:
                     ptx = compile_plan(plan, ts, target)
                     print(f"{name} {kind} q_rows={q_rows}: {len(ptx.splitlines())} lines of PTX", flush=True)

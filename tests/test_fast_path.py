@@ -205,45 +205,43 @@ def test_steps_aside(spy, monkeypatch):
     assert len(mask.fast_entries) == 1 and len(fast._DENSE) == 2
 
 
-def test_quick_launch_binds_and_passes_what_the_general_launch_would(fake, monkeypatch):
-    """The quick launch's bound path (stand-in kernel, pretend CUDA): the first call goes through
-    `launch._launch` and binds; later calls call the C launcher with the role tensors' addresses
-    and the fixed tensors' own; a misaligned address, a set launch hook or FAST_LAUNCH off go
-    through `_launch` again."""
+def test_entry_launch_names_its_tensors_and_keeps_the_aligned_binding(fake, monkeypatch):
+    """An entry's launch (stand-in kernel, pretend CUDA): each call names its role tensors and the
+    fixed ones for `launch.run` (the one Python launch route), which binds on the first call and
+    launches bound after, with the role tensor's address and the fixed tensor's own; the entry keeps
+    the all-aligned bound launch (what the native plan is made from), not a misaligned one's."""
     kernel, plan = fake
     fixed = torch.zeros(8, dtype=torch.int32)
-    quick = launch.QuickLaunch(plan, (launch._K, fixed))  # slot A: role k; slot B: a fixed tensor
+    monkeypatch.setattr(fast, "_ROLE", {"A": 1})
+    entry_launch = fast._Launch(plan, {"B": fixed})  # A: the role at index 1; B: a fixed tensor
+    assert entry_launch.roles == (("A", 1),)
     a1, a2 = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)
-    def call(*ts):
-        quick(ts, launch.quick_ptrs(ts))
-
-    call(None, a1)
-    assert len(kernel.launches) == 1 and quick.bound is not None
-    call(None, a2)
-    assert len(kernel.launches) == 1
-    (compiled,) = kernel.compiled.values()
-    (run,) = compiled.runs
-    assert run[:9] == (5, 6, 1, 77, 1234, (4, 1, 0), None, None, None)
-    assert run[9:] == (a2.data_ptr(), fixed.data_ptr(), 48, 0.5, 7, 3, None)
     misaligned = torch.zeros(64, dtype=torch.bfloat16)[1:9]
-    call(None, misaligned)
-    assert len(kernel.launches) == 2 and kernel.launches[-1][1][0] is misaligned
+    entry_launch((None, misaligned))
+    assert len(kernel.launches) == 1 and entry_launch.bound is None
+    entry_launch((None, a1))
+    assert len(kernel.launches) == 2 and entry_launch.bound is not None and entry_launch.device == 0
+    entry_launch((None, a2))
+    assert len(kernel.launches) == 2
+    runs = [r for c in kernel.compiled.values() for r in c.runs]
+    assert runs[-1][:9] == (5, 6, 1, 77, 1234, (4, 1, 0), None, None, None)
+    assert runs[-1][9:] == (a2.data_ptr(), fixed.data_ptr(), 48, 0.5, 7, 3, None)
     monkeypatch.setattr(launch, "FAST_LAUNCH", False)
-    call(None, a2)
-    assert len(kernel.launches) == 3
+    entry_launch((None, a2))
+    assert len(kernel.launches) == 3 and kernel.launches[-1][1]["A"] is a2
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="bound launches run on CUDA")
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_gpu_short_path_is_bound_and_matches(setting, spy, monkeypatch):
-    """On the GPU: after the first call, repeat calls launch only through the quick bound path
-    (no `launch._launch`), with bitwise the general path's outputs and gradients; an input at a
+    """On the GPU: after the first call, repeat calls launch only through bound launches (no
+    launch through Triton's own path), with bitwise the general path's outputs and gradients; an input at a
     misaligned address still gives the general path's result."""
     got = [_call(setting, seed)[0] for seed in range(2)]
     general = []
-    real = launch._launch
-    monkeypatch.setattr(launch, "_launch", lambda *a: (general.append(1), real(*a))[1])
+    real_bind = launch._bind
+    monkeypatch.setattr(launch, "_bind", lambda *a: (general.append(1), real_bind(*a))[1])
     got.append(_call(setting, 2)[0])
     assert not general and spy["hits"] == 3
     monkeypatch.setattr(fast, "ENABLED", False)

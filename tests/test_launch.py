@@ -38,9 +38,9 @@ class _Kernel:
         self.launches, self.compiled, self.pre_run_hooks = [], {}, []
 
     def __getitem__(self, grid):
-        def launch_(*args, **kwargs):
-            self.launches.append((grid, args, kwargs))
-            spec = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in args if isinstance(t, torch.Tensor))
+        def launch_(**kwargs):
+            self.launches.append((grid, kwargs))
+            spec = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in kwargs.values() if isinstance(t, torch.Tensor))
             return self.compiled.setdefault(spec, _Compiled())
 
         return launch_
@@ -55,30 +55,32 @@ def fake(monkeypatch):
     monkeypatch.setattr(launch, "FAST_LAUNCH", True)
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
     monkeypatch.setattr(launch, "raw_stream", lambda index: 77)
-    plan = launch._Plan("_test_kernel", (5, 6), (launch._T, launch._T, 48, 0.5), dict(C=7, num_warps=4),
+    T = launch.TENSOR
+    plan = launch._Plan("_test_kernel", (5, 6), dict(A=T, B=T, n=48, x=0.5, C=7, E=None, num_warps=4),
                         TileConfig(16, 16), False, torch.device("cuda"))
     return kernel, plan
 
 
 def _tensors(dtype=torch.bfloat16, offset=0):
     a = torch.zeros(64, dtype=dtype)
-    return a[offset:offset + 8], torch.zeros(8, dtype=torch.int32)
+    return dict(A=a[offset:offset + 8], B=torch.zeros(8, dtype=torch.int32))
 
 
 def test_bound_launch_passes_what_triton_would(fake):
     """The second launch of a plan skips Triton's path and calls the compiled kernel's launcher
     with the grid, the current stream, no launch metadata or hooks, and every parameter's value in
     signature order (constexprs and defaults included), tensors as their addresses: the values
-    JITFunction.run passes it (its bound arguments)."""
+    JITFunction.run passes it (its bound arguments). Triton got every argument by keyword."""
     kernel, plan = fake
-    launch._launch(plan, _tensors())
+    launch.run(plan, _tensors())
     assert len(kernel.launches) == 1 and plan.bound
-    a, b = _tensors()
-    launch._launch(plan, (a, b))
+    assert kernel.launches[0][1].keys() == {"A", "B", "n", "x", "C", "E", "num_warps"}
+    a, b = _tensors().values()
+    launch.run(plan, dict(A=a, B=b))
     assert len(kernel.launches) == 1, "the second launch went through Triton again"
     (compiled,) = kernel.compiled.values()
     (run,) = compiled.runs
-    bound = inspect.signature(_kernel_fn).bind(a, b, 48, 0.5, C=7)
+    bound = inspect.signature(_kernel_fn).bind(a, b, 48, 0.5, C=7, E=None)
     bound.apply_defaults()
     want = [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in bound.arguments.values()]
     assert run == (5, 6, 1, 77, 1234, (4, 1, 0), None, None, None, *want)
@@ -88,12 +90,12 @@ def test_bound_launch_keys_on_alignment_and_dtype(fake):
     """A tensor at an address not 16-byte aligned, or of another dtype, is another specialisation
     to Triton: it takes Triton's path (then binds under its own key)."""
     kernel, plan = fake
-    launch._launch(plan, _tensors())
-    launch._launch(plan, _tensors(offset=1))  # 2 bytes in: not aligned
-    launch._launch(plan, _tensors(torch.float16))
+    launch.run(plan, _tensors())
+    launch.run(plan, _tensors(offset=1))  # 2 bytes in: not aligned
+    launch.run(plan, _tensors(torch.float16))
     assert len(kernel.launches) == 3 and len(plan.bound) == 3
-    launch._launch(plan, _tensors(offset=1))
-    launch._launch(plan, _tensors(offset=8))  # 16 bytes in: aligned, as the first
+    launch.run(plan, _tensors(offset=1))
+    launch.run(plan, _tensors(offset=8))  # 16 bytes in: aligned, as the first
     assert len(kernel.launches) == 3
 
 
@@ -105,25 +107,25 @@ def test_unbound_launches(fake, monkeypatch):
     kernel, plan = fake
     monkeypatch.setattr(launch, "FAST_LAUNCH", False)
     for _ in range(2):
-        launch._launch(plan, _tensors())
+        launch.run(plan, _tensors())
     assert len(kernel.launches) == 2 and not plan.bound
     monkeypatch.setattr(launch, "FAST_LAUNCH", True)
     hook = lambda metadata: None  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
         for _ in range(2):
-            launch._launch(plan, _tensors())
+            launch.run(plan, _tensors())
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(kernel.launches) == 4 and not plan.bound
     kernel.pre_run_hooks.append(lambda *a, **k: None)
     for _ in range(2):
-        launch._launch(plan, _tensors())
+        launch.run(plan, _tensors())
     assert len(kernel.launches) == 6 and not plan.bound
     kernel.pre_run_hooks.clear()
-    tma = launch._Plan("_test_kernel", (1, 1), plan.args, plan.kwargs, plan.cfg, True, torch.device("cuda"))
+    tma = launch._Plan("_test_kernel", (1, 1), plan.args, plan.cfg, True, torch.device("cuda"))
     for _ in range(2):
-        launch._launch(tma, _tensors())
+        launch.run(tma, _tensors())
     assert len(kernel.launches) == 8 and not tma.bound
 
 

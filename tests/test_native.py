@@ -31,13 +31,13 @@ def _bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
-def _quick(sig: dict, values: tuple, roles, md=None):
+def _bound(sig: dict, values: tuple, slots, md=None):
+    """(plan, bound launch) stand-ins: ``slots`` (position, parameter name) of the plan's tensors."""
     compiled = SimpleNamespace(src=SimpleNamespace(signature=sig),
                                metadata=md or SimpleNamespace(num_ctas=1, launch_cooperative_grid=False,
                                                               launch_pdl=False, global_scratch_size=0,
                                                               profile_scratch_size=0))
-    return SimpleNamespace(bound=(None, 0, (4, 1, 1024), values, 0, compiled), roles=tuple(roles),
-                           plan=SimpleNamespace(grid=(5, 6)))
+    return SimpleNamespace(grid=(5, 6), slots=tuple(slots)), (None, 0, (4, 1, 1024), values, compiled)
 
 
 @needs_cxx
@@ -47,17 +47,21 @@ def test_launch_of_packs_the_triton_abi(mod):
     Triton's two scratch pointers; kernels needing more than a plain launch are refused."""
     sig = {"Q": "*bf16", "n": "i32", "scale": "fp32", "O": "*bf16", "neg": "i32", "BLOCK": "constexpr",
            "KL": "constexpr", "big": "i64", "LIST": "*i32"}
-    values = (None, 48, 0.5, None, -3, 64, None, 2**40, 0xABC0)
-    q = _quick(sig, values, [(0, launch._Q), (3, launch._O)])
-    lw = native.launch_of(q, mod)
+    values = (None, 48, 0.5, None, -3, 64, None, 2**40, None)
+    fixed = {"LIST": torch.empty(4, dtype=torch.int32)}
+    slots = [(0, "Q"), (3, "O"), (8, "LIST")]
+    roles = {"Q": fast.ROLES.index("Q"), "O": fast.ROLES.index("O")}
+    plan, bound = _bound(sig, values, slots)
+    lw = native.launch_of(plan, bound, fixed, roles, mod)
     ptrs = [16 * (i + 1) for i in range(6)]
-    assert lw.pack(ptrs) == [16, 48, _bits(0.5), 64, 2**32 - 3, 2**40, 0xABC0, 0, 0]
+    assert lw.pack(ptrs) == [16, 48, _bits(0.5), 64, 2**32 - 3, 2**40, fixed["LIST"].data_ptr(), 0, 0]
     assert lw.pack(ptrs[:2]) == []  # too few role addresses
     for bad in (dict(num_ctas=2), dict(launch_pdl=True), dict(global_scratch_size=128)):
-        md = SimpleNamespace(**{**vars(q.bound[5].metadata), **bad})
-        assert native.launch_of(_quick(sig, values, q.roles, md), mod) is None
-    assert native.launch_of(_quick({**sig, "n": "nvTmaDesc"}, values, q.roles), mod) is None
-    assert native.launch_of(_quick(dict(list(sig.items())[:-1]), values, q.roles), mod) is None  # count differs
+        md = SimpleNamespace(**{**vars(bound[4].metadata), **bad})
+        assert native.launch_of(*_bound(sig, values, slots, md), fixed, roles, mod) is None
+    assert native.launch_of(*_bound({**sig, "n": "nvTmaDesc"}, values, slots), fixed, roles, mod) is None
+    assert native.launch_of(*_bound(dict(list(sig.items())[:-1]), values, slots), fixed, roles, mod) is None  # count
+    assert native.launch_of(plan, bound, {}, roles, mod) is None  # a tensor neither fixed nor a role
     assert "slots but" in mod.make_launch(0, [1, 1, 1], 128, 0, [0, 0], [8], [])
     assert "role out of range" in mod.make_launch(0, [1, 1, 1], 128, 0, [0], [8], [(0, 11)])
     assert "block must be" in mod.make_launch(0, [1, 1, 1], 2048, 0, [0], [8], [])

@@ -179,7 +179,8 @@ def test_portable_kernels_only(device, monkeypatch):
         qq = q.clone().requires_grad_()
         sparseflash.attention(qq, k, v, backend="triton", **kw).backward(do)
         assert seen == [], kw
-    assert all(("SOFTCAP" in p.kwargs) != ("ALIBI" in p.kwargs) for p in launch._PLANS.values())
+    assert all(("SOFTCAP" in p.args) != ("ALIBI" in p.args) for p in launch._PLANS.values())
+    assert all((p.args["SLOPES"] is None) == ("ALIBI" not in p.args) for p in launch._PLANS.values())
     monkeypatch.setattr(launch, "_PLANS", {})
     qq = q.clone().requires_grad_()
     sparseflash.attention(qq, k, v, backend="triton").backward(do)
@@ -187,7 +188,7 @@ def test_portable_kernels_only(device, monkeypatch):
     o, _ = sparseflash.attention(qq, k, v, backend="triton", return_lse=True)  # the general path
     o.backward(do)
     assert "fwd" in seen and "bwd" in seen
-    assert not any("SOFTCAP" in p.kwargs or "ALIBI" in p.kwargs for p in launch._PLANS.values())
+    assert not any("SOFTCAP" in p.args or "ALIBI" in p.args for p in launch._PLANS.values())
 
 
 def test_bad_arguments_are_named():

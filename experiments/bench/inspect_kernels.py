@@ -194,12 +194,12 @@ def compile_kernels(kinds, head_dim, dropout, mask_block, causal=False, seq=1024
             seg = (ids, ids[:, :])
         with policy.tile_config(**cfgs):
             if "fwd" in kinds:
-                launch.fwd(q, k, v, lists[0], None, scale, causal, mb, mb, dropout, rng, seg=seg)
+                launch.fwd(q, k, v, lists[0], None, scale, causal, mb, mb, dropout, rng, segments=seg)
             bargs = (do, q, k, v, lse, lse, None, scale, causal, mb, mb, dropout, rng)
             if "dkdv" in kinds:
-                launch.bwd_dkdv(*bargs, lists[1], seg=seg)
+                launch.bwd_dkdv(*bargs, lists[1], segments=seg)
             if "dq" in kinds:
-                launch.bwd_dq(*bargs, lists[0], o=q, seg=seg)
+                launch.bwd_dq(*bargs, lists[0], o=q, segments=seg)
 
     try:
         compiled = compile_launches(run)

@@ -16,8 +16,9 @@ Exact masks: a mask's partial-block bits and the tables aligning them with the b
 (`exact_tables`) ride along both ops as three more optional tensors (`operands.ExactTiles`).
 
 Score modifications: ``softcap`` (a float, 0 off) and ``slopes`` (ALiBi, float32 [1 or B, Hq] or
-None; no gradient) ride along both ops; the launchers take them as `operands.with_alibi`'s ``seg``
-and their ``softcap``.
+None; no gradient) ride along both ops; the launchers take them as their ``slopes`` and ``softcap``.
+The ops' ``seg_q`` with ``seg_k`` None is the key-range table; the launchers take each table under
+its own name (`_tables`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _fwd_eager(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
     so an eager call allocates only its outputs."""
     rng = _rng_draw(rng, q.device) if dropout_p > 0.0 else None
     o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None, dropout_p, rng,
-                        work=estimate_work(q, k, density), seg=_seg(seg_q, seg_k, slopes), softcap=softcap,
+                        work=estimate_work(q, k, density), **_tables(seg_q, seg_k, slopes), softcap=softcap,
                         exact=_exact(bits, kv_tile, q_tile))
     return o, lse, rng
 
@@ -100,7 +101,7 @@ def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
                q_tile: Optional[Tensor] = None, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     return launch.bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale, causal,
                       mask_bq or None, mask_bk or None, dropout_p, rng, work=estimate_work(q, k, density),
-                      seg=_seg(seg_q, seg_k, slopes), softcap=softcap, exact=_exact(bits, kv_tile, q_tile),
+                      **_tables(seg_q, seg_k, slopes), softcap=softcap, exact=_exact(bits, kv_tile, q_tile),
                       deterministic=deterministic)
 
 
@@ -157,13 +158,16 @@ class FlashAttentionFunction(torch.autograd.Function):
         return (dq, dk, dv) + (None,) * 18
 
 
-def _seg(seg_q: Optional[Tensor], seg_k: Optional[Tensor], slopes: Optional[Tensor] = None):
-    """The launchers' ``seg``: segment ids (seg_q, seg_k), or with seg_k None the key-range table
-    seg_q (`operands.KeyRanges`); with ALiBi ``slopes`` a `operands.Alibi` holding them too."""
-    seg = None
-    if seg_q is not None:
-        seg = operands.KeyRanges((seg_q, seg_q)) if seg_k is None else (seg_q, seg_k)
-    return operands.with_alibi(seg, slopes)
+def _tables(seg_q: Optional[Tensor], seg_k: Optional[Tensor], slopes: Optional[Tensor] = None) -> dict:
+    """The launchers' optional tables by name: ``segments`` (seg_q, seg_k), or with seg_k None the
+    key-range table seg_q as ``key_ranges``; ALiBi's ``slopes`` (float32, contiguous)."""
+    if slopes is not None:
+        slopes = slopes.to(torch.float32).contiguous()
+    if seg_q is None:
+        return dict(slopes=slopes)
+    if seg_k is None:
+        return dict(key_ranges=seg_q, slopes=slopes)
+    return dict(segments=(seg_q, seg_k), slopes=slopes)
 
 
 def _exact(bits: Optional[Tensor], kv_tile: Optional[Tensor], q_tile: Optional[Tensor]):

@@ -32,13 +32,15 @@ __all__ = ["hopper_plan", "HOPPER_EXACT"]
 HOPPER_EXACT = _env.text("SPARSEFLASH_HOPPER_EXACT", "on")
 
 
-def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout_p: float = 0.0, seg=None,
-                softcap: float = 0.0, exact=None, do=None, o=None, lists: bool = False, deterministic: bool = False):
+def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout_p: float = 0.0,
+                tables=(None, None, None), softcap: float = 0.0, exact=None, do=None, o=None, lists: bool = False,
+                deterministic: bool = False):
     """The Hopper kernels' layouts when they run this call, else None (the portable kernels). The
     forward's with ``do`` None: `hopper.layouts` of (q, k, v); the backward's: (those,
     `hopper_bwd.do_layout` of dO), ``lists`` saying whether the call walks block lists. ``work``:
-    the call's estimated forward FLOPs (-1 unknown); the other arguments as `launch.fwd` takes them."""
-    if dropout_p > 0.0 or seg is not None or softcap or not scale > 0.0:
+    the call's estimated forward FLOPs (-1 unknown); ``tables``: the call's (segments, key_ranges,
+    slopes); the other arguments as `launch.fwd` takes them."""
+    if dropout_p > 0.0 or any(t is not None for t in tables) or softcap or not scale > 0.0:
         return None  # features the Hopper kernels do not have
     if do is not None and deterministic:
         return None  # the Hopper backward adds dQ in arrival order; the portable one has no atomics

@@ -12,7 +12,7 @@ the launchers' plans) and leaves a `_Entry` keyed by everything that validation 
 plans read: shapes, strides, dtypes and devices of q, k, v and key_lengths, the mask (its own
 cache, `BlockMask.fast_entries`, so entries go with the mask), causal and scale with their types, the
 launchers' module state. A later call with the same key skips validation and planning: it
-allocates the outputs and calls the kernels' C launchers (`launch.quick_fwd`); under autograd one
+allocates the outputs and runs the launchers' plans (`launch.run`, by parameter name); under autograd one
 `torch.autograd.Function` with five inputs carries it (`_FastFunction`), without autograd
 (no_grad, inference, inputs that need no grad) none does. On CUDA, once the entry's forward is
 bound and the C++ module is built, the entry's `native.Plan` serves its calls instead: the same
@@ -70,9 +70,64 @@ except ImportError:  # pragma: no cover - a CPU-only build has no native plans e
         return torch.cuda.current_device()
 
 
+# The short path's per-call tensors, by kernel parameter name, in the order of its role tuple
+# ``ts`` (forward: the first six; backward: all): the native module's role indices.
+ROLES = ("Q", "K", "V", "O", "LSE", "KEY_LEN", "DO", "DELTA", "DQ", "DK", "DV")
+_ROLE = {n: i for i, n in enumerate(ROLES)}
+
+
+class _Launch:
+    """One kernel of an entry: its `launch` plan, the entry's fixed tensors (the mask's lists) by
+    name, the role index of each other tensor, and ``bound``: None until a launch with every
+    address 16-byte aligned bound the plan, then that bound launch (`native.launch_of` reads it)."""
+
+    __slots__ = ("plan", "fixed", "roles", "bound", "device")
+
+    def __init__(self, plan, fixed: dict):
+        self.plan, self.fixed = plan, fixed
+        self.roles = tuple((n, _ROLE[n]) for n in plan.tensors if n not in fixed)
+        self.bound = self.device = None
+
+    def __call__(self, ts: tuple) -> None:
+        tensors = dict(self.fixed)
+        for n, r in self.roles:
+            tensors[n] = ts[r]
+        done = launch.run(self.plan, tensors)
+        if self.bound is None and done is not None and all(done[0][1]):
+            self.device, self.bound = done[0][0], done[1]
+
+    def native(self):
+        """Its native `Launch` (`native.launch_of`), or None."""
+        return native.launch_of(self.plan, self.bound, self.fixed, dict(self.roles))
+
+
+def _fwd_launch(q, k, v, kv_idx, kl, scale, causal, mask_bq, mask_bk, work) -> _Launch | None:
+    """The forward of an entry (no dropout, no tables); None when it would load through TMA."""
+    from sparseflash.flash import tiles
+
+    if tiles.tma_plan(tiles.block_d(q.shape[-1]), q, k, v, work=work) is not None:
+        return None
+    plan = launch.plan_fwd(q, k, v, torch.empty_like(q), kv_idx, kl, scale, causal, mask_bq, mask_bk, 0.0)
+    return _Launch(plan, {} if kv_idx is None else {"KV_IDX": kv_idx})
+
+
+def _bwd_launches(do, q, k, v, o, kv_idx, q_idx, kl, scale, causal, mask_bq, mask_bk, work):
+    """The dQ and dK/dV launches of an entry for ``do``'s layout; None when a plan would load
+    through TMA."""
+    from sparseflash.flash import tiles
+
+    if tiles.tma_plan(tiles.block_d(q.shape[-1]), q, k, v, do, o, work=work) is not None:
+        return None
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # only their layouts are read
+    plan_dq = launch.plan_dq(do, q, k, v, o, dq, kv_idx, kl, scale, causal, mask_bq, mask_bk, 0.0)
+    plan_kv = launch.plan_dkdv(do, q, k, v, dk, dv, q_idx, kl, scale, causal, mask_bq, mask_bk, 0.0)
+    return (_Launch(plan_dq, {} if kv_idx is None else {"KV_IDX": kv_idx}),
+            _Launch(plan_kv, {} if q_idx is None else {"Q_IDX": q_idx}))
+
+
 class _Entry:
-    """One combination's forward (a `launch.quick_fwd` launch) and, per layout of the incoming gradient,
-    its backward pair; the mask's lists and the call's scalars."""
+    """One combination's forward (a `_Launch`) and, per layout of the incoming gradient, its
+    backward pair; the mask's lists and the call's scalars."""
 
     __slots__ = ("fwd", "bwd", "kv_idx", "q_idx", "scale", "causal", "mask_bq", "mask_bk", "work", "cuda", "seq_k",
                  "rows", "has_kl", "native", "native_bwd", "__weakref__")
@@ -97,8 +152,7 @@ class _Entry:
         if launch.POISON_OUTPUTS:
             o.fill_(float("nan"))
             lse.fill_(float("nan"))
-        ts = (q, k, v, o, lse, kl)
-        self.fwd(ts, launch.quick_ptrs(ts))
+        self.fwd((q, k, v, o, lse, kl))
         return o, lse
 
     def backward(self, do, q, k, v, o, lse, kl) -> tuple[Tensor, Tensor, Tensor]:
@@ -106,9 +160,9 @@ class _Entry:
         if pair is _NO:
             if len(self.bwd) >= 8:
                 self.bwd.clear()
-            pair = self.bwd[do.stride()] = launch.quick_bwd(
+            pair = self.bwd[do.stride()] = _bwd_launches(
                 do, q, k, v, o, self.kv_idx, self.q_idx, kl, self.scale, self.causal, self.mask_bq or None,
-                self.mask_bk or None, work=self.work)
+                self.mask_bk or None, self.work)
         if pair is None or (self.cuda and _capturing()):
             return launch.bwd(do, q, k, v, o, lse, None, self.kv_idx, self.q_idx, kl, self.scale, self.causal,
                               self.mask_bq or None, self.mask_bk or None, 0.0, None, work=self.work)
@@ -118,9 +172,8 @@ class _Entry:
             for t in (delta, dq, dk, dv):
                 t.fill_(float("nan"))
         ts = (q, k, v, o, lse, kl, do, delta, dq, dk, dv)
-        ptrs = launch.quick_ptrs(ts)
-        pair[0](ts, ptrs)
-        pair[1](ts, ptrs)
+        pair[0](ts)
+        pair[1](ts)
         if self.native:
             self._native_bwd(do, pair)
         return dq, dk, dv
@@ -130,7 +183,7 @@ class _Entry:
         if pair[0].bound is not None and pair[1].bound is not None and do.stride() not in self.native_bwd:
             self.native_bwd.add(do.stride())
             try:
-                dq, dkdv = native.launch_of(pair[0]), native.launch_of(pair[1])
+                dq, dkdv = pair[0].native(), pair[1].native()
             except RuntimeError:  # the kernel's parameters are not what was packed: this layout stays in Python
                 return
             if dq is not None and dkdv is not None:
@@ -147,7 +200,9 @@ class _Entry:
             self.native = False
             return False
         try:
-            plan = native.make_plan(self.fwd, self.rows, self.has_kl, _NativeFallback(self))
+            launch_fwd = self.fwd.native()
+            plan = None if launch_fwd is None else native.make_plan(launch_fwd, self.fwd.device, self.rows, self.has_kl,
+                                                                    _NativeFallback(self))
         except Exception as e:  # noqa: BLE001 - an unexpected Triton ABI: the Python path serves the entry
             import warnings
 
@@ -310,7 +365,7 @@ def _build(q, k, v, mask, causal, scale, kl):
     if density < 0:
         return _NO
     work = estimate_work(q, k, density)
-    fwd = launch.quick_fwd(q, k, v, kv_idx, kl, scale, causal, mask_bq or None, mask_bk or None, work=work)
+    fwd = _fwd_launch(q, k, v, kv_idx, kl, scale, causal, mask_bq or None, mask_bk or None, work)
     if fwd is None:
         return _NO
     return _Entry(fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k, kl is not None)

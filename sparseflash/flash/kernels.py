@@ -34,9 +34,8 @@ the score mask. Block pairs sharing no document are not in the lists at all (the
 caller prunes them per call, `autograd.segment_lists`). With segments even a "mask-free" tile
 may leave a row without keys so far, so the forward keeps its pivot finite on every tile.
 
-Key ranges (KEY_RANGES, compiled out when off; never with SEGMENTS, whose pointer slot SEG_Q it
-uses): query i attends keys ``start[i] <= j < end[i]`` only, read from an int32 table
-[B', 2, seq_q]; every tile ANDs the range test into its mask (on top of causal and kv_end), and
+Key ranges (KEY_RANGES, compiled out when off; never with SEGMENTS): query i attends keys
+``start[i] <= j < end[i]`` only, read from the int32 table RANGES [B', 2, seq_q]; every tile ANDs the range test into its mask (on top of causal and kv_end), and
 the forward keeps its pivot finite as with segments. Exact at token level for any ranges, e.g.
 flash-attn's varlen sequences with causal bottom-right aligned in each one
 (`sparseflash.segments.key_ranges_from_cu_seqlens`). Block pairs no range reaches are pruned from
@@ -56,9 +55,8 @@ pivot finite on every tile: a row may have seen no attended key so far, or none 
 Score modifications (compiled out when off; flash-attn's definitions, in this order, on the
 scaled score s of every computed pair before any mask): SOFTCAP > 0 (a constexpr: one variant per
 cap) makes ``s = SOFTCAP * tanh(s / SOFTCAP)``; ALIBI adds ``-slope[b, h] * |i + seq_k - seq_q - j|``
-with the float32 slopes [B or 1, H_Q] in the SEG_K pointer slot (batch stride stride_skb), one
-load per program (per query head in dK/dV). With SEGMENTS too, the query and key ids then come
-packed in SEG_Q as one int32 table [B', seq_q + seq_k] (key ids at SEG_Q + seq_q). Backward
+with the float32 slopes SLOPES [B or 1, H_Q] (batch stride stride_slb), one load per program
+(per query head in dK/dV). Backward
 recomputes both (nothing stored) and multiplies dS by tanh's derivative ``1 - tanh^2``; the
 slopes get no gradient. `_score_mod` does both, in the log2 domain of the scores.
 
@@ -296,7 +294,7 @@ def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stri
         full_end = tl.minimum(full_end, start_m + causal_off + 1)
         valid_end = tl.minimum(valid_end, tl.minimum(start_m + BLOCK_M, seq_q) + causal_off)
     if DENSE:
-        p_idx = KV_IDX  # unused
+        p_idx = 0  # unused (KV_IDX is None)
         b_list = tl.zeros([NB_P2], dtype=tl.int32)
         j_full = tl.maximum(full_end, 0) // BLOCK_N
         j_valid = tl.cdiv(tl.maximum(valid_end, 0), BLOCK_N)
@@ -331,31 +329,26 @@ def _seg_other(p_seg, start, o_t, seq, own_lo, own_hi):
 
 
 @triton.jit
-def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, SEGMENTS: tl.constexpr,
-              ALIBI: tl.constexpr = False):
+def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, SEGMENTS: tl.constexpr):
     """For a program holding q tile o_m (forward, dQ): its segment ids [BLOCK_M], their range over
-    the real rows, and the key ids' row pointer (ALIBI: packed after the query ids in SEG_Q).
-    Without SEGMENTS placeholders."""
+    the real rows, and the key ids' row pointer. Without SEGMENTS placeholders (SEG_Q, SEG_K are
+    None then)."""
     if SEGMENTS:
         m_row = o_m < seq_q
         b_sq = tl.load(SEG_Q + i_b * stride_sqb + o_m, mask=m_row, other=0)
         sq_lo, sq_hi = _seg_range(b_sq, m_row)
-        if ALIBI:  # (one return per branch: the compiler types every return of a function)
-            p_sk = SEG_Q + i_b * stride_sqb + seq_q
-        else:
-            p_sk = SEG_K + i_b * stride_skb
-        return b_sq, sq_lo, sq_hi, p_sk
+        return b_sq, sq_lo, sq_hi, SEG_K + i_b * stride_skb
     else:
-        return tl.zeros([BLOCK_M], dtype=tl.int32), 0, 0, SEG_K
+        return tl.zeros([BLOCK_M], dtype=tl.int32), 0, 0, 0
 
 
 @triton.jit
-def _range_rows(SEG_Q, stride_sqb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, KEY_RANGES: tl.constexpr):
+def _range_rows(RANGES, stride_rb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, KEY_RANGES: tl.constexpr):
     """Key ranges (KEY_RANGES) of rows o_m: (start, end) int32 [BLOCK_M] each, read from the
-    [B', 2, seq_q] table in SEG_Q; rows past seq_q get the empty range (0, 0)."""
+    [B', 2, seq_q] table RANGES; rows past seq_q get the empty range (0, 0)."""
     if KEY_RANGES:
         m_row = o_m < seq_q
-        p = SEG_Q + i_b * stride_sqb
+        p = RANGES + i_b * stride_rb
         return tl.load(p + o_m, mask=m_row, other=0), tl.load(p + seq_q + o_m, mask=m_row, other=0)
     else:
         return tl.zeros([BLOCK_M], dtype=tl.int32), tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -541,6 +534,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
 def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
+                RANGES, stride_rb, SLOPES, stride_slb,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
@@ -556,12 +550,16 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, s
                 SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
                 ALIBI: tl.constexpr = False, EXACT: tl.constexpr = False):
     """DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
-    [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are unused placeholders.
+    [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are None.
     SEG_Q, SEG_K (SEGMENTS): int32 segment ids [B or 1, seq] (batch strides stride_sqb, stride_skb,
     0 when shared); keys whose id differs from the query's are not attended.
-    KEY_RANGES (instead of SEGMENTS): SEG_Q is an int32 table [B or 1, 2, seq_q] (batch stride
-    stride_sqb) of each query's key range: query i attends keys start[i] <= j < end[i] only.
-    SOFTCAP, ALIBI: the score modifications (module docstring); ALIBI's slopes in SEG_K.
+    RANGES (KEY_RANGES, never with SEGMENTS): int32 [B or 1, 2, seq_q] (batch stride stride_rb) of
+    each query's key range: query i attends keys start[i] <= j < end[i] only.
+    SOFTCAP, ALIBI: the score modifications (module docstring); ALIBI's slopes SLOPES [B or 1, H_Q]
+    (batch stride stride_slb).
+    Every pointer a variant does not read (lists when DENSE, KEY_LEN, the segment, range and slope
+    tables, RNG, the descriptors without TMA) is None: a constexpr, so each variant's code and
+    parameter list hold only what it uses.
     KV_TILE, BITS (EXACT; None otherwise): the bit-tile index of each row-list entry (int32, laid
     out as KV_IDX) and the bit tiles (module docstring)."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
@@ -588,9 +586,9 @@ def _fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, s
         q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS, ALIBI)
-    b_rlo, b_rhi = _range_rows(SEG_Q, stride_sqb, i_b, o_m, seq_q, BLOCK_M, KEY_RANGES)
-    slope2 = _alibi_slope(SEG_K, stride_skb, i_b, i_h, ALIBI)
+    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS)
+    b_rlo, b_rhi = _range_rows(RANGES, stride_rb, i_b, o_m, seq_q, BLOCK_M, KEY_RANGES)
+    slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h, ALIBI)
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
@@ -727,6 +725,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
+                     RANGES, stride_rb, SLOPES, stride_slb,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
@@ -744,7 +743,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_L
                      TMA: tl.constexpr = False, SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False,
                      SOFTCAP: tl.constexpr = 0.0, ALIBI: tl.constexpr = False, EXACT: tl.constexpr = False):
     """DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA unused placeholders. SEG_Q, SEG_K (SEGMENTS, KEY_RANGES, ALIBI): as the forward's.
+    without TMA None. SEG_Q, SEG_K, RANGES, SLOPES: as the forward's.
     Q_TILE, BITS (EXACT; None otherwise): the bit-tile index of each column-list entry (laid out
     as Q_IDX) and the bit tiles."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
@@ -776,17 +775,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_L
         kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
     causal_off = seq_k - seq_q
     if SEGMENTS:  # this k tile's ids, their range over the real keys, and the query ids' row
-        if ALIBI:  # the key ids packed after the query ids (SEG_K holds the slopes)
-            b_sk = tl.load(SEG_Q + i_b * stride_sqb + seq_q + o_n, mask=o_n < seq_k, other=0)
-        else:
-            b_sk = tl.load(SEG_K + i_b * stride_skb + o_n, mask=o_n < seq_k, other=0)
+        b_sk = tl.load(SEG_K + i_b * stride_skb + o_n, mask=o_n < seq_k, other=0)
         sk_lo, sk_hi = _seg_range(b_sk, o_n < seq_k)
         p_sq = SEG_Q + i_b * stride_sqb
     else:
         b_sk = tl.zeros([BLOCK_N], dtype=tl.int32)
         sk_lo = 0
         sk_hi = 0
-        p_sq = SEG_Q + i_b * stride_sqb  # KEY_RANGES: the key-range table's row (else unused)
+        if KEY_RANGES:  # never with SEGMENTS: p_sq is then the key-range table's row
+            p_sq = RANGES + i_b * stride_rb
+        else:
+            p_sq = 0  # unused
     # Rows below skip_below see none of this tile's columns; rows from full_from on see all of them.
     skip_below = 0
     full_from = 0
@@ -805,9 +804,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_L
             p_do = DO + i_b * stride_dob + i_h * stride_doh + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod
             p_lse = LSE + i_bh * seq_q
             p_delta = DELTA + i_bh * seq_q
-            slope2 = _alibi_slope(SEG_K, stride_skb, i_b, i_h, ALIBI)
+            slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h, ALIBI)
             if DENSE:
-                p_idx = Q_IDX  # unused
+                p_idx = 0  # unused (Q_IDX is None)
                 b_list = tl.zeros([NB_P2], dtype=tl.int32)
                 j_skip = tl.maximum(skip_below, 0) // BLOCK_M
                 j_part = tl.minimum(tl.cdiv(tl.maximum(full_from, 0), BLOCK_M), tl.cdiv(seq_q, BLOCK_M))
@@ -907,6 +906,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
 def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
+                   RANGES, stride_rb, SLOPES, stride_slb,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -926,7 +926,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KV_TILE, BITS, 
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
     DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA unused placeholders. KV_TILE, BITS (EXACT): as the forward's."""
+    without TMA None. KV_TILE, BITS (EXACT): as the forward's."""
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -966,9 +966,9 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KV_TILE, BITS, 
     tl.store(DELTA + p_row, b_delta, mask=o_m < seq_q)
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS, ALIBI)
-    b_rlo, b_rhi = _range_rows(SEG_Q, stride_sqb, i_b, o_m, seq_q, BLOCK_M, KEY_RANGES)
-    slope2 = _alibi_slope(SEG_K, stride_skb, i_b, i_h, ALIBI)
+    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS)
+    b_rlo, b_rhi = _range_rows(RANGES, stride_rb, i_b, o_m, seq_q, BLOCK_M, KEY_RANGES)
+    slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h, ALIBI)
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
         KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,

@@ -7,10 +7,12 @@ Gluon kernels take the call (launched by `hopper_fwd`, `hopper_bwd`); else they 
 kernels with the tiles and TMA choice of `tiles` and the arguments of `operands`.
 
 Per-call cost (a short call is bound by host time): what a launch derives from shapes, strides,
-dtypes and scalars is a `_Plan` computed once per key; repeat launches of a plan go straight to the
-compiled kernel's C launcher (`_launch`, FAST_LAUNCH; the comment above it says why that is safe).
-`quick_fwd` / `quick_bwd` make the short path's `QuickLaunch`es: plans whose per-call tensors are
-known by role, for `sparseflash.flash.fast` and its C++ half.
+dtypes and scalars is a `_Plan` (`plan_fwd`, `plan_dq`, `plan_dkdv`) computed once per key, holding
+every kernel argument by its parameter name; `run` launches a plan with the call's tensors by name,
+through Triton's ``kernel[grid](**args)`` the first time and straight through the compiled kernel's
+C launcher after (FAST_LAUNCH; the comment above `run` says why that is safe). The short path
+(`sparseflash.flash.fast`) runs the same plans with `run`, or from C++ (`sparseflash.flash.native`)
+once a plan is bound: those are the two launch routes.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import torch
 from sparseflash import _env
 from sparseflash._consts import LOG2E
 from sparseflash.flash import dispatch, kernels, operands, tiles
-from sparseflash.flash.operands import (ExactTiles, aligned_strides, bwd_consts, cdiv, check_exact, checked_rng,
-                                       dkdv_tensors, dot_precision, dq_tensors, drop_consts, exact_flag, fwd_tensors,
-                                       gather, list_args, seg_args, softcap_flag)
+from sparseflash.flash.operands import (TENSOR, ExactTiles, aligned_strides, bwd_consts, cdiv, check_exact, checked_rng,
+                                       dot_precision, drop_consts, exact_flag, gather, list_args, list_plan_args,
+                                       optional_tensors, softcap_flag, table_args, table_layout, table_tensors)
 
-__all__ = ["fwd", "bwd", "bwd_dq", "bwd_dkdv", "hopper_fwd", "hopper_bwd", "plan_state", "POISON_OUTPUTS",
-           "FAST_LAUNCH", "hooks_idle", "raw_stream", "QuickLaunch", "quick_ptrs", "quick_fwd", "quick_bwd"]
+__all__ = ["fwd", "bwd", "bwd_dq", "bwd_dkdv", "hopper_fwd", "hopper_bwd", "plan_fwd", "plan_dq", "plan_dkdv", "run",
+           "plan_state", "POISON_OUTPUTS", "FAST_LAUNCH", "hooks_idle", "raw_stream"]
 
 
 # Tests set this to fill every output with NaN before the kernels run, so that an element a
@@ -38,40 +40,34 @@ def _new(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     return t.fill_(float("nan")) if POISON_OUTPUTS else t
 
 
-def _exact_slots(exact) -> tuple:
-    """The plan's argument entries of the tile table and bit slots: tensors of the call (`_T`) with
-    bits, else None (a constexpr to Triton: the default kernels keep their signature and code)."""
-    return (None, None) if exact is None else (_T, _T)
-
-
 # ----------------------------------------------------------------------------- launch plans
 # Everything a launch derives from its inputs' shapes, strides and dtypes and from the call's
 # scalars (tile config, grid, the strides and their alignment, the lists' strides, the dropout
-# constants, the constexprs) is computed once per combination (the key) and kept as a _Plan; a
-# call then allocates its outputs, puts its tensors into the plan's argument list and launches
-# (`_launch`). The key also holds the module state the plans read (tile overrides, TMA_MODE,
-# GATHER_MAX, interpreter, dot precision), so changing any of it makes new plans.
+# constants, the constexprs) is computed once per combination (the key) and kept as a _Plan: every
+# kernel argument by its parameter name. A call then allocates its outputs, names its tensors
+# and launches (`run`). The key also holds the module state the plans read (tile overrides,
+# TMA_MODE, GATHER_MAX, interpreter, dot precision), so changing any of it makes new plans.
 
-_T = object()  # marks where a tensor of the call goes in a plan's argument list
 _PLANS: dict = {}
 _PLANS_MAX = 1024
 
 
 class _Plan:
-    """One kernel's launch for one key: ``args`` its positional arguments with `_T` where the
-    call's tensors go (positions ``slots``, in the order the launcher passes them), ``kwargs`` the
-    constexprs and compile options, ``tma`` whether the tensors' last slots take TMA descriptors
-    (built per call). ``bound``: `_launch`'s bound launches of this plan."""
+    """One kernel's launch for one key: ``args`` every argument by parameter name (constexprs and
+    compile options included) with `operands.TENSOR` where a tensor of the call goes, None where
+    the variant reads nothing; ``tensors`` the names a call fills; ``tma`` whether the call's
+    tensors include TMA descriptors (built per call). ``bound``: `run`'s bound launches of this
+    plan; ``slots``: (position among the kernel's parameters, name) of each tensor, once bound."""
 
-    __slots__ = ("kernel", "grid", "args", "slots", "kwargs", "cfg", "tma", "cuda", "bound")
+    __slots__ = ("kernel", "grid", "args", "tensors", "cfg", "tma", "cuda", "bound", "slots")
 
-    def __init__(self, kernel: str, grid, args, kwargs, cfg, tma: bool, device: torch.device):
+    def __init__(self, kernel: str, grid, args: dict, cfg, tma: bool, device: torch.device):
         # the kernel by name in kernels.py, looked up at each launch (tools may swap it)
-        self.kernel, self.grid, self.kwargs, self.cfg, self.tma = kernel, grid, kwargs, cfg, tma
-        self.args = tuple(args)
-        self.slots = tuple(i for i, a in enumerate(self.args) if a is _T)
+        self.kernel, self.grid, self.args, self.cfg, self.tma = kernel, grid, args, cfg, tma
+        self.tensors = tuple(n for n, a in args.items() if a is TENSOR)
         self.cuda = device.type == "cuda"
         self.bound = {}
+        self.slots = None
 
 
 def plan_state() -> tuple:
@@ -79,12 +75,12 @@ def plan_state() -> tuple:
     return tiles.INTERPRETING, tiles.TMA_MODE, operands.GATHER_MAX, tiles.overrides()
 
 
-def _plan(key, build, *args):
+def _plan(key, build, *args, **kwargs):
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()  # a model calls with few layouts; this bounds a sweep over many
-        plan = _PLANS[key] = build(*args)
+        plan = _PLANS[key] = build(*args, **kwargs)
     return plan
 
 
@@ -93,16 +89,12 @@ def _layout(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.stride())
 
 
-def _seg_layout(seg):
-    return None if seg is None else (_layout(seg[0]), _layout(seg[1]), type(seg).__name__, getattr(seg, "inner", None))
-
-
 def _frozen(tma_plan):
     return None if tma_plan is None else tuple(map(tuple, tma_plan))
 
 
-# Bound launches: after a plan's first launch through Triton (`kernel[grid](...)`, which
-# specialises, compiles or finds the compiled kernel, and launches), `_launch` keeps the
+# Bound launches: after a plan's first launch through Triton (`kernel[grid](**args)`, which
+# specialises, compiles or finds the compiled kernel, and launches), `run` keeps the
 # CompiledKernel Triton returned and launches later calls of the plan with its C launcher
 # directly: ``compiled.run(grid, stream, function, packed_metadata, launch_metadata=None,
 # enter_hook=None, exit_hook=None, *every parameter's value)``, the call JITFunction.run itself
@@ -112,10 +104,10 @@ def _frozen(tma_plan):
 #
 # Safe because everything Triton specialises a compiled kernel on is in the bound launch's key:
 # the plan key fixes every scalar argument (so whether each int is 1, divisible by 16, int32 or
-# int64), the constexprs and the options; per call the key adds the current device, each tensor's
-# dtype and whether its address is 16-byte aligned. Anything else takes Triton's own path:
-# the interpreter, plans with TMA descriptors, active launch hooks (profilers such as proton),
-# pre-run hooks, TRITON_DEBUG, and a first launch whose result does not look like a
+# int64, or None), the constexprs and the options; per call the key adds the current device, each
+# tensor's dtype and whether its address is 16-byte aligned. Anything else takes Triton's own
+# path: the interpreter, plans with TMA descriptors, active launch hooks (profilers such as
+# proton), pre-run hooks, TRITON_DEBUG, and a first launch whose result does not look like a
 # CompiledKernel. FAST_LAUNCH = False (SPARSEFLASH_FAST_LAUNCH=0) turns it off, for A/B timing
 # or to let tools that hook JITFunction.run see every launch.
 FAST_LAUNCH = _env.flag("SPARSEFLASH_FAST_LAUNCH", True)
@@ -160,10 +152,10 @@ except ImportError:  # pragma: no cover
         return torch.cuda.current_stream(index).cuda_stream
 
 
-def _bind(plan: _Plan, kernel, compiled, args: list) -> tuple | None:
+def _bind(plan: _Plan, kernel, compiled) -> tuple | None:
     """The bound launch of ``plan`` from its first launch: (run, function, packed_metadata, every
-    parameter's value with None where a tensor's address goes, the compiled kernel), or None when
-    it cannot be bound."""
+    parameter's value in the kernel's order with None where a tensor's address goes, the compiled
+    kernel), or None when it cannot be bound. Sets ``plan.slots`` on first use."""
     if getattr(kernel, "pre_run_hooks", None) or _runtime_knobs().debug:
         return None
     run, function, meta = getattr(compiled, "run", None), getattr(compiled, "function", None), \
@@ -172,46 +164,49 @@ def _bind(plan: _Plan, kernel, compiled, args: list) -> tuple | None:
         return None
     import inspect
 
-    params = list(inspect.signature(kernel.fn).parameters.values())
-    if len(args) > len(params):
-        return None
-    values = list(args)
-    for p in params[len(args):]:
-        if p.name in plan.kwargs:
-            values.append(plan.kwargs[p.name])
+    values, slots = [], []
+    for i, p in enumerate(inspect.signature(kernel.fn).parameters.values()):
+        if p.name in plan.args:
+            a = plan.args[p.name]
+            if a is TENSOR:
+                slots.append((i, p.name))
+                a = None
+            values.append(a)
         elif p.default is not inspect.Parameter.empty:
             values.append(p.default)
         else:
             return None
-    for i in plan.slots:
-        values[i] = None
+    if len(slots) != len(plan.tensors):
+        return None
+    plan.slots = tuple(slots)
     return run, function, meta, tuple(values), compiled
 
 
-def _launch(plan: _Plan, tensors) -> tuple | None:
-    """Launch ``plan`` with ``tensors`` in its slots: bound (see FAST_LAUNCH) or through Triton.
-    Returns (key, bound launch) of this combination when it has one (`QuickLaunch` keeps it)."""
+def run(plan: _Plan, tensors: dict) -> tuple | None:
+    """Launch ``plan`` with ``tensors`` (parameter name -> tensor, one per ``plan.tensors``):
+    bound (see FAST_LAUNCH) or through Triton with every argument by keyword. Returns (key, bound
+    launch) of this combination when it has one (the short path's native plan reads it)."""
     fast = FAST_LAUNCH and plan.cuda and not plan.tma and not tiles.INTERPRETING
     if fast:
-        ptrs = [t.data_ptr() for t in tensors]
-        key = (_current_device(), tuple(p & 15 == 0 for p in ptrs), tuple(t.dtype for t in tensors))
+        ptrs = [tensors[n].data_ptr() for n in plan.tensors]
+        key = (_current_device(), tuple(p & 15 == 0 for p in ptrs), tuple(tensors[n].dtype for n in plan.tensors))
         bound = plan.bound.get(key)
         if bound is not None and hooks_idle():
-            run, function, meta, values = bound[:4]
+            run_c, function, meta, values = bound[:4]
             values = list(values)
-            for i, p in zip(plan.slots, ptrs):
+            for (i, _), p in zip(plan.slots, ptrs):
                 values[i] = p
             g = plan.grid
-            run(g[0], g[1], 1, raw_stream(key[0]), function, meta, None, None, None, *values)
+            run_c(g[0], g[1], 1, raw_stream(key[0]), function, meta, None, None, None, *values)
             return key, bound
-    args = list(plan.args)
-    for i, t in zip(plan.slots, tensors):
-        args[i] = t
+    args = dict(plan.args)
+    for n in plan.tensors:
+        args[n] = tensors[n]
     kernel = getattr(kernels, plan.kernel)
-    compiled = kernel[plan.grid](*args, **plan.kwargs)
+    compiled = kernel[plan.grid](**args)
     if fast and hooks_idle():
         try:
-            bound = _bind(plan, kernel, compiled, args)
+            bound = _bind(plan, kernel, compiled)
         except Exception:  # an unexpected Triton: keep its own launch path
             bound = None
         if bound is not None:
@@ -220,32 +215,47 @@ def _launch(plan: _Plan, tensors) -> tuple | None:
     return None
 
 
+def _descs(cfg, tma_plan, D: int, names: str, *tiles_) -> dict:
+    """The DESC_* arguments of a launch: descriptors of ``tiles_`` ((tensor, rows) pairs) when the
+    plan loads through TMA, else None each (names: their letters, e.g. "QKV")."""
+    descs, taken = tiles.tma_args(cfg, tma_plan, tiles.block_d(D), *tiles_)
+    return {f"DESC_{n}": (d if taken else None) for n, d in zip(_DESC_NAMES[names], descs)}
+
+
+_DESC_NAMES = {"fwd": ("Q", "K", "V"), "dkdv": ("Q", "K", "V", "DO"), "dq": ("Q", "K", "V", "DO", "O")}
+
+
+def _desc_args(names: str, tma: bool) -> dict:
+    return {f"DESC_{n}": (TENSOR if tma else None) for n in _DESC_NAMES[names]}
+
+
 def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None, mask_bk: int | None,
-        dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0, seg=None, softcap: float = 0.0,
-        exact: ExactTiles | None = None):
+        dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0, segments=None, key_ranges=None,
+        slopes=None, softcap: float = 0.0, exact: ExactTiles | None = None):
     """Forward launch. Returns (o like q, lse float32 [B, Hq, Nq] with +inf for empty rows).
     ``rng``: the `sparseflash.dropout.draw_rng` tensor, read when dropout_p > 0. ``work``: the
-    call's estimated forward FLOPs, -1 unknown (`tiles.tma_plan`). ``seg``: int32 segment ids
-    (seg_q, seg_k), a `KeyRanges`, an `Alibi` (`operands.with_alibi`), or None (`seg_args`).
-    ``softcap``: > 0 soft-caps the scores (the kernels' SOFTCAP). ``exact``: an `ExactTiles` (the kernels'
-    EXACT). Whether the Hopper kernel runs the call instead is `dispatch.hopper_plan`'s choice."""
+    call's estimated forward FLOPs, -1 unknown (`tiles.tma_plan`). ``segments``: int32 segment ids
+    (seg_q, seg_k); ``key_ranges``: the int32 key-range table; ``slopes``: ALiBi's float32 [1 or B,
+    Hq] (`operands.table_args`). ``softcap``: > 0 soft-caps the scores (the kernels' SOFTCAP).
+    ``exact``: an `ExactTiles` (the kernels' EXACT). Whether the Hopper kernel runs the call
+    instead is `dispatch.hopper_plan`'s choice."""
     B, Hq, Nq, D = q.shape
-    lay = dispatch.hopper_plan(q, k, v, mask_bq, mask_bk, work, scale=scale, dropout_p=dropout_p, seg=seg,
-                               softcap=softcap, exact=exact)
+    lay = dispatch.hopper_plan(q, k, v, mask_bq, mask_bk, work, scale=scale, dropout_p=dropout_p,
+                               tables=(segments, key_ranges, slopes), softcap=softcap, exact=exact)
     if lay is not None:
         return hopper_fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, lay=lay, exact=exact)
     tma_plan = tiles.tma_plan(tiles.block_d(D), q, k, v, work=work)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
-    key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan, softcap,
-                   exact is not None)
-    plan = _plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
-                 tma_plan, seg, softcap, exact)
+    tables = (segments, key_ranges, slopes)
+    plan = plan_fwd(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan=tma_plan,
+                    tables=tables, softcap=softcap, exact=exact is not None)
     rng = None if dropout_p <= 0.0 else checked_rng(rng, q.device)
+    tile_table, bits = (None, None) if exact is None else check_exact(exact, kv_idx, "kv_idx")
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
-    descs = tiles.tma_args(plan.cfg, tma_plan, tiles.block_d(D), (q, bm), (k, bn), (v, bn))[0]  # (q, k, v) without TMA
-    ex = None if exact is None else check_exact(exact, kv_idx, "kv_idx")
-    _launch(plan, fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs, ex))
+    run(plan, optional_tensors(Q=q, K=k, V=v, O=o, LSE=lse, KV_IDX=kv_idx, KV_TILE=tile_table, BITS=bits,
+                               KEY_LEN=key_lengths, RNG=rng, **table_tensors(*tables),
+                               **_descs(plan.cfg, tma_plan, D, "fwd", (q, bm), (k, bn), (v, bn))))
     return o, lse
 
 
@@ -280,41 +290,62 @@ def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, caus
                   num_sms=num_sms, exact=ex)
 
 
-def _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan,
-             softcap=0.0, exact: bool = False) -> tuple:
-    return ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, _layout(kv_idx),
-            None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
-            dropout_p, _frozen(tma_plan), dot_precision(q.dtype), plan_state(), softcap, exact)
+def plan_fwd(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, *, tma_plan=None,
+             tables=(None, None, None), softcap=0.0, exact: bool = False) -> _Plan:
+    """The forward's plan for this combination (made once per key; ``o``: an output, for its layout)."""
+    key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device, _layout(kv_idx),
+           None if key_lengths is None else key_lengths.dtype, table_layout(*tables), scale, causal, mask_bq, mask_bk,
+           dropout_p, _frozen(tma_plan), dot_precision(q.dtype), plan_state(), softcap, exact)
+    return _plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan,
+                 tables, softcap, exact)
 
 
-def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg, softcap=0.0,
-              exact=None):
+def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, tables, softcap,
+              exact):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     cfg = tiles.config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
-                       dropout_p > 0.0, tma_plan is not None, seg is not None)
-    _, i_strides, nb_p2 = list_args(kv_idx, B, Hq, q)
+                       dropout_p > 0.0, tma_plan is not None, any(t is not None for t in tables))
+    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", ("stride_ib", "stride_ih", "stride_im"))
     thresh, drop_scale = drop_consts(dropout_p)
-    (_, _, *seg_strides), seg_flags = seg_args(seg, q)
+    table_a, flags = table_args(*tables)
     strides, align = aligned_strides(q, k, v, o)
     tma = tiles.tma_taken(cfg, tma_plan)
-    args = (_T,) * 6 + _exact_slots(exact) + (_T,) * 3 + (*seg_strides, *strides, *i_strides, Hq, Hq // Hkv, Nq, Nk,
-                                                          scale * LOG2E, _T, thresh, drop_scale, _T, _T, _T)
-    kwargs = dict(HEAD_DIM=D, BLOCK_D=tiles.block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
-                  DENSE=kv_idx is None, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-                  DOT_PREC=dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, **seg_flags,
-                  **softcap_flag(softcap), **exact_flag(exact))
-    return _Plan("_fwd_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, kwargs, cfg, tma, q.device)
+    args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, O=TENSOR, LSE=TENSOR, **list_a,
+                KV_TILE=TENSOR if exact else None, BITS=TENSOR if exact else None,
+                KEY_LEN=None if key_lengths is None else TENSOR, **table_a,
+                **_stride_args(("q", "k", "v", "o"), strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E,
+                RNG=TENSOR if dropout_p > 0.0 else None, drop_thresh=thresh, drop_scale=drop_scale,
+                **_desc_args("fwd", tma),
+                HEAD_DIM=D, BLOCK_D=tiles.block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
+                DENSE=kv_idx is None, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
+                DOT_PREC=dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, **flags,
+                **softcap_flag(softcap), **exact_flag(exact or None))
+    return _Plan("_fwd_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)
+
+
+def _stride_args(names: tuple, strides: tuple) -> dict:
+    """The stride arguments of 4-D tensors ``names`` from `aligned_strides`' flat tuple: stride_{name}b,
+    h, the row stride (``m`` for query-side tensors, ``n`` for key-side ones, as the kernels call
+    them) and d."""
+    out = {}
+    for i, name in enumerate(names):
+        row = "n" if name in ("k", "v", "dk", "dv") else "m"
+        for axis, st in zip(("b", "h", row, "d"), strides[4 * i:4 * i + 4]):
+            out[f"stride_{name}{axis}"] = st
+    return out
 
 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
         mask_bq: int | None, mask_bk: int | None, dropout_p: float, rng: torch.Tensor | None, *, work: float = -1.0,
-        seg=None, softcap: float = 0.0, exact: ExactTiles | None = None, deterministic: bool = False):
+        segments=None, key_ranges=None, slopes=None, softcap: float = 0.0, exact: ExactTiles | None = None,
+        deterministic: bool = False):
     """Backward launches: dQ (which also computes delta), then dK/dV. Returns (dq, dk, dv); or the
     one-pass Hopper backward (`hopper_bwd`) where `dispatch.hopper_plan` chooses it (never with
-    ``deterministic``). ``seg``, ``softcap``, ``exact``: as `fwd`'s."""
-    lays = dispatch.hopper_plan(q, k, v, mask_bq, mask_bk, work, scale=scale, dropout_p=dropout_p, seg=seg,
+    ``deterministic``). ``segments``, ``key_ranges``, ``slopes``, ``softcap``, ``exact``: as `fwd`'s."""
+    tables = (segments, key_ranges, slopes)
+    lays = dispatch.hopper_plan(q, k, v, mask_bq, mask_bk, work, scale=scale, dropout_p=dropout_p, tables=tables,
                                 softcap=softcap, exact=exact, do=do, o=o, lists=q_idx is not None,
                                 deterministic=deterministic)
     if lays is not None:
@@ -322,180 +353,121 @@ def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, cau
                           exact=exact)
     delta = _new(lse)
     args = (do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng)
-    dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse, work=work, seg=seg, softcap=softcap, exact=exact)
-    dk, dv = bwd_dkdv(*args, q_idx, work=work, seg=seg, softcap=softcap, exact=exact)
+    named = dict(work=work, segments=segments, key_ranges=key_ranges, slopes=slopes, softcap=softcap, exact=exact)
+    dq = bwd_dq(*args, kv_idx, o=o, dlse=dlse, **named)
+    dk, dv = bwd_dkdv(*args, q_idx, **named)
     return dq, dk, dv
 
 
-def _bwd_key(kind, do, q, k, v, idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan, *extra,
-             softcap=0.0, exact: bool = False):
+def _bwd_key(kind, do, q, k, v, idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tables, tma_plan,
+             *extra, softcap=0.0, exact: bool = False):
     return (kind, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), q.dtype, q.device, _layout(idx),
-            None if key_lengths is None else key_lengths.dtype, _seg_layout(seg), scale, causal, mask_bq, mask_bk,
+            None if key_lengths is None else key_lengths.dtype, table_layout(*tables), scale, causal, mask_bq, mask_bk,
             dropout_p, _frozen(tma_plan), dot_precision(q.dtype), plan_state(), *extra, softcap, exact)
 
 
 def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, q_idx, *,
-             work: float = -1.0, seg=None, softcap: float = 0.0, exact: ExactTiles | None = None):
+             work: float = -1.0, segments=None, key_ranges=None, slopes=None, softcap: float = 0.0,
+             exact: ExactTiles | None = None):
     """dK, dV: one program per (k tile, batch * kv head), walking the column lists (delta from `bwd_dq`)."""
-    tma_plan = tiles.tma_plan(tiles.block_d(q.shape[-1]), q, k, v, do, work=work)
+    D = q.shape[-1]
+    tma_plan = tiles.tma_plan(tiles.block_d(D), q, k, v, do, work=work)
     dk, dv = _new(k), _new(v)
-    key = _bwd_key("dkdv", do, q, k, v, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan,
-                   softcap=softcap, exact=exact is not None)
-    plan = _plan(key, _dkdv_plan, do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
-                 tma_plan, seg, softcap, exact)
+    tables = (segments, key_ranges, slopes)
+    plan = plan_dkdv(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan=tma_plan,
+                     tables=tables, softcap=softcap, exact=exact is not None)
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
-    descs = tiles.tma_args(plan.cfg, tma_plan, tiles.block_d(q.shape[-1]), (q, bm), (k, bn), (v, bn), (do, bm))[0]
     rng = None if dropout_p <= 0.0 else checked_rng(rng, q.device)
-    ex = None if exact is None else check_exact(exact, q_idx, "q_idx")
-    _launch(plan, dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, key_lengths, seg, rng, descs, ex))
+    tile_table, bits = (None, None) if exact is None else check_exact(exact, q_idx, "q_idx")
+    run(plan, optional_tensors(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DK=dk, DV=dv, Q_IDX=q_idx,
+                               Q_TILE=tile_table, BITS=bits, KEY_LEN=key_lengths, RNG=rng, **table_tensors(*tables),
+                               **_descs(plan.cfg, tma_plan, D, "dkdv", (q, bm), (k, bn), (v, bn), (do, bm))))
     return dk, dv
 
 
-def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg,
-               softcap=0.0, exact=None):
+def plan_dkdv(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, *, tma_plan=None,
+              tables=(None, None, None), softcap=0.0, exact: bool = False) -> _Plan:
+    """The dK/dV kernel's plan for this combination (made once per key; ``dk``, ``dv``: outputs,
+    for their layouts)."""
+    key = _bwd_key("dkdv", do, q, k, v, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tables,
+                   tma_plan, dk.stride(), dv.stride(), softcap=softcap, exact=exact)
+    return _plan(key, _dkdv_plan, do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
+                 tma_plan, tables, softcap, exact)
+
+
+def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, tables, softcap,
+               exact):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    seg_strides, constexprs = bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap, exact)
+    table_a, flags = table_args(*tables)
+    constexprs = bwd_consts(q, key_lengths, causal, dropout_p, flags, softcap, exact or None)
     cfg = tiles.config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                        dropout_p > 0, tma_plan is not None)
-    _, ci_s, nb_p2 = list_args(q_idx, B, Hq, q)
+    list_a, nb_p2 = list_plan_args(q_idx, B, Hq, q, "Q_IDX", ("stride_ib", "stride_ih", "stride_in"))
     strides, align = aligned_strides(q, k, v, do, dk, dv)
-    args = (_T,) * 9 + _exact_slots(exact) + (_T,) * 3 + (*seg_strides, *strides, *ci_s, Hq, Hkv, Hq // Hkv, Nq, Nk,
-                                                          scale * LOG2E, scale, _T,
-                                                          *drop_consts(dropout_p), _T, _T, _T, _T)
-    kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
-                  MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=q_idx is None,
-                  **cfg.launch_options(), **constexprs, Q_ROWS=cfg.q_rows, ALIGN=align,
-                  TMA=tiles.tma_taken(cfg, tma_plan))
-    return _Plan("_bwd_dkdv_kernel", (cdiv(Nk, cfg.block_n), B * Hkv), args, kwargs, cfg, kwargs["TMA"], q.device)
+    thresh, drop_scale = drop_consts(dropout_p)
+    tma = tiles.tma_taken(cfg, tma_plan)
+    args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, DO=TENSOR, LSE=TENSOR, DELTA=TENSOR, DK=TENSOR, DV=TENSOR, **list_a,
+                Q_TILE=TENSOR if exact else None, BITS=TENSOR if exact else None,
+                KEY_LEN=None if key_lengths is None else TENSOR, **table_a,
+                **_stride_args(("q", "k", "v", "do", "dk", "dv"), strides), H_Q=Hq, H_KV=Hkv, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E, sm_scale=scale,
+                RNG=TENSOR if dropout_p > 0.0 else None, drop_thresh=thresh, drop_scale=drop_scale,
+                **_desc_args("dkdv", tma),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
+                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=q_idx is None,
+                **cfg.launch_options(), **constexprs, Q_ROWS=cfg.q_rows, ALIGN=align, TMA=tma)
+    return _Plan("_bwd_dkdv_kernel", (cdiv(Nk, cfg.block_n), B * Hkv), args, cfg, tma, q.device)
 
 
 def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, kv_idx,
-           *, o, dlse=None, work: float = -1.0, seg=None, softcap: float = 0.0, exact: ExactTiles | None = None):
+           *, o, dlse=None, work: float = -1.0, segments=None, key_ranges=None, slopes=None, softcap: float = 0.0,
+           exact: ExactTiles | None = None):
     """dQ: one program per (q tile, batch * q head), walking the row lists. It first writes
     delta = rowsum(dO * O) - dLSE (float32 [B, Hq, Nq]) into ``delta``, for `bwd_dkdv`."""
-    tma_plan = tiles.tma_plan(tiles.block_d(q.shape[-1]), q, k, v, do, o, work=work)
+    D = q.shape[-1]
+    tma_plan = tiles.tma_plan(tiles.block_d(D), q, k, v, do, o, work=work)
     dq = _new(q)
-    key = _bwd_key("dq", do, q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, seg, tma_plan,
-                   o.stride(), dlse is None, softcap=softcap, exact=exact is not None)
-    plan = _plan(key, _dq_plan, do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
-                 tma_plan, seg, dlse is not None, softcap, exact)
+    tables = (segments, key_ranges, slopes)
+    plan = plan_dq(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan=tma_plan,
+                   tables=tables, has_dlse=dlse is not None, softcap=softcap, exact=exact is not None)
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
-    descs = tiles.tma_args(plan.cfg, tma_plan, tiles.block_d(q.shape[-1]), (q, bm), (k, bn), (v, bn), (do, bm),
-                           (o, bm))[0]
     rng = None if dropout_p <= 0.0 else checked_rng(rng, q.device)
-    ex = None if exact is None else check_exact(exact, kv_idx, "kv_idx")
-    _launch(plan, dq_tensors(q, k, v, o, do, lse, dlse, delta, dq, kv_idx, key_lengths, seg, rng, descs, ex))
+    tile_table, bits = (None, None) if exact is None else check_exact(exact, kv_idx, "kv_idx")
+    run(plan, optional_tensors(Q=q, K=k, V=v, O=o, DO=do, LSE=lse, DLSE=dlse, DELTA=delta, DQ=dq, KV_IDX=kv_idx,
+                               KV_TILE=tile_table, BITS=bits, KEY_LEN=key_lengths, RNG=rng, **table_tensors(*tables),
+                               **_descs(plan.cfg, tma_plan, D, "dq", (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))))
     return dq
 
 
-def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, seg,
-             has_dlse, softcap=0.0, exact=None):
+def plan_dq(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, *, tma_plan=None,
+            tables=(None, None, None), has_dlse: bool = False, softcap=0.0, exact: bool = False) -> _Plan:
+    """The dQ kernel's plan for this combination (made once per key; ``dq``: an output, for its
+    layout)."""
+    key = _bwd_key("dq", do, q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tables,
+                   tma_plan, o.stride(), dq.stride(), has_dlse, softcap=softcap, exact=exact)
+    return _plan(key, _dq_plan, do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
+                 tma_plan, tables, has_dlse, softcap, exact)
+
+
+def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, tables,
+             has_dlse, softcap, exact):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    seg_strides, constexprs = bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap, exact)
+    table_a, flags = table_args(*tables)
+    constexprs = bwd_consts(q, key_lengths, causal, dropout_p, flags, softcap, exact or None)
     cfg = tiles.config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                        dropout_p > 0, tma_plan is not None)
-    _, ri_s, nb_p2 = list_args(kv_idx, B, Hq, q)
+    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", ("stride_ib", "stride_ih", "stride_im"))
     strides, align = aligned_strides(q, k, v, do, o, dq)
-    args = (_T,) * 10 + _exact_slots(exact) + (_T,) * 3 + (*seg_strides, *strides, *ri_s, Hq, Hq // Hkv, Nq, Nk,
-                                                           scale * LOG2E, scale, _T,
-                                                           *drop_consts(dropout_p), _T, _T, _T, _T, _T)
-    kwargs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
-                  MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=kv_idx is None,
-                  HAS_DLSE=has_dlse, **cfg.launch_options(), **constexprs, ALIGN=align,
-                  TMA=tiles.tma_taken(cfg, tma_plan))
-    return _Plan("_bwd_dq_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, kwargs, cfg, kwargs["TMA"], q.device)
-
-
-# ----------------------------------------------------------------------------- quick launches
-# The launches of `sparseflash.flash.fast`'s calls: a plan whose per-call tensors are known by
-# role (q, k, v, outputs; `_R` markers in the launch's tensor tuple) and whose other tensors (the
-# mask's lists) are fixed. A call reads the role tensors' addresses, checks their alignment, and
-# calls the C launcher; anything else (misaligned, hooks set, FAST_LAUNCH off, the interpreter)
-# goes through `_launch` with the full tensor tuple.
-
-class _R(int):
-    """A role marker: the position of a per-call tensor in a quick launch's argument tuple."""
-
-
-_Q, _K, _V, _O, _LSE, _KL, _DO, _DELTA, _DQ, _DK, _DV = (_R(i) for i in range(11))
-
-
-class QuickLaunch:
-    """A plan's launch for the short path: ``plan`` (its `_Plan`), ``roles`` ((argument slot, role
-    index) of each per-call tensor), ``bound``: None until its first launch through `_launch` with
-    every address 16-byte aligned, then that bound launch with the fixed tensors' addresses filled
-    in (run, function, packed metadata, argument values, device, compiled kernel).
-    `sparseflash.flash.native.launch_of` reads these to launch the same kernel from C++."""
-
-    __slots__ = ("plan", "layout", "roles", "bound", "n")
-
-    def __init__(self, plan: _Plan, layout: tuple):
-        self.plan, self.layout = plan, layout  # layout: the launch's tensors, _R markers where a role goes
-        self.roles = tuple((slot, r) for slot, r in zip(plan.slots, layout) if isinstance(r, _R))
-        self.bound = None
-        self.n = len(layout)
-
-    def __call__(self, ts: tuple, ptrs: list) -> None:
-        """Launch with ``ts`` the role tensors (indexed by the markers; None where a role is unused)
-        and ``ptrs`` their addresses (`quick_ptrs`)."""
-        b = self.bound
-        if b is not None and FAST_LAUNCH and hooks_idle():
-            run, function, meta, values, dev = b[:5]
-            values = list(values)
-            acc = 0
-            for i, r in self.roles:
-                p = values[i] = ptrs[r]
-                acc |= p
-            if not acc & 15 and _current_device() == dev:
-                g = self.plan.grid
-                run(g[0], g[1], 1, raw_stream(dev), function, meta, None, None, None, *values)
-                return
-        done = _launch(self.plan, tuple(ts[r] if isinstance(r, _R) else r for r in self.layout))
-        if b is None and done is not None and all(done[0][1]):  # keep the all-aligned bound launch
-            run, function, meta, values, compiled = done[1]
-            values = list(values)
-            for i, t in zip(self.plan.slots, self.layout):
-                if not isinstance(t, _R):
-                    values[i] = t.data_ptr()
-            self.bound = run, function, meta, tuple(values), done[0][0], compiled
-
-
-def quick_ptrs(ts: tuple) -> list:
-    """The addresses of role tensors ``ts`` (0 for None), once for the launches that share them."""
-    return [0 if t is None else t.data_ptr() for t in ts]
-
-
-def quick_fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None,
-              mask_bk: int | None, *, work: float) -> QuickLaunch | None:
-    """The forward of a `sparseflash.flash.fast` call (no dropout, no segments) as a quick launch,
-    role tensors (q, k, v, o, lse, key_lengths); None when its plan would load through TMA."""
-    if tiles.tma_plan(tiles.block_d(q.shape[-1]), q, k, v, work=work) is not None:
-        return None
-    o = torch.empty_like(q)  # only the layout is read
-    key = _fwd_key(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 0.0, None, None)
-    plan = _plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 0.0, None, None)
-    kl = None if key_lengths is None else _KL
-    return QuickLaunch(plan, fwd_tensors(_Q, _K, _V, _O, _LSE, kv_idx, kl, None, None, (_Q, _K, _V)))
-
-
-def quick_bwd(do, q, k, v, o, kv_idx, q_idx, key_lengths, scale: float, causal: bool, mask_bq: int | None,
-              mask_bk: int | None, *, work: float) -> tuple[QuickLaunch, QuickLaunch] | None:
-    """dQ and dK/dV of a `sparseflash.flash.fast` call for ``do``'s layout, role tensors (q, k, v,
-    o, lse, key_lengths, do, delta, dq, dk, dv); None when a plan would load through TMA."""
-    D = q.shape[-1]
-    if tiles.tma_plan(tiles.block_d(D), q, k, v, do, o, work=work) is not None:
-        return None
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # only their layouts are read
-    args = (do, q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 0.0, None, None)
-    plan = _plan(_bwd_key("dq", *args, o.stride(), True), _dq_plan, do, q, k, v, o, dq, kv_idx, key_lengths, scale,
-                 causal, mask_bq, mask_bk, 0.0, None, None, False)
-    args = (do, q, k, v, q_idx) + args[5:]
-    plan_kv = _plan(_bwd_key("dkdv", *args), _dkdv_plan, do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal,
-                    mask_bq, mask_bk, 0.0, None, None)
-    kl = None if key_lengths is None else _KL
-    return (QuickLaunch(plan, dq_tensors(_Q, _K, _V, _O, _DO, _LSE, None, _DELTA, _DQ, kv_idx, kl, None, None,
-                                     (_Q, _K, _V, _DO, _O))),
-            QuickLaunch(plan_kv, dkdv_tensors(_Q, _K, _V, _DO, _LSE, _DELTA, _DK, _DV, q_idx, kl, None, None,
-                                          (_Q, _K, _V, _DO))))
+    thresh, drop_scale = drop_consts(dropout_p)
+    tma = tiles.tma_taken(cfg, tma_plan)
+    args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, O=TENSOR, DO=TENSOR, LSE=TENSOR, DLSE=TENSOR if has_dlse else None,
+                DELTA=TENSOR, DQ=TENSOR, **list_a, KV_TILE=TENSOR if exact else None,
+                BITS=TENSOR if exact else None, KEY_LEN=None if key_lengths is None else TENSOR, **table_a,
+                **_stride_args(("q", "k", "v", "do", "o", "dq"), strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E, sm_scale=scale,
+                RNG=TENSOR if dropout_p > 0.0 else None, drop_thresh=thresh, drop_scale=drop_scale,
+                **_desc_args("dq", tma),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
+                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=kv_idx is None,
+                HAS_DLSE=has_dlse, **cfg.launch_options(), **constexprs, ALIGN=align, TMA=tma)
+    return _Plan("_bwd_dq_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)

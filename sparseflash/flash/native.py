@@ -156,16 +156,17 @@ _INTS = {"i1": (1, 0xFF), "u1": (1, 0xFF), "i8": (1, 0xFF), "u8": (1, 0xFF), "i1
          "i32": (4, 0xFFFFFFFF), "u32": (4, 0xFFFFFFFF), "i64": (8, 2**64 - 1), "u64": (8, 2**64 - 1)}
 
 
-def launch_of(quick, mod=None):
-    """The native `Launch` of a bound `launch.QuickLaunch` (`quick_fwd`, `quick_bwd`), or None
-    when its kernel does not fit the plain launch (clusters, cooperative or PDL launches, scratch
-    buffers, tuple or TMA arguments). Raises RuntimeError when the kernel's own parameter list
-    disagrees with the packed one."""
+def launch_of(plan, bound, fixed: dict, roles: dict, mod=None):
+    """The native `Launch` of ``plan`` (a `launch` plan) from its ``bound`` launch (`launch.run`'s:
+    run, function, packed metadata, every parameter's value, the compiled kernel), with ``fixed``
+    tensors (name -> tensor: their addresses go into the launch) and ``roles`` (name -> role
+    index of a per-call tensor); None when its kernel does not fit the plain launch (clusters,
+    cooperative or PDL launches, scratch buffers, tuple or TMA arguments). Raises RuntimeError
+    when the kernel's own parameter list disagrees with the packed one."""
     mod = mod or _MOD
-    b = quick.bound
-    if mod is None or b is None or len(b) < 6:
+    if mod is None or bound is None or plan.slots is None:
         return None
-    _run, function, meta, values, _dev, compiled = b
+    _run, function, meta, values, compiled = bound
     md = compiled.metadata
     if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) \
             or getattr(md, "launch_pdl", False) or getattr(md, "global_scratch_size", 0) \
@@ -174,8 +175,16 @@ def launch_of(quick, mod=None):
     sig = list(getattr(getattr(compiled, "src", None), "signature", {}).values())
     if len(sig) != len(values):
         return None
-    role_of = dict(quick.roles)
-    slots, sizes, roles = [], [], []
+    values = list(values)
+    role_of = {}
+    for i, name in plan.slots:
+        if name in fixed:
+            values[i] = fixed[name].data_ptr()
+        elif name in roles:
+            role_of[i] = roles[name]
+        else:
+            return None
+    slots, sizes, roles_packed = [], [], []
     for i, (ty, val) in enumerate(zip(sig, values)):
         if ty == "constexpr":
             continue
@@ -184,7 +193,7 @@ def launch_of(quick, mod=None):
         if i in role_of:
             if ty[0] != "*":
                 return None
-            roles.append((len(slots), int(role_of[i])))
+            roles_packed.append((len(slots), int(role_of[i])))
             slots.append(0)
             sizes.append(8)
         elif ty[0] == "*":
@@ -201,23 +210,20 @@ def launch_of(quick, mod=None):
             return None
     slots += [0, 0]  # Triton's global and profile scratch pointers: none
     sizes += [8, 8]
-    g = quick.plan.grid
+    g = plan.grid
     made = mod.make_launch(int(function), [int(g[0]), int(g[1]), 1], 32 * int(meta[0]), int(meta[2]), slots, sizes,
-                           roles)
+                           roles_packed)
     if isinstance(made, str):
         raise RuntimeError(made)
     return made
 
 
-def make_plan(fwd, rows, has_kl: bool, fallback):
-    """A native `Plan` whose forward is the bound quick launch ``fwd``, or None (no module yet, or
-    a kernel `launch_of` refuses). ``rows``: the float32 [B, H, Nq] that empty_like turns into the
-    LSE and delta; ``has_kl``: calls pass key_lengths; ``fallback(do, q, k, v, o, lse, key_lengths)
-    -> (dq, dk, dv)``: the backward of what the plan has no launch for."""
+def make_plan(fwd, device: int, rows, has_kl: bool, fallback):
+    """A native `Plan` whose forward is the native `Launch` ``fwd`` (`launch_of`) on CUDA device
+    ``device``, or None (no module yet). ``rows``: the float32 [B, H, Nq] that empty_like turns
+    into the LSE and delta; ``has_kl``: calls pass key_lengths; ``fallback(do, q, k, v, o, lse,
+    key_lengths) -> (dq, dk, dv)``: the backward of what the plan has no launch for."""
     mod = _MOD
-    if mod is None:
+    if mod is None or fwd is None:
         return None
-    launch = launch_of(fwd, mod)
-    if launch is None:
-        return None
-    return mod.Plan(fwd.bound[4], launch, rows, has_kl, fallback)
+    return mod.Plan(device, fwd, rows, has_kl, fallback)

@@ -5,10 +5,9 @@ outputs, computed from a call's inputs (no policy: tiles and TMA are `sparseflas
   power-of-two alignment when it is 2, 4 or 8 (`aligned_strides`), for the kernels to multiply back.
 - Block lists as the kernels read them (`list_args`, `gather`), the dropout constants
   (`drop_consts`, `checked_rng`), the dot precision of a dtype (`dot_precision`).
-- The per-call extras and their constexpr flags: segment ids, `KeyRanges`, `Alibi` (`with_alibi`,
-  `seg_args`), `ExactTiles` (`check_exact`, `exact_flag`), softcap (`softcap_flag`).
-- The order of each kernel's tensors (`fwd_tensors`, `dq_tensors`, `dkdv_tensors`), written once
-  for the launchers and the quick launches.
+- The optional tables, each under its own parameter names (`table_args`, `table_tensors`: segment
+  ids, key ranges, ALiBi slopes), `ExactTiles` (`check_exact`, `exact_flag`), softcap
+  (`softcap_flag`); `TENSOR` marks a plan argument a call's tensor fills, None one it never reads.
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ from sparseflash.flash import tiles
 from sparseflash import _env
 
 __all__ = ["dot_precision", "cdiv", "aligned_strides", "GATHER_MAX", "gather", "list_args", "checked_rng",
-           "drop_consts", "KeyRanges", "ExactTiles", "check_exact", "exact_flag", "Alibi", "with_alibi", "seg_pair",
-           "seg_args", "softcap_flag", "bwd_consts", "fwd_tensors", "dq_tensors", "dkdv_tensors"]
+           "drop_consts", "ExactTiles", "check_exact", "exact_flag", "softcap_flag", "TENSOR", "table_args",
+           "table_layout", "table_tensors", "list_plan_args", "optional_tensors", "bwd_consts"]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -89,10 +88,6 @@ def gather(nb_p2: int) -> bool:
     return nb_p2 <= GATHER_MAX
 
 
-# Pointer arguments a kernel variant never reads (no lists when dense, no key_lengths, no
-# dropout) get an input tensor of the call as a placeholder. Never a cached tensor allocated on
-# first use: under torch.compile's CUDA graphs that first use can fall inside the graph's memory
-# pool, which then holds a live allocation it does not track and refuses to run.
 def list_args(idx, B, H, placeholder: torch.Tensor):
     """(lists, their strides, NB_P2) for a kernel; the lists' [B', H', ...] read as [B, H, ...]
     (stride 0 where the mask is shared). Dense attention (idx None) passes the placeholder."""
@@ -125,12 +120,6 @@ def drop_consts(dropout_p: float) -> tuple[int, float]:
     return threshold(dropout_p), (1.0 / (1.0 - p) if p < 1.0 else 0.0)
 
 
-class KeyRanges(tuple):
-    """The ``seg`` of a call with key ranges instead of segment ids: ``(table, table)``, the int32
-    table [1 or B, 2, Nq] (contiguous) of each query's key range [start, end) (the kernels'
-    KEY_RANGES; it takes the slot of the query segment ids)."""
-
-
 class ExactTiles(tuple):
     """The bits of a call whose mask applies a token-level definition inside its partial blocks:
     ``(bits, kv_tile, q_tile)``, `sparseflash.mask.ExactBits`'s words [P, block_q, ceil(block_k /
@@ -154,98 +143,84 @@ def check_exact(exact, idx, what: str):
     return table, bits
 
 
-class Alibi(tuple):
-    """The ``seg`` of a call with ALiBi slopes: ``(table, slopes)``. ``slopes``: float32 [1 or B,
-    Hq], contiguous (the kernels' SEG_K slot); ``table`` (the SEG_Q slot): None, a `KeyRanges`
-    table (``inner`` "ranges"), or the segment ids packed as one int32 table [1 or B, Nq + Nk],
-    query ids then key ids (``inner`` "segments"). Made by `with_alibi`."""
-
-    def __new__(cls, table, slopes, inner):
-        self = super().__new__(cls, (table, slopes))
-        self.inner = inner
-        return self
-
-
-def with_alibi(seg, slopes: torch.Tensor | None):
-    """The ``seg`` of a call (None, segment ids (seg_q, seg_k), or a `KeyRanges`) with ALiBi
-    ``slopes`` ([1 or B, Hq]) added: an `Alibi` (``seg`` itself when ``slopes`` is None)."""
-    if slopes is None:
-        return seg
-    slopes = slopes.to(torch.float32).contiguous()
-    if seg is None:
-        return Alibi(None, slopes, None)
-    if isinstance(seg, KeyRanges):
-        return Alibi(seg[0], slopes, "ranges")
-    sq, sk = seg
-    b = max(sq.shape[0], sk.shape[0])
-    return Alibi(torch.cat([sq.expand(b, -1), sk.expand(b, -1)], dim=1), slopes, "segments")
-
-
-def seg_pair(seg, placeholder: torch.Tensor) -> tuple:
-    """The tensors of the SEG_Q and SEG_K slots (the placeholder where a variant reads none)."""
-    if seg is None:
-        return placeholder, placeholder
-    sq, sk = seg
-    return placeholder if sq is None else sq, sk
-
-
-def seg_args(seg, placeholder: torch.Tensor):
-    """Kernel arguments of segment ids: (SEG_Q, SEG_K, their batch strides) and the constexpr
-    flags (SEGMENTS, and KEY_RANGES=True / ALIBI=True only when on, so other plans keep their
-    kwargs). ``seg``: None, int32 (seg_q [1 or B, Nq], seg_k [1 or B, Nk]) with unit last stride,
-    a `KeyRanges`, or an `Alibi`."""
-    if seg is None:
-        return (placeholder, placeholder, 0, 0), dict(SEGMENTS=False)
-    sq, sk = seg
-    if isinstance(seg, Alibi):
-        flags = dict(SEGMENTS=seg.inner == "segments", ALIBI=True)
-        if seg.inner == "ranges":
-            flags["KEY_RANGES"] = True
-        sq = placeholder if sq is None else sq
-        return (sq, sk, sq.stride(0) if sq.shape[0] > 1 else 0, sk.stride(0) if sk.shape[0] > 1 else 0), flags
-    if isinstance(seg, KeyRanges):
-        return (sq, sq, sq.stride(0) if sq.shape[0] > 1 else 0, 0), dict(SEGMENTS=False, KEY_RANGES=True)
-    return (sq, sk, sq.stride(0) if sq.shape[0] > 1 else 0, sk.stride(0) if sk.shape[0] > 1 else 0), dict(SEGMENTS=True)
-
-
-# The tensors of each kernel's launch in the order its plan's slots take them. Placeholders for
-# arguments a variant never reads are q (or the lists). Also called with role markers instead of
-# the per-call tensors (`launch.quick_fwd`, `launch.quick_bwd`), so the order is written once.
-# ``ex``: the (tile table, bits) pair of an exact call (`check_exact`), in the slots after the list.
-def fwd_tensors(q, k, v, o, lse, kv_idx, key_lengths, seg, rng, descs, ex=None) -> tuple:
-    idx = q if kv_idx is None else kv_idx
-    sq, sk = seg_pair(seg, q)
-    return (q, k, v, o, lse, idx, *(ex or ()), idx if key_lengths is None else key_lengths, sq, sk,
-            q if rng is None else rng, *descs)
-
-
-def dq_tensors(q, k, v, o, do, lse, dlse, delta, dq, kv_idx, key_lengths, seg, rng, descs, ex=None) -> tuple:
-    return (q, k, v, o, do, lse, lse if dlse is None else dlse, delta, dq, q if kv_idx is None else kv_idx,
-            *(ex or ()), *_bwd_tensors(q, key_lengths, rng, seg), *descs)
-
-
-def dkdv_tensors(q, k, v, do, lse, delta, dk, dv, q_idx, key_lengths, seg, rng, descs, ex=None) -> tuple:
-    return (q, k, v, do, lse, delta, dk, dv, q if q_idx is None else q_idx, *(ex or ()),
-            *_bwd_tensors(q, key_lengths, rng, seg), *descs)
-
-
 def softcap_flag(softcap: float) -> dict:
     """The SOFTCAP constexpr, passed only when on (other plans keep their kwargs)."""
     return dict(SOFTCAP=float(softcap)) if softcap else {}
 
 
-def _bwd_tensors(q, key_lengths, rng, seg) -> tuple:
-    """The per-call tensors both backward kernels take after their lists: KEY_LEN, SEG_Q, SEG_K, RNG
-    (``rng`` None without dropout)."""
-    sq, sk = seg_pair(seg, q)
-    return q if key_lengths is None else key_lengths, sq, sk, q if rng is None else rng
+# ----------------------------------------------------------------------------- named arguments
+# A plan (`launch._Plan`) holds every kernel argument by its parameter name: the value of a
+# scalar, `TENSOR` where the call passes a tensor, None where the variant reads nothing (a
+# constexpr to Triton: the compiled kernel then has neither the parameter nor code for it). Each
+# optional table has its own parameters: segment ids (SEG_Q, SEG_K), key ranges (RANGES), ALiBi
+# slopes (SLOPES), the exact tables (KV_TILE / Q_TILE, BITS), dropout's RNG, key_lengths (KEY_LEN).
+
+TENSOR = object()  # marks a plan argument that takes a tensor of the call
 
 
-def bwd_consts(q, key_lengths, causal, dropout_p, seg, softcap=0.0, exact=None) -> tuple[tuple, dict]:
-    """(segment batch strides, the constexprs) both backward kernels take."""
+def _batch_stride(t: torch.Tensor) -> int:
+    return 0 if t.shape[0] == 1 else t.stride(0)
+
+
+def table_args(segments, key_ranges, slopes) -> tuple[dict, dict]:
+    """(plan arguments, constexpr flags) of the optional tables of a call. ``segments``: int32
+    (seg_q [1 or B, Nq], seg_k [1 or B, Nk]) with unit last stride, or None; ``key_ranges``: the
+    int32 table [1 or B, 2, Nq] (contiguous; never with segments), or None; ``slopes``: ALiBi's
+    float32 [1 or B, Hq] (contiguous), or None. Flags other than SEGMENTS are passed only when on
+    (other plans keep their kwargs)."""
+    args = dict(SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None, SLOPES=None,
+                stride_slb=None)
+    flags = dict(SEGMENTS=segments is not None)
+    if segments is not None:
+        if key_ranges is not None:
+            raise ValueError("segment ids and key ranges are exclusive")
+        sq, sk = segments
+        args.update(SEG_Q=TENSOR, SEG_K=TENSOR, stride_sqb=_batch_stride(sq), stride_skb=_batch_stride(sk))
+    if key_ranges is not None:
+        args.update(RANGES=TENSOR, stride_rb=_batch_stride(key_ranges))
+        flags["KEY_RANGES"] = True
+    if slopes is not None:
+        args.update(SLOPES=TENSOR, stride_slb=_batch_stride(slopes))
+        flags["ALIBI"] = True
+    return args, flags
+
+
+def table_layout(segments, key_ranges, slopes) -> tuple:
+    """What `table_args` reads of the tables (part of a plan's key)."""
+    def lay(t):
+        return None if t is None else (t.shape, t.stride())
+    return (None if segments is None else (lay(segments[0]), lay(segments[1])), lay(key_ranges), lay(slopes))
+
+
+def table_tensors(segments, key_ranges, slopes) -> dict:
+    """The per-call tensors of the tables that are on, by parameter name."""
+    ts = {}
+    if segments is not None:
+        ts["SEG_Q"], ts["SEG_K"] = segments
+    if key_ranges is not None:
+        ts["RANGES"] = key_ranges
+    if slopes is not None:
+        ts["SLOPES"] = slopes
+    return ts
+
+
+def list_plan_args(idx, B, H, q, name: str, strides: tuple[str, str, str]) -> tuple[dict, int]:
+    """(plan arguments, NB_P2) of a block list parameter ``name`` with its [B, H, row] stride
+    parameters ``strides``: None for dense attention (``idx`` None)."""
+    if idx is None:
+        return {name: None, **dict.fromkeys(strides)}, 1
+    _, st, nb_p2 = list_args(idx, B, H, q)
+    return {name: TENSOR, **dict(zip(strides, st))}, nb_p2
+
+
+def optional_tensors(**named) -> dict:
+    """``named`` without the None entries (a plan's None arguments take no tensor)."""
+    return {k: t for k, t in named.items() if t is not None}
+
+
+def bwd_consts(q, key_lengths, causal, dropout_p, flags: dict, softcap=0.0, exact=None) -> dict:
+    """The constexprs both backward kernels take (``flags``: `table_args`'s)."""
     D = q.shape[-1]
-    (_, _, *seg_strides), seg_flags = seg_args(seg, q)
-    return tuple(seg_strides), dict(HEAD_DIM=D, BLOCK_D=tiles.block_d(D), CAUSAL=causal,
-                                    HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-                                    DOT_PREC=dot_precision(q.dtype), **seg_flags, **softcap_flag(softcap),
-                                    **exact_flag(exact))
+    return dict(HEAD_DIM=D, BLOCK_D=tiles.block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
+                DROPOUT=dropout_p > 0.0, DOT_PREC=dot_precision(q.dtype), **flags, **softcap_flag(softcap),
+                **exact_flag(exact))

@@ -1,4 +1,4 @@
-"""Where the host time of a short-path call goes, piece by piece, on a GPU (issue 21).
+"""Where the host time of a short-path call goes, piece by piece, on a GPU.
 
     python -m sparseflash.experiments.studies.host_cost.pieces [--out DIR] [--calls 50] [--repeats 15]
 
@@ -7,7 +7,7 @@ key_lengths. Each row: host microseconds per call (median and min over --repeats
 calls issued while the GPU sleeps, `timing.host_us_samples`) of one piece of the call, after the
 call's key has been seen (the short path's entry exists):
 
-- the pieces of our forward: the key lookup, the output allocations, the quick launch alone;
+- the pieces of our forward: the key lookup, the output allocations, the entry's launch alone;
 - our backward without PyTorch's autograd engine (`_Entry.backward` called directly);
 - the native plan's forward alone (`sparseflash.flash.native`, no Python around it);
 - whole calls: ours (short path with its native plan, the Python short path, general), SDPA's (dense: the anchor), and a Python autograd
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from sparseflash.experiments.bench.host import _Floor
     from sparseflash.experiments.bench.results import environment
     from sparseflash.experiments.bench.timing import host_us_samples
-    from sparseflash.flash import fast, launch, native
+    from sparseflash.flash import fast, native
     from sparseflash.patterns import random as random_mask
 
     ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.host_cost.pieces", description=__doc__.splitlines()[0])
@@ -59,7 +59,6 @@ def main(argv=None) -> int:
     assert isinstance(entry, fast._Entry), "the short path did not take the call"
     o, lse = entry.forward(q, k, v, None)
     ts = (q, k, v, o, lse, None)
-    ptrs = launch.quick_ptrs(ts)
     entry.backward(do, q, k, v, o, lse, None)
 
     def no_grad(fn):
@@ -85,7 +84,7 @@ def main(argv=None) -> int:
         ("fwd: key lookup", lambda: fast.lookup(q, k, v, mask, False, None, None)),
         ("fwd: allocate o", lambda: torch.empty_like(q)),
         ("fwd: allocate lse", lambda: torch.empty_like(entry.rows)),
-        ("fwd: quick launch", lambda: entry.fwd(ts, ptrs)),
+        ("fwd: entry launch (launch.run)", lambda: entry.fwd(ts)),
         ("fwd: entry.forward (alloc + launch)", lambda: entry.forward(q, k, v, None)),
         ("bwd: entry.backward (no engine)", lambda: entry.backward(do, q, k, v, o, lse, None)),
         ("fwd no-grad: native plan alone", no_grad(lambda: entry.native.forward(q, k, v, None, 0))),

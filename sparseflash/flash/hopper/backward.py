@@ -628,8 +628,9 @@ def _delta(o, do, lse, dlse, n_pad: int):
     delta = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     so, sdo = o.stride(), do.stride()
     _delta_kernel[(triton.cdiv(n_pad, QT), B * H)](
-        o, do, lse, o if dlse is None else dlse, lse2, delta, so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], H, Nq,
-        n_pad, HEAD_DIM=D, BLOCK=QT, HAS_DLSE=dlse is not None)
+        O=o, DO=do, LSE=lse, DLSE=o if dlse is None else dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
+        stride_oh=so[1], stride_om=so[2], stride_dob=sdo[0], stride_doh=sdo[1], stride_dom=sdo[2], n_heads=H, seq_q=Nq,
+        n_pad=n_pad, HEAD_DIM=D, BLOCK=QT, HAS_DLSE=dlse is not None)
     return lse2, delta
 
 
@@ -684,15 +685,19 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
     n_rounds = triton.cdiv(n_units, grid) * (2 if causal else 1)
     _hopper_bwd_kernel[(grid,)](
-        descriptor(q, lay[0], QT), descriptor(k, lay[1], TILE), descriptor(v, lay[2], TILE),
-        descriptor(do, do_lay, QT), desc_dq, _row_descriptor(lse2), _row_descriptor(delta), dk, dv, idx, q_tile, bits,
-        q if key_lengths is None else key_lengths, n_tiles, n_rounds, n_bhk, gh, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E,
-        scale, *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+        desc_q=descriptor(q, lay[0], QT), desc_k=descriptor(k, lay[1], TILE), desc_v=descriptor(v, lay[2], TILE),
+        desc_do=descriptor(do, do_lay, QT), desc_dq=desc_dq, desc_lse=_row_descriptor(lse2),
+        desc_dlt=_row_descriptor(delta), DK=dk, DV=dv, Q_IDX=idx, Q_TILE=q_tile, BITS=bits,
+        KEY_LEN=q if key_lengths is None else key_lengths, n_tiles=n_tiles, n_rounds=n_rounds, n_bhk=n_bhk, gh=gh,
+        n_heads_kv=Hk, group=H // Hk, seq_q=Nq, seq_k=Nk, n_qblocks=n_qb, qk_scale=scale * LOG2E, sm_scale=scale,
+        stride_ib=i_strides[0], stride_ih=i_strides[1], stride_in=i_strides[2],
+        stride_dkb=sk[0], stride_dkh=sk[1], stride_dkn=sk[2], stride_dvb=sv[0], stride_dvh=sv[1], stride_dvn=sv[2],
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
         DO_BNHD=do_lay[1], EXACT=exact is not None, num_warps=4)
     dq = new(q)
     sq = dq.stride()
-    _dq_cast_kernel[(triton.cdiv(Nq, QT), B * H)](acc, dq, sq[0], sq[1], sq[2], H, Nq, scale, HEAD_DIM=D, BLOCK=QT)
+    _dq_cast_kernel[(triton.cdiv(Nq, QT), B * H)](ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1], stride_qm=sq[2],
+                                                  n_heads=H, seq_q=Nq, scale=scale, HEAD_DIM=D, BLOCK=QT)
     return dq, dk, dv

@@ -518,10 +518,12 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     grid = (max(1, min(n_tiles, num_sms)),)
     desc_q = descriptor(q, lay[0], TILE)
     _hopper_fwd_kernel[grid](
-        desc_q, descriptor(k, lay[1], TILE), descriptor(v, lay[2], TILE),
-        desc_q if o_lay is None else descriptor(o, o_lay, TILE // 2), o, lse, idx, kv_tile, bits,
-        q if key_lengths is None else key_lengths,
-        H, H // Hk, Nq, Nk, n_kb, scale * LOG2E, n_tiles, *i_strides, so[0], so[1], so[2],
+        desc_q=desc_q, desc_k=descriptor(k, lay[1], TILE), desc_v=descriptor(v, lay[2], TILE),
+        desc_o=desc_q if o_lay is None else descriptor(o, o_lay, TILE // 2), O=o, LSE=lse, KV_IDX=idx,
+        KV_TILE=kv_tile, BITS=bits, KEY_LEN=q if key_lengths is None else key_lengths,
+        n_heads=H, group=H // Hk, seq_q=Nq, seq_k=Nk, n_kblocks=n_kb, qk_scale=scale * LOG2E, n_tiles=n_tiles,
+        stride_ib=i_strides[0], stride_ih=i_strides[1], stride_im=i_strides[2],
+        stride_ob=so[0], stride_oh=so[1], stride_om=so[2],
         HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
