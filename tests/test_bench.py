@@ -485,7 +485,7 @@ def test_inspect_kernels_row_alignment_for_hopper():
     tiles = ["--tile", "fwd=128,64,8,3", "--tile", "dkdv=32,128,4,3", "--tile", "dq=64,64,4,3"]
     d40, d64 = ({r["kernel"]: r for r in rows}
                 for rows in _inspect_kernels(["--head-dim", "40", *tiles], ["--head-dim", "64", *tiles]))
-    assert sorted(d40) == ["_bwd_dkdv_kernel", "_bwd_dq_kernel", "_fwd_kernel"]
+    assert sorted(d40) == ["bwd_dkdv_kernel", "bwd_dq_kernel", "fwd_kernel"]
     problems = []
     for name, a in d40.items():
         b = d64[name]
@@ -504,7 +504,7 @@ def test_wide_head_dim_default_tiles_fit_hopper():
     memory in bf16 and in fp32 (the bf16 dQ tile would need 303 KB in fp32; fp32 keeps smaller ones)."""
     extras = ([], ["--fp32"])
     for extra, rows in zip(extras, _inspect_kernels(*(["--head-dim", "256", *extra] for extra in extras))):
-        assert sorted(r["kernel"] for r in rows) == ["_bwd_dkdv_kernel", "_bwd_dq_kernel", "_fwd_kernel"]
+        assert sorted(r["kernel"] for r in rows) == ["bwd_dkdv_kernel", "bwd_dq_kernel", "fwd_kernel"]
         too_big = [(r["kernel"], r["shared"]) for r in rows if r["shared"] > 227 * 1024]
         assert not too_big, (extra, too_big)
 
@@ -517,10 +517,10 @@ def test_host_bench_cpu_smoke(tmp_path):
     from sparseflash.experiments.bench import host
     from sparseflash.flash import kernels
 
-    before = kernels._fwd_kernel
+    before = kernels.fwd_kernel
     assert host.main(["--device", "cpu", "--out", str(tmp_path), "--seq-len", "128", "--tokens", "256",
                       "--heads", "2", "--head-dims", "16", "--blocks", "1", "--calls", "3"]) == 0
-    assert kernels._fwd_kernel is before
+    assert kernels.fwd_kernel is before
     rows = list(csv.DictReader(open(tmp_path / "host.csv")))
     data = json.loads((tmp_path / "host.json").read_text())
     # dense: our 4 + sdpa, + the autograd floor without key_lengths; mask: our 4; x key_lengths x 2 passes

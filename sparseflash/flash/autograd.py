@@ -10,7 +10,7 @@ enters as its compressed index tensors, so the ops see only tensors and scalars.
 Dropout bits are keyed by (seed_lo, seed_hi, offset), an int64 [3] tensor on the inputs' device
 that the forward op draws from torch's generator when none is passed (`sparseflash.dropout.draw_rng`)
 and returns for backward; the kernels read it from memory, so CUDA graphs replay fresh draws.
-Without dropout an eager call makes none (`_fwd_eager`); the op returns a placeholder.
+Without dropout an eager call makes none (`flash_fwd_eager`); the op returns a placeholder.
 
 Exact masks: a mask's partial-block bits and the tables aligning them with the block lists
 (`exact_tables`) ride along both ops as three more optional tensors (`operands.ExactTiles`).
@@ -54,7 +54,7 @@ def estimate_work(q: Tensor, k: Tensor, density: float) -> float:
     return 4.0 * B * Hq * Nq * k.shape[2] * D * density
 
 
-def _fwd_eager(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
+def flash_fwd_eager(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int, dropout_p: float,
                density: float, slopes: Optional[Tensor], softcap: float, bits: Optional[Tensor] = None,
@@ -69,19 +69,19 @@ def _fwd_eager(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
     return o, lse, rng
 
 
-def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
+def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int, dropout_p: float,
                density: float, slopes: Optional[Tensor], softcap: float, bits: Optional[Tensor] = None,
                kv_tile: Optional[Tensor] = None, q_tile: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    o, lse, rng = _fwd_eager(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
+    o, lse, rng = flash_fwd_eager(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
                              dropout_p, density, slopes, softcap, bits, kv_tile, q_tile)
     if rng is None:  # an op returns tensors: a placeholder, never read
         rng = torch.empty(3, dtype=torch.int64, device=q.device)
     return o, lse, rng
 
 
-_flash_fwd = torch.library.custom_op("sparseflash::flash_fwd", _fwd_impl, mutates_args=())
+_flash_fwd = torch.library.custom_op("sparseflash::flash_fwd", flash_fwd_impl, mutates_args=())
 
 
 @_flash_fwd.register_fake
@@ -92,7 +92,7 @@ def _(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, m
             torch.empty(3, dtype=torch.int64, device=q.device))
 
 
-def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
+def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Optional[Tensor],
                kv_idx: Optional[Tensor], q_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int,
@@ -105,7 +105,7 @@ def _bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tenso
                       deterministic=deterministic)
 
 
-_flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", _bwd_impl, mutates_args=())
+_flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", flash_bwd_impl, mutates_args=())
 
 
 @_flash_bwd.register_fake
@@ -136,7 +136,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
                 dropout_p, density, slopes=None, softcap=0.0, bits=None, kv_tile=None, q_tile=None,
                 deterministic=False):
-        o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, _fwd_eager)(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k,
+        o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, flash_fwd_eager)(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k,
                                                                        scale, causal, mask_bq, mask_bk, dropout_p, density,
                                                                        slopes, softcap, bits, kv_tile, q_tile)
         ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes, bits, kv_tile,
@@ -151,7 +151,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         scale, causal, mask_bq, mask_bk, dropout_p, density, softcap, deterministic = ctx.params
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, _bwd_impl)(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths,
+        dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, flash_bwd_impl)(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths,
                                                                      rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
                                                                      dropout_p, density, slopes, softcap, bits, kv_tile,
                                                                      q_tile, deterministic)

@@ -322,7 +322,7 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
                 DENSE=kv_idx is None, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
                 DOT_PREC=dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, **flags,
                 **softcap_flag(softcap), **exact_flag(exact or None))
-    return _Plan("_fwd_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)
+    return _Plan("fwd_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)
 
 
 def _stride_args(names: tuple, strides: tuple) -> dict:
@@ -416,7 +416,7 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
                 MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=q_idx is None,
                 **cfg.launch_options(), **constexprs, Q_ROWS=cfg.q_rows, ALIGN=align, TMA=tma)
-    return _Plan("_bwd_dkdv_kernel", (cdiv(Nk, cfg.block_n), B * Hkv), args, cfg, tma, q.device)
+    return _Plan("bwd_dkdv_kernel", (cdiv(Nk, cfg.block_n), B * Hkv), args, cfg, tma, q.device)
 
 
 def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, kv_idx,
@@ -470,4 +470,4 @@ def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, ma
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
                 MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=kv_idx is None,
                 HAS_DLSE=has_dlse, **cfg.launch_options(), **constexprs, ALIGN=align, TMA=tma)
-    return _Plan("_bwd_dq_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)
+    return _Plan("bwd_dq_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)

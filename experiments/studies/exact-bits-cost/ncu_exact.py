@@ -1,7 +1,7 @@
 """One exact-mask backward call for Nsight Compute: block-level, the EXACT variant with no partial
 step, or exact (the three backward rows of `bits_cost.py`).
 
-    ncu --kernel-name regex:_hopper_bwd_kernel --launch-skip 1 --launch-count 1 \\
+    ncu --kernel-name regex:hopper_bwd_kernel --launch-skip 1 --launch-count 1 \\
         --section WarpStateStats --section SourceCounters --section LaunchStats -f -o OUT/VARIANT \\
         python experiments/studies/exact-bits-cost/ncu_exact.py MASK D VARIANT
     ncu --import OUT/VARIANT.ncu-rep --page source --csv --print-source sass > OUT/VARIANT.csv

@@ -60,11 +60,11 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
         kv_idx, q_idx, bq = index.kv_idx, index.q_idx, block
     kl = torch.full((B,), N, dtype=torch.int32) if keylen else None
     if kernel == "fwd":
-        name = "_hopper_fwd_kernel"
+        name = "hopper_fwd_kernel"
         compiled = compile_launches(lambda: hopper_fwd(q, k, v, kv_idx, kl, D ** -0.5, causal, bq, bq, num_sms=132,
                                                        exact=ex))
     else:
-        name = "_hopper_bwd_kernel"
+        name = "hopper_bwd_kernel"
         o, do = torch.empty_like(q), torch.empty_like(q)
         lse = torch.empty(B, H, N)
         compiled = compile_launches(lambda: hopper_bwd(do, q, k, v, o, lse, None, q_idx, kl, D ** -0.5, causal, bq, bq,

@@ -1,6 +1,6 @@
 """One Hopper backward call for Nsight Compute, and a summary of ncu's per-instruction stall samples.
 
-    ncu --kernel-name regex:_hopper_bwd_kernel --launch-skip 1 --launch-count 1 \\
+    ncu --kernel-name regex:hopper_bwd_kernel --launch-skip 1 --launch-count 1 \\
         --section WarpStateStats --section SourceCounters -f -o OUT/bwd \\
         python -m sparseflash.experiments.studies.hopper.ncu_bwd run 16384 128 dense
     ncu --import OUT/bwd.ncu-rep --page source --csv --print-source sass > OUT/bwd.csv

@@ -29,7 +29,7 @@ from sparseflash.cmdline import ArgumentParser, run_command
 
 __all__ = ["measure", "table", "stubbed_kernels", "main"]
 
-_KERNELS = ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel")
+_KERNELS = ("fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel")
 
 
 @contextlib.contextmanager

@@ -458,7 +458,7 @@ if GLUON_ERROR is None:
                 n_done += 1
 
     @gluon.jit
-    def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, Q_TILE, BITS,
+    def hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, Q_TILE, BITS,
                            KEY_LEN, ORDER,
                            n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
                            stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
@@ -682,7 +682,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         order = torch.argsort(cols.reshape(-1), descending=True, stable=True).to(torch.int32)
         gh = 0
     n_rounds = triton.cdiv(n_units, grid) * (2 if causal else 1)
-    _hopper_bwd_kernel[(grid,)](
+    hopper_bwd_kernel[(grid,)](
         descriptor(q, lay[0], QT), descriptor(k, lay[1], TILE), descriptor(v, lay[2], TILE),
         descriptor(do, do_lay, QT), desc_dq, _row_descriptor(lse2), _row_descriptor(delta), dk, dv, idx, q_tile, bits,
         q if key_lengths is None else key_lengths, order, n_tiles, n_rounds, n_bhk, gh, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E,

@@ -158,7 +158,7 @@ def compile_only(head_dims) -> int:
                 from sparseflash.flash.launch import hopper_bwd as launch_hopper_bwd
                 got = compile_launches(lambda: launch_hopper_bwd(do, q, k, v, o, lse, None, index.q_idx, None,
                                                                  D ** -0.5, False, 128, 128, num_sms=132))
-            ck = got.get("_hopper_bwd_kernel")
+            ck = got.get("hopper_bwd_kernel")
             print(f"d={d} {name:9s} {'ok' if ck is not None else 'NOT COMPILED'}", flush=True)
             if ck is None:
                 return 1

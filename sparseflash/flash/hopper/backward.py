@@ -449,7 +449,7 @@ if GLUON_ERROR is None:
                 n_done += 1
 
     @gluon.jit
-    def _hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, Q_TILE, BITS,
+    def hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, Q_TILE, BITS,
                            KEY_LEN,
                            n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
                            stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
@@ -684,7 +684,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     grid = max(1, min(n_units, num_sms))
     gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
     n_rounds = triton.cdiv(n_units, grid) * (2 if causal else 1)
-    _hopper_bwd_kernel[(grid,)](
+    hopper_bwd_kernel[(grid,)](
         desc_q=descriptor(q, lay[0], QT), desc_k=descriptor(k, lay[1], TILE), desc_v=descriptor(v, lay[2], TILE),
         desc_do=descriptor(do, do_lay, QT), desc_dq=desc_dq, desc_lse=_row_descriptor(lse2),
         desc_dlt=_row_descriptor(delta), DK=dk, DV=dv, Q_IDX=idx, Q_TILE=q_tile, BITS=bits,

@@ -346,7 +346,7 @@ if GLUON_ERROR is None:
             tma.store_wait(0)  # (shared memory must outlive the last store's read)
 
     @gluon.jit
-    def _hopper_fwd_kernel(desc_q, desc_k, desc_v, desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN,
+    def hopper_fwd_kernel(desc_q, desc_k, desc_v, desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN,
                            n_heads, group, seq_q, seq_k, n_kblocks, qk_scale, n_tiles,
                            stride_ib, stride_ih, stride_im, stride_ob, stride_oh, stride_om,
                            HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
@@ -517,7 +517,7 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         num_sms = sm_count(q.device.index)
     grid = (max(1, min(n_tiles, num_sms)),)
     desc_q = descriptor(q, lay[0], TILE)
-    _hopper_fwd_kernel[grid](
+    hopper_fwd_kernel[grid](
         desc_q=desc_q, desc_k=descriptor(k, lay[1], TILE), desc_v=descriptor(v, lay[2], TILE),
         desc_o=desc_q if o_lay is None else descriptor(o, o_lay, TILE // 2), O=o, LSE=lse, KV_IDX=idx,
         KV_TILE=kv_tile, BITS=bits, KEY_LEN=q if key_lengths is None else key_lengths,
