@@ -23,7 +23,7 @@ without being 0 or 1 (0 < p < 1/512 or 1 - 1/512 <= p < 1) is refused rather tha
 off or into "drop everything". The Triton kernels compute these bits in registers (forward and,
 regenerated, backward) and `keep_mask` below computes them bit for bit, so tests compare kernels
 and reference exactly: in NumPy for an eager call with an int seed, and in torch ops on int64
-tensors (32-bit products from 16-bit halves, so nothing overflows; about 8x slower on a CPU) for a
+tensors (32-bit products from 16-bit halves, so nothing overflows; slower than NumPy on a CPU) for a
 tensor seed or under ``torch.compile``, whose graph the reference path with dropout then joins
 (``fullgraph=True`` included: there the seed stays a tensor, never a host int).
 

@@ -42,3 +42,60 @@ def test_check_flag_reports_a_stale_file(tmp_path, capsys):
     assert report.main(["--check", "--out", str(stale)]) == 1
     assert report.main(["--out", str(stale)]) == 0
     assert report.main(["--check", "--out", str(stale)]) == 0
+
+
+def _restamp(folder, stem, **meta):
+    """A results folder's run as if measured again: its JSON meta and its rows get ``meta``'s
+    values (device_name, commit, kernels, command), the CSV too."""
+    import csv
+    import json
+
+    doc = json.loads((folder / f"{stem}.json").read_text())
+    doc["meta"].update(meta)
+    for row in doc["rows"]:
+        row.update({k: v for k, v in meta.items() if k in row})
+    (folder / f"{stem}.json").write_text(json.dumps(doc))
+    with open(folder / f"{stem}.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    with open(folder / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows({**r, **{k: v for k, v in meta.items() if k in r}} for r in rows)
+
+
+def test_todays_results_drop_in(tmp_path):
+    """The re-measured folders (experiments/bench/remeasure.sh: kernel-check, sparsity, seqlen and
+    seqlen's GPU time, on the Hopper kernels of an H200) render without touching the template: the
+    first tables name the Hopper kernels and the H200, the kernel check's smaller density list is
+    printed with its command, seqlen's cells read eager / GPU time, and the file stays <= 200 lines."""
+    import shutil
+
+    results = tmp_path / "results"
+    shutil.copytree(report.ROOT / report.RES, results)
+    new = dict(device_name="NVIDIA H200", commit="abc1234", kernels="hopper")
+    kc = results / "kernel-check"
+    command = report._json(f"{report.RES}/kernel-check/sparsity.json")["meta"]["command"]
+    _restamp(kc, "sparsity", **new, command=command.replace("--densities 1 0.5 0.25 0.1", "--densities 1 0.1"))
+    _restamp(results / "sparsity", "sparsity", **new)
+    _restamp(results / "seqlen", "seqlen", **new)
+    shutil.copytree(results / "seqlen", results / "seqlen" / "gpu-time")
+    _restamp(results / "seqlen" / "gpu-time", "seqlen", **new)
+
+    text = report.render(results=results)
+    dense = text[text.index("## Dense attention"):text.index("## Block-sparse attention")]
+    assert "--preset kernel-check --densities 1 0.1 --cuda-graph" in dense
+    assert "the Hopper kernels on sm_90, the default path there; H200, commit abc1234" in dense
+    assert "The Hopper kernels on sm_90 are " in dense and "portable" not in dense
+    sweep = text[text.index("The eager density sweep"):text.index("## Hopper kernels")]
+    assert "the Hopper kernels on sm_90, H200" in sweep
+    seqlen = text[text.index("## Sequence length"):text.index("## Causal attention")]
+    assert "eager / GPU time (`experiments/results/seqlen/gpu-time/`" in seqlen
+    assert re.search(r"\| sparseflash butterfly \| [0-9.]+ / [0-9.]+ \|", seqlen)
+    assert "NVIDIA H100 80GB HBM3 or one NVIDIA H200" in text  # the sections not re-measured keep their GPU
+    assert text.count("\n") <= 200
+    assert report.render() == report.OUTPUT.read_text()  # rendering elsewhere left the module's default alone
+
+
+def test_results_option_refuses_a_missing_folder(tmp_path):
+    with pytest.raises(ValueError, match="--results must be a folder"):
+        report.main(["--results", str(tmp_path / "nothing"), "--out", str(tmp_path / "B.md")])

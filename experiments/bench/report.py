@@ -45,14 +45,23 @@ def _value(v: str, key: str = ""):
     return int(f) if re.fullmatch(r"-?\d+", v) else f
 
 
+_results_dir = ROOT / RES  # where paths under RES are read from (`values`' ``results``)
+
+
+def _path(path: str) -> Path:
+    """A path relative to the repository root; those under experiments/results/ read from the
+    results folder being rendered."""
+    return _results_dir / path[len(RES) + 1:] if path.startswith(RES + "/") else ROOT / path
+
+
 def table(path: str) -> list[dict]:
     """Rows of a results CSV (numbers parsed), path relative to the repository root."""
-    with open(ROOT / path, newline="") as f:
+    with open(_path(path), newline="") as f:
         return [{k: _value(v, k) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
 def _json(path: str):
-    return json.loads((ROOT / path).read_text())
+    return json.loads(_path(path).read_text())
 
 
 def pick(rows, **want) -> list[dict]:
@@ -103,6 +112,30 @@ def _stamp(rows, what="commit") -> str:
     if len(vals) != 1:
         raise ValueError(f"expected one {what}, got {vals}")
     return vals[0]
+
+
+def kernels(folder: str, stem: str) -> str:
+    """Which of our kernels a bench run measured, in words: the run's meta "kernels" (written by
+    `runner.default_kernels` since 2026-11-28: "hopper" or "portable (why)"). Runs written before
+    that field ran the portable kernels: the Hopper kernels were not yet the default path."""
+    family = _json(f"{folder}/{stem}.json")["meta"].get("kernels", "portable")
+    return "the Hopper kernels on sm_90" if family == "hopper" else "the portable kernels"
+
+
+def preset_options(folder: str, stem: str, preset: str = "kernel-check") -> str:
+    """The options a preset run was given beyond ``--preset``, as BENCHMARKS.md prints its command:
+    " --densities ..." when its densities differ from the preset's (read from the run's command)."""
+    from sparseflash.experiments.bench.config import PRESETS
+
+    found = re.search(r"--densities ((?:[0-9][0-9.e/-]* ?)+)", _json(f"{folder}/{stem}.json")["meta"]["command"])
+    if found is None:
+        return ""
+    ran = tuple(float(x) for x in found.group(1).split())
+    return "" if ran == tuple(PRESETS[preset]["targets"]) else " --densities " + " ".join(f"{x:g}" for x in ran)
+
+
+def gpu(rows) -> str:
+    return _stamp(rows, "device_name").replace("NVIDIA ", "")
 
 
 # ----------------------------------------------------------------------------- the sparsity-bench tables
@@ -184,11 +217,13 @@ def sparse_section(v: dict, rows, block: int) -> None:
 
 
 def eager_dense(v: dict, rows) -> None:
+    """Dense points of the eager sweep against SDPA's FlashAttention-2."""
     ratios = [one(rows, provider="sdpa-flash", seq_len=n, head_dim=d, mode=m)["ms"]
               / one(rows, provider="sparseflash-dense", seq_len=n, head_dim=d, mode=m)["ms"]
               for n, d in SHAPES for m in MODES]
     v["eager_x_fa2"] = span(ratios)
-    v["eager_commit"] = _stamp(rows)
+    v["eager_commit"], v["eager_gpu"] = _stamp(rows), gpu(rows)
+    v["eager_kernels"] = kernels(f"{RES}/sparsity", "sparsity")
 
 
 PROPORTIONAL_SLACK = 1.6  # "falls in proportion to density": time within this factor of dense time x density
@@ -207,29 +242,6 @@ def eager_sweep(v: dict, rows) -> None:
         return f"1/{round(1 / max(found))}"
     v["sweep_low_16k"], v["sweep_low_4k"] = lowest(16384), lowest(4096)
     v["sweep_slack"] = f"{PROPORTIONAL_SLACK:g}"
-
-
-def h200_check(v: dict, rows) -> None:
-    """The H200 re-check: dense against cuDNN, block-sparse ~0.1 against Flex."""
-    def ratios(other, shapes, modes, sparse):
-        out = []
-        for n, d in shapes:
-            for m in modes:
-                for pat in (("random",) if sparse else (None,)):
-                    if sparse:
-                        out.append(_sparsest(rows, other, pat, n, d, m)["ms"] / _sparsest(rows, "sparseflash", pat, n, d, m)["ms"])
-                    else:
-                        out.append(_dense(rows, other, n, d, m)["ms"] / _dense(rows, "sparseflash-dense", n, d, m)["ms"])
-        return out
-    d128 = [s for s in SHAPES if s[1] == 128]
-    d64 = [s for s in SHAPES if s[1] == 64]
-    v["h200_fwd_x_cudnn"] = span(ratios("sdpa-cudnn", SHAPES, ("fwd",), False))
-    v["h200_fb_x_cudnn"] = span(ratios("sdpa-cudnn", SHAPES, ("fwdbwd",), False))
-    v["h200_fwd_x_flex_d128"] = span(ratios("flex", d128, ("fwd",), True))
-    v["h200_fwd_x_flex_d64"] = span(ratios("flex", d64, ("fwd",), True))
-    v["h200_commit"] = _stamp(rows)
-    v["h200_date"] = day(_stamp(rows, "date"))
-    v["h200_gpu"] = _stamp(rows, "device_name").replace("NVIDIA ", "")
 
 
 def h200_training(v: dict, rows) -> None:
@@ -338,8 +350,15 @@ def _hopper_rows() -> list[dict]:
 SEQLEN_COLUMNS = (1024, 4096, 16384, 32768, 65536)  # the printed columns; the CSV has 512 to 64K
 
 
-def seqlen_section(v: dict, rows) -> None:
+SEQLEN_GPU_TIME = f"{RES}/seqlen/gpu-time"  # the same sweep with --cuda-graph, when it was run
+
+
+def seqlen_section(v: dict, rows, gpu_rows=None) -> None:
+    """The eager fwd+bwd table against sequence length; with ``gpu_rows`` (the same sweep with
+    --cuda-graph) each cell reads "eager / GPU time"."""
+    v["seqlen_gpu"], v["seqlen_kernels"] = gpu(rows), kernels(f"{RES}/seqlen", "seqlen")
     rows = pick(rows, mode="fwdbwd", status="ok")
+    gpu_rows = pick(gpu_rows, mode="fwdbwd", status="ok") if gpu_rows else []
     lens = [n for n in SEQLEN_COLUMNS if any(r["seq_len"] == n for r in rows)]
     label = lambda n: f"{n // 1024}K"
     order = [("sparseflash-dense", "dense", "sparseflash dense"), ("sdpa-flash", "dense", "SDPA flash"),
@@ -347,8 +366,12 @@ def seqlen_section(v: dict, rows) -> None:
     lines = []
     for prov, pat, name in order:
         by_n = {r["seq_len"]: r for r in pick(rows, provider=prov, pattern=pat)}
-        lines.append([name] + [ms3(by_n[n]["ms"]) if n in by_n else "-" for n in lens])
+        on_gpu = {r["seq_len"]: r for r in pick(gpu_rows, provider=prov, pattern=pat)}
+        cell = lambda n: "-" if n not in by_n else ms3(by_n[n]["ms"]) + (f" / {ms3(on_gpu[n]['ms'])}" if n in on_gpu else "")
+        lines.append([name] + [cell(n) for n in lens])
     v["seqlen_table"] = md_table(["provider"] + [label(n) for n in lens], lines)
+    v["seqlen_timing"] = "eager" if not gpu_rows else \
+        f"eager / GPU time (`{SEQLEN_GPU_TIME}/`, the same command with --cuda-graph, {_stamp(gpu_rows)})"
     big = max(lens)
     bf = one(rows, provider="sparseflash", pattern="butterfly", seq_len=big)
     v["seqlen_big"] = label(big)
@@ -538,22 +561,32 @@ def lra_section(v: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- the document
-def values() -> dict[str, str]:
+def values(results: Path | None = None) -> dict[str, str]:
+    """Every placeholder's value, from the tables under ``results`` (default experiments/results/;
+    another folder of the same layout renders results not yet copied in)."""
+    global _results_dir
+    _results_dir = Path(results) if results is not None else ROOT / RES
     v: dict[str, str] = {}
     kc = table(f"{RES}/kernel-check/sparsity.csv")
     cfg = _json(f"{RES}/kernel-check/sparsity.json")["meta"]["config"]
     dense_section(v, kc, "kc")
+    v["kc_gpu"], v["kc_kernels"] = gpu(kc), kernels(f"{RES}/kernel-check", "sparsity")
+    v["kc_options"] = preset_options(f"{RES}/kernel-check", "sparsity")
+    v["kc_kernels_cap"] = v["kc_kernels"][0].upper() + v["kc_kernels"][1:]
     sparse_section(v, kc, cfg["block_size"])
     sweep = table(f"{RES}/sparsity/sparsity.csv")
     eager_dense(v, sweep)
     eager_sweep(v, sweep)
     hop = _hopper_rows()
     hopper_section(v, hop)
-    h200_check(v, table(f"{RES}/kernel-check-h200/sparsity.csv"))
-    h200_training(v, table(f"{RES}/kernel-check-h200-16k/sparsity.csv"))
+    h2 = table(f"{RES}/kernel-check-h200-16k/sparsity.csv")
+    h200_training(v, h2)
+    v["h2_gpu"] = gpu(h2)
     decode_section(v, table(f"{RES}/decode/decode.csv"))
     dynamic_section(v, table(f"{RES}/dynamic/dynamic.csv"))
-    seqlen_section(v, table(f"{RES}/seqlen/seqlen.csv"))
+    seqlen = table(f"{RES}/seqlen/seqlen.csv")
+    seqlen_gpu = table(f"{SEQLEN_GPU_TIME}/seqlen.csv") if _path(f"{SEQLEN_GPU_TIME}/seqlen.csv").is_file() else None
+    seqlen_section(v, seqlen, seqlen_gpu)
     causal_section(v, table(f"{RES}/causal/sparsity.csv"))
     head_dims_section(v)
     dropout_section(v, table(f"{RES}/dropout/dropout.csv"))
@@ -562,9 +595,10 @@ def values() -> dict[str, str]:
     packed_section(v)
     exact_section(v)
     lra_section(v)
-    stamped = [kc, table(f"{RES}/causal/sparsity.csv"), table(f"{RES}/seqlen/seqlen.csv"), table(f"{RES}/sparsity/sparsity.csv"),
-               hop, table(f"{RES}/kernel-check-h200/sparsity.csv"), table(f"{RES}/kernel-check-h200-16k/sparsity.csv")]
+    stamped = [kc, table(f"{RES}/causal/sparsity.csv"), seqlen, sweep, hop, h2] + ([seqlen_gpu] if seqlen_gpu else [])
     dates = sorted(day(r["date"]) for rows in stamped for r in rows)
+    names = sorted({r["device_name"] for rows in stamped for r in rows})
+    v["gpus"] = " or ".join(f"one {n}" for n in names)
     v["first_date"], v["last_date"] = dates[0], dates[-1]
     v["heads"], v["tokens"] = str(cfg["heads"]), f"{cfg['tokens'] // 1024}K"
     v["block"], v["dtype"] = str(cfg["block_size"]), cfg["dtype"]
@@ -573,14 +607,13 @@ def values() -> dict[str, str]:
     v["fwdbwd_factor"] = f"{MODE_FACTOR['fwdbwd']:g}"
     v["torch"] = _stamp(kc, "torch")
     v["triton"] = _stamp(kc, "triton")
-    v["gpu"] = _stamp(kc, "device_name")
     return v
 
 
-def render(template: str | None = None) -> str:
-    """BENCHMARKS.md's text: the template with every placeholder filled."""
+def render(template: str | None = None, results: Path | None = None) -> str:
+    """BENCHMARKS.md's text: the template with every placeholder filled (from ``results``: `values`)."""
     text = TEMPLATE.read_text() if template is None else template
-    v = values()
+    v = values(results)
     missing = sorted(set(_PLACEHOLDER.findall(text)) - set(v))
     if missing:
         raise KeyError(f"template placeholders with no value: {missing}")
@@ -596,8 +629,12 @@ def main(argv=None) -> int:
                                  description="write BENCHMARKS.md from the results tables and its template")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when BENCHMARKS.md differs")
     ap.add_argument("--out", default=str(OUTPUT), help="where to write (default: the repository's BENCHMARKS.md)")
+    ap.add_argument("--results", default=None,
+                    help="a folder laid out as experiments/results/ to render from (default: that folder)")
     args = ap.parse_args(argv)
-    text = render()
+    if args.results is not None and not Path(args.results).is_dir():
+        raise ValueError(f"--results must be a folder laid out as experiments/results/, got {args.results!r}")
+    text = render(results=args.results)
     out = Path(args.out)
     if args.check:
         if not out.is_file() or out.read_text() != text:

@@ -26,7 +26,7 @@ from sparseflash.experiments.bench.results import CPU_NOTE
 from sparseflash.experiments.bench.timing import TimingConfig, free_memory, is_oom, measure, pooled
 from sparseflash.mask import BlockMask
 
-__all__ = ["Shape", "Point", "Job", "dense_point", "jobs_for", "estimate_seconds", "run_job", "run_jobs", "execute",
+__all__ = ["Shape", "Point", "Job", "dense_point", "jobs_for", "estimate_seconds", "run_job", "run_jobs", "execute", "default_kernels",
            "CHECK_TOL"]
 
 # Rough FlexAttention compile cost for the time estimate: seconds per compiled graph (a guess; the
@@ -161,6 +161,23 @@ def _row(env, bench, job: Job, s: Setting, timing_label: str) -> dict:
         "status": "", "note": "; ".join(n for n in (CPU_NOTE if env["device"] == "cpu" else "", _env_note()) if n),
         "timing": timing_label,
     }
+
+
+def default_kernels(device, dtype: str, head_dims) -> str:
+    """The kernel family sparseflash's default path takes for this run's calls that the Hopper
+    kernels implement (no dropout, segments or score modifications): "hopper" when the Hopper
+    forward takes a call of every head_dim of the run on ``device``, else "portable (<why not>)",
+    the Hopper forward's own reason (`sparseflash.flash.hopper.forward.unsupported`). Written into
+    the run's meta, so BENCHMARKS.md names the kernels each table measured."""
+    from sparseflash.flash.hopper import forward as hopper_forward
+
+    why = []
+    for d in head_dims:
+        q = torch.zeros(1, 1, 128, d, device=device, dtype=dtype_of(dtype))
+        reason = hopper_forward.unsupported(q, q, q)
+        if reason is not None and reason not in why:
+            why.append(reason)
+    return "hopper" if not why else f"portable ({'; '.join(why)})"
 
 
 def _env_note() -> str:
@@ -385,6 +402,7 @@ def _execute(cfg, points_by_seq, notes, command, show_progress, log) -> tuple[li
     unavailable = sorted({(r["provider"], r["status"]) for r in rows if r["status"].startswith("unavailable")})
     notes = notes + [f"provider {p} skipped: {s[len('unavailable: '):]}" for p, s in unavailable]
     meta = {"bench": cfg.bench, "command": command, "config": cfg.as_dict(), "notes": notes, **env,
+            "kernels": default_kernels(device, cfg.dtype, cfg.head_dims),
             "estimate_s": round(est, 1), "wall_s": round(time.perf_counter() - t0, 1)}
     note = "; ".join(n for n in (CPU_NOTE if device.type == "cpu" else "", _env_note()) if n)
     if note:

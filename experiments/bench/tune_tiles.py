@@ -10,7 +10,7 @@ on bf16 [B, 16, N, D] with B*N = 16K tokens. Effective TFLOP/s count only comput
 variants are compiled first in ``--jobs`` processes in parallel (Triton's on-disk cache then
 serves the timing process), so a full search fits in one short GPU session. Writes
 DIR/tune_tiles.json and prints the best config per setting; launch.py's defaults come from these
-results (experiments/results/tune/).
+results (experiments/studies/kernel-tuning/results/).
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ takes the configured tile and halves it until it divides the mask block (`fit_ti
 that is not a multiple of 16 (the smallest tile `tl.dot` takes) is refused with a clear error.
 Dense attention (no mask) has no such constraint.
 
-Configs were chosen by measurement on an H100 (experiments/bench/tune_tiles.py; `default_config`,
-`tma_config`, `fp32_config`, the segments variant); under the Triton interpreter small tiles keep
+Configs were chosen by measurement (experiments/bench/tune_tiles.py; `default_config`,
+`tma_config`, `fp32_config`, the segments variant; the timings behind each choice:
+experiments/studies/kernel-tuning/README.md and, for TMA, experiments/studies/tma/README.md);
+under the Triton interpreter small tiles keep
 CPU tests fast. `tile_config(...)` overrides them (tests use it to cover several tilings; the
 tuning script to search). A config also carries the register cap, the dK/dV orientation (q_rows)
 and whether its tiles load through TMA descriptors (tma).
@@ -89,27 +91,24 @@ def interpreting() -> bool:
 
 def tma_config(kind: str, head_dim: int, k_blocks: int | None) -> TileConfig | None:
     """The tile of a kernel that loads through TMA descriptors, where that measured faster than
-    pointer loads at their own best tile; None elsewhere (pointer loads then). H100, triton 3.6,
-    bf16, GPU time, `tune_tiles` with SPARSEFLASH_TMA=on and =off, dense and density 0.1 at 4K and
-    16K (experiments/studies/tma/results/, 2026-11-23), head_dim 64 and 128 without dropout only.
-    Times (ms) TMA vs pointer defaults: 4K dense / 4K sparse / 16K dense / 16K sparse."""
+    pointer loads at their own best tile; None elsewhere (pointer loads then). Searched with
+    `tune_tiles` under SPARSEFLASH_TMA=on and =off, dense and density 0.1 at 4K and 16K, head_dim
+    64 and 128 without dropout only; the times of each choice: experiments/studies/tma/README.md."""
     sparse = k_blocks is not None
     long_rows = sparse and k_blocks >= 64  # rows of ~13 blocks (16K tokens) against ~3 (4K)
     if kind == "fwd":
         if head_dim == 64:
-            # dense: TMA's best tile is 4% slower at 4K (0.688 vs 0.660), level at 16K
-            return TileConfig(128, 64, 4, 3, tma=True) if sparse else None  # 0.0894/0.0936, 0.311/0.330
+            # dense: TMA's best tile does not beat pointer loads, so they stay
+            return TileConfig(128, 64, 4, 3, tma=True) if sparse else None
         if sparse and not long_rows:
-            return TileConfig(64, 64, 4, 3, tma=True)  # 0.158/0.173
-        return TileConfig(128, 128, 8, 3, tma=True)  # 1.148/1.187, 4.396/4.551, 0.522/0.557
+            return TileConfig(64, 64, 4, 3, tma=True)
+        return TileConfig(128, 128, 8, 3, tma=True)
     if kind == "dq":
-        if sparse and not long_rows:  # d=64: level with pointer loads (0.1136/0.1134)
-            return TileConfig(128, 32, 4, 3, tma=True) if head_dim == 128 else None  # 0.223/0.231
-        # d=64 0.738/0.745, 2.776/2.839, 0.347/0.389; d=128 1.428/1.495, 5.268/5.338, 0.694/0.728
+        if sparse and not long_rows:  # d=64: level with pointer loads, which stay
+            return TileConfig(128, 32, 4, 3, tma=True) if head_dim == 128 else None
         return TileConfig(128, 64, 8, 3, tma=True)
     if head_dim == 64 and sparse and not long_rows:
-        return TileConfig(64, 64, 4, 3, tma=True)  # 0.145/0.159
-    # d=64 1.097/1.135, 4.334/4.669, 0.520/0.584; d=128 1.941/1.962, 0.263/0.283, 7.271/7.526, 0.914/0.936
+        return TileConfig(64, 64, 4, 3, tma=True)
     return TileConfig(64, 64, 4, 2, tma=True)
 
 
@@ -141,55 +140,52 @@ def _default_config_of(kind: str, head_dim: int, device: torch.device, k_blocks:
         cfg = tma_config(kind, head_dim, k_blocks)
         if cfg is not None:
             return cfg
-    # H100 (sm90), bf16, pointer loads, measured by experiments/bench/tune_tiles.py in GPU time,
-    # dense and at density 0.1, N = 4K and 16K, 16 heads (experiments/results/tune/).
+    # sm_90, bf16, pointer loads: the fastest config of experiments/bench/tune_tiles.py in GPU time,
+    # dense and at density 0.1, N = 4K and 16K, 16 heads; each choice's times:
+    # experiments/studies/kernel-tuning/README.md ("The evidence behind tiles.py's defaults").
     sparse = k_blocks is not None
     if kind == "fwd":
         if head_dim <= 32 and not dropout:
-            # tune/d32/ (d=32; ms 1K / 4K / 16K, default 128x64x8w in brackets): dense 4 warps,
-            # 128-key tiles 0.135 / 0.487 / 1.890 (0.152 / 0.562 / 2.177); rows of 1-3 blocks
-            # 128x32 0.033 / 0.063 (0.042 / 0.068); rows of 13 (16K) 64x128 0.224 (0.249)
+            # d=32: dense 4 warps with 128-key tiles; short rows (1-3 blocks) 128x32; long rows 64x128
             if not sparse:
                 return TileConfig(128, 128, 4, 3)
             return TileConfig(64, 128, 4, 3) if k_blocks >= 64 else TileConfig(128, 32, 4, 3)
         if head_dim <= 64:
             # With dropout, at most 128 registers: two 8-warp programs per SM (the kernel takes
-            # 128-130 and the sparse one ran alone; capped, p = 0.1 costs +30-35% instead of
-            # +58-62%); without dropout the cap costs 1-2%, so it stays off.
+            # 128-130, so uncapped one program runs alone); without dropout the cap costs time, so
+            # it stays off.
             if head_dim < 64 and block_d(head_dim) != head_dim and not dropout:
-                # head dims padded to 64 (40, 48, 56): 4 warps. At d=40 (16K, sparse path) 8 warps
-                # took 28-38% longer (4.0 vs 2.9 ms full mask, 0.45 vs 0.32 at density 0.1); 4 warps
-                # is as fast or faster everywhere there. At d=64 4 warps costs 5-8% dense: 8 stay.
+                # head dims padded to 64 (40, 48, 56): 4 warps, as fast or faster than 8 everywhere
+                # there; at d=64 itself 4 warps are slower dense, so 8 stay.
                 return TileConfig(128, 64, 4, 3)
             return TileConfig(128, 64, 8, 3, maxnreg=128 if dropout else None)
         if head_dim <= 128:
             if not sparse:
                 return TileConfig(128, 64, 8, 3)
-            # rows of ~13 blocks (16K tokens): 7% faster with 128-key tiles; rows of ~3 (4K): 64 x 64
+            # rows of ~13 blocks (16K tokens): 128-key tiles; rows of ~3 (4K): 64 x 64
             return TileConfig(128, 128, 8, 3) if k_blocks >= 64 else TileConfig(64, 64, 4, 3)
-        # head_dim 129-256 (tune/d256/, ms at d=256, 4K / 16K): dense 2.45 / 9.51 (64x32x4w: 3.09 /
-        # 12.36), density 0.1 0.312 / 0.999 (0.361 / 1.285)
+        # head_dim 129-256: the d=256 search's best
         return TileConfig(128, 64, 8, 2) if sparse else TileConfig(128, 32, 8, 3)
     if kind == "dkdv":  # block_n = k tile held on chip, block_m = q tile streamed
         if head_dim <= 64:
             if head_dim <= 32 and not dropout and sparse and k_blocks >= 64:
-                return TileConfig(64, 128, 4, 3)  # d=32, 16K rows of 13 blocks: 0.366 ms (32x128: 0.426)
+                return TileConfig(64, 128, 4, 3)  # d=32, 16K rows of 13 blocks
             # With dropout, [queries, keys] tiles (the bits as the forward draws them, no shuffle):
-            # 13-19% faster than the default with dropout, 3-15% slower without it (tune/dropout/).
-            # At d=128 the same orientation gains nothing with dropout (within 2%) and costs without.
+            # faster than the default with dropout, slower without it. At d=128 the same
+            # orientation gains nothing with dropout and costs without, so it stays off there.
             return TileConfig(64, 64, 4, 3, q_rows=True) if dropout else TileConfig(32, 128, 4, 3)
         if head_dim <= 128:
             return TileConfig(64, 128, 8, 3)
-        # d=256: dense 7.44 / 29.5 ms, density 0.1 0.91 / 3.40 (32x64x8w, which spilled: 9.64 / 40.9, 1.09 / 4.32)
+        # d=256: the search's best (the earlier 32x64x8w tile spilled)
         return TileConfig(64, 32, 4, 2)
     # dq: block_m = q tile held, block_n = k tile streamed
     if head_dim <= 64:
-        if dropout:  # 128 registers (two programs per SM): 8% faster dense, 24% sparse (4K) than uncapped
+        if dropout:  # 128 registers (two programs per SM): faster than uncapped, dense and sparse
             return TileConfig(128, 64, 8, 3, maxnreg=128)
         return TileConfig(64, 64, 4, 3) if sparse else TileConfig(128, 64, 8, 3)
     if head_dim <= 128:
         return TileConfig(128, 64, 8, 3)
-    # d=256: dense 2.90 / 11.1 ms, density 0.1 0.48 / 1.47 (64x32x8w: 8.47 / 37.3, 1.01 / 3.98)
+    # d=256: the search's best
     return TileConfig(128, 32, 8, 3)
 
 
@@ -206,8 +202,8 @@ def fit_tile(tile: int, mask_block: int | None, what: str) -> int:
     return tile
 
 
-# fp32 past head_dim 128: the 16-bit tiles of before 2026-11-24 halved twice (the current 16-bit
-# ones do not fit in fp32: dQ would need 303 KB of shared memory). Not re-tuned.
+# fp32 past head_dim 128: the earlier 16-bit d=256 tiles halved twice (the current 16-bit ones do
+# not fit in fp32: dQ would need more shared memory than sm_90 has). Not re-tuned.
 _FP32_WIDE = {"fwd": TileConfig(64, 16, 4, 2), "dkdv": TileConfig(16, 64, 8, 2), "dq": TileConfig(64, 16, 8, 2)}
 
 
@@ -301,15 +297,13 @@ def _tma_layout(shape: tuple, stride: tuple, esz: int, aligned: bool):
 
 # Below this many estimated forward FLOPs an eager call keeps pointer loads in "auto": triton 3.6
 # builds and encodes every descriptor on the host at each launch (12 per fwd+bwd), which makes small
-# eager calls host-bound and slower. H100, 2026-11-23 (experiments/studies/host_cost/results/tma/):
-# 4K d=64 density 0.094 (2.6e10 FLOPs) fwd+bwd host time 0.93-1.14 -> 1.22-1.32 ms with
-# descriptors against 0.46 ms of GPU time; 4K d=128 density 0.094 (5.2e10) 1.00-1.07 -> 1.05-1.53
-# ms against 0.87 -> 0.82 ms of GPU time, so eager calls there gain nothing either. Calls from about
-# 1e11 on have fwd+bwd GPU time beyond the host time, where the 4-9% of GPU time counts.
+# eager calls host-bound and slower; from about this size on a call's GPU time exceeds its host
+# time, where the descriptors' GPU-time gain counts (the measurements: experiments/studies/tma/README.md,
+# "Why TMA_MIN_WORK"; runs in experiments/studies/host_cost/results/tma/).
 # Inside CUDA-graph capture the host cost is paid once, at capture, so "auto" takes descriptors
 # there whatever the size: a captured call may run a kernel its eager warm-up did not, which is
-# loaded during the capture (measured to work on the H100: torch 2.11, triton 3.6, lazy and eager
-# module loading; test_gpu_graph_capture_after_eager_warmup).
+# loaded during the capture (lazy and eager module loading; test_gpu_graph_capture_after_eager_warmup
+# checks it on a GPU).
 TMA_MIN_WORK = 1e11
 
 

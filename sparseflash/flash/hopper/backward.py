@@ -70,12 +70,11 @@ MODE = _env.text("SPARSEFLASH_HOPPER_BWD", "auto")
 
 # MODE "auto" runs block-sparse walks here only when a key tile's column list holds at least this
 # many 128-row q blocks on average: below, the kernel's fixed costs (the float32 dQ buffer zeroed and
-# cast, each tile's K/V load and dK/dV stores) outweigh its faster steps (H100, 16K tokens, random
-# masks: 0.75x the portable backward's speed at 3 blocks, 0.95x at 13, 1.16x at 26, 1.23x at 52 for
-# d=128; 1.01x at 13 for d=64; experiments/studies/hopper/README.md, the column-list threshold).
-# GPUs whose measured crossover is elsewhere have their own value (`list_min_blocks`): on an H200 (more
-# memory bandwidth for the float32 dQ traffic) the one-pass kernel is already 1.12x faster at 13 blocks
-# a column (d=128, random rows) and 1.04x at d=64, slower at 4 (experiments/studies/sparse_bwd/).
+# cast, each tile's K/V load and dK/dV stores) outweigh its faster steps (the crossover against the
+# portable backward, measured on random masks at 16K: experiments/studies/hopper/README.md, the
+# column-list threshold). GPUs whose measured crossover is elsewhere have their own value
+# (`list_min_blocks`): an H200 (more memory bandwidth for the float32 dQ traffic) crosses over at
+# shorter lists (experiments/studies/sparse_bwd/).
 LIST_MIN_BLOCKS = 16.0
 LIST_MIN_BLOCKS_BY_GPU = {"H200": 10.0}
 QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
@@ -587,9 +586,8 @@ def plan(do, q, o, lay, cols: float | None = None, *, exact: bool = False):
     layouts ``lay``, else None. ``cols``: None for walks without block lists, else the mean number
     of 128-row q blocks in a key tile's column list (-1: unknown); MODE "auto" leaves lists shorter
     than `LIST_MIN_BLOCKS` to the portable backward, unless the call has exact-mask bits
-    (``exact``): the portable backward's bits cost more than this kernel's fixed costs (a causal
-    window of 1024 at 16K, ~9 blocks a column, H200: this kernel 1.33x / 1.14x faster at d=64 /
-    128; experiments/studies/hopper/README.md)."""
+    (``exact``): the portable backward's bits cost more than this kernel's fixed costs, also on
+    short lists (measured on a causal window at 16K: experiments/studies/hopper/README.md)."""
     if _do_unsupported(do, q, o) is not None:
         return None
     if cols is not None and MODE == "auto" and cols < list_min_blocks(q.device) and not exact:
