@@ -16,9 +16,15 @@ class Recorder:
     """Pytest plugin: one row per test id with outcome, seconds and the first line of the failure
     or skip message. ``group_of(nodeid)`` names the row's group (a family, or a test function)."""
 
-    def __init__(self, group_of):
+    def __init__(self, group_of, stream: str | None = None):
         self.group_of = group_of
         self.rows: dict[str, dict] = {}
+        self.stream = stream  # a JSON-lines file that gets each finished case at once (survives a kill)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        if self.stream and nodeid in self.rows:
+            with open(self.stream, "a") as f:
+                f.write(json.dumps(self.rows[nodeid]) + "\n")
 
     def pytest_runtest_logreport(self, report):
         row = self.rows.setdefault(report.nodeid, dict(id=report.nodeid, group=self.group_of(report.nodeid),
