@@ -107,3 +107,45 @@ def print_table(summary: list[dict], title: str) -> None:
             print(f"  {s['group']} skipped: {s['skip_reasons'][:200]}")
         if s["first_failures"]:
             print(f"  {s['group']} failed: {s['first_failures'][:300]}")
+
+
+def run_shards(module: str, out: str, jobs: int, timeout_s: float, args_of, env_of=lambda i: {}):
+    """Runs ``python -m module *args_of(i, stream)`` in ``jobs`` processes at once (each a shard of
+    the cases, streaming finished cases to its JSON-lines file); kills what is left at ``timeout_s``.
+    Returns (rows, timed_out, exit codes); the log of a process that crashed is printed."""
+    import glob
+    import sys
+
+    os.makedirs(out, exist_ok=True)
+    for old in glob.glob(os.path.join(out, "shard-*.jsonl")):
+        os.remove(old)
+    t0 = time.time()
+    procs = []
+    for i in range(jobs):
+        stream = os.path.join(out, f"shard-{i}.jsonl")
+        log = open(os.path.join(out, f"shard-{i}.log"), "w")
+        procs.append((subprocess.Popen([sys.executable, "-m", module, *args_of(i, stream)],
+                                       env=dict(os.environ, **env_of(i)), stdout=log, stderr=subprocess.STDOUT), log))
+    timed_out = False
+    for proc, log in procs:
+        try:
+            proc.wait(timeout=max(1.0, timeout_s - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            timed_out = True
+        log.close()
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out, "shard-*.jsonl"))):
+        with open(path) as f:
+            rows += [json.loads(ln) for ln in f if ln.strip()]
+        os.remove(path)
+    codes = [proc.returncode for proc, _ in procs]
+    for i, c in enumerate(codes):
+        log = os.path.join(out, f"shard-{i}.log")
+        if c not in (0, 1, 5, -9):  # 1: a case failed, 5: no case in this shard, -9: stopped at the timeout
+            with open(log) as f:
+                print(f"process {i} exited with {c}:", *f.readlines()[-8:], sep="\n  ")
+        else:
+            os.remove(log)
+    return rows, timed_out, codes

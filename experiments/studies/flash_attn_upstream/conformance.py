@@ -17,11 +17,8 @@ totals), and prints the table last. Exit status 0 when every case ran and passed
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -63,38 +60,11 @@ def main(argv=None) -> int:
     jobs = a.jobs if a.jobs is not None else (12 if torch.cuda.is_available() else 1)
     if jobs < 1:
         p.error(f"--jobs must be a positive number of processes, got {jobs}")
-    os.makedirs(a.out, exist_ok=True)
-    for old in glob.glob(os.path.join(a.out, "shard-*.jsonl")):
-        os.remove(old)
     t0 = time.time()
-    procs = []
-    for i in range(jobs):
-        env = dict(os.environ, SPARSEFLASH_CONFORMANCE_N=str(a.n), SPARSEFLASH_CONFORMANCE_SHARD=f"{i}/{jobs}")
-        stream = os.path.join(a.out, f"shard-{i}.jsonl")
-        log = open(os.path.join(a.out, f"shard-{i}.log"), "w")
-        procs.append((subprocess.Popen([sys.executable, "-m", __spec__.name, a.out, "--shard-stream", stream,
-                                        *(["--", *a.pytest_args] if a.pytest_args else [])], env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    timed_out = False
-    for proc, log in procs:
-        try:
-            proc.wait(timeout=max(1.0, a.timeout_s - (time.time() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            timed_out = True
-        log.close()
-    rows = []
-    for path in sorted(glob.glob(os.path.join(a.out, "shard-*.jsonl"))):
-        with open(path) as f:
-            rows += [json.loads(ln) for ln in f if ln.strip()]
-        os.remove(path)
-    codes = [proc.returncode for proc, _ in procs]
-    for i, c in enumerate(codes):
-        if c not in (0, 1, 5, -9):  # 1: a case failed, 5: no case in this shard, -9: stopped at the timeout
-            with open(os.path.join(a.out, f"shard-{i}.log")) as f:
-                print(f"process {i} exited with {c}:", *f.readlines()[-5:], sep="\n  ")
-        else:
-            os.remove(os.path.join(a.out, f"shard-{i}.log"))
+    rows, timed_out, codes = _summary.run_shards(
+        __spec__.name, a.out, jobs, a.timeout_s,
+        lambda i, stream: ["--shard-stream", stream, a.out, *(["--", *a.pytest_args] if a.pytest_args else [])],
+        lambda i: dict(SPARSEFLASH_CONFORMANCE_N=str(a.n), SPARSEFLASH_CONFORMANCE_SHARD=f"{i}/{jobs}"))
     wall = time.time() - t0
     summary = _summary.write(a.out, "conformance", rows, dict(cases_per_family=a.n, jobs=jobs, wall_s=round(wall, 1),
                                                               timed_out=timed_out, exit_codes=codes))
