@@ -322,10 +322,15 @@ def cache_blocks(mask, B: int, H: int, Hk: int, SQ: int, cap: int, device):
                              "this mask differs within a group (give it per kv head: [batch, nheads_k, 1, blocks])")
         lay = grouped[:, :, 0]
     lay = lay.expand(B, Hk, nkb)
-    counts = lay.sum(-1, dtype=torch.int32)
-    ar = torch.arange(nkb, device=device, dtype=torch.int32)
-    indices = torch.where(lay, ar, nkb).sort(-1).values.to(torch.int32).contiguous()
-    return indices, counts.contiguous(), bk
+    # Compaction by a running count instead of a sort: the j-th listed block goes to slot j, unlisted
+    # ones to a spare last column that is cut off. Four elementwise launches and no segmented sort,
+    # whose several launches were most of a short selection's decode time.
+    slot = lay.cumsum(-1, dtype=torch.int32)  # [B, Hk, nkb]: listed blocks up to and including this one
+    counts = slot[..., -1].contiguous()
+    ar = torch.arange(nkb, device=device, dtype=torch.int32).expand(B, Hk, nkb)
+    indices = torch.full((B, Hk, nkb + 1), nkb, device=device, dtype=torch.int32)
+    indices.scatter_(-1, torch.where(lay, slot - 1, nkb).long(), ar)
+    return indices[..., :nkb].contiguous(), counts, bk
 
 
 def decode_reference(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, window: tuple[int, int],

@@ -15,7 +15,9 @@ sequence, bottom-right aligned), independently of `sparseflash.reference`.
 
 Lanes: on CPU a small sample of every family (short sequences, few heads) under the Triton
 interpreter; on a GPU a seeded sample of ``SPARSEFLASH_CONFORMANCE_N`` cases per family (default 64),
-or flash-attn's whole grid with ``SPARSEFLASH_CONFORMANCE=full`` (hours).
+or flash-attn's whole grid with ``SPARSEFLASH_CONFORMANCE=full`` (hours). One command runs the GPU
+sample over several processes and writes a summary per family:
+``python -m sparseflash.experiments.studies.flash_attn_upstream.conformance OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -138,7 +140,10 @@ def _gpu_cases():
     for fam in FAMILIES:
         grid = list(_grid(fam))
         out += grid if full else random.Random(57).sample(grid, min(n, len(grid)))
-    return out
+    # SPARSEFLASH_CONFORMANCE_SHARD=i/k keeps every k-th case from the i-th: the runner spreads the
+    # sample over processes, since compiling each case's kernels, not running them, takes the time
+    i, k = (int(x) for x in os.environ.get("SPARSEFLASH_CONFORMANCE_SHARD", "0/1").split("/"))
+    return out[i::k]
 
 
 def _case_id(c):

@@ -16,7 +16,7 @@ from _attn_check import assert_within_torch_error, flash_attn_allowed
 
 import sparseflash
 from sparseflash import BlockMask
-from sparseflash.kvcache import decode_reference, window_pair
+from sparseflash.kvcache import cache_blocks, decode_reference, window_pair
 
 
 def _rotary_complex(x, cos, sin, pos, interleaved):
@@ -255,6 +255,20 @@ def test_block_sparse_decoding(device):
         q.to(device), kc.to(device), vc.to(device), cache_seqlens=sl.to(device), mask=per_head),
         sparseflash.flash_attn_with_kvcache(q.to(device), kc.to(device), vc.to(device),
                                             cache_seqlens=sl.to(device), mask=mask))
+
+
+@pytest.mark.parametrize("heads", [2, 4])  # per kv head, and per query head equal within each GQA group
+def test_cache_blocks_lists_the_selected_blocks_in_order(heads):
+    g = torch.Generator().manual_seed(3)
+    lay = torch.rand(3, 2, 1, 11, generator=g) < 0.4
+    lay[0, 0] = False  # a row with no block
+    lay[1, 1] = True  # a row with every block
+    full = lay.repeat_interleave(heads // 2, 1)
+    idx, cnt, bk = cache_blocks(BlockMask.from_layout(full, block_size=(16, 32), seq_q=1, seq_k=352), 3, 4, 2, 1,
+                                352, torch.device("cpu"))
+    want = torch.where(lay[:, :, 0], torch.arange(11), 11).sort(-1).values  # ascending, padded with nblocks
+    assert idx.dtype == cnt.dtype == torch.int32 and bk == 32 and idx.is_contiguous()
+    assert torch.equal(idx.long(), want) and cnt.tolist() == lay[:, :, 0].sum(-1).tolist()
 
 
 def test_rows_attending_nothing_are_zero(device):

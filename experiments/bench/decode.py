@@ -24,6 +24,8 @@ heads, causal, bf16, with and without ``deterministic=True``.
 Writes ``DIR/decode.csv`` (a row per provider x point), ``DIR/decode.json``, ``DIR/decode.png``,
 ``DIR/deterministic.csv``; prints the table last. About 3-4 minutes on an H100 (most of it Flex's
 compilation per shape). ``--quick``: tiny sizes, for a CPU check of the script (interpreter).
+``--full``: the issue's whole grid (batch 1/4/16/64 x cache 4K/16K/64K/256K; B64 x 256K, 64 GiB of
+cache, is over its 48 GB and skipped).
 """
 
 from __future__ import annotations
@@ -225,9 +227,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-cache-gb", type=float, default=20.0, help="skip points whose K+V cache is larger")
     ap.add_argument("--no-deterministic-check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check of the script)")
+    ap.add_argument("--full", action="store_true",
+                    help="the issue's whole grid: batches 1,4,16,64 x caches 4K,16K,64K,256K, caches up to 48 GB")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     H, Hk, D, dtype = 32, 8, 128, torch.bfloat16
+    if args.full:
+        args.batches, args.cache_lens, args.max_cache_gb = "1,4,16,64", "4096,16384,65536,262144", 48.0
     batches = [int(x) for x in args.batches.split(",")]
     lens = [int(x) for x in args.cache_lens.split(",")]
     providers = args.providers.split(",")

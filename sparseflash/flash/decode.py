@@ -6,7 +6,9 @@ head)`` reads one contiguous range of the cache once, with the ``seq_q x (nheads
 query rows of its GQA group stacked as the rows of one tile (the cache is read once per kv head,
 not once per query head), runs the online softmax over its range and writes a partial ``(o, lse)``
 in float32. A second kernel merges the splits of each row by log-sum-exp:
-``lse = log sum_s exp(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``.
+``lse = log sum_s exp(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``. With one split (a short cache or
+selection, or ``num_splits=1``) the split kernel stores the answer itself: one launch, no float32
+partials written and read back.
 
 Differences from the textbook version:
 
@@ -42,8 +44,9 @@ INTERPRETING = _env.interpreting()
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, O_part, LSE_part, seq_start, seq_end, batch_idx, block_table, alibi, blk_idx, blk_cnt,
+    Q, K, V, O_part, LSE_part, Out, LSE, seq_start, seq_end, batch_idx, block_table, alibi, blk_idx, blk_cnt,
     stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_ob, stride_ot, stride_oh, stride_od, stride_lb, stride_lh, stride_lt,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_tb, stride_ab, stride_ib, stride_ih, stride_cb, stride_ch,
@@ -52,6 +55,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TILES_PER_BLOCK: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     i_s = tl.program_id(0)
     i_b = tl.program_id(1)
@@ -149,10 +153,16 @@ def _decode_split_kernel(
     has = l_i > 0.0
     b_o = acc / tl.where(has, l_i, 1.0)[:, None]
     b_lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    # partials [B, Hk, S, R, D] and [B, Hk, S, R]
-    base = ((i_b * n_kv_heads + i_hk) * n_splits + i_s).to(tl.int64) * R
-    tl.store(O_part + (base + o_m[:, None]) * HEAD_DIM + o_d[None, :], b_o, mask=m_m[:, None] & m_d[None, :])
-    tl.store(LSE_part + base + o_m, b_lse, mask=m_m)
+    if DIRECT:  # one split: this is the answer; no partials, no combine launch
+        p_o = Out + i_b.to(tl.int64) * stride_ob + o_t[:, None].to(tl.int64) * stride_ot \
+            + o_h[:, None].to(tl.int64) * stride_oh + o_d[None, :] * stride_od
+        tl.store(p_o, b_o.to(Out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+        tl.store(LSE + i_b.to(tl.int64) * stride_lb + o_h * stride_lh + o_t * stride_lt, b_lse, mask=m_m)
+    else:
+        # partials [B, Hk, S, R, D] and [B, Hk, S, R]
+        base = ((i_b * n_kv_heads + i_hk) * n_splits + i_s).to(tl.int64) * R
+        tl.store(O_part + (base + o_m[:, None]) * HEAD_DIM + o_d[None, :], b_o, mask=m_m[:, None] & m_d[None, :])
+        tl.store(LSE_part + base + o_m, b_lse, mask=m_m)
 
 
 @triton.jit
@@ -253,8 +263,9 @@ def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, w
     else:
         n_units = math.ceil(cap / BLOCK_N)
     S = num_splits if num_splits > 0 else pick_splits(B, Hk, n_units, q.device)
-    o_part = torch.empty(B, Hk, S, R, D, device=q.device, dtype=torch.float32)
-    lse_part = torch.empty(B, Hk, S, R, device=q.device, dtype=torch.float32)
+    direct = S == 1
+    o_part = torch.empty(0 if direct else B * Hk * S * R * D, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(0 if direct else B * Hk * S * R, device=q.device, dtype=torch.float32)
     out = torch.empty(B, SQ, H, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, H, SQ, device=q.device, dtype=torch.float32)
     left, right = window
@@ -267,10 +278,10 @@ def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, w
         prec = "native"
     idx, cnt = (blocks[0], blocks[1]) if blocks is not None else (dummy, dummy)
     _decode_split_kernel[(S, B, Hk)](
-        q, k_cache, v_cache, o_part, lse_part, seq_start, seq_end,
+        q, k_cache, v_cache, o_part, lse_part, out, lse, seq_start, seq_end,
         batch_idx if batch_idx is not None else dummy, block_table if paged else dummy,
         alibi if alibi is not None else dummy, idx, cnt,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        *q.stride(), *out.stride(), *lse.stride(), *k_cache.stride(), *v_cache.stride(),
         block_table.stride(0) if paged else 0, alibi.stride(0) if alibi is not None else 0,
         idx.stride(0) if blocks is not None else 0, idx.stride(1) if blocks is not None else 0,
         cnt.stride(0) if blocks is not None else 0, cnt.stride(1) if blocks is not None else 0,
@@ -279,8 +290,10 @@ def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, w
         PAGE=k_cache.shape[1] if paged else 1, TILES_PER_BLOCK=(mask_block // BLOCK_N) if blocks is not None else 1,
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap is not None,
         HAS_ALIBI=alibi is not None, HAS_BATCH_IDX=batch_idx is not None, PAGED=paged, SPARSE=blocks is not None,
-        DOT_PREC=prec, num_warps=4, num_stages=3,
+        DOT_PREC=prec, DIRECT=direct, num_warps=4, num_stages=3,
     )
+    if direct:
+        return out, lse
     _decode_combine_kernel[(R, B * Hk)](
         o_part, lse_part, out, lse, S, Hk, *out.stride(), *lse.stride(),
         SQ=SQ, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, triton.next_power_of_2(S)), num_warps=4,
