@@ -197,7 +197,7 @@ class BlockMask:
     """
 
     __slots__ = ("layout", "block_size", "seq_q", "seq_k", "mask_mod", "_full", "_index_cache", "_exact_cache",
-                 "fast_entries", "dynamic")
+                 "fast_entries", "dynamic", "density_bound")
 
     def __init__(self, layout: torch.Tensor, block_size=128, seq_q: int | None = None, seq_k: int | None = None,
                  *, full: torch.Tensor | None = None, mask_mod=None):
@@ -239,6 +239,9 @@ class BlockMask:
         # a per-call mask (`from_indices`, `from_layout(dynamic=True)`): its index never reads the density
         # back (a host synchronisation); see `index`
         self.dynamic = False
+        # an upper bound of `density` known without a device read (`from_indices`: K ids of KB blocks per row),
+        # for the launchers' work estimate of a dynamic mask (whose density is never read back); None: unknown
+        self.density_bound: float | None = None
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -311,7 +314,7 @@ class BlockMask:
                              f"expected ceil(seq_q / block_q) = ceil({seq_q} / {bq}) = {qb}")
         if indices.shape[0] == 0 or indices.shape[1] == 0:
             raise ValueError(f"indices must have batch and heads of at least 1, got shape {tuple(indices.shape)}")
-        ids = indices if indices.dtype == torch.int64 else indices.long()
+        ids = indices
         if check:
             ok = (ids >= -1) & (ids < kb)
             if ids.device.type == "cpu" and not tracing():
@@ -323,11 +326,22 @@ class BlockMask:
             else:
                 torch._assert_async(ok.all(), f"BlockMask.from_indices: indices must hold key-block ids in [0, {kb}) "
                                               f"or -1")
+        if _index_kernels().takes(ids):
+            # one launch builds the layout and both lists (`sparseflash.index_kernels`); torch.compile traces
+            # the torch ops below instead, which it fuses
+            layout, kv_num, kv_idx, q_num, q_idx = _index_kernels().lists_from_ids(ids, kb)
+            mask = cls.from_layout(layout, (bq, bk), seq_q, seq_k, dynamic=True)
+            mask._index_cache[ids.device] = BlockIndex(kv_num, kv_idx, q_num, q_idx, None)
+            mask.density_bound = min(ids.shape[-1], kb) / kb
+            return mask
+        ids = ids if ids.dtype == torch.int64 else ids.long()
         # -1 and bad ids go to a spare column kb, cut off below
         slot = torch.where(ids < 0, kb, ids.clamp(max=kb))
         layout = torch.zeros(*ids.shape[:3], kb + 1, dtype=torch.bool, device=ids.device)
         layout.scatter_(-1, slot, True)
-        return cls.from_layout(layout[..., :kb], (bq, bk), seq_q, seq_k, dynamic=True)
+        mask = cls.from_layout(layout[..., :kb], (bq, bk), seq_q, seq_k, dynamic=True)
+        mask.density_bound = min(ids.shape[-1], kb) / kb
+        return mask
 
     @classmethod
     def from_dense(cls, token_mask, block_size=128) -> "BlockMask":
@@ -483,7 +497,7 @@ class BlockMask:
         which is what `sparseflash.attention` computes with ``exact=False`` (``block_level().to_flex()``
         makes FlexAttention compute the same)."""
         out = BlockMask(self.layout, self.block_size, self.seq_q, self.seq_k)
-        out.dynamic = self.dynamic
+        out.dynamic, out.density_bound = self.dynamic, self.density_bound
         return out
 
     def density(self) -> float:
@@ -538,7 +552,7 @@ class BlockMask:
         out = BlockMask(self.layout.to(device), self.block_size, self.seq_q, self.seq_k,
                         full=None if self._full is None else self._full.to(device),
                         mask_mod=mod_to(self.mask_mod, device))
-        out.dynamic = self.dynamic
+        out.dynamic, out.density_bound = self.dynamic, self.density_bound
         if device in self._index_cache:
             out._index_cache[device] = self._index_cache[device]
         if device in self._exact_cache:
@@ -810,6 +824,13 @@ def as_block_mask(mask, name: str = "mask") -> "BlockMask | None":
         what = f"{cls.__name__}"
     raise TypeError(f"{name} must be a sparseflash.BlockMask, a torch FlexAttention BlockMask or None, got {what}: "
                     f"{_BUILD_HINT}")
+
+
+def _index_kernels():
+    """sparseflash.index_kernels, imported on first use (it imports triton; this module does not)."""
+    from sparseflash import index_kernels
+
+    return index_kernels
 
 
 def _as_layout(layout) -> torch.Tensor:

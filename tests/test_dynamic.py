@@ -48,25 +48,67 @@ def test_ranked_lists_equal_sorted_nonzero():
         assert torch.equal(c1, c2) and torch.equal(i1, i2) and i1.dtype == torch.int32
 
 
+@pytest.fixture(params=["torch", "kernel"])
+def index_path(request, monkeypatch):
+    """from_indices through its torch ops or through the Triton index kernel (on CPU under the
+    interpreter: `index_kernels.ON_CPU`; on a GPU the kernel is what CUDA ids take anyway)."""
+    from sparseflash import index_kernels
+
+    if request.param == "kernel":
+        if DEV == "cpu" and not sparseflash._env.interpreting():
+            pytest.skip("the kernel on CPU needs TRITON_INTERPRET=1")
+        monkeypatch.setattr(index_kernels, "ON_CPU", True)
+    elif DEV == "cuda":
+        monkeypatch.setattr(index_kernels, "takes", lambda ids: False)
+    return request.param
+
+
 @pytest.mark.parametrize("shape,seq_q,seq_k,block", [
     ((1, 1, 4, 3), 64, 64, 16),            # square, shared
     ((2, 3, 5, 6), 70, 100, (16, 32)),     # batch x heads, partial tail blocks, rectangular
     ((3, 4, 2), 128, 130, (32, 16)),       # 3-D (heads), rectangular the other way
     ((4, 1), 64, 64, 16),                  # 2-D, K = 1
 ], ids=["B1H1", "B2H3-rect", "H3-rect", "2d-K1"])
-def test_from_indices_matches_from_layout(shape, seq_q, seq_k, block):
+def test_from_indices_matches_from_layout(shape, seq_q, seq_k, block, index_path):
     bq, bk = (block, block) if isinstance(block, int) else block
     kb = math.ceil(seq_k / bk)
     ids = _random_indices(shape, kb)
     ids[..., 0, :] = -1  # a query block that attends nothing
-    m = BlockMask.from_indices(ids.to(torch.int32), seq_q, seq_k, block)
-    want = BlockMask.from_layout(_layout_of(ids, kb), block, seq_q, seq_k)
+    m = BlockMask.from_indices(ids.to(torch.int32).to(DEV), seq_q, seq_k, block)
+    want = BlockMask.from_layout(_layout_of(ids, kb).to(DEV), block, seq_q, seq_k)
+    assert m.density_bound == min(ids.shape[-1], kb) / kb >= want.density()
     assert m.dynamic and m.equal(want) and m.block_size == (bq, bk) and (m.seq_q, m.seq_k) == (seq_q, seq_k)
     got, ref = m.index(), want.index()
     for name in ("kv_num", "kv_idx", "q_num", "q_idx"):
         a, b = getattr(got, name), getattr(ref, name)
         assert torch.equal(a, b.expand_as(a)) and a.dtype == torch.int32, name
     assert got.density is None and ref.density == want.density()  # a dynamic mask never reads it back
+
+
+def test_index_kernel_awkward_ids(index_path):
+    """Strided ids (a transposed view), int8 and int64 ids far outside int32 (ignored with check=False,
+    never wrapped onto a real block), a row of only -1, K wider than the key blocks, one query block."""
+    from sparseflash.mask import ranked_lists
+
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(-1, 6, (2, 7, 3, 12), generator=g)
+    cases = [(base.transpose(1, 2), 6), (base[:, :2].to(torch.int8), 6), (base[:1, :1, :1], 6)]
+    far = base[:1, :1].clone()
+    far[..., 0, :3] = torch.tensor([2**32 + 1, -(2**40), 2**31])  # would alias blocks 1 and 0 if cast to int32
+    cases.append((far, 6))
+    for ids, kb in cases:
+        ids = ids.to(DEV)
+        m = BlockMask.from_indices(ids, ids.shape[2] * 16, kb * 16, 16, check=False)
+        ok = (ids >= 0) & (ids < kb)
+        lay = torch.zeros(*ids.shape[:3], kb + 1, dtype=torch.bool, device=ids.device)
+        lay.scatter_(-1, torch.where(ok, ids.long(), kb), True)
+        lay = lay[..., :kb]
+        assert torch.equal(m.layout, lay)
+        got = m.index()
+        for (num, idx), t in (((got.kv_num, got.kv_idx), lay), ((got.q_num, got.q_idx), lay.transpose(-1, -2))):
+            want_num, want_idx = ranked_lists(t)
+            assert torch.equal(num, want_num) and torch.equal(idx, want_idx)
+            assert idx.is_contiguous() and idx.dtype == torch.int32
 
 
 def test_from_indices_int64_and_broadcasting():
