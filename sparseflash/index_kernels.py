@@ -73,7 +73,7 @@ def _lists_kernel(IDS, LAYOUT, KV_NUM, KV_IDX, Q_NUM, Q_IDX,
             c_miss = (o_j - j0 + 1) - c_hit  # misses up to and including this lane
             o_pos = tl.where(b_hit > 0, hits + c_hit - 1, n + (j0 - hits) + c_miss - 1)
             tl.store(KV_IDX + row + o_pos, tl.where(b_hit > 0, o_j, KB), mask=m_j)
-            tl.store(LAYOUT + row + o_j, b_hit.to(tl.int8), mask=m_j)
+            tl.store(LAYOUT + row + o_j, b_hit.to(tl.uint8), mask=m_j)
             hits += tl.sum(b_hit, axis=0)
         tl.store(KV_NUM + i_bh.to(tl.int64) * QB + i_q, n)
     else:  # a column list: the query blocks whose ids hold key block j

@@ -408,3 +408,22 @@ def test_from_indices_check_under_compile():
     assert torch.equal(compiled(ids), lists(ids))
     with pytest.raises(RuntimeError, match=r"key-block ids in \[0, 4\) or -1"):
         compiled(ids + 5)
+
+
+def test_per_call_step_op_counts():
+    """The host cost of an eager per-call step, as ops dispatched (experiments/studies/dynamic_host):
+    a repeated selection launches only its data-dependent ops, and the shape-only ones it caches are
+    never handed out for writing."""
+    from sparseflash.experiments.studies.dynamic_host.host_breakdown import count_ops
+    from sparseflash.dynamic import topk_indices
+
+    q, k = (torch.randn(1, 2, 256, 16, generator=torch.Generator().manual_seed(s)) for s in (0, 1))
+    first = topk_indices(q, k, 1, 32, causal=True)
+    n_ops, ops = count_ops(lambda: topk_indices(q, k, 1, 32, causal=True))
+    assert n_ops <= 20 and "arange" not in ops and "constant_pad_nd" not in ops, ops
+    first.fill_(7)  # writing into one call's ids leaves the next call's alone
+    assert torch.equal(topk_indices(q, k, 1, 32, causal=True), topk_indices(q, k, 1, 32, causal=True))
+    assert int(topk_indices(q, k, 1, 32, causal=True).max()) < 8
+    no_k = topk_indices(q, k, 0, 32, causal=True)  # only the cached own blocks: a copy of them
+    no_k.fill_(5)
+    assert int(topk_indices(q, k, 0, 32, causal=True)[0, 0, 0, 0]) == 0
