@@ -55,19 +55,19 @@ def _lists_kernel(IDS, LAYOUT, KV_NUM, KV_IDX, Q_NUM, Q_IDX,
     m_k = o_k < K
     if i_p < QB:  # a row list: the key blocks of query block i
         i_q = i_p
-        # [BLOCK_K]; padding lanes read -1, which no key block equals
-        b_ids = tl.load(p_ids + i_q.to(tl.int64) * stride_iq + o_k * stride_ik, mask=m_k, other=-1)
+        # [BLOCK_K]; padding lanes are masked out of every compare (unsigned ids would read -1 as a large id)
+        b_ids = tl.load(p_ids + i_q.to(tl.int64) * stride_iq + o_k * stride_ik, mask=m_k, other=0)
         n = 0
         for j0 in range(0, KB, BLOCK_J):
             o_j = j0 + tl.arange(0, BLOCK_J)
-            b_hit = tl.max((b_ids[None, :] == o_j[:, None]).to(tl.int32), axis=1)  # [BLOCK_J]
+            b_hit = tl.max(((b_ids[None, :] == o_j[:, None]) & m_k[None, :]).to(tl.int32), axis=1)  # [BLOCK_J]
             n += tl.sum(tl.where(o_j < KB, b_hit, 0), axis=0)
         row = (i_bh.to(tl.int64) * QB + i_q) * KB
         hits = 0
         for j0 in range(0, KB, BLOCK_J):
             o_j = j0 + tl.arange(0, BLOCK_J)
             m_j = o_j < KB
-            b_hit = tl.max((b_ids[None, :] == o_j[:, None]).to(tl.int32), axis=1)  # [BLOCK_J]
+            b_hit = tl.max(((b_ids[None, :] == o_j[:, None]) & m_k[None, :]).to(tl.int32), axis=1)  # [BLOCK_J]
             b_hit = tl.where(m_j, b_hit, 0)
             c_hit = tl.cumsum(b_hit, axis=0)
             c_miss = (o_j - j0 + 1) - c_hit  # misses up to and including this lane
@@ -83,8 +83,9 @@ def _lists_kernel(IDS, LAYOUT, KV_NUM, KV_IDX, Q_NUM, Q_IDX,
             o_i = q0 + tl.arange(0, BLOCK_I)
             m_i = o_i < QB
             p = p_ids + o_i[:, None].to(tl.int64) * stride_iq + o_k[None, :] * stride_ik
-            b_ids = tl.load(p, mask=m_i[:, None] & m_k[None, :], other=-1)  # [BLOCK_I, BLOCK_K]
-            b_hit = tl.max((b_ids == i_j).to(tl.int32), axis=1)  # [BLOCK_I]; 0 on masked rows
+            m_ik = m_i[:, None] & m_k[None, :]  # (unsigned ids read "other" as a large id: mask the compare too)
+            b_ids = tl.load(p, mask=m_ik, other=0)  # [BLOCK_I, BLOCK_K]
+            b_hit = tl.max(((b_ids == i_j) & m_ik).to(tl.int32), axis=1)  # [BLOCK_I]
             n += tl.sum(b_hit, axis=0)
         col = (i_bh.to(tl.int64) * KB + i_j) * QB
         hits = 0
@@ -92,8 +93,9 @@ def _lists_kernel(IDS, LAYOUT, KV_NUM, KV_IDX, Q_NUM, Q_IDX,
             o_i = q0 + tl.arange(0, BLOCK_I)
             m_i = o_i < QB
             p = p_ids + o_i[:, None].to(tl.int64) * stride_iq + o_k[None, :] * stride_ik
-            b_ids = tl.load(p, mask=m_i[:, None] & m_k[None, :], other=-1)  # [BLOCK_I, BLOCK_K]
-            b_hit = tl.max((b_ids == i_j).to(tl.int32), axis=1)  # [BLOCK_I]
+            m_ik = m_i[:, None] & m_k[None, :]  # (unsigned ids read "other" as a large id: mask the compare too)
+            b_ids = tl.load(p, mask=m_ik, other=0)  # [BLOCK_I, BLOCK_K]
+            b_hit = tl.max(((b_ids == i_j) & m_ik).to(tl.int32), axis=1)  # [BLOCK_I]
             c_hit = tl.cumsum(b_hit, axis=0)
             c_miss = (o_i - q0 + 1) - c_hit
             o_pos = tl.where(b_hit > 0, hits + c_hit - 1, n + (q0 - hits) + c_miss - 1)
@@ -126,6 +128,11 @@ def lists_from_ids(ids: torch.Tensor, kb: int):
     rows = max(16, _TILE_ELEMS // block_k)
     block_j = min(rows, triton.next_power_of_2(kb))
     block_i = min(rows, triton.next_power_of_2(qb))
-    _lists_kernel[(qb + kb, B * H)](ids, layout, kv_num, kv_idx, q_num, q_idx, *ids.stride(), H, qb, kb, K,
-                                    BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
+    grid = (qb + kb, B * H)
+    args = (ids, layout, kv_num, kv_idx, q_num, q_idx, *ids.stride(), H, qb, kb, K)
+    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev):  # Triton launches on the current device
+            _lists_kernel[grid](*args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
+    else:
+        _lists_kernel[grid](*args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
     return layout.view(torch.bool), kv_num, kv_idx, q_num, q_idx

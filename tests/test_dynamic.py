@@ -92,7 +92,8 @@ def test_index_kernel_awkward_ids(index_path):
 
     g = torch.Generator().manual_seed(5)
     base = torch.randint(-1, 6, (2, 7, 3, 12), generator=g)
-    cases = [(base.transpose(1, 2), 6), (base[:, :2].to(torch.int8), 6), (base[:1, :1, :1], 6)]
+    cases = [(base.transpose(1, 2), 6), (base[:, :2].to(torch.int8), 6), (base[:1, :1, :1], 6),
+             (base[:1, :1].clamp(min=0).to(torch.uint8), 6)]
     far = base[:1, :1].clone()
     far[..., 0, :3] = torch.tensor([2**32 + 1, -(2**40), 2**31])  # would alias blocks 1 and 0 if cast to int32
     cases.append((far, 6))
