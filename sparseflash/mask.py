@@ -42,8 +42,10 @@ a full block (and the padding). The kernels read a tile's bits only in partial b
 Per-call masks (a layout selected on the GPU every step: `BlockMask.from_indices` from key-block
 ids such as a top-k's, ``from_layout(..., dynamic=True)``, `sparseflash.topk_blocks`): the mask is
 ``dynamic``; its lists are ranked from the layout by cumulative sums instead of a sort
-(`ranked_lists`, the same lists) and its density is never read back (``BlockIndex.density`` None,
--1 to the launchers), so building it and attending with it make no host synchronisation.
+(`ranked_lists`, the same lists), or for CUDA ids built with the layout in one Triton launch
+(`sparseflash.index_kernels`), and its density is never read back (``BlockIndex.density`` None; the
+launchers get ``density_bound``, K / KB for `from_indices`, or -1), so building it and attending
+with it make no host synchronisation.
 
 Where things are: this module is the mask core (layout, index form, exact bits, algebra); the
 token-level mask_mods and their evaluation over blocks are `sparseflash.mask_mods`, the FlexAttention
@@ -277,11 +279,14 @@ class BlockMask:
         (a top-k output as it comes: any order, duplicates allowed, ``-1`` = none; ``K`` any width).
         ``QB = ceil(seq_q / block_q)``; ids lie in ``[0, ceil(seq_k / block_k))`` or are -1.
 
-        Built on the indices' device with fixed shapes and no host read: the ids are scattered into
-        the bool layout (duplicates and -1 fall away there) and the kernels' row and column lists
-        are ranked from it by cumulative sums (`ranked_lists`), so the mask is as cheap as a few
-        small kernels, capturable in a CUDA graph and traceable by ``torch.compile(fullgraph=True)``.
-        The mask is ``dynamic`` (see `from_layout`): its density is not read back.
+        Built on the indices' device with fixed shapes and no host read: for CUDA ids one Triton
+        launch writes the bool layout and the kernels' row and column lists
+        (`sparseflash.index_kernels`); otherwise (CPU ids, ``torch.compile`` traces, K > 1024) the ids
+        are scattered into the layout (duplicates and -1 fall away there) and the lists ranked from
+        it by cumulative sums (`ranked_lists`), the same lists. Capturable in a CUDA graph and
+        traceable by ``torch.compile(fullgraph=True)``. The mask is ``dynamic`` (see `from_layout`):
+        its density is not read back; ``mask.density_bound`` = min(K, KB) / KB bounds it for the
+        launchers' work estimate.
 
         ``block_size``: an int or ``(block_q, block_k)``, multiples of 16 (the kernels' smallest tile).
         ``check``: validate the ids' values. On a CPU tensor outside a trace, a ValueError names the

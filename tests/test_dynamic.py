@@ -332,6 +332,23 @@ def test_sync_free_under_sync_debug_mode():
 
 
 @gpu
+def test_from_indices_on_cuda_takes_the_kernel():
+    """CUDA ids build the lists in the one launch (the index is there before anyone asks), the same as
+    the torch path's, for top-k ids as they come (best first, int64)."""
+    q, k, _, _ = make_qkv(2, 4, 4, 1000, 1000, 64, torch.bfloat16, "cuda")
+    from sparseflash.dynamic import topk_indices
+
+    ids = topk_indices(q, k, 3, 64, causal=True)
+    m = BlockMask.from_indices(ids, 1000, block_size=64)
+    assert m._index_cache and m.density_bound == min(ids.shape[-1], 16) / 16
+    assert torch.equal(m.layout.cpu(), _layout_of(ids.cpu(), 16))
+    want = BlockMask.from_layout(m.layout.clone(), 64, 1000)
+    got, ref = m.index(), want.index()
+    for name in ("kv_num", "kv_idx", "q_num", "q_idx"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+@gpu
 def test_cuda_graph_replay_with_changing_inputs():
     """One captured graph: topk selection + from_indices + attention, replayed with new q, k, v; each
     replay equals an eager call on the same inputs."""
