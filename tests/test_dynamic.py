@@ -406,12 +406,11 @@ def test_dynamic_bench_cpu_smoke(tmp_path):
     assert all(r["status"] == "ok" for r in rows)
     assert all(r["max_diff"] == 0.0 for r in rows if r["provider"] == "per-call")  # the same mask, the same kernels
     assert (tmp_path / "dynamic.png").stat().st_size and (tmp_path / "dynamic.csv").stat().st_size
-    # --merge: a second run of another K keeps the first run's rows, and replaces its own
-    for _ in range(2):
-        assert dynamic.main(["--device", "cpu", "--out", str(tmp_path), "--tokens", "64", "--block", "16",
-                             "--heads", "1", "--ks", "1", "--merge"]) == 0
-    merged = json.loads((tmp_path / "dynamic.json").read_text())["rows"]
-    assert sorted({r["k_blocks"] for r in merged}) == [1, 2] and len(merged) == 2 * len(rows)
+    # --merge: a run of other (head_dim, K) pairs keeps the earlier rows; a run of the same pairs replaces them
+    new = [dict(r, k_blocks=1) for r in rows]
+    merged = dynamic.merge_rows(tmp_path / "dynamic.json", new)
+    assert merged == rows + new
+    assert dynamic.merge_rows(tmp_path / "dynamic.json", rows[:1]) == rows[:1]
 
 
 def test_from_indices_check_under_compile():
