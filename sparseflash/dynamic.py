@@ -23,12 +23,31 @@ from collections.abc import Sequence
 
 import torch
 
-from sparseflash.mask import BlockMask, block_pair
+from sparseflash.mask import BlockMask, block_pair, tracing
 
 __all__ = ["topk_blocks", "topk_indices", "block_scores", "pool_blocks"]
 
 # per-head counts on their device, made once (a host-to-device copy inside a CUDA-graph capture would fail)
 _COUNTS: dict = {}
+# tensors that depend only on a call's shapes (`_shape_parts`, `pool_blocks`'s token counts), made once per
+# shape and device outside traces and captures: an eager call then launches only the data-dependent ops
+_SHAPES: dict = {}
+_MAX_SHAPES = 256
+
+
+def _cached(key, build):
+    """``build()``, kept under ``key`` when made outside torch.compile traces and CUDA-graph captures (a
+    tensor made inside one belongs to that graph)."""
+    if torch.compiler.is_compiling():
+        return build()  # (in the traced graph, where the compiler folds it)
+    out = _SHAPES.get(key)
+    if out is None:
+        out = build()
+        if not tracing():
+            if len(_SHAPES) >= _MAX_SHAPES:
+                _SHAPES.clear()
+            _SHAPES[key] = out
+    return out
 
 
 def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -36,11 +55,14 @@ def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     (float32; the tail block's mean is over its real tokens)."""
     B, H, N, D = x.shape
     nb = math.ceil(N / block)
+    if N % block == 0:  # whole blocks: a mean, with no padded copy
+        return x.reshape(B, H, nb, block, D).mean(3, dtype=torch.float32)
     padded = torch.nn.functional.pad(x.float(), (0, 0, 0, nb * block - N))
     sums = padded.view(B, H, nb, block, D).sum(3)
     # tokens per block, made on the device (no host-to-device copy: none may run inside a graph capture)
-    counts = (N - torch.arange(nb, device=x.device) * block).clamp(max=block).to(torch.float32)
-    return sums / counts[:, None]
+    counts = _cached(("counts", N, block, x.device),
+                     lambda: (N - torch.arange(nb, device=x.device) * block).clamp(max=block).to(torch.float32)[:, None])
+    return sums / counts
 
 
 def block_scores(q: torch.Tensor, k: torch.Tensor, block_size=128, group_size: int = 1) -> torch.Tensor:
@@ -51,7 +73,9 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, block_size=128, group_size: i
     B, Hq = q.shape[:2]
     Hk = k.shape[1]
     qp = pool_blocks(q, bq)
-    kp = pool_blocks(k, bk).repeat_interleave(Hq // Hk, dim=1)
+    kp = pool_blocks(k, bk)
+    if Hq != Hk:
+        kp = kp.repeat_interleave(Hq // Hk, dim=1)
     s = qp @ kp.transpose(-1, -2)  # [B, Hq, QB, KB]
     if group_size > 1:
         s = s.view(B, Hq // group_size, group_size, *s.shape[-2:]).mean(2)
@@ -120,6 +144,35 @@ def topk_blocks(q: torch.Tensor, k: torch.Tensor, num_blocks, block_size=128, ca
     return BlockMask.from_indices(indices, q.shape[2], k.shape[2], block_size, check=check)
 
 
+def _shape_parts(qb: int, kb: int, bq: int, bk: int, seq_q: int, seq_k: int, causal: bool, sink_blocks: int,
+                 dev) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """What `topk_indices` takes from the shapes alone: (the always-on ids int64 ``[QB, n]`` -- with
+    ``causal`` the own blocks, then the sinks; -1 = none -- or None, the blocks the top-k may pick,
+    bool ``[QB, KB]``)."""
+    cols = torch.arange(kb, device=dev)
+    parts = []
+    if causal:
+        off = seq_k - seq_q
+        q0 = torch.arange(qb, device=dev) * bq
+        q1 = (q0 + bq).clamp(max=seq_q)
+        # own blocks: those holding keys q0 + off .. q1 - 1 + off (clipped to the keys there are)
+        first = torch.div(q0 + off, bk, rounding_mode="floor").clamp(0, kb)  # [QB]
+        last = torch.div(q1 - 1 + off, bk, rounding_mode="floor").clamp(max=kb - 1)  # [QB], < first: none
+        own = first[:, None] + torch.arange(math.ceil(bq / bk) + 1, device=dev)  # [QB, n_own]
+        parts.append(torch.where(own <= last[:, None], own, -1))
+        allowed = cols[None, :] < first[:, None]  # [QB, KB]: wholly before the own blocks
+        if sink_blocks:
+            sinks = torch.arange(min(sink_blocks, kb), device=dev)
+            parts.append(torch.where(sinks[None, :] <= last[:, None], sinks, -1))
+    else:
+        allowed = torch.ones(qb, kb, dtype=torch.bool, device=dev)
+        if sink_blocks:
+            parts.append(torch.arange(min(sink_blocks, kb), device=dev).expand(qb, -1))
+    allowed = allowed & (cols >= sink_blocks)
+    fixed = torch.cat(parts, dim=-1).long().contiguous() if parts else None
+    return fixed, allowed
+
+
 @torch.no_grad()
 def topk_indices(q: torch.Tensor, k: torch.Tensor, num_blocks, block_size=128, causal: bool = False, *,
                  group_size: int = 1, sink_blocks: int = 0) -> torch.Tensor:
@@ -141,27 +194,9 @@ def topk_indices(q: torch.Tensor, k: torch.Tensor, num_blocks, block_size=128, c
     qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
     dev = q.device
     scores = block_scores(q, k, (bq, bk), group_size)  # [B, n_sel, QB, KB]
-    cols = torch.arange(kb, device=dev)
-    parts = []
-    if causal:
-        off = seq_k - seq_q
-        q0 = torch.arange(qb, device=dev) * bq
-        q1 = (q0 + bq).clamp(max=seq_q)
-        # own blocks: those holding keys q0 + off .. q1 - 1 + off (clipped to the keys there are)
-        first = torch.div(q0 + off, bk, rounding_mode="floor").clamp(0, kb)  # [QB]
-        last = torch.div(q1 - 1 + off, bk, rounding_mode="floor").clamp(max=kb - 1)  # [QB], < first: none
-        n_own = math.ceil(bq / bk) + 1
-        own = first[:, None] + torch.arange(n_own, device=dev)  # [QB, n_own]
-        parts.append(torch.where(own <= last[:, None], own, -1).expand(B, n_sel, qb, n_own))
-        allowed = cols[None, :] < first[:, None]  # [QB, KB]: wholly before the own blocks
-        if sink_blocks:
-            sinks = torch.arange(min(sink_blocks, kb), device=dev)
-            parts.append(torch.where(sinks[None, :] <= last[:, None], sinks, -1).expand(B, n_sel, qb, -1))
-    else:
-        allowed = torch.ones(qb, kb, dtype=torch.bool, device=dev)
-        if sink_blocks:
-            parts.append(torch.arange(min(sink_blocks, kb), device=dev).expand(B, n_sel, qb, -1))
-    allowed = allowed & (cols >= sink_blocks)
+    fixed, allowed = _cached(("parts", qb, kb, bq, bk, seq_q, seq_k, causal, sink_blocks, dev),
+                             lambda: _shape_parts(qb, kb, bq, bk, seq_q, seq_k, causal, sink_blocks, dev))
+    parts = [] if fixed is None else [fixed.expand(B, n_sel, qb, -1)]
     width = min(width, kb)
     if width:
         masked = torch.where(allowed, scores, float("-inf"))
@@ -172,7 +207,8 @@ def topk_indices(q: torch.Tensor, k: torch.Tensor, num_blocks, block_size=128, c
         parts.append(torch.where(keep, pick, -1))
     if not parts:
         parts.append(torch.full((B, n_sel, qb, 1), -1, dtype=torch.long, device=dev))
-    indices = torch.cat([p.long() for p in parts], dim=-1)
+    # (cat also copies a lone cached part, which the caller must not be able to write into)
+    indices = parts[0] if len(parts) == 1 and fixed is None else torch.cat(parts, dim=-1)
     if group_size > 1:
         indices = indices.repeat_interleave(group_size, dim=1)
     return indices

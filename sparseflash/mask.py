@@ -42,8 +42,10 @@ a full block (and the padding). The kernels read a tile's bits only in partial b
 Per-call masks (a layout selected on the GPU every step: `BlockMask.from_indices` from key-block
 ids such as a top-k's, ``from_layout(..., dynamic=True)``, `sparseflash.topk_blocks`): the mask is
 ``dynamic``; its lists are ranked from the layout by cumulative sums instead of a sort
-(`ranked_lists`, the same lists) and its density is never read back (``BlockIndex.density`` None,
--1 to the launchers), so building it and attending with it make no host synchronisation.
+(`ranked_lists`, the same lists), or for CUDA ids built with the layout in one Triton launch
+(`sparseflash.index_kernels`), and its density is never read back (``BlockIndex.density`` None; the
+launchers get ``density_bound``, K / KB for `from_indices`, or -1), so building it and attending
+with it make no host synchronisation.
 
 Where things are: this module is the mask core (layout, index form, exact bits, algebra); the
 token-level mask_mods and their evaluation over blocks are `sparseflash.mask_mods`, the FlexAttention
@@ -197,7 +199,7 @@ class BlockMask:
     """
 
     __slots__ = ("layout", "block_size", "seq_q", "seq_k", "mask_mod", "_full", "_index_cache", "_exact_cache",
-                 "fast_entries", "dynamic")
+                 "fast_entries", "dynamic", "density_bound")
 
     def __init__(self, layout: torch.Tensor, block_size=128, seq_q: int | None = None, seq_k: int | None = None,
                  *, full: torch.Tensor | None = None, mask_mod=None):
@@ -239,6 +241,9 @@ class BlockMask:
         # a per-call mask (`from_indices`, `from_layout(dynamic=True)`): its index never reads the density
         # back (a host synchronisation); see `index`
         self.dynamic = False
+        # an upper bound of `density` known without a device read (`from_indices`: K ids of KB blocks per row),
+        # for the launchers' work estimate of a dynamic mask (whose density is never read back); None: unknown
+        self.density_bound: float | None = None
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -274,11 +279,14 @@ class BlockMask:
         (a top-k output as it comes: any order, duplicates allowed, ``-1`` = none; ``K`` any width).
         ``QB = ceil(seq_q / block_q)``; ids lie in ``[0, ceil(seq_k / block_k))`` or are -1.
 
-        Built on the indices' device with fixed shapes and no host read: the ids are scattered into
-        the bool layout (duplicates and -1 fall away there) and the kernels' row and column lists
-        are ranked from it by cumulative sums (`ranked_lists`), so the mask is as cheap as a few
-        small kernels, capturable in a CUDA graph and traceable by ``torch.compile(fullgraph=True)``.
-        The mask is ``dynamic`` (see `from_layout`): its density is not read back.
+        Built on the indices' device with fixed shapes and no host read: for CUDA ids one Triton
+        launch writes the bool layout and the kernels' row and column lists
+        (`sparseflash.index_kernels`); otherwise (CPU ids, ``torch.compile`` traces, K > 1024) the ids
+        are scattered into the layout (duplicates and -1 fall away there) and the lists ranked from
+        it by cumulative sums (`ranked_lists`), the same lists. Capturable in a CUDA graph and
+        traceable by ``torch.compile(fullgraph=True)``. The mask is ``dynamic`` (see `from_layout`):
+        its density is not read back; ``mask.density_bound`` = min(K, KB) / KB bounds it for the
+        launchers' work estimate.
 
         ``block_size``: an int or ``(block_q, block_k)``, multiples of 16 (the kernels' smallest tile).
         ``check``: validate the ids' values. On a CPU tensor outside a trace, a ValueError names the
@@ -311,7 +319,7 @@ class BlockMask:
                              f"expected ceil(seq_q / block_q) = ceil({seq_q} / {bq}) = {qb}")
         if indices.shape[0] == 0 or indices.shape[1] == 0:
             raise ValueError(f"indices must have batch and heads of at least 1, got shape {tuple(indices.shape)}")
-        ids = indices if indices.dtype == torch.int64 else indices.long()
+        ids = indices
         if check:
             ok = (ids >= -1) & (ids < kb)
             if ids.device.type == "cpu" and not tracing():
@@ -323,11 +331,22 @@ class BlockMask:
             else:
                 torch._assert_async(ok.all(), f"BlockMask.from_indices: indices must hold key-block ids in [0, {kb}) "
                                               f"or -1")
+        if _index_kernels().takes(ids):
+            # one launch builds the layout and both lists (`sparseflash.index_kernels`); torch.compile traces
+            # the torch ops below instead, which it fuses
+            layout, kv_num, kv_idx, q_num, q_idx = _index_kernels().lists_from_ids(ids, kb)
+            mask = cls.from_layout(layout, (bq, bk), seq_q, seq_k, dynamic=True)
+            mask._index_cache[ids.device] = BlockIndex(kv_num, kv_idx, q_num, q_idx, None)
+            mask.density_bound = min(ids.shape[-1], kb) / kb
+            return mask
+        ids = ids if ids.dtype == torch.int64 else ids.long()
         # -1 and bad ids go to a spare column kb, cut off below
         slot = torch.where(ids < 0, kb, ids.clamp(max=kb))
         layout = torch.zeros(*ids.shape[:3], kb + 1, dtype=torch.bool, device=ids.device)
         layout.scatter_(-1, slot, True)
-        return cls.from_layout(layout[..., :kb], (bq, bk), seq_q, seq_k, dynamic=True)
+        mask = cls.from_layout(layout[..., :kb], (bq, bk), seq_q, seq_k, dynamic=True)
+        mask.density_bound = min(ids.shape[-1], kb) / kb
+        return mask
 
     @classmethod
     def from_dense(cls, token_mask, block_size=128) -> "BlockMask":
@@ -483,7 +502,7 @@ class BlockMask:
         which is what `sparseflash.attention` computes with ``exact=False`` (``block_level().to_flex()``
         makes FlexAttention compute the same)."""
         out = BlockMask(self.layout, self.block_size, self.seq_q, self.seq_k)
-        out.dynamic = self.dynamic
+        out.dynamic, out.density_bound = self.dynamic, self.density_bound
         return out
 
     def density(self) -> float:
@@ -538,7 +557,7 @@ class BlockMask:
         out = BlockMask(self.layout.to(device), self.block_size, self.seq_q, self.seq_k,
                         full=None if self._full is None else self._full.to(device),
                         mask_mod=mod_to(self.mask_mod, device))
-        out.dynamic = self.dynamic
+        out.dynamic, out.density_bound = self.dynamic, self.density_bound
         if device in self._index_cache:
             out._index_cache[device] = self._index_cache[device]
         if device in self._exact_cache:
@@ -810,6 +829,13 @@ def as_block_mask(mask, name: str = "mask") -> "BlockMask | None":
         what = f"{cls.__name__}"
     raise TypeError(f"{name} must be a sparseflash.BlockMask, a torch FlexAttention BlockMask or None, got {what}: "
                     f"{_BUILD_HINT}")
+
+
+def _index_kernels():
+    """sparseflash.index_kernels, imported on first use (it imports triton; this module does not)."""
+    from sparseflash import index_kernels
+
+    return index_kernels
 
 
 def _as_layout(layout) -> torch.Tensor:

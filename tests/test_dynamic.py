@@ -48,25 +48,68 @@ def test_ranked_lists_equal_sorted_nonzero():
         assert torch.equal(c1, c2) and torch.equal(i1, i2) and i1.dtype == torch.int32
 
 
+@pytest.fixture(params=["torch", "kernel"])
+def index_path(request, monkeypatch):
+    """from_indices through its torch ops or through the Triton index kernel (on CPU under the
+    interpreter: `index_kernels.ON_CPU`; on a GPU the kernel is what CUDA ids take anyway)."""
+    from sparseflash import index_kernels
+
+    if request.param == "kernel":
+        if DEV == "cpu" and not sparseflash._env.interpreting():
+            pytest.skip("the kernel on CPU needs TRITON_INTERPRET=1")
+        monkeypatch.setattr(index_kernels, "ON_CPU", True)
+    elif DEV == "cuda":
+        monkeypatch.setattr(index_kernels, "takes", lambda ids: False)
+    return request.param
+
+
 @pytest.mark.parametrize("shape,seq_q,seq_k,block", [
     ((1, 1, 4, 3), 64, 64, 16),            # square, shared
     ((2, 3, 5, 6), 70, 100, (16, 32)),     # batch x heads, partial tail blocks, rectangular
     ((3, 4, 2), 128, 130, (32, 16)),       # 3-D (heads), rectangular the other way
     ((4, 1), 64, 64, 16),                  # 2-D, K = 1
 ], ids=["B1H1", "B2H3-rect", "H3-rect", "2d-K1"])
-def test_from_indices_matches_from_layout(shape, seq_q, seq_k, block):
+def test_from_indices_matches_from_layout(shape, seq_q, seq_k, block, index_path):
     bq, bk = (block, block) if isinstance(block, int) else block
     kb = math.ceil(seq_k / bk)
     ids = _random_indices(shape, kb)
     ids[..., 0, :] = -1  # a query block that attends nothing
-    m = BlockMask.from_indices(ids.to(torch.int32), seq_q, seq_k, block)
-    want = BlockMask.from_layout(_layout_of(ids, kb), block, seq_q, seq_k)
+    m = BlockMask.from_indices(ids.to(torch.int32).to(DEV), seq_q, seq_k, block)
+    want = BlockMask.from_layout(_layout_of(ids, kb).to(DEV), block, seq_q, seq_k)
+    assert m.density_bound == min(ids.shape[-1], kb) / kb >= want.density()
     assert m.dynamic and m.equal(want) and m.block_size == (bq, bk) and (m.seq_q, m.seq_k) == (seq_q, seq_k)
     got, ref = m.index(), want.index()
     for name in ("kv_num", "kv_idx", "q_num", "q_idx"):
         a, b = getattr(got, name), getattr(ref, name)
         assert torch.equal(a, b.expand_as(a)) and a.dtype == torch.int32, name
     assert got.density is None and ref.density == want.density()  # a dynamic mask never reads it back
+
+
+def test_index_kernel_awkward_ids(index_path):
+    """Strided ids (a transposed view), int8 and int64 ids far outside int32 (ignored with check=False,
+    never wrapped onto a real block), a row of only -1, K wider than the key blocks, one query block."""
+    from sparseflash.mask import ranked_lists
+
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(-1, 6, (2, 7, 3, 12), generator=g)
+    cases = [(base.transpose(1, 2), 6), (base[:, :2].to(torch.int8), 6), (base[:1, :1, :1], 6),
+             (base[:1, :1].clamp(min=0).to(torch.uint8), 6)]
+    far = base[:1, :1].clone()
+    far[..., 0, :3] = torch.tensor([2**32 + 1, -(2**40), 2**31])  # would alias blocks 1 and 0 if cast to int32
+    cases.append((far, 6))
+    for ids, kb in cases:
+        ids = ids.to(DEV)
+        m = BlockMask.from_indices(ids, ids.shape[2] * 16, kb * 16, 16, check=False)
+        ok = (ids >= 0) & (ids < kb)
+        lay = torch.zeros(*ids.shape[:3], kb + 1, dtype=torch.bool, device=ids.device)
+        lay.scatter_(-1, torch.where(ok, ids.long(), kb), True)
+        lay = lay[..., :kb]
+        assert torch.equal(m.layout, lay)
+        got = m.index()
+        for (num, idx), t in (((got.kv_num, got.kv_idx), lay), ((got.q_num, got.q_idx), lay.transpose(-1, -2))):
+            want_num, want_idx = ranked_lists(t)
+            assert torch.equal(num, want_num) and torch.equal(idx, want_idx)
+            assert idx.is_contiguous() and idx.dtype == torch.int32
 
 
 def test_from_indices_int64_and_broadcasting():
@@ -289,6 +332,23 @@ def test_sync_free_under_sync_debug_mode():
 
 
 @gpu
+def test_from_indices_on_cuda_takes_the_kernel():
+    """CUDA ids build the lists in the one launch (the index is there before anyone asks), the same as
+    the torch path's, for top-k ids as they come (best first, int64)."""
+    q, k, _, _ = make_qkv(2, 4, 4, 1000, 1000, 64, torch.bfloat16, "cuda")
+    from sparseflash.dynamic import topk_indices
+
+    ids = topk_indices(q, k, 3, 64, causal=True)
+    m = BlockMask.from_indices(ids, 1000, block_size=64)
+    assert m._index_cache and m.density_bound == min(ids.shape[-1], 16) / 16
+    assert torch.equal(m.layout.cpu(), _layout_of(ids.cpu(), 16))
+    want = BlockMask.from_layout(m.layout.clone(), 64, 1000)
+    got, ref = m.index(), want.index()
+    for name in ("kv_num", "kv_idx", "q_num", "q_idx"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+@gpu
 def test_cuda_graph_replay_with_changing_inputs():
     """One captured graph: topk selection + from_indices + attention, replayed with new q, k, v; each
     replay equals an eager call on the same inputs."""
@@ -346,6 +406,11 @@ def test_dynamic_bench_cpu_smoke(tmp_path):
     assert all(r["status"] == "ok" for r in rows)
     assert all(r["max_diff"] == 0.0 for r in rows if r["provider"] == "per-call")  # the same mask, the same kernels
     assert (tmp_path / "dynamic.png").stat().st_size and (tmp_path / "dynamic.csv").stat().st_size
+    # --merge: a run of other (head_dim, K) pairs keeps the earlier rows; a run of the same pairs replaces them
+    new = [dict(r, k_blocks=1) for r in rows]
+    merged = dynamic.merge_rows(tmp_path / "dynamic.json", new)
+    assert merged == rows + new
+    assert dynamic.merge_rows(tmp_path / "dynamic.json", rows[:1]) == rows[:1]
 
 
 def test_from_indices_check_under_compile():
@@ -360,3 +425,60 @@ def test_from_indices_check_under_compile():
     assert torch.equal(compiled(ids), lists(ids))
     with pytest.raises(RuntimeError, match=r"key-block ids in \[0, 4\) or -1"):
         compiled(ids + 5)
+
+
+def test_per_call_step_op_counts():
+    """The host cost of an eager per-call step, as ops dispatched (experiments/studies/dynamic_host):
+    a repeated selection launches only its data-dependent ops, and the shape-only ones it caches are
+    never handed out for writing."""
+    from sparseflash.experiments.studies.dynamic_host.host_breakdown import count_ops
+    from sparseflash.dynamic import topk_indices
+
+    q, k = (torch.randn(1, 2, 256, 16, generator=torch.Generator().manual_seed(s)) for s in (0, 1))
+    first = topk_indices(q, k, 1, 32, causal=True)
+    n_ops, ops = count_ops(lambda: topk_indices(q, k, 1, 32, causal=True))
+    assert n_ops <= 20 and "arange" not in ops and "constant_pad_nd" not in ops, ops
+    first.fill_(7)  # writing into one call's ids leaves the next call's alone
+    assert torch.equal(topk_indices(q, k, 1, 32, causal=True), topk_indices(q, k, 1, 32, causal=True))
+    assert int(topk_indices(q, k, 1, 32, causal=True).max()) < 8
+    no_k = topk_indices(q, k, 0, 32, causal=True)  # only the cached own blocks: a copy of them
+    no_k.fill_(5)
+    assert int(topk_indices(q, k, 0, 32, causal=True)[0, 0, 0, 0]) == 0
+
+
+_COMPILE_INDEX_KERNEL = """
+import sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:
+    print(f"cannot compile for CUDA here: {e}")
+    sys.exit(3)
+from sparseflash.index_kernels import _lists_kernel
+for ids in ("*i64", "*i32", "*u8"):
+    sig = dict(IDS=ids, LAYOUT="*u8", KV_NUM="*i32", KV_IDX="*i32", Q_NUM="*i32", Q_IDX="*i32", stride_ib="i32",
+               stride_ih="i32", stride_iq="i32", stride_ik="i32", H="i32", QB="i32", KB="i32", K="i32",
+               BLOCK_J="constexpr", BLOCK_I="constexpr", BLOCK_K="constexpr")
+    src = ASTSource(_lists_kernel, sig, constexprs={"BLOCK_J": 128, "BLOCK_I": 128, "BLOCK_K": 16})
+    print(ids, len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]))
+"""
+
+
+def test_index_kernel_compiles_for_sm90():
+    """The index kernel's compiled path (which the interpreter never takes) builds for sm_90 without a
+    GPU: Triton's front end, its passes and the bundled ptxas, in a child process outside the interpreter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _COMPILE_INDEX_KERNEL], env=env, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode == 3:
+        pytest.skip(r.stdout.strip())
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("\n") == 3

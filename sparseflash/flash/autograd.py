@@ -217,14 +217,19 @@ def segment_lists(seg_q: Tensor, seg_k: Tensor | None, mask: BlockMask | None, d
 def mask_lists(mask: BlockMask | None, device) -> tuple[Optional[Tensor], Optional[Tensor], int, int, float]:
     """(kv_idx, q_idx, block_q, block_k, density) of ``mask`` on ``device`` as the kernels take
     them: (None, None, 0, 0, 1.0) for dense attention; density -1 when unknown (an index built
-    inside a trace). A mask block the kernels cannot tile is refused here, early."""
+    inside a trace), or for a dynamic mask the upper bound it knows from its shapes
+    (`BlockMask.density_bound`: the work estimate is an upper bound anyway, and unknown counts as
+    large). A mask block the kernels cannot tile is refused here, early."""
     if mask is None:
         return None, None, 0, 0, 1.0
     index = mask.index(device)
     mask_bq, mask_bk = mask.block_size
     tiles.fit_tile(16, mask_bq, "block_q")
     tiles.fit_tile(16, mask_bk, "block_k")
-    return index.kv_idx, index.q_idx, mask_bq, mask_bk, -1.0 if index.density is None else index.density
+    density = index.density
+    if density is None:
+        density = -1.0 if mask.density_bound is None else mask.density_bound
+    return index.kv_idx, index.q_idx, mask_bq, mask_bk, density
 
 
 def check_runnable(q: Tensor) -> None:

@@ -1,0 +1,138 @@
+"""One Triton launch from key-block ids to a per-call mask's index form (`BlockMask.from_indices`).
+
+Input: ``ids [B', H', QB, K]`` (any integer dtype, any strides; -1 = none, duplicates and any
+order allowed; an id outside ``[0, KB)`` is ignored). Output, all on the ids' device, exactly what
+`sparseflash.mask.ranked_lists` / `sorted_nonzero` give for the layout the ids mean:
+
+- ``layout [B', H', QB, KB]`` bool;
+- rows: ``kv_num [B', H', QB]`` int32, ``kv_idx [B', H', QB, KB]`` int32: the row's key blocks in
+  increasing order, then the padding KB;
+- columns: ``q_num [B', H', KB]``, ``q_idx [B', H', KB, QB]``: the transpose, padding QB.
+
+Algorithm (membership by comparison, no sort and no layout round trip): one program per list,
+grid ``(QB + KB, B' * H')``. A row program loads its K ids once and asks of every key block j, a
+chunk of BLOCK_J at a time, whether any id equals j (a [BLOCK_J, BLOCK_K] compare and a max);
+a column program asks of every query block i whether any id of row i equals its j (a
+[BLOCK_I, BLOCK_K] tile of ids per chunk). Pass 1 counts the hits n; pass 2 writes each entry
+once: the t-th hit at place t (so the list is sorted and duplicates collapse), the t-th miss at
+place n + t with the padding value, so the list's every slot is written by exactly one lane (no
+fill before, no ordering between stores). Row programs also write the layout row. The work is
+``2 (QB KB K)`` compares per list kind, a few microseconds at 128 x 128 blocks, K = 16.
+
+Caveats: K is padded to a power of two in registers (`MAX_K` bounds it; wider ids take the
+torch path in `sparseflash.mask`); this is an index builder, not an attention kernel: it never
+reads q, k or v.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["lists_from_ids", "takes", "MAX_K", "ON_CPU"]
+
+# `BlockMask.from_indices` takes this kernel for CUDA ids; ON_CPU = True also for CPU ids (the kernel
+# then runs under TRITON_INTERPRET=1: tests and the host-cost study; the torch ops are faster on a CPU)
+ON_CPU = False
+
+# widest id list the kernel holds in registers (ids wider than this take the torch path)
+MAX_K = 1024
+# elements of one compare tile ([BLOCK_J or BLOCK_I, BLOCK_K])
+_TILE_ELEMS = 4096
+
+
+@triton.jit
+def _lists_kernel(IDS, LAYOUT, KV_NUM, KV_IDX, Q_NUM, Q_IDX,
+                  stride_ib, stride_ih, stride_iq, stride_ik, H, QB, KB, K,
+                  BLOCK_J: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
+    i_p = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    p_ids = IDS + i_b.to(tl.int64) * stride_ib + i_h.to(tl.int64) * stride_ih
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    if i_p < QB:  # a row list: the key blocks of query block i
+        i_q = i_p
+        # [BLOCK_K]; padding lanes are masked out of every compare (unsigned ids would read -1 as a large id)
+        b_ids = tl.load(p_ids + i_q.to(tl.int64) * stride_iq + o_k * stride_ik, mask=m_k, other=0)
+        n = 0
+        for j0 in range(0, KB, BLOCK_J):
+            o_j = j0 + tl.arange(0, BLOCK_J)
+            b_hit = tl.max(((b_ids[None, :] == o_j[:, None]) & m_k[None, :]).to(tl.int32), axis=1)  # [BLOCK_J]
+            n += tl.sum(tl.where(o_j < KB, b_hit, 0), axis=0)
+        row = (i_bh.to(tl.int64) * QB + i_q) * KB
+        hits = 0
+        for j0 in range(0, KB, BLOCK_J):
+            o_j = j0 + tl.arange(0, BLOCK_J)
+            m_j = o_j < KB
+            b_hit = tl.max(((b_ids[None, :] == o_j[:, None]) & m_k[None, :]).to(tl.int32), axis=1)  # [BLOCK_J]
+            b_hit = tl.where(m_j, b_hit, 0)
+            c_hit = tl.cumsum(b_hit, axis=0)
+            c_miss = (o_j - j0 + 1) - c_hit  # misses up to and including this lane
+            o_pos = tl.where(b_hit > 0, hits + c_hit - 1, n + (j0 - hits) + c_miss - 1)
+            tl.store(KV_IDX + row + o_pos, tl.where(b_hit > 0, o_j, KB), mask=m_j)
+            tl.store(LAYOUT + row + o_j, b_hit.to(tl.uint8), mask=m_j)
+            hits += tl.sum(b_hit, axis=0)
+        tl.store(KV_NUM + i_bh.to(tl.int64) * QB + i_q, n)
+    else:  # a column list: the query blocks whose ids hold key block j
+        i_j = i_p - QB
+        n = 0
+        for q0 in range(0, QB, BLOCK_I):
+            o_i = q0 + tl.arange(0, BLOCK_I)
+            m_i = o_i < QB
+            p = p_ids + o_i[:, None].to(tl.int64) * stride_iq + o_k[None, :] * stride_ik
+            m_ik = m_i[:, None] & m_k[None, :]  # (unsigned ids read "other" as a large id: mask the compare too)
+            b_ids = tl.load(p, mask=m_ik, other=0)  # [BLOCK_I, BLOCK_K]
+            b_hit = tl.max(((b_ids == i_j) & m_ik).to(tl.int32), axis=1)  # [BLOCK_I]
+            n += tl.sum(b_hit, axis=0)
+        col = (i_bh.to(tl.int64) * KB + i_j) * QB
+        hits = 0
+        for q0 in range(0, QB, BLOCK_I):
+            o_i = q0 + tl.arange(0, BLOCK_I)
+            m_i = o_i < QB
+            p = p_ids + o_i[:, None].to(tl.int64) * stride_iq + o_k[None, :] * stride_ik
+            m_ik = m_i[:, None] & m_k[None, :]  # (unsigned ids read "other" as a large id: mask the compare too)
+            b_ids = tl.load(p, mask=m_ik, other=0)  # [BLOCK_I, BLOCK_K]
+            b_hit = tl.max(((b_ids == i_j) & m_ik).to(tl.int32), axis=1)  # [BLOCK_I]
+            c_hit = tl.cumsum(b_hit, axis=0)
+            c_miss = (o_i - q0 + 1) - c_hit
+            o_pos = tl.where(b_hit > 0, hits + c_hit - 1, n + (q0 - hits) + c_miss - 1)
+            tl.store(Q_IDX + col + o_pos, tl.where(b_hit > 0, o_i, QB), mask=m_i)
+            hits += tl.sum(b_hit, axis=0)
+        tl.store(Q_NUM + i_bh.to(tl.int64) * KB + i_j, n)
+
+
+def takes(ids: torch.Tensor) -> bool:
+    """Whether `BlockMask.from_indices` builds the lists of ``ids [B', H', QB, K]`` here: CUDA ids (CPU
+    ones with ON_CPU), K <= MAX_K, outside torch.compile traces (which trace the torch ops and fuse them)."""
+    return (ids.is_cuda or (ON_CPU and ids.device.type == "cpu")) and ids.shape[-1] <= MAX_K \
+        and not torch.compiler.is_compiling()
+
+
+def lists_from_ids(ids: torch.Tensor, kb: int):
+    """(layout, kv_num, kv_idx, q_num, q_idx) of the 4-D key-block ids ``ids [B', H', QB, K]`` over
+    ``kb`` key blocks, in one launch (module docstring). The caller checks types and shapes;
+    ``K <= MAX_K``."""
+    B, H, qb, K = ids.shape
+    if K > MAX_K:
+        raise ValueError(f"lists_from_ids takes at most {MAX_K} ids per query block, got {K}")
+    dev = ids.device
+    layout = torch.empty(B, H, qb, kb, dtype=torch.uint8, device=dev)
+    kv_num = torch.empty(B, H, qb, dtype=torch.int32, device=dev)
+    kv_idx = torch.empty(B, H, qb, kb, dtype=torch.int32, device=dev)
+    q_num = torch.empty(B, H, kb, dtype=torch.int32, device=dev)
+    q_idx = torch.empty(B, H, kb, qb, dtype=torch.int32, device=dev)
+    block_k = triton.next_power_of_2(max(K, 1))
+    rows = max(16, _TILE_ELEMS // block_k)
+    block_j = min(rows, triton.next_power_of_2(kb))
+    block_i = min(rows, triton.next_power_of_2(qb))
+    grid = (qb + kb, B * H)
+    args = (ids, layout, kv_num, kv_idx, q_num, q_idx, *ids.stride(), H, qb, kb, K)
+    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev):  # Triton launches on the current device
+            _lists_kernel[grid](*args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
+    else:
+        _lists_kernel[grid](*args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
+    return layout.view(torch.bool), kv_num, kv_idx, q_num, q_idx
