@@ -66,6 +66,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 from sparseflash.cmdline import ArgumentParser, CommandError, check_output_dir, positive_int, run_command
