@@ -46,7 +46,9 @@ run under bf16 autocast (the residual stream, norms and loss in float32).
 Writes ``OUT/cp_train.csv`` (a row per step: loss, ms, tokens/s, peak GiB of the busiest rank and of each
 rank -- ``n/a`` on CPU --, bytes sent by all ranks), ``OUT/cp_train.json`` (GPU, versions, commit, date,
 world, arguments, plan: placement, work per rank, bytes per step), ``OUT/cp_train.png`` (loss and tokens/s
-against step), progress lines while it runs and a short table last. A step's time runs from a barrier to
+against step), progress lines while it runs and a short table last. ``--compare DIR ...`` tabulates
+finished runs instead: each run's median tokens/s over the one-GPU (``--world 1``) run of the same model
+and mask, in ``OUT/cp_train_compare.csv`` and ``.png``. A step's time runs from a barrier to
 the end of the optimiser step (the slowest rank's); tokens/s is ``batch * seq_len`` over it. Step 0
 includes Triton compilation: the summary takes the median over the later steps.
 """
@@ -417,6 +419,71 @@ def print_table(rows, meta) -> None:
           f"peak {pk} per rank (max); loss {s['first_loss']:.3f} -> {s['last_loss']:.3f} (chance {meta['chance_loss']:.3f})")
 
 
+COMPARE_FIELDS = ["run", "gpu", "world", "seq_len", "batch", "mask", "checkpoint", "steps", "median_ms",
+                  "tokens_per_s", "speedup_vs_1gpu", "one_gpu_seq_len", "peak_gib_max", "first_loss", "last_loss",
+                  "commit", "date"]
+
+
+def compare(dirs, out: Path) -> list[dict]:
+    """One row per finished run folder: median tokens/s against the one-process (``--world 1``) run of
+    the same mask and model (the longest such run: the longest length that fitted on one GPU)."""
+    runs = []
+    for d in dirs:
+        path = Path(d) / "cp_train.json"
+        if not path.is_file():
+            raise CommandError(f"--compare: {d} holds no cp_train.json", "give folders that cp_train wrote")
+        meta = json.loads(path.read_text())
+        a, s = meta["args"], meta["summary"]
+        model = tuple(a[k] for k in ("mask", "layers", "heads", "head_dim", "d_model", "vocab", "block", "window"))
+        runs.append((model, dict(run=Path(d).name, gpu=meta["gpu"], world=meta["world"], seq_len=a["seq_len"],
+                                 batch=a["batch"], mask=a["mask"], checkpoint=a["checkpoint"], steps=a["steps"],
+                                 median_ms=s["median_ms"], tokens_per_s=s["median_tokens_per_s"],
+                                 peak_gib_max=s["peak_gib_max"], first_loss=s["first_loss"],
+                                 last_loss=s["last_loss"], commit=meta["commit"], date=meta["date"])))
+    rows = []
+    for model, r in runs:
+        ones = [o for m, o in runs if m == model and o["world"] == 1]
+        base = max(ones, key=lambda o: (o["seq_len"] * o["batch"], o["tokens_per_s"]), default=None)
+        r["speedup_vs_1gpu"] = r["tokens_per_s"] / base["tokens_per_s"] if base else ""
+        r["one_gpu_seq_len"] = base["seq_len"] if base else ""
+        rows.append(r)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "cp_train_compare.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, COMPARE_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        from sparseflash.experiments.bench.plots import save_figure
+
+        fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows)), 3.8))
+        ax.bar(range(len(rows)), [r["tokens_per_s"] / 1e3 for r in rows])
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels([f"{r['mask']}\n{r['world']} x {r['seq_len'] // 1024}K" for r in rows], fontsize=8)
+        for i, r in enumerate(rows):
+            pk = "" if r["peak_gib_max"] == "n/a" else f"{r['peak_gib_max']:.0f} GiB"
+            ax.annotate(pk, (i, r["tokens_per_s"] / 1e3), ha="center", va="bottom", fontsize=7)
+        ax.set_ylabel("K tokens / s (median step)")
+        ax.set_title(f"training throughput, {rows[0]['gpu']}", fontsize=9)
+        save_figure(fig, out / "cp_train_compare.png")
+    except Exception as e:  # noqa: BLE001 - the CSV is the result
+        print(f"figure not made: {e}", file=sys.stderr)
+    print(f"wrote {out / 'cp_train_compare.csv'}")
+    print(f"{'run':24} {'world':>5} {'tokens':>8} {'mask':10} {'ckpt':>5} {'ms/step':>9} {'tok/s':>10} "
+          f"{'x 1 GPU':>8} {'peak GiB':>9} {'loss':>14}")
+    for r in rows:
+        sp = f"{r['speedup_vs_1gpu']:.2f}" if r["speedup_vs_1gpu"] != "" else ""
+        pk = r["peak_gib_max"] if r["peak_gib_max"] == "n/a" else f"{r['peak_gib_max']:.1f}"
+        print(f"{r['run'][:24]:24} {r['world']:>5} {r['seq_len']:>8} {r['mask']:10} {str(r['checkpoint']):>5} "
+              f"{r['median_ms']:>9.1f} {r['tokens_per_s']:>10.0f} {sp:>8} {pk:>9} "
+              f"{r['first_loss']:>6.3f}->{r['last_loss']:<6.3f}")
+    return rows
+
+
 # ------------------------------------------------------------------ command
 def parse(argv=None):
     ap = ArgumentParser(prog="python -m sparseflash.experiments.cp_train", description=__doc__.splitlines()[0])
@@ -447,6 +514,9 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", action="store_true", help="recompute each block in the backward")
     ap.add_argument("--log-every", type=positive_int, default=5)
+    ap.add_argument("--compare", nargs="+", metavar="RUN_DIR", default=None,
+                    help="no training: tabulate finished runs (tokens/s against the --world 1 run of the same "
+                         "model), writing OUT/cp_train_compare.csv and .png")
     args = ap.parse_args(argv)
     if args.mask == "documents" and args.period is not None:
         ap.error("--period does not apply to --mask documents (each document's second half copies its first)")
@@ -472,6 +542,9 @@ def _world(args) -> int:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.compare:
+        compare(args.compare, check_output_dir(args.out))
+        return 0
     world = _world(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CommandError("--device cuda without a CUDA GPU", "pass --device cpu")

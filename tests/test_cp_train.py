@@ -122,10 +122,11 @@ def test_copy_task_sources_are_reachable():
 
 def test_command_end_to_end_two_ranks(tmp_path):
     out = tmp_path / "cp"
+    run_args = ["--device", "cpu", "--backend", "reference", "--seq-len", "300", "--block", "32", "--layers", "2",
+                "--heads", "2", "--head-dim", "8", "--window", "64", "--steps", "4", "--log-every", "2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(29500 + (os.getpid() + 517) % 1000), "-m", "experiments.cp_train",
-           "--out", str(out), "--device", "cpu", "--backend", "reference", "--seq-len", "300", "--block", "32",
-           "--layers", "2", "--heads", "2", "--head-dim", "8", "--window", "64", "--steps", "4", "--log-every", "2"]
+           "--out", str(out)] + run_args
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -142,6 +143,16 @@ def test_command_end_to_end_two_ranks(tmp_path):
         assert key in meta, key
     assert meta["world"] == 2 and meta["args"]["seq_len"] == 300
     assert (out / "cp_train.png").stat().st_size > 0
+    # --compare: the 2-rank run's tokens/s over the one-process run's of the same model
+    one = tmp_path / "one"
+    assert cp_train.main(run_args + ["--world", "1", "--out", str(one)]) == 0
+    assert cp_train.main(["--compare", str(out), str(one), "--out", str(tmp_path / "cmp")]) == 0
+    with open(tmp_path / "cmp" / "cp_train_compare.csv") as f:
+        rows = list(csv.DictReader(f))
+    by_world = {r["world"]: r for r in rows}
+    tps1 = json.loads((one / "cp_train.json").read_text())["summary"]["median_tokens_per_s"]
+    assert float(by_world["2"]["speedup_vs_1gpu"]) == pytest.approx(meta["summary"]["median_tokens_per_s"] / tps1)
+    assert float(by_world["1"]["speedup_vs_1gpu"]) == pytest.approx(1.0) and by_world["2"]["one_gpu_seq_len"] == "300"
 
 
 def test_command_one_process_and_errors(tmp_path, capsys):
@@ -159,6 +170,8 @@ def test_command_one_process_and_errors(tmp_path, capsys):
         assert "--world 2 needs one process per rank" in capsys.readouterr().err
     assert run("--period", "40") == 2
     assert "--period 40 is longer than --window 32" in capsys.readouterr().err
+    assert cp_train.run_command(cp_train.main, ["--compare", str(tmp_path), "--out", str(tmp_path / "c")]) == 2
+    assert "holds no cp_train.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cp_train.parse(base + ["--mask", "documents", "--period", "8", "--out", "x"])
     assert "--period does not apply to --mask documents" in capsys.readouterr().err
