@@ -303,6 +303,12 @@ def train(args, device, rank: int, world: int, log=None):
     distributed = world > 1
     model, opt, seq, positions, (src, copy), plan_s = build(args, device, distributed)
     cuda = device.type == "cuda"
+    if log is not None:
+        where = "one process" if seq.plan is None else (
+            f"plan {seq.plan.placement} in {plan_s:.1f} s, {seq.local_len} tokens per rank, "
+            f"work per rank {seq.plan.work}")
+        log(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; {where}; "
+            f"{int(copy[1:].sum())} copied tokens per sequence")
     rows = []
     for step in range(args.steps):
         ids, targets, weights = (t.to(device) for t in make_batch(step, args.batch, args.vocab, src, copy, args.seed))
@@ -355,7 +361,7 @@ def train(args, device, rank: int, world: int, log=None):
 
 
 # ------------------------------------------------------------------ output
-def plot(rows: list[dict], path: Path, title: str) -> Path:
+def plot(rows: list[dict], path: Path, title: str, chance: float) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -366,6 +372,8 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     steps = [r["step"] for r in rows]
     a.plot(steps, [r["loss"] for r in rows])
+    a.axhline(chance, color="grey", ls="--", lw=1, label="chance (ln vocab)")
+    a.legend(fontsize=8)
     a.set_xlabel("step")
     a.set_ylabel("loss on the copied tokens")
     a.grid(True, alpha=0.3)
@@ -400,7 +408,7 @@ def write_outputs(out: Path, rows, meta) -> None:
     title = (f"{a['layers']} layers, {a['heads']} heads x {a['head_dim']}, {a['mask']} mask, {a['seq_len']} tokens x "
              f"{a['batch']}, {meta['world']} x {meta['gpu']}")
     try:
-        plot(rows, out / "cp_train.png", title)
+        plot(rows, out / "cp_train.png", title, meta["chance_loss"])
     except Exception as e:  # noqa: BLE001 - the CSV is the result; a figure problem is reported
         print(f"figure not made: {e}", file=sys.stderr)
 
@@ -560,33 +568,37 @@ def main(argv=None) -> int:
         else:
             dist.init_process_group("gloo")
         rank = dist.get_rank()
-    try:
-        import triton
+    import triton
 
-        from sparseflash.experiments.bench.results import git_commit
+    from sparseflash.experiments.bench.results import git_commit
 
-        def log(line):
-            if rank == 0:
-                print(line, file=sys.stderr, flush=True)
-
-        log(f"cp_train: world {world}, {args.seq_len} tokens x {args.batch}, mask {args.mask}, {args.layers} layers, "
-            f"{args.heads} heads x {args.head_dim}, checkpoint {args.checkpoint}, {args.steps} steps")
-        rows, extras, _ = train(args, device, rank, world, log)
+    def log(line):
         if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            meta = dict(gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                        torch=torch.__version__, triton=triton.__version__, commit=git_commit(),
-                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        world=world, args=vars(args), **extras)
-            meta["summary"] = summary(rows)
-            write_outputs(out, rows, meta)
-            print(f"wrote {out / 'cp_train.csv'}, {out / 'cp_train.json'}, {out / 'cp_train.png'}")
-            print_table(rows, meta)
-        if world > 1:
-            dist.barrier()
-    finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+            print(line, file=sys.stderr, flush=True)
+
+    log(f"cp_train: world {world}, {args.seq_len} tokens x {args.batch}, mask {args.mask}, {args.layers} layers, "
+        f"{args.heads} heads x {args.head_dim}, checkpoint {args.checkpoint}, {args.steps} steps")
+    # a failure leaves the process group as it is: a rank may have posted sends its peers never matched, and
+    # tearing the group down could wait on them; the process exits and torchrun stops the other ranks
+    try:
+        rows, extras, _ = train(args, device, rank, world, log)
+    except torch.cuda.OutOfMemoryError as e:
+        raise CommandError(f"out of memory at --seq-len {args.seq_len} x --batch {args.batch} on {world} GPU(s), "
+                           f"rank {rank}: {str(e).splitlines()[0][:160]}",
+                           "pass --checkpoint, or a shorter --seq-len") from None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        meta = dict(gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    torch=torch.__version__, triton=triton.__version__, commit=git_commit(),
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    world=world, args=vars(args), **extras)
+        meta["summary"] = summary(rows)
+        write_outputs(out, rows, meta)
+        print(f"wrote {out / 'cp_train.csv'}, {out / 'cp_train.json'}, {out / 'cp_train.png'}")
+        print_table(rows, meta)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
