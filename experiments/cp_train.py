@@ -55,7 +55,6 @@ includes Triton compilation: the summary takes the median over the later steps.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime
 import json
@@ -344,7 +343,8 @@ def train(args, device, rank: int, world: int, log=None):
         row = dict(step=step, loss=loss, ms=ms_max, tokens_per_s=args.batch * args.seq_len / (ms_max / 1e3),
                    peak_gib_max=max(peaks) if cuda else "n/a",
                    peak_gib_ranks=";".join(f"{p:.2f}" for p in peaks) if cuda else "n/a",
-                   sent_bytes=int(every[:, 2].sum()), world=world, seq_len=args.seq_len, batch=args.batch, mask=args.mask)
+                   sent_bytes=int(every[:, 2].sum()), world=world, seq_len=args.seq_len, batch=args.batch,
+                   mask=args.mask)
         rows.append(row)
         if log is not None and (step % args.log_every == 0 or step == args.steps - 1):
             mem = f"{row['peak_gib_max']:.1f} GiB" if cuda else "n/a"
@@ -424,7 +424,8 @@ def print_table(rows, meta) -> None:
     pk = s["peak_gib_max"] if s["peak_gib_max"] == "n/a" else f"{s['peak_gib_max']:.2f} GiB"
     print(f"world {meta['world']} ({meta['gpu']}), {meta['args']['seq_len']} tokens x {meta['args']['batch']}, "
           f"mask {meta['args']['mask']}: median {s['median_ms']:.1f} ms/step, {s['median_tokens_per_s']:.0f} tokens/s, "
-          f"peak {pk} per rank (max); loss {s['first_loss']:.3f} -> {s['last_loss']:.3f} (chance {meta['chance_loss']:.3f})")
+          f"peak {pk} per rank (max); loss {s['first_loss']:.3f} -> {s['last_loss']:.3f} "
+          f"(chance {meta['chance_loss']:.3f})")
 
 
 COMPARE_FIELDS = ["run", "gpu", "world", "seq_len", "batch", "mask", "checkpoint", "steps", "median_ms",
