@@ -44,8 +44,9 @@ recomputation runs the attention's exchange again, on every rank in the same ord
 run under bf16 autocast (the residual stream, norms and loss in float32).
 
 Writes ``OUT/cp_train.csv`` (a row per step: loss, ms, tokens/s, peak GiB of the busiest rank and of each
-rank -- ``n/a`` on CPU --, bytes sent by all ranks), ``OUT/cp_train.json`` (GPU, versions, commit, date,
-world, arguments, plan: placement, work per rank, bytes per step), ``OUT/cp_train.png`` (loss and tokens/s
+rank -- ``n/a`` on CPU --, bytes the exchanges of all ranks sent: forward, backward and, with
+``--checkpoint``, the recomputed forward), ``OUT/cp_train.json`` (GPU, versions, commit, date, world,
+arguments, the plan's placement, work per rank and remote blocks, a summary), ``OUT/cp_train.png`` (loss and tokens/s
 against step), progress lines while it runs and a short table last. ``--compare DIR ...`` tabulates
 finished runs instead: each run's median tokens/s over the one-GPU (``--world 1``) run of the same model
 and mask, in ``OUT/cp_train_compare.csv`` and ``.png``. A step's time runs from a barrier to
