@@ -374,3 +374,31 @@ def test_pathx_rim_probe_regions_and_threshold():
     y = (x < 0.3).astype(int)  # a rule "below t": found, and perfect on held-out data
     assert threshold_accuracy(x[:300], y[:300], x[300:], y[300:]) > 0.97
     assert threshold_accuracy(x[:300], rng.integers(0, 2, 300), x[300:], rng.integers(0, 2, 100)) < 0.7
+
+
+# ----------------------------------------------------------------------------- hopper dispatch threshold
+def test_hopper_threshold_needs_an_sm90_gpu():
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        pytest.skip("has an sm_90 GPU")
+    from sparseflash.experiments.studies.hopper_threshold import threshold
+
+    with pytest.raises(SystemExit):
+        threshold.main(["--out", "unused"])
+
+
+def test_hopper_threshold_crossover_is_where_hopper_wins_from_on():
+    """The crossover is the smallest work from which the Hopper setting is faster at every larger
+    work; a loss above it moves it up; no win at the largest work means never."""
+    from sparseflash.experiments.studies.hopper_threshold.threshold import crossovers
+
+    def rows(times):  # work -> (hopper ms, portable ms)
+        out = []
+        for w, (h, p) in times.items():
+            for setting, ms in (("hopper", h), ("portable", p)):
+                out.append(dict(head_dim=64, mode="fwd", work=w, seq_len=4096, mask=f"m{w}", setting=setting,
+                                eager_ms=ms, status="ok"))
+        return out
+
+    assert crossovers(rows({1e9: (2, 1), 1e10: (1, 2), 1e11: (1, 3)}))[0]["hopper_wins_from_work"] == 1e10
+    assert crossovers(rows({1e9: (1, 2), 1e10: (3, 2), 1e11: (1, 3)}))[0]["hopper_wins_from_work"] == 1e11
+    assert crossovers(rows({1e9: (1, 2), 1e11: (3, 2)}))[0]["hopper_wins_from_work"] is None
