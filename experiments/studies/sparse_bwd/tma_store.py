@@ -150,7 +150,7 @@ def check_build(d: int, variant: str, r: dict, off: dict | None) -> list[str]:
     # TMA_DKDV: each consumer waits for both staging buffers (2 x 2), the reducer hands one back at
     # a tile's end (+1 arrive); PREFETCH_KV with one K/V buffer: the loader waits for V's release
     # (+1), each consumer hands V back in its walk or at the tile's end (2 x 2 arrives)
-    split = knobs.get("PREFETCH_KV") and d > 64
+    split = bool(knobs.get("PREFETCH_KV")) and d > 64
     want = (off["mbarrier_waits"] + 4 * bool(knobs.get("TMA_DKDV")) + split,
             off["mbarrier_arrives"] + bool(knobs.get("TMA_DKDV")) + 4 * split)
     if (r["mbarrier_waits"], r["mbarrier_arrives"]) != want:
