@@ -460,3 +460,45 @@ def test_sparse_bwd_tma_store_knobs_compile_for_hopper(tmp_path):
     assert all(r["problems"] == "" for r in rows), rows
     assert [r["tma_stores"] for r in rows] == [0, 4, 0, 4]
     assert [r["kv_order"] for r in rows] == ["K V", "K V", "V wait K", "V wait K"]
+
+
+def test_sparse_bwd_tma_store_times_only_variants_that_pass(tmp_path, monkeypatch, capsys):
+    """The GPU run's plumbing with the GPU parts stood in for: a variant failing the float64 check
+    (tma_prefetch at d=64) or the comparison with the production kernel (tma's dK off by a lot at
+    d=128) gets FAIL rows and is never timed; dQ one bf16 ulp off still passes; the CSV has a row
+    per case x variant and the exit status says something failed."""
+    from sparseflash.experiments.studies.sparse_bwd import tma_store as ts
+
+    timed = []
+    ref = [torch.full((2, 3), 1.0), torch.full((2, 3), 2.0), torch.full((2, 3), -1.0)]
+
+    def grads(a, kw, variant):
+        dq, dk, dv = (t.clone() for t in ref)
+        if variant == "tma" and kw["d"] == 128:
+            dk[0, 0] += 0.5
+        if variant is not None:
+            dq[1, 2] += 2.0 ** -7  # one ulp of dQ's largest entry: arrival order
+        return [dq, dk, dv]
+
+    monkeypatch.setattr(ts, "_gpu_problem", lambda: None)
+    monkeypatch.setattr(ts, "reference_check", lambda d, vs: {v: (not (d == 64 and v == "tma_prefetch"), {}) for v in vs})
+    monkeypatch.setattr(ts, "_capture", lambda n, d, k, rows: ((), {"d": d}))
+    monkeypatch.setattr(ts, "_grads", grads)
+    monkeypatch.setattr(ts, "_time", lambda name, a, kw: timed.append((kw["d"], name)) or 1.0)
+    from sparseflash.flash import fast, tiles
+
+    before = (fast.ENABLED, tiles.TMA_MODE)
+    rc = ts.main(["--out", str(tmp_path), "--seq", "2048", "--ks", "1", "13"])
+    assert rc == 1
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "tma_store.csv")))
+    assert len(rows) == 2 * 2 * 2 * 3
+    bad = {(r["head_dim"], r["variant"]) for r in rows if r["status"] != "ok"}
+    assert bad == {("128", "tma"), ("64", "tma_prefetch")}
+    assert all(r["ms"] == "" for r in rows if r["status"] != "ok")
+    assert sorted(set(timed)) == [(64, "onepass"), (64, "tma"), (128, "onepass"), (128, "tma_prefetch")]
+    assert len(timed) == 4 * 4  # each timed variant at 2 masks x 2 K
+    table = capsys.readouterr().out.split("(ms, one backward)")[-1]
+    assert table.count("FAIL") == 8 and "tma_prefetch 1.00x" in table
+    assert (fast.ENABLED, tiles.TMA_MODE) == before  # (the run's launch-route settings are restored)

@@ -284,14 +284,26 @@ def reference_check(d: int, variants) -> dict:
     return out
 
 
-def measure(n: int, d: int, k: int, mask: str, variants, failed: set) -> list[dict]:
-    """One row per variant for one case: time, or FAIL (and no time) when a check fails."""
+def _capture(n: int, d: int, k: int, rows: bool):
+    """(args, kwargs) of `launch.bwd` in one fwd+bwd at 16 heads (`decompose.captured`)."""
+    from sparseflash.experiments.studies.sparse_bwd.decompose import captured
+
+    return captured(n, d, k, rows=rows)
+
+
+def _time(name: str, a, kw) -> float:
+    """GPU ms of one `launch.bwd` call with variant ``name``, CUDA-graph replays."""
     from sparseflash.experiments.bench.timing import graph_ms
     from sparseflash.experiments.studies.sparse_bwd import bwd_variants as bv
-    from sparseflash.experiments.studies.sparse_bwd.decompose import captured
     from sparseflash.flash import launch
 
-    a, kw = captured(n, d, k, rows=mask == "rows")
+    with bv.routed("on", **VARIANTS[name]):
+        return graph_ms(lambda: launch.bwd(*a, **kw))
+
+
+def measure(n: int, d: int, k: int, mask: str, variants, failed: set) -> list[dict]:
+    """One row per variant for one case: time, or FAIL (and no time) when a check fails."""
+    a, kw = _capture(n, d, k, mask == "rows")
     ref = _grads(a, kw, None)
     rows = []
     for name in variants:
@@ -305,8 +317,7 @@ def measure(n: int, d: int, k: int, mask: str, variants, failed: set) -> list[di
         if not ok:
             row.update(status="FAIL (against the production kernel)")
         else:
-            with bv.routed("on", **VARIANTS[name]):
-                row.update(status="ok", ms=graph_ms(lambda: launch.bwd(*a, **kw)))
+            row.update(status="ok", ms=_time(name, a, kw))
         rows.append(row)
     return rows
 
@@ -333,20 +344,36 @@ def main(argv=None) -> int:
         return compile_only(args.head_dims, args.dump, args.baseline, args.cases, args.compile_variants)
     if args.out is None:
         ap.error("--out DIR is required for the GPU run")
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA GPU (or --compile-only)")
+    problem = _gpu_problem()
+    if problem:
+        ap.error(problem)
     from sparseflash.flash import fast, tiles
+
+    saved = fast.ENABLED, tiles.TMA_MODE
+    fast.ENABLED, tiles.TMA_MODE = False, "on"  # (the one-pass kernel's launch route, as decompose runs it)
+    try:
+        return _run(args)
+    finally:
+        fast.ENABLED, tiles.TMA_MODE = saved
+
+
+def _gpu_problem() -> str | None:
+    """Why this machine cannot run the measurement, or None."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (or --compile-only)"
     from sparseflash.flash.hopper.common import GLUON_ERROR
 
     if GLUON_ERROR is not None or torch.cuda.get_device_capability() != (9, 0):
-        ap.error(f"needs an sm_90 GPU with Gluon (this: {torch.cuda.get_device_name()}, {GLUON_ERROR or 'gluon ok'})")
-    fast.ENABLED = False
-    tiles.TMA_MODE = "on"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        return f"needs an sm_90 GPU with Gluon (this: {torch.cuda.get_device_name()}, {GLUON_ERROR or 'gluon ok'})"
+    return None
+
+
+def _run(args) -> int:
     from sparseflash.experiments.bench.results import environment
 
-    env = environment(torch.device("cuda"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     checks, rows = {}, []
     for d in args.head_dims:
         res = reference_check(d, args.variants)
@@ -374,7 +401,10 @@ def main(argv=None) -> int:
             for k in args.ks:
                 got = {r["variant"]: r for r in rows if (r["head_dim"], r["mask"], r["blocks"]) == (d, mask, k)}
                 cells = [f"{got[v]['ms']:12.3f}" if got[v]["status"] == "ok" else f"{'FAIL':>12s}" for v in args.variants]
-                print(f"{d:3d} {mask:9s} {k:3d}  " + "  ".join(cells))
+                base = got.get("onepass", {}).get("ms")
+                gain = [f"{v} {base / got[v]['ms']:.2f}x" for v in args.variants
+                        if v != "onepass" and base and got[v].get("ms")]  # speed-up over today's
+                print(f"{d:3d} {mask:9s} {k:3d}  " + "  ".join(cells) + ("   " + ", ".join(gain) if gain else ""))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
