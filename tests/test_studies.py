@@ -435,7 +435,7 @@ def test_sparse_bwd_tma_store_ptx_checks():
     tma = dict(off, tma_stores=4, mbarrier_waits=21, mbarrier_arrives=17)
     assert check_build(128, "tma", tma, off) == []
     assert check_build(128, "tma", dict(tma, tma_stores=0), off)  # no TMA stores: wrong
-    split = dict(off, shared=231008, mbarrier_waits=18, mbarrier_arrives=20, kv_order="V wait K")
+    split = dict(off, shared=231008, tma_loads=12, mbarrier_waits=19, mbarrier_arrives=20, kv_order="V wait K")
     assert check_build(128, "prefetch", split, off) == []
     assert check_build(128, "prefetch", dict(split, kv_order="K V"), off)  # K/V still loaded together
     assert check_build(128, "prefetch", dict(split, shared=240000), off)  # over 227 KB

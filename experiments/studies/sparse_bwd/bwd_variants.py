@@ -14,8 +14,9 @@ measured"), each behind its own knob, off by default (off, the kernel compiles t
 - PREFETCH_KV: the next key tile's K and V load under the current tile's last steps. Where two K/V
   buffers fit in shared memory (d <= 64, `_kv_bufs`) the loader fills the other buffer as soon as it
   has issued the current tile's last Q/dO; at d=128 (224 KB used of 227) V is handed back after each
-  warpgroup's last dP^T of the tile and the next V loads under the last step's dV, dK and dQ, K after
-  the tile's last dQ as today.
+  warpgroup's last dP^T of the tile and the next V loads under the last step's dV, dK and dQ, then
+  the next tile's first STAGES steps' Q/dO; K after the tile's last dQ as today, so a tile starts
+  waiting for K's 32 KB alone (today: K, V and the first Q/dO, 96 KB).
 """
 
 from __future__ import annotations
@@ -223,6 +224,13 @@ if GLUON_ERROR is None:
         tma_load(desc_row, coord_row, ready, buf_row)
 
     @gluon.jit
+    def _load_k(desc_k, coord, k_buf, kv_ready, kv_empty, n_done):
+        """PREFETCH_KV with one buffer: tile n_done's K, once both warpgroups are past the last tile's
+        last dQ (K's last read); its bytes were expected on kv_ready with V's."""
+        mbarrier.wait(kv_empty, (n_done & 1) ^ 1)
+        tma_load(desc_k, coord, kv_ready, k_buf)
+
+    @gluon.jit
     def _bwd_loader(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf,
                     v_buf, kv_ready, kv_empty, v_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, ORDER, n_tiles,
                     n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks,
@@ -235,8 +243,10 @@ if GLUON_ERROR is None:
         rows' LSE and dO with their delta for every step, in walk order; barrier phases run over the
         CTA's whole tile stream. KV_BUFS 2: tile n's K/V go to buffer n % 2, so they are issued as
         soon as tile n - 1's last Q/dO is (buffer n % 2 was freed at tile n - 2's end). PREFETCH_KV
-        with one buffer: V once both warpgroups are past the last tile's last dP^T (v_empty), K once
-        they are past its last dQ (kv_empty); one kv_ready phase counts both."""
+        with one buffer: V once both warpgroups are past the last tile's last dP^T (v_empty), then
+        the tile's first STAGES steps' Q/dO (their slots free up in the last tile's last steps),
+        then K once the warpgroups are past the last tile's last dQ (kv_empty): a tile starts
+        waiting for K's bytes alone. One kv_ready phase counts K and V."""
         it = 0  # steps issued so far: ring slot and phase
         n_done = 0  # tiles started: the K/V phase
         for rr in range(0, n_rounds):
@@ -253,8 +263,7 @@ if GLUON_ERROR is None:
                     mbarrier.wait(v_empty, (n_done & 1) ^ 1)
                     mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
                     tma_load(desc_v, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
-                    mbarrier.wait(kv_empty, (n_done & 1) ^ 1)
-                    tma_load(desc_k, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, k_buf)
+                    k_due = it + STAGES  # K goes out after this tile's first STAGES steps' Q/dO (`_load_k`)
                 else:
                     # (a fresh barrier passes a parity-1 wait at once; K and V share one barrier pair)
                     mbarrier.wait(kv_empty, (n_done & 1) ^ 1)
@@ -271,12 +280,18 @@ if GLUON_ERROR is None:
                         s = it % STAGES
                         ph = (it // STAGES) & 1
                         bh = b * (n_heads_kv * group) + h
+                        if PREFETCH_KV and KV_BUFS == 1:
+                            if it == k_due:  # (this slot is freed by this tile's first step, which needs K)
+                                _load_k(desc_k, tile_coord(b, hk, start_n, KV_BNHD), k_buf, kv_ready, kv_empty, n_done)
                         mbarrier.wait(step_empty.index(s), ph ^ 1)  # both warpgroups are done with the slot
                         _fill2(desc_q, tile_coord(b, h, start_m, Q_BNHD), q_bufs.index(s), desc_lse, [bh, start_m],
                                lse_bufs.index(s), q_ready.index(s))
                         _fill2(desc_do, tile_coord(b, h, start_m, DO_BNHD), do_bufs.index(s), desc_dlt, [bh, start_m],
                                dlt_bufs.index(s), do_ready.index(s))
                         it += 1
+                if PREFETCH_KV and KV_BUFS == 1:
+                    if it <= k_due:  # (a walk of at most STAGES steps: K not issued yet)
+                        _load_k(desc_k, tile_coord(b, hk, start_n, KV_BNHD), k_buf, kv_ready, kv_empty, n_done)
                 n_done += 1
 
     @gluon.jit
