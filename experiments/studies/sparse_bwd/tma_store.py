@@ -14,8 +14,8 @@ blocks in every key column or in every query row), against the production kernel
 the same call: dK and dV within one bf16 ulp of their largest entry (the same sums in the same
 order; whether they are bitwise equal is recorded), dQ within two (its float32 sums add in
 arrival order). A variant that fails either check prints FAIL and is not timed. Times: one
-backward call (`launch.bwd` with the arguments the real fwd+bwd passed it), CUDA-graph replays. Writes DIR/tma_store.csv (one row per case x variant) and
-DIR/tma_store.json (environment, rows, checks), prints a table last.
+backward call (`launch.bwd` with the arguments the real fwd+bwd passed it), CUDA-graph replays.
+Writes DIR/tma_store.csv (one row per case x variant) and DIR/tma_store.json (environment, rows, checks), prints a table last.
 
 Compile-only (no GPU): builds the study copy for sm_90 for d 64 and 128 x dense, causal +
 key_lengths, block lists of 128 and 256 (causal), exact bits (128; 256 causal + key_lengths) x the
@@ -157,7 +157,8 @@ def check_build(d: int, variant: str, r: dict, off: dict | None) -> list[str]:
     want = (off["mbarrier_waits"] + 4 * bool(knobs.get("TMA_DKDV")) + 2 * split,
             off["mbarrier_arrives"] + bool(knobs.get("TMA_DKDV")) + 4 * split)
     if (r["mbarrier_waits"], r["mbarrier_arrives"]) != want:
-        bad.append(f"mbarrier waits/arrives {r['mbarrier_waits']}/{r['mbarrier_arrives']}, expected {want[0]}/{want[1]}")
+        bad.append(f"mbarrier waits/arrives {r['mbarrier_waits']}/{r['mbarrier_arrives']}, "
+                   f"expected {want[0]}/{want[1]}")
     extra = r["shared"] - off["shared"]
     kv_pair = 2 * 128 * d * 2  # another K and V tile, bf16
     if knobs.get("PREFETCH_KV") and d <= 64:
@@ -278,7 +279,8 @@ def reference_check(d: int, variants) -> dict:
             bv.last_launch.clear()
             try:
                 with bv.routed("on", **VARIANTS[name]):
-                    got = grads(lambda a, b, c: sparseflash.attention(a, b, c, mask=mask, causal=causal), torch.bfloat16)
+                    got = grads(lambda a, b, c: sparseflash.attention(a, b, c, mask=mask, causal=causal),
+                                torch.bfloat16)
             except Exception as e:  # noqa: BLE001 - a variant that does not build or run fails; the others go on
                 detail[label] = dict(error=f"{type(e).__name__}: {e}"[:2000])
                 out[name] = (False, detail)
@@ -413,7 +415,8 @@ def _run(args) -> int:
         for mask in args.masks:
             for k in args.ks:
                 got = {r["variant"]: r for r in rows if (r["head_dim"], r["mask"], r["blocks"]) == (d, mask, k)}
-                cells = [f"{got[v]['ms']:12.3f}" if got[v]["status"] == "ok" else f"{'FAIL':>12s}" for v in args.variants]
+                cells = [f"{got[v]['ms']:12.3f}" if got[v]["status"] == "ok" else f"{'FAIL':>12s}"
+                         for v in args.variants]
                 base = got.get("onepass", {}).get("ms")
                 gain = [f"{v} {base / got[v]['ms']:.2f}x" for v in args.variants
                         if v != "onepass" and base and got[v].get("ms")]  # speed-up over today's
