@@ -15,7 +15,8 @@ the same call: dK and dV within one bf16 ulp of their largest entry (the same su
 order; whether they are bitwise equal is recorded), dQ within two (its float32 sums add in
 arrival order). A variant that fails either check prints FAIL and is not timed. Times: one
 backward call (`launch.bwd` with the arguments the real fwd+bwd passed it), CUDA-graph replays.
-Writes DIR/tma_store.csv (one row per case x variant) and DIR/tma_store.json (environment, rows, checks), prints a table last.
+Writes DIR/tma_store.csv (one row per case x variant) and DIR/tma_store.json (environment, rows,
+checks), prints a table last.
 
 Compile-only (no GPU): builds the study copy for sm_90 for d 64 and 128 x dense, causal +
 key_lengths, block lists of 128 and 256 (causal), exact bits (128; 256 causal + key_lengths) x the
