@@ -402,3 +402,133 @@ def test_hopper_threshold_crossover_is_where_hopper_wins_from_on():
     assert crossovers(rows({1e9: (2, 1), 1e10: (1, 2), 1e11: (1, 3)}))[0]["hopper_wins_from_work"] == 1e10
     assert crossovers(rows({1e9: (1, 2), 1e10: (3, 2), 1e11: (1, 3)}))[0]["hopper_wins_from_work"] == 1e11
     assert crossovers(rows({1e9: (1, 2), 1e11: (3, 2)}))[0]["hopper_wins_from_work"] is None
+
+# ----------------------------------------------------------------------------- sparse backward: TMA dK/dV, K/V prefetch
+def test_sparse_bwd_new_knobs_exist_default_off_and_route():
+    """The study copy's TMA_DKDV and PREFETCH_KV knobs exist, are off by default (the copy is
+    today's kernel), are accepted by `routed` and restored on exit; PREFETCH_KV takes a second
+    K/V pair only where it fits (d=64), and unknown knobs are refused by name."""
+    from sparseflash.experiments.studies.sparse_bwd import bwd_variants as bv
+    from sparseflash.flash.hopper import backward as production
+
+    assert {"TMA_DKDV", "PREFETCH_KV"} <= set(bv.KNOBS)
+    assert bv.TMA_DKDV is False and bv.PREFETCH_KV is False
+    assert (bv._kv_bufs(64), bv._kv_bufs(128)) == (1, 1)
+    real = production.bwd
+    with bv.routed("on", TMA_DKDV=True, PREFETCH_KV=True):
+        assert bv.TMA_DKDV is True and bv.PREFETCH_KV is True and production.bwd is bv.bwd
+        assert (bv._kv_bufs(64), bv._kv_bufs(128)) == (2, 1)
+    assert bv.TMA_DKDV is False and bv.PREFETCH_KV is False and production.bwd is real
+    with pytest.raises(ValueError, match="TMA_STORE"):
+        bv.routed("on", TMA_STORE=True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "X"], "needs a CUDA GPU"),
+    ([], "--out DIR is required"),
+    (["--out", "X", "--ks", "0"], "--ks"),
+    (["--out", "X", "--seq", "1024", "--ks", "9"], "1 .. 8"),
+    (["--out", "X", "--head-dims", "96"], "invalid choice"),
+    (["--out", "X", "--variants", "prefetch_only"], "invalid choice"),
+])
+def test_sparse_bwd_tma_store_arguments_and_cpu_refusal(argv, message, capsys):
+    if torch.cuda.is_available() and argv[:2] == ["--out", "X"] and len(argv) == 2:
+        pytest.skip("has a GPU")
+    from sparseflash.experiments.studies.sparse_bwd import tma_store
+
+    with pytest.raises(SystemExit) as e:
+        tma_store.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sparse_bwd_tma_store_ptx_checks():
+    """The PTX checks of `tma_store --compile-only` on hand-written PTX and build reports: K/V
+    load order by descriptor, and what each knob must add (stores, barriers, shared memory)."""
+    from sparseflash.experiments.studies.sparse_bwd.tma_store import check_build, kv_order
+
+    head = "\n".join(f"mov.b32 %r{i}, k_param_{9 * i};\ncvt.u64.u32 %rd{10 + i}, %r{i};\ncvta.param.u64 %rd{i}, %rd{10 + i};"
+                     for i in range(3))  # descriptors 0 (Q), 1 (K), 2 (V)
+
+    def load(i):
+        return f"@%p1 cp.async.bulk.tensor.4d.shared::cta.global.mbarrier::complete_tx::bytes [%r9], [%rd{i}, {{%r1}}], [%r8];"
+    wait = "mbarrier.try_wait.parity.shared::cta.b64 complete, [%r7], %r6;"
+    assert kv_order("\n".join([head, wait, load(1), load(1), load(2), wait, load(0)])) == "K V"
+    assert kv_order("\n".join([head, wait, load(2), wait, load(1), load(0)])) == "V wait K"
+    assert kv_order(head) == ""
+
+    off = dict(shared=231000, wgmma=88, tma_loads=10, tma_stores=0, mbarrier_waits=17, mbarrier_arrives=16, kv_order="K V")
+    assert check_build(128, "off", off, None) == []
+    tma = dict(off, tma_stores=4, mbarrier_waits=21, mbarrier_arrives=17)
+    assert check_build(128, "tma", tma, off) == []
+    assert check_build(128, "tma", dict(tma, tma_stores=0), off)  # no TMA stores: wrong
+    split = dict(off, shared=231008, tma_loads=12, mbarrier_waits=19, mbarrier_arrives=20, kv_order="V wait K")
+    assert check_build(128, "prefetch", split, off) == []
+    assert check_build(128, "prefetch", dict(split, kv_order="K V"), off)  # K/V still loaded together
+    assert check_build(128, "prefetch", dict(split, shared=240000), off)  # over 227 KB
+    off64 = dict(off, shared=166500, wgmma=72, tma_loads=6)
+    assert check_build(64, "prefetch", dict(off64, shared=166500 + 32768), off64) == []
+    assert check_build(64, "prefetch", off64, off64)  # no second K/V pair
+
+
+@pytest.mark.skipif(not ptxas_available(), reason="needs the ptxas bundled with Linux triton wheels")
+@pytest.mark.skipif(not gluon_hopper_available(), reason="needs triton.experimental.gluon with its hopper module")
+def test_sparse_bwd_tma_store_knobs_compile_for_hopper(tmp_path):
+    """The study copy with TMA_DKDV, PREFETCH_KV and both compiles for sm_90 at d=128 on block
+    lists (a GQA shape whose CTAs walk several key tiles), within 227 KB of shared memory, with
+    its TMA stores of dK/dV, and V loaded before the wait for K's release."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "sparseflash.experiments.studies.sparse_bwd.tma_store", "--compile-only",
+           "--head-dims", "128", "--cases", "sparse128", "--dump", str(tmp_path)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((tmp_path / "builds.json").read_text())
+    assert [r["variant"] for r in rows] == ["off", "tma", "prefetch", "tma_prefetch"]
+    assert all(r["problems"] == "" for r in rows), rows
+    assert [r["tma_stores"] for r in rows] == [0, 4, 0, 4]
+    assert [r["kv_order"] for r in rows] == ["K V", "K V", "V wait K", "V wait K"]
+
+
+def test_sparse_bwd_tma_store_times_only_variants_that_pass(tmp_path, monkeypatch, capsys):
+    """The GPU run's plumbing with the GPU parts stood in for: a variant failing the float64 check
+    (tma_prefetch at d=64), the comparison with the production kernel (tma's dK off by a lot at
+    d=128) or raising (tma_prefetch at d=128) gets FAIL rows and is never timed; dQ one bf16 ulp off still passes; the CSV has a row
+    per case x variant and the exit status says something failed."""
+    from sparseflash.experiments.studies.sparse_bwd import tma_store as ts
+
+    timed = []
+    ref = [torch.full((2, 3), 1.0), torch.full((2, 3), 2.0), torch.full((2, 3), -1.0)]
+
+    def grads(a, kw, variant):
+        dq, dk, dv = (t.clone() for t in ref)
+        if variant == "tma" and kw["d"] == 128:
+            dk[0, 0] += 0.5
+        if variant == "tma_prefetch" and kw["d"] == 128:
+            raise RuntimeError("tma_prefetch: the kernel ran with {}, not as named")  # (an error fails it too)
+        if variant is not None:
+            dq[1, 2] += 2.0 ** -7  # one ulp of dQ's largest entry: arrival order
+        return [dq, dk, dv]
+
+    monkeypatch.setattr(ts, "_gpu_problem", lambda: None)
+    monkeypatch.setattr(ts, "reference_check", lambda d, vs: {v: (not (d == 64 and v == "tma_prefetch"), {}) for v in vs})
+    monkeypatch.setattr(ts, "_capture", lambda n, d, k, rows: ((), {"d": d}))
+    monkeypatch.setattr(ts, "_grads", grads)
+    monkeypatch.setattr(ts, "_time", lambda name, a, kw: timed.append((kw["d"], name)) or 1.0)
+    from sparseflash.flash import fast, tiles
+
+    before = (fast.ENABLED, tiles.TMA_MODE)
+    rc = ts.main(["--out", str(tmp_path), "--seq", "2048", "--ks", "1", "13"])
+    assert rc == 1
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "tma_store.csv")))
+    assert len(rows) == 2 * 2 * 2 * 3
+    bad = {(r["head_dim"], r["variant"]) for r in rows if r["status"] != "ok"}
+    assert bad == {("128", "tma"), ("128", "tma_prefetch"), ("64", "tma_prefetch")}
+    assert all("not as named" in r["error"] for r in rows if (r["head_dim"], r["variant"]) == ("128", "tma_prefetch"))
+    assert all(r["ms"] == "" for r in rows if r["status"] != "ok")
+    assert sorted(set(timed)) == [(64, "onepass"), (64, "tma"), (128, "onepass")]
+    assert len(timed) == 3 * 4  # each timed variant at 2 masks x 2 K
+    table = capsys.readouterr().out.split("(ms, one backward)")[-1]
+    assert table.count("FAIL") == 12 and "tma 1.00x" in table
+    assert (fast.ENABLED, tiles.TMA_MODE) == before  # (the run's launch-route settings are restored)

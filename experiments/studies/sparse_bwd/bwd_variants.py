@@ -5,6 +5,18 @@ decomposition (`decompose.py`) STORE_DKDV (False: the dK/dV stores are masked of
 bytes) and WALK_ONLY (True: the consumer warpgroups do no arithmetic, they only take each step's
 Q/dO slot and hand it back, so the kernel is its loads, barriers and stores). Everything else is the
 production kernel's code; its docstring there explains the design.
+
+The decided design's first two steps (experiments/studies/sparse_bwd/README.md, "Built, not yet
+measured"), each behind its own knob, off by default (off, the kernel compiles to today's PTX):
+- TMA_DKDV: a key tile's dK and dV go through shared memory with TMA stores instead of register
+  stores: the dQ staging buffers (64 KB at d=128) are free once the reducer has read the tile's last
+  dQ, and hold both warpgroups' dK and dV in the input dtype;
+- PREFETCH_KV: the next key tile's K and V load under the current tile's last steps. Where two K/V
+  buffers fit in shared memory (d <= 64, `_kv_bufs`) the loader fills the other buffer as soon as it
+  has issued the current tile's last Q/dO; at d=128 (224 KB used of 227) V is handed back after each
+  warpgroup's last dP^T of the tile and the next V loads under the last step's dV, dK and dQ, then
+  the next tile's first STAGES steps' Q/dO; K after the tile's last dQ as today, so a tile starts
+  waiting for K's 32 KB alone (today: K, V and the first Q/dO, 96 KB).
 """
 
 from __future__ import annotations
@@ -44,6 +56,11 @@ HEAD_GROUPS = True  # run the heads in small groups (`_heads_per_group`)
 STORE_DKDV = True  # False: the dK/dV stores masked off (no bytes move)
 WALK_ONLY = False  # True: the consumers only take and return each step's slot (implies no dQ)
 LONGEST_FIRST = False  # True: block-list walks deal key tiles longest column first (not causal; 128-key mask blocks)
+TMA_DKDV = False  # True: dK and dV stored through the dQ staging buffers with TMA (where dK/dV's layouts allow)
+PREFETCH_KV = False  # True: the next tile's K/V load under the current tile's last steps (`_kv_bufs`)
+# What the last `bwd` call compiled (the study's scripts check a variant ran as named):
+# {"TMA_DKDV": bool, "KV_BUFS": 1 or 2, "PREFETCH_KV": bool}
+last_launch: dict = {}
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
@@ -54,13 +71,19 @@ def _stages(head_dim: int) -> int:
     return 2 if head_dim > 64 else 4
 
 
+def _kv_bufs(head_dim: int) -> int:
+    """K/V buffers: 2 with PREFETCH_KV where a second pair fits beside `_stages`' ring (d=64: 166 KB
+    today + 32 KB), else 1 (d=128: a second pair, 64 KB, does not fit beside today's 224 KB)."""
+    return 2 if PREFETCH_KV and head_dim <= 64 else 1
+
+
 if GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparseflash.flash.hopper.common import list_layout, list_start, tile_coord, tma_load, wgmma_layout
+    from sparseflash.flash.hopper.common import list_layout, list_start, tile_coord, tma_load, tma_store, wgmma_layout
 
     if hasattr(tma, "async_atomic_add"):
         _tma_add = tma.async_atomic_add
@@ -73,6 +96,15 @@ if GLUON_ERROR is None:
             coord = _semantic._convert_to_ir_values(coord, require_i64=False)
             _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                       src.handle)
+
+    from triton.experimental.gluon.language._core import builtin as _builtin_any
+    from triton.language.core import _unwrap_if_constexpr
+
+    @_builtin_any
+    def _reinterpret(buf, dtype, shape, layout, _semantic=None):
+        # shared memory seen as another dtype/shape/layout (3.9 names the method reinterpret, 3.6 _reinterpret)
+        return _semantic.memdesc_reinterpret(buf, _unwrap_if_constexpr(dtype),
+                                             [_unwrap_if_constexpr(x) for x in shape], _unwrap_if_constexpr(layout))
 
     _TILE = gl.constexpr(TILE)
     _QT = gl.constexpr(QT)
@@ -192,27 +224,52 @@ if GLUON_ERROR is None:
         tma_load(desc_row, coord_row, ready, buf_row)
 
     @gluon.jit
+    def _load_k(desc_k, coord, k_buf, kv_ready, kv_empty, n_done):
+        """PREFETCH_KV with one buffer: tile n_done's K, once both warpgroups are past the last tile's
+        last dQ (K's last read); its bytes were expected on kv_ready with V's."""
+        mbarrier.wait(kv_empty, (n_done & 1) ^ 1)
+        tma_load(desc_k, coord, kv_ready, k_buf)
+
+    @gluon.jit
     def _bwd_loader(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf,
-                    v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, ORDER, n_tiles, n_rounds, n_bhk, gh,
-                    n_heads_kv, group, seq_q, seq_k, n_qblocks,
+                    v_buf, kv_ready, kv_empty, v_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, ORDER, n_tiles,
+                    n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks,
                     stride_ib, stride_ih, stride_in,
                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
-                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr, ROTATE: gl.constexpr):
+                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr, ROTATE: gl.constexpr,
+                    PREFETCH_KV: gl.constexpr, KV_BUFS: gl.constexpr):
         """1 warp: K and V of each tile (once the consumers release the last tile's), then Q with its
         rows' LSE and dO with their delta for every step, in walk order; barrier phases run over the
-        CTA's whole tile stream."""
+        CTA's whole tile stream. KV_BUFS 2: tile n's K/V go to buffer n % 2, so they are issued as
+        soon as tile n - 1's last Q/dO is (buffer n % 2 was freed at tile n - 2's end). PREFETCH_KV
+        with one buffer: V once both warpgroups are past the last tile's last dP^T (v_empty), then
+        the tile's first STAGES steps' Q/dO (their slots free up in the last tile's last steps),
+        then K once the warpgroups are past the last tile's last dQ (kv_empty): a tile starts
+        waiting for K's bytes alone. One kv_ready phase counts K and V."""
         it = 0  # steps issued so far: ring slot and phase
         n_done = 0  # tiles started: the K/V phase
         for rr in range(0, n_rounds):
             t, b, hk, start_n = _key_tile(rr, ORDER, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
             if t < n_tiles:
                 kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
-                # (a fresh barrier passes a parity-1 wait at once; K and V share one barrier pair)
-                mbarrier.wait(kv_empty, (n_done & 1) ^ 1)
-                mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-                tma_load(desc_k, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, k_buf)
-                tma_load(desc_v, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
+                if KV_BUFS == 2:
+                    kb = n_done % 2
+                    mbarrier.wait(kv_empty.index(kb), ((n_done // 2) & 1) ^ 1)
+                    mbarrier.expect(kv_ready.index(kb), desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+                    tma_load(desc_k, tile_coord(b, hk, start_n, KV_BNHD), kv_ready.index(kb), k_buf.index(kb))
+                    tma_load(desc_v, tile_coord(b, hk, start_n, KV_BNHD), kv_ready.index(kb), v_buf.index(kb))
+                elif PREFETCH_KV:
+                    mbarrier.wait(v_empty, (n_done & 1) ^ 1)
+                    mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+                    tma_load(desc_v, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
+                    k_due = it + STAGES  # K goes out after this tile's first STAGES steps' Q/dO (`_load_k`)
+                else:
+                    # (a fresh barrier passes a parity-1 wait at once; K and V share one barrier pair)
+                    mbarrier.wait(kv_empty, (n_done & 1) ^ 1)
+                    mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+                    tma_load(desc_k, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, k_buf)
+                    tma_load(desc_v, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
                 for g in range(group):
                     h = hk * group + g
                     p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
@@ -223,12 +280,18 @@ if GLUON_ERROR is None:
                         s = it % STAGES
                         ph = (it // STAGES) & 1
                         bh = b * (n_heads_kv * group) + h
+                        if PREFETCH_KV and KV_BUFS == 1:
+                            if it == k_due:  # (this slot is freed by this tile's first step, which needs K)
+                                _load_k(desc_k, tile_coord(b, hk, start_n, KV_BNHD), k_buf, kv_ready, kv_empty, n_done)
                         mbarrier.wait(step_empty.index(s), ph ^ 1)  # both warpgroups are done with the slot
                         _fill2(desc_q, tile_coord(b, h, start_m, Q_BNHD), q_bufs.index(s), desc_lse, [bh, start_m],
                                lse_bufs.index(s), q_ready.index(s))
                         _fill2(desc_do, tile_coord(b, h, start_m, DO_BNHD), do_bufs.index(s), desc_dlt, [bh, start_m],
                                dlt_bufs.index(s), do_ready.index(s))
                         it += 1
+                if PREFETCH_KV and KV_BUFS == 1:
+                    if it <= k_due:  # (a walk of at most STAGES steps: K not issued yet)
+                        _load_k(desc_k, tile_coord(b, hk, start_n, KV_BNHD), k_buf, kv_ready, kv_empty, n_done)
                 n_done += 1
 
     @gluon.jit
@@ -236,12 +299,16 @@ if GLUON_ERROR is None:
                      seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
                      MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                      CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, ROTATE: gl.constexpr, DH: gl.constexpr,
-                     DQ_PARTS: gl.constexpr):
+                     DQ_PARTS: gl.constexpr, TMA_DKDV: gl.constexpr):
         """1 warp: once both warpgroups have put a step's dQ halves in shared memory (dq_full), add
         them into the float32 dQ buffer with TMA reductions, and hand a buffer back (dq_empty) once
         its reductions have read it: with two buffers, one step later (after the next step's
-        reductions are issued). The walk is the loader's."""
+        reductions are issued). The walk is the loader's. TMA_DKDV: a tile's last step's buffer is
+        handed back at the tile's end (once its reductions have read it), not at the next step, so
+        the consumers can put the tile's dK and dV in both buffers."""
         it = 0
+        if TMA_DKDV:
+            rel = 0  # steps before this one have had their buffer handed back
         if DQ_PARTS < 3:  # (nothing to add: the warp returns)
             n_rounds = 0
         for rr in range(0, n_rounds):
@@ -260,10 +327,21 @@ if GLUON_ERROR is None:
                         if DQ_PARTS >= 4:
                             _tma_add(desc_dq, [b, h, start_m, 0], dq_bufs.index(2 * bi))
                             _tma_add(desc_dq, [b, h, start_m, DH], dq_bufs.index(2 * bi + 1))
-                        if it > 0:
-                            tma.store_wait(2)  # the last step's two reductions have read their halves
-                            mbarrier.arrive(dq_empty.index((it - 1) % _DQ_BUFS))
+                        if TMA_DKDV:
+                            if it > rel:
+                                tma.store_wait(2)  # the last step's two reductions have read their halves
+                                mbarrier.arrive(dq_empty.index((it - 1) % _DQ_BUFS))
+                            rel = it
+                        else:
+                            if it > 0:
+                                tma.store_wait(2)  # the last step's two reductions have read their halves
+                                mbarrier.arrive(dq_empty.index((it - 1) % _DQ_BUFS))
                         it += 1
+                if TMA_DKDV:
+                    if it > rel:  # the tile's last step: its reductions have read, its buffer is free
+                        tma.store_wait(0)
+                        mbarrier.arrive(dq_empty.index((it - 1) % _DQ_BUFS))
+                        rel = it
         tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
 
     @gluon.jit
@@ -293,29 +371,37 @@ if GLUON_ERROR is None:
             return seq_k < 0
 
     @gluon.jit
-    def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
+    def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr, TMA_DKDV: gl.constexpr):
         """Put step p's dQ[:, half WG] ([QT, DH] float32) in its staging buffer, once the reducer has
-        read that buffer's last halves, and tell the reducer."""
+        read that buffer's last halves (TMA_DKDV: and this warpgroup's dK/dV stores from it have read
+        it), and tell the reducer."""
         bi = p % _DQ_BUFS
         mbarrier.wait(dq_empty.index(bi), ((p // _DQ_BUFS) & 1) ^ 1)
+        if TMA_DKDV:
+            tma.store_wait(0)
         dq_bufs.index(2 * bi + WG).reshape([_QT, DH]).store(dq)
         fence_async_shared()
         mbarrier.arrive(dq_full.index(bi))
 
     @gluon.jit
-    def _bwd_consumer(q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
-                      step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LEN, ORDER, n_tiles, n_rounds,
+    def _bwd_consumer(q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, v_empty,
+                      q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk, desc_dv, Q_IDX, Q_TILE,
+                      BITS, KEY_LEN, ORDER, n_tiles, n_rounds,
                       n_bhk, gh, n_heads_kv,
                       group, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                       STAGES: gl.constexpr, ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr,
-                      STORE_DKDV: gl.constexpr, WALK_ONLY: gl.constexpr):
+                      STORE_DKDV: gl.constexpr, WALK_ONLY: gl.constexpr, TMA_DKDV: gl.constexpr,
+                      PREFETCH_KV: gl.constexpr, KV_BUFS: gl.constexpr, DK_BNHD: gl.constexpr, DV_BNHD: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
         j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
         never waits for the other's dS^T of the step it is on. EXACT: a step in a partial block
-        zeroes P^T (and so dS^T) where its bit tile (Q_TILE, laid out as the column lists) is 0."""
+        zeroes P^T (and so dS^T) where its bit tile (Q_TILE, laid out as the column lists) is 0.
+        KV_BUFS 2: tile n's K/V in buffer n % 2. PREFETCH_KV with one buffer: V handed back (v_empty)
+        right after the tile's last step's dP^T (the last head's last step; at the tile's end when
+        that head's walk is empty). TMA_DKDV: dK and dV stored from the dQ staging buffers by TMA."""
         s_layout: gl.constexpr = wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
         DH: gl.constexpr = HEAD_DIM // 2
@@ -327,10 +413,11 @@ if GLUON_ERROR is None:
         causal_off = seq_k - seq_q
         zero_s = gl.zeros([_HALF, _QT], gl.float32, layout=s_layout)
         zero_q = gl.zeros([_QT, DH], gl.float32, layout=q_layout)
-        k_all = k_buf.reshape([_TILE, HEAD_DIM])
-        k_w = k_all.slice(WG * _HALF, _HALF, dim=0)
-        v_w = v_buf.reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
-        k_half = k_all.slice(WG * DH, DH, dim=1)  # [128 keys, HEAD_DIM / 2]: B of this half of dQ
+        if KV_BUFS == 1:
+            k_all = k_buf.reshape([_TILE, HEAD_DIM])
+            k_w = k_all.slice(WG * _HALF, _HALF, dim=0)
+            v_w = v_buf.reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
+            k_half = k_all.slice(WG * DH, DH, dim=1)  # [128 keys, HEAD_DIM / 2]: B of this half of dQ
         r_s = WG * _HALF + gl.arange(0, _HALF, layout=row_s)
         r_a = WG * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, a_layout))
         c_a = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a_layout))
@@ -345,7 +432,17 @@ if GLUON_ERROR is None:
                 dk = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
                 dv = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=a_layout)
                 it0 = it  # (the tile's first step has no previous dQ to compute)
-                mbarrier.wait(kv_ready, n_done & 1)
+                if KV_BUFS == 2:
+                    kb = n_done % 2
+                    k_all = k_buf.index(kb).reshape([_TILE, HEAD_DIM])
+                    k_w = k_all.slice(WG * _HALF, _HALF, dim=0)
+                    v_w = v_buf.index(kb).reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
+                    k_half = k_all.slice(WG * DH, DH, dim=1)
+                    mbarrier.wait(kv_ready.index(kb), (n_done // 2) & 1)
+                else:
+                    mbarrier.wait(kv_ready, n_done & 1)
+                if PREFETCH_KV and KV_BUFS == 1:
+                    v_held = 1  # this warpgroup has not handed V back yet
                 for g in range(group):
                     h = hk * group + g
                     p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
@@ -386,6 +483,10 @@ if GLUON_ERROR is None:
                                     kw0 = (start_n % MASK_BK + WG * _HALF) // 32
                                     pt = gl.where(_exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK), pt, 0.0)
                             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
+                            if PREFETCH_KV and KV_BUFS == 1:
+                                if (g == group - 1) & (jj == j_end - j_skip - 1):  # V's last read in this tile
+                                    mbarrier.arrive(v_empty)
+                                    v_held = 0
                             ds16 = (pt * (dpt - dlt)).to(dtype)
                             p_op = gl.convert_layout(pt.to(dtype), op_layout)
                             dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
@@ -411,7 +512,7 @@ if GLUON_ERROR is None:
                                         r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
                                         mbarrier.arrive(ds_ready.index(it % 2))  # (after the dQ above has read its buffer)
                                         if DQ_PARTS >= 3:
-                                            _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
+                                            _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, DH, TMA_DKDV)
                                         r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
                                     else:
                                         mbarrier.arrive(ds_ready.index(it % 2))
@@ -442,44 +543,82 @@ if GLUON_ERROR is None:
                                            is_async=True)
                         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
                         if DQ_PARTS >= 3:
-                            _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
-                mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
+                            _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, DH, TMA_DKDV)
+                if KV_BUFS == 2:
+                    mbarrier.arrive(kv_empty.index(kb))  # the loader may bring tile n + 2's K and V here
+                else:
+                    if PREFETCH_KV:
+                        if v_held != 0:  # (the last head's walk was empty)
+                            mbarrier.arrive(v_empty)
+                    mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
                 # keys at or past kv_end take no part: their gradients are exactly zero
                 keys_a = start_n + r_a
                 keep = gl.expand_dims(keys_a < kv_end, 1)
-                in_seq = gl.expand_dims(keys_a < seq_k, 1)
-                off_k = gl.expand_dims(keys_a.to(gl.int64), 1)
-                p_dk = (DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + off_k * stride_dkn
-                        + gl.expand_dims(c_a, 0))
-                gl.store(p_dk, gl.where(keep, dk * sm_scale, 0.0).to(dtype), mask=in_seq & _store_on(seq_k, STORE_DKDV))
-                p_dv = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + off_k * stride_dvn
-                        + gl.expand_dims(c_a, 0))
-                gl.store(p_dv, gl.where(keep, dv, 0.0).to(dtype), mask=in_seq & _store_on(seq_k, STORE_DKDV))
+                if TMA_DKDV:
+                    if DQ_PARTS >= 3:
+                        # both staging buffers are free once the reducer has handed back steps it - 2 and
+                        # it - 1 (the tile's last, handed back at the tile's end): the waits `_dq_out`
+                        # would make for steps it and it + 1
+                        mbarrier.wait(dq_empty.index(it % _DQ_BUFS), ((it // _DQ_BUFS) & 1) ^ 1)
+                        mbarrier.wait(dq_empty.index((it + 1) % _DQ_BUFS), (((it + 1) // _DQ_BUFS) & 1) ^ 1)
+                    tma.store_wait(0)  # (a tile without steps: the last tile's stores from them have read)
+                    # warpgroup WG's dK and dV go where its dQ halves of the two staging buffers were
+                    out = _reinterpret(dq_bufs, dtype, [2 * _DQ_BUFS] + desc_dk.block_type.shape, desc_dk.layout)
+                    dk_s = out.index(WG)
+                    dv_s = out.index(_DQ_BUFS + WG)
+                    dk_s.reshape([_HALF, HEAD_DIM]).store(gl.where(keep, dk * sm_scale, 0.0).to(dtype))
+                    dv_s.reshape([_HALF, HEAD_DIM]).store(gl.where(keep, dv, 0.0).to(dtype))
+                    fence_async_shared()
+                    # (TMA clips the rows past seq_k)
+                    tma_store(desc_dk, tile_coord(b, hk, start_n + WG * _HALF, DK_BNHD), dk_s)
+                    tma_store(desc_dv, tile_coord(b, hk, start_n + WG * _HALF, DV_BNHD), dv_s)
+                else:
+                    in_seq = gl.expand_dims(keys_a < seq_k, 1)
+                    off_k = gl.expand_dims(keys_a.to(gl.int64), 1)
+                    p_dk = (DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + off_k * stride_dkn
+                            + gl.expand_dims(c_a, 0))
+                    gl.store(p_dk, gl.where(keep, dk * sm_scale, 0.0).to(dtype),
+                             mask=in_seq & _store_on(seq_k, STORE_DKDV))
+                    p_dv = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + off_k * stride_dvn
+                            + gl.expand_dims(c_a, 0))
+                    gl.store(p_dv, gl.where(keep, dv, 0.0).to(dtype), mask=in_seq & _store_on(seq_k, STORE_DKDV))
                 n_done += 1
+        if TMA_DKDV:
+            tma.store_wait(0)  # (shared memory must outlive the last stores' reads)
 
     @gluon.jit
     def hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, Q_TILE, BITS,
                            KEY_LEN, ORDER,
                            n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
                            stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
-                           stride_dvb, stride_dvh, stride_dvn,
+                           stride_dvb, stride_dvh, stride_dvn, desc_dk, desc_dv,
                            HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
                            ROTATE: gl.constexpr, DQ_PARTS: gl.constexpr, EXACT: gl.constexpr,
-                           STORE_DKDV: gl.constexpr, WALK_ONLY: gl.constexpr):
+                           STORE_DKDV: gl.constexpr, WALK_ONLY: gl.constexpr, TMA_DKDV: gl.constexpr,
+                           PREFETCH_KV: gl.constexpr, KV_BUFS: gl.constexpr, DK_BNHD: gl.constexpr,
+                           DV_BNHD: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
         lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
         dlt_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_dlt.block_type.shape, desc_dlt.layout)
-        k_buf = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
-        v_buf = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
+        if KV_BUFS == 2:
+            k_buf = gl.allocate_shared_memory(dtype, [2] + desc_k.block_type.shape, desc_k.layout)
+            v_buf = gl.allocate_shared_memory(dtype, [2] + desc_v.block_type.shape, desc_v.layout)
+        else:
+            k_buf = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
+            v_buf = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
         ds_bufs = gl.allocate_shared_memory(dtype, [2, _TILE, _QT], _ds_layout(dtype))
         dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * _DQ_BUFS] + desc_dq.block_type.shape, desc_dq.layout)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        if KV_BUFS == 2:
+            kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        else:
+            kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         step_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -489,8 +628,18 @@ if GLUON_ERROR is None:
         for i in gl.static_range(_DQ_BUFS):
             mbarrier.init(dq_full.index(i), count=2)  # both warpgroups stored their half of a step's dQ
             mbarrier.init(dq_empty.index(i), count=1)
-        mbarrier.init(kv_ready, count=1)
-        mbarrier.init(kv_empty, count=2)  # both warpgroups are done with the tile's K and V
+        if KV_BUFS == 2:
+            for i in gl.static_range(2):
+                mbarrier.init(kv_ready.index(i), count=1)
+                mbarrier.init(kv_empty.index(i), count=2)
+        else:
+            mbarrier.init(kv_ready, count=1)
+            mbarrier.init(kv_empty, count=2)  # both warpgroups are done with the tile's K and V
+        if PREFETCH_KV and KV_BUFS == 1:
+            v_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(v_empty, count=2)  # both warpgroups are past the tile's last dP^T (V's last read)
+        else:
+            v_empty = kv_empty  # (unused)
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)  # both warpgroups wrote their half of dS^T
         for i in gl.static_range(STAGES):
@@ -500,27 +649,32 @@ if GLUON_ERROR is None:
         fence_async_shared()
         gl.warp_specialize([
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
+                             v_empty, q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk,
+                             desc_dv, Q_IDX, Q_TILE, BITS,
                              KEY_LEN, ORDER, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, EXACT, STORE_DKDV, WALK_ONLY)),
+                             DQ_PARTS, EXACT, STORE_DKDV, WALK_ONLY, TMA_DKDV, PREFETCH_KV, KV_BUFS, DK_BNHD,
+                             DV_BNHD)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
+                             v_empty, q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk,
+                             desc_dv, Q_IDX, Q_TILE, BITS,
                              KEY_LEN, ORDER, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, ROTATE,
-                             DQ_PARTS, EXACT, STORE_DKDV, WALK_ONLY)),
+                             DQ_PARTS, EXACT, STORE_DKDV, WALK_ONLY, TMA_DKDV, PREFETCH_KV, KV_BUFS, DK_BNHD,
+                             DV_BNHD)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
-                           k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, ORDER, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
+                           k_buf, v_buf, kv_ready, kv_empty, v_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN,
+                           ORDER, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
                            stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                           Q_BNHD, KV_BNHD, DO_BNHD, ROTATE)),
+                           Q_BNHD, KV_BNHD, DO_BNHD, ROTATE, PREFETCH_KV, KV_BUFS)),
             (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, ORDER, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
-                            CAUSAL, HAS_KEYLEN, ROTATE, HEAD_DIM // 2, 0 if WALK_ONLY else DQ_PARTS)),
+                            CAUSAL, HAS_KEYLEN, ROTATE, HEAD_DIM // 2, 0 if WALK_ONLY else DQ_PARTS, TMA_DKDV)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
@@ -682,16 +836,25 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         order = torch.argsort(cols.reshape(-1), descending=True, stable=True).to(torch.int32)
         gh = 0
     n_rounds = triton.cdiv(n_units, grid) * (2 if causal else 1)
+    lay_dk, lay_dv = hopper.tensor_layout(dk), hopper.tensor_layout(dv)
+    tma_dkdv = TMA_DKDV and lay_dk is not None and lay_dv is not None  # (else the register stores)
+    if tma_dkdv and not STORE_DKDV:
+        raise ValueError("bwd_variants: TMA_DKDV stores always; STORE_DKDV=False measures the register stores")
+    desc_dk = descriptor(dk, lay_dk, QT) if tma_dkdv else None  # one warpgroup's 64 keys a store
+    desc_dv = descriptor(dv, lay_dv, QT) if tma_dkdv else None
+    last_launch.clear()
+    last_launch.update(TMA_DKDV=tma_dkdv, KV_BUFS=_kv_bufs(D), PREFETCH_KV=PREFETCH_KV)
     hopper_bwd_kernel[(grid,)](
         descriptor(q, lay[0], QT), descriptor(k, lay[1], TILE), descriptor(v, lay[2], TILE),
         descriptor(do, do_lay, QT), desc_dq, _row_descriptor(lse2), _row_descriptor(delta), dk, dv, idx, q_tile, bits,
         q if key_lengths is None else key_lengths, order, n_tiles, n_rounds, n_bhk, gh, Hk, H // Hk, Nq, Nk, n_qb, scale * LOG2E,
-        scale, *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+        scale, *i_strides, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], desc_dk=desc_dk, desc_dv=desc_dv,
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
         DO_BNHD=do_lay[1], ROTATE=ROTATE, DQ_PARTS=0 if WALK_ONLY else DQ_PARTS, EXACT=exact is not None,
-        STORE_DKDV=STORE_DKDV, WALK_ONLY=WALK_ONLY, num_warps=4)
+        STORE_DKDV=STORE_DKDV, WALK_ONLY=WALK_ONLY, TMA_DKDV=tma_dkdv, PREFETCH_KV=PREFETCH_KV,
+        KV_BUFS=_kv_bufs(D), DK_BNHD=bool(tma_dkdv and lay_dk[1]), DV_BNHD=bool(tma_dkdv and lay_dv[1]), num_warps=4)
     if DQ_PARTS < 4 or WALK_ONLY:
         return None, dk, dv
     dq = new(q)
@@ -701,7 +864,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
 
 
 # ----------------------------------------------------------------------------- patching it in
-KNOBS = ("DQ_PARTS", "ROTATE", "HEAD_GROUPS", "STORE_DKDV", "WALK_ONLY", "LONGEST_FIRST")
+KNOBS = ("DQ_PARTS", "ROTATE", "HEAD_GROUPS", "STORE_DKDV", "WALK_ONLY", "LONGEST_FIRST", "TMA_DKDV", "PREFETCH_KV")
 
 
 def routed(mode: str = "on", **knobs):
