@@ -1,8 +1,8 @@
 """`sparseflash.attention`: input validation and dispatch to the Triton kernels or the reference.
 
 The call path: `attention` tries the short path of repeated eager calls first
-(`sparseflash.flash.fast.try_call`: a call seen before skips validation; a new one is validated
-here), else validates (`_check_inputs`) and dispatches to `sparseflash.reference.attention` or
+(`sparseflash.flash.fast.lookup` / `build` / `call`: a call seen before skips validation; a new
+one is validated here first), else validates (`_check_inputs`) and dispatches to `sparseflash.reference.attention` or
 `sparseflash.flash.flash_attention` (flash/autograd.py: the autograd Function and torch.library
 ops) -> `launch.fwd` / `launch.bwd` (flash/launch.py; `flash/dispatch.py` picks the portable
 Triton kernels of flash/kernels.py or the Hopper Gluon ones of flash/hopper/).
@@ -354,14 +354,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         # (a per-call mask, `BlockMask.dynamic`, is new at every call: its key would always be new, so the short
         # path would only validate it a second time and build an entry that is never used again)
         # the short path of a repeated eager call (sparseflash.flash.fast): a known key skips validation
-        # and planning; a new one is validated first (`_validated_scale`). None: a call it does not take.
-        # (A function and its extra arguments, not a closure: a lambda here would make every local of
-        # this function a cell, a microsecond more per call.)
-        out = (_FAST or _fast_module()).try_call(
-            q, k, v, mask, causal, scale, key_lengths, _validated_scale, (check_key_lengths, backend),
-            key_lengths_range if key_lengths is not None and _checks_lengths(check_key_lengths) else None)
-        if out is not None:
-            return out
+        # and planning; a new one is validated here first (`_validated_scale`). None: a call it does not take.
+        fast = _FAST or _fast_module()
+        entry = fast.lookup(q, k, v, mask, causal, scale, key_lengths)
+        if entry is not None:
+            if entry.__class__ is fast.Miss:
+                resolved = _validated_scale(q, k, v, mask, causal, scale, key_lengths, check_key_lengths, backend)
+                entry = fast.build(entry, q, k, v, mask, causal, resolved, key_lengths, resolved is not None)
+            elif key_lengths is not None and _checks_lengths(check_key_lengths):
+                key_lengths_range(key_lengths, k.shape[2])  # (not while capturing: lookup says None then)
+            if entry is not None:
+                return fast.call(entry, q, k, v, key_lengths)
     _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
     ranges = check_key_ranges(key_ranges, q.shape[0], q.shape[2], k.shape[2], q.device)

@@ -8,7 +8,7 @@
   and the kernels' arguments from operands.py;
 - kernels.py: the portable @triton.jit kernels.
 
-fast.py is the short path of repeated eager calls (entered through `fast.try_call`; its C++ half:
+fast.py is the short path of repeated eager calls (entered through `fast.lookup`; its C++ half:
 native.py, _native.cpp)."""
 
 from sparseflash.flash.autograd import FlashAttentionFunction, flash_attention

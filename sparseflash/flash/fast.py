@@ -1,8 +1,8 @@
 """The short path of an eager `sparseflash.attention` call: less host time per repeated call.
 
 One unit with its C++ half (`sparseflash.flash.native`, `_native.cpp`), entered here only:
-`sparseflash.attention` calls `try_call` (`lookup`, `build` when the key is new, then `call`),
-which answers None for a call that takes the general path. This module calls `launch`, `autograd`
+`sparseflash.attention` calls `lookup` (None: the call takes the general path; a `Miss`: its key is
+new, and after validating the call the caller asks `build` for the entry), then `call`. This module calls `launch`, `autograd`
 and `native` through their public names; none of them calls back (a native plan's backward
 fallback is a callable this module hands it with the plan).
 
@@ -45,7 +45,7 @@ from sparseflash.flash import launch, native
 from sparseflash.mask import BlockMask
 from sparseflash import _env
 
-__all__ = ["ENABLED", "Miss", "try_call", "lookup", "build", "call", "clear"]
+__all__ = ["ENABLED", "Miss", "lookup", "build", "call", "clear"]
 
 ENABLED = _env.flag("SPARSEFLASH_FAST_PATH", True)
 
@@ -250,28 +250,6 @@ class _FastFunction(torch.autograd.Function):
         q, k, v, o, lse, kl = ctx.saved_tensors
         dq, dk, dv = ctx.entry.backward(do, q, k, v, o, lse, kl)
         return None, dq, dk, dv, None
-
-
-def try_call(q, k, v, mask, causal, scale, key_lengths, validate, validate_args=(),
-             check_lengths=None) -> Tensor | None:
-    """The output of a call the short path serves, or None when it must take the general path.
-    For calls without dropout, segment ids, key ranges, score modifications, bits or return_lse,
-    with backend "auto" or "triton" (the caller's test). ``validate(q, k, v, mask, causal, scale,
-    key_lengths, *validate_args)``: the caller's checks of the call, run only when its key is new
-    (they raise for a bad call); returns the call's resolved scale (a float) when its backend is
-    the kernels, else None. ``check_lengths(key_lengths, seq_k)``: the key_lengths range check for
-    a known key, None when off."""
-    entry = lookup(q, k, v, mask, causal, scale, key_lengths)
-    if entry is None:
-        return None
-    if entry.__class__ is Miss:
-        resolved = validate(q, k, v, mask, causal, scale, key_lengths, *validate_args)
-        entry = build(entry, q, k, v, mask, causal, resolved, key_lengths, resolved is not None)
-        if entry is None:
-            return None
-    elif check_lengths is not None and key_lengths is not None:
-        check_lengths(key_lengths, k.shape[2])  # (not while capturing: lookup says None then)
-    return call(entry, q, k, v, key_lengths)
 
 
 class Miss:

@@ -1,6 +1,6 @@
 """Host launchers of the portable kernels (`kernels.py`): plans, grids, outputs, and the launch.
 
-The op's layers: `sparseflash.attention` (api.py: validation, the short path `fast.try_call`, then
+The op's layers: `sparseflash.attention` (api.py: validation, the short path `fast.lookup` / `fast.call`, then
 `flash_attention`) -> `FlashAttentionFunction` and its torch.library ops (autograd.py) -> `fwd` /
 `bwd` here -> the kernels. `fwd` and `bwd` first ask `dispatch.hopper_plan` whether the Hopper
 Gluon kernels take the call (launched by `hopper_fwd`, `hopper_bwd`); else they launch the portable
