@@ -249,6 +249,9 @@ def eager_sweep(v: dict, rows) -> None:
         return f"1/{round(1 / max(found))}"
     v["sweep_low_16k"], v["sweep_low_4k"] = lowest(16384), lowest(4096)
     v["sweep_slack"] = f"{PROPORTIONAL_SLACK:g}"
+    from sparseflash.flash.tiles import TMA_MIN_WORK
+
+    v["tma_min_work"] = f"{TMA_MIN_WORK:.0e}".replace("e+", "e")
 
 
 def h200_training(v: dict, rows) -> None:
