@@ -43,6 +43,26 @@ _TILE_ELEMS = 4096
 
 
 @triton.jit
+def _row_hits(b_ids, m_k, j0, KB, BLOCK_J: tl.constexpr):
+    """Key blocks j0 .. j0 + BLOCK_J: (their ids, whether any of the row's ids ``b_ids [BLOCK_K]``
+    (valid lanes ``m_k``) names each one, 0 past KB)."""
+    o_j = j0 + tl.arange(0, BLOCK_J)
+    b_hit = tl.max(((b_ids[None, :] == o_j[:, None]) & m_k[None, :]).to(tl.int32), axis=1)  # [BLOCK_J]
+    return o_j, tl.where(o_j < KB, b_hit, 0)
+
+
+@triton.jit
+def _col_hits(p_ids, i_j, q0, QB, stride_iq, stride_ik, o_k, m_k, BLOCK_I: tl.constexpr):
+    """Query blocks q0 .. q0 + BLOCK_I: (their ids, whether the row of ids of each names key block
+    i_j, 0 past QB)."""
+    o_i = q0 + tl.arange(0, BLOCK_I)
+    m_ik = (o_i < QB)[:, None] & m_k[None, :]  # (unsigned ids read "other" as a large id: mask the compare too)
+    b_ids = tl.load(p_ids + o_i[:, None].to(tl.int64) * stride_iq + o_k[None, :] * stride_ik, mask=m_ik,
+                    other=0)  # [BLOCK_I, BLOCK_K]
+    return o_i, tl.max(((b_ids == i_j) & m_ik).to(tl.int32), axis=1)  # [BLOCK_I]
+
+
+@triton.jit
 def _lists_kernel(IDS, LAYOUT, KV_NUM, KV_IDX, Q_NUM, Q_IDX,
                   stride_ib, stride_ih, stride_iq, stride_ik, H, QB, KB, K,
                   BLOCK_J: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -59,16 +79,13 @@ def _lists_kernel(IDS, LAYOUT, KV_NUM, KV_IDX, Q_NUM, Q_IDX,
         b_ids = tl.load(p_ids + i_q.to(tl.int64) * stride_iq + o_k * stride_ik, mask=m_k, other=0)
         n = 0
         for j0 in range(0, KB, BLOCK_J):
-            o_j = j0 + tl.arange(0, BLOCK_J)
-            b_hit = tl.max(((b_ids[None, :] == o_j[:, None]) & m_k[None, :]).to(tl.int32), axis=1)  # [BLOCK_J]
-            n += tl.sum(tl.where(o_j < KB, b_hit, 0), axis=0)
+            _, b_hit = _row_hits(b_ids, m_k, j0, KB, BLOCK_J)
+            n += tl.sum(b_hit, axis=0)
         row = (i_bh.to(tl.int64) * QB + i_q) * KB
         hits = 0
         for j0 in range(0, KB, BLOCK_J):
-            o_j = j0 + tl.arange(0, BLOCK_J)
+            o_j, b_hit = _row_hits(b_ids, m_k, j0, KB, BLOCK_J)
             m_j = o_j < KB
-            b_hit = tl.max(((b_ids[None, :] == o_j[:, None]) & m_k[None, :]).to(tl.int32), axis=1)  # [BLOCK_J]
-            b_hit = tl.where(m_j, b_hit, 0)
             c_hit = tl.cumsum(b_hit, axis=0)
             c_miss = (o_j - j0 + 1) - c_hit  # misses up to and including this lane
             o_pos = tl.where(b_hit > 0, hits + c_hit - 1, n + (j0 - hits) + c_miss - 1)
@@ -80,26 +97,16 @@ def _lists_kernel(IDS, LAYOUT, KV_NUM, KV_IDX, Q_NUM, Q_IDX,
         i_j = i_p - QB
         n = 0
         for q0 in range(0, QB, BLOCK_I):
-            o_i = q0 + tl.arange(0, BLOCK_I)
-            m_i = o_i < QB
-            p = p_ids + o_i[:, None].to(tl.int64) * stride_iq + o_k[None, :] * stride_ik
-            m_ik = m_i[:, None] & m_k[None, :]  # (unsigned ids read "other" as a large id: mask the compare too)
-            b_ids = tl.load(p, mask=m_ik, other=0)  # [BLOCK_I, BLOCK_K]
-            b_hit = tl.max(((b_ids == i_j) & m_ik).to(tl.int32), axis=1)  # [BLOCK_I]
+            _, b_hit = _col_hits(p_ids, i_j, q0, QB, stride_iq, stride_ik, o_k, m_k, BLOCK_I)
             n += tl.sum(b_hit, axis=0)
         col = (i_bh.to(tl.int64) * KB + i_j) * QB
         hits = 0
         for q0 in range(0, QB, BLOCK_I):
-            o_i = q0 + tl.arange(0, BLOCK_I)
-            m_i = o_i < QB
-            p = p_ids + o_i[:, None].to(tl.int64) * stride_iq + o_k[None, :] * stride_ik
-            m_ik = m_i[:, None] & m_k[None, :]  # (unsigned ids read "other" as a large id: mask the compare too)
-            b_ids = tl.load(p, mask=m_ik, other=0)  # [BLOCK_I, BLOCK_K]
-            b_hit = tl.max(((b_ids == i_j) & m_ik).to(tl.int32), axis=1)  # [BLOCK_I]
+            o_i, b_hit = _col_hits(p_ids, i_j, q0, QB, stride_iq, stride_ik, o_k, m_k, BLOCK_I)
             c_hit = tl.cumsum(b_hit, axis=0)
             c_miss = (o_i - q0 + 1) - c_hit
             o_pos = tl.where(b_hit > 0, hits + c_hit - 1, n + (q0 - hits) + c_miss - 1)
-            tl.store(Q_IDX + col + o_pos, tl.where(b_hit > 0, o_i, QB), mask=m_i)
+            tl.store(Q_IDX + col + o_pos, tl.where(b_hit > 0, o_i, QB), mask=o_i < QB)
             hits += tl.sum(b_hit, axis=0)
         tl.store(Q_NUM + i_bh.to(tl.int64) * KB + i_j, n)
 
