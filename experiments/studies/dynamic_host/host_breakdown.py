@@ -175,7 +175,9 @@ def main(argv=None) -> int:
         rows.append(dict(piece=name, aten_ops=n_ops, launcher_calls=launches, host_us=us, ops=ops))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(label=args.label, torch=torch.__version__, tokens=args.tokens, heads=args.heads,
+    from sparseflash.experiments.bench.results import environment
+
+    meta = dict(environment(torch.device("cpu")), label=args.label, tokens=args.tokens, heads=args.heads,
                 head_dim=args.head_dim, k=args.k, block=args.block)
     path = out / f"host_breakdown{('_' + args.label) if args.label else ''}.json"
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
