@@ -350,9 +350,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     if not deterministic and segment_ids is None and key_ranges is None and softcap is None and alibi_slopes is None and not return_lse \
             and (backend == "auto" or backend == "triton") and generator is None \
             and (dropout_p.__class__ is float or dropout_p.__class__ is int) and dropout_p == 0 \
-            and not _needs_bits(mask, q, exact) and not (mask is not None and mask.dynamic):
-        # (a per-call mask, `BlockMask.dynamic`, is new at every call: its key would always be new, so the short
-        # path would only validate it a second time and build an entry that is never used again)
+            and not _needs_bits(mask, q, exact):
         # the short path of a repeated eager call (sparseflash.flash.fast): a known key skips validation
         # and planning; a new one is validated here first (`_validated_scale`). None: a call it does not take.
         fast = _FAST or _fast_module()

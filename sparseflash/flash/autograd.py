@@ -160,9 +160,8 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 def _tables(seg_q: Optional[Tensor], seg_k: Optional[Tensor], slopes: Optional[Tensor] = None) -> dict:
     """The launchers' optional tables by name: ``segments`` (seg_q, seg_k), or with seg_k None the
-    key-range table seg_q as ``key_ranges``; ALiBi's ``slopes`` (float32, contiguous)."""
-    if slopes is not None:
-        slopes = slopes.to(torch.float32).contiguous()
+    key-range table seg_q as ``key_ranges``; ALiBi's ``slopes`` (float32, contiguous: `flash_attention`
+    made them so)."""
     if seg_q is None:
         return dict(slopes=slopes)
     if seg_k is None:

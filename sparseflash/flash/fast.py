@@ -25,7 +25,7 @@ the general path: ``check_key_lengths=False`` skips it), the alignment of every 
 general launch), the current device, and launch hooks (a profiler sees every launch).
 
 Taken only for the common case: CUDA tensors (or CPU under the Triton interpreter) of exactly
-type torch.Tensor, no dropout, no segment ids, no return_lse, backend "auto" or "triton", outside torch.compile
+type torch.Tensor, a mask made once (not a per-call `BlockMask.dynamic` one), no dropout, no segment ids, no return_lse, backend "auto" or "triton", outside torch.compile
 traces and CUDA-graph capture (those keep the general path: the ops the compiler traces, TMA
 descriptors in captured graphs), calls small enough that the launchers keep pointer loads (below
 `tiles.TMA_MIN_WORK`; larger calls are GPU-bound, and the general path gives them TMA), and a
@@ -272,6 +272,10 @@ def lookup(q, k, v, mask, causal, scale, key_lengths):
     if mask is None:
         cache = _DENSE
     elif type(mask) is BlockMask:
+        if mask.dynamic:
+            # a per-call mask is new at every call: its key would always be new, so the short path would
+            # only validate the call a second time and build an entry never used again
+            return None
         cache = mask.fast_entries
     else:
         return None

@@ -215,11 +215,11 @@ def run(plan: _Plan, tensors: dict) -> tuple | None:
     return None
 
 
-def _descs(cfg, tma_plan, D: int, names: str, *tiles_) -> dict:
-    """The DESC_* arguments of a launch: descriptors of ``tiles_`` ((tensor, rows) pairs) when the
-    plan loads through TMA, else None each (names: their letters, e.g. "QKV")."""
+def _descs(cfg, tma_plan, D: int, kind: str, *tiles_) -> dict:
+    """The DESC_* tensors of a ``kind`` launch: descriptors of ``tiles_`` ((tensor, rows) pairs) when
+    the plan loads through TMA, else none (the plan's DESC_* arguments are None then)."""
     descs, taken = tiles.tma_args(cfg, tma_plan, tiles.block_d(D), *tiles_)
-    return {f"DESC_{n}": (d if taken else None) for n, d in zip(_DESC_NAMES[names], descs)}
+    return {f"DESC_{n}": d for n, d in zip(_DESC_NAMES[kind], descs)} if taken else {}
 
 
 _DESC_NAMES = {"fwd": ("Q", "K", "V"), "dkdv": ("Q", "K", "V", "DO"), "dq": ("Q", "K", "V", "DO", "O")}
@@ -240,14 +240,14 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     ``exact``: an `ExactTiles` (the kernels' EXACT). Whether the Hopper kernel runs the call
     instead is `dispatch.hopper_plan`'s choice."""
     B, Hq, Nq, D = q.shape
-    lay = dispatch.hopper_plan(q, k, v, mask_bq, mask_bk, work, scale=scale, dropout_p=dropout_p,
-                               tables=(segments, key_ranges, slopes), softcap=softcap, exact=exact)
+    tables = (segments, key_ranges, slopes)
+    lay = dispatch.hopper_plan(q, k, v, mask_bq, mask_bk, work, scale=scale, dropout_p=dropout_p, tables=tables,
+                               softcap=softcap, exact=exact)
     if lay is not None:
         return hopper_fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, lay=lay, exact=exact)
     tma_plan = tiles.tma_plan(tiles.block_d(D), q, k, v, work=work)
     o = _new(q)
     lse = _new(q, (B, Hq, Nq), torch.float32)
-    tables = (segments, key_ranges, slopes)
     plan = plan_fwd(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan=tma_plan,
                     tables=tables, softcap=softcap, exact=exact is not None)
     rng = None if dropout_p <= 0.0 else checked_rng(rng, q.device)
