@@ -24,14 +24,14 @@ What stays per call: the key_lengths range check when it is on (a host synchroni
 the general path: ``check_key_lengths=False`` skips it), the alignment of every address (else the
 general launch), the current device, and launch hooks (a profiler sees every launch).
 
-Taken only for the common case: CUDA tensors (or CPU under the Triton interpreter) of exactly
-type torch.Tensor, a mask made once (not a per-call `BlockMask.dynamic` one), no dropout, no
-segment ids, no return_lse, backend "auto" or "triton", outside torch.compile traces and CUDA-graph
-capture (those keep the general path: the ops the compiler traces, TMA descriptors in captured graphs), calls small enough that the launchers keep pointer loads (below
-`tiles.TMA_MIN_WORK`; larger calls are GPU-bound, and the general path gives them TMA), and a
-contiguous key_lengths. Everything else goes the general way, as does every call with
-``sparseflash.flash.fast.ENABLED = False`` (``SPARSEFLASH_FAST_PATH=0``).
-"""
+Taken only for the common case: CUDA tensors (or CPU under the Triton interpreter) of exactly type
+torch.Tensor, a mask made once (not a per-call `BlockMask.dynamic` one), no dropout, no segment ids,
+no return_lse, backend "auto" or "triton", outside torch.compile traces and CUDA-graph capture
+(those keep the general path: the ops the compiler traces, TMA descriptors in captured graphs),
+calls small enough that the launchers keep pointer loads (below `tiles.TMA_MIN_WORK`; larger calls
+are GPU-bound, and the general path gives them TMA), and a contiguous key_lengths. Everything else
+goes the general way, as does every call with ``sparseflash.flash.fast.ENABLED = False``
+(``SPARSEFLASH_FAST_PATH=0``). """
 
 from __future__ import annotations
 
