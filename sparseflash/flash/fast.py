@@ -31,7 +31,8 @@ no return_lse, backend "auto" or "triton", outside torch.compile traces and CUDA
 calls small enough that the launchers keep pointer loads (below `tiles.TMA_MIN_WORK`; larger calls
 are GPU-bound, and the general path gives them TMA), and a contiguous key_lengths. Everything else
 goes the general way, as does every call with ``sparseflash.flash.fast.ENABLED = False``
-(``SPARSEFLASH_FAST_PATH=0``). """
+(``SPARSEFLASH_FAST_PATH=0``).
+"""
 
 from __future__ import annotations
 
