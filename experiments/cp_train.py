@@ -558,7 +558,9 @@ def main(argv=None) -> int:
     world = _world(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise CommandError("--device cuda without a CUDA GPU", "pass --device cpu")
-    out = check_output_dir(args.out)
+    # only rank 0 writes the outputs: the others must not race it in check_output_dir's probe (which
+    # makes the folder and removes it again)
+    out = check_output_dir(args.out) if int(os.environ.get("RANK", 0)) == 0 else Path(args.out)
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
