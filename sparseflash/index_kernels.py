@@ -137,9 +137,11 @@ def lists_from_ids(ids: torch.Tensor, kb: int):
     block_i = min(rows, triton.next_power_of_2(qb))
     grid = (qb + kb, B * H)
     args = (ids, layout, kv_num, kv_idx, q_num, q_idx, *ids.stride(), H, qb, kb, K)
+    from sparseflash.flash import launch  # (not at import: the mask module imports this one)
+
     if dev.type == "cuda" and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):  # Triton launches on the current device
-            _lists_kernel[grid](*args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
+            launch.call(_lists_kernel, grid, *args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
     else:
-        _lists_kernel[grid](*args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
+        launch.call(_lists_kernel, grid, *args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
     return layout.view(torch.bool), kv_num, kv_idx, q_num, q_idx

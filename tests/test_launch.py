@@ -9,6 +9,7 @@ import inspect
 
 import pytest
 import torch
+import triton.language as tl
 
 import sparseflash
 from sparseflash.flash import TileConfig, kernels, launch, tile_config, tiles
@@ -124,9 +125,95 @@ def test_unbound_launches(fake, monkeypatch):
     assert len(kernel.launches) == 6 and not plan.bound
     kernel.pre_run_hooks.clear()
     tma = launch._Plan("_test_kernel", (1, 1), plan.args, plan.cfg, True, torch.device("cuda"))
+    launch._CALLS.clear()
     for _ in range(2):
         launch.run(tma, _tensors())
-    assert len(kernel.launches) == 8 and not tma.bound
+    # (a plan with TMA descriptors binds through `call`, keyed on the call's arguments, not in the plan)
+    assert len(kernel.launches) == 7 and not tma.bound and len(launch._CALLS) == 1
+
+
+def _const_fn(A, n, x, BLOCK: tl.constexpr, E=None):
+    """A stand-in with a constexpr (its annotation names tl.constexpr, as Triton reads it)."""
+
+
+@pytest.fixture
+def fake_call(monkeypatch):
+    """A stand-in kernel for `launch.call` on a (pretend) CUDA device."""
+    kernel = _Kernel()
+    kernel.fn = _const_fn
+    monkeypatch.setattr(tiles, "INTERPRETING", False)
+    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch, "raw_stream", lambda index: 77)
+    launch._CALLS.clear()
+    return kernel
+
+
+def test_call_binds_and_passes_every_runtime_value(fake_call):
+    """`call` launches through Triton once per combination, then through the compiled kernel's
+    launcher with every parameter's value in order: this call's tensors (as addresses), ints and
+    floats, the constexprs and defaults of the first."""
+    kernel = fake_call
+    a = torch.zeros(8, dtype=torch.bfloat16)
+    launch.call(kernel, (3,), A=a, n=32, x=0.5, BLOCK=64, num_warps=4)
+    b = torch.ones(8, dtype=torch.bfloat16)
+    launch.call(kernel, (3,), A=b, n=48, x=2.0, BLOCK=64, num_warps=4)
+    assert len(kernel.launches) == 1
+    (compiled,) = kernel.compiled.values()
+    assert compiled.runs == [(3, 1, 1, 77, 1234, (4, 1, 0), None, None, None, b.data_ptr(), 48, 2.0, 64, None)]
+
+
+def test_call_keys_on_what_triton_specialises(fake_call):
+    """Another constexpr, compile option, dtype, alignment, int class (1, a multiple of 16, wider
+    than 32 bits) or a None is another specialisation: Triton's path again. Ints of one class and
+    any float share a binding."""
+    kernel = fake_call
+    a = torch.zeros(64, dtype=torch.bfloat16)
+    base = dict(A=a[:8], n=32, x=0.5, BLOCK=64)
+    others = [dict(BLOCK=128), dict(num_warps=8), dict(A=a[:8].half()), dict(A=a[1:9]), dict(n=1), dict(n=33),
+              dict(n=2**33), dict(E=a[:8])]
+    launch.call(kernel, (1,), **base)
+    for i, change in enumerate(others):
+        launch.call(kernel, (1,), **{**base, **change})
+        assert len(kernel.launches) == i + 2, change
+    launch.call(kernel, (1,), **{**base, "n": 64, "x": -3.0})
+    launch.call(kernel, (1,), **{**base, "A": a[8:16]})  # 16 bytes further: aligned as the first
+    assert len(kernel.launches) == len(others) + 1
+
+
+def test_call_keys_descriptors_on_their_type(fake_call):
+    """A TMA descriptor goes to the launcher as itself (the launcher encodes it); its dtype and block
+    shape are in the key, its base, shape and strides are not."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kernel = fake_call
+    t = torch.zeros(64, 64, dtype=torch.bfloat16)
+    d1 = TensorDescriptor.from_tensor(t, [16, 64])
+    d2 = TensorDescriptor.from_tensor(t[:32], [16, 64])
+    launch.call(kernel, (1,), A=d1, n=32, x=0.5, BLOCK=64)
+    launch.call(kernel, (1,), A=d2, n=32, x=0.5, BLOCK=64)
+    assert len(kernel.launches) == 1
+    (compiled,) = kernel.compiled.values()
+    assert compiled.runs[0][9] is d2
+    launch.call(kernel, (1,), A=TensorDescriptor.from_tensor(t, [32, 64]), n=32, x=0.5, BLOCK=64)
+    assert len(kernel.launches) == 2
+
+
+def test_call_unbound(fake_call, monkeypatch):
+    """Triton's own path each time with FAST_LAUNCH off or under the interpreter; positional
+    arguments are named by the signature (Triton gets every argument by keyword)."""
+    kernel = fake_call
+    a = torch.zeros(8)
+    monkeypatch.setattr(launch, "FAST_LAUNCH", False)
+    launch.call(kernel, (1,), A=a, n=32, x=0.5, BLOCK=64)
+    launch.call(kernel, (1,), A=a, n=32, x=0.5, BLOCK=64)
+    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
+    monkeypatch.setattr(tiles, "INTERPRETING", True)
+    launch.call(kernel, (1,), A=a, n=32, x=0.5, BLOCK=64)
+    assert len(kernel.launches) == 3 and not launch._CALLS
+    monkeypatch.setattr(tiles, "INTERPRETING", False)
+    launch.call(kernel, (1,), a, 32, 0.5, BLOCK=64)
+    assert kernel.launches[-1][1] == dict(A=a, n=32, x=0.5, BLOCK=64)
 
 
 @pytest.mark.interpreter
@@ -197,3 +284,60 @@ def test_gpu_bound_launches_match_triton(setting, monkeypatch):
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name
     assert sum(len(p.bound) for p in launch._PLANS.values()) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bound launches run on CUDA")
+@pytest.mark.parametrize("route", ["hopper-dense", "hopper-sparse-causal", "portable-tma", "decode", "index"])
+def test_gpu_calls_match_triton(route, monkeypatch):
+    """On the GPU, kernels launched by `launch.call` (the Hopper kernels, plans with TMA descriptors,
+    decoding, the index build) give bitwise the results of Triton's own launches, and bind."""
+    from sparseflash.flash.hopper import backward as hopper_bwd, forward as hopper
+    from sparseflash.patterns import random as random_mask
+
+    if route != "index" and route != "decode" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("TMA descriptors and the Hopper kernels: sm_90")
+    monkeypatch.setattr(tiles, "TMA_MODE", "on")
+    if route == "portable-tma":
+        monkeypatch.setattr(hopper, "MODE", "off")
+        monkeypatch.setattr(hopper_bwd, "MODE", "off")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, N, D = 2, 4, 1024, 128
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    q, k, v, do = (randn(B, H, N, D) for _ in range(4))
+    if route == "decode":
+        kc, vc = randn(B, 4096, 2, D), randn(B, 4096, 2, D)
+        qd = randn(B, 1, 8, D)
+        lens = torch.tensor([4000, 1234], device="cuda", dtype=torch.int32)
+
+        def run():
+            return (sparseflash.flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=0),)
+    elif route == "index":
+        ids = torch.randint(-1, N // 128, (B, H, N // 128, 5), device="cuda", generator=g)
+
+        def run():
+            m = sparseflash.BlockMask.from_indices(ids, N)
+            ix = m.index()
+            return m.layout, ix.kv_num, ix.kv_idx, ix.q_num, ix.q_idx
+    else:
+        kw = {}
+        if route == "hopper-sparse-causal":
+            kw = dict(mask=random_mask(N, 3, block_size=128, seed=0, device="cuda"), causal=True)
+
+        def run():
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            out = sparseflash.attention(qq, kk, vv, **kw)
+            return (out, *torch.autograd.grad(out, (qq, kk, vv), do))
+
+    monkeypatch.setattr(launch, "FAST_LAUNCH", False)
+    want = run()
+    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
+    launch._CALLS.clear()
+    run()  # binds
+    n_bound = len(launch._CALLS)
+    got = run()
+    assert n_bound > 0 and len(launch._CALLS) == n_bound, "no bound launch, or the second call bound anew"
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i

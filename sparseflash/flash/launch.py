@@ -12,7 +12,9 @@ every kernel argument by its parameter name; `run` launches a plan with the call
 through Triton's ``kernel[grid](**args)`` the first time and straight through the compiled kernel's
 C launcher after (FAST_LAUNCH; the comment above `run` says why that is safe). The short path
 (`sparseflash.flash.fast`) runs the same plans with `run`, or from C++ (`sparseflash.flash.native`)
-once a plan is bound: those are the two launch routes.
+once a plan is bound: those are the two launch routes. Kernels launched without a plan (the Hopper
+kernels, decoding, the index build) take the first route through `call`, which binds per
+combination of what Triton specialises on.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sparseflash.flash.operands import (TENSOR, ExactTiles, aligned_strides, bwd
                                        optional_tensors, softcap_flag, table_args, table_layout, table_tensors)
 
 __all__ = ["fwd", "bwd", "bwd_dq", "bwd_dkdv", "hopper_fwd", "hopper_bwd", "plan_fwd", "plan_dq", "plan_dkdv", "run",
-           "plan_state", "POISON_OUTPUTS", "FAST_LAUNCH", "hooks_idle", "raw_stream"]
+           "plan_state", "POISON_OUTPUTS", "FAST_LAUNCH", "hooks_idle", "raw_stream", "call"]
 
 
 # Tests set this to fill every output with NaN before the kernels run, so that an element a
@@ -105,10 +107,10 @@ def _frozen(tma_plan):
 # Safe because everything Triton specialises a compiled kernel on is in the bound launch's key:
 # the plan key fixes every scalar argument (so whether each int is 1, divisible by 16, int32 or
 # int64, or None), the constexprs and the options; per call the key adds the current device, each
-# tensor's dtype and whether its address is 16-byte aligned. Anything else takes Triton's own
-# path: the interpreter, plans with TMA descriptors, active launch hooks (profilers such as
-# proton), pre-run hooks, TRITON_DEBUG, and a first launch whose result does not look like a
-# CompiledKernel. FAST_LAUNCH = False (SPARSEFLASH_FAST_LAUNCH=0) turns it off, for A/B timing
+# tensor's dtype and whether its address is 16-byte aligned. Plans with TMA descriptors (made per
+# call) bind through `call` instead, keyed on the descriptors' types. Anything else takes Triton's
+# own path: the interpreter, active launch hooks (profilers such as proton), pre-run hooks,
+# TRITON_DEBUG, and a first launch whose result does not look like a CompiledKernel. FAST_LAUNCH = False (SPARSEFLASH_FAST_LAUNCH=0) turns it off, for A/B timing
 # or to let tools that hook JITFunction.run see every launch.
 FAST_LAUNCH = _env.flag("SPARSEFLASH_FAST_LAUNCH", True)
 
@@ -203,6 +205,9 @@ def run(plan: _Plan, tensors: dict) -> tuple | None:
     for n in plan.tensors:
         args[n] = tensors[n]
     kernel = getattr(kernels, plan.kernel)
+    if plan.tma and plan.cuda:  # descriptors made per call: bound per combination by `call`
+        call(kernel, plan.grid, **args)
+        return None
     compiled = kernel[plan.grid](**args)
     if fast and hooks_idle():
         try:
@@ -213,6 +218,113 @@ def run(plan: _Plan, tensors: dict) -> tuple | None:
             plan.bound[key] = bound
             return key, bound
     return None
+
+
+# Keyword launches without a plan (the Hopper kernels, plans with TMA descriptors, decoding, the
+# index build): `call` binds the same way, per combination of what Triton specialises a launch on,
+# read from the call's arguments (`_spec`): a constexpr's or compile option's value; a tensor's
+# dtype and 16-byte alignment; an int's width, whether it is 1 and whether 16 divides it; a bool's
+# or None's value; a float's type; a TMA descriptor's type, dtype, block shape, layout and padding
+# (its mangled type). Every non-constexpr argument's value is passed at each launch, so shapes,
+# strides and scales may change without new bindings. The key is a superset of Triton's, so a
+# bound launch runs the kernel Triton would have picked.
+_CALLS: dict = {}
+_CALLS_MAX = 1024
+_PARAMS: dict = {}
+
+
+def _params(kernel) -> tuple:
+    """(names, whether each is a constexpr, defaults) of ``kernel``'s parameters, in order."""
+    info = _PARAMS.get(kernel)
+    if info is None:
+        import inspect
+
+        ps = list(inspect.signature(kernel.fn).parameters.values())
+        info = _PARAMS[kernel] = (tuple(p.name for p in ps), tuple("constexpr" in str(p.annotation) for p in ps),
+                                  tuple(p.default for p in ps))
+    return info
+
+
+def _spec(a):
+    """What Triton specialises a non-constexpr argument on (or a superset of it), hashable."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if a is None or isinstance(a, bool):
+        return a
+    if isinstance(a, int):
+        return int, a == 1, a % 16 == 0, -2**31 <= a < 2**31, 0 <= a < 2**64
+    if isinstance(a, float):
+        return float
+    block = getattr(a, "block_shape", None)
+    if block is not None:  # a TMA descriptor (triton.tools' or Gluon's)
+        return (type(a), a.base.dtype, tuple(block), getattr(a, "layout", None), getattr(a, "padding", None),
+                getattr(a, "round_f32_to_tf32", None))
+    return a
+
+
+def call(kernel, grid: tuple, *pos, **args) -> None:
+    """``kernel[grid](*pos, **args)``; after the first launch of a combination (see above), straight
+    through the compiled kernel's C launcher (FAST_LAUNCH)."""
+    if not FAST_LAUNCH or tiles.INTERPRETING or not hooks_idle():
+        kernel[grid](*pos, **args)
+        return
+    names, const, _ = _params(kernel)
+    if pos:
+        args = dict(zip(names, pos), **args)
+    runtime = _RUNTIME.get(kernel)
+    if runtime is None:
+        runtime = _RUNTIME[kernel] = frozenset(n for n, c in zip(names, const) if not c)
+    device = _current_device()
+    key = (kernel, device, tuple(args), tuple(_spec(a) if n in runtime else a for n, a in args.items()))
+    bound = _CALLS.get(key)
+    if bound is None:
+        compiled = kernel[grid](**args)
+        try:
+            bound = _bind_call(kernel, compiled, args, runtime)
+        except Exception:  # an unexpected Triton: keep its own launch path
+            bound = None
+        if bound is not None:
+            if len(_CALLS) >= _CALLS_MAX:
+                _CALLS.clear()
+            _CALLS[key] = bound
+        return
+    run_c, function, meta, values, slots = bound
+    values = list(values)
+    for i, n in slots:
+        a = args[n]
+        values[i] = a.data_ptr() if isinstance(a, torch.Tensor) else a
+    g = tuple(grid) + (1, 1)
+    run_c(g[0], g[1], g[2], raw_stream(device), function, meta, None, None, None, *values)
+
+
+_RUNTIME: dict = {}
+
+
+def _bind_call(kernel, compiled, args: dict, runtime) -> tuple | None:
+    """(run, function, packed_metadata, every parameter's value in order with None where a
+    non-constexpr argument goes, (position, name) of those), or None when it cannot be bound."""
+    if getattr(kernel, "pre_run_hooks", None) or _runtime_knobs().debug:
+        return None
+    run_c, function, meta = getattr(compiled, "run", None), getattr(compiled, "function", None), \
+        getattr(compiled, "packed_metadata", None)
+    if run_c is None or function is None or meta is None:
+        return None
+    import inspect
+
+    names, _, defaults = _params(kernel)
+    values, slots = [], []
+    for i, (n, d) in enumerate(zip(names, defaults)):
+        if n in args:
+            if n in runtime:
+                slots.append((i, n))
+                values.append(None)
+            else:
+                values.append(args[n])
+        elif d is not inspect.Parameter.empty:
+            values.append(d)
+        else:
+            return None
+    return run_c, function, meta, tuple(values), tuple(slots)
 
 
 def _descs(cfg, tma_plan, D: int, kind: str, *tiles_) -> dict:
