@@ -56,6 +56,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(launch, "FAST_LAUNCH", True)
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
     monkeypatch.setattr(launch, "raw_stream", lambda index: 77)
+    monkeypatch.setattr(launch, "_HAS_CUDA", True)
     T = launch.TENSOR
     plan = launch._Plan("_test_kernel", (5, 6), dict(A=T, B=T, n=48, x=0.5, C=7, E=None, num_warps=4),
                         TileConfig(16, 16), False, torch.device("cuda"))
@@ -145,6 +146,7 @@ def fake_call(monkeypatch):
     monkeypatch.setattr(launch, "FAST_LAUNCH", True)
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
     monkeypatch.setattr(launch, "raw_stream", lambda index: 77)
+    monkeypatch.setattr(launch, "_HAS_CUDA", True)
     launch._CALLS.clear()
     return kernel
 

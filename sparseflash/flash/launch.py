@@ -265,8 +265,8 @@ def _spec(a):
 def call(kernel, grid: tuple, *pos, **args) -> None:
     """``kernel[grid](*pos, **args)``; after the first launch of a combination (see above), straight
     through the compiled kernel's C launcher (FAST_LAUNCH)."""
-    if not FAST_LAUNCH or tiles.INTERPRETING or not hooks_idle():
-        kernel[grid](*pos, **args)
+    if not FAST_LAUNCH or tiles.INTERPRETING or not _cuda() or not hooks_idle():
+        kernel[grid](*pos, **args)  # (without CUDA: a compile-only check's hooked launch)
         return
     names, const, _ = _params(kernel)
     if pos:
@@ -298,6 +298,14 @@ def call(kernel, grid: tuple, *pos, **args) -> None:
 
 
 _RUNTIME: dict = {}
+_HAS_CUDA = None
+
+
+def _cuda() -> bool:
+    global _HAS_CUDA
+    if _HAS_CUDA is None:
+        _HAS_CUDA = torch.cuda.is_available()
+    return _HAS_CUDA
 
 
 def _bind_call(kernel, compiled, args: dict, runtime) -> tuple | None:
