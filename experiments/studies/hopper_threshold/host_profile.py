@@ -7,7 +7,7 @@ Cases (bf16, B1 H16 N16K d128, random masks of 1 block of 128 a row unless said)
 per-call mask step (`topk_blocks` of 8 blocks, causal, + attention; the default dispatch) forward and
 forward+backward. Per case: host µs per call (calls issued back to back without a sync; the GPU
 work is far shorter, so the issue rate is the host's), the number of host syncs one call makes
-(`torch.cuda.set_sync_debug_mode("warn")`), and the cProfile of 20 calls (top functions by own
+(`torch.cuda.set_sync_debug_mode("warn")`; where a call makes one, the traceback of the first), and the cProfile of 20 calls (top functions by own
 time and by cumulative time). Writes DIR/host_profile.txt and DIR/host_profile.json; prints the
 summary table last. About a minute on an H200 (the kernels compile first). ``--device cpu``: a
 labelled check of the script under the interpreter (tiny sizes, portable kernels only).
@@ -53,6 +53,20 @@ def _syncs(step) -> int:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def _sync_where(step) -> str:
+    """The traceback of the first host sync of one call (sync debug mode "error"), or ""."""
+    import traceback
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    except RuntimeError:
+        return traceback.format_exc()[-2500:]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return ""
 
 
 def _profile(step, calls: int, top: int) -> str:
@@ -130,6 +144,9 @@ def main(argv=None) -> int:
             for _ in range(3):
                 step()  # compile, warm caches
             row = dict(case=label, tma_mode=mode, host_us=_host_us(step, calls), syncs=_syncs(step))
+            if row["syncs"]:
+                row["sync_where"] = _sync_where(step)
+                print(row["sync_where"], flush=True)
             text.append(f"===== {label} (TMA_MODE {mode}): {row['host_us']:.0f} us/call, "
                         f"{row['syncs']} syncs\n" + _profile(step, calls, args.top))
             rows.append(row)
