@@ -50,7 +50,7 @@ import numbers
 import torch
 
 from sparseflash import api
-from sparseflash.mask import BlockMask
+from sparseflash.mask import BlockMask, tracing
 from sparseflash import _env
 
 __all__ = ["flash_attn_with_kvcache", "decode_reference", "apply_rotary", "window_pair"]
@@ -104,6 +104,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: tor
         x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
         rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return torch.cat((rot.to(x.dtype), x[..., r:]), dim=-1)
+
+
+class CacheBoundsError(ValueError, RuntimeError):
+    """cache_seqlens (+ the new keys) past the cache or the block table: a ValueError, as every bad
+    argument here, and the RuntimeError flash-attn raises for it."""
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -202,8 +207,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if api.CHECK_KEY_LENGTHS and not _capturing(dev):  # one host read: the bounds in-place writes rely on
         s_host = seqlens.cpu().long()
         if bool((s_host < 0).any()) or int(s_host.max()) + SN > cap:
-            raise ValueError(f"cache_seqlens + seqlen_new ({SN}) must lie in [0, {cap}] (the cache's length), got "
-                             f"{s_host.tolist() if B <= 16 else s_host}")
+            what = (f"block_table's capacity: {block_table.shape[1]} pages of {k_cache.shape[1]} tokens" if paged
+                    else "the cache's length")
+            raise CacheBoundsError(f"cache_seqlens + seqlen_new ({SN}) must lie in [0, {cap}] ({what}), got "
+                                   f"{s_host.tolist() if B <= 16 else s_host}")
         if leftpad is not None:
             lp = leftpad.cpu().long()
             if bool((lp < 0).any()) or bool((lp > s_host + SN).any()):
@@ -314,6 +321,10 @@ def cache_blocks(mask, B: int, H: int, Hk: int, SQ: int, cap: int, device):
     if lay.shape[0] not in (1, B) or lay.shape[1] not in (1, Hk, H):
         raise ValueError(f"mask's layout must be [1 or batch={B}, 1 or nheads_k={Hk} (or nheads={H}), 1, {nkb}], got "
                          f"{tuple(mask.layout.shape)}")
+    key = (B, H, Hk, device)
+    lists = mask.decode_lists.get(key)
+    if lists is not None:
+        return lists
     lay = lay[:, :, 0].to(device)
     if lay.shape[1] == H and H != Hk:
         grouped = lay.view(lay.shape[0], Hk, H // Hk, nkb)
@@ -330,7 +341,10 @@ def cache_blocks(mask, B: int, H: int, Hk: int, SQ: int, cap: int, device):
     ar = torch.arange(nkb, device=device, dtype=torch.int32).expand(B, Hk, nkb)
     indices = torch.full((B, Hk, nkb + 1), nkb, device=device, dtype=torch.int32)
     indices.scatter_(-1, torch.where(lay, slot - 1, nkb).long(), ar)
-    return indices[..., :nkb].contiguous(), counts, bk
+    lists = indices[..., :nkb].contiguous(), counts, bk
+    if not tracing():  # a mask reused over decoding steps builds its lists once (as Flex's block mask is)
+        mask.decode_lists[key] = lists
+    return lists
 
 
 def decode_reference(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, window: tuple[int, int],

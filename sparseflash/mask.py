@@ -199,7 +199,7 @@ class BlockMask:
     """
 
     __slots__ = ("layout", "block_size", "seq_q", "seq_k", "mask_mod", "_full", "_index_cache", "_exact_cache",
-                 "fast_entries", "dynamic", "density_bound")
+                 "fast_entries", "decode_lists", "dynamic", "density_bound")
 
     def __init__(self, layout: torch.Tensor, block_size=128, seq_q: int | None = None, seq_k: int | None = None,
                  *, full: torch.Tensor | None = None, mask_mod=None):
@@ -238,6 +238,7 @@ class BlockMask:
         self._index_cache: dict[torch.device, BlockIndex] = {}
         self._exact_cache: dict[torch.device, ExactBits | None] = {}
         self.fast_entries: dict = {}  # sparseflash.flash.fast's entries for calls with this mask
+        self.decode_lists: dict = {}  # sparseflash.kvcache's cache-block lists of this mask, per call shape
         # a per-call mask (`from_indices`, `from_layout(dynamic=True)`): its index never reads the density
         # back (a host synchronisation); see `index`
         self.dynamic = False

@@ -255,6 +255,25 @@ def test_block_sparse_decoding(device):
         q.to(device), kc.to(device), vc.to(device), cache_seqlens=sl.to(device), mask=per_head),
         sparseflash.flash_attn_with_kvcache(q.to(device), kc.to(device), vc.to(device),
                                             cache_seqlens=sl.to(device), mask=mask))
+    # a mask reused over decoding steps builds its block lists once per call shape, and keeps giving them
+    assert len(mask.decode_lists) == 1 and len(per_head.decode_lists) == 1
+    again = sparseflash.flash_attn_with_kvcache(poisoned_k.new_tensor(q).to(device), poisoned_k.to(device),
+                                               poisoned_v.to(device), cache_seqlens=sl.to(device), mask=mask,
+                                               num_splits=2)
+    assert torch.equal(again, got) and len(mask.decode_lists) == 1
+
+
+def test_cache_bounds_error_is_flash_attns():
+    """cache_seqlens (+ the new keys) past a paged cache's block table: flash-attn raises a RuntimeError
+    naming block_table (its test_flash_attn_kvcache_paged_block_table_bounds); ours is that and a ValueError."""
+    q = torch.randn(1, 1, 1, 16)
+    pages = torch.zeros(4, 16, 1, 16)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    for new, lens in ((None, 17), (torch.zeros(1, 1, 1, 16), 16)):
+        for kind in (RuntimeError, ValueError):
+            with pytest.raises(kind, match=r"block_table's capacity: 1 pages of 16 tokens"):
+                sparseflash.flash_attn_with_kvcache(q, pages, pages, new, new, block_table=table,
+                                                    cache_seqlens=torch.tensor([lens], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("heads", [2, 4])  # per kv head, and per query head equal within each GQA group

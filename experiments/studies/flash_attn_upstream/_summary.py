@@ -52,16 +52,13 @@ def header() -> dict:
     import torch
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", False
+    from sparseflash.experiments.bench.results import git_commit
+
+    # (SPARSEFLASH_COMMIT first: a device's copy of the tree has no trustworthy git history)
+    commit = git_commit()
     return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)",
                 torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                commit=commit + ("+dirty" if dirty else ""), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                commit=commit, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 def write(out_dir: str, name: str, rows: list[dict], extra: dict, first_messages: int = 3) -> list[dict]:
