@@ -80,7 +80,8 @@ def _grad_step(fwd, inputs, do):
     return step
 
 
-def run(args) -> list[dict]:
+def run(args, checkpoint=None) -> list[dict]:
+    """The rows (module docstring); ``checkpoint(rows)`` after each (head_dim, K), so a run cut short keeps them."""
     import sparseflash
     from sparseflash import BlockMask
     from sparseflash.dynamic import topk_indices
@@ -214,6 +215,8 @@ def run(args) -> list[dict]:
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
                 rows.append(dict(base, provider="sync-check", mode="fwd", status=status))
+            if checkpoint is not None:
+                checkpoint(rows)
         if cuda:
             torch.cuda.empty_cache()
     return rows
@@ -302,16 +305,21 @@ def main(argv=None) -> int:
         ap.error("--device cuda without a CUDA GPU")
     check_output_dir(args.out)
     t0 = time.time()
-    rows = run(args)
-    if args.merge:
-        rows = merge_rows(Path(args.out) / "dynamic.json", rows)
     from sparseflash.experiments.bench.results import write_tidy
 
-    meta = dict(command="python -m sparseflash.experiments.bench.dynamic " + " ".join(argv if argv is not None
-                                                                                    else sys.argv[1:]),
-                seconds=round(time.time() - t0, 1))
     out = Path(args.out)
-    write_tidy(rows, meta, out, "dynamic", "sparseflash-dynamic/1")
+    command = "python -m sparseflash.experiments.bench.dynamic " + " ".join(argv if argv is not None else sys.argv[1:])
+    earlier = merge_rows(out / "dynamic.json", []) if args.merge else []
+
+    def write(rows, done: bool):
+        new = {(r["head_dim"], r["k_blocks"]) for r in rows}
+        meta = dict(command=command, seconds=round(time.time() - t0, 1), complete=done)
+        write_tidy([r for r in earlier if (r["head_dim"], r["k_blocks"]) not in new] + rows, meta, out, "dynamic",
+                   "sparseflash-dynamic/1")
+
+    rows = run(args, checkpoint=lambda rows: write(rows, False))  # (a run cut by a time limit keeps what it measured)
+    write(rows, True)
+    rows = merge_rows(out / "dynamic.json", []) if args.merge else rows
     print(f"wrote {out / 'dynamic.csv'}, {out / 'dynamic.json'}, {plot(out)}")
     cols = ("head_dim", "k_blocks", "provider", "mode", "ms", "gpu_ms", "graph_ms", "compiled_ms", "goal_ms",
             "meets_goal", "speedup_vs_flex", "compiled_speedup_vs_flex", "max_diff", "status")

@@ -291,8 +291,15 @@ def decode_section(v: dict, rows) -> None:
 def dynamic_section(v: dict, rows) -> None:
     """Per-call top-k masks (bench.dynamic), d=128: selection, index build, eager per call against
     the fixed mask's GPU time, and against Flex built per call."""
+    # the largest K with a per-call row (a run cut short has the earlier Ks whole)
+    k_done = max((r["k_blocks"] for r in rows if r["provider"] == "per-call"), default=None)
+    rows = [r for r in rows if r["k_blocks"] == k_done]
+
     def get(provider, mode="fwd"):
         return one(rows, provider=provider, mode=mode)
+    sync = [r for r in rows if r["provider"] == "sync-check"]
+    v["dyn_sync"] = ("host syncs not checked in this run" if not sync else
+                     "no host sync" if sync[0]["status"] == "ok" else f"a host sync ({sync[0]['status']})")
     v["dyn_select_ms"] = ms3(get("select")["gpu_ms"])
     v["dyn_index_us"] = f"{get('index')['gpu_ms'] * 1e3:.0f}"
     for mode, key in (("fwd", "f"), ("fwdbwd", "fb")):
@@ -300,6 +307,10 @@ def dynamic_section(v: dict, rows) -> None:
         v[f"dyn_{key}_eager"], v[f"dyn_{key}_gpu"] = ms3(pc["ms"]), ms3(pc["gpu_ms"])
         v[f"dyn_{key}_goal"], v[f"dyn_{key}_fixed"] = ms3(pc["goal_ms"]), ms3(fixed["gpu_ms"])
         v[f"dyn_{key}_x_flex"] = f"{pc['speedup_vs_flex']:.2f}"
+        c = pc.get("compiled_speedup_vs_flex")
+        v[f"dyn_{key}_x_flex_c"] = "-" if c is None or c != c else f"{c:.2f}"
+    comp = get("per-call").get("compiled_ms")
+    v["dyn_f_comp"] = "-" if comp is None else ms3(comp)
     v["dyn_k"] = str(int(get("select")["k_blocks"]))
     pc = get("per-call")
     v["dyn_goal_factor"] = f"{(pc['goal_ms'] - get('select')['gpu_ms']) / get('fixed')['gpu_ms']:.1f}"
