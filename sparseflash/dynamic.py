@@ -10,9 +10,11 @@ always on and not counted: with ``causal`` the query block's own key blocks (tho
 boundary crosses), and the first ``sink_blocks`` key blocks. Causal allows the key blocks wholly
 before a query block's own ones; fewer allowed blocks than ``num_blocks`` means all of them.
 
-Everything runs on the inputs' device with fixed shapes (`torch.topk` of a static width, then
-`BlockMask.from_indices`): no host synchronisation, capturable in a CUDA graph, traceable by
-``torch.compile``. The selection is a discrete choice and is made without autograd (the
+Everything runs on the inputs' device with fixed shapes, then `BlockMask.from_indices`: no host
+synchronisation, capturable in a CUDA graph, traceable by ``torch.compile``. CUDA calls of up to
+`index_kernels.MAX_SELECT_KB` key blocks score, mask and pick in one Triton launch
+(`index_kernels.topk_ids`, after two means for the pooling); compile traces and wider rows take the
+torch ops (`block_scores`, ``torch.topk`` of a static width), which give the same ids. The selection is a discrete choice and is made without autograd (the
 attention with the mask is differentiable as usual).
 """
 
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sparseflash import index_kernels
 from sparseflash.mask import BlockMask, block_pair, tracing
 
 __all__ = ["topk_blocks", "topk_indices", "block_scores", "pool_blocks"]
@@ -193,11 +196,15 @@ def topk_indices(q: torch.Tensor, k: torch.Tensor, num_blocks, block_size=128, c
     width, per_sel = _counts(num_blocks, n_sel, q.device)
     qb, kb = math.ceil(seq_q / bq), math.ceil(seq_k / bk)
     dev = q.device
-    scores = block_scores(q, k, (bq, bk), group_size)  # [B, n_sel, QB, KB]
     fixed, allowed = _cached(("parts", qb, kb, bq, bk, seq_q, seq_k, causal, sink_blocks, dev),
                              lambda: _shape_parts(qb, kb, bq, bk, seq_q, seq_k, causal, sink_blocks, dev))
-    parts = [] if fixed is None else [fixed.expand(B, n_sel, qb, -1)]
     width = min(width, kb)
+    if index_kernels.select_takes(q, kb, width):  # scores, masking and top-k in one launch
+        indices = index_kernels.topk_ids(pool_blocks(q, bq), pool_blocks(k, bk), fixed, width, per_sel, group_size,
+                                         bq, bk, seq_q, seq_k, causal, sink_blocks)
+        return indices.repeat_interleave(group_size, dim=1) if group_size > 1 else indices
+    scores = block_scores(q, k, (bq, bk), group_size)  # [B, n_sel, QB, KB]
+    parts = [] if fixed is None else [fixed.expand(B, n_sel, qb, -1)]
     if width:
         masked = torch.where(allowed, scores, float("-inf"))
         top, pick = masked.topk(width, dim=-1)  # [B, n_sel, QB, width], best first

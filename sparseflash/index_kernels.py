@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lists_from_ids", "takes", "MAX_K", "ON_CPU"]
+__all__ = ["lists_from_ids", "takes", "MAX_K", "ON_CPU", "topk_ids", "select_takes", "MAX_SELECT_KB"]
 
 # `BlockMask.from_indices` takes this kernel for CUDA ids; ON_CPU = True also for CPU ids (the kernel
 # then runs under TRITON_INTERPRET=1: tests and the host-cost study; the torch ops are faster on a CPU)
@@ -145,3 +145,102 @@ def lists_from_ids(ids: torch.Tensor, kb: int):
     else:
         launch.call(_lists_kernel, grid, *args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
     return layout.view(torch.bool), kv_num, kv_idx, q_num, q_idx
+
+
+# ----------------------------------------------------------------------------- top-k selection
+# `sparseflash.dynamic.topk_indices` from pooled blocks in one launch: per (batch, selection) and
+# tile of BLOCK_R query blocks, the scores against every key block (mean over the selection's query
+# heads of pooled q . pooled k, float32 products), the blocks the call may not pick set to -inf,
+# then the best `width` of each row by repeated max (best first, the lowest block id among equal
+# scores), written after the always-on ids. Replaces about ten torch ops (GQA repeat, matmul,
+# group mean, masking, topk, count mask, concatenation) with one launch.
+
+# widest key-block count the selection kernel holds a row of scores for (wider: the torch ops)
+MAX_SELECT_KB = 256
+
+
+@triton.jit
+def _topk_kernel(QP, KP, FIXED, PER_SEL, OUT,
+                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 n_sel, group, heads_per_kv, QB, KB, n_fixed, width, bq, bk, off, sinks, inv_group,
+                 D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_F: tl.constexpr, CAUSAL: tl.constexpr, HAS_PER_SEL: tl.constexpr):
+    i_r = tl.program_id(0)
+    i_bs = tl.program_id(1)
+    i_b = i_bs // n_sel
+    i_s = i_bs % n_sel
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # query blocks [BLOCK_R]
+    o_j = tl.arange(0, BLOCK_KB)  # key blocks [BLOCK_KB]
+    m_r = o_r < QB
+    m_j = o_j < KB
+    acc = tl.zeros([BLOCK_R, BLOCK_KB], dtype=tl.float32)
+    for g in range(0, group):
+        h_q = i_s * group + g
+        h_k = h_q // heads_per_kv
+        p_q = QP + i_b.to(tl.int64) * stride_qb + h_q.to(tl.int64) * stride_qh
+        p_k = KP + i_b.to(tl.int64) * stride_kb + h_k.to(tl.int64) * stride_kh
+        for d0 in range(0, D, BLOCK_D):
+            o_d = d0 + tl.arange(0, BLOCK_D)
+            m_d = o_d < D
+            b_q = tl.load(p_q + o_r[:, None] * stride_qm + o_d[None, :], mask=m_r[:, None] & m_d[None, :], other=0.0)
+            b_k = tl.load(p_k + o_j[:, None] * stride_kn + o_d[None, :], mask=m_j[:, None] & m_d[None, :], other=0.0)
+            acc += tl.dot(b_q, tl.trans(b_k), input_precision="ieee")
+    scores = acc * inv_group
+    allowed = m_j[None, :] & (o_j[None, :] >= sinks)  # [1, BLOCK_KB]
+    if CAUSAL:
+        x = o_r * bq + off  # the first key each query block sees, floor-divided into blocks
+        first = tl.where(x >= 0, x // bk, -((bk - 1 - x) // bk))
+        first = tl.minimum(tl.maximum(first, 0), KB)
+        allowed = allowed & (o_j[None, :] < first[:, None])
+    scores = tl.where(allowed, scores, float("-inf"))
+    row = (i_bs.to(tl.int64) * QB + o_r) * (n_fixed + width)  # [BLOCK_R]
+    o_f = tl.arange(0, BLOCK_F)
+    m_f = o_f < n_fixed
+    b_fix = tl.load(FIXED + o_r[:, None] * n_fixed + o_f[None, :], mask=m_r[:, None] & m_f[None, :], other=-1)
+    tl.store(OUT + row[:, None] + o_f[None, :], b_fix, mask=m_r[:, None] & m_f[None, :])
+    count = width
+    if HAS_PER_SEL:
+        count = tl.load(PER_SEL + i_s).to(tl.int32)
+    for t in range(0, width):
+        best = tl.max(scores, axis=1)  # [BLOCK_R]
+        pick = tl.argmax(scores, axis=1)
+        keep = (best > float("-inf")) & (t < count)
+        tl.store(OUT + row + n_fixed + t, tl.where(keep, pick, -1).to(tl.int64), mask=m_r)
+        scores = tl.where(o_j[None, :] == pick[:, None], float("-inf"), scores)
+
+
+def select_takes(q: torch.Tensor, kb: int, width: int) -> bool:
+    """Whether `topk_ids` selects for ``q``'s call: CUDA (CPU with ON_CPU), a row of at most
+    MAX_SELECT_KB key blocks, a top-k to take, outside torch.compile traces (which fuse the torch ops)."""
+    return (q.is_cuda or (ON_CPU and q.device.type == "cpu")) and 0 < width <= kb <= MAX_SELECT_KB \
+        and not torch.compiler.is_compiling()
+
+
+def topk_ids(qp: torch.Tensor, kp: torch.Tensor, fixed: torch.Tensor | None, width: int, per_sel: torch.Tensor | None,
+             group: int, bq: int, bk: int, seq_q: int, seq_k: int, causal: bool, sinks: int) -> torch.Tensor:
+    """int64 ``[B, Hq // group, QB, n_fixed + width]``: the always-on ids ``fixed [QB, n_fixed]`` (or none),
+    then the ``width`` best key blocks of each query block by the selection's mean pooled score (-1 past
+    the blocks allowed or the selection's count ``per_sel [Hq // group]``). ``qp [B, Hq, QB, D]`` and
+    ``kp [B, Hk, KB, D]``: float32 pooled blocks, last dim contiguous."""
+    B, Hq, QB, D = qp.shape
+    Hk, KB = kp.shape[1], kp.shape[2]
+    n_sel = Hq // group
+    n_fixed = 0 if fixed is None else fixed.shape[1]
+    out = torch.empty(B, n_sel, QB, n_fixed + width, dtype=torch.int64, device=qp.device)
+    block_r = 16
+    block_kb = max(16, triton.next_power_of_2(KB))
+    grid = (triton.cdiv(QB, block_r), B * n_sel)
+    from sparseflash.flash import launch  # (not at import: the mask module imports this one)
+
+    args = dict(QP=qp, KP=kp, FIXED=out if fixed is None else fixed, PER_SEL=out if per_sel is None else per_sel,
+                OUT=out, stride_qb=qp.stride(0), stride_qh=qp.stride(1), stride_qm=qp.stride(2), stride_kb=kp.stride(0),
+                stride_kh=kp.stride(1), stride_kn=kp.stride(2), n_sel=n_sel, group=group, heads_per_kv=Hq // Hk, QB=QB,
+                KB=KB, n_fixed=n_fixed, width=width, bq=bq, bk=bk, off=seq_k - seq_q, sinks=sinks, inv_group=1.0 / group,
+                D=D, BLOCK_R=block_r, BLOCK_KB=block_kb, BLOCK_D=min(64, max(16, triton.next_power_of_2(D))),
+                BLOCK_F=max(2, triton.next_power_of_2(max(n_fixed, 1))), CAUSAL=causal, HAS_PER_SEL=per_sel is not None)
+    if qp.is_cuda and qp.device.index != torch.cuda.current_device():
+        with torch.cuda.device(qp.device):
+            launch.call(_topk_kernel, grid, **args)
+    else:
+        launch.call(_topk_kernel, grid, **args)
+    return out
