@@ -12,6 +12,8 @@
 # then bench.exact), packed (segment_ids tests, then packed
 # documents against FlexAttention's document mask: experiments/bench/packed.py), short-calls (issue 21:
 # the native, short-path, compile and graph tests, then eager fwd+bwd against its own kernels' time),
+# dynamic (per-call top-k masks), decode (the KV-cache decode grid), upstream (flash-attn's own test
+# file), threshold (the Hopper dispatch threshold and the host profile),
 # lra-paired (issue 21: every LRA task's training step paired with SDPA's), lra-speed, lra-train. Each stage
 # writes OUT/<stage>/ and a log; everything is packed into OUT/<stage>.tgz so a call brings back
 # few files.
@@ -122,6 +124,20 @@ for stage in "$@"; do
                  for f in "$d"/tests_*.log; do echo "--- $f"; tail -n 8 "$f"; done
                  $t $py -m sparseflash.experiments.bench.host --no-host --providers sparseflash sparseflash-python sdpa \
                      --out "$d" ${HOST_ARGS:-} ;;
+        dynamic) # per-call top-k masks against the fixed mask and Flex built per call (experiments/results/dynamic/;
+                 # writes after every (head_dim, K)); DYNAMIC_ARGS: extra options, e.g. --head-dims 128 --ks 8
+                 $t $py -m pytest -q -p no:cacheprovider tests/test_dynamic.py --tb=short
+                 $t $py -m sparseflash.experiments.bench.dynamic --out "$d" ${DYNAMIC_ARGS:-} ;;
+        decode)  # flash_attn_with_kvcache's decode grid (experiments/results/decode/), the issue's whole grid
+                 $t $py -m pytest -q -p no:cacheprovider tests/test_kvcache.py --tb=short
+                 $t $py -m sparseflash.experiments.bench.decode --full --max-cache-gb 48 --out "$d" ;;
+        upstream) # flash-attn's own tests/test_flash_attn.py through the name shim (carry .upstream: see
+                 # experiments/studies/flash_attn_upstream/README.md); UPSTREAM_N cases per test function
+                 $t $py -m sparseflash.experiments.studies.flash_attn_upstream.run_upstream "$d" --n ${UPSTREAM_N:-8} \
+                     --jobs ${UPSTREAM_JOBS:-4} ;;
+        threshold) # where the Hopper kernels should start taking eager calls, then the host profile
+                 $t $py -m sparseflash.experiments.studies.hopper_threshold.threshold --out "$d" ${THRESHOLD_ARGS:-}
+                 $t $py -m sparseflash.experiments.studies.hopper_threshold.host_profile --out "$d/host_profile" ;;
         lra-paired) # issue 21's third goal: every task's training step paired with SDPA's and our dense one's
                  $t $py -m sparseflash lra speed --paired ${PAIRED_STEPS:-120} --task ${PAIRED_TASKS:-all} \
                      --providers sdpa sparseflash --no-flex-sparse --no-progress --out "$d" ;;
