@@ -10,7 +10,7 @@ attribute directly. Values read at import are marked so; the others on every use
 | ``SPARSEFLASH_HOPPER_EXACT`` | on / off | `flash.dispatch.HOPPER_EXACT` | calls with exact-mask bits may take the Hopper kernels |
 | ``SPARSEFLASH_TMA`` | auto / on / off | `flash.tiles.TMA_MODE` | TMA descriptor loads on sm_90+ |
 | ``SPARSEFLASH_FAST_PATH`` | 1 / 0 | `flash.fast.ENABLED` | the short path of repeated eager calls |
-| ``SPARSEFLASH_FAST_LAUNCH`` | 1 / 0 | `flash.launch.FAST_LAUNCH` | bound launches (0: Triton's own launch path, for A/B timing) |
+| ``SPARSEFLASH_FAST_LAUNCH`` | 1 / 0 | `flash.binding.FAST_LAUNCH` | bound launches (0: Triton's own launch path, for A/B timing) |
 | ``SPARSEFLASH_NATIVE`` | 1 / 0 | `flash.native.ENABLED` | the C++ half of the short path |
 | ``SPARSEFLASH_NATIVE_CXXFLAGS``, ``CXX`` | flags, a compiler | `flash.native` (on use) | how the C++ half is built |
 | ``SPARSEFLASH_CACHE`` | a folder | `flash.native.cache_dir` (on use) | where it is built (default ``~/.cache/sparseflash``) |

@@ -137,13 +137,13 @@ def lists_from_ids(ids: torch.Tensor, kb: int):
     block_i = min(rows, triton.next_power_of_2(qb))
     grid = (qb + kb, B * H)
     args = (ids, layout, kv_num, kv_idx, q_num, q_idx, *ids.stride(), H, qb, kb, K)
-    from sparseflash.flash import launch  # (not at import: the mask module imports this one)
+    from sparseflash.flash.binding import call  # (not at import: the mask module imports this one)
 
     if dev.type == "cuda" and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):  # Triton launches on the current device
-            launch.call(_lists_kernel, grid, *args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
+            call(_lists_kernel, grid, *args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
     else:
-        launch.call(_lists_kernel, grid, *args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
+        call(_lists_kernel, grid, *args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
     return layout.view(torch.bool), kv_num, kv_idx, q_num, q_idx
 
 
@@ -230,7 +230,7 @@ def topk_ids(qp: torch.Tensor, kp: torch.Tensor, fixed: torch.Tensor | None, wid
     block_r = 16
     block_kb = max(16, triton.next_power_of_2(KB))
     grid = (triton.cdiv(QB, block_r), B * n_sel)
-    from sparseflash.flash import launch  # (not at import: the mask module imports this one)
+    from sparseflash.flash.binding import call  # (not at import: the mask module imports this one)
 
     args = dict(QP=qp, KP=kp, FIXED=out if fixed is None else fixed, PER_SEL=out if per_sel is None else per_sel,
                 OUT=out, stride_qb=qp.stride(0), stride_qh=qp.stride(1), stride_qm=qp.stride(2), stride_kb=kp.stride(0),
@@ -240,7 +240,7 @@ def topk_ids(qp: torch.Tensor, kp: torch.Tensor, fixed: torch.Tensor | None, wid
                 BLOCK_F=max(2, triton.next_power_of_2(max(n_fixed, 1))), CAUSAL=causal, HAS_PER_SEL=per_sel is not None)
     if qp.is_cuda and qp.device.index != torch.cuda.current_device():
         with torch.cuda.device(qp.device):
-            launch.call(_topk_kernel, grid, **args)
+            call(_topk_kernel, grid, **args)
     else:
-        launch.call(_topk_kernel, grid, **args)
+        call(_topk_kernel, grid, **args)
     return out

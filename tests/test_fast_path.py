@@ -11,7 +11,7 @@ import torch
 
 import sparseflash
 from sparseflash import BlockMask
-from sparseflash.flash import TileConfig, fast, launch, tile_config
+from sparseflash.flash import TileConfig, binding, fast, launch, tile_config
 from sparseflash.reference import attention as ref_attention
 
 from test_launch import fake  # noqa: F401  (the stand-in kernel's fixture)
@@ -226,7 +226,7 @@ def test_entry_launch_names_its_tensors_and_keeps_the_aligned_binding(fake, monk
     runs = [r for c in kernel.compiled.values() for r in c.runs]
     assert runs[-1][:9] == (5, 6, 1, 77, 1234, (4, 1, 0), None, None, None)
     assert runs[-1][9:] == (a2.data_ptr(), fixed.data_ptr(), 48, 0.5, 7, 3, None)
-    monkeypatch.setattr(launch, "FAST_LAUNCH", False)
+    monkeypatch.setattr(binding, "FAST_LAUNCH", False)
     entry_launch((None, a2))
     assert len(kernel.launches) == 3 and kernel.launches[-1][1]["A"] is a2
 

@@ -12,7 +12,7 @@ import torch
 import triton.language as tl
 
 import sparseflash
-from sparseflash.flash import TileConfig, kernels, launch, tile_config, tiles
+from sparseflash.flash import TileConfig, binding, kernels, launch, tile_config, tiles
 
 
 def _kernel_fn(A, B, n, x, C, D=3, E=None):
@@ -53,10 +53,10 @@ def fake(monkeypatch):
     kernel = _Kernel()
     monkeypatch.setattr(kernels, "_test_kernel", kernel, raising=False)
     monkeypatch.setattr(tiles, "INTERPRETING", False)
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
-    monkeypatch.setattr(launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(launch, "raw_stream", lambda index: 77)
-    monkeypatch.setattr(launch, "_HAS_CUDA", True)
+    monkeypatch.setattr(binding, "FAST_LAUNCH", True)
+    monkeypatch.setattr(binding, "current_device", lambda: 0)
+    monkeypatch.setattr(binding, "raw_stream", lambda index: 77)
+    monkeypatch.setattr(binding, "_HAS_CUDA", True)
     T = launch.TENSOR
     plan = launch._Plan("_test_kernel", (5, 6), dict(A=T, B=T, n=48, x=0.5, C=7, E=None, num_warps=4),
                         TileConfig(16, 16), False, torch.device("cuda"))
@@ -107,11 +107,11 @@ def test_unbound_launches(fake, monkeypatch):
     from triton import knobs
 
     kernel, plan = fake
-    monkeypatch.setattr(launch, "FAST_LAUNCH", False)
+    monkeypatch.setattr(binding, "FAST_LAUNCH", False)
     for _ in range(2):
         launch.run(plan, _tensors())
     assert len(kernel.launches) == 2 and not plan.bound
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
+    monkeypatch.setattr(binding, "FAST_LAUNCH", True)
     hook = lambda metadata: None  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
@@ -126,11 +126,11 @@ def test_unbound_launches(fake, monkeypatch):
     assert len(kernel.launches) == 6 and not plan.bound
     kernel.pre_run_hooks.clear()
     tma = launch._Plan("_test_kernel", (1, 1), plan.args, plan.cfg, True, torch.device("cuda"))
-    launch._CALLS.clear()
+    binding._CALLS.clear()
     for _ in range(2):
         launch.run(tma, _tensors())
     # (a plan with TMA descriptors binds through `call`, keyed on the call's arguments, not in the plan)
-    assert len(kernel.launches) == 7 and not tma.bound and len(launch._CALLS) == 1
+    assert len(kernel.launches) == 7 and not tma.bound and len(binding._CALLS) == 1
 
 
 def _const_fn(A, n, x, BLOCK: tl.constexpr, E=None):
@@ -139,15 +139,15 @@ def _const_fn(A, n, x, BLOCK: tl.constexpr, E=None):
 
 @pytest.fixture
 def fake_call(monkeypatch):
-    """A stand-in kernel for `launch.call` on a (pretend) CUDA device."""
+    """A stand-in kernel for `binding.call` on a (pretend) CUDA device."""
     kernel = _Kernel()
     kernel.fn = _const_fn
     monkeypatch.setattr(tiles, "INTERPRETING", False)
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
-    monkeypatch.setattr(launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(launch, "raw_stream", lambda index: 77)
-    monkeypatch.setattr(launch, "_HAS_CUDA", True)
-    launch._CALLS.clear()
+    monkeypatch.setattr(binding, "FAST_LAUNCH", True)
+    monkeypatch.setattr(binding, "current_device", lambda: 0)
+    monkeypatch.setattr(binding, "raw_stream", lambda index: 77)
+    monkeypatch.setattr(binding, "_HAS_CUDA", True)
+    binding._CALLS.clear()
     return kernel
 
 
@@ -157,9 +157,9 @@ def test_call_binds_and_passes_every_runtime_value(fake_call):
     floats, the constexprs and defaults of the first."""
     kernel = fake_call
     a = torch.zeros(8, dtype=torch.bfloat16)
-    launch.call(kernel, (3,), A=a, n=32, x=0.5, BLOCK=64, num_warps=4)
+    binding.call(kernel, (3,), A=a, n=32, x=0.5, BLOCK=64, num_warps=4)
     b = torch.ones(8, dtype=torch.bfloat16)
-    launch.call(kernel, (3,), A=b, n=48, x=2.0, BLOCK=64, num_warps=4)
+    binding.call(kernel, (3,), A=b, n=48, x=2.0, BLOCK=64, num_warps=4)
     assert len(kernel.launches) == 1
     (compiled,) = kernel.compiled.values()
     assert compiled.runs == [(3, 1, 1, 77, 1234, (4, 1, 0), None, None, None, b.data_ptr(), 48, 2.0, 64, None)]
@@ -174,12 +174,12 @@ def test_call_keys_on_what_triton_specialises(fake_call):
     base = dict(A=a[:8], n=32, x=0.5, BLOCK=64)
     others = [dict(BLOCK=128), dict(num_warps=8), dict(A=a[:8].half()), dict(A=a[1:9]), dict(n=1), dict(n=33),
               dict(n=2**33), dict(E=a[:8])]
-    launch.call(kernel, (1,), **base)
+    binding.call(kernel, (1,), **base)
     for i, change in enumerate(others):
-        launch.call(kernel, (1,), **{**base, **change})
+        binding.call(kernel, (1,), **{**base, **change})
         assert len(kernel.launches) == i + 2, change
-    launch.call(kernel, (1,), **{**base, "n": 64, "x": -3.0})
-    launch.call(kernel, (1,), **{**base, "A": a[8:16]})  # 16 bytes further: aligned as the first
+    binding.call(kernel, (1,), **{**base, "n": 64, "x": -3.0})
+    binding.call(kernel, (1,), **{**base, "A": a[8:16]})  # 16 bytes further: aligned as the first
     assert len(kernel.launches) == len(others) + 1
 
 
@@ -192,12 +192,12 @@ def test_call_keys_descriptors_on_their_type(fake_call):
     t = torch.zeros(64, 64, dtype=torch.bfloat16)
     d1 = TensorDescriptor.from_tensor(t, [16, 64])
     d2 = TensorDescriptor.from_tensor(t[:32], [16, 64])
-    launch.call(kernel, (1,), A=d1, n=32, x=0.5, BLOCK=64)
-    launch.call(kernel, (1,), A=d2, n=32, x=0.5, BLOCK=64)
+    binding.call(kernel, (1,), A=d1, n=32, x=0.5, BLOCK=64)
+    binding.call(kernel, (1,), A=d2, n=32, x=0.5, BLOCK=64)
     assert len(kernel.launches) == 1
     (compiled,) = kernel.compiled.values()
     assert compiled.runs[0][9] is d2
-    launch.call(kernel, (1,), A=TensorDescriptor.from_tensor(t, [32, 64]), n=32, x=0.5, BLOCK=64)
+    binding.call(kernel, (1,), A=TensorDescriptor.from_tensor(t, [32, 64]), n=32, x=0.5, BLOCK=64)
     assert len(kernel.launches) == 2
 
 
@@ -206,15 +206,15 @@ def test_call_unbound(fake_call, monkeypatch):
     arguments are named by the signature (Triton gets every argument by keyword)."""
     kernel = fake_call
     a = torch.zeros(8)
-    monkeypatch.setattr(launch, "FAST_LAUNCH", False)
-    launch.call(kernel, (1,), A=a, n=32, x=0.5, BLOCK=64)
-    launch.call(kernel, (1,), A=a, n=32, x=0.5, BLOCK=64)
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
+    monkeypatch.setattr(binding, "FAST_LAUNCH", False)
+    binding.call(kernel, (1,), A=a, n=32, x=0.5, BLOCK=64)
+    binding.call(kernel, (1,), A=a, n=32, x=0.5, BLOCK=64)
+    monkeypatch.setattr(binding, "FAST_LAUNCH", True)
     monkeypatch.setattr(tiles, "INTERPRETING", True)
-    launch.call(kernel, (1,), A=a, n=32, x=0.5, BLOCK=64)
-    assert len(kernel.launches) == 3 and not launch._CALLS
+    binding.call(kernel, (1,), A=a, n=32, x=0.5, BLOCK=64)
+    assert len(kernel.launches) == 3 and not binding._CALLS
     monkeypatch.setattr(tiles, "INTERPRETING", False)
-    launch.call(kernel, (1,), a, 32, 0.5, BLOCK=64)
+    binding.call(kernel, (1,), a, 32, 0.5, BLOCK=64)
     assert kernel.launches[-1][1] == dict(A=a, n=32, x=0.5, BLOCK=64)
 
 
@@ -277,9 +277,9 @@ def test_gpu_bound_launches_match_triton(setting, monkeypatch):
         out = sparseflash.attention(qq, kk, vv, generator=gen, **kw)
         return (out, *torch.autograd.grad(out, (qq, kk, vv), do))
 
-    monkeypatch.setattr(launch, "FAST_LAUNCH", False)
+    monkeypatch.setattr(binding, "FAST_LAUNCH", False)
     want = run()
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
+    monkeypatch.setattr(binding, "FAST_LAUNCH", True)
     launch._PLANS.clear()
     run()  # binds
     got = run()
@@ -291,7 +291,7 @@ def test_gpu_bound_launches_match_triton(setting, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bound launches run on CUDA")
 @pytest.mark.parametrize("route", ["hopper-dense", "hopper-sparse-causal", "portable-tma", "decode", "index"])
 def test_gpu_calls_match_triton(route, monkeypatch):
-    """On the GPU, kernels launched by `launch.call` (the Hopper kernels, plans with TMA descriptors,
+    """On the GPU, kernels launched by `binding.call` (the Hopper kernels, plans with TMA descriptors,
     decoding, the index build) give bitwise the results of Triton's own launches, and bind."""
     from sparseflash.flash.hopper import backward as hopper_bwd, forward as hopper
     from sparseflash.patterns import random as random_mask
@@ -333,13 +333,13 @@ def test_gpu_calls_match_triton(route, monkeypatch):
             out = sparseflash.attention(qq, kk, vv, **kw)
             return (out, *torch.autograd.grad(out, (qq, kk, vv), do))
 
-    monkeypatch.setattr(launch, "FAST_LAUNCH", False)
+    monkeypatch.setattr(binding, "FAST_LAUNCH", False)
     want = run()
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
-    launch._CALLS.clear()
+    monkeypatch.setattr(binding, "FAST_LAUNCH", True)
+    binding._CALLS.clear()
     run()  # binds
-    n_bound = len(launch._CALLS)
+    n_bound = len(binding._CALLS)
     got = run()
-    assert n_bound > 0 and len(launch._CALLS) == n_bound, "no bound launch, or the second call bound anew"
+    assert n_bound > 0 and len(binding._CALLS) == n_bound, "no bound launch, or the second call bound anew"
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), i

@@ -14,7 +14,7 @@ bf16, batch x heads = tokens // seq_len x 16 (default 4 x 16 at 4K tokens), one 
   `sparseflash.flash.fast`, run by its native plan, `sparseflash.flash.native`),
   ``sparseflash-python`` (the short path in Python with bound launches), ``sparseflash-general`` (short path off: every
   call validated and planned, bound launches), ``sparseflash-unbound`` (also
-  ``launch.FAST_LAUNCH = False``: every launch through Triton's own path), ``sdpa``
+  ``binding.FAST_LAUNCH = False``: every launch through Triton's own path), ``sdpa``
   (``F.scaled_dot_product_attention``, dense; with key_lengths a boolean key-padding mask) as
   the anchor, and ``autograd-floor`` (dense, no key_lengths: a Python autograd Function that
   allocates our outputs and launches nothing, what PyTorch charges any such op; ours minus it is
@@ -65,17 +65,17 @@ def _settings(provider: str = "sparseflash", check_key_lengths: bool = True):
     "sparseflash-python", the whole short path (`sparseflash.flash.fast`) off for
     "sparseflash-general", bound launches also off for "sparseflash-unbound"."""
     from sparseflash import api
-    from sparseflash.flash import fast, launch, native
+    from sparseflash.flash import binding, fast, native
 
-    saved = launch.FAST_LAUNCH, fast.ENABLED, native.ENABLED, api.CHECK_KEY_LENGTHS
-    launch.FAST_LAUNCH = provider != "sparseflash-unbound"
+    saved = binding.FAST_LAUNCH, fast.ENABLED, native.ENABLED, api.CHECK_KEY_LENGTHS
+    binding.FAST_LAUNCH = provider != "sparseflash-unbound"
     fast.ENABLED = provider in ("sparseflash", "sparseflash-python")
     native.ENABLED = provider == "sparseflash" and saved[2]
     api.CHECK_KEY_LENGTHS = check_key_lengths
     try:
         yield
     finally:
-        launch.FAST_LAUNCH, fast.ENABLED, native.ENABLED, api.CHECK_KEY_LENGTHS = saved
+        binding.FAST_LAUNCH, fast.ENABLED, native.ENABLED, api.CHECK_KEY_LENGTHS = saved
 
 
 class _Floor(torch.autograd.Function):

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from sparseflash import _env
-from sparseflash.flash import launch
+from sparseflash.flash import binding
 
 INTERPRETING = _env.interpreting()
 
@@ -278,7 +278,7 @@ def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, w
     else:
         prec = "native"
     idx, cnt = (blocks[0], blocks[1]) if blocks is not None else (dummy, dummy)
-    launch.call(
+    binding.call(
         _decode_split_kernel, (S, B, Hk), q, k_cache, v_cache, o_part, lse_part, out, lse, seq_start, seq_end,
         batch_idx if batch_idx is not None else dummy, block_table if paged else dummy,
         alibi if alibi is not None else dummy, idx, cnt,
@@ -295,7 +295,7 @@ def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, w
     )
     if direct:
         return out, lse
-    launch.call(
+    binding.call(
         _decode_combine_kernel, (R, B * Hk), o_part, lse_part, out, lse, S, Hk, *out.stride(), *lse.stride(),
         SQ=SQ, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, triton.next_power_of_2(S)), num_warps=4,
     )

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad as _forward_ad
 
-from sparseflash.flash import launch, native
+from sparseflash.flash import binding, launch, native
 from sparseflash.mask import BlockMask
 from sparseflash import _env
 
@@ -316,10 +316,10 @@ def call(entry: _Entry, q, k, v, key_lengths) -> Tensor:
     nat = entry.native
     if nat is None:
         nat = entry.make_native()
-    if nat and native.ENABLED and launch.FAST_LAUNCH and not launch.POISON_OUTPUTS and launch.hooks_idle():
+    if nat and native.ENABLED and binding.FAST_LAUNCH and not launch.POISON_OUTPUTS and binding.hooks_idle():
         dev = _cuda_device()
         if dev == nat.device:
-            o = nat.forward(q, k, v, key_lengths, launch.raw_stream(dev))
+            o = nat.forward(q, k, v, key_lengths, binding.raw_stream(dev))
             if o is not None:
                 return o
             err = native.last_error()  # "" without an error: an address the plan does not take

@@ -41,7 +41,7 @@ def _recorded_launches(fn):
     that each goes through JITFunction.run)."""
     import triton
 
-    from sparseflash.flash import launch
+    from sparseflash.flash import binding
 
     seen = []
     orig = triton.runtime.jit.JITFunction.run
@@ -52,12 +52,12 @@ def _recorded_launches(fn):
         return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     triton.runtime.jit.JITFunction.run = run
-    fast, launch.FAST_LAUNCH = launch.FAST_LAUNCH, False
+    fast, binding.FAST_LAUNCH = binding.FAST_LAUNCH, False
     try:
         fn()
     finally:
         triton.runtime.jit.JITFunction.run = orig
-        launch.FAST_LAUNCH = fast
+        binding.FAST_LAUNCH = fast
     torch.cuda.synchronize()
     return seen
 

@@ -56,7 +56,7 @@ import triton.language as tl
 from sparseflash.flash.hopper import forward as hopper
 from sparseflash.flash.hopper.common import GLUON_ERROR, LOG2E, TILE, descriptor, sm_count
 from sparseflash import _env
-from sparseflash.flash import launch
+from sparseflash.flash import binding
 
 __all__ = ["bwd", "plan", "unsupported", "do_layout", "list_min_blocks", "QT", "MODE", "LIST_MIN_BLOCKS",
            "LIST_MIN_BLOCKS_BY_GPU"]
@@ -626,7 +626,7 @@ def _delta(o, do, lse, dlse, n_pad: int):
     lse2 = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     delta = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     so, sdo = o.stride(), do.stride()
-    launch.call(
+    binding.call(
         _delta_kernel, (triton.cdiv(n_pad, QT), B * H), O=o, DO=do, LSE=lse, DLSE=o if dlse is None else dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
         stride_oh=so[1], stride_om=so[2], stride_dob=sdo[0], stride_doh=sdo[1], stride_dom=sdo[2], n_heads=H, seq_q=Nq,
         n_pad=n_pad, HEAD_DIM=D, BLOCK=QT, HAS_DLSE=dlse is not None)
@@ -683,7 +683,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     grid = max(1, min(n_units, num_sms))
     gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
     n_rounds = triton.cdiv(n_units, grid) * (2 if causal else 1)
-    launch.call(
+    binding.call(
         hopper_bwd_kernel, (grid,), desc_q=descriptor(q, lay[0], QT), desc_k=descriptor(k, lay[1], TILE), desc_v=descriptor(v, lay[2], TILE),
         desc_do=descriptor(do, do_lay, QT), desc_dq=desc_dq, desc_lse=_row_descriptor(lse2),
         desc_dlt=_row_descriptor(delta), DK=dk, DV=dv, Q_IDX=idx, Q_TILE=q_tile, BITS=bits,
@@ -697,6 +697,6 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         DO_BNHD=do_lay[1], EXACT=exact is not None, num_warps=4)
     dq = new(q)
     sq = dq.stride()
-    launch.call(_dq_cast_kernel, (triton.cdiv(Nq, QT), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1], stride_qm=sq[2],
+    binding.call(_dq_cast_kernel, (triton.cdiv(Nq, QT), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1], stride_qm=sq[2],
                                                   n_heads=H, seq_q=Nq, scale=scale, HEAD_DIM=D, BLOCK=QT)
     return dq, dk, dv

@@ -44,7 +44,7 @@ import triton
 
 from sparseflash.flash.hopper.common import GLUON_ERROR, LN2, LOG2E, TILE, descriptor, sm_count
 from sparseflash import _env
-from sparseflash.flash import launch
+from sparseflash.flash import binding
 
 __all__ = ["fwd", "plan", "unsupported", "layouts", "tensor_layout", "GLUON_ERROR", "MODE", "TILE"]
 
@@ -518,7 +518,7 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         num_sms = sm_count(q.device.index)
     grid = (max(1, min(n_tiles, num_sms)),)
     desc_q = descriptor(q, lay[0], TILE)
-    launch.call(
+    binding.call(
         hopper_fwd_kernel, grid, desc_q=desc_q, desc_k=descriptor(k, lay[1], TILE), desc_v=descriptor(v, lay[2], TILE),
         desc_o=desc_q if o_lay is None else descriptor(o, o_lay, TILE // 2), O=o, LSE=lse, KV_IDX=idx,
         KV_TILE=kv_tile, BITS=bits, KEY_LEN=q if key_lengths is None else key_lengths,

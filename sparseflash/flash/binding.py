@@ -1,0 +1,198 @@
+"""Bound launches: a kernel's later launches straight through the compiled kernel's C launcher.
+
+Triton's own launch (``kernel[grid](**args)``, `JITFunction.run`) binds, specialises and looks up
+the compiled kernel at every call: 150-300 µs a launch of a ~45-argument kernel on an H200 host
+(experiments/studies/hopper_threshold/). The launchers launch through Triton once per combination
+of what it specialises on, keep the CompiledKernel it returns, and launch later calls with its
+launcher directly:
+
+- `sparseflash.flash.launch.run`: a plan's launch (the plan key fixes every scalar);
+- `call`: kernels launched without a plan (the Hopper kernels, plans with TMA descriptors, decoding,
+  the index build and selection), keyed per call on the arguments' specialisations.
+
+``FAST_LAUNCH = False`` (``SPARSEFLASH_FAST_LAUNCH=0``) sends every launch through Triton's own path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparseflash import _env
+from sparseflash.flash import tiles
+
+__all__ = ["FAST_LAUNCH", "call", "hooks_idle", "raw_stream", "current_device", "runtime_knobs"]
+
+
+# Bound launches: after a plan's first launch through Triton (`kernel[grid](**args)`, which
+# specialises, compiles or finds the compiled kernel, and launches), `launch.run` keeps the
+# CompiledKernel Triton returned and launches later calls of the plan with its C launcher
+# directly: ``compiled.run(grid, stream, function, packed_metadata, launch_metadata=None,
+# enter_hook=None, exit_hook=None, *every parameter's value)``, the call JITFunction.run itself
+# ends with (the same in triton 3.6 and 3.9). That skips Triton's per-launch binding of ~45
+# arguments, its cache key, its option parsing, its launch metadata and the launcher's
+# data_ptr() call and pointer-attribute query per tensor (tensors go as their addresses).
+#
+# Safe because everything Triton specialises a compiled kernel on is in the bound launch's key:
+# the plan key fixes every scalar argument (so whether each int is 1, divisible by 16, int32 or
+# int64, or None), the constexprs and the options; per call the key adds the current device, each
+# tensor's dtype and whether its address is 16-byte aligned. Plans with TMA descriptors (made per
+# call) bind through `call` instead, keyed on the descriptors' types. Anything else takes Triton's
+# own path: the interpreter, active launch hooks (profilers such as proton), pre-run hooks,
+# TRITON_DEBUG, and a first launch whose result does not look like a CompiledKernel.
+# FAST_LAUNCH = False (SPARSEFLASH_FAST_LAUNCH=0) turns it off, for A/B timing or to let tools that
+# hook JITFunction.run see every launch.
+FAST_LAUNCH = _env.flag("SPARSEFLASH_FAST_LAUNCH", True)
+
+
+_KNOBS = None
+
+
+def runtime_knobs():
+    """triton.knobs.runtime (triton 3.4+), or None: no bound launches without it."""
+    global _KNOBS
+    if _KNOBS is None:
+        try:
+            from triton import knobs
+
+            _KNOBS = knobs.runtime
+        except (ImportError, AttributeError):
+            _KNOBS = False
+    return _KNOBS or None
+
+
+def hooks_idle() -> bool:
+    """Triton has its launch knobs and no launch hook is set (triton 3.6+ keeps them in
+    HookChains, empty by default; a profiler such as proton adds to them)."""
+    rt = runtime_knobs()
+    if rt is None:
+        return False
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+def current_device() -> int:
+    return torch.cuda.current_device()  # the device Triton launches on (its driver asks the same)
+
+
+try:  # what Triton's own CUDA driver asks for the current stream
+    from torch._C import _cuda_getCurrentRawStream as raw_stream
+except ImportError:  # pragma: no cover
+    def raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+# Keyword launches without a plan (the Hopper kernels, plans with TMA descriptors, decoding, the
+# index build): `call` binds the same way, per combination of what Triton specialises a launch on,
+# read from the call's arguments (`_spec`): a constexpr's or compile option's value; a tensor's
+# dtype and 16-byte alignment; an int's width, whether it is 1 and whether 16 divides it; a bool's
+# or None's value; a float's type; a TMA descriptor's type, dtype, block shape, layout and padding
+# (its mangled type). Every non-constexpr argument's value is passed at each launch, so shapes,
+# strides and scales may change without new bindings. The key is a superset of Triton's, so a
+# bound launch runs the kernel Triton would have picked.
+_CALLS: dict = {}
+_CALLS_MAX = 1024
+_PARAMS: dict = {}
+
+
+def _params(kernel) -> tuple:
+    """(names, whether each is a constexpr, defaults) of ``kernel``'s parameters, in order."""
+    info = _PARAMS.get(kernel)
+    if info is None:
+        import inspect
+
+        ps = list(inspect.signature(kernel.fn).parameters.values())
+        info = _PARAMS[kernel] = (tuple(p.name for p in ps), tuple("constexpr" in str(p.annotation) for p in ps),
+                                  tuple(p.default for p in ps))
+    return info
+
+
+def _spec(a):
+    """What Triton specialises a non-constexpr argument on (or a superset of it), hashable."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if a is None or isinstance(a, bool):
+        return a
+    if isinstance(a, int):
+        return int, a == 1, a % 16 == 0, -2**31 <= a < 2**31, 0 <= a < 2**64
+    if isinstance(a, float):
+        return float
+    block = getattr(a, "block_shape", None)
+    if block is not None:  # a TMA descriptor (triton.tools' or Gluon's)
+        return (type(a), a.base.dtype, tuple(block), getattr(a, "layout", None), getattr(a, "padding", None),
+                getattr(a, "round_f32_to_tf32", None))
+    return a
+
+
+def call(kernel, grid: tuple, *pos, **args) -> None:
+    """``kernel[grid](*pos, **args)``; after the first launch of a combination (see above), straight
+    through the compiled kernel's C launcher (FAST_LAUNCH)."""
+    if not FAST_LAUNCH or tiles.INTERPRETING or not _cuda() or not hooks_idle():
+        kernel[grid](*pos, **args)  # (without CUDA: a compile-only check's hooked launch)
+        return
+    names, const, _ = _params(kernel)
+    if pos:
+        args = dict(zip(names, pos), **args)
+    runtime = _RUNTIME.get(kernel)
+    if runtime is None:
+        runtime = _RUNTIME[kernel] = frozenset(n for n, c in zip(names, const) if not c)
+    device = current_device()
+    key = (kernel, device, tuple(args), tuple(_spec(a) if n in runtime else a for n, a in args.items()))
+    bound = _CALLS.get(key)
+    if bound is None:
+        compiled = kernel[grid](**args)
+        try:
+            bound = _bind_call(kernel, compiled, args, runtime)
+        except Exception:  # an unexpected Triton: keep its own launch path
+            bound = None
+        if bound is not None:
+            if len(_CALLS) >= _CALLS_MAX:
+                _CALLS.clear()
+            _CALLS[key] = bound
+        return
+    run_c, function, meta, values, slots = bound
+    values = list(values)
+    for i, n in slots:
+        a = args[n]
+        values[i] = a.data_ptr() if isinstance(a, torch.Tensor) else a
+    g = tuple(grid) + (1, 1)
+    run_c(g[0], g[1], g[2], raw_stream(device), function, meta, None, None, None, *values)
+
+
+_RUNTIME: dict = {}
+_HAS_CUDA = None
+
+
+def _cuda() -> bool:
+    global _HAS_CUDA
+    if _HAS_CUDA is None:
+        _HAS_CUDA = torch.cuda.is_available()
+    return _HAS_CUDA
+
+
+def _bind_call(kernel, compiled, args: dict, runtime) -> tuple | None:
+    """(run, function, packed_metadata, every parameter's value in order with None where a
+    non-constexpr argument goes, (position, name) of those), or None when it cannot be bound."""
+    if getattr(kernel, "pre_run_hooks", None) or runtime_knobs().debug:
+        return None
+    run_c, function, meta = getattr(compiled, "run", None), getattr(compiled, "function", None), \
+        getattr(compiled, "packed_metadata", None)
+    if run_c is None or function is None or meta is None:
+        return None
+    import inspect
+
+    names, _, defaults = _params(kernel)
+    values, slots = [], []
+    for i, (n, d) in enumerate(zip(names, defaults)):
+        if n in args:
+            if n in runtime:
+                slots.append((i, n))
+                values.append(None)
+            else:
+                values.append(args[n])
+        elif d is not inspect.Parameter.empty:
+            values.append(d)
+        else:
+            return None
+    return run_c, function, meta, tuple(values), tuple(slots)
