@@ -243,6 +243,18 @@ def test_plan_cache_is_bounded(monkeypatch):
     assert len(launch._PLANS) <= 3
 
 
+def _bound_against_triton(run, monkeypatch, reset, after_bind=lambda: None):
+    """(``run()`` through Triton's own launches, ``run()`` through bound ones): the second after a
+    ``reset()`` of the bindings and a first run that binds."""
+    monkeypatch.setattr(binding, "FAST_LAUNCH", False)
+    want = run()
+    monkeypatch.setattr(binding, "FAST_LAUNCH", True)
+    reset()
+    run()  # binds
+    after_bind()
+    return want, run()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bound launches run on CUDA")
 @pytest.mark.parametrize("setting", ["dense", "sparse-keylen", "dropout", "gqa-causal", "segments"])
 def test_gpu_bound_launches_match_triton(setting, monkeypatch):
@@ -277,12 +289,7 @@ def test_gpu_bound_launches_match_triton(setting, monkeypatch):
         out = sparseflash.attention(qq, kk, vv, generator=gen, **kw)
         return (out, *torch.autograd.grad(out, (qq, kk, vv), do))
 
-    monkeypatch.setattr(binding, "FAST_LAUNCH", False)
-    want = run()
-    monkeypatch.setattr(binding, "FAST_LAUNCH", True)
-    launch._PLANS.clear()
-    run()  # binds
-    got = run()
+    want, got = _bound_against_triton(run, monkeypatch, launch._PLANS.clear)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name
     assert sum(len(p.bound) for p in launch._PLANS.values()) == 3
@@ -333,13 +340,9 @@ def test_gpu_calls_match_triton(route, monkeypatch):
             out = sparseflash.attention(qq, kk, vv, **kw)
             return (out, *torch.autograd.grad(out, (qq, kk, vv), do))
 
-    monkeypatch.setattr(binding, "FAST_LAUNCH", False)
-    want = run()
-    monkeypatch.setattr(binding, "FAST_LAUNCH", True)
-    binding._CALLS.clear()
-    run()  # binds
-    n_bound = len(binding._CALLS)
-    got = run()
-    assert n_bound > 0 and len(binding._CALLS) == n_bound, "no bound launch, or the second call bound anew"
+    n_bound = []
+    want, got = _bound_against_triton(run, monkeypatch, binding._CALLS.clear,
+                                      after_bind=lambda: n_bound.append(len(binding._CALLS)))
+    assert n_bound[0] > 0 and len(binding._CALLS) == n_bound[0], "no bound launch, or the second call bound anew"
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), i
