@@ -151,34 +151,35 @@ def fake_call(monkeypatch):
     return kernel
 
 
-def test_call_binds_and_passes_every_runtime_value(fake_call):
+def test_call_binds_and_passes_the_calls_tensors(fake_call):
     """`call` launches through Triton once per combination, then through the compiled kernel's
-    launcher with every parameter's value in order: this call's tensors (as addresses), ints and
-    floats, the constexprs and defaults of the first."""
+    launcher with every parameter's value in order: this call's tensors (as addresses), the scalars,
+    constexprs and defaults of the combination."""
     kernel = fake_call
     a = torch.zeros(8, dtype=torch.bfloat16)
     binding.call(kernel, (3,), A=a, n=32, x=0.5, BLOCK=64, num_warps=4)
     b = torch.ones(8, dtype=torch.bfloat16)
-    binding.call(kernel, (3,), A=b, n=48, x=2.0, BLOCK=64, num_warps=4)
+    binding.call(kernel, (3,), A=b, n=32, x=0.5, BLOCK=64, num_warps=4)
     assert len(kernel.launches) == 1
     (compiled,) = kernel.compiled.values()
-    assert compiled.runs == [(3, 1, 1, 77, 1234, (4, 1, 0), None, None, None, b.data_ptr(), 48, 2.0, 64, None)]
+    assert compiled.runs == [(3, 1, 1, 77, 1234, (4, 1, 0), None, None, None, b.data_ptr(), 32, 0.5, 64, None)]
 
 
 def test_call_keys_on_what_triton_specialises(fake_call):
-    """Another constexpr, compile option, dtype, alignment, int class (1, a multiple of 16, wider
-    than 32 bits) or a None is another specialisation: Triton's path again. Ints of one class and
-    any float share a binding."""
+    """Another scalar (of any kind: a shape, a scale, a constexpr, a compile option, True for 1), dtype,
+    alignment or a None for a tensor is another combination: Triton's path again, once. A tensor at
+    another 16-byte aligned address is not."""
     kernel = fake_call
     a = torch.zeros(64, dtype=torch.bfloat16)
     base = dict(A=a[:8], n=32, x=0.5, BLOCK=64)
     others = [dict(BLOCK=128), dict(num_warps=8), dict(A=a[:8].half()), dict(A=a[1:9]), dict(n=1), dict(n=33),
-              dict(n=2**33), dict(E=a[:8])]
+              dict(n=True), dict(x=1.5), dict(E=a[:8])]
     binding.call(kernel, (1,), **base)
     for i, change in enumerate(others):
         binding.call(kernel, (1,), **{**base, **change})
         assert len(kernel.launches) == i + 2, change
-    binding.call(kernel, (1,), **{**base, "n": 64, "x": -3.0})
+    for change in others:
+        binding.call(kernel, (1,), **{**base, **change})
     binding.call(kernel, (1,), **{**base, "A": a[8:16]})  # 16 bytes further: aligned as the first
     assert len(kernel.launches) == len(others) + 1
 

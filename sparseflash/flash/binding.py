@@ -84,45 +84,35 @@ except ImportError:  # pragma: no cover
 
 
 # Keyword launches without a plan (the Hopper kernels, plans with TMA descriptors, decoding, the
-# index build): `call` binds the same way, per combination of what Triton specialises a launch on,
-# read from the call's arguments (`_spec`): a constexpr's or compile option's value; a tensor's
-# dtype and 16-byte alignment; an int's width, whether it is 1 and whether 16 divides it; a bool's
-# or None's value; a float's type; a TMA descriptor's type, dtype, block shape, layout and padding
-# (its mangled type). Every non-constexpr argument's value is passed at each launch, so shapes,
-# strides and scales may change without new bindings. The key is a superset of Triton's, so a
-# bound launch runs the kernel Triton would have picked.
+# index build and selection): `call` binds the same way, keyed per call on a superset of what Triton
+# specialises a launch on: every argument's value except tensors and TMA descriptors, which count by
+# what Triton reads of them (a tensor's dtype and 16-byte alignment; a descriptor's type, dtype, block
+# shape, layout and padding, its mangled type). A bound launch fills in only the call's tensors (as
+# addresses) and descriptors; a call with other scalars (another shape, say) binds anew, once.
 _CALLS: dict = {}
 _CALLS_MAX = 1024
 _PARAMS: dict = {}
+_SCALARS = frozenset((int, float, bool, str, type(None)))
 
 
 def _params(kernel) -> tuple:
-    """(names, whether each is a constexpr, defaults) of ``kernel``'s parameters, in order."""
+    """(names, defaults) of ``kernel``'s parameters, in order."""
     info = _PARAMS.get(kernel)
     if info is None:
         import inspect
 
         ps = list(inspect.signature(kernel.fn).parameters.values())
-        info = _PARAMS[kernel] = (tuple(p.name for p in ps), tuple("constexpr" in str(p.annotation) for p in ps),
-                                  tuple(p.default for p in ps))
+        info = _PARAMS[kernel] = (tuple(p.name for p in ps), tuple(p.default for p in ps))
     return info
 
 
-def _spec(a):
-    """What Triton specialises a non-constexpr argument on (or a superset of it), hashable."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
-    if a is None or isinstance(a, bool):
-        return a
-    if isinstance(a, int):
-        return int, a == 1, a % 16 == 0, -2**31 <= a < 2**31, 0 <= a < 2**64
-    if isinstance(a, float):
-        return float
+def _desc_spec(a):
+    """A TMA descriptor's part of the key (triton.tools' or Gluon's descriptor), else None."""
     block = getattr(a, "block_shape", None)
-    if block is not None:  # a TMA descriptor (triton.tools' or Gluon's)
-        return (type(a), a.base.dtype, tuple(block), getattr(a, "layout", None), getattr(a, "padding", None),
-                getattr(a, "round_f32_to_tf32", None))
-    return a
+    if block is None:
+        return None
+    return (type(a), a.base.dtype, tuple(block), getattr(a, "layout", None), getattr(a, "padding", None),
+            getattr(a, "round_f32_to_tf32", None))
 
 
 def call(kernel, grid: tuple, *pos, **args) -> None:
@@ -131,19 +121,22 @@ def call(kernel, grid: tuple, *pos, **args) -> None:
     if not FAST_LAUNCH or tiles.INTERPRETING or not _cuda() or not hooks_idle():
         kernel[grid](*pos, **args)  # (without CUDA: a compile-only check's hooked launch)
         return
-    names, const, _ = _params(kernel)
     if pos:
-        args = dict(zip(names, pos), **args)
-    runtime = _RUNTIME.get(kernel)
-    if runtime is None:
-        runtime = _RUNTIME[kernel] = frozenset(n for n, c in zip(names, const) if not c)
+        args = dict(zip(_params(kernel)[0], pos), **args)
     device = current_device()
-    key = (kernel, device, tuple(args), tuple(_spec(a) if n in runtime else a for n, a in args.items()))
-    bound = _CALLS.get(key)
+    # (a scalar with its type: True == 1 == 1.0 as keys, but Triton types them apart)
+    spec = [(type(a), a) if type(a) in _SCALARS else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
+            else (_desc_spec(a) or (type(a), a)) for a in args.values()]
+    key = (kernel, device, tuple(args), tuple(spec))
+    try:
+        bound = _CALLS.get(key)
+    except TypeError:  # an argument that cannot be a key: Triton's own path
+        kernel[grid](**args)
+        return
     if bound is None:
         compiled = kernel[grid](**args)
         try:
-            bound = _bind_call(kernel, compiled, args, runtime)
+            bound = _bind_call(kernel, compiled, args)
         except Exception:  # an unexpected Triton: keep its own launch path
             bound = None
         if bound is not None:
@@ -160,7 +153,6 @@ def call(kernel, grid: tuple, *pos, **args) -> None:
     run_c(g[0], g[1], g[2], raw_stream(device), function, meta, None, None, None, *values)
 
 
-_RUNTIME: dict = {}
 _HAS_CUDA = None
 
 
@@ -171,9 +163,9 @@ def _cuda() -> bool:
     return _HAS_CUDA
 
 
-def _bind_call(kernel, compiled, args: dict, runtime) -> tuple | None:
-    """(run, function, packed_metadata, every parameter's value in order with None where a
-    non-constexpr argument goes, (position, name) of those), or None when it cannot be bound."""
+def _bind_call(kernel, compiled, args: dict) -> tuple | None:
+    """(run, function, packed_metadata, every parameter's value in order with None where a tensor or
+    descriptor goes, (position, name) of those), or None when it cannot be bound."""
     if getattr(kernel, "pre_run_hooks", None) or runtime_knobs().debug:
         return None
     run_c, function, meta = getattr(compiled, "run", None), getattr(compiled, "function", None), \
@@ -182,15 +174,15 @@ def _bind_call(kernel, compiled, args: dict, runtime) -> tuple | None:
         return None
     import inspect
 
-    names, _, defaults = _params(kernel)
+    names, defaults = _params(kernel)
     values, slots = [], []
     for i, (n, d) in enumerate(zip(names, defaults)):
         if n in args:
-            if n in runtime:
+            a = args[n]
+            if isinstance(a, torch.Tensor) or _desc_spec(a) is not None:
                 slots.append((i, n))
-                values.append(None)
-            else:
-                values.append(args[n])
+                a = None
+            values.append(a)
         elif d is not inspect.Parameter.empty:
             values.append(d)
         else:

@@ -54,9 +54,10 @@ import triton
 import triton.language as tl
 
 from sparseflash.flash.hopper import forward as hopper
-from sparseflash.flash.hopper.common import GLUON_ERROR, LOG2E, TILE, descriptor, sm_count
+from sparseflash.flash.hopper.common import GLUON_ERROR, LOG2E, TILE, descriptor, make_descriptor, sm_count
 from sparseflash import _env
 from sparseflash.flash import binding
+from sparseflash.flash.operands import cdiv
 
 __all__ = ["bwd", "plan", "unsupported", "do_layout", "list_min_blocks", "QT", "MODE", "LIST_MIN_BLOCKS",
            "LIST_MIN_BLOCKS_BY_GPU"]
@@ -616,7 +617,7 @@ def _padded_rows(n_q: int, mask_bq: int | None) -> int:
     """The q rows per head a walk can visit: whole 64-row steps (dense, ``mask_bq`` None), or
     every step of each listed block of ``mask_bq`` rows, the last block's too."""
     unit = mask_bq or QT
-    return triton.cdiv(n_q, unit) * unit
+    return cdiv(n_q, unit) * unit
 
 
 def _delta(o, do, lse, dlse, n_pad: int):
@@ -627,7 +628,7 @@ def _delta(o, do, lse, dlse, n_pad: int):
     delta = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     so, sdo = o.stride(), do.stride()
     binding.call(
-        _delta_kernel, (triton.cdiv(n_pad, QT), B * H), O=o, DO=do, LSE=lse, DLSE=o if dlse is None else dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
+        _delta_kernel, (cdiv(n_pad, QT), B * H), O=o, DO=do, LSE=lse, DLSE=o if dlse is None else dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
         stride_oh=so[1], stride_om=so[2], stride_dob=sdo[0], stride_doh=sdo[1], stride_dom=sdo[2], n_heads=H, seq_q=Nq,
         n_pad=n_pad, HEAD_DIM=D, BLOCK=QT, HAS_DLSE=dlse is not None)
     return lse2, delta
@@ -638,14 +639,12 @@ def _heads_per_group(n_per: int, n_bhk: int, num_sms: int) -> int:
     of the CTAs (``n_per`` units each: key tiles, or causal pairs of them), no more, so the float32
     dQ rows the CTAs add into stay in L2 (16K tokens, d=128: 2 heads, 16 MB, where a stream of key
     tile 0 of every head first spans 16 heads, 128 MB)."""
-    return max(1, min(n_bhk, triton.cdiv(num_sms, n_per)))
+    return max(1, min(n_bhk, cdiv(num_sms, n_per)))
 
 
 def _row_descriptor(t):
     """A TMA descriptor of float32 [B * H, n_pad] ``t`` (`_delta`'s outputs), blocks of one step's QT rows."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, QT], _ROW_LAYOUT)
+    return make_descriptor(t, t.shape, t.stride(), (1, QT), _ROW_LAYOUT)
 
 
 def do_layout(do):
@@ -675,14 +674,14 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     sk, sv = dk.stride(), dv.stride()
     desc_dq = descriptor(acc, (acc.stride(), False), QT, D // 2)  # each warpgroup adds half of D
     n_bhk = B * Hk
-    n_tiles = triton.cdiv(Nk, TILE) * n_bhk
+    n_tiles = cdiv(Nk, TILE) * n_bhk
     if num_sms is None:
         num_sms = sm_count(q.device.index)
     n_kt = n_tiles // n_bhk
     n_units = n_bhk * ((n_kt + 1) // 2) if causal else n_tiles  # (causal: pairs of tiles, `_key_tile`)
     grid = max(1, min(n_units, num_sms))
     gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
-    n_rounds = triton.cdiv(n_units, grid) * (2 if causal else 1)
+    n_rounds = cdiv(n_units, grid) * (2 if causal else 1)
     binding.call(
         hopper_bwd_kernel, (grid,), desc_q=descriptor(q, lay[0], QT), desc_k=descriptor(k, lay[1], TILE), desc_v=descriptor(v, lay[2], TILE),
         desc_do=descriptor(do, do_lay, QT), desc_dq=desc_dq, desc_lse=_row_descriptor(lse2),
@@ -697,6 +696,6 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         DO_BNHD=do_lay[1], EXACT=exact is not None, num_warps=4)
     dq = new(q)
     sq = dq.stride()
-    binding.call(_dq_cast_kernel, (triton.cdiv(Nq, QT), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1], stride_qm=sq[2],
+    binding.call(_dq_cast_kernel, (cdiv(Nq, QT), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1], stride_qm=sq[2],
                                                   n_heads=H, seq_q=Nq, scale=scale, HEAD_DIM=D, BLOCK=QT)
     return dq, dk, dv

@@ -77,13 +77,39 @@ def _smem_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gdt)
 
 
+# A descriptor's fields past its base, per (shape, strides, dtype, block): Gluon's TensorDescriptor
+# validates them all at construction (dtype names, block shape, stride alignment; ~10 us of Python a
+# descriptor, four a forward call), though only the base changes between calls of one layout.
+_DESC_FIELDS: dict = {}
+_DESC_FIELDS_MAX = 1024
+
+
+def make_descriptor(t: torch.Tensor, shape: list, strides: list, block: tuple, smem=None):
+    """Gluon's TensorDescriptor of ``t`` (``shape``, ``strides``: the view TMA reads; ``block``: its
+    box; ``smem``: its shared-memory layout, default NVMMA's for the block and dtype), validated by its constructor the first time a layout is seen and copied from that one after
+    (with this call's base, whose 16-byte alignment is checked each time)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    key = (tuple(shape), tuple(strides), t.dtype, block, smem)
+    fields = _DESC_FIELDS.get(key)
+    if fields is None or t.data_ptr() & 15:
+        d = TensorDescriptor(t, list(shape), list(strides), list(block), smem or _smem_layout(block, t.dtype))
+        if fields is None and hasattr(d, "__dict__"):
+            if len(_DESC_FIELDS) >= _DESC_FIELDS_MAX:
+                _DESC_FIELDS.clear()
+            _DESC_FIELDS[key] = {k: v for k, v in vars(d).items() if k != "base"}  # (never holds a tensor)
+        return d
+    d = object.__new__(TensorDescriptor)
+    vars(d).update(fields)
+    d.base = t
+    return d
+
+
 def descriptor(t: torch.Tensor, layout, rows: int, cols: int | None = None):
     """A TMA descriptor of [B, H, N, D] ``t`` in ``layout`` (`hopper.tensor_layout`'s (strides,
     bnhd)), blocks of ``rows`` x ``cols`` (default: all of D)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     strides, bnhd = layout
     B, H, N, D = t.shape
     cols = cols or D
     shape, block = ([B, N, H, D], (1, rows, 1, cols)) if bnhd else ([B, H, N, D], (1, 1, rows, cols))
-    return TensorDescriptor(t, shape, list(strides), list(block), _smem_layout(block, t.dtype))
+    return make_descriptor(t, shape, strides, block)

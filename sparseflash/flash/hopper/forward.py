@@ -40,11 +40,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from sparseflash.flash.hopper.common import GLUON_ERROR, LN2, LOG2E, TILE, descriptor, sm_count
 from sparseflash import _env
 from sparseflash.flash import binding
+from sparseflash.flash.operands import cdiv
 
 __all__ = ["fwd", "plan", "unsupported", "layouts", "tensor_layout", "GLUON_ERROR", "MODE", "TILE"]
 
@@ -513,7 +513,7 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     # O through shared memory and a TMA store where its layout takes a descriptor (faster, most on short
     # walks: experiments/studies/hopper/README.md, the TMA epilogue), else stored from registers
     o_lay = o_layout(o)
-    n_tiles = B * H * triton.cdiv(Nq, TILE)
+    n_tiles = B * H * cdiv(Nq, TILE)
     if num_sms is None:
         num_sms = sm_count(q.device.index)
     grid = (max(1, min(n_tiles, num_sms)),)

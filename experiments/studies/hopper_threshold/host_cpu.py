@@ -1,0 +1,100 @@
+"""The Hopper forward's host path on a CPU: a proxy for its host cost where no GPU is at hand.
+
+    TRITON_INTERPRET=1 python -m sparseflash.experiments.studies.hopper_threshold.host_cpu [--calls 500] [--profile]
+
+Runs `sparseflash.attention` (no grad, B1 H2 N1K d128 bf16 CPU tensors, a random mask of one block a
+row, the short path off) through the general path into the Hopper launcher, with three stand-ins: the
+dispatch takes the Hopper kernels for CPU tensors, the SM count is an H200's, and the kernel object
+returns a compiled kernel whose launcher does nothing, so `binding.call` binds on the first call and
+takes its bound route after. What it times is every line of Python and every torch call between
+`sparseflash.attention` and the C launcher: API checks, the autograd Function, the dispatch, the
+descriptors and the bound launch's key. This machine's µs are not an H200 host's (those run about
+2-3x longer, `results/host_profile-*`), but a change that removes work here removes it there.
+Prints µs per call (best of three runs of ``--calls``) and, with ``--profile``, the top functions.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+from sparseflash.cmdline import ArgumentParser, positive_int, run_command
+
+
+class _Compiled:
+    function, packed_metadata = 1, (4, 1, 0)
+
+    def run(self, *args):
+        pass
+
+
+class _Kernel:
+    """The Hopper kernel's signature; launching gives a `_Compiled` (no compilation, no GPU)."""
+
+    def __init__(self, fn):
+        self.fn, self.pre_run_hooks = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _Compiled()
+
+
+def main(argv=None) -> int:
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper_threshold.host_cpu",
+                        description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=positive_int, default=500)
+    ap.add_argument("--profile", action="store_true", help="also print the top functions by own time")
+    args = ap.parse_args(argv)
+    import sparseflash
+    from sparseflash.flash import binding, dispatch, fast
+    from sparseflash.flash.hopper import forward as hf
+    from sparseflash.patterns import random as random_mask
+
+    if hf.GLUON_ERROR is not None:
+        ap.error(f"needs gluon's Hopper module: {hf.GLUON_ERROR}")
+    saved = (fast.ENABLED, dispatch._fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding._HAS_CUDA,
+             binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING)
+    fast.ENABLED = False
+    dispatch._fwd_layouts = lambda q, k, v, bq, bk, work: hf.layouts(q, k, v)
+    hf.sm_count = lambda index: 132
+    hf.hopper_fwd_kernel = _Kernel(saved[3].fn)
+    binding._HAS_CUDA, binding.current_device, binding.raw_stream = True, (lambda: 0), (lambda index: 0)
+    binding.tiles.INTERPRETING = False
+    try:
+        q, k, v = (torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
+        mask = random_mask(1024, 1, block_size=128, seed=0)
+
+        def fwd():
+            with torch.no_grad():
+                sparseflash.attention(q, k, v, mask=mask)
+
+        for _ in range(5):
+            fwd()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fwd()
+            best = min(best, (time.perf_counter() - t0) / args.calls * 1e6)
+        print(f"{best:.1f} us per Hopper forward on this CPU (host path to the launcher; best of 3 x {args.calls})")
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.calls):
+                fwd()
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            print(buf.getvalue())
+    finally:
+        (fast.ENABLED, dispatch._fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding._HAS_CUDA,
+         binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING) = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_command(main))
