@@ -48,8 +48,14 @@ def main(argv=None) -> int:
                         description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=positive_int, default=500)
     ap.add_argument("--profile", action="store_true", help="also print the top functions by own time")
+    ap.add_argument("--per-call", action="store_true",
+                    help="the per-call top-k step instead: `topk_blocks` (8 of 8 blocks... of 8, causal) + the forward, "
+                         "the selection and index kernels stubbed like the attention's (--torch-select: the "
+                         "selection's torch ops instead of its kernel)")
+    ap.add_argument("--torch-select", action="store_true")
     args = ap.parse_args(argv)
     import sparseflash
+    from sparseflash import index_kernels
     from sparseflash.flash import binding, dispatch, fast
     from sparseflash.flash.hopper import forward as hf
     from sparseflash.patterns import random as random_mask
@@ -58,6 +64,11 @@ def main(argv=None) -> int:
         ap.error(f"needs gluon's Hopper module: {hf.GLUON_ERROR}")
     saved = (fast.ENABLED, dispatch._fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding._HAS_CUDA,
              binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING)
+    saved_ix = (index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel)
+    if args.per_call:  # the index kernels take CPU inputs, and launch nothing either
+        index_kernels.ON_CPU = True
+        index_kernels._topk_kernel = _Kernel(saved_ix[1].fn)
+        index_kernels._lists_kernel = _Kernel(saved_ix[2].fn)
     fast.ENABLED = False
     dispatch._fwd_layouts = lambda q, k, v, bq, bk, work: hf.layouts(q, k, v)
     hf.sm_count = lambda index: 132
@@ -68,9 +79,19 @@ def main(argv=None) -> int:
         q, k, v = (torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
         mask = random_mask(1024, 1, block_size=128, seed=0)
 
-        def fwd():
+        def fixed():
             with torch.no_grad():
                 sparseflash.attention(q, k, v, mask=mask)
+
+        def per_call():
+            with torch.no_grad():
+                m = sparseflash.topk_blocks(q, k, 4, 128, causal=True)
+                sparseflash.attention(q, k, v, mask=m, causal=True)
+
+        fwd = per_call if args.per_call else fixed
+        if args.per_call and args.torch_select:
+            saved_takes = index_kernels.select_takes
+            index_kernels.select_takes = lambda q, kb, width: False
 
         for _ in range(5):
             fwd()
@@ -80,7 +101,9 @@ def main(argv=None) -> int:
             for _ in range(args.calls):
                 fwd()
             best = min(best, (time.perf_counter() - t0) / args.calls * 1e6)
-        print(f"{best:.1f} us per Hopper forward on this CPU (host path to the launcher; best of 3 x {args.calls})")
+        what = ("per-call top-4 step, selection by " + ("torch ops" if args.torch_select else "its kernel")
+                if args.per_call else "Hopper forward")
+        print(f"{best:.1f} us per {what} on this CPU (host path to the launchers; best of 3 x {args.calls})")
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()
@@ -93,6 +116,9 @@ def main(argv=None) -> int:
     finally:
         (fast.ENABLED, dispatch._fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding._HAS_CUDA,
          binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING) = saved
+        index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel = saved_ix
+        if args.per_call and args.torch_select:
+            index_kernels.select_takes = saved_takes
     return 0
 
 
