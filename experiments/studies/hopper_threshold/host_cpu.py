@@ -53,11 +53,13 @@ def main(argv=None) -> int:
                          "the selection and index kernels stubbed like the attention's (--torch-select: the "
                          "selection's torch ops instead of its kernel)")
     ap.add_argument("--torch-select", action="store_true")
+    ap.add_argument("--backward", action="store_true",
+                    help="dense forward+backward (the one-pass Hopper backward: its delta, main and dQ-cast launches)")
     args = ap.parse_args(argv)
     import sparseflash
     from sparseflash import index_kernels
     from sparseflash.flash import binding, dispatch, fast
-    from sparseflash.flash.hopper import forward as hf
+    from sparseflash.flash.hopper import backward as hb, forward as hf
     from sparseflash.patterns import random as random_mask
 
     if hf.GLUON_ERROR is not None:
@@ -65,6 +67,10 @@ def main(argv=None) -> int:
     saved = (fast.ENABLED, dispatch._fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding._HAS_CUDA,
              binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING)
     saved_ix = (index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel)
+    saved_hb = (hb.sm_count, hb.hopper_bwd_kernel, hb._delta_kernel, hb._dq_cast_kernel)
+    if args.backward:
+        hb.sm_count = lambda index: 132
+        hb.hopper_bwd_kernel, hb._delta_kernel, hb._dq_cast_kernel = (_Kernel(k.fn) for k in saved_hb[1:])
     if args.per_call:  # the index kernels take CPU inputs, and launch nothing either
         index_kernels.ON_CPU = True
         index_kernels._topk_kernel = _Kernel(saved_ix[1].fn)
@@ -88,7 +94,13 @@ def main(argv=None) -> int:
                 m = sparseflash.topk_blocks(q, k, 4, 128, causal=True)
                 sparseflash.attention(q, k, v, mask=m, causal=True)
 
-        fwd = per_call if args.per_call else fixed
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        do = torch.randn_like(q)
+
+        def dense_fwd_bwd():
+            torch.autograd.grad(sparseflash.attention(qg, kg, vg), (qg, kg, vg), do)
+
+        fwd = dense_fwd_bwd if args.backward else per_call if args.per_call else fixed
         if args.per_call and args.torch_select:
             saved_takes = index_kernels.select_takes
             index_kernels.select_takes = lambda q, kb, width: False
@@ -101,7 +113,8 @@ def main(argv=None) -> int:
             for _ in range(args.calls):
                 fwd()
             best = min(best, (time.perf_counter() - t0) / args.calls * 1e6)
-        what = ("per-call top-4 step, selection by " + ("torch ops" if args.torch_select else "its kernel")
+        what = ("dense Hopper forward+backward" if args.backward else
+                "per-call top-4 step, selection by " + ("torch ops" if args.torch_select else "its kernel")
                 if args.per_call else "Hopper forward")
         print(f"{best:.1f} us per {what} on this CPU (host path to the launchers; best of 3 x {args.calls})")
         if args.profile:
@@ -117,6 +130,7 @@ def main(argv=None) -> int:
         (fast.ENABLED, dispatch._fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding._HAS_CUDA,
          binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING) = saved
         index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel = saved_ix
+        hb.sm_count, hb.hopper_bwd_kernel, hb._delta_kernel, hb._dq_cast_kernel = saved_hb
         if args.per_call and args.torch_select:
             index_kernels.select_takes = saved_takes
     return 0
