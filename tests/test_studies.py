@@ -532,3 +532,25 @@ def test_sparse_bwd_tma_store_times_only_variants_that_pass(tmp_path, monkeypatc
     table = capsys.readouterr().out.split("(ms, one backward)")[-1]
     assert table.count("FAIL") == 12 and "tma 1.00x" in table
     assert (fast.ENABLED, tiles.TMA_MODE) == before  # (the run's launch-route settings are restored)
+
+
+@pytest.mark.skipif(not gluon_hopper_available(), reason="needs gluon's Hopper module")
+@pytest.mark.parametrize("flags", [[], ["--per-call"], ["--per-call", "--torch-select"], ["--backward"]])
+def test_host_cpu_runs_the_hopper_host_path(flags, capsys):
+    """host_cpu.py times the Hopper launchers' Python on a CPU with the launches stubbed, and leaves
+    every module it patched as it found it."""
+    from sparseflash import index_kernels
+    from sparseflash.experiments.studies.hopper_threshold import host_cpu
+    from sparseflash.flash import binding, dispatch, fast
+    from sparseflash.flash.hopper import backward as hb, forward as hf
+
+    before = (fast.ENABLED, dispatch._fwd_layouts, hf.hopper_fwd_kernel, hb.hopper_bwd_kernel, binding.current_device,
+              index_kernels.ON_CPU, index_kernels.select_takes, index_kernels._topk_kernel)
+    binding._CALLS.clear()
+    assert host_cpu.main(["--calls", "3", *flags]) == 0
+    assert " us per " in capsys.readouterr().out
+    assert len(binding._CALLS) >= 1  # the stubbed launches went the bound route
+    after = (fast.ENABLED, dispatch._fwd_layouts, hf.hopper_fwd_kernel, hb.hopper_bwd_kernel, binding.current_device,
+             index_kernels.ON_CPU, index_kernels.select_takes, index_kernels._topk_kernel)
+    assert all(a is b for a, b in zip(after, before))
+    binding._CALLS.clear()
