@@ -20,7 +20,7 @@ import torch
 from sparseflash import _env
 from sparseflash.flash import tiles
 
-__all__ = ["FAST_LAUNCH", "call", "hooks_idle", "raw_stream", "current_device", "runtime_knobs"]
+__all__ = ["FAST_LAUNCH", "call", "bind", "hooks_idle", "raw_stream", "current_device", "runtime_knobs"]
 
 
 # Bound launches: after a plan's first launch through Triton (`kernel[grid](**args)`, which
@@ -136,7 +136,7 @@ def call(kernel, grid: tuple, *pos, **args) -> None:
     if bound is None:
         compiled = kernel[grid](**args)
         try:
-            bound = _bind_call(kernel, compiled, args)
+            bound = bind(kernel, compiled, args)
         except Exception:  # an unexpected Triton: keep its own launch path
             bound = None
         if bound is not None:
@@ -163,9 +163,12 @@ def _cuda() -> bool:
     return _HAS_CUDA
 
 
-def _bind_call(kernel, compiled, args: dict) -> tuple | None:
-    """(run, function, packed_metadata, every parameter's value in order with None where a tensor or
-    descriptor goes, (position, name) of those), or None when it cannot be bound."""
+def bind(kernel, compiled, args: dict) -> tuple | None:
+    """What a bound launch of ``kernel`` needs from its first launch with ``args`` (by parameter
+    name; ``compiled`` the CompiledKernel Triton returned): (run, function, packed_metadata, every
+    parameter's value in order with None where a tensor or descriptor goes, (position, name) of
+    those), or None when it cannot be bound (pre-run hooks, TRITON_DEBUG, not a CompiledKernel, a
+    parameter with neither an argument nor a default)."""
     if getattr(kernel, "pre_run_hooks", None) or runtime_knobs().debug:
         return None
     run_c, function, meta = getattr(compiled, "run", None), getattr(compiled, "function", None), \

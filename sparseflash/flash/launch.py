@@ -94,34 +94,16 @@ def _frozen(tma_plan):
     return None if tma_plan is None else tuple(map(tuple, tma_plan))
 
 
-def _bind(plan: _Plan, kernel, compiled) -> tuple | None:
-    """The bound launch of ``plan`` from its first launch: (run, function, packed_metadata, every
-    parameter's value in the kernel's order with None where a tensor's address goes, the compiled
-    kernel), or None when it cannot be bound. Sets ``plan.slots`` on first use."""
-    if getattr(kernel, "pre_run_hooks", None) or binding.runtime_knobs().debug:
+def _bind(plan: _Plan, kernel, compiled, args: dict) -> tuple | None:
+    """The bound launch of ``plan`` from its first launch with ``args`` (its arguments, the call's
+    tensors in): (run, function, packed_metadata, every parameter's value in the kernel's order
+    with None where a tensor's address goes, the compiled kernel), or None when it cannot be
+    bound (`binding.bind`). Sets ``plan.slots`` on first use."""
+    made = binding.bind(kernel, compiled, args)
+    if made is None or len(made[4]) != len(plan.tensors):
         return None
-    run, function, meta = getattr(compiled, "run", None), getattr(compiled, "function", None), \
-        getattr(compiled, "packed_metadata", None)
-    if run is None or function is None or meta is None:
-        return None
-    import inspect
-
-    values, slots = [], []
-    for i, p in enumerate(inspect.signature(kernel.fn).parameters.values()):
-        if p.name in plan.args:
-            a = plan.args[p.name]
-            if a is TENSOR:
-                slots.append((i, p.name))
-                a = None
-            values.append(a)
-        elif p.default is not inspect.Parameter.empty:
-            values.append(p.default)
-        else:
-            return None
-    if len(slots) != len(plan.tensors):
-        return None
-    plan.slots = tuple(slots)
-    return run, function, meta, tuple(values), compiled
+    plan.slots = made[4]
+    return (*made[:4], compiled)
 
 
 def run(plan: _Plan, tensors: dict) -> tuple | None:
@@ -130,14 +112,15 @@ def run(plan: _Plan, tensors: dict) -> tuple | None:
     launch) of this combination when it has one (the short path's native plan reads it)."""
     fast = binding.FAST_LAUNCH and plan.cuda and not plan.tma and not tiles.INTERPRETING
     if fast:
-        ptrs = [tensors[n].data_ptr() for n in plan.tensors]
-        key = (binding.current_device(), tuple(p & 15 == 0 for p in ptrs), tuple(tensors[n].dtype for n in plan.tensors))
+        ptrs = {n: tensors[n].data_ptr() for n in plan.tensors}
+        key = (binding.current_device(), tuple(p & 15 == 0 for p in ptrs.values()),
+               tuple(tensors[n].dtype for n in plan.tensors))
         bound = plan.bound.get(key)
         if bound is not None and binding.hooks_idle():
             run_c, function, meta, values = bound[:4]
             values = list(values)
-            for (i, _), p in zip(plan.slots, ptrs):
-                values[i] = p
+            for i, n in plan.slots:  # (by name: the slots are in the kernel's parameter order)
+                values[i] = ptrs[n]
             g = plan.grid
             run_c(g[0], g[1], 1, binding.raw_stream(key[0]), function, meta, None, None, None, *values)
             return key, bound
@@ -151,7 +134,7 @@ def run(plan: _Plan, tensors: dict) -> tuple | None:
     compiled = kernel[plan.grid](**args)
     if fast and binding.hooks_idle():
         try:
-            bound = _bind(plan, kernel, compiled)
+            bound = _bind(plan, kernel, compiled, args)
         except Exception:  # an unexpected Triton: keep its own launch path
             bound = None
         if bound is not None:
