@@ -42,12 +42,6 @@ MAX_K = 1024
 _TILE_ELEMS = 4096
 
 
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1): triton.next_power_of_2 without its constexpr-function
-    wrapper, which costs a few µs a call on the host."""
-    return 1 << (n - 1).bit_length()
-
-
 @triton.jit
 def _row_hits(b_ids, m_k, j0, KB, BLOCK_J: tl.constexpr):
     """Key blocks j0 .. j0 + BLOCK_J: (their ids, whether any of the row's ids ``b_ids [BLOCK_K]``
@@ -128,6 +122,10 @@ def lists_from_ids(ids: torch.Tensor, kb: int):
     """(layout, kv_num, kv_idx, q_num, q_idx) of the 4-D key-block ids ``ids [B', H', QB, K]`` over
     ``kb`` key blocks, in one launch (module docstring). The caller checks types and shapes;
     ``K <= MAX_K``."""
+    # (not at import: the mask module imports this one, and sparseflash.flash imports the mask module)
+    from sparseflash.flash.binding import call
+    from sparseflash.flash.operands import next_pow2
+
     B, H, qb, K = ids.shape
     if K > MAX_K:
         raise ValueError(f"lists_from_ids takes at most {MAX_K} ids per query block, got {K}")
@@ -137,13 +135,12 @@ def lists_from_ids(ids: torch.Tensor, kb: int):
     kv_idx = torch.empty(B, H, qb, kb, dtype=torch.int32, device=dev)
     q_num = torch.empty(B, H, kb, dtype=torch.int32, device=dev)
     q_idx = torch.empty(B, H, kb, qb, dtype=torch.int32, device=dev)
-    block_k = _pow2(max(K, 1))
+    block_k = next_pow2(max(K, 1))
     rows = max(16, _TILE_ELEMS // block_k)
-    block_j = min(rows, _pow2(kb))
-    block_i = min(rows, _pow2(qb))
+    block_j = min(rows, next_pow2(kb))
+    block_i = min(rows, next_pow2(qb))
     grid = (qb + kb, B * H)
     args = (ids, layout, kv_num, kv_idx, q_num, q_idx, *ids.stride(), H, qb, kb, K)
-    from sparseflash.flash.binding import call  # (not at import: the mask module imports this one)
 
     if dev.type == "cuda" and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):  # Triton launches on the current device
@@ -228,22 +225,25 @@ def topk_ids(qp: torch.Tensor, kp: torch.Tensor, fixed: torch.Tensor | None, wid
     then the ``width`` best key blocks of each query block by the selection's mean pooled score (-1 past
     the blocks allowed or the selection's count ``per_sel [Hq // group]``). ``qp [B, Hq, QB, D]`` and
     ``kp [B, Hk, KB, D]``: float32 pooled blocks, last dim contiguous."""
+    # (not at import: the mask module imports this one, and sparseflash.flash imports the mask module)
+    from sparseflash.flash.binding import call
+    from sparseflash.flash.operands import cdiv, next_pow2
+
     B, Hq, QB, D = qp.shape
     Hk, KB = kp.shape[1], kp.shape[2]
     n_sel = Hq // group
     n_fixed = 0 if fixed is None else fixed.shape[1]
     out = torch.empty(B, n_sel, QB, n_fixed + width, dtype=torch.int64, device=qp.device)
     block_r = 16
-    block_kb = max(16, _pow2(KB))
-    grid = (-(-QB // block_r), B * n_sel)
-    from sparseflash.flash.binding import call  # (not at import: the mask module imports this one)
+    block_kb = max(16, next_pow2(KB))
+    grid = (cdiv(QB, block_r), B * n_sel)
 
     args = dict(QP=qp, KP=kp, FIXED=out if fixed is None else fixed, PER_SEL=out if per_sel is None else per_sel,
                 OUT=out, stride_qb=qp.stride(0), stride_qh=qp.stride(1), stride_qm=qp.stride(2), stride_kb=kp.stride(0),
                 stride_kh=kp.stride(1), stride_kn=kp.stride(2), n_sel=n_sel, group=group, heads_per_kv=Hq // Hk, QB=QB,
                 KB=KB, n_fixed=n_fixed, width=width, bq=bq, bk=bk, off=seq_k - seq_q, sinks=sinks, inv_group=1.0 / group,
-                D=D, BLOCK_R=block_r, BLOCK_KB=block_kb, BLOCK_D=min(64, max(16, _pow2(D))),
-                BLOCK_F=max(2, _pow2(max(n_fixed, 1))), CAUSAL=causal, HAS_PER_SEL=per_sel is not None)
+                D=D, BLOCK_R=block_r, BLOCK_KB=block_kb, BLOCK_D=min(64, max(16, next_pow2(D))),
+                BLOCK_F=max(2, next_pow2(max(n_fixed, 1))), CAUSAL=causal, HAS_PER_SEL=per_sel is not None)
     if qp.is_cuda and qp.device.index != torch.cuda.current_device():
         with torch.cuda.device(qp.device):
             call(_topk_kernel, grid, **args)

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from sparseflash import _env
 from sparseflash.flash import binding
+from sparseflash.flash.operands import next_pow2
 
 INTERPRETING = _env.interpreting()
 
@@ -197,11 +198,6 @@ def _decode_combine_kernel(
     tl.store(LSE + i_b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_lt, lse)
 
 
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1), as triton.next_power_of_2 without its host-side wrapper."""
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (4 under the interpreter: splits are exercised)."""
     if device.type != "cuda":
@@ -258,8 +254,8 @@ def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, w
     Hk = k_cache.shape[2]
     G = H // Hk
     R = SQ * G
-    BLOCK_M = max(16, _pow2(R))
-    BLOCK_D = max(16, _pow2(D))
+    BLOCK_M = max(16, next_pow2(R))
+    BLOCK_D = max(16, next_pow2(D))
     mask_block = blocks[2] if blocks is not None else None
     BLOCK_N = decode_block_n(mask_block, BLOCK_D)
     paged = block_table is not None
@@ -302,6 +298,6 @@ def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, w
         return out, lse
     binding.call(
         _decode_combine_kernel, (R, B * Hk), o_part, lse_part, out, lse, S, Hk, *out.stride(), *lse.stride(),
-        SQ=SQ, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, _pow2(S)), num_warps=4,
+        SQ=SQ, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, next_pow2(S)), num_warps=4,
     )
     return out, lse

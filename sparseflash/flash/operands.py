@@ -44,6 +44,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): `triton.next_power_of_2` without its
+    constexpr-function wrapper, which costs microseconds a call in host code."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def _nb_p2(n: int) -> int:
     return max(2, 1 << max(0, n - 1).bit_length())
 
