@@ -12,15 +12,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sparseflash.experiments import cp_train
+from tests._ranks import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,27 +74,13 @@ def _check_in_sync(rank):
     assert extras["placement"] == "contiguous" and rows[0]["sent_bytes"] > 0
 
 
-def _worker(rank, init, out_dir):
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-        torch.set_num_threads(1)
-        _check_same_model(rank)
-        _check_in_sync(rank)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+def _checks(rank, world):
+    _check_same_model(rank)
+    _check_in_sync(rank)
 
 
 def test_two_ranks_train_the_one_process_model(tmp_path):
-    init = f"file://{tempfile.mktemp(dir=tmp_path)}"
-    try:
-        mp.spawn(_worker, args=(init, str(tmp_path)), nprocs=2, join=True)
-    except Exception:
-        errs = sorted(p for p in os.listdir(tmp_path) if p.endswith(".err"))
-        pytest.fail("ranks failed:\n" + "\n".join(open(os.path.join(tmp_path, p)).read() for p in errs))
+    run_ranks(_checks, 2, tmp_path)
 
 
 def test_copy_task_sources_are_reachable():

@@ -8,18 +8,16 @@ import csv
 import os
 import subprocess
 import sys
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import sparseflash
 import sparseflash.distributed as sfd
 from sparseflash import BlockMask
 from sparseflash.patterns import butterfly
+from tests._ranks import run_ranks
 
 
 def _docs(lengths):
@@ -141,32 +139,17 @@ def _check_errors(rank, w):
         sfd.attention(other.shard(torch.randn(1, 2, n + 200, 16)), ql, ql, plan)
 
 
-def _worker(rank, w, init, out_dir):
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=w)
-        torch.set_num_threads(1)
-        for case in _cases(w):
-            _check_case(rank, w, *case)
-        _check_bytes(rank, w)
-        if w == 2:
-            _check_errors(rank, w)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+def _checks(rank, w):
+    for case in _cases(w):
+        _check_case(rank, w, *case)
+    _check_bytes(rank, w)
+    if w == 2:
+        _check_errors(rank, w)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_distributed_matches_one_process(world, tmp_path):
-    init = f"file://{tempfile.mktemp(dir=tmp_path)}"
-    try:
-        mp.spawn(_worker, args=(world, init, str(tmp_path)), nprocs=world, join=True)
-    except Exception:
-        errs = sorted(p for p in os.listdir(tmp_path) if p.endswith(".err"))
-        msg = "\n".join(open(os.path.join(tmp_path, p)).read() for p in errs)
-        pytest.fail(f"ranks failed:\n{msg}")
+    run_ranks(_checks, world, tmp_path)
 
 
 def test_plan_needs_an_initialised_group():
