@@ -554,3 +554,18 @@ def test_host_cpu_runs_the_hopper_host_path(flags, capsys):
              index_kernels.ON_CPU, index_kernels.select_takes, index_kernels._topk_kernel)
     assert all(a is b for a, b in zip(after, before))
     binding._CALLS.clear()
+
+
+def test_decode_splits_times_each_setting_and_restores_the_launch(tmp_path, capsys):
+    """decode_splits.py runs the decode kernel under each (splits, warps, stages, key tile) it lists,
+    right against SDPA's answer, and leaves the kernel's launch settings empty again."""
+    from sparseflash.experiments.studies.decode_splits import decode_splits
+    from sparseflash.flash import decode
+
+    assert decode_splits.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "decode_splits.json").read_text())["rows"]
+    ours = [r for r in rows if r["provider"] == "sparseflash"]
+    assert [(r["num_splits"], r["block_n"]) for r in ours] == [(0, 64), (2, 32)]
+    assert all(r["status"] == "ok" and r["max_err"] < 2e-2 for r in ours)
+    assert decode.OVERRIDES == {}
+    assert "best setting" in capsys.readouterr().out

@@ -198,6 +198,11 @@ def _decode_combine_kernel(
     tl.store(LSE + i_b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_lt, lse)
 
 
+# Launch settings of the split kernel, overridable by a study (experiments/studies/decode_splits): keys
+# "num_warps", "num_stages", "block_n" (the key tile, dense caches only). Empty in normal use.
+OVERRIDES: dict = {}
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (4 under the interpreter: splits are exercised)."""
     if device.type != "cuda":
@@ -258,6 +263,8 @@ def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, w
     BLOCK_D = max(16, next_pow2(D))
     mask_block = blocks[2] if blocks is not None else None
     BLOCK_N = decode_block_n(mask_block, BLOCK_D)
+    if OVERRIDES and mask_block is None:
+        BLOCK_N = OVERRIDES.get("block_n", BLOCK_N)
     paged = block_table is not None
     cap = max_len if max_len is not None else (block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1])
     if blocks is not None:
@@ -292,7 +299,8 @@ def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, w
         PAGE=k_cache.shape[1] if paged else 1, TILES_PER_BLOCK=(mask_block // BLOCK_N) if blocks is not None else 1,
         HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap is not None,
         HAS_ALIBI=alibi is not None, HAS_BATCH_IDX=batch_idx is not None, PAGED=paged, SPARSE=blocks is not None,
-        DOT_PREC=prec, DIRECT=direct, num_warps=4, num_stages=3,
+        DOT_PREC=prec, DIRECT=direct, num_warps=OVERRIDES.get("num_warps", 4),
+        num_stages=OVERRIDES.get("num_stages", 3),
     )
     if direct:
         return out, lse
