@@ -8,7 +8,8 @@ B1 x 256K). For each point: `flash_attn_with_kvcache` under every combination of
 (0 = the default's pick), the split kernel's ``num_warps``, ``num_stages`` and key tile
 (`sparseflash.flash.decode.OVERRIDES`), beside SDPA and compiled Flex on the same cache; GPU time
 from CUDA-graph replays (the decode bench's timer) and the bandwidth each reaches (K and V bytes
-read / time). Writes DIR/decode_splits.csv and .json; prints each point's best settings last.
+read / time). Writes DIR/decode_splits.csv, .json and .png (``--plot DIR`` redraws the figure from
+DIR/decode_splits.json); prints each point's best settings last.
 """
 
 from __future__ import annotations
@@ -28,12 +29,56 @@ STAGES = [2, 3, 4]
 TILES = [64, 128]
 
 
+def plot(folder: Path) -> Path:
+    """DIR/decode_splits.png: per point, our GPU time under each setting (sorted; the default and the
+    two-stage one-split setting marked) against SDPA's and Flex's."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sparseflash.experiments.bench.plots import save_figure, suptitle
+
+    rows = json.loads((folder / "decode_splits.json").read_text())["rows"]
+    meta = json.loads((folder / "decode_splits.json").read_text())["meta"]
+    points = sorted({(r["batch"], r["cache_len"]) for r in rows}, key=lambda p: (-p[0], p[1]))
+    fig, axes = plt.subplots(1, len(points), figsize=(4 * len(points), 3.6), squeeze=False)
+    for ax, (B, N) in zip(axes[0], points):
+        pr = [r for r in rows if (r["batch"], r["cache_len"]) == (B, N) and r["status"] == "ok"]
+        ours = sorted((r for r in pr if r["provider"] == "sparseflash"), key=lambda r: r["ms"])
+        colors = ["tab:red" if (r["num_splits"], r["num_warps"], r["num_stages"], r["block_n"]) == (0, 4, 3, 64)
+                  else "tab:green" if (r["num_splits"], r["num_warps"], r["num_stages"], r["block_n"]) == (0, 4, 2, 64)
+                  else "0.7" for r in ours]
+        ax.bar(range(len(ours)), [r["ms"] for r in ours], color=colors, width=0.9)
+        for prov, style in (("sdpa", "-"), ("flex", "--")):
+            ms = [r["ms"] for r in pr if r["provider"] == prov]
+            if ms and ms[0] < 3 * ours[0]["ms"]:
+                ax.axhline(ms[0], color="k", ls=style, lw=1, label=f"{prov} {ms[0]:.3f}")
+        ax.set_ylim(0, 1.6 * ours[0]["ms"])
+        ax.set_title(f"B{B} x {N // 1024}K", fontsize=10)
+        ax.set_xlabel("settings, fastest first")
+        ax.legend(fontsize=7, loc="upper left")
+    axes[0][0].set_ylabel("GPU ms per call")
+    suptitle(fig, "decode settings (red: the old default, 3 stages; green: 2 stages, the default's split count: "
+                  f"the new default where that count is 1, at B64), {meta['commit']}",
+             [dict(device_name=meta["device_name"], device=meta["device"])])
+    return save_figure(fig, folder / "decode_splits.png", dpi=110)
+
+
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.decode_splits.decode_splits",
                         description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="folder for the results (required unless --plot)")
+    ap.add_argument("--plot", metavar="DIR", help="only redraw DIR/decode_splits.png from DIR/decode_splits.json")
     ap.add_argument("--quick", action="store_true", help="one small point, two settings (a CPU check of the script)")
     args = ap.parse_args(argv)
+    if args.plot:
+        print(plot(Path(args.plot)))
+        return 0
+    if not args.out:
+        ap.error("--out is required")
     import torch.nn.functional as F
 
     import sparseflash
@@ -90,6 +135,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     write_tidy(rows, dict(bench="decode_splits", **environment(dev)), out, "decode_splits",
                "sparseflash.decode_splits/1")
+    plot(out)
     print(f"\n{'point':<12} {'sdpa':>8} {'flex':>8} {'default':>8} {'best':>8}  best setting")
     for B, N in points:
         pr = [r for r in rows if (r["batch"], r["cache_len"]) == (B, N) and r["status"] == "ok"]
