@@ -223,7 +223,8 @@ def table(rows) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="folder for decode.csv, decode.json, decode.png, deterministic.csv")
+    ap.add_argument("--out", help="folder for decode.csv, decode.json, decode.png, deterministic.csv (required unless --plot)")
+    ap.add_argument("--plot", metavar="DIR", help="only redraw DIR/decode.png from DIR/decode.json")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--cache-lens", default="4096,32768,262144")
     ap.add_argument("--providers", default="sparseflash,flex,sdpa")
@@ -233,6 +234,15 @@ def main(argv=None) -> int:
     ap.add_argument("--full", action="store_true",
                     help="the issue's whole grid: batches 1,4,16,64 x caches 4K,16K,64K,256K, caches up to 48 GB")
     args = ap.parse_args(argv)
+    if args.plot:
+        import json
+
+        doc = json.loads((Path(args.plot) / "decode.json").read_text())
+        plot(doc["rows"], doc["meta"]["copy_gb_per_s"] * 1e9, Path(args.plot) / "decode.png")
+        print(Path(args.plot) / "decode.png")
+        return 0
+    if not args.out:
+        ap.error("--out is required")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     H, Hk, D, dtype = 32, 8, 128, torch.bfloat16
     if args.full:
