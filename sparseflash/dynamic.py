@@ -12,8 +12,8 @@ before a query block's own ones; fewer allowed blocks than ``num_blocks`` means 
 
 Everything runs on the inputs' device with fixed shapes, then `BlockMask.from_indices`: no host
 synchronisation, capturable in a CUDA graph, traceable by ``torch.compile``. CUDA calls of up to
-`index_kernels.MAX_SELECT_KB` key blocks score, mask and pick in one Triton launch
-(`index_kernels.topk_ids`, after two means for the pooling); compile traces and wider rows take the
+`index_kernels.MAX_SELECT_KB` key blocks pool q and k in one Triton launch (`index_kernels.pool_pair`), then
+score, mask and pick in another (`index_kernels.topk_ids`); compile traces and wider rows take the
 torch ops (`block_scores`, ``torch.topk`` of a static width), which give the same ids. The selection is a discrete choice and is made without autograd (the
 attention with the mask is differentiable as usual).
 """
@@ -200,8 +200,9 @@ def topk_indices(q: torch.Tensor, k: torch.Tensor, num_blocks, block_size=128, c
                              lambda: _shape_parts(qb, kb, bq, bk, seq_q, seq_k, causal, sink_blocks, dev))
     width = min(width, kb)
     if index_kernels.select_takes(q, kb, width):  # scores, masking and top-k in one launch
-        indices = index_kernels.topk_ids(pool_blocks(q, bq), pool_blocks(k, bk), fixed, width, per_sel, group_size,
-                                         bq, bk, seq_q, seq_k, causal, sink_blocks)
+        qp, kp = index_kernels.pool_pair(q, k, bq, bk)
+        indices = index_kernels.topk_ids(qp, kp, fixed, width, per_sel, group_size, bq, bk, seq_q, seq_k, causal,
+                                         sink_blocks)
         return indices.repeat_interleave(group_size, dim=1) if group_size > 1 else indices
     scores = block_scores(q, k, (bq, bk), group_size)  # [B, n_sel, QB, KB]
     parts = [] if fixed is None else [fixed.expand(B, n_sel, qb, -1)]

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lists_from_ids", "takes", "MAX_K", "ON_CPU", "topk_ids", "select_takes", "MAX_SELECT_KB"]
+__all__ = ["lists_from_ids", "takes", "MAX_K", "ON_CPU", "topk_ids", "select_takes", "MAX_SELECT_KB", "pool_pair"]
 
 # `BlockMask.from_indices` takes this kernel for CUDA ids; ON_CPU = True also for CPU ids (the kernel
 # then runs under TRITON_INTERPRET=1: tests and the host-cost study; the torch ops are faster on a CPU)
@@ -210,6 +210,67 @@ def _topk_kernel(QP, KP, FIXED, PER_SEL, OUT,
         keep = (best > float("-inf")) & (t < count)
         tl.store(OUT + row + n_fixed + t, tl.where(keep, pick, -1).to(tl.int64), mask=m_r)
         scores = tl.where(o_j[None, :] == pick[:, None], float("-inf"), scores)
+
+
+# The selection's input, pooled in one launch: per (batch, head, block) of q and of k, the float32
+# mean of the block's real tokens (the tail block's over its own), a program each, grid
+# ``(Hq * QB + Hk * KB, B)``: the q programs first, then the k ones. The same values as
+# `sparseflash.dynamic.pool_blocks` (a float32 sum over BLOCK_T-token chunks, then one division),
+# in place of two reductions, their reshapes and, for a tail block, a padded copy.
+@triton.jit
+def _pool_one(X, XP, i_b, i_h, i_j, H, NB, N, block, stride_b, stride_h, stride_n, stride_d,
+              D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    t0 = i_j * block
+    t1 = tl.minimum(t0 + block, N)
+    base = X + i_b.to(tl.int64) * stride_b + i_h.to(tl.int64) * stride_h
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for c in range(t0, t1, BLOCK_T):
+        o_t = c + tl.arange(0, BLOCK_T)
+        m_t = o_t < t1
+        p = base + o_t[:, None].to(tl.int64) * stride_n + o_d[None, :] * stride_d
+        acc += tl.sum(tl.load(p, mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32), axis=0)
+    out = XP + ((i_b * H + i_h).to(tl.int64) * NB + i_j) * D
+    tl.store(out + o_d, acc / (t1 - t0).to(tl.float32), mask=m_d)
+
+
+@triton.jit
+def _pool_kernel(Q, K, QP, KP, Hq, Hk, NQ, NK, QB, KB, bq, bk,
+                 stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+                 D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0)
+    i_b = tl.program_id(1)
+    if i < Hq * QB:
+        _pool_one(Q, QP, i_b, i // QB, i % QB, Hq, QB, NQ, bq, stride_qb, stride_qh, stride_qn, stride_qd,
+                  D, BLOCK_T, BLOCK_D)
+    else:
+        i -= Hq * QB
+        _pool_one(K, KP, i_b, i // KB, i % KB, Hk, KB, NK, bk, stride_kb, stride_kh, stride_kn, stride_kd,
+                  D, BLOCK_T, BLOCK_D)
+
+
+def pool_pair(q: torch.Tensor, k: torch.Tensor, bq: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 ``[B, Hq, ceil(Nq / bq), D]``, float32 ``[B, Hk, ceil(Nk / bk), D]``): the block means
+    of ``q [B, Hq, Nq, D]`` and ``k [B, Hk, Nk, D]`` (any strides, one dtype or two), one launch."""
+    from sparseflash.flash.binding import call
+    from sparseflash.flash.operands import cdiv, next_pow2
+
+    B, Hq, NQ, D = q.shape
+    Hk, NK = k.shape[1], k.shape[2]
+    QB, KB = cdiv(NQ, bq), cdiv(NK, bk)
+    qp = torch.empty(B, Hq, QB, D, dtype=torch.float32, device=q.device)
+    kp = torch.empty(B, Hk, KB, D, dtype=torch.float32, device=q.device)
+    block_d = max(16, next_pow2(D))
+    args = (q, k, qp, kp, Hq, Hk, NQ, NK, QB, KB, bq, bk, *q.stride(), *k.stride())
+    grid = (Hq * QB + Hk * KB, B)
+    meta = dict(D=D, BLOCK_T=max(16, 4096 // block_d), BLOCK_D=block_d)
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            call(_pool_kernel, grid, *args, **meta)
+    else:
+        call(_pool_kernel, grid, *args, **meta)
+    return qp, kp
 
 
 def select_takes(q: torch.Tensor, kb: int, width: int) -> bool:

@@ -273,6 +273,20 @@ class BlockMask:
         return mask
 
     @classmethod
+    def _made(cls, layout: torch.Tensor, block: tuple[int, int], seq_q: int, seq_k: int, index: BlockIndex,
+              density_bound: float) -> "BlockMask":
+        """A dynamic mask from a layout and index the caller has just built to fit (bool ``[B', H', QB, KB]``
+        on the index's device, QB and KB matching the lengths and ``block``): `__init__`'s state without
+        re-validating them, the per-call path's saving (see `from_indices`)."""
+        mask = object.__new__(cls)
+        mask.layout, mask.block_size, mask.seq_q, mask.seq_k = layout, block, seq_q, seq_k
+        mask.mask_mod, mask._full = None, None
+        mask._index_cache = {layout.device: index}
+        mask._exact_cache, mask.fast_entries, mask.decode_lists = {}, {}, {}
+        mask.dynamic, mask.density_bound = True, density_bound
+        return mask
+
+    @classmethod
     def from_indices(cls, indices, seq_q: int, seq_k: int | None = None, block_size=128, *,
                      check: bool = True) -> "BlockMask":
         """A per-call mask from key-block ids: ``indices`` an integer tensor ``[B or 1, H or 1, QB, K]``
@@ -336,10 +350,8 @@ class BlockMask:
             # one launch builds the layout and both lists (`sparseflash.index_kernels`); torch.compile traces
             # the torch ops below instead, which it fuses
             layout, kv_num, kv_idx, q_num, q_idx = _index_kernels().lists_from_ids(ids, kb)
-            mask = cls.from_layout(layout, (bq, bk), seq_q, seq_k, dynamic=True)
-            mask._index_cache[ids.device] = BlockIndex(kv_num, kv_idx, q_num, q_idx, None)
-            mask.density_bound = min(ids.shape[-1], kb) / kb
-            return mask
+            return cls._made(layout, (bq, bk), seq_q, seq_k, BlockIndex(kv_num, kv_idx, q_num, q_idx, None),
+                             min(ids.shape[-1], kb) / kb)
         ids = ids if ids.dtype == torch.int64 else ids.long()
         # -1 and bad ids go to a spare column kb, cut off below
         slot = torch.where(ids < 0, kb, ids.clamp(max=kb))

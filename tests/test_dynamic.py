@@ -64,6 +64,30 @@ def index_path(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("hq,hk,nq,nk,d,block,dtype", [
+    (2, 2, 256, 256, 16, 64, torch.float32),            # whole blocks
+    (4, 2, 200, 300, 40, (64, 32), torch.bfloat16),     # GQA, tail blocks, rectangular, head dim not a power of 2
+    (1, 1, 17, 130, 24, 128, torch.float16),            # one partial query block
+], ids=["whole", "gqa-tails-rect", "one-partial"])
+def test_pool_pair_matches_pool_blocks(hq, hk, nq, nk, d, block, dtype):
+    """The selection's one-launch pooling (`index_kernels.pool_pair`) gives `pool_blocks`' block means
+    (tail blocks over their real tokens) for q and k of any strides, in float32 to rounding."""
+    if DEV == "cpu" and not sparseflash._env.interpreting():
+        pytest.skip("the kernel on CPU needs TRITON_INTERPRET=1")
+    from sparseflash.dynamic import pool_blocks
+    from sparseflash.index_kernels import pool_pair
+
+    bq, bk = (block, block) if isinstance(block, int) else block
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, nq, hq, d, generator=g).to(dtype).to(DEV).transpose(1, 2)  # [B, H, N, D] view of BNHD
+    k = (torch.randn(2, hk, nk, d, generator=g) + 3).to(dtype).to(DEV)
+    qp, kp = pool_pair(q, k, bq, bk)
+    for got, x, b in ((qp, q, bq), (kp, k, bk)):
+        want = pool_blocks(x, b)
+        assert got.dtype == torch.float32 and got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape,seq_q,seq_k,block", [
     ((1, 1, 4, 3), 64, 64, 16),            # square, shared
     ((2, 3, 5, 6), 70, 100, (16, 32)),     # batch x heads, partial tail blocks, rectangular
@@ -84,6 +108,12 @@ def test_from_indices_matches_from_layout(shape, seq_q, seq_k, block, index_path
         a, b = getattr(got, name), getattr(ref, name)
         assert torch.equal(a, b.expand_as(a)) and a.dtype == torch.int32, name
     assert got.density is None and ref.density == want.density()  # a dynamic mask never reads it back
+    # both paths leave the state a constructed mask has (the kernel path builds it without __init__)
+    plain = BlockMask.from_layout(m.layout, block, seq_q, seq_k, dynamic=True)
+    for name in BlockMask.__slots__:
+        if name not in ("layout", "_index_cache", "density_bound"):
+            assert getattr(m, name) == getattr(plain, name), name
+    assert list(m._index_cache) == [m.layout.device]
 
 
 def test_index_kernel_awkward_ids(index_path):
@@ -504,6 +534,14 @@ for causal, per_sel, kb in ((True, False, 128), (False, True, 256)):
     src = ASTSource(_topk_kernel, sig, constexprs=dict(D=128, BLOCK_R=16, BLOCK_KB=kb, BLOCK_D=64, BLOCK_F=4,
                                                        CAUSAL=causal, HAS_PER_SEL=per_sel))
     print("topk", causal, len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]))
+from sparseflash.index_kernels import _pool_kernel
+for dq, dk, d in (("*bf16", "*bf16", 128), ("*fp16", "*fp32", 80)):
+    sig = dict(Q=dq, K=dk, QP="*fp32", KP="*fp32", Hq="i32", Hk="i32", NQ="i32", NK="i32", QB="i32", KB="i32",
+               bq="i32", bk="i32", stride_qb="i32", stride_qh="i32", stride_qn="i32", stride_qd="i32",
+               stride_kb="i32", stride_kh="i32", stride_kn="i32", stride_kd="i32", D="constexpr",
+               BLOCK_T="constexpr", BLOCK_D="constexpr")
+    src = ASTSource(_pool_kernel, sig, constexprs=dict(D=d, BLOCK_T=32, BLOCK_D=128))
+    print("pool", dq, dk, len(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]))
 """
 
 
@@ -523,4 +561,4 @@ def test_index_kernel_compiles_for_sm90():
     if r.returncode == 3:
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0, r.stderr[-4000:]
-    assert r.stdout.count("\n") == 5
+    assert r.stdout.count("\n") == 7

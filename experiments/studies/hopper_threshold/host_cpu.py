@@ -66,7 +66,8 @@ def main(argv=None) -> int:
         ap.error(f"needs gluon's Hopper module: {hf.GLUON_ERROR}")
     saved = (fast.ENABLED, dispatch._fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding._HAS_CUDA,
              binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING)
-    saved_ix = (index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel)
+    saved_ix = (index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel,
+                index_kernels._pool_kernel)
     saved_hb = (hb.sm_count, hb.hopper_bwd_kernel, hb._delta_kernel, hb._dq_cast_kernel)
     if args.backward:
         hb.sm_count = lambda index: 132
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
         index_kernels.ON_CPU = True
         index_kernels._topk_kernel = _Kernel(saved_ix[1].fn)
         index_kernels._lists_kernel = _Kernel(saved_ix[2].fn)
+        index_kernels._pool_kernel = _Kernel(saved_ix[3].fn)
     fast.ENABLED = False
     dispatch._fwd_layouts = lambda q, k, v, bq, bk, work: hf.layouts(q, k, v)
     hf.sm_count = lambda index: 132
@@ -129,7 +131,8 @@ def main(argv=None) -> int:
     finally:
         (fast.ENABLED, dispatch._fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding._HAS_CUDA,
          binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING) = saved
-        index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel = saved_ix
+        (index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel,
+         index_kernels._pool_kernel) = saved_ix
         hb.sm_count, hb.hopper_bwd_kernel, hb._delta_kernel, hb._dq_cast_kernel = saved_hb
         if args.per_call and args.torch_select:
             index_kernels.select_takes = saved_takes
