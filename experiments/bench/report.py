@@ -272,8 +272,12 @@ def h200_training(v: dict, rows) -> None:
     v["h2_commit"], v["h2_date"] = _stamp(rows), day(_stamp(rows, "date"))
 
 
-def decode_section(v: dict, rows) -> None:
-    """`flash_attn_with_kvcache` decoding (bench.decode): the cache read rate of ours and Flex's."""
+def decode_section(v: dict, rows, det_rows) -> None:
+    """`flash_attn_with_kvcache` decoding (bench.decode): the cache read rate of ours and Flex's; and
+    (its --deterministic-check) deterministic=True's fwd+bwd time against the default's."""
+    det = {r["deterministic"]: r for r in det_rows}
+    v["dec_det_x"] = f"{det[True]['fwd_bwd_ms'] / det[False]['fwd_bwd_ms']:.2f}"
+    v["dec_det_commit"] = _stamp(det_rows)
     ok = [r for r in rows if r["status"] == "ok"]
     ours = [r for r in ok if r["provider"] == "sparseflash"]
     v["dec_dense_tbs"] = span([r["gb_per_s"] / 1e3 for r in ours if r["mode"] == "dense"], "{:.1f}")
@@ -638,7 +642,7 @@ def values(results: Path | None = None) -> dict[str, str]:
     h2 = table(f"{RES}/kernel-check-h200-16k/sparsity.csv")
     h200_training(v, h2)
     v["h2_gpu"] = gpu(h2)
-    decode_section(v, table(f"{RES}/decode/decode.csv"))
+    decode_section(v, table(f"{RES}/decode/decode.csv"), table(f"{RES}/decode/deterministic.csv"))
     dynamic_section(v, table(f"{RES}/dynamic/dynamic.csv"))
     seqlen = table(f"{RES}/seqlen/seqlen.csv")
     seqlen_gpu = table(f"{SEQLEN_GPU_TIME}/seqlen.csv") if _path(f"{SEQLEN_GPU_TIME}/seqlen.csv").is_file() else None
