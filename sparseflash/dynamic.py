@@ -14,7 +14,8 @@ Everything runs on the inputs' device with fixed shapes, then `BlockMask.from_in
 synchronisation, capturable in a CUDA graph, traceable by ``torch.compile``. CUDA calls of up to
 `index_kernels.MAX_SELECT_KB` key blocks pool q and k in one Triton launch (`index_kernels.pool_pair`), then
 score, mask and pick in another (`index_kernels.topk_ids`); compile traces and wider rows take the
-torch ops (`block_scores`, ``torch.topk`` of a static width), which give the same ids. The selection is a discrete choice and is made without autograd (the
+torch ops (`block_scores`, ``torch.topk`` of a static width), which give the same ids but where two
+scores tie to float32 rounding (summed in another order). The selection is a discrete choice and is made without autograd (the
 attention with the mask is differentiable as usual).
 """
 

@@ -214,8 +214,8 @@ def _topk_kernel(QP, KP, FIXED, PER_SEL, OUT,
 
 # The selection's input, pooled in one launch: per (batch, head, block) of q and of k, the float32
 # mean of the block's real tokens (the tail block's over its own), a program each, grid
-# ``(Hq * QB + Hk * KB, B)``: the q programs first, then the k ones. The same values as
-# `sparseflash.dynamic.pool_blocks` (a float32 sum over BLOCK_T-token chunks, then one division),
+# ``(Hq * QB + Hk * KB, B)``: the q programs first, then the k ones. `sparseflash.dynamic.pool_blocks`'
+# values to float32 rounding (a float32 sum over BLOCK_T-token chunks, then one division),
 # in place of two reductions, their reshapes and, for a tail block, a padded copy.
 @triton.jit
 def _pool_one(X, XP, i_b, i_h, i_j, H, NB, N, block, stride_b, stride_h, stride_n, stride_d,

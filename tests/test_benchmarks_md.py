@@ -100,3 +100,28 @@ def test_todays_results_drop_in(tmp_path):
 def test_results_option_refuses_a_missing_folder(tmp_path):
     with pytest.raises(ValueError, match="--results must be a folder"):
         report.main(["--results", str(tmp_path / "nothing"), "--out", str(tmp_path / "B.md")])
+
+
+def test_dynamic_and_decode_sections_take_partial_runs():
+    """Runs the benches legitimately write render with "-" where a value is missing: no Flex rows
+    (--no-flex), a K not compiled (compiled times empty), a table merged from two commits, a decode
+    run without SDPA whose every dense point meets the bandwidth share."""
+    rows = report.table(f"{report.RES}/dynamic/dynamic.csv")
+    partial = [dict(r) for r in rows if r["provider"] != "flex"]
+    for i, r in enumerate(partial):
+        if r["provider"] == "per-call":
+            r.update(compiled_ms=None, compiled_speedup_vs_flex=None, speedup_vs_flex=float("nan"))
+        r["commit"] = "abc1234" if i % 2 else "def5678"
+    v = {}
+    report.dynamic_section(v, partial)
+    assert v["dyn_x_flex"] == v["dyn_x_flex_c"] == v["dyn_graph_x_flex_c"] == "-"
+    assert v["dyn_commit"] == "abc1234, def5678" and "| - ; - |" in v["dyn_table"]
+    assert v["dyn_n"] == str(2 * len({(r["head_dim"], r["k_blocks"]) for r in partial if r["provider"] == "per-call"}))
+
+    dec = [dict(r) for r in report.table(f"{report.RES}/decode/decode.csv") if r["provider"] == "sparseflash"]
+    for r in dec:
+        r["gb_per_s"] = r["copy_gb_per_s"]  # every point at the copy rate
+    v = {}
+    report.decode_section(v, dec, report.table(f"{report.RES}/decode/deterministic.csv"))
+    assert v["dec_dense_low"] == "every point" and v["dec_x_sdpa"] == v["dec_flex_x"] == "-"
+    assert v["dec_flex_points"] == "0" and v["dec_flex_commits"] == "-"

@@ -276,84 +276,127 @@ def decode_section(v: dict, rows, det_rows) -> None:
     """`flash_attn_with_kvcache` decoding (bench.decode): the cache read rate of ours and Flex's; and
     (its --deterministic-check) deterministic=True's fwd+bwd time against the default's."""
     det = {r["deterministic"]: r for r in det_rows}
-    v["dec_det_x"] = f"{det[True]['fwd_bwd_ms'] / det[False]['fwd_bwd_ms']:.2f}"
-    v["dec_det_commit"] = _stamp(det_rows)
+    v["dec_det_x"] = _span_or_dash([_ratio(det.get(True, {}).get("fwd_bwd_ms"), det.get(False, {}).get("fwd_bwd_ms"))])
+    v["dec_det_commit"] = _stamps(det_rows) or "-"
     ok = [r for r in rows if r["status"] == "ok"]
     ours = [r for r in ok if r["provider"] == "sparseflash"]
-    v["dec_dense_tbs"] = span([r["gb_per_s"] / 1e3 for r in ours if r["mode"] == "dense"], "{:.1f}")
-    v["dec_sparse_tbs"] = span([r["gb_per_s"] / 1e3 for r in ours if r["mode"] == "sparse"], "{:.2f}")
-    x = []
-    for r in ours:
-        flex = [f for f in ok if f["provider"] == "flex" and (f["mode"], f["batch"], f["cache_len"])
-                == (r["mode"], r["batch"], r["cache_len"])]
-        x += [flex[0]["ms"] / r["ms"]] if flex else []
-    v["dec_x_flex"] = span(x, "{:.2f}")
-    v["dec_flex_points"], v["dec_points"] = str(len(x)), str(len(ours))
-    v["dec_commit"] = _stamp(ours)
-    v["dec_date"] = _stamp([dict(date=day(r["date"])) for r in ours], "date")
-    v["dec_gpu"] = _stamp(ours, "device_name").replace("NVIDIA ", "")
-    flex = [r for r in rows if r["provider"] == "flex"]
-    v["dec_flex_commits"] = ", ".join(sorted({short(r["commit"]) for r in flex}))
     dense = [r for r in ours if r["mode"] == "dense"]
+    at = lambda r: (r["mode"], r["batch"], r["cache_len"])  # noqa: E731
+    v["dec_dense_tbs"] = _span_or_dash([r["gb_per_s"] / 1e3 for r in dense], "{:.1f}")
+    v["dec_sparse_tbs"] = _span_or_dash([r["gb_per_s"] / 1e3 for r in ours if r["mode"] == "sparse"], "{:.2f}")
+    flex = {at(r): r["ms"] for r in ok if r["provider"] == "flex"}
+    x = [flex[at(r)] / r["ms"] for r in ours if at(r) in flex]  # Flex's time / ours
+    v["dec_flex_x"] = _span_or_dash(x)
+    v["dec_flex_points"], v["dec_points"] = str(len(x)), str(len(ours))
+    v["dec_commit"], v["dec_date"] = _stamps(ours), _stamps(ours, "date")
+    v["dec_gpu"] = ", ".join(sorted({str(r["device_name"]).replace("NVIDIA ", "") for r in ours}))
+    v["dec_flex_commits"] = _stamps([r for r in rows if r["provider"] == "flex"]) or "-"
     low = [r for r in dense if r["gb_per_s"] < DECODE_BANDWIDTH_GOAL * r["copy_gb_per_s"]]
+    sdpa = {at(r): r for r in ok if r["provider"] == "sdpa"}
     v["dec_bw_goal"] = f"{DECODE_BANDWIDTH_GOAL:.0%}"
-    v["dec_low_us"] = f"{math.ceil(max((r['ms'] for r in low), default=0) * 1e3)}"
     v["dec_dense_80"] = f"{len(dense) - len(low)} of {len(dense)}"
-    v["dec_dense_low"] = ", ".join(f"B{r['batch']} x {r['cache_len'] // 1024}K" for r in low)
-    v["dec_copy_tbs"] = f"{dense[0]['copy_gb_per_s'] / 1e3:.2f}"
-    sdpa = {(r["batch"], r["cache_len"]): r["ms"] for r in ok if r["provider"] == "sdpa"}
-    v["dec_x_sdpa"] = span([r["ms"] / sdpa[(r["batch"], r["cache_len"])] for r in dense
-                            if (r["batch"], r["cache_len"]) in sdpa])
+    if not low:
+        v["dec_dense_low"] = "every point"
+    else:
+        sdpa_low = [r for r in low if at(r) in sdpa
+                    and sdpa[at(r)]["gb_per_s"] < DECODE_BANDWIDTH_GOAL * r["copy_gb_per_s"]]
+        v["dec_dense_low"] = (
+            "not " + ", ".join(f"B{r['batch']} x {r['cache_len'] // 1024}K" for r in low)
+            + f": calls under {math.ceil(max(r['ms'] for r in low) * 1e3)} µs, where SDPA misses it at "
+            + f"{len(sdpa_low)} of {len(low)} too")
+    v["dec_copy_tbs"] = _span_or_dash([r["copy_gb_per_s"] / 1e3 for r in dense])
+    v["dec_x_sdpa"] = _span_or_dash([r["ms"] / sdpa[at(r)]["ms"] for r in dense if at(r) in sdpa])
 
 
 DYNAMIC_FLEX_GOAL = 2.0  # per-call masks: the speed against Flex with its mask built per call that we aim at
 DECODE_BANDWIDTH_GOAL = 0.8  # decoding: the share of the copy bandwidth that we aim at
 
 
+def _num(x) -> float | None:
+    """A measured value, or None where the row has none (missing, None or NaN)."""
+    return None if x is None or x == "" or x != x else float(x)
+
+
+def _cell3(x) -> str:
+    return "-" if _num(x) is None else ms3(x)
+
+
+def _ratio(a, b) -> float | None:
+    a, b = _num(a), _num(b)
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _span_or_dash(xs, fmt="{:.2f}") -> str:
+    xs = [x for x in xs if _num(x) is not None]
+    return span(xs, fmt) if xs else "-"
+
+
+def _stamps(rows, what="commit") -> str:
+    """One commit (or date), or several joined: a table merged from runs."""
+    vals = sorted({short(r[what]) if what == "commit" else day(r[what]) for r in rows})
+    return ", ".join(vals)
+
+
 def dynamic_section(v: dict, rows) -> None:
     """Per-call top-k masks (bench.dynamic): a row per (head_dim, K) with the selection, the index
     build, per-call forward and fwd+bwd (kernels' GPU time / CUDA-graph replay / eager, against the
-    goal: selection + 1.1x the fixed mask's GPU time) and the speed against Flex built per call."""
+    goal: selection + 1.1x the fixed mask's GPU time) and the speed against Flex built per call
+    (Flex's time / ours; "-" where a run has no value: --no-flex, a Ks not compiled, a CPU run)."""
     pairs = sorted({(r["head_dim"], r["k_blocks"]) for r in rows if r["provider"] == "per-call"},
                    key=lambda p: (-p[0], p[1]))
     lines, eager_met, graph_met, x_eager, x_comp, x_graph_comp, index_us = [], 0, 0, [], [], [], []
+    n = 0
     for d, k in pairs:
         sub = [r for r in rows if (r["head_dim"], r["k_blocks"]) == (d, k)]
 
         def get(provider, mode="fwd"):
-            return one(sub, provider=provider, mode=mode)
-        index_us.append(get("index")["gpu_ms"] * 1e3)
-        cells = [str(d), str(k), ms3(get("select")["gpu_ms"]), f"{index_us[-1]:.0f}"]
+            found = pick(sub, provider=provider, mode=mode)
+            return found[0] if found else {}
+        index_us.append(_num(get("index").get("gpu_ms")))
+        cells = [str(d), str(k), _cell3(get("select").get("gpu_ms")),
+                 "-" if index_us[-1] is None else f"{index_us[-1] * 1e3:.0f}"]
+        pair_eager, pair_comp = [], []
         for mode in ("fwd", "fwdbwd"):
             pc, flex = get("per-call", mode), get("flex", mode)
-            eager_met += pc["ms"] <= pc["goal_ms"]
-            graph_met += pc["graph_ms"] <= pc["goal_ms"]
-            x_eager.append(pc["speedup_vs_flex"])
-            x_comp.append(pc["compiled_speedup_vs_flex"])
-            x_graph_comp.append(flex["compiled_ms"] / pc["graph_ms"])
-            cells.append(f"{ms3(pc['gpu_ms'])} / {ms3(pc['graph_ms'])} / {'**' * (pc['ms'] <= pc['goal_ms'])}"
-                         f"{ms3(pc['ms'])}{'**' * (pc['ms'] <= pc['goal_ms'])} / {ms3(pc['goal_ms'])}")
-        cells += [f"{x_eager[-2]:.2f} ; {x_eager[-1]:.2f}", f"{x_comp[-2]:.2f} ; {x_comp[-1]:.2f}"]
+            if not pc:
+                cells.append("-")
+                continue
+            n += 1
+            goal = _num(pc.get("goal_ms"))
+            met = goal is not None and _num(pc.get("ms")) is not None and pc["ms"] <= goal
+            eager_met += met
+            graph_met += goal is not None and _num(pc.get("graph_ms")) is not None and pc["graph_ms"] <= goal
+            pair_eager.append(_num(pc.get("speedup_vs_flex")))
+            pair_comp.append(_num(pc.get("compiled_speedup_vs_flex")))
+            x_graph_comp.append(_ratio(flex.get("compiled_ms"), pc.get("graph_ms")))
+            cells.append(f"{_cell3(pc.get('gpu_ms'))} / {_cell3(pc.get('graph_ms'))} / {'**' * met}"
+                         f"{_cell3(pc.get('ms'))}{'**' * met} / {_cell3(goal)}")
+        x_eager += pair_eager
+        x_comp += pair_comp
+        cells += [" ; ".join("-" if x is None else f"{x:.2f}" for x in xs) for xs in (pair_eager, pair_comp)]
         lines.append(cells)
     v["dyn_table"] = md_table(["d", "K", "select", "index µs", "forward: GPU / graph / eager / goal",
-                               "fwd+bwd: GPU / graph / eager / goal", "× Flex, eager", "× Flex, compiled"], lines)
+                               "fwd+bwd: GPU / graph / eager / goal", "× Flex's speed, eager (fwd ; fwd+bwd)",
+                               "× Flex's speed, compiled"], lines)
     sync = [r for r in rows if r["provider"] == "sync-check"]
     v["dyn_sync"] = ("host syncs not checked" if not sync else
                      "no host sync in any (selection, index, attention) step" if all(r["status"] == "ok" for r in sync)
                      else "a host sync: " + "; ".join(r["status"] for r in sync if r["status"] != "ok"))
-    n = 2 * len(pairs)
     v["dyn_graph_met"], v["dyn_eager_met"], v["dyn_n"] = str(graph_met), str(eager_met), str(n)
-    v["dyn_index_us"] = span(index_us, "{:.0f}")
-    v["dyn_x_flex"], v["dyn_x_flex_c"] = span(x_eager), span(x_comp)
-    v["dyn_graph_x_flex_c"] = span(x_graph_comp)
-    fixed = one(rows, provider="fixed", mode="fwd", head_dim=pairs[0][0], k_blocks=pairs[0][1])
-    pc = one(rows, provider="per-call", mode="fwd", head_dim=pairs[0][0], k_blocks=pairs[0][1])
-    sel = one(rows, provider="select", mode="fwd", head_dim=pairs[0][0], k_blocks=pairs[0][1])
-    v["dyn_goal_factor"] = f"{(pc['goal_ms'] - sel['gpu_ms']) / fixed['gpu_ms']:.1f}"
+    v["dyn_index_us"] = _span_or_dash([x * 1e3 for x in index_us if x is not None], "{:.0f}")
+    v["dyn_x_flex"], v["dyn_x_flex_c"] = _span_or_dash(x_eager), _span_or_dash(x_comp)
+    v["dyn_graph_x_flex_c"] = _span_or_dash(x_graph_comp)
+    factors = []
+    for d, k in pairs:
+        pc, sel, fixed = (pick(rows, provider=p, mode="fwd", head_dim=d, k_blocks=k) for p in ("per-call", "select", "fixed"))
+        if pc and sel and fixed:
+            f = _ratio(_num(pc[0].get("goal_ms")) - _num(sel[0].get("gpu_ms")), fixed[0].get("gpu_ms")) \
+                if None not in (_num(pc[0].get("goal_ms")), _num(sel[0].get("gpu_ms"))) else None
+            factors += [f] if f is not None else []
+    v["dyn_goal_factor"] = _span_or_dash(factors, "{:.1f}")
     v["dyn_flex_goal"] = f"{DYNAMIC_FLEX_GOAL:g}"
-    v["dyn_commit"] = _stamp(rows)
-    v["dyn_date"] = _stamp([dict(date=day(r["date"])) for r in rows], "date")
-    v["dyn_gpu"] = _stamp(rows, "device_name").replace("NVIDIA ", "")
+    v["dyn_commit"], v["dyn_date"] = _stamps(rows), _stamps(rows, "date")
+    v["dyn_gpu"] = ", ".join(sorted({str(r["device_name"]).replace("NVIDIA ", "") for r in rows}))
 
 
 # ----------------------------------------------------------------------------- Hopper

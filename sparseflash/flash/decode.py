@@ -274,10 +274,11 @@ def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, w
     S = num_splits if num_splits > 0 else pick_splits(B, Hk, n_units, q.device)
     direct = S == 1
     # Pipeline depth: a dense cache read in one split per (batch, kv head) (many programs, e.g. batch 64
-    # x 8 kv heads) runs best two stages deep, which fits three programs an SM: 0.241 against 0.282 ms at
-    # B64 x 4K and 0.943 against 1.142 at B64 x 16K on an H200 (experiments/studies/decode_splits). Split
-    # launches keep three (best there at B1 x 256K, two is 17% slower); block-sparse reads keep the
-    # three they were measured with.
+    # x 8 kv heads) ran faster two stages deep than three: 0.241 against 0.282 ms at B64 x 4K and 0.943
+    # against 1.142 at B64 x 16K (H200, bf16, d 128, one query token, GQA 32/8;
+    # experiments/studies/decode_splits). Split launches keep three (best there at B1 x 256K, where two is
+    # 17% slower); block-sparse reads keep the three they were measured with. Not measured: the other
+    # one-split cases this rule also covers (paged caches, several query tokens, d 256, short caches).
     o_part = torch.empty(0 if direct else B * Hk * S * R * D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(0 if direct else B * Hk * S * R, device=q.device, dtype=torch.float32)
     out = torch.empty(B, SQ, H, D, device=q.device, dtype=q.dtype)
