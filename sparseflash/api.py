@@ -362,7 +362,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
             elif key_lengths is not None and _checks_lengths(check_key_lengths):
                 key_lengths_range(key_lengths, k.shape[2])  # (not while capturing: lookup says None then)
             if entry is not None:
-                return fast.call(entry, q, k, v, key_lengths)
+                return fast.call(entry, q, k, v, key_lengths, mask)
     _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
     ranges = check_key_ranges(key_ranges, q.shape[0], q.shape[2], k.shape[2], q.device)

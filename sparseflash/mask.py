@@ -258,8 +258,9 @@ class BlockMask:
         ``dynamic=True``: a mask made for one call (a layout selected on the GPU every step). Its
         index is built on the layout's device without a sort or any host read (`ranked_lists`),
         so building it and attending with it never synchronises with the host (CUDA graphs,
-        ``torch.compile``); its density stays unknown (``index().density`` None), and the eager
-        short path (`sparseflash.flash.fast`), which pays off only for masks used again, skips it.
+        ``torch.compile``); its density stays unknown (``index().density`` None), so the eager
+        short path (`sparseflash.flash.fast`) skips it; a `from_indices` mask, whose density bound
+        is known from its shapes, takes that path (one entry for all masks of its shapes).
         """
         if not isinstance(dynamic, bool):
             raise TypeError(f"dynamic must be a bool, got {dynamic!r}")

@@ -205,6 +205,54 @@ def test_steps_aside(spy, monkeypatch):
     assert len(mask.fast_entries) == 1 and len(fast._DENSE) == 2
 
 
+def _topk_masks(n_masks, seed, B=2, H=2, N=64, block=16, K=2):
+    """Per-call masks of one shape (`BlockMask.from_indices` of random top-k ids, causal own blocks
+    included as the selection gives them), with different contents."""
+    g = torch.Generator().manual_seed(seed)
+    qb = N // block
+    masks = []
+    for _ in range(n_masks):
+        ids = torch.randint(-1, qb, (B, H, qb, K), generator=g)
+        ids[..., 0] = torch.arange(qb)  # (each query block's own block: no empty row)
+        masks.append(BlockMask.from_indices(ids.to(DEV), N, block_size=block))
+    return masks
+
+
+@interp
+def test_per_call_masks_take_the_short_path(spy, monkeypatch):
+    """Per-call masks (`from_indices`) of one shape share one entry, each call launching with its own
+    lists: bitwise the general path's outputs and gradients, also when several forwards run before
+    their backwards (a model's layers: the entry is shared, the lists are each call's); a per-call
+    mask without a density bound, or of another shape, is not served by that entry."""
+    monkeypatch.setattr(launch, "POISON_OUTPUTS", True)
+    masks = _topk_masks(3, 0)
+    q, k, v, do = _inputs(2, 2, 2, 64, 32, torch.float16 if CUDA else torch.float32, 1)
+    leaves = [tuple(t.detach().clone().requires_grad_() for t in (q, k, v)) for _ in masks]
+
+    def run():
+        outs = [sparseflash.attention(*lv, mask=m, causal=True) for lv, m in zip(leaves, masks)]
+        grads = [torch.autograd.grad(o, lv, do) for o, lv in zip(reversed(outs), reversed(leaves))][::-1]
+        with torch.no_grad():
+            plain = [sparseflash.attention(q, k, v, mask=m, causal=True) for m in masks]
+        return outs, grads, plain
+
+    got = run()
+    assert spy["built"] == 1 and spy["hits"] == 6 and len(fast._DYNAMIC) == 1
+    monkeypatch.setattr(fast, "ENABLED", False)
+    want = run()
+    for kind, a_list, b_list in zip(("out", "grads", "no-grad out"), got, want):
+        for i, (a, b) in enumerate(zip(a_list, b_list)):
+            for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+                assert torch.equal(x, y), (kind, i)
+    assert not torch.equal(got[0][0], got[0][1])  # (the masks differ, so would a shared list's outputs)
+    monkeypatch.setattr(fast, "ENABLED", True)
+    layout = BlockMask.from_layout(masks[0].layout, block_size=16, seq_q=64, dynamic=True)
+    assert layout.density_bound is None
+    sparseflash.attention(q, k, v, mask=layout, causal=True)  # no bound: the general path
+    sparseflash.attention(q, k, v, mask=_topk_masks(1, 1, K=3)[0], causal=True)  # other shapes: a new entry
+    assert spy["built"] == 2 and len(fast._DYNAMIC) == 2
+
+
 def test_entry_launch_names_its_tensors_and_keeps_the_aligned_binding(fake, monkeypatch):
     """An entry's launch (stand-in kernel, pretend CUDA): each call names its role tensors and the
     fixed ones for `launch.run` (the one Python launch route), which binds on the first call and

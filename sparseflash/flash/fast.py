@@ -24,8 +24,15 @@ What stays per call: the key_lengths range check when it is on (a host synchroni
 the general path: ``check_key_lengths=False`` skips it), the alignment of every address (else the
 general launch), the current device, and launch hooks (a profiler sees every launch).
 
+Per-call masks (`BlockMask.dynamic` with a `density_bound`, as `from_indices` makes them) are new
+objects every call: their entries live in one table keyed by the mask's shapes (layout shape, block
+size, lengths, density bound: what validation and the plans read of it), and each call launches with
+its own mask's lists, which the autograd Function keeps for that call's backward (the entry is shared
+by every call of those shapes, e.g. a model's layers, whose forwards all run before their backwards).
+The native plan, whose lists are fixed, never serves them.
+
 Taken only for the common case: CUDA tensors (or CPU under the Triton interpreter) of exactly type
-torch.Tensor, a mask made once (not a per-call `BlockMask.dynamic` one), no dropout, no segment ids,
+torch.Tensor, a mask made once or a per-call one as above, no dropout, no segment ids,
 no return_lse, backend "auto" or "triton", outside torch.compile traces and CUDA-graph capture
 (those keep the general path: the ops the compiler traces, TMA descriptors in captured graphs),
 calls small enough that the launchers keep pointer loads (below `tiles.TMA_MIN_WORK`; larger calls
@@ -51,13 +58,15 @@ __all__ = ["ENABLED", "Miss", "lookup", "build", "call", "clear"]
 ENABLED = _env.flag("SPARSEFLASH_FAST_PATH", True)
 
 _DENSE: dict = {}  # mask=None entries; a mask's own are in mask.fast_entries
+_DYNAMIC: dict = {}  # per-call masks' entries, by the mask's shapes (each call brings its own lists)
 _MAX_ENTRIES = 256
 _NO = object()  # a key whose calls go the general way
 
 
 def clear() -> None:
-    """Forget the dense entries (tests; a mask's entries go with the mask)."""
+    """Forget the dense and per-call-mask entries (tests; a mask's entries go with the mask)."""
     _DENSE.clear()
+    _DYNAMIC.clear()
 
 
 def _capturing() -> bool:
@@ -89,8 +98,10 @@ class _Launch:
         self.roles = tuple((n, _ROLE[n]) for n in plan.tensors if n not in fixed)
         self.bound = self.device = None
 
-    def __call__(self, ts: tuple) -> None:
-        tensors = dict(self.fixed)
+    def __call__(self, ts: tuple, fixed: dict | None = None) -> None:
+        """Launch on the role tensors ``ts``; ``fixed``: this call's lists in place of the entry's
+        (a per-call mask: same shapes, other contents)."""
+        tensors = dict(self.fixed if fixed is None else fixed)
         for n, r in self.roles:
             tensors[n] = ts[r]
         done = launch.run(self.plan, tensors)
@@ -131,14 +142,17 @@ class _Entry:
     backward pair; the mask's lists and the call's scalars."""
 
     __slots__ = ("fwd", "bwd", "kv_idx", "q_idx", "scale", "causal", "mask_bq", "mask_bk", "work", "cuda", "seq_k",
-                 "rows", "has_kl", "native", "native_bwd", "__weakref__")
+                 "rows", "has_kl", "native", "native_bwd", "dynamic", "__weakref__")
 
-    def __init__(self, fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k, has_kl):
+    def __init__(self, fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k, has_kl, dynamic=False):
         self.fwd, self.bwd = fwd, {}
         self.has_kl, self.native_bwd = has_kl, set()  # native_bwd: the dO strides given to the native plan
+        # a per-call mask's entry: its lists (kv_idx, q_idx: the first call's, for the plans' shapes) are
+        # replaced by each call's own at launch; the native plan, whose lists are fixed, never serves it
+        self.dynamic = dynamic
         # the native plan (`sparseflash.flash.native`): None not made yet, False never (CPU, a
-        # failed build, a kernel it cannot launch)
-        self.native = None if q.device.type == "cuda" else False
+        # failed build, a kernel it cannot launch, a per-call mask)
+        self.native = None if q.device.type == "cuda" and not dynamic else False
         self.kv_idx, self.q_idx = kv_idx, q_idx
         self.scale, self.causal, self.mask_bq, self.mask_bk, self.work = scale, causal, mask_bq, mask_bk, work
         self.cuda = q.device.type == "cuda"
@@ -147,16 +161,18 @@ class _Entry:
         # delta, a third of what torch.empty(shape, device=, dtype=) costs on the host
         self.rows = torch.empty((), device=q.device, dtype=torch.float32).expand(q.shape[:3])
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kl: Tensor | None) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kl: Tensor | None, lists=None) -> tuple[Tensor, Tensor]:
+        """``lists``: a per-call mask's (kv_idx, q_idx) for this call (None: the entry's own)."""
         o = torch.empty_like(q)
         lse = torch.empty_like(self.rows)
         if launch.POISON_OUTPUTS:
             o.fill_(float("nan"))
             lse.fill_(float("nan"))
-        self.fwd((q, k, v, o, lse, kl))
+        self.fwd((q, k, v, o, lse, kl), None if lists is None else {"KV_IDX": lists[0]})
         return o, lse
 
-    def backward(self, do, q, k, v, o, lse, kl) -> tuple[Tensor, Tensor, Tensor]:
+    def backward(self, do, q, k, v, o, lse, kl, lists=None) -> tuple[Tensor, Tensor, Tensor]:
+        kv_idx, q_idx = (self.kv_idx, self.q_idx) if lists is None else lists
         pair = self.bwd.get(do.stride(), _NO) if do.dtype == q.dtype else None
         if pair is _NO:
             if len(self.bwd) >= 8:
@@ -165,7 +181,7 @@ class _Entry:
                 do, q, k, v, o, self.kv_idx, self.q_idx, kl, self.scale, self.causal, self.mask_bq or None,
                 self.mask_bk or None, self.work)
         if pair is None or (self.cuda and _capturing()):
-            return launch.bwd(do, q, k, v, o, lse, None, self.kv_idx, self.q_idx, kl, self.scale, self.causal,
+            return launch.bwd(do, q, k, v, o, lse, None, kv_idx, q_idx, kl, self.scale, self.causal,
                               self.mask_bq or None, self.mask_bk or None, 0.0, None, work=self.work)
         delta = torch.empty_like(self.rows)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -173,8 +189,8 @@ class _Entry:
             for t in (delta, dq, dk, dv):
                 t.fill_(float("nan"))
         ts = (q, k, v, o, lse, kl, do, delta, dq, dk, dv)
-        pair[0](ts)
-        pair[1](ts)
+        pair[0](ts, None if lists is None else {"KV_IDX": kv_idx})
+        pair[1](ts, None if lists is None else {"Q_IDX": q_idx})
         if self.native:
             self._native_bwd(do, pair)
         return dq, dk, dv
@@ -237,20 +253,22 @@ class _NativeFallback:
 
 
 class _FastFunction(torch.autograd.Function):
-    """o = _FastFunction.apply(entry, q, k, v, key_lengths): the eager short path under autograd."""
+    """o = _FastFunction.apply(entry, q, k, v, key_lengths, lists): the eager short path under autograd
+    (``lists``: a per-call mask's (kv_idx, q_idx), kept for this call's backward: the entry is shared by
+    every call of its shapes, whose forwards may all run before the first backward)."""
 
     @staticmethod
-    def forward(ctx, entry, q, k, v, kl):
-        o, lse = entry.forward(q, k, v, kl)
+    def forward(ctx, entry, q, k, v, kl, lists=None):
+        o, lse = entry.forward(q, k, v, kl, lists)
         ctx.save_for_backward(q, k, v, o, lse, kl)
-        ctx.entry = entry
+        ctx.entry, ctx.lists = entry, lists
         return o  # (an unused output's gradient arrives materialised: zeros)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, kl = ctx.saved_tensors
-        dq, dk, dv = ctx.entry.backward(do, q, k, v, o, lse, kl)
-        return None, dq, dk, dv, None
+        dq, dk, dv = ctx.entry.backward(do, q, k, v, o, lse, kl, ctx.lists)
+        return None, dq, dk, dv, None, None
 
 
 class Miss:
@@ -270,14 +288,20 @@ def lookup(q, k, v, mask, causal, scale, key_lengths):
     if not ENABLED or type(q) is not T or type(k) is not T or type(v) is not T or torch.compiler.is_compiling() \
             or _forward_ad._current_level >= 0:  # forward-mode AD: the general path says it has no jvp
         return None
+    dyn = None
     if mask is None:
         cache = _DENSE
     elif type(mask) is BlockMask:
         if mask.dynamic:
-            # a per-call mask is new at every call: its key would always be new, so the short path would
-            # only validate the call a second time and build an entry never used again
-            return None
-        cache = mask.fast_entries
+            # a per-call mask is new at every call: its entry is keyed by what validation reads of it
+            # (its shapes) and serves every mask of those shapes, each call launching with its own lists;
+            # without a density bound its work estimate would differ per call: the general path
+            if mask.density_bound is None or mask.mask_mod is not None:
+                return None
+            cache = _DYNAMIC
+            dyn = (mask.layout.shape, mask.block_size, mask.seq_q, mask.seq_k, mask.density_bound)
+        else:
+            cache = mask.fast_entries
     else:
         return None
     kl = key_lengths
@@ -286,7 +310,7 @@ def lookup(q, k, v, mask, causal, scale, key_lengths):
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
            k.device, v.device, causal, causal.__class__, scale, scale.__class__,
            None if kl is None else (kl.shape, kl.stride(), kl.dtype, kl.device), launch.plan_state(),
-           torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None)
+           torch.get_float32_matmul_precision() if q.dtype == torch.float32 else None, dyn)
     try:
         entry = cache.get(key)
     except TypeError:  # an unhashable argument: the general path names what is wrong with it
@@ -311,8 +335,16 @@ def build(miss: Miss, q, k, v, mask, causal, scale: float, key_lengths, triton: 
     return None if entry is _NO else entry
 
 
-def call(entry: _Entry, q, k, v, key_lengths) -> Tensor:
-    """The output of a call that `entry` serves (its key_lengths already checked as asked)."""
+def call(entry: _Entry, q, k, v, key_lengths, mask: BlockMask | None = None) -> Tensor:
+    """The output of a call that `entry` serves (its key_lengths already checked as asked);
+    ``mask``: the call's, whose lists a per-call mask's entry launches with."""
+    if entry.dynamic:
+        from sparseflash.flash.autograd import mask_lists
+
+        lists = mask_lists(mask, q.device)[:2]
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _FastFunction.apply(entry, q, k, v, key_lengths, lists)
+        return entry.forward(q, k, v, key_lengths, lists)[0]
     nat = entry.native
     if nat is None:
         nat = entry.make_native()
@@ -351,5 +383,6 @@ def _build(q, k, v, mask, causal, scale, kl):
     fwd = _fwd_launch(q, k, v, kv_idx, kl, scale, causal, mask_bq or None, mask_bk or None, work)
     if fwd is None:
         return _NO
-    return _Entry(fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k, kl is not None)
+    return _Entry(fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k, kl is not None,
+                  dynamic=mask is not None and mask.dynamic)
 
