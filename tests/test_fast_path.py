@@ -220,6 +220,16 @@ def _topk_masks(n_masks, seed, B=2, H=2, N=64, block=16, K=2):
 
 @interp
 def test_per_call_masks_take_the_short_path(spy, monkeypatch):
+    _per_call_masks_take_the_short_path(spy, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_gpu_per_call_masks_take_the_short_path(spy, monkeypatch):
+    """The same on a GPU: the real kernels, bound launches, fp16."""
+    _per_call_masks_take_the_short_path(spy, monkeypatch)
+
+
+def _per_call_masks_take_the_short_path(spy, monkeypatch):
     """Per-call masks (`from_indices`) of one shape share one entry, each call launching with its own
     lists: bitwise the general path's outputs and gradients, also when several forwards run before
     their backwards (a model's layers: the entry is shared, the lists are each call's); a per-call
