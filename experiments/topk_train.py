@@ -106,7 +106,7 @@ def train(variant: str, args, device) -> list[dict]:
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        rows.append(dict(variant=variant, step=step, loss=float(loss), ms=(time.perf_counter() - t0) * 1000))
+        rows.append(dict(variant=variant, step=step, loss=loss.item(), ms=(time.perf_counter() - t0) * 1000))
     return rows
 
 
