@@ -338,14 +338,11 @@ def build(miss: Miss, q, k, v, mask, causal, scale: float, key_lengths, triton: 
 def call(entry: _Entry, q, k, v, key_lengths, mask: BlockMask | None = None) -> Tensor:
     """The output of a call that `entry` serves (its key_lengths already checked as asked);
     ``mask``: the call's, whose lists a per-call mask's entry launches with."""
-    if entry.dynamic:
-        from sparseflash.flash.autograd import mask_lists
-
-        lists = mask_lists(mask, q.device)[:2]
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return _FastFunction.apply(entry, q, k, v, key_lengths, lists)
-        return entry.forward(q, k, v, key_lengths, lists)[0]
-    nat = entry.native
+    lists = None
+    if entry.dynamic:  # (its block sizes are in the key: checked when the entry was built)
+        index = mask.index(q.device)
+        lists = index.kv_idx, index.q_idx
+    nat = entry.native  # (False for a per-call mask's entry)
     if nat is None:
         nat = entry.make_native()
     if nat and native.ENABLED and binding.FAST_LAUNCH and not launch.POISON_OUTPUTS and binding.hooks_idle():
@@ -358,8 +355,8 @@ def call(entry: _Entry, q, k, v, key_lengths, mask: BlockMask | None = None) -> 
             if err:
                 raise RuntimeError(err)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FastFunction.apply(entry, q, k, v, key_lengths)
-    return entry.forward(q, k, v, key_lengths)[0]
+        return _FastFunction.apply(entry, q, k, v, key_lengths, lists)
+    return entry.forward(q, k, v, key_lengths, lists)[0]
 
 
 def _build(q, k, v, mask, causal, scale, kl):
