@@ -229,8 +229,12 @@ class BlockMask:
             if shape != layout.shape:
                 raise ValueError(f"full must have the layout's shape {tuple(layout.shape)}, got {tuple(full.shape)}")
             full = (full & layout).expand(layout.shape)
+        self._state(layout, (bq, bk), seq_q, seq_k, mask_mod, full)
+
+    def _state(self, layout, block, seq_q, seq_k, mask_mod=None, full=None, dynamic=False, density_bound=None):
+        """Every slot, from arguments already checked (`__init__`, `_made`)."""
         self.layout = layout
-        self.block_size = (bq, bk)
+        self.block_size = block
         self.seq_q = seq_q
         self.seq_k = seq_k
         self.mask_mod = mask_mod
@@ -241,10 +245,10 @@ class BlockMask:
         self.decode_lists: dict = {}  # sparseflash.kvcache's cache-block lists of this mask, per call shape
         # a per-call mask (`from_indices`, `from_layout(dynamic=True)`): its index never reads the density
         # back (a host synchronisation); see `index`
-        self.dynamic = False
+        self.dynamic = dynamic
         # an upper bound of `density` known without a device read (`from_indices`: K ids of KB blocks per row),
         # for the launchers' work estimate of a dynamic mask (whose density is never read back); None: unknown
-        self.density_bound: float | None = None
+        self.density_bound: float | None = density_bound
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -277,14 +281,11 @@ class BlockMask:
     def _made(cls, layout: torch.Tensor, block: tuple[int, int], seq_q: int, seq_k: int, index: BlockIndex,
               density_bound: float) -> "BlockMask":
         """A dynamic mask from a layout and index the caller has just built to fit (bool ``[B', H', QB, KB]``
-        on the index's device, QB and KB matching the lengths and ``block``): `__init__`'s state without
-        re-validating them, the per-call path's saving (see `from_indices`)."""
+        on the index's device, QB and KB matching the lengths and ``block``): `__init__`'s `_state`
+        without re-validating them, the per-call path's saving (see `from_indices`)."""
         mask = object.__new__(cls)
-        mask.layout, mask.block_size, mask.seq_q, mask.seq_k = layout, block, seq_q, seq_k
-        mask.mask_mod, mask._full = None, None
-        mask._index_cache = {layout.device: index}
-        mask._exact_cache, mask.fast_entries, mask.decode_lists = {}, {}, {}
-        mask.dynamic, mask.density_bound = True, density_bound
+        mask._state(layout, block, seq_q, seq_k, dynamic=True, density_bound=density_bound)
+        mask._index_cache[layout.device] = index
         return mask
 
     @classmethod
