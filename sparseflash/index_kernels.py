@@ -111,6 +111,19 @@ def _lists_kernel(IDS, LAYOUT, KV_NUM, KV_IDX, Q_NUM, Q_IDX,
         tl.store(Q_NUM + i_bh.to(tl.int64) * KB + i_j, n)
 
 
+def _launch(device: torch.device, kernel, grid, *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)`` on ``device`` (Triton launches on the current one), as a bound
+    launch (`sparseflash.flash.binding.call`)."""
+    # (not at import: the mask module imports this one, and sparseflash.flash imports the mask module)
+    from sparseflash.flash.binding import call
+
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            call(kernel, grid, *args, **meta)
+    else:
+        call(kernel, grid, *args, **meta)
+
+
 def takes(ids: torch.Tensor) -> bool:
     """Whether `BlockMask.from_indices` builds the lists of ``ids [B', H', QB, K]`` here: CUDA ids (CPU
     ones with ON_CPU), K <= MAX_K, outside torch.compile traces (which trace the torch ops and fuse them)."""
@@ -122,8 +135,6 @@ def lists_from_ids(ids: torch.Tensor, kb: int):
     """(layout, kv_num, kv_idx, q_num, q_idx) of the 4-D key-block ids ``ids [B', H', QB, K]`` over
     ``kb`` key blocks, in one launch (module docstring). The caller checks types and shapes;
     ``K <= MAX_K``."""
-    # (not at import: the mask module imports this one, and sparseflash.flash imports the mask module)
-    from sparseflash.flash.binding import call
     from sparseflash.flash.operands import next_pow2
 
     B, H, qb, K = ids.shape
@@ -141,12 +152,7 @@ def lists_from_ids(ids: torch.Tensor, kb: int):
     block_i = min(rows, next_pow2(qb))
     grid = (qb + kb, B * H)
     args = (ids, layout, kv_num, kv_idx, q_num, q_idx, *ids.stride(), H, qb, kb, K)
-
-    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
-        with torch.cuda.device(dev):  # Triton launches on the current device
-            call(_lists_kernel, grid, *args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
-    else:
-        call(_lists_kernel, grid, *args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
+    _launch(dev, _lists_kernel, grid, *args, BLOCK_J=block_j, BLOCK_I=block_i, BLOCK_K=block_k)
     return layout.view(torch.bool), kv_num, kv_idx, q_num, q_idx
 
 
@@ -253,7 +259,6 @@ def _pool_kernel(Q, K, QP, KP, Hq, Hk, NQ, NK, QB, KB, bq, bk,
 def pool_pair(q: torch.Tensor, k: torch.Tensor, bq: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 ``[B, Hq, ceil(Nq / bq), D]``, float32 ``[B, Hk, ceil(Nk / bk), D]``): the block means
     of ``q [B, Hq, Nq, D]`` and ``k [B, Hk, Nk, D]`` (any strides, one dtype or two), one launch."""
-    from sparseflash.flash.binding import call
     from sparseflash.flash.operands import cdiv, next_pow2
 
     B, Hq, NQ, D = q.shape
@@ -264,12 +269,7 @@ def pool_pair(q: torch.Tensor, k: torch.Tensor, bq: int, bk: int) -> tuple[torch
     block_d = max(16, next_pow2(D))
     args = (q, k, qp, kp, Hq, Hk, NQ, NK, QB, KB, bq, bk, *q.stride(), *k.stride())
     grid = (Hq * QB + Hk * KB, B)
-    meta = dict(D=D, BLOCK_T=max(16, 4096 // block_d), BLOCK_D=block_d)
-    if q.is_cuda and q.device.index != torch.cuda.current_device():
-        with torch.cuda.device(q.device):
-            call(_pool_kernel, grid, *args, **meta)
-    else:
-        call(_pool_kernel, grid, *args, **meta)
+    _launch(q.device, _pool_kernel, grid, *args, D=D, BLOCK_T=max(16, 4096 // block_d), BLOCK_D=block_d)
     return qp, kp
 
 
@@ -286,8 +286,6 @@ def topk_ids(qp: torch.Tensor, kp: torch.Tensor, fixed: torch.Tensor | None, wid
     then the ``width`` best key blocks of each query block by the selection's mean pooled score (-1 past
     the blocks allowed or the selection's count ``per_sel [Hq // group]``). ``qp [B, Hq, QB, D]`` and
     ``kp [B, Hk, KB, D]``: float32 pooled blocks, last dim contiguous."""
-    # (not at import: the mask module imports this one, and sparseflash.flash imports the mask module)
-    from sparseflash.flash.binding import call
     from sparseflash.flash.operands import cdiv, next_pow2
 
     B, Hq, QB, D = qp.shape
@@ -305,9 +303,5 @@ def topk_ids(qp: torch.Tensor, kp: torch.Tensor, fixed: torch.Tensor | None, wid
                 KB=KB, n_fixed=n_fixed, width=width, bq=bq, bk=bk, off=seq_k - seq_q, sinks=sinks, inv_group=1.0 / group,
                 D=D, BLOCK_R=block_r, BLOCK_KB=block_kb, BLOCK_D=min(64, max(16, next_pow2(D))),
                 BLOCK_F=max(2, next_pow2(max(n_fixed, 1))), CAUSAL=causal, HAS_PER_SEL=per_sel is not None)
-    if qp.is_cuda and qp.device.index != torch.cuda.current_device():
-        with torch.cuda.device(qp.device):
-            call(_topk_kernel, grid, **args)
-    else:
-        call(_topk_kernel, grid, **args)
+    _launch(qp.device, _topk_kernel, grid, **args)
     return out

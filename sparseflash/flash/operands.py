@@ -51,7 +51,7 @@ def next_pow2(n: int) -> int:
 
 
 def _nb_p2(n: int) -> int:
-    return max(2, 1 << max(0, n - 1).bit_length())
+    return max(2, next_pow2(n))
 
 
 def aligned_strides(*ts: torch.Tensor) -> tuple[tuple, int]:
