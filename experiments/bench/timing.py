@@ -348,3 +348,22 @@ def _measure(prepare, make_inputs, make_step, device: torch.device, cfg: TimingC
     del steps, step, first
     return Measurement(ms=ms, peak_bytes=peak, n_sets=n_sets, prep_ms=prep_ms, first_ms=first_ms,
                        after=None if after is None else after(ctx), samples=None if cuda else times)
+
+
+def profile_text(fn, calls: int, top: int = 25, sorts=("tottime",)) -> str:
+    """cProfile of ``calls`` calls of ``fn``: the ``top`` functions under each order in ``sorts``, as text
+    (the host-cost studies' view of where a call's Python goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    for order in sorts:
+        st.sort_stats(order).print_stats(top)
+    return buf.getvalue()

@@ -15,9 +15,6 @@ Prints µs per call (best of three runs of ``--calls``) and, with ``--profile``,
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import sys
 import time
 
@@ -120,14 +117,9 @@ def main(argv=None) -> int:
                 if args.per_call else "Hopper forward")
         print(f"{best:.1f} us per {what} on this CPU (host path to the launchers; best of 3 x {args.calls})")
         if args.profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.calls):
-                fwd()
-            prof.disable()
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-            print(buf.getvalue())
+            from sparseflash.experiments.bench.timing import profile_text
+
+            print(profile_text(fwd, args.calls, 25))
     finally:
         (fast.ENABLED, dispatch._fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding._HAS_CUDA,
          binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING) = saved

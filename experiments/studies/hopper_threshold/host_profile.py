@@ -15,10 +15,7 @@ labelled check of the script under the interpreter (tiny sizes, portable kernels
 
 from __future__ import annotations
 
-import cProfile
-import io
 import json
-import pstats
 import sys
 import time
 import warnings
@@ -71,16 +68,9 @@ def _sync_where(step) -> str:
 
 
 def _profile(step, calls: int, top: int) -> str:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        step()
-    prof.disable()
-    buf = io.StringIO()
-    st = pstats.Stats(prof, stream=buf)
-    st.sort_stats("tottime").print_stats(top)
-    st.sort_stats("cumulative").print_stats(top)
-    return buf.getvalue()
+    from sparseflash.experiments.bench.timing import profile_text
+
+    return profile_text(step, calls, top, ("tottime", "cumulative"))
 
 
 def cases(dev: torch.device, tiny: bool):

@@ -18,10 +18,7 @@ cProfile of the forward + backward (top functions by own time).
 from __future__ import annotations
 
 import contextlib
-import cProfile
-import io
 import os
-import pstats
 
 import torch
 
@@ -74,7 +71,7 @@ def measure(seq_len: int = 4096, head_dim: int = 64, blocks: int = 3, batch: int
     of a cProfile of --calls forward + backward calls."""
     import sparseflash
     from sparseflash.patterns import random as random_mask
-    from sparseflash.experiments.bench.timing import wall_us
+    from sparseflash.experiments.bench.timing import profile_text, wall_us
 
     def view(requires_grad):
         base = torch.randn(batch, heads, 1, head_dim, dtype=torch.bfloat16)
@@ -99,14 +96,7 @@ def measure(seq_len: int = 4096, head_dim: int = 64, blocks: int = 3, batch: int
                 fn()
             out[label] = wall_us(fn, calls, repeats)
         if profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(calls):
-                fwd_bwd()
-            prof.disable()
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
-            out["profile"] = buf.getvalue()
+            out["profile"] = profile_text(fwd_bwd, calls, 30)
         return out
 
 
