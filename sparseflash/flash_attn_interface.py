@@ -36,9 +36,8 @@ Semantics as flash-attn 2 documents them:
   on Hopper this replaces the one-pass backward for the call). Its cost, eager fwd+bwd at 16K
   tokens, 16 heads, d 128, causal, bf16 on an H200: 0.92-0.96x the default's time in three runs
   (the latest in `experiments/results/decode/deterministic.csv`, the others in its git history), so
-  no slower there; why the one-pass backward
-  is not faster in this [batch, seq, heads, dim] layout, as it is on [batch, heads, seq, dim]
-  tensors in BENCHMARKS.md's Hopper table, is not yet measured.
+  no slower there; why the one-pass backward is not faster in this [batch, seq, heads, dim] layout,
+  as it is on [batch, heads, seq, dim] tensors in BENCHMARKS.md's Hopper table, is not yet measured.
 - ``window_size``: any pair of ints: a tuple, a list or a 2-element integer tensor.
 - ``mask``: a `BlockMask` for ``(seqlen_q, seqlen_k)`` (varlen: for the packed rows
   ``(total_q, total_k)``), ANDed with everything above. A mask built from a token-level definition
