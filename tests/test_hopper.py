@@ -147,7 +147,7 @@ def test_bwd_delta_padding(device):
     assert torch.isinf(lse2[:, 70:]).all() and (lse2[:, 70:] > 0).all()
     assert (delta[:, 70:] == 0).all()
     # the rows a walk visits: 64-row steps when dense, whole mask blocks with lists
-    assert [hopper_bwd._padded_rows(n, bq) for n, bq in [(1050, None), (1050, 128), (1000, 256), (1024, 128)]] == [
+    assert [hopper_bwd._padded_rows(n, bq, 64) for n, bq in [(1050, None), (1050, 128), (1000, 256), (1024, 128)]] == [
         1088, 1152, 1024, 1024]
 
 

@@ -200,6 +200,54 @@ def _flex(use_mask: bool):
     return prepare, forward
 
 
+def _fa4_check(s: Setting) -> str | None:
+    """Why FlashAttention-4 cannot run ``s`` here, or None."""
+    if s.device.type != "cuda":
+        return "FlashAttention-4 needs a CUDA device"
+    if torch.cuda.get_device_capability(s.device)[0] not in (9, 10):
+        return "FlashAttention-4 runs on sm_90 / sm_100 GPUs"
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure: not installed, CUDA DSL missing
+        return f"flash_attn.cute not importable ({type(e).__name__}: {e}); pip install flash-attn-4"
+    if s.dtype not in (torch.float16, torch.bfloat16):
+        return f"FlashAttention-4 takes fp16 / bf16, not {s.dtype}"
+    if s.mask is not None and tuple(s.mask.block_size) != (128, 128):
+        return f"FlashAttention-4's SM90 block sparsity takes 128 x 128 blocks, not {s.mask.block_size}"
+    return None
+
+
+def _fa4(use_mask: bool):
+    """FlashAttention-4 (`flash_attn.cute.flash_attn_func`) on [B, N, H, D] views of the same
+    [B, H, N, D] tensors (its layout; no copy). With a block mask: its block lists as FA4 takes
+    them, Flex's format (blocks every pair of which is attended in the full lists, blocks cut by
+    the causal diagonal in the partial ones, with ``causal=True`` masking them), for the forward
+    and, transposed, for the backward."""
+
+    def prepare(s: Setting):
+        from flash_attn.cute import flash_attn_func
+
+        if not use_mask or s.mask is None:
+            return flash_attn_func, None, None
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+        fm = to_flex_block_mask(s.mask, s.causal, s.device)
+        size = tuple(s.mask.block_size)
+        fwd = BlockSparseTensorsTorch(fm.kv_num_blocks, fm.kv_indices, fm.full_kv_num_blocks, fm.full_kv_indices,
+                                      block_size=size)
+        bwd = BlockSparseTensorsTorch(fm.q_num_blocks, fm.q_indices, fm.full_q_num_blocks, fm.full_q_indices,
+                                      block_size=size)
+        return flash_attn_func, fwd, bwd
+
+    def forward(ctx, s, q, k, v):
+        fn, fwd, bwd = ctx
+        out, _ = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=s.scale, causal=s.causal,
+                    block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd)
+        return out.transpose(1, 2)
+
+    return prepare, forward
+
+
 def _cuda_sdpa_backend(name):
     return lambda s: f"sdpa:{name.lower()}"
 
@@ -221,6 +269,11 @@ def _make_providers() -> dict[str, Provider]:
                  _flex_check, *_flex(True), lambda s: "flex:compiled"))
     add(Provider("flex-dense", "FlexAttention", "dense", "torch.compile(flex_attention) without a block mask",
                  _flex_check, *_flex(False), lambda s: "flex:compiled"))
+    add(Provider("fa4", "FlashAttention-4 block-sparse", "sparse",
+                 "flash_attn.cute.flash_attn_func (pip flash-attn-4) with the identical block lists",
+                 _fa4_check, *_fa4(True), lambda s: "fa4"))
+    add(Provider("fa4-dense", "FlashAttention-4", "dense", "flash_attn.cute.flash_attn_func (pip flash-attn-4)",
+                 _fa4_check, *_fa4(False), lambda s: "fa4"))
     for name, backend, label in (("flash", "FLASH_ATTENTION", "SDPA flash"),
                                  ("cudnn", "CUDNN_ATTENTION", "SDPA cuDNN"),
                                  ("efficient", "EFFICIENT_ATTENTION", "SDPA mem-efficient")):

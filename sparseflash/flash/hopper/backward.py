@@ -59,7 +59,7 @@ from sparseflash import _env
 from sparseflash.flash import binding
 from sparseflash.flash.operands import cdiv
 
-__all__ = ["bwd", "plan", "unsupported", "do_layout", "list_min_blocks", "QT", "MODE", "LIST_MIN_BLOCKS",
+__all__ = ["bwd", "plan", "unsupported", "do_layout", "list_min_blocks", "q_step", "MODE", "LIST_MIN_BLOCKS",
            "LIST_MIN_BLOCKS_BY_GPU"]
 
 # "auto" (the default): this kernel wherever the Hopper forward runs and dO's layout allows, for walks
@@ -79,17 +79,35 @@ MODE = _env.text("SPARSEFLASH_HOPPER_BWD", "auto")
 # shorter lists (experiments/studies/sparse_bwd/).
 LIST_MIN_BLOCKS = 16.0
 LIST_MIN_BLOCKS_BY_GPU = {"H200": 10.0}
-QT = 64  # q rows per step (one wgmma M); a CTA's key tile is TILE = 128 keys, 64 per warpgroup
+# A CTA's key tile is TILE = 128 keys, 64 per consumer warpgroup; each step of its walk takes the
+# next q tile of `q_step` rows.
 # (Measurement variants of this kernel, without the dQ path, the walk's rotation or head groups,
 # live in the study copy experiments/studies/sparse_bwd/bwd_variants.py.)
 CONSUMER_REGS = 240
 LOADER_REGS = 24
 
 
+def q_step(head_dim: int) -> int:
+    """Q rows per step of a key tile's walk. d=128: 64 (S^T and dP^T of [64 keys, 64 queries] a
+    warpgroup beside dK and dV of [64, 128] fill its 240 registers), each warpgroup computing dQ's
+    columns of its half of d. d=64: 128, so that S^T and dP^T are [64, 128] wgmmas and each
+    warpgroup computes dQ for its half of the rows with all 64 columns ([64, 64], where 64-row
+    steps gave [64, 32] products): half the steps, so half the barriers, LSE / delta loads and dQ
+    reductions per key tile."""
+    return OVERRIDES.get("q_step", {}).get(head_dim) or (128 if head_dim <= 64 else 64)
+
+
+# Launch settings a study can override (experiments/studies/hopper_bwd_fa4): "q_step", a dict
+# {head_dim: 64 or 128}. Empty in normal use.
+OVERRIDES: dict = {}
+
+
 def _stages(head_dim: int) -> int:
-    """Q/dO ring depth. Shared memory, d=128: K, V 64 KB + 2 x (Q + dO) 64 KB + dS 32 KB + dQ staging
-    2 x 32 KB = 224 KB of the 227 KB an sm_90 CTA may have (so a third staging buffer does not fit)."""
-    return 2 if head_dim > 64 else 4
+    """Q/dO ring depth. Shared memory, d=128 (64-row steps): K, V 64 KB + 2 x (Q + dO) 64 KB + dS 32 KB
+    + dQ staging 2 x 32 KB = 224 KB of the 227 KB an sm_90 CTA may have (so a third staging buffer
+    does not fit). d=64 (128-row steps): K, V 32 KB + 2 x (Q + dO) 64 KB + dS 2 x 32 KB + dQ staging
+    2 x 32 KB = 224 KB."""
+    return 2
 
 
 if GLUON_ERROR is None:
@@ -113,15 +131,14 @@ if GLUON_ERROR is None:
                                                       src.handle)
 
     _TILE = gl.constexpr(TILE)
-    _QT = gl.constexpr(QT)
     _DQ_BUFS = gl.constexpr(2)  # dQ staging buffers: the reducer reads one while the warpgroups fill the other
     _HALF = gl.constexpr(TILE // 2)
     _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # a step's LSE or delta
 
     @gluon.constexpr_function
-    def _ds_layout(dtype):
+    def _ds_layout(dtype, qt):
         # dS^T [128 keys, QT queries]: written from registers, read transposed as wgmma's A
-        return gl.NVMMASharedLayout.get_default_for([TILE, QT], getattr(dtype, "value", dtype))
+        return gl.NVMMASharedLayout.get_default_for([TILE, getattr(qt, "value", qt)], getattr(dtype, "value", dtype))
 
     @gluon.jit
     def _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, PAIR: gl.constexpr):
@@ -160,7 +177,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
               MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
-              CAUSAL: gl.constexpr, WARPS: gl.constexpr):
+              CAUSAL: gl.constexpr, WARPS: gl.constexpr, QT: gl.constexpr):
         """The q tiles (of QT rows) one head's walk over a key tile visits: (pointer to the column
         list, first step, end of the causal band, end). Steps j < j_skip see none of the tile's keys
         (causal), j < j_part cross the diagonal; a tile wholly past kv_end has an empty walk."""
@@ -172,12 +189,12 @@ if GLUON_ERROR is None:
             full_from = start_n + _TILE - 1 - causal_off  # rows from here on see them all
         if DENSE:
             p_list = Q_IDX
-            n_rows = (seq_q + _QT - 1) // _QT
-            j_skip = gl.minimum(gl.maximum(skip_below, 0) // _QT, n_rows)
-            j_part = gl.minimum((gl.maximum(full_from, 0) + _QT - 1) // _QT, n_rows)
+            n_rows = (seq_q + QT - 1) // QT
+            j_skip = gl.minimum(gl.maximum(skip_below, 0) // QT, n_rows)
+            j_part = gl.minimum((gl.maximum(full_from, 0) + QT - 1) // QT, n_rows)
             j_end = n_rows
         else:
-            SUB: gl.constexpr = MASK_BQ // _QT
+            SUB: gl.constexpr = MASK_BQ // QT
             p_list = (Q_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
                       + (start_n // MASK_BK).to(gl.int64) * stride_in)
             offs = gl.arange(0, NB_P2, layout=list_layout(NB_P2, WARPS))
@@ -193,14 +210,14 @@ if GLUON_ERROR is None:
         return p_list, j_skip, gl.maximum(j_part, j_skip), gl.maximum(j_end, j_skip)
 
     @gluon.jit
-    def _step(p_list, jj, j_skip, j_end, start_n, DENSE: gl.constexpr, MASK_BQ: gl.constexpr):
+    def _step(p_list, jj, j_skip, j_end, start_n, DENSE: gl.constexpr, MASK_BQ: gl.constexpr, QT: gl.constexpr):
         """(j, first query row) of the jj-th step of a walk over j_skip .. j_end - 1. Each key
         tile's walk starts at a different q tile (tile n at step 2n, wrapping), so CTAs on the
         same head do not reduce into the same dQ rows at the same time."""
         n_steps = j_end - j_skip
-        j = jj + ((start_n // _QT) % gl.maximum(n_steps, 1))
+        j = jj + ((start_n // QT) % gl.maximum(n_steps, 1))
         j = j_skip + gl.where(j >= n_steps, j - n_steps, j)
-        return j, list_start(p_list, j, DENSE, MASK_BQ, _QT)
+        return j, list_start(p_list, j, DENSE, MASK_BQ, QT)
 
     @gluon.jit
     def _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN: gl.constexpr):
@@ -223,7 +240,7 @@ if GLUON_ERROR is None:
                     stride_ib, stride_ih, stride_in,
                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
-                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr):
+                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr, QT: gl.constexpr):
         """1 warp: K and V of each tile (once the consumers release the last tile's), then Q with its
         rows' LSE and dO with their delta for every step, in walk order; barrier phases run over the
         CTA's whole tile stream."""
@@ -242,9 +259,9 @@ if GLUON_ERROR is None:
                     h = hk * group + g
                     p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
-                                                          DENSE, CAUSAL, 1)
+                                                          DENSE, CAUSAL, 1, QT)
                     for jj in range(0, j_end - j_skip):
-                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ)
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT)
                         s = it % STAGES
                         ph = (it // STAGES) & 1
                         bh = b * (n_heads_kv * group) + h
@@ -260,11 +277,15 @@ if GLUON_ERROR is None:
     def _bwd_reducer(desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q,
                      seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
                      MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
-                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, DH: gl.constexpr):
+                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, QT: gl.constexpr, DQ_M: gl.constexpr,
+                     DQ_N: gl.constexpr):
         """1 warp: once both warpgroups have put a step's dQ halves in shared memory (dq_full), add
         them into the float32 dQ buffer with TMA reductions, and hand a buffer back (dq_empty) once
         its reductions have read it: with two buffers, one step later (after the next step's
-        reductions are issued). The walk is the loader's."""
+        reductions are issued). The walk is the loader's. A warpgroup's half is [DQ_M, DQ_N]: the
+        step's rows and half its columns (DQ_M = QT), or half its rows and every column."""
+        ROW_OFF: gl.constexpr = DQ_M if DQ_M < QT else 0
+        COL_OFF: gl.constexpr = DQ_N if DQ_M == QT else 0
         it = 0
         for rr in range(0, n_rounds):
             t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
@@ -274,13 +295,13 @@ if GLUON_ERROR is None:
                     h = hk * group + g
                     p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
-                                                          DENSE, CAUSAL, 1)
+                                                          DENSE, CAUSAL, 1, QT)
                     for jj in range(0, j_end - j_skip):
-                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ)
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT)
                         bi = it % _DQ_BUFS
                         mbarrier.wait(dq_full.index(bi), (it // _DQ_BUFS) & 1)
                         _tma_add(desc_dq, [b, h, start_m, 0], dq_bufs.index(2 * bi))
-                        _tma_add(desc_dq, [b, h, start_m, DH], dq_bufs.index(2 * bi + 1))
+                        _tma_add(desc_dq, [b, h, start_m + ROW_OFF, COL_OFF], dq_bufs.index(2 * bi + 1))
                         if it > 0:
                             tma.store_wait(2)  # the last step's two reductions have read their halves
                             mbarrier.arrive(dq_empty.index((it - 1) % _DQ_BUFS))
@@ -305,14 +326,24 @@ if GLUON_ERROR is None:
         return ((w >> (i % 32)) & 1) != 0
 
     @gluon.jit
-    def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DH: gl.constexpr):
-        """Put step p's dQ[:, half WG] ([QT, DH] float32) in its staging buffer, once the reducer has
-        read that buffer's last halves, and tell the reducer."""
+    def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DQ_M: gl.constexpr, DQ_N: gl.constexpr):
+        """Put this warpgroup's half of step p's dQ ([DQ_M, DQ_N] float32) in its staging buffer,
+        once the reducer has read that buffer's last halves, and tell the reducer."""
         bi = p % _DQ_BUFS
         mbarrier.wait(dq_empty.index(bi), ((p // _DQ_BUFS) & 1) ^ 1)
-        dq_bufs.index(2 * bi + WG).reshape([_QT, DH]).store(dq)
+        dq_bufs.index(2 * bi + WG).reshape([DQ_M, DQ_N]).store(dq)
         fence_async_shared()
         mbarrier.arrive(dq_full.index(bi))
+
+    @gluon.jit
+    def _ds_rows(ds_buf, WG: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """A of this warpgroup's dQ product, dS [64 queries, 128 keys], from a dS^T buffer [128 keys,
+        QT queries]: every query of a 64-row step (each warpgroup then takes half of the columns),
+        or the warpgroup's half of a 128-row step's queries (and every column)."""
+        if DQ_N < HEAD_DIM:
+            return ds_buf.permute((1, 0))
+        else:
+            return ds_buf.slice(WG * _HALF, _HALF, dim=1).permute((1, 0))
 
     @gluon.jit
     def _bwd_consumer(q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
@@ -322,26 +353,27 @@ if GLUON_ERROR is None:
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, EXACT: gl.constexpr):
-        """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; dQ columns of half WG. Step
-        j's dQ is computed during step j + 1 (and the tile's last after its walk), so a warpgroup
-        never waits for the other's dS^T of the step it is on. EXACT: a step in a partial block
-        zeroes P^T (and so dS^T) where its bit tile (Q_TILE, laid out as the column lists) is 0."""
-        s_layout: gl.constexpr = wgmma_layout(_QT)  # S^T, dP^T: [64 keys, QT queries] fp32
+                      STAGES: gl.constexpr, EXACT: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr):
+        """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; of each step's dQ, the
+        columns of half WG (64-row steps) or the rows of half WG (128-row steps; DQ_N columns
+        either way). Step j's dQ is computed during step j + 1 (and the tile's last after its
+        walk), so a warpgroup never waits for the other's dS^T of the step it is on. EXACT: a step
+        in a partial block zeroes P^T (and so dS^T) where its bit tile (Q_TILE, laid out as the
+        column lists) is 0."""
+        s_layout: gl.constexpr = wgmma_layout(QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
-        DH: gl.constexpr = HEAD_DIM // 2
-        q_layout: gl.constexpr = wgmma_layout(DH)  # dQ[:, half]: [QT, HEAD_DIM / 2] fp32
+        q_layout: gl.constexpr = wgmma_layout(DQ_N)  # this warpgroup's dQ: [64, DQ_N] fp32
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         dtype: gl.constexpr = k_buf.dtype
         causal_off = seq_k - seq_q
-        zero_s = gl.zeros([_HALF, _QT], gl.float32, layout=s_layout)
-        zero_q = gl.zeros([_QT, DH], gl.float32, layout=q_layout)
+        zero_s = gl.zeros([_HALF, QT], gl.float32, layout=s_layout)
+        zero_q = gl.zeros([_HALF, DQ_N], gl.float32, layout=q_layout)
         k_all = k_buf.reshape([_TILE, HEAD_DIM])
         k_w = k_all.slice(WG * _HALF, _HALF, dim=0)
         v_w = v_buf.reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
-        k_half = k_all.slice(WG * DH, DH, dim=1)  # [128 keys, HEAD_DIM / 2]: B of this half of dQ
+        k_half = k_all.slice(WG * DQ_N if DQ_N < HEAD_DIM else 0, DQ_N, dim=1)  # [128 keys, DQ_N]: B of this dQ
         r_s = WG * _HALF + gl.arange(0, _HALF, layout=row_s)
         r_a = WG * _HALF + gl.arange(0, _HALF, layout=gl.SliceLayout(1, a_layout))
         c_a = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a_layout))
@@ -361,22 +393,22 @@ if GLUON_ERROR is None:
                     h = hk * group + g
                     p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
                                                           stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
-                                                          DENSE, CAUSAL, 4)
+                                                          DENSE, CAUSAL, 4, QT)
                     p_tile = Q_TILE
                     if EXACT:
                         p_tile = (Q_TILE + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
                                   + (start_n // MASK_BK).to(gl.int64) * stride_in)
                     for jj in range(0, j_end - j_skip):
-                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ)
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT)
                         s = it % STAGES
                         ph = (it // STAGES) & 1
-                        q_s = q_bufs.index(s).reshape([_QT, HEAD_DIM])
-                        do_s = do_bufs.index(s).reshape([_QT, HEAD_DIM])
+                        q_s = q_bufs.index(s).reshape([QT, HEAD_DIM])
+                        do_s = do_bufs.index(s).reshape([QT, HEAD_DIM])
                         mbarrier.wait(q_ready.index(s), ph)
                         st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                         mbarrier.wait(do_ready.index(s), ph)
                         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                        cols = start_m + gl.arange(0, _QT, layout=col_s)
+                        cols = start_m + gl.arange(0, QT, layout=col_s)
                         lse = lse_bufs.index(s).load(s_layout)  # [1, QT] (LSE * log2(e), padded: `_delta_kernel`)
                         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
                         pt = gl.exp2(st * qk_scale - lse)
@@ -387,7 +419,7 @@ if GLUON_ERROR is None:
                             if j < j_part:
                                 pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(cols + causal_off, 0), pt, 0.0)
                         if EXACT:
-                            SUB: gl.constexpr = MASK_BQ // _QT
+                            SUB: gl.constexpr = MASK_BQ // QT
                             tb = gl.load(p_tile + j // SUB)
                             if tb >= 0:
                                 kw0 = (start_n % MASK_BK + WG * _HALF) // 32
@@ -409,12 +441,12 @@ if GLUON_ERROR is None:
                         # buffer) is issued before dK, so it is stored while dK runs. (Each branch ends
                         # with dK and dV waited: an scf.if yields tensors, not wgmma tokens.)
                         if it > it0:
-                            dq = warpgroup_mma(ds_bufs.index((it - 1) % 2).permute((1, 0)), k_half, zero_q,
-                                               use_acc=False, is_async=True)
+                            dq = warpgroup_mma(_ds_rows(ds_bufs.index((it - 1) % 2), WG, QT, DQ_N, HEAD_DIM), k_half,
+                                               zero_q, use_acc=False, is_async=True)
                             dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                             r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
                             mbarrier.arrive(ds_ready.index(it % 2))  # (after the dQ above has read its buffer)
-                            _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
+                            _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N)
                             r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
                             dk_w = r_kv[0]
                             dv_w = r_kv[1]
@@ -431,10 +463,10 @@ if GLUON_ERROR is None:
                 if it > it0:  # the tile's last dQ, before K goes
                     pb = (it - 1) % 2
                     mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
-                    dq = warpgroup_mma(ds_bufs.index(pb).permute((1, 0)), k_half, zero_q, use_acc=False,
-                                       is_async=True)
+                    dq = warpgroup_mma(_ds_rows(ds_bufs.index(pb), WG, QT, DQ_N, HEAD_DIM), k_half, zero_q,
+                                       use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
-                    _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, DH)
+                    _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N)
                 mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
                 # keys at or past kv_end take no part: their gradients are exactly zero
                 keys_a = start_n + r_a
@@ -459,7 +491,7 @@ if GLUON_ERROR is None:
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           EXACT: gl.constexpr):
+                           EXACT: gl.constexpr, QT: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -467,7 +499,8 @@ if GLUON_ERROR is None:
         dlt_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + desc_dlt.block_type.shape, desc_dlt.layout)
         k_buf = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
         v_buf = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
-        ds_bufs = gl.allocate_shared_memory(dtype, [2, _TILE, _QT], _ds_layout(dtype))
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, _TILE, QT], _ds_layout(dtype, QT))
+        DQ_N: gl.constexpr = desc_dq.block_type.shape[3]  # a warpgroup's dQ columns (`_dq_box`)
         dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * _DQ_BUFS] + desc_dq.block_type.shape, desc_dq.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -496,22 +529,22 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT)),
+                             EXACT, QT, DQ_N)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
                              KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT)),
+                             EXACT, QT, DQ_N)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
                            stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                           Q_BNHD, KV_BNHD, DO_BNHD)),
+                           Q_BNHD, KV_BNHD, DO_BNHD, QT)),
             (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
-                            CAUSAL, HAS_KEYLEN, HEAD_DIM // 2)),
+                            CAUSAL, HAS_KEYLEN, QT, _HALF, DQ_N)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
@@ -613,11 +646,14 @@ def _gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def _padded_rows(n_q: int, mask_bq: int | None) -> int:
-    """The q rows per head a walk can visit: whole 64-row steps (dense, ``mask_bq`` None), or
-    every step of each listed block of ``mask_bq`` rows, the last block's too."""
-    unit = mask_bq or QT
+def _padded_rows(n_q: int, mask_bq: int | None, step: int) -> int:
+    """The q rows per head a walk can visit: whole steps of ``step`` rows (dense, ``mask_bq``
+    None), or every step of each listed block of ``mask_bq`` rows, the last block's too."""
+    unit = mask_bq or step
     return cdiv(n_q, unit) * unit
+
+
+_ROWS = 64  # rows per program of the delta and cast kernels (a divisor of every step)
 
 
 def _delta(o, do, lse, dlse, n_pad: int):
@@ -628,9 +664,9 @@ def _delta(o, do, lse, dlse, n_pad: int):
     delta = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     so, sdo = o.stride(), do.stride()
     binding.call(
-        _delta_kernel, (cdiv(n_pad, QT), B * H), O=o, DO=do, LSE=lse, DLSE=o if dlse is None else dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
+        _delta_kernel, (cdiv(n_pad, _ROWS), B * H), O=o, DO=do, LSE=lse, DLSE=o if dlse is None else dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
         stride_oh=so[1], stride_om=so[2], stride_dob=sdo[0], stride_doh=sdo[1], stride_dom=sdo[2], n_heads=H, seq_q=Nq,
-        n_pad=n_pad, HEAD_DIM=D, BLOCK=QT, HAS_DLSE=dlse is not None)
+        n_pad=n_pad, HEAD_DIM=D, BLOCK=_ROWS, HAS_DLSE=dlse is not None)
     return lse2, delta
 
 
@@ -642,9 +678,15 @@ def _heads_per_group(n_per: int, n_bhk: int, num_sms: int) -> int:
     return max(1, min(n_bhk, cdiv(num_sms, n_per)))
 
 
-def _row_descriptor(t):
-    """A TMA descriptor of float32 [B * H, n_pad] ``t`` (`_delta`'s outputs), blocks of one step's QT rows."""
-    return make_descriptor(t, t.shape, t.stride(), (1, QT), _ROW_LAYOUT)
+def _row_descriptor(t, step: int):
+    """A TMA descriptor of float32 [B * H, n_pad] ``t`` (`_delta`'s outputs), blocks of one step's rows."""
+    return make_descriptor(t, t.shape, t.stride(), (1, step), _ROW_LAYOUT)
+
+
+def _dq_box(head_dim: int, step: int) -> tuple:
+    """(rows, columns) of one warpgroup's share of a step's dQ, as the reducer adds it: of 64-row
+    steps half the columns, of 128-row steps half the rows."""
+    return (64, head_dim // 2) if step == 64 else (step // 2, head_dim)
 
 
 def do_layout(do):
@@ -667,12 +709,13 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         raise ValueError("exact bits come with block lists (a dense call has none)")
     q_tile, bits = (q, q) if exact is None else exact
     mask_q = mask_bq or TILE  # (the kernel's MASK_BQ; dense walks ignore it)
-    n_pad = _padded_rows(Nq, None if dense else mask_q)
+    qt = q_step(D)
+    n_pad = _padded_rows(Nq, None if dense else mask_q, qt)
     lse2, delta = _delta(o, do, lse, dlse, n_pad)
     acc = torch.zeros((B, H, Nq, D), device=q.device, dtype=torch.float32)
     dk, dv = new(k), new(v)
     sk, sv = dk.stride(), dv.stride()
-    desc_dq = descriptor(acc, (acc.stride(), False), QT, D // 2)  # each warpgroup adds half of D
+    desc_dq = descriptor(acc, (acc.stride(), False), *_dq_box(D, qt))  # each warpgroup adds its half
     n_bhk = B * Hk
     n_tiles = cdiv(Nk, TILE) * n_bhk
     if num_sms is None:
@@ -683,9 +726,9 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
     n_rounds = cdiv(n_units, grid) * (2 if causal else 1)
     binding.call(
-        hopper_bwd_kernel, (grid,), desc_q=descriptor(q, lay[0], QT), desc_k=descriptor(k, lay[1], TILE), desc_v=descriptor(v, lay[2], TILE),
-        desc_do=descriptor(do, do_lay, QT), desc_dq=desc_dq, desc_lse=_row_descriptor(lse2),
-        desc_dlt=_row_descriptor(delta), DK=dk, DV=dv, Q_IDX=idx, Q_TILE=q_tile, BITS=bits,
+        hopper_bwd_kernel, (grid,), desc_q=descriptor(q, lay[0], qt), desc_k=descriptor(k, lay[1], TILE),
+        desc_v=descriptor(v, lay[2], TILE), desc_do=descriptor(do, do_lay, qt), desc_dq=desc_dq,
+        desc_lse=_row_descriptor(lse2, qt), desc_dlt=_row_descriptor(delta, qt), DK=dk, DV=dv, Q_IDX=idx, Q_TILE=q_tile, BITS=bits,
         KEY_LEN=q if key_lengths is None else key_lengths, n_tiles=n_tiles, n_rounds=n_rounds, n_bhk=n_bhk, gh=gh,
         n_heads_kv=Hk, group=H // Hk, seq_q=Nq, seq_k=Nk, n_qblocks=n_qb, qk_scale=scale * LOG2E, sm_scale=scale,
         stride_ib=i_strides[0], stride_ih=i_strides[1], stride_in=i_strides[2],
@@ -693,9 +736,9 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], EXACT=exact is not None, num_warps=4)
+        DO_BNHD=do_lay[1], EXACT=exact is not None, QT=qt, num_warps=4)
     dq = new(q)
     sq = dq.stride()
-    binding.call(_dq_cast_kernel, (cdiv(Nq, QT), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1], stride_qm=sq[2],
-                                                  n_heads=H, seq_q=Nq, scale=scale, HEAD_DIM=D, BLOCK=QT)
+    binding.call(_dq_cast_kernel, (cdiv(Nq, _ROWS), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1],
+                 stride_qm=sq[2], n_heads=H, seq_q=Nq, scale=scale, HEAD_DIM=D, BLOCK=_ROWS)
     return dq, dk, dv
