@@ -40,7 +40,8 @@ DEFAULT_CASES = ("dense-d128-16k", "dense-d64-16k", "causal-d128-16k", "causal-d
                  "random-d64-16k", "dense-d128-4k", "dense-d64-4k", "causal-d128-4k", "causal-d64-4k",
                  "random-d128-4k", "random-d64-4k")
 # our variants: hopper.backward.OVERRIDES for the call ("ours": the production default)
-VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}}
+VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step": {64: 128}},
+            "ours-regstore": {"dkdv_tma": False}}
 HEADS, TOKENS, DENSITY = 16, 16384, 0.1
 
 
@@ -85,8 +86,6 @@ def _results(fn, q, k, v, do):
 
 
 def run_case(name: str, variants, providers, rep_ms: float, device) -> list[dict]:
-    import dataclasses
-
     from sparseflash.experiments.bench.flops import densities
     from sparseflash.experiments.bench.providers import Setting
     from sparseflash.flash.hopper import backward as hb
@@ -108,7 +107,7 @@ def run_case(name: str, variants, providers, rep_ms: float, device) -> list[dict
                  "flex": "flex"}[p]
         if p == "cudnn" and mask is not None:
             continue
-        fn, why = _provider(pname, setting if p != "flex" or mask is not None else dataclasses.replace(setting))
+        fn, why = _provider(pname, setting)
         runs.append((p, fn, why, {}))
     rows, ref = [], None
     for label, fn, why, over in runs:

@@ -98,7 +98,7 @@ def q_step(head_dim: int) -> int:
 
 
 # Launch settings a study can override (experiments/studies/hopper_bwd_fa4): "q_step", a dict
-# {head_dim: 64 or 128}. Empty in normal use.
+# {head_dim: 64 or 128}; "dkdv_tma": False stores dK and dV from registers. Empty in normal use.
 OVERRIDES: dict = {}
 
 
@@ -116,7 +116,15 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparseflash.flash.hopper.common import list_layout, list_start, tile_coord, tma_load, wgmma_layout
+    from sparseflash.flash.hopper.common import list_layout, list_start, tile_coord, tma_load, tma_store, wgmma_layout
+    from triton.experimental.gluon.language._core import builtin as _gl_builtin, _unwrap_if_constexpr
+
+    @_gl_builtin
+    def _reinterpret(buf, dtype, shape, layout, _semantic=None):
+        # shared memory seen as another dtype / shape / layout (triton 3.9 names the method
+        # reinterpret, 3.6 _reinterpret; both call this)
+        return _semantic.memdesc_reinterpret(buf, _unwrap_if_constexpr(dtype),
+                                             [_unwrap_if_constexpr(x) for x in shape], _unwrap_if_constexpr(layout))
 
     if hasattr(tma, "async_atomic_add"):
         _tma_add = tma.async_atomic_add
@@ -278,15 +286,18 @@ if GLUON_ERROR is None:
                      seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
                      MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                      CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, QT: gl.constexpr, DQ_M: gl.constexpr,
-                     DQ_N: gl.constexpr):
+                     DQ_N: gl.constexpr, DKDV_TMA: gl.constexpr):
         """1 warp: once both warpgroups have put a step's dQ halves in shared memory (dq_full), add
         them into the float32 dQ buffer with TMA reductions, and hand a buffer back (dq_empty) once
         its reductions have read it: with two buffers, one step later (after the next step's
         reductions are issued). The walk is the loader's. A warpgroup's half is [DQ_M, DQ_N]: the
-        step's rows and half its columns (DQ_M = QT), or half its rows and every column."""
+        step's rows and half its columns (DQ_M = QT), or half its rows and every column. DKDV_TMA: a
+        tile's last step's buffer is handed back at the tile's end (once its reductions have read
+        it), not at the next step, so the consumers can stage the tile's dK and dV in both buffers."""
         ROW_OFF: gl.constexpr = DQ_M if DQ_M < QT else 0
         COL_OFF: gl.constexpr = DQ_N if DQ_M == QT else 0
         it = 0
+        rel = 0  # steps before this one have had their buffer handed back
         for rr in range(0, n_rounds):
             t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
             if t < n_tiles:
@@ -302,10 +313,17 @@ if GLUON_ERROR is None:
                         mbarrier.wait(dq_full.index(bi), (it // _DQ_BUFS) & 1)
                         _tma_add(desc_dq, [b, h, start_m, 0], dq_bufs.index(2 * bi))
                         _tma_add(desc_dq, [b, h, start_m + ROW_OFF, COL_OFF], dq_bufs.index(2 * bi + 1))
-                        if it > 0:
+                        if it > rel:
                             tma.store_wait(2)  # the last step's two reductions have read their halves
                             mbarrier.arrive(dq_empty.index((it - 1) % _DQ_BUFS))
+                        if DKDV_TMA:
+                            rel = it
                         it += 1
+                if DKDV_TMA:
+                    if it > rel:  # the tile's last step: its reductions have read, its buffer is free
+                        tma.store_wait(0)
+                        mbarrier.arrive(dq_empty.index((it - 1) % _DQ_BUFS))
+                        rel = it
         tma.store_wait(0)  # (the CTA's shared memory must outlive the last reductions' reads)
 
     @gluon.jit
@@ -326,11 +344,15 @@ if GLUON_ERROR is None:
         return ((w >> (i % 32)) & 1) != 0
 
     @gluon.jit
-    def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DQ_M: gl.constexpr, DQ_N: gl.constexpr):
+    def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DQ_M: gl.constexpr, DQ_N: gl.constexpr,
+                DKDV_TMA: gl.constexpr):
         """Put this warpgroup's half of step p's dQ ([DQ_M, DQ_N] float32) in its staging buffer,
-        once the reducer has read that buffer's last halves, and tell the reducer."""
+        once the reducer has read that buffer's last halves (DKDV_TMA: and this warpgroup's dK / dV
+        stores from the buffers have read them), and tell the reducer."""
         bi = p % _DQ_BUFS
         mbarrier.wait(dq_empty.index(bi), ((p // _DQ_BUFS) & 1) ^ 1)
+        if DKDV_TMA:
+            tma.store_wait(0)
         dq_bufs.index(2 * bi + WG).reshape([DQ_M, DQ_N]).store(dq)
         fence_async_shared()
         mbarrier.arrive(dq_full.index(bi))
@@ -347,19 +369,22 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _bwd_consumer(q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
-                      step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds,
+                      step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk, desc_dv, Q_IDX, Q_TILE, BITS, KEY_LEN,
+                      n_tiles, n_rounds,
                       n_bhk, gh, n_heads_kv,
                       group, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                       stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                      STAGES: gl.constexpr, EXACT: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr):
+                      STAGES: gl.constexpr, EXACT: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr,
+                      DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr, DV_BNHD: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; of each step's dQ, the
         columns of half WG (64-row steps) or the rows of half WG (128-row steps; DQ_N columns
         either way). Step j's dQ is computed during step j + 1 (and the tile's last after its
         walk), so a warpgroup never waits for the other's dS^T of the step it is on. EXACT: a step
         in a partial block zeroes P^T (and so dS^T) where its bit tile (Q_TILE, laid out as the
-        column lists) is 0."""
+        column lists) is 0. DKDV_TMA: a tile's dK and dV go out through the dQ staging buffers
+        with TMA stores (else from registers)."""
         s_layout: gl.constexpr = wgmma_layout(QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
         q_layout: gl.constexpr = wgmma_layout(DQ_N)  # this warpgroup's dQ: [64, DQ_N] fp32
@@ -405,14 +430,17 @@ if GLUON_ERROR is None:
                         q_s = q_bufs.index(s).reshape([QT, HEAD_DIM])
                         do_s = do_bufs.index(s).reshape([QT, HEAD_DIM])
                         mbarrier.wait(q_ready.index(s), ph)
-                        st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                        # The accumulators start at -LSE / scale and -delta ([1, QT] rows of the step's
+                        # queries, padded: `_delta_kernel`), so S^T - LSE / scale and dP^T - delta come
+                        # out of the wgmmas: neither row vector stays live beside them.
+                        st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s - lse_bufs.index(s).load(s_layout),
+                                           is_async=True)
                         mbarrier.wait(do_ready.index(s), ph)
-                        dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                        dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s - dlt_bufs.index(s).load(s_layout),
+                                            is_async=True)
                         cols = start_m + gl.arange(0, QT, layout=col_s)
-                        lse = lse_bufs.index(s).load(s_layout)  # [1, QT] (LSE * log2(e), padded: `_delta_kernel`)
                         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
-                        pt = gl.exp2(st * qk_scale - lse)
-                        dlt = dlt_bufs.index(s).load(s_layout)  # [1, QT]
+                        pt = gl.exp2(st * qk_scale)  # exp2((S^T * scale - LSE) * log2(e))
                         if key_mask:
                             pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
                         if CAUSAL:
@@ -425,7 +453,7 @@ if GLUON_ERROR is None:
                                 kw0 = (start_n % MASK_BK + WG * _HALF) // 32
                                 pt = gl.where(_exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK), pt, 0.0)
                         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
-                        ds16 = (pt * (dpt - dlt)).to(dtype)
+                        ds16 = (pt * dpt).to(dtype)
                         p_op = gl.convert_layout(pt.to(dtype), op_layout)
                         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
                         # dS^T goes into buffer it % 2 once both warpgroups' dQ of two steps ago has read
@@ -446,7 +474,7 @@ if GLUON_ERROR is None:
                             dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                             r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
                             mbarrier.arrive(ds_ready.index(it % 2))  # (after the dQ above has read its buffer)
-                            _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N)
+                            _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA)
                             r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
                             dk_w = r_kv[0]
                             dv_w = r_kv[1]
@@ -466,32 +494,53 @@ if GLUON_ERROR is None:
                     dq = warpgroup_mma(_ds_rows(ds_bufs.index(pb), WG, QT, DQ_N, HEAD_DIM), k_half, zero_q,
                                        use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
-                    _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N)
+                    _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA)
                 mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
                 # keys at or past kv_end take no part: their gradients are exactly zero
                 keys_a = start_n + r_a
                 keep = gl.expand_dims(keys_a < kv_end, 1)
-                in_seq = gl.expand_dims(keys_a < seq_k, 1)
-                off_k = gl.expand_dims(keys_a.to(gl.int64), 1)
-                p_dk = (DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + off_k * stride_dkn
-                        + gl.expand_dims(c_a, 0))
-                gl.store(p_dk, gl.where(keep, dk * sm_scale, 0.0).to(dtype), mask=in_seq)
-                p_dv = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + off_k * stride_dvn
-                        + gl.expand_dims(c_a, 0))
-                gl.store(p_dv, gl.where(keep, dv, 0.0).to(dtype), mask=in_seq)
+                if DKDV_TMA:
+                    # Both staging buffers are free once the reducer has handed back steps it - 2 and
+                    # it - 1 (the tile's last, handed back at the tile's end): the waits `_dq_out`
+                    # would make for steps it and it + 1. Each warpgroup writes only its own halves,
+                    # in both roles, so its own store_wait orders the reuse.
+                    mbarrier.wait(dq_empty.index(it % _DQ_BUFS), ((it // _DQ_BUFS) & 1) ^ 1)
+                    mbarrier.wait(dq_empty.index((it + 1) % _DQ_BUFS), (((it + 1) // _DQ_BUFS) & 1) ^ 1)
+                    tma.store_wait(0)  # (a tile without steps: the last tile's stores have read them)
+                    out = _reinterpret(dq_bufs, dtype, [2 * _DQ_BUFS] + desc_dk.block_type.shape, desc_dk.layout)
+                    dk_s = out.index(WG)
+                    dv_s = out.index(_DQ_BUFS + WG)
+                    dk_s.reshape([_HALF, HEAD_DIM]).store(gl.where(keep, dk * sm_scale, 0.0).to(dtype))
+                    dv_s.reshape([_HALF, HEAD_DIM]).store(gl.where(keep, dv, 0.0).to(dtype))
+                    fence_async_shared()
+                    # (TMA clips the rows past seq_k)
+                    tma_store(desc_dk, tile_coord(b, hk, start_n + WG * _HALF, DK_BNHD), dk_s)
+                    tma_store(desc_dv, tile_coord(b, hk, start_n + WG * _HALF, DV_BNHD), dv_s)
+                else:
+                    in_seq = gl.expand_dims(keys_a < seq_k, 1)
+                    off_k = gl.expand_dims(keys_a.to(gl.int64), 1)
+                    p_dk = (DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + off_k * stride_dkn
+                            + gl.expand_dims(c_a, 0))
+                    gl.store(p_dk, gl.where(keep, dk * sm_scale, 0.0).to(dtype), mask=in_seq)
+                    p_dv = (DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + off_k * stride_dvn
+                            + gl.expand_dims(c_a, 0))
+                    gl.store(p_dv, gl.where(keep, dv, 0.0).to(dtype), mask=in_seq)
                 n_done += 1
+        if DKDV_TMA:
+            tma.store_wait(0)  # (shared memory must outlive the last stores' reads)
 
     @gluon.jit
     def hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, Q_TILE, BITS,
                            KEY_LEN,
                            n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
                            stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
-                           stride_dvb, stride_dvh, stride_dvn,
+                           stride_dvb, stride_dvh, stride_dvn, desc_dk, desc_dv,
                            HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           EXACT: gl.constexpr, QT: gl.constexpr):
+                           EXACT: gl.constexpr, QT: gl.constexpr, DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr,
+                           DV_BNHD: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -524,19 +573,19 @@ if GLUON_ERROR is None:
         fence_async_shared()
         gl.warp_specialize([
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
-                             KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
+                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk, desc_dv,
+                             Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, Q_IDX, Q_TILE, BITS,
-                             KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
+                             q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk, desc_dv,
+                             Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -544,12 +593,11 @@ if GLUON_ERROR is None:
                            Q_BNHD, KV_BNHD, DO_BNHD, QT)),
             (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                             seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
-                            CAUSAL, HAS_KEYLEN, QT, _HALF, DQ_N)),
+                            CAUSAL, HAS_KEYLEN, QT, _HALF, DQ_N, DKDV_TMA)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
 # ----------------------------------------------------------------------------- the two small kernels
-_LOG2E_TL = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -563,8 +611,9 @@ def _rows(n_heads, seq_q, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-                  n_heads, seq_q, n_pad, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """For BLOCK rows of one (batch, head): delta = rowsum(dO * O) - dLSE and LSE2 = LSE * log2(e),
+                  n_heads, seq_q, n_pad, lse_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                  HAS_DLSE: tl.constexpr):
+    """For BLOCK rows of one (batch, head): delta = rowsum(dO * O) - dLSE and LSE2 = LSE * lse_scale,
     float32 [B * H, n_pad], rows seq_q .. n_pad - 1 padded with delta 0 and LSE2 +inf (P = 0), so
     the backward's steps load them without masks."""
     i_bh, i_b, i_h, o_m, o_d, m = _rows(n_heads, seq_q, BLOCK, HEAD_DIM)
@@ -576,7 +625,7 @@ def _delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om
     p_row = i_bh.to(tl.int64) * seq_q + o_m
     if HAS_DLSE:
         delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
-    lse2 = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * _LOG2E_TL
+    lse2 = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * lse_scale
     p_pad = i_bh.to(tl.int64) * n_pad + o_m
     tl.store(DELTA + p_pad, delta, mask=o_m < n_pad)
     tl.store(LSE2 + p_pad, lse2, mask=o_m < n_pad)
@@ -656,9 +705,9 @@ def _padded_rows(n_q: int, mask_bq: int | None, step: int) -> int:
 _ROWS = 64  # rows per program of the delta and cast kernels (a divisor of every step)
 
 
-def _delta(o, do, lse, dlse, n_pad: int):
-    """(LSE * log2(e), delta = rowsum(dO * O) - dLSE), float32 [B * H, n_pad] each, rows past
-    Nq padded with +inf and 0 (`_delta_kernel`)."""
+def _delta(o, do, lse, dlse, n_pad: int, lse_scale: float):
+    """(LSE * lse_scale, delta = rowsum(dO * O) - dLSE), float32 [B * H, n_pad] each, rows past
+    Nq padded with +inf and 0 (`_delta_kernel`; ``lse_scale`` > 0)."""
     B, H, Nq, D = o.shape
     lse2 = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     delta = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
@@ -666,7 +715,7 @@ def _delta(o, do, lse, dlse, n_pad: int):
     binding.call(
         _delta_kernel, (cdiv(n_pad, _ROWS), B * H), O=o, DO=do, LSE=lse, DLSE=o if dlse is None else dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
         stride_oh=so[1], stride_om=so[2], stride_dob=sdo[0], stride_doh=sdo[1], stride_dom=sdo[2], n_heads=H, seq_q=Nq,
-        n_pad=n_pad, HEAD_DIM=D, BLOCK=_ROWS, HAS_DLSE=dlse is not None)
+        n_pad=n_pad, lse_scale=lse_scale, HEAD_DIM=D, BLOCK=_ROWS, HAS_DLSE=dlse is not None)
     return lse2, delta
 
 
@@ -711,7 +760,9 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     mask_q = mask_bq or TILE  # (the kernel's MASK_BQ; dense walks ignore it)
     qt = q_step(D)
     n_pad = _padded_rows(Nq, None if dense else mask_q, qt)
-    lse2, delta = _delta(o, do, lse, dlse, n_pad)
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale!r}")
+    lse2, delta = _delta(o, do, lse, dlse, n_pad, 1.0 / scale)  # (the accumulators' start, see _bwd_consumer)
     acc = torch.zeros((B, H, Nq, D), device=q.device, dtype=torch.float32)
     dk, dv = new(k), new(v)
     sk, sv = dk.stride(), dv.stride()
@@ -725,6 +776,10 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     grid = max(1, min(n_units, num_sms))
     gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
     n_rounds = cdiv(n_units, grid) * (2 if causal else 1)
+    lay_dk, lay_dv = hopper.tensor_layout(dk), hopper.tensor_layout(dv)
+    dkdv_tma = lay_dk is not None and lay_dv is not None and OVERRIDES.get("dkdv_tma", True)  # (else register stores)
+    desc_dk = descriptor(dk, lay_dk, TILE // 2) if dkdv_tma else None  # one warpgroup's 64 keys a store
+    desc_dv = descriptor(dv, lay_dv, TILE // 2) if dkdv_tma else None
     binding.call(
         hopper_bwd_kernel, (grid,), desc_q=descriptor(q, lay[0], qt), desc_k=descriptor(k, lay[1], TILE),
         desc_v=descriptor(v, lay[2], TILE), desc_do=descriptor(do, do_lay, qt), desc_dq=desc_dq,
@@ -736,7 +791,8 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], EXACT=exact is not None, QT=qt, num_warps=4)
+        DO_BNHD=do_lay[1], EXACT=exact is not None, QT=qt, desc_dk=desc_dk, desc_dv=desc_dv, DKDV_TMA=dkdv_tma,
+        DK_BNHD=bool(dkdv_tma and lay_dk[1]), DV_BNHD=bool(dkdv_tma and lay_dv[1]), num_warps=4)
     dq = new(q)
     sq = dq.stride()
     binding.call(_dq_cast_kernel, (cdiv(Nq, _ROWS), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1],
