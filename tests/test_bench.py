@@ -136,6 +136,61 @@ def test_flex_block_mask_conversion_is_identical():
         assert fb.BLOCK_SIZE == (32, 32)
 
 
+def test_fa4_provider_reasons_and_what_it_passes(monkeypatch):
+    """FlashAttention-4's providers: a clear reason where they cannot run (a CPU, no flash_attn.cute,
+    blocks other than 128 x 128); where they run (a stand-in flash_attn.cute, no GPU needed), the
+    [B, N, H, D] views of the same memory (no copy), the scale and causal flag, and a block mask as
+    Flex's lists, the kv-direction ones for the forward and the q-direction ones for the backward,
+    with the output handed back as [B, H, N, D]."""
+    import sys
+    import types
+
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    m = BlockMask(torch.rand(1, 1, 4, 4, generator=torch.Generator().manual_seed(2)) > 0.3, 128, 512, 512)
+    s = providers.Setting(torch.device("cpu"), torch.bfloat16, 2, 3, 512, 64, True, "fwd", m)
+    assert "CUDA" in providers.PROVIDERS["fa4"].check(s)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    gpu = dataclasses.replace(s, device=torch.device("cuda"))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed
+    assert "flash-attn-4" in providers.PROVIDERS["fa4"].check(gpu)
+    calls = []
+
+    def flash_attn_func(q, k, v, **kw):
+        calls.append((q, k, v, kw))
+        return q * 2, None
+
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func = flash_attn_func
+    bs = types.ModuleType("flash_attn.cute.block_sparsity")
+    bs.BlockSparseTensorsTorch = lambda *a, block_size=None: (a, block_size)
+    pkg = types.ModuleType("flash_attn")
+    pkg.cute = cute
+    for name, mod in (("flash_attn", pkg), ("flash_attn.cute", cute), ("flash_attn.cute.block_sparsity", bs)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    assert providers.PROVIDERS["fa4"].check(gpu) is None
+    assert "128 x 128" in providers.PROVIDERS["fa4"].check(dataclasses.replace(gpu, mask=BlockMask(
+        torch.ones(1, 1, 8, 8, dtype=torch.bool), 64, 512, 512)))
+    q, k, v = (torch.randn(2, 3, 512, 64, dtype=torch.bfloat16) for _ in range(3))
+    for name in ("fa4", "fa4-dense"):
+        p = providers.PROVIDERS[name]
+        ctx = p.prepare(s)
+        out = p.forward(ctx, s, q, k, v)
+        qq, kk, vv, kw = calls[-1]
+        assert qq.shape == (2, 512, 3, 64) and qq.data_ptr() == q.data_ptr() and vv.data_ptr() == v.data_ptr()
+        assert torch.equal(out, q * 2) and out.shape == q.shape
+        assert kw["causal"] is True and kw["softmax_scale"] == s.scale
+        if name == "fa4-dense":
+            assert kw["block_sparse_tensors"] is None and kw["block_sparse_tensors_bwd"] is None
+            continue
+        fm = providers.to_flex_block_mask(m, True)
+        (fwd, size), (bwd, _) = kw["block_sparse_tensors"], kw["block_sparse_tensors_bwd"]
+        assert size == (128, 128)
+        for got, want in zip(fwd, (fm.kv_num_blocks, fm.kv_indices, fm.full_kv_num_blocks, fm.full_kv_indices)):
+            assert torch.equal(got, want)
+        for got, want in zip(bwd, (fm.q_num_blocks, fm.q_indices, fm.full_q_num_blocks, fm.full_q_indices)):
+            assert torch.equal(got, want)
+
+
 # ----------------------------------------------------------------------------- runner failures
 def _fake(name, kind="sparse", check=None, forward=None):
     def fwd(ctx, s, q, k, v):
@@ -359,7 +414,7 @@ def test_presets_and_defaults_resolve_without_a_gpu():
     assert (cfg.seq_lens, cfg.head_dims, cfg.heads, cfg.tokens) == ((4096, 16384), (64, 128), 16, 16384)
     assert cfg.dtype == "bf16"
     assert cfg.patterns == ("random", "butterfly") and cfg.targets == (1.0, 0.5, 0.25, 0.1)
-    assert cfg.providers == ("sparseflash", "sparseflash-dense", "sdpa-flash", "sdpa-cudnn", "flex")
+    assert cfg.providers == ("sparseflash", "sparseflash-dense", "sdpa-flash", "sdpa-cudnn", "flex", "fa4", "fa4-dense")
     assert cfg.modes == ("fwd", "fwdbwd") and cfg.check and not cfg.causal
     assert [cfg.batch_for(n) for n in cfg.seq_lens] == [4, 1]
     # explicit options win over the preset; "all" modes expand

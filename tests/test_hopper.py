@@ -62,6 +62,8 @@ def test_compiles_for_sm90(kernel, consumer_regs, sm90_compiles):
         assert r["wgmma"] > 0 and r["tma_loads"] > 0, r
         assert consumer_regs in r["setmaxnreg"].split("/"), r
         assert r["shared"] <= 227 * 1024, r
+        if kernel == "bwd":  # dK / dV by TMA store, except on causal walks (register stores there)
+            assert (r["tma_stores"] > 0) == ("causal" not in r["case"]), r
 
 
 def test_bwd_choice(monkeypatch):
@@ -342,6 +344,41 @@ def test_gpu_register_store_epilogue(monkeypatch, hopper_spy, bnhd):
     assert o_st[1].abs().max().item() == 0.0
     o_ref = sparseflash.attention(q.double(), k.double(), v.double(), causal=True, key_lengths=kl, backend="reference")
     assert (o_st.double() - o_ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_bwd_dkdv_stores_agree(monkeypatch, hopper_spy, hopper_bwd_spy, causal):
+    """dK and dV stored by TMA through the dQ staging buffers and stored from registers are bitwise
+    equal (the same sums; only the epilogue differs), whichever the default takes for the walk: a
+    tail (1050), GQA, key_lengths with a batch of no keys, d 64 (128-row steps) and 128."""
+    for D in (64, 128):
+        q, k, v, do = make_qkv(2, 4, 2, 1050, 1050, D, torch.bfloat16, "cuda", seed=D)
+        kl = torch.tensor([1050, 0], device="cuda")
+        got = []
+        for tma in (True, False):
+            monkeypatch.setitem(hopper_bwd.OVERRIDES, "dkdv_tma", tma)
+            ts = [t.clone().requires_grad_() for t in (q, k, v)]
+            got.append(torch.autograd.grad(sparseflash.attention(*ts, causal=causal, key_lengths=kl), ts, do))
+        for a, b in zip(got[0][1:], got[1][1:]):
+            assert torch.equal(a, b)
+        assert got[0][1][1].abs().max().item() == 0.0  # no keys: dK = 0
+        dq_a, dq_b = got[0][0].float(), got[1][0].float()  # dQ: float32 sums in arrival order, then bf16
+        assert (dq_a - dq_b).abs().max() <= 2 * 2.0 ** -7 * dq_a.abs().max()
+    assert len(hopper_bwd_spy) == 4
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_gpu_bwd_64_row_steps_at_d64(monkeypatch, hopper_spy, hopper_bwd_spy):
+    """The backward's 64-row steps at d=64 (`q_step`'s other size, which studies compare with the
+    default 128-row steps): causal, GQA, key_lengths, a block list, against the float64 reference."""
+    monkeypatch.setitem(hopper_bwd.OVERRIDES, "q_step", {64: 64})
+    q, k, v, do = make_qkv(2, 4, 2, 1000, 1000, 64, torch.bfloat16, "cuda", seed=11)
+    mask = random_mask(1000, 3, block_size=128, heads=4, seed=4, device="cuda")
+    kl = torch.tensor([1000, 555], device="cuda")
+    check_attention(lambda a, b, c: sparseflash.attention(a, b, c, mask=mask, causal=True, key_lengths=kl),
+                    q, k, v, do, mask=mask, causal=True, key_lengths=kl)
+    assert hopper_bwd_spy, "the Hopper backward did not run"
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")

@@ -78,8 +78,8 @@ def _add_common(p: argparse.ArgumentParser, bench: str) -> None:
                        help="where masked dense-compute providers run: densest and sparsest mask (default) or all")
         g.add_argument("--preset", choices=("kernel-check",),
                        help="kernel-check: the standard performance check (bf16, d 64/128, seq 4K/16K, "
-                            "16 heads, 16K tokens, random/butterfly at 1, ~0.5, 0.25, 0.1, vs SDPA flash/cuDNN "
-                            "and FlexAttention, outputs checked against the reference)")
+                            "16 heads, 16K tokens, random/butterfly at 1, ~0.5, 0.25, 0.1, vs SDPA flash/cuDNN, "
+                            "FlexAttention and FlashAttention-4, outputs checked against the reference)")
     g.add_argument("--quick", action="store_true", help="a smaller sweep (fewer lengths, densities, shorter timing)")
     h = p.add_argument_group("how")
     h.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")

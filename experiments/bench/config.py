@@ -131,11 +131,13 @@ def defaults(bench: str, device: str, quick: bool = False) -> dict:
 # Named presets: fields that replace the defaults (explicit command-line options still win).
 PRESETS = {
     # the standard performance check: bf16, d 64/128, seq 4K/16K, 16 heads, 16K tokens, density
-    # 1.0 and random / butterfly at ~0.5, 0.25, 0.1, fwd and fwd+bwd, against SDPA flash / cuDNN and
-    # FlexAttention on the same block mask.
+    # 1.0 and random / butterfly at ~0.5, 0.25, 0.1, fwd and fwd+bwd, against SDPA flash / cuDNN,
+    # FlexAttention on the same block mask and FlashAttention-4 (dense and the same block lists;
+    # skipped with its reason where flash_attn.cute is not importable).
     "kernel-check": dict(
         bench="sparsity", patterns=("random", "butterfly"), targets=(1.0, 0.5, 0.25, 0.1), modes=("fwd", "fwdbwd"),
-        providers=("sparseflash", "sparseflash-dense", "sdpa-flash", "sdpa-cudnn", "flex"), causal=False,
+        providers=("sparseflash", "sparseflash-dense", "sdpa-flash", "sdpa-cudnn", "flex", "fa4", "fa4-dense"),
+        causal=False,
         dtype="bf16", check=True,
         gpu=dict(seq_lens=(4096, 16384), head_dims=(64, 128), heads=16, tokens=16384, block_size=128),
     ),

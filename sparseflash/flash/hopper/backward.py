@@ -1,28 +1,32 @@
 """Hopper (sm_90) backward: a warp-specialised Gluon kernel for dQ, dK and dV in one pass
-(design and measurements: experiments/studies/hopper/README.md).
+(design and measurements: experiments/studies/hopper/README.md, experiments/studies/hopper_bwd_fa4/).
 
 The portable backward (`kernels.py`) runs two kernels that each recompute P and dP: dQ walks the
 row lists, dK/dV the column lists, seven matmuls per tile pair. This one does five, as
-FlashAttention-3 does: one CTA owns a key tile of 128 keys and walks its column list (q tiles of
-64 rows), accumulating dK and dV in registers, and adds each step's dQ contribution into a float32
-buffer with TMA reductions (``cp.reduce.async.bulk``), which a last small kernel scales and casts.
+FlashAttention-3 does: one CTA owns a key tile of 128 keys and walks its column list in steps of
+QT query rows (`q_step`: 64 at d=128, 128 at d=64), accumulating dK and dV in registers, and adds
+each step's dQ contribution into a float32 buffer with TMA reductions (``cp.reduce.async.bulk``),
+which a last small kernel scales and casts.
 
 - a 1-warp **loader** TMA-loads the CTA's K and V once, then every visited q tile's Q (with its
   rows' LSE) and dO (with their delta) into rings of STAGES slots (a ready mbarrier each, one
   empty mbarrier per slot);
-- two **consumer warpgroups** own 64 keys each. Per q tile a warpgroup computes
-  S^T = K_w Q^T and dP^T = V_w dO^T (two wgmmas), P^T = exp2(S^T * scale - LSE) and
-  dS^T = P^T (dP^T - delta), then dV_w += P^T dO and dK_w += dS^T Q with P^T and dS^T as
+- two **consumer warpgroups** own 64 keys each. Per step a warpgroup computes
+  S^T = K_w Q^T and dP^T = V_w dO^T (two wgmmas whose accumulators start at -LSE / scale and
+  -delta, so that no row vector stays live beside them), P^T = exp2((S^T * scale - LSE) log2 e)
+  and dS^T = P^T (dP^T - delta), then dV_w += P^T dO and dK_w += dS^T Q with P^T and dS^T as
   register operands. dS^T also goes to shared memory (two buffers). During the next step,
-  once both warpgroups have written theirs (an mbarrier), each computes half of dQ's
-  columns, dQ[:, half] = dS K[:, half] (issued before dK's wgmma, so it is stored while dK
-  runs), and puts it in one of two staging buffers; a warpgroup never waits for the other's dS^T
-  of the step it is on. A warpgroup arrives on a step's dS^T barrier only once its last dQ
-  (of the step before, or of the previous tile) has read the other buffer, so that barrier
-  also frees the buffer for the step after;
+  once both warpgroups have written theirs (an mbarrier), each computes its half of the step's
+  dQ = dS K (64-row steps: half of dQ's columns; 128-row steps: half of its rows) (issued before
+  dK's wgmma, so it is stored while dK runs), and puts it in one of two staging buffers; a
+  warpgroup never waits for the other's dS^T of the step it is on. A warpgroup arrives on a
+  step's dS^T barrier only once its last dQ (of the step before, or of the previous tile) has
+  read the other buffer, so that barrier also frees the buffer for the step after. At a key
+  tile's end the warpgroups store dK and dV: by TMA through the (then free) staging buffers, or
+  from registers on causal walks (`bwd`);
 - a 1-warp **reducer** adds each step's two halves into the float32 dQ buffer with TMA reductions
   and frees the staging buffer once they have read it (while the warpgroups fill the other one);
-- a small Triton kernel first computes delta = rowsum(dO * O) - dLSE and LSE * log2(e), padded to
+- a small Triton kernel first computes delta = rowsum(dO * O) - dLSE and LSE / scale, padded to
   whole steps (so every step's TMA load of them is in bounds); another one last casts
   dQ = scale * buffer.
 
@@ -98,7 +102,8 @@ def q_step(head_dim: int) -> int:
 
 
 # Launch settings a study can override (experiments/studies/hopper_bwd_fa4): "q_step", a dict
-# {head_dim: 64 or 128}; "dkdv_tma": False stores dK and dV from registers. Empty in normal use.
+# {head_dim: 64 or 128}; "dkdv_tma": True / False, dK and dV stored by TMA or from registers
+# (default: by TMA except on causal walks). Empty in normal use.
 OVERRIDES: dict = {}
 
 
@@ -777,7 +782,11 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
     n_rounds = cdiv(n_units, grid) * (2 if causal else 1)
     lay_dk, lay_dv = hopper.tensor_layout(dk), hopper.tensor_layout(dv)
-    dkdv_tma = lay_dk is not None and lay_dv is not None and OVERRIDES.get("dkdv_tma", True)  # (else register stores)
+    # dK / dV by TMA store through the dQ staging buffers where their layouts take descriptors, except
+    # on causal walks: there the TMA epilogue's extra live registers (more spills on the long diagonal
+    # walks) cost more than it saves (16K on an H200: causal 8-13% slower, other walks 0-4% faster;
+    # experiments/studies/hopper_bwd_fa4/)
+    dkdv_tma = lay_dk is not None and lay_dv is not None and OVERRIDES.get("dkdv_tma", not causal)
     desc_dk = descriptor(dk, lay_dk, TILE // 2) if dkdv_tma else None  # one warpgroup's 64 keys a store
     desc_dv = descriptor(dv, lay_dv, TILE // 2) if dkdv_tma else None
     binding.call(
