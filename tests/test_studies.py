@@ -569,3 +569,31 @@ def test_decode_splits_times_each_setting_and_restores_the_launch(tmp_path, caps
     assert all(r["status"] == "ok" and r["max_err"] < 2e-2 for r in ours)
     assert decode.OVERRIDES == {}
     assert "best setting" in capsys.readouterr().out
+
+
+def test_hopper_bwd_fa4_cases_variants_and_table(capsys):
+    """compare.py: case names resolve (the table's, randomK, localW; a bad one is a one-line usage
+    error), every variant names only knobs the backward has, a CPU run refuses with exit 2, and the
+    table gives each row's speed relative to FA4's (FA4's time over the row's)."""
+    from sparseflash.experiments.studies.hopper_bwd_fa4 import compare
+    from sparseflash.flash.hopper import backward as hb
+
+    assert compare.case("causal-d64-4k") == (4096, 64, True, None)
+    assert compare.case("random13-d128-16k") == (16384, 128, False, ("random", 13))
+    assert compare.case("local2048-d64-4k") == (4096, 64, True, ("local", 2048))
+    with pytest.raises(ValueError, match="randomK-dD-Nk"):
+        compare.case("random-d96-16k")
+    assert compare._mask(("random", 3), 4096, False, "cpu").layout.shape == (1, compare.HEADS, 32, 32)
+    for over in compare.VARIANTS.values():
+        assert set(over) <= {"q_step", "dkdv_tma", "MODE"} and over.get("MODE", "on") in ("on", "off")
+    assert hb.OVERRIDES == {}
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--out", "x", "--cases", "bogus"])
+    assert e.value.code == 2 and "bogus" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert compare.main(["--out", "x"]) == 2
+    rows = [dict(case="c", provider="ours", status="ok", fwd_ms=1.0, bwd_ms=3.0, fwdbwd_ms=4.0),
+            dict(case="c", provider="fa4", status="ok", fwd_ms=0.5, bwd_ms=2.5, fwdbwd_ms=3.0),
+            dict(case="c", provider="cudnn", status="skipped: why")]
+    t = compare.table(rows)
+    assert "| c | ours | 1.000 | 3.000 | 4.000 | 0.500 | 0.750 |" in t and "skipped: why" in t

@@ -5,7 +5,9 @@ step of the Hopper backward.
         [--variants ours ours-q64 ...] [--providers fa4 cudnn flex] [--rep-ms 100]
 
 Cases (`CASES`): 16 heads, bf16, batch 16384 / N (4K: 4 sequences), dense or causal, and block
-masks near density 0.1 built as `bench sparsity` builds them (random, butterfly, causal local).
+masks near density 0.1 built as `bench sparsity` builds them (random, butterfly, causal local);
+also by name (`case`): ``randomK-dD-Nk`` (K random blocks a row, each head its own) and
+``localW-dD-Nk`` (a causal window of W tokens), for the backward's dispatch threshold.
 Each provider runs the call on the same [B, H, N, D] tensors (FA4 on its [B, N, H, D] views, no
 copy; block masks as the same block lists, `experiments/bench/providers.py`). Times are GPU ms of
 CUDA-graph replays (`timing.graph_ms`): the forward without autograd, and forward + backward
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import csv
 import json
-import math
+import re
 import sys
 from pathlib import Path
 
@@ -39,15 +41,38 @@ CASES = {
 DEFAULT_CASES = ("dense-d128-16k", "dense-d64-16k", "causal-d128-16k", "causal-d64-16k", "random-d128-16k",
                  "random-d64-16k", "dense-d128-4k", "dense-d64-4k", "causal-d128-4k", "causal-d64-4k",
                  "random-d128-4k", "random-d64-4k")
-# our variants: hopper.backward.OVERRIDES for the call ("ours": the production default)
+# our variants: hopper.backward.OVERRIDES for the call, and "MODE" for hopper.backward.MODE ("on":
+# the one-pass backward on every walk, "off": the portable pair); "ours": the production default
 VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step": {64: 128}},
-            "ours-regstore": {"dkdv_tma": False}}
+            "ours-regstore": {"dkdv_tma": False}, "ours-tma": {"dkdv_tma": True}, "onepass": {"MODE": "on"},
+            "onepass-regstore": {"MODE": "on", "dkdv_tma": False}, "onepass-tma": {"MODE": "on", "dkdv_tma": True},
+            "portable": {"MODE": "off"}}
+
+
+def case(name: str):
+    """(seq_len, head_dim, causal, pattern) of a case name: one of `CASES`, ``randomK-dD-Nk`` or
+    ``localW-dD-Nk``; pattern is None (dense), a `bench sparsity` pattern name, or ("random", K) /
+    ("local", W)."""
+    if name in CASES:
+        return CASES[name]
+    m = re.fullmatch(r"(random|local)(\d+)-d(\d+)-(\d+)k", name)
+    if m is None:
+        raise ValueError(f"case must be one of {sorted(CASES)}, randomK-dD-Nk or localW-dD-Nk, got {name!r}")
+    kind, arg, d, n = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)) * 1024
+    return n, d, kind == "local", (kind, arg)
 HEADS, TOKENS, DENSITY = 16, 16384, 0.1
 
 
-def _mask(pattern: str | None, n: int, causal: bool, device):
+def _mask(pattern, n: int, causal: bool, device):
     if pattern is None:
         return None
+    if isinstance(pattern, tuple):
+        from sparseflash.patterns import local, random
+
+        kind, arg = pattern
+        if kind == "random":
+            return random(n, arg, block_size=128, heads=HEADS, seed=0, device=device)
+        return local(n, arg, block_size=128, causal=True, device=device)
     from sparseflash.experiments.bench.masks import sweep_points
 
     return sweep_points(pattern, n, 128, causal, targets=(DENSITY,))[0].mask.to(device)
@@ -90,7 +115,7 @@ def run_case(name: str, variants, providers, rep_ms: float, device) -> list[dict
     from sparseflash.experiments.bench.providers import Setting
     from sparseflash.flash.hopper import backward as hb
 
-    n, d, causal, pattern = CASES[name]
+    n, d, causal, pattern = case(name)
     batch = TOKENS // n
     mask = _mask(pattern, n, causal, device)
     g = torch.Generator(device=device).manual_seed(0)
@@ -98,7 +123,8 @@ def run_case(name: str, variants, providers, rep_ms: float, device) -> list[dict
     for t in (q, k, v):
         t.requires_grad_(True)
     dens = 1.0 if mask is None else densities(mask, *mask.shape[:2], causal)["rel_density"]
-    base = dict(case=name, seq_len=n, batch=batch, heads=HEADS, head_dim=d, causal=causal, pattern=pattern or "dense",
+    base = dict(case=name, seq_len=n, batch=batch, heads=HEADS, head_dim=d, causal=causal,
+                pattern="dense" if pattern is None else pattern if isinstance(pattern, str) else f"{pattern[0]}{pattern[1]}",
                 rel_density=round(dens, 4))
     setting = Setting(device, torch.bfloat16, batch, HEADS, n, d, causal, "fwdbwd", mask)
     runs = [(v_name, _ours(mask, causal), None, VARIANTS[v_name]) for v_name in variants]
@@ -117,7 +143,9 @@ def run_case(name: str, variants, providers, rep_ms: float, device) -> list[dict
             print(f"  {name:18s} {label:10s} skipped: {why}", flush=True)
             continue
         hb.OVERRIDES.clear()
-        hb.OVERRIDES.update(over)
+        hb.OVERRIDES.update({k: v for k, v in over.items() if k != "MODE"})
+        mode = hb.MODE
+        hb.MODE = over.get("MODE", mode)
         try:
             res = _results(fn, q, k, v, do)
             if ref is None:
@@ -132,6 +160,7 @@ def run_case(name: str, variants, providers, rep_ms: float, device) -> list[dict
             row.update(status=f"error: {type(e).__name__}: {str(e)[:300]}")
         finally:
             hb.OVERRIDES.clear()
+            hb.MODE = mode
         rows.append(row)
         print(f"  {name:18s} {label:10s} {row.get('status')} fwd {row.get('fwd_ms', '-')} fwd+bwd "
               f"{row.get('fwdbwd_ms', '-')}", flush=True)
@@ -154,11 +183,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _case_name(name: str) -> str:
+    import argparse
+
+    try:
+        case(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper_bwd_fa4.compare",
                         description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=sorted(CASES))
+    ap.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), type=_case_name,
+                    help=f"case names: {', '.join(sorted(CASES))}, randomK-dD-Nk, localW-dD-Nk")
     ap.add_argument("--variants", nargs="+", default=["ours"], choices=sorted(VARIANTS))
     ap.add_argument("--providers", nargs="*", default=["fa4", "cudnn"], choices=["fa4", "cudnn", "flex"])
     ap.add_argument("--rep-ms", type=float, default=100.0)
