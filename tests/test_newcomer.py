@@ -223,3 +223,85 @@ def test_checkpoint_with_a_pickled_callable_is_refused(tmp_path, capsys):
                          str(out), flag, str(evil), "--no-progress", "--num-workers", "0"]) == cli.EXIT_USAGE
         line = _one_error_line(capsys.readouterr().err)
         assert f"{flag} {evil}: refused" in line
+
+
+def _damaged_checkpoints(folder: Path) -> dict:
+    """What can lie where a checkpoint should: an empty file, a bare tensor, a torch.save file cut
+    short (a crash or a full disk during a save or a copy), random bytes."""
+    import random
+
+    folder.mkdir()
+    whole = folder / "whole.pt"
+    torch.save({"model": {"w": torch.randn(64, 64)}, "config": {}, "step": 3}, whole)
+    data = whole.read_bytes()
+    files = {"empty": b"", "half": data[:len(data) // 2], "end-cut": data[:-64],
+             "random": random.Random(0).randbytes(4096)}
+    paths = {}
+    for name, content in files.items():
+        paths[name] = folder / f"{name}.pt"
+        paths[name].write_bytes(content)
+    paths["tensor"] = folder / "tensor.pt"
+    torch.save(torch.ones(3), paths["tensor"])
+    return paths
+
+
+def test_damaged_checkpoints_are_one_line_that_says_so(tmp_path, capsys):
+    """--resume / --init-from given an empty, truncated, random or bare-tensor file: one line naming
+    the option and the file, saying it is damaged (not that it could run code)."""
+    from sparseflash.experiments.lra.checkpoints import load_checkpoint
+
+    data = _tiny_listops(tmp_path / "data")
+    damaged = _damaged_checkpoints(tmp_path / "files")
+    said = {"empty": "the file is empty", "half": "damaged or truncated", "end-cut": "damaged or truncated",
+            "random": "damaged or truncated", "tensor": "holds a Tensor"}
+    for name, path in damaged.items():
+        with pytest.raises(ValueError, match=said[name]):
+            load_checkpoint(path, "--resume", keys=("model",))
+        for flag in ("--resume", "--init-from"):
+            out = tmp_path / f"run-{name}{flag}"
+            assert cli.main(["lra", "train", "--task", "listops", "--config", "tiny", "--data", str(data), "--out",
+                             str(out), flag, str(path), "--no-progress", "--num-workers", "0"]) == cli.EXIT_USAGE
+            line = _one_error_line(capsys.readouterr().err)
+            assert f"{flag} {path}: " in line and said[name] in line and "run code" not in line, line
+    # the last.pt of a run folder, damaged: `--resume` names it and leaves the folder as it was
+    run = tmp_path / "damaged-run"
+    before = _fake_run(run)
+    assert cli.main(["lra", "train", "--task", "listops", "--config", "tiny", "--data", str(data), "--out", str(run),
+                     "--resume", "--no-progress", "--num-workers", "0"]) == cli.EXIT_USAGE
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"--resume {run / 'checkpoints' / 'last.pt'}: the file is damaged" in line
+    assert _hashes(run) == before
+
+
+class _PlantDType:
+    """Pickles as a call of ``numpy.dtypes._add_dtype_helper``, which writes into ``numpy.dtypes``."""
+
+    def __reduce__(self):
+        import numpy as np
+
+        return np.dtypes._add_dtype_helper, (type(np.dtype(np.uint32)), "sparseflash_planted")
+
+
+def test_numpy_allow_list_names_exact_globals(tmp_path):
+    """Only the names an older checkpoint's NumPy RNG state needs are let through: a function of
+    numpy.dtypes is refused before it runs, and so is an array of another dtype."""
+    import numpy as np
+
+    from sparseflash.experiments.lra.checkpoints import NUMPY_ARRAY_GLOBALS, load_checkpoint
+
+    if not hasattr(getattr(np, "dtypes", None), "_add_dtype_helper"):
+        pytest.skip("this NumPy has no numpy.dtypes._add_dtype_helper")
+    assert all(not name.endswith(".") and name.count(".") >= 1 for name in NUMPY_ARRAY_GLOBALS)
+    planted = tmp_path / "planted.pt"
+    torch.save({"model": {}, "x": _PlantDType()}, planted)
+    names_before = list(np.dtypes.__all__)
+    with pytest.raises(ValueError, match=r"refused, .*numpy\.dtypes\._add_dtype_helper.*could run code"):
+        load_checkpoint(planted)
+    assert not hasattr(np.dtypes, "sparseflash_planted") and np.dtypes.__all__ == names_before
+    floats = tmp_path / "floats.pt"
+    torch.save({"model": {}, "x": np.zeros(3)}, floats)
+    with pytest.raises(ValueError, match="refused"):
+        load_checkpoint(floats)
+    rng = tmp_path / "rng.pt"
+    torch.save({"numpy": np.random.get_state()}, rng)
+    assert np.array_equal(load_checkpoint(rng)["numpy"][1], np.random.get_state()[1])

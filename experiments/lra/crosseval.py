@@ -34,9 +34,7 @@ def load_checkpoint(run_dir, checkpoint: str = "best.pt") -> tuple:
     ckpt = Path(run_dir) / "checkpoints" / checkpoint
     if not ckpt.is_file():
         raise FileNotFoundError(f"no checkpoint {ckpt} (give a `sparseflash lra train` output folder that has one)")
-    state = safe_load(ckpt)
-    if "config" not in state or "model" not in state:
-        raise ValueError(f"{ckpt} is not a checkpoint written by `sparseflash lra train` (no config or model)")
+    state = safe_load(ckpt, keys=("config", "model"))
     return config_from_dict(state["config"]), state
 
 

@@ -127,7 +127,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sparseflash.experiments.lra.checkpoints import load_checkpoint
+from sparseflash.experiments.lra.checkpoints import load_checkpoint, model_weights
 from sparseflash.experiments.lra.configs import (
     OBJECTIVES, TASKS, VARIANTS, ExperimentConfig, TrainConfig, config_from_dict, get_config)
 from sparseflash.experiments.lra.model import (
@@ -358,6 +358,10 @@ def _gather(obj, world):
     out = [None] * world
     dist.all_gather_object(out, obj)
     return out
+
+
+# what `_Run.save_full` writes and `--resume` reads (older checkpoints lack the others: see `_Run._load_checkpoint`)
+_FULL_CHECKPOINT = ("model", "config", "step", "best", "optimizer", "scheduler", "rng")
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -974,9 +978,14 @@ class _Run:
         model = build_model(self.cfg)
         if init_from:
             state = load_checkpoint(init_from, "--init-from")
-            notes = load_pretrained(model, state.get("model", state))
+            weights = model_weights(state, init_from, "--init-from")
+            try:
+                notes = load_pretrained(model, weights)
+            except ValueError as e:  # the weights do not fit this model: say which file
+                raise ValueError(f"--init-from {init_from}: {e}") from None
             if lead:
-                source = ((state.get("config") or {}).get("train") or {}).get("objective", "classify")
+                config = state.get("config") if isinstance(state.get("config"), dict) else {}
+                source = (config.get("train") or {}).get("objective", "classify")
                 print(f"initialised from {init_from} (a {source} checkpoint, into a {tc.objective} model)"
                       + "".join(f"\n  {n}" for n in notes), file=sys.stderr)
         frozen = freeze_parameters(model, tc.freeze)
@@ -1010,10 +1019,14 @@ class _Run:
 
     def _load_checkpoint(self, resume: str) -> None:
         ckpt_dir = self.ckpt_dir
-        ck = load_checkpoint(resume, "--resume")
+        ck = load_checkpoint(resume, "--resume", keys=("model", "config", "step"))
         if "optimizer" not in ck:
             raise ValueError(f"cannot resume from {resume}: it holds weights only (best.pt?); resume from a full "
                              f"checkpoint such as {ckpt_dir / 'last.pt'}")
+        lacks = [k for k in _FULL_CHECKPOINT if k not in ck]
+        if lacks:
+            raise ValueError(f"--resume {resume}: not a full checkpoint of sparseflash lra train (it lacks {lacks}); "
+                             f"resume from a run's {ckpt_dir / 'last.pt'}")
         saved, ours = ck["config"], self.cfg.to_dict()
         # a field the checkpoint lacks is newer than the run, which ran with its default behaviour
         defaults = {"model": ModelConfig().__dict__, "train": TrainConfig().__dict__}
@@ -1042,7 +1055,7 @@ class _Run:
                 shared, best = set(ck["best_model_from_model"]), self.best_state
                 self.best_state = {k: (v if k in shared else best[k]) for k, v in ck["model"].items()}
         elif (ckpt_dir / "best.pt").exists():  # a checkpoint of an older version: best.pt is all there is
-            self.best_state = load_checkpoint(ckpt_dir / "best.pt")["model"]
+            self.best_state = load_checkpoint(ckpt_dir / "best.pt", keys=("model",))["model"]
         if "logs" in ck:
             self.logs.truncate_to(ck["logs"], self.step)
         else:

@@ -39,9 +39,7 @@ def export(checkpoint, out, *, max_mb: float = 5.0) -> dict:
     checkpoint, out = Path(checkpoint), Path(out)
     if not checkpoint.is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint}: no such file")
-    ck = load_checkpoint(checkpoint)
-    if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
-        raise ValueError(f"{checkpoint}: not a training checkpoint (needs 'config' and 'model')")
+    ck = load_checkpoint(checkpoint, keys=("config", "model"))
     model = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach().clone()
              for k, v in ck["model"].items()}
     run = checkpoint.parent.parent
