@@ -69,6 +69,60 @@ def test_train_refuses_a_folder_holding_a_run_and_leaves_it_byte_for_byte(tmp_pa
     assert _hashes(run) == before
 
 
+def test_a_failed_start_does_not_block_its_retry(tmp_path, capsys, monkeypatch):
+    """Each way a start fails -- a bad --pattern, --pattern-arg, a missing --resume or --init-from
+    file, an error in the first step -- leaves --out as it found it (absent, or the empty folder it
+    was), so the corrected command runs without --overwrite; a command that failed after its run
+    recorded a step keeps that run."""
+    from sparseflash.experiments.lra import train as T
+
+    data = _tiny_listops(tmp_path / "data")
+
+    def command(out, *extra):
+        return ["lra", "train", "--task", "listops", "--config", "tiny", "--data", str(data), "--out", str(out),
+                "--set", "train.batch_size=8", "--set", "train.eval_batches=1", "--set", "train.log_every=1",
+                "--set", "model.d_model=16", "--set", "model.d_ff=32", "--num-workers", "0", "--no-progress", *extra]
+
+    out = tmp_path / "run"
+    failures = {"--pattern": ["--pattern", "no_such_pattern"], "unknown --pattern-arg": ["--pattern-arg", "nope=3"],
+                "bad --pattern-arg": ["--pattern-arg", "n_factors=many"],
+                "--resume": ["--resume", str(tmp_path / "gone.pt")], "--init-from": ["--init-from", str(tmp_path / "gone.pt")]}
+    for empty_folder_first in (False, True):
+        if empty_folder_first:
+            out.mkdir()
+        for what, extra in failures.items():
+            assert cli.main(command(out, *extra)) == cli.EXIT_USAGE, what
+            _one_error_line(capsys.readouterr().err)
+            assert out.exists() == empty_folder_first, what
+            assert not empty_folder_first or list(out.iterdir()) == [], what
+
+    def broken_step(self, b):
+        raise ValueError("a failure in the first step")
+
+    with monkeypatch.context() as m:
+        m.setattr(T._Run, "_train_step", broken_step)
+        assert cli.main(command(out, "--max-steps", "1")) == cli.EXIT_USAGE
+        assert "first step" in _one_error_line(capsys.readouterr().err) and list(out.iterdir()) == []
+    assert cli.main(command(out, "--max-steps", "1")) == 0  # the corrected command, without --overwrite
+    capsys.readouterr()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 1
+
+    # a failure after the run recorded its first step leaves the run (config.json and its records)
+    real, calls = T._Run._train_step, []
+
+    def fails_second(self, b):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("a failure in the second step")
+        return real(self, b)
+
+    monkeypatch.setattr(T._Run, "_train_step", fails_second)
+    later = tmp_path / "later"
+    assert cli.main(command(later, "--max-steps", "3")) == cli.EXIT_USAGE
+    assert "second step" in _one_error_line(capsys.readouterr().err)
+    assert {"config.json", "train.csv", "metrics.jsonl"} <= {p.name for p in later.iterdir()}
+
+
 def test_claim_output_dir_rules(tmp_path):
     assert claim_output_dir(tmp_path / "new", owned=()) == tmp_path / "new"  # absent or empty: fine
     run = tmp_path / "run"
@@ -247,7 +301,7 @@ def _damaged_checkpoints(folder: Path) -> dict:
 
 def test_damaged_checkpoints_are_one_line_that_says_so(tmp_path, capsys):
     """--resume / --init-from given an empty, truncated, random or bare-tensor file: one line naming
-    the option and the file, saying it is damaged (not that it could run code)."""
+    the option and the file, saying it is damaged (not that it could run code); no folder is left."""
     from sparseflash.experiments.lra.checkpoints import load_checkpoint
 
     data = _tiny_listops(tmp_path / "data")
@@ -258,11 +312,12 @@ def test_damaged_checkpoints_are_one_line_that_says_so(tmp_path, capsys):
         with pytest.raises(ValueError, match=said[name]):
             load_checkpoint(path, "--resume", keys=("model",))
         for flag in ("--resume", "--init-from"):
-            out = tmp_path / f"run-{name}{flag}"
+            out = tmp_path / "run"  # the same --out each time: a failed start leaves nothing to refuse
             assert cli.main(["lra", "train", "--task", "listops", "--config", "tiny", "--data", str(data), "--out",
                              str(out), flag, str(path), "--no-progress", "--num-workers", "0"]) == cli.EXIT_USAGE
             line = _one_error_line(capsys.readouterr().err)
             assert f"{flag} {path}: " in line and said[name] in line and "run code" not in line, line
+            assert not out.exists(), f"{flag} {name}: a failed start left {sorted(out.rglob('*'))}"
     # the last.pt of a run folder, damaged: `--resume` names it and leaves the folder as it was
     run = tmp_path / "damaged-run"
     before = _fake_run(run)

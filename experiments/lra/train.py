@@ -11,7 +11,9 @@ What a run does: bf16 autocast on CUDA, AdamW (no decay on biases, norms and emb
 then linear / cosine / inverse-sqrt decay, gradient clipping; evaluation on val every
 ``eval_every`` steps and at the end of the schedule, and at the end on test with the final and the
 best-on-val weights; checkpoints ``OUT/checkpoints/{last,best}.pt``; ``OUT/metrics.jsonl`` plus
-``train.csv`` / ``eval.csv``; ``OUT/config.json`` and ``OUT/summary.json``.
+``train.csv`` / ``eval.csv``; ``OUT/config.json`` and ``OUT/summary.json``. A command that fails
+before its run recorded a step (a bad pattern, a checkpoint that cannot be read, an error in the
+first step) removes what it wrote, so the corrected command finds ``OUT`` as it was.
 
 Reproducibility. The data order is a pure function of (seed, step): epoch e is a permutation drawn
 from (seed, e), and step s takes batch ``s mod steps_per_epoch`` of epoch ``s // steps_per_epoch``.
@@ -906,11 +908,15 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
     run = _Run(cfg, out_dir, datasets=datasets, data_root=data_root, cache_dir=cache_dir, device=device,
                max_steps=max_steps, precision=precision, deadline=deadline, cuda_graphs=cuda_graphs,
                max_graphs=max_graphs, compile=compile)
-    run.build(init_from)
-    run.resume_from(resume)
-    run.prepare_loop(compile, num_workers)
-    run.run_steps(show_progress)
-    return run.finish()
+    try:
+        run.build(init_from)
+        run.resume_from(resume)
+        run.prepare_loop(compile, num_workers)
+        run.run_steps(show_progress)
+        return run.finish()
+    except BaseException:
+        run.forget_failed_start()
+        raise
 
 
 class _Run:
@@ -954,8 +960,7 @@ class _Run:
                 raise ValueError("give the data directory (--data DIR) or datasets=")
             datasets = load_datasets(cfg, data_root, cache_dir)
         self.datasets = datasets
-        if self.lead:  # only once the arguments and the data are known good: a failed start leaves no folder
-            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.made, self.wrote_config = [], False  # what this command made in OUT (`forget_failed_start`)
         cfg = config_from_dict(cfg.to_dict())  # resolved copy; the caller's config is left alone
         fit_to_data(cfg, datasets["train"])
         tc = cfg.train
@@ -976,6 +981,7 @@ class _Run:
         tc, lead = self.tc, self.lead
         _seed_all(tc.seed)  # the same initial weights on every rank
         model = build_model(self.cfg)
+        self.mask = model.pattern_mask()  # a pattern that cannot be built fails here, before anything is written
         if init_from:
             state = load_checkpoint(init_from, "--init-from")
             weights = model_weights(state, init_from, "--init-from")
@@ -1013,9 +1019,32 @@ class _Run:
         if resume:
             self._load_checkpoint(resume)
         if self.lead:
+            self._make_folders()
             (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+            self.wrote_config = True
         self.t_offset = sum(seg["wall_s"] for seg in self.segments)  # wall time of the earlier commands, for time_s
         self.start_step = self.step
+
+    def _make_folders(self) -> None:
+        """OUT and OUT/checkpoints, made by this command's first write (noted for `forget_failed_start`)."""
+        for folder in reversed([p for p in (self.ckpt_dir, self.out, *self.out.parents) if not p.exists()]):
+            folder.mkdir()
+            self.made.append(folder)
+
+    def forget_failed_start(self) -> None:
+        """After this command failed before its run recorded anything (a log record, a checkpoint,
+        a summary): remove the config.json it wrote and the folders it made, so that the same
+        command, corrected, is not refused for an --out that holds a run."""
+        if not self.lead:
+            return
+        recorded = [self.out / name for name in (*_Logs.FILES, "summary.json") if (self.out / name).exists()]
+        if recorded or (self.ckpt_dir.is_dir() and any(self.ckpt_dir.iterdir())):
+            return
+        if self.wrote_config:
+            (self.out / "config.json").unlink(missing_ok=True)
+        for folder in reversed(self.made):
+            with contextlib.suppress(OSError):  # not empty: it holds what this command did not write
+                folder.rmdir()
 
     def _load_checkpoint(self, resume: str) -> None:
         ckpt_dir = self.ckpt_dir
@@ -1152,7 +1181,6 @@ class _Run:
         """Steps from the resumed one to ``stop``, or until a signal or the deadline ends the command
         (then with a full checkpoint)."""
         cfg, tc, device, clock = self.cfg, self.tc, self.device, self.clock
-        self.mask = self.model.pattern_mask()
         if self.lead:
             warning = dense_pattern_warning(cfg.model, self.mask)
             if warning:
