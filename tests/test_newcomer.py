@@ -123,6 +123,48 @@ def test_a_failed_start_does_not_block_its_retry(tmp_path, capsys, monkeypatch):
     assert {"config.json", "train.csv", "metrics.jsonl"} <= {p.name for p in later.iterdir()}
 
 
+def test_resume_keeps_the_history_and_checks_config_json(tmp_path, capsys):
+    """--resume never rewrites what a run recorded: a run that has ended is left byte for byte;
+    going on keeps the first command's record (wall time, end) as its summary wrote it; a damaged
+    or differing config.json is refused, leaving the folder as it was; a deleted one is written again."""
+    data = _tiny_listops(tmp_path / "data")
+    run = tmp_path / "run"
+    args = ["lra", "train", "--task", "listops", "--config", "tiny", "--data", str(data), "--out", str(run),
+            "--set", "train.steps=3", "--set", "train.batch_size=8", "--set", "train.eval_batches=1", "--set",
+            "train.log_every=1", "--set", "model.d_model=16", "--set", "model.d_ff=32", "--num-workers", "0",
+            "--no-progress"]
+    assert cli.main(args + ["--max-steps", "2"]) == 0
+    first = json.loads((run / "summary.json").read_text())
+    before = _hashes(run)
+    assert cli.main(args + ["--max-steps", "2", "--resume"]) == 0  # ended where this command would end it
+    assert "has ended at step 2" in capsys.readouterr().err and _hashes(run) == before
+
+    config = (run / "config.json").read_bytes()
+    for damaged, said in (('{"task": ', "is not valid JSON"), ("[]", "holds a JSON list"),
+                          (config.decode().replace('"d_model": 16', '"d_model": 17'), "differs from the checkpoint's "
+                                                                                      "config in ['model.d_model']")):
+        (run / "config.json").write_text(damaged)
+        before = _hashes(run)
+        assert cli.main(args + ["--resume"]) == cli.EXIT_USAGE
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"{run / 'config.json'} {said}" in line, line
+        assert _hashes(run) == before
+    (run / "config.json").unlink()
+
+    assert cli.main(args + ["--resume"]) == 0  # on to the end of the schedule
+    capsys.readouterr()
+    assert (run / "config.json").read_bytes() == config
+    done = json.loads((run / "summary.json").read_text())
+    assert done["segments"][0] == first["segments"][0] and [s["end_step"] for s in done["segments"]] == [2, 3]
+    assert done["wall_s_total"] == pytest.approx(sum(s["wall_s"] for s in done["segments"]))
+    before = _hashes(run)
+    assert cli.main(args + ["--resume"]) == 0
+    assert "nothing to run" in capsys.readouterr().err and _hashes(run) == before
+    (run / "summary.json").write_text("{")
+    assert cli.main(args + ["--resume"]) == cli.EXIT_USAGE
+    assert f"{run / 'summary.json'} is not valid JSON" in _one_error_line(capsys.readouterr().err)
+
+
 def test_claim_output_dir_rules(tmp_path):
     assert claim_output_dir(tmp_path / "new", owned=()) == tmp_path / "new"  # absent or empty: fine
     run = tmp_path / "run"

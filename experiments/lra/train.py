@@ -25,7 +25,11 @@ before appending, so a run split over any number of commands ends bit-identical 
 uninterrupted run (on CPU; on a GPU as far as its kernels are deterministic): weights, optimizer,
 logs, best.pt, summary (but its wall-clock fields). ``--max-steps`` ends a run early without
 changing the schedule (defined by ``train.steps`` or ``train.epochs``); its closing validation,
-off the ``eval_every`` grid, comes after the checkpoint, so a resumed run never sees it.
+off the ``eval_every`` grid, comes after the checkpoint, so a resumed run never sees it. ``--resume``
+checks the run's ``config.json`` against the checkpoint's config (a damaged or differing one is
+refused) and never rewrites it; it keeps each earlier command's record in ``segments`` as that
+command's summary wrote it; a run that has already ended where the command would end it is left
+as it is (nothing runs).
 
 Stopping early, for machines that end a command after a fixed time. SIGTERM or SIGINT (to the main
 process or the whole process group; data-loader workers ignore them) ends the command after the step
@@ -364,6 +368,57 @@ def _gather(obj, world):
 
 # what `_Run.save_full` writes and `--resume` reads (older checkpoints lack the others: see `_Run._load_checkpoint`)
 _FULL_CHECKPOINT = ("model", "config", "step", "best", "optimizer", "scheduler", "rng")
+
+
+def _write_json(path: Path, obj) -> None:
+    """``path`` holds ``obj`` as JSON, whole or not at all (a process killed while writing leaves the old file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def _read_run_json(path: Path) -> dict | None:
+    """A run's config.json or summary.json as a dict, None when there is none; a file that is not
+    a JSON object raises ValueError naming it."""
+    if not path.exists():
+        return None
+    try:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--resume: {path} is not valid JSON ({e}); restore it, or delete it and --resume writes it "
+                         f"again from the checkpoint") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"--resume: {path} holds a JSON {type(obj).__name__}, not a run's record; restore it, or "
+                         f"delete it and --resume writes it again from the checkpoint")
+    return obj
+
+
+def _config_diff(saved, ours: dict) -> list[str]:
+    """The fields in which the config ``saved`` (a checkpoint's, a config.json) differs from ``ours``
+    (``["everything"]`` when ``saved`` is no run config). A field ``saved`` lacks is newer than the
+    run, which ran with its default behaviour."""
+    if not (isinstance(saved, dict) and all(isinstance(saved.get(s), dict) for s in ("model", "train"))
+            and all(k in saved for k in ("task", "data"))):
+        return ["everything (it holds no run config: task, data, model, train)"]
+    defaults = {"model": ModelConfig().__dict__, "train": TrainConfig().__dict__}
+    diff = sorted(f"{s}.{k}" for s in ("model", "train") for k in ours[s]
+                  if saved[s].get(k, defaults[s].get(k)) != ours[s][k])
+    return diff + [k for k in ("task", "data") if saved[k] != ours[k]]
+
+
+def _same_command(a: dict, b: dict) -> bool:
+    """Whether two records of ``segments`` are of the same command (the summary's record of it is
+    written when it ends, the checkpoint's at its last save)."""
+    return all(a.get(k) == b.get(k) for k in ("started", "start_step", "end_step", "host"))
+
+
+def _history(segments: list, summary: dict | None) -> list:
+    """The earlier commands of a run, as a resumed command lists them: the checkpoint's records,
+    each replaced by the summary's record of the same command when there is one (its wall time and
+    end include what that command did after its last checkpoint: the closing evaluations), so
+    that resuming never rewrites the history an earlier summary recorded."""
+    ended = summary.get("segments", []) if summary else []
+    return [next((e for e in ended if isinstance(e, dict) and _same_command(e, seg)), seg) for seg in segments]
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -911,6 +966,9 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
     try:
         run.build(init_from)
         run.resume_from(resume)
+        if run.ended is not None:
+            run.say_ended()
+            return run.ended
         run.prepare_loop(compile, num_workers)
         run.run_steps(show_progress)
         return run.finish()
@@ -1010,9 +1068,12 @@ class _Run:
         self.best = {"loss": None, "acc": None, "step": None} if self.denoise else {"acc": -1.0, "step": None}
         self.step, self.best_state = 0, None
         self.segments, self.timing = [], None  # earlier commands of this run; their time estimates
+        self.ended = None  # the summary of a run that --resume finds ended where this command would end it
 
     def resume_from(self, resume: str | None) -> None:
-        """Continue from checkpoint ``resume`` (``"auto"``: last.pt if there is one); write config.json."""
+        """Continue from checkpoint ``resume`` (``"auto"``: last.pt if there is one); write config.json
+        unless the run has one. A run that has already ended where this command would end it is left
+        as it is (``ended``: its summary)."""
         if resume == "auto":
             resume = str(self.ckpt_dir / "last.pt") if (self.ckpt_dir / "last.pt").exists() else None
         self.resume = resume
@@ -1020,10 +1081,22 @@ class _Run:
             self._load_checkpoint(resume)
         if self.lead:
             self._make_folders()
-            (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
-            self.wrote_config = True
+            if not (resume and (self.out / "config.json").exists()):  # (checked against the checkpoint's above)
+                _write_json(self.out / "config.json", self.cfg.to_dict())
+                self.wrote_config = True
+        if self.ended is not None:
+            return
         self.t_offset = sum(seg["wall_s"] for seg in self.segments)  # wall time of the earlier commands, for time_s
         self.start_step = self.step
+
+    def say_ended(self) -> None:
+        """The note of a --resume that found its run ended: nothing is run, and nothing is written
+        but a missing config.json."""
+        if self.lead:
+            more = (f"; a --max-steps above {self.step} goes on (the schedule has {self.tc.steps})"
+                    if self.step < self.tc.steps else "")
+            print(f"note: the run in {self.out} has ended at step {self.step} ({self.out / 'summary.json'}): nothing "
+                  f"to run{more}", file=sys.stderr)
 
     def _make_folders(self) -> None:
         """OUT and OUT/checkpoints, made by this command's first write (noted for `forget_failed_start`)."""
@@ -1056,14 +1129,28 @@ class _Run:
         if lacks:
             raise ValueError(f"--resume {resume}: not a full checkpoint of sparseflash lra train (it lacks {lacks}); "
                              f"resume from a run's {ckpt_dir / 'last.pt'}")
-        saved, ours = ck["config"], self.cfg.to_dict()
-        # a field the checkpoint lacks is newer than the run, which ran with its default behaviour
-        defaults = {"model": ModelConfig().__dict__, "train": TrainConfig().__dict__}
-        diff = sorted(f"{s}.{k}" for s in ("model", "train") for k in ours[s]
-                      if saved[s].get(k, defaults[s].get(k)) != ours[s][k])
-        diff += [k for k in ("task", "data") if saved[k] != ours[k]]
+        ours = self.cfg.to_dict()
+        diff = _config_diff(ck["config"], ours)
         if diff:
             raise ValueError(f"cannot resume {resume}: its config differs in {diff}")
+        # the run's records in OUT, checked before anything is changed
+        config_path, summary_path = self.out / "config.json", self.out / "summary.json"
+        recorded = _read_run_json(config_path)
+        if recorded is not None:
+            diff = _config_diff(recorded, json.loads(json.dumps(ours)))  # as JSON holds it: tuples are lists
+            if diff:
+                raise ValueError(f"--resume: {config_path} differs from the checkpoint's config in {diff}; restore it, "
+                                 f"or delete it and --resume writes it again from the checkpoint")
+        summary = _read_run_json(summary_path)
+        segments = list(ck.get("segments", []))
+        if summary is not None and not isinstance(summary.get("segments", []), list):
+            raise ValueError(f"--resume: {summary_path} is not the summary of a run (its 'segments' is no list); "
+                             f"restore it, or delete it and the checkpoint's record of the earlier commands is used")
+        self.segments = _history(segments, summary)
+        if (summary is not None and summary.get("finished") and summary.get("steps") == ck["step"] >= self.stop
+                and segments and summary.get("segments") and _same_command(summary["segments"][-1], segments[-1])):
+            self.ended, self.step = summary, ck["step"]
+            return
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["optimizer"])
         for group in self.opt.param_groups:  # this command's choice, whichever the checkpoint's command made
@@ -1077,7 +1164,7 @@ class _Run:
         elif self.lead:
             print(f"warning: checkpoint has RNG states of {len(rngs)} ranks, running {self.world}: dropout streams restart",
                   file=sys.stderr)
-        self.segments, self.timing = list(ck.get("segments", [])), ck.get("timing")
+        self.timing = ck.get("timing")
         if "best_model" in ck:
             self.best_state = ck["best_model"]
             if self.best_state is not None and ck.get("best_model_from_model"):  # frozen: saved once, in "model"
@@ -1364,7 +1451,7 @@ class _Run:
         summary["wall_s"] = self.clock() - self.t_start  # this command
         summary["wall_s_total"] = sum(seg["wall_s"] for seg in summary["segments"])  # every command of the run
         if self.lead:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+            _write_json(self.out / "summary.json", summary)
         return summary
 
     def _test(self) -> dict:
