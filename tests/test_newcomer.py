@@ -256,6 +256,74 @@ def test_tiny_configs_are_sparse_at_their_length():
         assert m.attention == "sparseflash" and mask is not None and mask.density() < 1.0, task
 
 
+# the commands that write files by name: (argv, files it would replace, the module and the function
+# that starts its work); {out} holds the files, {here} is a folder that exists
+_WRITERS = [
+    pytest.param(["patterns", "--seq-len", "256", "--out", "{out}"], ["density.png", "zoo_256.csv"],
+                 "sparseflash.analysis", "density_sweep", id="patterns"),
+    pytest.param(["patterns", "--seq-len", "256", "--no-density", "--out", "{out}"], ["zoo_256.json"],
+                 "sparseflash.analysis", "zoo", id="patterns-no-density"),
+    pytest.param(["lra", "speed", "--task", "listops", "--device", "cpu", "--tiny", "--out", "{out}"], ["speed.json"],
+                 "sparseflash.experiments.lra.speed", "run_speed", id="lra-speed"),
+    pytest.param(["lra", "speed", "--paired", "3", "--task", "listops", "--device", "cpu", "--tiny", "--out", "{out}"],
+                 ["paired.png"], "sparseflash.experiments.lra.speed", "run_paired", id="lra-speed-paired"),
+    pytest.param(["lra", "probe", "--out", "{out}"], ["probe.csv"], "sparseflash.experiments.lra.probe", "run_probe",
+                 id="lra-probe"),
+    pytest.param(["lra", "curves", "{here}", "--out", "{out}/mine.png"], ["mine.png"],
+                 "sparseflash.experiments.lra.curves", "load_runs", id="lra-curves-out"),
+    pytest.param(["lra", "curves", "{out}"], ["curves.png"], "sparseflash.experiments.lra.curves", "load_runs",
+                 id="lra-curves-default"),
+    pytest.param(["lra", "evaluate", "{here}", "--data", "{here}", "--out", "{out}/result.json"], ["result.json"],
+                 "sparseflash.experiments.lra.crosseval", "evaluate_run", id="lra-evaluate"),
+    pytest.param(["lra", "show", "listops", "{here}", "--out", "{out}/look.png"], ["look.png"],
+                 "sparseflash.experiments.lra.data.show", "show_listops", id="lra-show-listops"),
+    pytest.param(["lra", "show", "pathfinder", "{here}", "--out", "{out}/look.png"], ["look.png"],
+                 "sparseflash.experiments.lra.data.show", "show_pathfinder", id="lra-show-pathfinder"),
+]
+
+
+@pytest.mark.parametrize("argv, names, module, attr", _WRITERS)
+def test_commands_that_write_refuse_files_already_there(tmp_path, capsys, monkeypatch, argv, names, module, attr):
+    """A file the command would write that is already there (an earlier result, or another file of
+    that name) is refused before any work, one line naming it and --overwrite, every file left
+    byte for byte; other files in the folder do not matter; --overwrite goes on to the work."""
+    import importlib
+
+    def work(*a, **k):
+        raise CommandError("reached the work", "a test")
+
+    monkeypatch.setattr(importlib.import_module(module), attr, work)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("not an output of the command")
+    command = [a.format(out=out, here=tmp_path) for a in argv]
+    assert cli.main(command) == cli.EXIT_USAGE
+    assert "reached the work" in _one_error_line(capsys.readouterr().err)  # nothing to replace yet
+    for name in names:
+        (out / name).write_bytes(b"mine")
+    before = _hashes(out)
+    assert cli.main(command) == cli.EXIT_USAGE
+    line = _one_error_line(capsys.readouterr().err)
+    assert names[0] in line and "--overwrite" in line and "reached" not in line, line
+    assert _hashes(out) == before
+    assert cli.main(command + ["--overwrite"]) == cli.EXIT_USAGE
+    assert "reached the work" in _one_error_line(capsys.readouterr().err)
+
+
+def test_weights_export_refuses_a_file_already_there(tmp_path, capsys):
+    from sparseflash.experiments.lra import weights
+
+    ckpt = tmp_path / "best.pt"
+    torch.save({"config": {}, "model": {"w": torch.ones(2)}, "step": 1}, ckpt)
+    out = tmp_path / "export.pt"
+    out.write_bytes(b"mine")
+    assert cli.run_command(weights.main, [str(ckpt), str(out)]) == cli.EXIT_USAGE
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"OUT {out} already exists" in line and "--overwrite" in line and out.read_bytes() == b"mine"
+    assert cli.run_command(weights.main, [str(ckpt), str(out), "--overwrite"]) == 0
+    assert torch.load(out, weights_only=True)["model"]["w"].dtype == torch.bfloat16
+
+
 # ----------------------------------------------------------------------------- edges
 def test_usage_errors_bench_without_sweep_and_corrupt_plot_input(tmp_path, capsys):
     for argv in (["bench"], ["lra"]):

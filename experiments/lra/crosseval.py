@@ -88,6 +88,10 @@ def evaluate_run(run_dir, data_root, *, fidelity: str | None = None, split: str 
 
 
 def main(args) -> int:
+    from sparseflash.cmdline import check_output_file, claim_output_file
+
+    if args.out:
+        claim_output_file(check_output_file(args.out), overwrite=args.overwrite)
     r = evaluate_run(args.run, args.data, fidelity=args.fidelity, split=args.split, checkpoint=args.checkpoint,
                      device=args.device, batch_size=args.batch_size, workers=args.workers)
     text = json.dumps(r, indent=1)
@@ -111,4 +115,6 @@ def register_lra(sub) -> None:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--workers", type=int, default=1, help="processes decoding PNGs when the cache is built")
     p.add_argument("--out", default=None, help="write the result as JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace the file at --out; without it an existing one "
+                                                            "is refused")
     p.set_defaults(func=main)

@@ -79,11 +79,12 @@ def _table(runs) -> str:
 
 
 def _cmd(args) -> int:
-    from sparseflash.cmdline import CommandError, check_output_file
+    from sparseflash.cmdline import CommandError, check_output_file, claim_output_file
 
     if not Path(args.runs).is_dir():
         raise CommandError(f"RUNS {args.runs} is not a folder", "give the folder that holds your lra train outputs")
     out = check_output_file(Path(args.out) if args.out else Path(args.runs) / "curves.png")
+    claim_output_file(out, overwrite=args.overwrite)
     runs = load_runs(args.runs)
     if not runs:
         raise CommandError(f"no runs with eval.csv under {args.runs}",
@@ -98,6 +99,8 @@ def register_lra(sub) -> None:
     p = sub.add_parser("curves", help="draw validation-accuracy curves of finished training runs")
     p.add_argument("runs", help="a directory whose sub-directories are `lra train` outputs")
     p.add_argument("--out", default=None, help="PNG path (default RUNS/curves.png)")
+    p.add_argument("--overwrite", action="store_true", help="replace the file at --out; without it an existing one "
+                                                            "is refused")
     p.set_defaults(func=_cmd)
 
 
