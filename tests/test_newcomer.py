@@ -165,6 +165,21 @@ def test_resume_keeps_the_history_and_checks_config_json(tmp_path, capsys):
     assert f"{run / 'summary.json'} is not valid JSON" in _one_error_line(capsys.readouterr().err)
 
 
+def test_evaluate_names_what_it_evaluated(tmp_path, capsys):
+    """`lra evaluate` of a task without generator fidelities (ListOps) names the data it read, not
+    'trained on None data, evaluated on None test'."""
+    data = _tiny_listops(tmp_path / "data")
+    run = tmp_path / "run"
+    assert cli.main(["lra", "train", "--task", "listops", "--config", "tiny", "--data", str(data), "--out", str(run),
+                     "--max-steps", "1", "--set", "train.batch_size=8", "--set", "train.eval_batches=1", "--set",
+                     "model.d_model=16", "--set", "model.d_ff=32", "--num-workers", "0", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli.main(["lra", "evaluate", str(run), "--data", str(data), "--device", "cpu"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"listops (step 1 of {run}) evaluated on test of {data} (32 examples): acc ")
+    assert "None" not in line
+
+
 def test_claim_output_dir_rules(tmp_path):
     assert claim_output_dir(tmp_path / "new", owned=()) == tmp_path / "new"  # absent or empty: fine
     run = tmp_path / "run"

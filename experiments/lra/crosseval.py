@@ -97,9 +97,17 @@ def main(args) -> int:
     text = json.dumps(r, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    print(f"{r['task']} trained on {r['trained_on']} data, evaluated on {r['fidelity']} {r['split']} "
-          f"({r['n']} examples): acc {100 * r['acc']:.2f} +- {100 * r['acc_se']:.2f}%, loss {r['loss']:.4f}")
+    print(result_line(r))
     return 0
+
+
+def result_line(r: dict) -> str:
+    """The line `sparseflash lra evaluate` prints for `evaluate_run`'s result ``r``; a task without
+    generator fidelities (all but Pathfinder) names the data folder instead."""
+    trained = f" trained on {r['trained_on']} data," if r.get("trained_on") else ""
+    on = f"{r['fidelity']} {r['split']}" if r.get("fidelity") else f"{r['split']} of {r['data']}"
+    return (f"{r['task']} (step {r['step']} of {r['run']}){trained} evaluated on {on} ({r['n']} examples): "
+            f"acc {100 * r['acc']:.2f} +- {100 * r['acc_se']:.2f}%, loss {r['loss']:.4f}")
 
 
 def register_lra(sub) -> None:

@@ -32,16 +32,16 @@ command's summary wrote it; a run that has already ended where the command would
 as it is (nothing runs).
 
 Stopping early, for machines that end a command after a fixed time. SIGTERM or SIGINT (to the main
-process or the whole process group; data-loader workers ignore them) ends the command after the step
-in progress with a full checkpoint, the line "stopped at step N by SIGTERM; continue with
---resume", and exit status 75 (`EXIT_STOPPED`); a second signal acts at once. ``--time-limit MIN``
-does the same before a step that, with the evaluation and checkpoint it triggers, is predicted not
-to end within MIN minutes of the command's start (see `_Stopper`). ``summary.json`` lists the run's
-commands in ``segments`` (step range, wall time, how each ended, the commit of its code, host, GPU,
-command line) and their total wall time in ``wall_s_total``; a stopped command writes it with
-``stopped_by`` set. ``commit`` (summary.json and each segment) is `provenance.code_commit`:
-``SPARSEFLASH_COMMIT`` when set (a snapshot sent to a GPU), else git HEAD, ``+dirty`` if the code
-differs from it.
+process or the whole process group; data-loader workers ignore them, and end with the main process
+however it ends) ends the command after the step in progress with a full checkpoint, the line
+"stopped at step N by SIGTERM; continue with --resume", and exit status 75 (`EXIT_STOPPED`); a
+second signal acts at once. ``--time-limit MIN`` does the same before a step that, with the
+evaluation and checkpoint it triggers, is predicted not to end within MIN minutes of the command's
+start (see `_Stopper`). ``summary.json`` lists the run's commands in ``segments`` (step range, wall
+time, how each ended, the commit of its code, host, GPU, command line) and their total wall time in
+``wall_s_total``; a stopped command writes it with ``stopped_by`` set. ``commit`` (summary.json and
+each segment) is `provenance.code_commit`: ``SPARSEFLASH_COMMIT`` when set (a snapshot sent to a
+GPU), else git HEAD, ``+dirty`` if the code differs from it.
 
 Data parallel. ``torchrun`` sets WORLD_SIZE; each rank then takes a contiguous slice of size
 ``batch_size / world`` of the same global batch, DDP averages gradients (NCCL on CUDA, gloo on
@@ -499,12 +499,25 @@ EXIT_STOPPED = 75  # the command's exit status when it stopped early with a chec
 _STOP_CODES = {None: 0, "time_limit": 1, "SIGINT": 2, "SIGTERM": 3}
 
 
-def _ignore_stop_signals(worker_id: int = 0) -> None:
-    """DataLoader ``worker_init_fn``: workers ignore SIGTERM / SIGINT, so that a signal sent to the
+def _init_loader_worker(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``. Workers ignore SIGTERM / SIGINT, so that a signal sent to the
     whole process group leaves them serving the step the main process is finishing (it shuts
-    them down itself)."""
+    them down itself); and on Linux they are killed the moment the process that started them
+    ends, however it ends (SIGKILL, a second signal), instead of living on, orphaned, until they
+    notice (PyTorch's workers look every 5 s, and not while a batch is being read)."""
+    import multiprocessing
+
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError, AttributeError):  # no prctl here: PyTorch's own watch stays
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:  # it ended before the line above
+            os._exit(0)
 
 
 class _Stopper:
@@ -609,7 +622,7 @@ def evaluate(model, ds, *, batch_size: int, max_batches: int | None, device, aut
     per_rank = max(1, batch_size // world)
     loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, shard), batch_size=per_rank,
                                          collate_fn=collate, num_workers=num_workers,
-                                         worker_init_fn=_ignore_stop_signals if num_workers else None,
+                                         worker_init_fn=_init_loader_worker if num_workers else None,
                                          generator=torch.Generator().manual_seed(0))
     was_training = model.training
     model.eval()
@@ -1194,7 +1207,7 @@ class _Run:
         collate_fn = functools.partial(collate_planned, self.cfg.model) if self.cuda_graphs else collate
         self.loader = torch.utils.data.DataLoader(datasets["train"], batch_sampler=self.sampler, collate_fn=collate_fn,
                                                   num_workers=num_workers, pin_memory=device.type == "cuda",
-                                                  worker_init_fn=_ignore_stop_signals if num_workers else None,
+                                                  worker_init_fn=_init_loader_worker if num_workers else None,
                                                   generator=torch.Generator().manual_seed(tc.seed))
         self.eval_kw = dict(batch_size=tc.eval_batch_size or tc.batch_size, max_batches=tc.eval_batches, device=device,
                             autocast=self.autocast, rank=self.rank, world=self.world, num_workers=num_workers,
