@@ -33,7 +33,7 @@ from sparseflash import _env
 
 __all__ = ["EXIT_USAGE", "EXIT_INTERRUPTED", "CommandError", "ArgumentParser", "positive_int", "non_negative_int",
            "check_output_dir", "check_output_file", "claim_output_dir", "claim_output_file", "claim_output_files",
-           "known_error", "run_command"]
+           "read_json_object", "known_error", "run_command"]
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -169,6 +169,24 @@ def claim_output_file(path, *, overwrite: bool = False, option: str = "--out") -
         raise CommandError(f"{option} {path} already exists",
                            f"pass --overwrite to replace it, or choose another file for {option}")
     return path
+
+
+def read_json_object(path, remedy: str) -> dict | None:
+    """The JSON object in file ``path`` (a run's summary, a command's saved results), None when
+    there is no such file; a file that is not valid JSON, or holds no object, raises ValueError
+    naming it, with ``remedy`` (what to do about it)."""
+    import json
+
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); {remedy}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object; {remedy}")
+    return obj
 
 
 def known_error(e: BaseException) -> tuple[str, str] | None:

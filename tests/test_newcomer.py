@@ -353,6 +353,20 @@ def test_usage_errors_bench_without_sweep_and_corrupt_plot_input(tmp_path, capsy
     assert str(bad) in line and "not valid JSON" in line
 
 
+def test_redraws_name_a_damaged_results_file(tmp_path, capsys):
+    """`lra speed --plot-only` and `lra sweep --plot-only` given a damaged speed.json / sweep.json:
+    one line naming the file."""
+    for argv, name in ((["lra", "speed", "--plot-only", "--out", "{d}"], "speed.json"),
+                       (["lra", "speed", "--plot-only", "--out", "{d}"], "paired.json"),
+                       (["lra", "sweep", "--plot-only", "{d}"], "sweep.json")):
+        d = tmp_path / name.replace(".", "-")
+        d.mkdir()
+        for content, said in (('{"rows": [', "is not valid JSON"), ("[]", "holds a JSON list")):
+            (d / name).write_text(content)
+            assert cli.main([a.format(d=d) for a in argv]) == cli.EXIT_USAGE
+            assert f"{d / name} {said}" in _one_error_line(capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("scale", [0, 0.0, -0.125])
 def test_non_positive_scale_is_refused(scale):
     q = torch.randn(1, 1, 16, 8)

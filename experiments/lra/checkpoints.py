@@ -65,7 +65,7 @@ def _reason(e: BaseException) -> str:
     text = str(e).strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     said = next((ln for ln in lines if _NEEDS_CODE.search(ln) or ln.startswith("Unsupported")), None)
-    said = said or (lines[0] if lines else type(e).__name__)
+    said = said or (f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)
     said = said.split(". ")[0].rstrip(".")
     return said if len(said) <= 160 else said[:157] + "..."
 

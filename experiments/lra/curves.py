@@ -20,16 +20,9 @@ __all__ = ["load_runs", "legend_labels", "plot_curves", "register_lra", "main"]
 
 def _record(path: Path) -> dict:
     """A run's summary.json or config.json ({} when there is none); a damaged one raises ValueError naming it."""
-    if not path.exists():
-        return {}
-    try:
-        obj = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); restore it, or move its run out of RUNS") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not a run's record; restore it, or move its run "
-                         f"out of RUNS")
-    return obj
+    from sparseflash.cmdline import read_json_object
+
+    return read_json_object(path, "restore it, or move its run out of RUNS") or {}
 
 
 def _val_curve(ev: Path) -> list[tuple[int, float]]:

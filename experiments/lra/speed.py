@@ -685,17 +685,19 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_speed(args) -> int:
-    from sparseflash.cmdline import CommandError, check_output_dir, claim_output_files
+    from sparseflash.cmdline import CommandError, check_output_dir, claim_output_files, read_json_object
 
     if args.plot_only:
         out = Path(args.out)
-        if not (out / "speed.json").exists() and not (out / "paired.json").exists():
+        remedy = "measure again with lra speed, or restore it from a copy"
+        speed, paired = (read_json_object(out / name, remedy) for name in ("speed.json", "paired.json"))
+        if speed is None and paired is None:
             raise CommandError(f"--out {out} holds neither speed.json nor paired.json", "run lra speed there first")
-        if (out / "speed.json").exists():
-            for path in plot_speed(json.loads((out / "speed.json").read_text()), out):
+        if speed is not None:
+            for path in plot_speed(speed, out):
                 print(path)
-        if (out / "paired.json").exists():
-            print(plot_paired(json.loads((out / "paired.json").read_text()), out))
+        if paired is not None:
+            print(plot_paired(paired, out))
         return 0
     tasks = list(SPEED_TASKS) if args.task == "all" else [t.strip() for t in args.task.split(",") if t.strip()]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

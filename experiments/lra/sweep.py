@@ -204,10 +204,17 @@ def _log_step_ms(run_dir: Path, summary: dict, log_every: int):
 
 
 # ------------------------------------------------------------------------------------- the sweep
+def _run_record(path: Path) -> dict:
+    """A sweep run's summary.json or step_time.json ({} when there is none); a damaged one raises
+    ValueError naming it."""
+    from sparseflash.cmdline import read_json_object
+
+    return read_json_object(path, "restore it, or delete it and --resume redoes what it recorded") or {}
+
+
 def _row(entry: dict, run_dir: Path, cfg, env: dict) -> dict:
     """The table row of one planned run from what its directory holds."""
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    timing = json.loads((run_dir / "step_time.json").read_text()) if (run_dir / "step_time.json").exists() else {}
+    summary, timing = _run_record(run_dir / "summary.json"), _run_record(run_dir / "step_time.json")
     renv = timing.get("environment", env)
     test = summary.get("test_best") or {}
     acc, n = test.get("acc"), test.get("n")
@@ -310,7 +317,7 @@ def run_sweep(cfg, out_dir, *, pattern: str, densities, seeds=(0,), data_root=No
         for entry in plan:
             run_dir = out / "runs" / entry["name"]
             c = run_cfg(entry)
-            summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+            summary = _run_record(run_dir / "summary.json")
             end = summary.get("schedule_steps") or math.inf
             end = end if max_steps is None else min(max_steps, end)
             if not (summary.get("finished") and summary.get("steps", -1) >= end):
@@ -526,7 +533,7 @@ SWEEP_FILES = ("runs", "sweep.csv", "sweep.json", "sweep.md", "sweep.png")  # wh
 
 
 def _cmd_sweep(args) -> int:
-    from sparseflash.cmdline import CommandError, check_output_dir, claim_output_dir
+    from sparseflash.cmdline import CommandError, check_output_dir, claim_output_dir, read_json_object
     from sparseflash.experiments.lra.configs import get_config
     from sparseflash.experiments.lra.train import EXIT_STOPPED
 
@@ -536,7 +543,7 @@ def _cmd_sweep(args) -> int:
         if not (out / "sweep.json").exists():
             raise CommandError(f"--plot-only: {out / 'sweep.json'} does not exist",
                                "give the --out folder of a sweep that has started")
-        result = json.loads((out / "sweep.json").read_text())
+        result = read_json_object(out / "sweep.json", "run the sweep again with --resume, or restore it from a copy")
         write_tables(result, out)
         print(plot_sweep(result, out / "sweep.png"))
         print(out / "sweep.md")

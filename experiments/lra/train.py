@@ -380,17 +380,9 @@ def _write_json(path: Path, obj) -> None:
 def _read_run_json(path: Path) -> dict | None:
     """A run's config.json or summary.json as a dict, None when there is none; a file that is not
     a JSON object raises ValueError naming it."""
-    if not path.exists():
-        return None
-    try:
-        obj = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--resume: {path} is not valid JSON ({e}); restore it, or delete it and --resume writes it "
-                         f"again from the checkpoint") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"--resume: {path} holds a JSON {type(obj).__name__}, not a run's record; restore it, or "
-                         f"delete it and --resume writes it again from the checkpoint")
-    return obj
+    from sparseflash.cmdline import read_json_object
+
+    return read_json_object(path, "restore it, or delete it and --resume writes it again from the checkpoint")
 
 
 def _config_diff(saved, ours: dict) -> list[str]:
