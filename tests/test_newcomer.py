@@ -1,7 +1,10 @@
 """What a newcomer meets: output folders that hold a run are refused and left byte for
-byte (``--resume`` / ``--overwrite``), tiny LRA configs that are really sparse (and a warning when a
-pattern comes out dense), tiny's own data command, usage errors, ``scale`` > 0, the README's first
-code block, and checkpoints that load without running code. About 15 s on 2 CPU cores."""
+byte (``--resume`` / ``--overwrite``), and so are files a command would replace; a failed start
+that leaves nothing to block its retry; ``--resume`` that keeps a run's history and checks its
+config.json; tiny LRA configs that are really sparse (and a warning when a pattern comes out
+dense), tiny's own data command, usage errors, damaged files named in one line, ``scale`` > 0,
+the README's first code block, and checkpoints that load without running code (or say they are
+damaged). About 25 s on 2 CPU cores."""
 
 import hashlib
 import json
