@@ -496,19 +496,20 @@ def _init_loader_worker(worker_id: int = 0) -> None:
     whole process group leaves them serving the step the main process is finishing (it shuts
     them down itself); and on Linux they are killed the moment the process that started them
     ends, however it ends (SIGKILL, a second signal), instead of living on, orphaned, until they
-    notice (PyTorch's workers look every 5 s, and not while a batch is being read)."""
+    notice (PyTorch's workers look every 5 s, and not while a batch is being read). Workers made
+    through a fork server (not the main process's children) keep PyTorch's watch only."""
     import multiprocessing
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
+    parent = multiprocessing.parent_process()
+    if sys.platform.startswith("linux") and parent is not None and os.getppid() == parent.pid:
         import ctypes
 
         pr_set_pdeathsig = 1
         with contextlib.suppress(OSError, AttributeError):  # no prctl here: PyTorch's own watch stays
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        parent = multiprocessing.parent_process()
-        if parent is not None and os.getppid() != parent.pid:  # it ended before the line above
+        if os.getppid() != parent.pid:  # the main process ended before the line above
             os._exit(0)
 
 
