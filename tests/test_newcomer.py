@@ -126,6 +126,34 @@ def test_a_failed_start_does_not_block_its_retry(tmp_path, capsys, monkeypatch):
     assert {"config.json", "train.csv", "metrics.jsonl"} <= {p.name for p in later.iterdir()}
 
 
+def test_a_failed_sweep_start_does_not_block_its_retry(tmp_path, capsys, monkeypatch):
+    """`lra sweep` whose start fails (a missing --init-from, an error in its first run's first
+    step) leaves no folder behind, so the same command, corrected, runs without --overwrite."""
+    from sparseflash.experiments.lra import train as T
+
+    data = _tiny_listops(tmp_path / "data")
+    out = tmp_path / "sweep"
+    command = ["lra", "sweep", "--task", "listops", "--config", "tiny", "--data", str(data), "--out", str(out),
+               "--densities", "1", "--max-steps", "1", "--timing-warmup", "0", "--timing-repeats", "1", "--set",
+               "train.batch_size=8", "--set", "train.eval_batches=1", "--set", "model.d_model=16", "--set",
+               "model.d_ff=32", "--num-workers", "0", "--no-progress"]
+    assert cli.main(command + ["--init-from", str(tmp_path / "gone.pt")]) == cli.EXIT_USAGE
+    assert "gone.pt" in _one_error_line(capsys.readouterr().err) and not out.exists()
+
+    def broken_step(self, b):
+        raise ValueError("a failure in the first step")
+
+    with monkeypatch.context() as m:
+        m.setattr(T._Run, "_train_step", broken_step)
+        assert cli.main(command) == cli.EXIT_USAGE
+        err = capsys.readouterr().err  # after the sweep's line naming the run it starts
+        assert "Traceback" not in err and err.splitlines()[-1].startswith("sparseflash: error: a failure in the first")
+        assert not out.exists()
+    assert cli.main(command) == 0
+    capsys.readouterr()
+    assert json.loads((out / "sweep.json").read_text())["rows"][0]["status"] == "done"
+
+
 def test_resume_keeps_the_history_and_checks_config_json(tmp_path, capsys):
     """--resume never rewrites what a run recorded: a run that has ended is left byte for byte;
     going on keeps the first command's record (wall time, end) as its summary wrote it; a damaged

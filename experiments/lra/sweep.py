@@ -39,6 +39,7 @@ point; step time against density beside it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import json
@@ -273,7 +274,6 @@ def run_sweep(cfg, out_dir, *, pattern: str, densities, seeds=(0,), data_root=No
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     precision = precision or ("bf16" if torch.device(device).type == "cuda" else "fp32")
     out = Path(out_dir)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
     if datasets is None:
         if data_root is None:
             raise ValueError("give the data directory (--data DIR) or datasets=")
@@ -312,44 +312,52 @@ def run_sweep(cfg, out_dir, *, pattern: str, densities, seeds=(0,), data_root=No
                   f"target {e['target_density']:<6g} density {e['density']:.4f} (tokens {e['token_density']:.4f})"
                   + (f" from {starts[e['name']]}" if starts[e["name"]] else ""))
         return result
-    stopper = _Stopper(deadline)
-    with stopper:
-        for entry in plan:
-            run_dir = out / "runs" / entry["name"]
-            c = run_cfg(entry)
-            summary = _run_record(run_dir / "summary.json")
-            end = summary.get("schedule_steps") or math.inf
-            end = end if max_steps is None else min(max_steps, end)
-            if not (summary.get("finished") and summary.get("steps", -1) >= end):
-                reason = stopper.signal or ("time_limit" if stopper.left_s() < START_RESERVE_S else None)
-                if reason:
-                    result["stopped_by"] = reason
-                    break
-                resume = "auto" if (run_dir / "checkpoints" / "last.pt").exists() else None
-                print(f"sweep: {'resuming' if resume else 'training'} {entry['name']} "
-                      f"({entry['pattern'] or 'dense'} {entry['kwargs']}, density {entry['density']:.4f})", file=sys.stderr)
-                summary = train(c, run_dir, datasets=datasets, device=device, max_steps=max_steps, resume=resume,
-                                init_from=None if resume else starts[entry["name"]], precision=precision,
-                                num_workers=num_workers, show_progress=show_progress, deadline=deadline)
-                if summary["stopped_by"] is not None:
-                    result["stopped_by"] = summary["stopped_by"]
-                    break
-            if not (run_dir / "step_time.json").exists():
-                reason = stopper.signal or ("time_limit" if stopper.left_s() < START_RESERVE_S / 2 else None)
-                if reason:
-                    result["stopped_by"] = reason
-                    break
-                fitted = run_cfg(entry, fitted=True)
-                batch = collate([datasets["train"][i] for i in range(fitted.train.batch_size)])
-                timing = time_train_step(fitted, batch, device=device, precision=precision, warmup=timing_warmup,
-                                         repeats=timing_repeats)
-                timing["log_step_ms"] = _log_step_ms(run_dir, summary, fitted.train.log_every)
-                timing["environment"] = _environment(device)
-                (run_dir / "step_time.json").write_text(json.dumps(timing, indent=2))
-            write()
-        if result["stopped_by"] is None and stopper.signal:
-            result["stopped_by"] = stopper.signal
-    write()
+    made = [p for p in (out / "runs", out, *out.parents) if not p.exists()]  # the deepest first
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    try:
+        stopper = _Stopper(deadline)
+        with stopper:
+            for entry in plan:
+                run_dir = out / "runs" / entry["name"]
+                c = run_cfg(entry)
+                summary = _run_record(run_dir / "summary.json")
+                end = summary.get("schedule_steps") or math.inf
+                end = end if max_steps is None else min(max_steps, end)
+                if not (summary.get("finished") and summary.get("steps", -1) >= end):
+                    reason = stopper.signal or ("time_limit" if stopper.left_s() < START_RESERVE_S else None)
+                    if reason:
+                        result["stopped_by"] = reason
+                        break
+                    resume = "auto" if (run_dir / "checkpoints" / "last.pt").exists() else None
+                    print(f"sweep: {'resuming' if resume else 'training'} {entry['name']} "
+                          f"({entry['pattern'] or 'dense'} {entry['kwargs']}, density {entry['density']:.4f})", file=sys.stderr)
+                    summary = train(c, run_dir, datasets=datasets, device=device, max_steps=max_steps, resume=resume,
+                                    init_from=None if resume else starts[entry["name"]], precision=precision,
+                                    num_workers=num_workers, show_progress=show_progress, deadline=deadline)
+                    if summary["stopped_by"] is not None:
+                        result["stopped_by"] = summary["stopped_by"]
+                        break
+                if not (run_dir / "step_time.json").exists():
+                    reason = stopper.signal or ("time_limit" if stopper.left_s() < START_RESERVE_S / 2 else None)
+                    if reason:
+                        result["stopped_by"] = reason
+                        break
+                    fitted = run_cfg(entry, fitted=True)
+                    batch = collate([datasets["train"][i] for i in range(fitted.train.batch_size)])
+                    timing = time_train_step(fitted, batch, device=device, precision=precision, warmup=timing_warmup,
+                                             repeats=timing_repeats)
+                    timing["log_step_ms"] = _log_step_ms(run_dir, summary, fitted.train.log_every)
+                    timing["environment"] = _environment(device)
+                    (run_dir / "step_time.json").write_text(json.dumps(timing, indent=2))
+                write()
+            if result["stopped_by"] is None and stopper.signal:
+                result["stopped_by"] = stopper.signal
+        write()
+    except BaseException:
+        for folder in made:  # a failed start (no run recorded anything): no folder left to refuse its retry
+            with contextlib.suppress(OSError):  # not empty: a run recorded something
+                folder.rmdir()
+        raise
     if plots:
         plot_sweep(result, out / "sweep.png")
     return result
