@@ -355,6 +355,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-density", action="store_true", help="skip the density-vs-length sweep and plot")
     p.add_argument("--no-reach", action="store_true", help="skip the connectivity (reach) columns")
     p.add_argument("--device", type=_device, default="cpu", help="device to build masks on (default cpu)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the tables and figures of an earlier run in --out; without it they are refused")
     p.set_defaults(func=_cmd_patterns)
 
 
@@ -387,9 +389,12 @@ def _cmd_patterns(args) -> int:
     import os
 
     import sparseflash
-    from sparseflash.cmdline import check_output_dir
+    from sparseflash.cmdline import check_output_dir, claim_output_files
 
     check_output_dir(args.out)
+    stems = ([] if args.no_density else ["density"]) + [f"zoo_{args.seq_len}"]
+    claim_output_files(args.out, [f"{stem}.{ext}" for stem in stems for ext in ("csv", "json", "png")],
+                       overwrite=args.overwrite)
     os.makedirs(args.out, exist_ok=True)
     meta = {"sparseflash": sparseflash.__version__, "torch": torch.__version__, "device": str(args.device),
             "block_size": args.block_size, "date": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -12,6 +12,11 @@ error, traceback included. Every ``python -m sparseflash.experiments...`` entry 
 ``main`` through `run_command` and parses with `ArgumentParser`; commands check their arguments
 and output folders (`check_output_dir`, `check_output_file`) before any work starts; `CommandError`
 carries a known failure with its own remedy.
+
+Outputs: a folder a command owns (a training run, a sweep, benchmark results, generated data)
+that already holds files is refused (`claim_output_dir`); so is a file a command writes by name
+that is already there (`claim_output_file`, `claim_output_files`): the one line names it and
+``--overwrite``, and every file is left as it was.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from pathlib import Path
 from sparseflash import _env
 
 __all__ = ["EXIT_USAGE", "EXIT_INTERRUPTED", "CommandError", "ArgumentParser", "positive_int", "non_negative_int",
-           "check_output_dir", "check_output_file", "claim_output_dir", "known_error", "run_command"]
+           "check_output_dir", "check_output_file", "claim_output_dir", "claim_output_file", "claim_output_files",
+           "read_json_object", "known_error", "run_command"]
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -136,6 +142,51 @@ def check_output_file(path, option: str = "--out") -> Path:
         raise CommandError(f"{option} {path} is a folder", f"give {option} a file name such as {path / 'out.png'}")
     check_output_dir(path.parent if str(path.parent) else Path("."), option)
     return path
+
+
+def claim_output_files(folder, names, *, overwrite: bool = False, option: str = "--out") -> list[Path]:
+    """The rule for the files a command writes by name into ``folder`` (after `check_output_dir`):
+    one that is already there is a user's data (an earlier result, or another file of that name),
+    so the command refuses with a `CommandError` naming it and ``--overwrite``, before any work, and
+    leaves every file as it was; ``overwrite`` lets it replace those files, and only those. Other
+    files in ``folder`` do not matter. Returns the paths."""
+    folder = Path(folder)
+    paths = [folder / name for name in names]
+    there = [p.name for p in paths if p.exists() or p.is_symlink()]
+    if there and not overwrite:
+        shown = ", ".join(there[:3]) + (", ..." if len(there) > 3 else "")
+        raise CommandError(f"{option} {folder} already holds {shown}, which this command would replace",
+                           f"pass --overwrite to replace {'it' if len(there) == 1 else 'them'}, or choose another "
+                           f"folder for {option}")
+    return paths
+
+
+def claim_output_file(path, *, overwrite: bool = False, option: str = "--out") -> Path:
+    """`claim_output_files` for one output file (after `check_output_file`): a file already at
+    ``path`` is refused without ``overwrite``."""
+    path = Path(path)
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise CommandError(f"{option} {path} already exists",
+                           f"pass --overwrite to replace it, or choose another file for {option}")
+    return path
+
+
+def read_json_object(path, remedy: str) -> dict | None:
+    """The JSON object in file ``path`` (a run's summary, a command's saved results), None when
+    there is no such file; a file that is not valid JSON, or holds no object, raises ValueError
+    naming it, with ``remedy`` (what to do about it)."""
+    import json
+
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); {remedy}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object; {remedy}")
+    return obj
 
 
 def known_error(e: BaseException) -> tuple[str, str] | None:

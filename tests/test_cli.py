@@ -223,6 +223,7 @@ def test_unreadable_file_gets_no_disk_hint():
 
 _ENTRY_POINTS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.lra.sweep",
                  "sparseflash.experiments.lra.speed", "sparseflash.experiments.lra.curves",
+                 "sparseflash.experiments.lra.weights", "sparseflash.experiments.lra.headline",
                  "sparseflash.experiments.bench.packed", "sparseflash.experiments.bench.host",
                  "sparseflash.experiments.bench.dropout", "sparseflash.experiments.bench.tune_tiles",
                  "sparseflash.experiments.bench.inspect_kernels", "sparseflash.experiments.hf_example",

@@ -179,6 +179,6 @@ def test_weights_export_is_bf16_small_and_loads_where_best_pt_does(tmp_path):
     assert step == 5
     agree = (cue_tests.predict(full, images, "cpu") == cue_tests.predict(small, images, "cpu")).mean()
     assert agree >= 0.8
-    with pytest.raises(ValueError, match="not a training checkpoint"):
+    with pytest.raises(ValueError, match="not a checkpoint of sparseflash lra train"):
         torch.save({"x": 1}, tmp_path / "other.pt")
         weights.export(tmp_path / "other.pt", tmp_path / "o.pt")

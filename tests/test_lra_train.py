@@ -9,6 +9,8 @@ import functools
 import json
 import math
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1025,6 +1027,45 @@ def test_sigterm_and_kill_then_resume_equal_one_run(tmp_path, one_thread, object
     assert [(s["start_step"], s["end_step"], s["end"]) for s in segs] == [
         (0, s1, "SIGTERM"), (s1, ck["step"], "checkpoint"), (ck["step"], 30, "done")]
     assert sb["wall_s_total"] == pytest.approx(sum(s["wall_s"] for s in segs)) and sb["resumed_from"].endswith("last.pt")
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` is alive (not gone, not a zombie waiting to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_run_takes_its_loader_workers_with_it(tmp_path, one_thread):
+    """A run's main process killed outright (SIGKILL: nothing of it runs) takes its data-loader
+    workers with it at once: a worker held inside a batch, where PyTorch's own watch for a dead
+    parent does not look, is gone within seconds instead of running on, orphaned."""
+    import signal
+    import time
+
+    from sparseflash.experiments.lra.data.listops import write_listops
+
+    data = tmp_path / "data"
+    write_listops(data, train=160, val=32, test=32, seed=1, min_len=10, max_len=60, max_depth=4, workers=1,
+                  show_progress=False)
+    left = {}
+
+    def kill_the_main_process_only(pid):
+        worker = int(next((tmp_path / "gate-kill").glob("ready-*")).name.split("-")[1])
+        assert worker != pid and _running(worker)
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while _running(worker) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        left["running"] = _running(worker)
+
+    rc, _, err = _run_child(tmp_path, _listops_args(data, tmp_path / "run", "--num-workers", "2"), 20,
+                            kill_the_main_process_only, "kill")
+    assert rc == -signal.SIGKILL, err
+    assert left == {"running": False}
 
 
 class _Clock:

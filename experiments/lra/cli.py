@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import json
 
-from sparseflash.cmdline import check_output_dir, check_output_file
+from sparseflash.cmdline import check_output_dir, check_output_file, claim_output_file
 from sparseflash.cmdline import non_negative_int as _non_negative
 from sparseflash.cmdline import positive_int as _positive
 
@@ -86,18 +86,16 @@ def _cmd_data_pathfinder(args) -> int:
 def _cmd_show_listops(args) -> int:
     from sparseflash.experiments.lra.data.show import show_listops
 
-    if args.out is not None:
-        check_output_file(args.out)
-    show_listops(args.dir, out=args.out, num=args.num, split=args.split)
+    out = claim_output_file(check_output_file(args.out or "listops_summary.png"), overwrite=args.overwrite)
+    show_listops(args.dir, out=out, num=args.num, split=args.split)
     return 0
 
 
 def _cmd_show_pathfinder(args) -> int:
     from sparseflash.experiments.lra.data.show import show_pathfinder
 
-    if args.out is not None:
-        check_output_file(args.out)
-    show_pathfinder(args.dir, out=args.out, num=args.num, resolution=args.resolution, difficulty=args.difficulty,
+    out = claim_output_file(check_output_file(args.out or "pathfinder_samples.png"), overwrite=args.overwrite)
+    show_pathfinder(args.dir, out=out, num=args.num, resolution=args.resolution, difficulty=args.difficulty,
                     seed=args.seed)
     return 0
 
@@ -158,6 +156,8 @@ def _register_show(sub) -> None:
     lo.add_argument("--out", default=None, help="PNG path (default listops_summary.png)")
     lo.add_argument("--num", type=_non_negative, default=5, help="samples to print")
     lo.add_argument("--split", choices=("train", "val", "test"), default="train")
+    lo.add_argument("--overwrite", action="store_true", help="replace the PNG at --out; without it an existing one "
+                                                             "is refused")
     lo.set_defaults(func=_cmd_show_listops)
     pf = ssub.add_parser("pathfinder", help="a PNG grid of images with their labels")
     pf.add_argument("dir", help="a data root, a pathfinder{R} folder or one difficulty folder")
@@ -166,6 +166,8 @@ def _register_show(sub) -> None:
     pf.add_argument("--resolution", type=int, choices=(32, 64, 128, 256), default=None)
     pf.add_argument("--difficulty", choices=("easy", "medium", "hard"), default=None)
     pf.add_argument("--seed", type=_non_negative, default=0, help="which images are picked")
+    pf.add_argument("--overwrite", action="store_true", help="replace the PNG at --out; without it an existing one "
+                                                             "is refused")
     pf.set_defaults(func=_cmd_show_pathfinder)
 
 

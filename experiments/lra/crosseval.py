@@ -34,9 +34,7 @@ def load_checkpoint(run_dir, checkpoint: str = "best.pt") -> tuple:
     ckpt = Path(run_dir) / "checkpoints" / checkpoint
     if not ckpt.is_file():
         raise FileNotFoundError(f"no checkpoint {ckpt} (give a `sparseflash lra train` output folder that has one)")
-    state = safe_load(ckpt)
-    if "config" not in state or "model" not in state:
-        raise ValueError(f"{ckpt} is not a checkpoint written by `sparseflash lra train` (no config or model)")
+    state = safe_load(ckpt, keys=("config", "model"))
     return config_from_dict(state["config"]), state
 
 
@@ -90,14 +88,26 @@ def evaluate_run(run_dir, data_root, *, fidelity: str | None = None, split: str 
 
 
 def main(args) -> int:
+    from sparseflash.cmdline import check_output_file, claim_output_file
+
+    if args.out:
+        claim_output_file(check_output_file(args.out), overwrite=args.overwrite)
     r = evaluate_run(args.run, args.data, fidelity=args.fidelity, split=args.split, checkpoint=args.checkpoint,
                      device=args.device, batch_size=args.batch_size, workers=args.workers)
     text = json.dumps(r, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    print(f"{r['task']} trained on {r['trained_on']} data, evaluated on {r['fidelity']} {r['split']} "
-          f"({r['n']} examples): acc {100 * r['acc']:.2f} +- {100 * r['acc_se']:.2f}%, loss {r['loss']:.4f}")
+    print(result_line(r))
     return 0
+
+
+def result_line(r: dict) -> str:
+    """The line `sparseflash lra evaluate` prints for `evaluate_run`'s result ``r``; a task without
+    generator fidelities (all but Pathfinder) names the data folder instead."""
+    trained = f" trained on {r['trained_on']} data," if r.get("trained_on") else ""
+    on = f"{r['fidelity']} {r['split']}" if r.get("fidelity") else f"{r['split']} of {r['data']}"
+    return (f"{r['task']} (step {r['step']} of {r['run']}){trained} evaluated on {on} ({r['n']} examples): "
+            f"acc {100 * r['acc']:.2f} +- {100 * r['acc_se']:.2f}%, loss {r['loss']:.4f}")
 
 
 def register_lra(sub) -> None:
@@ -113,4 +123,6 @@ def register_lra(sub) -> None:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--workers", type=int, default=1, help="processes decoding PNGs when the cache is built")
     p.add_argument("--out", default=None, help="write the result as JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace the file at --out; without it an existing one "
+                                                            "is refused")
     p.set_defaults(func=main)

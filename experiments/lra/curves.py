@@ -15,17 +15,36 @@ import csv
 import json
 from pathlib import Path
 
-__all__ = ["load_runs", "plot_curves", "register_lra", "main"]
+__all__ = ["load_runs", "legend_labels", "plot_curves", "register_lra", "main"]
+
+
+def _record(path: Path) -> dict:
+    """A run's summary.json or config.json ({} when there is none); a damaged one raises ValueError naming it."""
+    from sparseflash.cmdline import read_json_object
+
+    return read_json_object(path, "restore it, or move its run out of RUNS") or {}
+
+
+def _val_curve(ev: Path) -> list[tuple[int, float]]:
+    """(step, accuracy) of the validations of the current weights in an eval.csv; a damaged file
+    raises ValueError naming it."""
+    with ev.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    try:
+        return [(int(r["step"]), float(r["acc"])) for r in rows
+                if r["split"] == "val" and r.get("weights", "current") == "current"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{ev} is not an eval.csv of sparseflash lra train (columns step, split, acc: {e!r}); "
+                         f"restore it, or move its run out of RUNS") from None
 
 
 def load_runs(root) -> list[dict]:
     runs = []
     for ev in sorted(Path(root).glob("*/eval.csv")):
         d = ev.parent
-        rows = list(csv.DictReader(ev.open()))
-        val = [(int(r["step"]), float(r["acc"])) for r in rows if r["split"] == "val" and r.get("weights", "current") == "current"]
-        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
-        config = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+        val = _val_curve(ev)
+        summary = _record(d / "summary.json")
+        config = _record(d / "config.json")
         task = summary.get("task") or config.get("task") or d.name.split("_")[0]
         if (summary.get("objective") or config.get("train", {}).get("objective")) == "denoise":
             task += " (SPT)"  # masked-token accuracy: not on the classifiers' axes
@@ -39,7 +58,18 @@ def load_runs(root) -> list[dict]:
     return runs
 
 
-def plot_curves(runs: list[dict], path) -> None:
+def legend_labels(runs: list[dict]) -> list[str]:
+    """Each run's line label: its pattern and density (and "stopped early"), prefixed with the run's
+    folder name where two runs of one panel would otherwise read the same."""
+    plain = []
+    for r in runs:
+        dens = f", density {r['density']:.2f}" if r["density"] is not None else ""
+        plain.append(f"{r['pattern']}{dens}" + ("" if r["finished"] else " (stopped early)"))
+    return [f"{r['name']}: {label}" if plain.count(label) > 1 else label for r, label in zip(runs, plain)]
+
+
+def plot_curves(runs: list[dict], path) -> dict[str, list[str]]:
+    """Draw the validation curves of ``runs`` into ``path``; returns each panel's (task's) legend labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,13 +77,12 @@ def plot_curves(runs: list[dict], path) -> None:
 
     tasks = sorted({r["task"] for r in runs})
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    drawn = {}
     for ax, task in zip(axes[0], tasks):
-        for r in (r for r in runs if r["task"] == task):
-            if not r["val"]:
-                continue
+        shown = [r for r in runs if r["task"] == task and r["val"]]
+        drawn[task] = legend_labels(shown)
+        for r, label in zip(shown, drawn[task]):
             steps, acc = zip(*r["val"])
-            dens = f", density {r['density']:.2f}" if r["density"] is not None else ""
-            label = f"{r['pattern']}{dens}" + ("" if r["finished"] else " (stopped early)")
             ax.plot(steps, [100 * a for a in acc], marker="o", ms=3, label=label)
         ax.set_title(f"{task}: validation {'masked-token ' if task.endswith('(SPT)') else ''}accuracy")
         ax.set_xlabel("training step")
@@ -63,6 +92,7 @@ def plot_curves(runs: list[dict], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return drawn
 
 
 def _table(runs) -> str:
@@ -79,11 +109,12 @@ def _table(runs) -> str:
 
 
 def _cmd(args) -> int:
-    from sparseflash.cmdline import CommandError, check_output_file
+    from sparseflash.cmdline import CommandError, check_output_file, claim_output_file
 
     if not Path(args.runs).is_dir():
         raise CommandError(f"RUNS {args.runs} is not a folder", "give the folder that holds your lra train outputs")
     out = check_output_file(Path(args.out) if args.out else Path(args.runs) / "curves.png")
+    claim_output_file(out, overwrite=args.overwrite)
     runs = load_runs(args.runs)
     if not runs:
         raise CommandError(f"no runs with eval.csv under {args.runs}",
@@ -98,6 +129,8 @@ def register_lra(sub) -> None:
     p = sub.add_parser("curves", help="draw validation-accuracy curves of finished training runs")
     p.add_argument("runs", help="a directory whose sub-directories are `lra train` outputs")
     p.add_argument("--out", default=None, help="PNG path (default RUNS/curves.png)")
+    p.add_argument("--overwrite", action="store_true", help="replace the file at --out; without it an existing one "
+                                                            "is refused")
     p.set_defaults(func=_cmd)
 
 

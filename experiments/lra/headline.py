@@ -45,7 +45,6 @@ the cut test, cue-balanced sets, a test set used once).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -400,7 +399,9 @@ def _wrap(text: str, width: int = 100) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from sparseflash.cmdline import ArgumentParser
+
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.lra.headline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if headline.csv, RESULTS.md or README.md is stale")
     a = ap.parse_args(argv)
     rows = build_rows()
@@ -422,4 +423,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from sparseflash.cmdline import run_command
+
+    raise SystemExit(run_command(main))

@@ -200,10 +200,14 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
+PROBE_FILES = ("probe.json", "probe.csv", "probe.png")  # what `save` writes
+
+
 def _main(args) -> int:
-    from sparseflash.cmdline import check_output_dir
+    from sparseflash.cmdline import check_output_dir, claim_output_files
 
     check_output_dir(args.out)
+    claim_output_files(args.out, PROBE_FILES, overwrite=args.overwrite)
     t0 = time.perf_counter()
     rows = run_probe(args.resolution, args.fidelity, args.num, seed=args.seed, workers=args.workers,
                      epochs=args.epochs, show_progress=not args.no_progress)
@@ -227,4 +231,6 @@ def register_lra(sub) -> None:
     p.add_argument("--workers", type=positive_int, default=default_workers())
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", required=True, help="folder for probe.json, probe.csv, probe.png")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the probe.* files of an earlier run in --out; without it they are refused")
     p.set_defaults(func=_main)

@@ -649,6 +649,12 @@ def plot_speed(result: dict, out_dir) -> list[Path]:
 
 
 # -------------------------------------------------------------------------------------------- CLI
+# what a measuring command writes in --out (and refuses to replace without --overwrite)
+SPEED_FILES = ("speed.csv", "speedup.csv", "speed.json", "step_time_vs_density.png", "attn_time_vs_density.png",
+               "speedup.png")
+PAIRED_FILES = ("paired.json", "paired.csv", "paired.png")
+
+
 def add_speed_arguments(p: argparse.ArgumentParser) -> None:
     from sparseflash.cmdline import non_negative_int, positive_int
 
@@ -673,25 +679,30 @@ def add_speed_arguments(p: argparse.ArgumentParser) -> None:
                         "paired.csv, paired.png")
     p.add_argument("--plot-only", action="store_true",
                    help="redraw the figures from OUT/speed.json and OUT/paired.json, whichever are there")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier measurement in --out; without it they are refused")
     p.add_argument("--no-progress", action="store_true")
 
 
 def _cmd_speed(args) -> int:
-    from sparseflash.cmdline import CommandError, check_output_dir
+    from sparseflash.cmdline import CommandError, check_output_dir, claim_output_files, read_json_object
 
     if args.plot_only:
         out = Path(args.out)
-        if not (out / "speed.json").exists() and not (out / "paired.json").exists():
+        remedy = "measure again with lra speed, or restore it from a copy"
+        speed, paired = (read_json_object(out / name, remedy) for name in ("speed.json", "paired.json"))
+        if speed is None and paired is None:
             raise CommandError(f"--out {out} holds neither speed.json nor paired.json", "run lra speed there first")
-        if (out / "speed.json").exists():
-            for path in plot_speed(json.loads((out / "speed.json").read_text()), out):
+        if speed is not None:
+            for path in plot_speed(speed, out):
                 print(path)
-        if (out / "paired.json").exists():
-            print(plot_paired(json.loads((out / "paired.json").read_text()), out))
+        if paired is not None:
+            print(plot_paired(paired, out))
         return 0
     tasks = list(SPEED_TASKS) if args.task == "all" else [t.strip() for t in args.task.split(",") if t.strip()]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     check_output_dir(args.out)
+    claim_output_files(args.out, PAIRED_FILES if args.paired else SPEED_FILES, overwrite=args.overwrite)
     if args.paired:
         result = run_paired(tasks, args.out, device=device, tiny=args.tiny, patterns=args.patterns,
                             providers=args.providers, flex_sparse=not args.no_flex_sparse, block_size=args.block_size,

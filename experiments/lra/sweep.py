@@ -39,6 +39,7 @@ point; step time against density beside it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import json
@@ -204,10 +205,17 @@ def _log_step_ms(run_dir: Path, summary: dict, log_every: int):
 
 
 # ------------------------------------------------------------------------------------- the sweep
+def _run_record(path: Path) -> dict:
+    """A sweep run's summary.json or step_time.json ({} when there is none); a damaged one raises
+    ValueError naming it."""
+    from sparseflash.cmdline import read_json_object
+
+    return read_json_object(path, "restore it, or delete it and --resume redoes what it recorded") or {}
+
+
 def _row(entry: dict, run_dir: Path, cfg, env: dict) -> dict:
     """The table row of one planned run from what its directory holds."""
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    timing = json.loads((run_dir / "step_time.json").read_text()) if (run_dir / "step_time.json").exists() else {}
+    summary, timing = _run_record(run_dir / "summary.json"), _run_record(run_dir / "step_time.json")
     renv = timing.get("environment", env)
     test = summary.get("test_best") or {}
     acc, n = test.get("acc"), test.get("n")
@@ -266,7 +274,6 @@ def run_sweep(cfg, out_dir, *, pattern: str, densities, seeds=(0,), data_root=No
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     precision = precision or ("bf16" if torch.device(device).type == "cuda" else "fp32")
     out = Path(out_dir)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
     if datasets is None:
         if data_root is None:
             raise ValueError("give the data directory (--data DIR) or datasets=")
@@ -305,44 +312,52 @@ def run_sweep(cfg, out_dir, *, pattern: str, densities, seeds=(0,), data_root=No
                   f"target {e['target_density']:<6g} density {e['density']:.4f} (tokens {e['token_density']:.4f})"
                   + (f" from {starts[e['name']]}" if starts[e["name"]] else ""))
         return result
-    stopper = _Stopper(deadline)
-    with stopper:
-        for entry in plan:
-            run_dir = out / "runs" / entry["name"]
-            c = run_cfg(entry)
-            summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-            end = summary.get("schedule_steps") or math.inf
-            end = end if max_steps is None else min(max_steps, end)
-            if not (summary.get("finished") and summary.get("steps", -1) >= end):
-                reason = stopper.signal or ("time_limit" if stopper.left_s() < START_RESERVE_S else None)
-                if reason:
-                    result["stopped_by"] = reason
-                    break
-                resume = "auto" if (run_dir / "checkpoints" / "last.pt").exists() else None
-                print(f"sweep: {'resuming' if resume else 'training'} {entry['name']} "
-                      f"({entry['pattern'] or 'dense'} {entry['kwargs']}, density {entry['density']:.4f})", file=sys.stderr)
-                summary = train(c, run_dir, datasets=datasets, device=device, max_steps=max_steps, resume=resume,
-                                init_from=None if resume else starts[entry["name"]], precision=precision,
-                                num_workers=num_workers, show_progress=show_progress, deadline=deadline)
-                if summary["stopped_by"] is not None:
-                    result["stopped_by"] = summary["stopped_by"]
-                    break
-            if not (run_dir / "step_time.json").exists():
-                reason = stopper.signal or ("time_limit" if stopper.left_s() < START_RESERVE_S / 2 else None)
-                if reason:
-                    result["stopped_by"] = reason
-                    break
-                fitted = run_cfg(entry, fitted=True)
-                batch = collate([datasets["train"][i] for i in range(fitted.train.batch_size)])
-                timing = time_train_step(fitted, batch, device=device, precision=precision, warmup=timing_warmup,
-                                         repeats=timing_repeats)
-                timing["log_step_ms"] = _log_step_ms(run_dir, summary, fitted.train.log_every)
-                timing["environment"] = _environment(device)
-                (run_dir / "step_time.json").write_text(json.dumps(timing, indent=2))
-            write()
-        if result["stopped_by"] is None and stopper.signal:
-            result["stopped_by"] = stopper.signal
-    write()
+    made = [p for p in (out / "runs", out, *out.parents) if not p.exists()]  # the deepest first
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    try:
+        stopper = _Stopper(deadline)
+        with stopper:
+            for entry in plan:
+                run_dir = out / "runs" / entry["name"]
+                c = run_cfg(entry)
+                summary = _run_record(run_dir / "summary.json")
+                end = summary.get("schedule_steps") or math.inf
+                end = end if max_steps is None else min(max_steps, end)
+                if not (summary.get("finished") and summary.get("steps", -1) >= end):
+                    reason = stopper.signal or ("time_limit" if stopper.left_s() < START_RESERVE_S else None)
+                    if reason:
+                        result["stopped_by"] = reason
+                        break
+                    resume = "auto" if (run_dir / "checkpoints" / "last.pt").exists() else None
+                    print(f"sweep: {'resuming' if resume else 'training'} {entry['name']} "
+                          f"({entry['pattern'] or 'dense'} {entry['kwargs']}, density {entry['density']:.4f})", file=sys.stderr)
+                    summary = train(c, run_dir, datasets=datasets, device=device, max_steps=max_steps, resume=resume,
+                                    init_from=None if resume else starts[entry["name"]], precision=precision,
+                                    num_workers=num_workers, show_progress=show_progress, deadline=deadline)
+                    if summary["stopped_by"] is not None:
+                        result["stopped_by"] = summary["stopped_by"]
+                        break
+                if not (run_dir / "step_time.json").exists():
+                    reason = stopper.signal or ("time_limit" if stopper.left_s() < START_RESERVE_S / 2 else None)
+                    if reason:
+                        result["stopped_by"] = reason
+                        break
+                    fitted = run_cfg(entry, fitted=True)
+                    batch = collate([datasets["train"][i] for i in range(fitted.train.batch_size)])
+                    timing = time_train_step(fitted, batch, device=device, precision=precision, warmup=timing_warmup,
+                                             repeats=timing_repeats)
+                    timing["log_step_ms"] = _log_step_ms(run_dir, summary, fitted.train.log_every)
+                    timing["environment"] = _environment(device)
+                    (run_dir / "step_time.json").write_text(json.dumps(timing, indent=2))
+                write()
+            if result["stopped_by"] is None and stopper.signal:
+                result["stopped_by"] = stopper.signal
+        write()
+    except BaseException:
+        for folder in made:  # a failed start (no run recorded anything): no folder left to refuse its retry
+            with contextlib.suppress(OSError):  # not empty: a run recorded something
+                folder.rmdir()
+        raise
     if plots:
         plot_sweep(result, out / "sweep.png")
     return result
@@ -526,7 +541,7 @@ SWEEP_FILES = ("runs", "sweep.csv", "sweep.json", "sweep.md", "sweep.png")  # wh
 
 
 def _cmd_sweep(args) -> int:
-    from sparseflash.cmdline import CommandError, check_output_dir, claim_output_dir
+    from sparseflash.cmdline import CommandError, check_output_dir, claim_output_dir, read_json_object
     from sparseflash.experiments.lra.configs import get_config
     from sparseflash.experiments.lra.train import EXIT_STOPPED
 
@@ -536,7 +551,7 @@ def _cmd_sweep(args) -> int:
         if not (out / "sweep.json").exists():
             raise CommandError(f"--plot-only: {out / 'sweep.json'} does not exist",
                                "give the --out folder of a sweep that has started")
-        result = json.loads((out / "sweep.json").read_text())
+        result = read_json_object(out / "sweep.json", "run the sweep again with --resume, or restore it from a copy")
         write_tables(result, out)
         print(plot_sweep(result, out / "sweep.png"))
         print(out / "sweep.md")

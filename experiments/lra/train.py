@@ -11,7 +11,9 @@ What a run does: bf16 autocast on CUDA, AdamW (no decay on biases, norms and emb
 then linear / cosine / inverse-sqrt decay, gradient clipping; evaluation on val every
 ``eval_every`` steps and at the end of the schedule, and at the end on test with the final and the
 best-on-val weights; checkpoints ``OUT/checkpoints/{last,best}.pt``; ``OUT/metrics.jsonl`` plus
-``train.csv`` / ``eval.csv``; ``OUT/config.json`` and ``OUT/summary.json``.
+``train.csv`` / ``eval.csv``; ``OUT/config.json`` and ``OUT/summary.json``. A command that fails
+before its run recorded a step (a bad pattern, a checkpoint that cannot be read, an error in the
+first step) removes what it wrote, so the corrected command finds ``OUT`` as it was.
 
 Reproducibility. The data order is a pure function of (seed, step): epoch e is a permutation drawn
 from (seed, e), and step s takes batch ``s mod steps_per_epoch`` of epoch ``s // steps_per_epoch``.
@@ -23,19 +25,23 @@ before appending, so a run split over any number of commands ends bit-identical 
 uninterrupted run (on CPU; on a GPU as far as its kernels are deterministic): weights, optimizer,
 logs, best.pt, summary (but its wall-clock fields). ``--max-steps`` ends a run early without
 changing the schedule (defined by ``train.steps`` or ``train.epochs``); its closing validation,
-off the ``eval_every`` grid, comes after the checkpoint, so a resumed run never sees it.
+off the ``eval_every`` grid, comes after the checkpoint, so a resumed run never sees it. ``--resume``
+checks the run's ``config.json`` against the checkpoint's config (a damaged or differing one is
+refused) and never rewrites it; it keeps each earlier command's record in ``segments`` as that
+command's summary wrote it; a run that has already ended where the command would end it is left
+as it is (nothing runs).
 
 Stopping early, for machines that end a command after a fixed time. SIGTERM or SIGINT (to the main
-process or the whole process group; data-loader workers ignore them) ends the command after the step
-in progress with a full checkpoint, the line "stopped at step N by SIGTERM; continue with
---resume", and exit status 75 (`EXIT_STOPPED`); a second signal acts at once. ``--time-limit MIN``
-does the same before a step that, with the evaluation and checkpoint it triggers, is predicted not
-to end within MIN minutes of the command's start (see `_Stopper`). ``summary.json`` lists the run's
-commands in ``segments`` (step range, wall time, how each ended, the commit of its code, host, GPU,
-command line) and their total wall time in ``wall_s_total``; a stopped command writes it with
-``stopped_by`` set. ``commit`` (summary.json and each segment) is `provenance.code_commit`:
-``SPARSEFLASH_COMMIT`` when set (a snapshot sent to a GPU), else git HEAD, ``+dirty`` if the code
-differs from it.
+process or the whole process group; data-loader workers ignore them, and end with the main process
+however it ends) ends the command after the step in progress with a full checkpoint, the line
+"stopped at step N by SIGTERM; continue with --resume", and exit status 75 (`EXIT_STOPPED`); a
+second signal acts at once. ``--time-limit MIN`` does the same before a step that, with the
+evaluation and checkpoint it triggers, is predicted not to end within MIN minutes of the command's
+start (see `_Stopper`). ``summary.json`` lists the run's commands in ``segments`` (step range, wall
+time, how each ended, the commit of its code, host, GPU, command line) and their total wall time in
+``wall_s_total``; a stopped command writes it with ``stopped_by`` set. ``commit`` (summary.json and
+each segment) is `provenance.code_commit`: ``SPARSEFLASH_COMMIT`` when set (a snapshot sent to a
+GPU), else git HEAD, ``+dirty`` if the code differs from it.
 
 Data parallel. ``torchrun`` sets WORLD_SIZE; each rank then takes a contiguous slice of size
 ``batch_size / world`` of the same global batch, DDP averages gradients (NCCL on CUDA, gloo on
@@ -127,7 +133,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sparseflash.experiments.lra.checkpoints import load_checkpoint
+from sparseflash.experiments.lra.checkpoints import load_checkpoint, model_weights
 from sparseflash.experiments.lra.configs import (
     OBJECTIVES, TASKS, VARIANTS, ExperimentConfig, TrainConfig, config_from_dict, get_config)
 from sparseflash.experiments.lra.model import (
@@ -360,6 +366,53 @@ def _gather(obj, world):
     return out
 
 
+# what `_Run.save_full` writes and `--resume` reads (older checkpoints lack the others: see `_Run._load_checkpoint`)
+_FULL_CHECKPOINT = ("model", "config", "step", "best", "optimizer", "scheduler", "rng")
+
+
+def _write_json(path: Path, obj) -> None:
+    """``path`` holds ``obj`` as JSON, whole or not at all (a process killed while writing leaves the old file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def _read_run_json(path: Path) -> dict | None:
+    """A run's config.json or summary.json as a dict, None when there is none; a file that is not
+    a JSON object raises ValueError naming it."""
+    from sparseflash.cmdline import read_json_object
+
+    return read_json_object(path, "restore it, or delete it and --resume writes it again from the checkpoint")
+
+
+def _config_diff(saved, ours: dict) -> list[str]:
+    """The fields in which the config ``saved`` (a checkpoint's, a config.json) differs from ``ours``
+    (``["everything"]`` when ``saved`` is no run config). A field ``saved`` lacks is newer than the
+    run, which ran with its default behaviour."""
+    if not (isinstance(saved, dict) and all(isinstance(saved.get(s), dict) for s in ("model", "train"))
+            and all(k in saved for k in ("task", "data"))):
+        return ["everything (it holds no run config: task, data, model, train)"]
+    defaults = {"model": ModelConfig().__dict__, "train": TrainConfig().__dict__}
+    diff = sorted(f"{s}.{k}" for s in ("model", "train") for k in ours[s]
+                  if saved[s].get(k, defaults[s].get(k)) != ours[s][k])
+    return diff + [k for k in ("task", "data") if saved[k] != ours[k]]
+
+
+def _same_command(a: dict, b: dict) -> bool:
+    """Whether two records of ``segments`` are of the same command (the summary's record of it is
+    written when it ends, the checkpoint's at its last save)."""
+    return all(a.get(k) == b.get(k) for k in ("started", "start_step", "end_step", "host"))
+
+
+def _history(segments: list, summary: dict | None) -> list:
+    """The earlier commands of a run, as a resumed command lists them: the checkpoint's records,
+    each replaced by the summary's record of the same command when there is one (its wall time and
+    end include what that command did after its last checkpoint: the closing evaluations), so
+    that resuming never rewrites the history an earlier summary recorded."""
+    ended = summary.get("segments", []) if summary else []
+    return [next((e for e in ended if isinstance(e, dict) and _same_command(e, seg)), seg) for seg in segments]
+
+
 def _atomic_save(obj, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
@@ -438,12 +491,26 @@ EXIT_STOPPED = 75  # the command's exit status when it stopped early with a chec
 _STOP_CODES = {None: 0, "time_limit": 1, "SIGINT": 2, "SIGTERM": 3}
 
 
-def _ignore_stop_signals(worker_id: int = 0) -> None:
-    """DataLoader ``worker_init_fn``: workers ignore SIGTERM / SIGINT, so that a signal sent to the
+def _init_loader_worker(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``. Workers ignore SIGTERM / SIGINT, so that a signal sent to the
     whole process group leaves them serving the step the main process is finishing (it shuts
-    them down itself)."""
+    them down itself); and on Linux they are killed the moment the process that started them
+    ends, however it ends (SIGKILL, a second signal), instead of living on, orphaned, until they
+    notice (PyTorch's workers look every 5 s, and not while a batch is being read). Workers made
+    through a fork server (not the main process's children) keep PyTorch's watch only."""
+    import multiprocessing
+
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if sys.platform.startswith("linux") and parent is not None and os.getppid() == parent.pid:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError, AttributeError):  # no prctl here: PyTorch's own watch stays
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent.pid:  # the main process ended before the line above
+            os._exit(0)
 
 
 class _Stopper:
@@ -548,7 +615,7 @@ def evaluate(model, ds, *, batch_size: int, max_batches: int | None, device, aut
     per_rank = max(1, batch_size // world)
     loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, shard), batch_size=per_rank,
                                          collate_fn=collate, num_workers=num_workers,
-                                         worker_init_fn=_ignore_stop_signals if num_workers else None,
+                                         worker_init_fn=_init_loader_worker if num_workers else None,
                                          generator=torch.Generator().manual_seed(0))
     was_training = model.training
     model.eval()
@@ -902,11 +969,18 @@ def train(cfg: ExperimentConfig, out_dir, *, datasets: dict | None = None, data_
     run = _Run(cfg, out_dir, datasets=datasets, data_root=data_root, cache_dir=cache_dir, device=device,
                max_steps=max_steps, precision=precision, deadline=deadline, cuda_graphs=cuda_graphs,
                max_graphs=max_graphs, compile=compile)
-    run.build(init_from)
-    run.resume_from(resume)
-    run.prepare_loop(compile, num_workers)
-    run.run_steps(show_progress)
-    return run.finish()
+    try:
+        run.build(init_from)
+        run.resume_from(resume)
+        if run.ended is not None:
+            run.say_ended()
+            return run.ended
+        run.prepare_loop(compile, num_workers)
+        run.run_steps(show_progress)
+        return run.finish()
+    except BaseException:
+        run.forget_failed_start()
+        raise
 
 
 class _Run:
@@ -950,8 +1024,7 @@ class _Run:
                 raise ValueError("give the data directory (--data DIR) or datasets=")
             datasets = load_datasets(cfg, data_root, cache_dir)
         self.datasets = datasets
-        if self.lead:  # only once the arguments and the data are known good: a failed start leaves no folder
-            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.made, self.wrote_config = [], False  # what this command made in OUT (`forget_failed_start`)
         cfg = config_from_dict(cfg.to_dict())  # resolved copy; the caller's config is left alone
         fit_to_data(cfg, datasets["train"])
         tc = cfg.train
@@ -972,11 +1045,17 @@ class _Run:
         tc, lead = self.tc, self.lead
         _seed_all(tc.seed)  # the same initial weights on every rank
         model = build_model(self.cfg)
+        self.mask = model.pattern_mask()  # a pattern that cannot be built fails here, before anything is written
         if init_from:
             state = load_checkpoint(init_from, "--init-from")
-            notes = load_pretrained(model, state.get("model", state))
+            weights = model_weights(state, init_from, "--init-from")
+            try:
+                notes = load_pretrained(model, weights)
+            except ValueError as e:  # the weights do not fit this model: say which file
+                raise ValueError(f"--init-from {init_from}: {e}") from None
             if lead:
-                source = ((state.get("config") or {}).get("train") or {}).get("objective", "classify")
+                config = state.get("config") if isinstance(state.get("config"), dict) else {}
+                source = (config.get("train") or {}).get("objective", "classify")
                 print(f"initialised from {init_from} (a {source} checkpoint, into a {tc.objective} model)"
                       + "".join(f"\n  {n}" for n in notes), file=sys.stderr)
         frozen = freeze_parameters(model, tc.freeze)
@@ -995,33 +1074,89 @@ class _Run:
         self.best = {"loss": None, "acc": None, "step": None} if self.denoise else {"acc": -1.0, "step": None}
         self.step, self.best_state = 0, None
         self.segments, self.timing = [], None  # earlier commands of this run; their time estimates
+        self.ended = None  # the summary of a run that --resume finds ended where this command would end it
 
     def resume_from(self, resume: str | None) -> None:
-        """Continue from checkpoint ``resume`` (``"auto"``: last.pt if there is one); write config.json."""
+        """Continue from checkpoint ``resume`` (``"auto"``: last.pt if there is one); write config.json
+        unless the run has one. A run that has already ended where this command would end it is left
+        as it is (``ended``: its summary)."""
         if resume == "auto":
             resume = str(self.ckpt_dir / "last.pt") if (self.ckpt_dir / "last.pt").exists() else None
         self.resume = resume
         if resume:
             self._load_checkpoint(resume)
         if self.lead:
-            (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+            self._make_folders()
+            if not (resume and (self.out / "config.json").exists()):  # (checked against the checkpoint's above)
+                _write_json(self.out / "config.json", self.cfg.to_dict())
+                self.wrote_config = True
+        if self.ended is not None:
+            return
         self.t_offset = sum(seg["wall_s"] for seg in self.segments)  # wall time of the earlier commands, for time_s
         self.start_step = self.step
 
+    def say_ended(self) -> None:
+        """The note of a --resume that found its run ended: nothing is run, and nothing is written
+        but a missing config.json."""
+        if self.lead:
+            more = (f"; a --max-steps above {self.step} goes on (the schedule has {self.tc.steps})"
+                    if self.step < self.tc.steps else "")
+            print(f"note: the run in {self.out} has ended at step {self.step} ({self.out / 'summary.json'}): nothing "
+                  f"to run{more}", file=sys.stderr)
+
+    def _make_folders(self) -> None:
+        """OUT and OUT/checkpoints, made by this command's first write (noted for `forget_failed_start`)."""
+        for folder in reversed([p for p in (self.ckpt_dir, self.out, *self.out.parents) if not p.exists()]):
+            folder.mkdir()
+            self.made.append(folder)
+
+    def forget_failed_start(self) -> None:
+        """After this command failed before its run recorded anything (a log record, a checkpoint,
+        a summary): remove the config.json it wrote and the folders it made, so that the same
+        command, corrected, is not refused for an --out that holds a run."""
+        if not self.lead:
+            return
+        recorded = [self.out / name for name in (*_Logs.FILES, "summary.json") if (self.out / name).exists()]
+        if recorded or (self.ckpt_dir.is_dir() and any(self.ckpt_dir.iterdir())):
+            return
+        if self.wrote_config:
+            (self.out / "config.json").unlink(missing_ok=True)
+        for folder in reversed(self.made):
+            with contextlib.suppress(OSError):  # not empty: it holds what this command did not write
+                folder.rmdir()
+
     def _load_checkpoint(self, resume: str) -> None:
         ckpt_dir = self.ckpt_dir
-        ck = load_checkpoint(resume, "--resume")
+        ck = load_checkpoint(resume, "--resume", keys=("model", "config", "step"))
         if "optimizer" not in ck:
             raise ValueError(f"cannot resume from {resume}: it holds weights only (best.pt?); resume from a full "
                              f"checkpoint such as {ckpt_dir / 'last.pt'}")
-        saved, ours = ck["config"], self.cfg.to_dict()
-        # a field the checkpoint lacks is newer than the run, which ran with its default behaviour
-        defaults = {"model": ModelConfig().__dict__, "train": TrainConfig().__dict__}
-        diff = sorted(f"{s}.{k}" for s in ("model", "train") for k in ours[s]
-                      if saved[s].get(k, defaults[s].get(k)) != ours[s][k])
-        diff += [k for k in ("task", "data") if saved[k] != ours[k]]
+        lacks = [k for k in _FULL_CHECKPOINT if k not in ck]
+        if lacks:
+            raise ValueError(f"--resume {resume}: not a full checkpoint of sparseflash lra train (it lacks {lacks}); "
+                             f"resume from a run's {ckpt_dir / 'last.pt'}")
+        ours = self.cfg.to_dict()
+        diff = _config_diff(ck["config"], ours)
         if diff:
             raise ValueError(f"cannot resume {resume}: its config differs in {diff}")
+        # the run's records in OUT, checked before anything is changed
+        config_path, summary_path = self.out / "config.json", self.out / "summary.json"
+        recorded = _read_run_json(config_path)
+        if recorded is not None:
+            diff = _config_diff(recorded, json.loads(json.dumps(ours)))  # as JSON holds it: tuples are lists
+            if diff:
+                raise ValueError(f"--resume: {config_path} differs from the checkpoint's config in {diff}; restore it, "
+                                 f"or delete it and --resume writes it again from the checkpoint")
+        summary = _read_run_json(summary_path)
+        segments = list(ck.get("segments", []))
+        if summary is not None and not isinstance(summary.get("segments", []), list):
+            raise ValueError(f"--resume: {summary_path} is not the summary of a run (its 'segments' is no list); "
+                             f"restore it, or delete it and the checkpoint's record of the earlier commands is used")
+        self.segments = _history(segments, summary)
+        if (summary is not None and summary.get("finished") and summary.get("steps") == ck["step"] >= self.stop
+                and segments and summary.get("segments") and _same_command(summary["segments"][-1], segments[-1])):
+            self.ended, self.step = summary, ck["step"]
+            return
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["optimizer"])
         for group in self.opt.param_groups:  # this command's choice, whichever the checkpoint's command made
@@ -1035,14 +1170,14 @@ class _Run:
         elif self.lead:
             print(f"warning: checkpoint has RNG states of {len(rngs)} ranks, running {self.world}: dropout streams restart",
                   file=sys.stderr)
-        self.segments, self.timing = list(ck.get("segments", [])), ck.get("timing")
+        self.timing = ck.get("timing")
         if "best_model" in ck:
             self.best_state = ck["best_model"]
             if self.best_state is not None and ck.get("best_model_from_model"):  # frozen: saved once, in "model"
                 shared, best = set(ck["best_model_from_model"]), self.best_state
                 self.best_state = {k: (v if k in shared else best[k]) for k, v in ck["model"].items()}
         elif (ckpt_dir / "best.pt").exists():  # a checkpoint of an older version: best.pt is all there is
-            self.best_state = load_checkpoint(ckpt_dir / "best.pt")["model"]
+            self.best_state = load_checkpoint(ckpt_dir / "best.pt", keys=("model",))["model"]
         if "logs" in ck:
             self.logs.truncate_to(ck["logs"], self.step)
         else:
@@ -1065,7 +1200,7 @@ class _Run:
         collate_fn = functools.partial(collate_planned, self.cfg.model) if self.cuda_graphs else collate
         self.loader = torch.utils.data.DataLoader(datasets["train"], batch_sampler=self.sampler, collate_fn=collate_fn,
                                                   num_workers=num_workers, pin_memory=device.type == "cuda",
-                                                  worker_init_fn=_ignore_stop_signals if num_workers else None,
+                                                  worker_init_fn=_init_loader_worker if num_workers else None,
                                                   generator=torch.Generator().manual_seed(tc.seed))
         self.eval_kw = dict(batch_size=tc.eval_batch_size or tc.batch_size, max_batches=tc.eval_batches, device=device,
                             autocast=self.autocast, rank=self.rank, world=self.world, num_workers=num_workers,
@@ -1139,7 +1274,6 @@ class _Run:
         """Steps from the resumed one to ``stop``, or until a signal or the deadline ends the command
         (then with a full checkpoint)."""
         cfg, tc, device, clock = self.cfg, self.tc, self.device, self.clock
-        self.mask = self.model.pattern_mask()
         if self.lead:
             warning = dense_pattern_warning(cfg.model, self.mask)
             if warning:
@@ -1323,7 +1457,7 @@ class _Run:
         summary["wall_s"] = self.clock() - self.t_start  # this command
         summary["wall_s_total"] = sum(seg["wall_s"] for seg in summary["segments"])  # every command of the run
         if self.lead:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+            _write_json(self.out / "summary.json", summary)
         return summary
 
     def _test(self) -> dict:

@@ -14,7 +14,6 @@ weights. ``--max-mb`` (default 5) refuses an export larger than that.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from pathlib import Path
@@ -39,9 +38,7 @@ def export(checkpoint, out, *, max_mb: float = 5.0) -> dict:
     checkpoint, out = Path(checkpoint), Path(out)
     if not checkpoint.is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint}: no such file")
-    ck = load_checkpoint(checkpoint)
-    if not isinstance(ck, dict) or "config" not in ck or "model" not in ck:
-        raise ValueError(f"{checkpoint}: not a training checkpoint (needs 'config' and 'model')")
+    ck = load_checkpoint(checkpoint, keys=("config", "model"))
     model = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach().clone()
              for k, v in ck["model"].items()}
     run = checkpoint.parent.parent
@@ -62,15 +59,22 @@ def export(checkpoint, out, *, max_mb: float = 5.0) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from sparseflash.cmdline import ArgumentParser, check_output_file, claim_output_file
+
+    ap = ArgumentParser(prog="python -m sparseflash.experiments.lra.weights", description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", type=Path, help="a run's checkpoints/best.pt")
     ap.add_argument("out", type=Path, help="the export, e.g. experiments/lra/weights/pathx-dense.pt")
     ap.add_argument("--max-mb", type=float, default=5.0, help="refuse an export larger than this (default 5)")
+    ap.add_argument("--overwrite", action="store_true", help="replace the file at OUT; without it an existing one "
+                                                             "is refused")
     a = ap.parse_args(argv)
+    claim_output_file(check_output_file(a.out, "OUT"), overwrite=a.overwrite, option="OUT")
     r = export(a.checkpoint, a.out, max_mb=a.max_mb)
     print(f"wrote {r['out']}: {r['parameters']:,} values in bf16, {r['mb']} MB (step {r['step']}, commit {r['commit']})")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from sparseflash.cmdline import run_command
+
+    raise SystemExit(run_command(main))
