@@ -144,6 +144,9 @@ for stage in "$@"; do
         lra-speed) $t $py -m sparseflash lra speed --task all --max-seconds 5 --repeats 5 --out "$d" ;;
         lra-train) $t bash experiments/lra/run_quick.sh "$d" ;;
         *) echo "unknown stage $stage"; exit 2 ;;
-    esac 2>&1 | tee "$d/log.txt" | tail -n 40
+    esac 2>&1 | tee "$out/$stage.log" | tail -n 40
+    # (the log joins the stage's folder afterwards: the commands refuse an --out that holds files they
+    # did not write, and tee would have made it first)
+    mkdir -p "$d" && mv "$out/$stage.log" "$d/log.txt"
     tar czf "$out/$stage.tgz" -C "$out" "$stage" && rm -rf "$d"
 done

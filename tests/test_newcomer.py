@@ -356,6 +356,29 @@ def test_commands_that_write_refuse_files_already_there(tmp_path, capsys, monkey
     assert "reached the work" in _one_error_line(capsys.readouterr().err)
 
 
+def test_plot_refuses_figures_already_there(tmp_path, capsys):
+    """`sparseflash plot` knows its figures' names from the rows before drawing: one already in
+    --out (an earlier figure, or an unrelated file of that name) is refused in one line naming it
+    and --overwrite, every file left byte for byte; other files do not matter; --overwrite redraws."""
+    import shutil
+
+    src = tmp_path / "rows"
+    src.mkdir()
+    shutil.copy(README.parent / "experiments/results/seqlen/seqlen.json", src)
+    out = tmp_path / "figs"
+    out.mkdir()
+    (out / "notes.txt").write_text("not a figure")
+    (out / "seqlen_memory.png").write_bytes(b"mine")
+    before = _hashes(out)
+    assert cli.main(["plot", str(src), "--out", str(out)]) == cli.EXIT_USAGE
+    line = _one_error_line(capsys.readouterr().err)
+    assert "seqlen_memory.png" in line and "--overwrite" in line, line
+    assert _hashes(out) == before
+    assert cli.main(["plot", str(src), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "seqlen_memory.png").read_bytes()[:4] == b"\x89PNG" and (out / "seqlen_runtime.png").exists()
+    assert (out / "notes.txt").read_text() == "not a figure"
+
+
 def test_weights_export_refuses_a_file_already_there(tmp_path, capsys):
     from sparseflash.experiments.lra import weights
 

@@ -113,6 +113,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("plot", help="redraw every benchmark figure from saved results")
     p.add_argument("results", nargs="+", help="result files (.json / .csv) or directories holding them")
     p.add_argument("--out", required=True, help="directory for the PNGs")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace figures of the same names already in --out; without it such a file is refused")
     p.set_defaults(func=_cmd_plot)
 
 
@@ -249,7 +251,7 @@ def _cmd_plot(args) -> int:
         if not Path(r).exists():
             raise FileNotFoundError(2, "No such file or directory", r)
     check_output_dir(args.out)
-    written = plot_results(args.results, args.out)
+    written = plot_results(args.results, args.out, overwrite=args.overwrite)
     for p in written:
         print(p)
     if not written:

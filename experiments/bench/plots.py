@@ -262,6 +262,15 @@ def _seqlen_figures(rows, out: Path) -> list[str]:
     return written
 
 
+def figure_names(rows: list[dict]) -> list[str]:
+    """The file names `plot_rows` writes for ``rows``, known before anything is drawn."""
+    sparsity = sorted({r["pattern"] for r in rows if r.get("bench") == "sparsity" and r.get("pattern") not in ("dense", None)})
+    names = [f"sparsity_{kind}_{p}.png" for p in sparsity for kind in ("runtime", "speedup", "tflops")]
+    if any(r.get("bench") == "seqlen" for r in rows):
+        names += ["seqlen_runtime.png", "seqlen_memory.png"]
+    return names
+
+
 def plot_rows(rows: list[dict], out_dir) -> list[str]:
     """Draw every figure the rows support into ``out_dir``; returns the written paths."""
     out = Path(out_dir)
@@ -269,7 +278,12 @@ def plot_rows(rows: list[dict], out_dir) -> list[str]:
     return _sparsity_figures(rows, out) + _seqlen_figures(rows, out)
 
 
-def plot_results(paths, out_dir) -> list[str]:
-    """`plot_rows` over the rows of saved result files or directories."""
+def plot_results(paths, out_dir, *, overwrite: bool = True) -> list[str]:
+    """`plot_rows` over the rows of saved result files or directories. Without ``overwrite`` a
+    figure file already in ``out_dir`` is refused (`cmdline.claim_output_files`) before anything
+    is drawn."""
+    from sparseflash.cmdline import claim_output_files
+
     rows, _ = load_results(paths)
+    claim_output_files(out_dir, figure_names(rows), overwrite=overwrite)
     return plot_rows(rows, out_dir)
