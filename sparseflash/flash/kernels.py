@@ -96,13 +96,13 @@ def _dot(a, b, acc, DOT_PREC: tl.constexpr):
     elif DOT_PREC == "tf32" and a.dtype == tl.float32:
         # tensor cores read the top 19 bits of an fp32 operand (truncation); round to nearest
         # first, as cuBLAS does: truncating P (all positive) biases every output downwards
-        return tl.dot(_tf32_round(a), _tf32_round(b), acc, input_precision="tf32")
+        return tl.dot(tf32_round(a), tf32_round(b), acc, input_precision="tf32")
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
 
 @triton.jit
-def _tf32_round(x):
+def tf32_round(x):
     """fp32 -> nearest tf32 (10 mantissa bits, ties to even), still stored as fp32."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000

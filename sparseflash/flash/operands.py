@@ -155,7 +155,7 @@ def softcap_flag(softcap: float) -> dict:
 
 
 # ----------------------------------------------------------------------------- named arguments
-# A plan (`launch._Plan`) holds every kernel argument by its parameter name: the value of a
+# A plan (`launch.Plan`) holds every kernel argument by its parameter name: the value of a
 # scalar, `TENSOR` where the call passes a tensor, None where the variant reads nothing (a
 # constexpr to Triton: the compiled kernel then has neither the parameter nor code for it). Each
 # optional table has its own parameters: segment ids (SEG_Q, SEG_K), key ranges (RANGES), ALiBi
