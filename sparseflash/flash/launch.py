@@ -24,8 +24,8 @@ import torch
 from sparseflash._consts import LOG2E
 from sparseflash.flash import binding, dispatch, kernels, operands, tiles
 from sparseflash.flash.operands import (TENSOR, ExactTiles, aligned_strides, bwd_consts, cdiv, check_exact, checked_rng,
-                                       dot_precision, drop_consts, exact_flag, gather, list_args, list_plan_args,
-                                       optional_tensors, softcap_flag, table_args, table_layout, table_tensors)
+                                       dot_precision, drop_consts, gather, list_args, list_plan_args, optional_tensors,
+                                       softcap_arg, table_args, table_layout, table_tensors)
 
 __all__ = ["fwd", "bwd", "bwd_dq", "bwd_dkdv", "hopper_fwd", "hopper_bwd", "plan_fwd", "plan_dq", "plan_dkdv", "run",
            "plan_state", "POISON_OUTPUTS", "Plan", "PLANS", "PLANS_MAX", "cached_plan", "bind_plan"]
@@ -237,7 +237,7 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
                        dropout_p > 0.0, tma_plan is not None, any(t is not None for t in tables))
     list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", ("stride_ib", "stride_ih", "stride_im"))
     thresh, drop_scale = drop_consts(dropout_p)
-    table_a, flags = table_args(*tables)
+    table_a = table_args(*tables)
     strides, align = aligned_strides(q, k, v, o)
     tma = tiles.tma_taken(cfg, tma_plan)
     args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, O=TENSOR, LSE=TENSOR, **list_a,
@@ -248,9 +248,8 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
                 **_desc_args("fwd", tma),
                 HEAD_DIM=D, BLOCK_D=tiles.block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
-                DENSE=kv_idx is None, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-                DOT_PREC=dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, **flags,
-                **softcap_flag(softcap), **exact_flag(exact or None))
+                CAUSAL=causal, DOT_PREC=dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align,
+                **softcap_arg(softcap))
     return Plan("fwd_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)
 
 
@@ -328,8 +327,8 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
                exact):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    table_a, flags = table_args(*tables)
-    constexprs = bwd_consts(q, key_lengths, causal, dropout_p, flags, softcap, exact or None)
+    table_a = table_args(*tables)
+    constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                        dropout_p > 0, tma_plan is not None)
     list_a, nb_p2 = list_plan_args(q_idx, B, Hq, q, "Q_IDX", ("stride_ib", "stride_ih", "stride_in"))
@@ -343,8 +342,8 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
                 RNG=TENSOR if dropout_p > 0.0 else None, drop_thresh=thresh, drop_scale=drop_scale,
                 **_desc_args("dkdv", tma),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
-                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=q_idx is None,
-                **cfg.launch_options(), **constexprs, Q_ROWS=cfg.q_rows, ALIGN=align, TMA=tma)
+                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
+                **cfg.launch_options(), **constexprs, Q_ROWS=cfg.q_rows, ALIGN=align)
     return Plan("bwd_dkdv_kernel", (cdiv(Nk, cfg.block_n), B * Hkv), args, cfg, tma, q.device)
 
 
@@ -382,8 +381,8 @@ def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, ma
              has_dlse, softcap, exact):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    table_a, flags = table_args(*tables)
-    constexprs = bwd_consts(q, key_lengths, causal, dropout_p, flags, softcap, exact or None)
+    table_a = table_args(*tables)
+    constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                        dropout_p > 0, tma_plan is not None)
     list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", ("stride_ib", "stride_ih", "stride_im"))
@@ -397,6 +396,6 @@ def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, ma
                 RNG=TENSOR if dropout_p > 0.0 else None, drop_thresh=thresh, drop_scale=drop_scale,
                 **_desc_args("dq", tma),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
-                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=kv_idx is None,
-                HAS_DLSE=has_dlse, **cfg.launch_options(), **constexprs, ALIGN=align, TMA=tma)
+                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
+                **cfg.launch_options(), **constexprs, ALIGN=align)
     return Plan("bwd_dq_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)
