@@ -106,3 +106,14 @@ def test_flash_readme_names_what_exists():
             missing.append(token)
     assert len(re.findall(r"^\d+\. ", text, flags=re.M)) == 10, "the path is ten numbered lines"
     assert not missing, f"sparseflash/flash/README.md names what does not exist: {missing}"
+
+
+def test_result_folders_are_named_by_their_question():
+    """A results folder is named by the question it answers, not by the commit it ran at (the
+    commit goes inside its files: a column, a meta field or commit.txt)."""
+    commit_named = re.compile(r"[-_](?=[0-9a-f]*\d)[0-9a-f]{7,40}$")
+    assert all(commit_named.search(n) for n in ("host_profile-5246292", "gpu-check-df5fa3e", "lra-speed-before-f74b8e2"))
+    assert not any(commit_named.search(n) for n in ("kernel-check-eager-4k", "speed-short-fastpath", "bound-hopper-launches"))
+    found = [str(d.relative_to(ROOT)) for d in (ROOT / "experiments").rglob("*")
+             if d.is_dir() and "results" in d.relative_to(ROOT).parts[:-1] and commit_named.search(d.name)]
+    assert not found, f"results folders named after a commit: {found}"

@@ -9,7 +9,7 @@ returns a compiled kernel whose launcher does nothing, so `binding.call` binds o
 takes its bound route after. What it times is every line of Python and every torch call between
 `sparseflash.attention` and the C launcher: API checks, the autograd Function, the dispatch, the
 descriptors and the bound launch's key. This machine's µs are not an H200 host's (those run about
-2-3x longer, `results/host_profile-*`), but a change that removes work here removes it there.
+2-3x longer, `results/host_profile/`), but a change that removes work here removes it there.
 Prints µs per call (best of three runs of ``--calls``) and, with ``--profile``, the top functions.
 """
 
