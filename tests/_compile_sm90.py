@@ -42,7 +42,7 @@ def _type(a) -> str:
 
 
 def compile_plan(plan, tensors: dict, target):
-    """PTX of ``plan`` (a launch._Plan) with ``tensors`` (parameter name -> tensor) in its tensor
+    """PTX of ``plan`` (a launch.Plan) with ``tensors`` (parameter name -> tensor) in its tensor
     arguments, compiled for ``target``."""
     fn = getattr(kernels, plan.kernel)
     args = {**plan.args, **{n: tensors[n] for n in plan.tensors}}

@@ -247,8 +247,8 @@ def test_bits_keep_the_hopper_kernels_out(device, monkeypatch):
         raise AssertionError("the Hopper kernels were considered for a call with bits")
 
     monkeypatch.setattr(dispatch, "HOPPER_EXACT", "off")
-    monkeypatch.setattr(dispatch, "_fwd_layouts", refuse)
-    monkeypatch.setattr(dispatch, "_bwd_layouts", refuse)
+    monkeypatch.setattr(dispatch, "fwd_layouts", refuse)
+    monkeypatch.setattr(dispatch, "bwd_layouts", refuse)
     mask = BlockMask.from_fn(sliding_causal(20), 64, block_size=32).to(device)
     q, k, v, do = make_qkv(1, 1, 1, 64, 64, 16, torch.bfloat16, device, seed=13)
     q.requires_grad_()
@@ -260,8 +260,8 @@ def test_bits_take_the_hopper_kernels_only_when_switched_on(monkeypatch):
     """HOPPER_EXACT "on" (the default) lets calls with bits ask for the Hopper layouts, forward and
     backward; "off" never; a value other than on / off is refused, naming the switch."""
     asked = []
-    monkeypatch.setattr(dispatch, "_fwd_layouts", lambda *a: asked.append("fwd") or "lay")
-    monkeypatch.setattr(dispatch, "_bwd_layouts", lambda *a: asked.append(("bwd", a[-1])) or "lays")
+    monkeypatch.setattr(dispatch, "fwd_layouts", lambda *a: asked.append("fwd") or "lay")
+    monkeypatch.setattr(dispatch, "bwd_layouts", lambda *a: asked.append(("bwd", a[-1])) or "lays")
     q = torch.zeros(1, 1, 256, 64, dtype=torch.bfloat16)
     bits = object()  # (the dispatch looks only at whether there are bits)
     plan = functools.partial(dispatch.hopper_plan, q, q, q, 128, 128, -1.0, scale=0.125, exact=bits)

@@ -39,7 +39,7 @@ def spy(monkeypatch):
     """Counts of calls served by the short path's entries ("hits", Python or native) and of built
     entries."""
     counts = {"hits": 0, "built": 0}
-    call, build = fast.call, fast._build
+    call, build = fast.call, fast.make_entry
 
     def counted_call(*a):
         counts["hits"] += 1
@@ -50,7 +50,7 @@ def spy(monkeypatch):
         return build(*a)
 
     monkeypatch.setattr(fast, "call", counted_call)
-    monkeypatch.setattr(fast, "_build", counted_build)
+    monkeypatch.setattr(fast, "make_entry", counted_build)
     return counts
 
 
@@ -199,10 +199,10 @@ def test_steps_aside(spy, monkeypatch):
     assert spy["built"] == 1 and spy["hits"] == 2
     with tile_config(fwd=TileConfig(16, 16)):
         sparseflash.attention(q, k, v)
-    assert spy["built"] == 2 and len(fast._DENSE) == 2
+    assert spy["built"] == 2 and len(fast.DENSE) == 2
     mask = BlockMask.from_layout(torch.ones(4, 4, dtype=torch.bool), block_size=16)
     sparseflash.attention(q, k, v, mask=mask)
-    assert len(mask.fast_entries) == 1 and len(fast._DENSE) == 2
+    assert len(mask.fast_entries) == 1 and len(fast.DENSE) == 2
 
 
 def _topk_masks(n_masks, seed, B=2, H=2, N=64, block=16, K=2):
@@ -247,7 +247,7 @@ def _per_call_masks_take_the_short_path(spy, monkeypatch):
         return outs, grads, plain
 
     got = run()
-    assert spy["built"] == 1 and spy["hits"] == 6 and len(fast._DYNAMIC) == 1
+    assert spy["built"] == 1 and spy["hits"] == 6 and len(fast.DYNAMIC) == 1
     monkeypatch.setattr(fast, "ENABLED", False)
     want = run()
     for kind, a_list, b_list in zip(("out", "grads", "no-grad out"), got, want):
@@ -260,7 +260,7 @@ def _per_call_masks_take_the_short_path(spy, monkeypatch):
     assert layout.density_bound is None
     sparseflash.attention(q, k, v, mask=layout, causal=True)  # no bound: the general path
     sparseflash.attention(q, k, v, mask=_topk_masks(1, 1, K=3)[0], causal=True)  # other shapes: a new entry
-    assert spy["built"] == 2 and len(fast._DYNAMIC) == 2
+    assert spy["built"] == 2 and len(fast.DYNAMIC) == 2
 
 
 def test_entry_launch_names_its_tensors_and_keeps_the_aligned_binding(fake, monkeypatch):
@@ -270,8 +270,8 @@ def test_entry_launch_names_its_tensors_and_keeps_the_aligned_binding(fake, monk
     the all-aligned bound launch (what the native plan is made from), not a misaligned one's."""
     kernel, plan = fake
     fixed = torch.zeros(8, dtype=torch.int32)
-    monkeypatch.setattr(fast, "_ROLE", {"A": 1})
-    entry_launch = fast._Launch(plan, {"B": fixed})  # A: the role at index 1; B: a fixed tensor
+    monkeypatch.setattr(fast, "ROLE", {"A": 1})
+    entry_launch = fast.EntryLaunch(plan, {"B": fixed})  # A: the role at index 1; B: a fixed tensor
     assert entry_launch.roles == (("A", 1),)
     a1, a2 = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)
     misaligned = torch.zeros(64, dtype=torch.bfloat16)[1:9]
@@ -298,8 +298,8 @@ def test_gpu_short_path_is_bound_and_matches(setting, spy, monkeypatch):
     misaligned address still gives the general path's result."""
     got = [_call(setting, seed)[0] for seed in range(2)]
     general = []
-    real_bind = launch._bind
-    monkeypatch.setattr(launch, "_bind", lambda *a: (general.append(1), real_bind(*a))[1])
+    real_bind = launch.bind_plan
+    monkeypatch.setattr(launch, "bind_plan", lambda *a: (general.append(1), real_bind(*a))[1])
     got.append(_call(setting, 2)[0])
     assert not general and spy["hits"] == 3
     monkeypatch.setattr(fast, "ENABLED", False)

@@ -15,7 +15,7 @@ from _attn_check import check_attention, make_qkv
 import sparseflash
 from sparseflash import BlockMask
 from sparseflash.flash import TileConfig, launch, operands, tile_config, tiles
-from sparseflash.flash.kernels import _tf32_round
+from sparseflash.flash.kernels import tf32_round
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -479,13 +479,13 @@ def test_tma_work_threshold(device, monkeypatch):
     monkeypatch.setattr(tiles, "tma_auto", lambda dev, work, capturing: decided.append(work) or work >= 5 or capturing)
     monkeypatch.setattr(tiles, "TMA_MODE", "auto")
     assert tiles.tma_plan(32, k, work=4.0) is None and tiles.tma_plan(32, k, work=5.0) is not None
-    monkeypatch.setattr(tiles, "_in_graph_capture", lambda t: True)  # inside a CUDA-graph capture
+    monkeypatch.setattr(tiles, "in_graph_capture", lambda t: True)  # inside a CUDA-graph capture
     assert tiles.tma_plan(32, k, work=4.0) is not None
     monkeypatch.setattr(tiles, "TMA_MODE", "on")
     assert tiles.tma_plan(32, k, work=4.0) is not None
     assert decided == [4.0, 5.0, 4.0]
     # every launch gets the call's work: 4 B H Nq Nk D x the mask's density (the general path's
-    # launchers; the short path estimates the same work once per key, sparseflash.flash.fast._build)
+    # launchers; the short path estimates the same work once per key, sparseflash.flash.fast.make_entry)
     from sparseflash.flash import fast
 
     monkeypatch.setattr(fast, "ENABLED", False)
@@ -631,7 +631,7 @@ def _tf32_nearest(x: torch.Tensor) -> torch.Tensor:
 def _tf32_round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    tl.store(y_ptr + offs, _tf32_round(x), mask=offs < n)
+    tl.store(y_ptr + offs, tf32_round(x), mask=offs < n)
 
 
 def test_tf32_round_is_round_to_nearest_even():

@@ -495,7 +495,7 @@ def test_key_ranges_with_mask_key_lengths_tma_and_q_rows(device, tma_on, monkeyp
     from sparseflash.segments import check_key_ranges, key_range_block_layout
 
     table = check_key_ranges(ranges, 1, Nq, Nk, ranges.device)
-    kv_idx, _, bq, bk = autograd.segment_lists(table, None, mask, ranges.device, Nk)
+    kv_idx, _, bq, bk = autograd.segment_lists(None, table, mask, ranges.device, Nk)
     on = key_range_block_layout(table, Nk, 32, 32)
     assert bool((~on).any()) and int((kv_idx < kv_idx.shape[-1]).sum()) == int((mask.layout.to(on.device) & on).sum())
     # every attended pair lies in an on block of the pruned layout

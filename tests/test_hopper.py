@@ -73,46 +73,46 @@ def test_bwd_choice(monkeypatch):
     take it, and dO needs a layout descriptors take."""
     assert hopper_bwd.MODE in ("auto", "on", "off")
     q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
-    assert dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
+    assert dispatch.bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
     assert hopper_bwd.do_layout(q) is not None
     assert hopper_bwd.do_layout(q.transpose(2, 3)) is None
     assert hopper_bwd.unsupported(q, q, q, q) == "not an sm_90 GPU"
-    monkeypatch.setattr(dispatch, "_fwd_layouts", lambda *a: "lay")  # as if on an sm_90 GPU
+    monkeypatch.setattr(dispatch, "fwd_layouts", lambda *a: "lay")  # as if on an sm_90 GPU
     monkeypatch.setattr(hopper_bwd, "MODE", "off")
-    assert dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
+    assert dispatch.bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
     monkeypatch.setattr(hopper_bwd, "MODE", "on")
-    assert dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
-    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) == ("lay", hopper_bwd.do_layout(q))
-    assert dispatch._bwd_layouts(q.float(), q, q, q, q, None, None, -1.0) is None  # dO dtype differs
+    assert dispatch.bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch.bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch.bwd_layouts(q.float(), q, q, q, q, None, None, -1.0) is None  # dO dtype differs
     monkeypatch.setattr(hopper_bwd, "MODE", "auto")
-    assert dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
-    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) is None  # unknown list length: portable
+    assert dispatch.bwd_layouts(q, q, q, q, q, None, None, -1.0) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch.bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True) is None  # unknown list length: portable
     # block lists: this kernel once a key tile's column holds LIST_MIN_BLOCKS q blocks of 128 rows on average
     B, H, N, D = q.shape
     per_block = 4.0 * B * H * N * D * hopper.TILE  # the work of one 128-row q block in every column
     long_lists = per_block * hopper_bwd.LIST_MIN_BLOCKS
-    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, long_lists, True) == ("lay", hopper_bwd.do_layout(q))
-    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, long_lists * 0.99, True) is None
+    assert dispatch.bwd_layouts(q, q, q, q, q, 128, 128, long_lists, True) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch.bwd_layouts(q, q, q, q, q, 128, 128, long_lists * 0.99, True) is None
     # ... except for calls with exact-mask bits, whatever their lists' length
-    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, long_lists * 0.1, True, True) == ("lay", hopper_bwd.do_layout(q))
-    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True, True) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch.bwd_layouts(q, q, q, q, q, 128, 128, long_lists * 0.1, True, True) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch.bwd_layouts(q, q, q, q, q, 128, 128, -1.0, True, True) == ("lay", hopper_bwd.do_layout(q))
     monkeypatch.setattr(hopper_bwd, "LIST_MIN_BLOCKS", 0.5)
-    assert dispatch._bwd_layouts(q, q, q, q, q, 128, 128, per_block * 0.5, True) == ("lay", hopper_bwd.do_layout(q))
+    assert dispatch.bwd_layouts(q, q, q, q, q, 128, 128, per_block * 0.5, True) == ("lay", hopper_bwd.do_layout(q))
     # dQ's reductions add in arrival order: deterministic algorithms keep the portable backward
     torch.use_deterministic_algorithms(True)
     try:
-        assert dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
+        assert dispatch.bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
         assert "deterministic" in hopper_bwd._do_unsupported(q, q)
     finally:
         torch.use_deterministic_algorithms(False)
     # ... and so does a call that asks for a deterministic backward, whatever the global switch
-    monkeypatch.setattr(dispatch, "_fwd_layouts", lambda *a: "lay")
+    monkeypatch.setattr(dispatch, "fwd_layouts", lambda *a: "lay")
     assert dispatch.hopper_plan(q, q, q, None, None, -1.0, scale=0.1, do=q, o=q) == ("lay", hopper_bwd.do_layout(q))
     assert dispatch.hopper_plan(q, q, q, None, None, -1.0, scale=0.1, do=q, o=q, deterministic=True) is None
     assert dispatch.hopper_plan(q, q, q, None, None, -1.0, scale=0.1, deterministic=True) == "lay"  # forward: no atomics
     monkeypatch.setattr(hopper_bwd, "MODE", "fast")
     with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER_BWD"):
-        dispatch._bwd_layouts(q, q, q, q, q, None, None, -1.0)
+        dispatch.bwd_layouts(q, q, q, q, q, None, None, -1.0)
 
 
 def test_list_threshold_per_gpu(monkeypatch):
@@ -175,7 +175,7 @@ def test_cpu_calls_never_take_it(monkeypatch, device):
     called = []
     monkeypatch.setattr(hopper, "fwd", lambda *a, **k: called.append(1))
     q = torch.randn(1, 1, 32, 16)
-    assert dispatch._fwd_layouts(q, q, q, None, None, -1.0) is None
+    assert dispatch.fwd_layouts(q, q, q, None, None, -1.0) is None
     assert not called
 
 

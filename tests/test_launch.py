@@ -51,14 +51,14 @@ class _Kernel:
 def fake(monkeypatch):
     """A plan of the stand-in kernel on a (pretend) CUDA device, with bound launches possible."""
     kernel = _Kernel()
-    monkeypatch.setattr(kernels, "_test_kernel", kernel, raising=False)
+    monkeypatch.setattr(kernels, "stand_in_kernel", kernel, raising=False)
     monkeypatch.setattr(tiles, "INTERPRETING", False)
     monkeypatch.setattr(binding, "FAST_LAUNCH", True)
     monkeypatch.setattr(binding, "current_device", lambda: 0)
     monkeypatch.setattr(binding, "raw_stream", lambda index: 77)
-    monkeypatch.setattr(binding, "_HAS_CUDA", True)
+    monkeypatch.setattr(binding, "has_cuda", lambda: True)
     T = launch.TENSOR
-    plan = launch._Plan("_test_kernel", (5, 6), dict(A=T, B=T, n=48, x=0.5, C=7, E=None, num_warps=4),
+    plan = launch.Plan("stand_in_kernel", (5, 6), dict(A=T, B=T, n=48, x=0.5, C=7, E=None, num_warps=4),
                         TileConfig(16, 16), False, torch.device("cuda"))
     return kernel, plan
 
@@ -125,12 +125,12 @@ def test_unbound_launches(fake, monkeypatch):
         launch.run(plan, _tensors())
     assert len(kernel.launches) == 6 and not plan.bound
     kernel.pre_run_hooks.clear()
-    tma = launch._Plan("_test_kernel", (1, 1), plan.args, plan.cfg, True, torch.device("cuda"))
-    binding._CALLS.clear()
+    tma = launch.Plan("stand_in_kernel", (1, 1), plan.args, plan.cfg, True, torch.device("cuda"))
+    binding.CALLS.clear()
     for _ in range(2):
         launch.run(tma, _tensors())
     # (a plan with TMA descriptors binds through `call`, keyed on the call's arguments, not in the plan)
-    assert len(kernel.launches) == 7 and not tma.bound and len(binding._CALLS) == 1
+    assert len(kernel.launches) == 7 and not tma.bound and len(binding.CALLS) == 1
 
 
 def _const_fn(A, n, x, BLOCK: tl.constexpr, E=None):
@@ -146,8 +146,8 @@ def fake_call(monkeypatch):
     monkeypatch.setattr(binding, "FAST_LAUNCH", True)
     monkeypatch.setattr(binding, "current_device", lambda: 0)
     monkeypatch.setattr(binding, "raw_stream", lambda index: 77)
-    monkeypatch.setattr(binding, "_HAS_CUDA", True)
-    binding._CALLS.clear()
+    monkeypatch.setattr(binding, "has_cuda", lambda: True)
+    binding.CALLS.clear()
     return kernel
 
 
@@ -213,7 +213,7 @@ def test_call_unbound(fake_call, monkeypatch):
     monkeypatch.setattr(binding, "FAST_LAUNCH", True)
     monkeypatch.setattr(tiles, "INTERPRETING", True)
     binding.call(kernel, (1,), A=a, n=32, x=0.5, BLOCK=64)
-    assert len(kernel.launches) == 3 and not binding._CALLS
+    assert len(kernel.launches) == 3 and not binding.CALLS
     monkeypatch.setattr(tiles, "INTERPRETING", False)
     binding.call(kernel, (1,), a, 32, 0.5, BLOCK=64)
     assert kernel.launches[-1][1] == dict(A=a, n=32, x=0.5, BLOCK=64)
@@ -224,24 +224,24 @@ def test_plans_are_cached_per_key():
     """Calls with the same shapes, dtypes and scalars share one plan; a tile override or another
     scalar makes another. (Runs the real kernels under the interpreter, at a tiny size.)"""
     q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
-    launch._PLANS.clear()
+    launch.PLANS.clear()
     sparseflash.attention(q, k, v, backend="triton")
-    n = len(launch._PLANS)
+    n = len(launch.PLANS)
     assert n == 1
     sparseflash.attention(q + 1, k, v, backend="triton")
-    assert len(launch._PLANS) == n
+    assert len(launch.PLANS) == n
     sparseflash.attention(q, k, v, backend="triton", scale=0.5)
     with tile_config(fwd=TileConfig(16, 16, 4, 1)):
         sparseflash.attention(q, k, v, backend="triton")
-    assert len(launch._PLANS) == n + 2
+    assert len(launch.PLANS) == n + 2
 
 
 def test_plan_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(launch, "_PLANS_MAX", 3)
-    launch._PLANS.clear()
+    monkeypatch.setattr(launch, "PLANS_MAX", 3)
+    launch.PLANS.clear()
     for i in range(5):
-        launch._plan(("k", i), lambda: object())
-    assert len(launch._PLANS) <= 3
+        launch.cached_plan(("k", i), lambda: object())
+    assert len(launch.PLANS) <= 3
 
 
 def _bound_against_triton(run, monkeypatch, reset, after_bind=lambda: None):
@@ -290,10 +290,10 @@ def test_gpu_bound_launches_match_triton(setting, monkeypatch):
         out = sparseflash.attention(qq, kk, vv, generator=gen, **kw)
         return (out, *torch.autograd.grad(out, (qq, kk, vv), do))
 
-    want, got = _bound_against_triton(run, monkeypatch, launch._PLANS.clear)
+    want, got = _bound_against_triton(run, monkeypatch, launch.PLANS.clear)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name
-    assert sum(len(p.bound) for p in launch._PLANS.values()) == 3
+    assert sum(len(p.bound) for p in launch.PLANS.values()) == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bound launches run on CUDA")
@@ -342,8 +342,8 @@ def test_gpu_calls_match_triton(route, monkeypatch):
             return (out, *torch.autograd.grad(out, (qq, kk, vv), do))
 
     n_bound = []
-    want, got = _bound_against_triton(run, monkeypatch, binding._CALLS.clear,
-                                      after_bind=lambda: n_bound.append(len(binding._CALLS)))
-    assert n_bound[0] > 0 and len(binding._CALLS) == n_bound[0], "no bound launch, or the second call bound anew"
+    want, got = _bound_against_triton(run, monkeypatch, binding.CALLS.clear,
+                                      after_bind=lambda: n_bound.append(len(binding.CALLS)))
+    assert n_bound[0] > 0 and len(binding.CALLS) == n_bound[0], "no bound launch, or the second call bound anew"
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), i

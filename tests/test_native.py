@@ -147,7 +147,7 @@ def test_native_node_saves_like_builtin_ops(dry):
 def test_native_build_is_cached(mod, tmp_path, monkeypatch):
     """One module per source, torch and Python: loading again reuses the built file."""
     assert native.load() is mod and native.ready()
-    files = list(native.cache_dir().glob(f"sparseflash_native_{native._tag()}*"))
+    files = list(native.cache_dir().glob(f"sparseflash_native_{native.build_tag()}*"))
     assert len(files) == 1
 
 
@@ -167,15 +167,15 @@ def test_fallback_without_its_entry_runs_the_general_backward():
     kv_idx, q_idx, bq, bk, density = mask_lists(mask, q.device)
     o, lse = launch.fwd(q, k, v, kv_idx, None, 0.25, False, bq or None, bk or None, 0.0, None)
     want = launch.bwd(do, q, k, v, o, lse, None, kv_idx, q_idx, None, 0.25, False, bq or None, bk or None, 0.0, None)
-    entry = fast._build(q, k, v, mask, False, 0.25, None)
-    fb = fast._NativeFallback(entry)
+    entry = fast.make_entry(q, k, v, mask, False, 0.25, None)
+    fb = fast.NativeFallback(entry)
     seen = []
-    real = fast._Entry.backward
-    fast._Entry.backward = lambda self, *a: (seen.append(1), real(self, *a))[1]
+    real = fast.Entry.backward
+    fast.Entry.backward = lambda self, *a: (seen.append(1), real(self, *a))[1]
     try:
         got_alive = fb(do, q, k, v, o, lse, None)
     finally:
-        fast._Entry.backward = real
+        fast.Entry.backward = real
     assert seen == [1]
     ref = weakref.ref(entry)
     del entry
@@ -193,10 +193,10 @@ gpu = pytest.mark.skipif(not CUDA, reason="native launches run on CUDA")
 def _entries():
     from test_fast_path import _call
 
-    found = list(fast._DENSE.values())
+    found = list(fast.DENSE.values())
     for m in _call.masks.values():
         found += list(m.fast_entries.values())
-    return [e for e in found if isinstance(e, fast._Entry)]
+    return [e for e in found if isinstance(e, fast.Entry)]
 
 
 @pytest.mark.gpu
@@ -218,8 +218,8 @@ def test_gpu_native_matches_the_python_short_path(setting, mod, monkeypatch):
     assert entry.native.n_bwd == 2
     py_calls = []
     for name in ("forward", "backward"):
-        real = getattr(fast._Entry, name)
-        monkeypatch.setattr(fast._Entry, name, lambda self, *a, _r=real, _n=name: (py_calls.append(_n), _r(self, *a))[1])
+        real = getattr(fast.Entry, name)
+        monkeypatch.setattr(fast.Entry, name, lambda self, *a, _r=real, _n=name: (py_calls.append(_n), _r(self, *a))[1])
     got = [_call(setting, s)[0] for s in (2, 3)] + [_call(setting, 4, do_t=True)[0]]
     assert not py_calls
     monkeypatch.undo()
@@ -244,7 +244,7 @@ def test_gpu_native_steps_aside(mod, monkeypatch):
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     for _ in range(3):
         want = torch.autograd.grad(sparseflash.attention(qg, kg, vg), (qg, kg, vg), do)
-    (entry,) = [e for e in fast._DENSE.values() if isinstance(e, fast._Entry) and e.native]
+    (entry,) = [e for e in fast.DENSE.values() if isinstance(e, fast.Entry) and e.native]
     seen = []
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: seen.append(1))
     got = torch.autograd.grad(sparseflash.attention(qg, kg, vg), (qg, kg, vg), do)

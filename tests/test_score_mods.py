@@ -165,30 +165,30 @@ def test_tma_and_both_dkdv_orientations(device, tma_on):
 def test_portable_kernels_only(device, monkeypatch):
     """Calls with softcap or ALiBi never reach the Hopper kernels' dispatch nor the short path of
     repeated calls (neither implements them); a plain call does (the control). The default plans
-    carry neither constexpr (their compiled kernels are the ones of before)."""
+    carry neither the cap nor the slopes (their compiled kernels are the ones of before)."""
     from sparseflash.flash import fast
 
     seen = []
-    monkeypatch.setattr(dispatch, "_fwd_layouts", lambda *a, **kw: seen.append("fwd"))
-    monkeypatch.setattr(dispatch, "_bwd_layouts", lambda *a, **kw: seen.append("bwd"))
+    monkeypatch.setattr(dispatch, "fwd_layouts", lambda *a, **kw: seen.append("fwd"))
+    monkeypatch.setattr(dispatch, "bwd_layouts", lambda *a, **kw: seen.append("bwd"))
     real_lookup = fast.lookup
     monkeypatch.setattr(fast, "lookup", lambda *a: seen.append("fast") or real_lookup(*a))
     q, k, v, do = make_qkv(1, 2, 2, 20, 20, 16, torch.float16, device)
-    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch, "PLANS", {})
     for kw in (dict(softcap=5.0), dict(alibi_slopes=_slopes(1, 2, False, device))):
         qq = q.clone().requires_grad_()
         sparseflash.attention(qq, k, v, backend="triton", **kw).backward(do)
         assert seen == [], kw
-    assert all(("SOFTCAP" in p.args) != ("ALIBI" in p.args) for p in launch._PLANS.values())
-    assert all((p.args["SLOPES"] is None) == ("ALIBI" not in p.args) for p in launch._PLANS.values())
-    monkeypatch.setattr(launch, "_PLANS", {})
+    # each plan has exactly one of the two: a cap (SOFTCAP) or the slopes' pointer (ALIBI is derived from it)
+    assert all(("SOFTCAP" in p.args) != (p.args["SLOPES"] is not None) for p in launch.PLANS.values())
+    monkeypatch.setattr(launch, "PLANS", {})
     qq = q.clone().requires_grad_()
     sparseflash.attention(qq, k, v, backend="triton").backward(do)
     assert "fast" in seen
     o, _ = sparseflash.attention(qq, k, v, backend="triton", return_lse=True)  # the general path
     o.backward(do)
     assert "fwd" in seen and "bwd" in seen
-    assert not any("SOFTCAP" in p.args or "ALIBI" in p.args for p in launch._PLANS.values())
+    assert not any("SOFTCAP" in p.args or p.args["SLOPES"] is not None for p in launch.PLANS.values())
 
 
 def test_bad_arguments_are_named():

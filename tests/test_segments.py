@@ -171,12 +171,12 @@ def test_segment_lists_are_the_pruned_layout(device):
     seg = _seg_batch([random_lengths(200, 30, seed=6), [200]], device)
     mask = BlockMask.from_layout(torch.rand(1, 3, 7, 7, generator=torch.Generator().manual_seed(7)) < 0.6,
                                  block_size=32, seq_q=200).to(device)
-    kv_idx, q_idx, bq, bk = autograd.segment_lists(seg, seg, mask, torch.device(device))
+    kv_idx, q_idx, bq, bk = autograd.segment_lists((seg, seg), None, mask, torch.device(device))
     assert (bq, bk) == (32, 32) and kv_idx.shape == (2, 3, 7, 7) and q_idx.shape == (2, 3, 7, 7)
     want = mask.layout.cpu() & _pooled(seg.cpu(), seg.cpu(), 32, 32)
     assert torch.equal(kv_idx.cpu(), sorted_nonzero(want)[1]) and torch.equal(q_idx.cpu(), sorted_nonzero(want.transpose(-1, -2))[1])
     assert torch.equal(want[1], mask.layout.cpu()[0])  # one document: the mask itself
-    kv_idx, q_idx, bq, bk = autograd.segment_lists(seg, seg, None, torch.device(device))
+    kv_idx, q_idx, bq, bk = autograd.segment_lists((seg, seg), None, None, torch.device(device))
     nb = math.ceil(200 / autograd.SEGMENT_BLOCK)
     assert (bq, bk) == (autograd.SEGMENT_BLOCK,) * 2 and kv_idx.shape == (2, 1, nb, nb)
     assert torch.equal(kv_idx.cpu(), sorted_nonzero(_pooled(seg.cpu(), seg.cpu(), bq, bk))[1])

@@ -544,16 +544,16 @@ def test_host_cpu_runs_the_hopper_host_path(flags, capsys):
     from sparseflash.flash import binding, dispatch, fast
     from sparseflash.flash.hopper import backward as hb, forward as hf
 
-    before = (fast.ENABLED, dispatch._fwd_layouts, hf.hopper_fwd_kernel, hb.hopper_bwd_kernel, binding.current_device,
+    before = (fast.ENABLED, dispatch.fwd_layouts, hf.hopper_fwd_kernel, hb.hopper_bwd_kernel, binding.current_device,
               index_kernels.ON_CPU, index_kernels.select_takes, index_kernels._topk_kernel)
-    binding._CALLS.clear()
+    binding.CALLS.clear()
     assert host_cpu.main(["--calls", "3", *flags]) == 0
     assert " us per " in capsys.readouterr().out
-    assert len(binding._CALLS) >= 1  # the stubbed launches went the bound route
-    after = (fast.ENABLED, dispatch._fwd_layouts, hf.hopper_fwd_kernel, hb.hopper_bwd_kernel, binding.current_device,
+    assert len(binding.CALLS) >= 1  # the stubbed launches went the bound route
+    after = (fast.ENABLED, dispatch.fwd_layouts, hf.hopper_fwd_kernel, hb.hopper_bwd_kernel, binding.current_device,
              index_kernels.ON_CPU, index_kernels.select_takes, index_kernels._topk_kernel)
     assert all(a is b for a, b in zip(after, before))
-    binding._CALLS.clear()
+    binding.CALLS.clear()
 
 
 def test_decode_splits_times_each_setting_and_restores_the_launch(tmp_path, capsys):

@@ -9,7 +9,8 @@
 - kernels.py: the portable @triton.jit kernels.
 
 fast.py is the short path of repeated eager calls (entered through `fast.lookup`; its C++ half:
-native.py, _native.cpp)."""
+native.py, _native.cpp). README.md beside this file follows one call from `sparseflash.attention`
+to a kernel."""
 
 from sparseflash.flash.autograd import FlashAttentionFunction, flash_attention
 from sparseflash.flash.tiles import TileConfig, tile_config

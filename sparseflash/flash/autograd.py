@@ -17,8 +17,8 @@ Exact masks: a mask's partial-block bits and the tables aligning them with the b
 
 Score modifications: ``softcap`` (a float, 0 off) and ``slopes`` (ALiBi, float32 [1 or B, Hq] or
 None; no gradient) ride along both ops; the launchers take them as their ``slopes`` and ``softcap``.
-The ops' ``seg_q`` with ``seg_k`` None is the key-range table; the launchers take each table under
-its own name (`_tables`).
+Segment ids (``seg_q``, ``seg_k``) and the key-range table (``ranges``) are separate arguments of
+both ops, as of the launchers (`_tables`).
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ def flash_fwd_eager(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int, dropout_p: float,
                density: float, slopes: Optional[Tensor], softcap: float, bits: Optional[Tensor] = None,
-               kv_tile: Optional[Tensor] = None, q_tile: Optional[Tensor] = None
+               kv_tile: Optional[Tensor] = None, q_tile: Optional[Tensor] = None, ranges: Optional[Tensor] = None
                ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The forward outside torch.compile: without dropout no rng tensor (None: nothing reads it),
     so an eager call allocates only its outputs."""
     rng = _rng_draw(rng, q.device) if dropout_p > 0.0 else None
     o, lse = launch.fwd(q, k, v, kv_idx, key_lengths, scale, causal, mask_bq or None, mask_bk or None, dropout_p, rng,
-                        work=estimate_work(q, k, density), **_tables(seg_q, seg_k, slopes), softcap=softcap,
+                        work=estimate_work(q, k, density), **_tables(seg_q, seg_k, ranges, slopes), softcap=softcap,
                         exact=_exact(bits, kv_tile, q_tile))
     return o, lse, rng
 
@@ -73,9 +73,10 @@ def flash_fwd_impl(q: Tensor, k: Tensor, v: Tensor, kv_idx: Optional[Tensor],
                key_lengths: Optional[Tensor], rng: Optional[Tensor], seg_q: Optional[Tensor], seg_k: Optional[Tensor],
                scale: float, causal: bool, mask_bq: int, mask_bk: int, dropout_p: float,
                density: float, slopes: Optional[Tensor], softcap: float, bits: Optional[Tensor] = None,
-               kv_tile: Optional[Tensor] = None, q_tile: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+               kv_tile: Optional[Tensor] = None, q_tile: Optional[Tensor] = None,
+               ranges: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     o, lse, rng = flash_fwd_eager(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-                             dropout_p, density, slopes, softcap, bits, kv_tile, q_tile)
+                             dropout_p, density, slopes, softcap, bits, kv_tile, q_tile, ranges)
     if rng is None:  # an op returns tensors: a placeholder, never read
         rng = torch.empty(3, dtype=torch.int64, device=q.device)
     return o, lse, rng
@@ -86,7 +87,7 @@ _flash_fwd = torch.library.custom_op("sparseflash::flash_fwd", flash_fwd_impl, m
 
 @_flash_fwd.register_fake
 def _(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk, dropout_p, density, slopes,
-      softcap, bits=None, kv_tile=None, q_tile=None):
+      softcap, bits=None, kv_tile=None, q_tile=None, ranges=None):
     B, Hq, Nq, _ = q.shape
     return (torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32),
             torch.empty(3, dtype=torch.int64, device=q.device))
@@ -98,10 +99,11 @@ def flash_bwd_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                scale: float, causal: bool, mask_bq: int, mask_bk: int,
                dropout_p: float, density: float, slopes: Optional[Tensor], softcap: float,
                bits: Optional[Tensor] = None, kv_tile: Optional[Tensor] = None,
-               q_tile: Optional[Tensor] = None, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+               q_tile: Optional[Tensor] = None, deterministic: bool = False,
+               ranges: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return launch.bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale, causal,
                       mask_bq or None, mask_bk or None, dropout_p, rng, work=estimate_work(q, k, density),
-                      **_tables(seg_q, seg_k, slopes), softcap=softcap, exact=_exact(bits, kv_tile, q_tile),
+                      **_tables(seg_q, seg_k, ranges, slopes), softcap=softcap, exact=_exact(bits, kv_tile, q_tile),
                       deterministic=deterministic)
 
 
@@ -110,7 +112,7 @@ _flash_bwd = torch.library.custom_op("sparseflash::flash_bwd", flash_bwd_impl, m
 
 @_flash_bwd.register_fake
 def _(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-      dropout_p, density, slopes, softcap, bits=None, kv_tile=None, q_tile=None, deterministic=False):
+      dropout_p, density, slopes, softcap, bits=None, kv_tile=None, q_tile=None, deterministic=False, ranges=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -122,11 +124,12 @@ def _op(custom, impl):
 
 class FlashAttentionFunction(torch.autograd.Function):
     """o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale,
-    causal, mask_bq, mask_bk, dropout_p, density[, slopes, softcap]); lse holds +inf for rows that
-    attend to nothing. ``slopes``: ALiBi's float32 [1 or B, Hq] or None (no gradient); ``softcap``:
-    a float, 0 off; ``deterministic``: the backward adds without atomics (bitwise repeatable).
-    ``seg_q``, ``seg_k``: int32 segment ids [1 or B, seq] (packed documents) or None; ``seg_q`` with
-    ``seg_k`` None: the int32 key-range table [1 or B, 2, seq_q] (`sparseflash.segments.check_key_ranges`).
+    causal, mask_bq, mask_bk, dropout_p, density[, slopes, softcap, bits, kv_tile, q_tile, deterministic,
+    ranges]); lse holds +inf for rows that attend to nothing. ``slopes``: ALiBi's float32 [1 or B, Hq]
+    or None (no gradient); ``softcap``: a float, 0 off; ``deterministic``: the backward adds without
+    atomics (bitwise repeatable). ``seg_q``, ``seg_k``: int32 segment ids [1 or B, seq] (packed
+    documents), both or neither; ``ranges``: the int32 key-range table [1 or B, 2, seq_q]
+    (`sparseflash.segments.check_key_ranges`) or None, never with segment ids.
     ``density``: the mask's fraction of on blocks (1 dense, -1 unknown), for the launchers'
     estimate of the call's work (`estimate_work`, `tiles.tma_plan`).
     ``bits``, ``kv_tile``, ``q_tile`` (all or none): a mask's partial-block bits and its tile tables
@@ -135,38 +138,35 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
                 dropout_p, density, slopes=None, softcap=0.0, bits=None, kv_tile=None, q_tile=None,
-                deterministic=False):
+                deterministic=False, ranges=None):
         o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, flash_fwd_eager)(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k,
                                                                        scale, causal, mask_bq, mask_bk, dropout_p, density,
-                                                                       slopes, softcap, bits, kv_tile, q_tile)
+                                                                       slopes, softcap, bits, kv_tile, q_tile, ranges)
         ctx.save_for_backward(q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes, bits, kv_tile,
-                              q_tile)
+                              q_tile, ranges)
         ctx.params = (scale, causal, mask_bq, mask_bk, dropout_p, density, softcap, deterministic)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes, bits, kv_tile, q_tile = ctx.saved_tensors
+        q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes, bits, kv_tile, q_tile, ranges = \
+            ctx.saved_tensors
         scale, causal, mask_bq, mask_bk, dropout_p, density, softcap, deterministic = ctx.params
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv = _op(torch.ops.sparseflash.flash_bwd, flash_bwd_impl)(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths,
                                                                      rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
                                                                      dropout_p, density, slopes, softcap, bits, kv_tile,
-                                                                     q_tile, deterministic)
-        return (dq, dk, dv) + (None,) * 18
+                                                                     q_tile, deterministic, ranges)
+        return (dq, dk, dv) + (None,) * 19
 
 
-def _tables(seg_q: Optional[Tensor], seg_k: Optional[Tensor], slopes: Optional[Tensor] = None) -> dict:
-    """The launchers' optional tables by name: ``segments`` (seg_q, seg_k), or with seg_k None the
-    key-range table seg_q as ``key_ranges``; ALiBi's ``slopes`` (float32, contiguous: `flash_attention`
-    made them so)."""
-    if seg_q is None:
-        return dict(slopes=slopes)
-    if seg_k is None:
-        return dict(key_ranges=seg_q, slopes=slopes)
-    return dict(segments=(seg_q, seg_k), slopes=slopes)
+def _tables(seg_q: Optional[Tensor], seg_k: Optional[Tensor], ranges: Optional[Tensor],
+            slopes: Optional[Tensor]) -> dict:
+    """The launchers' optional tables by name: ``segments`` (seg_q, seg_k) or None, ``key_ranges``,
+    ALiBi's ``slopes`` (float32, contiguous: `flash_attention` made them so)."""
+    return dict(segments=None if seg_q is None else (seg_q, seg_k), key_ranges=ranges, slopes=slopes)
 
 
 def _exact(bits: Optional[Tensor], kv_tile: Optional[Tensor], q_tile: Optional[Tensor]):
@@ -191,21 +191,22 @@ def exact_tables(mask: BlockMask | None, exact: bool, device, kv_idx: Optional[T
 SEGMENT_BLOCK = 128
 
 
-def segment_lists(seg_q: Tensor, seg_k: Tensor | None, mask: BlockMask | None, device,
+def segment_lists(segments: tuple[Tensor, Tensor] | None, key_ranges: Tensor | None, mask: BlockMask | None, device,
                   seq_k: int | None = None) -> tuple[Tensor, Tensor, int, int]:
     """(kv_idx, q_idx, block_q, block_k): the row and column block lists of ``mask`` (None: every
     block, at SEGMENT_BLOCK) restricted to the block pairs whose query and key id ranges overlap
-    (`sparseflash.segments.segment_block_layout`), ``[B or B', H', QB, KB]``; with ``seg_k`` None,
-    ``seg_q`` is a key-range table and the pairs its ranges reach (`key_range_block_layout`, keys
-    ``seq_k``). Built on the device at every call (a sort per list, no host synchronisation)."""
+    (``segments``: (seg_q, seg_k), `sparseflash.segments.segment_block_layout`), or, given instead
+    the key-range table ``key_ranges``, the pairs its ranges reach (`key_range_block_layout`, keys
+    ``seq_k``); ``[B or B', H', QB, KB]``. Built on the device at every call (a sort per list, no
+    host synchronisation)."""
     from sparseflash.mask import sorted_nonzero
     from sparseflash.segments import key_range_block_layout, segment_block_layout
 
     bq, bk = (SEGMENT_BLOCK, SEGMENT_BLOCK) if mask is None else mask.block_size
-    if seg_k is None:
-        layout = key_range_block_layout(seg_q, seq_k, bq, bk)
+    if segments is None:
+        layout = key_range_block_layout(key_ranges, seq_k, bq, bk)
     else:
-        layout = segment_block_layout(seg_q, seg_k, bq, bk)
+        layout = segment_block_layout(*segments, bq, bk)
     if mask is not None:
         layout = mask.layout.to(device) & layout
     _, kv_idx = sorted_nonzero(layout)
@@ -257,18 +258,18 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
     inside its partial blocks, `exact_tables`; ``deterministic``: a backward without atomics)."""
     check_runnable(q)
     density = 1.0
-    seg_q = seg_k = None
-    if segments is not None or key_ranges is not None:
-        seg_q, seg_k = (key_ranges, None) if segments is None else segments
+    seg_q, seg_k = (None, None) if segments is None else segments
+    per_call = segments is not None or key_ranges is not None  # lists pruned for this call
+    if per_call:
         if mask is not None:  # the work estimate: the mask's density, an upper bound (as causal is not counted)
             index = mask.index(q.device)
             density = -1.0 if index.density is None else index.density
-        kv_idx, q_idx, mask_bq, mask_bk = segment_lists(seg_q, seg_k, mask, q.device, k.shape[2])
+        kv_idx, q_idx, mask_bq, mask_bk = segment_lists(segments, key_ranges, mask, q.device, k.shape[2])
         tiles.fit_tile(16, mask_bq, "block_q")
         tiles.fit_tile(16, mask_bk, "block_k")
     else:
         kv_idx, q_idx, mask_bq, mask_bk, density = mask_lists(mask, q.device)
-    bits, kv_tile, q_tile = exact_tables(mask, exact, q.device, kv_idx, q_idx, seg_q is not None)
+    bits, kv_tile, q_tile = exact_tables(mask, exact, q.device, kv_idx, q_idx, per_call)
     rng = None
     if dropout_p > 0.0 and generator is not None:
         from sparseflash.dropout import draw_rng
@@ -287,7 +288,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
     slopes = None if alibi_slopes is None else alibi_slopes.detach().to(torch.float32).contiguous()
     o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal,
                                           mask_bq, mask_bk, float(dropout_p), float(density), slopes,
-                                          float(softcap or 0.0), bits, kv_tile, q_tile, bool(deterministic))
+                                          float(softcap or 0.0), bits, kv_tile, q_tile, bool(deterministic), key_ranges)
     if return_lse:
         return o, torch.where(lse == float("inf"), float("-inf"), lse)
     return o

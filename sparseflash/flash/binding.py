@@ -20,7 +20,8 @@ import torch
 from sparseflash import _env
 from sparseflash.flash import tiles
 
-__all__ = ["FAST_LAUNCH", "call", "bind", "hooks_idle", "raw_stream", "current_device", "runtime_knobs"]
+__all__ = ["FAST_LAUNCH", "call", "CALLS", "bind", "hooks_idle", "raw_stream", "current_device", "has_cuda",
+           "runtime_knobs"]
 
 
 # Bound launches: after a plan's first launch through Triton (`kernel[grid](**args)`, which
@@ -89,7 +90,8 @@ except ImportError:  # pragma: no cover
 # what Triton reads of them (a tensor's dtype and 16-byte alignment; a descriptor's type, dtype, block
 # shape, layout and padding, its mangled type). A bound launch fills in only the call's tensors (as
 # addresses) and descriptors; a call with other scalars (another shape, say) binds anew, once.
-_CALLS: dict = {}
+# CALLS: those bound launches by key (tests count and clear it).
+CALLS: dict = {}
 _CALLS_MAX = 1024
 _PARAMS: dict = {}
 _SCALARS = frozenset((int, float, bool, str, type(None)))
@@ -118,7 +120,7 @@ def _desc_spec(a):
 def call(kernel, grid: tuple, *pos, **args) -> None:
     """``kernel[grid](*pos, **args)``; after the first launch of a combination (see above), straight
     through the compiled kernel's C launcher (FAST_LAUNCH)."""
-    if not FAST_LAUNCH or tiles.INTERPRETING or not _cuda() or not hooks_idle():
+    if not FAST_LAUNCH or tiles.INTERPRETING or not has_cuda() or not hooks_idle():
         kernel[grid](*pos, **args)  # (without CUDA: a compile-only check's hooked launch)
         return
     if pos:
@@ -129,7 +131,7 @@ def call(kernel, grid: tuple, *pos, **args) -> None:
             else (_desc_spec(a) or (type(a), a)) for a in args.values()]
     key = (kernel, device, tuple(args), tuple(spec))
     try:
-        bound = _CALLS.get(key)
+        bound = CALLS.get(key)
     except TypeError:  # an argument that cannot be a key: Triton's own path
         kernel[grid](**args)
         return
@@ -140,9 +142,9 @@ def call(kernel, grid: tuple, *pos, **args) -> None:
         except Exception:  # an unexpected Triton: keep its own launch path
             bound = None
         if bound is not None:
-            if len(_CALLS) >= _CALLS_MAX:
-                _CALLS.clear()
-            _CALLS[key] = bound
+            if len(CALLS) >= _CALLS_MAX:
+                CALLS.clear()
+            CALLS[key] = bound
         return
     run_c, function, meta, values, slots = bound
     values = list(values)
@@ -156,7 +158,9 @@ def call(kernel, grid: tuple, *pos, **args) -> None:
 _HAS_CUDA = None
 
 
-def _cuda() -> bool:
+def has_cuda() -> bool:
+    """torch.cuda.is_available(), asked once; `call` binds only with CUDA (tools that time the
+    launchers' Python on a CPU replace this function)."""
     global _HAS_CUDA
     if _HAS_CUDA is None:
         _HAS_CUDA = torch.cuda.is_available()

@@ -16,7 +16,9 @@ The Hopper kernels take a call when, in this order:
 - backward only: the call did not ask for a deterministic backward (``deterministic=True``: the
   portable backward, which adds without atomics), and `hopper_bwd.plan` takes dO and O (``SPARSEFLASH_HOPPER_BWD``, deterministic
   algorithms off) and block-sparse column lists are long enough (`hopper_bwd.LIST_MIN_BLOCKS`).
-Gluon is imported only past the device test, so CPU runs never import it.
+Gluon is imported only past the device test, so CPU runs never import it. The device-dependent
+halves, `fwd_layouts` and `bwd_layouts`, are module attributes that tests and the host-cost
+studies replace to send a CPU call down the Hopper route.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 from sparseflash.flash import tiles
 from sparseflash import _env
 
-__all__ = ["hopper_plan", "HOPPER_EXACT"]
+__all__ = ["hopper_plan", "HOPPER_EXACT", "fwd_layouts", "bwd_layouts"]
 
 # "on": calls with exact-mask bits may take the Hopper kernels (their EXACT), as other calls do;
 # "off": they keep the portable kernels.
@@ -50,16 +52,16 @@ def hopper_plan(q, k, v, mask_bq, mask_bk, work: float, *, scale: float, dropout
         if HOPPER_EXACT == "off":
             return None
     if do is None:
-        return _fwd_layouts(q, k, v, mask_bq, mask_bk, work)
-    return _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work, lists, exact is not None)
+        return fwd_layouts(q, k, v, mask_bq, mask_bk, work)
+    return bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work, lists, exact is not None)
 
 
-def _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float, lists: bool = False, exact: bool = False):
+def bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float, lists: bool = False, exact: bool = False):
     """(q, k, v layouts, dO layout) when the backward runs the Hopper kernel, else None: where the
-    forward would (`_fwd_layouts`) and `hopper_bwd.plan` takes dO, O and the walk (``lists``:
+    forward would (`fwd_layouts`) and `hopper_bwd.plan` takes dO, O and the walk (``lists``:
     block lists, whose mean length per key tile comes from the work estimate; ``exact``: the call
     has exact-mask bits)."""
-    lay = _fwd_layouts(q, k, v, mask_bq, mask_bk, work)
+    lay = fwd_layouts(q, k, v, mask_bq, mask_bk, work)
     if lay is None:
         return None
     from sparseflash.flash.hopper import backward as hopper_bwd, forward as hopper
@@ -71,7 +73,7 @@ def _bwd_layouts(do, q, k, v, o, mask_bq, mask_bk, work: float, lists: bool = Fa
     return hopper_bwd.plan(do, q, o, lay, cols, exact=exact)
 
 
-def _fwd_layouts(q, k, v, mask_bq, mask_bk, work: float):
+def fwd_layouts(q, k, v, mask_bq, mask_bk, work: float):
     """The descriptor layouts (`hopper.layouts`) when the forward runs the warp-specialised Hopper
     kernel, else None: on sm_90, for the calls TMA_MODE gives descriptors (`tiles.tma_wanted`),
     then as `hopper.plan` decides."""

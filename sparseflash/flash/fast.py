@@ -8,7 +8,7 @@ fallback is a callable this module hands it with the plan).
 
 A model calls attention with the same shapes, layouts, mask and scalars step after step. The
 first call of each such combination goes the general way (the caller's validation, `flash_attention`,
-the launchers' plans) and leaves a `_Entry` keyed by everything that validation and the launch
+the launchers' plans) and leaves an `Entry` keyed by everything that validation and the launch
 plans read: shapes, strides, dtypes and devices of q, k, v and key_lengths, the mask (its own
 cache, `BlockMask.fast_entries`, so entries go with the mask), causal and scale with their types, the
 launchers' module state. A later call with the same key skips validation and planning: it
@@ -18,7 +18,7 @@ allocates the outputs and runs the launchers' plans (`launch.run`, by parameter 
 bound and the C++ module is built, the entry's `native.Plan` serves its calls instead: the same
 kernels launched from C++, with a C++ autograd node whose backward runs the dQ and dK/dV launches
 of each dO layout the Python backward has bound (`sparseflash.flash.native`); what it has no
-launch for comes back to the entry's Python backward (`_NativeFallback`).
+launch for comes back to the entry's Python backward (`NativeFallback`).
 
 What stays per call: the key_lengths range check when it is on (a host synchronisation, as in
 the general path: ``check_key_lengths=False`` skips it), the alignment of every address (else the
@@ -53,20 +53,21 @@ from sparseflash.flash import binding, launch, native
 from sparseflash.mask import BlockMask
 from sparseflash import _env
 
-__all__ = ["ENABLED", "Miss", "lookup", "build", "call", "clear"]
+__all__ = ["ENABLED", "Miss", "lookup", "build", "call", "clear", "Entry", "EntryLaunch", "NativeFallback",
+           "make_entry", "DENSE", "DYNAMIC", "ROLES", "ROLE"]
 
 ENABLED = _env.flag("SPARSEFLASH_FAST_PATH", True)
 
-_DENSE: dict = {}  # mask=None entries; a mask's own are in mask.fast_entries
-_DYNAMIC: dict = {}  # per-call masks' entries, by the mask's shapes (each call brings its own lists)
+DENSE: dict = {}  # mask=None entries; a mask's own are in mask.fast_entries
+DYNAMIC: dict = {}  # per-call masks' entries, by the mask's shapes (each call brings its own lists)
 _MAX_ENTRIES = 256
 _NO = object()  # a key whose calls go the general way
 
 
 def clear() -> None:
     """Forget the dense and per-call-mask entries (tests; a mask's entries go with the mask)."""
-    _DENSE.clear()
-    _DYNAMIC.clear()
+    DENSE.clear()
+    DYNAMIC.clear()
 
 
 def _capturing() -> bool:
@@ -83,10 +84,10 @@ except ImportError:  # pragma: no cover - a CPU-only build has no native plans e
 # The short path's per-call tensors, by kernel parameter name, in the order of its role tuple
 # ``ts`` (forward: the first six; backward: all): the native module's role indices.
 ROLES = ("Q", "K", "V", "O", "LSE", "KEY_LEN", "DO", "DELTA", "DQ", "DK", "DV")
-_ROLE = {n: i for i, n in enumerate(ROLES)}
+ROLE = {n: i for i, n in enumerate(ROLES)}  # name -> role index
 
 
-class _Launch:
+class EntryLaunch:
     """One kernel of an entry: its `launch` plan, the entry's fixed tensors (the mask's lists) by
     name, the role index of each other tensor, and ``bound``: None until a launch with every
     address 16-byte aligned bound the plan, then that bound launch (`native.launch_of` reads it)."""
@@ -95,7 +96,7 @@ class _Launch:
 
     def __init__(self, plan, fixed: dict):
         self.plan, self.fixed = plan, fixed
-        self.roles = tuple((n, _ROLE[n]) for n in plan.tensors if n not in fixed)
+        self.roles = tuple((n, ROLE[n]) for n in plan.tensors if n not in fixed)
         self.bound = self.device = None
 
     def __call__(self, ts: tuple, fixed: dict | None = None) -> None:
@@ -113,14 +114,14 @@ class _Launch:
         return native.launch_of(self.plan, self.bound, self.fixed, dict(self.roles))
 
 
-def _fwd_launch(q, k, v, kv_idx, kl, scale, causal, mask_bq, mask_bk, work) -> _Launch | None:
+def _fwd_launch(q, k, v, kv_idx, kl, scale, causal, mask_bq, mask_bk, work) -> EntryLaunch | None:
     """The forward of an entry (no dropout, no tables); None when it would load through TMA."""
     from sparseflash.flash import tiles
 
     if tiles.tma_plan(tiles.block_d(q.shape[-1]), q, k, v, work=work) is not None:
         return None
     plan = launch.plan_fwd(q, k, v, torch.empty_like(q), kv_idx, kl, scale, causal, mask_bq, mask_bk, 0.0)
-    return _Launch(plan, {} if kv_idx is None else {"KV_IDX": kv_idx})
+    return EntryLaunch(plan, {} if kv_idx is None else {"KV_IDX": kv_idx})
 
 
 def _bwd_launches(do, q, k, v, o, kv_idx, q_idx, kl, scale, causal, mask_bq, mask_bk, work):
@@ -133,12 +134,12 @@ def _bwd_launches(do, q, k, v, o, kv_idx, q_idx, kl, scale, causal, mask_bq, mas
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # only their layouts are read
     plan_dq = launch.plan_dq(do, q, k, v, o, dq, kv_idx, kl, scale, causal, mask_bq, mask_bk, 0.0)
     plan_kv = launch.plan_dkdv(do, q, k, v, dk, dv, q_idx, kl, scale, causal, mask_bq, mask_bk, 0.0)
-    return (_Launch(plan_dq, {} if kv_idx is None else {"KV_IDX": kv_idx}),
-            _Launch(plan_kv, {} if q_idx is None else {"Q_IDX": q_idx}))
+    return (EntryLaunch(plan_dq, {} if kv_idx is None else {"KV_IDX": kv_idx}),
+            EntryLaunch(plan_kv, {} if q_idx is None else {"Q_IDX": q_idx}))
 
 
-class _Entry:
-    """One combination's forward (a `_Launch`) and, per layout of the incoming gradient, its
+class Entry:
+    """One combination's forward (an `EntryLaunch`) and, per layout of the incoming gradient, its
     backward pair; the mask's lists and the call's scalars."""
 
     __slots__ = ("fwd", "bwd", "kv_idx", "q_idx", "scale", "causal", "mask_bq", "mask_bk", "work", "cuda", "seq_k",
@@ -219,7 +220,7 @@ class _Entry:
         try:
             launch_fwd = self.fwd.native()
             plan = None if launch_fwd is None else native.make_plan(launch_fwd, self.fwd.device, self.rows, self.has_kl,
-                                                                    _NativeFallback(self))
+                                                                    NativeFallback(self))
         except Exception as e:  # noqa: BLE001 - an unexpected Triton ABI: the Python path serves the entry
             import warnings
 
@@ -230,7 +231,7 @@ class _Entry:
         return self.native
 
 
-class _NativeFallback:
+class NativeFallback:
     """The backward a native plan calls for what it has no launch for (a new dO layout, capture, a
     misaligned address): its entry's own (which gives the plan a new layout's launches), or the
     general backward with the entry's lists and scalars once the entry is gone (its cache cleared).
@@ -238,7 +239,7 @@ class _NativeFallback:
 
     __slots__ = ("entry", "args")
 
-    def __init__(self, entry: _Entry):
+    def __init__(self, entry: Entry):
         self.entry = weakref.ref(entry)
         self.args = (entry.kv_idx, entry.q_idx, entry.scale, entry.causal, entry.mask_bq or None,
                      entry.mask_bk or None, entry.work)
@@ -281,7 +282,7 @@ class Miss:
 
 
 def lookup(q, k, v, mask, causal, scale, key_lengths):
-    """The `_Entry` serving this call; a `Miss` when its key is new (validate the call, then
+    """The `Entry` serving this call; a `Miss` when its key is new (validate the call, then
     `build`); None when the short path does not take it (the general path does). For calls
     without dropout, segment ids or return_lse, with backend "auto" or "triton"."""
     T = Tensor
@@ -290,7 +291,7 @@ def lookup(q, k, v, mask, causal, scale, key_lengths):
         return None
     dyn = None
     if mask is None:
-        cache = _DENSE
+        cache = DENSE
     elif type(mask) is BlockMask:
         if mask.dynamic:
             # a per-call mask is new at every call: its entry is keyed by what validation reads of it
@@ -298,7 +299,7 @@ def lookup(q, k, v, mask, causal, scale, key_lengths):
             # without a density bound its work estimate would differ per call: the general path
             if mask.density_bound is None or mask.mask_mod is not None:
                 return None
-            cache = _DYNAMIC
+            cache = DYNAMIC
             dyn = (mask.layout.shape, mask.block_size, mask.seq_q, mask.seq_k, mask.density_bound)
         else:
             cache = mask.fast_entries
@@ -328,14 +329,14 @@ def build(miss: Miss, q, k, v, mask, causal, scale: float, key_lengths, triton: 
     """The entry for ``miss``'s key, stored, for a call the general path validated; None (also
     stored) when the short path does not take such calls. ``scale``: the call's, resolved (a
     float); ``triton``: the backend resolves to the kernels."""
-    entry = _build(q, k, v, mask, causal, scale, key_lengths) if triton else _NO
+    entry = make_entry(q, k, v, mask, causal, scale, key_lengths) if triton else _NO
     if len(miss.cache) >= _MAX_ENTRIES:
         miss.cache.clear()
     miss.cache[miss.key] = entry
     return None if entry is _NO else entry
 
 
-def call(entry: _Entry, q, k, v, key_lengths, mask: BlockMask | None = None) -> Tensor:
+def call(entry: Entry, q, k, v, key_lengths, mask: BlockMask | None = None) -> Tensor:
     """The output of a call that `entry` serves (its key_lengths already checked as asked);
     ``mask``: the call's, whose lists a per-call mask's entry launches with."""
     lists = None
@@ -359,8 +360,9 @@ def call(entry: _Entry, q, k, v, key_lengths, mask: BlockMask | None = None) -> 
     return entry.forward(q, k, v, key_lengths, lists)[0]
 
 
-def _build(q, k, v, mask, causal, scale, kl):
-    """The entry of a new key, or _NO when the short path does not take such calls."""
+def make_entry(q, k, v, mask, causal, scale, kl):
+    """The `Entry` of a new key for a call the general path validated (`build` stores it), or the
+    marker `build` stores for keys whose calls go the general way."""
     from sparseflash.flash.autograd import check_runnable, estimate_work, mask_lists
 
     try:
@@ -380,6 +382,6 @@ def _build(q, k, v, mask, causal, scale, kl):
     fwd = _fwd_launch(q, k, v, kv_idx, kl, scale, causal, mask_bq or None, mask_bk or None, work)
     if fwd is None:
         return _NO
-    return _Entry(fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k, kl is not None,
+    return Entry(fwd, kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work, q, k, kl is not None,
                   dynamic=mask is not None and mask.dynamic)
 

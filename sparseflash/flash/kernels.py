@@ -53,8 +53,8 @@ sub-rectangle of the mask block's bits) and AND them into the scores (forward) o
 pivot finite on every tile: a row may have seen no attended key so far, or none at all.
 
 Score modifications (compiled out when off; flash-attn's definitions, in this order, on the
-scaled score s of every computed pair before any mask): SOFTCAP > 0 (a constexpr: one variant per
-cap) makes ``s = SOFTCAP * tanh(s / SOFTCAP)``; ALIBI adds ``-slope[b, h] * |i + seq_k - seq_q - j|``
+scaled score s of every computed pair before any mask): SOFTCAP (a constexpr, None when off: one
+variant per cap) makes ``s = SOFTCAP * tanh(s / SOFTCAP)``; ALIBI adds ``-slope[b, h] * |i + seq_k - seq_q - j|``
 with the float32 slopes SLOPES [B or 1, H_Q] (batch stride stride_slb), one load per program
 (per query head in dK/dV). Backward
 recomputes both (nothing stored) and multiplies dS by tanh's derivative ``1 - tanh^2``; the
@@ -96,13 +96,13 @@ def _dot(a, b, acc, DOT_PREC: tl.constexpr):
     elif DOT_PREC == "tf32" and a.dtype == tl.float32:
         # tensor cores read the top 19 bits of an fp32 operand (truncation); round to nearest
         # first, as cuBLAS does: truncating P (all positive) biases every output downwards
-        return tl.dot(_tf32_round(a), _tf32_round(b), acc, input_precision="tf32")
+        return tl.dot(tf32_round(a), tf32_round(b), acc, input_precision="tf32")
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
 
 @triton.jit
-def _tf32_round(x):
+def tf32_round(x):
     """fp32 -> nearest tf32 (10 mantissa bits, ties to even), still stored as fp32."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
@@ -426,11 +426,11 @@ def _alibi_slope(SLOPES, stride_slb, i_b, i_h, ALIBI: tl.constexpr):
 @triton.jit
 def _score_mod(b_s, o_m, o_kn, slope2, causal_off, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TRANS: tl.constexpr):
     """Scores in the log2 domain (b_s = s * log2(e), [BLOCK_M, BLOCK_N]; TRANS: [BLOCK_N, BLOCK_M]) of
-    queries o_m and keys o_kn (absolute positions), soft-capped (SOFTCAP > 0) then with ALiBi's bias
+    queries o_m and keys o_kn (absolute positions), soft-capped (SOFTCAP not None) then with ALiBi's bias
     (ALIBI; slope2 = slope * log2(e)). Returns (scores, tanh of the capped argument: backward's
     derivative is 1 - tanh^2; b_s itself without SOFTCAP, unused then). Both off: b_s unchanged."""
     b_t = b_s
-    if SOFTCAP > 0:
+    if SOFTCAP is not None:
         b_t = _tanh(b_s * (1.0 / (SOFTCAP * LOG2E)))
         b_s = b_t * (SOFTCAP * LOG2E)
     if ALIBI:
@@ -545,10 +545,7 @@ def fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, st
                 DESC_Q, DESC_K, DESC_V,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
-                DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False,
-                SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
-                ALIBI: tl.constexpr = False, EXACT: tl.constexpr = False):
+                CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None):
     """DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
     [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are None.
     SEG_Q, SEG_K (SEGMENTS): int32 segment ids [B or 1, seq] (batch strides stride_sqb, stride_skb,
@@ -557,11 +554,21 @@ def fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, st
     each query's key range: query i attends keys start[i] <= j < end[i] only.
     SOFTCAP, ALIBI: the score modifications (module docstring); ALIBI's slopes SLOPES [B or 1, H_Q]
     (batch stride stride_slb).
-    Every pointer a variant does not read (lists when DENSE, KEY_LEN, the segment, range and slope
+    Every pointer a variant does not read (lists when dense, KEY_LEN, the segment, range and slope
     tables, RNG, the descriptors without TMA) is None: a constexpr, so each variant's code and
-    parameter list hold only what it uses.
+    parameter list hold only what it uses, and each feature's flag (DENSE, HAS_KEYLEN, ...) is
+    derived from its pointer at the top of the body. SOFTCAP: the cap, None when off.
     KV_TILE, BITS (EXACT; None otherwise): the bit-tile index of each row-list entry (int32, laid
     out as KV_IDX) and the bit tiles (module docstring)."""
+    # every optional feature is on when its pointer is given (None: a constexpr, compiled out)
+    DENSE: tl.constexpr = KV_IDX is None
+    HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
+    DROPOUT: tl.constexpr = RNG is not None
+    TMA: tl.constexpr = DESC_Q is not None
+    SEGMENTS: tl.constexpr = SEG_Q is not None
+    KEY_RANGES: tl.constexpr = RANGES is not None
+    ALIBI: tl.constexpr = SLOPES is not None
+    EXACT: tl.constexpr = BITS is not None
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -629,7 +636,7 @@ def fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, st
 @triton.jit
 def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
                 stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
-                DESC_Q, DESC_DO, i_b, i_h, j_mask, b_sk, sk_lo, sk_hi, p_sq, slope2, p_tile, BITS,
+                DESC_Q, DESC_DO, i_b, i_h, j_mask, b_sk, sk_lo, sk_hi, p_sq, p_rq, slope2, p_tile, BITS,
                 MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, Q_ROWS: tl.constexpr, MASK_BQ: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 DOT_PREC: tl.constexpr, GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr,
@@ -661,9 +668,9 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
                 b_sq, mixed = _seg_other(p_sq, start_m, tl.arange(0, BLOCK_M), seq_q, sk_lo, sk_hi)
                 if mixed:
                     b_p = tl.where(b_sq[:, None] == b_sk[None, :], b_p, 0.0)
-            if KEY_RANGES:  # p_sq: the key-range table's row
-                b_rlo = tl.load(p_sq + o_m, mask=m_row, other=0)
-                b_rhi = tl.load(p_sq + seq_q + o_m, mask=m_row, other=0)
+            if KEY_RANGES:
+                b_rlo = tl.load(p_rq + o_m, mask=m_row, other=0)
+                b_rhi = tl.load(p_rq + seq_q + o_m, mask=m_row, other=0)
                 b_p = tl.where((o_n[None, :] >= b_rlo[:, None]) & (o_n[None, :] < b_rhi[:, None]), b_p, 0.0)
             if EXACT:
                 t = _exact_tile(p_tile, j, MASK_BQ // BLOCK_M, EXACT)
@@ -682,7 +689,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
             dv = _dot(tl.trans(b_pd.to(b_do.dtype)), b_do, dv, DOT_PREC)
             b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
             b_ds = b_p * (b_dp - b_delta[:, None])
-            if SOFTCAP > 0:  # through the cap: d(cap * tanh(s / cap)) / ds = 1 - tanh^2
+            if SOFTCAP is not None:  # through the cap: d(cap * tanh(s / cap)) / ds = 1 - tanh^2
                 b_ds = b_ds * (1.0 - b_t * b_t)
             dk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, dk, DOT_PREC)
         else:  # [keys, queries] tiles: P^T and dS^T are MMA operands straight from registers
@@ -697,8 +704,8 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
                 if mixed:
                     b_pT = tl.where(b_sk[:, None] == b_sq[None, :], b_pT, 0.0)
             if KEY_RANGES:
-                b_rlo = tl.load(p_sq + o_m, mask=m_row, other=0)
-                b_rhi = tl.load(p_sq + seq_q + o_m, mask=m_row, other=0)
+                b_rlo = tl.load(p_rq + o_m, mask=m_row, other=0)
+                b_rhi = tl.load(p_rq + seq_q + o_m, mask=m_row, other=0)
                 b_pT = tl.where((o_n[:, None] >= b_rlo[None, :]) & (o_n[:, None] < b_rhi[None, :]), b_pT, 0.0)
             if EXACT:
                 t = _exact_tile(p_tile, j, MASK_BQ // BLOCK_M, EXACT)
@@ -717,7 +724,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
             dv = _dot(b_pdT.to(b_do.dtype), b_do, dv, DOT_PREC)
             b_delta = tl.load(p_delta + o_m, mask=m_row, other=0.0)
             b_dsT = b_pT * (b_dpT - b_delta[None, :])
-            if SOFTCAP > 0:
+            if SOFTCAP is not None:
                 b_dsT = b_dsT * (1.0 - b_tT * b_tT)
             dk = _dot(b_dsT.to(b_q.dtype), b_q, dk, DOT_PREC)
     return dk, dv
@@ -738,14 +745,20 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LE
                      DESC_Q, DESC_K, DESC_V, DESC_DO,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
-                     DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                     DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1,
-                     TMA: tl.constexpr = False, SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False,
-                     SOFTCAP: tl.constexpr = 0.0, ALIBI: tl.constexpr = False, EXACT: tl.constexpr = False):
+                     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1,
+                     SOFTCAP: tl.constexpr = None):
     """DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
     without TMA None. SEG_Q, SEG_K, RANGES, SLOPES: as the forward's.
     Q_TILE, BITS (EXACT; None otherwise): the bit-tile index of each column-list entry (laid out
-    as Q_IDX) and the bit tiles."""
+    as Q_IDX) and the bit tiles. Flags from pointers as in the forward."""
+    DENSE: tl.constexpr = Q_IDX is None
+    HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
+    DROPOUT: tl.constexpr = RNG is not None
+    TMA: tl.constexpr = DESC_Q is not None
+    SEGMENTS: tl.constexpr = SEG_Q is not None
+    KEY_RANGES: tl.constexpr = RANGES is not None
+    ALIBI: tl.constexpr = SLOPES is not None
+    EXACT: tl.constexpr = BITS is not None
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
@@ -782,10 +795,11 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LE
         b_sk = tl.zeros([BLOCK_N], dtype=tl.int32)
         sk_lo = 0
         sk_hi = 0
-        if KEY_RANGES:  # never with SEGMENTS: p_sq is then the key-range table's row
-            p_sq = RANGES + i_b * stride_rb
-        else:
-            p_sq = 0  # unused
+        p_sq = 0  # unused
+    if KEY_RANGES:  # the key-range table's row
+        p_rq = RANGES + i_b * stride_rb
+    else:
+        p_rq = 0  # unused
     # Rows below skip_below see none of this tile's columns; rows from full_from on see all of them.
     skip_below = 0
     full_from = 0
@@ -830,13 +844,13 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LE
             dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_skip, j_hi, start_n, o_n, o_d,
                                  seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                  i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi, p_sq,
-                                 slope2, p_tile, BITS, CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                 p_rq, slope2, p_tile, BITS, CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM,
                                  BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI, EXACT, MASK_BK)
             if not TMA:
                 dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_part, j_end, start_n, o_n,
                                      o_d, seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
                                      i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi,
-                                     p_sq, slope2, p_tile, BITS, False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N,
+                                     p_sq, p_rq, slope2, p_tile, BITS, False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N,
                                      HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI,
                                      EXACT, MASK_BK)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
@@ -898,7 +912,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
             keep = _philox_keep(seed_lo, seed_hi, rng_off, bh, start_m, start_n, drop_thresh, BLOCK_M, BLOCK_N, False)
             b_dp = tl.where(keep, b_dp * drop_scale, 0.0)
         b_ds = b_p * (b_dp - b_delta[:, None])
-        if SOFTCAP > 0:  # through the cap: 1 - tanh^2
+        if SOFTCAP is not None:  # through the cap: 1 - tanh^2
             b_ds = b_ds * (1.0 - b_t * b_t)
         dq = _dot(b_ds.to(b_k.dtype), b_k, dq, DOT_PREC)
     return dq
@@ -919,14 +933,21 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KV_TILE, BITS, K
                    DESC_Q, DESC_K, DESC_V, DESC_DO, DESC_O,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
-                   DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr, DROPOUT: tl.constexpr,
-                   HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, TMA: tl.constexpr = False,
-                   SEGMENTS: tl.constexpr = False, KEY_RANGES: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0,
-                   ALIBI: tl.constexpr = False, EXACT: tl.constexpr = False):
+                   CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
     DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA None. KV_TILE, BITS (EXACT): as the forward's."""
+    without TMA None. KV_TILE, BITS (EXACT): as the forward's. DLSE: the LSE's incoming gradient,
+    None when it has none. Flags from pointers as in the forward."""
+    DENSE: tl.constexpr = KV_IDX is None
+    HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
+    DROPOUT: tl.constexpr = RNG is not None
+    HAS_DLSE: tl.constexpr = DLSE is not None
+    TMA: tl.constexpr = DESC_Q is not None
+    SEGMENTS: tl.constexpr = SEG_Q is not None
+    KEY_RANGES: tl.constexpr = RANGES is not None
+    ALIBI: tl.constexpr = SLOPES is not None
+    EXACT: tl.constexpr = BITS is not None
     stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
     stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)

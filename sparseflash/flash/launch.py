@@ -7,7 +7,7 @@ Gluon kernels take the call (launched by `hopper_fwd`, `hopper_bwd`); else they 
 kernels with the tiles and TMA choice of `tiles` and the arguments of `operands`.
 
 Per-call cost (a short call is bound by host time): what a launch derives from shapes, strides,
-dtypes and scalars is a `_Plan` (`plan_fwd`, `plan_dq`, `plan_dkdv`) computed once per key, holding
+dtypes and scalars is a `Plan` (`plan_fwd`, `plan_dq`, `plan_dkdv`) computed once per key, holding
 every kernel argument by its parameter name; `run` launches a plan with the call's tensors by name,
 through Triton's ``kernel[grid](**args)`` the first time and straight through the compiled kernel's
 C launcher after (`sparseflash.flash.binding`: FAST_LAUNCH, and why that is safe). The short path
@@ -24,11 +24,11 @@ import torch
 from sparseflash._consts import LOG2E
 from sparseflash.flash import binding, dispatch, kernels, operands, tiles
 from sparseflash.flash.operands import (TENSOR, ExactTiles, aligned_strides, bwd_consts, cdiv, check_exact, checked_rng,
-                                       dot_precision, drop_consts, exact_flag, gather, list_args, list_plan_args,
-                                       optional_tensors, softcap_flag, table_args, table_layout, table_tensors)
+                                       dot_precision, drop_consts, gather, list_args, list_plan_args, optional_tensors,
+                                       softcap_arg, table_args, table_layout, table_tensors)
 
 __all__ = ["fwd", "bwd", "bwd_dq", "bwd_dkdv", "hopper_fwd", "hopper_bwd", "plan_fwd", "plan_dq", "plan_dkdv", "run",
-           "plan_state", "POISON_OUTPUTS"]
+           "plan_state", "POISON_OUTPUTS", "Plan", "PLANS", "PLANS_MAX", "cached_plan", "bind_plan"]
 
 
 # Tests set this to fill every output with NaN before the kernels run, so that an element a
@@ -44,16 +44,16 @@ def _new(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
 # ----------------------------------------------------------------------------- launch plans
 # Everything a launch derives from its inputs' shapes, strides and dtypes and from the call's
 # scalars (tile config, grid, the strides and their alignment, the lists' strides, the dropout
-# constants, the constexprs) is computed once per combination (the key) and kept as a _Plan: every
+# constants, the constexprs) is computed once per combination (the key) and kept as a Plan: every
 # kernel argument by its parameter name. A call then allocates its outputs, names its tensors
 # and launches (`run`). The key also holds the module state the plans read (tile overrides,
 # TMA_MODE, GATHER_MAX, interpreter, dot precision), so changing any of it makes new plans.
 
-_PLANS: dict = {}
-_PLANS_MAX = 1024
+PLANS: dict = {}  # key -> Plan (tests read and clear it)
+PLANS_MAX = 1024
 
 
-class _Plan:
+class Plan:
     """One kernel's launch for one key: ``args`` every argument by parameter name (constexprs and
     compile options included) with `operands.TENSOR` where a tensor of the call goes, None where
     the variant reads nothing; ``tensors`` the names a call fills; ``tma`` whether the call's
@@ -76,12 +76,13 @@ def plan_state() -> tuple:
     return tiles.INTERPRETING, tiles.TMA_MODE, operands.GATHER_MAX, tiles.overrides()
 
 
-def _plan(key, build, *args, **kwargs):
-    plan = _PLANS.get(key)
+def cached_plan(key, build, *args, **kwargs):
+    """The plan of ``key`` in PLANS, made by ``build(*args, **kwargs)`` when it is not there yet."""
+    plan = PLANS.get(key)
     if plan is None:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()  # a model calls with few layouts; this bounds a sweep over many
-        plan = _PLANS[key] = build(*args, **kwargs)
+        if len(PLANS) >= PLANS_MAX:
+            PLANS.clear()  # a model calls with few layouts; this bounds a sweep over many
+        plan = PLANS[key] = build(*args, **kwargs)
     return plan
 
 
@@ -94,7 +95,7 @@ def _frozen(tma_plan):
     return None if tma_plan is None else tuple(map(tuple, tma_plan))
 
 
-def _bind(plan: _Plan, kernel, compiled, args: dict) -> tuple | None:
+def bind_plan(plan: Plan, kernel, compiled, args: dict) -> tuple | None:
     """The bound launch of ``plan`` from its first launch with ``args`` (its arguments, the call's
     tensors in): (run, function, packed_metadata, every parameter's value in the kernel's order
     with None where a tensor's address goes, the compiled kernel), or None when it cannot be
@@ -106,7 +107,7 @@ def _bind(plan: _Plan, kernel, compiled, args: dict) -> tuple | None:
     return (*made[:4], compiled)
 
 
-def run(plan: _Plan, tensors: dict) -> tuple | None:
+def run(plan: Plan, tensors: dict) -> tuple | None:
     """Launch ``plan`` with ``tensors`` (parameter name -> tensor, one per ``plan.tensors``):
     bound (see FAST_LAUNCH) or through Triton with every argument by keyword. Returns (key, bound
     launch) of this combination when it has one (the short path's native plan reads it)."""
@@ -134,7 +135,7 @@ def run(plan: _Plan, tensors: dict) -> tuple | None:
     compiled = kernel[plan.grid](**args)
     if fast and binding.hooks_idle():
         try:
-            bound = _bind(plan, kernel, compiled, args)
+            bound = bind_plan(plan, kernel, compiled, args)
         except Exception:  # an unexpected Triton: keep its own launch path
             bound = None
         if bound is not None:
@@ -219,13 +220,13 @@ def hopper_bwd(do, q, k, v, o, lse, dlse, q_idx, key_lengths, scale: float, caus
 
 
 def plan_fwd(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, *, tma_plan=None,
-             tables=(None, None, None), softcap=0.0, exact: bool = False) -> _Plan:
+             tables=(None, None, None), softcap=0.0, exact: bool = False) -> Plan:
     """The forward's plan for this combination (made once per key; ``o``: an output, for its layout)."""
     key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), q.dtype, q.device, _layout(kv_idx),
            None if key_lengths is None else key_lengths.dtype, table_layout(*tables), scale, causal, mask_bq, mask_bk,
            dropout_p, _frozen(tma_plan), dot_precision(q.dtype), plan_state(), softcap, exact)
-    return _plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan,
-                 tables, softcap, exact)
+    return cached_plan(key, _fwd_plan, q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
+                       tma_plan, tables, softcap, exact)
 
 
 def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, tables, softcap,
@@ -236,7 +237,7 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
                        dropout_p > 0.0, tma_plan is not None, any(t is not None for t in tables))
     list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", ("stride_ib", "stride_ih", "stride_im"))
     thresh, drop_scale = drop_consts(dropout_p)
-    table_a, flags = table_args(*tables)
+    table_a = table_args(*tables)
     strides, align = aligned_strides(q, k, v, o)
     tma = tiles.tma_taken(cfg, tma_plan)
     args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, O=TENSOR, LSE=TENSOR, **list_a,
@@ -247,10 +248,9 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
                 **_desc_args("fwd", tma),
                 HEAD_DIM=D, BLOCK_D=tiles.block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
-                DENSE=kv_idx is None, CAUSAL=causal, HAS_KEYLEN=key_lengths is not None, DROPOUT=dropout_p > 0.0,
-                DOT_PREC=dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align, TMA=tma, **flags,
-                **softcap_flag(softcap), **exact_flag(exact or None))
-    return _Plan("fwd_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)
+                CAUSAL=causal, DOT_PREC=dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align,
+                **softcap_arg(softcap))
+    return Plan("fwd_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)
 
 
 def _stride_args(names: tuple, strides: tuple) -> dict:
@@ -314,21 +314,21 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
 
 
 def plan_dkdv(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, *, tma_plan=None,
-              tables=(None, None, None), softcap=0.0, exact: bool = False) -> _Plan:
+              tables=(None, None, None), softcap=0.0, exact: bool = False) -> Plan:
     """The dK/dV kernel's plan for this combination (made once per key; ``dk``, ``dv``: outputs,
     for their layouts)."""
     key = _bwd_key("dkdv", do, q, k, v, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tables,
                    tma_plan, dk.stride(), dv.stride(), softcap=softcap, exact=exact)
-    return _plan(key, _dkdv_plan, do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
-                 tma_plan, tables, softcap, exact)
+    return cached_plan(key, _dkdv_plan, do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk,
+                       dropout_p, tma_plan, tables, softcap, exact)
 
 
 def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, tables, softcap,
                exact):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    table_a, flags = table_args(*tables)
-    constexprs = bwd_consts(q, key_lengths, causal, dropout_p, flags, softcap, exact or None)
+    table_a = table_args(*tables)
+    constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                        dropout_p > 0, tma_plan is not None)
     list_a, nb_p2 = list_plan_args(q_idx, B, Hq, q, "Q_IDX", ("stride_ib", "stride_ih", "stride_in"))
@@ -342,9 +342,9 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
                 RNG=TENSOR if dropout_p > 0.0 else None, drop_thresh=thresh, drop_scale=drop_scale,
                 **_desc_args("dkdv", tma),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
-                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=q_idx is None,
-                **cfg.launch_options(), **constexprs, Q_ROWS=cfg.q_rows, ALIGN=align, TMA=tma)
-    return _Plan("bwd_dkdv_kernel", (cdiv(Nk, cfg.block_n), B * Hkv), args, cfg, tma, q.device)
+                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
+                **cfg.launch_options(), **constexprs, Q_ROWS=cfg.q_rows, ALIGN=align)
+    return Plan("bwd_dkdv_kernel", (cdiv(Nk, cfg.block_n), B * Hkv), args, cfg, tma, q.device)
 
 
 def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, rng, kv_idx,
@@ -368,21 +368,21 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
 
 
 def plan_dq(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, *, tma_plan=None,
-            tables=(None, None, None), has_dlse: bool = False, softcap=0.0, exact: bool = False) -> _Plan:
+            tables=(None, None, None), has_dlse: bool = False, softcap=0.0, exact: bool = False) -> Plan:
     """The dQ kernel's plan for this combination (made once per key; ``dq``: an output, for its
     layout)."""
     key = _bwd_key("dq", do, q, k, v, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tables,
                    tma_plan, o.stride(), dq.stride(), has_dlse, softcap=softcap, exact=exact)
-    return _plan(key, _dq_plan, do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p,
-                 tma_plan, tables, has_dlse, softcap, exact)
+    return cached_plan(key, _dq_plan, do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk,
+                       dropout_p, tma_plan, tables, has_dlse, softcap, exact)
 
 
 def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, dropout_p, tma_plan, tables,
              has_dlse, softcap, exact):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    table_a, flags = table_args(*tables)
-    constexprs = bwd_consts(q, key_lengths, causal, dropout_p, flags, softcap, exact or None)
+    table_a = table_args(*tables)
+    constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                        dropout_p > 0, tma_plan is not None)
     list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", ("stride_ib", "stride_ih", "stride_im"))
@@ -396,6 +396,6 @@ def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, ma
                 RNG=TENSOR if dropout_p > 0.0 else None, drop_thresh=thresh, drop_scale=drop_scale,
                 **_desc_args("dq", tma),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
-                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2), DENSE=kv_idx is None,
-                HAS_DLSE=has_dlse, **cfg.launch_options(), **constexprs, ALIGN=align, TMA=tma)
-    return _Plan("bwd_dq_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)
+                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
+                **cfg.launch_options(), **constexprs, ALIGN=align)
+    return Plan("bwd_dq_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from sparseflash import _env
 
-__all__ = ["ENABLED", "load", "module", "ready", "failed", "last_error", "launch_of", "make_plan", "cache_dir"]
+__all__ = ["ENABLED", "load", "module", "ready", "failed", "last_error", "launch_of", "make_plan", "cache_dir", "build_tag"]
 
 ENABLED = _env.flag("SPARSEFLASH_NATIVE", True)
 
@@ -55,7 +55,8 @@ def _extra_flags() -> list[str]:
     return _env.text("SPARSEFLASH_NATIVE_CXXFLAGS").split()
 
 
-def _tag() -> str:
+def build_tag() -> str:
+    """The built module's name tag: a hash of the C++ source, torch, Python, the C++ ABI and the extra flags."""
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
     h = hashlib.sha1(_SOURCE.read_bytes())
     h.update(f"{torch.__version__}|{torch.__file__}|{sys.version}|{abi}|{_extra_flags()}".encode())
@@ -86,7 +87,7 @@ def _compile(name: str, out: Path) -> None:
 
 
 def _build_and_import():
-    name = f"sparseflash_native_{_tag()}"
+    name = f"sparseflash_native_{build_tag()}"
     folder = cache_dir()
     so = folder / (name + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
     if not so.exists():

@@ -6,8 +6,9 @@ outputs, computed from a call's inputs (no policy: tiles and TMA are `sparseflas
 - Block lists as the kernels read them (`list_args`, `gather`), the dropout constants
   (`drop_consts`, `checked_rng`), the dot precision of a dtype (`dot_precision`).
 - The optional tables, each under its own parameter names (`table_args`, `table_tensors`: segment
-  ids, key ranges, ALiBi slopes), `ExactTiles` (`check_exact`, `exact_flag`), softcap
-  (`softcap_flag`); `TENSOR` marks a plan argument a call's tensor fills, None one it never reads.
+  ids, key ranges, ALiBi slopes), `ExactTiles` (`check_exact`), softcap (`softcap_arg`); `TENSOR`
+  marks a plan argument a call's tensor fills, None one it never reads (the kernels derive each
+  feature's flag from whether its pointer is None).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from sparseflash.flash import tiles
 from sparseflash import _env
 
 __all__ = ["dot_precision", "cdiv", "aligned_strides", "GATHER_MAX", "gather", "list_args", "checked_rng",
-           "drop_consts", "ExactTiles", "check_exact", "exact_flag", "softcap_flag", "TENSOR", "table_args",
+           "drop_consts", "ExactTiles", "check_exact", "softcap_arg", "TENSOR", "table_args",
            "table_layout", "table_tensors", "list_plan_args", "optional_tensors", "bwd_consts"]
 
 
@@ -134,11 +135,6 @@ class ExactTiles(tuple):
     `dispatch.HOPPER_EXACT` is "off"."""
 
 
-def exact_flag(exact) -> dict:
-    """The EXACT constexpr, passed only when on (other plans keep their kwargs)."""
-    return {} if exact is None else dict(EXACT=True)
-
-
 def check_exact(exact, idx, what: str):
     """The (table, bits) of a launch: the table must be laid out as the list it follows."""
     bits, table = exact[0], exact[1] if what == "kv_idx" else exact[2]
@@ -149,16 +145,16 @@ def check_exact(exact, idx, what: str):
     return table, bits
 
 
-def softcap_flag(softcap: float) -> dict:
-    """The SOFTCAP constexpr, passed only when on (other plans keep their kwargs)."""
+def softcap_arg(softcap: float) -> dict:
+    """The SOFTCAP constexpr, passed only when on (the kernels' default, None, is off)."""
     return dict(SOFTCAP=float(softcap)) if softcap else {}
 
 
 # ----------------------------------------------------------------------------- named arguments
-# A plan (`launch._Plan`) holds every kernel argument by its parameter name: the value of a
+# A plan (`launch.Plan`) holds every kernel argument by its parameter name: the value of a
 # scalar, `TENSOR` where the call passes a tensor, None where the variant reads nothing (a
-# constexpr to Triton: the compiled kernel then has neither the parameter nor code for it). Each
-# optional table has its own parameters: segment ids (SEG_Q, SEG_K), key ranges (RANGES), ALiBi
+# constexpr to Triton: the compiled kernel then has neither the parameter nor code for it, and
+# derives the feature's flag from it). Each optional table has its own parameters: segment ids (SEG_Q, SEG_K), key ranges (RANGES), ALiBi
 # slopes (SLOPES), the exact tables (KV_TILE / Q_TILE, BITS), dropout's RNG, key_lengths (KEY_LEN).
 
 TENSOR = object()  # marks a plan argument that takes a tensor of the call
@@ -168,15 +164,13 @@ def _batch_stride(t: torch.Tensor) -> int:
     return 0 if t.shape[0] == 1 else t.stride(0)
 
 
-def table_args(segments, key_ranges, slopes) -> tuple[dict, dict]:
-    """(plan arguments, constexpr flags) of the optional tables of a call. ``segments``: int32
-    (seg_q [1 or B, Nq], seg_k [1 or B, Nk]) with unit last stride, or None; ``key_ranges``: the
-    int32 table [1 or B, 2, Nq] (contiguous; never with segments), or None; ``slopes``: ALiBi's
-    float32 [1 or B, Hq] (contiguous), or None. Flags other than SEGMENTS are passed only when on
-    (other plans keep their kwargs)."""
+def table_args(segments, key_ranges, slopes) -> dict:
+    """The plan arguments of the optional tables of a call. ``segments``: int32 (seg_q [1 or B,
+    Nq], seg_k [1 or B, Nk]) with unit last stride, or None; ``key_ranges``: the int32 table [1 or
+    B, 2, Nq] (contiguous; never with segments), or None; ``slopes``: ALiBi's float32 [1 or B, Hq]
+    (contiguous), or None."""
     args = dict(SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None, SLOPES=None,
                 stride_slb=None)
-    flags = dict(SEGMENTS=segments is not None)
     if segments is not None:
         if key_ranges is not None:
             raise ValueError("segment ids and key ranges are exclusive")
@@ -184,11 +178,9 @@ def table_args(segments, key_ranges, slopes) -> tuple[dict, dict]:
         args.update(SEG_Q=TENSOR, SEG_K=TENSOR, stride_sqb=_batch_stride(sq), stride_skb=_batch_stride(sk))
     if key_ranges is not None:
         args.update(RANGES=TENSOR, stride_rb=_batch_stride(key_ranges))
-        flags["KEY_RANGES"] = True
     if slopes is not None:
         args.update(SLOPES=TENSOR, stride_slb=_batch_stride(slopes))
-        flags["ALIBI"] = True
-    return args, flags
+    return args
 
 
 def table_layout(segments, key_ranges, slopes) -> tuple:
@@ -224,9 +216,8 @@ def optional_tensors(**named) -> dict:
     return {k: t for k, t in named.items() if t is not None}
 
 
-def bwd_consts(q, key_lengths, causal, dropout_p, flags: dict, softcap=0.0, exact=None) -> dict:
-    """The constexprs both backward kernels take (``flags``: `table_args`'s)."""
+def bwd_consts(q, causal, softcap=0.0) -> dict:
+    """The constexprs both backward kernels take."""
     D = q.shape[-1]
-    return dict(HEAD_DIM=D, BLOCK_D=tiles.block_d(D), CAUSAL=causal, HAS_KEYLEN=key_lengths is not None,
-                DROPOUT=dropout_p > 0.0, DOT_PREC=dot_precision(q.dtype), **flags, **softcap_flag(softcap),
-                **exact_flag(exact))
+    return dict(HEAD_DIM=D, BLOCK_D=tiles.block_d(D), CAUSAL=causal, DOT_PREC=dot_precision(q.dtype),
+                **softcap_arg(softcap))

@@ -33,7 +33,7 @@ from sparseflash import _env
 
 __all__ = ["TileConfig", "tile_config", "config", "default_config", "fp32_config", "tma_config", "fit_tile", "block_d",
            "interpreting", "INTERPRETING", "overrides", "TMA_MODE", "TMA_MIN_WORK", "sm_major", "tma_strides",
-           "tma_auto", "tma_wanted", "tma_plan", "tma_args", "tma_taken"]
+           "tma_auto", "in_graph_capture", "tma_wanted", "tma_plan", "tma_args", "tma_taken"]
 
 
 @dataclass(frozen=True)
@@ -316,7 +316,7 @@ def tma_auto(device: torch.device, work: float, capturing: bool = False) -> bool
     return capturing or not 0 <= work < TMA_MIN_WORK
 
 
-def _in_graph_capture(t: torch.Tensor) -> bool:
+def in_graph_capture(t: torch.Tensor) -> bool:
     """Whether a launch on ``t``'s device is being captured in a CUDA graph."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -339,7 +339,7 @@ def tma_wanted(t0: torch.Tensor, block_d: int, work: float) -> bool:
         raise ValueError(f"tiles.TMA_MODE (SPARSEFLASH_TMA) must be 'auto', 'on' or 'off', got {TMA_MODE!r}")
     if TMA_MODE == "off" or t0.dtype not in _TMA_DTYPES or block_d > 128:
         return False
-    return TMA_MODE == "on" or tma_auto(t0.device, work, _in_graph_capture(t0))
+    return TMA_MODE == "on" or tma_auto(t0.device, work, in_graph_capture(t0))
 
 
 def tma_args(cfg: TileConfig, plan, block_d: int, *tiles):

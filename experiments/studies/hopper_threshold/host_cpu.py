@@ -9,7 +9,7 @@ returns a compiled kernel whose launcher does nothing, so `binding.call` binds o
 takes its bound route after. What it times is every line of Python and every torch call between
 `sparseflash.attention` and the C launcher: API checks, the autograd Function, the dispatch, the
 descriptors and the bound launch's key. This machine's µs are not an H200 host's (those run about
-2-3x longer, `results/host_profile-*`), but a change that removes work here removes it there.
+2-3x longer, `results/host_profile/`), but a change that removes work here removes it there.
 Prints µs per call (best of three runs of ``--calls``) and, with ``--profile``, the top functions.
 """
 
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 
     if hf.GLUON_ERROR is not None:
         ap.error(f"needs gluon's Hopper module: {hf.GLUON_ERROR}")
-    saved = (fast.ENABLED, dispatch._fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding._HAS_CUDA,
+    saved = (fast.ENABLED, dispatch.fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding.has_cuda,
              binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING)
     saved_ix = (index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel,
                 index_kernels._pool_kernel)
@@ -75,10 +75,10 @@ def main(argv=None) -> int:
         index_kernels._lists_kernel = _Kernel(saved_ix[2].fn)
         index_kernels._pool_kernel = _Kernel(saved_ix[3].fn)
     fast.ENABLED = False
-    dispatch._fwd_layouts = lambda q, k, v, bq, bk, work: hf.layouts(q, k, v)
+    dispatch.fwd_layouts = lambda q, k, v, bq, bk, work: hf.layouts(q, k, v)
     hf.sm_count = lambda index: 132
     hf.hopper_fwd_kernel = _Kernel(saved[3].fn)
-    binding._HAS_CUDA, binding.current_device, binding.raw_stream = True, (lambda: 0), (lambda index: 0)
+    binding.has_cuda, binding.current_device, binding.raw_stream = (lambda: True), (lambda: 0), (lambda index: 0)
     binding.tiles.INTERPRETING = False
     try:
         q, k, v = (torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
 
             print(profile_text(fwd, args.calls, 25))
     finally:
-        (fast.ENABLED, dispatch._fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding._HAS_CUDA,
+        (fast.ENABLED, dispatch.fwd_layouts, hf.sm_count, hf.hopper_fwd_kernel, binding.has_cuda,
          binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING) = saved
         (index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel,
          index_kernels._pool_kernel) = saved_ix

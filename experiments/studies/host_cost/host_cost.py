@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     from sparseflash.flash.autograd import FlashAttentionFunction
 
     ctx = SimpleNamespace(saved_tensors=(q, k, v, o, lse, torch.empty(3, dtype=torch.int64, device=dev), kv_idx, q_idx,
-                                         None, None, None, None, None, None, None),
+                                         None, None, None, None, None, None, None, None),
                           params=(scale, False, mb or 0, mb or 0, 0.0, density, 0.0, False))
 
     def fn_bwd():

@@ -8,7 +8,7 @@ calls issued while the GPU sleeps, `timing.host_us_samples`) of one piece of the
 call's key has been seen (the short path's entry exists):
 
 - the pieces of our forward: the key lookup, the output allocations, the entry's launch alone;
-- our backward without PyTorch's autograd engine (`_Entry.backward` called directly);
+- our backward without PyTorch's autograd engine (`Entry.backward` called directly);
 - the native plan's forward alone (`sparseflash.flash.native`, no Python around it);
 - whole calls: ours (short path with its native plan, the Python short path, general), SDPA's (dense: the anchor), and a Python autograd
   Function that allocates our outputs and launches nothing (PyTorch's own charge for any such
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     for _ in range(3):  # bind the launches, make the native plan, give it the backward's launches
         torch.autograd.grad(sparseflash.attention(qg, kg, vg, mask=mask), (qg, kg, vg), do)
     entry = fast.lookup(q, k, v, mask, False, None, None)
-    assert isinstance(entry, fast._Entry), "the short path did not take the call"
+    assert isinstance(entry, fast.Entry), "the short path did not take the call"
     o, lse = entry.forward(q, k, v, None)
     ts = (q, k, v, o, lse, None)
     entry.backward(do, q, k, v, o, lse, None)
@@ -109,8 +109,8 @@ def main(argv=None) -> int:
         rows.append(dict(piece=name, host_us=statistics.median(s), host_us_min=min(s)))
         print(f"{name:<40} {rows[-1]['host_us']:8.1f} {rows[-1]['host_us_min']:8.1f}", flush=True)
     # the Python short path's backward as the engine runs it (its worker thread): the time inside
-    # _Entry.backward per call
-    inside, real = [], fast._Entry.backward
+    # Entry.backward per call
+    inside, real = [], fast.Entry.backward
 
     def timed(self, *a):
         t0 = time.perf_counter()
@@ -119,12 +119,12 @@ def main(argv=None) -> int:
         finally:
             inside.append((time.perf_counter() - t0) * 1e6)
 
-    fast._Entry.backward = timed
+    fast.Entry.backward = timed
     try:
         host_us_samples(python(lambda: torch.autograd.grad(attn(qg, kg, vg), (qg, kg, vg), do)), args.calls,
                         args.repeats)
     finally:
-        fast._Entry.backward = real
+        fast.Entry.backward = real
     rows.append(dict(piece="bwd: entry.backward inside the engine", host_us=statistics.median(inside),
                      host_us_min=min(inside)))
     print(f"{rows[-1]['piece']:<40} {rows[-1]['host_us']:8.1f} {rows[-1]['host_us_min']:8.1f}", flush=True)

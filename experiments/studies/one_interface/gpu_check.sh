@@ -8,6 +8,7 @@
 set -u
 OUT=${1:?output folder}
 mkdir -p "$OUT"
+echo "commit ${SPARSEFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}, $(date -u +%F)" > "$OUT/commit.txt"
 export OMP_NUM_THREADS=1 SPARSEFLASH_CACHE="$OUT/.cache"
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 log "snapshots"
