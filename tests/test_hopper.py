@@ -102,7 +102,7 @@ def test_bwd_choice(monkeypatch):
     torch.use_deterministic_algorithms(True)
     try:
         assert dispatch.bwd_layouts(q, q, q, q, q, None, None, -1.0) is None
-        assert "deterministic" in hopper_bwd._do_unsupported(q, q)
+        assert "deterministic" in hopper_bwd.do_unsupported(q, q)
     finally:
         torch.use_deterministic_algorithms(False)
     # ... and so does a call that asks for a deterministic backward, whatever the global switch
@@ -119,9 +119,9 @@ def test_list_threshold_per_gpu(monkeypatch):
     """The column length from which block lists take the one-pass backward: the GPU's measured
     value where one is recorded (H200), the default elsewhere and on CPU tensors."""
     assert hopper_bwd.list_min_blocks(torch.device("cpu")) == hopper_bwd.LIST_MIN_BLOCKS
-    monkeypatch.setattr(hopper_bwd, "_gpu_name", lambda i: "NVIDIA H200")
+    monkeypatch.setattr(hopper_bwd, "gpu_name", lambda i: "NVIDIA H200")
     assert hopper_bwd.list_min_blocks(torch.device("cuda", 0)) == hopper_bwd.LIST_MIN_BLOCKS_BY_GPU["H200"] == 10.0
-    monkeypatch.setattr(hopper_bwd, "_gpu_name", lambda i: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(hopper_bwd, "gpu_name", lambda i: "NVIDIA H100 80GB HBM3")
     assert hopper_bwd.list_min_blocks(torch.device("cuda", 0)) == hopper_bwd.LIST_MIN_BLOCKS
 
 
@@ -141,7 +141,7 @@ def test_bwd_delta_padding(device):
     g = torch.Generator().manual_seed(0)
     o, do = (torch.randn(2, 3, 70, 32, generator=g).to(device) for _ in range(2))
     lse, dlse = (torch.randn(2, 3, 70, generator=g).to(device) for _ in range(2))
-    lse2, delta = hopper_bwd._delta(o, do, lse, dlse, 128, 1 / 0.125)
+    lse2, delta = hopper_bwd.delta_rows(o, do, lse, dlse, 128, 1 / 0.125)
     assert lse2.shape == delta.shape == (6, 128)
     want = ((o.double() * do.double()).sum(-1) - dlse.double()).reshape(6, 70)
     torch.testing.assert_close(delta[:, :70].double(), want, rtol=1e-5, atol=1e-5)
@@ -149,7 +149,7 @@ def test_bwd_delta_padding(device):
     assert torch.isinf(lse2[:, 70:]).all() and (lse2[:, 70:] > 0).all()
     assert (delta[:, 70:] == 0).all()
     # the rows a walk visits: 64-row steps when dense, whole mask blocks with lists
-    assert [hopper_bwd._padded_rows(n, bq, 64) for n, bq in [(1050, None), (1050, 128), (1000, 256), (1024, 128)]] == [
+    assert [hopper_bwd.padded_rows(n, bq, 64) for n, bq in [(1050, None), (1050, 128), (1000, 256), (1024, 128)]] == [
         1088, 1152, 1024, 1024]
 
 

@@ -211,11 +211,8 @@ def test_no_module_uses_another_modules_underscore_names():
     assert not gone, f"no longer used, remove from KNOWN: {gone}"
 
 
-# Tests and experiments reach the kernel package through its documented names too. The Hopper
-# backward's helpers are the exception while its kernel is being rewritten (that work gives them
-# public names); nothing else of `sparseflash.flash` is.
+# Tests and experiments reach the kernel package through its documented names too.
 KERNEL_PACKAGE = "sparseflash.flash."
-BEING_REWRITTEN = ("sparseflash.flash.hopper.backward.",)
 
 
 def test_tests_and_experiments_use_no_underscore_names_of_the_kernel_package():
@@ -227,7 +224,7 @@ def test_tests_and_experiments_use_no_underscore_names_of_the_kernel_package():
     found = {}
     for path in scripts:
         uses = {u for u in _private_uses(path, "", known)
-                if u.startswith(KERNEL_PACKAGE) and not u.startswith(BEING_REWRITTEN)}
+                if u.startswith(KERNEL_PACKAGE)}
         if uses:
             found[str(path.relative_to(repo))] = sorted(uses)
     assert not found, f"underscore names of sparseflash.flash (use or add a documented name): {found}"

@@ -65,10 +65,10 @@ def main(argv=None) -> int:
              binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING)
     saved_ix = (index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel,
                 index_kernels._pool_kernel)
-    saved_hb = (hb.sm_count, hb.hopper_bwd_kernel, hb._delta_kernel, hb._dq_cast_kernel)
+    saved_hb = (hb.sm_count, hb.hopper_bwd_kernel, hb.delta_kernel, hb.dq_cast_kernel)
     if args.backward:
         hb.sm_count = lambda index: 132
-        hb.hopper_bwd_kernel, hb._delta_kernel, hb._dq_cast_kernel = (_Kernel(k.fn) for k in saved_hb[1:])
+        hb.hopper_bwd_kernel, hb.delta_kernel, hb.dq_cast_kernel = (_Kernel(k.fn) for k in saved_hb[1:])
     if args.per_call:  # the index kernels take CPU inputs, and launch nothing either
         index_kernels.ON_CPU = True
         index_kernels._topk_kernel = _Kernel(saved_ix[1].fn)
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
          binding.current_device, binding.raw_stream, binding.tiles.INTERPRETING) = saved
         (index_kernels.ON_CPU, index_kernels._topk_kernel, index_kernels._lists_kernel,
          index_kernels._pool_kernel) = saved_ix
-        hb.sm_count, hb.hopper_bwd_kernel, hb._delta_kernel, hb._dq_cast_kernel = saved_hb
+        hb.sm_count, hb.hopper_bwd_kernel, hb.delta_kernel, hb.dq_cast_kernel = saved_hb
         if args.per_call and args.torch_select:
             index_kernels.select_takes = saved_takes
     return 0

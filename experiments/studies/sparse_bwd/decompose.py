@@ -115,16 +115,16 @@ def measure(n: int, d: int, k: int, variants=tuple(VARIANTS), rows: bool = False
         hopper_bwd.MODE = saved
     B, H, N, D = q_.shape
     row["zeros"] = graph_ms(lambda: torch.zeros((B, H, N, D), device=q_.device, dtype=torch.float32))
-    n_pad = hopper_bwd._padded_rows(N, 128)
-    row["delta"] = graph_ms(lambda: hopper_bwd._delta(o_, do_, lse_, dlse_, n_pad))
+    n_pad = hopper_bwd.padded_rows(N, 128, hopper_bwd.q_step(D))
+    row["delta"] = graph_ms(lambda: hopper_bwd.delta_rows(o_, do_, lse_, dlse_, n_pad, 1.0 / 0.1))
     acc = torch.zeros((B, H, N, D), device=q_.device, dtype=torch.float32)
     dq = torch.empty_like(q_)
 
     def cast():
         import triton
         sq = dq.stride()
-        hopper_bwd._dq_cast_kernel[(triton.cdiv(N, hopper_bwd.QT), B * H)](
-            acc, dq, sq[0], sq[1], sq[2], H, N, 0.1, HEAD_DIM=D, BLOCK=hopper_bwd.QT)
+        hopper_bwd.dq_cast_kernel[(triton.cdiv(N, hopper_bwd.CAST_ROWS), B * H)](
+            acc, dq, sq[0], sq[1], sq[2], H, N, 0.1, HEAD_DIM=D, BLOCK=hopper_bwd.CAST_ROWS)
     row["cast"] = graph_ms(cast)
     return row
 

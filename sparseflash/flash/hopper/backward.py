@@ -63,7 +63,8 @@ from sparseflash import _env
 from sparseflash.flash import binding
 from sparseflash.flash.operands import cdiv
 
-__all__ = ["bwd", "plan", "unsupported", "do_layout", "list_min_blocks", "q_step", "MODE", "LIST_MIN_BLOCKS",
+__all__ = ["bwd", "plan", "unsupported", "do_unsupported", "do_layout", "list_min_blocks", "q_step", "padded_rows",
+           "delta_rows", "delta_kernel", "dq_cast_kernel", "CAST_ROWS", "MODE", "OVERRIDES", "LIST_MIN_BLOCKS",
            "LIST_MIN_BLOCKS_BY_GPU"]
 
 # "auto" (the default): this kernel wherever the Hopper forward runs and dO's layout allows, for walks
@@ -436,7 +437,7 @@ if GLUON_ERROR is None:
                         do_s = do_bufs.index(s).reshape([QT, HEAD_DIM])
                         mbarrier.wait(q_ready.index(s), ph)
                         # The accumulators start at -LSE / scale and -delta ([1, QT] rows of the step's
-                        # queries, padded: `_delta_kernel`), so S^T - LSE / scale and dP^T - delta come
+                        # queries, padded: `delta_kernel`), so S^T - LSE / scale and dP^T - delta come
                         # out of the wgmmas: neither row vector stays live beside them.
                         st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s - lse_bufs.index(s).load(s_layout),
                                            is_async=True)
@@ -615,7 +616,7 @@ def _rows(n_heads, seq_q, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+def delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
                   n_heads, seq_q, n_pad, lse_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                   HAS_DLSE: tl.constexpr):
     """For BLOCK rows of one (batch, head): delta = rowsum(dO * O) - dLSE and LSE2 = LSE * lse_scale,
@@ -637,7 +638,7 @@ def _delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om
 
 
 @triton.jit
-def _dq_cast_kernel(ACC, DQ, stride_qb, stride_qh, stride_qm, n_heads, seq_q, scale,
+def dq_cast_kernel(ACC, DQ, stride_qb, stride_qh, stride_qm, n_heads, seq_q, scale,
                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """dQ = scale * the float32 sums (contiguous [B, H, N, D]), cast to dQ's dtype, in dQ's layout."""
     i_bh, i_b, i_h, o_m, o_d, m = _rows(n_heads, seq_q, BLOCK, HEAD_DIM)
@@ -646,7 +647,7 @@ def _dq_cast_kernel(ACC, DQ, stride_qb, stride_qh, stride_qm, n_heads, seq_q, sc
              (acc * scale).to(DQ.dtype.element_ty), mask=m)
 
 
-def _do_unsupported(do, q, o=None) -> str | None:
+def do_unsupported(do, q, o=None) -> str | None:
     """Why the backward cannot take this dO (and O), or None; raises on a bad `MODE`."""
     if MODE not in ("auto", "on", "off"):
         raise ValueError(f"hopper_bwd.MODE (SPARSEFLASH_HOPPER_BWD) must be 'auto', 'on' or 'off', got {MODE!r}")
@@ -665,9 +666,9 @@ def _do_unsupported(do, q, o=None) -> str | None:
 
 def unsupported(do, q, k, v, o=None, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
     """Why this kernel cannot run a backward call, or None when it can: the forward's reasons
-    (`hopper.unsupported`), then dO's and O's (`_do_unsupported`)."""
+    (`hopper.unsupported`), then dO's and O's (`do_unsupported`)."""
     return (hopper.unsupported(q, k, v, mask_bq=mask_bq, mask_bk=mask_bk, dropout_p=dropout_p, seg=seg)
-            or _do_unsupported(do, q, o))
+            or do_unsupported(do, q, o))
 
 
 def plan(do, q, o, lay, cols: float | None = None, *, exact: bool = False):
@@ -677,7 +678,7 @@ def plan(do, q, o, lay, cols: float | None = None, *, exact: bool = False):
     than `LIST_MIN_BLOCKS` to the portable backward, unless the call has exact-mask bits
     (``exact``): the portable backward's bits cost more than this kernel's fixed costs, also on
     short lists (measured on a causal window at 16K: experiments/studies/hopper/README.md)."""
-    if _do_unsupported(do, q, o) is not None:
+    if do_unsupported(do, q, o) is not None:
         return None
     if cols is not None and MODE == "auto" and cols < list_min_blocks(q.device) and not exact:
         return None
@@ -688,7 +689,7 @@ def list_min_blocks(device) -> float:
     """The column length from which MODE "auto" runs block lists here on ``device``: the GPU's own
     measured value in `LIST_MIN_BLOCKS_BY_GPU` (matched by name), else `LIST_MIN_BLOCKS`."""
     if device.type == "cuda":
-        name = _gpu_name(device.index if device.index is not None else torch.cuda.current_device())
+        name = gpu_name(device.index if device.index is not None else torch.cuda.current_device())
         for key, value in LIST_MIN_BLOCKS_BY_GPU.items():
             if key in name:
                 return value
@@ -696,31 +697,31 @@ def list_min_blocks(device) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_name(index: int) -> str:
+def gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def _padded_rows(n_q: int, mask_bq: int | None, step: int) -> int:
+def padded_rows(n_q: int, mask_bq: int | None, step: int) -> int:
     """The q rows per head a walk can visit: whole steps of ``step`` rows (dense, ``mask_bq``
     None), or every step of each listed block of ``mask_bq`` rows, the last block's too."""
     unit = mask_bq or step
     return cdiv(n_q, unit) * unit
 
 
-_ROWS = 64  # rows per program of the delta and cast kernels (a divisor of every step)
+CAST_ROWS = 64  # rows per program of the delta and cast kernels (a divisor of every step)
 
 
-def _delta(o, do, lse, dlse, n_pad: int, lse_scale: float):
+def delta_rows(o, do, lse, dlse, n_pad: int, lse_scale: float):
     """(LSE * lse_scale, delta = rowsum(dO * O) - dLSE), float32 [B * H, n_pad] each, rows past
-    Nq padded with +inf and 0 (`_delta_kernel`; ``lse_scale`` > 0)."""
+    Nq padded with +inf and 0 (`delta_kernel`; ``lse_scale`` > 0)."""
     B, H, Nq, D = o.shape
     lse2 = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     delta = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     so, sdo = o.stride(), do.stride()
     binding.call(
-        _delta_kernel, (cdiv(n_pad, _ROWS), B * H), O=o, DO=do, LSE=lse, DLSE=o if dlse is None else dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
+        delta_kernel, (cdiv(n_pad, CAST_ROWS), B * H), O=o, DO=do, LSE=lse, DLSE=o if dlse is None else dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
         stride_oh=so[1], stride_om=so[2], stride_dob=sdo[0], stride_doh=sdo[1], stride_dom=sdo[2], n_heads=H, seq_q=Nq,
-        n_pad=n_pad, lse_scale=lse_scale, HEAD_DIM=D, BLOCK=_ROWS, HAS_DLSE=dlse is not None)
+        n_pad=n_pad, lse_scale=lse_scale, HEAD_DIM=D, BLOCK=CAST_ROWS, HAS_DLSE=dlse is not None)
     return lse2, delta
 
 
@@ -733,7 +734,7 @@ def _heads_per_group(n_per: int, n_bhk: int, num_sms: int) -> int:
 
 
 def _row_descriptor(t, step: int):
-    """A TMA descriptor of float32 [B * H, n_pad] ``t`` (`_delta`'s outputs), blocks of one step's rows."""
+    """A TMA descriptor of float32 [B * H, n_pad] ``t`` (`delta_rows`'s outputs), blocks of one step's rows."""
     return make_descriptor(t, t.shape, t.stride(), (1, step), _ROW_LAYOUT)
 
 
@@ -764,10 +765,10 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     q_tile, bits = (q, q) if exact is None else exact
     mask_q = mask_bq or TILE  # (the kernel's MASK_BQ; dense walks ignore it)
     qt = q_step(D)
-    n_pad = _padded_rows(Nq, None if dense else mask_q, qt)
+    n_pad = padded_rows(Nq, None if dense else mask_q, qt)
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
-    lse2, delta = _delta(o, do, lse, dlse, n_pad, 1.0 / scale)  # (the accumulators' start, see _bwd_consumer)
+    lse2, delta = delta_rows(o, do, lse, dlse, n_pad, 1.0 / scale)  # (the accumulators' start, see _bwd_consumer)
     acc = torch.zeros((B, H, Nq, D), device=q.device, dtype=torch.float32)
     dk, dv = new(k), new(v)
     sk, sv = dk.stride(), dv.stride()
@@ -804,6 +805,6 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         DK_BNHD=bool(dkdv_tma and lay_dk[1]), DV_BNHD=bool(dkdv_tma and lay_dv[1]), num_warps=4)
     dq = new(q)
     sq = dq.stride()
-    binding.call(_dq_cast_kernel, (cdiv(Nq, _ROWS), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1],
-                 stride_qm=sq[2], n_heads=H, seq_q=Nq, scale=scale, HEAD_DIM=D, BLOCK=_ROWS)
+    binding.call(dq_cast_kernel, (cdiv(Nq, CAST_ROWS), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1],
+                 stride_qm=sq[2], n_heads=H, seq_q=Nq, scale=scale, HEAD_DIM=D, BLOCK=CAST_ROWS)
     return dq, dk, dv
