@@ -59,7 +59,8 @@ bounds above. The cache block must be a multiple of 16. A mask with a token-leve
 (``mask_mod``) is refused: pass ``mask.block_level()``.
 
 Compute: the Triton split-KV kernel (`sparseflash.flash.decode`) on CUDA and under the Triton
-interpreter; elsewhere the plain-PyTorch `decode_reference`, which is also the tests' reference.
+interpreter, which also append the new keys (one launch); elsewhere (and for float64) the
+plain-PyTorch `decode_reference`, which is also the tests' reference.
 """
 
 from __future__ import annotations
@@ -328,6 +329,7 @@ class CallPlan:
         # which vectors need a cast to contiguous int32 (the key fixes their dtypes and strides)
         self.cast = tuple(t is not None and (t.dtype != torch.int32 or not t.is_contiguous()) for t in
                           (cache_seqlens if lens == "tensor" else None, cache_batch_idx, cache_leftpad, block_table))
+        table = _int32(block_table, self.cast[3])  # (the layout the kernels see)
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
         self.window, self.softcap = (left, right), float(softcap) if softcap > 0 else None
         # the bounds: the exact check on the host (HOST_CHECKS, or where no kernel runs: no synchronisation
@@ -340,7 +342,7 @@ class CallPlan:
         if kernels_run and (lens == "tensor" or cache_leftpad is not None or cache_batch_idx is not None or paged):
             self.device_check = decode.bounds_check(
                 dev, B, seqlens=lens is not None, leftpad=cache_leftpad is not None,
-                batch_idx=cache_batch_idx is not None, block_table=block_table, seq_add=SN if lens else cap,
+                batch_idx=cache_batch_idx is not None, block_table=table, seq_add=SN if lens else cap,
                 max_len=cap, n_rows=k_cache.shape[0], n_pages=k_cache.shape[0], page=k_cache.shape[1])
             self.message = (
                 f"flash_attn_with_kvcache: a bound of the cache does not hold: cache_seqlens + seqlen_new ({SN}) in "
@@ -349,12 +351,18 @@ class CallPlan:
                 + (f", cache_batch_idx in [0, {k_cache.shape[0]})" if cache_batch_idx is not None else "")
                 + (f", block_table's page ids in [0, {k_cache.shape[0]})" if paged else "")
                 + " (checked on the device; SPARSEFLASH_KVCACHE_HOST_CHECKS=1 checks on the host and names the value)")
+        # the new keys and values: one launch writes them where the kernels run
+        self.append = None
+        if SN and kernels_run:
+            k_seen = torch.empty(k.shape, dtype=k.dtype, device=dev) if self.rotary else k  # (rotated: a new k)
+            self.append = decode.append(k_seen, v, k_cache, v_cache, batch_idx=cache_batch_idx is not None,
+                                        block_table=table)
         self.kernel = kernels_run and q.dtype != torch.float64 and D <= 256
         self.plan = None
         if self.kernel:
             self.plan = decode.plan(
                 q, k_cache, v_cache, scale=self.scale, window=self.window, softcap=self.softcap, alibi=alibi,
-                batch_idx=cache_batch_idx is not None, block_table=block_table, blocks=self.blocks,
+                batch_idx=cache_batch_idx is not None, block_table=table, blocks=self.blocks,
                 seqlens=lens is not None, leftpad=cache_leftpad is not None, seq_add=SN if lens else cap,
                 num_splits=int(num_splits), max_len=cap, rows=MAX_ROWS, store_lse=return_softmax_lse)
 
@@ -415,7 +423,9 @@ class CallPlan:
             pos_q = seqlens.long()[:, None] + (torch.arange(self.SQ, device=dev) if self.local else
                                                torch.zeros(self.SQ, dtype=torch.long, device=dev))
             q = apply_rotary(q, rotary_cos, rotary_sin, pos_q, self.rotary_interleaved)
-        if SN:
+        if self.append is not None:
+            self.append(k, v, k_cache, v_cache, seqlens, batch_idx, block_table, route)
+        elif SN:
             pos = seqlens.long()[:, None] + torch.arange(SN, device=dev)  # [B, SN]
             if self.paged:
                 page = block_table.long().gather(1, pos // k_cache.shape[1])

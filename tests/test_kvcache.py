@@ -595,6 +595,41 @@ def test_plan_launches_bound_after_the_first(monkeypatch):
     assert len(launched) == 7 and len(runs) == 8
 
 
+def test_append_and_index_vectors_in_any_layout(device):
+    """The in-place append (one launch) and the kernels read their inputs by their strides: new keys and
+    values as strided views, rotary, int64 and strided cache_seqlens / batch index / block table give
+    the contiguous int32 call's cache and output."""
+    B, N, Hk, D, H = 3, 32, 2, 16, 4
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, 2, H, D, generator=g).to(device)
+    kc, vc = (torch.randn(B + 1, N, Hk, D, generator=g).to(device) for _ in range(2))
+    kn_t, vn_t = (torch.randn(B, Hk, 2, D, generator=g).to(device) for _ in range(2))
+    kn, vn = kn_t.transpose(1, 2), vn_t.transpose(1, 2)  # [B, 2, Hk, D], strided
+    theta = torch.arange(N, dtype=torch.float32)[:, None] * 0.2 * torch.arange(4)
+    rot = dict(rotary_cos=theta.cos().to(device), rotary_sin=theta.sin().to(device), causal=True)
+    lens64 = torch.tensor([[4, 0], [30, 0], [11, 0]], device=device)[:, 0]  # int64, stride 2
+    idx64 = torch.tensor([3, 0, 1], device=device)
+    call = sparseflash.flash_attn_with_kvcache
+    for kw in (dict(cache_batch_idx=idx64), dict(cache_batch_idx=idx64, **rot)):
+        a, b = kc.clone(), vc.clone()
+        got = call(q, a, b, kn, vn, cache_seqlens=lens64, **kw)
+        a2, b2 = kc.clone(), vc.clone()
+        kw32 = dict(kw, cache_batch_idx=idx64.to(torch.int32))
+        want = call(q, a2, b2, kn.contiguous(), vn.contiguous(), cache_seqlens=lens64.to(torch.int32).contiguous(),
+                    **kw32)
+        assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(got, want)
+    kp, vp, table = _paged(kc[:B].cpu(), vc[:B].cpu(), 8)
+    wide = torch.zeros(B, 2 * table.shape[1], dtype=torch.int64)
+    wide[:, ::2] = table
+    for t in (table.long(), wide[:, ::2]):  # int64; int64 with stride 2
+        a, b = kp.clone().to(device), vp.clone().to(device)
+        got = call(q, a, b, kn, vn, cache_seqlens=lens64, block_table=t.to(device))
+        a2, b2 = kp.clone().to(device), vp.clone().to(device)
+        want = call(q, a2, b2, kn.contiguous(), vn.contiguous(), cache_seqlens=lens64.to(torch.int32),
+                    block_table=table.to(device))
+        assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(got, want)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_step_in_a_cuda_graph(paged, monkeypatch):
@@ -700,6 +735,11 @@ for q, cache, kw in variants:
                  alibi=kw.get("alibi"), blk_idx=blocks[0], blk_cnt=blocks[1])
     for launch in p.launches():
         compile_launch(launch, named)
+kn = torch.zeros(B, 3, Hk, D, dtype=torch.bfloat16)
+for cache, kw in ((kc, dict(batch_idx=True)), (pages.to(torch.bfloat16), dict(block_table=table))):
+    a = decode.append(kn, kn, cache, cache, **kw)
+    compile_launch(a.launch, dict(K_new=kn, V_new=kn, K=cache, V=cache, seqlens=i32(B), batch_idx=i32(B),
+                                  block_table=table))
 for kw in (dict(leftpad=True, batch_idx=True), dict(block_table=table, page=64, seqlens=False)):
     c = decode.bounds_check(torch.device("cpu"), B, **dict(dict(seqlens=True, max_len=1024, n_rows=B, n_pages=40), **kw))
     compile_launch(c.launch, dict(Ok=i32(1), seqlens=i32(B), leftpad=i32(B), batch_idx=i32(B), block_table=table))
@@ -709,7 +749,8 @@ for kw in (dict(leftpad=True, batch_idx=True), dict(block_table=table, page=64, 
 def test_decode_kernels_compile_for_sm90():
     """The decode kernels' compiled path (the interpreter never compiles them) builds for sm_90 without a GPU, for
     plans of each kind: splits and their combine, one split (lse not stored), a paged cache read whole, leftpad,
-    batch index, ALiBi, a window, softcap, block lists, chunked query blocks; the bounds check with every bound.
+    batch index, ALiBi, a window, softcap, block lists, chunked query blocks; the append into a cache by batch index
+    and into pages; the bounds check with every bound.
     Triton's front end, its passes and the bundled ptxas, in a child process outside the interpreter."""
     import os
     import subprocess
@@ -726,4 +767,5 @@ def test_decode_kernels_compile_for_sm90():
     kernels = [line.split()[0] for line in r.stdout.splitlines()]
     # 3 splits: split + combine; one split: split; 40 x 4 rows in chunks of 64: (split + combine) x 3; two checks
     assert kernels == (["_decode_split_kernel", "_decode_combine_kernel", "_decode_split_kernel"]
-                       + ["_decode_split_kernel", "_decode_combine_kernel"] * 3 + ["_decode_bounds_kernel"] * 2), kernels
+                       + ["_decode_split_kernel", "_decode_combine_kernel"] * 3 + ["_decode_append_kernel"] * 2
+                       + ["_decode_bounds_kernel"] * 2), kernels

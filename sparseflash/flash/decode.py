@@ -31,10 +31,11 @@ compiled kernel's bound C launcher after. Each row's key end is ``seqlens[b] + s
 keys), computed in the kernel, so a call launches no index arithmetic of its own. `BoundsCheck`
 launches `_decode_bounds_kernel`, one program that checks every row's lengths, leftpad, cache row and
 page ids and writes a verdict for ``torch._assert_async``: bad values fail on the device, with no host
-read.
+read. `Append` writes a call's new keys and values into the cache in one launch
+(`_decode_append_kernel`).
 
 Forward only (flash-attn's decode has no backward). `sparseflash.kvcache` validates the inputs,
-applies rotary and appends new keys, and holds the plain-PyTorch reference of the same semantics.
+applies rotary, and holds the plain-PyTorch reference of the same semantics.
 """
 
 from __future__ import annotations
@@ -252,6 +253,43 @@ def _decode_bounds_kernel(
                 b_ok = b_ok & (tl.sum(b_out, 1) == 0)
         b_bad += (m_b & ~b_ok).to(tl.int32)
     tl.store(Ok, (tl.sum(b_bad, 0) == 0).to(tl.int32))
+
+
+@triton.jit
+def _decode_append_kernel(
+    K_new, V_new, K, V, seqlens, batch_idx, block_table,
+    stride_nb, stride_nt, stride_nh, stride_nd, stride_wb, stride_wt, stride_wh, stride_wd,
+    stride_kb, stride_kn, stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd, stride_tb,
+    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
+):
+    """New key and value ``t`` of batch row ``b`` (program ``(t, b)``) written into the cache at position
+    ``seqlens[b] + t``: of cache row ``batch_idx[b]`` (or ``b``), or row ``pos % PAGE`` of page
+    ``block_table[b, pos // PAGE]``. (The bounds are checked before: `_decode_bounds_kernel`.)"""
+    i_t = tl.program_id(0)
+    i_b = tl.program_id(1)
+    pos = (tl.load(seqlens + i_b) + i_t).to(tl.int64)
+    if PAGED:
+        page = tl.load(block_table + i_b.to(tl.int64) * stride_tb + pos // PAGE).to(tl.int64)
+        row_k = page * stride_kb + (pos % PAGE) * stride_kn
+        row_v = page * stride_vb + (pos % PAGE) * stride_vn
+    else:
+        if HAS_BATCH_IDX:
+            cache_row = tl.load(batch_idx + i_b).to(tl.int64)
+        else:
+            cache_row = i_b.to(tl.int64)
+        row_k = cache_row * stride_kb + pos * stride_kn
+        row_v = cache_row * stride_vb + pos * stride_vn
+    o_h = tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    m_hd = (o_h[:, None] < N_HEADS) & (o_d[None, :] < HEAD_DIM)
+    i_bt = i_b.to(tl.int64)
+    b_k = tl.load(K_new + i_bt * stride_nb + i_t * stride_nt + o_h[:, None] * stride_nh + o_d[None, :] * stride_nd,
+                  mask=m_hd)  # [BLOCK_H, BLOCK_D]
+    tl.store(K + row_k + o_h[:, None] * stride_kh + o_d[None, :] * stride_kd, b_k, mask=m_hd)
+    b_v = tl.load(V_new + i_bt * stride_wb + i_t * stride_wt + o_h[:, None] * stride_wh + o_d[None, :] * stride_wd,
+                  mask=m_hd)
+    tl.store(V + row_v + o_h[:, None] * stride_vh + o_d[None, :] * stride_vd, b_v, mask=m_hd)
 
 
 # Launch settings of the split kernel, overridable by a study (experiments/studies/decode_splits): keys
@@ -587,3 +625,50 @@ def bounds_check(device, batch: int, *, seqlens: bool, leftpad: bool = False, ba
                                       block_table=block_table, seq_add=seq_add, max_len=max_len, n_rows=n_rows,
                                       n_pages=n_pages, page=page)
     return c
+
+
+APPENDS: dict = {}
+
+
+class Append:
+    """The in-place append of one call shape (`append`): a call writes its new keys and values into
+    the cache in one launch of `_decode_append_kernel` (no index arithmetic launched on the host)."""
+
+    def __init__(self, k_new, v_new, k_cache, v_cache, *, batch_idx: bool, block_table: torch.Tensor | None):
+        B, SN, Hk, D = k_new.shape
+        self.cuda, self.bindable = k_new.device.type == "cuda", bound_launches(k_new.device)
+        paged = block_table is not None
+        names = ("K_new", "V_new", "K", "V", "seqlens") + (("batch_idx",) if batch_idx else ()) \
+            + (("block_table",) if paged else ())
+        args = dict(batch_idx=None, block_table=None, stride_tb=block_table.stride(0) if paged else 0,
+                    N_HEADS=Hk, HEAD_DIM=D, BLOCK_H=next_pow2(Hk), BLOCK_D=max(16, next_pow2(D)),
+                    PAGE=k_cache.shape[1] if paged else 1, HAS_BATCH_IDX=batch_idx, PAGED=paged, num_warps=4)
+        for prefix, t in (("n", k_new), ("w", v_new), ("k", k_cache), ("v", v_cache)):
+            dims = "btd" if prefix in "nw" else "bnd"
+            args.update({f"stride_{prefix}{dims[0]}": t.stride(0), f"stride_{prefix}{dims[1]}": t.stride(1),
+                         f"stride_{prefix}h": t.stride(2), f"stride_{prefix}d": t.stride(3)})
+        self.launch = _Launch("_decode_append_kernel", (SN, B), names, args)
+
+    def __call__(self, k_new, v_new, k_cache, v_cache, seqlens, batch_idx=None, block_table=None, route=None) -> None:
+        stream, index = route or _route(self.cuda, self.bindable)
+        ts = [k_new, v_new, k_cache, v_cache, seqlens]
+        if batch_idx is not None:
+            ts.append(batch_idx)
+        if block_table is not None:
+            ts.append(block_table)
+        self.launch(stream if index is not None else None, index, ts)
+
+
+def append(k_new, v_new, k_cache, v_cache, *, batch_idx: bool = False,
+           block_table: torch.Tensor | None = None) -> Append:
+    """The `Append` of a call (made once per key): new keys and values ``[batch, seqlen_new, nheads_k,
+    headdim]`` into ``k_cache``, ``v_cache`` at ``seqlens[b] + t`` (`_decode_append_kernel`)."""
+    key = ("append", k_new.shape, k_new.stride(), v_new.stride(), k_new.dtype, k_new.device, k_cache.shape,
+           k_cache.stride(), v_cache.stride(), batch_idx,
+           None if block_table is None else (block_table.shape, block_table.stride()))
+    a = APPENDS.get(key)
+    if a is None:
+        if len(APPENDS) >= _PLANS_MAX:
+            APPENDS.clear()
+        a = APPENDS[key] = Append(k_new, v_new, k_cache, v_cache, batch_idx=batch_idx, block_table=block_table)
+    return a
