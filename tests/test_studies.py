@@ -569,3 +569,29 @@ def test_decode_splits_times_each_setting_and_restores_the_launch(tmp_path, caps
     assert all(r["status"] == "ok" and r["max_err"] < 2e-2 for r in ours)
     assert decode.OVERRIDES == {}
     assert "best setting" in capsys.readouterr().out
+
+
+def test_decode_host_times_the_decode_path_and_restores_it(tmp_path, capsys):
+    """decode_host/host_cpu.py times flash_attn_with_kvcache's host path with the decode kernels stubbed
+    (bound route, no host read; launches: bounds check, (append,) split, combine), and leaves the
+    modules it patched as it found them."""
+    from sparseflash.experiments.studies.decode_host import host_cpu
+    from sparseflash.flash import binding, decode
+
+    import sparseflash.kvcache
+
+    before = (decode._decode_split_kernel, decode.sm_count, decode.bound_launches, binding.current_device,
+              binding.raw_stream, decode.INTERPRETING, decode.PLANS, decode.CHECKS, decode.APPENDS,
+              sparseflash.kvcache.PLANS)
+    assert host_cpu.main(["--out", str(tmp_path), "--calls", "5", "--batches", "1", "--label", "t"]) == 0
+    rows = json.loads((tmp_path / "host_cpu_t.json").read_text())["rows"]
+    assert [(r["call"], r["batch"]) for r in rows] == [("read", 1), ("append", 1)]
+    for r in rows:
+        assert r["host_reads"] == 0 and r["host_us_p10"] > 0
+        assert r["launches"] == dict(_decode_bounds_kernel=1, _decode_split_kernel=1, _decode_combine_kernel=1,
+                                     **({"_decode_append_kernel": 1} if r["call"] == "append" else {}))
+    assert "host reads" in capsys.readouterr().out
+    after = (decode._decode_split_kernel, decode.sm_count, decode.bound_launches, binding.current_device,
+             binding.raw_stream, decode.INTERPRETING, decode.PLANS, decode.CHECKS, decode.APPENDS,
+             sparseflash.kvcache.PLANS)
+    assert all(a is b for a, b in zip(after, before))  # (the plans it made with the stand-ins dropped)
