@@ -224,8 +224,9 @@ def _int32(t, needs: bool):
 class CallPlan:
     """One call's checks of shapes, dtypes and flags, made once per `_call_key` (each raises the error
     that names the argument), and what the call derives from them: sizes, the window, how the bounds
-    of ``cache_seqlens`` (and leftpad, batch index, page ids) are checked (`check_bounds`), and the
-    kernel's `decode.DecodePlan`. Calling it runs one call with those arguments' values."""
+    of ``cache_seqlens`` (and leftpad, batch index, page ids) are checked (`check_on_host`, or
+    `decode.BoundsCheck` on the device), the append (`decode.Append`) and the kernel's
+    `decode.DecodePlan`. Calling it runs one call with those arguments' values."""
 
     def __init__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
