@@ -15,7 +15,8 @@ attribute directly. Values read at import are marked so; the others on every use
 | ``SPARSEFLASH_NATIVE_CXXFLAGS``, ``CXX`` | flags, a compiler | `flash.native` (on use) | how the C++ half is built |
 | ``SPARSEFLASH_CACHE`` | a folder | `flash.native.cache_dir` (on use) | where it is built (default ``~/.cache/sparseflash``) |
 | ``SPARSEFLASH_GATHER_MAX`` | an int | `flash.operands.GATHER_MAX` | the longest block list the kernels gather at once |
-| ``SPARSEFLASH_CHECK_KEY_LENGTHS`` | 1 / 0 | `api.CHECK_KEY_LENGTHS` | check key_lengths' range (a host synchronisation) |
+| ``SPARSEFLASH_CHECK_KEY_LENGTHS`` | 1 / 0 | `api.CHECK_KEY_LENGTHS` | check key_lengths' range (a host synchronisation); `flash_attn_with_kvcache`: a paged cache's capacity on the host (0: on the device) |
+| ``SPARSEFLASH_KVCACHE_HOST_CHECKS`` | 0 / 1 | `kvcache.HOST_CHECKS` | debug: `flash_attn_with_kvcache` reads cache_seqlens (leftpad, batch index, page ids) back and names a bad value (a host synchronisation; 0: checked on the device) |
 | ``SPARSEFLASH_DEBUG`` | 0 / 1 | `debug()` (on use) | commands re-raise errors with their traceback |
 """
 

@@ -25,9 +25,29 @@ Semantics as flash-attn 2 documents them (``flash_attn.flash_attn_with_kvcache``
 
 Differences: a row that attends nothing returns 0 and lse ``-inf`` (flash-attn: ``-inf`` when it
 splits, ``+inf`` when not). ``rotary_cos`` without new ``k`` / ``v`` is an error (flash-attn ignores
-it). ``cache_seqlens`` (and leftpad, batch index, page ids) are checked on the host: one read, a
-synchronisation per call, skipped while a CUDA graph is captured and with
-``SPARSEFLASH_CHECK_KEY_LENGTHS=0`` (`sparseflash.api.CHECK_KEY_LENGTHS`), as a decode loop wants.
+it). The bounds below are checked (flash-attn checks only a paged cache's capacity).
+
+Bounds: ``0 <= cache_seqlens`` and ``cache_seqlens + seqlen_new <= `` the cache's length (a paged
+cache's capacity), ``0 <= cache_leftpad <= cache_seqlens + seqlen_new``, ``cache_batch_idx`` within the
+cache's rows, the page ids in use within the pages. A tensor's values are checked on the device, with
+no host read: one small kernel (`sparseflash.flash.decode.BoundsCheck`) and ``torch._assert_async``,
+before anything is read or written. A bad value fails the call loudly, with a message that lists the
+bounds: at once on a CPU (a RuntimeError); on CUDA a device-side assert, which ends the process's CUDA
+context. The debug switch ``SPARSEFLASH_KVCACHE_HOST_CHECKS=1`` (`HOST_CHECKS`) reads them back and
+raises an error that names the argument and, for ``cache_seqlens``, its values (`CacheBoundsError`,
+ValueError): one synchronisation per call. An int ``cache_seqlens`` is checked on the host (no read
+needed). A paged cache's capacity is also read on the host, as flash-attn reads
+``max(cache_seqlens)`` for one, with its error (`CacheBoundsError`, a RuntimeError naming
+``block_table``), unless ``SPARSEFLASH_CHECK_KEY_LENGTHS=0`` (`sparseflash.api.CHECK_KEY_LENGTHS`).
+Host reads are skipped while a CUDA graph is captured (the device check runs instead); where no kernel
+runs (a CPU without the interpreter) every bound is checked on the host, which costs no
+synchronisation there.
+
+Host cost: the checks of shapes, dtypes and flags, and the split count, workspace and bound launches
+(`sparseflash.flash.decode.DecodePlan`), are made once per call key (`CallPlan`: the arguments' kinds,
+shapes, strides, dtypes, devices and flags), so a repeated decode step pays a key lookup, the bounds
+check, its output and its launches. A call with ``mask=`` plans anew each time (its decode plan is
+shared).
 
 Beyond flash-attn: ``mask=``, block-sparse decoding: a `BlockMask` (or FlexAttention BlockMask made
 block-level) for ``(seqlen_q, seqlen_cache)`` with a single query block, whose layout ``[batch or 1,
@@ -39,7 +59,8 @@ bounds above. The cache block must be a multiple of 16. A mask with a token-leve
 (``mask_mod``) is refused: pass ``mask.block_level()``.
 
 Compute: the Triton split-KV kernel (`sparseflash.flash.decode`) on CUDA and under the Triton
-interpreter; elsewhere the plain-PyTorch `decode_reference`, which is also the tests' reference.
+interpreter, which also append the new keys (one launch); elsewhere (and for float64) the
+plain-PyTorch `decode_reference`, which is also the tests' reference.
 """
 
 from __future__ import annotations
@@ -49,13 +70,19 @@ import numbers
 
 import torch
 
-from sparseflash import api
+from sparseflash import _env, api
+from sparseflash.flash import decode
 from sparseflash.mask import BlockMask, tracing
-from sparseflash import _env
 
-__all__ = ["flash_attn_with_kvcache", "decode_reference", "apply_rotary", "window_pair"]
+__all__ = ["flash_attn_with_kvcache", "decode_reference", "apply_rotary", "window_pair", "CacheBoundsError",
+           "HOST_CHECKS"]
 
 MAX_ROWS = 64  # query rows (tokens x GQA group) per kernel launch; longer query blocks run in chunks
+
+# The debug switch: check cache_seqlens (and leftpad, batch index, page ids) on the host, one read and
+# a synchronisation per call, for errors that name the argument and its values; off, they are checked
+# on the device (module docstring).
+HOST_CHECKS = _env.flag("SPARSEFLASH_KVCACHE_HOST_CHECKS", False)
 
 
 def window_pair(window_size) -> tuple[int, int]:
@@ -139,159 +166,290 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns:
         ``out [batch, seqlen_q, nheads, headdim]``, or ``(out, softmax_lse)``.
     """
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 4-D tensor ({'[batch, seqlen_q, nheads, headdim]' if name == 'q' else '[batch_cache, seqlen_cache, nheads_k, headdim] or pages [num_blocks, page_block_size, nheads_k, headdim]'}), got {got}")
-    B, SQ, H, D = q.shape
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    Hk = k_cache.shape[2]
-    if k_cache.shape[3] != D:
-        raise ValueError(f"k_cache's head dim {k_cache.shape[3]} must equal q's {D}")
-    if Hk == 0 or H % Hk:
-        raise ValueError(f"q's nheads ({H}) must be a multiple of the cache's nheads_k ({Hk})")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise TypeError(f"q must be float16, bfloat16 or float32 (float64: reference only), got {q.dtype}")
-    for name, val in (("causal", causal), ("rotary_interleaved", rotary_interleaved),
-                      ("return_softmax_lse", return_softmax_lse)):
-        if not isinstance(val, bool):
-            raise TypeError(f"{name} must be a bool, got {val!r}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0.0 <= softcap < float("inf"):
-        raise ValueError(f"softcap must be a finite float >= 0 (0.0: off), got {softcap!r}")
-    dev = q.device
-    paged = block_table is not None
-    if paged:
-        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != B \
-                or block_table.dtype not in (torch.int32, torch.int64):
-            got = f"{block_table.dtype} {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor) else \
-                type(block_table).__name__
-            raise TypeError(f"block_table must be an int32 tensor [batch, max_blocks_per_seq] = [{B}, ...], got {got}")
-        if block_table.device != dev:
-            raise ValueError(f"block_table must be on q's device {dev}, got {block_table.device}")
-        if cache_batch_idx is not None or cache_leftpad is not None:
-            raise ValueError("cache_batch_idx and cache_leftpad are not supported with block_table (as flash-attn)")
-        block_table = block_table.to(torch.int32)
-        cap = block_table.shape[1] * k_cache.shape[1]
-    else:
-        cap = k_cache.shape[1]
-    batch_idx = _int_vector(cache_batch_idx, "cache_batch_idx", B, dev)
-    leftpad = _int_vector(cache_leftpad, "cache_leftpad", B, dev)
-    if batch_idx is None and not paged and k_cache.shape[0] < B:
-        raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {B}: pass cache_batch_idx")
-    if cache_seqlens is None:
-        seqlens = torch.full((B,), cap, dtype=torch.int32, device=dev)
-    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        seqlens = torch.full((B,), int(cache_seqlens), dtype=torch.int32, device=dev)
-    else:
-        seqlens = _int_vector(cache_seqlens, "cache_seqlens", B, dev)
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (new keys and values to append) or both None")
-    SN = 0
-    if k is not None:
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != B or t.shape[2:] != (Hk, D):
+    key = _call_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                    num_splits, return_softmax_lse, mask)
+    call = PLANS.get(key) if key is not None else None
+    if call is None:
+        call = CallPlan(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                        alibi_slopes, num_splits, return_softmax_lse, mask)
+        if key is not None:
+            if len(PLANS) >= _PLANS_MAX:
+                PLANS.clear()  # a decoder calls with a few shapes; this bounds a sweep over many
+            PLANS[key] = call
+    return call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                block_table, alibi_slopes)
+
+
+# Calls by key: a call whose arguments have the same kinds, shapes, strides, dtypes, devices and flags
+# as an earlier one passed the same checks; it reuses that call's `CallPlan`. Calls with a mask (a
+# new selection each step, its lists built per mask) or a tensor window_size plan anew each time
+# (their decode plans are still shared through `decode.plan`).
+PLANS: dict = {}
+_PLANS_MAX = 256
+
+
+def _spec(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _call_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+              return_softmax_lse, mask):
+    """What a `CallPlan` depends on, or None where the call is planned anew (a mask; an argument of
+    an unexpected kind, which the checks then name)."""
+    if mask is not None or type(window_size) is not tuple or len(window_size) != 2:
+        return None
+    left, right = window_size
+    if type(left) is not int or type(right) is not int or type(causal) is not bool or type(num_splits) is not int \
+            or type(rotary_interleaved) is not bool or type(return_softmax_lse) is not bool:
+        return None
+    try:
+        return (_spec(q), _spec(k_cache), _spec(v_cache), _spec(k), _spec(v), _spec(rotary_cos), _spec(rotary_sin),
+                int if type(cache_seqlens) is int else _spec(cache_seqlens), _spec(cache_batch_idx), _spec(cache_leftpad),
+                _spec(block_table), _spec(alibi_slopes), type(softmax_scale), softmax_scale, type(softcap), softcap,
+                causal, left, right, rotary_interleaved, num_splits, return_softmax_lse, HOST_CHECKS,
+                api.CHECK_KEY_LENGTHS, MAX_ROWS, _env.interpreting(),
+                tuple(sorted(decode.OVERRIDES.items())) if decode.OVERRIDES else ())
+    except (AttributeError, TypeError):
+        return None
+
+
+def _int32(t, needs: bool):
+    """``t`` as the contiguous int32 vector the kernels read (``needs``: it is not one already)."""
+    return t.to(torch.int32).contiguous() if needs and t is not None else t
+
+
+class CallPlan:
+    """One call's checks of shapes, dtypes and flags, made once per `_call_key` (each raises the error
+    that names the argument), and what the call derives from them: sizes, the window, how the bounds
+    of ``cache_seqlens`` (and leftpad, batch index, page ids) are checked (`check_on_host`, or
+    `decode.BoundsCheck` on the device), the append (`decode.Append`) and the kernel's
+    `decode.DecodePlan`. Calling it runs one call with those arguments' values."""
+
+    def __init__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                 block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                 num_splits, return_softmax_lse, mask):
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name} must be [batch, seqlen_new, nheads_k, headdim] = [{B}, ., {Hk}, {D}], got {got}")
-            if t.dtype != q.dtype or t.device != dev:
-                raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {dev}), got {t.dtype}, {t.device}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        SN = k.shape[1]
-    if api.CHECK_KEY_LENGTHS and not _capturing(dev):  # one host read: the bounds in-place writes rely on
-        s_host = seqlens.cpu().long()
+                raise ValueError(f"{name} must be a 4-D tensor ({'[batch, seqlen_q, nheads, headdim]' if name == 'q' else '[batch_cache, seqlen_cache, nheads_k, headdim] or pages [num_blocks, page_block_size, nheads_k, headdim]'}), got {got}")
+        B, SQ, H, D = q.shape
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                             f"{tuple(v_cache.shape)}")
+        Hk = k_cache.shape[2]
+        if k_cache.shape[3] != D:
+            raise ValueError(f"k_cache's head dim {k_cache.shape[3]} must equal q's {D}")
+        if Hk == 0 or H % Hk:
+            raise ValueError(f"q's nheads ({H}) must be a multiple of the cache's nheads_k ({Hk})")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"q must be float16, bfloat16 or float32 (float64: reference only), got {q.dtype}")
+        for name, val in (("causal", causal), ("rotary_interleaved", rotary_interleaved),
+                          ("return_softmax_lse", return_softmax_lse)):
+            if not isinstance(val, bool):
+                raise TypeError(f"{name} must be a bool, got {val!r}")
+        if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+            raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0.0 <= softcap < float("inf"):
+            raise ValueError(f"softcap must be a finite float >= 0 (0.0: off), got {softcap!r}")
+        dev = q.device
+        paged = block_table is not None
+        if paged:
+            if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != B \
+                    or block_table.dtype not in (torch.int32, torch.int64):
+                got = f"{block_table.dtype} {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor) else \
+                    type(block_table).__name__
+                raise TypeError(f"block_table must be an int32 tensor [batch, max_blocks_per_seq] = [{B}, ...], got {got}")
+            if block_table.device != dev:
+                raise ValueError(f"block_table must be on q's device {dev}, got {block_table.device}")
+            if cache_batch_idx is not None or cache_leftpad is not None:
+                raise ValueError("cache_batch_idx and cache_leftpad are not supported with block_table (as flash-attn)")
+            cap = block_table.shape[1] * k_cache.shape[1]
+        else:
+            cap = k_cache.shape[1]
+        _int_vector(cache_batch_idx, "cache_batch_idx", B, dev)
+        _int_vector(cache_leftpad, "cache_leftpad", B, dev)
+        if cache_batch_idx is None and not paged and k_cache.shape[0] < B:
+            raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {B}: pass cache_batch_idx")
+        if cache_seqlens is None:
+            lens = None
+        elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+            lens = "int"
+        else:
+            _int_vector(cache_seqlens, "cache_seqlens", B, dev)
+            lens = "tensor"
+        if (k is None) != (v is None):
+            raise ValueError("k and v must be given together (new keys and values to append) or both None")
+        SN = 0
+        if k is not None:
+            for name, t in (("k", k), ("v", v)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != B or t.shape[2:] != (Hk, D):
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"{name} must be [batch, seqlen_new, nheads_k, headdim] = [{B}, ., {Hk}, {D}], got {got}")
+                if t.dtype != q.dtype or t.device != dev:
+                    raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {dev}), got {t.dtype}, {t.device}")
+            if k.shape != v.shape:
+                raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+            SN = k.shape[1]
+        self.B, self.SQ, self.H, self.Hk, self.D, self.SN, self.cap, self.paged = B, SQ, H, Hk, D, SN, cap, paged
+        self.device, self.lens, self.return_lse = dev, lens, return_softmax_lse
+        self.what = (f"block_table's capacity: {block_table.shape[1]} pages of {k_cache.shape[1]} tokens" if paged
+                     else "the cache's length")
+        if lens is None and SN:  # the whole cache, and new keys after it
+            raise self.bounds_error(torch.full((B,), cap))
+        left, right = (w if w >= 0 else -1 for w in window_pair(window_size))
+        if causal:
+            right = 0
+        self.local = causal or left >= 0 or right >= 0
+        self.rotary = rotary_cos is not None or rotary_sin is not None
+        if self.rotary:
+            if k is None:
+                raise ValueError("rotary_cos / rotary_sin rotate the new k and q: pass k and v too")
+            if not (isinstance(rotary_cos, torch.Tensor) and isinstance(rotary_sin, torch.Tensor)
+                    and rotary_cos.dim() == 2 and rotary_cos.shape == rotary_sin.shape):
+                raise ValueError("rotary_cos and rotary_sin must both be tensors [seqlen_ro, rotary_dim / 2] of one shape")
+            if 2 * rotary_cos.shape[1] > D or rotary_cos.shape[0] < cap:
+                raise ValueError(f"rotary_cos must be [seqlen_ro >= {cap}, rotary_dim / 2 <= {D // 2}], got "
+                                 f"{tuple(rotary_cos.shape)}")
+        self.rotary_interleaved = rotary_interleaved
+        if alibi_slopes is not None:
+            if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.shape not in ((H,), (B, H)) \
+                    or alibi_slopes.dtype != torch.float32:
+                got = f"{alibi_slopes.dtype} {tuple(alibi_slopes.shape)}" if isinstance(alibi_slopes, torch.Tensor) else \
+                    type(alibi_slopes).__name__
+                raise ValueError(f"alibi_slopes must be a float32 tensor [nheads] = [{H}] or [batch, nheads] = [{B}, {H}], "
+                                 f"got {got}")
+        self.alibi_move = alibi_slopes is not None and (alibi_slopes.device != dev or alibi_slopes.stride(-1) != 1)
+        alibi = alibi_slopes.to(dev).contiguous() if self.alibi_move else alibi_slopes  # (as the kernel sees it)
+        self.blocks = cache_blocks(mask, B, H, Hk, SQ, cap, dev)
+        # which vectors need a cast to contiguous int32 (the key fixes their dtypes and strides)
+        self.cast = tuple(t is not None and (t.dtype != torch.int32 or not t.is_contiguous()) for t in
+                          (cache_seqlens if lens == "tensor" else None, cache_batch_idx, cache_leftpad, block_table))
+        table = _int32(block_table, self.cast[3])  # (the layout the kernels see)
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+        self.window, self.softcap = (left, right), float(softcap) if softcap > 0 else None
+        # the bounds: the exact check on the host (HOST_CHECKS, or where no kernel runs: no synchronisation
+        # there), else on the device, with a paged cache's capacity read on the host as flash-attn reads it
+        interp = _env.interpreting()
+        kernels_run = dev.type == "cuda" or interp
+        self.host = "all" if HOST_CHECKS or not kernels_run else \
+            "capacity" if paged and lens == "tensor" and api.CHECK_KEY_LENGTHS else None
+        self.device_check = None
+        if kernels_run and (lens == "tensor" or cache_leftpad is not None or cache_batch_idx is not None or paged):
+            self.device_check = decode.bounds_check(
+                dev, B, seqlens=lens is not None, leftpad=cache_leftpad is not None,
+                batch_idx=cache_batch_idx is not None, block_table=table, seq_add=SN if lens else cap,
+                max_len=cap, n_rows=k_cache.shape[0], n_pages=k_cache.shape[0], page=k_cache.shape[1])
+            self.message = (
+                f"flash_attn_with_kvcache: a bound of the cache does not hold: cache_seqlens + seqlen_new ({SN}) in "
+                f"[0, {cap}] ({self.what})"
+                + (", cache_leftpad in [0, cache_seqlens + seqlen_new]" if cache_leftpad is not None else "")
+                + (f", cache_batch_idx in [0, {k_cache.shape[0]})" if cache_batch_idx is not None else "")
+                + (f", block_table's page ids in [0, {k_cache.shape[0]})" if paged else "")
+                + " (checked on the device; SPARSEFLASH_KVCACHE_HOST_CHECKS=1 checks on the host and names the value)")
+        # the new keys and values: one launch writes them where the kernels run
+        self.append = None
+        if SN and kernels_run:
+            k_seen = torch.empty(k.shape, dtype=k.dtype, device=dev) if self.rotary else k  # (rotated: a new k)
+            self.append = decode.append(k_seen, v, k_cache, v_cache, batch_idx=cache_batch_idx is not None,
+                                        block_table=table)
+        self.kernel = kernels_run and q.dtype != torch.float64 and D <= 256
+        self.plan = None
+        if self.kernel:
+            self.plan = decode.plan(
+                q, k_cache, v_cache, scale=self.scale, window=self.window, softcap=self.softcap, alibi=alibi,
+                batch_idx=cache_batch_idx is not None, block_table=table, blocks=self.blocks,
+                seqlens=lens is not None, leftpad=cache_leftpad is not None, seq_add=SN if lens else cap,
+                num_splits=int(num_splits), max_len=cap, rows=MAX_ROWS, store_lse=return_softmax_lse)
+
+    def bounds_error(self, s_host: torch.Tensor) -> CacheBoundsError:
+        return CacheBoundsError(f"cache_seqlens + seqlen_new ({self.SN}) must lie in [0, {self.cap}] ({self.what}), got "
+                                f"{s_host.tolist() if self.B <= 16 else s_host}")
+
+    def check_on_host(self, seqlens, leftpad, batch_idx, block_table, n_cache: int, page: int, capacity_only: bool):
+        """The bounds read back and checked on the host (a synchronisation on a GPU): today's errors."""
+        B, SN, cap = self.B, self.SN, self.cap
+        s_host = seqlens.cpu().long() if seqlens is not None else torch.full((B,), cap)
         if bool((s_host < 0).any()) or int(s_host.max()) + SN > cap:
-            what = (f"block_table's capacity: {block_table.shape[1]} pages of {k_cache.shape[1]} tokens" if paged
-                    else "the cache's length")
-            raise CacheBoundsError(f"cache_seqlens + seqlen_new ({SN}) must lie in [0, {cap}] ({what}), got "
-                                   f"{s_host.tolist() if B <= 16 else s_host}")
+            raise self.bounds_error(s_host)
+        if capacity_only:
+            return
         if leftpad is not None:
             lp = leftpad.cpu().long()
             if bool((lp < 0).any()) or bool((lp > s_host + SN).any()):
                 raise ValueError("cache_leftpad must lie in [0, cache_seqlens + seqlen_new] for every row")
-        if batch_idx is not None and (int(batch_idx.min()) < 0 or int(batch_idx.max()) >= k_cache.shape[0]):
-            raise ValueError(f"cache_batch_idx must index the cache's {k_cache.shape[0]} rows")
-        if paged:
-            need = (s_host + SN + k_cache.shape[1] - 1) // k_cache.shape[1]
+        if batch_idx is not None and (int(batch_idx.min()) < 0 or int(batch_idx.max()) >= n_cache):
+            raise ValueError(f"cache_batch_idx must index the cache's {n_cache} rows")
+        if block_table is not None:
+            need = (s_host + SN + page - 1) // page
             bt = block_table.cpu().long()
             used = torch.arange(bt.shape[1])[None, :] < need[:, None]
-            if bool(((bt < 0) | (bt >= k_cache.shape[0]))[used].any()):
-                raise ValueError(f"block_table holds page ids outside [0, {k_cache.shape[0]}) for keys in use")
-    left, right = (w if w >= 0 else -1 for w in window_pair(window_size))
-    if causal:
-        right = 0
-    local = causal or left >= 0 or right >= 0
+            if bool(((bt < 0) | (bt >= n_cache))[used].any()):
+                raise ValueError(f"block_table holds page ids outside [0, {n_cache}) for keys in use")
 
-    if rotary_cos is not None or rotary_sin is not None:
-        if k is None:
-            raise ValueError("rotary_cos / rotary_sin rotate the new k and q: pass k and v too")
-        if not (isinstance(rotary_cos, torch.Tensor) and isinstance(rotary_sin, torch.Tensor)
-                and rotary_cos.dim() == 2 and rotary_cos.shape == rotary_sin.shape):
-            raise ValueError("rotary_cos and rotary_sin must both be tensors [seqlen_ro, rotary_dim / 2] of one shape")
-        if 2 * rotary_cos.shape[1] > D or rotary_cos.shape[0] < cap:
-            raise ValueError(f"rotary_cos must be [seqlen_ro >= {cap}, rotary_dim / 2 <= {D // 2}], got "
-                             f"{tuple(rotary_cos.shape)}")
-        pos_k = seqlens.long()[:, None] + torch.arange(SN, device=dev)
-        k = apply_rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
-        pos_q = seqlens.long()[:, None] + (torch.arange(SQ, device=dev) if local else torch.zeros(SQ, dtype=torch.long,
-                                                                                                     device=dev))
-        q = apply_rotary(q, rotary_cos, rotary_sin, pos_q, rotary_interleaved)
-    if k is not None and SN:
-        pos = seqlens.long()[:, None] + torch.arange(SN, device=dev)  # [B, SN]
-        if paged:
-            page = block_table.long().gather(1, pos // k_cache.shape[1])
-            k_cache[page, pos % k_cache.shape[1]] = k
-            v_cache[page, pos % k_cache.shape[1]] = v
+    def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                 cache_leftpad, block_table, alibi_slopes):
+        dev, B, SN = self.device, self.B, self.SN
+        c_lens, c_idx, c_pad, c_table = self.cast
+        seqlens = None
+        if self.lens == "tensor":
+            seqlens = _int32(cache_seqlens, c_lens)
+        elif self.lens == "int":  # known on the host: checked there, no read
+            s = int(cache_seqlens)
+            if s < 0 or s + SN > self.cap:
+                raise self.bounds_error(torch.full((B,), s))
+            seqlens = torch.full((B,), s, dtype=torch.int32, device=dev)
+        batch_idx, leftpad = _int32(cache_batch_idx, c_idx), _int32(cache_leftpad, c_pad)
+        block_table = _int32(block_table, c_table)
+        if self.host is not None and not _capturing(dev):
+            self.check_on_host(seqlens, leftpad, batch_idx, block_table, k_cache.shape[0], k_cache.shape[1],
+                               capacity_only=self.host == "capacity")
+            if self.host == "all":
+                check = None
+            else:
+                check = self.device_check
         else:
-            rows = (batch_idx.long() if batch_idx is not None else torch.arange(B, device=dev))[:, None].expand(B, SN)
-            k_cache[rows, pos] = k
-            v_cache[rows, pos] = v
-    seq_end = (seqlens + SN).to(torch.int32)
-    seq_start = leftpad if leftpad is not None else torch.zeros(B, dtype=torch.int32, device=dev)
-    alibi = None
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.shape not in ((H,), (B, H)) \
-                or alibi_slopes.dtype != torch.float32:
-            got = f"{alibi_slopes.dtype} {tuple(alibi_slopes.shape)}" if isinstance(alibi_slopes, torch.Tensor) else \
-                type(alibi_slopes).__name__
-            raise ValueError(f"alibi_slopes must be a float32 tensor [nheads] = [{H}] or [batch, nheads] = [{B}, {H}], "
-                             f"got {got}")
-        alibi = alibi_slopes.to(dev).expand(B, H)
-    blocks = cache_blocks(mask, B, H, Hk, SQ, cap, dev)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    args = dict(scale=scale, window=(left, right), softcap=float(softcap) if softcap > 0 else None, alibi=alibi,
-                batch_idx=batch_idx, block_table=block_table, blocks=blocks)
-    interp = _env.interpreting()
-    if (dev.type == "cuda" or interp) and q.dtype != torch.float64 and D <= 256:
-        out, lse = _decode_chunks(q, k_cache, v_cache, seq_start, seq_end, num_splits, cap, **args)
-    else:
-        out, lse = decode_reference(q, k_cache, v_cache, seq_start, seq_end, **args)
-    return (out, lse) if return_softmax_lse else out
-
-
-def _decode_chunks(q, k_cache, v_cache, seq_start, seq_end, num_splits, cap, **args):
-    """The decode kernel over query chunks of at most `MAX_ROWS` rows (tokens x GQA group)."""
-    from sparseflash.flash.decode import decode_attention
-
-    B, SQ, H, D = q.shape
-    G = H // k_cache.shape[2]
-    step = max(1, MAX_ROWS // G)
-    outs, lses = [], []
-    for t0 in range(0, SQ, step):
-        t1 = min(SQ, t0 + step)
-        o, lse = decode_attention(q[:, t0:t1], k_cache, v_cache, seq_start, seq_end, num_splits=num_splits,
-                                  max_len=cap, q_back=SQ - t1, **args)
-        outs.append(o)
-        lses.append(lse)
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    return torch.cat(outs, 1), torch.cat(lses, 2)
+            check = self.device_check
+        route = self.plan.route() if self.kernel else None  # (shared by this call's launches)
+        if check is not None:  # before anything reads or writes at those positions
+            torch._assert_async(check(seqlens, leftpad, batch_idx, block_table, route), self.message)
+        if self.rotary:
+            pos_k = seqlens.long()[:, None] + torch.arange(SN, device=dev)
+            k = apply_rotary(k, rotary_cos, rotary_sin, pos_k, self.rotary_interleaved)
+            pos_q = seqlens.long()[:, None] + (torch.arange(self.SQ, device=dev) if self.local else
+                                               torch.zeros(self.SQ, dtype=torch.long, device=dev))
+            q = apply_rotary(q, rotary_cos, rotary_sin, pos_q, self.rotary_interleaved)
+        if self.append is not None:
+            self.append(k, v, k_cache, v_cache, seqlens, batch_idx, block_table, route)
+        elif SN:
+            pos = seqlens.long()[:, None] + torch.arange(SN, device=dev)  # [B, SN]
+            if self.paged:
+                page = block_table.long().gather(1, pos // k_cache.shape[1])
+                k_cache[page, pos % k_cache.shape[1]] = k
+                v_cache[page, pos % k_cache.shape[1]] = v
+            else:
+                rows = (batch_idx.long() if batch_idx is not None else torch.arange(B, device=dev))[:, None].expand(B, SN)
+                k_cache[rows, pos] = k
+                v_cache[rows, pos] = v
+        alibi = alibi_slopes
+        if self.alibi_move:
+            alibi = alibi.to(dev).contiguous()
+        if self.kernel:
+            out, lse = self.plan(q, k_cache, v_cache, seqlens, leftpad, batch_idx, block_table, alibi, self.blocks,
+                                 route)
+        else:
+            seq_end = (seqlens + SN).to(torch.int32) if seqlens is not None else \
+                torch.full((B,), self.cap, dtype=torch.int32, device=dev)
+            seq_start = leftpad if leftpad is not None else torch.zeros(B, dtype=torch.int32, device=dev)
+            out, lse = decode_reference(q, k_cache, v_cache, seq_start, seq_end, scale=self.scale, window=self.window,
+                                        softcap=self.softcap, alibi=None if alibi is None else alibi.expand(B, self.H),
+                                        batch_idx=batch_idx, block_table=block_table, blocks=self.blocks)
+        return (out, lse) if self.return_lse else out
 
 
 def cache_blocks(mask, B: int, H: int, Hk: int, SQ: int, cap: int, device):

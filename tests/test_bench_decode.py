@@ -1,11 +1,13 @@
 """experiments/bench/decode.py on CPU (--quick: tiny sizes, the kernel under the interpreter): it
 writes decode.csv / .json / .png and deterministic.csv with a row per provider and point, every
-provider's output close to the float32 reference, and prints the table last."""
+provider's output close to the float32 reference, an eager time per call in every row, and prints the
+table, then ours beside SDPA's per dense point."""
 
 from __future__ import annotations
 
 import csv
 
+import pytest
 import torch
 
 from sparseflash.experiments.bench import decode
@@ -29,6 +31,16 @@ def test_decode_bench_quick(tmp_path, capsys):
     assert (tmp_path / "decode.png").stat().st_size > 0
     det = list(csv.DictReader(open(tmp_path / "deterministic.csv")))
     assert [r["deterministic"] for r in det] == ["False", "True"] and all(float(r["fwd_bwd_ms"]) > 0 for r in det)
+    assert all(float(r["eager_ms"]) > 0 for r in rows)
     printed = capsys.readouterr().out.strip().splitlines()
-    n = len(rows)
-    assert printed[-n - 1].startswith("mode") and all(line.split()[0] in ("dense", "sparse") for line in printed[-n:])
+    n, pairs = len(rows), 2  # dense points with ours and SDPA: B1 and B2 at one length
+    head = len(printed) - pairs - 1 - n - 1
+    assert printed[head].startswith("mode") and all(line.split()[0] in ("dense", "sparse")
+                                                    for line in printed[head + 1:head + 1 + n])
+    assert "eager goal" in printed[-pairs - 1]
+    for line, b in zip(printed[-pairs:], (1, 2)):
+        ours = next(r for r in rows if (r["mode"], r["provider"], r["batch"]) == ("dense", "sparseflash", str(b)))
+        sdpa = next(r for r in rows if (r["mode"], r["provider"], r["batch"]) == ("dense", "sdpa", str(b)))
+        cells = line.split()
+        assert cells[:2] == [str(b), "256"]
+        assert float(cells[4]) == pytest.approx(float(ours["eager_ms"]) / float(sdpa["eager_ms"]), abs=0.006)

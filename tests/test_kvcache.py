@@ -7,15 +7,18 @@ ALiBi and chunked query blocks; block-sparse decoding; rows attending nothing; t
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from _attn_check import assert_within_torch_error, flash_attn_allowed
+from torch.overrides import TorchFunctionMode
 
 import sparseflash
 from sparseflash import BlockMask
+from sparseflash.flash import binding
 from sparseflash.kvcache import cache_blocks, decode_reference, window_pair
 
 
@@ -313,7 +316,7 @@ def test_rows_attending_nothing_are_zero(device):
     torch.testing.assert_close(o[:, 1].cpu(), vc[:, 4].expand(B, H, D))
 
 
-def test_errors_name_the_argument():
+def test_errors_name_the_argument(monkeypatch):
     q = torch.randn(2, 1, 4, 16)
     kc, vc = torch.zeros(2, 8, 2, 16), torch.zeros(2, 8, 2, 16)
     call = sparseflash.flash_attn_with_kvcache
@@ -338,8 +341,12 @@ def test_errors_name_the_argument():
         call(q, kc, vc, num_splits=-1)
     with pytest.raises(ValueError, match=r"alibi_slopes must be a float32 tensor \[nheads\] = \[4\]"):
         call(q, kc, vc, alibi_slopes=torch.ones(2))
-    with pytest.raises(ValueError, match="block_table holds page ids outside"):
+    with pytest.raises(RuntimeError, match=r"block_table's page ids in \[0, 2\) \(checked on the device"):
         call(q, kc, vc, block_table=torch.full((2, 2), 5, dtype=torch.int32), cache_seqlens=3)
+    with monkeypatch.context() as m:  # the values' bounds by name: the debug switch
+        m.setattr(sparseflash.kvcache, "HOST_CHECKS", True)
+        with pytest.raises(ValueError, match="block_table holds page ids outside"):
+            call(q, kc, vc, block_table=torch.full((2, 2), 5, dtype=torch.int32), cache_seqlens=3)
     with pytest.raises(ValueError, match="mask: decoding applies a mask at block level"):
         call(q, kc, vc, mask=BlockMask.from_fn(lambda b, h, i, j: j >= 0, 1, 8, block_size=(16, 16)))
     with pytest.raises(ValueError, match="mask must be built for"):
@@ -351,3 +358,414 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="cache block size must be a multiple of 16"):
         call(q, kc, vc, mask=BlockMask.from_layout(torch.ones(1, 1, 1, 1, dtype=torch.bool), block_size=(16, 8),
                                                    seq_q=1, seq_k=8))
+
+
+# ----------------------------------------------------------------------------- bounds, plans, launches
+
+_READS = (torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+          torch.Tensor.__index__)
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts reads of tensor values into Python (each a synchronisation on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += func in _READS
+        return func(*args, **(kwargs or {}))
+
+
+def _small(B=2, N=8, Hk=2, D=16, H=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, 1, H, D, generator=g)
+    kc, vc = (torch.randn(B, N, Hk, D, generator=g) for _ in range(2))
+    kn, vn = (torch.randn(B, 2, Hk, D, generator=g) for _ in range(2))
+    return q, kc, vc, kn, vn
+
+
+def test_bounds_are_checked_on_the_device_by_default():
+    """Without the debug switch, a tensor cache_seqlens (and leftpad, batch index, page ids) is never
+    read back: a call with good values makes no host read, and a bad value fails the call loudly with
+    the device check's message (torch._assert_async, at once on a CPU) before the cache is written."""
+    q, kc, vc, kn, vn = _small()
+    call = sparseflash.flash_attn_with_kvcache
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    device_msg = r"a bound of the cache does not hold: .*checked on the device"
+    good = [dict(cache_seqlens=i32(3, 8)), dict(cache_seqlens=i32(3, 6), k=kn, v=vn),
+            dict(cache_seqlens=i32(3, 5), cache_leftpad=i32(0, 5)), dict(cache_seqlens=i32(3, 5),
+                                                                          cache_batch_idx=i32(1, 0))]
+    bad = [dict(cache_seqlens=i32(3, 9)), dict(cache_seqlens=i32(-1, 3)), dict(cache_seqlens=i32(3, 7), k=kn, v=vn),
+           dict(cache_seqlens=i32(-2, 3), k=kn, v=vn), dict(cache_seqlens=i32(3, 5), cache_leftpad=i32(0, 6)),
+           dict(cache_seqlens=i32(3, 5), cache_leftpad=i32(-1, 0)), dict(cache_seqlens=i32(3, 5),
+                                                                         cache_batch_idx=i32(0, 2))]
+    for kw in good:
+        a, b = kc.clone(), vc.clone()
+        with _HostReads() as reads:
+            out = call(q, a, b, **kw)
+        assert reads.n == 0 and torch.isfinite(out).all(), kw
+    for kw in bad:
+        a, b = kc.clone(), vc.clone()
+        with pytest.raises(RuntimeError, match=device_msg):
+            call(q, a, b, **kw)
+        assert torch.equal(a, kc) and torch.equal(b, vc), kw  # nothing appended
+    # a paged cache: page ids in use are checked, those past a row's keys are not read
+    kp, vp, table = _paged(kc, vc, 4)
+    table[1, 1] = 99
+    lens = i32(8, 5)
+    with pytest.raises(RuntimeError, match=r"block_table's page ids in \[0, 6\) \(checked on the device"):
+        call(q, kp, vp, cache_seqlens=lens, block_table=table)
+    lens = i32(8, 4)
+    out = call(q, kp, vp, cache_seqlens=lens, block_table=table)
+    torch.testing.assert_close(out, call(q, kc, vc, cache_seqlens=lens))
+
+
+def test_host_checks_switch_names_the_values(monkeypatch):
+    """SPARSEFLASH_KVCACHE_HOST_CHECKS (kvcache.HOST_CHECKS): the bounds read back and checked on the host,
+    each error naming its argument (and cache_seqlens' values), as every call checked them before."""
+    q, kc, vc, kn, vn = _small()
+    call = sparseflash.flash_attn_with_kvcache
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    monkeypatch.setattr(sparseflash.kvcache, "HOST_CHECKS", True)
+    with _HostReads() as reads:
+        call(q, kc.clone(), vc.clone(), cache_seqlens=i32(3, 8))
+    assert reads.n > 0
+    with pytest.raises(sparseflash.kvcache.CacheBoundsError,
+                       match=r"cache_seqlens \+ seqlen_new \(0\) must lie in \[0, 8\] \(the cache's length\), got \[3, 9\]"):
+        call(q, kc, vc, cache_seqlens=i32(3, 9))
+    with pytest.raises(ValueError, match=r"cache_seqlens \+ seqlen_new \(2\) must lie in \[0, 8\].*got \[-1, 3\]"):
+        call(q, kc, vc, kn, vn, cache_seqlens=i32(-1, 3))
+    with pytest.raises(ValueError, match=r"cache_leftpad must lie in \[0, cache_seqlens \+ seqlen_new\]"):
+        call(q, kc, vc, cache_seqlens=i32(3, 5), cache_leftpad=i32(0, 6))
+    with pytest.raises(ValueError, match="cache_batch_idx must index the cache's 2 rows"):
+        call(q, kc, vc, cache_seqlens=i32(3, 5), cache_batch_idx=i32(0, 2))
+    kp, vp, table = _paged(kc, vc, 4)
+    table[1, 1] = 99
+    with pytest.raises(ValueError, match=r"block_table holds page ids outside \[0, 6\) for keys in use"):
+        call(q, kp, vp, cache_seqlens=i32(8, 5), block_table=table)
+
+
+def test_paged_capacity_is_read_on_the_host_unless_switched_off(monkeypatch):
+    """A paged cache's capacity is checked on the host (flash-attn reads max(cache_seqlens) there too and
+    raises; test_cache_bounds_error_is_flash_attns); SPARSEFLASH_CHECK_KEY_LENGTHS=0 moves it to the device."""
+    q, kc, vc, _, _ = _small()
+    kp, vp, table = _paged(kc, vc, 4)
+    lens = torch.tensor([8, 9], dtype=torch.int32)
+    with _HostReads() as reads:
+        sparseflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens - 1, block_table=table)
+    assert reads.n > 0
+    with pytest.raises(sparseflash.kvcache.CacheBoundsError, match="block_table's capacity"):
+        sparseflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+    monkeypatch.setattr(sparseflash.api, "CHECK_KEY_LENGTHS", False)
+    with _HostReads() as reads:
+        sparseflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens - 1, block_table=table)
+    assert reads.n == 0
+    with pytest.raises(RuntimeError, match=r"\(block_table's capacity: 2 pages of 4 tokens\).*checked on the device"):
+        sparseflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+
+
+def test_plans_are_made_once_per_call_shape(monkeypatch):
+    """A repeated call reuses its plan (no checks of shapes redone, no decode plan looked up); a call with
+    another shape, dtype or flag gets its own; calls with masks share the decode plan of their shape."""
+    from sparseflash.flash import decode
+
+    made = {"call": 0, "decode": 0}
+    for name, cls in (("call", sparseflash.kvcache.CallPlan), ("decode", decode.DecodePlan)):
+        def counting(self, *a, _init=cls.__init__, _name=name, **kw):
+            made[_name] += 1
+            _init(self, *a, **kw)
+        monkeypatch.setattr(cls, "__init__", counting)
+    monkeypatch.setattr(sparseflash.kvcache, "PLANS", {})
+    monkeypatch.setattr(decode, "PLANS", {})
+    q, kc, vc, kn, vn = _small()
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    call = sparseflash.flash_attn_with_kvcache
+    first = call(q, kc, vc, cache_seqlens=lens)
+    assert made == {"call": 1, "decode": 1}
+    plan = next(iter(sparseflash.kvcache.PLANS.values()))
+    assert torch.equal(call(q.clone(), kc, vc, cache_seqlens=lens.clone()), first)
+    assert made == {"call": 1, "decode": 1} and list(sparseflash.kvcache.PLANS.values()) == [plan]
+    call(q, kc, vc, cache_seqlens=lens, causal=True)  # another flag
+    call(q[:1], kc, vc, cache_seqlens=lens[:1])  # another batch
+    call(q.double(), kc.double(), vc.double(), cache_seqlens=lens)  # another dtype (the reference: no decode plan)
+    assert made == {"call": 4, "decode": 3} and len(sparseflash.kvcache.PLANS) == 4
+    bs = 16
+    masks = [BlockMask.from_layout(torch.rand(2, 2, 1, 1, generator=torch.Generator().manual_seed(s)) < 2,
+                                   block_size=(16, bs), seq_q=1, seq_k=8) for s in range(2)]
+    for m in masks:  # a new mask each step: planned anew, one decode plan for both
+        call(q, kc, vc, cache_seqlens=lens, mask=m)
+    assert made == {"call": 6, "decode": 4} and len(sparseflash.kvcache.PLANS) == 4
+
+
+class _Counting:
+    """A kernel whose launches are counted and run."""
+
+    def __init__(self, kernel, counts, name):
+        self.kernel, self.counts, self.name = kernel, counts, name
+        self.fn, self.pre_run_hooks = kernel.fn, []
+
+    def __getitem__(self, grid):
+        self.counts[self.name] += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_one_split_launches_no_combine(splits, monkeypatch):
+    """With one split the split kernel stores the answer (and lse) itself: no combine launch, no float32
+    partials; with three, one combine. Both give the reference's answer."""
+    from collections import Counter
+
+    from sparseflash.flash import decode
+
+    counts = Counter()
+    for name in ("decode_split_kernel", "decode_combine_kernel", "decode_bounds_kernel"):
+        monkeypatch.setattr(decode, name, _Counting(getattr(decode, name), counts, name))
+    q, kc, vc, _, _ = _small(N=300)
+    lens = torch.tensor([300, 123], dtype=torch.int32)
+    out, lse = sparseflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits,
+                                                  return_softmax_lse=True)
+    assert counts == Counter(decode_split_kernel=1, decode_bounds_kernel=1,
+                             **({"decode_combine_kernel": 1} if splits > 1 else {}))
+    plan = next(p for p in decode.PLANS.values() if p.splits == splits and p.shape == (2, 1, 4, 16))
+    assert (plan.n_part == 0) == (splits == 1)
+    ref_o, ref_lse = decode_reference(q.double(), kc.double(), vc.double(), torch.zeros(2, dtype=torch.int32), lens,
+                                      scale=0.25, window=(-1, -1))
+    torch.testing.assert_close(out.double(), ref_o, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), rtol=1e-4, atol=1e-4)
+
+
+def test_plan_launches_bound_after_the_first(monkeypatch):
+    """On the bound route (faked here: stand-in kernels, a pretend stream), a plan's first call launches
+    through Triton, later calls through the compiled launcher with the call's addresses; an address of
+    another alignment binds once more; binding.FAST_LAUNCH off sends every launch through Triton."""
+    from sparseflash.flash import decode
+
+    launched, runs = [], []
+
+    class Compiled:
+        function, packed_metadata = 7, (4, 1, 0)
+
+        def run(self, *args):
+            runs.append(args)
+
+    class Kernel:
+        def __init__(self, real, name):
+            self.fn, self.pre_run_hooks, self.name = real.fn, [], name
+
+        def __getitem__(self, grid):
+            def go(**kw):
+                launched.append((self.name, kw))
+                if "Ok" in kw:
+                    kw["Ok"].fill_(1)  # the check's verdict (its bound launches reuse the buffer)
+                return Compiled()
+            return go
+
+    for name in ("decode_split_kernel", "decode_combine_kernel", "decode_bounds_kernel"):
+        monkeypatch.setattr(decode, name, Kernel(getattr(decode, name), name))
+    monkeypatch.setattr(decode, "bound_launches", lambda device: True)
+    monkeypatch.setattr(decode, "PLANS", {})
+    monkeypatch.setattr(decode, "CHECKS", {})
+    monkeypatch.setattr(sparseflash.kvcache, "PLANS", {})
+    monkeypatch.setattr(binding, "FAST_LAUNCH", True)
+    monkeypatch.setattr(binding, "current_device", lambda: 0)
+    monkeypatch.setattr(binding, "raw_stream", lambda index: 55)
+    q, kc, vc, _, _ = _small(N=300)
+    lens = torch.tensor([300, 123], dtype=torch.int32)
+    call = lambda qq: sparseflash.flash_attn_with_kvcache(qq, kc, vc, cache_seqlens=lens, num_splits=2)  # noqa: E731
+    call(q)
+    assert [n for n, _ in launched] == ["decode_bounds_kernel", "decode_split_kernel", "decode_combine_kernel"]
+    assert not runs
+    call(q)
+    assert len(launched) == 3 and len(runs) == 3
+    split = runs[1]
+    assert split[:4] == (2, 2, 2, 55) and split[4:9] == (7, (4, 1, 0), None, None, None)
+    names = list(inspect.signature(decode.decode_split_kernel.fn).parameters)
+    args = dict(zip(names, split[9:]))
+    assert args["Q"] == q.data_ptr() and args["K"] == kc.data_ptr() and args["seqlens"] == lens.data_ptr()
+    assert args["leftpad"] is None and args["n_splits"] == 2 and args["DIRECT"] is False
+    q2 = torch.empty(q.numel() + 1)[1:].view_as(q).copy_(q)  # 4 bytes off 16-byte alignment
+    call(q2)
+    call(q2)
+    assert len(launched) == 4 and launched[-1][0] == "decode_split_kernel" and len(runs) == 3 + 2 + 3
+    assert dict(zip(names, runs[-2][9:]))["Q"] == q2.data_ptr()
+    monkeypatch.setattr(binding, "FAST_LAUNCH", False)
+    call(q)
+    assert len(launched) == 7 and len(runs) == 8
+
+
+def test_append_and_index_vectors_in_any_layout(device):
+    """The in-place append (one launch) and the kernels read their inputs by their strides: new keys and
+    values as strided views, rotary, int64 and strided cache_seqlens / batch index / block table give
+    the contiguous int32 call's cache and output."""
+    B, N, Hk, D, H = 3, 32, 2, 16, 4
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, 2, H, D, generator=g).to(device)
+    kc, vc = (torch.randn(B + 1, N, Hk, D, generator=g).to(device) for _ in range(2))
+    kn_t, vn_t = (torch.randn(B, Hk, 2, D, generator=g).to(device) for _ in range(2))
+    kn, vn = kn_t.transpose(1, 2), vn_t.transpose(1, 2)  # [B, 2, Hk, D], strided
+    theta = torch.arange(N, dtype=torch.float32)[:, None] * 0.2 * torch.arange(4)
+    rot = dict(rotary_cos=theta.cos().to(device), rotary_sin=theta.sin().to(device), causal=True)
+    lens64 = torch.tensor([[4, 0], [30, 0], [11, 0]], device=device)[:, 0]  # int64, stride 2
+    idx64 = torch.tensor([3, 0, 1], device=device)
+    call = sparseflash.flash_attn_with_kvcache
+    for kw in (dict(cache_batch_idx=idx64), dict(cache_batch_idx=idx64, **rot)):
+        a, b = kc.clone(), vc.clone()
+        got = call(q, a, b, kn, vn, cache_seqlens=lens64, **kw)
+        a2, b2 = kc.clone(), vc.clone()
+        kw32 = dict(kw, cache_batch_idx=idx64.to(torch.int32))
+        want = call(q, a2, b2, kn.contiguous(), vn.contiguous(), cache_seqlens=lens64.to(torch.int32).contiguous(),
+                    **kw32)
+        assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(got, want)
+    kp, vp, table = _paged(kc[:B].cpu(), vc[:B].cpu(), 8)
+    wide = torch.zeros(B, 2 * table.shape[1], dtype=torch.int64)
+    wide[:, ::2] = table
+    for t in (table.long(), wide[:, ::2]):  # int64; int64 with stride 2
+        a, b = kp.clone().to(device), vp.clone().to(device)
+        got = call(q, a, b, kn, vn, cache_seqlens=lens64, block_table=t.to(device))
+        a2, b2 = kp.clone().to(device), vp.clone().to(device)
+        want = call(q, a2, b2, kn.contiguous(), vn.contiguous(), cache_seqlens=lens64.to(torch.int32),
+                    block_table=table.to(device))
+        assert torch.equal(a, a2) and torch.equal(b, b2) and torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_step_in_a_cuda_graph(paged, monkeypatch):
+    """A decode step (append, rotary, leftpad or pages, the bounds check on the device) captured in a CUDA
+    graph and replayed with new lengths and tokens gives the eager call's answer and cache; capture reads
+    nothing back (a paged cache's capacity and the debug switch's checks then run on the device)."""
+    monkeypatch.setattr(sparseflash.kvcache, "HOST_CHECKS", True)  # skipped while capturing: device checks
+    B, H, Hk, D, N = 3, 8, 2, 128, 1024
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    kc, vc, q, kn, vn = randn(B, N, Hk, D), randn(B, N, Hk, D), randn(B, 1, H, D), randn(B, 1, Hk, D), randn(B, 1, Hk, D)
+    theta = torch.arange(N, device="cuda", dtype=torch.float32)[:, None] * 0.01 * torch.arange(32, device="cuda")
+    cos, sin = theta.cos(), theta.sin()
+    lens = torch.tensor([5, 700, 1000], device="cuda", dtype=torch.int32)
+    kw = dict(rotary_cos=cos, rotary_sin=sin, causal=True, return_softmax_lse=True)
+    if paged:
+        kc, vc, table = (t.cuda() for t in _paged(kc.cpu(), vc.cpu(), 64))
+        kw["block_table"] = table
+    else:
+        kw["cache_leftpad"] = torch.tensor([0, 3, 100], device="cuda", dtype=torch.int32)
+    graph_cache = (kc.clone(), vc.clone())
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (compiles and binds) beside the capture, as CUDA graphs want
+        for _ in range(2):
+            sparseflash.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=lens, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = sparseflash.flash_attn_with_kvcache(q, *graph_cache, kn, vn, cache_seqlens=lens, **kw)
+    for step in range(3):
+        lens.add_(1)
+        q.copy_(randn(B, 1, H, D))
+        kn.copy_(randn(B, 1, Hk, D))
+        graph.replay()
+        want, want_lse = sparseflash.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, **kw)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+        assert torch.equal(graph_cache[0], kc) and torch.equal(graph_cache[1], vc), step
+
+
+_COMPILE_DECODE = r"""
+import sys
+import torch
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:
+    print(f"cannot compile for CUDA here: {e}")
+    sys.exit(3)
+from sparseflash.flash import decode
+
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+
+
+def typ(a):
+    if isinstance(a, torch.Tensor):
+        return "*" + TYPES[a.dtype]
+    return "i1" if isinstance(a, bool) else "i32" if isinstance(a, int) else "fp32"
+
+
+def compile_launch(launch, tensors):
+    fn = getattr(decode, launch.kernel)
+    args = dict(launch.args)
+    args.update((n, tensors[n]) for n in launch.names)
+    opts = dict(num_warps=args.pop("num_warps"), num_stages=args.pop("num_stages", 3))
+    sig, consts = {}, {}
+    for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
+        value = args.pop(name)
+        if p.is_constexpr or value is None:
+            sig[name] = "constexpr"
+            consts[(i,)] = value
+        else:
+            sig[name] = typ(value)
+    assert not args, args
+    ptx = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    print(launch.kernel, len(ptx.splitlines()), flush=True)
+
+
+B, Hk, D = 2, 2, 128
+i32 = lambda *s: torch.zeros(*s, dtype=torch.int32)
+kc = torch.zeros(B, 1024, Hk, D, dtype=torch.bfloat16)
+pages = torch.zeros(40, 64, Hk, D, dtype=torch.float16)
+table = i32(B, 16)
+blocks = (i32(B, Hk, 3), i32(B, Hk), 128)
+variants = [  # (q, cache, plan options)
+    (torch.zeros(B, 1, 8, D, dtype=torch.bfloat16), kc, dict(num_splits=3)),
+    (torch.zeros(B, 2, 8, D, dtype=torch.float16), pages.to(torch.float16), dict(
+        num_splits=1, block_table=table, seqlens=False, seq_add=1024, store_lse=False, window=(16, 0), softcap=5.0,
+        alibi=torch.zeros(8))),
+    (torch.zeros(B, 40, 8, D, dtype=torch.bfloat16), kc, dict(
+        num_splits=2, leftpad=True, batch_idx=True, blocks=blocks, seq_add=3, alibi=torch.zeros(B, 8))),
+]
+for q, cache, kw in variants:
+    kw = dict(dict(scale=0.1, window=(-1, -1), max_len=1024, rows=64), **kw)
+    p = decode.plan(q, cache, cache, **kw)
+    named = dict(Q=q, K=cache, V=cache, O_part=torch.zeros(1), LSE_part=torch.zeros(1), Out=q, LSE=torch.zeros(1),
+                 seqlens=i32(B), leftpad=i32(B), batch_idx=i32(B), block_table=table,
+                 alibi=kw.get("alibi"), blk_idx=blocks[0], blk_cnt=blocks[1])
+    for launch in p.launches():
+        compile_launch(launch, named)
+kn = torch.zeros(B, 3, Hk, D, dtype=torch.bfloat16)
+for cache, kw in ((kc, dict(batch_idx=True)), (pages.to(torch.bfloat16), dict(block_table=table))):
+    a = decode.append(kn, kn, cache, cache, **kw)
+    compile_launch(a.launch, dict(K_new=kn, V_new=kn, K=cache, V=cache, seqlens=i32(B), batch_idx=i32(B),
+                                  block_table=table))
+for kw in (dict(leftpad=True, batch_idx=True), dict(block_table=table, page=64, seqlens=False)):
+    c = decode.bounds_check(torch.device("cpu"), B, **dict(dict(seqlens=True, max_len=1024, n_rows=B, n_pages=40), **kw))
+    compile_launch(c.launch, dict(Ok=i32(1), seqlens=i32(B), leftpad=i32(B), batch_idx=i32(B), block_table=table))
+"""
+
+
+def test_decode_kernels_compile_for_sm90():
+    """The decode kernels' compiled path (the interpreter never compiles them) builds for sm_90 without a GPU, for
+    plans of each kind: splits and their combine, one split (lse not stored), a paged cache read whole, leftpad,
+    batch index, ALiBi, a window, softcap, block lists, chunked query blocks; the append into a cache by batch index
+    and into pages; the bounds check with every bound.
+    Triton's front end, its passes and the bundled ptxas, in a child process outside the interpreter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _COMPILE_DECODE], env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode == 3:
+        pytest.skip(r.stdout.strip())
+    assert r.returncode == 0, r.stderr[-4000:]
+    kernels = [line.split()[0] for line in r.stdout.splitlines()]
+    # 3 splits: split + combine; one split: split; 40 x 4 rows in chunks of 64: (split + combine) x 3; two checks
+    assert kernels == (["decode_split_kernel", "decode_combine_kernel", "decode_split_kernel"]
+                       + ["decode_split_kernel", "decode_combine_kernel"] * 3 + ["decode_append_kernel"] * 2
+                       + ["decode_bounds_kernel"] * 2), kernels

@@ -341,9 +341,22 @@ def test_gpu_calls_match_triton(route, monkeypatch):
             out = sparseflash.attention(qq, kk, vv, **kw)
             return (out, *torch.autograd.grad(out, (qq, kk, vv), do))
 
+    from sparseflash.flash import decode
+
+    def bound():  # decoding binds in its plans (decode.DecodePlan, BoundsCheck), the others by `call`
+        return len(binding.CALLS) + sum(len(launch.bound) for p in decode.PLANS.values() for launch in p.launches()) \
+            + sum(len(c.launch.bound) for c in decode.CHECKS.values())
+
+    def reset():
+        binding.CALLS.clear()
+        decode.PLANS.clear()
+        decode.CHECKS.clear()
+        sparseflash.kvcache.PLANS.clear()
+
     n_bound = []
-    want, got = _bound_against_triton(run, monkeypatch, binding.CALLS.clear,
-                                      after_bind=lambda: n_bound.append(len(binding.CALLS)))
-    assert n_bound[0] > 0 and len(binding.CALLS) == n_bound[0], "no bound launch, or the second call bound anew"
+    want, got = _bound_against_triton(run, monkeypatch, reset, after_bind=lambda: n_bound.append(bound()))
+    assert n_bound[0] > 0 and bound() == n_bound[0], "no bound launch, or the second call bound anew"
+    if route == "decode":
+        assert n_bound[0] == 3  # the bounds check, the split kernel and the combine
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), i

@@ -597,3 +597,29 @@ def test_hopper_bwd_fa4_cases_variants_and_table(capsys):
             dict(case="c", provider="cudnn", status="skipped: why")]
     t = compare.table(rows)
     assert "| c | ours | 1.000 | 3.000 | 4.000 | 0.500 | 0.750 |" in t and "skipped: why" in t
+
+
+def test_decode_host_times_the_decode_path_and_restores_it(tmp_path, capsys):
+    """decode_host/host_cpu.py times flash_attn_with_kvcache's host path with the decode kernels stubbed
+    (bound route, no host read; launches: bounds check, (append,) split, combine), and leaves the
+    modules it patched as it found them."""
+    from sparseflash.experiments.studies.decode_host import host_cpu
+    from sparseflash.flash import binding, decode
+
+    import sparseflash.kvcache
+
+    before = (decode.decode_split_kernel, decode.sm_count, decode.bound_launches, binding.current_device,
+              binding.raw_stream, decode.INTERPRETING, decode.PLANS, decode.CHECKS, decode.APPENDS,
+              sparseflash.kvcache.PLANS)
+    assert host_cpu.main(["--out", str(tmp_path), "--calls", "5", "--batches", "1", "--label", "t"]) == 0
+    rows = json.loads((tmp_path / "host_cpu_t.json").read_text())["rows"]
+    assert [(r["call"], r["batch"]) for r in rows] == [("read", 1), ("append", 1)]
+    for r in rows:
+        assert r["host_reads"] == 0 and r["host_us_p10"] > 0
+        assert r["launches"] == dict(decode_bounds_kernel=1, decode_split_kernel=1, decode_combine_kernel=1,
+                                     **({"decode_append_kernel": 1} if r["call"] == "append" else {}))
+    assert "host reads" in capsys.readouterr().out
+    after = (decode.decode_split_kernel, decode.sm_count, decode.bound_launches, binding.current_device,
+             binding.raw_stream, decode.INTERPRETING, decode.PLANS, decode.CHECKS, decode.APPENDS,
+             sparseflash.kvcache.PLANS)
+    assert all(a is b for a, b in zip(after, before))  # (the plans it made with the stand-ins dropped)

@@ -14,7 +14,11 @@ top-k selection gives). Providers:
 - ``sdpa``: ``scaled_dot_product_attention(enable_gqa=True)``, dense only.
 
 Time: GPU time per call from CUDA-graph replays (``do_bench_cudagraph`` median: no host cost; the
-cache is far larger than L2 from batch 4 / 16K on). Achieved bandwidth = bytes of cache the call must
+cache is far larger than L2 from batch 4 / 16K on), and ``eager_ms``, the wall time per call of calls
+issued back to back on the stream as a decode loop issues them (`timing.stream_ms`: host cost
+included; the larger of a call's host and GPU time). The table ends with ours beside SDPA's per dense
+point, eager and GPU time (the issue's eager goal: at most 1.2x SDPA's at B1 x 16K and B16 x 16K,
+``--full``). Achieved bandwidth = bytes of cache the call must
 read (K and V of the attended keys; the query and output are negligible) / time, and its percentage
 of the device-copy bandwidth measured in the same run (`copy_bandwidth`: an elementwise kernel over a
 1 GiB buffer, read + write bytes / time). ``max_err`` compares each output with a float32 computation of the same attention.
@@ -22,7 +26,7 @@ Also (``--deterministic-check``, on by default) fwd+bwd of `flash_attn_func` at 
 heads, causal, bf16, with and without ``deterministic=True``.
 
 Writes ``DIR/decode.csv`` (a row per provider x point), ``DIR/decode.json``, ``DIR/decode.png``,
-``DIR/deterministic.csv``; prints the table last. About 3-4 minutes on an H100 (most of it Flex's
+``DIR/deterministic.csv``; prints the table, then ours beside SDPA's per dense point. About 3-4 minutes on an H100 (most of it Flex's
 compilation per shape). ``--quick``: tiny sizes, for a CPU check of the script (interpreter).
 ``--full``: the issue's whole grid (batch 1/4/16/64 x cache 4K/16K/64K/256K; B64 x 256K, 64 GiB of
 cache, is over its 48 GB and skipped).
@@ -68,6 +72,16 @@ def _time_ms(fn, device) -> float:
     t0 = time.perf_counter()  # CPU (--quick): one call's wall time, a check of the script only
     fn()
     return (time.perf_counter() - t0) * 1e3
+
+
+def _eager_step_ms(fn, device) -> float:
+    """Wall ms per call of calls issued back to back (GPU: `timing.stream_ms`, 20 calls a sample, host
+    cost included); on a CPU one call's wall time."""
+    if device.type != "cuda":
+        return _time_ms(fn, device)
+    from sparseflash.experiments.bench.timing import stream_ms
+
+    return stream_ms(fn, 20)
 
 
 def _selection(B, Hk, nkb, density, gen, device):
@@ -143,13 +157,13 @@ def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_
             got = fn()
             err = (got.float() - want).abs().max().item()
             ms = _time_ms(fn, device)
-            rows.append(dict(provider=prov, status="ok", ms=ms, max_err=err))
+            rows.append(dict(provider=prov, status="ok", ms=ms, eager_ms=_eager_step_ms(fn, device), max_err=err))
             del fn
         except Exception as e:  # a provider that cannot run a point gives a row that says why
             if device.type == "cuda" and "out of memory" in str(e):
                 torch.cuda.empty_cache()
             rows.append(dict(provider=prov, status=f"error: {type(e).__name__}: {str(e)[:120]}", ms=float("nan"),
-                             max_err=float("nan")))
+                             eager_ms=float("nan"), max_err=float("nan")))
     for r in rows:
         r.update(batch=B, cache_len=N, heads=H, kv_heads=Hk, head_dim=D, dtype=str(dtype)[6:],
                  mode="sparse" if sparse else "dense", density=n_sel / nkb, bytes_read=bytes_read)
@@ -213,11 +227,35 @@ def plot(rows, copy_bw, path: Path) -> None:
 
 
 def table(rows) -> str:
-    head = f"{'mode':6} {'B':>3} {'cache':>7} {'provider':12} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'max_err':>8}  status"
+    head = (f"{'mode':6} {'B':>3} {'cache':>7} {'provider':12} {'ms':>8} {'eager ms':>8} {'GB/s':>7} {'%copy':>6} "
+            f"{'max_err':>8}  status")
     lines = [head]
     for r in rows:
         lines.append(f"{r['mode']:6} {r['batch']:>3} {r['cache_len']:>7} {r['provider']:12} {r['ms']:>8.4f} "
-                     f"{r['gb_per_s']:>7.0f} {r['pct_copy_bw']:>6.1f} {r['max_err']:>8.1e}  {r['status'][:40]}")
+                     f"{r['eager_ms']:>8.4f} {r['gb_per_s']:>7.0f} {r['pct_copy_bw']:>6.1f} {r['max_err']:>8.1e}  "
+                     f"{r['status'][:40]}")
+    return "\n".join(lines)
+
+
+EAGER_GOAL = 1.2  # the eager step's wall time, at most this many times SDPA's (B1 x 16K and B16 x 16K)
+
+
+def against_sdpa(rows) -> str:
+    """Per dense point measured for both: our eager step's wall time and GPU time beside SDPA's, as
+    ratios (ours / SDPA: under 1 is faster), the eager goal's points marked."""
+    ok = [r for r in rows if r["status"] == "ok" and r["mode"] == "dense"]
+    sdpa = {(r["batch"], r["cache_len"]): r for r in ok if r["provider"] == "sdpa"}
+    lines = [f"{'B':>3} {'cache':>7} {'eager ms':>9} {'SDPA':>8} {'x':>6} {'GPU ms':>8} {'SDPA':>8} {'x':>6}  "
+             f"(ours / SDPA; eager goal <= {EAGER_GOAL})"]
+    for r in ok:
+        s = sdpa.get((r["batch"], r["cache_len"]))
+        if r["provider"] != "sparseflash" or s is None:
+            continue
+        goal = (r["batch"], r["cache_len"]) in ((1, 16384), (16, 16384))
+        xe, xg = r["eager_ms"] / s["eager_ms"], r["ms"] / s["ms"]
+        mark = ("  goal " + ("met" if xe <= EAGER_GOAL else "missed")) if goal else ""
+        lines.append(f"{r['batch']:>3} {r['cache_len']:>7} {r['eager_ms']:>9.4f} {s['eager_ms']:>8.4f} {xe:>6.2f} "
+                     f"{r['ms']:>8.4f} {s['ms']:>8.4f} {xg:>6.2f}{mark}")
     return "\n".join(lines)
 
 
@@ -297,6 +335,7 @@ def main(argv=None) -> int:
             + f" (x{det[1]['slowdown']:.2f})")
     print(f"{env['device_name']}: device copy {copy_bw / 1e9:.0f} GB/s (read + write); {time.time() - t0:.0f} s")
     print(table(rows))
+    print(against_sdpa(rows))
     return 0
 
 

@@ -15,23 +15,34 @@ Differences from the textbook version:
 - Keys are addressed per key, so a paged cache (``block_table``: key ``p`` of batch row ``b`` is
   row ``p % page`` of page ``block_table[b, p // page]``) costs one extra index load per key and
   any page size works; ``batch_idx`` picks the cache row of each batch row.
-- Each batch row has its own key range ``[start, end)`` (``cache_leftpad``, the cache length after
-  the append); causal and window bounds are bottom-right relative to ``end`` (query ``t`` of
-  ``seq_q`` sits at position ``end - seq_q + t``). A split's range is cut from the keys this batch
-  row can reach, so a short row does not run empty tiles.
+- Each batch row has its own key range ``[start, end)`` (``cache_leftpad`` or 0; the cache length
+  after the append, or the whole cache); causal and window bounds are bottom-right relative to
+  ``end`` (query ``t`` of ``seq_q`` sits at position ``end - seq_q + t``). A split's range is cut
+  from the keys this batch row can reach, so a short row does not run empty tiles.
 - Block-sparse decoding: with ``blocks`` (sorted lists of cache blocks per ``(batch, kv head)`` and
   their counts) a split walks a share of the list instead of a key range; unlisted blocks are
   never read. Every query head of a GQA group shares its kv head's list.
 - Rows that attend nothing (a split with no keys, a row beyond every bound) keep a finite pivot:
   their output is 0 and their lse ``-inf``; the combine never computes ``-inf - (-inf)``.
 
+Host side: a `DecodePlan` per call shape (`plan`) holds the split count, every launch argument and
+the float32 partials (one set per stream); each launch goes through Triton once and through the
+compiled kernel's bound C launcher after. Each row's key end is ``seqlens[b] + seq_add`` (the new
+keys), computed in the kernel, so a call launches no index arithmetic of its own. `BoundsCheck`
+launches `decode_bounds_kernel`, one program that checks every row's lengths, leftpad, cache row and
+page ids and writes a verdict for ``torch._assert_async``: bad values fail on the device, with no host
+read. `Append` writes a call's new keys and values into the cache in one launch
+(`decode_append_kernel`).
+
 Forward only (flash-attn's decode has no backward). `sparseflash.kvcache` validates the inputs,
-applies rotary and appends new keys, and holds the plain-PyTorch reference of the same semantics.
+applies rotary, and holds the plain-PyTorch reference of the same semantics.
 """
 
 from __future__ import annotations
 
 import math
+from functools import reduce
+from operator import or_
 
 import torch
 import triton
@@ -45,27 +56,32 @@ INTERPRETING = _env.interpreting()
 
 
 @triton.jit
-def _decode_split_kernel(
-    Q, K, V, O_part, LSE_part, Out, LSE, seq_start, seq_end, batch_idx, block_table, alibi, blk_idx, blk_cnt,
+def decode_split_kernel(
+    Q, K, V, O_part, LSE_part, Out, LSE, seqlens, leftpad, batch_idx, block_table, alibi, blk_idx, blk_cnt,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_ob, stride_ot, stride_oh, stride_od, stride_lb, stride_lh, stride_lt,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_tb, stride_ab, stride_ib, stride_ih, stride_cb, stride_ch,
-    n_splits, q_back, scale, softcap, left, right,
+    n_splits, q_back, seq_add, scale, softcap, left, right,
     SQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TILES_PER_BLOCK: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, DOT_PREC: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     i_s = tl.program_id(0)
     i_b = tl.program_id(1)
     i_hk = tl.program_id(2)
     n_kv_heads = tl.num_programs(2)
     R: tl.constexpr = SQ * G
-    start = tl.load(seq_start + i_b)
-    end = tl.load(seq_end + i_b)
+    # this row's keys [start, end): end = seqlens[b] + seq_add (the new keys), or seq_add (the whole cache)
+    start = i_b * 0
+    if HAS_LEFTPAD:
+        start = tl.load(leftpad + i_b)
+    end = i_b * 0 + seq_add
+    if HAS_SEQLENS:
+        end = tl.load(seqlens + i_b) + seq_add
     diag = end - SQ - q_back  # query t sits at key position t + diag (q_back: later queries of other launches)
 
     o_m = tl.arange(0, BLOCK_M)
@@ -159,7 +175,8 @@ def _decode_split_kernel(
         p_o = Out + i_b.to(tl.int64) * stride_ob + o_t[:, None].to(tl.int64) * stride_ot \
             + o_h[:, None].to(tl.int64) * stride_oh + o_d[None, :] * stride_od
         tl.store(p_o, b_o.to(Out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
-        tl.store(LSE + i_b.to(tl.int64) * stride_lb + o_h * stride_lh + o_t * stride_lt, b_lse, mask=m_m)
+        if STORE_LSE:
+            tl.store(LSE + i_b.to(tl.int64) * stride_lb + o_h * stride_lh + o_t * stride_lt, b_lse, mask=m_m)
     else:
         # partials [B, Hk, S, R, D] and [B, Hk, S, R]
         base = ((i_b * n_kv_heads + i_hk) * n_splits + i_s).to(tl.int64) * R
@@ -168,10 +185,11 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_combine_kernel(
+def decode_combine_kernel(
     O_part, LSE_part, Out, LSE, n_splits, n_kv_heads,
     stride_ob, stride_ot, stride_oh, stride_od, stride_lb, stride_lh, stride_lt,
     SQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     i_r = tl.program_id(0)  # a row of the partials: (batch, kv head, row)
     i_bh = tl.program_id(1)  # batch * kv heads
@@ -195,7 +213,83 @@ def _decode_combine_kernel(
     h = i_hk * G + i_r % G
     tl.store(Out + i_b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + o_d * stride_od,
              out.to(Out.dtype.element_ty), mask=m_d)
-    tl.store(LSE + i_b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_lt, lse)
+    if STORE_LSE:
+        tl.store(LSE + i_b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_lt, lse)
+
+
+@triton.jit
+def decode_bounds_kernel(
+    Ok, seqlens, leftpad, batch_idx, block_table, n_batch, seq_add, seq_max, n_rows, n_pages, n_table, stride_tb,
+    HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """``Ok[0] = 1`` when every batch row's bounds hold, else 0 (one program): ``0 <= seqlens[b] <=
+    seq_max``; ``0 <= leftpad[b] <= seqlens[b] + seq_add``; ``0 <= batch_idx[b] < n_rows``; the page
+    ids ``block_table[b, :ceil((seqlens[b] + seq_add) / PAGE)]`` in ``[0, n_pages)``."""
+    b_bad = tl.zeros([BLOCK_B], tl.int32)
+    for b0 in range(0, n_batch, BLOCK_B):
+        o_b = b0 + tl.arange(0, BLOCK_B)
+        m_b = o_b < n_batch
+        if HAS_SEQLENS:
+            b_s = tl.load(seqlens + o_b, mask=m_b, other=0)
+        else:
+            b_s = tl.zeros([BLOCK_B], tl.int32)
+        b_ok = (b_s >= 0) & (b_s <= seq_max)
+        b_end = tl.where(b_ok, b_s, 0) + seq_add  # (no overflow from a bad length)
+        if HAS_LEFTPAD:
+            b_lp = tl.load(leftpad + o_b, mask=m_b, other=0)
+            b_ok = b_ok & (b_lp >= 0) & (b_lp <= b_end)
+        if HAS_BATCH_IDX:
+            b_r = tl.load(batch_idx + o_b, mask=m_b, other=0)
+            b_ok = b_ok & (b_r >= 0) & (b_r < n_rows)
+        if PAGED:
+            b_need = (b_end + PAGE - 1) // PAGE  # pages in use
+            for t0 in range(0, n_table, BLOCK_T):
+                o_t = t0 + tl.arange(0, BLOCK_T)
+                m_t = m_b[:, None] & (o_t[None, :] < b_need[:, None]) & (o_t[None, :] < n_table)
+                p_t = block_table + o_b[:, None].to(tl.int64) * stride_tb + o_t[None, :]
+                b_pg = tl.load(p_t, mask=m_t, other=0)  # [BLOCK_B, BLOCK_T]
+                b_out = ((b_pg < 0) | (b_pg >= n_pages)).to(tl.int32)
+                b_ok = b_ok & (tl.sum(b_out, 1) == 0)
+        b_bad += (m_b & ~b_ok).to(tl.int32)
+    tl.store(Ok, (tl.sum(b_bad, 0) == 0).to(tl.int32))
+
+
+@triton.jit
+def decode_append_kernel(
+    K_new, V_new, K, V, seqlens, batch_idx, block_table,
+    stride_nb, stride_nt, stride_nh, stride_nd, stride_wb, stride_wt, stride_wh, stride_wd,
+    stride_kb, stride_kn, stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd, stride_tb,
+    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
+):
+    """New key and value ``t`` of batch row ``b`` (program ``(t, b)``) written into the cache at position
+    ``seqlens[b] + t``: of cache row ``batch_idx[b]`` (or ``b``), or row ``pos % PAGE`` of page
+    ``block_table[b, pos // PAGE]``. (The bounds are checked before: `decode_bounds_kernel`.)"""
+    i_t = tl.program_id(0)
+    i_b = tl.program_id(1)
+    pos = (tl.load(seqlens + i_b) + i_t).to(tl.int64)
+    if PAGED:
+        page = tl.load(block_table + i_b.to(tl.int64) * stride_tb + pos // PAGE).to(tl.int64)
+        row_k = page * stride_kb + (pos % PAGE) * stride_kn
+        row_v = page * stride_vb + (pos % PAGE) * stride_vn
+    else:
+        if HAS_BATCH_IDX:
+            cache_row = tl.load(batch_idx + i_b).to(tl.int64)
+        else:
+            cache_row = i_b.to(tl.int64)
+        row_k = cache_row * stride_kb + pos * stride_kn
+        row_v = cache_row * stride_vb + pos * stride_vn
+    o_h = tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    m_hd = (o_h[:, None] < N_HEADS) & (o_d[None, :] < HEAD_DIM)
+    i_bt = i_b.to(tl.int64)
+    b_k = tl.load(K_new + i_bt * stride_nb + i_t * stride_nt + o_h[:, None] * stride_nh + o_d[None, :] * stride_nd,
+                  mask=m_hd)  # [BLOCK_H, BLOCK_D]
+    tl.store(K + row_k + o_h[:, None] * stride_kh + o_d[None, :] * stride_kd, b_k, mask=m_hd)
+    b_v = tl.load(V_new + i_bt * stride_wb + i_t * stride_wt + o_h[:, None] * stride_wh + o_d[None, :] * stride_wd,
+                  mask=m_hd)
+    tl.store(V + row_v + o_h[:, None] * stride_vh + o_d[None, :] * stride_vd, b_v, mask=m_hd)
 
 
 # Launch settings of the split kernel, overridable by a study (experiments/studies/decode_splits): keys
@@ -232,86 +326,349 @@ def decode_block_n(block_size: int | None, block_d: int = 128) -> int:
     raise ValueError(f"mask: the cache block size must be a multiple of 16 for the decode kernel, got {block_size}")
 
 
-def decode_attention(q, k_cache, v_cache, seq_start, seq_end, *, scale: float, window: tuple[int, int],
-                     softcap: float | None = None, alibi: torch.Tensor | None = None,
-                     batch_idx: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                     blocks: tuple[torch.Tensor, torch.Tensor, int] | None = None, num_splits: int = 0,
-                     max_len: int | None = None, q_back: int = 0):
-    """Launch the split-KV kernel and the combine (module docstring).
+# ----------------------------------------------------------------------------- plans
+# A decode call is short (tens of µs on the GPU at batch 1), so its host cost sets an eager decode
+# loop's pace. Everything a launch derives from shapes, strides, dtypes and flags (tiles, the split
+# count, every scalar and constexpr, the grid) is a `DecodePlan` built once per key (`plan`); a call
+# then allocates its outputs, takes its workspace and launches. Each launch goes through Triton once,
+# then straight through the compiled kernel's C launcher (`binding.bind`; as `launch.run` does for the
+# attention kernels' plans), keyed by the only things Triton specialises on that the plan key does
+# not fix: the device and each tensor's 16-byte alignment.
+
+PLANS: dict = {}
+_PLANS_MAX = 256
+
+# the split kernel's tensor parameters, in the order `DecodePlan.__call__` passes them
+_SPLIT_TENSORS = ("Q", "K", "V", "O_part", "LSE_part", "Out", "LSE", "seqlens", "leftpad", "batch_idx",
+                  "block_table", "alibi", "blk_idx", "blk_cnt")
+
+
+def bound_launches(device: torch.device) -> bool:
+    """Whether plans on ``device`` may launch through bound C launchers (CUDA, not the interpreter;
+    `binding.FAST_LAUNCH` and idle launch hooks are asked per call). Tools that time the host path
+    on a CPU, with the kernels stubbed, replace this function."""
+    return device.type == "cuda" and not INTERPRETING
+
+
+class _Launch:
+    """One kernel launch of a plan: ``args`` every other argument by parameter name, ``names`` the
+    parameters a call fills with its tensors (in the order it passes them); launched by the kernel's
+    name in this module (a tool may swap the kernel). The first launch per (device, tensor alignment)
+    goes through Triton; with a stream given, the later ones through the bound launcher."""
+
+    __slots__ = ("kernel", "grid", "names", "args", "bound")
+
+    def __init__(self, kernel: str, grid: tuple, names: tuple, args: dict):
+        self.kernel, self.grid, self.names, self.args = kernel, tuple(grid) + (1,) * (3 - len(grid)), names, args
+        self.bound = {}
+
+    def __call__(self, stream, device_index, tensors) -> None:
+        if stream is not None:
+            ptrs = [t.data_ptr() for t in tensors]
+            # (every address 16-byte aligned, the usual case, is one key; else one per alignment pattern)
+            key = (device_index, True) if not reduce(or_, ptrs) & 15 else (device_index, *[p & 15 == 0 for p in ptrs])
+            bound = self.bound.get(key)
+            if bound is not None:
+                run_c, function, meta, values, at = bound
+                values = list(values)
+                for i, j in at:
+                    values[i] = ptrs[j]
+                g = self.grid
+                run_c(g[0], g[1], g[2], stream, function, meta, None, None, None, *values)
+                return
+        args = dict(self.args)
+        args.update(zip(self.names, tensors))
+        kernel = globals()[self.kernel]
+        compiled = kernel[self.grid](**args)
+        if stream is not None:
+            try:
+                made = binding.bind(kernel, compiled, args)
+            except Exception:  # an unexpected Triton: keep its own launch path
+                made = None
+            if made is not None:
+                run_c, function, meta, values, slots = made
+                self.bound[key] = (run_c, function, meta, values, tuple((i, self.names.index(n)) for i, n in slots))
+
+
+def _route(cuda: bool, bindable: bool):
+    """(stream, device index) of a call: the current stream, which keys the workspace (None off CUDA),
+    and the device index, None unless the call launches bound (then on that stream)."""
+    if not (cuda or bindable):
+        return None, None
+    index = binding.current_device()
+    stream = binding.raw_stream(index)
+    if not (bindable and binding.FAST_LAUNCH and binding.hooks_idle()):
+        return (stream if cuda else None), None
+    return stream, index
+
+
+def _workspace(store: dict, cuda: bool, stream, make):
+    """A call's scratch buffers from ``store``, one set per stream (calls on one stream run in order);
+    inside a CUDA-graph capture a new set that the graph owns."""
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return make()
+    w = store.get(stream)
+    if w is None:
+        w = store[stream] = make()
+    return w
+
+
+class DecodePlan:
+    """The launches of one decode call shape (`plan`): the split count ``splits``, the query chunks of
+    at most ``rows`` rows (tokens x GQA group) each with its split launch and, with more than one
+    split, its combine launch (one split stores the answer itself: no combine), and the float32
+    partials, made once per stream."""
+
+    def __init__(self, q, k_cache, v_cache, *, scale, window, softcap, alibi, batch_idx, block_table, blocks, seqlens,
+                 leftpad, seq_add, num_splits, max_len, rows, store_lse):
+        B, SQ, H, D = q.shape
+        Hk = k_cache.shape[2]
+        G = H // Hk
+        self.shape, self.dtype, self.device, self.store_lse = (B, SQ, H, D), q.dtype, q.device, store_lse
+        self.cuda, self.bindable = q.device.type == "cuda", bound_launches(q.device)
+        step = max(1, rows // G)
+        BLOCK_D = max(16, next_pow2(D))
+        mask_block = blocks[2] if blocks is not None else None
+        BLOCK_N = decode_block_n(mask_block, BLOCK_D)
+        if OVERRIDES and mask_block is None:
+            BLOCK_N = OVERRIDES.get("block_n", BLOCK_N)
+        paged = block_table is not None
+        if blocks is not None:
+            n_units = blocks[0].shape[-1] * (mask_block // BLOCK_N)
+        else:
+            n_units = math.ceil(max_len / BLOCK_N)
+        S = self.splits = num_splits if num_splits > 0 else pick_splits(B, Hk, n_units, q.device)
+        direct = S == 1
+        left, right = window
+        prec = "upcast" if q.dtype == torch.float32 or INTERPRETING else "native"  # (interpreter: bf16 dot is wrong)
+        # Pipeline depth: a dense cache read in one split per (batch, kv head) (many programs, e.g. batch 64
+        # x 8 kv heads) ran faster two stages deep than three: 0.241 against 0.282 ms at B64 x 4K and 0.943
+        # against 1.142 at B64 x 16K (H200, bf16, d 128, one query token, GQA 32/8;
+        # experiments/studies/decode_splits). Split launches keep three (best there at B1 x 256K, where two is
+        # 17% slower); block-sparse reads keep the three they were measured with. Not measured: the other
+        # one-split cases this rule also covers (paged caches, several query tokens, d 256, short caches).
+        stages = OVERRIDES.get("num_stages", 2 if direct and blocks is None else 3)
+        present = dict(O_part=not direct, LSE_part=not direct, LSE=store_lse, seqlens=seqlens, leftpad=leftpad,
+                       batch_idx=batch_idx, block_table=paged, alibi=alibi is not None, blk_idx=blocks is not None,
+                       blk_cnt=blocks is not None)
+        self.take = tuple(i for i, n in enumerate(_SPLIT_TENSORS) if present.get(n, True))
+        names = tuple(_SPLIT_TENSORS[i] for i in self.take)
+        out_strides = (SQ * H * D, H * D, D, 1)  # out [B, SQ, H, D] and lse [B, H, SQ], made contiguous
+        lse_strides = (H * SQ, SQ, 1)
+        idx, cnt = (blocks[0], blocks[1]) if blocks is not None else (None, None)
+        self.chunks = []
+        for t0 in range(0, SQ, step):
+            t1 = min(SQ, t0 + step)
+            sq, R = t1 - t0, (t1 - t0) * G
+            BLOCK_M = max(16, next_pow2(R))
+            consts = {n: None for n in _SPLIT_TENSORS if n not in names}
+            consts.update(zip(
+                ("stride_qb", "stride_qt", "stride_qh", "stride_qd"), q.stride()))
+            consts.update(zip(("stride_ob", "stride_ot", "stride_oh", "stride_od", "stride_lb", "stride_lh",
+                               "stride_lt"), out_strides + lse_strides))
+            consts.update(zip(("stride_kb", "stride_kn", "stride_kh", "stride_kd"), k_cache.stride()))
+            consts.update(zip(("stride_vb", "stride_vn", "stride_vh", "stride_vd"), v_cache.stride()))
+            consts.update(
+                stride_tb=block_table.stride(0) if paged else 0,
+                stride_ab=(alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
+                stride_ib=idx.stride(0) if idx is not None else 0, stride_ih=idx.stride(1) if idx is not None else 0,
+                stride_cb=cnt.stride(0) if cnt is not None else 0, stride_ch=cnt.stride(1) if cnt is not None else 0,
+                n_splits=S, q_back=SQ - t1, seq_add=int(seq_add), scale=float(scale), softcap=float(softcap or 1.0),
+                left=int(left), right=int(right), SQ=sq, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N, PAGE=k_cache.shape[1] if paged else 1,
+                TILES_PER_BLOCK=(mask_block // BLOCK_N) if blocks is not None else 1,
+                HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap is not None,
+                HAS_ALIBI=alibi is not None, HAS_BATCH_IDX=batch_idx, PAGED=paged, SPARSE=blocks is not None,
+                DOT_PREC=prec, DIRECT=direct, HAS_SEQLENS=seqlens, HAS_LEFTPAD=leftpad, STORE_LSE=store_lse,
+                num_warps=OVERRIDES.get("num_warps", 4), num_stages=stages)
+            split = _Launch("decode_split_kernel", (S, B, Hk), names, consts)
+            combine = None
+            if not direct:
+                combine = _Launch("decode_combine_kernel", (R, B * Hk),
+                                  ("O_part", "LSE_part", "Out") + (("LSE",) if store_lse else ()),
+                                  dict(LSE=None, n_splits=S, n_kv_heads=Hk, **dict(zip(
+                                      ("stride_ob", "stride_ot", "stride_oh", "stride_od", "stride_lb", "stride_lh",
+                                       "stride_lt"), out_strides + lse_strides)),
+                                       SQ=sq, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, next_pow2(S)),
+                                       STORE_LSE=store_lse, num_warps=4))
+            self.chunks.append((t0, t1, split, combine))
+        self.n_part = 0 if direct else B * Hk * S * step * G * D  # partials [B, Hk, S, R, D], then [B, Hk, S, R]
+        self.n_lse_part = 0 if direct else B * Hk * S * step * G
+        self.work = {}
+
+    def _partials(self):
+        buf = torch.empty(self.n_part + self.n_lse_part, device=self.device, dtype=torch.float32)
+        return buf[:self.n_part], buf[self.n_part:]
+
+    def launches(self) -> list:
+        """The plan's launches (their ``bound`` launchers, per alignment, once bound)."""
+        return [launch for _, _, split, combine in self.chunks for launch in (split, combine) if launch is not None]
+
+    def route(self) -> tuple:
+        """This call's (stream, device index) (`_route`), for the launches of the call that share it."""
+        return _route(self.cuda, self.bindable)
+
+    def __call__(self, q, k_cache, v_cache, seqlens=None, leftpad=None, batch_idx=None, block_table=None, alibi=None,
+                 blocks=None, route=None):
+        """``(out [batch, seq_q, nheads, headdim] in q's dtype, lse float32 [batch, nheads, seq_q] or None
+        without ``store_lse``)`` of one call; the tensors as the plan was made for (`plan`)."""
+        B, SQ, H, D = self.shape
+        out = torch.empty(B, SQ, H, D, device=self.device, dtype=self.dtype)
+        lse = torch.empty(B, H, SQ, device=self.device, dtype=torch.float32) if self.store_lse else None
+        stream, index = route or _route(self.cuda, self.bindable)
+        o_part = lse_part = None
+        if self.n_part:
+            o_part, lse_part = _workspace(self.work, self.cuda, stream, self._partials)
+        idx, cnt = (blocks[0], blocks[1]) if blocks is not None else (None, None)
+        launch_on = stream if index is not None else None
+        one = len(self.chunks) == 1
+        for t0, t1, split, combine in self.chunks:
+            qc, oc, lc = (q, out, lse) if one else (q[:, t0:t1], out[:, t0:t1], None if lse is None else lse[:, :, t0:t1])
+            every = (qc, k_cache, v_cache, o_part, lse_part, oc, lc, seqlens, leftpad, batch_idx, block_table, alibi,
+                     idx, cnt)
+            split(launch_on, index, [every[i] for i in self.take])
+            if combine is not None:
+                combine(launch_on, index, (o_part, lse_part, oc) if lc is None else (o_part, lse_part, oc, lc))
+        return out, lse
+
+
+def plan(q, k_cache, v_cache, *, scale: float, window: tuple[int, int], softcap: float | None = None,
+         alibi: torch.Tensor | None = None, batch_idx: bool = False, block_table: torch.Tensor | None = None,
+         blocks: tuple[torch.Tensor, torch.Tensor, int] | None = None, seqlens: bool = True, leftpad: bool = False,
+         seq_add: int = 0, num_splits: int = 0, max_len: int | None = None, rows: int = 64,
+         store_lse: bool = True) -> DecodePlan:
+    """The `DecodePlan` of a call (made once per key, then shared).
 
     Args:
-        q: ``[batch, seq_q, nheads, headdim]`` (any strides), ``seq_q * nheads / nheads_k <= 128``.
+        q: ``[batch, seq_q, nheads, headdim]`` (any strides).
         k_cache, v_cache: ``[batch_cache, seqlen_cache, nheads_k, headdim]`` or pages
             ``[num_pages, page, nheads_k, headdim]`` with ``block_table``.
-        seq_start, seq_end: int32 ``[batch]``: batch row ``b`` attends keys ``[start, end)``.
         window: ``(left, right)``, -1 unbounded (flash-attn's causal is ``right = 0``).
-        alibi: float32 ``[batch, nheads]`` (a per-head ``[nheads]`` expanded by the caller).
+        alibi: float32 ``[nheads]`` or ``[batch, nheads]``.
+        batch_idx, seqlens, leftpad: whether the call passes those int32 ``[batch]`` tensors: batch row
+            ``b`` reads cache row ``batch_idx[b]`` and attends keys ``[leftpad[b], seqlens[b] + seq_add)``
+            (without seqlens: ``[leftpad[b], seq_add)``; without leftpad from 0).
         blocks: ``(indices [batch, nheads_k, n_sel] int32 sorted, counts [batch, nheads_k], block_size)``.
-        max_len: an upper bound of ``seq_end`` (the cache's capacity), for the split count.
-        q_back: these queries are followed by ``q_back`` more (a chunk of a longer query block):
-            query ``t`` sits at key position ``end - seq_q - q_back + t``.
-
-    Returns:
-        ``(out [batch, seq_q, nheads, headdim] in q's dtype, lse float32 [batch, nheads, seq_q])``,
-        ``-inf`` lse and 0 output for rows that attend nothing.
+        max_len: an upper bound of the rows' key ends (the cache's capacity), for the split count.
+        rows: query rows (tokens x GQA group) per launch; longer query blocks run in chunks.
+        store_lse: whether the call wants the lse.
     """
-    B, SQ, H, D = q.shape
-    Hk = k_cache.shape[2]
-    G = H // Hk
-    R = SQ * G
-    BLOCK_M = max(16, next_pow2(R))
-    BLOCK_D = max(16, next_pow2(D))
-    mask_block = blocks[2] if blocks is not None else None
-    BLOCK_N = decode_block_n(mask_block, BLOCK_D)
-    if OVERRIDES and mask_block is None:
-        BLOCK_N = OVERRIDES.get("block_n", BLOCK_N)
     paged = block_table is not None
     cap = max_len if max_len is not None else (block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1])
-    if blocks is not None:
-        n_units = blocks[0].shape[-1] * (mask_block // BLOCK_N)
-    else:
-        n_units = math.ceil(cap / BLOCK_N)
-    S = num_splits if num_splits > 0 else pick_splits(B, Hk, n_units, q.device)
-    direct = S == 1
-    # Pipeline depth: a dense cache read in one split per (batch, kv head) (many programs, e.g. batch 64
-    # x 8 kv heads) ran faster two stages deep than three: 0.241 against 0.282 ms at B64 x 4K and 0.943
-    # against 1.142 at B64 x 16K (H200, bf16, d 128, one query token, GQA 32/8;
-    # experiments/studies/decode_splits). Split launches keep three (best there at B1 x 256K, where two is
-    # 17% slower); block-sparse reads keep the three they were measured with. Not measured: the other
-    # one-split cases this rule also covers (paged caches, several query tokens, d 256, short caches).
-    o_part = torch.empty(0 if direct else B * Hk * S * R * D, device=q.device, dtype=torch.float32)
-    lse_part = torch.empty(0 if direct else B * Hk * S * R, device=q.device, dtype=torch.float32)
-    out = torch.empty(B, SQ, H, D, device=q.device, dtype=q.dtype)
-    lse = torch.empty(B, H, SQ, device=q.device, dtype=torch.float32)
-    left, right = window
-    dummy = seq_end
-    if alibi is not None:
-        alibi = alibi.to(torch.float32)
-    if q.dtype == torch.float32 or INTERPRETING:
-        prec = "upcast"  # fp32 products (the interpreter's bf16 dot is wrong; fp32 inputs stay exact)
-    else:
-        prec = "native"
-    idx, cnt = (blocks[0], blocks[1]) if blocks is not None else (dummy, dummy)
-    binding.call(
-        _decode_split_kernel, (S, B, Hk), q, k_cache, v_cache, o_part, lse_part, out, lse, seq_start, seq_end,
-        batch_idx if batch_idx is not None else dummy, block_table if paged else dummy,
-        alibi if alibi is not None else dummy, idx, cnt,
-        *q.stride(), *out.stride(), *lse.stride(), *k_cache.stride(), *v_cache.stride(),
-        block_table.stride(0) if paged else 0, alibi.stride(0) if alibi is not None else 0,
-        idx.stride(0) if blocks is not None else 0, idx.stride(1) if blocks is not None else 0,
-        cnt.stride(0) if blocks is not None else 0, cnt.stride(1) if blocks is not None else 0,
-        S, q_back, float(scale), float(softcap or 1.0), int(left), int(right),
-        SQ=SQ, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        PAGE=k_cache.shape[1] if paged else 1, TILES_PER_BLOCK=(mask_block // BLOCK_N) if blocks is not None else 1,
-        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap is not None,
-        HAS_ALIBI=alibi is not None, HAS_BATCH_IDX=batch_idx is not None, PAGED=paged, SPARSE=blocks is not None,
-        DOT_PREC=prec, DIRECT=direct, num_warps=OVERRIDES.get("num_warps", 4),
-        num_stages=OVERRIDES.get("num_stages", 2 if direct and blocks is None else 3),
-    )
-    if direct:
-        return out, lse
-    binding.call(
-        _decode_combine_kernel, (R, B * Hk), o_part, lse_part, out, lse, S, Hk, *out.stride(), *lse.stride(),
-        SQ=SQ, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, next_pow2(S)), num_warps=4,
-    )
-    return out, lse
+    key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), v_cache.stride(), float(scale),
+           tuple(window), softcap, None if alibi is None else (alibi.shape, alibi.stride()), batch_idx,
+           None if block_table is None else (block_table.shape, block_table.stride()),
+           None if blocks is None else (blocks[0].shape, blocks[0].stride(), blocks[1].stride(), blocks[2]),
+           seqlens, leftpad, seq_add, num_splits, cap, rows, store_lse, tuple(sorted(OVERRIDES.items())))
+    p = PLANS.get(key)
+    if p is None:
+        if len(PLANS) >= _PLANS_MAX:
+            PLANS.clear()  # a decoder calls with a few shapes; this bounds a sweep over many
+        p = PLANS[key] = DecodePlan(q, k_cache, v_cache, scale=scale, window=window, softcap=softcap, alibi=alibi,
+                                    batch_idx=batch_idx, block_table=block_table, blocks=blocks, seqlens=seqlens,
+                                    leftpad=leftpad, seq_add=seq_add, num_splits=num_splits, max_len=cap, rows=rows,
+                                    store_lse=store_lse)
+    return p
+
+
+class BoundsCheck:
+    """The bounds of one call shape, checked on the device (`bounds_check`): a call launches
+    `decode_bounds_kernel` and returns its verdict, int32 ``[1]`` (1: every bound holds), for
+    ``torch._assert_async``: no host read."""
+
+    def __init__(self, device, batch: int, *, seqlens: bool, leftpad: bool, batch_idx: bool,
+                 block_table: torch.Tensor | None, seq_add: int, max_len: int, n_rows: int, n_pages: int, page: int):
+        self.device, self.cuda, self.bindable = device, device.type == "cuda", bound_launches(device)
+        paged = block_table is not None
+        n_table = block_table.shape[1] if paged else 0
+        BLOCK_B = max(16, min(next_pow2(batch), 256))
+        names = ("Ok",) + tuple(n for n, on in (("seqlens", seqlens), ("leftpad", leftpad), ("batch_idx", batch_idx),
+                                                ("block_table", paged)) if on)
+        args = dict(seqlens=None, leftpad=None, batch_idx=None, block_table=None, n_batch=batch, seq_add=int(seq_add),
+                    seq_max=int(max_len - seq_add), n_rows=n_rows, n_pages=n_pages, n_table=n_table,
+                    stride_tb=block_table.stride(0) if paged else 0, HAS_SEQLENS=seqlens, HAS_LEFTPAD=leftpad,
+                    HAS_BATCH_IDX=batch_idx, PAGED=paged, PAGE=page, BLOCK_B=BLOCK_B,
+                    BLOCK_T=max(16, min(next_pow2(n_table), 4096 // BLOCK_B)), num_warps=4)
+        self.launch = _Launch("decode_bounds_kernel", (1,), names, args)
+        self.take = tuple(i for i, on in enumerate((seqlens, leftpad, batch_idx, paged)) if on)
+        self.work = {}
+
+    def _flag(self):
+        return torch.empty(1, device=self.device, dtype=torch.int32)
+
+    def __call__(self, seqlens=None, leftpad=None, batch_idx=None, block_table=None, route=None) -> torch.Tensor:
+        stream, index = route or _route(self.cuda, self.bindable)
+        ok = _workspace(self.work, self.cuda, stream, self._flag)
+        given = (seqlens, leftpad, batch_idx, block_table)
+        self.launch(stream if index is not None else None, index, [ok] + [given[i] for i in self.take])
+        return ok
+
+
+CHECKS: dict = {}
+
+
+def bounds_check(device, batch: int, *, seqlens: bool, leftpad: bool = False, batch_idx: bool = False,
+                 block_table: torch.Tensor | None = None, seq_add: int = 0, max_len: int, n_rows: int = 0,
+                 n_pages: int = 0, page: int = 1) -> BoundsCheck:
+    """The `BoundsCheck` of a call (made once per key): every batch row ``b`` must have ``0 <=
+    seqlens[b] <= max_len - seq_add`` (with seqlens), ``0 <= leftpad[b] <= seqlens[b] + seq_add``,
+    ``0 <= batch_idx[b] < n_rows``, and page ids in ``[0, n_pages)`` in ``block_table[b]`` for its
+    ``ceil((seqlens[b] + seq_add) / page)`` pages."""
+    key = (device, batch, seqlens, leftpad, batch_idx,
+           None if block_table is None else (block_table.shape, block_table.stride()), seq_add, max_len, n_rows,
+           n_pages, page)
+    c = CHECKS.get(key)
+    if c is None:
+        if len(CHECKS) >= _PLANS_MAX:
+            CHECKS.clear()
+        c = CHECKS[key] = BoundsCheck(device, batch, seqlens=seqlens, leftpad=leftpad, batch_idx=batch_idx,
+                                      block_table=block_table, seq_add=seq_add, max_len=max_len, n_rows=n_rows,
+                                      n_pages=n_pages, page=page)
+    return c
+
+
+APPENDS: dict = {}
+
+
+class Append:
+    """The in-place append of one call shape (`append`): a call writes its new keys and values into
+    the cache in one launch of `decode_append_kernel` (no index arithmetic launched on the host)."""
+
+    def __init__(self, k_new, v_new, k_cache, v_cache, *, batch_idx: bool, block_table: torch.Tensor | None):
+        B, SN, Hk, D = k_new.shape
+        self.cuda, self.bindable = k_new.device.type == "cuda", bound_launches(k_new.device)
+        paged = block_table is not None
+        names = ("K_new", "V_new", "K", "V", "seqlens") + (("batch_idx",) if batch_idx else ()) \
+            + (("block_table",) if paged else ())
+        args = dict(batch_idx=None, block_table=None, stride_tb=block_table.stride(0) if paged else 0,
+                    N_HEADS=Hk, HEAD_DIM=D, BLOCK_H=next_pow2(Hk), BLOCK_D=max(16, next_pow2(D)),
+                    PAGE=k_cache.shape[1] if paged else 1, HAS_BATCH_IDX=batch_idx, PAGED=paged, num_warps=4)
+        for prefix, t in (("n", k_new), ("w", v_new), ("k", k_cache), ("v", v_cache)):
+            dims = "btd" if prefix in "nw" else "bnd"
+            args.update({f"stride_{prefix}{dims[0]}": t.stride(0), f"stride_{prefix}{dims[1]}": t.stride(1),
+                         f"stride_{prefix}h": t.stride(2), f"stride_{prefix}d": t.stride(3)})
+        self.launch = _Launch("decode_append_kernel", (SN, B), names, args)
+
+    def __call__(self, k_new, v_new, k_cache, v_cache, seqlens, batch_idx=None, block_table=None, route=None) -> None:
+        stream, index = route or _route(self.cuda, self.bindable)
+        ts = [k_new, v_new, k_cache, v_cache, seqlens]
+        if batch_idx is not None:
+            ts.append(batch_idx)
+        if block_table is not None:
+            ts.append(block_table)
+        self.launch(stream if index is not None else None, index, ts)
+
+
+def append(k_new, v_new, k_cache, v_cache, *, batch_idx: bool = False,
+           block_table: torch.Tensor | None = None) -> Append:
+    """The `Append` of a call (made once per key): new keys and values ``[batch, seqlen_new, nheads_k,
+    headdim]`` into ``k_cache``, ``v_cache`` at ``seqlens[b] + t`` (`decode_append_kernel`)."""
+    key = ("append", k_new.shape, k_new.stride(), v_new.stride(), k_new.dtype, k_new.device, k_cache.shape,
+           k_cache.stride(), v_cache.stride(), batch_idx,
+           None if block_table is None else (block_table.shape, block_table.stride()))
+    a = APPENDS.get(key)
+    if a is None:
+        if len(APPENDS) >= _PLANS_MAX:
+            APPENDS.clear()
+        a = APPENDS[key] = Append(k_new, v_new, k_cache, v_cache, batch_idx=batch_idx, block_table=block_table)
+    return a
