@@ -133,6 +133,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: tor
     return torch.cat((rot.to(x.dtype), x[..., r:]), dim=-1)
 
 
+_ASSERT_MAX = 254  # characters of a message torch._assert_async takes on CUDA
+
+
+def _assert_message(what: str, hint: str) -> str:
+    """``what`` then ``hint``, cut (what first) to fit a device-side assert's message."""
+    room = _ASSERT_MAX - len(hint)
+    return (what if len(what) <= room else what[: room - 3] + "...") + hint
+
+
 class CacheBoundsError(ValueError, RuntimeError):
     """cache_seqlens (+ the new keys) past the cache or the block table: a ValueError, as every bad
     argument here, and the RuntimeError flash-attn raises for it."""
@@ -345,13 +354,14 @@ class CallPlan:
                 dev, B, seqlens=lens is not None, leftpad=cache_leftpad is not None,
                 batch_idx=cache_batch_idx is not None, block_table=table, seq_add=SN if lens else cap,
                 max_len=cap, n_rows=k_cache.shape[0], n_pages=k_cache.shape[0], page=k_cache.shape[1])
-            self.message = (
-                f"flash_attn_with_kvcache: a bound of the cache does not hold: cache_seqlens + seqlen_new ({SN}) in "
-                f"[0, {cap}] ({self.what})"
+            # (CUDA's device-side assert takes messages of under 255 characters: the bounds, briefly)
+            self.message = _assert_message(
+                f"flash_attn_with_kvcache: out of bounds: cache_seqlens + seqlen_new ({SN}) in [0, {cap}]"
+                + (f" ({self.what})" if paged else "")
                 + (", cache_leftpad in [0, cache_seqlens + seqlen_new]" if cache_leftpad is not None else "")
                 + (f", cache_batch_idx in [0, {k_cache.shape[0]})" if cache_batch_idx is not None else "")
-                + (f", block_table's page ids in [0, {k_cache.shape[0]})" if paged else "")
-                + " (checked on the device; SPARSEFLASH_KVCACHE_HOST_CHECKS=1 checks on the host and names the value)")
+                + (f", page ids in [0, {k_cache.shape[0]})" if paged else ""),
+                "; SPARSEFLASH_KVCACHE_HOST_CHECKS=1 names the value")
         # the new keys and values: one launch writes them where the kernels run
         self.append = None
         if SN and kernels_run:

@@ -341,7 +341,7 @@ def test_errors_name_the_argument(monkeypatch):
         call(q, kc, vc, num_splits=-1)
     with pytest.raises(ValueError, match=r"alibi_slopes must be a float32 tensor \[nheads\] = \[4\]"):
         call(q, kc, vc, alibi_slopes=torch.ones(2))
-    with pytest.raises(RuntimeError, match=r"block_table's page ids in \[0, 2\) \(checked on the device"):
+    with pytest.raises(RuntimeError, match=r"page ids in \[0, 2\); SPARSEFLASH_KVCACHE_HOST_CHECKS=1"):
         call(q, kc, vc, block_table=torch.full((2, 2), 5, dtype=torch.int32), cache_seqlens=3)
     with monkeypatch.context() as m:  # the values' bounds by name: the debug switch
         m.setattr(sparseflash.kvcache, "HOST_CHECKS", True)
@@ -386,6 +386,21 @@ def _small(B=2, N=8, Hk=2, D=16, H=4, seed=0):
     return q, kc, vc, kn, vn
 
 
+def test_device_check_messages_fit_a_cuda_assert():
+    """torch._assert_async on CUDA takes messages of under 255 characters (a longer one is itself an
+    error, before the check runs): every call shape's message fits, an over-long bound list is cut
+    before the hint that names the debug switch."""
+    from sparseflash.kvcache import _ASSERT_MAX, _assert_message
+
+    hint = "; SPARSEFLASH_KVCACHE_HOST_CHECKS=1 names the value"
+    long = _assert_message("x" * 400, hint)
+    assert len(long) == _ASSERT_MAX < 255 and long.endswith("..." + hint)
+    assert _assert_message("short", hint) == "short" + hint
+    big = "flash_attn_with_kvcache: out of bounds: cache_seqlens + seqlen_new (123456) in [0, 1234567890]" \
+          ", cache_leftpad in [0, cache_seqlens + seqlen_new], cache_batch_idx in [0, 123456789)"
+    assert len(_assert_message(big, hint)) < 255
+
+
 def test_bounds_are_checked_on_the_device_by_default():
     """Without the debug switch, a tensor cache_seqlens (and leftpad, batch index, page ids) is never
     read back: a call with good values makes no host read, and a bad value fails the call loudly with
@@ -393,7 +408,7 @@ def test_bounds_are_checked_on_the_device_by_default():
     q, kc, vc, kn, vn = _small()
     call = sparseflash.flash_attn_with_kvcache
     i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    device_msg = r"a bound of the cache does not hold: .*checked on the device"
+    device_msg = r"out of bounds: cache_seqlens \+ seqlen_new .*SPARSEFLASH_KVCACHE_HOST_CHECKS=1"
     good = [dict(cache_seqlens=i32(3, 8)), dict(cache_seqlens=i32(3, 6), k=kn, v=vn),
             dict(cache_seqlens=i32(3, 5), cache_leftpad=i32(0, 5)), dict(cache_seqlens=i32(3, 5),
                                                                           cache_batch_idx=i32(1, 0))]
@@ -415,7 +430,7 @@ def test_bounds_are_checked_on_the_device_by_default():
     kp, vp, table = _paged(kc, vc, 4)
     table[1, 1] = 99
     lens = i32(8, 5)
-    with pytest.raises(RuntimeError, match=r"block_table's page ids in \[0, 6\) \(checked on the device"):
+    with pytest.raises(RuntimeError, match=r"page ids in \[0, 6\); SPARSEFLASH_KVCACHE_HOST_CHECKS"):
         call(q, kp, vp, cache_seqlens=lens, block_table=table)
     lens = i32(8, 4)
     out = call(q, kp, vp, cache_seqlens=lens, block_table=table)
@@ -462,7 +477,7 @@ def test_paged_capacity_is_read_on_the_host_unless_switched_off(monkeypatch):
     with _HostReads() as reads:
         sparseflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens - 1, block_table=table)
     assert reads.n == 0
-    with pytest.raises(RuntimeError, match=r"\(block_table's capacity: 2 pages of 4 tokens\).*checked on the device"):
+    with pytest.raises(RuntimeError, match=r"\(block_table's capacity: 2 pages of 4 tokens\).*SPARSEFLASH_KVCACHE_HOST_CHECKS=1"):
         sparseflash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
 
 
