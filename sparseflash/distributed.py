@@ -19,7 +19,16 @@ query block. Three placements are scored by the most work one rank gets (on bloc
 traffic (key blocks some other rank needs): contiguous runs (documents and windows stay together),
 zig-zag (rank r takes chunks r and 2W-1-r of 2W: balanced causal) and a longest-processing-time greedy
 with equal block counts. The least traffic among the placements within 10% of the best balance wins.
-The plan's digest is all-gathered once; ranks that built different plans all raise.
+
+*The checks* (`_agree`). Before any exchange (in `plan`, `attention` and `Plan.unshard`) every rank runs its
+own checks and then one small all-gather compares what every rank must share: in `plan` the lengths, block
+size, ``causal`` and the digests of the mask (its layout, full blocks and the bits its ``mask_mod`` gives in
+every partial block) and of the segment ids; in `attention` the plan's digest, every shard's shape and
+dtype, ``dropout_p``, ``scale`` and whether a backward will follow. A rank whose own checks fail still
+takes part, so every rank raises the same error (that rank's message) instead of waiting in an exchange
+until the backend's timeout; values that differ between ranks raise on every rank, naming them. The
+gather runs on the group itself when it takes CPU tensors (gloo), else on a gloo group over the same
+ranks made once (no device synchronisation).
 
 For each pair (my query blocks, rank s) the plan keeps the key blocks of s that some on block needs
 (only those are sent: a window sends its halo, rank-aligned documents nothing) and a `BlockMask` in
@@ -54,11 +63,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 
 import torch
 import torch.distributed as dist
 
 from sparseflash.mask import BlockMask
+from sparseflash.mask_mods import FN_CHUNK_ELEMS, eval_partial
 
 __all__ = ["Plan", "plan", "attention"]
 
@@ -82,6 +93,137 @@ def _comm_device(group) -> torch.device:
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# a gloo group over the same ranks per NCCL group: the checks talk there (CPU tensors, no device sync)
+_CONTROL: dict = {}
+
+
+def _control_group(group):
+    """The group the ranks' checks are gathered on: ``group`` itself when its backend takes CPU tensors
+    (gloo), else a gloo group over the same ranks, made once (collectively: every member calls this)."""
+    if "gloo" in str(dist.get_backend(group)).lower():
+        return group
+    if group not in _CONTROL:
+        _CONTROL[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                         use_local_synchronization=True)
+    return _CONTROL[group]
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _dtype_code(dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _float_code(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+_SHOW = {
+    "dtype": lambda c: str(_DTYPES[c]).replace("torch.", "") if c < len(_DTYPES) else "another dtype",
+    "float": lambda c: repr(struct.unpack("<d", struct.pack("<q", c))[0]),
+    "digest": lambda c: f"{c:014x}",
+    "int": str,
+    "bool": lambda c: str(bool(c)),
+}
+
+
+_MAX_FIELDS = 32
+
+
+def _agree(ctl, what: str, fields: list | None, error: BaseException | None):
+    """Every rank's ``fields`` (``(name, kind, int)`` triples, the same names everywhere) and whether it
+    passed its own checks, gathered in one collective on the control group; then every rank raises the
+    same error if some rank failed (its message; ``error`` is this rank's own failure, or None) or the
+    ranks' fields differ. So a rank's bad input stops every rank at once instead of leaving the others
+    blocked in an exchange until the backend's timeout."""
+    world = dist.get_world_size(ctl)
+    row = torch.zeros(_MAX_FIELDS + 2, dtype=torch.int64)  # one size on every rank, whatever failed where
+    if error is None:
+        row[0], row[1] = 1, len(fields)
+        row[2:2 + len(fields)] = torch.tensor([v for _, _, v in fields], dtype=torch.int64)
+    every = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(every, row, group=ctl)
+    rows = torch.stack(every).tolist()
+    if not all(r[0] for r in rows):
+        mine = None if error is None else (type(error).__name__, str(error))
+        msgs = [None] * world
+        dist.all_gather_object(msgs, mine, group=ctl)
+        failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+        by_text: dict = {}
+        for r, (kind, text) in failed:
+            by_text.setdefault((kind, text), []).append(r)
+        parts = [f"{text} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
+                 for (_, text), rs in by_text.items()]
+        cls = {"TypeError": TypeError, "ValueError": ValueError}.get(failed[0][1][0], RuntimeError)
+        raise cls(f"{what}: " + "; ".join(parts)) from error
+    if len({r[1] for r in rows}) != 1 or any(r[2:] != rows[0][2:] for r in rows):
+        diff = [(i, name, kind) for i, (name, kind, _) in enumerate(fields) if len({r[2 + i] for r in rows}) > 1]
+        show = "; ".join(f"{name}: " + ", ".join(f"rank {r} {_SHOW[kind](rows[r][2 + i])}" for r in range(world))
+                         for i, name, kind in diff)
+        raise ValueError(f"{what}: the ranks disagree ({show}): every rank must make the same call")
+
+
+def _tensor_digest(t) -> int:
+    """7 bytes of the sha256 of a tensor's shape, dtype and values (0 for None)."""
+    if t is None:
+        return 0
+    h = hashlib.sha256(repr((tuple(t.shape), str(t.dtype))).encode())
+    h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest()[:7], "little")
+
+
+# partial blocks whose mask_mod bits one step of `_mask_digest` evaluates
+_DIGEST_BLOCKS = 1024
+
+
+def _mask_digest(mask) -> int:
+    """Digest of what a mask attends (0 for None): its layout and full blocks, and with a ``mask_mod`` the
+    bits it gives inside every partial block (evaluated on the mask's device a chunk of blocks at a
+    time, as `BlockMask.exact_bits` does, but not kept): two masks attend the same pairs iff their
+    digests agree (up to a hash collision), whatever functions define them."""
+    if mask is None:
+        return 0
+    h = hashlib.sha256(repr((mask.seq_q, mask.seq_k, mask.block_size)).encode())
+    h.update(_tensor_digest(mask.layout).to_bytes(7, "little"))
+    if mask.mask_mod is not None:
+        h.update(_tensor_digest(mask.full).to_bytes(7, "little"))
+        nz = mask.partial.nonzero()
+        for i in range(0, nz.shape[0], _DIGEST_BLOCKS):
+            bits = eval_partial(mask.mask_mod, nz[i:i + _DIGEST_BLOCKS], mask.seq_q, mask.seq_k, mask.block_size,
+                                FN_CHUNK_ELEMS["cuda" if mask.device.type == "cuda" else "cpu"])
+            h.update(bits.cpu().numpy().tobytes())
+    return int.from_bytes(h.digest()[:7], "little")
+
+
+def _tensor_fields(name, t) -> list:
+    dims = ("batch", "heads", "tokens", "head_dim")
+    return [(f"{name} {d}", "int", int(n)) for d, n in zip(dims, t.shape)] + [(f"{name} dtype", "dtype",
+                                                                                _dtype_code(t.dtype))]
+
+
+def _check_call(plan, what: str, local):
+    """The collective check before an exchange: ``local()`` runs this rank's own checks and returns
+    ``(tensors, fields)`` (named tensors whose shapes and dtypes, and named values, every rank must
+    share); then `_agree` on the plan's control group, with the plan's digest."""
+    if not isinstance(plan, Plan):
+        # the other ranks wait in the check on their plan's control group: join the default group's
+        # if there is one (the usual case), else this rank can only raise alone
+        ctl = _CONTROL.get(dist.group.WORLD, dist.group.WORLD if dist.is_initialized() and "gloo" in str(
+            dist.get_backend()).lower() else None)
+        error = TypeError(f"plan must be a sparseflash.distributed.Plan (from sfd.plan), got {type(plan).__name__}")
+        if ctl is None:
+            raise error
+        _agree(ctl, what, None, error)
+    fields, error = None, None
+    try:
+        tensors, extra = local()
+        fields = [("plan", "digest", plan.digest)] + [f for n, t in tensors for f in _tensor_fields(n, t)] + extra
+    except (TypeError, ValueError) as e:
+        error = e
+    _agree(plan.control, what, fields, error)
 
 
 # ------------------------------------------------------------------ the global predicate
@@ -226,27 +368,20 @@ class Plan:
         self._masks: dict = {}
         self.bytes_sent = 0
         self.digest = self._digest(mask, segment_ids)
-        self._check_same()
+        self.control = None  # the group the ranks' checks talk on (`plan` sets it)
 
     # ------------------------------------------------------------------ identity
     def _digest(self, mask, seg) -> int:
-        h = hashlib.sha256()
-        h.update(repr((self.seq_len, self.block_size, self.world_size, self.causal, self.placement,
-                       self.owned)).encode())
-        h.update(self._on.numpy().tobytes())
-        h.update(self._full.numpy().tobytes())
-        if seg is not None:
-            h.update(seg.cpu().long().numpy().tobytes())
+        """What every rank must agree on: the arguments' digests and the placement."""
+        self._mask_digest, self._seg_digest = _mask_digest(mask), _tensor_digest(seg)
+        h = hashlib.sha256(repr((self.seq_len, self.block_size, self.world_size, self.causal, self.placement,
+                                 self.owned, self._mask_digest, self._seg_digest)).encode())
         return int.from_bytes(h.digest()[:7], "little")
 
-    def _check_same(self):
-        mine = torch.tensor([self.digest], dtype=torch.int64, device=self.comm_device)
-        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine, group=self.group)
-        got = [int(t.item()) for t in every]
-        if len(set(got)) != 1:
-            raise ValueError(f"plan: the ranks built different plans (digests {got}): every rank must pass the same "
-                             f"seq_len, group, mask, causal, segment_ids and block_size")
+    def _fields(self) -> list:
+        return [("seq_len", "int", self.seq_len), ("block_size", "int", self.block_size),
+                ("causal", "bool", int(self.causal)), ("mask", "digest", self._mask_digest),
+                ("segment_ids", "digest", self._seg_digest), ("plan", "digest", self.digest)]
 
     # ------------------------------------------------------------------ per-pair masks
     def _positions(self, blocks, device):
@@ -298,7 +433,11 @@ class Plan:
 
     def unshard(self, o_l: torch.Tensor) -> torch.Tensor:
         """The full ``[B, H, seq_len, D]`` from every rank's ``o_l``; gradient: this rank's slice."""
-        self._check_local(o_l, "o_l")
+        def local():
+            self._check_local(o_l, "o_l")
+            return [("o_l", o_l)], []
+
+        _check_call(self, "Plan.unshard", local)
         return _Unshard.apply(o_l, self)
 
     def _check_local(self, x, name):
@@ -313,20 +452,14 @@ class Plan:
                              f"{self.comm_device.type} tensors")
 
 
-def plan(seq_len: int, group=None, mask: BlockMask | None = None, causal: bool = False, segment_ids=None,
-         block_size: int = 128) -> Plan:
-    """Build (collectively: every rank of ``group`` calls it with the same arguments) the `Plan` of one
-    sequence of ``seq_len`` tokens. ``group`` None: the default group. ``segment_ids``: integer ``[N]`` or
-    ``[B, N]`` packed-document ids (pairs attend only within equal ids). See the module docstring."""
+def _check_plan_args(seq_len, mask, causal, segment_ids, block_size):
+    """The arguments of `plan` checked on this rank; returns ``segment_ids`` as ``[B, N]`` (or None)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    if group is None:
-        _group_info(None)
-        group = dist.group.WORLD
     if mask is not None:
         if not isinstance(mask, BlockMask):
             raise TypeError(f"mask must be a sparseflash.BlockMask or None, got {type(mask).__name__}")
@@ -345,8 +478,32 @@ def plan(seq_len: int, group=None, mask: BlockMask | None = None, causal: bool =
         if segment_ids.dim() != 2 or segment_ids.shape[1] != seq_len:
             raise ValueError(f"segment_ids must have shape [seq_len] or [batch, seq_len] with seq_len={seq_len}, "
                              f"got {tuple(segment_ids.shape)}")
-    _group_info(group)
-    return Plan(seq_len, group, mask, causal, segment_ids, block_size)
+    return segment_ids
+
+
+def plan(seq_len: int, group=None, mask: BlockMask | None = None, causal: bool = False, segment_ids=None,
+         block_size: int = 128) -> Plan:
+    """Build (collectively: every rank of ``group`` calls it with the same arguments) the `Plan` of one
+    sequence of ``seq_len`` tokens. ``group`` None: the default group. ``segment_ids``: integer ``[N]`` or
+    ``[B, N]`` packed-document ids (pairs attend only within equal ids). See the module docstring.
+
+    Every rank's arguments (lengths, block size, causal, the digests of the mask, its ``mask_mod``
+    included, and of the ids) and the plan it built are compared in one collective: if any rank's
+    arguments fail its own checks, or the ranks' differ, every rank raises the same error."""
+    if group is None:
+        _group_info(None)
+        group = dist.group.WORLD
+    _group_info(group)  # (no group to talk on: this one raises alone)
+    ctl = _control_group(group)
+    built, error = None, None
+    try:
+        segment_ids = _check_plan_args(seq_len, mask, causal, segment_ids, block_size)
+        built = Plan(seq_len, group, mask, causal, segment_ids, block_size)
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks before it is raised
+        error = e
+    _agree(ctl, "sparseflash.distributed.plan", None if built is None else built._fields(), error)
+    built.control = ctl
+    return built
 
 
 # ------------------------------------------------------------------ communication
@@ -472,16 +629,35 @@ def attention(q_l: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor, plan: Pla
     """
     from sparseflash.api import attention as _attention
 
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a sparseflash.distributed.Plan (from sfd.plan), got {type(plan).__name__}")
-    for name, x in (("q_l", q_l), ("k_l", k_l), ("v_l", v_l)):
-        plan._check_local(x, name)
-    if not (q_l.device == k_l.device == v_l.device):
-        raise ValueError(f"q_l, k_l, v_l must be on one device, got {q_l.device}, {k_l.device}, {v_l.device}")
-    if k_l.shape[:3] != v_l.shape[:3] or q_l.shape[0] != k_l.shape[0] or q_l.shape[1] % k_l.shape[1]:
-        raise ValueError(f"k_l and v_l must share [batch, heads_kv, local_len] with heads_q a multiple of heads_kv "
-                         f"and the same batch as q_l: got q_l {tuple(q_l.shape)}, k_l {tuple(k_l.shape)}, "
-                         f"v_l {tuple(v_l.shape)}")
+    def local():
+        if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p <= 1.0:
+            raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale) or scale <= 0):
+            raise ValueError(f"scale must be a finite float > 0 or None, got {scale!r}")
+        if backend not in ("auto", "triton", "reference"):
+            raise ValueError(f"backend must be one of ('auto', 'triton', 'reference'), got {backend!r}")
+        for name, x in (("q_l", q_l), ("k_l", k_l), ("v_l", v_l)):
+            plan._check_local(x, name)
+            if x.dtype not in _DTYPES:
+                raise TypeError(f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), "
+                                f"got {x.dtype}")
+        if not (q_l.dtype == k_l.dtype == v_l.dtype):
+            raise TypeError(f"q_l, k_l and v_l must share one dtype, got {q_l.dtype}, {k_l.dtype}, {v_l.dtype}")
+        if not (q_l.device == k_l.device == v_l.device):
+            raise ValueError(f"q_l, k_l, v_l must be on one device, got {q_l.device}, {k_l.device}, {v_l.device}")
+        if k_l.shape != v_l.shape or q_l.shape[0] != k_l.shape[0] or q_l.shape[3] != k_l.shape[3] \
+                or q_l.shape[1] % k_l.shape[1]:
+            raise ValueError(f"k_l and v_l must have one shape [batch, heads_kv, local_len, head_dim] with q_l's "
+                             f"batch and head_dim and heads_q a multiple of heads_kv: got q_l {tuple(q_l.shape)}, "
+                             f"k_l {tuple(k_l.shape)}, v_l {tuple(v_l.shape)}")
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_l, k_l, v_l))
+        return [("q_l", q_l), ("k_l", k_l), ("v_l", v_l)], [
+            ("dropout_p", "float", _float_code(dropout_p)),
+            ("scale", "float", _float_code(math.nan if scale is None else scale)),
+            ("gradient (a backward will follow)", "bool", int(grad))]
+
+    _check_call(plan, "sparseflash.distributed.attention", local)
     me = plan.rank
     handle = _start_exchange(plan, k_l, v_l)
 

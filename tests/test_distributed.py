@@ -5,6 +5,7 @@ the ranks and fails the test with the rank's traceback.
 """
 
 import csv
+import datetime
 import os
 import subprocess
 import sys
@@ -131,12 +132,73 @@ def _check_errors(rank, w):
     with pytest.raises(ValueError, match="segment_ids must have shape"):
         sfd.plan(n, None, segment_ids=torch.zeros(n + 1, dtype=torch.int64), block_size=32)
     # ranks that disagree all raise (nobody hangs)
-    with pytest.raises(ValueError, match="the ranks built different plans"):
+    with pytest.raises(ValueError, match=r"the ranks disagree \(causal: rank 0 True, rank 1 False"):
         sfd.plan(n, None, causal=(rank == 0), block_size=32)
     # a shard of a plan for another length
     other = sfd.plan(n + 200, None, block_size=32)
     with pytest.raises(ValueError, match="q_l: this plan's shards hold local_len"):
         sfd.attention(other.shard(torch.randn(1, 2, n + 200, 16)), ql, ql, plan)
+
+
+class _Flaky:
+    """A mask_mod that works while the mask is built and raises afterwards (a rank failing for no checked reason)."""
+
+    def __init__(self):
+        self.broken = False
+
+    def __call__(self, b, h, q, k):
+        if self.broken:
+            raise ZeroDivisionError("the mask_mod failed")
+        return (q - k).abs() < 45
+
+
+def _check_bad_input(rank, w):
+    """A rank's bad input (its own checks fail, or it differs from the others) raises the same error on every
+    rank before any exchange; nobody waits for the backend's timeout (the group's is 60 s, as a guard)."""
+    grp = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+    n, bs = 300, 32
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, n, 16, generator=g)
+    plan = sfd.plan(n, grp, causal=True, block_size=bs)
+    ql, kl = plan.shard(q), plan.shard(q[:, :2])
+    # one rank fails its own checks: every rank raises its message
+    with pytest.raises(ValueError, match=r"attention: k_l: this plan's shards hold local_len=.* \(rank 1\)$"):
+        sfd.attention(ql, kl[:, :, :-1] if rank == 1 else kl, kl, plan)
+    with pytest.raises(ValueError, match=r"unshard: o_l: this plan's shards .* \(rank 0\)$"):
+        plan.unshard(ql[:, :, :5] if rank == 0 else ql)
+    # checks that pass on each rank but differ between ranks: heads, dtype, dropout
+    with pytest.raises(ValueError, match=r"the ranks disagree \(q_l heads: rank 0 4, rank 1 2\)"):
+        sfd.attention(ql if rank == 0 else ql[:, :2], kl, kl, plan)
+    with pytest.raises(ValueError, match=r"q_l dtype: rank 0 float32, rank 1 float64; k_l dtype: .*; v_l dtype"):
+        sfd.attention(*((ql, kl, kl) if rank == 0 else (ql.double(), kl.double(), kl.double())), plan)
+    with pytest.raises(ValueError, match=r"dropout_p: rank 0 0.0, rank 1 0.5"):
+        sfd.attention(ql, kl, kl, plan, dropout_p=0.5 * rank)
+    # a backward on one rank only would hang: whether one follows is part of the call
+    with pytest.raises(ValueError, match=r"gradient \(a backward will follow\): rank 0 False, rank 1 True"):
+        sfd.attention(ql.requires_grad_(rank == 1), kl, kl, plan)
+    ql.requires_grad_(False)
+    # plans: one rank's arguments fail its checks; arguments that differ (block size, the mask's token-level
+    # definition inside equal layouts); a rank that fails for another reason
+    with pytest.raises(ValueError, match=r"plan: mask was built for \(200, 200\) tokens, expected .* \(rank 1\)"):
+        sfd.plan(n, grp, mask=butterfly(200 if rank else n, block_size=bs), block_size=bs)
+    with pytest.raises(ValueError, match=r"block_size: rank 0 32, rank 1 64"):
+        sfd.plan(n, grp, causal=True, block_size=32 * (rank + 1))
+    win = [BlockMask.from_fn(lambda b, h, q, k, r=r: (q - k).abs() < r, n, block_size=bs) for r in (45, 46)]
+    assert torch.equal(win[0].layout, win[1].layout) and torch.equal(win[0].full, win[1].full)
+    with pytest.raises(ValueError, match=r"the ranks disagree \(mask: rank 0 [0-9a-f]+, rank 1 [0-9a-f]+; plan: "):
+        sfd.plan(n, grp, mask=win[rank], block_size=bs)
+    flaky = _Flaky()
+    mask = BlockMask.from_fn(flaky, n, block_size=bs)
+    flaky.broken = rank == 0
+    with pytest.raises(RuntimeError, match=r"plan: the mask_mod failed \(rank 0\)"):
+        sfd.plan(n, grp, mask=mask, block_size=bs)
+    # a rank without a plan joins the check on the default group's
+    plan = sfd.plan(n, None, causal=True, block_size=bs)
+    with pytest.raises(TypeError, match=r"plan must be a sparseflash.distributed.Plan .*got str \(rank 1\)"):
+        sfd.attention(ql, kl, kl, plan if rank == 0 else "plan")
+    # and after all that, a good call still works
+    o = sfd.attention(ql, kl, kl, plan, backend="reference")
+    assert o.shape == ql.shape and torch.isfinite(o).all()
 
 
 def _checks(rank, w):
@@ -145,6 +207,7 @@ def _checks(rank, w):
     _check_bytes(rank, w)
     if w == 2:
         _check_errors(rank, w)
+        _check_bad_input(rank, w)
 
 
 @pytest.mark.parametrize("world", [2, 4])
