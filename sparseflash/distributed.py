@@ -38,20 +38,36 @@ gather runs on the group itself when it takes CPU tensors (gloo), else on a gloo
 ranks made once (no device synchronisation).
 
 For each pair (my query blocks, rank s) the plan keeps the key blocks of s that some on block needs
-(only those are sent: a window sends its halo, rank-aligned documents nothing) and a `BlockMask` in
-local coordinates whose ``mask_mod`` maps local to global positions and evaluates the global predicate,
-so causality, windows and documents stay token-exact although a rank's blocks are not contiguous.
-Sources with no needed block are neither sent nor computed.
+(only those are sent: a window sends its halo, rank-aligned documents nothing) and, per stage, a
+`BlockMask` in local coordinates whose ``mask_mod`` maps local to global positions and evaluates the
+global predicate, so causality, windows and documents stay token-exact although a rank's blocks are not
+contiguous.
 
-*The exchange*: one ``batch_isend_irecv`` is posted first (`_start_exchange`), sending each rank the K/V
-blocks it needs (K and V packed in one buffer per peer); then the own blocks' attention is computed, so
-on CUDA those kernels run while NCCL (on its own stream) moves the remote blocks; then `_Exchange` (an
-autograd Function) waits for the requests and hands over the received blocks, and the remote blocks'
-attention runs. Its backward sends their gradients back to the owners, which add them into dK/dV (the
-backward exchange is not overlapped). *The compute*: `sparseflash.attention(..., return_lse=True)` per
-source with the pair's sub-mask; the partial outputs are merged by log-sum-exp in
-float32 (a row with no key anywhere: output 0, LSE -inf, zero gradients). Gradients come from autograd
-through attention's (out, lse) and the exchange.
+*The exchange* (`_Attention`, one autograd Function) is a pipeline of stages (`Plan.stages`). The key
+blocks a rank needs from rank s are cut into chunks of at most ``stage_tokens``; remote stage (t, c)
+receives chunk c of what this rank needs from rank - t and sends chunk c of what rank + t needs from it
+(a rotation, as a ring's steps, but each rank sends only the blocks its peer needs, straight from their
+owner). Every rank runs the same (t, c) in the same order, skipping the compute (and the message) of a
+stage it has nothing for; a (t, c) no rank has anything for is left out. The first remote stage is posted
+before the own blocks' stages compute; from then on stage i + 1's transfer is posted before stage i
+computes, so on CUDA the kernels of one stage run while NCCL (on its own stream) moves the next. Each
+stage's output and LSE (over its keys only) are folded into one float32 output and LSE in place
+(`_merge_into`); a row with no key anywhere gives 0, LSE -inf and zero gradients. Only q, k, v, the
+output and the LSE are saved for backward. The backward walks the same stages: it fetches each remote
+chunk again (posted one stage ahead), computes the stage's dQ, dK, dV from the *final* output and LSE
+(`_Kernels`: dS = P (dP - delta + dLSE) restricted to the stage's keys is that stage's share), adds dQ
+into a float32 dQ and sends the chunk's dK, dV back to its owner while the next stage computes; the
+owner adds what comes back into its float32 dK, dV.
+
+Memory (per rank, beyond q, k, v, the output, its LSE, dO and the returned gradients). L local tokens, C
+stage tokens, e bytes per element, KV = 2 B Hkv C D e (one stage's keys and values). Forward: the float32
+output accumulator 4 B Hq L D, one stage's output B Hq L D e, 3 KV (two received: the one computing and
+the next arriving; one sent). Backward: float32 dQ, dK, dV 4 B (Hq + 2 Hkv) L D, one stage's dQ B Hq L D e
+and dK, dV (1 KV), 3 KV of fetches and 2 KV of returned gradients in flight. Nothing holds every peer's
+keys at once. 1M tokens on 4 ranks, 8 heads, d 128, bf16, C = 64K: forward 1 + 0.5 + 0.75 GiB = 2.25 GiB;
+backward 3 + 0.5 + 0.25 + 0.75 + 0.5 GiB = 5 GiB, of which the float32 accumulators are 3 (the kernels
+write each stage's gradients anew: accumulating inside them would save those and the stage's dQ).
+Besides, each stage's sub-mask keeps its block lists (int32, ``2 x (L / block) x (C / block)``) per plan.
 
 Limits
 ------
@@ -61,9 +77,9 @@ Limits
   decrease); other orders may send (never compute wrongly) blocks that turn out empty.
 - ``unshard``'s gradient is this rank's slice of the output gradient: every rank is taken to compute the
   same loss from the gathered output. A loss on the shard uses ``o_l`` directly.
-- With dropout each partial result draws its own random bits: the same distribution as one process,
-  not the same bits.
-- The communication is one batched exchange, not a ring: peak memory holds every needed remote block.
+- With dropout each stage draws its own random bits (the backward regenerates them): the same
+  distribution as one process, not the same bits.
+- ``shard`` takes the full tensor on every rank.
 """
 
 from __future__ import annotations
@@ -115,6 +131,9 @@ def _control_group(group):
     if group not in _CONTROL:
         _CONTROL[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                          use_local_synchronization=True)
+        # a first collective with every rank, so that later batched point-to-point calls may involve only
+        # some ranks (NCCL leaves a first batch without every rank undefined)
+        dist.all_reduce(torch.zeros(1, device=_comm_device(group)), group=group)
     return _CONTROL[group]
 
 
@@ -435,6 +454,30 @@ def place(seq_len: int, world: int, mask=None, causal: bool = False, segment_ids
             "needed": needed, "predicate": pred}
 
 
+# tokens of key / value one stage of the exchange moves at most (module docstring, "Memory")
+_STAGE_TOKENS = 1 << 16
+
+
+class _Stage:
+    """One step of this rank's exchange: compute with key blocks ``blocks`` of rank ``source`` (None: none),
+    send blocks ``send_blocks`` of this rank to ``dest`` (None: none)."""
+
+    __slots__ = ("source", "blocks", "dest", "send_blocks")
+
+    def __init__(self, source, blocks, dest, send_blocks):
+        self.source, self.blocks, self.dest, self.send_blocks = source, blocks, dest, send_blocks
+
+
+class _StageOps:
+    """A stage's device side: ``mask`` (the sub-mask of its keys), ``keys`` (an own stage's keys in the
+    shard), ``send`` (the sent blocks in the shard, where their gradients come back)."""
+
+    __slots__ = ("mask", "keys", "send")
+
+    def __init__(self, mask, keys, send):
+        self.mask, self.keys, self.send = mask, keys, send
+
+
 class Plan:
     """Where every token block lives and which key blocks each rank needs from whom (see module doc).
 
@@ -445,7 +488,7 @@ class Plan:
     forward and backward; reset it freely).
     """
 
-    def __init__(self, seq_len, group, mask, causal, segment_ids, block_size):
+    def __init__(self, seq_len, group, mask, causal, segment_ids, block_size, stage_tokens=_STAGE_TOKENS):
         rank, world = _group_info(group)
         self.group, self.rank, self.world_size = group, rank, world
         self.seq_len, self.block_size, self.causal = seq_len, block_size, causal
@@ -454,6 +497,7 @@ class Plan:
         self.blocks_per_rank = per = math.ceil(nb / world)
         self.padded_len = world * per * block_size
         self.local_len = per * block_size
+        self.stage_blocks = max(1, stage_tokens // block_size)
         layout = place(seq_len, world, mask, causal, segment_ids, block_size)
         self.placement, self.owned, self.work = layout["placement"], layout["owned"], layout["work"]
         self.traffic_blocks, self.needed, pred = layout["traffic_blocks"], layout["needed"], layout["predicate"]
@@ -474,13 +518,14 @@ class Plan:
         """What every rank must agree on: the arguments' digests and the placement."""
         self._mask_digest, self._seg_digest = _mask_digest(mask), _tensor_digest(seg)
         h = hashlib.sha256(repr((self.seq_len, self.block_size, self.world_size, self.causal, self.placement,
-                                 self.owned, self._mask_digest, self._seg_digest)).encode())
+                                 self.owned, self.stage_blocks, self._mask_digest, self._seg_digest)).encode())
         return int.from_bytes(h.digest()[:7], "little")
 
     def _fields(self) -> list:
         return [("seq_len", "int", self.seq_len), ("block_size", "int", self.block_size),
-                ("causal", "bool", int(self.causal)), ("mask", "digest", self._mask_digest),
-                ("segment_ids", "digest", self._seg_digest), ("plan", "digest", self.digest)]
+                ("stage_blocks", "int", self.stage_blocks), ("causal", "bool", int(self.causal)),
+                ("mask", "digest", self._mask_digest), ("segment_ids", "digest", self._seg_digest),
+                ("plan", "digest", self.digest)]
 
     # ------------------------------------------------------------------ per-pair masks, indices
     def _cached(self, key, build):
@@ -499,10 +544,56 @@ class Plan:
         """Global token positions of rank ``r``'s tokens, in its local order (made once per device)."""
         return self._cached(("pos", r, torch.device(device)), lambda: self._positions(self.owned[r], device))
 
-    def slots(self, blocks: tuple, device) -> torch.Tensor:
-        """Local token positions on their owner of global blocks ``blocks`` (a tuple; made once per device)."""
-        return self._cached(("slots", blocks, torch.device(device)),
-                            lambda: self._positions(self._local_slot[list(blocks)].tolist(), device))
+    def peer(self, r: int) -> int:
+        """The global rank of group rank ``r`` (what point-to-point ops take)."""
+        return r if self.group is dist.group.WORLD else dist.get_global_rank(self.group, r)
+
+    def _local_index(self, blocks, device):
+        """Where global blocks ``blocks`` (held by one rank) lie in their owner's shard: a slice when they are
+        consecutive there, else a token index tensor."""
+        slots = self._local_slot[list(blocks)].tolist()
+        bs = self.block_size
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return slice(slots[0] * bs, (slots[-1] + 1) * bs)
+        return self._positions(slots, device)
+
+    def stages(self) -> tuple[list, list]:
+        """(own, remote): this rank's stages (module docstring, "The exchange"), made once. Own stages take
+        chunks of this rank's needed own blocks; remote stage (t, c) receives chunk c of what it needs from
+        rank - t and sends chunk c of what rank + t needs from it. Every rank lists the same (t, c) in the
+        same order (a (t, c) that no rank uses is left out everywhere; one this rank does not use is kept,
+        empty), so the point-to-point messages of any two ranks are posted in the same order on both."""
+        def build():
+            me, w, c = self.rank, self.world_size, self.stage_blocks
+            chunks = lambda xs: [tuple(xs[i:i + c]) for i in range(0, len(xs), c)]  # noqa: E731
+            own = [_Stage(me, b, None, ()) for b in chunks(self.needed[me][me])]
+            remote = []
+            for t in range(1, w):
+                n = max(math.ceil(len(self.needed[(r + t) % w][r]) / c) for r in range(w))
+                src, dst = (me - t) % w, (me + t) % w
+                get, put = chunks(self.needed[me][src]), chunks(self.needed[dst][me])
+                for i in range(n):
+                    b, sb = (get[i] if i < len(get) else ()), (put[i] if i < len(put) else ())
+                    remote.append(_Stage(src if b else None, b, dst if sb else None, sb))
+            return own, remote
+
+        return self._cached("stages", build)
+
+    def stage_ops(self, device) -> list:
+        """Per stage (own, then remote), what a call uses on ``device``, made once: the sub-mask of its keys,
+        where its own keys lie in this rank's shard, where the blocks it sends lie."""
+        device = torch.device(device)
+
+        def build():
+            own, remote = self.stages()
+            out = []
+            for st in own + remote:
+                out.append(_StageOps(self.sub_mask(st.source, device, st.blocks) if st.blocks else None,
+                                     self._local_index(st.blocks, device) if st.source == self.rank else None,
+                                     self._local_index(st.send_blocks, device) if st.send_blocks else None))
+            return out
+
+        return self._cached(("ops", device), build)
 
     def sub_mask(self, s: int, device, blocks: tuple | None = None) -> BlockMask:
         """The `BlockMask` of this rank's queries against key blocks ``blocks`` of rank ``s`` (default: all
@@ -524,15 +615,17 @@ class Plan:
         return self._cached(("mask", s, blocks, device), build)
 
     def expected_bytes(self, k: torch.Tensor, v: torch.Tensor, backward: bool = False) -> int:
-        """Bytes this rank sends in one forward exchange for local shards ``k``, ``v`` (the blocks peers
-        need from it); ``backward=True`` adds the backward's (the gradients of the blocks it received)."""
+        """Bytes this rank sends in one forward for local shards ``k``, ``v``: the blocks peers need from it;
+        ``backward=True`` adds the backward's: those blocks again (fetched anew stage by stage) and the
+        gradients of the blocks it received, sent back to their owners."""
         per_block = (k[:, :, :self.block_size].numel() * k.element_size()
                      + v[:, :, :self.block_size].numel() * v.element_size())
         me, w = self.rank, self.world_size
-        blocks = sum(len(self.needed[r][me]) for r in range(w) if r != me)
-        if backward:
-            blocks += sum(len(self.needed[me][s]) for s in range(w) if s != me)
-        return blocks * per_block
+        sent = sum(len(self.needed[r][me]) for r in range(w) if r != me)
+        if not backward:
+            return sent * per_block
+        got = sum(len(self.needed[me][s]) for s in range(w) if s != me)
+        return (2 * sent + got) * per_block
 
     # ------------------------------------------------------------------ shard / unshard
     def _check_full(self, x, name):
@@ -600,10 +693,12 @@ def _check_plan_args(seq_len, mask, causal, segment_ids, block_size):
 
 
 def plan(seq_len: int, group=None, mask: BlockMask | None = None, causal: bool = False, segment_ids=None,
-         block_size: int = 128) -> Plan:
+         block_size: int = 128, stage_tokens: int = _STAGE_TOKENS) -> Plan:
     """Build (collectively: every rank of ``group`` calls it with the same arguments) the `Plan` of one
     sequence of ``seq_len`` tokens. ``group`` None: the default group. ``segment_ids``: integer ``[N]`` or
-    ``[B, N]`` packed-document ids (pairs attend only within equal ids). See the module docstring.
+    ``[B, N]`` packed-document ids (pairs attend only within equal ids). ``stage_tokens``: the most key /
+    value tokens one stage of the exchange moves (rounded down to whole blocks, at least one): it bounds
+    the transfer buffers (module docstring, "Memory"). See the module docstring.
 
     Every rank's arguments (lengths, block size, causal, the digests of the mask, its ``mask_mod``
     included, and of the ids) and the plan it built are compared in one collective: if any rank's
@@ -616,7 +711,9 @@ def plan(seq_len: int, group=None, mask: BlockMask | None = None, causal: bool =
     built, error = None, None
     try:
         segment_ids = _check_plan_args(seq_len, mask, causal, segment_ids, block_size)
-        built = Plan(seq_len, group, mask, causal, segment_ids, block_size)
+        if isinstance(stage_tokens, bool) or not isinstance(stage_tokens, int) or stage_tokens <= 0:
+            raise ValueError(f"stage_tokens must be a positive int, got {stage_tokens!r}")
+        built = Plan(seq_len, group, mask, causal, segment_ids, block_size, stage_tokens)
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks before it is raised
         error = e
     _agree(ctl, "sparseflash.distributed.plan", None if built is None else built._fields(), error)
@@ -625,80 +722,74 @@ def plan(seq_len: int, group=None, mask: BlockMask | None = None, causal: bool =
 
 
 # ------------------------------------------------------------------ communication
-def _exchange(plan: Plan, sends: dict, recv_shapes: dict, like: torch.Tensor) -> dict:
-    """Send ``sends[peer]`` to each peer and receive ``recv_shapes[peer]`` from each; returns the received."""
-    ops, got = [], {}
-    for peer, shape in recv_shapes.items():
-        got[peer] = torch.empty(shape, dtype=like.dtype, device=like.device)
-        ops.append(dist.P2POp(dist.irecv, got[peer], dist.get_global_rank(plan.group, peer)
-                              if plan.group is not dist.group.WORLD else peer, plan.group))
-    for peer, buf in sends.items():
-        ops.append(dist.P2POp(dist.isend, buf, dist.get_global_rank(plan.group, peer)
-                              if plan.group is not dist.group.WORLD else peer, plan.group))
-        plan.bytes_sent += buf.numel() * buf.element_size()
-    reqs = dist.batch_isend_irecv(ops) if ops else []
-    return got, reqs
+def _post(plan: Plan, sends: list, recvs: list) -> list:
+    """Post ``recvs`` (``(peer, tensor)`` pairs, filled in place) and ``sends`` in one batch; the works to wait on."""
+    ops = [dist.P2POp(dist.irecv, t, plan.peer(p), plan.group) for p, t in recvs]
+    for p, t in sends:
+        ops.append(dist.P2POp(dist.isend, t, plan.peer(p), plan.group))
+        plan.bytes_sent += t.numel() * t.element_size()
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _slots(plan: Plan, blocks, device):
-    return plan.slots(tuple(blocks), device)
+def _take(x: torch.Tensor, idx) -> torch.Tensor:
+    """Tokens ``idx`` (a slice: a view; else an index tensor: a copy) of ``x [B, H, N, D]``."""
+    return x[:, :, idx] if isinstance(idx, slice) else x.index_select(2, idx)
 
 
-def _start_exchange(plan: Plan, k: torch.Tensor, v: torch.Tensor):
-    """Post the sends of this rank's blocks that peers need and the receives of the blocks it needs."""
-    me, w = plan.rank, plan.world_size
-    kc, vc = k.detach().contiguous(), v.detach().contiguous()
-    sends, recv = {}, {}
-    for r in range(w):
-        if r != me and plan.needed[r][me]:
-            pos = _slots(plan, plan.needed[r][me], k.device)
-            sends[r] = torch.cat([kc.index_select(2, pos).reshape(-1), vc.index_select(2, pos).reshape(-1)])
-    per_token = kc[:, :, :1].numel() + vc[:, :, :1].numel()
-    for s in range(w):
-        if s != me and plan.needed[me][s]:
-            recv[s] = per_token * len(plan.needed[me][s]) * plan.block_size
-    got, reqs = _exchange(plan, sends, recv, kc)
-    return {"sends": sends, "got": got, "reqs": reqs}
+def _add_at(acc: torch.Tensor, idx, x: torch.Tensor):
+    """``acc[:, :, idx] += x`` in ``acc``'s dtype."""
+    if isinstance(idx, slice):
+        acc[:, :, idx] += x
+    else:
+        acc.index_add_(2, idx, x.to(acc.dtype))
 
 
-class _Exchange(torch.autograd.Function):
-    """Finish `_start_exchange`: (k_l, v_l) -> the received K/V blocks of every peer, flat and packed
-    (peers ascending; each peer's K then V). Backward: the gradients of those blocks go back to their
-    owners, which add them into dK / dV at the blocks' places."""
+class _Fetch:
+    """One remote stage's key/value transfer in flight: this rank's chunk sent to the stage's ``dest``, the
+    chunk it computes with received from its ``source``; `wait` gives the received (k, v) or None."""
 
-    @staticmethod
-    def forward(ctx, k, v, plan, handle):
-        for q in handle["reqs"]:
-            q.wait()
-        ctx.plan, ctx.kshape, ctx.vshape = plan, k.shape, v.shape
-        ctx.peers = sorted(handle["got"])
-        got = [handle["got"][s] for s in ctx.peers]
-        return torch.cat(got) if got else k.new_empty(0)
+    def __init__(self, plan: Plan, st, ops, k: torch.Tensor, v: torch.Tensor):
+        sends, recvs, self.kv = [], [], None
+        if st.dest is not None:  # (a copy of a chunk at most: the bounded send buffer)
+            sends = [(st.dest, _take(k, ops.send).contiguous()), (st.dest, _take(v, ops.send).contiguous())]
+        if st.source is not None:
+            n = len(st.blocks) * plan.block_size
+            self.kv = (k.new_empty(k.shape[0], k.shape[1], n, k.shape[3]),
+                       v.new_empty(v.shape[0], v.shape[1], n, v.shape[3]))
+            recvs = [(st.source, self.kv[0]), (st.source, self.kv[1])]
+        self.sends = sends  # held until the works finish
+        self.works = _post(plan, sends, recvs)
 
-    @staticmethod
-    def backward(ctx, g):
-        plan, me, w = ctx.plan, ctx.plan.rank, ctx.plan.world_size
-        B, Hk, n_l, Dk = ctx.kshape
-        Hv, Dv = ctx.vshape[1], ctx.vshape[3]
-        per_token = B * Hk * Dk + B * Hv * Dv
-        off, sends = 0, {}
-        for s in ctx.peers:
-            size = per_token * len(plan.needed[me][s]) * plan.block_size
-            sends[s] = g[off:off + size].contiguous()
-            off += size
-        recv = {r: per_token * len(plan.needed[r][me]) * plan.block_size
-                for r in range(w) if r != me and plan.needed[r][me]}
-        got, reqs = _exchange(plan, sends, recv, g)
-        for q in reqs:
-            q.wait()
-        dk = g.new_zeros(ctx.kshape)
-        dv = g.new_zeros(ctx.vshape)
-        for r, buf in got.items():
-            pos = _slots(plan, plan.needed[r][me], g.device)
-            n = pos.numel()
-            dk.index_add_(2, pos, buf[:B * Hk * n * Dk].view(B, Hk, n, Dk))
-            dv.index_add_(2, pos, buf[B * Hk * n * Dk:].view(B, Hv, n, Dv))
-        return dk, dv, None, None
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        self.sends = None
+        return self.kv
+
+
+class _Return:
+    """One remote stage's gradient return in flight: dK, dV of the chunk computed here go back to its
+    ``source``; those of this rank's chunk computed by ``dest`` arrive and are added where they belong."""
+
+    def __init__(self, plan: Plan, st, ops, grads, k: torch.Tensor, v: torch.Tensor):
+        sends, recvs, self.got, self.idx = [], [], None, ops.send
+        if grads is not None:
+            sends = [(st.source, grads[0].contiguous()), (st.source, grads[1].contiguous())]
+        if st.dest is not None:
+            n = len(st.send_blocks) * plan.block_size
+            self.got = (k.new_empty(k.shape[0], k.shape[1], n, k.shape[3]),
+                        v.new_empty(v.shape[0], v.shape[1], n, v.shape[3]))
+            recvs = [(st.dest, self.got[0]), (st.dest, self.got[1])]
+        self.sends = sends
+        self.works = _post(plan, sends, recvs)
+
+    def finish(self, dk: torch.Tensor, dv: torch.Tensor):
+        for w in self.works:
+            w.wait()
+        self.sends = None
+        if self.got is not None:
+            _add_at(dk, self.idx, self.got[0])
+            _add_at(dv, self.idx, self.got[1])
 
 
 class _Unshard(torch.autograd.Function):
@@ -721,18 +812,158 @@ class _Unshard(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ attention
-def _merge(outs, lses, dtype):
-    """Log-sum-exp merge of partial results in float32; rows with no key anywhere -> 0 / -inf."""
-    lse = torch.stack(lses)  # [S, B, H, N]
-    m = lse.detach().amax(0)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    wgt = torch.exp(lse - m)  # exp(-inf) = 0
-    den = wgt.sum(0)
-    some = den > 0
-    den_safe = torch.where(some, den, torch.ones_like(den))
-    o = sum(wt[..., None] * ot.float() for wt, ot in zip(wgt, outs)) / den_safe[..., None]
-    out_lse = torch.where(some, m + torch.log(den_safe), torch.full_like(den, -math.inf))
-    return o.to(dtype), out_lse
+class _Kernels:
+    """One stage's attention: the forward (output and LSE within the stage: over its keys only) and the
+    backward of the stage's keys given the *final* output and LSE, the identity a ring's backward rests on:
+    with P = exp(S - LSE) the final probabilities and delta = rowsum(dO * O), dS = P * (dP - delta + dLSE)
+    restricted to a stage's keys is that stage's share, so each stage's dQ, dK, dV add up to the whole.
+
+    ``triton``: the kernels' forward and backward ops (`sparseflash.flash.autograd`), with the sub-mask's
+    lists and bits (built once per mask and device); the backward takes the final (out, LSE) directly, and
+    dropout's bits come back from the forward's draw. ``reference``: `sparseflash.attention` on the
+    reference backend; its backward recomputes the stage and pulls the same gradients through the merge
+    (dO_s = w dO, dLSE_s = w (rowsum(dO * O_s) - delta + dLSE), w = exp(LSE_s - LSE)), with dropout's
+    bits regenerated from the stage's seed."""
+
+    def __init__(self, backend: str, scale: float, dropout_p: float, q: torch.Tensor):
+        from sparseflash.api import resolve_backend
+
+        self.backend = resolve_backend(backend, q.device, q.dtype)
+        self.scale, self.p = scale, float(dropout_p)
+        self.seed = int(torch.randint(0, 1 << 62, (1,))) if self.p > 0 and self.backend == "reference" else 0
+
+    def check(self, q: torch.Tensor):
+        """What the kernels refuse, raised before any exchange."""
+        if self.backend == "triton":
+            from sparseflash.flash.autograd import check_runnable
+
+            check_runnable(q)
+
+    def fwd(self, q, k, v, mask, i: int):
+        """(o [B, Hq, n, Dv] in q's dtype, lse float32 with -inf where no key of the stage is attended, state)."""
+        if self.backend == "triton":
+            from sparseflash.flash.autograd import exact_tables, flash_fwd_eager, mask_lists
+
+            kv_idx, q_idx, bq, bk, density = mask_lists(mask, q.device)
+            bits, kv_tile, q_tile = exact_tables(mask, True, q.device, kv_idx, q_idx, False)
+            o, lse, rng = flash_fwd_eager(q, k, v, kv_idx, None, None, None, None, self.scale, False, bq, bk,
+                                          self.p, density, None, 0.0, bits, kv_tile, q_tile)
+            return o, lse.masked_fill_(lse == math.inf, -math.inf), rng
+        from sparseflash.api import attention as sparse_attention
+
+        o, lse = sparse_attention(q, k, v, mask, scale=self.scale, dropout_p=self.p, generator=self._gen(q, i),
+                                  return_lse=True, backend="reference")
+        return o, lse, None
+
+    def _gen(self, q, i):
+        return torch.Generator(q.device).manual_seed(self.seed + i) if self.p > 0 else None
+
+    def bwd(self, do, q, k, v, mask, out, lse, dlse, delta, state, i: int):
+        """(dq, dk, dv) of the stage's keys. ``lse``: the final LSE (+inf where nothing is attended: the
+        kernels' form, P = 0 there); ``delta``: rowsum(dO * O) (reference only)."""
+        if self.backend == "triton":
+            from sparseflash.flash.autograd import exact_tables, flash_bwd_impl, mask_lists
+
+            kv_idx, q_idx, bq, bk, density = mask_lists(mask, q.device)
+            bits, kv_tile, q_tile = exact_tables(mask, True, q.device, kv_idx, q_idx, False)
+            return flash_bwd_impl(do, q, k, v, out, lse, dlse, kv_idx, q_idx, None, state, None, None, self.scale,
+                                  False, bq, bk, self.p, density, None, 0.0, bits, kv_tile, q_tile)
+        from sparseflash.api import attention as sparse_attention
+
+        with torch.enable_grad():
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            o_s, lse_s = sparse_attention(qq, kk, vv, mask, scale=self.scale, dropout_p=self.p,
+                                          generator=self._gen(q, i), return_lse=True, backend="reference")
+            some = torch.isfinite(lse) & torch.isfinite(lse_s)
+            w = torch.where(some, torch.exp(lse_s.detach() - torch.where(some, lse, 0)), 0)
+            g_lse = w * ((do * o_s.detach()).sum(-1, dtype=w.dtype) - delta + (0 if dlse is None else dlse))
+            return torch.autograd.grad([o_s, lse_s], [qq, kk, vv], [(w[..., None] * do).to(o_s.dtype), g_lse])
+
+
+def _merge_into(acc: torch.Tensor, lse: torch.Tensor, o_s: torch.Tensor, lse_s: torch.Tensor):
+    """Fold one stage's (o_s, lse_s) into the running float32 (acc, lse) in place: both rescaled to their
+    log-sum-exp; rows that see no key yet keep 0 / -inf (a finite pivot: never -inf - (-inf))."""
+    new = torch.logaddexp(lse, lse_s)
+    pivot = torch.where(torch.isfinite(new), new, 0)
+    acc.mul_(torch.exp(lse - pivot)[..., None]).addcmul_(o_s, torch.exp(lse_s - pivot)[..., None])
+    lse.copy_(new)
+
+
+class _Attention(torch.autograd.Function):
+    """The pipelined exchange and its backward (module docstring, "The exchange"); saves q, k, v, out, LSE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, kern):
+        own, remote = plan.stages()
+        ops = plan.stage_ops(q.device)
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc_dtype)
+        lse = torch.full(q.shape[:3], -math.inf, dtype=acc_dtype, device=q.device)
+        states = {}
+
+        def compute(i, ks, vs):
+            o_s, lse_s, states[i] = kern.fwd(q, ks, vs, ops[i].mask, i)
+            _merge_into(acc, lse, o_s, lse_s)
+
+        fetch = _Fetch(plan, remote[0], ops[len(own)], k, v) if remote else None
+        for i in range(len(own)):  # while the first remote chunk travels
+            compute(i, _take(k, ops[i].keys), _take(v, ops[i].keys))
+        for j in range(len(remote)):
+            i = len(own) + j
+            kv = fetch.wait()
+            fetch = _Fetch(plan, remote[j + 1], ops[i + 1], k, v) if j + 1 < len(remote) else None
+            if kv is not None:
+                compute(i, *kv)
+            del kv
+        out = acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.kern, ctx.states = plan, kern, states
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, kern = ctx.plan, ctx.kern
+        own, remote = plan.stages()
+        ops = plan.stage_ops(q.device)
+        do = torch.zeros_like(out) if dout is None else dout.contiguous()
+        if dlse is not None:
+            dlse = torch.where(torch.isfinite(lse), dlse, 0)
+        if kern.backend == "triton":
+            lse_k, delta = torch.where(torch.isfinite(lse), lse, math.inf).float(), None
+        else:
+            lse_k, delta = lse, (do * out).sum(-1, dtype=lse.dtype)
+        acc_dtype = lse.dtype
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+
+        def grads(i, ks, vs):
+            g = kern.bwd(do, q, ks, vs, ops[i].mask, out, lse_k, dlse, delta, ctx.states[i], i)
+            dq.add_(g[0])
+            return g[1], g[2]
+
+        fetch = _Fetch(plan, remote[0], ops[len(own)], k, v) if remote else None
+        for i in range(len(own)):
+            gk, gv = grads(i, _take(k, ops[i].keys), _take(v, ops[i].keys))
+            _add_at(dk, ops[i].keys, gk)
+            _add_at(dv, ops[i].keys, gv)
+        back = None
+        for j, st in enumerate(remote):
+            i = len(own) + j
+            kv = fetch.wait()
+            fetch = _Fetch(plan, remote[j + 1], ops[i + 1], k, v) if j + 1 < len(remote) else None
+            g = None if kv is None else grads(i, *kv)
+            del kv
+            nxt = _Return(plan, st, ops[i], g, k, v)
+            if back is not None:  # the previous stage's gradients travelled while this one computed
+                back.finish(dk, dv)
+            back = nxt
+        if back is not None:
+            back.finish(dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def attention(q_l: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor, plan: Plan, *, dropout_p: float = 0.0,
@@ -740,12 +971,13 @@ def attention(q_l: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor, plan: Pla
     """Context-parallel `sparseflash.attention` of this rank's shards (``plan.shard`` outputs, GQA allowed).
 
     Every rank of ``plan.group`` must call it (and its backward). Returns this rank's ``o_l [B, H,
-    local_len, D]`` (and the float32 LSE ``[B, H, local_len]`` with ``return_lse``); padding rows hold
-    unspecified finite values that ``plan.unshard`` drops.
+    local_len, D]`` (and the LSE ``[B, H, local_len]``, float32, -inf where nothing is attended, with
+    ``return_lse``); padding rows are 0.
     """
-    from sparseflash.api import attention as _attention
+    kern = None
 
     def local():
+        nonlocal kern
         if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p <= 1.0:
             raise ValueError(f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
@@ -767,6 +999,8 @@ def attention(q_l: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor, plan: Pla
             raise ValueError(f"k_l and v_l must have one shape [batch, heads_kv, local_len, head_dim] with q_l's "
                              f"batch and head_dim and heads_q a multiple of heads_kv: got q_l {tuple(q_l.shape)}, "
                              f"k_l {tuple(k_l.shape)}, v_l {tuple(v_l.shape)}")
+        kern = _Kernels(backend, 1.0 / math.sqrt(q_l.shape[3]) if scale is None else float(scale), dropout_p, q_l)
+        kern.check(q_l)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_l, k_l, v_l))
         return [("q_l", q_l), ("k_l", k_l), ("v_l", v_l)], [
             ("dropout_p", "float", _float_code(dropout_p)),
@@ -774,44 +1008,5 @@ def attention(q_l: torch.Tensor, k_l: torch.Tensor, v_l: torch.Tensor, plan: Pla
             ("gradient (a backward will follow)", "bool", int(grad))]
 
     _check_call(plan, "sparseflash.distributed.attention", local)
-    me = plan.rank
-    handle = _start_exchange(plan, k_l, v_l)
-
-    def part(s, ks, vs):
-        return _attention(q_l, ks, vs, plan.sub_mask(s, q_l.device), scale=scale, dropout_p=dropout_p,
-                          return_lse=True, exact=True, backend=backend)
-
-    outs, lses = [], []
-    if plan.needed[me][me]:  # own blocks while the exchange runs (NCCL: on its own stream)
-        pos = _slots(plan, plan.needed[me][me], q_l.device)
-        o, lse = part(me, k_l.index_select(2, pos), v_l.index_select(2, pos))
-        outs.append(o)
-        lses.append(lse)
-    buf = _Exchange.apply(k_l, v_l, plan, handle)
-    B, Hk, _, Dk = k_l.shape
-    Dv = v_l.shape[3]
-    off = 0
-    for s in range(plan.world_size):
-        if s == me or not plan.needed[me][s]:
-            continue
-        n = len(plan.needed[me][s]) * plan.block_size
-        ks = buf[off:off + B * Hk * n * Dk].view(B, Hk, n, Dk)
-        off += ks.numel()
-        vs = buf[off:off + B * Hk * n * Dv].view(B, Hk, n, Dv)
-        off += vs.numel()
-        o, lse = part(s, ks, vs)
-        outs.append(o)
-        lses.append(lse)
-    # empty sums tie this rank's output to the exchange, so its backward (entered by every rank) runs
-    # even when no query here attends anything, and q_l gets a (zero) gradient then too
-    tie = (buf[:0].sum() + q_l[:, :, :0].sum()).to(q_l.dtype)
-    if not outs:
-        o = torch.zeros_like(q_l) + tie
-        lse = torch.full(q_l.shape[:3], -math.inf, device=q_l.device)
-        return (o, lse) if return_lse else o
-    if len(outs) == 1:  # one source: its result is the answer (empty rows already 0 / -inf)
-        o, lse = outs[0] + tie, lses[0]
-    else:
-        o, lse = _merge(outs, lses, q_l.dtype)
-        o = o + tie
+    o, lse = _Attention.apply(q_l, k_l, v_l, plan, kern)
     return (o, lse) if return_lse else o

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -27,16 +28,19 @@ def _docs(lengths):
 
 
 def _cases(w):
-    """(name, N, block, heads_q, heads_kv, d, plan kwargs, backend)."""
+    """(name, N, block, heads_q, heads_kv, d, plan kwargs, backend); ``stage_tokens`` in some plans cuts the
+    exchange into chunks of 1-3 blocks (the others: one stage per peer)."""
     g = torch.Generator().manual_seed(7)
     cases = []
     cases.append(("dense-N333", 333, 64, 2, 2, 16, {}, "reference"))
-    cases.append(("causal-N613-gqa", 613, 32, 4, 2, 16, {"causal": True}, "reference"))
-    cases.append(("butterfly-N500", 500, 32, 2, 1, 16, {"mask": butterfly(500, block_size=32)}, "reference"))
+    cases.append(("causal-N613-gqa-stage64", 613, 32, 4, 2, 16, {"causal": True, "stage_tokens": 64}, "reference"))
+    cases.append(("butterfly-N500-stage96", 500, 32, 2, 1, 16, {"mask": butterfly(500, block_size=32),
+                                                                "stage_tokens": 96}, "reference"))
     window = BlockMask.from_fn(lambda b, h, q, k: (k <= q) & (q - k < 45), 450, block_size=32)
     cases.append(("window45-causal-N450", 450, 32, 2, 2, 16, {"mask": window}, "reference"))
     seg = _docs([100, 7, 20, 250, 3, 233])  # crosses rank boundaries, some shorter than a block
-    cases.append(("docs-causal-N613", 613, 32, 2, 2, 16, {"causal": True, "segment_ids": seg}, "reference"))
+    cases.append(("docs-causal-N613-stage32", 613, 32, 2, 2, 16, {"causal": True, "segment_ids": seg,
+                                                                  "stage_tokens": 32}, "reference"))
     empty = BlockMask.from_fn(lambda b, h, q, k: ((q - k).abs() < 70) & ~((q >= 50) & (q < 90)) & (k < 380),
                               397, block_size=32)  # rows 50..89 attend nothing; keys past 380 never
     cases.append(("empty-rows-N397", 397, 32, 2, 2, 16, {"mask": empty}, "reference"))
@@ -44,7 +48,8 @@ def _cases(w):
     cases.append(("per-head-layout-N301", 301, 32, 2, 1, 16,
                   {"mask": BlockMask.from_layout(lay, 32, 301), "causal": True}, "reference"))
     if w == 2:
-        cases.append(("interpreter-docs-N90", 90, 32, 2, 1, 16, {"segment_ids": _docs([40, 50])}, "triton"))
+        cases.append(("interpreter-docs-N90-stage32", 90, 32, 2, 1, 16, {"segment_ids": _docs([40, 50]),
+                                                                          "stage_tokens": 32}, "triton"))
     else:  # the 4-rank group: the cases whose plans differ most with the world size
         cases = [c for c in cases if c[0].split("-")[0] in ("causal", "butterfly", "docs", "empty")]
     return cases
@@ -178,6 +183,8 @@ def _check_bad_input(rank, w):
     with pytest.raises(ValueError, match=r"gradient \(a backward will follow\): rank 0 False, rank 1 True"):
         sfd.attention(ql.requires_grad_(rank == 1), kl, kl, plan)
     ql.requires_grad_(False)
+    o = sfd.attention(ql, kl, kl, plan, backend="reference")  # (the group's point-to-point works after all that)
+    assert torch.isfinite(plan.unshard(o)).all() and plan.bytes_sent > 0
     # plans: one rank's arguments fail its checks; arguments that differ (block size, the mask's token-level
     # definition inside equal layouts); a rank that fails for another reason
     with pytest.raises(ValueError, match=r"plan: mask was built for \(200, 200\) tokens, expected .* \(rank 1\)"):
@@ -202,11 +209,116 @@ def _check_bad_input(rank, w):
     assert o.shape == ql.shape and torch.isfinite(o).all()
 
 
+def _check_pipeline(rank, w):
+    """The exchange's structure on a causal plan in one-block stages: each remote stage's transfer is posted
+    before the stage before it computes; at most two stages' received keys / values are alive at once,
+    each one stage long; only stages with keys compute; the backward fetches one stage ahead and returns a
+    stage's dK, dV while the next computes; only q, k, v, the output and its LSE are saved; a second call
+    builds nothing new."""
+    n, bs = 613, 32
+    plan = sfd.plan(n, None, causal=True, block_size=bs, stage_tokens=bs)
+    own, remote = plan.stages()
+    index = {id(st): i for i, st in enumerate(own + remote)}
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (plan.shard(torch.randn(1, 2, n, 16, generator=g)).requires_grad_() for _ in range(3))
+    log, live, most = [], set(), [0]
+    spied = sfd._Fetch, sfd._Return, sfd._Kernels.fwd, sfd._Kernels.bwd
+
+    class Fetch(spied[0]):
+        def __init__(self, plan_, st, *a):
+            super().__init__(plan_, st, *a)
+            log.append(("post", index[id(st)]))
+            for t in self.kv or ():
+                assert t.shape[2] <= bs
+                live.add(id(t))
+                weakref.finalize(t, live.discard, id(t))
+            most[0] = max(most[0], len(live))
+
+    class Return(spied[1]):
+        def __init__(self, plan_, st, *a):
+            super().__init__(plan_, st, *a)
+            self.i = index[id(st)]
+            log.append(("return", self.i))
+
+        def finish(self, *a):
+            log.append(("returned", self.i))
+            super().finish(*a)
+
+    sfd._Fetch, sfd._Return = Fetch, Return
+    sfd._Kernels.fwd = lambda self, *a: log.append(("fwd", a[-1])) or spied[2](self, *a)
+    sfd._Kernels.bwd = lambda self, *a: log.append(("bwd", a[-1])) or spied[3](self, *a)
+    saved = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            o, lse = sfd.attention(q, k, v, plan, return_lse=True, backend="reference")
+        fwd_log, log[:] = list(log), []
+        (o.sum() + lse.sum()).backward()
+        bwd_log = list(log)
+    finally:
+        sfd._Fetch, sfd._Return, sfd._Kernels.fwd, sfd._Kernels.bwd = spied
+    assert saved == [tuple(q.shape)] * 3 + [tuple(o.shape), tuple(lse.shape)], saved
+    at = lambda lg, e: lg.index(e)  # noqa: E731
+    computes = [i for i, st in enumerate(own + remote) if st.blocks]
+    assert [e[1] for e in fwd_log if e[0] == "fwd"] == computes
+    assert [e[1] for e in bwd_log if e[0] == "bwd"] == computes
+    if w == 2:  # zig-zag: rank 0 needs rank 1's 10 blocks, rank 1 rank 0's first 5: 5 stages only send there
+        assert len(remote) == 10 and sum(not st.blocks for st in remote) == 5 * rank
+    first = len(own)
+    for lg in (fwd_log, bwd_log):
+        assert at(lg, ("post", first)) < min(at(lg, (kind, i)) for kind in ("fwd", "bwd") for i in computes
+                                             if (kind, i) in lg)
+        for i in range(first, first + len(remote) - 1):
+            if i in computes:
+                kind = "fwd" if lg is fwd_log else "bwd"
+                assert at(lg, ("post", i + 1)) < at(lg, (kind, i)), (i, lg)
+    assert 2 <= most[0] <= 4, most  # K and V of two stages at most
+    for i in range(first, first + len(remote) - 1):
+        if i in computes and i + 1 in computes:
+            assert at(bwd_log, ("bwd", i)) < at(bwd_log, ("return", i)) < at(bwd_log, ("bwd", i + 1)) \
+                < at(bwd_log, ("returned", i)), (i, bwd_log)
+    expected = plan.expected_bytes(k, v, backward=True)
+    assert plan.bytes_sent == expected, (plan.bytes_sent, expected)
+    cache = dict(plan._cache)
+    with torch.no_grad():
+        sfd.attention(q, k, v, plan, backend="reference")
+    assert plan._cache.keys() == cache.keys() and all(plan._cache[x] is cache[x] for x in cache)
+
+
+def _check_dropout(rank, w):
+    """With dropout (one-block stages, float64, reference): the backward regenerates each stage's bits, so the
+    gradients are the forward's derivative (central differences along a random direction agree)."""
+    n, bs = 200, 32
+    plan = sfd.plan(n, None, causal=True, block_size=bs, stage_tokens=bs)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go, dq, dk, dv = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for _ in range(7))
+
+    def loss(qq, kk, vv, p=0.3):
+        torch.manual_seed(11)  # the same bits at every call
+        o = sfd.attention(plan.shard(qq), plan.shard(kk), plan.shard(vv), plan, dropout_p=p, backend="reference")
+        return (plan.unshard(o) * go).sum()
+
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    value = loss(qq, kk, vv)
+    value.backward()
+    grads = [qq.grad, kk.grad, vv.grad]
+    for t in grads:
+        dist.all_reduce(t)
+    assert abs(float(value.detach()) - float(loss(q, k, v, p=0.0))) > 1e-3, "dropout changed nothing"
+    eps = 1e-5
+    with torch.no_grad():
+        up, down = loss(q + eps * dq, k + eps * dk, v + eps * dv), loss(q - eps * dq, k - eps * dk, v - eps * dv)
+        fd = (up - down) / (2 * eps)
+    analytic = sum((gr * d).sum() for gr, d in zip(grads, (dq, dk, dv)))
+    assert abs(float(fd) - float(analytic)) <= 1e-6 * max(1.0, abs(float(analytic))), (float(fd), float(analytic))
+
+
 def _checks(rank, w):
     for case in _cases(w):
         _check_case(rank, w, *case)
     _check_bytes(rank, w)
+    _check_pipeline(rank, w)
     if w == 2:
+        _check_dropout(rank, w)
         _check_errors(rank, w)
         _check_bad_input(rank, w)
 
