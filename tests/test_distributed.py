@@ -312,6 +312,24 @@ def _check_dropout(rank, w):
     assert abs(float(fd) - float(analytic)) <= 1e-6 * max(1.0, abs(float(analytic))), (float(fd), float(analytic))
 
 
+def _check_torch_bytes(rank, w):
+    """The benchmark's count of what torch's context parallelism sends, on the collectives its attention module
+    really holds: a ring step (permute) sends its input, an all-gather W - 1 times it; results pass through."""
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+    from sparseflash.experiments.bench.context_parallel import TorchBytes
+
+    module = sys.modules[set_rotate_method.__module__]
+    held = module.ft_c
+    t = torch.arange(6, dtype=torch.float32) + 10 * rank
+    with TorchBytes(module, w) as counted:
+        ring = module._maybe_wait(module.ft_c.permute_tensor(t, [(r + 1) % w for r in range(w)], dist.group.WORLD))
+        every = module._maybe_wait(module.ft_c.all_gather_single(t, 0, dist.group.WORLD))
+    assert module.ft_c is held and counted.bytes == 24 + (w - 1) * 24
+    assert torch.equal(ring, torch.arange(6.0) + 10 * ((rank - 1) % w))
+    assert torch.equal(every, torch.cat([torch.arange(6.0) + 10 * r for r in range(w)]))
+
+
 def _checks(rank, w):
     for case in _cases(w):
         _check_case(rank, w, *case)
@@ -319,6 +337,7 @@ def _checks(rank, w):
     _check_pipeline(rank, w)
     if w == 2:
         _check_dropout(rank, w)
+        _check_torch_bytes(rank, w)
         _check_errors(rank, w)
         _check_bad_input(rank, w)
 
@@ -342,7 +361,7 @@ def test_benchmark_script_smoke(tmp_path):
            "--master-port", str(29500 + os.getpid() % 1000), "-m", "experiments.bench.context_parallel",
            "--out", str(out), "--device", "cpu", "--backend", "reference", "--check-len", "200",
            "--dense-lens", "256", "--sparse-lens", "448", "--block", "32", "--heads", "2", "--dim", "16",
-           "--window", "64", "--reps", "1", "--warmup", "0", "--one-gpu-max", "1000"]
+           "--window", "64", "--reps", "1", "--warmup", "0", "--one-gpu-max", "1000", "--stage-tokens", "64"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
@@ -357,7 +376,31 @@ def test_benchmark_script_smoke(tmp_path):
     for r in cp.values():
         assert float(r["ms"]) > 0 and r["sent_bytes"] == r["plan_bytes"], r
         assert float(r["work_max_over_mean"]) <= 1.1, r
+        assert r["stage_tokens"] == "64" and r["peak_gib"] == r["extra_gib"] == "", r  # (no memory figures on CPU)
+    assert not any(r["provider"].startswith("torch-cp") for r in rows)  # (CUDA only)
     assert (out / "context_parallel.png").exists()
+
+
+def test_benchmark_rows_merge_and_plot(tmp_path):
+    """A re-run replaces the rows it measures again and keeps the others; the figure draws time and memory
+    of every provider and GPU count in the file."""
+    from sparseflash.experiments.bench import context_parallel as cp
+
+    base = {f: "" for f in cp.FIELDS}
+    providers = ((4, "sparseflash-cp", 1.0, 0.5), (4, "torch-cp-alltoall", 2.0, 0.9), (1, "sparseflash-1gpu", 3.0, 0.2))
+    rows = [dict(base, kind="time", case="dense-causal", seq_len=n, world=w, provider=p, ms=ms, extra_gib=gib,
+                 gpu="H200", commit="abc") for n in (1024, 2048) for w, p, ms, gib in providers]
+    path = str(tmp_path / "cp.csv")
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, cp.FIELDS)
+        wr.writeheader()
+        wr.writerows(rows)
+    again = [dict(rows[0], ms=0.5), dict(rows[0], world=8, ms=0.3)]
+    table = cp.merge(path, again)
+    ours = [r["ms"] for r in table if str(r["seq_len"]) == "1024" and r["provider"] == "sparseflash-cp"]
+    assert len(table) == 7 and ours == [0.5, 0.3]
+    cp.plot(table, tmp_path / "cp.png")
+    assert (tmp_path / "cp.png").stat().st_size > 0
 
 
 def _predicate_cases():
