@@ -2,6 +2,7 @@
 rank joins the group and runs the test's check function; a rank that fails leaves its traceback,
 which fails the test (a spawned process's exception alone says only that it died)."""
 
+import datetime
 import os
 import tempfile
 import traceback
@@ -14,7 +15,9 @@ import torch.multiprocessing as mp
 
 def _rank(rank, check, world, init, out_dir):
     try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        # a bounded timeout: a collective that never matches fails the test instead of hanging it
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=180))
         torch.set_num_threads(1)
         check(rank, world)
         dist.barrier()

@@ -1,6 +1,6 @@
 """Context-parallel benchmark of `sparseflash.distributed` on the GPUs of one host (torchrun).
 
-    torchrun --nproc-per-node 2 -m sparseflash.experiments.bench.context_parallel \
+    torchrun --nproc-per-node 4 -m sparseflash.experiments.bench.context_parallel \
         --out experiments/results/context-parallel
 
 1. Correctness (small, ``--check-len``): bf16 outputs and q/k/v gradients of the context-parallel op and
@@ -9,15 +9,30 @@
    one-GPU error plus 1e-3.
 2. Timings, fwd+bwd, bf16 (``--heads``, ``--dim``): dense causal at ``--dense-lens``; local window
    ``--window`` causal, documents (lengths drawn from 2K-64K) and butterfly at ``--sparse-lens``.
-   Providers: ``sparseflash-cp`` (this module, W GPUs), ``sparseflash-1gpu`` (rank 0 alone, the full
-   sequence; skipped above ``--one-gpu-max``), ``torch-cp-cudnn`` (torch's ``context_parallel`` ring over
-   SDPA's cuDNN backend, dense causal only, where importable). Timing: CUDA events around each of
-   ``--reps`` calls after ``--warmup`` calls, all ranks in step (a barrier before each call), median.
-   Each row also has the plan's bytes (summed over ranks, forward + backward), the bytes the exchange
-   really sent, and the busiest rank's work over the mean.
+   Providers: ``sparseflash-cp`` (this module, W GPUs, stages of ``--stage-tokens``), ``sparseflash-1gpu``
+   (rank 0 alone, the full sequence; skipped above ``--one-gpu-max``), ``torch-cp-allgather`` and
+   ``torch-cp-alltoall`` (torch's ``context_parallel`` over SDPA's cuDNN backend, dense causal only, with
+   each of its rotate methods (``--torch-methods``): all-gather the keys/values once, or pass them round
+   the ring one permute a step; CUDA only). Timing: CUDA events around each of ``--reps`` calls after
+   ``--warmup`` calls, all ranks in step (a barrier before each call), median.
+   Each row also has: bytes sent, summed over ranks, in one fwd+bwd (``sent_bytes``: counted as sent;
+   for sparseflash ``plan_bytes`` is what the plan says it must be; for torch the bytes its collectives
+   move out of each rank: a permute its input, an all-gather W - 1 times its input), the busiest rank's
+   work over the mean, and per rank (CUDA) the peak allocated during one fwd+bwd (``peak_gib``, the
+   busiest rank; ``peak_gib_ranks``, every rank) and that peak beyond what the step found allocated and
+   the gradients it leaves (``extra_gib``, ``extra_gib_ranks``: what the method itself needs beyond the
+   local q, k, v, dO and their gradients).
 
-Writes ``OUT/context_parallel.csv`` (one row per measurement, GPU / versions / commit / date columns)
-and ``OUT/context_parallel.png``, and prints a table last.
+Writes ``OUT/context_parallel.csv`` (one row per measurement, GPU / versions / commit / date columns; a
+re-run replaces the rows of the same kind, case, length, GPU count and provider and keeps the others, so
+runs per length or per GPU count make one table) and ``OUT/context_parallel.png`` (time and memory per
+rank, from every row of the file), and prints a table last. The issue's set at 4 GPUs, in commands that
+each fit a few minutes::
+
+    B="torchrun --nproc-per-node 4 -m sparseflash.experiments.bench.context_parallel --out DIR"
+    $B --dense-lens 131072,262144,524288 --sparse-lens ""
+    $B --skip-check --dense-lens 1048576 --sparse-lens "" --one-gpu-max 0
+    $B --skip-check --dense-lens "" --sparse-lens 1048576
 """
 
 from __future__ import annotations
@@ -41,7 +56,9 @@ from sparseflash import BlockMask
 
 FIELDS = ["kind", "case", "seq_len", "world", "provider", "ms", "speedup_vs_1gpu", "err_out", "err_dq", "err_dk",
           "err_dv", "err_1gpu_max", "passed", "plan_bytes", "sent_bytes", "work_max_over_mean", "placement",
-          "plan_s", "peak_gib", "heads", "head_dim", "gpu", "torch", "triton", "commit", "date", "error"]
+          "plan_s", "peak_gib", "peak_gib_ranks", "extra_gib", "extra_gib_ranks", "stage_tokens", "heads",
+          "head_dim", "gpu", "torch", "triton", "commit", "date", "error"]
+KEY = ("kind", "case", "seq_len", "world", "provider")  # a re-run replaces the rows it measures again
 
 
 def _commit() -> str:
@@ -117,13 +134,42 @@ def _time(fn, warmup: int, reps: int, sync_group=True) -> float:
     return statistics.median(times)
 
 
-def _peak_reset(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+def step_memory(step, inputs, device) -> tuple:
+    """(peak GiB, extra GiB) of one call of ``step`` on this rank: the peak allocated while it ran, and
+    that peak beyond what was allocated when it started (``inputs``' gradients dropped first) and the
+    gradients it leaves on ``inputs``; ("", "") off CUDA."""
+    if device.type != "cuda":
+        step()
+        return "", ""
+    for t in inputs:
+        t.grad = None
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in inputs if t.grad is not None)
+    return peak / 2**30, (peak - start - grads) / 2**30
 
 
-def _peak(device):
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else ""
+def every_rank(values: tuple, device) -> list:
+    """Each rank's ``values`` (floats; "" off CUDA, the same on every rank): a list per value."""
+    if values[0] == "":
+        return [[""] for _ in values]
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    got = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, mine)
+    return [[float(t[i]) for t in got] for i in range(len(values))]
+
+
+def memory_fields(per_rank: list) -> dict:
+    """Row fields from `every_rank` of (peak, extra): the busiest rank's and every rank's (``;``-joined)."""
+    out = {}
+    for name, vals in zip(("peak_gib", "extra_gib"), per_rank):
+        if vals[0] != "":
+            out[name], out[name + "_ranks"] = max(vals), ";".join(f"{x:.3f}" for x in vals)
+    return out
 
 
 def _tensors(n, args, device, dtype, seed=0):
@@ -146,7 +192,7 @@ def check(args, base, device, rank, world):
             o = one_gpu_call(qq, kk, vv, kw, "reference" if dtype == torch.float64 else args.backend)
             o.backward(do.to(dtype))
             grads[name] = [o.detach().double(), qq.grad.double(), kk.grad.double(), vv.grad.double()]
-        plan = sfd.plan(n, None, block_size=args.block, **kw)
+        plan = sfd.plan(n, None, block_size=args.block, stage_tokens=args.stage_tokens, **kw)
         qq, kk, vv = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
         o = plan.unshard(sfd.attention(plan.shard(qq), plan.shard(kk), plan.shard(vv), plan, backend=args.backend))
         o.backward(do.to(torch.bfloat16))
@@ -167,7 +213,7 @@ def timing(args, base, device, rank, world, kind, n):
     rows = []
     kw = cases(kind, n, args, device)
     t0 = time.perf_counter()
-    plan = sfd.plan(n, None, block_size=args.block, **kw)
+    plan = sfd.plan(n, None, block_size=args.block, stage_tokens=args.stage_tokens, **kw)
     plan_s = time.perf_counter() - t0
     q, k, v, do = _tensors(n, args, device, torch.bfloat16)
     ql, kl, vl, dol = (plan.shard(t).detach().requires_grad_() for t in (q, k, v, do))
@@ -176,7 +222,6 @@ def timing(args, base, device, rank, world, kind, n):
         o = sfd.attention(ql, kl, vl, plan, backend=args.backend)
         o.backward(dol)
 
-    _peak_reset(device)
     plan.bytes_sent = 0
     step()  # first call: compile, build the sub-masks' bits
     sent = torch.tensor([plan.bytes_sent], device=device, dtype=torch.float64)
@@ -184,13 +229,13 @@ def timing(args, base, device, rank, world, kind, n):
     dist.all_reduce(sent)
     dist.all_reduce(planned)
     ms = _time(step, args.warmup, args.reps)
-    peak = _peak(device)
+    mem = memory_fields(every_rank(step_memory(step, (ql, kl, vl), device), device))
     work = plan.work
     rows.append(dict(base, kind="time", case=kind, seq_len=n, provider="sparseflash-cp", ms=ms,
                      plan_bytes=int(planned.item()), sent_bytes=int(sent.item()),
                      work_max_over_mean=max(work) / max(1e-9, statistics.mean(work)), placement=plan.placement,
-                     plan_s=plan_s, peak_gib=peak))
-    del ql, kl, vl, dol
+                     plan_s=plan_s, stage_tokens=plan.stage_blocks * args.block, **mem))
+    del ql, kl, vl, dol, plan
     one_ms = None
     if n <= args.one_gpu_max:
         if rank == 0:
@@ -199,10 +244,10 @@ def timing(args, base, device, rank, world, kind, n):
             def one():
                 one_gpu_call(qq, kk, vv, kw, args.backend).backward(do)
 
-            _peak_reset(device)
             one_ms = _time(one, args.warmup, args.reps, sync_group=False)
+            mem = memory_fields([[x] for x in step_memory(one, (qq, kk, vv), device)])
             rows.append(dict(base, kind="time", case=kind, seq_len=n, provider="sparseflash-1gpu", world=1, ms=one_ms,
-                             peak_gib=_peak(device)))
+                             **mem))
             del qq, kk, vv
         dist.barrier()
         t = torch.tensor([one_ms or 0.0], device=device)
@@ -210,37 +255,97 @@ def timing(args, base, device, rank, world, kind, n):
         one_ms = float(t.item())
         rows[0]["speedup_vs_1gpu"] = one_ms / ms
     if kind == "dense-causal" and not args.skip_torch_cp and device.type == "cuda":
-        row = dict(base, kind="time", case=kind, seq_len=n, provider="torch-cp-cudnn")
-        try:
-            row["ms"] = torch_cp_ms(args, q, k, v, do, world, device)
-            if one_ms:
-                row["speedup_vs_1gpu"] = one_ms / row["ms"]
-        except Exception as e:  # noqa: BLE001 - an unavailable or failing baseline is a row, not a crash
-            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        rows.append(row)
+        for method in args.torch_methods:
+            row = dict(base, kind="time", case=kind, seq_len=n, provider=f"torch-cp-{method}")
+            try:
+                row.update(torch_cp(args, q, k, v, do, world, device, method))
+                if one_ms:
+                    row["speedup_vs_1gpu"] = one_ms / row["ms"]
+            except Exception as e:  # noqa: BLE001 - an unavailable or failing baseline is a row, not a crash
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                torch.cuda.empty_cache()
+            rows.append(row)
     return rows
 
 
-def torch_cp_ms(args, q, k, v, do, world, device):
+class TorchBytes:
+    """Counts the bytes torch's context parallelism sends from this rank while it is entered: its
+    attention module moves keys / values (and their gradients) through the functional collectives it
+    holds as ``ft_c``: ``permute_tensor`` sends its input to one rank (the ring's step),
+    ``all_gather_single`` sends W - 1 times its input (a ring all-gather). ``bytes`` None: the module
+    has no ``ft_c`` (another torch) and nothing was counted."""
+
+    def __init__(self, module, world: int):
+        self.module, self.world, self.bytes = module, world, None
+
+    def __enter__(self):
+        self.orig = getattr(self.module, "ft_c", None)
+        if self.orig is None:
+            return self
+        self.bytes = 0
+        counter, orig = self, self.orig
+
+        class Counted:
+            def __getattr__(self, name):
+                return getattr(orig, name)
+
+            def permute_tensor(self, t, *a, **kw):
+                counter.bytes += t.numel() * t.element_size()
+                return orig.permute_tensor(t, *a, **kw)
+
+            def all_gather_single(self, t, *a, **kw):
+                counter.bytes += (counter.world - 1) * t.numel() * t.element_size()
+                return orig.all_gather_single(t, *a, **kw)
+
+        self.module.ft_c = Counted()
+        return self
+
+    def __exit__(self, *exc):
+        if self.orig is not None:
+            self.module.ft_c = self.orig
+        return False
+
+
+def torch_cp(args, q, k, v, do, world, device, method: str) -> dict:
+    """Row fields of torch's ``context_parallel`` (SDPA, cuDNN backend; its default load balancing) with
+    rotate method ``method`` ("allgather" or "alltoall"): ms, bytes sent (summed over ranks), memory."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    mesh = init_device_mesh("cuda", (world,))
-    bufs = [q.clone(), k.clone(), v.clone(), do.clone()]
-    with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
-        qs, ks, vs, dos = bufs
-        qs, ks, vs = (t.detach().requires_grad_() for t in (qs, ks, vs))
+    module = sys.modules[set_rotate_method.__module__]  # where the method and its collectives live
+    before = module._cp_options.rotate_method
+    set_rotate_method(method)
+    try:
+        mesh = init_device_mesh("cuda", (world,))
+        bufs = [q.clone(), k.clone(), v.clone(), do.clone()]
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
+            qs, ks, vs, dos = bufs
+            qs, ks, vs = (t.detach().requires_grad_() for t in (qs, ks, vs))
 
-        def step():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-            o.backward(dos)
+            def step():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+                o.backward(dos)
 
-        return _time(step, args.warmup, args.reps)
+            with TorchBytes(module, world) as counted:
+                step()
+            ms = _time(step, args.warmup, args.reps)
+            mem = memory_fields(every_rank(step_memory(step, (qs, ks, vs), device), device))
+    finally:
+        module._cp_options.rotate_method = before
+    out = dict(ms=ms, **mem)
+    if counted.bytes is not None:
+        sent = torch.tensor([float(counted.bytes)], device=device, dtype=torch.float64)
+        dist.all_reduce(sent)
+        out["sent_bytes"] = int(sent.item())
+    return out
 
 
 def plot(rows, path):
+    """Two panels from the rows: fwd+bwd ms and the busiest rank's extra memory, per case and length, a bar
+    per provider and GPU count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,27 +353,43 @@ def plot(rows, path):
 
     from sparseflash.experiments.bench.plots import save_figure
 
-    timed = [r for r in rows if r["kind"] == "time" and r.get("ms")]
-    labels = sorted({(r["case"], r["seq_len"]) for r in timed}, key=lambda c: (c[0], c[1]))
-    provs = sorted({r["provider"] for r in timed})
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(labels)), 4))
+    timed = [r for r in rows if r["kind"] == "time" and r.get("ms") not in ("", None)]
+    labels = sorted({(r["case"], int(r["seq_len"])) for r in timed})
+    provs = sorted({(r["provider"], int(r["world"])) for r in timed})
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(labels)), 4.2))
     width = 0.8 / max(1, len(provs))
-    for j, p in enumerate(provs):
-        xs, ys = [], []
-        for i, lab in enumerate(labels):
-            for r in timed:
-                if (r["case"], r["seq_len"]) == lab and r["provider"] == p:
-                    xs.append(i + j * width)
-                    ys.append(r["ms"])
-        ax.bar(xs, ys, width, label=p)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
-    ax.set_xticklabels([f"{c}\n{n // 1024}K" for c, n in labels], fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("fwd+bwd ms (median)")
-    world = max((r["world"] for r in timed), default=1)
-    ax.set_title(f"context parallel, {world} GPUs ({timed[0]['gpu'] if timed else ''})")
-    ax.legend(fontsize=8)
+    for ax, field, ylabel in ((axes[0], "ms", "fwd+bwd ms (median)"),
+                              (axes[1], "extra_gib", "GiB per rank beyond q, k, v, dO and grads (busiest)")):
+        for j, (p, w) in enumerate(provs):
+            xs, ys = [], []
+            for i, lab in enumerate(labels):
+                for r in timed:
+                    if (r["case"], int(r["seq_len"])) == lab and (r["provider"], int(r["world"])) == (p, w) \
+                            and r.get(field) not in ("", None):
+                        xs.append(i + j * width)
+                        ys.append(float(r[field]))
+            if xs:
+                ax.bar(xs, ys, width, label=f"{p} ({w} GPU{'s' if w > 1 else ''})")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
+        ax.set_xticklabels([f"{c}\n{n // 1024}K" if n >= 1024 else f"{c}\n{n}" for c, n in labels], fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        if field == "ms":
+            ax.set_yscale("log")
+    gpu = timed[0]["gpu"] if timed else ""
+    fig.suptitle(f"context parallel, fwd+bwd ({gpu}, commit {timed[0]['commit'] if timed else ''})", fontsize=9)
+    axes[0].legend(fontsize=7)
     save_figure(fig, path, dpi=120)
+
+
+def merge(path: str, rows: list) -> list:
+    """The rows of ``path`` (if any) with this run's rows in place of those of the same `KEY`."""
+    old = []
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            old = list(csv.DictReader(f))
+    mine = {tuple(str(r[k]) for k in KEY) for r in rows}
+    kept = [{f: r.get(f, "") for f in FIELDS} for r in old if tuple(r.get(k, "") for k in KEY) not in mine]
+    return kept + rows
 
 
 def _lens(text):
@@ -282,11 +403,15 @@ def parse(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--check-len", type=int, default=4099)
-    p.add_argument("--dense-lens", type=_lens, default=[131072, 262144])
-    p.add_argument("--sparse-lens", type=_lens, default=[262144])
+    p.add_argument("--dense-lens", type=_lens, default=[131072, 262144, 524288, 1048576])
+    p.add_argument("--sparse-lens", type=_lens, default=[1048576])
     p.add_argument("--sparse-cases", default="window,documents,butterfly")
     p.add_argument("--window", type=int, default=4096)
-    p.add_argument("--one-gpu-max", type=int, default=262144, help="longest sequence timed on one GPU too")
+    p.add_argument("--one-gpu-max", type=int, default=1048576, help="longest sequence timed on one GPU too")
+    p.add_argument("--stage-tokens", type=int, default=65536,
+                   help="sparseflash.distributed.plan's stage_tokens: keys/values one stage of the exchange moves")
+    p.add_argument("--torch-methods", type=lambda t: [m for m in t.split(",") if m], default=["allgather", "alltoall"],
+                   help="torch context_parallel rotate methods timed (set_rotate_method)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-torch-cp", action="store_true")
@@ -311,8 +436,9 @@ def main(argv=None):
     import triton
 
     base = {f: "" for f in FIELDS}
-    base.update(world=world, heads=args.heads, head_dim=args.dim, gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                torch=torch.__version__, triton=triton.__version__, commit=_commit(),
+    base.update(world=world, heads=args.heads, head_dim=args.dim,
+                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", torch=torch.__version__,
+                triton=triton.__version__, commit=_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     rows = [] if args.skip_check else check(args, base, device, rank, world)
     plan_ = [("dense-causal", n) for n in args.dense_lens]
@@ -329,25 +455,24 @@ def main(argv=None):
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "context_parallel.csv")
+        table = merge(path, rows)
         with open(path, "w", newline="") as f:
             wr = csv.DictWriter(f, FIELDS)
             wr.writeheader()
-            wr.writerows(rows)
+            wr.writerows(table)
         try:
-            plot(rows, os.path.join(args.out, "context_parallel.png"))
+            plot(table, os.path.join(args.out, "context_parallel.png"))
         except Exception as e:  # noqa: BLE001 - the CSV is the result; a figure problem is reported
             print(f"figure not made: {e}", file=sys.stderr)
         print(f"wrote {path}")
-        print(f"{'kind':6} {'case':13} {'N':>8} {'provider':16} {'ms':>9} {'x1gpu':>6} {'work':>5} "
-              f"{'plan MB':>8} {'sent MB':>8} {'pass':>5} error")
+        print(f"{'kind':6} {'case':13} {'N':>8} {'provider':18} {'ms':>9} {'x1gpu':>6} {'work':>5} "
+              f"{'plan MB':>8} {'sent MB':>8} {'peak GiB':>8} {'extra':>6} {'pass':>5} error")
+        num = lambda r, f, fmt, scale=1: format(r[f] / scale, fmt) if r[f] != "" else ""  # noqa: E731
         for r in rows:
-            ms = f"{r['ms']:.2f}" if r["ms"] != "" else ""
-            sp = f"{r['speedup_vs_1gpu']:.2f}" if r["speedup_vs_1gpu"] != "" else ""
-            wk = f"{r['work_max_over_mean']:.2f}" if r["work_max_over_mean"] != "" else ""
-            pb = f"{r['plan_bytes'] / 1e6:.1f}" if r["plan_bytes"] != "" else ""
-            sb = f"{r['sent_bytes'] / 1e6:.1f}" if r["sent_bytes"] != "" else ""
-            print(f"{r['kind']:6} {r['case']:13} {r['seq_len']:>8} {r['provider']:16} {ms:>9} {sp:>6} {wk:>5} "
-                  f"{pb:>8} {sb:>8} {str(r['passed']):>5} {r['error']}")
+            print(f"{r['kind']:6} {r['case']:13} {r['seq_len']:>8} {r['provider']:18} {num(r, 'ms', '.2f'):>9} "
+                  f"{num(r, 'speedup_vs_1gpu', '.2f'):>6} {num(r, 'work_max_over_mean', '.2f'):>5} "
+                  f"{num(r, 'plan_bytes', '.1f', 1e6):>8} {num(r, 'sent_bytes', '.1f', 1e6):>8} "
+                  f"{num(r, 'peak_gib', '.2f'):>8} {num(r, 'extra_gib', '.2f'):>6} {str(r['passed']):>5} {r['error']}")
     dist.barrier()
     dist.destroy_process_group()
 
