@@ -120,7 +120,7 @@ def test_list_threshold_per_gpu(monkeypatch):
     value where one is recorded (H200), the default elsewhere and on CPU tensors."""
     assert hopper_bwd.list_min_blocks(torch.device("cpu")) == hopper_bwd.LIST_MIN_BLOCKS
     monkeypatch.setattr(hopper_bwd, "gpu_name", lambda i: "NVIDIA H200")
-    assert hopper_bwd.list_min_blocks(torch.device("cuda", 0)) == hopper_bwd.LIST_MIN_BLOCKS_BY_GPU["H200"] == 10.0
+    assert hopper_bwd.list_min_blocks(torch.device("cuda", 0)) == hopper_bwd.LIST_MIN_BLOCKS_BY_GPU["H200"] == 4.0
     monkeypatch.setattr(hopper_bwd, "gpu_name", lambda i: "NVIDIA H100 80GB HBM3")
     assert hopper_bwd.list_min_blocks(torch.device("cuda", 0)) == hopper_bwd.LIST_MIN_BLOCKS
 

@@ -79,11 +79,13 @@ MODE = _env.text("SPARSEFLASH_HOPPER_BWD", "auto")
 # many 128-row q blocks on average: below, the kernel's fixed costs (the float32 dQ buffer zeroed and
 # cast, each tile's K/V load and dK/dV stores) outweigh its faster steps (the crossover against the
 # portable backward, measured on random masks at 16K: experiments/studies/hopper/README.md, the
-# column-list threshold). GPUs whose measured crossover is elsewhere have their own value
-# (`list_min_blocks`): an H200 (more memory bandwidth for the float32 dQ traffic) crosses over at
-# shorter lists (experiments/studies/sparse_bwd/).
+# column-list threshold). GPUs whose crossover was measured have their own value (`list_min_blocks`):
+# on an H200, since dK/dV are stored by TMA, this kernel wins from 4 blocks a column (random masks
+# d 64 and 128, causal windows, 4K and 16K) and the portable pair at 2-3
+# (experiments/studies/hopper_bwd_fa4/results/threshold/ and sparse_default/). The default stays
+# at the older, slower kernel's crossover until an H100 measures the current one.
 LIST_MIN_BLOCKS = 16.0
-LIST_MIN_BLOCKS_BY_GPU = {"H200": 10.0}
+LIST_MIN_BLOCKS_BY_GPU = {"H200": 4.0}
 # A CTA's key tile is TILE = 128 keys, 64 per consumer warpgroup; each step of its walk takes the
 # next q tile of `q_step` rows.
 # (Measurement variants of this kernel, without the dQ path, the walk's rotation or head groups,
