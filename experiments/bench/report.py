@@ -165,6 +165,9 @@ def _cell(r, bold=False, fmt=ms3):
 def dense_section(v: dict, rows, key: str, shapes=SHAPES, fmt=ms3) -> None:
     """The dense table of a kernel-check style run and its ratios against FA2, cuDNN and Flex."""
     provs = ["sparseflash-dense", "sdpa-flash", "sdpa-cudnn", "flex"]
+    fa4 = bool(pick(rows, provider="fa4-dense"))  # runs with FlashAttention-4 (a Hopper run of the preset)
+    if fa4:
+        provs.append("fa4-dense")
     lines = []
     for n, d in shapes:
         line = [n, d]
@@ -174,23 +177,32 @@ def dense_section(v: dict, rows, key: str, shapes=SHAPES, fmt=ms3) -> None:
             line.append(" ; ".join(cells))
         lines.append(line)
     v[f"{key}_dense_table"] = md_table(
-        ["N", "d", "sparseflash", "SDPA flash (FA2)", "SDPA cuDNN", "FlexAttention"], lines)
+        ["N", "d", "sparseflash", "SDPA flash (FA2)", "SDPA cuDNN", "FlexAttention"] + (["FlashAttention-4"] if fa4 else []),
+        lines)
     ratio = lambda other: [_dense(rows, other, n, d, m)["ms"] / _dense(rows, "sparseflash-dense", n, d, m)["ms"]
                            for n, d in shapes for m in MODES]
     v[f"{key}_x_fa2"] = span(ratio("sdpa-flash"))
     v[f"{key}_x_flex"] = span(ratio("flex"))
     v[f"{key}_x_cudnn"] = span(ratio("sdpa-cudnn"))
+    v[f"{key}_fa4"] = ""
+    if fa4:  # FA4's time / ours: our speed relative to FA4, forward and fwd+bwd apart (the gap is the backward)
+        per_mode = {m: [_dense(rows, "fa4-dense", n, d, m)["ms"] / _dense(rows, "sparseflash-dense", n, d, m)["ms"]
+                        for n, d in shapes] for m in MODES}
+        v[f"{key}_fa4"] = (f" Against FlashAttention-4 (its time / ours: above 1 is faster than FA4): forward "
+                           f"{span(per_mode['fwd'])}×, forward + backward {span(per_mode['fwdbwd'])}×.")
     v[f"{key}_commit"] = _stamp(rows)
     v[f"{key}_date"] = day(_stamp(rows, "date"))
     v[f"{key}_max_err"] = re.sub(r"e-0(\d)", r"e-\1", f"{max(r['max_err'] for r in rows if r.get('max_err') is not None):.1e}")
 
 
 def sparse_section(v: dict, rows, block: int) -> None:
+    fa4 = bool(pick(rows, provider="fa4"))
     lines, keep4, keep16 = [], [], []
     blocks = {4096: set(), 16384: set()}
     for n, d in SHAPES:
         line = [n, d]
         less = {m: [] for m in MODES}
+        vs_fa4 = {m: [] for m in MODES}  # FA4's time / ours on the same block lists
         for pat in ("random", "butterfly"):
             cells = []
             for m in MODES:
@@ -202,11 +214,18 @@ def sparse_section(v: dict, rows, block: int) -> None:
                 fx = _sparsest(rows, "flex", pat, n, d, m)
                 assert fx["rel_density"] == r["rel_density"]
                 less[m].append(f"{100 * (1 - r['ms'] / fx['ms']):.0f}%")
+                if fa4:
+                    f4 = _sparsest(rows, "fa4", pat, n, d, m)
+                    assert f4["rel_density"] == r["rel_density"]
+                    vs_fa4[m].append(f"{f4['ms'] / r['ms']:.2f}")
                 blocks[n].add(round(r["rel_density"] * n / block))
             line.append(" ; ".join(cells))
         line.append(" ; ".join(" / ".join(less[m]) for m in MODES))
+        if fa4:
+            line.append(" ; ".join(" / ".join(vs_fa4[m]) for m in MODES))
         lines.append(line)
-    v["kc_sparse_table"] = md_table(["N", "d", "random", "butterfly", "less than Flex (random / butterfly)"], lines)
+    v["kc_sparse_table"] = md_table(["N", "d", "random", "butterfly", "less than Flex (random / butterfly)"]
+                                    + (["× FA4's speed (random / butterfly)"] if fa4 else []), lines)
     v["kc_keep_16k"] = pct_span(keep16)
     v["kc_keep_4k"] = pct_span(keep4)
     v["kc_blocks_4k"] = span(blocks[4096], "{}")
