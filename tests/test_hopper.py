@@ -141,13 +141,18 @@ def test_bwd_delta_padding(device):
     g = torch.Generator().manual_seed(0)
     o, do = (torch.randn(2, 3, 70, 32, generator=g).to(device) for _ in range(2))
     lse, dlse = (torch.randn(2, 3, 70, generator=g).to(device) for _ in range(2))
-    lse2, delta = hopper_bwd.delta_rows(o, do, lse, dlse, 128, 1 / 0.125)
+    acc = torch.full(o.shape, float("nan"), device=device)  # the dQ sums, zeroed by the same launch
+    lse2, delta = hopper_bwd.delta_rows(o, do, lse, dlse, 128, 1 / 0.125, acc)
+    assert (acc == 0).all()
     assert lse2.shape == delta.shape == (6, 128)
     want = ((o.double() * do.double()).sum(-1) - dlse.double()).reshape(6, 70)
     torch.testing.assert_close(delta[:, :70].double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse2[:, :70].double(), lse.double().reshape(6, 70) / 0.125, rtol=1e-6, atol=1e-6)
     assert torch.isinf(lse2[:, 70:]).all() and (lse2[:, 70:] > 0).all()
     assert (delta[:, 70:] == 0).all()
+    with pytest.raises(ValueError, match="acc must be a contiguous float32 tensor of o's shape"):
+        hopper_bwd.delta_rows(o, do, lse, dlse, 128, 1 / 0.125, acc[:, :, :64])
+    assert torch.equal(hopper_bwd.delta_rows(o, do, lse, None, 128, 1 / 0.125)[0], lse2)  # (no acc: the same rows)
     # the rows a walk visits: 64-row steps when dense, whole mask blocks with lists
     assert [hopper_bwd.padded_rows(n, bq, 64) for n, bq in [(1050, None), (1050, 128), (1000, 256), (1024, 128)]] == [
         1088, 1152, 1024, 1024]

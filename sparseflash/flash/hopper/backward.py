@@ -620,11 +620,15 @@ def _rows(n_heads, seq_q, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
 @triton.jit
 def delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
                   n_heads, seq_q, n_pad, lse_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                  HAS_DLSE: tl.constexpr):
+                  HAS_DLSE: tl.constexpr, ACC=None):
     """For BLOCK rows of one (batch, head): delta = rowsum(dO * O) - dLSE and LSE2 = LSE * lse_scale,
     float32 [B * H, n_pad], rows seq_q .. n_pad - 1 padded with delta 0 and LSE2 +inf (P = 0), so
-    the backward's steps load them without masks."""
+    the backward's steps load them without masks. ACC (optional): the float32 dQ sums (contiguous
+    [B, H, seq_q, HEAD_DIM]), zeroed in the same rows, so the backward needs no fill launch of its own."""
     i_bh, i_b, i_h, o_m, o_d, m = _rows(n_heads, seq_q, BLOCK, HEAD_DIM)
+    if ACC is not None:
+        tl.store(ACC + (i_bh.to(tl.int64) * seq_q + o_m.to(tl.int64))[:, None] * HEAD_DIM + o_d[None, :],
+                 tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=m)
     b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + o_m.to(tl.int64)[:, None] * stride_om + o_d[None, :],
                   mask=m, other=0.0)
     b_do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :],
@@ -713,17 +717,21 @@ def padded_rows(n_q: int, mask_bq: int | None, step: int) -> int:
 CAST_ROWS = 64  # rows per program of the delta and cast kernels (a divisor of every step)
 
 
-def delta_rows(o, do, lse, dlse, n_pad: int, lse_scale: float):
+def delta_rows(o, do, lse, dlse, n_pad: int, lse_scale: float, acc=None):
     """(LSE * lse_scale, delta = rowsum(dO * O) - dLSE), float32 [B * H, n_pad] each, rows past
-    Nq padded with +inf and 0 (`delta_kernel`; ``lse_scale`` > 0)."""
+    Nq padded with +inf and 0 (`delta_kernel`; ``lse_scale`` > 0). ``acc``: None, or a contiguous
+    float32 tensor shaped like ``o`` that the same launch zeroes (the backward's dQ sums)."""
     B, H, Nq, D = o.shape
+    if acc is not None and (acc.shape != o.shape or acc.dtype != torch.float32 or not acc.is_contiguous()):
+        raise ValueError(f"acc must be a contiguous float32 tensor of o's shape {tuple(o.shape)}, got "
+                         f"{acc.dtype} {tuple(acc.shape)}{'' if acc.is_contiguous() else ' (not contiguous)'}")
     lse2 = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     delta = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     so, sdo = o.stride(), do.stride()
     binding.call(
         delta_kernel, (cdiv(n_pad, CAST_ROWS), B * H), O=o, DO=do, LSE=lse, DLSE=o if dlse is None else dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
         stride_oh=so[1], stride_om=so[2], stride_dob=sdo[0], stride_doh=sdo[1], stride_dom=sdo[2], n_heads=H, seq_q=Nq,
-        n_pad=n_pad, lse_scale=lse_scale, HEAD_DIM=D, BLOCK=CAST_ROWS, HAS_DLSE=dlse is not None)
+        n_pad=n_pad, lse_scale=lse_scale, HEAD_DIM=D, BLOCK=CAST_ROWS, HAS_DLSE=dlse is not None, ACC=acc)
     return lse2, delta
 
 
@@ -770,8 +778,9 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     n_pad = padded_rows(Nq, None if dense else mask_q, qt)
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
-    lse2, delta = delta_rows(o, do, lse, dlse, n_pad, 1.0 / scale)  # (the accumulators' start, see _bwd_consumer)
-    acc = torch.zeros((B, H, Nq, D), device=q.device, dtype=torch.float32)
+    # the float32 dQ sums, zeroed by the delta launch (one launch fewer than a fill of their own)
+    acc = torch.empty((B, H, Nq, D), device=q.device, dtype=torch.float32)
+    lse2, delta = delta_rows(o, do, lse, dlse, n_pad, 1.0 / scale, acc)  # (the accumulators' start, see _bwd_consumer)
     dk, dv = new(k), new(v)
     sk, sv = dk.stride(), dv.stride()
     desc_dq = descriptor(acc, (acc.stride(), False), *_dq_box(D, qt))  # each warpgroup adds its half
