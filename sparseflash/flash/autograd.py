@@ -28,8 +28,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from sparseflash import dropout
 from sparseflash.flash import launch, operands, tiles
-from sparseflash.mask import BlockMask
+from sparseflash.mask import BlockMask, sorted_nonzero
+from sparseflash.segments import key_range_block_layout, segment_block_layout
 from sparseflash import _env
 
 __all__ = ["flash_attention", "FlashAttentionFunction"]
@@ -38,9 +40,7 @@ __all__ = ["flash_attention", "FlashAttentionFunction"]
 def _rng_draw(rng: Optional[Tensor], device) -> Tensor:
     """A fresh dropout draw (or a copy of the one passed), int64 [3] on ``device``."""
     if rng is None:
-        from sparseflash.dropout import draw_rng
-
-        return draw_rng(device)
+        return dropout.draw_rng(device)
     return rng.clone()  # an op's output may not alias its input
 
 
@@ -199,9 +199,6 @@ def segment_lists(segments: tuple[Tensor, Tensor] | None, key_ranges: Tensor | N
     the key-range table ``key_ranges``, the pairs its ranges reach (`key_range_block_layout`, keys
     ``seq_k``); ``[B or B', H', QB, KB]``. Built on the device at every call (a sort per list, no
     host synchronisation)."""
-    from sparseflash.mask import sorted_nonzero
-    from sparseflash.segments import key_range_block_layout, segment_block_layout
-
     bq, bk = (SEGMENT_BLOCK, SEGMENT_BLOCK) if mask is None else mask.block_size
     if segments is None:
         layout = key_range_block_layout(key_ranges, seq_k, bq, bk)
@@ -272,9 +269,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
     bits, kv_tile, q_tile = exact_tables(mask, exact, q.device, kv_idx, q_idx, per_call)
     rng = None
     if dropout_p > 0.0 and generator is not None:
-        from sparseflash.dropout import draw_rng
-
-        rng = draw_rng(q.device, generator)
+        rng = dropout.draw_rng(q.device, generator)
     if key_lengths is not None:
         key_lengths = key_lengths.contiguous()
     # Self-attention may pass one tensor as q, k and v; dynamo cannot trace an autograd.Function

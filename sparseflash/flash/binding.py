@@ -15,6 +15,8 @@ launcher directly:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from sparseflash import _env
@@ -101,8 +103,6 @@ def _params(kernel) -> tuple:
     """(names, defaults) of ``kernel``'s parameters, in order."""
     info = _PARAMS.get(kernel)
     if info is None:
-        import inspect
-
         ps = list(inspect.signature(kernel.fn).parameters.values())
         info = _PARAMS[kernel] = (tuple(p.name for p in ps), tuple(p.default for p in ps))
     return info
@@ -179,8 +179,6 @@ def bind(kernel, compiled, args: dict) -> tuple | None:
         getattr(compiled, "packed_metadata", None)
     if run_c is None or function is None or meta is None:
         return None
-    import inspect
-
     names, defaults = _params(kernel)
     values, slots = [], []
     for i, (n, d) in enumerate(zip(names, defaults)):

@@ -43,13 +43,16 @@ goes the general way, as does every call with ``sparseflash.flash.fast.ENABLED =
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
 from torch import Tensor
 from torch.autograd import forward_ad as _forward_ad
 
-from sparseflash.flash import binding, launch, native
+from sparseflash._compat import check_interpreter_versions
+from sparseflash.flash import binding, launch, native, tiles
+from sparseflash.flash.autograd import check_runnable, estimate_work, mask_lists
 from sparseflash.mask import BlockMask
 from sparseflash import _env
 
@@ -116,8 +119,6 @@ class EntryLaunch:
 
 def _fwd_launch(q, k, v, kv_idx, kl, scale, causal, mask_bq, mask_bk, work) -> EntryLaunch | None:
     """The forward of an entry (no dropout, no tables); None when it would load through TMA."""
-    from sparseflash.flash import tiles
-
     if tiles.tma_plan(tiles.block_d(q.shape[-1]), q, k, v, work=work) is not None:
         return None
     plan = launch.plan_fwd(q, k, v, torch.empty_like(q), kv_idx, kl, scale, causal, mask_bq, mask_bk, 0.0)
@@ -127,8 +128,6 @@ def _fwd_launch(q, k, v, kv_idx, kl, scale, causal, mask_bq, mask_bk, work) -> E
 def _bwd_launches(do, q, k, v, o, kv_idx, q_idx, kl, scale, causal, mask_bq, mask_bk, work):
     """The dQ and dK/dV launches of an entry for ``do``'s layout; None when a plan would load
     through TMA."""
-    from sparseflash.flash import tiles
-
     if tiles.tma_plan(tiles.block_d(q.shape[-1]), q, k, v, do, o, work=work) is not None:
         return None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # only their layouts are read
@@ -222,8 +221,6 @@ class Entry:
             plan = None if launch_fwd is None else native.make_plan(launch_fwd, self.fwd.device, self.rows, self.has_kl,
                                                                     NativeFallback(self))
         except Exception as e:  # noqa: BLE001 - an unexpected Triton ABI: the Python path serves the entry
-            import warnings
-
             warnings.warn(f"sparseflash: the native short path does not take this call: {e}", RuntimeWarning,
                           stacklevel=3)
             plan = None
@@ -363,15 +360,11 @@ def call(entry: Entry, q, k, v, key_lengths, mask: BlockMask | None = None) -> T
 def make_entry(q, k, v, mask, causal, scale, kl):
     """The `Entry` of a new key for a call the general path validated (`build` stores it), or the
     marker `build` stores for keys whose calls go the general way."""
-    from sparseflash.flash.autograd import check_runnable, estimate_work, mask_lists
-
     try:
         check_runnable(q)
     except (TypeError, ValueError, RuntimeError):
         return _NO  # the general path raises it
     if q.device.type == "cpu":
-        from sparseflash._compat import check_interpreter_versions
-
         check_interpreter_versions()
     if kl is not None and not kl.is_contiguous():
         return _NO
