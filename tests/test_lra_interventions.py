@@ -182,3 +182,50 @@ def test_weights_export_is_bf16_small_and_loads_where_best_pt_does(tmp_path):
     with pytest.raises(ValueError, match="not a checkpoint of sparseflash lra train"):
         torch.save({"x": 1}, tmp_path / "other.pt")
         weights.export(tmp_path / "other.pt", tmp_path / "o.pt")
+
+
+def test_load_model_reads_a_curriculum_checkpoint_with_a_compacted_grid(tmp_path):
+    """A Path-X curriculum stage keeps its frozen 128x128 position table as its 64x64 source
+    (`neighbourhood.compact_grid`); cue_tests.load_model upsamples it again (through
+    `model.load_pretrained`) and gives the saved model back: the same weights, the same outputs.
+    Loading with ``load_state_dict`` fails on this file (size mismatch)."""
+    import torch
+
+    from sparseflash.experiments.lra.configs import get_config
+    from sparseflash.experiments.lra.model import upsample_grid
+    from sparseflash.experiments.lra.train import build_model
+    from sparseflash.experiments.studies.pathx import cue_tests
+    from sparseflash.experiments.studies.pathx.neighbourhood import compact_grid
+
+    cfg = get_config("pathx", "quick", ["model.d_model=8", "model.d_ff=8", "model.n_layers=1",
+                                        "model.attention=sdpa", "model.black_is_padding=True"])
+    torch.manual_seed(0)
+    model = build_model(cfg.validate()).eval()
+    with torch.no_grad():  # a frozen table upsampled 2x2 from Path-64, as the recipe starts
+        model.encoder.pos.grid.copy_(upsample_grid(torch.randn(64, 64, 8), (128, 128)))
+    path = tmp_path / "best.pt"
+    torch.save({"config": cfg.to_dict(), "model": model.state_dict(), "step": 11}, path)
+    assert compact_grid(path) == 2
+    saved = torch.load(path, weights_only=True)["model"]
+    assert tuple(saved["encoder.pos.grid"].shape) == (64, 64, 8)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        build_model(cfg.validate()).load_state_dict(saved)
+
+    loaded, step = cue_tests.load_model(path, 128, "cpu")
+    assert step == 11 and not loaded.training
+    want = model.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # one forward: a sparse 128 px image (black pixels are padding), the same logits
+    img = np.zeros((1, 128 * 128), np.int64)
+    img[0, np.random.default_rng(0).choice(128 * 128, 300, replace=False)] = 200
+    x, lengths = torch.from_numpy(img + 1), torch.full((1,), 128 * 128)
+    with torch.no_grad():
+        assert torch.allclose(loaded(x, lengths), model(x, lengths), atol=1e-6, rtol=0)
+
+    # weights that do not fit the config (another width) are named as such, not loaded half-way
+    other = get_config("pathx", "quick", ["model.d_model=16", "model.d_ff=8", "model.n_layers=1",
+                                          "model.attention=sdpa"])
+    torch.save({"config": other.to_dict(), "model": saved}, tmp_path / "bad.pt")
+    with pytest.raises(SystemExit, match="bad.pt: .*shape"):
+        cue_tests.load_model(tmp_path / "bad.pt", 128, "cpu")

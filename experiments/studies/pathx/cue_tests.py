@@ -139,10 +139,16 @@ def balance_probe(data: dict, *, seed: int = 0, bins: int = 20, epochs: int = 60
 
 # ----------------------------------------------------------------------------- the models
 def load_model(path: Path, resolution: int, device: str):
-    """The checkpoint's model in eval mode (a task of ``resolution``; SDPA attention on a CPU)."""
+    """The checkpoint's model in eval mode (a task of ``resolution``; SDPA attention on a CPU).
+
+    Loaded through `model.load_pretrained`, as ``zero_shot.py`` and every curriculum stage load: a
+    curriculum stage's ``best.pt`` keeps its frozen position table compacted to its source
+    (`neighbourhood.compact_grid`: 128x128 stored as 64x64), which is upsampled back here; any other
+    mismatch with the model the config builds is an error."""
     import torch
 
     from sparseflash.experiments.lra.configs import config_from_dict
+    from sparseflash.experiments.lra.model import load_pretrained
     from sparseflash.experiments.lra.train import build_model
 
     ck = load_checkpoint(path)
@@ -154,7 +160,14 @@ def load_model(path: Path, resolution: int, device: str):
     if torch.device(device).type == "cpu":
         cfg.model.attention = "sdpa"  # the same function without the GPU kernels
     model = build_model(cfg.validate())
-    model.load_state_dict(ck["model"])
+    own = set(model.state_dict())
+    if set(ck["model"]) != own:  # load_pretrained would leave a head fresh or skip one: not this model's weights
+        raise SystemExit(f"{path}: the weights do not fit the model its config builds (missing "
+                         f"{sorted(own - set(ck['model']))}, unexpected {sorted(set(ck['model']) - own)})")
+    try:
+        load_pretrained(model, ck["model"])  # a compacted (block-constant) position grid upsampled again
+    except ValueError as e:
+        raise SystemExit(f"{path}: {e}") from None
     return model.to(device).eval(), ck.get("step")
 
 
