@@ -147,8 +147,9 @@ def test_weights_export_is_bf16_small_and_loads_where_best_pt_does(tmp_path):
 
     import torch
 
+    from sparseflash.cmdline import CommandError
     from sparseflash.experiments.lra import weights
-    from sparseflash.experiments.lra.configs import get_config
+    from sparseflash.experiments.lra.configs import config_from_dict, get_config
     from sparseflash.experiments.lra.train import build_model
     from sparseflash.experiments.studies.pathx import cue_tests
 
@@ -167,15 +168,22 @@ def test_weights_export_is_bf16_small_and_loads_where_best_pt_does(tmp_path):
     run = tmp_path / "pf" / "checkpoints"
     run.mkdir(parents=True)
     torch.save({"config": cfg.to_dict(), "model": build_model(cfg.validate()).state_dict(), "step": 5}, run / "best.pt")
-    (tmp_path / "pf" / "summary.json").write_text(json.dumps({"commit": "abc1234"}))
-    assert weights.main([str(run / "best.pt"), str(tmp_path / "pf.pt")]) == 0
-    saved = torch.load(tmp_path / "pf.pt", weights_only=True)
+    (tmp_path / "pf" / "summary.json").write_text(json.dumps({"commit": "abc1234", "pattern": "dense",
+                                                             "density": 1.0}))
+    assert weights.main(["export", str(run / "best.pt"), str(tmp_path / "w" / "pf")]) == 0
+    saved = torch.load(tmp_path / "w" / "pf" / "model.pt", weights_only=True)
     assert saved["commit"] == "abc1234" and saved["step"] == 5 and len(saved["sha256"]) == 64
     assert all(v.dtype == torch.bfloat16 for v in saved["model"].values() if v.is_floating_point())
+    info = json.loads((tmp_path / "w" / "pf" / "config.json").read_text())
+    assert (info["run"], info["task"], info["pattern"], info["density"], info["step"]) == ("pf", "pathfinder32",
+                                                                                          "dense", 1.0, 5)
+    assert config_from_dict(info["config"]).to_dict() == cfg.to_dict() and info["sha256"] == saved["sha256"]
+    with pytest.raises(CommandError, match="already holds model.pt, config.json"):
+        weights.main(["export", str(run / "best.pt"), str(tmp_path / "w" / "pf")])
     images = pf.render_many(pf.params_for(32, "hard"), np.random.default_rng(1), [0, 1] * 8)
     images = np.stack(images)
     full, _ = cue_tests.load_model(run / "best.pt", 32, "cpu")
-    small, step = cue_tests.load_model(tmp_path / "pf.pt", 32, "cpu")
+    small, step = cue_tests.load_model(tmp_path / "w" / "pf" / "model.pt", 32, "cpu")
     assert step == 5
     agree = (cue_tests.predict(full, images, "cpu") == cue_tests.predict(small, images, "cpu")).mean()
     assert agree >= 0.8
@@ -229,3 +237,62 @@ def test_load_model_reads_a_curriculum_checkpoint_with_a_compacted_grid(tmp_path
     torch.save({"config": other.to_dict(), "model": saved}, tmp_path / "bad.pt")
     with pytest.raises(SystemExit, match="bad.pt: .*shape"):
         cue_tests.load_model(tmp_path / "bad.pt", 128, "cpu")
+
+
+def test_weights_evaluate_scores_every_exported_model_and_says_when_there_is_none(tmp_path, capsys):
+    """``weights evaluate``: each WEIGHTS/<run>/model.pt on fresh, clean and swap-test images of its
+    task, one CSV row a model and set, with the bf16 model's answers; no weights: one line naming
+    --weights, before any work."""
+    import csv
+    import json
+
+    import torch
+
+    from sparseflash.cmdline import CommandError
+    from sparseflash.experiments.lra import weights
+    from sparseflash.experiments.lra.configs import get_config
+    from sparseflash.experiments.lra.train import build_model
+    from sparseflash.experiments.studies.pathx import cue_tests
+
+    with pytest.raises(CommandError, match="--weights .*nowhere: no such folder"):
+        weights.main(["evaluate", "--weights", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CommandError, match="--weights .*empty: no exported weights"):
+        weights.main(["evaluate", "--weights", str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+    cfg = get_config("pathfinder32", "quick", ["model.d_model=16", "model.d_ff=16", "model.n_layers=1",
+                                               "model.attention=sdpa", "model.black_is_padding=True"])
+    torch.manual_seed(0)
+    model = build_model(cfg.validate())
+    with torch.no_grad():  # large random weights: answers that differ from image to image
+        for p in model.parameters():
+            p.mul_(30)
+    run = tmp_path / "runs" / "tiny-bip"
+    (run / "checkpoints").mkdir(parents=True)
+    torch.save({"config": cfg.to_dict(), "model": model.state_dict(), "step": 3}, run / "checkpoints" / "best.pt")
+    weights.export_run(run / "checkpoints" / "best.pt", tmp_path / "w" / "tiny-bip")
+    with pytest.raises(CommandError, match="--runs other: no"):
+        weights.main(["evaluate", "--weights", str(tmp_path / "w"), "--runs", "other", "--out", str(tmp_path / "o")])
+    assert weights.main(["evaluate", "--weights", str(tmp_path / "w"), "--num", "16", "--workers", "1",
+                         "--device", "cpu", "--threads", "1", "--out", str(tmp_path / "o")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "o" / "weights_eval.csv")))
+    assert [(r["run"], r["task"], r["set"], r["n"]) for r in rows] == [
+        ("tiny-bip", "pathfinder32", "fresh", "16"), ("tiny-bip", "pathfinder32", "swap-R5", "16"),
+        ("tiny-bip", "pathfinder32", "clean", "16")]
+    # the rows are the exported model's answers on those very images
+    sets = weights.evaluation_sets(32, 16, 1, workers=1)
+    model, _ = cue_tests.load_model(tmp_path / "w" / "tiny-bip" / "model.pt", 32, "cpu")
+    answers = set()
+    for r in rows:
+        images, labels = sets[r["set"]]
+        pred = cue_tests.predict(model, images, "cpu")
+        answers |= set(pred.tolist())
+        assert float(r["acc"]) == round(float(np.mean(pred == labels)), 4)
+        assert r["headline_acc"] == "" and r["step"] == "3"
+    assert answers == {0, 1}  # not a constant model
+    assert not np.array_equal(sets["fresh"][0], sets["clean"][0])
+    meta = json.loads((tmp_path / "o" / "weights_eval.json").read_text())["meta"]
+    assert meta["num"] == 16 and meta["seed"] == 1 and meta["device"] == "cpu"
+    with pytest.raises(CommandError, match="already holds weights_eval.csv"):  # an earlier table is kept
+        weights.main(["evaluate", "--weights", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
