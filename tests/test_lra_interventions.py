@@ -3,6 +3,8 @@ redrawing an image from the generator's layers gives it back byte for byte; a cu
 snake and a join links the two target snakes, both leaving every pixel near the markers as it was;
 balancing removes the label information from features that carry it. Small images, CPU, ~10 s."""
 
+import math
+
 import numpy as np
 import pytest
 from scipy import ndimage
@@ -57,6 +59,78 @@ def test_cut_and_join_change_the_path_and_nothing_near_the_markers(resolution, f
             grown = ndimage.binary_dilation(changed, iterations=2)
             assert (grown & (lay["ids"] == 1)).any() and (grown & (lay["ids"] == 2)).any()
     assert done[1] >= 2 and done[0] >= 2, done  # most images take a cut or a join
+
+
+@pytest.mark.parametrize("resolution,fidelity", [(64, "release"), (128, "release"), (256, "clean")])
+def test_control_cut_takes_out_a_distractor_run_of_the_cuts_size(resolution, fidelity):
+    """The matched control: paddles of a distractor only, far from the markers, no target pixel
+    touched (so the path is as it was), and about as many pixels changed as the cut it matches."""
+    p, made = _made(resolution, fidelity, 12)
+    radius = iv.default_radius(resolution)
+    matched = []
+    for img, lay in made:
+        label = int(lay["tip_snakes"][0] == lay["tip_snakes"][1])
+        real = iv.cut(img, lay, p) if label else None
+        out = iv.control_cut(img, lay, p, match=real[1]["changed"] if real else None)
+        if out is None:
+            continue
+        new, info = out
+        changed = new != img
+        assert info["snake"] >= 2 and changed.sum() == info["changed"] > 0 and (new <= img).all()
+        assert new.shape == img.shape and new.dtype == np.uint8
+        assert _far(img.shape, lay["tips"], radius)[changed].all() and iv.unchanged_within(img, new, lay["tips"], radius)
+        assert not changed[iv._drawn(lay, [0, 1])].any()  # the target snakes keep every drawn pixel
+        assert np.array_equal(new, iv.compose(lay, [(info["snake"], k) for k in info["paddles"]]))
+        assert np.array_equal(new[lay["ids"] == 1], img[lay["ids"] == 1])  # as seen in the image, too
+        assert np.array_equal(new[lay["ids"] == 2], img[lay["ids"] == 2])
+        if real is not None:
+            matched.append((real[1]["changed"], info["changed"]))
+    assert len(matched) >= 3, matched
+    off = [abs(a - b) / a for a, b in matched]
+    assert max(off) <= 0.25 and np.median(off) <= 0.05, matched  # the same size of edit, a few pixels either way
+    with pytest.raises(ValueError, match="n_paddles"):
+        iv.control_cut(made[0][0], made[0][1], p, n_paddles=0)
+    with pytest.raises(ValueError, match="match"):
+        iv.control_cut(made[0][0], made[0][1], p, match=0)
+
+
+@pytest.mark.parametrize("resolution,fidelity", [(128, "release"), (128, "clean"), (256, "release")])
+def test_dashed_join_links_the_free_snake_ends_with_paddle_like_dashes(resolution, fidelity):
+    """The dashed join starts and stops a paddle gap from the two target snakes' free ends (never at
+    a marker's end, never mid-snake), is made of separate dashes about a paddle long, changes
+    nothing near the markers and links them."""
+    p, made = _made(resolution, fidelity, 16)
+    radius, done = iv.default_radius(resolution), 0
+    for img, lay in made:
+        if lay["tip_snakes"][0] == lay["tip_snakes"][1]:
+            with pytest.raises(ValueError, match="label 0"):
+                iv.dashed_join(img, lay, p)
+            continue
+        out = iv.dashed_join(img, lay, p)
+        if out is None:
+            continue
+        done += 1
+        new, info = out
+        changed = new != img
+        assert (new >= img).all() and changed.sum() == info["changed"] > 0
+        assert _far(img.shape, lay["tips"], radius)[changed].all() and iv.unchanged_within(img, new, lay["tips"], radius)
+        # the joined ends are the snakes' ends without a marker
+        ends = {tuple(map(int, e)) for e in info["ends"]}
+        snake_ends = {tuple(map(int, e)) for e in (*lay["origins"], *lay["terminals"])}
+        tips = {tuple(map(int, t)) for t in lay["tips"]}
+        assert len(ends) == 2 and ends <= snake_ends and not ends & tips
+        gap = lay["margin"]
+        (a, b), dashes = info["ends"], info["dashes"]
+        assert math.isclose(math.dist(a, dashes[0][0]), gap, abs_tol=1e-6)
+        assert math.isclose(math.dist(b, dashes[-1][1]), gap, abs_tol=1e-6)
+        lengths = [math.dist(*d) for d in dashes]
+        assert all(0.5 * p.paddle_length <= x <= 2 * p.paddle_length for x in lengths), lengths
+        # separate strokes: the new ink falls apart into about one piece a dash
+        pieces = ndimage.label(changed & (new >= 0.2 * 255))[1]
+        assert pieces >= max(2, len(dashes) // 2), (pieces, len(dashes))
+        drawn = iv._drawn(lay, [0, 1]) | (changed & (new > 0))
+        assert iv.chained(drawn, lay["tips"], lay["margin"])
+    assert done >= 3, done
 
 
 def test_interventions_refuse_the_wrong_class_and_bad_layers():
