@@ -183,6 +183,20 @@ def test_score_follow_and_flip_rates():
     reader = labels[ok]  # answers as before: follows nothing
     rows = score(pred, reader, data, {}, (np.array([1]), np.array([1])))
     assert all(r["follow"] == 0.0 and r["flip"] == 0.0 for r in rows if r["set"] == "cut")
+    # the controls: a model that flips on any edit flips on the distractor cut too; the dashed join
+    data.update(control_ok=np.array([True, False, True, True, True, False]),
+                dashed_ok=np.array([False, False, True, False, False, True]))
+    edgy = 1 - labels[data["control_ok"]]  # answers the other way after any edit
+    rows = score(pred, tracer, data, {}, (np.array([1]), np.array([1])), edgy, np.array([1, 0]))
+    by = {(r["set"], r["class"]): r for r in rows}
+    assert by["control", "positives"]["flip"] == 1.0 and by["control", "positives"]["acc"] == 0.0
+    assert (by["control", "positives"]["n"], by["control", "positives"]["n_skipped"]) == (2, 1)
+    assert (by["control", "negatives"]["n"], by["control", "negatives"]["flip"]) == (2, 1.0)
+    assert by["dashed-join", "joined negatives"]["follow"] == 0.5 and by["dashed-join", "joined negatives"]["n"] == 2
+    assert by["dashed-join", "joined negatives"]["n_skipped"] == 1
+    steady = labels[data["control_ok"]]
+    rows = score(pred, tracer, data, {}, (np.array([1]), np.array([1])), steady, np.array([0, 0]))
+    assert all(r["flip"] == 0.0 for r in rows if r["set"] in ("control", "dashed-join"))
 
 
 def test_cue_tests_command_on_a_tiny_model(tmp_path):
@@ -202,10 +216,13 @@ def test_cue_tests_command_on_a_tiny_model(tmp_path):
     assert cue_tests.main([str(tmp_path / "best.pt"), "--labels", "tiny", "--resolution", "32", "--num", "40",
                            "--balance-pool", "200", "--workers", "1", "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
     rows = json.loads((tmp_path / "o" / "cue_tests.json").read_text())["rows"]
-    assert [(r["set"], r["class"]) for r in rows] == [("fresh", "all"), ("cut", "cut positives"),
-                                                      ("cut", "joined negatives"), ("swapR5", "all"), ("balanced", "all")]
+    assert [(r["set"], r["class"]) for r in rows] == [
+        ("fresh", "all"), ("cut", "cut positives"), ("cut", "joined negatives"), ("control", "positives"),
+        ("control", "negatives"), ("dashed-join", "joined negatives"), ("swapR5", "all"), ("balanced", "all")]
     assert all(r["label"] == "tiny" and r["step"] == 7 for r in rows)
     assert rows[0]["n"] == 40 and rows[1]["n"] + rows[1]["n_skipped"] == 20
+    assert rows[3]["n"] + rows[3]["n_skipped"] == 20 and rows[4]["n"] + rows[4]["n_skipped"] == 20
+    assert rows[5]["n"] + rows[5]["n_skipped"] == 20
     probe = json.loads((tmp_path / "o" / "balance_probe.json").read_text())
     assert {(r["set"], r["feature"]) for r in probe["rows"]} == {(s, f) for s in ("all", "balanced")
                                                                  for f in ("coords", "paddle-directions", "patches")}

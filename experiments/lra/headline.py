@@ -226,7 +226,7 @@ def _from_zero_shot(folder: str, label: str, input_: str, run_dir: str, task: st
 def _from_cue_tests(folder: str, label: str, set_: str, cls: str, run_dir: str, task: str, eval_set: str) -> dict:
     """A row of ``cue_tests.py``'s table: model ``label`` (trained in ``run_dir``) on ``set_`` /
     ``cls``. For the cut set ``test_acc`` is the follow rate (answers equal to the changed image's
-    label: 0 for a cut positive, 1 for a joined negative); otherwise the accuracy."""
+    label: 0 for a cut positive, 1 for a joined negative; also the dashed join's); otherwise the accuracy."""
     z = _read_json(f"{folder}/cue_tests.json")
     r = next((r for r in z["rows"] if r["label"] == label and r["set"] == set_ and r["class"] == cls), None)
     if r is None:
@@ -234,7 +234,7 @@ def _from_cue_tests(folder: str, label: str, set_: str, cls: str, run_dir: str, 
     s, m = _read_json(f"{run_dir}/summary.json"), z["meta"]
     name = _read_json(f"{run_dir}/result.json")["tag"] if (ROOT / run_dir / "result.json").is_file() else Path(run_dir).name
     return _row(task, "release", eval_set, s["pattern"], s["density"], _seed(run_dir),
-                r["follow"] if set_ == "cut" else r["acc"], r["n"], _short(m.get("commit")),
+                r["follow"] if "follow" in r else r["acc"], r["n"], _short(m.get("commit")),
                 m.get("gpu") or m.get("device"), m.get("date"), f"{folder}/cue_tests.json#{label}/{set_}/{cls}", name,
                 *_attended(run_dir, r.get("mean_tokens")))
 
