@@ -100,3 +100,26 @@ def test_cue_tests_rows_read_the_follow_rate(monkeypatch):
     assert bal["test_acc"] == 0.52 and bal["source"] == "X/cue_tests.json#dense/balanced/all"
     with pytest.raises(LookupError, match="no row"):
         headline._from_cue_tests("X", "butterfly", "cut", "cut positives", run, "pathfinder32", "cut-positives")
+
+
+def test_attended_length_and_effective_density(rows):
+    """Each row's attended tokens and the pattern's density over them (the top-left corner the packed
+    encoder runs): the full grid's density when every position is attended, more over fewer tokens;
+    empty only where no run file records the attended length (ListOps, black-as-padding Pathfinder-32)."""
+    model = {"pattern": "butterfly", "seq_len": 16384, "block_size": 128, "pattern_kwargs": {}}
+    assert headline.effective_density(model, 16384) == pytest.approx(0.0625)
+    assert headline.effective_density(model, 128) == 1.0  # one block: the diagonal is kept
+    assert headline.effective_density(dict(model, pattern=None), 2000) == 1.0
+    for r in rows:
+        if r["attended_tokens"] is None:
+            assert r["effective_density"] is None
+            assert r["task"] == "listops" or (r["task"] == "pathfinder32" and r["run"] != "faithful-dense"), r["run"]
+            continue
+        assert r["density"] <= r["effective_density"] <= 1
+        assert r["effective_density"] == 1 if r["pattern"] == "dense" else r["effective_density"] > r["density"]
+    p256 = next(r for r in rows if r["task"] == "path256" and r["eval_set"] == "release-val")
+    assert p256["attended_tokens"] == 2451.2 and 0.24 <= p256["effective_density"] <= 0.26
+    assert "0.25 of the blocks over its ~2.45K attended tokens" in headline.render_table(rows)
+    bfly = next(r for r in rows if r["run"] == "cont-bfly-1-full" and r["eval_set"] == "release-val")
+    assert "a dense curriculum model continued 14,758 steps with butterfly 0.0625" in headline.render_table(rows)
+    assert bfly["effective_density"] == pytest.approx(headline.effective_density(model, bfly["attended_tokens"]), abs=1e-4)

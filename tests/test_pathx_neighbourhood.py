@@ -251,8 +251,15 @@ def test_radius_stages_chain_their_weights_and_resume(tmp_path):
     assert nb.main(base + ["--runs", "scratch", "--steps", "2", "--keep-checkpoints", "--tag", "seed", "--no-probe"]) == 0
     first = out / "runs" / "seed" / "checkpoints" / "best.pt"
     stages = base + ["--runs", "pretrained-frozen", "--init-from", str(first), "--radius-stages", "9", "full",
-                     "--steps", "2", "--no-probe", "--tag", "cur"]
+                     "--steps", "2", "--no-probe", "--tag", "cur", "--export-weights", str(tmp_path / "weights")]
     assert nb.main(stages) == 0
+    # the finished chain's last stage, exported in bf16 for the repository (lra/weights.py); no other stage
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "weights").rglob("*")) == [
+        "weights/cur-2-full", "weights/cur-2-full/config.json", "weights/cur-2-full/model.pt"]
+    exported = json.loads((tmp_path / "weights" / "cur-2-full" / "config.json").read_text())
+    assert exported["run"] == "cur-2-full" and exported["task"] == "pathx" and exported["dtype"] == "bfloat16"
+    assert exported["source"] == str(out / "runs" / "cur-2-full" / "checkpoints" / "best.pt")
+    export_mtime = (tmp_path / "weights" / "cur-2-full" / "model.pt").stat().st_mtime
     r1 = json.loads((out / "runs" / "cur-1-R9" / "result.json").read_text())
     r2 = json.loads((out / "runs" / "cur-2-full" / "result.json").read_text())
     assert r1["init_from"] == str(first) and r1["radius"] == 9 and r1["freeze"] == "encoder.pos"
@@ -265,6 +272,7 @@ def test_radius_stages_chain_their_weights_and_resume(tmp_path):
     assert r2["mean_tokens"] > r1["mean_tokens"]  # the whole image: every drawn pixel
     mtime = (out / "runs" / "cur-2-full" / "result.json").stat().st_mtime
     assert nb.main(stages) == 0 and (out / "runs" / "cur-2-full" / "result.json").stat().st_mtime == mtime
+    assert (tmp_path / "weights" / "cur-2-full" / "model.pt").stat().st_mtime == export_mtime  # exported once
     with pytest.raises(SystemExit, match="one preset"):
         nb.main(base + ["--runs", "scratch", "pretrained", "--radius-stages", "9", "--steps", "2"])
     # a scratch chain: fresh weights first (here with fixed sin-cos positions, no table), then each

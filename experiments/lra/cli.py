@@ -8,6 +8,7 @@
     sparseflash lra show pathfinder DIR         a grid of images with their labels
     sparseflash lra train ... / speed ...       from experiments/lra/train.py and speed.py, when present
     sparseflash lra sweep ... / curves ...      accuracy vs density (sweep.py), validation curves (curves.py)
+    sparseflash lra weights export|evaluate     bf16 exports of trained runs, scored again (weights.py)
 
 Other modules add subcommands to the group through a ``register_lra(lra_subparsers)`` function; the
 modules in `EXTENSIONS` are asked when the parser is built (a module that does not exist is skipped).
@@ -27,7 +28,7 @@ __all__ = ["register", "EXTENSIONS"]
 
 EXTENSIONS = ["sparseflash.experiments.lra.train", "sparseflash.experiments.lra.speed", "sparseflash.experiments.lra.curves",
               "sparseflash.experiments.lra.sweep", "sparseflash.experiments.lra.crosseval",
-              "sparseflash.experiments.lra.probe"]
+              "sparseflash.experiments.lra.probe", "sparseflash.experiments.lra.weights"]
 
 
 # examples per split: the release's, and what --config tiny reads (600 steps of 32; 16 evaluation

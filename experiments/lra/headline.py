@@ -7,7 +7,12 @@
 set, pattern, density, seed, run): ``task`` (listops, pathfinder32, pathx, path256),
 ``train_fidelity`` (the generator of the training images: release, clean; ``-`` for ListOps),
 ``eval_set``, ``pattern``, ``density`` (block density of the attention pattern as the run
-recorded it), ``seed`` (the run's training seed), ``test_acc``, ``stderr`` (binomial,
+recorded it: over the full grid of ``seq_len`` positions), ``attended_tokens`` (the mean number of
+tokens an example of the evaluation set attends over: with black pixels as padding, the drawn
+pixels, packed to the front; without, every position), ``effective_density`` (the share of blocks
+the pattern keeps over those tokens: its top-left corner of ceil(attended_tokens / block_size)
+blocks, which is what the packed encoder runs, `model.Encoder.pattern_corner`; 1 for dense),
+``seed`` (the run's training seed), ``test_acc``, ``stderr`` (binomial,
 sqrt(p (1 - p) / n)), ``n_test``, ``commit``, ``gpu`` (``cpu`` where the evaluation ran on a
 CPU), ``date``, ``source`` (the file the number is read from, relative to the repository root;
 ``#key`` names the row of a table) and ``run`` (the run's name; it tells apart runs that share the
@@ -38,6 +43,13 @@ is what the history shows, prefixed ``history:``, one commit per command of a ru
 started otherwise (whether that tree was clean is not recorded). ``HISTORY`` below holds them, with
 the reason for each.
 
+``attended_tokens`` and ``effective_density`` are empty where no run file records the attended
+length: the ListOps runs (each example attends over its own length, padding keys masked; the
+lengths of the test examples are not kept) and the Pathfinder-32 runs with black pixels as
+padding (their files count the 1,024 positions, not the drawn pixels of the images, which were
+not kept). They are filled where the run's ``result.json`` or ``zero_shot.json`` row records
+``mean_tokens`` (Path-X, Path-256) or where every position is attended (no black-as-padding).
+
 Not in the table because no run file holds them: the Pathfinder-64 pretraining (test 72.08%,
 quoted from its log in RESULTS.md), and everything the issue asks for that has not run (seeds,
 the cut test, cue-balanced sets, a test set used once).
@@ -59,14 +71,21 @@ ROOT = Path(__file__).resolve().parents[2]
 CSV = ROOT / "experiments" / "lra" / "results" / "headline.csv"
 RESULTS_MD = ROOT / "experiments" / "lra" / "RESULTS.md"
 README = ROOT / "README.md"
-COLUMNS = ("task", "train_fidelity", "eval_set", "pattern", "density", "seed", "test_acc", "stderr", "n_test",
-           "commit", "gpu", "date", "source", "run")
+COLUMNS = ("task", "train_fidelity", "eval_set", "pattern", "density", "attended_tokens", "effective_density", "seed",
+           "test_acc", "stderr", "n_test", "commit", "gpu", "date", "source", "run")
 TASKS = ("listops", "pathfinder32", "pathx", "path256")
 TASK_NAMES = {"listops": "ListOps", "pathfinder32": "Pathfinder-32", "pathx": "Path-X (16K positions)",
               "path256": "Path-256 (64K positions)"}
-# published test accuracy (%): (Transformer, block-sparse FlashAttention); Path-X's first is
-# FlashAttention (dense), Path-256 has only block-sparse (FlashAttention paper, Table 3 and section 4.2)
+# published test accuracy (%): (Transformer or dense, block-sparse FlashAttention). ListOps' and
+# Pathfinder-32's first is the vanilla Transformer of the LRA paper (Tay et al. 2021, Table 1:
+# 36.37, 71.40); Path-X's first is dense FlashAttention (FlashAttention paper, Dao et al. 2022);
+# the block-sparse numbers are the FlashAttention paper's (Table 3: ListOps 37.0, Pathfinder 73.3;
+# section 4.2: Path-X 56.0, Path-256 63.1, which only block-sparse reached)
 PUBLISHED = {"listops": (36.4, 37.0), "pathfinder32": (71.4, 73.3), "pathx": (61.4, 56.0), "path256": (None, 63.1)}
+PUBLISHED_NOTE = ("Published: ListOps and Pathfinder-32 Transformer from the LRA paper (Tay et al. 2021, Table 1: "
+                  "36.37, 71.40); Path-X's first number is dense FlashAttention; every block-sparse FlashAttention "
+                  "number from the FlashAttention paper (Dao et al. 2022: Table 3 for ListOps and Pathfinder-32, "
+                  "section 4.2 for Path-X and Path-256).")
 
 _PF = "experiments/studies/pathfinder-release/results"
 _PX = "experiments/studies/pathx/results/curriculum"
@@ -110,12 +129,48 @@ def _seed(run_dir: str) -> int:
     return int(_read_json(f"{run_dir}/config.json")["train"]["seed"])
 
 
-def _row(task, train_fidelity, eval_set, pattern, density, seed, acc, n, commit, gpu, date, source, run) -> dict:
+def _row(task, train_fidelity, eval_set, pattern, density, seed, acc, n, commit, gpu, date, source, run,
+         attended=None, effective=None) -> dict:
     acc, n = float(acc), int(n)
     return {"task": task, "train_fidelity": train_fidelity, "eval_set": eval_set, "pattern": pattern,
-            "density": float(density), "seed": int(seed), "test_acc": acc,
+            "density": float(density), "attended_tokens": None if attended is None else round(float(attended), 1),
+            "effective_density": None if effective is None else round(float(effective), 4), "seed": int(seed),
+            "test_acc": acc,
             "stderr": math.sqrt(acc * (1 - acc) / n), "n_test": n, "commit": commit, "gpu": gpu,
             "date": _day(date), "source": source, "run": run}
+
+
+def effective_density(model: dict, tokens: float) -> float:
+    """The share of blocks the pattern of ``model`` (a run's config.json ``model``) keeps over its
+    first ``tokens`` positions (a CLS token first with CLS pooling): the top-left corner of the
+    full-length pattern that the packed encoder runs (`model.Encoder.pattern_corner`)."""
+    from sparseflash.experiments.lra.model import build_pattern
+
+    if model.get("pattern") in (None, "dense"):
+        return 1.0
+    c = int(model.get("pooling") == "cls")
+    mask = build_pattern(model["pattern"], int(model["seq_len"]) + c, int(model["block_size"]),
+                         **(model.get("pattern_kwargs") or {}))
+    if mask is None:
+        return 1.0
+    bq, bk = mask.block_size
+    corner = mask.layout[..., :math.ceil((tokens + c) / bq), :math.ceil((tokens + c) / bk)]
+    return float(corner.float().mean())
+
+
+def _attended(run_dir: str, mean_tokens=None) -> tuple:
+    """(attended tokens, effective density) of ``run_dir``'s model on a set whose examples attend
+    over ``mean_tokens`` (recorded by the evaluation); without black-as-padding every position is
+    attended; (None, None) where nothing records the length (module docstring)."""
+    model = _read_json(f"{run_dir}/config.json")["model"]
+    if not model.get("black_is_padding"):
+        if model.get("vocab_size") == 257 and model.get("grid"):  # pixels, none of them padding
+            mean_tokens = int(model["seq_len"])
+        else:
+            return None, None
+    if mean_tokens is None:
+        return None, None
+    return float(mean_tokens), effective_density(model, float(mean_tokens))
 
 
 def _from_sweep(table: str, run: str, train_fidelity: str) -> dict:
@@ -125,7 +180,7 @@ def _from_sweep(table: str, run: str, train_fidelity: str) -> dict:
         raise LookupError(f"{table}: no run {run!r}")
     return _row(r["task"], train_fidelity, "test" if r["task"] == "listops" else "release", r["pattern"],
                 r["density"], r["seed"], r["test_acc"], r["test_n"], _short(r["commit"]), r["gpu"], r["date"],
-                f"{table}#{run}", run)
+                f"{table}#{run}", run, *_attended(str(Path(table).parent / "runs" / run)))
 
 
 def _from_summary(run_dir: str, train_fidelity: str, eval_set: str) -> dict:
@@ -134,7 +189,7 @@ def _from_summary(run_dir: str, train_fidelity: str, eval_set: str) -> dict:
     commit = _short(s.get("commit")) if s.get("commit") else HISTORY.get(run_dir, "unknown")
     return _row(s["task"], train_fidelity, eval_set, s["pattern"], s["density"], _seed(run_dir),
                 s["test_best"]["acc"], s["test_best"]["n"], commit, s["gpu"], s["segments"][-1]["ended"],
-                f"{run_dir}/summary.json", Path(run_dir).name)
+                f"{run_dir}/summary.json", Path(run_dir).name, *_attended(run_dir))
 
 
 def _from_crosseval(run_dir: str, name: str, eval_set: str, train_fidelity: str) -> dict:
@@ -143,14 +198,15 @@ def _from_crosseval(run_dir: str, name: str, eval_set: str, train_fidelity: str)
     commit = _short(e["commit"]) if e.get("commit") else HISTORY.get(f"{run_dir}/{name}", "unknown")
     return _row(e["task"], train_fidelity, eval_set, s["pattern"], s["density"], _seed(run_dir), e["acc"], e["n"],
                 commit, s["gpu"] if e.get("device") == "cuda" else e.get("device", "unknown"),
-                e.get("date") or s["segments"][-1]["ended"], f"{run_dir}/{name}", Path(run_dir).name)
+                e.get("date") or s["segments"][-1]["ended"], f"{run_dir}/{name}", Path(run_dir).name, *_attended(run_dir))
 
 
 def _from_result(run_dir: str, task: str) -> dict:
     """A ``neighbourhood.py`` run's ``result.json`` (held-out accuracy of the best-on-val weights)."""
     r, s = _read_json(f"{run_dir}/result.json"), _read_json(f"{run_dir}/summary.json")
     return _row(task, "release", "release-val", s["pattern"], s["density"], _seed(run_dir), r["test_acc"], r["n_test"],
-                _short(r["commit"]), s["gpu"], r["date"], f"{run_dir}/result.json", r["tag"])
+                _short(r["commit"]), s["gpu"], r["date"], f"{run_dir}/result.json", r["tag"],
+                *_attended(run_dir, r.get("mean_tokens")))
 
 
 def _from_zero_shot(folder: str, label: str, input_: str, run_dir: str, task: str, eval_set: str) -> dict:
@@ -163,13 +219,14 @@ def _from_zero_shot(folder: str, label: str, input_: str, run_dir: str, task: st
     m = z["meta"]
     return _row(task, "release", eval_set, s["pattern"], s["density"], _seed(run_dir), r["acc"], r["n"],
                 _short(m.get("commit")), "cpu" if m.get("device") == "cpu" else m.get("gpu", m.get("device")),
-                m.get("date"), f"{folder}/zero_shot.json#{label}/{input_}", res["tag"])
+                m.get("date"), f"{folder}/zero_shot.json#{label}/{input_}", res["tag"],
+                *_attended(run_dir, r.get("mean_tokens")))
 
 
 def _from_cue_tests(folder: str, label: str, set_: str, cls: str, run_dir: str, task: str, eval_set: str) -> dict:
     """A row of ``cue_tests.py``'s table: model ``label`` (trained in ``run_dir``) on ``set_`` /
     ``cls``. For the cut set ``test_acc`` is the follow rate (answers equal to the changed image's
-    label: 0 for a cut positive, 1 for a joined negative); otherwise the accuracy."""
+    label: 0 for a cut positive, 1 for a joined negative; also the dashed join's); otherwise the accuracy."""
     z = _read_json(f"{folder}/cue_tests.json")
     r = next((r for r in z["rows"] if r["label"] == label and r["set"] == set_ and r["class"] == cls), None)
     if r is None:
@@ -177,8 +234,9 @@ def _from_cue_tests(folder: str, label: str, set_: str, cls: str, run_dir: str, 
     s, m = _read_json(f"{run_dir}/summary.json"), z["meta"]
     name = _read_json(f"{run_dir}/result.json")["tag"] if (ROOT / run_dir / "result.json").is_file() else Path(run_dir).name
     return _row(task, "release", eval_set, s["pattern"], s["density"], _seed(run_dir),
-                r["follow"] if set_ == "cut" else r["acc"], r["n"], _short(m.get("commit")),
-                m.get("gpu") or m.get("device"), m.get("date"), f"{folder}/cue_tests.json#{label}/{set_}/{cls}", name)
+                r["follow"] if "follow" in r else r["acc"], r["n"], _short(m.get("commit")),
+                m.get("gpu") or m.get("device"), m.get("date"), f"{folder}/cue_tests.json#{label}/{set_}/{cls}", name,
+                *_attended(run_dir, r.get("mean_tokens")))
 
 
 def build_rows() -> list[dict]:
@@ -212,9 +270,11 @@ def build_rows() -> list[dict]:
 
 # ----------------------------------------------------------------------------- the CSV
 def _fmt(key, v) -> str:
+    if v is None:
+        return ""
     if key in ("test_acc", "stderr"):
         return f"{v:.6f}"
-    if key == "density":
+    if key in ("density", "attended_tokens", "effective_density"):
         return f"{v:g}"
     return str(v)
 
@@ -238,6 +298,8 @@ def read_csv(path: Path = CSV) -> list[dict]:
         rows = list(csv.DictReader(f))
     for r in rows:
         r["density"], r["test_acc"], r["stderr"] = float(r["density"]), float(r["test_acc"]), float(r["stderr"])
+        for k in ("attended_tokens", "effective_density"):
+            r[k] = float(r[k]) if r[k] != "" else None
         r["seed"], r["n_test"] = int(r["seed"]), int(r["n_test"])
     return rows
 
@@ -279,8 +341,9 @@ def render_table(rows) -> str:
     """RESULTS.md's headline table: one line a task, every number a headline.csv row."""
     lo = [r for r in rows if r["task"] == "listops"]
     pf = [r for r in rows if r["task"] == "pathfinder32" and r["run"].endswith("-bip")]
-    out = ["| task | published: Transformer / block-sparse FlashAttention | ours, release data (best-on-validation "
-           "weights, ± one binomial standard error) | ours, other evaluation sets | commit, GPU, date |",
+    out = ["| task | published: Transformer (Path-X: dense FlashAttention) / block-sparse FlashAttention | ours, release "
+           "data (best-on-validation weights, ± one binomial standard error) | ours, other evaluation sets | commit, GPU, "
+           "date |",
            "|---|---|---|---|---|"]
 
     def pub(task):
@@ -306,17 +369,47 @@ def render_table(rows) -> str:
         val = [r for r in rows if r["task"] == task and r["eval_set"] == "release-val"]
         others = [r for r in rows if r["task"] == task and r["eval_set"] != "release-val"]
         cells = []
-        for es, what in (("fresh", "fresh release images, used once"), ("clean", "clean images"),
+        for es, what in (("fresh", "fresh release images, scored once per model"), ("clean", "clean images"),
                          ("swap-R6", "swap test, answers following the R = 6 neighbourhoods"),
                          ("swap-R8", "swap test, answers following the R = 8 neighbourhoods")):
             rs = [r for r in others if r["eval_set"] == es]
             if rs:
                 cells.append(f"{what} ({rs[0]['n_test']:,}): " + ", ".join(f"{r['run']} {_pct(r)}%" for r in rs))
         out.append(f"| {TASK_NAMES[task]} | {pub(task)} | "
-                   + ", ".join(f"**{r['run']} ({_density(r['density'])}) {_pm(r)}**" for r in val)
+                   + ", ".join(f"**{r['run']} ({_model_text(r)}) {_pm(r)}**" for r in val)
                    + f" on {val[0]['n_test']:,} held-out images that also guided the curriculum (a validation set) | "
                    + "; ".join(cells) + f" | {prov(val)}; evaluations {prov(others)} |")
-    return "\n".join(out)
+    return "\n".join(out + ["", PUBLISHED_NOTE])
+
+
+def _continued_from(row) -> tuple[str, int] | None:
+    """(pattern of the run it started from, its own steps) when a ``release-val`` row's run
+    continued a committed run of another pattern (its ``init_from`` names that run's folder)."""
+    r = _read_json(row["source"])
+    init = r.get("init_from")
+    if not init:
+        return None
+    name = Path(init).parent.parent.name
+    root = ROOT / Path(row["source"]).parents[2]  # .../runs/<chain>/<run>/result.json -> .../runs
+    found = sorted(root.glob(f"*/{name}/summary.json"))
+    if len(found) != 1:
+        return None
+    pattern = json.loads(found[0].read_text())["pattern"]
+    return (pattern, int(r["steps"])) if pattern != row["pattern"] else None
+
+
+def _model_text(row) -> str:
+    """A Path-X / Path-256 model in the table: its pattern, the density of the full grid and over
+    the attended tokens, and a continuation of another pattern's model said as such."""
+    if row["density"] == 1:
+        return "dense"
+    text = f"butterfly {row['density']:g} of the full grid"
+    if row["effective_density"] is not None:
+        text += f", {row['effective_density']:.2f} of the blocks over its ~{row['attended_tokens'] / 1000:.2f}K attended tokens"
+    cont = _continued_from(row)
+    if cont:
+        text = f"a {cont[0]} curriculum model continued {cont[1]:,} steps with {text}"
+    return text
 
 
 def render_readme(rows) -> str:
@@ -339,11 +432,13 @@ def render_readme(rows) -> str:
         f"(`--fidelity release`), {_span([r['test_acc'] for r in pf_clean], 0)}% without its quirks: the marker "
         f"positions alone give {_probe32():.0f}% of release labels. Path-X (16K positions, "
         f"~{_tokens(px_bf):.2f}K drawn pixels attended): {_span([r['test_acc'] for r in px_dense])}% dense, "
-        f"{_pct(px_bf)}% butterfly (published {PUBLISHED['pathx'][0]:.1f} / {PUBLISHED['pathx'][1]:.1f}) on 10K "
+        f"{_pct(px_bf)}% for the dense curriculum model continued {_continued_from(px_bf)[1] / 1000:.1f}K steps "
+        f"with butterfly (published {PUBLISHED['pathx'][0]:.1f} / {PUBLISHED['pathx'][1]:.1f}) on 10K "
         f"release images used to design the curriculum (a validation set; {_pct(px_fresh['dense'])}% / "
         f"{_pct(px_fresh['butterfly'])}% on 2,000 fresh ones), after a curriculum of growing marker neighbourhoods. "
         f"Path-256 (64K positions, ~{_tokens(p256):.2f}K attended): "
-        f"{_pct(p256)}% butterfly ({_pct(p256_fresh)}% on fresh images), {published_gap(rows):.1f} standard errors "
+        f"{_pct(p256)}% butterfly, sparse from its first stage ({p256['density']:.4f} of the full grid, "
+        f"{p256['effective_density']:.2f} of the blocks over the attended tokens; {_pct(p256_fresh)}% on fresh images), {published_gap(rows):.1f} standard errors "
         f"below the published {PUBLISHED['path256'][1]:g}, with 2-D sin-cos positions ({chains[0]} of {chains[1]} "
         f"chains learned). All are at chance on clean images.")
 

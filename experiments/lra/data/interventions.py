@@ -19,6 +19,21 @@ which pixels each snake draws, its paddles, the marker centres), not from image 
   centres, and only if the two snakes and the stroke then link the markers (`chained`). A path
   tracer's answer flips to 1.
 
+- ``control_cut(image, layers, params)``, either label: the matched control of a cut. A run of
+  ``n_paddles`` consecutive paddles of a *distractor* is taken out, every changed pixel more than
+  ``radius`` from both markers and none on a target snake's drawn pixels, so the path and the
+  label are untouched; with ``match`` (the pixels a cut changed) the run whose edit is closest to
+  that size. A model whose answer flips as often under the control as under the cut is reacting
+  to any edit of that size, not to the path. At 32 px the ink and the margins around the markers
+  leave room for such a run in about half the images (of 40: 9 of either label); at 64 px and up
+  in nearly all.
+- ``dashed_join(image, layers, params)``, negatives: the two target snakes' free ends (the ends
+  without a marker) joined by dashes drawn as paddles (the paddle width, about the paddle length,
+  the gap between a snake's paddles between them, first and last dash a gap from the snake ends),
+  so the joined path looks like one longer snake: no stroke ending mid-snake in a T-junction,
+  which positives never have. Valid only if every changed pixel lies more than ``radius`` from both
+  markers and the snakes and dashes link the markers (`chained`).
+
 Either way every pixel within ``radius`` of a marker centre keeps its value (the image is redrawn
 from its paddles by `compose` at the original intensity scale, so no other pixel moves), which
 `unchanged_within` checks. An image where no such cut or join exists is left out and counted.
@@ -39,7 +54,7 @@ import math
 import numpy as np
 
 __all__ = ["DEFAULT_RADIUS", "default_radius", "compose", "chained", "unchanged_within", "cut", "join",
-           "paddle_cosine", "balance", "propensity"]
+           "control_cut", "dashed_join", "paddle_cosine", "balance", "propensity"]
 
 _DRAWN = 0.2  # a paddle draws a pixel where its line reaches this (the generator's threshold)
 _AA = 2  # the generator's antialias scale
@@ -209,6 +224,89 @@ def join(image: np.ndarray, layers: dict, params, *, radius: float | None = None
         return new, {"ends": (tuple(int(v) for v in a[i]), tuple(int(v) for v in b[j])),
                      "length": float(d[i, j]), "changed": int(changed.sum())}
     return None
+
+
+def control_cut(image: np.ndarray, layers: dict, params, *, radius: float | None = None, n_paddles: int = 2,
+                match: int | None = None):
+    """The matched control of `cut` (module docstring), for an image of either label: ``(image,
+    info)`` or None when no run of ``n_paddles`` paddles of a distractor can go. ``info``:
+    ``snake`` (its index, 2 or more), ``paddles``, ``changed`` (pixels that changed). ``match``:
+    choose the run whose number of changed pixels is closest to it (ties: the earlier snake and
+    paddle), else the first valid run."""
+    _need_layers(layers)
+    if np.shape(image) != layers["markers"].shape:
+        raise ValueError(f"image has shape {np.shape(image)}, its layers {layers['markers'].shape}")
+    if params.resolution != np.shape(image)[0]:
+        raise ValueError(f"params are for {params.resolution} px, the image is {np.shape(image)[0]} px")
+    if n_paddles < 1:
+        raise ValueError(f"n_paddles must be at least 1, got {n_paddles}")
+    if match is not None and match < 1:
+        raise ValueError(f"match must be a positive pixel count, got {match}")
+    radius = default_radius(params.resolution) if radius is None else float(radius)
+    far = _distance_to_markers(np.shape(image), layers["tips"]) > radius
+    targets = _drawn(layers, [0, 1])
+    best = None
+    for s in range(2, len(layers["snakes"])):
+        K = len(layers["snakes"][s][1])
+        for i in range(0, K - n_paddles + 1):
+            drop = [(s, k) for k in range(i, i + n_paddles)]
+            new = compose(layers, drop)
+            changed = new != image
+            n = int(changed.sum())
+            if not n or not far[changed].all() or targets[changed].any():
+                continue
+            if match is None:
+                return new, {"snake": s, "paddles": [k for _, k in drop], "changed": n}
+            if best is None or abs(n - match) < abs(best[1]["changed"] - match):
+                best = (new, {"snake": s, "paddles": [k for _, k in drop], "changed": n})
+    return best
+
+
+def _free_ends(layers: dict) -> tuple:
+    """The ends of the two target snakes that carry no marker, (y, x) each, in snake order."""
+    tips = {tuple(int(v) for v in t) for t in layers["tips"]}
+    ends = []
+    for o, t in zip(layers["origins"], layers["terminals"]):
+        o, t = tuple(int(v) for v in o), tuple(int(v) for v in t)
+        ends.append(t if o in tips else o)
+    return tuple(ends)
+
+
+def dashed_join(image: np.ndarray, layers: dict, params, *, radius: float | None = None):
+    """A negative image with its two target snakes joined end to end by paddle-like dashes (module
+    docstring): ``(image, info)`` or None when that join is not valid. ``info``: ``ends`` (the two
+    free snake ends, (y, x)), ``dashes`` (their end points, float (y, x) pairs), ``length`` (px
+    between the ends), ``changed``."""
+    _check(image, layers, params, 0, "dashed_join")
+    if "origins" not in layers or "terminals" not in layers:
+        raise ValueError("layers must come from pathfinder.render(..., return_layers=True); missing origins/terminals")
+    radius = default_radius(params.resolution) if radius is None else float(radius)
+    size, gap, L = np.shape(image)[0], int(layers["margin"]), float(params.paddle_length)
+    a, b = (np.asarray(e, np.float64) for e in _free_ends(layers))
+    dist = float(np.hypot(*(b - a)))
+    span = dist - 2 * gap  # the dashes lie a paddle gap from either snake end
+    if span < 1:
+        return None
+    n = max(1, int(round((span + gap) / (L + gap))))
+    dash = (span - (n - 1) * gap) / n
+    if dash < 1:
+        n = max(1, int((span + gap) // (1 + gap)))
+        dash = (span - (n - 1) * gap) / n
+    u = (b - a) / dist
+    dashes, stroke = [], np.zeros((size, size), np.float32)
+    for k in range(n):
+        p0 = a + u * (gap + k * (dash + gap))
+        p1 = p0 + u * dash
+        dashes.append((tuple(float(v) for v in p0), tuple(float(v) for v in p1)))
+        np.maximum(stroke, _stroke(params, np.rint(p0).astype(int), np.rint(p1).astype(int), size), out=stroke)
+    new = compose(layers, extra=stroke)
+    changed = new != image
+    far = _distance_to_markers(np.shape(image), layers["tips"]) > radius
+    drawn = _drawn(layers, [0, 1]) | (stroke >= _DRAWN * params.paddle_contrast * params.snake_contrast)
+    if not changed.any() or not far[changed].all() or not chained(drawn, layers["tips"], layers["margin"]):
+        return None
+    return new, {"ends": (tuple(int(v) for v in a), tuple(int(v) for v in b)), "dashes": dashes,
+                 "length": dist, "changed": int(changed.sum())}
 
 
 def paddle_cosine(layers: dict) -> float:

@@ -18,8 +18,9 @@
 # Seeds (one run per setting cannot bound a seed's variance): a name ending in -sN (dense-bip-s1, butterfly-bip-s2) is that run with train.seed=N;
 # "sweep-seeds" is the sweep again with the seeds in $SWEEP_SEEDS (default "1 2"), in RUNS/sweep-seeds.
 #   NAMES="dense-bip-s1 butterfly-bip-s1 dense-bip-s2 butterfly-bip-s2" campaign.sh RUNS 9
-# A finished run also gets RUNS/<name>/weights-bf16.pt (`python -m sparseflash.experiments.lra.weights`:
-# its best-on-validation weights in bf16, ~0.3 MB), to carry back and commit.
+# A finished run also gets RUNS/weights/<name>/ (`python -m sparseflash.experiments.lra.weights export`:
+# its best-on-validation weights in bf16, ~0.3 MB, model.pt and config.json), to carry back and commit
+# under experiments/lra/weights/<name>/ (`... weights evaluate` scores every one there again).
 set -uo pipefail
 runs=$1; minutes=$2
 py=${PYTHON:-python3}
@@ -85,8 +86,8 @@ for name in "${names[@]}"; do
         $py -m sparseflash lra evaluate "$runs/$name" --data "$rel" --fidelity release --split test \
             --out "$runs/$name/eval-release-test.json" 2>&1 | tail -n 1
     fi
-    if grep -q "\"finished\": true" "$runs/$name/summary.json" 2>/dev/null && [ ! -f "$runs/$name/weights-bf16.pt" ]; then
-        $py -m sparseflash.experiments.lra.weights "$runs/$name/checkpoints/best.pt" "$runs/$name/weights-bf16.pt"
+    if grep -q "\"finished\": true" "$runs/$name/summary.json" 2>/dev/null && [ ! -f "$runs/weights/$name/model.pt" ]; then
+        $py -m sparseflash.experiments.lra.weights export "$runs/$name/checkpoints/best.pt" "$runs/weights/$name"
     fi
 done
 echo "call took $(( $(date +%s) - t0 )) s"

@@ -11,7 +11,9 @@
 # the next; the data live on the machine only (DATA, default /tmp/pathx-data) and are made again on a
 # fresh one (--resume finishes an interrupted generation byte-identically). Run from a snapshot of one
 # commit (see ../pathfinder-release/campaign.sh) with a COMMIT file beside it.
-# Exit 0 once every stage is done, 75 when the time is up.
+# Exit 0 once every stage is done, 75 when the time is up. Each finished run (pretrain, the fine-tune)
+# leaves its best-on-val weights in bf16 in STATE/weights/<run>/ (lra/weights.py export), to commit
+# under experiments/lra/weights/.
 set -uo pipefail
 state=$1; minutes=$2
 py=${PYTHON:-python3}
@@ -72,11 +74,18 @@ train() {  # train NAME TASK ARGS...: run until done or the time left
     return $(( rc == 0 ? 75 : rc ))
 }
 
+export_weights() {  # export_weights NAME: a finished run's best-on-val weights in bf16, once, to STATE/weights/NAME
+    [ -f "$state/weights/$1/model.pt" ] && return 0
+    $py -m sparseflash.experiments.lra.weights export "$state/$1/checkpoints/best.pt" "$state/weights/$1" 2>&1 \
+        | tail -n 1 | tee -a "$state/campaign.log"
+}
+
 # a fresh machine skips the Pathfinder-64 data once pretraining is done (the fine-tune needs only its weights)
 if ! done_run "$state/pretrain"; then
     make "$data/pathfinder64" 64 release "$num" pathfinder64 || exit $?
     train pretrain pathfinder64 || exit $?
 fi
+export_weights pretrain  # the Path-64 pretraining's weights, kept (issue 68: it had no record)
 make "$data/pathx" 128 release "$num" pathx || exit $?
 # ONLY=data stops here with exit 0, the data ready (a call that runs GPU tests beside the generation;
 # variants.sh, before its fine-tunes start side by side)
@@ -101,6 +110,7 @@ fi
 init=${INIT:-pretrain/checkpoints/best.pt}  # checked before any work, above
 [ -n "${TAG:-}" ] && ft=$ft-$TAG
 train "$ft" pathx --init-from "$state/$init" "${extra[@]}" || exit $?
+export_weights "$ft"
 if [ ! -f "$state/$ft/crosseval-clean.json" ]; then
     # variants.sh may finish two runs at once: one generation of the clean data at a time
     mkdir -p "$data"; exec {lock}>"$data/.clean.lock"; flock "$lock"

@@ -17,6 +17,13 @@ Path-256) is evaluated, unchanged, on:
   answers that differ from the answer on the same image unchanged). A path tracer follows; a
   reader of the marker neighbourhoods does not (follow rate = 1 - its accuracy on that class).
   Images where no valid cut or join exists are left out and counted (``n_skipped``).
+- ``control``: the matched control (`interventions.control_cut`): as many pixels of a distractor
+  taken out, as far from the markers, none on the target snakes, so the label stays; per class the
+  flip rate (beside the cut's: a model that flips as often here reacts to any edit of that size)
+  and the accuracy.
+- ``dashed-join``: negatives joined by paddle-like dashes from one target snake's free end to the
+  other's (`interventions.dashed_join`; no T-junction, no solid stroke): follow and flip as for
+  the join.
 - ``swapR`` (``--swap R``): `zero_shot.swapped_images`: each image's marker neighbourhoods (radius R)
   pasted into an image of the other label; accuracy is the share of answers that follow the
   pasted neighbourhoods.
@@ -65,27 +72,39 @@ def _chunk(job):
     from sparseflash.experiments.lra.data import pathfinder as pf
     from sparseflash.experiments.lra.probe import marker_coords, marker_patches, patch_half
 
-    seed, chunk, count, fidelity, res, radius, n_paddles = job
+    seed, chunk, count, fidelity, res, radius, n_paddles, controls = job
     p = pf.params_for(res, "hard", fidelity)
     labels = [(chunk * pf.CHUNK[res] + i) % 2 for i in range(pf.CHUNK[res])]
     made = pf.render_many(p, np.random.default_rng([seed, res, 56, chunk]), labels, True)[:count]
     images = np.stack([img for img, _ in made]).astype(np.uint8)
     tips = np.asarray([[tuple(int(v) for v in t) for t in lay["tips"]] for _, lay in made], np.int16)
     changed, ok = np.zeros_like(images), np.zeros(len(made), bool)
+    control, control_ok = np.zeros_like(images), np.zeros(len(made), bool)
+    dashed, dashed_ok = np.zeros_like(images), np.zeros(len(made), bool)
     for i, (img, lay) in enumerate(made):
         r = iv.cut(img, lay, p, radius=radius, n_paddles=n_paddles) if labels[i] else iv.join(img, lay, p, radius=radius)
         if r is not None:
             changed[i], ok[i] = r[0], True
+        if controls:  # the same size of edit on a distractor; the join as dashes from snake end to snake end
+            c = iv.control_cut(img, lay, p, radius=radius, n_paddles=n_paddles, match=r[1]["changed"] if r else None)
+            if c is not None:
+                control[i], control_ok[i] = c[0], True
+            d = None if labels[i] else iv.dashed_join(img, lay, p, radius=radius)
+            if d is not None:
+                dashed[i], dashed_ok[i] = d[0], True
     cos = np.asarray([iv.paddle_cosine(lay) for _, lay in made], np.float32)
     return (images, tips, np.asarray(labels[:count], np.int8), changed, ok, marker_coords(tips, res), cos,
-            marker_patches(images, tips, patch_half(res)))
+            marker_patches(images, tips, patch_half(res)), control, control_ok, dashed, dashed_ok)
 
 
 def make_images(resolution: int, num: int, seed: int, *, fidelity: str = "release", workers: int = 1,
-                radius: float | None = None, n_paddles: int = 2, show_progress: bool = False) -> dict:
+                radius: float | None = None, n_paddles: int = 2, show_progress: bool = False,
+                controls: bool = True) -> dict:
     """``num`` fresh hard images and what the tests need: ``images``, ``tips``, ``labels``,
     ``changed`` (the cut / joined image, where ``ok``), ``ok``, ``coords`` ``[n, 4]``, ``cos`` ``[n]``,
-    ``patches`` (`probe.marker_patches`)."""
+    ``patches`` (`probe.marker_patches`); with ``controls`` also ``control`` / ``control_ok``
+    (`interventions.control_cut` matched to the image's cut or join) and ``dashed`` / ``dashed_ok``
+    (`interventions.dashed_join`, negatives)."""
     from sparseflash.experiments.lra.data import interventions as iv
     from sparseflash.experiments.lra.data import pathfinder as pf
     from sparseflash.experiments.lra.data._parallel import run_ordered
@@ -96,10 +115,12 @@ def make_images(resolution: int, num: int, seed: int, *, fidelity: str = "releas
         raise ValueError(f"num must be at least 2, got {num}")
     radius = iv.default_radius(resolution) if radius is None else float(radius)
     K = pf.CHUNK[resolution]
-    jobs = [(seed, c, min(K, num - c * K), fidelity, resolution, radius, n_paddles) for c in range(-(-num // K))]
+    jobs = [(seed, c, min(K, num - c * K), fidelity, resolution, radius, n_paddles, controls)
+            for c in range(-(-num // K))]
     parts = list(run_ordered(_chunk, jobs, workers, f"cue tests {resolution}px {fidelity}", total=num,
                              weight=lambda r: len(r[2]), show_progress=show_progress))
-    keys = ("images", "tips", "labels", "changed", "ok", "coords", "cos", "patches")
+    keys = ("images", "tips", "labels", "changed", "ok", "coords", "cos", "patches", "control", "control_ok",
+            "dashed", "dashed_ok")
     out = {k: np.concatenate([part[i] for part in parts]) for i, k in enumerate(keys)}
     out.update(resolution=resolution, radius=radius, n_paddles=n_paddles, fidelity=fidelity, seed=seed)
     return out
@@ -139,10 +160,16 @@ def balance_probe(data: dict, *, seed: int = 0, bins: int = 20, epochs: int = 60
 
 # ----------------------------------------------------------------------------- the models
 def load_model(path: Path, resolution: int, device: str):
-    """The checkpoint's model in eval mode (a task of ``resolution``; SDPA attention on a CPU)."""
+    """The checkpoint's model in eval mode (a task of ``resolution``; SDPA attention on a CPU).
+
+    Loaded through `model.load_pretrained`, as ``zero_shot.py`` and every curriculum stage load: a
+    curriculum stage's ``best.pt`` keeps its frozen position table compacted to its source
+    (`neighbourhood.compact_grid`: 128x128 stored as 64x64), which is upsampled back here; any other
+    mismatch with the model the config builds is an error."""
     import torch
 
     from sparseflash.experiments.lra.configs import config_from_dict
+    from sparseflash.experiments.lra.model import load_pretrained
     from sparseflash.experiments.lra.train import build_model
 
     ck = load_checkpoint(path)
@@ -154,7 +181,14 @@ def load_model(path: Path, resolution: int, device: str):
     if torch.device(device).type == "cpu":
         cfg.model.attention = "sdpa"  # the same function without the GPU kernels
     model = build_model(cfg.validate())
-    model.load_state_dict(ck["model"])
+    own = set(model.state_dict())
+    if set(ck["model"]) != own:  # load_pretrained would leave a head fresh or skip one: not this model's weights
+        raise SystemExit(f"{path}: the weights do not fit the model its config builds (missing "
+                         f"{sorted(own - set(ck['model']))}, unexpected {sorted(set(ck['model']) - own)})")
+    try:
+        load_pretrained(model, ck["model"])  # a compacted (block-constant) position grid upsampled again
+    except ValueError as e:
+        raise SystemExit(f"{path}: {e}") from None
     return model.to(device).eval(), ck.get("step")
 
 
@@ -186,10 +220,14 @@ def _se(p, n) -> float:
     return round(math.sqrt(p * (1 - p) / n), 4) if n else float("nan")
 
 
-def score(pred: np.ndarray, pred_changed: np.ndarray, data: dict, swaps: dict, balanced: tuple) -> list[dict]:
+def score(pred: np.ndarray, pred_changed: np.ndarray, data: dict, swaps: dict, balanced: tuple,
+          pred_control: np.ndarray | None = None, pred_dashed: np.ndarray | None = None) -> list[dict]:
     """The table's rows of one model: ``pred`` on every fresh image, ``pred_changed`` on the
     cut / joined ones (``data["ok"]``), ``swaps`` {name: (predictions, labels)}, ``balanced``
-    (predictions, labels) on the balanced set."""
+    (predictions, labels) on the balanced set; ``pred_control`` on the control-cut images
+    (``data["control_ok"]``: set ``control``, per class the flip rate, beside the cut's, and the
+    accuracy, the label unchanged) and ``pred_dashed`` on the dashed joins (``data["dashed_ok"]``,
+    negatives: set ``dashed-join``, follow and flip as for the join)."""
     labels, ok = data["labels"].astype(np.int64), data["ok"]
     rows = [{"set": "fresh", "class": "all", "n": len(labels), "acc": _rate(pred == labels),
              "se": _se(np.mean(pred == labels), len(labels))}]
@@ -200,6 +238,23 @@ def score(pred: np.ndarray, pred_changed: np.ndarray, data: dict, swaps: dict, b
         rows.append({"set": "cut", "class": name, "n": int(sel.sum()), "n_skipped": int((~sel).sum()),
                      "acc_unchanged": _rate(orig == cls), "follow": _rate(follow), "se": _se(np.mean(follow), len(follow)),
                      "flip": _rate(new != orig)})
+    if pred_control is not None:
+        cok = data["control_ok"]
+        for cls, name in ((1, "positives"), (0, "negatives")):
+            sel = cok[labels == cls]
+            orig, new = pred[labels == cls][sel], pred_control[labels[cok] == cls]
+            flip = new != orig
+            rows.append({"set": "control", "class": name, "n": int(sel.sum()), "n_skipped": int((~sel).sum()),
+                         "acc_unchanged": _rate(orig == cls), "acc": _rate(new == cls), "flip": _rate(flip),
+                         "se": _se(np.mean(flip), len(flip)) if len(flip) else float("nan")})
+    if pred_dashed is not None:
+        dok = data["dashed_ok"]
+        sel = dok[labels == 0]
+        orig, new = pred[labels == 0][sel], pred_dashed
+        follow = new == 1
+        rows.append({"set": "dashed-join", "class": "joined negatives", "n": int(sel.sum()),
+                     "n_skipped": int((~sel).sum()), "acc_unchanged": _rate(orig == 0), "follow": _rate(follow),
+                     "se": _se(np.mean(follow), len(follow)) if len(follow) else float("nan"), "flip": _rate(new != orig)})
     for name, (p, lab) in swaps.items():
         rows.append({"set": name, "class": "all", "n": len(lab), "acc": _rate(p == lab), "se": _se(np.mean(p == lab), len(lab))})
     bp, bl = balanced
@@ -253,7 +308,7 @@ def main(argv=None) -> int:
     data = make_images(a.resolution, a.num, a.seed, fidelity=a.fidelity, workers=a.workers, radius=a.radius,
                        n_paddles=a.n_paddles)
     pool = make_images(a.resolution, a.balance_pool, a.seed + 100, fidelity=a.fidelity, workers=a.workers,
-                       radius=a.radius, n_paddles=a.n_paddles)
+                       radius=a.radius, n_paddles=a.n_paddles, controls=False)
     balanced, probe_rows = balance_probe(pool, seed=a.seed)
     made_s = round(time.perf_counter() - t0, 1)
     meta = {"resolution": a.resolution, "num": a.num, "seed": a.seed, "balance_pool": a.balance_pool,
@@ -261,6 +316,8 @@ def main(argv=None) -> int:
             "swap": swap_radii, "device": device, "images_s": made_s,
             "cut_positives": int(data["ok"][data["labels"] == 1].sum()), "positives": int((data["labels"] == 1).sum()),
             "joined_negatives": int(data["ok"][data["labels"] == 0].sum()), "negatives": int((data["labels"] == 0).sum()),
+            "control_cuts": int(data["control_ok"].sum()),
+            "dashed_joins": int(data["dashed_ok"][data["labels"] == 0].sum()),
             "gpu": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else None, **run_meta(argv)}
     write_tidy(probe_rows, meta, a.out, "balance_probe", "cue-tests-balance-probe/1")
     rows = []
@@ -270,10 +327,12 @@ def main(argv=None) -> int:
         t1 = time.perf_counter()
         pred = predict(model, data["images"], device, a.batch_size)
         pred_changed = predict(model, data["changed"][data["ok"]], device, a.batch_size)
+        pred_control = predict(model, data["control"][data["control_ok"]], device, a.batch_size)
+        pred_dashed = predict(model, data["dashed"][data["dashed_ok"]], device, a.batch_size)
         swaps = {k: (predict(model, im, device, a.batch_size), lab.astype(np.int64)) for k, (im, lab) in swap_sets.items()}
         bal = (predict(model, pool["images"][balanced], device, a.batch_size), pool["labels"][balanced].astype(np.int64))
         label = a.labels[i] if a.labels else str(c)
-        for r in score(pred, pred_changed, data, swaps, bal):
+        for r in score(pred, pred_changed, data, swaps, bal, pred_control, pred_dashed):
             rows.append({"label": label, "checkpoint": str(c), "step": step, **r,
                          "seconds": round(time.perf_counter() - t1, 1)})
     if rows:
@@ -284,7 +343,9 @@ def main(argv=None) -> int:
         print(f"  probe {r['feature']:17s} on {r['set']:8s} ({r['n']:5d} images): {100 * r['acc']:.1f} +- {100 * r['se']:.1f}%")
     for r in rows:
         what = (f"follow {100 * r['follow']:.1f}% flip {100 * r['flip']:.1f}% (n {r['n']}, unchanged acc "
-                f"{100 * r['acc_unchanged']:.1f}%)" if r["set"] == "cut" else f"acc {100 * r['acc']:.1f} +- {100 * r['se']:.1f}% (n {r['n']})")
+                f"{100 * r['acc_unchanged']:.1f}%)" if "follow" in r else
+                f"flip {100 * r['flip']:.1f}% acc {100 * r['acc']:.1f}% (n {r['n']})" if r["set"] == "control" else
+                f"acc {100 * r['acc']:.1f} +- {100 * r['se']:.1f}% (n {r['n']})")
         print(f"  {r['label'][:24]:24s} {r['set']:9s} {r['class']:16s} {what}")
     print(f"wrote {a.out}")
     return 0

@@ -14,6 +14,8 @@
 #   direct       whole images at once, lr 3e-4, 30,000 steps resumed across commands (the control)
 # Only the newest stage of a variant keeps its weights (best.pt; last.pt while it can resume), so
 # the state stays small enough to carry (~5-10 MB a variant).
+# A chain that finishes exports its last stage's best weights in bf16 to STATE/weights/<tag>-<k>-full/
+# (neighbourhood_gpus.sh, neighbourhood.py --export-weights), to commit under experiments/lra/weights/.
 # Each variant's runs go to STATE/nb-cur-<variant>/runs/<variant>-<k>-<radius>/ (checkpoints kept);
 # a later command skips the stages done and continues. With OUT set the state goes back at exit
 # (neighbourhood_gpus.sh). CPU rehearsal: NUM=40 DEVICE=cpu WORKERS=2 STAGE_MINUTES=0.3 ... STATE 4

@@ -30,6 +30,8 @@
 # (The sin-cos chains have no table: their weights are ~0.4 MB.)
 # Only the newest stage of a chain keeps its weights, its frozen 256x256 table stored as the 64x64 source
 # it was duplicated from (neighbourhood.compact_grid: 17 MB -> ~1 MB), so the state stays small enough to carry.
+# A chain that finishes exports its last stage's best weights in bf16 to STATE/weights/<tag>-<k>-full/
+# (neighbourhood_gpus.sh, neighbourhood.py --export-weights), to commit under experiments/lra/weights/.
 # Runs go to STATE/nb-p256-<variant>/runs/; with OUT set the state goes back at exit
 # (neighbourhood_gpus.sh). CPU rehearsal: NUM=40 DEVICE=cpu GRAPHS=0 WORKERS=2 SCALE=0.05 ... STATE 4
 set -uo pipefail

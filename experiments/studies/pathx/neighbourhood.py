@@ -47,6 +47,10 @@ that Transformer learns the cue at all when it is given nothing else:
    (default: the minutes left shared equally among the stages not yet run), and a later command
    skips the stages already done. ``--no-probe``
    skips the probe MLP (a minute a radius on 100K images).
+8. ``--export-weights DIR``: when a run finishes (a curriculum: when its last stage does), its
+   best-on-val weights go to ``DIR/<run name>/`` in bf16 (``model.pt``, ``config.json``:
+   `lra.weights.export_run`), once; ``neighbourhood_gpus.sh`` passes ``STATE/weights``, whose
+   folders are committed under ``experiments/lra/weights/``.
 """
 
 from __future__ import annotations
@@ -704,6 +708,8 @@ def run_one(args, preset: str, data_tag: str, datasets, probe: dict, meta: dict)
         **meta, "stopped_by": summary.get("stopped_by"),
     }
     (run_dir / "result.json").write_text(json.dumps(row, indent=1) + "\n")
+    if getattr(args, "export_weights", None):  # a finished run's weights, to commit (lra/weights.py)
+        export_final(run_dir / "checkpoints" / "best.pt", args.export_weights / tag)
     # the checkpoints are big (the 1M-number position table) and reproducible: keep only the summary
     if not args.keep_checkpoints:
         for ck in (run_dir / "checkpoints").glob("*.pt"):
@@ -874,6 +880,9 @@ def parse_args(argv=None):
                    help="continue a run that an earlier command (--minutes) stopped; needs --steps. Without it a "
                         "run stopped by --minutes is reported as it stands (its schedule unfinished)")
     o.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' .pt files (deleted by default)")
+    o.add_argument("--export-weights", type=Path, default=None, metavar="DIR",
+                   help="when a run (with --radius-stages: the chain's last stage) finishes, write its best-on-val "
+                        "weights in bf16 to DIR/<run name>/ (model.pt, config.json: lra/weights.py export)")
     o.add_argument("--generate-only", action="store_true", help="make the cached images and stop")
     o.add_argument("--report-only", action="store_true", help="rebuild the table and the figure from OUT/runs and stop")
     o.add_argument("--no-progress", action="store_true")
@@ -969,6 +978,23 @@ def compact_grid(path: Path) -> int:
     return 1
 
 
+def export_final(best: Path, folder: Path) -> bool:
+    """The bf16 export of a finished run's ``best.pt`` into ``folder`` (`lra.weights.export_run`:
+    ``model.pt`` and ``config.json``), once: an export already there is kept (a rerun of a finished
+    chain exports nothing new). False when there is no ``best.pt`` (a run stopped before its first
+    validation)."""
+    from sparseflash.experiments.lra.weights import export_run
+
+    if (folder / "model.pt").is_file():
+        return True
+    if not best.is_file():
+        print(f"export: {best} is missing; nothing exported to {folder}", flush=True)
+        return False
+    info = export_run(best, folder)
+    print(f"exported {best} -> {folder}/ ({info['mb']} MB in bf16)", flush=True)
+    return True
+
+
 def _chain_start(best: Path, init):
     """The weights a stage hands to the next: its best-on-val ones; a stage cut before its first
     validation has only its last ones, and one cut before its first step hands on ``init``."""
@@ -1011,7 +1037,8 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
             share = a.stage_minutes[k] if left is None else min(a.stage_minutes[k], left)
         preset = a.runs[0] if init is None or PRESETS[a.runs[0]][0] else "pretrained"
         sa = _with(a, radius=r, keep="full" if r is None else "neighbourhood", init_from=init and Path(init), tag=tag,
-                   keep_checkpoints=True, t_command=None, minutes=share, evals=5)  # short stages: 5 validations
+                   keep_checkpoints=True, t_command=None, minutes=share, evals=5,  # short stages: 5 validations
+                   export_weights=None)  # the chain's last stage is exported below, once the chain is done
         row = run_one(sa, preset, data_tag, datasets, probe, meta)
         del masked, datasets
         if row is None:  # stopped by its time limit with --resume: continue it next command
@@ -1032,6 +1059,8 @@ def run_stages(a, images, tips, labels, idx, meta: dict) -> int:
         if k and previous and Path(previous) != Path(init) and Path(previous).parent.parent.parent == a.out / "runs":
             for ck in Path(previous).parent.glob("*.pt"):
                 ck.unlink()
+    if status == 0 and a.export_weights:  # the chain is done: its final model, to commit
+        export_final(a.out / "runs" / tag / "checkpoints" / "best.pt", a.export_weights / tag)
     rows = report(a.out)
     print(f"wrote {a.out / 'neighbourhood.csv'}, .json, .png ({len(rows)} runs)", flush=True)
     return status

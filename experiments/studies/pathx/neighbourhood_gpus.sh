@@ -12,6 +12,9 @@
 #   conv     from scratch with model.conv_stem=2 (each token first sees its 5x5 surroundings)
 #   conv-sincos  the same with fixed 2-D sin-cos positions instead of the learned table
 # With OUT set the state goes back at exit as OUT/pxstate.tgz.part-* (15 MiB each), as campaign.sh's.
+# Each run that finishes (a --radius-stages chain: its last stage) leaves its best-on-val weights in bf16
+# in STATE/weights/<run name>/ (neighbourhood.py --export-weights; WEIGHTS=DIR elsewhere, WEIGHTS=none
+# not at all): copy those folders to experiments/lra/weights/ to commit them.
 # CPU rehearsal: NUM=40 STEPS=3 DEVICE=cpu WORKERS=2 ... STATE 3
 set -uo pipefail
 state=$1; minutes=$2
@@ -50,6 +53,8 @@ common=(--num "$num" --resolution "$res" --cache "$cache" --device "$device" --n
 [ "$graphs" = 1 ] && common+=(--cuda-graphs)
 # STEPS=auto: each run sizes its schedule to the minutes left (one command, finished with its test score)
 [ "$steps" = auto ] || common+=(--steps "$steps" --resume)
+weights=${WEIGHTS:-$state/weights}
+[ "$weights" = none ] || common+=(--export-weights "$weights")
 declare -A extra=(
     [frozen]="--runs pretrained-frozen --init-from $state/pretrain/checkpoints/best.pt"
     [scratch]="--runs scratch"
