@@ -384,13 +384,15 @@ def test_weights_export_refuses_a_file_already_there(tmp_path, capsys):
 
     ckpt = tmp_path / "best.pt"
     torch.save({"config": {}, "model": {"w": torch.ones(2)}, "step": 1}, ckpt)
-    out = tmp_path / "export.pt"
-    out.write_bytes(b"mine")
-    assert cli.run_command(weights.main, [str(ckpt), str(out)]) == cli.EXIT_USAGE
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "model.pt").write_bytes(b"mine")
+    assert cli.run_command(weights.main, ["export", str(ckpt), str(out)]) == cli.EXIT_USAGE
     line = _one_error_line(capsys.readouterr().err)
-    assert f"OUT {out} already exists" in line and "--overwrite" in line and out.read_bytes() == b"mine"
-    assert cli.run_command(weights.main, [str(ckpt), str(out), "--overwrite"]) == 0
-    assert torch.load(out, weights_only=True)["model"]["w"].dtype == torch.bfloat16
+    assert "already" in line and "model.pt" in line and "--overwrite" in line
+    assert (out / "model.pt").read_bytes() == b"mine"
+    assert cli.run_command(weights.main, ["export", str(ckpt), str(out), "--overwrite"]) == 0
+    assert torch.load(out / "model.pt", weights_only=True)["model"]["w"].dtype == torch.bfloat16
 
 
 # ----------------------------------------------------------------------------- edges
