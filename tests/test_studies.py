@@ -238,7 +238,10 @@ def pathfinder32_data(tmp_path_factory):
     return data
 
 
-@pytest.mark.parametrize("flags", [[], ["--black-is-padding"], ["--patch", "4"]], ids=["all-pixels", "black-is-padding", "patches"])
+# (the two input variants cost ~10 s each and change only the tokeniser: run on GPU machines and with SPARSEFLASH_SLOW=1)
+@pytest.mark.parametrize("flags", [[], pytest.param(["--black-is-padding"], marks=pytest.mark.slow),
+                                   pytest.param(["--patch", "4"], marks=pytest.mark.slow)],
+                         ids=["all-pixels", "black-is-padding", "patches"])
 def test_pathfinder_minimal_transformer_runs_on_generated_data(tmp_path, pathfinder32_data, flags):
     # The independent control of the Pathfinder-32 study: a few steps on a tiny generated set end
     # with its eval log and a test result that is a real accuracy over the test split.
