@@ -574,6 +574,29 @@ def test_decode_splits_times_each_setting_and_restores_the_launch(tmp_path, caps
     assert "best setting" in capsys.readouterr().out
 
 
+def test_hopper_bwd_fa4_ncu_run_sets_the_variant_and_refuses_without_a_gpu(monkeypatch, capsys):
+    """ncu_run.py: a variant's overrides and MODE are set for the process (what ncu then profiles);
+    a bad case or variant is a usage error; without a GPU the command refuses with exit 2."""
+    from sparseflash.experiments.studies.hopper_bwd_fa4 import ncu_run
+    from sparseflash.flash.hopper import backward as hb
+
+    monkeypatch.setattr(hb, "OVERRIDES", {})
+    monkeypatch.setattr(hb, "MODE", "auto")
+    ncu_run.apply_variant("onepass-regstore")
+    assert hb.OVERRIDES == {"dkdv_tma": False} and hb.MODE == "on"
+    ncu_run.apply_variant("ours-q64")
+    assert hb.OVERRIDES == {"q_step": {64: 64}} and hb.MODE == "on"  # (MODE stays as the last variant set it)
+    for argv in (["bogus-case"], ["dense-d64-4k", "no-such-variant"]):
+        with pytest.raises(SystemExit) as e:
+            ncu_run.main(argv)
+        assert e.value.code == 2
+    capsys.readouterr()
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            ncu_run.main(["causal-d128-16k", "ours-tma"])
+        assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
 def test_hopper_bwd_fa4_cases_variants_and_table(capsys):
     """compare.py: case names resolve (the table's, randomK, localW; a bad one is a one-line usage
     error), every variant names only knobs the backward has, a CPU run refuses with exit 2, and the
