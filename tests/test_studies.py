@@ -575,17 +575,20 @@ def test_decode_splits_times_each_setting_and_restores_the_launch(tmp_path, caps
 
 
 def test_hopper_bwd_fa4_ncu_run_sets_the_variant_and_refuses_without_a_gpu(monkeypatch, capsys):
-    """ncu_run.py: a variant's overrides and MODE are set for the process (what ncu then profiles);
-    a bad case or variant is a usage error; without a GPU the command refuses with exit 2."""
-    from sparseflash.experiments.studies.hopper_bwd_fa4 import ncu_run
+    """ncu_run.py and compare.py: a variant's overrides and MODE hold while its calls run (what ncu
+    then profiles) and are restored after; a bad case or variant is a usage error; without a GPU
+    the command refuses with exit 2."""
+    from sparseflash.experiments.studies.hopper_bwd_fa4 import compare, ncu_run
     from sparseflash.flash.hopper import backward as hb
 
     monkeypatch.setattr(hb, "OVERRIDES", {})
     monkeypatch.setattr(hb, "MODE", "auto")
-    ncu_run.apply_variant("onepass-regstore")
-    assert hb.OVERRIDES == {"dkdv_tma": False} and hb.MODE == "on"
-    ncu_run.apply_variant("ours-q64")
-    assert hb.OVERRIDES == {"q_step": {64: 64}} and hb.MODE == "on"  # (MODE stays as the last variant set it)
+    with compare.variant(compare.VARIANTS["onepass-regstore"]):
+        assert hb.OVERRIDES == {"dkdv_tma": False} and hb.MODE == "on"
+    assert hb.OVERRIDES == {} and hb.MODE == "auto"
+    with compare.variant(compare.VARIANTS["ours-q64"]):
+        assert hb.OVERRIDES == {"q_step": {64: 64}} and hb.MODE == "auto"
+    assert hb.OVERRIDES == {} and hb.MODE == "auto"
     for argv in (["bogus-case"], ["dense-d64-4k", "no-such-variant"]):
         with pytest.raises(SystemExit) as e:
             ncu_run.main(argv)

@@ -21,6 +21,7 @@ relative to FA4's (FA4's time / its time: above 1 is faster than FA4).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import re
@@ -31,7 +32,7 @@ import torch
 
 from sparseflash.cmdline import ArgumentParser, run_command
 
-__all__ = ["CASES", "VARIANTS", "main"]
+__all__ = ["CASES", "VARIANTS", "variant", "main"]
 
 # name: (seq_len, head_dim, causal, pattern or None)
 CASES = {
@@ -47,6 +48,23 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             "ours-regstore": {"dkdv_tma": False}, "ours-tma": {"dkdv_tma": True}, "onepass": {"MODE": "on"},
             "onepass-regstore": {"MODE": "on", "dkdv_tma": False}, "onepass-tma": {"MODE": "on", "dkdv_tma": True},
             "portable": {"MODE": "off"}}
+
+
+@contextlib.contextmanager
+def variant(over: dict):
+    """The backward's study overrides of a `VARIANTS` entry (``over``) and its MODE while the block
+    runs; both restored after it ({}: the production default)."""
+    from sparseflash.flash.hopper import backward as hb
+
+    mode = hb.MODE
+    hb.OVERRIDES.clear()
+    hb.OVERRIDES.update({k: v for k, v in over.items() if k != "MODE"})
+    hb.MODE = over.get("MODE", mode)
+    try:
+        yield
+    finally:
+        hb.OVERRIDES.clear()
+        hb.MODE = mode
 
 
 def case(name: str):
@@ -113,7 +131,6 @@ def _results(fn, q, k, v, do):
 def run_case(name: str, variants, providers, rep_ms: float, device) -> list[dict]:
     from sparseflash.experiments.bench.flops import densities
     from sparseflash.experiments.bench.providers import Setting
-    from sparseflash.flash.hopper import backward as hb
 
     n, d, causal, pattern = case(name)
     batch = TOKENS // n
@@ -142,25 +159,19 @@ def run_case(name: str, variants, providers, rep_ms: float, device) -> list[dict
             rows.append(dict(row, status=f"skipped: {why}"))
             print(f"  {name:18s} {label:10s} skipped: {why}", flush=True)
             continue
-        hb.OVERRIDES.clear()
-        hb.OVERRIDES.update({k: v for k, v in over.items() if k != "MODE"})
-        mode = hb.MODE
-        hb.MODE = over.get("MODE", mode)
         try:
-            res = _results(fn, q, k, v, do)
-            if ref is None:
-                ref = res
-            diffs = {f"max_diff_{t}": float((a.float() - b.float()).abs().max()) for t, a, b in
-                     zip(("out", "dq", "dk", "dv"), res, ref)}
-            del res
-            fwd, fwdbwd = _times(fn, q, k, v, do, rep_ms)
+            with variant(over):
+                res = _results(fn, q, k, v, do)
+                if ref is None:
+                    ref = res
+                diffs = {f"max_diff_{t}": float((a.float() - b.float()).abs().max()) for t, a, b in
+                         zip(("out", "dq", "dk", "dv"), res, ref)}
+                del res
+                fwd, fwdbwd = _times(fn, q, k, v, do, rep_ms)
             row.update(status="ok", fwd_ms=round(fwd, 4), fwdbwd_ms=round(fwdbwd, 4), bwd_ms=round(fwdbwd - fwd, 4),
                        **diffs)
         except Exception as e:  # noqa: BLE001 - one failing provider must not lose the others' rows
             row.update(status=f"error: {type(e).__name__}: {str(e)[:300]}")
-        finally:
-            hb.OVERRIDES.clear()
-            hb.MODE = mode
         rows.append(row)
         print(f"  {name:18s} {label:10s} {row.get('status')} fwd {row.get('fwd_ms', '-')} fwd+bwd "
               f"{row.get('fwdbwd_ms', '-')}", flush=True)

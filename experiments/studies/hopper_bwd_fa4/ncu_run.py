@@ -7,7 +7,7 @@
     python -m sparseflash.experiments.studies.hopper.ncu_bwd summary OUT/bwd.csv
 
 Runs two forward + backward calls of the case (`compare.case`: 16 heads, bf16, 16K tokens a call)
-with the variant's study overrides (`compare.VARIANTS`) set for the whole process, so the second
+with the variant's study overrides (`compare.VARIANTS`, set by `compare.variant`), so the second
 call's backward is the kernel to profile (the first compiles). `ncu_bwd summary` turns ncu's
 per-instruction samples into the stall reasons and the SASS lines that hold them. Needs an sm_90 GPU.
 """
@@ -17,19 +17,10 @@ from __future__ import annotations
 import torch
 
 from sparseflash.cmdline import ArgumentParser, run_command
-from sparseflash.experiments.studies.hopper_bwd_fa4.compare import HEADS, TOKENS, VARIANTS, _case_name, _mask, case
+from sparseflash.experiments.studies.hopper_bwd_fa4.compare import (HEADS, TOKENS, VARIANTS, _case_name, _mask, case,
+                                                                  variant)
 
-__all__ = ["apply_variant", "main"]
-
-
-def apply_variant(name: str) -> None:
-    """Set the backward's study overrides and MODE of variant ``name`` for the rest of the process."""
-    from sparseflash.flash.hopper import backward as hb
-
-    over = VARIANTS[name]
-    hb.OVERRIDES.clear()
-    hb.OVERRIDES.update({k: v for k, v in over.items() if k != "MODE"})
-    hb.MODE = over.get("MODE", hb.MODE)
+__all__ = ["main"]
 
 
 def main(argv=None) -> int:
@@ -43,7 +34,6 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA GPU (the Hopper backward runs on sm_90)")
     import sparseflash
 
-    apply_variant(a.variant)
     n, d, causal, pattern = case(a.case)
     mask = _mask(pattern, n, causal, torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -51,10 +41,11 @@ def main(argv=None) -> int:
                    for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
-    for _ in range(a.calls):
-        out = sparseflash.attention(q, k, v, mask=mask, causal=causal)
-        torch.autograd.grad(out, (q, k, v), do)
-    torch.cuda.synchronize()
+    with variant(VARIANTS[a.variant]):
+        for _ in range(a.calls):
+            out = sparseflash.attention(q, k, v, mask=mask, causal=causal)
+            torch.autograd.grad(out, (q, k, v), do)
+        torch.cuda.synchronize()
     print(f"{a.case} {a.variant}: {a.calls} fwd+bwd calls", flush=True)
     return 0
 
