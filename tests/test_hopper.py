@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 import sparseflash
 from sparseflash.flash import dispatch, tiles
@@ -141,7 +142,7 @@ def test_bwd_delta_padding(device):
     g = torch.Generator().manual_seed(0)
     o, do = (torch.randn(2, 3, 70, 32, generator=g).to(device) for _ in range(2))
     lse, dlse = (torch.randn(2, 3, 70, generator=g).to(device) for _ in range(2))
-    acc = torch.full(o.shape, float("nan"), device=device)  # the dQ sums, zeroed by the same launch
+    acc = torch.full((6 * 128 * 32,), float("nan"), device=device)  # the dQ sums (n_pad rows), zeroed by the same launch
     lse2, delta = hopper_bwd.delta_rows(o, do, lse, dlse, 128, 1 / 0.125, acc)
     assert (acc == 0).all()
     assert lse2.shape == delta.shape == (6, 128)
@@ -150,12 +151,37 @@ def test_bwd_delta_padding(device):
     torch.testing.assert_close(lse2[:, :70].double(), lse.double().reshape(6, 70) / 0.125, rtol=1e-6, atol=1e-6)
     assert torch.isinf(lse2[:, 70:]).all() and (lse2[:, 70:] > 0).all()
     assert (delta[:, 70:] == 0).all()
-    with pytest.raises(ValueError, match="acc must be a contiguous float32 tensor of o's shape"):
-        hopper_bwd.delta_rows(o, do, lse, dlse, 128, 1 / 0.125, acc[:, :, :64])
+    with pytest.raises(ValueError, match=r"acc must be a contiguous float32 tensor of B \* H \* n_pad \* D = 24576"):
+        hopper_bwd.delta_rows(o, do, lse, dlse, 128, 1 / 0.125, acc[:-32])
     assert torch.equal(hopper_bwd.delta_rows(o, do, lse, None, 128, 1 / 0.125)[0], lse2)  # (no acc: the same rows)
     # the rows a walk visits: 64-row steps when dense, whole mask blocks with lists
     assert [hopper_bwd.padded_rows(n, bq, 64) for n, bq in [(1050, None), (1050, 128), (1000, 256), (1024, 128)]] == [
         1088, 1152, 1024, 1024]
+
+
+@pytest.mark.parametrize("n", [32, 64, 128])
+def test_bwd_dq_order_and_cast(device, n):
+    """The float32 dQ sums hold each warpgroup's [64, n] share of a step whole, in `dq_order` (the
+    order the Gluon kernel stages and adds them in: offset bit i is coordinate dq_order(n)[i]); the
+    cast kernel (Triton, so it runs under the interpreter too) reads them back into dQ's rows."""
+    bases = hopper_bwd.dq_order(n)
+    assert sorted(bases) == sorted([(1 << i, 0) for i in range(6)] + [(0, 1 << i) for i in range(n.bit_length() - 1)])
+    with pytest.raises(ValueError, match="n must be 32, 64 or 128 columns, got 16"):
+        hopper_bwd.dq_order(16)
+    B, H, N, D, n_pad = 2, 3, 100, {32: 64, 64: 128, 128: 128}[n], 128  # (the shapes d 64 and 128 steps take)
+    g = torch.Generator().manual_seed(0)
+    sums = torch.randn(B, H, n_pad, D, generator=g)
+    off = torch.arange(64 * n)
+    r = sum(((off >> i) & 1) * br for i, (br, _) in enumerate(bases))
+    c = sum(((off >> i) & 1) * bc for i, (_, bc) in enumerate(bases))
+    # shares in order: (batch, head), 64-row group, column group; each share's floats in dq_order
+    shares = sums.reshape(B, H, n_pad // 64, 64, D // n, n).permute(0, 1, 2, 4, 3, 5)[..., r, c]
+    acc = shares.contiguous().reshape(-1).to(device)
+    dq = torch.empty(B, N, H, D, device=device).transpose(1, 2)  # [B, N, H, D] memory; float32: exact
+    sq = dq.stride()
+    hopper_bwd.dq_cast_kernel[(triton.cdiv(N, hopper_bwd.CAST_ROWS), B * H)](
+        acc, dq, sq[0], sq[1], sq[2], H, N, n_pad, 0.5, HEAD_DIM=D, BLOCK=hopper_bwd.CAST_ROWS, DQ_N=n)
+    assert torch.equal(dq.cpu(), sums[:, :, :N] * 0.5)
 
 
 def test_layouts():

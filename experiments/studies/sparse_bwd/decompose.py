@@ -117,14 +117,15 @@ def measure(n: int, d: int, k: int, variants=tuple(VARIANTS), rows: bool = False
     row["zeros"] = graph_ms(lambda: torch.zeros((B, H, N, D), device=q_.device, dtype=torch.float32))
     n_pad = hopper_bwd.padded_rows(N, 128, hopper_bwd.q_step(D))
     row["delta"] = graph_ms(lambda: hopper_bwd.delta_rows(o_, do_, lse_, dlse_, n_pad, 1.0 / 0.1))
-    acc = torch.zeros((B, H, N, D), device=q_.device, dtype=torch.float32)
+    acc = torch.zeros(B * H * n_pad * D, device=q_.device, dtype=torch.float32)
     dq = torch.empty_like(q_)
+    dq_n = D // 2 if hopper_bwd.q_step(D) == 64 else D  # (a warpgroup's share: `hopper_bwd._dq_box`)
 
     def cast():
         import triton
         sq = dq.stride()
         hopper_bwd.dq_cast_kernel[(triton.cdiv(N, hopper_bwd.CAST_ROWS), B * H)](
-            acc, dq, sq[0], sq[1], sq[2], H, N, 0.1, HEAD_DIM=D, BLOCK=hopper_bwd.CAST_ROWS)
+            acc, dq, sq[0], sq[1], sq[2], H, N, n_pad, 0.1, HEAD_DIM=D, BLOCK=hopper_bwd.CAST_ROWS, DQ_N=dq_n)
     row["cast"] = graph_ms(cast)
     return row
 

@@ -64,8 +64,8 @@ from sparseflash.flash import binding
 from sparseflash.flash.operands import cdiv
 
 __all__ = ["bwd", "plan", "unsupported", "do_unsupported", "do_layout", "list_min_blocks", "q_step", "padded_rows",
-           "delta_rows", "delta_kernel", "dq_cast_kernel", "CAST_ROWS", "MODE", "OVERRIDES", "LIST_MIN_BLOCKS",
-           "LIST_MIN_BLOCKS_BY_GPU"]
+           "delta_rows", "delta_kernel", "dq_cast_kernel", "dq_order", "CAST_ROWS", "MODE", "OVERRIDES",
+           "LIST_MIN_BLOCKS", "LIST_MIN_BLOCKS_BY_GPU"]
 
 # "auto" (the default): this kernel wherever the Hopper forward runs and dO's layout allows, for walks
 # without block lists (dense, causal, key_lengths) and block lists of at least LIST_MIN_BLOCKS blocks a
@@ -108,6 +108,25 @@ def q_step(head_dim: int) -> int:
 # {head_dim: 64 or 128}; "dkdv_tma": True / False, dK and dV stored by TMA or from registers
 # (default: by TMA except on causal walks). Empty in normal use.
 OVERRIDES: dict = {}
+
+
+def dq_order(n: int) -> tuple:
+    """How the float32 dQ sums hold one warpgroup's [64, n] share of a step (n = 32, 64 or 128 columns),
+    and how it is staged in shared memory: bit i of an element's offset in the share's 64 * n floats
+    is coordinate (row, column) ``dq_order(n)[i]``. This is the order of the wgmma accumulator that
+    computes it: a thread's registers (columns c and c + 1 of rows r and r + 8) are 4 consecutive floats,
+    then the warpgroup's 128 threads (lane bits: columns 2 and 4, rows 1, 2 and 4; warps: rows 16 and
+    32), then the accumulator's column groups of 8. Each thread stores 16 contiguous bytes and a warp
+    512 (no bank conflicts; in row order, through TMA's swizzle, every store was a 2-way conflict), the
+    reducer adds the share with one flat TMA reduction, and the cast kernel puts the rows back in
+    order (`_dq_offset`, this map's inverse)."""
+    if n not in (32, 64, 128):
+        raise ValueError(f"n must be 32, 64 or 128 columns, got {n!r}")
+    return _DQ_ORDER[:n.bit_length() + 5]
+
+
+# `dq_order` of 128 columns (fewer columns: its first 9 + log2(n / 8) entries)
+_DQ_ORDER = ((0, 1), (8, 0), (0, 2), (0, 4), (1, 0), (2, 0), (4, 0), (16, 0), (32, 0), (0, 8), (0, 16), (0, 32), (0, 64))
 
 
 def _stages(head_dim: int) -> int:
@@ -155,6 +174,15 @@ if GLUON_ERROR is None:
     def _ds_layout(dtype, qt):
         # dS^T [128 keys, QT queries]: written from registers, read transposed as wgmma's A
         return gl.NVMMASharedLayout.get_default_for([TILE, getattr(qt, "value", qt)], getattr(dtype, "value", dtype))
+
+    @gluon.constexpr_function
+    def _dq_smem_layout(n):
+        # one warpgroup's dQ share [64, n] float32 as it is staged for the reducer: in the order its
+        # wgmma accumulator holds it (`dq_order`), so each thread's stores are 16 contiguous bytes and a
+        # warp's are 512 (no bank conflicts; in row order, with TMA's swizzle, every store was 2-way)
+        return gl.SharedLinearLayout([list(b) for b in _DQ_ORDER[:getattr(n, "value", n).bit_length() + 5]])
+
+    _DQ_FLAT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # the reducer's view of it
 
     @gluon.jit
     def _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, PAIR: gl.constexpr):
@@ -291,19 +319,24 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _bwd_reducer(desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q,
-                     seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
+                     seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in,
                      MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                      CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, QT: gl.constexpr, DQ_M: gl.constexpr,
-                     DQ_N: gl.constexpr, DKDV_TMA: gl.constexpr):
+                     DQ_N: gl.constexpr, DKDV_TMA: gl.constexpr, HEAD_DIM: gl.constexpr):
         """1 warp: once both warpgroups have put a step's dQ halves in shared memory (dq_full), add
         them into the float32 dQ buffer with TMA reductions, and hand a buffer back (dq_empty) once
         its reductions have read it: with two buffers, one step later (after the next step's
         reductions are issued). The walk is the loader's. A warpgroup's half is [DQ_M, DQ_N]: the
-        step's rows and half its columns (DQ_M = QT), or half its rows and every column. DKDV_TMA: a
+        step's rows and half its columns (DQ_M = QT), or half its rows and every column. The sums hold
+        such shares whole, in `dq_order`, n_pad rows a head: each half is one box of the flat
+        [*, DQ_N] view `desc_dq` reduces into. DKDV_TMA: a
         tile's last step's buffer is handed back at the tile's end (once its reductions have read
         it), not at the next step, so the consumers can stage the tile's dK and dV in both buffers."""
-        ROW_OFF: gl.constexpr = DQ_M if DQ_M < QT else 0
-        COL_OFF: gl.constexpr = DQ_N if DQ_M == QT else 0
+        N_CB: gl.constexpr = HEAD_DIM // DQ_N  # shares across dQ's columns
+        # where half 1 lies past half 0 (in rows of the view): the next rows' share (128-row steps) or
+        # the next columns'
+        HALF1: gl.constexpr = (N_CB if DQ_M < QT else 1) * DQ_M
+        n_mt = n_pad // DQ_M
         it = 0
         rel = 0  # steps before this one have had their buffer handed back
         for rr in range(0, n_rounds):
@@ -319,8 +352,9 @@ if GLUON_ERROR is None:
                         j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT)
                         bi = it % _DQ_BUFS
                         mbarrier.wait(dq_full.index(bi), (it // _DQ_BUFS) & 1)
-                        _tma_add(desc_dq, [b, h, start_m, 0], dq_bufs.index(2 * bi))
-                        _tma_add(desc_dq, [b, h, start_m + ROW_OFF, COL_OFF], dq_bufs.index(2 * bi + 1))
+                        r0 = ((b * (n_heads_kv * group) + h) * n_mt + start_m // DQ_M) * (N_CB * DQ_M)
+                        _tma_add(desc_dq, [r0, 0], dq_bufs.index(2 * bi))
+                        _tma_add(desc_dq, [r0 + HALF1, 0], dq_bufs.index(2 * bi + 1))
                         if it > rel:
                             tma.store_wait(2)  # the last step's two reductions have read their halves
                             mbarrier.arrive(dq_empty.index((it - 1) % _DQ_BUFS))
@@ -361,7 +395,7 @@ if GLUON_ERROR is None:
         mbarrier.wait(dq_empty.index(bi), ((p // _DQ_BUFS) & 1) ^ 1)
         if DKDV_TMA:
             tma.store_wait(0)
-        dq_bufs.index(2 * bi + WG).reshape([DQ_M, DQ_N]).store(dq)
+        _reinterpret(dq_bufs.index(2 * bi + WG), gl.float32, [DQ_M, DQ_N], _dq_smem_layout(DQ_N)).store(dq)
         fence_async_shared()
         mbarrier.arrive(dq_full.index(bi))
 
@@ -540,8 +574,8 @@ if GLUON_ERROR is None:
     @gluon.jit
     def hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, Q_TILE, BITS,
                            KEY_LEN,
-                           n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, qk_scale, sm_scale,
-                           stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
+                           n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, n_pad, qk_scale,
+                           sm_scale, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
                            stride_dvb, stride_dvh, stride_dvn, desc_dk, desc_dv,
                            HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                            DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
@@ -557,7 +591,7 @@ if GLUON_ERROR is None:
         k_buf = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
         v_buf = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
         ds_bufs = gl.allocate_shared_memory(dtype, [2, _TILE, QT], _ds_layout(dtype, QT))
-        DQ_N: gl.constexpr = desc_dq.block_type.shape[3]  # a warpgroup's dQ columns (`_dq_box`)
+        DQ_N: gl.constexpr = desc_dq.block_type.shape[1]  # a warpgroup's dQ columns (`_dq_box`)
         dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * _DQ_BUFS] + desc_dq.block_type.shape, desc_dq.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -600,8 +634,8 @@ if GLUON_ERROR is None:
                            stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
                            Q_BNHD, KV_BNHD, DO_BNHD, QT)),
             (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
-                            seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE,
-                            CAUSAL, HAS_KEYLEN, QT, _HALF, DQ_N, DKDV_TMA)),
+                            seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
+                            DENSE, CAUSAL, HAS_KEYLEN, QT, _HALF, DQ_N, DKDV_TMA, HEAD_DIM)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
@@ -623,12 +657,13 @@ def delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om,
                   HAS_DLSE: tl.constexpr, ACC=None):
     """For BLOCK rows of one (batch, head): delta = rowsum(dO * O) - dLSE and LSE2 = LSE * lse_scale,
     float32 [B * H, n_pad], rows seq_q .. n_pad - 1 padded with delta 0 and LSE2 +inf (P = 0), so
-    the backward's steps load them without masks. ACC (optional): the float32 dQ sums (contiguous
-    [B, H, seq_q, HEAD_DIM]), zeroed in the same rows, so the backward needs no fill launch of its own."""
+    the backward's steps load them without masks. ACC (optional): the float32 dQ sums (n_pad * HEAD_DIM
+    contiguous floats a (batch, head), in any order), zeroed in the same launch, so the backward needs
+    no fill launch of its own."""
     i_bh, i_b, i_h, o_m, o_d, m = _rows(n_heads, seq_q, BLOCK, HEAD_DIM)
     if ACC is not None:
-        tl.store(ACC + (i_bh.to(tl.int64) * seq_q + o_m.to(tl.int64))[:, None] * HEAD_DIM + o_d[None, :],
-                 tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=m)
+        tl.store(ACC + (i_bh.to(tl.int64) * n_pad + o_m.to(tl.int64))[:, None] * HEAD_DIM + o_d[None, :],
+                 tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=(o_m < n_pad)[:, None])
     b_o = tl.load(O + i_b * stride_ob + i_h * stride_oh + o_m.to(tl.int64)[:, None] * stride_om + o_d[None, :],
                   mask=m, other=0.0)
     b_do = tl.load(DO + i_b * stride_dob + i_h * stride_doh + o_m.to(tl.int64)[:, None] * stride_dom + o_d[None, :],
@@ -644,11 +679,20 @@ def delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om,
 
 
 @triton.jit
-def dq_cast_kernel(ACC, DQ, stride_qb, stride_qh, stride_qm, n_heads, seq_q, scale,
-                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """dQ = scale * the float32 sums (contiguous [B, H, N, D]), cast to dQ's dtype, in dQ's layout."""
+def _dq_offset(r, c):
+    """Offset of element (r, c) in a [64, n] share of the dQ sums: the inverse of `dq_order`."""
+    return (c & 1) | (((r >> 3) & 1) << 1) | (((c >> 1) & 3) << 2) | ((r & 7) << 4) | ((r >> 4) << 7) | ((c >> 3) << 9)
+
+
+@triton.jit
+def dq_cast_kernel(ACC, DQ, stride_qb, stride_qh, stride_qm, n_heads, seq_q, n_pad, scale,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, DQ_N: tl.constexpr):
+    """dQ = scale * the float32 sums (n_pad rows a (batch, head), as [64, DQ_N] shares in `dq_order`,
+    the shares of a row of 64 next to each other), cast to dQ's dtype, in dQ's layout."""
     i_bh, i_b, i_h, o_m, o_d, m = _rows(n_heads, seq_q, BLOCK, HEAD_DIM)
-    acc = tl.load(ACC + (i_bh.to(tl.int64) * seq_q + o_m.to(tl.int64))[:, None] * HEAD_DIM + o_d[None, :], mask=m)
+    r = o_m % 64
+    share = (i_bh.to(tl.int64) * n_pad + (o_m - r).to(tl.int64))[:, None] * HEAD_DIM + (o_d // DQ_N * (64 * DQ_N))[None, :]
+    acc = tl.load(ACC + share + _dq_offset(r[:, None], (o_d % DQ_N)[None, :]), mask=m)
     tl.store(DQ + i_b * stride_qb + i_h * stride_qh + o_m.to(tl.int64)[:, None] * stride_qm + o_d[None, :],
              (acc * scale).to(DQ.dtype.element_ty), mask=m)
 
@@ -720,11 +764,11 @@ CAST_ROWS = 64  # rows per program of the delta and cast kernels (a divisor of e
 def delta_rows(o, do, lse, dlse, n_pad: int, lse_scale: float, acc=None):
     """(LSE * lse_scale, delta = rowsum(dO * O) - dLSE), float32 [B * H, n_pad] each, rows past
     Nq padded with +inf and 0 (`delta_kernel`; ``lse_scale`` > 0). ``acc``: None, or a contiguous
-    float32 tensor shaped like ``o`` that the same launch zeroes (the backward's dQ sums)."""
+    float32 tensor of B * H * n_pad * D elements that the same launch zeroes (the backward's dQ sums)."""
     B, H, Nq, D = o.shape
-    if acc is not None and (acc.shape != o.shape or acc.dtype != torch.float32 or not acc.is_contiguous()):
-        raise ValueError(f"acc must be a contiguous float32 tensor of o's shape {tuple(o.shape)}, got "
-                         f"{acc.dtype} {tuple(acc.shape)}{'' if acc.is_contiguous() else ' (not contiguous)'}")
+    if acc is not None and (acc.numel() != B * H * n_pad * D or acc.dtype != torch.float32 or not acc.is_contiguous()):
+        raise ValueError(f"acc must be a contiguous float32 tensor of B * H * n_pad * D = {B * H * n_pad * D} elements, "
+                         f"got {acc.dtype} {tuple(acc.shape)}{'' if acc.is_contiguous() else ' (not contiguous)'}")
     lse2 = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     delta = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     so, sdo = o.stride(), do.stride()
@@ -778,12 +822,14 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     n_pad = padded_rows(Nq, None if dense else mask_q, qt)
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
-    # the float32 dQ sums, zeroed by the delta launch (one launch fewer than a fill of their own)
-    acc = torch.empty((B, H, Nq, D), device=q.device, dtype=torch.float32)
+    # the float32 dQ sums as warpgroup shares in `dq_order`, zeroed by the delta launch (one launch
+    # fewer than a fill of their own); the reducer adds each share as one box of a flat [*, dq_n] view
+    acc = torch.empty(B * H * n_pad * D, device=q.device, dtype=torch.float32)
     lse2, delta = delta_rows(o, do, lse, dlse, n_pad, 1.0 / scale, acc)  # (the accumulators' start, see _bwd_consumer)
     dk, dv = new(k), new(v)
     sk, sv = dk.stride(), dv.stride()
-    desc_dq = descriptor(acc, (acc.stride(), False), *_dq_box(D, qt))  # each warpgroup adds its half
+    dq_m, dq_n = _dq_box(D, qt)
+    desc_dq = make_descriptor(acc, [acc.numel() // dq_n, dq_n], [dq_n, 1], (dq_m, dq_n), _DQ_FLAT)
     n_bhk = B * Hk
     n_tiles = cdiv(Nk, TILE) * n_bhk
     if num_sms is None:
@@ -806,7 +852,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         desc_v=descriptor(v, lay[2], TILE), desc_do=descriptor(do, do_lay, qt), desc_dq=desc_dq,
         desc_lse=_row_descriptor(lse2, qt), desc_dlt=_row_descriptor(delta, qt), DK=dk, DV=dv, Q_IDX=idx, Q_TILE=q_tile, BITS=bits,
         KEY_LEN=q if key_lengths is None else key_lengths, n_tiles=n_tiles, n_rounds=n_rounds, n_bhk=n_bhk, gh=gh,
-        n_heads_kv=Hk, group=H // Hk, seq_q=Nq, seq_k=Nk, n_qblocks=n_qb, qk_scale=scale * LOG2E, sm_scale=scale,
+        n_heads_kv=Hk, group=H // Hk, seq_q=Nq, seq_k=Nk, n_qblocks=n_qb, n_pad=n_pad, qk_scale=scale * LOG2E, sm_scale=scale,
         stride_ib=i_strides[0], stride_ih=i_strides[1], stride_in=i_strides[2],
         stride_dkb=sk[0], stride_dkh=sk[1], stride_dkn=sk[2], stride_dvb=sv[0], stride_dvh=sv[1], stride_dvn=sv[2],
         HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
@@ -817,5 +863,5 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     dq = new(q)
     sq = dq.stride()
     binding.call(dq_cast_kernel, (cdiv(Nq, CAST_ROWS), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1],
-                 stride_qm=sq[2], n_heads=H, seq_q=Nq, scale=scale, HEAD_DIM=D, BLOCK=CAST_ROWS)
+                 stride_qm=sq[2], n_heads=H, seq_q=Nq, n_pad=n_pad, scale=scale, HEAD_DIM=D, BLOCK=CAST_ROWS, DQ_N=dq_n)
     return dq, dk, dv
