@@ -47,7 +47,7 @@ DEFAULT_CASES = ("dense-d128-16k", "dense-d64-16k", "causal-d128-16k", "causal-d
 VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step": {64: 128}},
             "ours-regstore": {"dkdv_tma": False}, "ours-tma": {"dkdv_tma": True}, "onepass": {"MODE": "on"},
             "onepass-regstore": {"MODE": "on", "dkdv_tma": False}, "onepass-tma": {"MODE": "on", "dkdv_tma": True},
-            "portable": {"MODE": "off"}, "dq-now": {"dq_defer": False}, "dq-defer": {"dq_defer": True}}
+            "portable": {"MODE": "off"}}
 
 
 @contextlib.contextmanager

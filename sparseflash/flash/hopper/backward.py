@@ -106,8 +106,7 @@ def q_step(head_dim: int) -> int:
 
 # Launch settings a study can override (experiments/studies/hopper_bwd_fa4): "q_step", a dict
 # {head_dim: 64 or 128}; "dkdv_tma": True / False, dK and dV stored by TMA or from registers
-# (default: by TMA except on causal walks); "dq_defer": True / False, a step's dQ handed to the reducer
-# at the next step's start instead of right after its stores (default False). Empty in normal use.
+# (default: by TMA except on causal walks). Empty in normal use.
 OVERRIDES: dict = {}
 
 
@@ -388,25 +387,17 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DQ_M: gl.constexpr, DQ_N: gl.constexpr,
-                DKDV_TMA: gl.constexpr, READY: gl.constexpr):
+                DKDV_TMA: gl.constexpr):
         """Put this warpgroup's half of step p's dQ ([DQ_M, DQ_N] float32) in its staging buffer,
         once the reducer has read that buffer's last halves (DKDV_TMA: and this warpgroup's dK / dV
-        stores from the buffers have read them), and, with READY, tell the reducer (`_dq_ready`;
-        without, the caller does later)."""
+        stores from the buffers have read them), and tell the reducer."""
         bi = p % _DQ_BUFS
         mbarrier.wait(dq_empty.index(bi), ((p // _DQ_BUFS) & 1) ^ 1)
         if DKDV_TMA:
             tma.store_wait(0)
         _reinterpret(dq_bufs.index(2 * bi + WG), gl.float32, [DQ_M, DQ_N], _dq_smem_layout(DQ_N)).store(dq)
-        if READY:
-            _dq_ready(dq_full, p)
-
-    @gluon.jit
-    def _dq_ready(dq_full, p):
-        """Tell the reducer that this warpgroup's half of step p's dQ is in its staging buffer (the
-        fence waits for the stores to land)."""
         fence_async_shared()
-        mbarrier.arrive(dq_full.index(p % _DQ_BUFS))
+        mbarrier.arrive(dq_full.index(bi))
 
     @gluon.jit
     def _ds_rows(ds_buf, WG: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -428,7 +419,7 @@ if GLUON_ERROR is None:
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                       STAGES: gl.constexpr, EXACT: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr,
-                      DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr, DV_BNHD: gl.constexpr, DQ_DEFER: gl.constexpr):
+                      DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr, DV_BNHD: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; of each step's dQ, the
         columns of half WG (64-row steps) or the rows of half WG (128-row steps; DQ_N columns
         either way). Step j's dQ is computed during step j + 1 (and the tile's last after its
@@ -455,7 +446,6 @@ if GLUON_ERROR is None:
         c_a = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, a_layout))
         it = 0  # steps so far: ring slot and phase, dS buffer and phase
         n_done = 0
-        pend = 0  # DQ_DEFER: 1 while step it - 2's dQ is staged but the reducer not yet told
         for rr in range(0, n_rounds):
             t, b, hk, start_n = _key_tile(rr, n_tiles, n_bhk, gh, n_heads_kv, CAUSAL)
             if t < n_tiles:
@@ -490,12 +480,6 @@ if GLUON_ERROR is None:
                         mbarrier.wait(do_ready.index(s), ph)
                         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s - dlt_bufs.index(s).load(s_layout),
                                             is_async=True)
-                        if DQ_DEFER:
-                            # the last step's dQ stores have landed while this step's first wgmmas were
-                            # issued: the fence before telling the reducer no longer waits for them
-                            if pend:
-                                _dq_ready(dq_full, it - 2)
-                                pend = 0
                         cols = start_m + gl.arange(0, QT, layout=col_s)
                         st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
                         pt = gl.exp2(st * qk_scale)  # exp2((S^T * scale - LSE) * log2(e))
@@ -532,10 +516,7 @@ if GLUON_ERROR is None:
                             dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                             r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
                             mbarrier.arrive(ds_ready.index(it % 2))  # (after the dQ above has read its buffer)
-                            _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA,
-                                    not DQ_DEFER)
-                            if DQ_DEFER:
-                                pend = 1
+                            _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA)
                             r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
                             dk_w = r_kv[0]
                             dv_w = r_kv[1]
@@ -549,16 +530,13 @@ if GLUON_ERROR is None:
                         dv = dv_w
                         mbarrier.arrive(step_empty.index(s))
                         it += 1
-                if pend:  # (DQ_DEFER)
-                    _dq_ready(dq_full, it - 2)
-                    pend = 0
                 if it > it0:  # the tile's last dQ, before K goes
                     pb = (it - 1) % 2
                     mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
                     dq = warpgroup_mma(_ds_rows(ds_bufs.index(pb), WG, QT, DQ_N, HEAD_DIM), k_half, zero_q,
                                        use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
-                    _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA, True)
+                    _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA)
                 mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
                 # keys at or past kv_end take no part: their gradients are exactly zero
                 keys_a = start_n + r_a
@@ -604,7 +582,7 @@ if GLUON_ERROR is None:
                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
                            EXACT: gl.constexpr, QT: gl.constexpr, DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr,
-                           DV_BNHD: gl.constexpr, DQ_DEFER: gl.constexpr):
+                           DV_BNHD: gl.constexpr):
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -642,14 +620,14 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, DQ_DEFER)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk, desc_dv,
                              Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, DQ_DEFER)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -881,8 +859,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
         DO_BNHD=do_lay[1], EXACT=exact is not None, QT=qt, desc_dk=desc_dk, desc_dv=desc_dv, DKDV_TMA=dkdv_tma,
-        DK_BNHD=bool(dkdv_tma and lay_dk[1]), DV_BNHD=bool(dkdv_tma and lay_dv[1]),
-        DQ_DEFER=bool(OVERRIDES.get("dq_defer", False)), num_warps=4)
+        DK_BNHD=bool(dkdv_tma and lay_dk[1]), DV_BNHD=bool(dkdv_tma and lay_dv[1]), num_warps=4)
     dq = new(q)
     sq = dq.stride()
     binding.call(dq_cast_kernel, (cdiv(Nq, CAST_ROWS), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1],
