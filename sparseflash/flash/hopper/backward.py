@@ -143,7 +143,8 @@ if GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparseflash.flash.hopper.common import list_layout, list_start, tile_coord, tma_load, tma_store, wgmma_layout
+    from sparseflash.flash.hopper.common import (bnhd, list_layout, list_start, tile_coord, tma_load, tma_store,
+                                                  wgmma_layout)
     from triton.experimental.gluon.language._core import builtin as _gl_builtin, _unwrap_if_constexpr
 
     @_gl_builtin
@@ -219,12 +220,18 @@ if GLUON_ERROR is None:
         return t, bhk // n_heads_kv, bhk % n_heads_kv, n * _TILE
 
     @gluon.jit
-    def _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in,
-              MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
-              CAUSAL: gl.constexpr, WARPS: gl.constexpr, QT: gl.constexpr):
-        """The q tiles (of QT rows) one head's walk over a key tile visits: (pointer to the column
-        list, first step, end of the causal band, end). Steps j < j_skip see none of the tile's keys
-        (causal), j < j_part cross the diagonal; a tile wholly past kv_end has an empty walk."""
+    def _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK: gl.constexpr):
+        """Pointer to the column list of one head's key tile (block lists)."""
+        return (Q_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
+                + (start_n // MASK_BK).to(gl.int64) * stride_in)
+
+    @gluon.jit
+    def _cols(p_list, start_n, kv_end, seq_q, seq_k, n_qblocks, MASK_BQ: gl.constexpr, NB_P2: gl.constexpr,
+              DENSE: gl.constexpr, CAUSAL: gl.constexpr, WARPS: gl.constexpr, QT: gl.constexpr):
+        """The q tiles (of QT rows) one head's walk over a key tile visits (``p_list``: its column
+        list, `_col_list`; None when dense): (first step, end of the causal band, end). Steps j <
+        j_skip see none of the tile's keys (causal), j < j_part cross the diagonal; a tile wholly
+        past kv_end has an empty walk."""
         causal_off = seq_k - seq_q
         skip_below = 0
         full_from = 0
@@ -232,15 +239,12 @@ if GLUON_ERROR is None:
             skip_below = start_n - causal_off  # rows below see no key of the tile
             full_from = start_n + _TILE - 1 - causal_off  # rows from here on see them all
         if DENSE:
-            p_list = Q_IDX
             n_rows = (seq_q + QT - 1) // QT
             j_skip = gl.minimum(gl.maximum(skip_below, 0) // QT, n_rows)
             j_part = gl.minimum((gl.maximum(full_from, 0) + QT - 1) // QT, n_rows)
             j_end = n_rows
         else:
             SUB: gl.constexpr = MASK_BQ // QT
-            p_list = (Q_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
-                      + (start_n // MASK_BK).to(gl.int64) * stride_in)
             offs = gl.arange(0, NB_P2, layout=list_layout(NB_P2, WARPS))
             blocks = gl.load(p_list + offs, mask=offs < n_qblocks, other=1 << 30)
             n_skip = gl.sum((blocks < skip_below // MASK_BQ).to(gl.int32), axis=0)
@@ -251,7 +255,7 @@ if GLUON_ERROR is None:
             j_end = n * SUB
         if start_n >= kv_end:
             j_end = j_skip
-        return p_list, j_skip, gl.maximum(j_part, j_skip), gl.maximum(j_end, j_skip)
+        return j_skip, gl.maximum(j_part, j_skip), gl.maximum(j_end, j_skip)
 
     @gluon.jit
     def _step(p_list, jj, j_skip, j_end, start_n, DENSE: gl.constexpr, MASK_BQ: gl.constexpr, QT: gl.constexpr):
@@ -301,9 +305,11 @@ if GLUON_ERROR is None:
                 tma_load(desc_v, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
                 for g in range(group):
                     h = hk * group + g
-                    p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
-                                                          stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
-                                                          DENSE, CAUSAL, 1, QT)
+                    p_list = Q_IDX
+                    if not DENSE:
+                        p_list = _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK)
+                    j_skip, j_part, j_end = _cols(p_list, start_n, kv_end, seq_q, seq_k, n_qblocks, MASK_BQ, NB_P2, DENSE,
+                                                  CAUSAL, 1, QT)
                     for jj in range(0, j_end - j_skip):
                         j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT)
                         s = it % STAGES
@@ -345,9 +351,11 @@ if GLUON_ERROR is None:
                 kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
                 for g in range(group):
                     h = hk * group + g
-                    p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
-                                                          stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
-                                                          DENSE, CAUSAL, 1, QT)
+                    p_list = Q_IDX
+                    if not DENSE:
+                        p_list = _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK)
+                    j_skip, j_part, j_end = _cols(p_list, start_n, kv_end, seq_q, seq_k, n_qblocks, MASK_BQ, NB_P2, DENSE,
+                                                  CAUSAL, 1, QT)
                     for jj in range(0, j_end - j_skip):
                         j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT)
                         bi = it % _DQ_BUFS
@@ -458,9 +466,11 @@ if GLUON_ERROR is None:
                 mbarrier.wait(kv_ready, n_done & 1)
                 for g in range(group):
                     h = hk * group + g
-                    p_list, j_skip, j_part, j_end = _cols(Q_IDX, b, h, start_n, kv_end, seq_q, seq_k, n_qblocks,
-                                                          stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
-                                                          DENSE, CAUSAL, 4, QT)
+                    p_list = Q_IDX
+                    if not DENSE:
+                        p_list = _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK)
+                    j_skip, j_part, j_end = _cols(p_list, start_n, kv_end, seq_q, seq_k, n_qblocks, MASK_BQ, NB_P2, DENSE,
+                                                  CAUSAL, 4, QT)
                     p_tile = Q_TILE
                     if EXACT:
                         p_tile = (Q_TILE + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
@@ -572,17 +582,28 @@ if GLUON_ERROR is None:
             tma.store_wait(0)  # (shared memory must outlive the last stores' reads)
 
     @gluon.jit
-    def hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV, Q_IDX, Q_TILE, BITS,
-                           KEY_LEN,
+    def hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV,
                            n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, n_pad, qk_scale,
                            sm_scale, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
-                           stride_dvb, stride_dvh, stride_dvn, desc_dk, desc_dv,
-                           HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
-                           DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr,
-                           EXACT: gl.constexpr, QT: gl.constexpr, DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr,
-                           DV_BNHD: gl.constexpr):
+                           stride_dvb, stride_dvh, stride_dvn,
+                           MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, CAUSAL: gl.constexpr,
+                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                           Q_IDX=None, Q_TILE=None, BITS=None, KEY_LEN=None, desc_dk=None, desc_dv=None):
+        """Optional features are named pointers, None when off: Q_IDX, the column lists (None: dense);
+        Q_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_dk and
+        desc_dv, dK and dV stored by TMA (None: from registers, through DK and DV with their strides).
+        The head dimension, the step and each tensor's memory order come from the descriptors."""
+        DENSE: gl.constexpr = Q_IDX is None
+        EXACT: gl.constexpr = BITS is not None
+        HAS_KEYLEN: gl.constexpr = KEY_LEN is not None
+        DKDV_TMA: gl.constexpr = desc_dk is not None
+        HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
+        QT: gl.constexpr = desc_lse.block_type.shape[1]
+        Q_BNHD: gl.constexpr = bnhd(desc_q)
+        KV_BNHD: gl.constexpr = bnhd(desc_k)
+        DO_BNHD: gl.constexpr = bnhd(desc_do)
+        DK_BNHD: gl.constexpr = bnhd(desc_dk)
+        DV_BNHD: gl.constexpr = bnhd(desc_dv)
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -652,9 +673,8 @@ def _rows(n_heads, seq_q, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-                  n_heads, seq_q, n_pad, lse_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                  HAS_DLSE: tl.constexpr, ACC=None):
+def delta_kernel(O, DO, LSE, LSE2, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+                  n_heads, seq_q, n_pad, lse_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, DLSE=None, ACC=None):
     """For BLOCK rows of one (batch, head): delta = rowsum(dO * O) - dLSE and LSE2 = LSE * lse_scale,
     float32 [B * H, n_pad], rows seq_q .. n_pad - 1 padded with delta 0 and LSE2 +inf (P = 0), so
     the backward's steps load them without masks. ACC (optional): the float32 dQ sums (n_pad * HEAD_DIM
@@ -670,7 +690,7 @@ def delta_kernel(O, DO, LSE, DLSE, LSE2, DELTA, stride_ob, stride_oh, stride_om,
                    mask=m, other=0.0)
     delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)
     p_row = i_bh.to(tl.int64) * seq_q + o_m
-    if HAS_DLSE:
+    if DLSE is not None:  # (the LSE's own gradient, when the caller used it)
         delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
     lse2 = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * lse_scale
     p_pad = i_bh.to(tl.int64) * n_pad + o_m
@@ -773,9 +793,9 @@ def delta_rows(o, do, lse, dlse, n_pad: int, lse_scale: float, acc=None):
     delta = torch.empty((B * H, n_pad), device=o.device, dtype=torch.float32)
     so, sdo = o.stride(), do.stride()
     binding.call(
-        delta_kernel, (cdiv(n_pad, CAST_ROWS), B * H), O=o, DO=do, LSE=lse, DLSE=o if dlse is None else dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
+        delta_kernel, (cdiv(n_pad, CAST_ROWS), B * H), O=o, DO=do, LSE=lse, DLSE=dlse, LSE2=lse2, DELTA=delta, stride_ob=so[0],
         stride_oh=so[1], stride_om=so[2], stride_dob=sdo[0], stride_doh=sdo[1], stride_dom=sdo[2], n_heads=H, seq_q=Nq,
-        n_pad=n_pad, lse_scale=lse_scale, HEAD_DIM=D, BLOCK=CAST_ROWS, HAS_DLSE=dlse is not None, ACC=acc)
+        n_pad=n_pad, lse_scale=lse_scale, HEAD_DIM=D, BLOCK=CAST_ROWS, ACC=acc)
     return lse2, delta
 
 
@@ -813,10 +833,10 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     dense = lists is None
-    idx, i_strides, nb_p2, n_qb = (q, (0, 0, 0), 2, 0) if dense else lists
+    idx, i_strides, nb_p2, n_qb = (None, (0, 0, 0), 2, 0) if dense else lists
     if exact is not None and dense:
         raise ValueError("exact bits come with block lists (a dense call has none)")
-    q_tile, bits = (q, q) if exact is None else exact
+    q_tile, bits = (None, None) if exact is None else exact
     mask_q = mask_bq or TILE  # (the kernel's MASK_BQ; dense walks ignore it)
     qt = q_step(D)
     n_pad = padded_rows(Nq, None if dense else mask_q, qt)
@@ -850,16 +870,13 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     binding.call(
         hopper_bwd_kernel, (grid,), desc_q=descriptor(q, lay[0], qt), desc_k=descriptor(k, lay[1], TILE),
         desc_v=descriptor(v, lay[2], TILE), desc_do=descriptor(do, do_lay, qt), desc_dq=desc_dq,
-        desc_lse=_row_descriptor(lse2, qt), desc_dlt=_row_descriptor(delta, qt), DK=dk, DV=dv, Q_IDX=idx, Q_TILE=q_tile, BITS=bits,
-        KEY_LEN=q if key_lengths is None else key_lengths, n_tiles=n_tiles, n_rounds=n_rounds, n_bhk=n_bhk, gh=gh,
+        desc_lse=_row_descriptor(lse2, qt), desc_dlt=_row_descriptor(delta, qt), DK=dk, DV=dv, Q_IDX=idx,
+        Q_TILE=q_tile, BITS=bits, KEY_LEN=key_lengths, n_tiles=n_tiles, n_rounds=n_rounds, n_bhk=n_bhk, gh=gh,
         n_heads_kv=Hk, group=H // Hk, seq_q=Nq, seq_k=Nk, n_qblocks=n_qb, n_pad=n_pad, qk_scale=scale * LOG2E, sm_scale=scale,
         stride_ib=i_strides[0], stride_ih=i_strides[1], stride_in=i_strides[2],
         stride_dkb=sk[0], stride_dkh=sk[1], stride_dkn=sk[2], stride_dvb=sv[0], stride_dvh=sv[1], stride_dvn=sv[2],
-        HEAD_DIM=D, MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
-        CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        DO_BNHD=do_lay[1], EXACT=exact is not None, QT=qt, desc_dk=desc_dk, desc_dv=desc_dv, DKDV_TMA=dkdv_tma,
-        DK_BNHD=bool(dkdv_tma and lay_dk[1]), DV_BNHD=bool(dkdv_tma and lay_dv[1]), num_warps=4)
+        MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal), STAGES=_stages(D),
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, desc_dk=desc_dk, desc_dv=desc_dv, num_warps=4)
     dq = new(q)
     sq = dq.stride()
     binding.call(dq_cast_kernel, (cdiv(Nq, CAST_ROWS), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1],

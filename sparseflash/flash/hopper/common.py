@@ -46,6 +46,12 @@ if GLUON_ERROR is None:
         n = getattr(n, "value", n)
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
+    @gluon.constexpr_function
+    def bnhd(desc):
+        # whether a descriptor reads [B, N, H, D] memory: its box is then [1, rows, 1, D], else
+        # [1, 1, rows, D] (`descriptor`); False for None (no descriptor)
+        return desc is not None and desc.block_type.shape[2] == 1
+
     @gluon.jit
     def list_start(p_list, j, DENSE: gl.constexpr, MASK_B: gl.constexpr, STEP: gl.constexpr):
         """First row (key or query) of step j of a walk in steps of STEP rows: dense, every step;

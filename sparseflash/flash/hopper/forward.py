@@ -54,7 +54,8 @@ if GLUON_ERROR is None:  # (the guarded import, and the helpers the backward sha
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from sparseflash.flash.hopper.common import list_layout, list_start, tile_coord, tma_load, tma_store, wgmma_layout
+    from sparseflash.flash.hopper.common import (bnhd, list_layout, list_start, tile_coord, tma_load, tma_store,
+                                                  wgmma_layout)
 
 # "auto": the kernel on sm_90 wherever `unsupported` allows it; "off": never (the portable
 # kernels always). SPARSEFLASH_HOPPER sets the starting value.
@@ -101,12 +102,18 @@ if GLUON_ERROR is None:
         return t, bh // n_heads, bh % n_heads, pm
 
     @gluon.jit
-    def _steps(KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
-               MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
-               CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, WARPS: gl.constexpr):
-        """(pointer to the tile's row list, steps without an element mask, steps in all, kv_end,
-        causal offset). Step j < j_full needs no mask; j_full <= j < j_valid masks keys at or past
-        kv_end and, causal, above the bottom-right diagonal; later blocks are skipped."""
+    def _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ: gl.constexpr):
+        """Pointer to the row list of one head's q tile pm (block lists)."""
+        return (KV_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
+                + (pm * _TILE // MASK_BQ).to(gl.int64) * stride_im)
+
+    @gluon.jit
+    def _steps(p_list, KEY_LEN, b, pm, seq_q, seq_k, n_kblocks, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
+               DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, WARPS: gl.constexpr):
+        """(steps without an element mask, steps in all, kv_end, causal offset) of q tile pm's walk
+        (``p_list``: its row list, `_row_list`; None when dense). Step j < j_full needs no mask;
+        j_full <= j < j_valid masks keys at or past kv_end and, causal, above the bottom-right
+        diagonal; later blocks are skipped."""
         start_m = pm * _TILE
         kv_end = seq_k
         if HAS_KEYLEN:
@@ -118,19 +125,16 @@ if GLUON_ERROR is None:
             full_end = gl.minimum(full_end, start_m + causal_off + 1)
             valid_end = gl.minimum(valid_end, gl.minimum(start_m + _TILE, seq_q) + causal_off)
         if DENSE:
-            p_list = KV_IDX
             j_full = gl.maximum(full_end, 0) // _TILE
             j_valid = (gl.maximum(valid_end, 0) + _TILE - 1) // _TILE
         else:
             SUB: gl.constexpr = MASK_BK // _TILE
-            p_list = (KV_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
-                      + (start_m // MASK_BQ).to(gl.int64) * stride_im)
             offs = gl.arange(0, NB_P2, layout=list_layout(NB_P2, WARPS))
             blocks = gl.load(p_list + offs, mask=offs < n_kblocks, other=1 << 30)
             # (C division truncates towards zero: a negative bound counts nothing)
             j_full = gl.sum((blocks < full_end // MASK_BK).to(gl.int32), axis=0) * SUB
             j_valid = gl.sum((blocks < (valid_end + MASK_BK - 1) // MASK_BK).to(gl.int32), axis=0) * SUB
-        return p_list, j_full, j_valid, kv_end, causal_off
+        return j_full, j_valid, kv_end, causal_off
 
     @gluon.jit
     def _fill(desc, coord, ready, empty, buf, phase):
@@ -154,9 +158,11 @@ if GLUON_ERROR is None:
             t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, CAUSAL)
             if t < n_tiles:
                 hk = h // group
-                p_list, j_full, j_valid, kv_end, causal_off = _steps(
-                    KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
-                    MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 1)
+                p_list = KV_IDX
+                if not DENSE:
+                    p_list = _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ)
+                j_full, j_valid, kv_end, causal_off = _steps(p_list, KEY_LEN, b, pm, seq_q, seq_k, n_kblocks, MASK_BK,
+                                                             NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 1)
                 qi = n_done % 2
                 _fill(desc_q, tile_coord(b, h, pm * _TILE, Q_BNHD), q_ready.index(qi), q_empty.index(qi),
                       q_bufs.index(qi), (n_done // 2) & 1)
@@ -256,9 +262,11 @@ if GLUON_ERROR is None:
         for base in range(0, n_tiles, gl.num_programs(0)):
             t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, CAUSAL)
             if t < n_tiles:
-                p_list, j_full, j_valid, kv_end, causal_off = _steps(
-                    KV_IDX, KEY_LEN, b, h, pm, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
-                    MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 4)
+                p_list = KV_IDX
+                if not DENSE:
+                    p_list = _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ)
+                j_full, j_valid, kv_end, causal_off = _steps(p_list, KEY_LEN, b, pm, seq_q, seq_k, n_kblocks, MASK_BK,
+                                                             NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 4)
                 start_m = pm * _TILE
                 rows = start_m + r_s
                 p_tile = KV_TILE  # EXACT: the bit-tile indices, laid out as the row lists
@@ -347,14 +355,23 @@ if GLUON_ERROR is None:
             tma.store_wait(0)  # (shared memory must outlive the last store's read)
 
     @gluon.jit
-    def hopper_fwd_kernel(desc_q, desc_k, desc_v, desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN,
-                           n_heads, group, seq_q, seq_k, n_kblocks, qk_scale, n_tiles,
+    def hopper_fwd_kernel(desc_q, desc_k, desc_v, O, LSE, n_heads, group, seq_q, seq_k, n_kblocks, qk_scale, n_tiles,
                            stride_ib, stride_ih, stride_im, stride_ob, stride_oh, stride_om,
-                           HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
-                           DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
+                           MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, CAUSAL: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr,
-                           EXACT: gl.constexpr):
+                           KV_IDX=None, KV_TILE=None, BITS=None, KEY_LEN=None, desc_o=None):
+        """Optional features are named pointers, None when off: KV_IDX, the row lists (None: dense);
+        KV_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_o, O
+        stored by TMA (None: from registers, through O with its strides). The head dimension and each
+        tensor's memory order come from the descriptors."""
+        DENSE: gl.constexpr = KV_IDX is None
+        EXACT: gl.constexpr = BITS is not None
+        HAS_KEYLEN: gl.constexpr = KEY_LEN is not None
+        TMA_O: gl.constexpr = desc_o is not None
+        HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
+        Q_BNHD: gl.constexpr = bnhd(desc_q)
+        KV_BNHD: gl.constexpr = bnhd(desc_k)
+        O_BNHD: gl.constexpr = bnhd(desc_o)
         m_tiles = (seq_q + _TILE - 1) // _TILE
         q_bufs = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
         k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
@@ -505,10 +522,10 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     B, H, Nq, D = q.shape
     Hk, Nk = k.shape[1], k.shape[2]
     dense = lists is None
-    idx, i_strides, nb_p2, n_kb = (q, (0, 0, 0), 2, 0) if dense else lists
+    idx, i_strides, nb_p2, n_kb = (None, (0, 0, 0), 2, 0) if dense else lists
     if exact is not None and dense:
         raise ValueError("exact bits come with block lists (a dense call has none)")
-    kv_tile, bits = (q, q) if exact is None else exact
+    kv_tile, bits = (None, None) if exact is None else exact
     so = o.stride()
     # O through shared memory and a TMA store where its layout takes a descriptor (faster, most on short
     # walks: experiments/studies/hopper/README.md, the TMA epilogue), else stored from registers
@@ -520,13 +537,11 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     desc_q = descriptor(q, lay[0], TILE)
     binding.call(
         hopper_fwd_kernel, grid, desc_q=desc_q, desc_k=descriptor(k, lay[1], TILE), desc_v=descriptor(v, lay[2], TILE),
-        desc_o=desc_q if o_lay is None else descriptor(o, o_lay, TILE // 2), O=o, LSE=lse, KV_IDX=idx,
-        KV_TILE=kv_tile, BITS=bits, KEY_LEN=q if key_lengths is None else key_lengths,
+        desc_o=None if o_lay is None else descriptor(o, o_lay, TILE // 2), O=o, LSE=lse, KV_IDX=idx,
+        KV_TILE=kv_tile, BITS=bits, KEY_LEN=key_lengths,
         n_heads=H, group=H // Hk, seq_q=Nq, seq_k=Nk, n_kblocks=n_kb, qk_scale=scale * LOG2E, n_tiles=n_tiles,
         stride_ib=i_strides[0], stride_ih=i_strides[1], stride_im=i_strides[2],
         stride_ob=so[0], stride_oh=so[1], stride_om=so[2],
-        HEAD_DIM=D, MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), DENSE=dense,
-        CAUSAL=bool(causal), HAS_KEYLEN=key_lengths is not None, STAGES=_stages(D),
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, Q_BNHD=lay[0][1], KV_BNHD=lay[1][1],
-        TMA_O=o_lay is not None, O_BNHD=bool(o_lay and o_lay[1]), EXACT=exact is not None, num_warps=4)
+        MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal),
+        STAGES=_stages(D), CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
     return o, lse
