@@ -67,23 +67,23 @@ def test_compiles_for_sm90(kernel, consumer_regs, sm90_compiles):
             assert (r["tma_stores"] > 0) == ("causal" not in r["case"]), r
 
 
-def test_ptx_compare():
-    """compile_check --same-as: PTX that differs only in debug information, labels and its parameters'
-    names and order is "identical"; the same instructions in another order with registers renumbered
-    "reordered"; another instruction "differs"."""
-    from sparseflash.experiments.studies.hopper.compile_check import ptx_compare
+def test_ptx_same_verdicts():
+    """one_interface.ptx_same: PTX that differs only in debug information, labels and its
+    parameters' names and order is "same"; the same instructions in another order with registers
+    renumbered "reordered"; another instruction or operand "differs"."""
+    from sparseflash.experiments.studies.one_interface.ptx_same import normalised, verdict
 
     old = ("\t.entry k(\n\t.param .u64 k_param_0,\n\t.param .u32 k_param_1\n)\n{\n"
-           "\tld.param.u32 \t%r1, [k_param_1];\n$L__tmp3:\n\tadd.s32 \t%r2, %r1, 1;  // x.py:3\n"
+           "\tld.param.u32 \t%r1, [k_param_1];\n$L__tmp3:\n\tadd.s32 \t%r2, %r1, 1;\n"
            "\tmul.lo.s32 \t%r3, %r1, 7;\n\tret;\n}\n\t.section\t.debug_info\n\t.b8 1\n")
-    renamed = (old.replace("k_param_1", "k2_param_9").replace("$L__tmp3", "$L__tmp8").replace("x.py:3", "x.py:30")
-               .replace(".b8 1", ".b8 7"))
-    assert ptx_compare(old, renamed) == "identical"
-    swapped = old.replace("\tadd.s32 \t%r2, %r1, 1;  // x.py:3\n\tmul.lo.s32 \t%r3, %r1, 7;",
+    renamed = old.replace("k_param_1", "k_param_9").replace("$L__tmp3", "$L__tmp8").replace(".b8 1", ".b8 7")
+    swapped = old.replace("\tadd.s32 \t%r2, %r1, 1;\n\tmul.lo.s32 \t%r3, %r1, 7;",
                           "\tmul.lo.s32 \t%r2, %r1, 7;\n\tadd.s32 \t%r3, %r1, 1;")
-    assert ptx_compare(old, swapped) == "reordered"
-    assert ptx_compare(old, old.replace("mul.lo.s32", "mul.hi.s32")) == "differs"
-    assert ptx_compare(old, old.replace(", 7;", ", 8;")) == "differs"
+    n = normalised
+    assert verdict(n(old), n(renamed)) == "same"
+    assert verdict(n(old), n(swapped)) == "reordered"
+    assert verdict(n(old), n(old.replace("mul.lo.s32", "mul.hi.s32"))) == "differs"
+    assert verdict(n(old), n(old.replace(", 7;", ", 8;"))) == "differs"
 
 
 def test_bwd_choice(monkeypatch):

@@ -2,17 +2,12 @@
 on any machine, no GPU.
 
     python -m sparseflash.experiments.studies.hopper.compile_check [--kernel fwd|bwd] [--head-dims 64 128]
-        [--exact] [--dump DIR] [--same-as DIR]
+        [--dump DIR]
 
 A stand-in driver (experiments/bench/inspect_kernels.py) makes Triton compile the kernel a GPU
 launch of each case would compile, without launching it; prints per case: shared memory,
 registers, spills (stack), the setmaxnreg values, and counts of wgmma, TMA loads and mbarrier
 arrives in the PTX. Exit status 1 when a case fails to compile.
-
-``--same-as DIR`` compares each case's PTX with the one an earlier ``--dump DIR`` wrote (a refactor's
-check on a machine without a GPU: the same code runs the same way): "identical" once debug
-information, labels and parameter names are set aside (`ptx_code`), "reordered" when only the order
-of instructions and register numbers differ, else "differs" (exit status 1).
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ import torch
 
 from sparseflash.cmdline import ArgumentParser, run_command
 
-__all__ = ["compile_case", "ptx_code", "ptx_compare", "CASES", "main"]
+__all__ = ["compile_case", "CASES", "main"]
 
 # (label, dense, causal, key_lengths, mask block); "exact" cases apply a sliding window's bits inside
 # its partial blocks (EXACT)
@@ -79,44 +74,11 @@ def compile_case(head_dim: int, dense: bool, causal: bool, keylen: bool, block: 
     return compiled[name]
 
 
-def ptx_code(ptx: str) -> list[str]:
-    """A kernel's PTX instructions, without its debug sections, comments and debug labels, and
-    without its parameters: their declarations go and each use of one keeps its type and register
-    but not which parameter it reads (a signature's refactor renames and reorders them; the GPU
-    tests check that each reaches its place)."""
-    import re
-
-    cut = re.search(r"^\s*\.section\s+\.debug", ptx, flags=re.M)
-    lines = []
-    for line in (ptx[:cut.start()] if cut else ptx).splitlines():
-        line = line.split("//")[0].rstrip()
-        if not line.strip() or ".loc" in line or ".file" in line or re.fullmatch(r"\s*\$L__tmp\d+:", line):
-            continue
-        if re.match(r"\s*\.param\b", line) or re.match(r"\s*\.entry\b", line):
-            continue
-        lines.append(re.sub(r"\w+_param_\d+", "param", line))
-    return lines
-
-
-def ptx_compare(old: str, new: str) -> str:
-    """"identical", "reordered" (the same instructions with registers renumbered, in another
-    order) or "differs": two PTX texts' `ptx_code`."""
-    import re
-    from collections import Counter
-
-    a, b = ptx_code(old), ptx_code(new)
-    if a == b:
-        return "identical"
-    shape = lambda lines: Counter(re.sub(r"%[a-z]+\d+", "%", x) for x in lines)  # noqa: E731
-    return "reordered" if shape(a) == shape(b) else "differs"
-
-
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper.compile_check", description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=["fwd", "bwd"], default="fwd")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--dump", default=None, help="write each case's PTX here")
-    ap.add_argument("--same-as", default=None, help="compare each case's PTX with an earlier --dump of this folder")
     ap.add_argument("--cases", nargs="+", default=None, help="case labels to compile (default: all)")
     ap.add_argument("--seq", type=int, default=1000)
     ap.add_argument("--exact", action="store_true", help="also the forward with exact-mask bits (EXACT_CASES)")
@@ -136,16 +98,11 @@ def main(argv=None) -> int:
                 ck = compile_case(d, dense, causal, keylen, block, seq=args.seq, kernel=args.kernel,
                                   exact=label.startswith("exact"))
                 r = gluon_report(ck)
-                name = f"{args.kernel}_d{d}_{label.replace(' ', '_')}.ptx"
-                if args.same_as:
-                    old = Path(args.same_as, name)
-                    r["same_as"] = ptx_compare(old.read_text(), ck.asm["ptx"]) if old.is_file() else "no earlier dump"
-                    ok = ok and r["same_as"] in ("identical", "reordered")
                 rows.append(dict(head_dim=d, case=label, status="ok", **r))
                 print(f"triton {triton.__version__} {args.kernel} d={d:3d} {label:18s} ok   " + json.dumps(r), flush=True)
                 if args.dump:
                     Path(args.dump).mkdir(parents=True, exist_ok=True)
-                    Path(args.dump, name).write_text(ck.asm["ptx"])
+                    Path(args.dump, f"{args.kernel}_d{d}_{label.replace(' ', '_')}.ptx").write_text(ck.asm["ptx"])
             except Exception as e:  # noqa: BLE001 - report every case
                 ok = False
                 rows.append(dict(head_dim=d, case=label, status="error"))
