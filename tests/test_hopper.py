@@ -67,6 +67,16 @@ def test_compiles_for_sm90(kernel, consumer_regs, sm90_compiles):
             assert (r["tma_stores"] > 0) == ("causal" not in r["case"]), r
 
 
+def test_bwd_study_overrides_named(monkeypatch):
+    """A study override the backward does not know is refused by name before anything runs."""
+    q = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 128)
+    monkeypatch.setitem(hopper_bwd.OVERRIDES, "causal_spilt", True)
+    with pytest.raises(ValueError, match=r"OVERRIDES takes the keys \('q_step', 'dkdv_tma', 'causal_split'\), got "
+                                         r"\['causal_spilt'\]"):
+        hopper_bwd.bwd(q, q, q, q, q, lse, None, None, None, 0.125, False, None, None, None, None)
+
+
 def test_ptx_same_verdicts():
     """one_interface.ptx_same: PTX that differs only in debug information, labels and its
     parameters' names and order is "same"; the same instructions in another order with registers

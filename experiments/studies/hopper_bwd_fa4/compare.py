@@ -47,7 +47,8 @@ DEFAULT_CASES = ("dense-d128-16k", "dense-d64-16k", "causal-d128-16k", "causal-d
 VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step": {64: 128}},
             "ours-regstore": {"dkdv_tma": False}, "ours-tma": {"dkdv_tma": True}, "onepass": {"MODE": "on"},
             "onepass-regstore": {"MODE": "on", "dkdv_tma": False}, "onepass-tma": {"MODE": "on", "dkdv_tma": True},
-            "portable": {"MODE": "off"}}
+            "portable": {"MODE": "off"}, "causal-split": {"causal_split": True},
+            "causal-split-tma": {"causal_split": True, "dkdv_tma": True}}
 
 
 @contextlib.contextmanager

@@ -64,7 +64,7 @@ from sparseflash.flash import binding
 from sparseflash.flash.operands import cdiv
 
 __all__ = ["bwd", "plan", "unsupported", "do_unsupported", "do_layout", "list_min_blocks", "q_step", "padded_rows",
-           "delta_rows", "delta_kernel", "dq_cast_kernel", "dq_order", "CAST_ROWS", "MODE", "OVERRIDES",
+           "delta_rows", "delta_kernel", "dq_cast_kernel", "dq_order", "CAST_ROWS", "MODE", "OVERRIDES", "OVERRIDE_KEYS",
            "LIST_MIN_BLOCKS", "LIST_MIN_BLOCKS_BY_GPU"]
 
 # "auto" (the default): this kernel wherever the Hopper forward runs and dO's layout allows, for walks
@@ -106,8 +106,11 @@ def q_step(head_dim: int) -> int:
 
 # Launch settings a study can override (experiments/studies/hopper_bwd_fa4): "q_step", a dict
 # {head_dim: 64 or 128}; "dkdv_tma": True / False, dK and dV stored by TMA or from registers
-# (default: by TMA except on causal walks). Empty in normal use.
+# (default: by TMA except on causal walks); "causal_split": True / False, a causal walk in two loops, its
+# diagonal's steps first (masked) then the rest (no mask code), instead of one loop testing each step
+# (default False). Empty in normal use.
 OVERRIDES: dict = {}
+OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split")
 
 
 def dq_order(n: int) -> tuple:
@@ -258,13 +261,19 @@ if GLUON_ERROR is None:
         return j_skip, gl.maximum(j_part, j_skip), gl.maximum(j_end, j_skip)
 
     @gluon.jit
-    def _step(p_list, jj, j_skip, j_end, start_n, DENSE: gl.constexpr, MASK_BQ: gl.constexpr, QT: gl.constexpr):
+    def _step(p_list, jj, j_skip, j_end, start_n, DENSE: gl.constexpr, MASK_BQ: gl.constexpr, QT: gl.constexpr,
+              BAND_FIRST: gl.constexpr):
         """(j, first query row) of the jj-th step of a walk over j_skip .. j_end - 1. Each key
         tile's walk starts at a different q tile (tile n at step 2n, wrapping), so CTAs on the
-        same head do not reduce into the same dQ rows at the same time."""
-        n_steps = j_end - j_skip
-        j = jj + ((start_n // QT) % gl.maximum(n_steps, 1))
-        j = j_skip + gl.where(j >= n_steps, j - n_steps, j)
+        same head do not reduce into the same dQ rows at the same time. BAND_FIRST (causal): in
+        order from j_skip, so the diagonal's steps come first (the walks of a head's key tiles
+        start at their own diagonals, apart without the rotation)."""
+        if BAND_FIRST:
+            j = j_skip + jj
+        else:
+            n_steps = j_end - j_skip
+            j = jj + ((start_n // QT) % gl.maximum(n_steps, 1))
+            j = j_skip + gl.where(j >= n_steps, j - n_steps, j)
         return j, list_start(p_list, j, DENSE, MASK_BQ, QT)
 
     @gluon.jit
@@ -288,7 +297,8 @@ if GLUON_ERROR is None:
                     stride_ib, stride_ih, stride_in,
                     MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                     CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
-                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr, QT: gl.constexpr):
+                    Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, DO_BNHD: gl.constexpr, QT: gl.constexpr,
+                    CAUSAL_SPLIT: gl.constexpr):
         """1 warp: K and V of each tile (once the consumers release the last tile's), then Q with its
         rows' LSE and dO with their delta for every step, in walk order; barrier phases run over the
         CTA's whole tile stream."""
@@ -311,7 +321,7 @@ if GLUON_ERROR is None:
                     j_skip, j_part, j_end = _cols(p_list, start_n, kv_end, seq_q, seq_k, n_qblocks, MASK_BQ, NB_P2, DENSE,
                                                   CAUSAL, 1, QT)
                     for jj in range(0, j_end - j_skip):
-                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT)
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT, CAUSAL_SPLIT)
                         s = it % STAGES
                         ph = (it // STAGES) & 1
                         bh = b * (n_heads_kv * group) + h
@@ -328,7 +338,7 @@ if GLUON_ERROR is None:
                      seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in,
                      MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, DENSE: gl.constexpr,
                      CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, QT: gl.constexpr, DQ_M: gl.constexpr,
-                     DQ_N: gl.constexpr, DKDV_TMA: gl.constexpr, HEAD_DIM: gl.constexpr):
+                     DQ_N: gl.constexpr, DKDV_TMA: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL_SPLIT: gl.constexpr):
         """1 warp: once both warpgroups have put a step's dQ halves in shared memory (dq_full), add
         them into the float32 dQ buffer with TMA reductions, and hand a buffer back (dq_empty) once
         its reductions have read it: with two buffers, one step later (after the next step's
@@ -357,7 +367,7 @@ if GLUON_ERROR is None:
                     j_skip, j_part, j_end = _cols(p_list, start_n, kv_end, seq_q, seq_k, n_qblocks, MASK_BQ, NB_P2, DENSE,
                                                   CAUSAL, 1, QT)
                     for jj in range(0, j_end - j_skip):
-                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT)
+                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT, CAUSAL_SPLIT)
                         bi = it % _DQ_BUFS
                         mbarrier.wait(dq_full.index(bi), (it // _DQ_BUFS) & 1)
                         r0 = ((b * (n_heads_kv * group) + h) * n_mt + start_m // DQ_M) * (N_CB * DQ_M)
@@ -394,6 +404,11 @@ if GLUON_ERROR is None:
         return ((w >> (i % 32)) & 1) != 0
 
     @gluon.jit
+    def _seen(keys, cols, causal_off):
+        """[64 keys, QT queries]: which keys each query sees under the causal mask (bottom-right)."""
+        return gl.expand_dims(keys, 1) <= gl.expand_dims(cols + causal_off, 0)
+
+    @gluon.jit
     def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DQ_M: gl.constexpr, DQ_N: gl.constexpr,
                 DKDV_TMA: gl.constexpr):
         """Put this warpgroup's half of step p's dQ ([DQ_M, DQ_N] float32) in its staging buffer,
@@ -427,7 +442,8 @@ if GLUON_ERROR is None:
                       WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                       STAGES: gl.constexpr, EXACT: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr,
-                      DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr, DV_BNHD: gl.constexpr):
+                      DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr, DV_BNHD: gl.constexpr,
+                      CAUSAL_SPLIT: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; of each step's dQ, the
         columns of half WG (64-row steps) or the rows of half WG (128-row steps; DQ_N columns
         either way). Step j's dQ is computed during step j + 1 (and the tile's last after its
@@ -475,71 +491,86 @@ if GLUON_ERROR is None:
                     if EXACT:
                         p_tile = (Q_TILE + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
                                   + (start_n // MASK_BK).to(gl.int64) * stride_in)
-                    for jj in range(0, j_end - j_skip):
-                        j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT)
-                        s = it % STAGES
-                        ph = (it // STAGES) & 1
-                        q_s = q_bufs.index(s).reshape([QT, HEAD_DIM])
-                        do_s = do_bufs.index(s).reshape([QT, HEAD_DIM])
-                        mbarrier.wait(q_ready.index(s), ph)
-                        # The accumulators start at -LSE / scale and -delta ([1, QT] rows of the step's
-                        # queries, padded: `delta_kernel`), so S^T - LSE / scale and dP^T - delta come
-                        # out of the wgmmas: neither row vector stays live beside them.
-                        st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s - lse_bufs.index(s).load(s_layout),
-                                           is_async=True)
-                        mbarrier.wait(do_ready.index(s), ph)
-                        dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s - dlt_bufs.index(s).load(s_layout),
-                                            is_async=True)
-                        cols = start_m + gl.arange(0, QT, layout=col_s)
-                        st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
-                        pt = gl.exp2(st * qk_scale)  # exp2((S^T * scale - LSE) * log2(e))
-                        if key_mask:
-                            pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
-                        if CAUSAL:
-                            if j < j_part:
-                                pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(cols + causal_off, 0), pt, 0.0)
-                        if EXACT:
-                            SUB: gl.constexpr = MASK_BQ // QT
-                            tb = gl.load(p_tile + j // SUB)
-                            if tb >= 0:
-                                kw0 = (start_n % MASK_BK + WG * _HALF) // 32
-                                pt = gl.where(_exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK), pt, 0.0)
-                        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
-                        ds16 = (pt * dpt).to(dtype)
-                        p_op = gl.convert_layout(pt.to(dtype), op_layout)
-                        dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-                        # dS^T goes into buffer it % 2 once both warpgroups' dQ of two steps ago has read
-                        # it: each warpgroup arrives on a step's ds_ready only after its last dQ (of the
-                        # step before, or at a tile's first step the previous tile's last) has retired, so
-                        # the other's arrival on the last step's says so.
-                        if it > 0:
-                            mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
-                        ds_bufs.index(it % 2).slice(WG * _HALF, _HALF, dim=0).store(ds16)
-                        ds_op = gl.convert_layout(ds16, op_layout)
-                        fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
-                        # With a previous step in the tile, its dQ (both dS^T halves are in the other
-                        # buffer) is issued before dK, so it is stored while dK runs. (Each branch ends
-                        # with dK and dV waited: an scf.if yields tensors, not wgmma tokens.)
-                        if it > it0:
-                            dq = warpgroup_mma(_ds_rows(ds_bufs.index((it - 1) % 2), WG, QT, DQ_N, HEAD_DIM), k_half,
-                                               zero_q, use_acc=False, is_async=True)
-                            dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                            r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
-                            mbarrier.arrive(ds_ready.index(it % 2))  # (after the dQ above has read its buffer)
-                            _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA)
-                            r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
-                            dk_w = r_kv[0]
-                            dv_w = r_kv[1]
-                        else:
-                            mbarrier.arrive(ds_ready.index(it % 2))
-                            dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                            r_kv0 = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
-                            dk_w = r_kv0[0]
-                            dv_w = r_kv0[1]
-                        dk = dk_w
-                        dv = dv_w
-                        mbarrier.arrive(step_empty.index(s))
-                        it += 1
+                    # CAUSAL_SPLIT: the walk in two loops, the diagonal's steps (masked) then the rest (no
+                    # mask code at all); else one loop that tests each step (j < j_part)
+                    N_LOOPS: gl.constexpr = 2 if CAUSAL_SPLIT else 1
+                    for band in gl.static_range(N_LOOPS):
+                        lo = 0
+                        hi = j_end - j_skip
+                        if CAUSAL_SPLIT:
+                            if band == 0:
+                                hi = j_part - j_skip
+                            else:
+                                lo = j_part - j_skip
+                        for jj in range(lo, hi):
+                            j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT, CAUSAL_SPLIT)
+                            s = it % STAGES
+                            ph = (it // STAGES) & 1
+                            q_s = q_bufs.index(s).reshape([QT, HEAD_DIM])
+                            do_s = do_bufs.index(s).reshape([QT, HEAD_DIM])
+                            mbarrier.wait(q_ready.index(s), ph)
+                            # The accumulators start at -LSE / scale and -delta ([1, QT] rows of the step's
+                            # queries, padded: `delta_kernel`), so S^T - LSE / scale and dP^T - delta come
+                            # out of the wgmmas: neither row vector stays live beside them.
+                            st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s - lse_bufs.index(s).load(s_layout),
+                                               is_async=True)
+                            mbarrier.wait(do_ready.index(s), ph)
+                            dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s - dlt_bufs.index(s).load(s_layout),
+                                                is_async=True)
+                            cols = start_m + gl.arange(0, QT, layout=col_s)
+                            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
+                            pt = gl.exp2(st * qk_scale)  # exp2((S^T * scale - LSE) * log2(e))
+                            if key_mask:
+                                pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
+                            if CAUSAL:
+                                if CAUSAL_SPLIT:
+                                    if band == 0:
+                                        pt = gl.where(_seen(keys, cols, causal_off), pt, 0.0)
+                                elif j < j_part:
+                                    pt = gl.where(_seen(keys, cols, causal_off), pt, 0.0)
+                            if EXACT:
+                                SUB: gl.constexpr = MASK_BQ // QT
+                                tb = gl.load(p_tile + j // SUB)
+                                if tb >= 0:
+                                    kw0 = (start_n % MASK_BK + WG * _HALF) // 32
+                                    keep_t = _exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK)
+                                    pt = gl.where(keep_t, pt, 0.0)
+                            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
+                            ds16 = (pt * dpt).to(dtype)
+                            p_op = gl.convert_layout(pt.to(dtype), op_layout)
+                            dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+                            # dS^T goes into buffer it % 2 once both warpgroups' dQ of two steps ago has read
+                            # it: each warpgroup arrives on a step's ds_ready only after its last dQ (of the
+                            # step before, or at a tile's first step the previous tile's last) has retired, so
+                            # the other's arrival on the last step's says so.
+                            if it > 0:
+                                mbarrier.wait(ds_ready.index((it - 1) % 2), ((it - 1) // 2) & 1)
+                            ds_bufs.index(it % 2).slice(WG * _HALF, _HALF, dim=0).store(ds16)
+                            ds_op = gl.convert_layout(ds16, op_layout)
+                            fence_async_shared()  # dS^T, written by this warpgroup, is read by both warpgroups' wgmma
+                            # With a previous step in the tile, its dQ (both dS^T halves are in the other
+                            # buffer) is issued before dK, so it is stored while dK runs. (Each branch ends
+                            # with dK and dV waited: an scf.if yields tensors, not wgmma tokens.)
+                            if it > it0:
+                                ds_prev = _ds_rows(ds_bufs.index((it - 1) % 2), WG, QT, DQ_N, HEAD_DIM)
+                                dq = warpgroup_mma(ds_prev, k_half, zero_q, use_acc=False, is_async=True)
+                                dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                                r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
+                                mbarrier.arrive(ds_ready.index(it % 2))  # (after the dQ above has read its buffer)
+                                _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA)
+                                r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
+                                dk_w = r_kv[0]
+                                dv_w = r_kv[1]
+                            else:
+                                mbarrier.arrive(ds_ready.index(it % 2))
+                                dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+                                r_kv0 = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
+                                dk_w = r_kv0[0]
+                                dv_w = r_kv0[1]
+                            dk = dk_w
+                            dv = dv_w
+                            mbarrier.arrive(step_empty.index(s))
+                            it += 1
                 if it > it0:  # the tile's last dQ, before K goes
                     pb = (it - 1) % 2
                     mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
@@ -588,7 +619,8 @@ if GLUON_ERROR is None:
                            stride_dvb, stride_dvh, stride_dvn,
                            MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, CAUSAL: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           Q_IDX=None, Q_TILE=None, BITS=None, KEY_LEN=None, desc_dk=None, desc_dv=None):
+                           SPLIT_BAND: gl.constexpr, Q_IDX=None, Q_TILE=None, BITS=None, KEY_LEN=None, desc_dk=None,
+                           desc_dv=None):
         """Optional features are named pointers, None when off: Q_IDX, the column lists (None: dense);
         Q_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_dk and
         desc_dv, dK and dV stored by TMA (None: from registers, through DK and DV with their strides).
@@ -604,6 +636,7 @@ if GLUON_ERROR is None:
         DO_BNHD: gl.constexpr = bnhd(desc_do)
         DK_BNHD: gl.constexpr = bnhd(desc_dk)
         DV_BNHD: gl.constexpr = bnhd(desc_dv)
+        CAUSAL_SPLIT: gl.constexpr = CAUSAL and SPLIT_BAND
         dtype: gl.constexpr = desc_q.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
@@ -641,22 +674,22 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk, desc_dv,
                              Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
                            stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                           Q_BNHD, KV_BNHD, DO_BNHD, QT)),
+                           Q_BNHD, KV_BNHD, DO_BNHD, QT, CAUSAL_SPLIT)),
             (_bwd_reducer, (desc_dq, dq_bufs, dq_full, dq_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                             seq_q, seq_k, n_qblocks, n_pad, stride_ib, stride_ih, stride_in, MASK_BQ, MASK_BK, NB_P2,
-                            DENSE, CAUSAL, HAS_KEYLEN, QT, _HALF, DQ_N, DKDV_TMA, HEAD_DIM)),
+                            DENSE, CAUSAL, HAS_KEYLEN, QT, _HALF, DQ_N, DKDV_TMA, HEAD_DIM, CAUSAL_SPLIT)),
         ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
@@ -842,6 +875,8 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     n_pad = padded_rows(Nq, None if dense else mask_q, qt)
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
+    if not set(OVERRIDES) <= set(OVERRIDE_KEYS):
+        raise ValueError(f"hopper_bwd.OVERRIDES takes the keys {OVERRIDE_KEYS}, got {sorted(OVERRIDES)}")
     # the float32 dQ sums as warpgroup shares in `dq_order`, zeroed by the delta launch (one launch
     # fewer than a fill of their own); the reducer adds each share as one box of a flat [*, dq_n] view
     acc = torch.empty(B * H * n_pad * D, device=q.device, dtype=torch.float32)
@@ -876,7 +911,8 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         stride_ib=i_strides[0], stride_ih=i_strides[1], stride_in=i_strides[2],
         stride_dkb=sk[0], stride_dkh=sk[1], stride_dkn=sk[2], stride_dvb=sv[0], stride_dvh=sv[1], stride_dvn=sv[2],
         MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal), STAGES=_stages(D),
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, desc_dk=desc_dk, desc_dv=desc_dv, num_warps=4)
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, SPLIT_BAND=bool(OVERRIDES.get("causal_split", False)),
+        desc_dk=desc_dk, desc_dv=desc_dv, num_warps=4)
     dq = new(q)
     sq = dq.stride()
     binding.call(dq_cast_kernel, (cdiv(Nq, CAST_ROWS), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1],
