@@ -77,6 +77,16 @@ def test_bwd_study_overrides_named(monkeypatch):
         hopper_bwd.bwd(q, q, q, q, q, lse, None, None, None, 0.125, False, None, None, None, None)
 
 
+def test_fwd_study_overrides_named(monkeypatch):
+    """The forward's study override takes 2 or 3 consumer warpgroups; anything else is refused
+    by name before anything runs."""
+    q = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
+    for bad in ({"consumers": 4}, {"consumer": 3}):
+        monkeypatch.setattr(hopper, "OVERRIDES", bad)
+        with pytest.raises(ValueError, match=r"hopper.OVERRIDES takes 'consumers' \(2 or 3\), got "):
+            hopper.fwd(q, q, q, q, torch.zeros(1, 2, 128), None, None, 0.125, False, None, None, None)
+
+
 def test_ptx_same_verdicts():
     """one_interface.ptx_same: PTX that differs only in debug information, labels and its
     parameters' names and order is "same"; the same instructions in another order with registers

@@ -48,23 +48,27 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             "ours-regstore": {"dkdv_tma": False}, "ours-tma": {"dkdv_tma": True}, "onepass": {"MODE": "on"},
             "onepass-regstore": {"MODE": "on", "dkdv_tma": False}, "onepass-tma": {"MODE": "on", "dkdv_tma": True},
             "portable": {"MODE": "off"}, "causal-split": {"causal_split": True},
-            "causal-split-tma": {"causal_split": True, "dkdv_tma": True}}
+            "causal-split-tma": {"causal_split": True, "dkdv_tma": True}, "fwd-3wg": {"fwd": {"consumers": 3}}}
 
 
 @contextlib.contextmanager
 def variant(over: dict):
-    """The backward's study overrides of a `VARIANTS` entry (``over``) and its MODE while the block
-    runs; both restored after it ({}: the production default)."""
-    from sparseflash.flash.hopper import backward as hb
+    """The study overrides of a `VARIANTS` entry (``over``) while the block runs: the backward's
+    (`hopper_bwd.OVERRIDES`) and its MODE, and under "fwd" the forward's (`hopper.OVERRIDES`); all
+    restored after it ({}: the production default)."""
+    from sparseflash.flash.hopper import backward as hb, forward as hf
 
     mode = hb.MODE
     hb.OVERRIDES.clear()
-    hb.OVERRIDES.update({k: v for k, v in over.items() if k != "MODE"})
+    hb.OVERRIDES.update({k: v for k, v in over.items() if k not in ("MODE", "fwd")})
+    hf.OVERRIDES.clear()
+    hf.OVERRIDES.update(over.get("fwd", {}))
     hb.MODE = over.get("MODE", mode)
     try:
         yield
     finally:
         hb.OVERRIDES.clear()
+        hf.OVERRIDES.clear()
         hb.MODE = mode
 
 
