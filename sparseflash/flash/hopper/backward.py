@@ -223,10 +223,13 @@ if GLUON_ERROR is None:
         return t, bhk // n_heads_kv, bhk % n_heads_kv, n * _TILE
 
     @gluon.jit
-    def _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK: gl.constexpr):
-        """Pointer to the column list of one head's key tile (block lists)."""
-        return (Q_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
-                + (start_n // MASK_BK).to(gl.int64) * stride_in)
+    def _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK: gl.constexpr, DENSE: gl.constexpr):
+        """Pointer to the column list of one head's key tile (block lists); None when dense."""
+        p_list = Q_IDX
+        if not DENSE:
+            p_list = (Q_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
+                      + (start_n // MASK_BK).to(gl.int64) * stride_in)
+        return p_list
 
     @gluon.jit
     def _cols(p_list, start_n, kv_end, seq_q, seq_k, n_qblocks, MASK_BQ: gl.constexpr, NB_P2: gl.constexpr,
@@ -315,9 +318,7 @@ if GLUON_ERROR is None:
                 tma_load(desc_v, tile_coord(b, hk, start_n, KV_BNHD), kv_ready, v_buf)
                 for g in range(group):
                     h = hk * group + g
-                    p_list = Q_IDX
-                    if not DENSE:
-                        p_list = _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK)
+                    p_list = _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK, DENSE)
                     j_skip, j_part, j_end = _cols(p_list, start_n, kv_end, seq_q, seq_k, n_qblocks, MASK_BQ, NB_P2, DENSE,
                                                   CAUSAL, 1, QT)
                     for jj in range(0, j_end - j_skip):
@@ -361,9 +362,7 @@ if GLUON_ERROR is None:
                 kv_end = _kv_end(KEY_LEN, b, seq_k, HAS_KEYLEN)
                 for g in range(group):
                     h = hk * group + g
-                    p_list = Q_IDX
-                    if not DENSE:
-                        p_list = _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK)
+                    p_list = _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK, DENSE)
                     j_skip, j_part, j_end = _cols(p_list, start_n, kv_end, seq_q, seq_k, n_qblocks, MASK_BQ, NB_P2, DENSE,
                                                   CAUSAL, 1, QT)
                     for jj in range(0, j_end - j_skip):
@@ -482,9 +481,7 @@ if GLUON_ERROR is None:
                 mbarrier.wait(kv_ready, n_done & 1)
                 for g in range(group):
                     h = hk * group + g
-                    p_list = Q_IDX
-                    if not DENSE:
-                        p_list = _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK)
+                    p_list = _col_list(Q_IDX, b, h, start_n, stride_ib, stride_ih, stride_in, MASK_BK, DENSE)
                     j_skip, j_part, j_end = _cols(p_list, start_n, kv_end, seq_q, seq_k, n_qblocks, MASK_BQ, NB_P2, DENSE,
                                                   CAUSAL, 4, QT)
                     p_tile = Q_TILE
@@ -875,7 +872,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     n_pad = padded_rows(Nq, None if dense else mask_q, qt)
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale!r}")
-    if not set(OVERRIDES) <= set(OVERRIDE_KEYS):
+    if OVERRIDES and not set(OVERRIDES) <= set(OVERRIDE_KEYS):  # (a study's: normal calls skip the check)
         raise ValueError(f"hopper_bwd.OVERRIDES takes the keys {OVERRIDE_KEYS}, got {sorted(OVERRIDES)}")
     # the float32 dQ sums as warpgroup shares in `dq_order`, zeroed by the delta launch (one launch
     # fewer than a fill of their own); the reducer adds each share as one box of a flat [*, dq_n] view
