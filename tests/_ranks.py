@@ -1,6 +1,7 @@
-"""Spawned gloo ranks for the CPU tests of context parallelism (test_distributed, test_cp_train): each
-rank joins the group and runs the test's check function; a rank that fails leaves its traceback,
-which fails the test (a spawned process's exception alone says only that it died)."""
+"""Spawned ranks for the tests of context parallelism (gloo on the CPU: test_distributed, test_cp_train;
+NCCL on two GPUs: test_distributed_gpu): each rank joins the group and runs the test's check function;
+a rank that fails leaves its traceback, which fails the test (a spawned process's exception alone says
+only that it died)."""
 
 import datetime
 import os
@@ -13,11 +14,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _rank(rank, check, world, init, out_dir):
+def _rank(rank, check, world, init, out_dir, backend):
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         # a bounded timeout: a collective that never matches fails the test instead of hanging it
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=180))
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=180),
+                                **({"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}))
         torch.set_num_threads(1)
         check(rank, world)
         dist.barrier()
@@ -28,12 +32,13 @@ def _rank(rank, check, world, init, out_dir):
         raise
 
 
-def run_ranks(check, world: int, tmp_path) -> None:
-    """``check(rank, world)`` in ``world`` spawned ranks of one gloo group (``check``: a module-level
-    function, which the ranks import); fails the calling test with the failing ranks' tracebacks."""
+def run_ranks(check, world: int, tmp_path, backend: str = "gloo") -> None:
+    """``check(rank, world)`` in ``world`` spawned ranks of one ``backend`` group (``check``: a module-level
+    function, which the ranks import; with "nccl" rank r uses GPU r); fails the calling test with the
+    failing ranks' tracebacks."""
     init = f"file://{tempfile.mktemp(dir=tmp_path)}"
     try:
-        mp.spawn(_rank, args=(check, world, init, str(tmp_path)), nprocs=world, join=True)
+        mp.spawn(_rank, args=(check, world, init, str(tmp_path), backend), nprocs=world, join=True)
     except Exception:
         errs = sorted(p for p in os.listdir(tmp_path) if p.endswith(".err"))
         pytest.fail("ranks failed:\n" + "\n".join(open(os.path.join(tmp_path, p)).read() for p in errs))

@@ -62,6 +62,8 @@ KEY = ("kind", "case", "seq_len", "world", "provider")  # a re-run replaces the 
 
 
 def _commit() -> str:
+    if os.environ.get("SPARSEFLASH_COMMIT"):  # a tree without .git (a snapshot sent to a GPU host) names its commit
+        return os.environ["SPARSEFLASH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
@@ -392,6 +394,19 @@ def merge(path: str, rows: list) -> list:
     return kept + rows
 
 
+def write(out: str, rows: list) -> str:
+    """Merge ``rows`` into OUT/context_parallel.csv (`merge`: earlier rows of other keys stay); its path.
+    Written again after each measurement, so the rows of this run replace their own earlier write."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "context_parallel.csv")
+    table = merge(path, rows)
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, FIELDS)
+        wr.writeheader()
+        wr.writerows(table)
+    return path
+
+
 def _lens(text):
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -452,16 +467,11 @@ def main(argv=None):
             torch.cuda.empty_cache()
         if rank == 0:
             print(f"done {kind} {n}", file=sys.stderr, flush=True)
+            write(args.out, rows)  # after every measurement: a command cut off by its time limit keeps them
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "context_parallel.csv")
-        table = merge(path, rows)
-        with open(path, "w", newline="") as f:
-            wr = csv.DictWriter(f, FIELDS)
-            wr.writeheader()
-            wr.writerows(table)
+        path = write(args.out, rows)
         try:
-            plot(table, os.path.join(args.out, "context_parallel.png"))
+            plot(merge(path, []), os.path.join(args.out, "context_parallel.png"))
         except Exception as e:  # noqa: BLE001 - the CSV is the result; a figure problem is reported
             print(f"figure not made: {e}", file=sys.stderr)
         print(f"wrote {path}")

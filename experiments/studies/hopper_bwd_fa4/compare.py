@@ -209,6 +209,15 @@ def _case_name(name: str) -> str:
     return name
 
 
+def _write(out: Path, env: dict, rows: list) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(out / "compare.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(rows)
+    (out / "compare.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+
+
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m sparseflash.experiments.studies.hopper_bwd_fa4.compare",
                         description=__doc__.splitlines()[0])
@@ -232,19 +241,14 @@ def main(argv=None) -> int:
         env["flash_attn_4"] = md.version("flash-attn-4")
     except Exception:  # noqa: BLE001
         env["flash_attn_4"] = "not installed"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, name in enumerate(args.cases):
         print(f"[{i + 1}/{len(args.cases)}] {name}", flush=True)
         rows += run_case(name, args.variants, args.providers, args.rep_ms, device)
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out / "compare.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows(rows)
-    (out / "compare.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+        _write(out, env, rows)  # after every case: a run cut off by its time limit keeps what it measured
     print(json.dumps(env))
     print(table(rows))
     return 0 if all(r.get("status") == "ok" or str(r.get("status")).startswith("skipped") for r in rows) else 1
