@@ -45,30 +45,27 @@ DEFAULT_CASES = ("dense-d128-16k", "dense-d64-16k", "causal-d128-16k", "causal-d
 # our variants: hopper.backward.OVERRIDES for the call, and "MODE" for hopper.backward.MODE ("on":
 # the one-pass backward on every walk, "off": the portable pair); "ours": the production default
 VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step": {64: 128}},
-            "ours-regstore": {"dkdv_tma": False}, "ours-tma": {"dkdv_tma": True}, "onepass": {"MODE": "on"},
-            "onepass-regstore": {"MODE": "on", "dkdv_tma": False}, "onepass-tma": {"MODE": "on", "dkdv_tma": True},
-            "portable": {"MODE": "off"}, "causal-split": {"causal_split": True},
-            "causal-split-tma": {"causal_split": True, "dkdv_tma": True}, "fwd-3wg": {"fwd": {"consumers": 3}}}
+            "ours-regstore": {"dkdv_tma": False}, "onepass": {"MODE": "on"},
+            "onepass-regstore": {"MODE": "on", "dkdv_tma": False}, "portable": {"MODE": "off"},
+            # a causal walk in one loop testing every step (the default before the split), with either store
+            "causal-one-loop": {"causal_split": False},
+            "causal-one-loop-regstore": {"causal_split": False, "dkdv_tma": False}}
 
 
 @contextlib.contextmanager
 def variant(over: dict):
-    """The study overrides of a `VARIANTS` entry (``over``) while the block runs: the backward's
-    (`hopper_bwd.OVERRIDES`) and its MODE, and under "fwd" the forward's (`hopper.OVERRIDES`); all
-    restored after it ({}: the production default)."""
-    from sparseflash.flash.hopper import backward as hb, forward as hf
+    """The backward's study overrides of a `VARIANTS` entry (``over``) and its MODE while the block
+    runs; both restored after it ({}: the production default)."""
+    from sparseflash.flash.hopper import backward as hb
 
     mode = hb.MODE
     hb.OVERRIDES.clear()
-    hb.OVERRIDES.update({k: v for k, v in over.items() if k not in ("MODE", "fwd")})
-    hf.OVERRIDES.clear()
-    hf.OVERRIDES.update(over.get("fwd", {}))
+    hb.OVERRIDES.update({k: v for k, v in over.items() if k != "MODE"})
     hb.MODE = over.get("MODE", mode)
     try:
         yield
     finally:
         hb.OVERRIDES.clear()
-        hf.OVERRIDES.clear()
         hb.MODE = mode
 
 

@@ -2,7 +2,7 @@
 
     ncu --kernel-name regex:hopper_bwd_kernel --launch-skip 1 --launch-count 1 \\
         --section WarpStateStats --section SourceCounters -f -o OUT/bwd \\
-        python -m sparseflash.experiments.studies.hopper_bwd_fa4.ncu_run causal-d128-16k ours-tma
+        python -m sparseflash.experiments.studies.hopper_bwd_fa4.ncu_run causal-d128-16k causal-one-loop
     ncu --import OUT/bwd.ncu-rep --page source --csv --print-source sass > OUT/bwd.csv
     python -m sparseflash.experiments.studies.hopper.ncu_bwd summary OUT/bwd.csv
 

@@ -106,9 +106,9 @@ def q_step(head_dim: int) -> int:
 
 # Launch settings a study can override (experiments/studies/hopper_bwd_fa4): "q_step", a dict
 # {head_dim: 64 or 128}; "dkdv_tma": True / False, dK and dV stored by TMA or from registers
-# (default: by TMA except on causal walks); "causal_split": True / False, a causal walk in two loops, its
-# diagonal's steps first (masked) then the rest (no mask code), instead of one loop testing each step
-# (default False). Empty in normal use.
+# (default True where their layouts take descriptors); "causal_split": True / False, a causal walk in
+# two loops, its diagonal's steps first (masked) then the rest (no mask code), or one loop testing
+# each step (default True). Empty in normal use.
 OVERRIDES: dict = {}
 OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split")
 
@@ -892,11 +892,12 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
     n_rounds = cdiv(n_units, grid) * (2 if causal else 1)
     lay_dk, lay_dv = hopper.tensor_layout(dk), hopper.tensor_layout(dv)
-    # dK / dV by TMA store through the dQ staging buffers where their layouts take descriptors, except
-    # on causal walks: there the TMA epilogue's extra live registers (more spills on the long diagonal
-    # walks) cost more than it saves (16K on an H200: causal 8-13% slower, other walks 0-4% faster;
-    # experiments/studies/hopper_bwd_fa4/)
-    dkdv_tma = lay_dk is not None and lay_dv is not None and OVERRIDES.get("dkdv_tma", not causal)
+    # dK / dV by TMA store through the dQ staging buffers where their layouts take descriptors. A causal
+    # walk runs in two loops (SPLIT_BAND: the diagonal's masked steps, then steps without mask code):
+    # with one loop testing every step, the TMA epilogue's extra live registers spilled inside it and
+    # made causal 8-13% slower; split, TMA is the faster store on every walk (H200, fwd+bwd: causal
+    # 1-5%, causal local 3-5% faster than one loop with register stores; experiments/studies/hopper_bwd_fa4/)
+    dkdv_tma = lay_dk is not None and lay_dv is not None and OVERRIDES.get("dkdv_tma", True)
     desc_dk = descriptor(dk, lay_dk, TILE // 2) if dkdv_tma else None  # one warpgroup's 64 keys a store
     desc_dv = descriptor(dv, lay_dv, TILE // 2) if dkdv_tma else None
     binding.call(
@@ -908,7 +909,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         stride_ib=i_strides[0], stride_ih=i_strides[1], stride_in=i_strides[2],
         stride_dkb=sk[0], stride_dkh=sk[1], stride_dkn=sk[2], stride_dvb=sv[0], stride_dvh=sv[1], stride_dvn=sv[2],
         MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal), STAGES=_stages(D),
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, SPLIT_BAND=bool(OVERRIDES.get("causal_split", False)),
+        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, SPLIT_BAND=bool(OVERRIDES.get("causal_split", True)),
         desc_dk=desc_dk, desc_dv=desc_dv, num_warps=4)
     dq = new(q)
     sq = dq.stride()
