@@ -359,7 +359,8 @@ def test_benchmark_script_smoke(tmp_path):
            "--master-port", str(29500 + os.getpid() % 1000), "-m", "experiments.bench.context_parallel",
            "--out", str(out), "--device", "cpu", "--backend", "reference", "--check-len", "200",
            "--dense-lens", "256", "--sparse-lens", "448", "--block", "32", "--heads", "2", "--dim", "16",
-           "--window", "64", "--reps", "1", "--warmup", "0", "--one-gpu-max", "1000", "--stage-tokens", "64"]
+           "--window", "64", "--reps", "1", "--warmup", "0", "--one-gpu-max", "1000", "--stage-tokens", "64",
+           "--profile"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
@@ -372,11 +373,13 @@ def test_benchmark_script_smoke(tmp_path):
     cp = {r["case"]: r for r in rows if r["provider"] == "sparseflash-cp" and r["kind"] == "time"}
     assert set(cp) == {"dense-causal", "window", "documents", "butterfly"}
     for r in cp.values():
-        assert float(r["ms"]) > 0 and r["sent_bytes"] == r["plan_bytes"], r
+        assert float(r["ms"]) > 0 and float(r["fwd_ms"]) > 0 and r["sent_bytes"] == r["plan_bytes"], r
         assert float(r["work_max_over_mean"]) <= 1.1, r
         assert r["stage_tokens"] == "64" and r["peak_gib"] == r["extra_gib"] == "", r  # (no memory figures on CPU)
     assert not any(r["provider"].startswith("torch-cp") for r in rows)  # (CUDA only)
     assert (out / "context_parallel.png").exists()
+    for name in ("butterfly-448-cp-rank0.txt", "butterfly-448-cp-rank1.txt", "window-448-1gpu.txt"):
+        assert "Self CPU" in (out / "profile" / name).read_text(), name  # a profiler table
 
 
 def test_benchmark_rows_merge_and_plot(tmp_path):

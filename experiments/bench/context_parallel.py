@@ -23,6 +23,9 @@
    the gradients it leaves (``extra_gib``, ``extra_gib_ranks``: what the method itself needs beyond the
    local q, k, v, dO and their gradients).
 
+``fwd_ms``: the forward alone (no autograd), beside each fwd+bwd ``ms``. ``--profile``: one fwd+bwd of each case
+under torch.profiler per rank (and the one-GPU call), top operators and kernels by device time in OUT/profile/.
+
 Writes ``OUT/context_parallel.csv`` (one row per measurement, GPU / versions / commit / date columns; a
 re-run replaces the rows of the same kind, case, length, GPU count and provider and keeps the others, so
 runs per length or per GPU count make one table) and ``OUT/context_parallel.png`` (time and memory per
@@ -54,7 +57,7 @@ import sparseflash
 import sparseflash.distributed as sfd
 from sparseflash import BlockMask
 
-FIELDS = ["kind", "case", "seq_len", "world", "provider", "ms", "speedup_vs_1gpu", "err_out", "err_dq", "err_dk",
+FIELDS = ["kind", "case", "seq_len", "world", "provider", "ms", "fwd_ms", "speedup_vs_1gpu", "err_out", "err_dq", "err_dk",
           "err_dv", "err_1gpu_max", "passed", "plan_bytes", "sent_bytes", "work_max_over_mean", "placement",
           "plan_s", "peak_gib", "peak_gib_ranks", "extra_gib", "extra_gib_ranks", "stage_tokens", "heads",
           "head_dim", "gpu", "torch", "triton", "commit", "date", "error"]
@@ -134,6 +137,31 @@ def _time(fn, warmup: int, reps: int, sync_group=True) -> float:
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def profile(step, path: str, device) -> None:
+    """One call of ``step`` under torch.profiler: the operators and kernels by total device time (CPU time
+    off CUDA), the top 40 as a table in ``path``; where a rank's time goes (the stages' kernels, the
+    merges, the copies, NCCL's waits)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = device.type == "cuda"
+    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    table = None
+    for key in (("device_time_total", "cuda_time_total") if cuda else ("cpu_time_total",)):
+        try:
+            table = events.table(sort_by=key, row_limit=40)
+            break
+        except (KeyError, AttributeError, ValueError):
+            continue
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(table if table is not None else events.table(row_limit=40))
 
 
 def step_memory(step, inputs, device) -> tuple:
@@ -231,9 +259,17 @@ def timing(args, base, device, rank, world, kind, n):
     dist.all_reduce(sent)
     dist.all_reduce(planned)
     ms = _time(step, args.warmup, args.reps)
+
+    def forward():
+        with torch.no_grad():
+            sfd.attention(ql, kl, vl, plan, backend=args.backend)
+
+    fwd_ms = _time(forward, args.warmup, args.reps)
     mem = memory_fields(every_rank(step_memory(step, (ql, kl, vl), device), device))
+    if args.profile:
+        profile(step, os.path.join(args.out, "profile", f"{kind}-{n}-cp-rank{rank}.txt"), device)
     work = plan.work
-    rows.append(dict(base, kind="time", case=kind, seq_len=n, provider="sparseflash-cp", ms=ms,
+    rows.append(dict(base, kind="time", case=kind, seq_len=n, provider="sparseflash-cp", ms=ms, fwd_ms=fwd_ms,
                      plan_bytes=int(planned.item()), sent_bytes=int(sent.item()),
                      work_max_over_mean=max(work) / max(1e-9, statistics.mean(work)), placement=plan.placement,
                      plan_s=plan_s, stage_tokens=plan.stage_blocks * args.block, **mem))
@@ -246,10 +282,17 @@ def timing(args, base, device, rank, world, kind, n):
             def one():
                 one_gpu_call(qq, kk, vv, kw, args.backend).backward(do)
 
+            def one_forward():
+                with torch.no_grad():
+                    one_gpu_call(qq, kk, vv, kw, args.backend)
+
             one_ms = _time(one, args.warmup, args.reps, sync_group=False)
+            one_fwd = _time(one_forward, args.warmup, args.reps, sync_group=False)
             mem = memory_fields([[x] for x in step_memory(one, (qq, kk, vv), device)])
+            if args.profile:
+                profile(one, os.path.join(args.out, "profile", f"{kind}-{n}-1gpu.txt"), device)
             rows.append(dict(base, kind="time", case=kind, seq_len=n, provider="sparseflash-1gpu", world=1, ms=one_ms,
-                             **mem))
+                             fwd_ms=one_fwd, **mem))
             del qq, kk, vv
         dist.barrier()
         t = torch.tensor([one_ms or 0.0], device=device)
@@ -431,6 +474,8 @@ def parse(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-torch-cp", action="store_true")
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="also one fwd+bwd of each case under torch.profiler: OUT/profile/<case>-<N>-cp-rank<r>.txt and -1gpu.txt")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke run on gloo (tiny sizes, float32 through --backend reference)")
     p.add_argument("--backend", default="auto", help="sparseflash.attention's backend (cpu smoke: reference)")
