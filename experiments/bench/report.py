@@ -428,19 +428,19 @@ def hopper_section(v: dict, rows) -> None:
     g = lambda nn, d, mask, p, m: next((r for r in rows if (r["seq"], r["head_dim"], r["mask"], r["provider"], r["mode"])
                                         == (nn, d, mask, p, m) and r.get("ms") is not None), None)
     get = lambda d, mask, p, m: g(n, d, mask, p, m)
-    for m, key in (("fwd", "hopper_fwd_table"), ("fwdbwd", "hopper_fb_table")):
-        lines = []
-        for d in (64, 128):
-            for mask in HOPPER_MASKS:
-                if d == 64 and mask not in ("dense", "causal"):
-                    continue  # d=64 block-sparse rows are in the JSON
-                cells = []
-                for p in HOPPER_PROVIDERS:
-                    r = get(d, mask, p, m)
-                    cells.append("-" if r is None else
-                                 (f"**{r['ms']:.3f}** ({tf(r['tflops'])})" if p == "hopper" else f"{r['ms']:.3f} ({tf(r['tflops'])})"))
-                lines.append([n, d, mask, *cells])
-        v[key] = md_table(["N", "d", "mask", "**hopper**", "portable", "FlexAttention", "SDPA flash", "SDPA cuDNN"], lines)
+    def cell(d, mask, p):  # forward ; forward+backward, each with its TFLOP/s
+        parts = []
+        for m in ("fwd", "fwdbwd"):
+            r = get(d, mask, p, m)
+            text = "-" if r is None else f"{r['ms']:.3f}"
+            parts.append(text if r is None else (f"**{text}**" if p == "hopper" else text) + f" ({tf(r['tflops'])})")
+        return " ; ".join(parts) if any(x != "-" for x in parts) else "-"
+
+    lines = [[n, d, mask, *(cell(d, mask, p) for p in HOPPER_PROVIDERS)]
+             for d in (64, 128) for mask in HOPPER_MASKS
+             if d == 128 or mask in ("dense", "causal")]  # (d=64 block-sparse rows are in the JSON)
+    v["hopper_table"] = md_table(["N", "d", "mask", "**hopper**", "portable", "FlexAttention", "SDPA flash", "SDPA cuDNN"],
+                                 lines)
     def x(other, d, masks, m):  # over both sequence lengths of the run
         return [g(nn, d, k, other, m)["ms"] / g(nn, d, k, "hopper", m)["ms"] for nn in seqs for k in masks]
     v["hop_fwd_cudnn_d128"] = span(x("sdpa-cudnn", 128, ("dense",), "fwd"))
@@ -682,6 +682,50 @@ def lra_section(v: dict) -> None:
     v["lra_commit"] = " / ".join(sorted({short(e["commit"]) for e in envs}))
 
 
+# ----------------------------------------------------------------------------- context parallelism
+CP_PROVIDERS = ("sparseflash-1gpu", "sparseflash-cp", "torch-cp-allgather", "torch-cp-alltoall")
+
+
+def context_parallel_section(v: dict) -> None:
+    """`experiments/bench/context_parallel.py` on the largest GPU count measured: fwd+bwd ms per case
+    and length, ours beside one GPU and torch's two rotate methods, with the memory beyond q/k/v."""
+    rows = [r for r in table(f"{RES}/context-parallel/context_parallel.csv") if r["kind"] == "time" and not r["error"]]
+    world = max(int(r["world"]) for r in rows)
+    at = lambda c, n, p: next((r for r in rows if (r["case"], r["seq_len"], r["provider"]) == (c, n, p)
+                               and (p == "sparseflash-1gpu" or int(r["world"]) == world)), None)
+    keys = list(dict.fromkeys((r["case"], r["seq_len"]) for r in rows if int(r["world"]) == world))
+    names = {"dense-causal": "causal", "window": "causal window", "documents": "packed documents", "butterfly": "butterfly"}
+    lines, slower = [], []
+    for c, n in keys:
+        cells = {p: at(c, n, p) for p in CP_PROVIDERS}
+        best = min((r["ms"] for p, r in cells.items() if r is not None and p != "sparseflash-1gpu"), default=None)
+        out = []
+        for p in CP_PROVIDERS:
+            r = cells[p]
+            if r is None:
+                out.append("")
+                continue
+            ms = f"{r['ms']:.1f}"
+            ms = f"**{ms}**" if p != "sparseflash-1gpu" and r["ms"] == best else ms
+            extra = f"{r['extra_gib']:.1f} GiB" if _num(r.get("extra_gib")) is not None else ""
+            speed = f"{r['speedup_vs_1gpu']:.2f}x, " if p == "sparseflash-cp" and _num(r.get("speedup_vs_1gpu")) else ""
+            out.append(f"{ms} ({speed}{extra})" if speed or extra else ms)
+        torch_best = min((cells[p]["ms"] for p in CP_PROVIDERS[2:] if cells[p] is not None), default=None)
+        if torch_best is not None and cells["sparseflash-cp"] is not None:
+            slower.append(cells["sparseflash-cp"]["ms"] / torch_best)
+        lines.append([f"{names.get(c, c)} {n // 1024}K", *out])
+    v["cp_table"] = md_table(["work", "one GPU", f"ours, {world} GPUs", "torch CP all-gather", "torch CP ring (alltoall)"],
+                             lines)
+    v["cp_x_torch"] = span(slower)
+    ours = [r for r in rows if r["provider"] == "sparseflash-cp" and int(r["world"]) == world]
+    v["cp_bytes_equal"] = "every" if all(r["sent_bytes"] == r["plan_bytes"] for r in ours) else "not every"
+    v["cp_world"], v["cp_gpu"] = str(world), _stamp(ours, "gpu")
+    v["cp_commit"], v["cp_date"] = _stamp(ours), day(_stamp(ours, "date"))
+    v["cp_shape"] = f"{_stamp(ours, 'heads')} heads, d={_stamp(ours, 'head_dim')}"
+    v["cp_stage"] = f"{_stamp(ours, 'stage_tokens') // 1024}K"
+    v["cp_versions"] = f"torch {_stamp(ours, 'torch')}, triton {_stamp(ours, 'triton')}"
+
+
 # ----------------------------------------------------------------------------- the document
 def values(results: Path | None = None) -> dict[str, str]:
     """Every placeholder's value, from the tables under ``results`` (default experiments/results/;
@@ -717,6 +761,7 @@ def values(results: Path | None = None) -> dict[str, str]:
     packed_section(v)
     exact_section(v)
     lra_section(v)
+    context_parallel_section(v)
     stamped = [kc, table(f"{RES}/causal/sparsity.csv"), seqlen, sweep, hop, h2] + ([seqlen_gpu] if seqlen_gpu else [])
     dates = sorted(day(r["date"]) for rows in stamped for r in rows)
     names = sorted({r["device_name"] for rows in stamped for r in rows})
