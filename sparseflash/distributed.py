@@ -43,15 +43,15 @@ For each pair (my query blocks, rank s) the plan keeps the key blocks of s that 
 global predicate, so causality, windows and documents stay token-exact although a rank's blocks are not
 contiguous.
 
-*The exchange* (`_Attention`, one autograd Function) is a pipeline of stages (`Plan.stages`). The key
-blocks a rank needs from rank s are cut into chunks of at most ``stage_tokens``; remote stage (t, c)
-receives chunk c of what this rank needs from rank - t and sends chunk c of what rank + t needs from it
-(a rotation, as a ring's steps, but each rank sends only the blocks its peer needs, straight from their
-owner). Every rank runs the same (t, c) in the same order, skipping the compute (and the message) of a
-stage it has nothing for; a (t, c) no rank has anything for is left out. The first remote stage is posted
-before the own blocks' stages compute; from then on stage i + 1's transfer is posted before stage i
-computes, so on CUDA the kernels of one stage run while NCCL (on its own stream) moves the next. Each
-stage's output and LSE (over its keys only) are folded into one float32 output and LSE in place
+*The exchange* (`_Attention`, one autograd Function) is a pipeline of stages (`Plan.stages`). A rank's
+own needed blocks are one stage; the key blocks it needs from another rank s are cut into chunks of at
+most ``stage_tokens``; remote stage (t, c) receives chunk c of what this rank needs from rank - t and
+sends chunk c of what rank + t needs from it (a rotation, as a ring's steps, but each rank sends only the
+blocks its peer needs, straight from their owner). Every rank runs the same (t, c) in the same order,
+skipping the compute (and the message) of a stage it has nothing for; a (t, c) no rank has anything for
+is left out. The first remote stage is posted before the own stage computes; from then on stage i + 1's
+transfer is posted before stage i computes, so on CUDA the kernels of one stage run while NCCL (on its
+own stream) moves the next. Each stage's output and LSE (over its keys only) are folded into one float32 output and LSE in place
 (`_merge_into`); a row with no key anywhere gives 0, LSE -inf and zero gradients. Only q, k, v, the
 output and the LSE are saved for backward. The backward walks the same stages: it fetches each remote
 chunk again (posted one stage ahead), computes the stage's dQ, dK, dV from the *final* output and LSE
@@ -558,15 +558,18 @@ class Plan:
         return self._positions(slots, device)
 
     def stages(self) -> tuple[list, list]:
-        """(own, remote): this rank's stages (module docstring, "The exchange"), made once. Own stages take
-        chunks of this rank's needed own blocks; remote stage (t, c) receives chunk c of what it needs from
+        """(own, remote): this rank's stages (module docstring, "The exchange"), made once. The own stage
+        takes all of this rank's needed own blocks at once (they are resident: cutting them into chunks
+        bounds no memory and repeats every stage's passes over all local rows, the output's merge and the
+        backward's row passes, once a chunk); remote stage (t, c) receives chunk c of what it needs from
         rank - t and sends chunk c of what rank + t needs from it. Every rank lists the same (t, c) in the
         same order (a (t, c) that no rank uses is left out everywhere; one this rank does not use is kept,
         empty), so the point-to-point messages of any two ranks are posted in the same order on both."""
         def build():
             me, w, c = self.rank, self.world_size, self.stage_blocks
             chunks = lambda xs: [tuple(xs[i:i + c]) for i in range(0, len(xs), c)]  # noqa: E731
-            own = [_Stage(me, b, None, ()) for b in chunks(self.needed[me][me])]
+            mine = tuple(self.needed[me][me])
+            own = [_Stage(me, mine, None, ())] if mine else []
             remote = []
             for t in range(1, w):
                 n = max(math.ceil(len(self.needed[(r + t) % w][r]) / c) for r in range(w))
