@@ -469,13 +469,15 @@ class _Stage:
 
 
 class _StageOps:
-    """A stage's device side: ``mask`` (the sub-mask of its keys), ``keys`` (an own stage's keys in the
-    shard), ``send`` (the sent blocks in the shard, where their gradients come back)."""
+    """A stage's device side: ``mask`` (the sub-mask of its keys, over rows ``rows`` of the shard),
+    ``rows`` (a slice of the shard's rows: from the first query block with a key block in the stage to the
+    last; the stage computes and merges only these), ``keys`` (an own stage's keys in the shard), ``send``
+    (the sent blocks in the shard, where their gradients come back)."""
 
-    __slots__ = ("mask", "keys", "send")
+    __slots__ = ("mask", "rows", "keys", "send")
 
-    def __init__(self, mask, keys, send):
-        self.mask, self.keys, self.send = mask, keys, send
+    def __init__(self, mask, rows, keys, send):
+        self.mask, self.rows, self.keys, self.send = mask, rows, keys, send
 
 
 class Plan:
@@ -591,31 +593,38 @@ class Plan:
             own, remote = self.stages()
             out = []
             for st in own + remote:
-                out.append(_StageOps(self.sub_mask(st.source, device, st.blocks) if st.blocks else None,
+                mask, rows = self.sub_mask(st.source, device, st.blocks, rows=True) if st.blocks else (None, None)
+                out.append(_StageOps(mask, rows,
                                      self._local_index(st.blocks, device) if st.source == self.rank else None,
                                      self._local_index(st.send_blocks, device) if st.send_blocks else None))
             return out
 
         return self._cached(("ops", device), build)
 
-    def sub_mask(self, s: int, device, blocks: tuple | None = None) -> BlockMask:
+    def sub_mask(self, s: int, device, blocks: tuple | None = None, rows: bool = False):
         """The `BlockMask` of this rank's queries against key blocks ``blocks`` of rank ``s`` (default: all
-        it needs from ``s``), made once per device from the predicate (only these rows and columns)."""
+        it needs from ``s``), made once per device from the predicate (only these rows and columns).
+        ``rows=True``: (mask, row slice), the mask over only the shard's rows from the first query block
+        with an on block to the last (a window's halo reaches a few blocks of rows, not the whole shard)."""
         blocks = tuple(self.needed[self.rank][s]) if blocks is None else blocks
         device = torch.device(device)
 
         def build():
             mine = self.owned[self.rank]
-            rows = torch.tensor(mine, device=self._pred.device)
-            on, full = self._pred.rows(rows, torch.tensor(blocks, dtype=torch.long, device=self._pred.device),
-                                       full=True)
+            on, full = self._pred.rows(torch.tensor(mine, device=self._pred.device),
+                                       torch.tensor(blocks, dtype=torch.long, device=self._pred.device), full=True)
+            some = on.flatten(0, -3).any(0).any(-1).nonzero().flatten() if on.dim() > 2 else on.any(-1).nonzero().flatten()
+            lo, hi = (int(some[0]), int(some[-1]) + 1) if len(some) else (0, len(mine))
+            on, full = on[..., lo:hi, :], full[..., lo:hi, :]
             seg = None if self._seg is None else self._seg.to(device).long()
-            mod = _GlobalMod(self.positions(self.rank, device), self._positions(list(blocks), device), self.seq_len,
-                             self._user_mod, self.causal, seg)
             bs = self.block_size
-            return BlockMask(on.to(device), bs, len(mine) * bs, len(blocks) * bs, full=full.to(device), mask_mod=mod)
+            mod = _GlobalMod(self.positions(self.rank, device)[lo * bs:hi * bs], self._positions(list(blocks), device),
+                             self.seq_len, self._user_mod, self.causal, seg)
+            mask = BlockMask(on.to(device), bs, (hi - lo) * bs, len(blocks) * bs, full=full.to(device), mask_mod=mod)
+            return mask, slice(lo * bs, hi * bs)
 
-        return self._cached(("mask", s, blocks, device), build)
+        mask, span = self._cached(("mask", s, blocks, device), build)
+        return (mask, span) if rows else mask
 
     def expected_bytes(self, k: torch.Tensor, v: torch.Tensor, backward: bool = False) -> int:
         """Bytes this rank sends in one forward for local shards ``k``, ``v``: the blocks peers need from it;
@@ -732,6 +741,14 @@ def _post(plan: Plan, sends: list, recvs: list) -> list:
         ops.append(dist.P2POp(dist.isend, t, plan.peer(p), plan.group))
         plan.bytes_sent += t.numel() * t.element_size()
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _rows(x, r: slice):
+    """Rows ``r`` of ``x [B, H, L, ...]`` for a stage's kernels: ``x`` itself when they are all its rows, else
+    a contiguous copy (a stage that reaches a few rows copies a few)."""
+    if x is None or (r.start == 0 and r.stop >= x.shape[2]):
+        return x
+    return x[:, :, r].contiguous()
 
 
 def _take(x: torch.Tensor, idx) -> torch.Tensor:
@@ -905,8 +922,9 @@ class _Attention(torch.autograd.Function):
         states = {}
 
         def compute(i, ks, vs):
-            o_s, lse_s, states[i] = kern.fwd(q, ks, vs, ops[i].mask, i)
-            _merge_into(acc, lse, o_s, lse_s)
+            r = ops[i].rows
+            o_s, lse_s, states[i] = kern.fwd(_rows(q, r), ks, vs, ops[i].mask, i)
+            _merge_into(acc[:, :, r], lse[:, :, r], o_s, lse_s)
 
         fetch = _Fetch(plan, remote[0], ops[len(own)], k, v) if remote else None
         for i in range(len(own)):  # while the first remote chunk travels
@@ -944,8 +962,10 @@ class _Attention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
 
         def grads(i, ks, vs):
-            g = kern.bwd(do, q, ks, vs, ops[i].mask, out, lse_k, dlse, delta, ctx.states[i], i)
-            dq.add_(g[0])
+            r = ops[i].rows
+            g = kern.bwd(_rows(do, r), _rows(q, r), ks, vs, ops[i].mask, _rows(out, r), _rows(lse_k, r),
+                         _rows(dlse, r), _rows(delta, r), ctx.states[i], i)
+            dq[:, :, r] += g[0]
             return g[1], g[2]
 
         fetch = _Fetch(plan, remote[0], ops[len(own)], k, v) if remote else None

@@ -112,6 +112,13 @@ def _check_bytes(rank, w):
             assert len(plan.needed[rank][s]) == (2 if abs(s - rank) == 1 else 0), plan.needed[rank]
     kl = plan.shard(k)
     sfd.attention(ql, kl, kl, plan, backend="reference")
+    # the halo's stage computes only the rows it reaches (two blocks), the own stage every row, in one stage
+    own, remote = plan.stages()
+    assert len(own) == 1
+    for st, op in zip(own + remote, plan.stage_ops("cpu")):
+        if st.blocks:
+            want = plan.local_len if st.source == rank else 2 * bs
+            assert op.rows.stop - op.rows.start == want and op.mask.seq_q == want, (rank, st.source, op.rows)
     per_block = kl[:, :, :bs].numel() * kl.element_size() * 2
     neighbours = sum(1 for s in range(w) if abs(s - rank) == 1)
     assert plan.bytes_sent == plan.expected_bytes(kl, kl) == 2 * neighbours * per_block
