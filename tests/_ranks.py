@@ -1,4 +1,4 @@
-"""Spawned ranks for the tests of context parallelism (gloo on the CPU: test_distributed, test_cp_train;
+"""Ranks in fresh processes for the tests of context parallelism (gloo on the CPU: test_distributed, test_cp_train;
 NCCL on two GPUs: test_distributed_gpu): each rank joins the group and runs the test's check function;
 a rank that fails leaves its traceback, which fails the test (a spawned process's exception alone says
 only that it died)."""
@@ -36,7 +36,9 @@ def _rank(rank, check, world, init, out_dir, backend):
 def _start_method(backend: str) -> str:
     """gloo ranks fork from one forkserver per test session, which imports torch and sparseflash once:
     a spawned rank re-imports them itself (3-5 s a rank on a 2-core CPU machine, most of a CPU test's
-    time). NCCL ranks are spawned (a fresh process each, as the GPU tests always ran)."""
+    time). The server starts at the session's first gloo call and its ranks see the environment of that
+    moment (os.environ set later, e.g. by monkeypatch, does not reach them). NCCL ranks are spawned (a fresh
+    process each, as the GPU tests always ran)."""
     if backend == "nccl" or "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     ctx = multiprocessing.get_context("forkserver")
