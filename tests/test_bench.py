@@ -199,7 +199,7 @@ def _fake(name, kind="sparse", check=None, forward=None):
     return providers.Provider(name, name, kind, "test provider", check or (lambda s: None), lambda s: None, fwd)
 
 
-def test_failures_become_rows_and_the_sweep_goes_on():
+def test_failures_become_rows_and_the_sweep_goes_on(frozen_gc):
     def boom(q):
         raise ValueError("boom")
 
@@ -233,7 +233,7 @@ def test_failures_become_rows_and_the_sweep_goes_on():
     assert all(r["max_err"] > 0.5 for r in checked)
 
 
-def test_cpu_rows_pool_interleaved_rounds_and_show_their_spread():
+def test_cpu_rows_pool_interleaved_rounds_and_show_their_spread(frozen_gc):
     """CPU: every row measured in each round, in alternating order, its samples pooled (median and
     quartiles); providers labelled for what runs on a CPU."""
     order = []
@@ -293,7 +293,7 @@ def _png_ok(path):
         assert im.size[0] > 200 and im.size[1] > 200
 
 
-def test_sparsity_cli_end_to_end_on_cpu(tmp_path, capsys):
+def test_sparsity_cli_end_to_end_on_cpu(tmp_path, capsys, frozen_gc):
     out = tmp_path / "sparsity"
     rc = main(["bench", "sparsity", *_TINY, "--pattern", "butterfly", "random", "--densities", "1", "0.25",
                "--mode", "fwd", "fwdbwd", "--backend", "reference", "--dtype", "fp32", "--out", str(out),
@@ -347,11 +347,19 @@ def test_sparsity_cli_end_to_end_on_cpu(tmp_path, capsys):
     (only_csv / "sparsity.csv").write_text((out / "sparsity.csv").read_text())
     rows_csv, _ = load_results(only_csv)
     assert len(rows_csv) == len(rows) and rows_csv[0]["causal"] is False and isinstance(rows_csv[0]["seq_len"], int)
+    # ... from a CSV file alone: its butterfly and dense rows (one pattern's three figures; the loop over
+    # patterns is drawn twice above)
+    lines = (out / "sparsity.csv").read_text().splitlines(keepends=True)
+    kept = [x for x in lines[1:] if next(csv.DictReader([lines[0], x]))["pattern"] in ("butterfly", "dense")]
+    assert 0 < len(kept) < len(lines) - 1
+    (only_csv / "sparsity.csv").write_text(lines[0] + "".join(kept))
     assert main(["plot", str(only_csv / "sparsity.csv"), "--out", str(tmp_path / "redraw_csv")]) == 0
-    assert sorted(p.name for p in (tmp_path / "redraw_csv").glob("*.png")) == pngs
+    assert sorted(p.name for p in (tmp_path / "redraw_csv").glob("*.png")) == [p for p in pngs if "butterfly" in p]
+    for p in (tmp_path / "redraw_csv").glob("*.png"):
+        _png_ok(p)
 
 
-def test_seqlen_cli_end_to_end_with_interpreter_or_reference(tmp_path, capsys):
+def test_seqlen_cli_end_to_end_with_interpreter_or_reference(tmp_path, capsys, frozen_gc):
     out = tmp_path / "seqlen"
     rc = main(["bench", "seqlen", *_TINY[2:], "--device", "cpu", "--seq-len", "64", "128", "--mode", "fwd",
                "--causal", "--providers", "sparseflash,sparseflash-dense,torch-masked,sdpa-efficient",
