@@ -51,7 +51,8 @@ blocks its peer needs, straight from their owner). Every rank runs the same (t, 
 skipping the compute (and the message) of a stage it has nothing for; a (t, c) no rank has anything for
 is left out. The first remote stage is posted before the own stage computes; from then on stage i + 1's
 transfer is posted before stage i computes, so on CUDA the kernels of one stage run while NCCL (on its
-own stream) moves the next. Each stage's output and LSE (over its keys only) are folded into one float32 output and LSE in place
+own stream) moves the next. A stage computes only the shard rows its keys reach (`Plan.sub_mask`). Each
+stage's output and LSE (over its keys only) are folded into one float32 output and LSE in place
 (`_merge_into`); a row with no key anywhere gives 0, LSE -inf and zero gradients. Only q, k, v, the
 output and the LSE are saved for backward. The backward walks the same stages: it fetches each remote
 chunk again (posted one stage ahead), computes the stage's dQ, dK, dV from the *final* output and LSE
@@ -593,7 +594,7 @@ class Plan:
             own, remote = self.stages()
             out = []
             for st in own + remote:
-                mask, rows = self.sub_mask(st.source, device, st.blocks, rows=True) if st.blocks else (None, None)
+                mask, rows = self._sub_mask(st.source, device, st.blocks) if st.blocks else (None, None)
                 out.append(_StageOps(mask, rows,
                                      self._local_index(st.blocks, device) if st.source == self.rank else None,
                                      self._local_index(st.send_blocks, device) if st.send_blocks else None))
@@ -601,11 +602,15 @@ class Plan:
 
         return self._cached(("ops", device), build)
 
-    def sub_mask(self, s: int, device, blocks: tuple | None = None, rows: bool = False):
+    def sub_mask(self, s: int, device, blocks: tuple | None = None) -> BlockMask:
         """The `BlockMask` of this rank's queries against key blocks ``blocks`` of rank ``s`` (default: all
-        it needs from ``s``), made once per device from the predicate (only these rows and columns).
-        ``rows=True``: (mask, row slice), the mask over only the shard's rows from the first query block
-        with an on block to the last (a window's halo reaches a few blocks of rows, not the whole shard)."""
+        it needs from ``s``), made once per device from the predicate, over only the shard's rows from the
+        first query block with an on block to the last (`_sub_mask` gives that row slice too)."""
+        return self._sub_mask(s, device, blocks)[0]
+
+    def _sub_mask(self, s: int, device, blocks: tuple | None = None) -> tuple:
+        """(`sub_mask`, the slice of the shard's rows it covers): a window's halo reaches a few blocks of
+        rows, not the whole shard, and a stage computes only those."""
         blocks = tuple(self.needed[self.rank][s]) if blocks is None else blocks
         device = torch.device(device)
 
@@ -613,8 +618,8 @@ class Plan:
             mine = self.owned[self.rank]
             on, full = self._pred.rows(torch.tensor(mine, device=self._pred.device),
                                        torch.tensor(blocks, dtype=torch.long, device=self._pred.device), full=True)
-            some = on.flatten(0, -3).any(0).any(-1).nonzero().flatten() if on.dim() > 2 else on.any(-1).nonzero().flatten()
-            lo, hi = (int(some[0]), int(some[-1]) + 1) if len(some) else (0, len(mine))
+            reach = on.any(-1).reshape(-1, on.shape[-2]).any(0).nonzero().flatten()  # rows with an on block
+            lo, hi = (int(reach[0]), int(reach[-1]) + 1) if len(reach) else (0, len(mine))
             on, full = on[..., lo:hi, :], full[..., lo:hi, :]
             seg = None if self._seg is None else self._seg.to(device).long()
             bs = self.block_size
@@ -623,8 +628,7 @@ class Plan:
             mask = BlockMask(on.to(device), bs, (hi - lo) * bs, len(blocks) * bs, full=full.to(device), mask_mod=mod)
             return mask, slice(lo * bs, hi * bs)
 
-        mask, span = self._cached(("mask", s, blocks, device), build)
-        return (mask, span) if rows else mask
+        return self._cached(("mask", s, blocks, device), build)
 
     def expected_bytes(self, k: torch.Tensor, v: torch.Tensor, backward: bool = False) -> int:
         """Bytes this rank sends in one forward for local shards ``k``, ``v``: the blocks peers need from it;

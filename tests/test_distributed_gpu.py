@@ -13,18 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import sparseflash
 import sparseflash.distributed as sfd
 from sparseflash import BlockMask
+from sparseflash.experiments.bench.context_parallel import one_gpu_call
 from sparseflash.patterns import butterfly
 from tests._ranks import run_ranks
+from tests.test_distributed import _docs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                 reason="needs two CUDA GPUs (NCCL)")
-
-
-def _docs(lengths):
-    return torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])
 
 
 def _cases(dev):
@@ -48,19 +45,13 @@ def _cases(dev):
     ]
 
 
-def _call(q, k, v, kw, backend):
-    seg = kw.get("segment_ids")
-    return sparseflash.attention(q, k, v, kw.get("mask"), causal=kw.get("causal", False),
-                                 segment_ids=None if seg is None else seg.to(q.device)[None], backend=backend)
-
-
 def _check_case(rank, name, n, bs, hq, hk, d, kw, dev):
     g = torch.Generator().manual_seed(1234)  # the same tensors on every rank
     q, k, v, do = (torch.randn(1, h, n, d, generator=g).to(dev) for h in (hq, hk, hk, hq))
     want = {}
     for who, dtype, backend in (("ref64", torch.float64, "reference"), ("1gpu", torch.bfloat16, "auto")):
         qq, kk, vv = (t.to(dtype).requires_grad_() for t in (q, k, v))
-        o = _call(qq, kk, vv, kw, backend)
+        o = one_gpu_call(qq, kk, vv, kw, backend)
         o.backward(do.to(dtype))
         want[who] = [o.detach().double(), qq.grad.double(), kk.grad.double(), vv.grad.double()]
     plan = sfd.plan(n, None, block_size=bs, **kw)

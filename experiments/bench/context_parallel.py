@@ -151,17 +151,10 @@ def profile(step, path: str, device) -> None:
         step()
         if cuda:
             torch.cuda.synchronize(device)
-    events = prof.key_averages()
-    table = None
-    for key in (("device_time_total", "cuda_time_total") if cuda else ("cpu_time_total",)):
-        try:
-            table = events.table(sort_by=key, row_limit=40)
-            break
-        except (KeyError, AttributeError, ValueError):
-            continue
+    table = prof.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=40)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        f.write(table if table is not None else events.table(row_limit=40))
+        f.write(table)
 
 
 def step_memory(step, inputs, device) -> tuple:
