@@ -114,13 +114,27 @@ def tf32_round(x):
 _RNG_ARGS = ["drop_thresh"]
 
 
+@triton.constexpr_function
+def _block_d(head_dim):
+    """The tiles' column count: head_dim rounded up to a power of two, at least 16 (`tiles.block_d`)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 @triton.jit
-def _aligned(stride_b, stride_h, stride_r, ALIGN: tl.constexpr):
-    """A tensor's batch, head and row strides, which the launcher passes divided by ALIGN (the
-    largest power of two < 16 dividing them all, `operands.aligned_strides`): multiplied back here, the
-    compiler knows every row starts ALIGN-aligned. Triton's own specialisation only recognises
-    strides divisible by 16, so a head_dim of 40 would get element-wise loads without it."""
-    return stride_b * ALIGN, stride_h * ALIGN, stride_r * ALIGN
+def _aligned(strides, ALIGN: tl.constexpr):
+    """A tensor's (batch, head, row, column) strides, one tuple argument of a kernel: the first three,
+    which the launcher passes divided by ALIGN (the largest power of two < 16 dividing them all,
+    `operands.aligned_strides`), multiplied back here, so the compiler knows every row starts
+    ALIGN-aligned. Triton's own specialisation only recognises strides divisible by 16, so a
+    head_dim of 40 would get element-wise loads without it."""
+    return strides[0] * ALIGN, strides[1] * ALIGN, strides[2] * ALIGN, strides[3]
+
+
+@triton.jit
+def _list_row(LIST, stride_idx, i_b, i_h, row):
+    """Row ``row`` of block list (or tile table) LIST read as [B, H, rows, ...]: strides stride_idx,
+    (batch, head, row), 0 where the list is shared."""
+    return LIST + i_b * stride_idx[0] + i_h * stride_idx[1] + row.to(tl.int64) * stride_idx[2]
 
 
 # ----------------------------------------------------------------------------- dropout bits
@@ -275,7 +289,7 @@ def _tile_start(p_idx, b_list, j, DENSE: tl.constexpr, GATHER: tl.constexpr, MAS
 
 
 @triton.jit
-def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
+def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_idx,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
                NB_P2: tl.constexpr, DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr):
     """The k tiles a q tile visits (forward and dQ): its row list, the list in registers, and the
@@ -301,7 +315,7 @@ def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stri
     else:
         SUB: tl.constexpr = MASK_BK // BLOCK_N
         q_blk = start_m // MASK_BQ
-        p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
+        p_idx = _list_row(KV_IDX, stride_idx, i_b, i_h, q_blk)
         b_list = _list(p_idx, tl.cdiv(seq_k, MASK_BK), NB_P2)
         n_full, n_valid = _row_parts(b_list, full_end, valid_end, MASK_BK)
         j_full = n_full * SUB
@@ -533,20 +547,20 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
-                RANGES, stride_rb, SLOPES, stride_slb,
-                stride_qb, stride_qh, stride_qm, stride_qd,
-                stride_kb, stride_kh, stride_kn, stride_kd,
-                stride_vb, stride_vh, stride_vn, stride_vd,
-                stride_ob, stride_oh, stride_om, stride_od,
-                stride_ib, stride_ih, stride_im,
-                H_Q, GROUP, seq_q, seq_k, qk_scale,
-                RNG, drop_thresh, drop_scale,
-                DESC_Q, DESC_K, DESC_V,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
-                CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None):
-    """DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
+def fwd_kernel(Q, K, V, O, LSE, stride_q, stride_k, stride_v, stride_o,
+               H_Q, GROUP, seq_q, seq_k, qk_scale, drop_thresh, drop_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+               ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
+               KV_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
+               KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None,
+               SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
+               SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None):
+    """stride_q, stride_k, stride_v, stride_o: each tensor's (batch, head, row, column) strides, the
+    first three divided by ALIGN (`_aligned`). KV_IDX (block lists; None: dense): the row lists
+    [B or 1, H or 1, q blocks, NB] (strides stride_idx), NB_P2 entries read as one vector, from
+    registers with GATHER (`_tile_start`).
+    DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
     [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are None.
     SEG_Q, SEG_K (SEGMENTS): int32 segment ids [B or 1, seq] (batch strides stride_sqb, stride_skb,
     0 when shared); keys whose id differs from the query's are not attended.
@@ -560,6 +574,7 @@ def fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, st
     derived from its pointer at the top of the body. SOFTCAP: the cap, None when off.
     KV_TILE, BITS (EXACT; None otherwise): the bit-tile index of each row-list entry (int32, laid
     out as KV_IDX) and the bit tiles (module docstring)."""
+    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
     # every optional feature is on when its pointer is given (None: a constexpr, compiled out)
     DENSE: tl.constexpr = KV_IDX is None
     HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
@@ -569,10 +584,10 @@ def fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, st
     KEY_RANGES: tl.constexpr = RANGES is not None
     ALIBI: tl.constexpr = SLOPES is not None
     EXACT: tl.constexpr = BITS is not None
-    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
-    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
-    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
-    stride_ob, stride_oh, stride_om = _aligned(stride_ob, stride_oh, stride_om, ALIGN)
+    stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
+    stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
+    stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
+    stride_ob, stride_oh, stride_om, stride_od = _aligned(stride_o, ALIGN)
     i_m = tl.program_id(0)
     seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
     i_bh = tl.program_id(1)
@@ -598,11 +613,11 @@ def fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, st
     slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h, ALIBI)
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
-        KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
+        KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_idx,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
     p_tile = KV_TILE
     if EXACT:  # the tile table's row, laid out as the row list's
-        p_tile = KV_TILE + i_b * stride_ib + i_h * stride_ih + (start_m // MASK_BQ).to(tl.int64) * stride_im
+        p_tile = _list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -731,26 +746,21 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
-                     RANGES, stride_rb, SLOPES, stride_slb,
-                     stride_qb, stride_qh, stride_qm, stride_qd,
-                     stride_kb, stride_kh, stride_kn, stride_kd,
-                     stride_vb, stride_vh, stride_vn, stride_vd,
-                     stride_dob, stride_doh, stride_dom, stride_dod,
-                     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                     stride_ib, stride_ih, stride_in,
-                     H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
-                     RNG, drop_thresh, drop_scale,
-                     DESC_Q, DESC_K, DESC_V, DESC_DO,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
-                     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1,
-                     SOFTCAP: tl.constexpr = None):
-    """DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
+def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,
+                    H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale, drop_thresh, drop_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+                    Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
+                    Q_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
+                    Q_TILE=None, BITS=None, KEY_LEN=None, RNG=None,
+                    SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
+                    SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None):
+    """Strides as the forward's (stride_idx: Q_IDX's, the column lists [B or 1, H or 1, k blocks, NB]).
+    DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
     without TMA None. SEG_Q, SEG_K, RANGES, SLOPES: as the forward's.
     Q_TILE, BITS (EXACT; None otherwise): the bit-tile index of each column-list entry (laid out
     as Q_IDX) and the bit tiles. Flags from pointers as in the forward."""
+    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
     DENSE: tl.constexpr = Q_IDX is None
     HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
     DROPOUT: tl.constexpr = RNG is not None
@@ -759,12 +769,12 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LE
     KEY_RANGES: tl.constexpr = RANGES is not None
     ALIBI: tl.constexpr = SLOPES is not None
     EXACT: tl.constexpr = BITS is not None
-    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
-    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
-    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
-    stride_dob, stride_doh, stride_dom = _aligned(stride_dob, stride_doh, stride_dom, ALIGN)
-    stride_dkb, stride_dkh, stride_dkn = _aligned(stride_dkb, stride_dkh, stride_dkn, ALIGN)
-    stride_dvb, stride_dvh, stride_dvn = _aligned(stride_dvb, stride_dvh, stride_dvn, ALIGN)
+    stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
+    stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
+    stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
+    stride_dob, stride_doh, stride_dom, stride_dod = _aligned(stride_do, ALIGN)
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd = _aligned(stride_dk, ALIGN)
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd = _aligned(stride_dv, ALIGN)
     i_n = tl.program_id(0)
     seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
     i_bhk = tl.program_id(1)
@@ -828,7 +838,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LE
             else:
                 SUB: tl.constexpr = MASK_BQ // BLOCK_M
                 k_blk = start_n // MASK_BK
-                p_idx = Q_IDX + i_b * stride_ib + i_h * stride_ih + k_blk.to(tl.int64) * stride_in
+                p_idx = _list_row(Q_IDX, stride_idx, i_b, i_h, k_blk)
                 n_qb = tl.cdiv(seq_q, MASK_BQ)
                 b_list = _list(p_idx, n_qb, NB_P2)
                 n_skip, n_part, n = _col_parts(b_list, n_qb, skip_below, full_from, MASK_BQ)
@@ -837,7 +847,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LE
                 j_end = n * SUB
             p_tile = Q_TILE
             if EXACT:  # the tile table's column, laid out as the column list's
-                p_tile = Q_TILE + i_b * stride_ib + i_h * stride_ih + (start_n // MASK_BK).to(tl.int64) * stride_in
+                p_tile = _list_row(Q_TILE, stride_idx, i_b, i_h, start_n // MASK_BK)
             i_b32 = i_b.to(tl.int32)
             i_h32 = i_h.to(tl.int32)
             j_hi = j_end if TMA else j_part  # TMA: one loop, the causal mask below j_part
@@ -919,26 +929,21 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
-                   RANGES, stride_rb, SLOPES, stride_slb,
-                   stride_qb, stride_qh, stride_qm, stride_qd,
-                   stride_kb, stride_kh, stride_kn, stride_kd,
-                   stride_vb, stride_vh, stride_vn, stride_vd,
-                   stride_dob, stride_doh, stride_dom, stride_dod,
-                   stride_ob, stride_oh, stride_om, stride_od,
-                   stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                   stride_ib, stride_ih, stride_im,
-                   H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
-                   RNG, drop_thresh, drop_scale,
-                   DESC_Q, DESC_K, DESC_V, DESC_DO, DESC_O,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
-                   CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None):
+def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, stride_do, stride_o, stride_dq,
+                  H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale, drop_thresh, drop_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+                  ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
+                  KV_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
+                  KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None, DLSE=None,
+                  SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
+                  SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None, DESC_O=None):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
     DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
     without TMA None. KV_TILE, BITS (EXACT): as the forward's. DLSE: the LSE's incoming gradient,
     None when it has none. Flags from pointers as in the forward."""
+    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
     DENSE: tl.constexpr = KV_IDX is None
     HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
     DROPOUT: tl.constexpr = RNG is not None
@@ -948,12 +953,12 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KV_TILE, BITS, K
     KEY_RANGES: tl.constexpr = RANGES is not None
     ALIBI: tl.constexpr = SLOPES is not None
     EXACT: tl.constexpr = BITS is not None
-    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
-    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
-    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
-    stride_dob, stride_doh, stride_dom = _aligned(stride_dob, stride_doh, stride_dom, ALIGN)
-    stride_ob, stride_oh, stride_om = _aligned(stride_ob, stride_oh, stride_om, ALIGN)
-    stride_dqb, stride_dqh, stride_dqm = _aligned(stride_dqb, stride_dqh, stride_dqm, ALIGN)
+    stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
+    stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
+    stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
+    stride_dob, stride_doh, stride_dom, stride_dod = _aligned(stride_do, ALIGN)
+    stride_ob, stride_oh, stride_om, stride_od = _aligned(stride_o, ALIGN)
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd = _aligned(stride_dq, ALIGN)
     i_m = tl.program_id(0)
     seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
     i_bh = tl.program_id(1)
@@ -992,11 +997,11 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KV_TILE, BITS, K
     slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h, ALIBI)
 
     p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
-        KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
+        KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_idx,
         BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
     p_tile = KV_TILE
     if EXACT:
-        p_tile = KV_TILE + i_b * stride_ib + i_h * stride_ih + (start_m // MASK_BQ).to(tl.int64) * stride_im
+        p_tile = _list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     i_b32 = i_b.to(tl.int32)

@@ -235,7 +235,7 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
     Hkv, Nk = k.shape[1], k.shape[2]
     cfg = tiles.config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                        dropout_p > 0.0, tma_plan is not None, any(t is not None for t in tables))
-    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", ("stride_ib", "stride_ih", "stride_im"))
+    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX")
     thresh, drop_scale = drop_consts(dropout_p)
     table_a = table_args(*tables)
     strides, align = aligned_strides(q, k, v, o)
@@ -246,7 +246,7 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
                 **_stride_args(("q", "k", "v", "o"), strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E,
                 RNG=TENSOR if dropout_p > 0.0 else None, drop_thresh=thresh, drop_scale=drop_scale,
                 **_desc_args("fwd", tma),
-                HEAD_DIM=D, BLOCK_D=tiles.block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
                 CAUSAL=causal, DOT_PREC=dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align,
                 **softcap_arg(softcap))
@@ -254,15 +254,9 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
 
 
 def _stride_args(names: tuple, strides: tuple) -> dict:
-    """The stride arguments of 4-D tensors ``names`` from `aligned_strides`' flat tuple: stride_{name}b,
-    h, the row stride (``m`` for query-side tensors, ``n`` for key-side ones, as the kernels call
-    them) and d."""
-    out = {}
-    for i, name in enumerate(names):
-        row = "n" if name in ("k", "v", "dk", "dv") else "m"
-        for axis, st in zip(("b", "h", row, "d"), strides[4 * i:4 * i + 4]):
-            out[f"stride_{name}{axis}"] = st
-    return out
+    """The stride arguments of 4-D tensors ``names`` from `aligned_strides`' flat tuple: stride_{name},
+    the tensor's (batch, head, row, column) strides as one tuple."""
+    return {f"stride_{name}": tuple(strides[4 * i:4 * i + 4]) for i, name in enumerate(names)}
 
 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
@@ -331,7 +325,7 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
     constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                        dropout_p > 0, tma_plan is not None)
-    list_a, nb_p2 = list_plan_args(q_idx, B, Hq, q, "Q_IDX", ("stride_ib", "stride_ih", "stride_in"))
+    list_a, nb_p2 = list_plan_args(q_idx, B, Hq, q, "Q_IDX")
     strides, align = aligned_strides(q, k, v, do, dk, dv)
     thresh, drop_scale = drop_consts(dropout_p)
     tma = tiles.tma_taken(cfg, tma_plan)
@@ -385,7 +379,7 @@ def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, ma
     constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                        dropout_p > 0, tma_plan is not None)
-    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", ("stride_ib", "stride_ih", "stride_im"))
+    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX")
     strides, align = aligned_strides(q, k, v, do, o, dq)
     thresh, drop_scale = drop_consts(dropout_p)
     tma = tiles.tma_taken(cfg, tma_plan)

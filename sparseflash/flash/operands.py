@@ -202,13 +202,13 @@ def table_tensors(segments, key_ranges, slopes) -> dict:
     return ts
 
 
-def list_plan_args(idx, B, H, q, name: str, strides: tuple[str, str, str]) -> tuple[dict, int]:
-    """(plan arguments, NB_P2) of a block list parameter ``name`` with its [B, H, row] stride
-    parameters ``strides``: None for dense attention (``idx`` None)."""
+def list_plan_args(idx, B, H, q, name: str) -> tuple[dict, int]:
+    """(plan arguments, NB_P2) of a block list parameter ``name`` and its (batch, head, row) strides
+    ``stride_idx``: both None for dense attention (``idx`` None)."""
     if idx is None:
-        return {name: None, **dict.fromkeys(strides)}, 1
+        return {name: None, "stride_idx": None}, 1
     _, st, nb_p2 = list_args(idx, B, H, q)
-    return {name: TENSOR, **dict(zip(strides, st))}, nb_p2
+    return {name: TENSOR, "stride_idx": st}, nb_p2
 
 
 def optional_tensors(**named) -> dict:
@@ -219,5 +219,5 @@ def optional_tensors(**named) -> dict:
 def bwd_consts(q, causal, softcap=0.0) -> dict:
     """The constexprs both backward kernels take."""
     D = q.shape[-1]
-    return dict(HEAD_DIM=D, BLOCK_D=tiles.block_d(D), CAUSAL=causal, DOT_PREC=dot_precision(q.dtype),
+    return dict(HEAD_DIM=D, CAUSAL=causal, DOT_PREC=dot_precision(q.dtype),
                 **softcap_arg(softcap))
