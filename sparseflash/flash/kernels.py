@@ -139,13 +139,10 @@ def _list_row(LIST, stride_idx, i_b, i_h, row):
 
 # ----------------------------------------------------------------------------- dropout bits
 @triton.jit
-def _rng_state(RNG, DROPOUT: tl.constexpr):
+def _rng_state(RNG):
     """(seed_lo, seed_hi, offset) of this call's dropout bits: the int64 [3] tensor the forward op
     drew on the device (read here, not passed by value, so a CUDA graph replays fresh draws)."""
-    if DROPOUT:
-        return tl.load(RNG), tl.load(RNG + 1), tl.load(RNG + 2)
-    else:
-        return 0, 0, 0
+    return tl.load(RNG), tl.load(RNG + 1), tl.load(RNG + 2)
 
 
 @triton.jit
@@ -557,18 +554,19 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, j_lo, j_hi, start_m, o_m, o_d, 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
 def fwd_kernel(Q, K, V, O, LSE, stride_q, stride_k, stride_v, stride_o,
-               H_Q, GROUP, seq_q, seq_k, qk_scale, drop_thresh, drop_scale,
+               H_Q, GROUP, seq_q, seq_k, qk_scale, drop_scale,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
                ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
                KV_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
-               KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None,
+               KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None,
                SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
                SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None):
     """stride_q, stride_k, stride_v, stride_o: each tensor's (batch, head, row, column) strides, the
     first three divided by ALIGN (`_aligned`). KV_IDX (block lists; None: dense): the row lists
     [B or 1, H or 1, q blocks, NB] (strides stride_idx), NB_P2 entries read as one vector, from
-    registers with GATHER (`_tile_start`).
+    registers with GATHER (`_tile_start`). RNG (dropout; None: off): the int64 [3] seed and offset
+    tensor, with drop_thresh (`_philox_keep`); drop_scale: the kept values' scale, 1.0 without dropout.
     DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
     [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are None.
     SEG_Q, SEG_K (SEGMENTS): int32 segment ids [B or 1, seq] (batch strides stride_sqb, stride_skb,
@@ -597,7 +595,8 @@ def fwd_kernel(Q, K, V, O, LSE, stride_q, stride_k, stride_v, stride_o,
     stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
     stride_ob, stride_oh, stride_om, stride_od = _aligned(stride_o, ALIGN)
     i_m = tl.program_id(0)
-    seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
+    if DROPOUT:
+        seed_lo, seed_hi, rng_off = _rng_state(RNG)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H_Q).to(tl.int64)
     i_h = (i_bh % H_Q).to(tl.int64)
@@ -773,12 +772,12 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_lo, j_hi, s
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
 def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,
-                    H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale, drop_thresh, drop_scale,
+                    H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
                     Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
                     Q_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
-                    Q_TILE=None, BITS=None, KEY_LEN=None, RNG=None,
+                    Q_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None, drop_scale=None,
                     SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
                     SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None):
     """Strides as the forward's (stride_idx: Q_IDX's, the column lists [B or 1, H or 1, k blocks, NB]).
@@ -802,7 +801,8 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
     stride_dkb, stride_dkh, stride_dkn, stride_dkd = _aligned(stride_dk, ALIGN)
     stride_dvb, stride_dvh, stride_dvn, stride_dvd = _aligned(stride_dv, ALIGN)
     i_n = tl.program_id(0)
-    seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
+    if DROPOUT:
+        seed_lo, seed_hi, rng_off = _rng_state(RNG)
     i_bhk = tl.program_id(1)
     i_b = (i_bhk // H_KV).to(tl.int64)
     i_hk = (i_bhk % H_KV).to(tl.int64)
@@ -964,12 +964,12 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, j_lo, j_hi, start_m, o_
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
 def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, stride_do, stride_o, stride_dq,
-                  H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale, drop_thresh, drop_scale,
+                  H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
                   ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
                   KV_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
-                  KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None, DLSE=None,
+                  KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None, drop_scale=None, DLSE=None,
                   SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
                   SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None, DESC_O=None):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
@@ -993,7 +993,8 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, 
     stride_ob, stride_oh, stride_om, stride_od = _aligned(stride_o, ALIGN)
     stride_dqb, stride_dqh, stride_dqm, stride_dqd = _aligned(stride_dq, ALIGN)
     i_m = tl.program_id(0)
-    seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
+    if DROPOUT:
+        seed_lo, seed_hi, rng_off = _rng_state(RNG)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H_Q).to(tl.int64)
     i_h = (i_bh % H_Q).to(tl.int64)

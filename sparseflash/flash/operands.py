@@ -21,7 +21,7 @@ from sparseflash.flash import tiles
 from sparseflash import _env
 
 __all__ = ["dot_precision", "cdiv", "aligned_strides", "GATHER_MAX", "gather", "list_args", "checked_rng",
-           "drop_consts", "ExactTiles", "check_exact", "softcap_arg", "TENSOR", "table_args",
+           "drop_consts", "drop_args", "ExactTiles", "check_exact", "softcap_arg", "TENSOR", "table_args",
            "table_layout", "table_tensors", "list_plan_args", "optional_tensors", "bwd_consts"]
 
 
@@ -113,6 +113,15 @@ def checked_rng(rng, device) -> torch.Tensor:
         raise ValueError(f"rng must be an int64 tensor [3] (seed_lo, seed_hi, offset) on {device} when dropout_p > 0, "
                          f"got {got} (sparseflash.dropout.draw_rng makes one)")
     return rng
+
+
+def drop_args(dropout_p: float, scale_always: bool = False) -> dict:
+    """The plan arguments of dropout: RNG (a tensor of the call), drop_thresh and drop_scale (`drop_consts`);
+    all None without dropout, but for drop_scale 1.0 with ``scale_always`` (the forward scales by it)."""
+    if dropout_p <= 0.0:
+        return dict(RNG=None, drop_thresh=None, drop_scale=1.0 if scale_always else None)
+    thresh, scale = drop_consts(dropout_p)
+    return dict(RNG=TENSOR, drop_thresh=thresh, drop_scale=scale)
 
 
 def drop_consts(dropout_p: float) -> tuple[int, float]:
