@@ -32,6 +32,8 @@ _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", 
 def _type(a) -> str:
     if isinstance(a, torch.Tensor):
         return "*" + _TYPES[a.dtype]
+    if isinstance(a, tuple):  # (the kernels' strides)
+        return tuple(_type(x) for x in a)
     if isinstance(a, bool):
         return "i1"
     if isinstance(a, int):

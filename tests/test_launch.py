@@ -360,3 +360,19 @@ def test_gpu_calls_match_triton(route, monkeypatch):
         assert n_bound[0] == 3  # the bounds check, the split kernel and the combine
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), i
+
+
+def test_portable_kernel_signatures():
+    """The portable kernels take every optional feature as a named pointer (or its strides) that
+    defaults to None, the flag derived inside (dropout's threshold, and in backward its scale, go
+    with RNG); each tensor's strides as one tuple parameter (stride_q: batch, head, row, column);
+    BLOCK_D derived from HEAD_DIM."""
+    optional = {"KV_IDX", "Q_IDX", "stride_idx", "KV_TILE", "Q_TILE", "BITS", "KEY_LEN", "RNG", "drop_thresh", "DLSE",
+                "SEG_Q", "SEG_K", "stride_sqb", "stride_skb", "RANGES", "stride_rb", "SLOPES", "stride_slb"}
+    for name, most in (("fwd_kernel", 44), ("bwd_dq_kernel", 53), ("bwd_dkdv_kernel", 53)):
+        ps = inspect.signature(getattr(kernels, name).fn).parameters
+        assert len(ps) <= most, (name, len(ps))
+        for n, p in ps.items():
+            if n in optional or n.startswith("DESC_") or (n == "drop_scale" and name != "fwd_kernel"):
+                assert p.default is None, (name, n)
+        assert "BLOCK_D" not in ps and "stride_qb" not in ps and "stride_q" in ps

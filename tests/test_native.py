@@ -67,6 +67,20 @@ def test_launch_of_packs_the_triton_abi(mod):
     assert "block must be" in mod.make_launch(0, [1, 1, 1], 2048, 0, [0], [8], [])
 
 
+@needs_cxx
+def test_launch_of_packs_tuple_parameters_in_place(mod):
+    """A tuple parameter (the portable kernels' strides) packs as its elements, in order, where the
+    parameter stands; its constexpr elements (a stride of 1) take no slot."""
+    sig = {"Q": "*bf16", "stride_q": ("i32", "constexpr", "i64", "i32"), "n": "i32", "BLOCK": "constexpr"}
+    values = (None, (48, 1, 2**40, -2), 5, 64)
+    plan, bound = _bound(sig, values, [(0, "Q")])
+    lw = native.launch_of(plan, bound, {}, {"Q": fast.ROLES.index("Q")}, mod)
+    ptrs = [16 * (i + 1) for i in range(6)]
+    assert lw.pack(ptrs) == [16, 48, 2**40, 2**32 - 2, 5, 0, 0]
+    short = _bound(sig, (None, (48, 1), 5, 64), [(0, "Q")])  # a value that does not match its type
+    assert native.launch_of(*short, {}, {"Q": fast.ROLES.index("Q")}, mod) is None
+
+
 class _Fallback:
     def __init__(self):
         self.calls = []

@@ -114,24 +114,35 @@ def tf32_round(x):
 _RNG_ARGS = ["drop_thresh"]
 
 
+@triton.constexpr_function
+def _block_d(head_dim):
+    """The tiles' column count: head_dim rounded up to a power of two, at least 16 (`tiles.block_d`)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 @triton.jit
-def _aligned(stride_b, stride_h, stride_r, ALIGN: tl.constexpr):
-    """A tensor's batch, head and row strides, which the launcher passes divided by ALIGN (the
-    largest power of two < 16 dividing them all, `operands.aligned_strides`): multiplied back here, the
-    compiler knows every row starts ALIGN-aligned. Triton's own specialisation only recognises
-    strides divisible by 16, so a head_dim of 40 would get element-wise loads without it."""
-    return stride_b * ALIGN, stride_h * ALIGN, stride_r * ALIGN
+def _aligned(strides, ALIGN: tl.constexpr):
+    """A tensor's (batch, head, row, column) strides, one tuple argument of a kernel: the first three,
+    which the launcher passes divided by ALIGN (the largest power of two < 16 dividing them all,
+    `operands.aligned_strides`), multiplied back here, so the compiler knows every row starts
+    ALIGN-aligned. Triton's own specialisation only recognises strides divisible by 16, so a
+    head_dim of 40 would get element-wise loads without it."""
+    return strides[0] * ALIGN, strides[1] * ALIGN, strides[2] * ALIGN, strides[3]
+
+
+@triton.jit
+def _list_row(LIST, stride_idx, i_b, i_h, row):
+    """Row ``row`` of block list (or tile table) LIST read as [B, H, rows, ...]: strides stride_idx,
+    (batch, head, row), 0 where the list is shared."""
+    return LIST + i_b * stride_idx[0] + i_h * stride_idx[1] + row.to(tl.int64) * stride_idx[2]
 
 
 # ----------------------------------------------------------------------------- dropout bits
 @triton.jit
-def _rng_state(RNG, DROPOUT: tl.constexpr):
+def _rng_state(RNG):
     """(seed_lo, seed_hi, offset) of this call's dropout bits: the int64 [3] tensor the forward op
     drew on the device (read here, not passed by value, so a CUDA graph replays fresh draws)."""
-    if DROPOUT:
-        return tl.load(RNG), tl.load(RNG + 1), tl.load(RNG + 2)
-    else:
-        return 0, 0, 0
+    return tl.load(RNG), tl.load(RNG + 1), tl.load(RNG + 2)
 
 
 @triton.jit
@@ -255,37 +266,33 @@ def _col_parts(b_idx, n_blocks, skip_below, full_from, MASK_BQ: tl.constexpr):
 
 
 @triton.jit
-def _tile_start(p_idx, b_list, j, DENSE: tl.constexpr, GATHER: tl.constexpr, MASK_B: tl.constexpr,
-                BLOCK: tl.constexpr, NB_P2: tl.constexpr):
-    """Token start of the j-th kernel tile of a list (dense: the j-th tile of the axis).
+def _tile_start(walk, j, GATHER: tl.constexpr, MASK_B: tl.constexpr, BLOCK: tl.constexpr):
+    """Token start of the j-th kernel tile of a walk: ``walk`` (p_idx, b_list) a block list's pointer
+    and the list held in registers (`_list`), or None: dense, the j-th tile of the axis.
 
     GATHER picks the list entry out of the list already held in registers (b_list) instead of
     loading it: the tile address then depends only on the loop counter, so the software pipeliner
     can load K/V tiles several iterations ahead (a loaded index makes it drain every step).
     """
-    if DENSE:
+    if walk is None:
         return j * BLOCK
     else:
+        p_idx, b_list = walk
         SUB: tl.constexpr = MASK_B // BLOCK
         if GATHER:
-            b = tl.sum(tl.where(tl.arange(0, NB_P2) == j // SUB, b_list, 0), axis=0)
+            b = tl.sum(tl.where(tl.arange(0, b_list.shape[0]) == j // SUB, b_list, 0), axis=0)
         else:
             b = tl.load(p_idx + j // SUB)
         return b * MASK_B + (j % SUB) * BLOCK
 
 
 @triton.jit
-def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
-               NB_P2: tl.constexpr, DENSE: tl.constexpr, CAUSAL: tl.constexpr, HAS_KEYLEN: tl.constexpr):
-    """The k tiles a q tile visits (forward and dQ): its row list, the list in registers, and the
-    tile counts of the mask-free prefix (j < j_full) and of the whole walk (j < j_valid).
-
-    Tiles ending at or below full_end need no element mask; tiles starting at or past valid_end
-    are skipped.
-    """
+def _row_bounds(KEY_LEN, i_b, start_m, seq_q, seq_k, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """The key bounds of a q tile (forward and dQ): (kv_end, causal_off, full_end, valid_end). Keys
+    from kv_end on do not exist (KEY_LEN, None: seq_k); tiles ending at or below full_end need no
+    element mask; tiles starting at or past valid_end are skipped."""
     kv_end = seq_k
-    if HAS_KEYLEN:
+    if KEY_LEN is not None:
         kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
     full_end = kv_end
     valid_end = kv_end
@@ -293,20 +300,31 @@ def _row_range(KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stri
     if CAUSAL:
         full_end = tl.minimum(full_end, start_m + causal_off + 1)
         valid_end = tl.minimum(valid_end, tl.minimum(start_m + BLOCK_M, seq_q) + causal_off)
-    if DENSE:
-        p_idx = 0  # unused (KV_IDX is None)
-        b_list = tl.zeros([NB_P2], dtype=tl.int32)
+    return kv_end, causal_off, full_end, valid_end
+
+
+@triton.jit
+def _row_walk(KV_IDX, stride_idx, i_b, i_h, start_m, seq_k, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
+              NB_P2: tl.constexpr):
+    """A q tile's row list (forward and dQ) as `_tile_start` walks it: (its pointer, the list in registers)."""
+    q_blk = start_m // MASK_BQ
+    p_idx = _list_row(KV_IDX, stride_idx, i_b, i_h, q_blk)
+    return p_idx, _list(p_idx, tl.cdiv(seq_k, MASK_BK), NB_P2)
+
+
+@triton.jit
+def _row_tiles(walk, full_end, valid_end, BLOCK_N: tl.constexpr, MASK_BK: tl.constexpr):
+    """The tile counts of a q tile's walk (``walk`` None: dense) below `_row_bounds`' bounds: of the
+    mask-free prefix (j < j_full) and of the whole walk (j < j_valid)."""
+    if walk is None:
         j_full = tl.maximum(full_end, 0) // BLOCK_N
         j_valid = tl.cdiv(tl.maximum(valid_end, 0), BLOCK_N)
     else:
         SUB: tl.constexpr = MASK_BK // BLOCK_N
-        q_blk = start_m // MASK_BQ
-        p_idx = KV_IDX + i_b * stride_ib + i_h * stride_ih + q_blk.to(tl.int64) * stride_im
-        b_list = _list(p_idx, tl.cdiv(seq_k, MASK_BK), NB_P2)
-        n_full, n_valid = _row_parts(b_list, full_end, valid_end, MASK_BK)
+        n_full, n_valid = _row_parts(walk[1], full_end, valid_end, MASK_BK)
         j_full = n_full * SUB
         j_valid = n_valid * SUB
-    return p_idx, b_list, j_full, j_valid, kv_end, causal_off
+    return j_full, j_valid
 
 
 # ----------------------------------------------------------------------------- segments
@@ -329,40 +347,30 @@ def _seg_other(p_seg, start, o_t, seq, own_lo, own_hi):
 
 
 @triton.jit
-def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, SEGMENTS: tl.constexpr):
+def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q):
     """For a program holding q tile o_m (forward, dQ): its segment ids [BLOCK_M], their range over
-    the real rows, and the key ids' row pointer. Without SEGMENTS placeholders (SEG_Q, SEG_K are
-    None then)."""
-    if SEGMENTS:
-        m_row = o_m < seq_q
-        b_sq = tl.load(SEG_Q + i_b * stride_sqb + o_m, mask=m_row, other=0)
-        sq_lo, sq_hi = _seg_range(b_sq, m_row)
-        return b_sq, sq_lo, sq_hi, SEG_K + i_b * stride_skb
-    else:
-        return tl.zeros([BLOCK_M], dtype=tl.int32), 0, 0, 0
+    the real rows, and the key ids' row pointer (the inner loops' ``seg``)."""
+    m_row = o_m < seq_q
+    b_sq = tl.load(SEG_Q + i_b * stride_sqb + o_m, mask=m_row, other=0)
+    sq_lo, sq_hi = _seg_range(b_sq, m_row)
+    return b_sq, sq_lo, sq_hi, SEG_K + i_b * stride_skb
 
 
 @triton.jit
-def _range_rows(RANGES, stride_rb, i_b, o_m, seq_q, BLOCK_M: tl.constexpr, KEY_RANGES: tl.constexpr):
-    """Key ranges (KEY_RANGES) of rows o_m: (start, end) int32 [BLOCK_M] each, read from the
-    [B', 2, seq_q] table RANGES; rows past seq_q get the empty range (0, 0)."""
-    if KEY_RANGES:
-        m_row = o_m < seq_q
-        p = RANGES + i_b * stride_rb
-        return tl.load(p + o_m, mask=m_row, other=0), tl.load(p + seq_q + o_m, mask=m_row, other=0)
-    else:
-        return tl.zeros([BLOCK_M], dtype=tl.int32), tl.zeros([BLOCK_M], dtype=tl.int32)
+def _range_rows(RANGES, stride_rb, i_b, o_m, seq_q):
+    """Key ranges of rows o_m: (start, end) int32 [BLOCK_M] each, read from the [B', 2, seq_q] table
+    RANGES; rows past seq_q get the empty range (0, 0)."""
+    m_row = o_m < seq_q
+    p = RANGES + i_b * stride_rb
+    return tl.load(p + o_m, mask=m_row, other=0), tl.load(p + seq_q + o_m, mask=m_row, other=0)
 
 
 # ----------------------------------------------------------------------------- exact masks
 @triton.jit
-def _exact_tile(p_tile, j, SUB: tl.constexpr, EXACT: tl.constexpr):
+def _exact_tile(p_tile, j, SUB: tl.constexpr):
     """The bit-tile index of the mask block holding kernel tile j of a walk (its list entry j // SUB),
-    -1 for a full block; -1 without EXACT."""
-    if EXACT:
-        return tl.load(p_tile + j // SUB)
-    else:
-        return -1
+    -1 for a full block."""
+    return tl.load(p_tile + j // SUB)
 
 
 @triton.jit
@@ -414,26 +422,23 @@ def _tanh(x):
 
 
 @triton.jit
-def _alibi_slope(SLOPES, stride_slb, i_b, i_h, ALIBI: tl.constexpr):
-    """ALiBi's slope of batch i_b, query head i_h times log2(e) (ALIBI: float32 [B or 1, H_Q], batch
-    stride stride_slb); 0 without ALIBI."""
-    if ALIBI:
-        return tl.load(SLOPES + i_b * stride_slb + i_h) * LOG2E
-    else:
-        return 0.0
+def _alibi_slope(SLOPES, stride_slb, i_b, i_h):
+    """ALiBi's slope of batch i_b, query head i_h times log2(e) (SLOPES: float32 [B or 1, H_Q], batch
+    stride stride_slb)."""
+    return tl.load(SLOPES + i_b * stride_slb + i_h) * LOG2E
 
 
 @triton.jit
-def _score_mod(b_s, o_m, o_kn, slope2, causal_off, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TRANS: tl.constexpr):
+def _score_mod(b_s, o_m, o_kn, slope2, causal_off, SOFTCAP: tl.constexpr, TRANS: tl.constexpr):
     """Scores in the log2 domain (b_s = s * log2(e), [BLOCK_M, BLOCK_N]; TRANS: [BLOCK_N, BLOCK_M]) of
     queries o_m and keys o_kn (absolute positions), soft-capped (SOFTCAP not None) then with ALiBi's bias
-    (ALIBI; slope2 = slope * log2(e)). Returns (scores, tanh of the capped argument: backward's
+    (slope2 = slope * log2(e), None without ALiBi). Returns (scores, tanh of the capped argument: backward's
     derivative is 1 - tanh^2; b_s itself without SOFTCAP, unused then). Both off: b_s unchanged."""
     b_t = b_s
     if SOFTCAP is not None:
         b_t = _tanh(b_s * (1.0 / (SOFTCAP * LOG2E)))
         b_s = b_t * (SOFTCAP * LOG2E)
-    if ALIBI:
+    if slope2 is not None:
         if TRANS:
             dist = o_m[None, :] + causal_off - o_kn[:, None]  # [BLOCK_N, BLOCK_M]
         else:
@@ -463,15 +468,30 @@ def _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.cons
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-               stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh,
-               DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2, p_tile, BITS,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
-               MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-               GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr,
-               KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-               EXACT: tl.constexpr = False, MASK_BQ: tl.constexpr = 16):
+def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
+               stride_kn, stride_vn, qk_scale, drop, tma, j_mask, seg, ranges, slope2, exact,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               DOT_PREC: tl.constexpr, GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+    # Optional parts, None when off (the flag derived from it): walk (p_idx, b_list) the block
+    # list (`_tile_start`; None: dense), drop (seed_lo, seed_hi, offset, bh, drop_thresh, drop_scale),
+    # tma (the two descriptors, batch, head), seg (the held tile's ids, their range, the streamed
+    # ids' row), ranges, slope2 (ALiBi), exact (the tile table's row, the bit tiles).
+    DROPOUT: tl.constexpr = drop is not None
+    TMA: tl.constexpr = tma is not None
+    SEGMENTS: tl.constexpr = seg is not None
+    KEY_RANGES: tl.constexpr = ranges is not None
+    EXACT: tl.constexpr = exact is not None
+    if DROPOUT:
+        seed_lo, seed_hi, rng_off, bh, drop_thresh = drop[0], drop[1], drop[2], drop[3], drop[4]
+    if TMA:
+        DESC_K, DESC_V, i_b, i_hk = tma
+    if SEGMENTS:
+        b_sq, sq_lo, sq_hi, p_sk = seg
+    if KEY_RANGES:
+        b_rlo, b_rhi = ranges
+    if EXACT:
+        p_tile, BITS = exact
     # TMA: K/V tiles come through 4-D tensor descriptors (Hopper's bulk copies) at (i_b, i_hk,
     # start_n); rows past seq_k and columns past HEAD_DIM read as zeros, as the pointer loads'
     # masks give. With TMA the kernel runs one loop (MASKED), applying the element mask from tile
@@ -480,7 +500,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
     for j in range(j_lo, j_hi):
-        start_n = _tile_start(p_idx, b_list, j, DENSE, GATHER, MASK_BK, BLOCK_N, NB_P2)
+        start_n = _tile_start(walk, j, GATHER, MASK_BK, BLOCK_N)
         off_kv = start_n.to(tl.int64)
         if MASKED:
             m_kv = ((start_n + o_n) < seq_k)[:, None] & m_d[None, :]
@@ -492,7 +512,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
         else:
             b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
-        b_s, _ = _score_mod(b_s, o_m, start_n + o_n, slope2, causal_off, SOFTCAP, ALIBI, False)  # before any -inf
+        b_s, _ = _score_mod(b_s, o_m, start_n + o_n, slope2, causal_off, SOFTCAP, False)  # before any -inf
         if SEGMENTS:  # packed documents: keys of another segment are not attended (mixed tiles only)
             b_sk, mixed = _seg_other(p_sk, start_n, o_n, seq_k, sq_lo, sq_hi)
             if mixed:
@@ -501,7 +521,7 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
             o_kn = (start_n + o_n)[None, :]
             b_s = tl.where((o_kn >= b_rlo[:, None]) & (o_kn < b_rhi[:, None]), b_s, float("-inf"))
         if EXACT:  # a partial block: its bits; a full one (t < 0) costs one scalar load
-            t = _exact_tile(p_tile, j, MASK_BK // BLOCK_N, EXACT)
+            t = _exact_tile(p_tile, j, MASK_BK // BLOCK_N)
             if t >= 0:
                 b_s = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, start_n % MASK_BK, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, False),
                                b_s, float("-inf"))
@@ -533,20 +553,21 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
-                RANGES, stride_rb, SLOPES, stride_slb,
-                stride_qb, stride_qh, stride_qm, stride_qd,
-                stride_kb, stride_kh, stride_kn, stride_kd,
-                stride_vb, stride_vh, stride_vn, stride_vd,
-                stride_ob, stride_oh, stride_om, stride_od,
-                stride_ib, stride_ih, stride_im,
-                H_Q, GROUP, seq_q, seq_k, qk_scale,
-                RNG, drop_thresh, drop_scale,
-                DESC_Q, DESC_K, DESC_V,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
-                CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None):
-    """DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
+def fwd_kernel(Q, K, V, O, LSE, stride_q, stride_k, stride_v, stride_o,
+               H_Q, GROUP, seq_q, seq_k, qk_scale, drop_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+               ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
+               KV_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
+               KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None,
+               SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
+               SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None):
+    """stride_q, stride_k, stride_v, stride_o: each tensor's (batch, head, row, column) strides, the
+    first three divided by ALIGN (`_aligned`). KV_IDX (block lists; None: dense): the row lists
+    [B or 1, H or 1, q blocks, NB] (strides stride_idx), NB_P2 entries read as one vector, from
+    registers with GATHER (`_tile_start`). RNG (dropout; None: off): the int64 [3] seed and offset
+    tensor, with drop_thresh (`_philox_keep`); drop_scale: the kept values' scale, 1.0 without dropout.
+    DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
     [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are None.
     SEG_Q, SEG_K (SEGMENTS): int32 segment ids [B or 1, seq] (batch strides stride_sqb, stride_skb,
     0 when shared); keys whose id differs from the query's are not attended.
@@ -556,25 +577,26 @@ def fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, st
     (batch stride stride_slb).
     Every pointer a variant does not read (lists when dense, KEY_LEN, the segment, range and slope
     tables, RNG, the descriptors without TMA) is None: a constexpr, so each variant's code and
-    parameter list hold only what it uses, and each feature's flag (DENSE, HAS_KEYLEN, ...) is
+    parameter list hold only what it uses, and each feature's flag (DENSE, DROPOUT, ...) is
     derived from its pointer at the top of the body. SOFTCAP: the cap, None when off.
     KV_TILE, BITS (EXACT; None otherwise): the bit-tile index of each row-list entry (int32, laid
     out as KV_IDX) and the bit tiles (module docstring)."""
+    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
     # every optional feature is on when its pointer is given (None: a constexpr, compiled out)
     DENSE: tl.constexpr = KV_IDX is None
-    HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
     DROPOUT: tl.constexpr = RNG is not None
     TMA: tl.constexpr = DESC_Q is not None
     SEGMENTS: tl.constexpr = SEG_Q is not None
     KEY_RANGES: tl.constexpr = RANGES is not None
     ALIBI: tl.constexpr = SLOPES is not None
     EXACT: tl.constexpr = BITS is not None
-    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
-    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
-    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
-    stride_ob, stride_oh, stride_om = _aligned(stride_ob, stride_oh, stride_om, ALIGN)
+    stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
+    stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
+    stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
+    stride_ob, stride_oh, stride_om, stride_od = _aligned(stride_o, ALIGN)
     i_m = tl.program_id(0)
-    seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
+    if DROPOUT:
+        seed_lo, seed_hi, rng_off = _rng_state(RNG)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H_Q).to(tl.int64)
     i_h = (i_bh % H_Q).to(tl.int64)
@@ -593,35 +615,39 @@ def fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, st
         q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS)
-    b_rlo, b_rhi = _range_rows(RANGES, stride_rb, i_b, o_m, seq_q, BLOCK_M, KEY_RANGES)
-    slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h, ALIBI)
+    seg, ranges, slope2, drop, tma, exact, walk = None, None, None, None, None, None, None
+    if SEGMENTS:
+        seg = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q)
+    if KEY_RANGES:
+        ranges = _range_rows(RANGES, stride_rb, i_b, o_m, seq_q)
+    if ALIBI:
+        slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h)
 
-    p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
-        KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
-        BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
-    p_tile = KV_TILE
+    kv_end, causal_off, full_end, valid_end = _row_bounds(KEY_LEN, i_b, start_m, seq_q, seq_k, BLOCK_M, CAUSAL)
+    if not DENSE:
+        walk = _row_walk(KV_IDX, stride_idx, i_b, i_h, start_m, seq_k, MASK_BQ, MASK_BK, NB_P2)
+    j_full, j_valid = _row_tiles(walk, full_end, valid_end, BLOCK_N, MASK_BK)
     if EXACT:  # the tile table's row, laid out as the row list's
-        p_tile = KV_TILE + i_b * stride_ib + i_h * stride_ih + (start_m // MASK_BQ).to(tl.int64) * stride_im
+        exact = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
+    if DROPOUT:
+        drop = (seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale)
+    if TMA:
+        tma = (DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32))
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     j_lo = 0  # TMA: one loop over every tile, masking from j_full on (see _fwd_inner)
     if not TMA:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end,
-                                   causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                                   DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full, b_sq, sq_lo, sq_hi, p_sk,
-                                   b_rlo, b_rhi, slope2, p_tile, BITS,
-                                   False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                   GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI, EXACT, MASK_BQ)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, 0, j_full, start_m, o_m, o_d, seq_k, kv_end,
+                                   causal_off, stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
+                                   False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER,
+                                   SOFTCAP)
         j_lo = j_full
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end,
-                               causal_off, stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh,
-                               DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32), j_full, b_sq, sq_lo, sq_hi, p_sk,
-                               b_rlo, b_rhi, slope2, p_tile, BITS,
-                               True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                               GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI, EXACT, MASK_BQ)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end,
+                               causal_off, stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
+                               True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER,
+                               SOFTCAP)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc * (drop_scale / l_safe)[:, None]
@@ -634,19 +660,33 @@ def fwd_kernel(Q, K, V, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, st
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit
-def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
-                stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
-                DESC_Q, DESC_DO, i_b, i_h, j_mask, b_sk, sk_lo, sk_hi, p_sq, p_rq, slope2, p_tile, BITS,
-                MASKED: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr, Q_ROWS: tl.constexpr, MASK_BQ: tl.constexpr,
+def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
+                stride_qm, stride_dom, qk_scale, drop, tma, j_mask, seg, p_rq, slope2, exact,
+                MASKED: tl.constexpr, Q_ROWS: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                DOT_PREC: tl.constexpr, GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr,
-                SEGMENTS: tl.constexpr, KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                EXACT: tl.constexpr = False, MASK_BK: tl.constexpr = 16):
+                DOT_PREC: tl.constexpr, GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+    # Optional parts, None when off (the flag derived from it): walk (p_idx, b_list) the block
+    # list (`_tile_start`; None: dense), drop (seed_lo, seed_hi, offset, bh, drop_thresh, drop_scale),
+    # tma (the two descriptors, batch, head), seg (the held tile's ids, their range, the streamed
+    # ids' row), p_rq (the key-range table's row), slope2 (ALiBi), exact (the tile table's row, the bit tiles).
+    DROPOUT: tl.constexpr = drop is not None
+    TMA: tl.constexpr = tma is not None
+    SEGMENTS: tl.constexpr = seg is not None
+    KEY_RANGES: tl.constexpr = p_rq is not None
+    EXACT: tl.constexpr = exact is not None
+    if DROPOUT:
+        seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale = drop
+    if TMA:
+        DESC_Q, DESC_DO, i_b, i_h = tma
+    if SEGMENTS:
+        b_sk, sk_lo, sk_hi, p_sq = seg
+    if EXACT:
+        p_tile, BITS = exact
     # TMA: Q and dO tiles through descriptors (rows past seq_q read as zeros) in one loop that
     # applies the causal mask (MASKED) only below tile j_mask.
     m_d = o_d < HEAD_DIM
     for j in range(j_lo, j_hi):
-        start_m = _tile_start(p_idx, b_list, j, DENSE, GATHER, MASK_BQ, BLOCK_M, NB_P2)
+        start_m = _tile_start(walk, j, GATHER, MASK_BQ, BLOCK_M)
         o_m = start_m + tl.arange(0, BLOCK_M)
         m_row = o_m < seq_q
         off_q = start_m.to(tl.int64)
@@ -659,7 +699,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
         # d=128 kernel spills more in an sm_90 compile, 112 bytes instead of 72)
         if Q_ROWS:  # [queries, keys] tiles, as the forward's: P^T and dS^T go to the MMAs via shared memory
             b_s = _dot(b_q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
-            b_s, b_t = _score_mod(b_s, o_m, o_n, slope2, causal_off, SOFTCAP, ALIBI, False)
+            b_s, b_t = _score_mod(b_s, o_m, o_n, slope2, causal_off, SOFTCAP, False)
             b_p = tl.math.exp2(b_s - b_lse[:, None])
             if MASKED:
                 if (not TMA) or j < j_mask:
@@ -673,7 +713,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
                 b_rhi = tl.load(p_rq + seq_q + o_m, mask=m_row, other=0)
                 b_p = tl.where((o_n[None, :] >= b_rlo[:, None]) & (o_n[None, :] < b_rhi[:, None]), b_p, 0.0)
             if EXACT:
-                t = _exact_tile(p_tile, j, MASK_BQ // BLOCK_M, EXACT)
+                t = _exact_tile(p_tile, j, MASK_BQ // BLOCK_M)
                 if t >= 0:
                     b_p = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, start_n % MASK_BK, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, False), b_p, 0.0)
             if TMA:
@@ -694,7 +734,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
             dk = _dot(tl.trans(b_ds.to(b_q.dtype)), b_q, dk, DOT_PREC)
         else:  # [keys, queries] tiles: P^T and dS^T are MMA operands straight from registers
             b_sT = _dot(b_k, tl.trans(b_q), None, DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
-            b_sT, b_tT = _score_mod(b_sT, o_m, o_n, slope2, causal_off, SOFTCAP, ALIBI, True)
+            b_sT, b_tT = _score_mod(b_sT, o_m, o_n, slope2, causal_off, SOFTCAP, True)
             b_pT = tl.math.exp2(b_sT - b_lse[None, :])
             if MASKED:
                 if (not TMA) or j < j_mask:
@@ -708,7 +748,7 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
                 b_rhi = tl.load(p_rq + seq_q + o_m, mask=m_row, other=0)
                 b_pT = tl.where((o_n[:, None] >= b_rlo[None, :]) & (o_n[:, None] < b_rhi[None, :]), b_pT, 0.0)
             if EXACT:
-                t = _exact_tile(p_tile, j, MASK_BQ // BLOCK_M, EXACT)
+                t = _exact_tile(p_tile, j, MASK_BQ // BLOCK_M)
                 if t >= 0:
                     b_pT = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, start_n % MASK_BK, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, True), b_pT, 0.0)
             if TMA:
@@ -731,26 +771,21 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_lo
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
-                     RANGES, stride_rb, SLOPES, stride_slb,
-                     stride_qb, stride_qh, stride_qm, stride_qd,
-                     stride_kb, stride_kh, stride_kn, stride_kd,
-                     stride_vb, stride_vh, stride_vn, stride_vd,
-                     stride_dob, stride_doh, stride_dom, stride_dod,
-                     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                     stride_ib, stride_ih, stride_in,
-                     H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
-                     RNG, drop_thresh, drop_scale,
-                     DESC_Q, DESC_K, DESC_V, DESC_DO,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
-                     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1,
-                     SOFTCAP: tl.constexpr = None):
-    """DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
+def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,
+                    H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+                    Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
+                    Q_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
+                    Q_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None, drop_scale=None,
+                    SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
+                    SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None):
+    """Strides as the forward's (stride_idx: Q_IDX's, the column lists [B or 1, H or 1, k blocks, NB]).
+    DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
     without TMA None. SEG_Q, SEG_K, RANGES, SLOPES: as the forward's.
     Q_TILE, BITS (EXACT; None otherwise): the bit-tile index of each column-list entry (laid out
     as Q_IDX) and the bit tiles. Flags from pointers as in the forward."""
+    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
     DENSE: tl.constexpr = Q_IDX is None
     HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
     DROPOUT: tl.constexpr = RNG is not None
@@ -759,14 +794,15 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LE
     KEY_RANGES: tl.constexpr = RANGES is not None
     ALIBI: tl.constexpr = SLOPES is not None
     EXACT: tl.constexpr = BITS is not None
-    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
-    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
-    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
-    stride_dob, stride_doh, stride_dom = _aligned(stride_dob, stride_doh, stride_dom, ALIGN)
-    stride_dkb, stride_dkh, stride_dkn = _aligned(stride_dkb, stride_dkh, stride_dkn, ALIGN)
-    stride_dvb, stride_dvh, stride_dvn = _aligned(stride_dvb, stride_dvh, stride_dvn, ALIGN)
+    stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
+    stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
+    stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
+    stride_dob, stride_doh, stride_dom, stride_dod = _aligned(stride_do, ALIGN)
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd = _aligned(stride_dk, ALIGN)
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd = _aligned(stride_dv, ALIGN)
     i_n = tl.program_id(0)
-    seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
+    if DROPOUT:
+        seed_lo, seed_hi, rng_off = _rng_state(RNG)
     i_bhk = tl.program_id(1)
     i_b = (i_bhk // H_KV).to(tl.int64)
     i_hk = (i_bhk % H_KV).to(tl.int64)
@@ -787,19 +823,13 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LE
     if HAS_KEYLEN:
         kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
     causal_off = seq_k - seq_q
+    seg, p_rq = None, None
     if SEGMENTS:  # this k tile's ids, their range over the real keys, and the query ids' row
         b_sk = tl.load(SEG_K + i_b * stride_skb + o_n, mask=o_n < seq_k, other=0)
         sk_lo, sk_hi = _seg_range(b_sk, o_n < seq_k)
-        p_sq = SEG_Q + i_b * stride_sqb
-    else:
-        b_sk = tl.zeros([BLOCK_N], dtype=tl.int32)
-        sk_lo = 0
-        sk_hi = 0
-        p_sq = 0  # unused
+        seg = (b_sk, sk_lo, sk_hi, SEG_Q + i_b * stride_sqb)
     if KEY_RANGES:  # the key-range table's row
         p_rq = RANGES + i_b * stride_rb
-    else:
-        p_rq = 0  # unused
     # Rows below skip_below see none of this tile's columns; rows from full_from on see all of them.
     skip_below = 0
     full_from = 0
@@ -818,41 +848,40 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LE
             p_do = DO + i_b * stride_dob + i_h * stride_doh + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod
             p_lse = LSE + i_bh * seq_q
             p_delta = DELTA + i_bh * seq_q
-            slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h, ALIBI)
+            slope2, walk, exact, drop, tma = None, None, None, None, None
+            if ALIBI:
+                slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h)
             if DENSE:
-                p_idx = 0  # unused (Q_IDX is None)
-                b_list = tl.zeros([NB_P2], dtype=tl.int32)
                 j_skip = tl.maximum(skip_below, 0) // BLOCK_M
                 j_part = tl.minimum(tl.cdiv(tl.maximum(full_from, 0), BLOCK_M), tl.cdiv(seq_q, BLOCK_M))
                 j_end = tl.cdiv(seq_q, BLOCK_M)
             else:
                 SUB: tl.constexpr = MASK_BQ // BLOCK_M
                 k_blk = start_n // MASK_BK
-                p_idx = Q_IDX + i_b * stride_ib + i_h * stride_ih + k_blk.to(tl.int64) * stride_in
+                p_idx = _list_row(Q_IDX, stride_idx, i_b, i_h, k_blk)
                 n_qb = tl.cdiv(seq_q, MASK_BQ)
                 b_list = _list(p_idx, n_qb, NB_P2)
                 n_skip, n_part, n = _col_parts(b_list, n_qb, skip_below, full_from, MASK_BQ)
                 j_skip = n_skip * SUB
                 j_part = tl.maximum(n_part, n_skip) * SUB
                 j_end = n * SUB
-            p_tile = Q_TILE
+                walk = (p_idx, b_list)
             if EXACT:  # the tile table's column, laid out as the column list's
-                p_tile = Q_TILE + i_b * stride_ib + i_h * stride_ih + (start_n // MASK_BK).to(tl.int64) * stride_in
-            i_b32 = i_b.to(tl.int32)
-            i_h32 = i_h.to(tl.int32)
+                exact = (_list_row(Q_TILE, stride_idx, i_b, i_h, start_n // MASK_BK), BITS)
+            if DROPOUT:
+                drop = (seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale)
+            if TMA:
+                tma = (DESC_Q, DESC_DO, i_b.to(tl.int32), i_h.to(tl.int32))
             j_hi = j_end if TMA else j_part  # TMA: one loop, the causal mask below j_part
-            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_skip, j_hi, start_n, o_n, o_d,
-                                 seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
-                                 i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi, p_sq,
-                                 p_rq, slope2, p_tile, BITS, CAUSAL, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                 BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI, EXACT, MASK_BK)
+            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_skip, j_hi, start_n, o_n, o_d,
+                                 seq_q, causal_off, stride_qm, stride_dom, qk_scale, drop, tma, j_part, seg, p_rq, slope2,
+                                 exact, CAUSAL, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
+                                 GATHER, SOFTCAP)
             if not TMA:
-                dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_idx, b_list, j_part, j_end, start_n, o_n,
-                                     o_d, seq_q, causal_off, stride_qm, stride_dom, qk_scale, seed_lo, seed_hi, rng_off,
-                                     i_bh, drop_thresh, drop_scale, DESC_Q, DESC_DO, i_b32, i_h32, j_part, b_sk, sk_lo, sk_hi,
-                                     p_sq, p_rq, slope2, p_tile, BITS, False, DENSE, DROPOUT, Q_ROWS, MASK_BQ, BLOCK_M, BLOCK_N,
-                                     HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA, SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI,
-                                     EXACT, MASK_BK)
+                dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_part, j_end, start_n, o_n,
+                                     o_d, seq_q, causal_off, stride_qm, stride_dom, qk_scale, drop, tma, j_part, seg, p_rq,
+                                     slope2, exact, False, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D,
+                                     DOT_PREC, GATHER, SOFTCAP)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
     m_keep = (o_n < kv_end)[:, None]
     dk = tl.where(m_keep, dk * sm_scale, 0.0)
@@ -864,20 +893,35 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, Q_IDX, Q_TILE, BITS, KEY_LE
 
 
 @triton.jit
-def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-              stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale,
-              DESC_K, DESC_V, i_b, i_hk, j_mask, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2, p_tile, BITS,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, DENSE: tl.constexpr, DROPOUT: tl.constexpr,
-              MASK_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-              GATHER: tl.constexpr, NB_P2: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr,
-              KEY_RANGES: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-              EXACT: tl.constexpr = False, MASK_BQ: tl.constexpr = 16):
+def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
+              stride_kn, stride_vn, qk_scale, drop, tma, j_mask, seg, ranges, slope2, exact,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              DOT_PREC: tl.constexpr, GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+    # Optional parts, None when off (the flag derived from it): walk (p_idx, b_list) the block
+    # list (`_tile_start`; None: dense), drop (seed_lo, seed_hi, offset, bh, drop_thresh, drop_scale),
+    # tma (the two descriptors, batch, head), seg (the held tile's ids, their range, the streamed
+    # ids' row), ranges, slope2 (ALiBi), exact (the tile table's row, the bit tiles).
+    DROPOUT: tl.constexpr = drop is not None
+    TMA: tl.constexpr = tma is not None
+    SEGMENTS: tl.constexpr = seg is not None
+    KEY_RANGES: tl.constexpr = ranges is not None
+    EXACT: tl.constexpr = exact is not None
+    if DROPOUT:
+        seed_lo, seed_hi, rng_off, bh, drop_thresh, drop_scale = drop
+    if TMA:
+        DESC_K, DESC_V, i_b, i_hk = tma
+    if SEGMENTS:
+        b_sq, sq_lo, sq_hi, p_sk = seg
+    if KEY_RANGES:
+        b_rlo, b_rhi = ranges
+    if EXACT:
+        p_tile, BITS = exact
     # TMA: as in _fwd_inner, K/V through descriptors in one loop masking from tile j_mask on.
     o_n = tl.arange(0, BLOCK_N)
     m_d = o_d < HEAD_DIM
     for j in range(j_lo, j_hi):
-        start_n = _tile_start(p_idx, b_list, j, DENSE, GATHER, MASK_BK, BLOCK_N, NB_P2)
+        start_n = _tile_start(walk, j, GATHER, MASK_BK, BLOCK_N)
         if TMA:
             b_k = DESC_K.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D)  # rows past seq_k, columns past HEAD_DIM: 0
             b_v = DESC_V.load([i_b, i_hk, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
@@ -890,7 +934,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
             b_k = tl.load(p_k + off_kv * stride_kn, mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
             b_v = tl.load(p_v + off_kv * stride_vn, mask=m_kv, other=0.0)
         b_s = _dot(q, tl.trans(b_k), None, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
-        b_s, b_t = _score_mod(b_s, o_m, start_n + o_n, slope2, causal_off, SOFTCAP, ALIBI, False)
+        b_s, b_t = _score_mod(b_s, o_m, start_n + o_n, slope2, causal_off, SOFTCAP, False)
         b_p = tl.math.exp2(b_s - b_lse[:, None])
         if MASKED:
             if (not TMA) or j >= j_mask:
@@ -903,7 +947,7 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
             o_kn = (start_n + o_n)[None, :]
             b_p = tl.where((o_kn >= b_rlo[:, None]) & (o_kn < b_rhi[:, None]), b_p, 0.0)
         if EXACT:
-            t = _exact_tile(p_tile, j, MASK_BK // BLOCK_N, EXACT)
+            t = _exact_tile(p_tile, j, MASK_BK // BLOCK_N)
             if t >= 0:
                 b_p = tl.where(_exact_bits(BITS, t, o_m % MASK_BQ, start_n % MASK_BK, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, False),
                                b_p, 0.0)
@@ -919,28 +963,22 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_hi, st
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KV_TILE, BITS, KEY_LEN, SEG_Q, SEG_K, stride_sqb, stride_skb,
-                   RANGES, stride_rb, SLOPES, stride_slb,
-                   stride_qb, stride_qh, stride_qm, stride_qd,
-                   stride_kb, stride_kh, stride_kn, stride_kd,
-                   stride_vb, stride_vh, stride_vn, stride_vd,
-                   stride_dob, stride_doh, stride_dom, stride_dod,
-                   stride_ob, stride_oh, stride_om, stride_od,
-                   stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                   stride_ib, stride_ih, stride_im,
-                   H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
-                   RNG, drop_thresh, drop_scale,
-                   DESC_Q, DESC_K, DESC_V, DESC_DO, DESC_O,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, NB_P2: tl.constexpr, GATHER: tl.constexpr,
-                   CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None):
+def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, stride_do, stride_o, stride_dq,
+                  H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+                  ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
+                  KV_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
+                  KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None, drop_scale=None, DLSE=None,
+                  SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
+                  SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None, DESC_O=None):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
     DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
     without TMA None. KV_TILE, BITS (EXACT): as the forward's. DLSE: the LSE's incoming gradient,
     None when it has none. Flags from pointers as in the forward."""
+    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
     DENSE: tl.constexpr = KV_IDX is None
-    HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
     DROPOUT: tl.constexpr = RNG is not None
     HAS_DLSE: tl.constexpr = DLSE is not None
     TMA: tl.constexpr = DESC_Q is not None
@@ -948,14 +986,15 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KV_TILE, BITS, K
     KEY_RANGES: tl.constexpr = RANGES is not None
     ALIBI: tl.constexpr = SLOPES is not None
     EXACT: tl.constexpr = BITS is not None
-    stride_qb, stride_qh, stride_qm = _aligned(stride_qb, stride_qh, stride_qm, ALIGN)
-    stride_kb, stride_kh, stride_kn = _aligned(stride_kb, stride_kh, stride_kn, ALIGN)
-    stride_vb, stride_vh, stride_vn = _aligned(stride_vb, stride_vh, stride_vn, ALIGN)
-    stride_dob, stride_doh, stride_dom = _aligned(stride_dob, stride_doh, stride_dom, ALIGN)
-    stride_ob, stride_oh, stride_om = _aligned(stride_ob, stride_oh, stride_om, ALIGN)
-    stride_dqb, stride_dqh, stride_dqm = _aligned(stride_dqb, stride_dqh, stride_dqm, ALIGN)
+    stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
+    stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
+    stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
+    stride_dob, stride_doh, stride_dom, stride_dod = _aligned(stride_do, ALIGN)
+    stride_ob, stride_oh, stride_om, stride_od = _aligned(stride_o, ALIGN)
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd = _aligned(stride_dq, ALIGN)
     i_m = tl.program_id(0)
-    seed_lo, seed_hi, rng_off = _rng_state(RNG, DROPOUT)
+    if DROPOUT:
+        seed_lo, seed_hi, rng_off = _rng_state(RNG)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H_Q).to(tl.int64)
     i_h = (i_bh % H_Q).to(tl.int64)
@@ -987,32 +1026,34 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, KV_IDX, KV_TILE, BITS, K
     tl.store(DELTA + p_row, b_delta, mask=o_m < seq_q)
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    b_sq, sq_lo, sq_hi, p_sk = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q, BLOCK_M, SEGMENTS)
-    b_rlo, b_rhi = _range_rows(RANGES, stride_rb, i_b, o_m, seq_q, BLOCK_M, KEY_RANGES)
-    slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h, ALIBI)
+    seg, ranges, slope2, drop, tma, exact, walk = None, None, None, None, None, None, None
+    if SEGMENTS:
+        seg = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q)
+    if KEY_RANGES:
+        ranges = _range_rows(RANGES, stride_rb, i_b, o_m, seq_q)
+    if ALIBI:
+        slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h)
 
-    p_idx, b_list, j_full, j_valid, kv_end, causal_off = _row_range(
-        KV_IDX, KEY_LEN, i_b, i_h, start_m, seq_q, seq_k, stride_ib, stride_ih, stride_im,
-        BLOCK_M, BLOCK_N, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN)
-    p_tile = KV_TILE
+    kv_end, causal_off, full_end, valid_end = _row_bounds(KEY_LEN, i_b, start_m, seq_q, seq_k, BLOCK_M, CAUSAL)
+    if not DENSE:
+        walk = _row_walk(KV_IDX, stride_idx, i_b, i_h, start_m, seq_k, MASK_BQ, MASK_BK, NB_P2)
+    j_full, j_valid = _row_tiles(walk, full_end, valid_end, BLOCK_N, MASK_BK)
     if EXACT:
-        p_tile = KV_TILE + i_b * stride_ib + i_h * stride_ih + (start_m // MASK_BQ).to(tl.int64) * stride_im
+        exact = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    i_b32 = i_b.to(tl.int32)
-    i_hk32 = i_hk.to(tl.int32)
+    if DROPOUT:
+        drop = (seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale)
+    if TMA:
+        tma = (DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32))
     j_lo = 0  # TMA: one loop over every tile, masking from j_full on
     if not TMA:
-        dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                       stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                       DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2, p_tile, BITS,
-                       False, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA,
-                       SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI, EXACT, MASK_BQ)
+        dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
+                       stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
+                       False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, SOFTCAP)
         j_lo = j_full
-    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, p_idx, b_list, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                   stride_kn, stride_vn, qk_scale, seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale,
-                   DESC_K, DESC_V, i_b32, i_hk32, j_full, b_sq, sq_lo, sq_hi, p_sk, b_rlo, b_rhi, slope2, p_tile, BITS,
-                   True, CAUSAL, DENSE, DROPOUT, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, NB_P2, TMA,
-                   SEGMENTS, KEY_RANGES, SOFTCAP, ALIBI, EXACT, MASK_BQ)
+    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
+                   stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
+                   True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, SOFTCAP)
     tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_q)

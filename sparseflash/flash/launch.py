@@ -24,7 +24,7 @@ import torch
 from sparseflash._consts import LOG2E
 from sparseflash.flash import binding, dispatch, kernels, operands, tiles
 from sparseflash.flash.operands import (TENSOR, ExactTiles, aligned_strides, bwd_consts, cdiv, check_exact, checked_rng,
-                                       dot_precision, drop_consts, gather, list_args, list_plan_args, optional_tensors,
+                                       dot_precision, drop_args, gather, list_args, list_plan_args, optional_tensors,
                                        softcap_arg, table_args, table_layout, table_tensors)
 
 __all__ = ["fwd", "bwd", "bwd_dq", "bwd_dkdv", "hopper_fwd", "hopper_bwd", "plan_fwd", "plan_dq", "plan_dkdv", "run",
@@ -235,8 +235,7 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
     Hkv, Nk = k.shape[1], k.shape[2]
     cfg = tiles.config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                        dropout_p > 0.0, tma_plan is not None, any(t is not None for t in tables))
-    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", ("stride_ib", "stride_ih", "stride_im"))
-    thresh, drop_scale = drop_consts(dropout_p)
+    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX")
     table_a = table_args(*tables)
     strides, align = aligned_strides(q, k, v, o)
     tma = tiles.tma_taken(cfg, tma_plan)
@@ -244,9 +243,8 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
                 KV_TILE=TENSOR if exact else None, BITS=TENSOR if exact else None,
                 KEY_LEN=None if key_lengths is None else TENSOR, **table_a,
                 **_stride_args(("q", "k", "v", "o"), strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E,
-                RNG=TENSOR if dropout_p > 0.0 else None, drop_thresh=thresh, drop_scale=drop_scale,
-                **_desc_args("fwd", tma),
-                HEAD_DIM=D, BLOCK_D=tiles.block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                **drop_args(dropout_p, scale_always=True), **_desc_args("fwd", tma),
+                HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
                 CAUSAL=causal, DOT_PREC=dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align,
                 **softcap_arg(softcap))
@@ -254,15 +252,9 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
 
 
 def _stride_args(names: tuple, strides: tuple) -> dict:
-    """The stride arguments of 4-D tensors ``names`` from `aligned_strides`' flat tuple: stride_{name}b,
-    h, the row stride (``m`` for query-side tensors, ``n`` for key-side ones, as the kernels call
-    them) and d."""
-    out = {}
-    for i, name in enumerate(names):
-        row = "n" if name in ("k", "v", "dk", "dv") else "m"
-        for axis, st in zip(("b", "h", row, "d"), strides[4 * i:4 * i + 4]):
-            out[f"stride_{name}{axis}"] = st
-    return out
+    """The stride arguments of 4-D tensors ``names`` from `aligned_strides`' flat tuple: stride_{name},
+    the tensor's (batch, head, row, column) strides as one tuple."""
+    return {f"stride_{name}": tuple(strides[4 * i:4 * i + 4]) for i, name in enumerate(names)}
 
 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
@@ -331,15 +323,14 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
     constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                        dropout_p > 0, tma_plan is not None)
-    list_a, nb_p2 = list_plan_args(q_idx, B, Hq, q, "Q_IDX", ("stride_ib", "stride_ih", "stride_in"))
+    list_a, nb_p2 = list_plan_args(q_idx, B, Hq, q, "Q_IDX")
     strides, align = aligned_strides(q, k, v, do, dk, dv)
-    thresh, drop_scale = drop_consts(dropout_p)
     tma = tiles.tma_taken(cfg, tma_plan)
     args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, DO=TENSOR, LSE=TENSOR, DELTA=TENSOR, DK=TENSOR, DV=TENSOR, **list_a,
                 Q_TILE=TENSOR if exact else None, BITS=TENSOR if exact else None,
                 KEY_LEN=None if key_lengths is None else TENSOR, **table_a,
                 **_stride_args(("q", "k", "v", "do", "dk", "dv"), strides), H_Q=Hq, H_KV=Hkv, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E, sm_scale=scale,
-                RNG=TENSOR if dropout_p > 0.0 else None, drop_thresh=thresh, drop_scale=drop_scale,
+                **drop_args(dropout_p),
                 **_desc_args("dkdv", tma),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
                 MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
@@ -385,15 +376,14 @@ def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, ma
     constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                        dropout_p > 0, tma_plan is not None)
-    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", ("stride_ib", "stride_ih", "stride_im"))
+    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX")
     strides, align = aligned_strides(q, k, v, do, o, dq)
-    thresh, drop_scale = drop_consts(dropout_p)
     tma = tiles.tma_taken(cfg, tma_plan)
     args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, O=TENSOR, DO=TENSOR, LSE=TENSOR, DLSE=TENSOR if has_dlse else None,
                 DELTA=TENSOR, DQ=TENSOR, **list_a, KV_TILE=TENSOR if exact else None,
                 BITS=TENSOR if exact else None, KEY_LEN=None if key_lengths is None else TENSOR, **table_a,
                 **_stride_args(("q", "k", "v", "do", "o", "dq"), strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E, sm_scale=scale,
-                RNG=TENSOR if dropout_p > 0.0 else None, drop_thresh=thresh, drop_scale=drop_scale,
+                **drop_args(dropout_p),
                 **_desc_args("dq", tma),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
                 MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),

@@ -162,7 +162,8 @@ def launch_of(plan, bound, fixed: dict, roles: dict, mod=None):
     run, function, packed metadata, every parameter's value, the compiled kernel), with ``fixed``
     tensors (name -> tensor: their addresses go into the launch) and ``roles`` (name -> role
     index of a per-call tensor); None when its kernel does not fit the plain launch (clusters,
-    cooperative or PDL launches, scratch buffers, tuple or TMA arguments). Raises RuntimeError
+    cooperative or PDL launches, scratch buffers, TMA arguments; a tuple argument's elements are
+    packed in order). Raises RuntimeError
     when the kernel's own parameter list disagrees with the packed one."""
     mod = mod or _MOD
     if mod is None or bound is None or plan.slots is None:
@@ -186,7 +187,7 @@ def launch_of(plan, bound, fixed: dict, roles: dict, mod=None):
         else:
             return None
     slots, sizes, roles_packed = [], [], []
-    for i, (ty, val) in enumerate(zip(sig, values)):
+    for i, ty, val in _flat(sig, values):
         if ty == "constexpr":
             continue
         if not isinstance(ty, str):
@@ -217,6 +218,21 @@ def launch_of(plan, bound, fixed: dict, roles: dict, mod=None):
     if isinstance(made, str):
         raise RuntimeError(made)
     return made
+
+
+def _flat(sig, values):
+    """(parameter position, type, value) of each parameter, a tuple parameter's elements in order
+    under its position (Triton passes them as consecutive kernel parameters; the kernels' strides
+    come as tuples); a tuple whose value does not match its type gives a type `launch_of` refuses."""
+    for i, (ty, val) in enumerate(zip(sig, values)):
+        if isinstance(ty, tuple):
+            if not isinstance(val, tuple) or len(val) != len(ty):
+                yield i, None, val
+                continue
+            for t, v in zip(ty, val):
+                yield from ((i, t2, v2) for _, t2, v2 in _flat([t], [v]))
+        else:
+            yield i, ty, val
 
 
 def make_plan(fwd, device: int, rows, has_kl: bool, fallback):

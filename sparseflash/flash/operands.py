@@ -21,7 +21,7 @@ from sparseflash.flash import tiles
 from sparseflash import _env
 
 __all__ = ["dot_precision", "cdiv", "aligned_strides", "GATHER_MAX", "gather", "list_args", "checked_rng",
-           "drop_consts", "ExactTiles", "check_exact", "softcap_arg", "TENSOR", "table_args",
+           "drop_consts", "drop_args", "ExactTiles", "check_exact", "softcap_arg", "TENSOR", "table_args",
            "table_layout", "table_tensors", "list_plan_args", "optional_tensors", "bwd_consts"]
 
 
@@ -115,6 +115,15 @@ def checked_rng(rng, device) -> torch.Tensor:
     return rng
 
 
+def drop_args(dropout_p: float, scale_always: bool = False) -> dict:
+    """The plan arguments of dropout: RNG (a tensor of the call), drop_thresh and drop_scale (`drop_consts`);
+    all None without dropout, but for drop_scale 1.0 with ``scale_always`` (the forward scales by it)."""
+    if dropout_p <= 0.0:
+        return dict(RNG=None, drop_thresh=None, drop_scale=1.0 if scale_always else None)
+    thresh, scale = drop_consts(dropout_p)
+    return dict(RNG=TENSOR, drop_thresh=thresh, drop_scale=scale)
+
+
 def drop_consts(dropout_p: float) -> tuple[int, float]:
     """(threshold on 8 random bits, scale of kept values); (0, 1.0) without dropout."""
     if dropout_p <= 0.0:
@@ -202,13 +211,13 @@ def table_tensors(segments, key_ranges, slopes) -> dict:
     return ts
 
 
-def list_plan_args(idx, B, H, q, name: str, strides: tuple[str, str, str]) -> tuple[dict, int]:
-    """(plan arguments, NB_P2) of a block list parameter ``name`` with its [B, H, row] stride
-    parameters ``strides``: None for dense attention (``idx`` None)."""
+def list_plan_args(idx, B, H, q, name: str) -> tuple[dict, int]:
+    """(plan arguments, NB_P2) of a block list parameter ``name`` and its (batch, head, row) strides
+    ``stride_idx``: both None for dense attention (``idx`` None)."""
     if idx is None:
-        return {name: None, **dict.fromkeys(strides)}, 1
+        return {name: None, "stride_idx": None}, 1
     _, st, nb_p2 = list_args(idx, B, H, q)
-    return {name: TENSOR, **dict(zip(strides, st))}, nb_p2
+    return {name: TENSOR, "stride_idx": st}, nb_p2
 
 
 def optional_tensors(**named) -> dict:
@@ -219,5 +228,5 @@ def optional_tensors(**named) -> dict:
 def bwd_consts(q, causal, softcap=0.0) -> dict:
     """The constexprs both backward kernels take."""
     D = q.shape[-1]
-    return dict(HEAD_DIM=D, BLOCK_D=tiles.block_d(D), CAUSAL=causal, DOT_PREC=dot_precision(q.dtype),
+    return dict(HEAD_DIM=D, CAUSAL=causal, DOT_PREC=dot_precision(q.dtype),
                 **softcap_arg(softcap))

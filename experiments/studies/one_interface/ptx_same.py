@@ -1,10 +1,16 @@
-"""Are the Hopper kernels the same code after a host-side change? Compiles every case of
-`studies.hopper.compile_check` (forward and backward, d 64 and 128, dense, causal + key_lengths,
-block lists of 128 and 256, exact bits) for sm_90 on any machine (no GPU) and writes each PTX with
-its line-number and debug records removed, so a moved or renamed source file compares equal.
+"""Are the kernels the same code after a host-side change? Compiles every case of
+`studies.hopper.compile_check` (the Hopper kernels: forward and backward, d 64 and 128, dense,
+causal + key_lengths, block lists of 128 and 256, exact bits) and the portable kernels' builds of
+`PORTABLE_CASES` (forward, dQ and dK/dV through the real launchers, d 64 and 128: dense, causal,
+key lengths, block lists, exact bits, dropout, segments, key ranges, ALiBi + softcap, LSE
+gradient, TMA descriptors, and fp16 at d=40 with ALIGN) for sm_90 on any machine (no GPU) and
+writes each PTX with its line-number and debug records removed, so a moved or renamed source file
+compares equal.
 
-    python -m sparseflash.experiments.studies.one_interface.ptx_same dump DIR
+    python -m sparseflash.experiments.studies.one_interface.ptx_same dump DIR [hopper|portable]
     python -m sparseflash.experiments.studies.one_interface.ptx_same compare OLD_DIR NEW_DIR
+
+``dump`` writes both sets unless one is named; ``compare`` compares the files OLD_DIR has.
 
 ``compare`` names each kernel "same", "reordered" (the same instructions, registers renumbered, in
 another order: what a change of the kernel's signature leaves, as the parameters are loaded in
@@ -38,10 +44,126 @@ def verdict(old: str, new: str) -> str:
     return "reordered" if shape(old) == shape(new) else "differs"
 
 
-def dump(out: str) -> int:
+def dump(out: str, which: str = "all") -> int:
+    os.makedirs(out, exist_ok=True)
+    if which in ("all", "portable"):
+        dump_portable(out)
+    if which in ("all", "hopper"):
+        dump_hopper(out)
+    return 0
+
+
+# The portable kernels' cases: label -> (head dims, options of `_portable_case`).
+PORTABLE_CASES = {
+    "dense": ((64, 128), {}),
+    "causal-keylen": ((64, 128), dict(causal=True, keylen=True)),
+    "lists": ((64, 128), dict(lists=True)),
+    "lists-causal-dlse": ((64, 128), dict(lists=True, causal=True, dlse=True)),
+    "exact": ((64, 128), dict(exact=True, causal=True)),
+    "dropout": ((64, 128), dict(dropout=0.1)),
+    "lists-dropout-keylen": ((64,), dict(lists=True, dropout=0.1, keylen=True)),
+    "segments": ((64, 128), dict(segments=True)),
+    "ranges-alibi": ((64,), dict(ranges=True, alibi=True, causal=True)),
+    "alibi-segments-softcap": ((64, 128), dict(alibi=True, segments=True, softcap=30.0)),
+    "tma-causal": ((64, 128), dict(tma=True, causal=True)),
+    "tma-lists-exact": ((64,), dict(tma=True, lists=True, exact=True)),
+    "fp16-d40-align": ((40,), dict(dtype="float16", causal=True)),
+}
+
+
+def _portable_case(d: int, causal=False, keylen=False, lists=False, dlse=False, exact=False, dropout=0.0,
+                   segments=False, ranges=False, alibi=False, softcap=0.0, tma=False, dtype="bfloat16",
+                   seq: int = 1000, block: int = 128) -> dict:
+    """{kernel name: CompiledKernel} of one call's three portable launches (forward, dQ, dK/dV),
+    compiled for sm_90 through the launchers and Triton's own specialisation (a stand-in driver,
+    `inspect_kernels.compile_launches`), with the GPU's default tiles of the call."""
+    import torch
+
+    from sparseflash.experiments.bench.inspect_kernels import compile_launches
+    from sparseflash.flash import dispatch, launch, tiles as policy
+    from sparseflash.flash.operands import ExactTiles
+    from sparseflash.mask import BlockMask
+
+    B, H, Hk, N = 2, 4, 2, seq
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(B, H, N, d, dtype=dt, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, Hk, N, d, dtype=dt, generator=gen) for _ in range(2))
+    lse, delta = torch.zeros(B, H, N), torch.zeros(B, H, N)
+    kv_idx = q_idx = ex = mb = None
+    if exact:
+        m = BlockMask.from_fn(lambda b, h, i, j: (i >= j) & (i - j < 300), N, block_size=block)
+        index, eb = m.index("cpu"), m.exact_bits("cpu")
+        kv_idx, q_idx, mb = index.kv_idx, index.q_idx, block
+        ex = ExactTiles((eb.bits, eb.kv_tile, eb.q_tile))
+    elif lists:
+        from sparseflash.patterns import random as random_mask
+
+        index = random_mask(N, 3, block_size=block, seed=0, device="cpu").index("cpu")
+        kv_idx, q_idx, mb = index.kv_idx, index.q_idx, block
+    kl = torch.full((B,), N - 17, dtype=torch.int32) if keylen else None
+    rng = torch.zeros(3, dtype=torch.int64)
+    seg = None
+    if segments:
+        ids = (torch.arange(N, dtype=torch.int32) // 300).expand(B, N).contiguous()
+        seg = (ids, ids)
+    kr = None
+    if ranges:
+        kr = torch.stack([torch.zeros(N, dtype=torch.int32), torch.arange(1, N + 1, dtype=torch.int32)])[None]
+    slopes = torch.rand(1, H) if alibi else None
+    named = dict(segments=seg, key_ranges=kr, slopes=slopes, softcap=softcap, exact=ex)
+    cuda = torch.device("cuda")
+    nkb = None if mb is None else -(-N // mb)
+    cfgs = {kind: policy.default_config(kind, d, cuda, nkb, dropout > 0, tma, segments=segments)
+            for kind in ("fwd", "dkdv", "dq")}
+    if dt == torch.float32:
+        cfgs = {kind: policy.fp32_config(c, kind, d) for kind, c in cfgs.items()}
+    saved = policy.interpreting, policy.TMA_MODE, dispatch.HOPPER_EXACT
+    policy.interpreting = lambda: False
+    policy.TMA_MODE = "on" if tma else "off"
+    dispatch.HOPPER_EXACT = "off"
+
+    def run():
+        with policy.tile_config(**cfgs):
+            launch.fwd(q, k, v, kv_idx, kl, d ** -0.5, causal, mb, mb, dropout, rng, **named)
+            bargs = (do, q, k, v, lse, delta, kl, d ** -0.5, causal, mb, mb, dropout, rng)
+            launch.bwd_dq(*bargs, kv_idx, o=q, dlse=lse if dlse else None, **named)
+            launch.bwd_dkdv(*bargs, q_idx, **named)
+
+    try:
+        return compile_launches(run)
+    finally:
+        policy.interpreting, policy.TMA_MODE, dispatch.HOPPER_EXACT = saved
+
+
+def _portable_job(job) -> list:
+    out, label, d = job
+    names = []
+    for name, ck in sorted(_portable_case(d, **PORTABLE_CASES[label][1]).items()):
+        names.append(f"portable-{name}-d{d}-{label}.ptx")
+        with open(os.path.join(out, names[-1]), "w") as f:
+            f.write(normalised(ck.asm["ptx"]))
+    return names
+
+
+def dump_portable(out: str) -> None:
+    """The portable kernels' builds of every `PORTABLE_CASES` case (fwd_kernel, bwd_dq_kernel,
+    bwd_dkdv_kernel each), in processes of their own (SPARSEFLASH_PTX_JOBS, default the CPUs)."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+
+    jobs = [(out, label, d) for label, (dims, _) in PORTABLE_CASES.items() for d in dims]
+    workers = int(os.environ.get("SPARSEFLASH_PTX_JOBS", "0")) or os.cpu_count() or 1
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for names in pool.map(_portable_job, jobs):
+            if len(names) != 3:
+                raise RuntimeError(f"expected three kernels, compiled {names}")
+            print(" ".join(names), flush=True)
+
+
+def dump_hopper(out: str) -> None:
     from sparseflash.experiments.studies.hopper import compile_check as cc
 
-    os.makedirs(out, exist_ok=True)
     for kernel in ("fwd", "bwd"):
         for d in (64, 128):
             for label, dense, causal, keylen, block in cc.CASES + cc.EXACT_CASES:
@@ -49,7 +171,6 @@ def dump(out: str) -> int:
                                      exact=label.startswith("exact"))
                 with open(os.path.join(out, f"{kernel}-d{d}-{label.replace(' ', '_')}.ptx"), "w") as f:
                     f.write(normalised(ck.asm["ptx"]))
-    return 0
 
 
 def compare(old: str, new: str) -> int:
@@ -65,4 +186,4 @@ def compare(old: str, new: str) -> int:
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    sys.exit(dump(a[1]) if a[:1] == ["dump"] else compare(a[1], a[2]) if a[:1] == ["compare"] else print(__doc__) or 2)
+    sys.exit(dump(*a[1:3]) if a[:1] == ["dump"] else compare(a[1], a[2]) if a[:1] == ["compare"] else print(__doc__) or 2)
