@@ -166,8 +166,9 @@ def test_unsupported_reasons(monkeypatch):
 
 
 def test_bwd_delta_padding(device):
-    """The backward's delta pass (a Triton kernel, so it runs under the interpreter too): LSE *
-    log2(e) and rowsum(dO * O) - dLSE, padded with +inf and 0 to the rows a walk can visit."""
+    """The backward's delta pass (a Triton kernel, so it runs under the interpreter too): the
+    accumulators' starts -LSE / scale and -(rowsum(dO * O) - dLSE), padded with -inf and 0 to the rows
+    a walk can visit."""
     g = torch.Generator().manual_seed(0)
     o, do = (torch.randn(2, 3, 70, 32, generator=g).to(device) for _ in range(2))
     lse, dlse = (torch.randn(2, 3, 70, generator=g).to(device) for _ in range(2))
@@ -176,9 +177,9 @@ def test_bwd_delta_padding(device):
     assert (acc == 0).all()
     assert lse2.shape == delta.shape == (6, 128)
     want = ((o.double() * do.double()).sum(-1) - dlse.double()).reshape(6, 70)
-    torch.testing.assert_close(delta[:, :70].double(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse2[:, :70].double(), lse.double().reshape(6, 70) / 0.125, rtol=1e-6, atol=1e-6)
-    assert torch.isinf(lse2[:, 70:]).all() and (lse2[:, 70:] > 0).all()
+    torch.testing.assert_close(-delta[:, :70].double(), want, rtol=1e-5, atol=1e-5)  # (stored negated: the starts)
+    torch.testing.assert_close(-lse2[:, :70].double(), lse.double().reshape(6, 70) / 0.125, rtol=1e-6, atol=1e-6)
+    assert torch.isinf(lse2[:, 70:]).all() and (lse2[:, 70:] < 0).all()
     assert (delta[:, 70:] == 0).all()
     with pytest.raises(ValueError, match=r"acc must be a contiguous float32 tensor of B \* H \* n_pad \* D = 24576"):
         hopper_bwd.delta_rows(o, do, lse, dlse, 128, 1 / 0.125, acc[:-32])

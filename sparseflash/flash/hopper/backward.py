@@ -26,8 +26,8 @@ which a last small kernel scales and casts.
   from registers on causal walks (`bwd`);
 - a 1-warp **reducer** adds each step's two halves into the float32 dQ buffer with TMA reductions
   and frees the staging buffer once they have read it (while the warpgroups fill the other one);
-- a small Triton kernel first computes delta = rowsum(dO * O) - dLSE and LSE / scale, padded to
-  whole steps (so every step's TMA load of them is in bounds); another one last casts
+- a small Triton kernel first computes delta = rowsum(dO * O) - dLSE and LSE / scale, stored negated
+  (the accumulators' starts) and padded to whole steps (so every step's TMA load of them is in bounds); another one last casts
   dQ = scale * buffer.
 
 The persistent CTAs take the key tiles of a few (batch, kv head)s at a time (`_heads_per_group`),
@@ -507,12 +507,13 @@ if GLUON_ERROR is None:
                             do_s = do_bufs.index(s).reshape([QT, HEAD_DIM])
                             mbarrier.wait(q_ready.index(s), ph)
                             # The accumulators start at -LSE / scale and -delta ([1, QT] rows of the step's
-                            # queries, padded: `delta_kernel`), so S^T - LSE / scale and dP^T - delta come
-                            # out of the wgmmas: neither row vector stays live beside them.
-                            st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s - lse_bufs.index(s).load(s_layout),
+                            # queries, padded, stored negated: `delta_kernel`), so S^T - LSE / scale and dP^T -
+                            # delta come out of the wgmmas: neither row vector stays live beside them, and the
+                            # start is a broadcast (negating it here cost 32 FADDs a step before each issue).
+                            st = warpgroup_mma(k_w, q_s.permute((1, 0)), gl.broadcast(zero_s, lse_bufs.index(s).load(s_layout))[1],
                                                is_async=True)
                             mbarrier.wait(do_ready.index(s), ph)
-                            dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s - dlt_bufs.index(s).load(s_layout),
+                            dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), gl.broadcast(zero_s, dlt_bufs.index(s).load(s_layout))[1],
                                                 is_async=True)
                             cols = start_m + gl.arange(0, QT, layout=col_s)
                             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
@@ -705,9 +706,9 @@ def _rows(n_heads, seq_q, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
 @triton.jit
 def delta_kernel(O, DO, LSE, LSE2, DELTA, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
                   n_heads, seq_q, n_pad, lse_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, DLSE=None, ACC=None):
-    """For BLOCK rows of one (batch, head): delta = rowsum(dO * O) - dLSE and LSE2 = LSE * lse_scale,
-    float32 [B * H, n_pad], rows seq_q .. n_pad - 1 padded with delta 0 and LSE2 +inf (P = 0), so
-    the backward's steps load them without masks. ACC (optional): the float32 dQ sums (n_pad * HEAD_DIM
+    """For BLOCK rows of one (batch, head): the backward's accumulator starts DELTA = -(rowsum(dO * O)
+    - dLSE) and LSE2 = -LSE * lse_scale, float32 [B * H, n_pad], rows seq_q .. n_pad - 1 padded with
+    -0 and -inf (P = 0), so the backward's steps load them without masks and without negating them. ACC (optional): the float32 dQ sums (n_pad * HEAD_DIM
     contiguous floats a (batch, head), in any order), zeroed in the same launch, so the backward needs
     no fill launch of its own."""
     i_bh, i_b, i_h, o_m, o_d, m = _rows(n_heads, seq_q, BLOCK, HEAD_DIM)
@@ -724,8 +725,8 @@ def delta_kernel(O, DO, LSE, LSE2, DELTA, stride_ob, stride_oh, stride_om, strid
         delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
     lse2 = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * lse_scale
     p_pad = i_bh.to(tl.int64) * n_pad + o_m
-    tl.store(DELTA + p_pad, delta, mask=o_m < n_pad)
-    tl.store(LSE2 + p_pad, lse2, mask=o_m < n_pad)
+    tl.store(DELTA + p_pad, -delta, mask=o_m < n_pad)
+    tl.store(LSE2 + p_pad, -lse2, mask=o_m < n_pad)
 
 
 @triton.jit
@@ -812,8 +813,8 @@ CAST_ROWS = 64  # rows per program of the delta and cast kernels (a divisor of e
 
 
 def delta_rows(o, do, lse, dlse, n_pad: int, lse_scale: float, acc=None):
-    """(LSE * lse_scale, delta = rowsum(dO * O) - dLSE), float32 [B * H, n_pad] each, rows past
-    Nq padded with +inf and 0 (`delta_kernel`; ``lse_scale`` > 0). ``acc``: None, or a contiguous
+    """The backward's accumulator starts (-LSE * lse_scale, -delta), delta = rowsum(dO * O) - dLSE,
+    float32 [B * H, n_pad] each, rows past Nq padded with -inf and -0 (`delta_kernel`; ``lse_scale`` > 0). ``acc``: None, or a contiguous
     float32 tensor of B * H * n_pad * D elements that the same launch zeroes (the backward's dQ sums)."""
     B, H, Nq, D = o.shape
     if acc is not None and (acc.numel() != B * H * n_pad * D or acc.dtype != torch.float32 or not acc.is_contiguous()):
