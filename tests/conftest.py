@@ -144,6 +144,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """On a GPU machine, a test still running after SPARSEFLASH_TEST_HANG_S seconds (default 240; 0
+    turns the watchdog off) ends the run with every thread's traceback on stderr: a kernel that
+    deadlocks (a barrier waiting for a step nobody issues) then names its test, instead of holding
+    the GPU until an outer time bound cuts the run with no report."""
+    limit = float(os.environ.get("SPARSEFLASH_TEST_HANG_S", "240")) if HAS_CUDA else 0.0
+    if limit <= 0:
+        yield
+        return
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(limit, exit=True, file=sys.__stderr__)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 @pytest.fixture
 def device():
     """'cuda' on a GPU machine, else 'cpu' (kernels then run under the Triton interpreter)."""

@@ -235,9 +235,9 @@ if GLUON_ERROR is None:
     def _cols(p_list, start_n, kv_end, seq_q, seq_k, n_qblocks, MASK_BQ: gl.constexpr, NB_P2: gl.constexpr,
               DENSE: gl.constexpr, CAUSAL: gl.constexpr, WARPS: gl.constexpr, QT: gl.constexpr):
         """The q tiles (of QT rows) one head's walk over a key tile visits (``p_list``: its column
-        list, `_col_list`; None when dense): (first step, end of the causal band, end). Steps j <
-        j_skip see none of the tile's keys (causal), j < j_part cross the diagonal; a tile wholly
-        past kv_end has an empty walk."""
+        list, `_col_list`; None when dense): (first step, end of the causal band, end), in that
+        order. Steps j < j_skip see none of the tile's keys (causal), j < j_part cross the diagonal; a
+        tile wholly past kv_end has an empty walk (j_skip = j_part = j_end)."""
         causal_off = seq_k - seq_q
         skip_below = 0
         full_from = 0
@@ -261,7 +261,11 @@ if GLUON_ERROR is None:
             j_end = n * SUB
         if start_n >= kv_end:
             j_end = j_skip
-        return j_skip, gl.maximum(j_part, j_skip), gl.maximum(j_end, j_skip)
+        # j_skip <= j_part <= j_end: a causal walk in two loops (CAUSAL_SPLIT) runs j_part - j_skip steps
+        # and then j_end - j_part, which must add up to the loader's and the reducer's j_end - j_skip,
+        # also for a tile wholly past kv_end (an empty walk, whose band end would otherwise stay put)
+        j_end = gl.maximum(j_end, j_skip)
+        return j_skip, gl.minimum(gl.maximum(j_part, j_skip), j_end), j_end
 
     @gluon.jit
     def _step(p_list, jj, j_skip, j_end, start_n, DENSE: gl.constexpr, MASK_BQ: gl.constexpr, QT: gl.constexpr,
