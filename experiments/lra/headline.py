@@ -41,7 +41,13 @@ is what the history shows, prefixed ``history:``, one commit per command of a ru
 ``>``: ``+dirty`` where the tree sent to the GPU had uncommitted edits
 (``experiments/studies/pathfinder-release/calls.md``), and the HEAD at the time each command
 started otherwise (whether that tree was clean is not recorded). ``HISTORY`` below holds them, with
-the reason for each.
+the reason for each. Runs whose commands record their commits (the Pathfinder-32 seeds 1 and 2) list
+them the same way, without the prefix: ``909660a>341a6f3`` is a run resumed at the second commit.
+
+Seeds: the faithful Pathfinder-32 runs on release data have three (``PF_SEEDS``: ``dense-bip``,
+``butterfly-bip`` are seed 0, ``-s1`` / ``-s2`` seeds 1 and 2, same recipe and data); RESULTS.md's
+table gives seed 0 with its standard error and the mean ± sample standard deviation over the
+three (`seed_stats`).
 
 ``attended_tokens`` and ``effective_density`` are empty where no run file records the attended
 length: the ListOps runs (each example attends over its own length, padding keys masked; the
@@ -51,8 +57,8 @@ not kept). They are filled where the run's ``result.json`` or ``zero_shot.json``
 ``mean_tokens`` (Path-X, Path-256) or where every position is attended (no black-as-padding).
 
 Not in the table because no run file holds them: the Pathfinder-64 pretraining (test 72.08%,
-quoted from its log in RESULTS.md), and everything the issue asks for that has not run (seeds,
-the cut test, cue-balanced sets, a test set used once).
+quoted from its log in RESULTS.md), and everything the issue asks for that has not finished (the
+density sweep's seeds 1 and 2, the cut test, cue-balanced sets, a test set used once).
 """
 
 from __future__ import annotations
@@ -88,6 +94,9 @@ PUBLISHED_NOTE = ("Published: ListOps and Pathfinder-32 Transformer from the LRA
                   "section 4.2 for Path-X and Path-256).")
 
 _PF = "experiments/studies/pathfinder-release/results"
+# the faithful Pathfinder-32 runs on release data, black as padding: seed 0 (the headline runs of
+# 2026-11-26, H100) and seeds 1 and 2 (2026-11-29, H200; issue 68)
+PF_SEEDS = ("dense-bip", "butterfly-bip", "dense-bip-s1", "butterfly-bip-s1", "dense-bip-s2", "butterfly-bip-s2")
 _PX = "experiments/studies/pathx/results/curriculum"
 _P256 = "experiments/studies/pathx/results/curriculum256"
 _LO = "experiments/lra/results/sweep-listops"
@@ -183,10 +192,17 @@ def _from_sweep(table: str, run: str, train_fidelity: str) -> dict:
                 f"{table}#{run}", run, *_attended(str(Path(table).parent / "runs" / run)))
 
 
+def _segment_commits(summary: dict) -> str:
+    """The commits a run's commands ran, in order, joined by ``>`` (a run resumed over commands
+    at two commits is both); the summary's own commit where no command records one."""
+    commits = [_short(g["commit"]) for g in summary.get("segments", []) if g.get("commit")]
+    return ">".join(dict.fromkeys(commits)) if commits else _short(summary.get("commit"))
+
+
 def _from_summary(run_dir: str, train_fidelity: str, eval_set: str) -> dict:
     """A training run's ``summary.json``: test accuracy of the best-on-validation weights."""
     s = _read_json(f"{run_dir}/summary.json")
-    commit = _short(s.get("commit")) if s.get("commit") else HISTORY.get(run_dir, "unknown")
+    commit = _segment_commits(s) if s.get("commit") else HISTORY.get(run_dir, "unknown")
     return _row(s["task"], train_fidelity, eval_set, s["pattern"], s["density"], _seed(run_dir),
                 s["test_best"]["acc"], s["test_best"]["n"], commit, s["gpu"], s["segments"][-1]["ended"],
                 f"{run_dir}/summary.json", Path(run_dir).name, *_attended(run_dir))
@@ -243,7 +259,7 @@ def build_rows() -> list[dict]:
     """Every headline row, read from the run files (nothing typed in but where to look)."""
     rows = [_from_sweep(f"{_LO}/sweep.csv", run, "-")
             for run in ("dense-d1-s0", "butterfly-d0.5-s0", "butterfly-d0.25-s0", "butterfly-d0.125-s0")]
-    for run in ("dense-bip", "butterfly-bip"):
+    for run in PF_SEEDS:
         rows.append(_from_summary(f"{_PF}/{run}", "release", "release"))
         rows.append(_from_crosseval(f"{_PF}/{run}", "crosseval-clean.json", "clean", "release"))
     rows.append(_from_summary("experiments/lra/results/train/pf32-faithful/faithful-dense", "clean", "clean"))
@@ -341,6 +357,8 @@ def render_table(rows) -> str:
     """RESULTS.md's headline table: one line a task, every number a headline.csv row."""
     lo = [r for r in rows if r["task"] == "listops"]
     pf = [r for r in rows if r["task"] == "pathfinder32" and r["run"].endswith("-bip")]
+    pf_all = [r for r in rows if r["task"] == "pathfinder32" and r["train_fidelity"] == "release"
+              and re.fullmatch(r"(dense|butterfly)-bip(-s\d+)?", r["run"])]
     out = ["| task | published: Transformer (Path-X: dense FlashAttention) / block-sparse FlashAttention | ours, release "
            "data (best-on-validation weights, ± one binomial standard error) | ours, other evaluation sets | commit, GPU, "
            "date |",
@@ -361,10 +379,18 @@ def render_table(rows) -> str:
     rel = [r for r in pf if r["eval_set"] == "release"]
     cl = [r for r in pf if r["eval_set"] == "clean"]
     clean_trained = _one(rows, task="pathfinder32", train_fidelity="clean")
+    seeds_rel = [r for r in pf_all if r["eval_set"] == "release" and r not in rel]
+    seeds_cl = [r for r in pf_all if r["eval_set"] == "clean" and r not in cl]
     out.append(f"| Pathfinder-32 | {pub('pathfinder32')} | " + ", ".join(f"**{_density(r['density'])} {_pm(r)}**" for r in rel)
-               + f" (faithful, black as padding, one seed each) | the same weights on {cl[0]['n_test']:,} clean images: "
-               + ", ".join(f"{_pct(r)}%" for r in cl) + f"; trained on clean data (dense): {_pct(clean_trained)}% | "
-               + f"{prov(rel + cl)}; clean-trained {clean_trained['commit']} |")
+               + f" (faithful, black as padding, seed {rel[0]['seed']}); over seeds "
+               + f"{_seed_list(pf_all)} (mean ± sample standard deviation, then each seed): "
+               + ", ".join(_seed_text(pf_all, r["pattern"], "release") for r in rel) + _seed0_rank(pf_all, rel)
+               + f" | the same weights on {cl[0]['n_test']:,} clean images: "
+               + ", ".join(f"{_pct(r)}%" for r in cl) + f" (seeds {_seed_list(pf_all)}: "
+               + ", ".join(_seed_text(pf_all, r["pattern"], "clean") for r in cl)
+               + f"); trained on clean data (dense): {_pct(clean_trained)}% | "
+               + f"seed 0: {prov(rel + cl)}; seeds {_seed_list(seeds_rel)}: {prov(seeds_rel + seeds_cl)}; "
+               + f"clean-trained {clean_trained['commit']} |")
     for task in ("pathx", "path256"):
         val = [r for r in rows if r["task"] == task and r["eval_set"] == "release-val"]
         others = [r for r in rows if r["task"] == task and r["eval_set"] != "release-val"]
@@ -380,6 +406,44 @@ def render_table(rows) -> str:
                    + f" on {val[0]['n_test']:,} held-out images that also guided the curriculum (a validation set) | "
                    + "; ".join(cells) + f" | {prov(val)}; evaluations {prov(others)} |")
     return "\n".join(out + ["", PUBLISHED_NOTE])
+
+
+def seed_stats(rows, pattern: str, eval_set: str) -> tuple[float, float, list[dict]]:
+    """(mean, sample standard deviation, the rows) of the faithful black-as-padding Pathfinder-32
+    runs of ``pattern`` on ``eval_set`` over their seeds (accuracies as fractions)."""
+    import statistics
+
+    found = sorted((r for r in rows if r["task"] == "pathfinder32" and r["train_fidelity"] == "release"
+                    and r["pattern"] == pattern and r["eval_set"] == eval_set
+                    and re.fullmatch(r"(dense|butterfly)-bip(-s\d+)?", r["run"])), key=lambda r: r["seed"])
+    accs = [r["test_acc"] for r in found]
+    return statistics.mean(accs), statistics.stdev(accs) if len(accs) > 1 else 0.0, found
+
+
+def _seed_list(rs) -> str:
+    seeds = sorted({r["seed"] for r in rs})
+    return ", ".join(map(str, seeds[:-1])) + f" and {seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
+
+
+def _seed_text(rows, pattern: str, eval_set: str) -> str:
+    """``dense 72.51 ± 1.78% (74.18, 70.63, 72.72)``: mean ± sample standard deviation over the
+    seeds, then each seed's accuracy in seed order."""
+    mean, sd, found = seed_stats(rows, pattern, eval_set)
+    each = ", ".join(f"{100 * r['test_acc']:.2f}" for r in found)
+    return f"{_density(found[0]['density'])} {100 * mean:.2f} ± {100 * sd:.2f}% ({each})"
+
+
+_WORDS = {2: "two", 3: "three", 4: "four", 5: "five"}
+
+
+def _seed0_rank(rows, rel) -> str:
+    """``; seed 0 is the highest of the three for both``, or which patterns it is highest for."""
+    best = [r["pattern"] for r in rel if r["test_acc"] >= max(x["test_acc"] for x in seed_stats(rows, r["pattern"], "release")[2])]
+    n = len(seed_stats(rows, rel[0]["pattern"], "release")[2])
+    if not best:
+        return ""
+    which = "both" if len(best) == len(rel) == 2 else " and ".join(best)
+    return f"; seed 0 is the highest of the {_WORDS.get(n, n)} for {which}, the means are lower"
 
 
 def _continued_from(row) -> tuple[str, int] | None:
