@@ -695,7 +695,7 @@ def context_parallel_section(v: dict) -> None:
                                and (p == "sparseflash-1gpu" or int(r["world"]) == world)), None)
     keys = list(dict.fromkeys((r["case"], r["seq_len"]) for r in rows if int(r["world"]) == world))
     names = {"dense-causal": "causal", "window": "causal window", "documents": "packed documents", "butterfly": "butterfly"}
-    lines, slower = [], []
+    lines, slower, memory = [], [], []
     for c, n in keys:
         cells = {p: at(c, n, p) for p in CP_PROVIDERS}
         best = min((r["ms"] for p, r in cells.items() if r is not None and p != "sparseflash-1gpu"), default=None)
@@ -713,10 +713,15 @@ def context_parallel_section(v: dict) -> None:
         torch_best = min((cells[p]["ms"] for p in CP_PROVIDERS[2:] if cells[p] is not None), default=None)
         if torch_best is not None and cells["sparseflash-cp"] is not None:
             slower.append(cells["sparseflash-cp"]["ms"] / torch_best)
+        torch_mem = [_num(cells[p].get("extra_gib")) for p in CP_PROVIDERS[2:] if cells[p] is not None]
+        torch_mem = [m for m in torch_mem if m]
+        if torch_mem and cells["sparseflash-cp"] is not None and _num(cells["sparseflash-cp"].get("extra_gib")) is not None:
+            memory.append(cells["sparseflash-cp"]["extra_gib"] / min(torch_mem))
         lines.append([f"{names.get(c, c)} {n // 1024}K", *out])
     v["cp_table"] = md_table(["work", "one GPU", f"ours, {world} GPUs", "torch CP all-gather", "torch CP ring (alltoall)"],
                              lines)
     v["cp_x_torch"] = span(slower)
+    v["cp_mem_x_torch"] = span(memory)  # our memory beyond q/k/v over torch's smaller one
     ours = [r for r in rows if r["provider"] == "sparseflash-cp" and int(r["world"]) == world]
     v["cp_bytes_equal"] = "every" if all(r["sent_bytes"] == r["plan_bytes"] for r in ours) else "not every"
     v["cp_world"], v["cp_gpu"] = str(world), _stamp(ours, "gpu")
