@@ -47,7 +47,10 @@ them the same way, without the prefix: ``909660a>341a6f3`` is a run resumed at t
 Seeds: the faithful Pathfinder-32 runs on release data have three (``PF_SEEDS``: ``dense-bip``,
 ``butterfly-bip`` are seed 0, ``-s1`` / ``-s2`` seeds 1 and 2, same recipe and data); RESULTS.md's
 table gives seed 0 with its standard error and the mean ± sample standard deviation over the
-three (`seed_stats`).
+three (`seed_stats`). Seed 0 was also trained again on 2026-11-29 (H200, 341a6f3>87fb685) to keep
+its weights (``PF_RERUNS``: ``dense-bip-rerun``, ``butterfly-bip-rerun``; same seed, recipe and
+data): their release and clean rows are in the CSV, but not in the table, the seed statistics or
+the README's sentences, which stay those of the original seed-0 runs.
 
 ``attended_tokens`` and ``effective_density`` are empty where no run file records the attended
 length: the ListOps runs (each example attends over its own length, padding keys masked; the
@@ -58,7 +61,8 @@ not kept). They are filled where the run's ``result.json`` or ``zero_shot.json``
 
 Not in the table because no run file holds them: the Pathfinder-64 pretraining (test 72.08%,
 quoted from its log in RESULTS.md), and everything the issue asks for that has not finished (the
-density sweep's seeds 1 and 2, the cut test, cue-balanced sets, a test set used once).
+density sweep's seeds 1 and 2, three of eight runs done so far in
+``studies/pathfinder-release/results/sweep-seeds/``; the cut test, cue-balanced sets, a test set used once).
 """
 
 from __future__ import annotations
@@ -97,6 +101,9 @@ _PF = "experiments/studies/pathfinder-release/results"
 # the faithful Pathfinder-32 runs on release data, black as padding: seed 0 (the headline runs of
 # 2026-11-26, H100) and seeds 1 and 2 (2026-11-29, H200; issue 68)
 PF_SEEDS = ("dense-bip", "butterfly-bip", "dense-bip-s1", "butterfly-bip-s1", "dense-bip-s2", "butterfly-bip-s2")
+# seed 0 trained again with its weights exported (2026-11-29, H200); beside the originals, not in
+# their place: the headline and the seed statistics use PF_SEEDS only
+PF_RERUNS = ("dense-bip-rerun", "butterfly-bip-rerun")
 _PX = "experiments/studies/pathx/results/curriculum"
 _P256 = "experiments/studies/pathx/results/curriculum256"
 _LO = "experiments/lra/results/sweep-listops"
@@ -259,7 +266,7 @@ def build_rows() -> list[dict]:
     """Every headline row, read from the run files (nothing typed in but where to look)."""
     rows = [_from_sweep(f"{_LO}/sweep.csv", run, "-")
             for run in ("dense-d1-s0", "butterfly-d0.5-s0", "butterfly-d0.25-s0", "butterfly-d0.125-s0")]
-    for run in PF_SEEDS:
+    for run in PF_SEEDS + PF_RERUNS:
         rows.append(_from_summary(f"{_PF}/{run}", "release", "release"))
         rows.append(_from_crosseval(f"{_PF}/{run}", "crosseval-clean.json", "clean", "release"))
     rows.append(_from_summary("experiments/lra/results/train/pf32-faithful/faithful-dense", "clean", "clean"))
@@ -480,7 +487,7 @@ def render_readme(rows) -> str:
     """README's LRA sentences, numbers from headline.csv."""
     lo = [r for r in rows if r["task"] == "listops"]
     pf = {r["pattern"]: r for r in rows if r["task"] == "pathfinder32" and r["run"].endswith("-bip") and r["eval_set"] == "release"}
-    pf_clean = [r for r in rows if r["task"] == "pathfinder32" and r["eval_set"] == "clean"]
+    pf_clean = [r for r in rows if r["task"] == "pathfinder32" and r["eval_set"] == "clean" and r["run"] not in PF_RERUNS]
     px = [r for r in rows if r["task"] == "pathx" and r["eval_set"] == "release-val"]
     px_dense = [r for r in px if r["pattern"] == "dense"]
     px_bf = _one(rows, task="pathx", eval_set="release-val", pattern="butterfly")
