@@ -495,10 +495,13 @@ def render_readme(rows) -> str:
     p256 = _one(rows, task="path256", eval_set="release-val")
     p256_fresh = _one(rows, task="path256", eval_set="fresh")
     chains = _chains_that_learned()
+    pf_d, pf_b = seed_stats(rows, "dense", "release"), seed_stats(rows, "butterfly", "release")
+    n_pf = len(pf_d[2])
     return (
         f"On LRA ([experiments/lra/RESULTS.md](experiments/lra/RESULTS.md), `results/headline.csv`; one seed "
-        f"each) ListOps keeps {_span([r['test_acc'] for r in lo])}% down to 1/8 of the blocks. Pathfinder-32: "
-        f"{_pct(pf['dense'], 1)}% dense, {_pct(pf['butterfly'], 1)}% with butterfly at half the blocks (published "
+        f"each, Pathfinder-32 {_WORDS.get(n_pf, n_pf)}) ListOps keeps {_span([r['test_acc'] for r in lo])}% down to 1/8 of the blocks. "
+        f"Pathfinder-32: {100 * pf_d[0]:.1f} ± {100 * pf_d[1]:.1f}% dense, {100 * pf_b[0]:.1f} ± {100 * pf_b[1]:.1f}% with butterfly "
+        f"at half the blocks (seed 0: {_pct(pf['dense'], 1)} / {_pct(pf['butterfly'], 1)}%; published "
         f"{PUBLISHED['pathfinder32'][0]:g}–{PUBLISHED['pathfinder32'][1]:g}%) on the authors' generator's images "
         f"(`--fidelity release`), {_span([r['test_acc'] for r in pf_clean], 0)}% without its quirks: the marker "
         f"positions alone give {_probe32():.0f}% of release labels. Path-X (16K positions, "
