@@ -61,7 +61,11 @@ def test_a_changed_run_file_changes_the_table(rows, monkeypatch):
     changed = headline.build_rows()
     row = next(r for r in changed if r["run"] == "dense-bip" and r["eval_set"] == "release")
     assert row["test_acc"] == 0.6543
-    assert "65.4% dense" in headline.render_readme(changed)
+    prose = headline.render_readme(changed)
+    assert "(seed 0: 65.4 / " in prose  # seed 0 beside the mean over the seeds, which moves with it
+    mean, sd, _ = headline.seed_stats(changed, "dense", "release")
+    assert mean < headline.seed_stats(rows, "dense", "release")[0]
+    assert f"{100 * mean:.1f} ± {100 * sd:.1f}% dense" in prose
     assert "65.43 ± 0.34%" in headline.render_table(changed)
 
 
