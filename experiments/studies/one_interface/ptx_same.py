@@ -6,8 +6,8 @@ key lengths, block lists, exact bits, dropout, segments, key ranges, ALiBi + sof
 gradient, TMA descriptors, and fp16 at d=40 with ALIGN) and the decode kernels' builds of
 `DECODE_CASES` (the split kernel and its combine through `decode.plan`'s launches, d 64 and 128:
 dense and paged caches, block lists, GQA, softcap, ALiBi, left / right windows, key lengths or the
-whole cache, leftpad, batch index, LSE stored or not, one split or several, query chunks, fp32)
-for sm_90 on any machine (no GPU) and writes each PTX with its line-number and debug records
+whole cache, leftpad, batch index, LSE stored or not, one split or several, query chunks, fp32;
+the bounds check and the append of some of them) for sm_90 on any machine (no GPU) and writes each PTX with its line-number and debug records
 removed, so a moved or renamed source file compares equal.
 
     python -m sparseflash.experiments.studies.one_interface.ptx_same dump DIR [hopper|portable|decode]
@@ -167,33 +167,36 @@ def dump_portable(out: str) -> None:
 
 
 # The decode kernels' cases: label -> (head dims, options of `_decode_case`). GQA 8 / 2 unless heads
-# says otherwise; splits: the plan's split count (1: the split kernel stores the answer, no combine).
+# says otherwise; splits: the plan's split count (1: the split kernel stores the answer, no combine);
+# check: the call's bounds check too; new: the append of that many new keys too.
 DECODE_CASES = {
-    "dense-split": ((64, 128), dict(splits=3)),
+    "dense-split": ((64, 128), dict(splits=3, check=True, new=1)),
     "dense-direct-nolse": ((64, 128), dict(splits=1, lse=False)),
     "fp16-mha-direct": ((64,), dict(dtype="float16", heads=(4, 4), splits=1)),
     "fp32-direct": ((64,), dict(dtype="float32", splits=1)),
     "paged-causal-softcap-alibi": ((64, 128), dict(paged=True, window=(-1, 0), softcap=30.0, alibi="heads",
-                                                   splits=2)),
+                                                   splits=2, check=True, new=2)),
     "paged-whole-window-direct": ((64, 128), dict(paged=True, seqlens=False, seq_add=1024, window=(16, 0),
-                                                  splits=1, lse=False)),
+                                                  splits=1, lse=False, check=True)),
     "leftpad-batchidx-alibi-split": ((64, 128), dict(leftpad=True, batch_idx=True, alibi="batch", splits=2,
-                                                     seq_add=1)),
+                                                     seq_add=1, check=True, new=1)),
     "leftpad-right-direct": ((64,), dict(leftpad=True, window=(-1, 3), splits=1, seq_q=2)),
     "lists-split": ((64, 128), dict(blocks=True, splits=2)),
     "lists-direct-left": ((64, 128), dict(blocks=True, splits=1, window=(100, -1))),
-    "lists-paged-leftpad-causal": ((64,), dict(blocks=True, paged=True, leftpad=True, window=(-1, 0), splits=2)),
+    "lists-paged-leftpad-causal": ((64,), dict(blocks=True, paged=True, leftpad=True, window=(-1, 0), splits=2,
+                                               check=True)),
     "chunks-window": ((64,), dict(seq_q=40, window=(50, 8), splits=2, softcap=10.0)),
 }
 
 
 def _decode_case(d: int, heads=(8, 2), seq_q=1, dtype="bfloat16", splits=2, lse=True, paged=False, seqlens=True,
                  leftpad=False, batch_idx=False, blocks=False, window=(-1, -1), softcap=None, alibi=None, seq_add=0,
-                 cache=1024) -> dict:
-    """{kernel name: CompiledKernel} of one decode call's launches (`decode.plan`, then the plan's
-    call: the split kernel, with several splits its combine, per query chunk of 64 rows: later
-    chunks' builds as "name.1", ...), compiled for sm_90 through Triton's own specialisation (a
-    stand-in driver, `inspect_kernels.compile_launches`)."""
+                 cache=1024, check=False, new=0) -> dict:
+    """{kernel name: CompiledKernel} of one decode call's launches (with ``check`` the bounds check
+    `decode.bounds_check`, with ``new`` the append `decode.append`, as `flash_attn_with_kvcache`
+    makes them; then `decode.plan`'s call: the split kernel, with several splits its combine, per
+    query chunk of 64 rows: later chunks' builds as "name.1", ...), compiled for sm_90 through
+    Triton's own specialisation (a stand-in driver, `inspect_kernels.compile_launches`)."""
     import torch
 
     from sparseflash.experiments.bench.inspect_kernels import compile_launches
@@ -211,11 +214,22 @@ def _decode_case(d: int, heads=(8, 2), seq_q=1, dtype="bfloat16", splits=2, lse=
     blk = (torch.zeros(B, Hk, 3, dtype=torch.int32), torch.zeros(B, Hk, dtype=torch.int32), 128) if blocks else None
     slopes = None if alibi is None else torch.zeros(H) if alibi == "heads" else torch.zeros(B, H)
     vec = torch.zeros(B, dtype=torch.int32)
+    runs = []
+    if check:
+        c = decode.bounds_check(torch.device("cpu"), B, seqlens=seqlens, leftpad=leftpad, batch_idx=batch_idx,
+                                block_table=table, seq_add=new if seqlens else cache, max_len=cache,
+                                n_rows=k.shape[0], n_pages=k.shape[0], page=k.shape[1])
+        runs.append(lambda: c(vec if seqlens else None, vec if leftpad else None, vec if batch_idx else None, table))
+    if new:
+        kn, vn = (torch.zeros(B, new, Hk, d, dtype=dt) for _ in range(2))
+        a = decode.append(kn, vn, k, v, batch_idx=batch_idx, block_table=table)
+        runs.append(lambda: a(kn, vn, k, v, vec, vec if batch_idx else None, table))
     p = decode.plan(q, k, v, scale=d ** -0.5, window=window, softcap=softcap, alibi=slopes, batch_idx=batch_idx,
                     block_table=table, blocks=blk, seqlens=seqlens, leftpad=leftpad, seq_add=seq_add,
                     num_splits=splits, max_len=cache, store_lse=lse)
-    return compile_launches(lambda: p(q, k, v, vec if seqlens else None, vec if leftpad else None,
-                                      vec if batch_idx else None, table, slopes, blk), every=True)
+    runs.append(lambda: p(q, k, v, vec if seqlens else None, vec if leftpad else None, vec if batch_idx else None,
+                          table, slopes, blk))
+    return compile_launches(lambda: [run() for run in runs], every=True)
 
 
 def _decode_job(job) -> list:
@@ -238,9 +252,11 @@ def dump_decode(out: str) -> None:
     workers = int(os.environ.get("SPARSEFLASH_PTX_JOBS", "0")) or os.cpu_count() or 1
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for (_, label, d), names in zip(jobs, pool.map(_decode_job, jobs)):
-            splits = DECODE_CASES[label][1].get("splits", 2)
-            if not names or any("split" not in n and "combine" not in n for n in names) \
-                    or any("combine" in n for n in names) != (splits > 1):
+            kw = DECODE_CASES[label][1]
+            if not any("split_kernel" in n for n in names) \
+                    or any("combine" in n for n in names) != (kw.get("splits", 2) > 1) \
+                    or any("bounds" in n for n in names) != kw.get("check", False) \
+                    or any("append" in n for n in names) != bool(kw.get("new")):
                 raise RuntimeError(f"{label} d{d}: unexpected kernels {names}")
             print(" ".join(names), flush=True)
 
