@@ -806,23 +806,27 @@ def test_decode_kernels_compile_for_sm90():
 
 
 def test_decode_kernel_signatures():
-    """The split and combine kernels take each tensor's strides as one tuple parameter (stride_q: batch,
-    token, head, column) and every optional part (the outputs of one split or the partials of several,
-    the LSE, key lengths, leftpad, batch index, block table, ALiBi, block lists, softcap, the window's
-    bounds) as a named parameter defaulting to None after the required ones, the flag derived inside:
-    no HAS_* flags, no placeholder tensors, no numeric stand-ins for "off"; BLOCK_D derived from HEAD_DIM."""
+    """The decode kernels take each tensor's strides as one tuple parameter (stride_q: batch, token, head,
+    column) and every optional part (the split kernel's outputs of one split or partials of several, the
+    LSE, key lengths, leftpad, batch index, block table, ALiBi, block lists, softcap, the window's bounds;
+    the check's and the append's vectors and table) as a named parameter defaulting to None after the
+    required ones, the flag derived inside: no HAS_* flags, no placeholder tensors, no numeric stand-ins
+    for "off"; BLOCK_D derived from HEAD_DIM."""
     from sparseflash.flash import decode
 
     flags = {"PAGED", "SPARSE", "DIRECT", "STORE_LSE", "BLOCK_D"}
     optional = {"Out", "stride_o", "LSE", "stride_lse", "O_part", "LSE_part", "seqlens", "leftpad", "batch_idx",
                 "block_table", "stride_tb", "PAGE", "alibi", "stride_ab", "blk_idx", "stride_idx", "blk_cnt",
-                "stride_cnt", "TILES_PER_BLOCK", "softcap", "left", "right"}
-    for name, most in (("decode_split_kernel", 38), ("decode_combine_kernel", 12)):
+                "stride_cnt", "TILES_PER_BLOCK", "softcap", "left", "right", "n_rows", "n_pages", "n_table", "BLOCK_T"}
+    for name, most, strides in (("decode_split_kernel", 38, "stride_q"), ("decode_combine_kernel", 12, "stride_o"),
+                                ("decode_bounds_kernel", 15, None), ("decode_append_kernel", 16, "stride_k_new")):
         ps = list(inspect.signature(getattr(decode, name).fn).parameters.values())
         names = [p.name for p in ps]
         assert len(ps) <= most, (name, len(ps))
         assert not [n for n in names if n.startswith("HAS_") or n in flags], name
-        assert "stride_o" in names and not [n for n in names if n.startswith("stride_o") and n != "stride_o"], name
+        assert strides is None or strides in names, name
+        per_dim = {f"stride_{t}{d}" for t in "qoklvicnw" for d in "bthnd"}  # (the strides one per parameter)
+        assert not per_dim & set(names), name
         given = [p.default is inspect.Parameter.empty for p in ps]
         assert given == sorted(given, reverse=True), name  # the required ones first
         assert all(p.default is None for p in ps if not given[names.index(p.name)]), name

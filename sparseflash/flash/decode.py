@@ -251,30 +251,33 @@ def decode_combine_kernel(
 
 @triton.jit
 def decode_bounds_kernel(
-    Ok, seqlens, leftpad, batch_idx, block_table, n_batch, seq_add, seq_max, n_rows, n_pages, n_table, stride_tb,
-    HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+    Ok, n_batch, seq_add, seq_max, BLOCK_B: tl.constexpr,
+    seqlens=None, leftpad=None, batch_idx=None, n_rows=None, block_table=None, stride_tb=None, n_pages=None,
+    n_table=None, PAGE: tl.constexpr = None, BLOCK_T: tl.constexpr = None,
 ):
     """``Ok[0] = 1`` when every batch row's bounds hold, else 0 (one program): ``0 <= seqlens[b] <=
     seq_max``; ``0 <= leftpad[b] <= seqlens[b] + seq_add``; ``0 <= batch_idx[b] < n_rows``; the page
-    ids ``block_table[b, :ceil((seqlens[b] + seq_add) / PAGE)]`` in ``[0, n_pages)``."""
+    ids ``block_table[b, :ceil((seqlens[b] + seq_add) / PAGE)]`` in ``[0, n_pages)``. Each vector
+    checked is None when the call has none (seqlens None: every length 0); n_rows comes with
+    batch_idx, and the table's batch stride stride_tb, n_pages, its n_table columns, PAGE and
+    BLOCK_T (the columns read at once) with block_table."""
     b_bad = tl.zeros([BLOCK_B], tl.int32)
     for b0 in range(0, n_batch, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)
         m_b = o_b < n_batch
-        if HAS_SEQLENS:
+        if seqlens is not None:
             b_s = tl.load(seqlens + o_b, mask=m_b, other=0)
         else:
             b_s = tl.zeros([BLOCK_B], tl.int32)
         b_ok = (b_s >= 0) & (b_s <= seq_max)
         b_end = tl.where(b_ok, b_s, 0) + seq_add  # (no overflow from a bad length)
-        if HAS_LEFTPAD:
+        if leftpad is not None:
             b_lp = tl.load(leftpad + o_b, mask=m_b, other=0)
             b_ok = b_ok & (b_lp >= 0) & (b_lp <= b_end)
-        if HAS_BATCH_IDX:
+        if batch_idx is not None:
             b_r = tl.load(batch_idx + o_b, mask=m_b, other=0)
             b_ok = b_ok & (b_r >= 0) & (b_r < n_rows)
-        if PAGED:
+        if block_table is not None:
             b_need = (b_end + PAGE - 1) // PAGE  # pages in use
             for t0 in range(0, n_table, BLOCK_T):
                 o_t = t0 + tl.arange(0, BLOCK_T)
@@ -289,24 +292,29 @@ def decode_bounds_kernel(
 
 @triton.jit
 def decode_append_kernel(
-    K_new, V_new, K, V, seqlens, batch_idx, block_table,
-    stride_nb, stride_nt, stride_nh, stride_nd, stride_wb, stride_wt, stride_wh, stride_wd,
-    stride_kb, stride_kn, stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd, stride_tb,
-    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
+    K_new, V_new, K, V, seqlens, stride_k_new, stride_v_new, stride_k, stride_v,
+    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    batch_idx=None, block_table=None, stride_tb=None, PAGE: tl.constexpr = None,
 ):
     """New key and value ``t`` of batch row ``b`` (program ``(t, b)``) written into the cache at position
-    ``seqlens[b] + t``: of cache row ``batch_idx[b]`` (or ``b``), or row ``pos % PAGE`` of page
-    ``block_table[b, pos // PAGE]``. (The bounds are checked before: `decode_bounds_kernel`.)"""
+    ``seqlens[b] + t``: of cache row ``batch_idx[b]`` (None: ``b``), or row ``pos % PAGE`` of page
+    ``block_table[b, pos // PAGE]`` (given with its batch stride stride_tb and PAGE). Strides one tuple
+    per tensor in its dimension order (batch, token or row, head, column). (The bounds are checked
+    before: `decode_bounds_kernel`.)"""
+    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
+    stride_nb, stride_nt, stride_nh, stride_nd = stride_k_new
+    stride_wb, stride_wt, stride_wh, stride_wd = stride_v_new
+    stride_kb, stride_kn, stride_kh, stride_kd = stride_k
+    stride_vb, stride_vn, stride_vh, stride_vd = stride_v
     i_t = tl.program_id(0)
     i_b = tl.program_id(1)
     pos = (tl.load(seqlens + i_b) + i_t).to(tl.int64)
-    if PAGED:
+    if block_table is not None:
         page = tl.load(block_table + i_b.to(tl.int64) * stride_tb + pos // PAGE).to(tl.int64)
         row_k = page * stride_kb + (pos % PAGE) * stride_kn
         row_v = page * stride_vb + (pos % PAGE) * stride_vn
     else:
-        if HAS_BATCH_IDX:
+        if batch_idx is not None:
             cache_row = tl.load(batch_idx + i_b).to(tl.int64)
         else:
             cache_row = i_b.to(tl.int64)
@@ -611,15 +619,16 @@ class BoundsCheck:
                  block_table: torch.Tensor | None, seq_add: int, max_len: int, n_rows: int, n_pages: int, page: int):
         self.device, self.cuda, self.bindable = device, device.type == "cuda", bound_launches(device)
         paged = block_table is not None
-        n_table = block_table.shape[1] if paged else 0
         BLOCK_B = max(16, min(next_pow2(batch), 256))
         names = ("Ok",) + tuple(n for n, on in (("seqlens", seqlens), ("leftpad", leftpad), ("batch_idx", batch_idx),
                                                 ("block_table", paged)) if on)
-        args = dict(seqlens=None, leftpad=None, batch_idx=None, block_table=None, n_batch=batch, seq_add=int(seq_add),
-                    seq_max=int(max_len - seq_add), n_rows=n_rows, n_pages=n_pages, n_table=n_table,
-                    stride_tb=block_table.stride(0) if paged else 0, HAS_SEQLENS=seqlens, HAS_LEFTPAD=leftpad,
-                    HAS_BATCH_IDX=batch_idx, PAGED=paged, PAGE=page, BLOCK_B=BLOCK_B,
-                    BLOCK_T=max(16, min(next_pow2(n_table), 4096 // BLOCK_B)), num_warps=4)
+        args = dict(n_batch=batch, seq_add=int(seq_add), seq_max=int(max_len - seq_add), BLOCK_B=BLOCK_B, num_warps=4)
+        if batch_idx:
+            args.update(n_rows=n_rows)
+        if paged:  # (the kernel's optional parameters are given only when on: `decode_bounds_kernel`)
+            n_table = block_table.shape[1]
+            args.update(stride_tb=block_table.stride(0), n_pages=n_pages, n_table=n_table, PAGE=page,
+                        BLOCK_T=max(16, min(next_pow2(n_table), 4096 // BLOCK_B)))
         self.launch = _Launch("decode_bounds_kernel", (1,), names, args)
         self.take = tuple(i for i, on in enumerate((seqlens, leftpad, batch_idx, paged)) if on)
         self.work = {}
@@ -671,13 +680,11 @@ class Append:
         paged = block_table is not None
         names = ("K_new", "V_new", "K", "V", "seqlens") + (("batch_idx",) if batch_idx else ()) \
             + (("block_table",) if paged else ())
-        args = dict(batch_idx=None, block_table=None, stride_tb=block_table.stride(0) if paged else 0,
-                    N_HEADS=Hk, HEAD_DIM=D, BLOCK_H=next_pow2(Hk), BLOCK_D=max(16, next_pow2(D)),
-                    PAGE=k_cache.shape[1] if paged else 1, HAS_BATCH_IDX=batch_idx, PAGED=paged, num_warps=4)
-        for prefix, t in (("n", k_new), ("w", v_new), ("k", k_cache), ("v", v_cache)):
-            dims = "btd" if prefix in "nw" else "bnd"
-            args.update({f"stride_{prefix}{dims[0]}": t.stride(0), f"stride_{prefix}{dims[1]}": t.stride(1),
-                         f"stride_{prefix}h": t.stride(2), f"stride_{prefix}d": t.stride(3)})
+        args = dict(stride_k_new=tuple(k_new.stride()), stride_v_new=tuple(v_new.stride()),
+                    stride_k=tuple(k_cache.stride()), stride_v=tuple(v_cache.stride()), N_HEADS=Hk, HEAD_DIM=D,
+                    BLOCK_H=next_pow2(Hk), num_warps=4)
+        if paged:
+            args.update(stride_tb=block_table.stride(0), PAGE=k_cache.shape[1])
         self.launch = _Launch("decode_append_kernel", (SN, B), names, args)
 
     def __call__(self, k_new, v_new, k_cache, v_cache, seqlens, batch_idx=None, block_table=None, route=None) -> None:
