@@ -613,7 +613,8 @@ def test_plan_launches_bound_after_the_first(monkeypatch):
     names = list(inspect.signature(decode.decode_split_kernel.fn).parameters)
     args = dict(zip(names, split[9:]))
     assert args["Q"] == q.data_ptr() and args["K"] == kc.data_ptr() and args["seqlens"] == lens.data_ptr()
-    assert args["leftpad"] is None and args["n_splits"] == 2 and args["DIRECT"] is False
+    assert args["leftpad"] is None and args["n_splits"] == 2 and args["Out"] is None  # (two splits: partials)
+    assert args["O_part"] is not None and args["LSE_part"] is not None and args["stride_k"] == kc.stride()
     q2 = torch.empty(q.numel() + 1)[1:].view_as(q).copy_(q)  # 4 bytes off 16-byte alignment
     call(q2)
     call(q2)
@@ -704,6 +705,7 @@ def test_decode_step_in_a_cuda_graph(paged, monkeypatch):
 
 
 _COMPILE_DECODE = r"""
+import inspect
 import sys
 import torch
 try:
@@ -721,6 +723,8 @@ TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", t
 def typ(a):
     if isinstance(a, torch.Tensor):
         return "*" + TYPES[a.dtype]
+    if isinstance(a, tuple):  # (the split and combine kernels' strides)
+        return tuple(typ(x) for x in a)
     return "i1" if isinstance(a, bool) else "i32" if isinstance(a, int) else "fp32"
 
 
@@ -730,8 +734,9 @@ def compile_launch(launch, tensors):
     args.update((n, tensors[n]) for n in launch.names)
     opts = dict(num_warps=args.pop("num_warps"), num_stages=args.pop("num_stages", 3))
     sig, consts = {}, {}
+    defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()}
     for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
-        value = args.pop(name)
+        value = args.pop(name, defaults[name])  # (an optional part the plan leaves off: its default, None)
         if p.is_constexpr or value is None:
             sig[name] = "constexpr"
             consts[(i,)] = value
@@ -798,3 +803,31 @@ def test_decode_kernels_compile_for_sm90():
     assert kernels == (["decode_split_kernel", "decode_combine_kernel", "decode_split_kernel"]
                        + ["decode_split_kernel", "decode_combine_kernel"] * 3 + ["decode_append_kernel"] * 2
                        + ["decode_bounds_kernel"] * 2), kernels
+
+
+def test_decode_kernel_signatures():
+    """The decode kernels take each tensor's strides as one tuple parameter (stride_q: batch, token, head,
+    column) and every optional part (the split kernel's outputs of one split or partials of several, the
+    LSE, key lengths, leftpad, batch index, block table, ALiBi, block lists, softcap, the window's bounds;
+    the check's and the append's vectors and table) as a named parameter defaulting to None after the
+    required ones, the flag derived inside: no HAS_* flags, no placeholder tensors, no numeric stand-ins
+    for "off"; BLOCK_D derived from HEAD_DIM."""
+    from sparseflash.flash import decode
+
+    flags = {"PAGED", "SPARSE", "DIRECT", "STORE_LSE", "BLOCK_D"}
+    optional = {"Out", "stride_o", "LSE", "stride_lse", "O_part", "LSE_part", "seqlens", "leftpad", "batch_idx",
+                "block_table", "stride_tb", "PAGE", "alibi", "stride_ab", "blk_idx", "stride_idx", "blk_cnt",
+                "stride_cnt", "TILES_PER_BLOCK", "softcap", "left", "right", "n_rows", "n_pages", "n_table", "BLOCK_T"}
+    for name, most, strides in (("decode_split_kernel", 38, "stride_q"), ("decode_combine_kernel", 12, "stride_o"),
+                                ("decode_bounds_kernel", 15, None), ("decode_append_kernel", 16, "stride_k_new")):
+        ps = list(inspect.signature(getattr(decode, name).fn).parameters.values())
+        names = [p.name for p in ps]
+        assert len(ps) <= most, (name, len(ps))
+        assert not [n for n in names if n.startswith("HAS_") or n in flags], name
+        assert strides is None or strides in names, name
+        per_dim = {f"stride_{t}{d}" for t in "qoklvicnw" for d in "bthnd"}  # (the strides one per parameter)
+        assert not per_dim & set(names), name
+        given = [p.default is inspect.Parameter.empty for p in ps]
+        assert given == sorted(given, reverse=True), name  # the required ones first
+        assert all(p.default is None for p in ps if not given[names.index(p.name)]), name
+        assert {p.name for p in ps if not given[names.index(p.name)]} <= optional, name

@@ -102,11 +102,13 @@ def _loops(sass: str) -> list[int]:
     return out
 
 
-def compile_launches(run) -> dict:
+def compile_launches(run, every: bool = False) -> dict:
     """Call ``run()`` with Triton's driver replaced by the sm_90 stand-in and every kernel launch it
     makes compiled for sm_90 instead of launched (Triton and Gluon kernels alike, with the launch's
-    register cap): {kernel name: CompiledKernel}. Kernels already in the in-memory cache do not
-    reach the hook; each caller compiles fresh launches. The portable launchers choose tiles by
+    register cap): {kernel name: CompiledKernel}, a kernel launched more than once by its last
+    launch, or with ``every`` each launch's build, the later ones as "name.1", "name.2", ... in
+    launch order (a plan that launches one kernel per query chunk). Kernels already in the
+    in-memory cache do not reach the hook; each caller compiles fresh launches. The portable launchers choose tiles by
     the tensors' device: on CPU tensors they take the interpreter's 32 x 32 tile (which compiles
     to mma.sync, not wgmma). Give them the GPU's tiles with `tiles.tile_config`, as `main` does."""
     import triton
@@ -125,7 +127,10 @@ def compile_launches(run) -> dict:
         maxnreg = json.loads(compile["specialization_data"]).get("options", {}).get("maxnreg")
         if maxnreg:
             opts["maxnreg"] = maxnreg
-        compiled[fn.name] = triton.compile(src, target=_HopperStandIn().target, options=opts)
+        name = fn.name
+        if every and name in compiled:
+            name = f"{fn.name}.{sum(n.split('.')[0] == fn.name for n in compiled)}"
+        compiled[name] = triton.compile(src, target=_HopperStandIn().target, options=opts)
         return True  # compiled here: skip the launch
 
     saved_hook, saved_driver = knobs.runtime.jit_cache_hook, triton.runtime.driver._active

@@ -50,6 +50,7 @@ import triton.language as tl
 
 from sparseflash import _env
 from sparseflash.flash import binding
+from sparseflash.flash.kernels import _block_d
 from sparseflash.flash.operands import next_pow2
 
 INTERPRETING = _env.interpreting()
@@ -57,19 +58,41 @@ INTERPRETING = _env.interpreting()
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, O_part, LSE_part, Out, LSE, seqlens, leftpad, batch_idx, block_table, alibi, blk_idx, blk_cnt,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_ob, stride_ot, stride_oh, stride_od, stride_lb, stride_lh, stride_lt,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_tb, stride_ab, stride_ib, stride_ih, stride_cb, stride_ch,
-    n_splits, q_back, seq_add, scale, softcap, left, right,
-    SQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TILES_PER_BLOCK: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr, DOT_PREC: tl.constexpr,
-    DIRECT: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, STORE_LSE: tl.constexpr,
+    Q, K, V, stride_q, stride_k, stride_v, n_splits, q_back, seq_add, scale,
+    SQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    Out=None, stride_o=None, LSE=None, stride_lse=None, O_part=None, LSE_part=None,
+    seqlens=None, leftpad=None, batch_idx=None, block_table=None, stride_tb=None, PAGE: tl.constexpr = None,
+    alibi=None, stride_ab=None, blk_idx=None, stride_idx=None, blk_cnt=None, stride_cnt=None,
+    TILES_PER_BLOCK: tl.constexpr = None, softcap=None, left=None, right=None,
 ):
+    """One split of one (batch row, kv head): program ``(split, batch, kv head)``.
+
+    Q ``[B, seq_q, H, D]``, K and V the cache ``[B_cache, N, Hk, D]`` or pages ``[pages, PAGE, Hk, D]``;
+    each tensor's strides one tuple in its own dimension order (stride_q: batch, token, head, column;
+    stride_k, stride_v: batch or page, row, head, column). A program reads its GQA group's ``SQ x G``
+    query rows; q_back: the query tokens of later chunks (other launches) after this launch's.
+    Every optional part is None when off (a constexpr: no code, no parameter), its flag derived here:
+    - outputs: with one split ``Out`` ``[B, seq_q, H, D]`` (strides stride_o, as Q's) and, if the lse
+      is wanted, ``LSE`` float32 ``[B, H, seq_q]`` (stride_lse: batch, head, token) hold the answer;
+      with several, ``O_part``, ``LSE_part``: the float32 partials ``[B, Hk, splits, rows, D]`` and
+      ``[B, Hk, splits, rows]`` that `decode_combine_kernel` merges (then Out and LSE are None);
+    - seqlens: the rows' key ends ``seqlens[b] + seq_add`` (None: ``seq_add``); leftpad: their
+      starts (None: 0); batch_idx: the cache row of each batch row (None: ``b``);
+    - block_table (paged cache, batch stride stride_tb): key ``p`` is row ``p % PAGE`` of page
+      ``block_table[b, p // PAGE]``;
+    - alibi: float32 slopes ``[B or 1, H]`` (batch stride stride_ab, 0 for one row shared);
+    - blk_idx, blk_cnt (block lists; strides stride_idx, stride_cnt: batch, kv head): the sorted
+      cache blocks of each (batch, kv head) and their counts; a block is TILES_PER_BLOCK key tiles;
+    - softcap: the cap; left, right: the window's bounds (keys at most ``left`` before / ``right``
+      after the query)."""
+    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
+    DIRECT: tl.constexpr = O_part is None  # one split: the answer stored here, no partials
+    PAGED: tl.constexpr = block_table is not None
+    SPARSE: tl.constexpr = blk_idx is not None
+    stride_qb, stride_qt, stride_qh, stride_qd = stride_q
+    stride_kb, stride_kn, stride_kh, stride_kd = stride_k
+    stride_vb, stride_vn, stride_vh, stride_vd = stride_v
     i_s = tl.program_id(0)
     i_b = tl.program_id(1)
     i_hk = tl.program_id(2)
@@ -77,10 +100,10 @@ def decode_split_kernel(
     R: tl.constexpr = SQ * G
     # this row's keys [start, end): end = seqlens[b] + seq_add (the new keys), or seq_add (the whole cache)
     start = i_b * 0
-    if HAS_LEFTPAD:
+    if leftpad is not None:
         start = tl.load(leftpad + i_b)
     end = i_b * 0 + seq_add
-    if HAS_SEQLENS:
+    if seqlens is not None:
         end = tl.load(seqlens + i_b) + seq_add
     diag = end - SQ - q_back  # query t sits at key position t + diag (q_back: later queries of other launches)
 
@@ -95,17 +118,19 @@ def decode_split_kernel(
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if DOT_PREC == "upcast":
         b_q = b_q.to(tl.float32)
-    if HAS_ALIBI:
+    if alibi is not None:
         b_slope = tl.load(alibi + i_b * stride_ab + o_h, mask=m_m, other=0.0).to(tl.float32)
 
     # the keys any row of this batch row can reach: [lo, hi)
     lo = start
     hi = end
-    if HAS_RIGHT:
+    if right is not None:
         hi = tl.minimum(hi, SQ - 1 + diag + right + 1)
-    if HAS_LEFT:
+    if left is not None:
         lo = tl.maximum(lo, diag - left)
     if SPARSE:
+        stride_ib, stride_ih = stride_idx
+        stride_cb, stride_ch = stride_cnt
         n_units = tl.load(blk_cnt + i_b * stride_cb + i_hk * stride_ch) * TILES_PER_BLOCK
     else:
         first = tl.maximum(lo, 0) // BLOCK_N
@@ -114,7 +139,7 @@ def decode_split_kernel(
     u0 = i_s * per_split
     u1 = tl.minimum(u0 + per_split, n_units)
 
-    if HAS_BATCH_IDX:
+    if batch_idx is not None:
         cache_row = tl.load(batch_idx + i_b).to(tl.int64)
     else:
         cache_row = i_b.to(tl.int64)
@@ -144,17 +169,17 @@ def decode_split_kernel(
         else:
             b_s = tl.dot(b_q, tl.trans(b_k))
         b_s = b_s * scale
-        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp (finite for any s)
+        if softcap is not None:  # softcap * tanh(s / softcap), tanh through exp (finite for any s)
             b_e = tl.exp(-2.0 * tl.abs(b_s) / softcap)
             b_th = (1.0 - b_e) / (1.0 + b_e)
             b_s = softcap * tl.where(b_s < 0, -b_th, b_th)
         b_rel = (o_t[:, None] + diag) - o_n[None, :]  # query position - key position
-        if HAS_ALIBI:
+        if alibi is not None:
             b_s = b_s - b_slope[:, None] * tl.abs(b_rel).to(tl.float32)
         m_s = m_n[None, :] & m_m[:, None]
-        if HAS_RIGHT:
+        if right is not None:
             m_s = m_s & (b_rel >= -right)
-        if HAS_LEFT:
+        if left is not None:
             m_s = m_s & (b_rel <= left)
         b_s = tl.where(m_s, b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
@@ -172,10 +197,12 @@ def decode_split_kernel(
     b_o = acc / tl.where(has, l_i, 1.0)[:, None]
     b_lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     if DIRECT:  # one split: this is the answer; no partials, no combine launch
+        stride_ob, stride_ot, stride_oh, stride_od = stride_o
         p_o = Out + i_b.to(tl.int64) * stride_ob + o_t[:, None].to(tl.int64) * stride_ot \
             + o_h[:, None].to(tl.int64) * stride_oh + o_d[None, :] * stride_od
         tl.store(p_o, b_o.to(Out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
-        if STORE_LSE:
+        if LSE is not None:
+            stride_lb, stride_lh, stride_lt = stride_lse
             tl.store(LSE + i_b.to(tl.int64) * stride_lb + o_h * stride_lh + o_t * stride_lt, b_lse, mask=m_m)
     else:
         # partials [B, Hk, S, R, D] and [B, Hk, S, R]
@@ -186,11 +213,15 @@ def decode_split_kernel(
 
 @triton.jit
 def decode_combine_kernel(
-    O_part, LSE_part, Out, LSE, n_splits, n_kv_heads,
-    stride_ob, stride_ot, stride_oh, stride_od, stride_lb, stride_lh, stride_lt,
-    SQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    O_part, LSE_part, Out, stride_o, n_splits, n_kv_heads,
+    SQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    LSE=None, stride_lse=None,
 ):
+    """The answer of one row from its splits' partials (`decode_split_kernel`): program ``(row,
+    batch * kv heads)``; Out and stride_o as the split kernel's; LSE (strides stride_lse), None when
+    the lse is not wanted."""
+    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
+    stride_ob, stride_ot, stride_oh, stride_od = stride_o
     i_r = tl.program_id(0)  # a row of the partials: (batch, kv head, row)
     i_bh = tl.program_id(1)  # batch * kv heads
     R: tl.constexpr = SQ * G
@@ -213,36 +244,40 @@ def decode_combine_kernel(
     h = i_hk * G + i_r % G
     tl.store(Out + i_b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + o_d * stride_od,
              out.to(Out.dtype.element_ty), mask=m_d)
-    if STORE_LSE:
+    if LSE is not None:
+        stride_lb, stride_lh, stride_lt = stride_lse
         tl.store(LSE + i_b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_lt, lse)
 
 
 @triton.jit
 def decode_bounds_kernel(
-    Ok, seqlens, leftpad, batch_idx, block_table, n_batch, seq_add, seq_max, n_rows, n_pages, n_table, stride_tb,
-    HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+    Ok, n_batch, seq_add, seq_max, BLOCK_B: tl.constexpr,
+    seqlens=None, leftpad=None, batch_idx=None, n_rows=None, block_table=None, stride_tb=None, n_pages=None,
+    n_table=None, PAGE: tl.constexpr = None, BLOCK_T: tl.constexpr = None,
 ):
     """``Ok[0] = 1`` when every batch row's bounds hold, else 0 (one program): ``0 <= seqlens[b] <=
     seq_max``; ``0 <= leftpad[b] <= seqlens[b] + seq_add``; ``0 <= batch_idx[b] < n_rows``; the page
-    ids ``block_table[b, :ceil((seqlens[b] + seq_add) / PAGE)]`` in ``[0, n_pages)``."""
+    ids ``block_table[b, :ceil((seqlens[b] + seq_add) / PAGE)]`` in ``[0, n_pages)``. Each vector
+    checked is None when the call has none (seqlens None: every length 0); n_rows comes with
+    batch_idx, and the table's batch stride stride_tb, n_pages, its n_table columns, PAGE and
+    BLOCK_T (the columns read at once) with block_table."""
     b_bad = tl.zeros([BLOCK_B], tl.int32)
     for b0 in range(0, n_batch, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)
         m_b = o_b < n_batch
-        if HAS_SEQLENS:
+        if seqlens is not None:
             b_s = tl.load(seqlens + o_b, mask=m_b, other=0)
         else:
             b_s = tl.zeros([BLOCK_B], tl.int32)
         b_ok = (b_s >= 0) & (b_s <= seq_max)
         b_end = tl.where(b_ok, b_s, 0) + seq_add  # (no overflow from a bad length)
-        if HAS_LEFTPAD:
+        if leftpad is not None:
             b_lp = tl.load(leftpad + o_b, mask=m_b, other=0)
             b_ok = b_ok & (b_lp >= 0) & (b_lp <= b_end)
-        if HAS_BATCH_IDX:
+        if batch_idx is not None:
             b_r = tl.load(batch_idx + o_b, mask=m_b, other=0)
             b_ok = b_ok & (b_r >= 0) & (b_r < n_rows)
-        if PAGED:
+        if block_table is not None:
             b_need = (b_end + PAGE - 1) // PAGE  # pages in use
             for t0 in range(0, n_table, BLOCK_T):
                 o_t = t0 + tl.arange(0, BLOCK_T)
@@ -257,24 +292,29 @@ def decode_bounds_kernel(
 
 @triton.jit
 def decode_append_kernel(
-    K_new, V_new, K, V, seqlens, batch_idx, block_table,
-    stride_nb, stride_nt, stride_nh, stride_nd, stride_wb, stride_wt, stride_wh, stride_wd,
-    stride_kb, stride_kn, stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd, stride_tb,
-    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
+    K_new, V_new, K, V, seqlens, stride_k_new, stride_v_new, stride_k, stride_v,
+    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    batch_idx=None, block_table=None, stride_tb=None, PAGE: tl.constexpr = None,
 ):
     """New key and value ``t`` of batch row ``b`` (program ``(t, b)``) written into the cache at position
-    ``seqlens[b] + t``: of cache row ``batch_idx[b]`` (or ``b``), or row ``pos % PAGE`` of page
-    ``block_table[b, pos // PAGE]``. (The bounds are checked before: `decode_bounds_kernel`.)"""
+    ``seqlens[b] + t``: of cache row ``batch_idx[b]`` (None: ``b``), or row ``pos % PAGE`` of page
+    ``block_table[b, pos // PAGE]`` (given with its batch stride stride_tb and PAGE). Strides one tuple
+    per tensor in its dimension order (batch, token or row, head, column). (The bounds are checked
+    before: `decode_bounds_kernel`.)"""
+    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
+    stride_nb, stride_nt, stride_nh, stride_nd = stride_k_new
+    stride_wb, stride_wt, stride_wh, stride_wd = stride_v_new
+    stride_kb, stride_kn, stride_kh, stride_kd = stride_k
+    stride_vb, stride_vn, stride_vh, stride_vd = stride_v
     i_t = tl.program_id(0)
     i_b = tl.program_id(1)
     pos = (tl.load(seqlens + i_b) + i_t).to(tl.int64)
-    if PAGED:
+    if block_table is not None:
         page = tl.load(block_table + i_b.to(tl.int64) * stride_tb + pos // PAGE).to(tl.int64)
         row_k = page * stride_kb + (pos % PAGE) * stride_kn
         row_v = page * stride_vb + (pos % PAGE) * stride_vn
     else:
-        if HAS_BATCH_IDX:
+        if batch_idx is not None:
             cache_row = tl.load(batch_idx + i_b).to(tl.int64)
         else:
             cache_row = i_b.to(tl.int64)
@@ -448,49 +488,48 @@ class DecodePlan:
         # 17% slower); block-sparse reads keep the three they were measured with. Not measured: the other
         # one-split cases this rule also covers (paged caches, several query tokens, d 256, short caches).
         stages = OVERRIDES.get("num_stages", 2 if direct and blocks is None else 3)
-        present = dict(O_part=not direct, LSE_part=not direct, LSE=store_lse, seqlens=seqlens, leftpad=leftpad,
-                       batch_idx=batch_idx, block_table=paged, alibi=alibi is not None, blk_idx=blocks is not None,
-                       blk_cnt=blocks is not None)
+        # (the split kernel's optional parameters are given only when on: `decode_split_kernel`)
+        present = dict(O_part=not direct, LSE_part=not direct, Out=direct, LSE=direct and store_lse, seqlens=seqlens,
+                       leftpad=leftpad, batch_idx=batch_idx, block_table=paged, alibi=alibi is not None,
+                       blk_idx=blocks is not None, blk_cnt=blocks is not None)
         self.take = tuple(i for i, n in enumerate(_SPLIT_TENSORS) if present.get(n, True))
         names = tuple(_SPLIT_TENSORS[i] for i in self.take)
         out_strides = (SQ * H * D, H * D, D, 1)  # out [B, SQ, H, D] and lse [B, H, SQ], made contiguous
         lse_strides = (H * SQ, SQ, 1)
-        idx, cnt = (blocks[0], blocks[1]) if blocks is not None else (None, None)
+        optional = {}
+        if direct:
+            optional.update(stride_o=out_strides, **(dict(stride_lse=lse_strides) if store_lse else {}))
+        if paged:
+            optional.update(stride_tb=block_table.stride(0), PAGE=k_cache.shape[1])
+        if alibi is not None:
+            optional.update(stride_ab=alibi.stride(0) if alibi.dim() == 2 else 0)
+        if blocks is not None:
+            idx, cnt = blocks[0], blocks[1]
+            optional.update(stride_idx=(idx.stride(0), idx.stride(1)), stride_cnt=(cnt.stride(0), cnt.stride(1)),
+                            TILES_PER_BLOCK=mask_block // BLOCK_N)
+        if softcap is not None:
+            optional.update(softcap=float(softcap))
+        if left >= 0:
+            optional.update(left=int(left))
+        if right >= 0:
+            optional.update(right=int(right))
         self.chunks = []
         for t0 in range(0, SQ, step):
             t1 = min(SQ, t0 + step)
             sq, R = t1 - t0, (t1 - t0) * G
             BLOCK_M = max(16, next_pow2(R))
-            consts = {n: None for n in _SPLIT_TENSORS if n not in names}
-            consts.update(zip(
-                ("stride_qb", "stride_qt", "stride_qh", "stride_qd"), q.stride()))
-            consts.update(zip(("stride_ob", "stride_ot", "stride_oh", "stride_od", "stride_lb", "stride_lh",
-                               "stride_lt"), out_strides + lse_strides))
-            consts.update(zip(("stride_kb", "stride_kn", "stride_kh", "stride_kd"), k_cache.stride()))
-            consts.update(zip(("stride_vb", "stride_vn", "stride_vh", "stride_vd"), v_cache.stride()))
-            consts.update(
-                stride_tb=block_table.stride(0) if paged else 0,
-                stride_ab=(alibi.stride(0) if alibi.dim() == 2 else 0) if alibi is not None else 0,
-                stride_ib=idx.stride(0) if idx is not None else 0, stride_ih=idx.stride(1) if idx is not None else 0,
-                stride_cb=cnt.stride(0) if cnt is not None else 0, stride_ch=cnt.stride(1) if cnt is not None else 0,
-                n_splits=S, q_back=SQ - t1, seq_add=int(seq_add), scale=float(scale), softcap=float(softcap or 1.0),
-                left=int(left), right=int(right), SQ=sq, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M,
-                BLOCK_N=BLOCK_N, PAGE=k_cache.shape[1] if paged else 1,
-                TILES_PER_BLOCK=(mask_block // BLOCK_N) if blocks is not None else 1,
-                HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap is not None,
-                HAS_ALIBI=alibi is not None, HAS_BATCH_IDX=batch_idx, PAGED=paged, SPARSE=blocks is not None,
-                DOT_PREC=prec, DIRECT=direct, HAS_SEQLENS=seqlens, HAS_LEFTPAD=leftpad, STORE_LSE=store_lse,
-                num_warps=OVERRIDES.get("num_warps", 4), num_stages=stages)
+            consts = dict(stride_q=tuple(q.stride()), stride_k=tuple(k_cache.stride()),
+                          stride_v=tuple(v_cache.stride()), n_splits=S, q_back=SQ - t1, seq_add=int(seq_add),
+                          scale=float(scale), SQ=sq, G=G, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PREC=prec,
+                          **optional, num_warps=OVERRIDES.get("num_warps", 4), num_stages=stages)
             split = _Launch("decode_split_kernel", (S, B, Hk), names, consts)
             combine = None
             if not direct:
                 combine = _Launch("decode_combine_kernel", (R, B * Hk),
                                   ("O_part", "LSE_part", "Out") + (("LSE",) if store_lse else ()),
-                                  dict(LSE=None, n_splits=S, n_kv_heads=Hk, **dict(zip(
-                                      ("stride_ob", "stride_ot", "stride_oh", "stride_od", "stride_lb", "stride_lh",
-                                       "stride_lt"), out_strides + lse_strides)),
-                                       SQ=sq, G=G, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, next_pow2(S)),
-                                       STORE_LSE=store_lse, num_warps=4))
+                                  dict(stride_o=out_strides, n_splits=S, n_kv_heads=Hk, SQ=sq, G=G, HEAD_DIM=D,
+                                       BLOCK_S=max(2, next_pow2(S)),
+                                       **(dict(stride_lse=lse_strides) if store_lse else {}), num_warps=4))
             self.chunks.append((t0, t1, split, combine))
         self.n_part = 0 if direct else B * Hk * S * step * G * D  # partials [B, Hk, S, R, D], then [B, Hk, S, R]
         self.n_lse_part = 0 if direct else B * Hk * S * step * G
@@ -580,15 +619,16 @@ class BoundsCheck:
                  block_table: torch.Tensor | None, seq_add: int, max_len: int, n_rows: int, n_pages: int, page: int):
         self.device, self.cuda, self.bindable = device, device.type == "cuda", bound_launches(device)
         paged = block_table is not None
-        n_table = block_table.shape[1] if paged else 0
         BLOCK_B = max(16, min(next_pow2(batch), 256))
         names = ("Ok",) + tuple(n for n, on in (("seqlens", seqlens), ("leftpad", leftpad), ("batch_idx", batch_idx),
                                                 ("block_table", paged)) if on)
-        args = dict(seqlens=None, leftpad=None, batch_idx=None, block_table=None, n_batch=batch, seq_add=int(seq_add),
-                    seq_max=int(max_len - seq_add), n_rows=n_rows, n_pages=n_pages, n_table=n_table,
-                    stride_tb=block_table.stride(0) if paged else 0, HAS_SEQLENS=seqlens, HAS_LEFTPAD=leftpad,
-                    HAS_BATCH_IDX=batch_idx, PAGED=paged, PAGE=page, BLOCK_B=BLOCK_B,
-                    BLOCK_T=max(16, min(next_pow2(n_table), 4096 // BLOCK_B)), num_warps=4)
+        args = dict(n_batch=batch, seq_add=int(seq_add), seq_max=int(max_len - seq_add), BLOCK_B=BLOCK_B, num_warps=4)
+        if batch_idx:
+            args.update(n_rows=n_rows)
+        if paged:  # (the kernel's optional parameters are given only when on: `decode_bounds_kernel`)
+            n_table = block_table.shape[1]
+            args.update(stride_tb=block_table.stride(0), n_pages=n_pages, n_table=n_table, PAGE=page,
+                        BLOCK_T=max(16, min(next_pow2(n_table), 4096 // BLOCK_B)))
         self.launch = _Launch("decode_bounds_kernel", (1,), names, args)
         self.take = tuple(i for i, on in enumerate((seqlens, leftpad, batch_idx, paged)) if on)
         self.work = {}
@@ -640,13 +680,11 @@ class Append:
         paged = block_table is not None
         names = ("K_new", "V_new", "K", "V", "seqlens") + (("batch_idx",) if batch_idx else ()) \
             + (("block_table",) if paged else ())
-        args = dict(batch_idx=None, block_table=None, stride_tb=block_table.stride(0) if paged else 0,
-                    N_HEADS=Hk, HEAD_DIM=D, BLOCK_H=next_pow2(Hk), BLOCK_D=max(16, next_pow2(D)),
-                    PAGE=k_cache.shape[1] if paged else 1, HAS_BATCH_IDX=batch_idx, PAGED=paged, num_warps=4)
-        for prefix, t in (("n", k_new), ("w", v_new), ("k", k_cache), ("v", v_cache)):
-            dims = "btd" if prefix in "nw" else "bnd"
-            args.update({f"stride_{prefix}{dims[0]}": t.stride(0), f"stride_{prefix}{dims[1]}": t.stride(1),
-                         f"stride_{prefix}h": t.stride(2), f"stride_{prefix}d": t.stride(3)})
+        args = dict(stride_k_new=tuple(k_new.stride()), stride_v_new=tuple(v_new.stride()),
+                    stride_k=tuple(k_cache.stride()), stride_v=tuple(v_cache.stride()), N_HEADS=Hk, HEAD_DIM=D,
+                    BLOCK_H=next_pow2(Hk), num_warps=4)
+        if paged:
+            args.update(stride_tb=block_table.stride(0), PAGE=k_cache.shape[1])
         self.launch = _Launch("decode_append_kernel", (SN, B), names, args)
 
     def __call__(self, k_new, v_new, k_cache, v_cache, seqlens, batch_idx=None, block_table=None, route=None) -> None:

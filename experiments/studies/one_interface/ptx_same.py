@@ -3,14 +3,17 @@
 causal + key_lengths, block lists of 128 and 256, exact bits) and the portable kernels' builds of
 `PORTABLE_CASES` (forward, dQ and dK/dV through the real launchers, d 64 and 128: dense, causal,
 key lengths, block lists, exact bits, dropout, segments, key ranges, ALiBi + softcap, LSE
-gradient, TMA descriptors, and fp16 at d=40 with ALIGN) for sm_90 on any machine (no GPU) and
-writes each PTX with its line-number and debug records removed, so a moved or renamed source file
-compares equal.
+gradient, TMA descriptors, and fp16 at d=40 with ALIGN) and the decode kernels' builds of
+`DECODE_CASES` (the split kernel and its combine through `decode.plan`'s launches, d 64 and 128:
+dense and paged caches, block lists, GQA, softcap, ALiBi, left / right windows, key lengths or the
+whole cache, leftpad, batch index, LSE stored or not, one split or several, query chunks, fp32;
+the bounds check and the append of some of them) for sm_90 on any machine (no GPU) and writes each PTX with its line-number and debug records
+removed, so a moved or renamed source file compares equal.
 
-    python -m sparseflash.experiments.studies.one_interface.ptx_same dump DIR [hopper|portable]
+    python -m sparseflash.experiments.studies.one_interface.ptx_same dump DIR [hopper|portable|decode]
     python -m sparseflash.experiments.studies.one_interface.ptx_same compare OLD_DIR NEW_DIR
 
-``dump`` writes both sets unless one is named; ``compare`` compares the files OLD_DIR has.
+``dump`` writes every set unless one is named; ``compare`` compares the files OLD_DIR has.
 
 ``compare`` names each kernel "same", "reordered" (the same instructions, registers renumbered, in
 another order: what a change of the kernel's signature leaves, as the parameters are loaded in
@@ -48,6 +51,8 @@ def dump(out: str, which: str = "all") -> int:
     os.makedirs(out, exist_ok=True)
     if which in ("all", "portable"):
         dump_portable(out)
+    if which in ("all", "decode"):
+        dump_decode(out)
     if which in ("all", "hopper"):
         dump_hopper(out)
     return 0
@@ -158,6 +163,101 @@ def dump_portable(out: str) -> None:
         for names in pool.map(_portable_job, jobs):
             if len(names) != 3:
                 raise RuntimeError(f"expected three kernels, compiled {names}")
+            print(" ".join(names), flush=True)
+
+
+# The decode kernels' cases: label -> (head dims, options of `_decode_case`). GQA 8 / 2 unless heads
+# says otherwise; splits: the plan's split count (1: the split kernel stores the answer, no combine);
+# check: the call's bounds check too; new: the append of that many new keys too.
+DECODE_CASES = {
+    "dense-split": ((64, 128), dict(splits=3, check=True, new=1)),
+    "dense-direct-nolse": ((64, 128), dict(splits=1, lse=False)),
+    "fp16-mha-direct": ((64,), dict(dtype="float16", heads=(4, 4), splits=1)),
+    "fp32-direct": ((64,), dict(dtype="float32", splits=1)),
+    "paged-causal-softcap-alibi": ((64, 128), dict(paged=True, window=(-1, 0), softcap=30.0, alibi="heads",
+                                                   splits=2, check=True, new=2)),
+    "paged-whole-window-direct": ((64, 128), dict(paged=True, seqlens=False, seq_add=1024, window=(16, 0),
+                                                  splits=1, lse=False, check=True)),
+    "leftpad-batchidx-alibi-split": ((64, 128), dict(leftpad=True, batch_idx=True, alibi="batch", splits=2,
+                                                     seq_add=1, check=True, new=1)),
+    "leftpad-right-direct": ((64,), dict(leftpad=True, window=(-1, 3), splits=1, seq_q=2)),
+    "lists-split": ((64, 128), dict(blocks=True, splits=2)),
+    "lists-direct-left": ((64, 128), dict(blocks=True, splits=1, window=(100, -1))),
+    "lists-paged-leftpad-causal": ((64,), dict(blocks=True, paged=True, leftpad=True, window=(-1, 0), splits=2,
+                                               check=True)),
+    "chunks-window": ((64,), dict(seq_q=40, window=(50, 8), splits=2, softcap=10.0)),
+}
+
+
+def _decode_case(d: int, heads=(8, 2), seq_q=1, dtype="bfloat16", splits=2, lse=True, paged=False, seqlens=True,
+                 leftpad=False, batch_idx=False, blocks=False, window=(-1, -1), softcap=None, alibi=None, seq_add=0,
+                 cache=1024, check=False, new=0) -> dict:
+    """{kernel name: CompiledKernel} of one decode call's launches (with ``check`` the bounds check
+    `decode.bounds_check`, with ``new`` the append `decode.append`, as `flash_attn_with_kvcache`
+    makes them; then `decode.plan`'s call: the split kernel, with several splits its combine, per
+    query chunk of 64 rows: later chunks' builds as "name.1", ...), compiled for sm_90 through
+    Triton's own specialisation (a stand-in driver, `inspect_kernels.compile_launches`)."""
+    import torch
+
+    from sparseflash.experiments.bench.inspect_kernels import compile_launches
+    from sparseflash.flash import decode
+
+    B, (H, Hk), page = 2, heads, 64
+    dt = getattr(torch, dtype)
+    q = torch.zeros(B, seq_q, H, d, dtype=dt)
+    table = None
+    if paged:
+        k, v = (torch.zeros(B * cache // page + 3, page, Hk, d, dtype=dt) for _ in range(2))
+        table = torch.arange(B * cache // page, dtype=torch.int32).view(B, -1)
+    else:
+        k, v = (torch.zeros(B + batch_idx, cache, Hk, d, dtype=dt) for _ in range(2))
+    blk = (torch.zeros(B, Hk, 3, dtype=torch.int32), torch.zeros(B, Hk, dtype=torch.int32), 128) if blocks else None
+    slopes = None if alibi is None else torch.zeros(H) if alibi == "heads" else torch.zeros(B, H)
+    vec = torch.zeros(B, dtype=torch.int32)
+    runs = []
+    if check:
+        c = decode.bounds_check(torch.device("cpu"), B, seqlens=seqlens, leftpad=leftpad, batch_idx=batch_idx,
+                                block_table=table, seq_add=new if seqlens else cache, max_len=cache,
+                                n_rows=k.shape[0], n_pages=k.shape[0], page=k.shape[1])
+        runs.append(lambda: c(vec if seqlens else None, vec if leftpad else None, vec if batch_idx else None, table))
+    if new:
+        kn, vn = (torch.zeros(B, new, Hk, d, dtype=dt) for _ in range(2))
+        a = decode.append(kn, vn, k, v, batch_idx=batch_idx, block_table=table)
+        runs.append(lambda: a(kn, vn, k, v, vec, vec if batch_idx else None, table))
+    p = decode.plan(q, k, v, scale=d ** -0.5, window=window, softcap=softcap, alibi=slopes, batch_idx=batch_idx,
+                    block_table=table, blocks=blk, seqlens=seqlens, leftpad=leftpad, seq_add=seq_add,
+                    num_splits=splits, max_len=cache, store_lse=lse)
+    runs.append(lambda: p(q, k, v, vec if seqlens else None, vec if leftpad else None, vec if batch_idx else None,
+                          table, slopes, blk))
+    return compile_launches(lambda: [run() for run in runs], every=True)
+
+
+def _decode_job(job) -> list:
+    out, label, d = job
+    names = []
+    for name, ck in sorted(_decode_case(d, **DECODE_CASES[label][1]).items()):
+        names.append(f"decode-{name}-d{d}-{label}.ptx")
+        with open(os.path.join(out, names[-1]), "w") as f:
+            f.write(normalised(ck.asm["ptx"]))
+    return names
+
+
+def dump_decode(out: str) -> None:
+    """The decode kernels' builds of every `DECODE_CASES` case, in processes of their own
+    (SPARSEFLASH_PTX_JOBS, default the CPUs)."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+
+    jobs = [(out, label, d) for label, (dims, _) in DECODE_CASES.items() for d in dims]
+    workers = int(os.environ.get("SPARSEFLASH_PTX_JOBS", "0")) or os.cpu_count() or 1
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for (_, label, d), names in zip(jobs, pool.map(_decode_job, jobs)):
+            kw = DECODE_CASES[label][1]
+            if not any("split_kernel" in n for n in names) \
+                    or any("combine" in n for n in names) != (kw.get("splits", 2) > 1) \
+                    or any("bounds" in n for n in names) != kw.get("check", False) \
+                    or any("append" in n for n in names) != bool(kw.get("new")):
+                raise RuntimeError(f"{label} d{d}: unexpected kernels {names}")
             print(" ".join(names), flush=True)
 
 
