@@ -50,7 +50,7 @@ import triton.language as tl
 
 from sparseflash import _env
 from sparseflash.flash import binding
-from sparseflash.flash.kernels import _block_d
+from sparseflash.flash.kernels import block_d
 from sparseflash.flash.operands import next_pow2
 
 INTERPRETING = _env.interpreting()
@@ -86,7 +86,7 @@ def decode_split_kernel(
       cache blocks of each (batch, kv head) and their counts; a block is TILES_PER_BLOCK key tiles;
     - softcap: the cap; left, right: the window's bounds (keys at most ``left`` before / ``right``
       after the query)."""
-    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     DIRECT: tl.constexpr = O_part is None  # one split: the answer stored here, no partials
     PAGED: tl.constexpr = block_table is not None
     SPARSE: tl.constexpr = blk_idx is not None
@@ -220,7 +220,7 @@ def decode_combine_kernel(
     """The answer of one row from its splits' partials (`decode_split_kernel`): program ``(row,
     batch * kv heads)``; Out and stride_o as the split kernel's; LSE (strides stride_lse), None when
     the lse is not wanted."""
-    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     stride_ob, stride_ot, stride_oh, stride_od = stride_o
     i_r = tl.program_id(0)  # a row of the partials: (batch, kv head, row)
     i_bh = tl.program_id(1)  # batch * kv heads
@@ -301,7 +301,7 @@ def decode_append_kernel(
     ``block_table[b, pos // PAGE]`` (given with its batch stride stride_tb and PAGE). Strides one tuple
     per tensor in its dimension order (batch, token or row, head, column). (The bounds are checked
     before: `decode_bounds_kernel`.)"""
-    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     stride_nb, stride_nt, stride_nh, stride_nd = stride_k_new
     stride_wb, stride_wt, stride_wh, stride_wd = stride_v_new
     stride_kb, stride_kn, stride_kh, stride_kd = stride_k

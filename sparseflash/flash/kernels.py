@@ -115,7 +115,7 @@ _RNG_ARGS = ["drop_thresh"]
 
 
 @triton.constexpr_function
-def _block_d(head_dim):
+def block_d(head_dim):
     """The tiles' column count: head_dim rounded up to a power of two, at least 16 (`tiles.block_d`)."""
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -581,7 +581,7 @@ def fwd_kernel(Q, K, V, O, LSE, stride_q, stride_k, stride_v, stride_o,
     derived from its pointer at the top of the body. SOFTCAP: the cap, None when off.
     KV_TILE, BITS (EXACT; None otherwise): the bit-tile index of each row-list entry (int32, laid
     out as KV_IDX) and the bit tiles (module docstring)."""
-    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     # every optional feature is on when its pointer is given (None: a constexpr, compiled out)
     DENSE: tl.constexpr = KV_IDX is None
     DROPOUT: tl.constexpr = RNG is not None
@@ -785,7 +785,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
     without TMA None. SEG_Q, SEG_K, RANGES, SLOPES: as the forward's.
     Q_TILE, BITS (EXACT; None otherwise): the bit-tile index of each column-list entry (laid out
     as Q_IDX) and the bit tiles. Flags from pointers as in the forward."""
-    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     DENSE: tl.constexpr = Q_IDX is None
     HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
     DROPOUT: tl.constexpr = RNG is not None
@@ -977,7 +977,7 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, 
     DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
     without TMA None. KV_TILE, BITS (EXACT): as the forward's. DLSE: the LSE's incoming gradient,
     None when it has none. Flags from pointers as in the forward."""
-    BLOCK_D: tl.constexpr = _block_d(HEAD_DIM)
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     DENSE: tl.constexpr = KV_IDX is None
     DROPOUT: tl.constexpr = RNG is not None
     HAS_DLSE: tl.constexpr = DLSE is not None
