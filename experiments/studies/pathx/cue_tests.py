@@ -40,11 +40,11 @@ The sets:
   balancing). This part needs no checkpoint.
 
 The six committed Pathfinder-32 exports (seeds 0-2, dense and butterfly 0.5; the run of
-``results/cue_tests_pf32``, about 40 minutes on 2 CPU cores):
+``results/cue_tests_pf32``, 30 minutes on 2 CPU cores; results in the study's README):
 
-    OMP_NUM_THREADS=2 PYTHONPATH=. python experiments/studies/pathx/cue_tests.py experiments/lra/weights/*-bip-s? \
-        --resolution 32 --num 2000 --swap 5 7.5 --device cpu --workers 2 --threads 2 \
-        --out experiments/studies/pathx/results/cue_tests_pf32
+    OMP_NUM_THREADS=2 PYTHONPATH=. python experiments/studies/pathx/cue_tests.py experiments/lra/weights/dense-bip-s{0,1,2} \
+        experiments/lra/weights/butterfly-bip-s{0,1,2} --resolution 32 --num 3000 --balance-pool 8000 --swap 5 7.5 \
+        --device cpu --workers 2 --threads 2 --out experiments/studies/pathx/results/cue_tests_pf32
 
 The Path-X / Path-256 headline models (their checkpoints are not kept in the repository; the paths
 are where the campaigns write them, as `experiments/studies/pathx/results/*/zero_shot.json` name them):
