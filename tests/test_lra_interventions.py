@@ -200,7 +200,9 @@ def test_score_follow_and_flip_rates():
 
 
 def test_cue_tests_command_on_a_tiny_model(tmp_path):
-    """The whole command at 32 px on a small untrained Pathfinder-32 model (CPU): the tables it writes."""
+    """The whole command at 32 px on a small untrained Pathfinder-32 model (CPU), given as an exported
+    run's folder (``<run>/model.pt``, labelled by the folder's name): the tables it writes; the images
+    come from the interventions' stream (57), not the untouched stream 56."""
     import json
 
     import torch
@@ -211,15 +213,16 @@ def test_cue_tests_command_on_a_tiny_model(tmp_path):
 
     cfg = get_config("pathfinder32", "quick", ["model.d_model=16", "model.d_ff=16", "model.attention=sdpa"])
     torch.manual_seed(0)
+    (tmp_path / "tiny").mkdir()
     torch.save({"config": cfg.to_dict(), "model": build_model(cfg.validate()).state_dict(), "step": 7},
-               tmp_path / "best.pt")
-    assert cue_tests.main([str(tmp_path / "best.pt"), "--labels", "tiny", "--resolution", "32", "--num", "40",
+               tmp_path / "tiny" / "model.pt")
+    assert cue_tests.main([str(tmp_path / "tiny"), "--resolution", "32", "--num", "40",
                            "--balance-pool", "200", "--workers", "1", "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
     rows = json.loads((tmp_path / "o" / "cue_tests.json").read_text())["rows"]
     assert [(r["set"], r["class"]) for r in rows] == [
         ("fresh", "all"), ("cut", "cut positives"), ("cut", "joined negatives"), ("control", "positives"),
         ("control", "negatives"), ("dashed-join", "joined negatives"), ("swapR5", "all"), ("balanced", "all")]
-    assert all(r["label"] == "tiny" and r["step"] == 7 for r in rows)
+    assert all(r["label"] == "tiny" and r["step"] == 7 and r["checkpoint"].endswith("model.pt") for r in rows)
     assert rows[0]["n"] == 40 and rows[1]["n"] + rows[1]["n_skipped"] == 20
     assert rows[3]["n"] + rows[3]["n_skipped"] == 20 and rows[4]["n"] + rows[4]["n_skipped"] == 20
     assert rows[5]["n"] + rows[5]["n_skipped"] == 20
@@ -227,8 +230,11 @@ def test_cue_tests_command_on_a_tiny_model(tmp_path):
     assert {(r["set"], r["feature"]) for r in probe["rows"]} == {(s, f) for s in ("all", "balanced")
                                                                  for f in ("coords", "paddle-directions", "patches")}
     assert probe["meta"]["cut_positives"] == rows[1]["n"] and probe["meta"]["commit"]
+    assert probe["meta"]["stream"] == cue_tests.STREAM == 57 and cue_tests.HELD_OUT == 56
+    held_out = cue_tests.make_images(32, 2, 2, controls=False, stream=cue_tests.HELD_OUT)["images"]
+    assert not np.array_equal(cue_tests.make_images(32, 2, 2, controls=False)["images"], held_out)
     with pytest.raises(SystemExit, match="'pathfinder32' model; --resolution 128"):
-        cue_tests.load_model(tmp_path / "best.pt", 128, "cpu")
+        cue_tests.load_model(tmp_path / "tiny", 128, "cpu")
 
 
 def test_weights_export_is_bf16_small_and_loads_where_best_pt_does(tmp_path):

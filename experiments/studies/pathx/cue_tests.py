@@ -1,12 +1,17 @@
 """Does a Pathfinder model trace the path? The cut test, the swap test and cue-balanced sets, at any resolution.
 
     PYTHONPATH=. python experiments/studies/pathx/cue_tests.py [CHECKPOINT ...] --resolution 32|64|128|256 \\
-        [--labels NAME ...] [--num 2000] [--seed 2] [--swap R ...] [--balance-pool 8000] --out DIR
+        [--labels NAME ...] [--num 2000] [--seed 2] [--stream 57] [--swap R ...] [--balance-pool 8000] --out DIR
 
 Fresh hard release images (``--seed``, default 2: the training sets used 0, the earlier fresh
-sets 1) are drawn with the generator's layers, and each checkpoint (a ``sparseflash lra train``
-or ``neighbourhood.py`` run's ``best.pt`` of the image's task: Pathfinder-32 / 64, Path-X,
-Path-256) is evaluated, unchanged, on:
+sets 1) are drawn with the generator's layers on the generator stream ``--stream`` (default
+``STREAM``, 57: the interventions' images), and each checkpoint is evaluated, unchanged. A
+checkpoint is a ``sparseflash lra train`` or ``neighbourhood.py`` run's ``best.pt`` of the image's
+task (Pathfinder-32 / 64, Path-X, Path-256), an exported ``model.pt`` or the folder holding one
+(``experiments/lra/weights/<run>/``, `experiments/lra/weights.py`; its label defaults to the
+folder's name). Stream 56 (``HELD_OUT``) holds the untouched sets of issue 68, which no model
+has answered yet: they are for the final scores, used once (``--stream 56``), not for these tests.
+The sets:
 
 - ``fresh``: the images as drawn (accuracy).
 - ``cut``: ``interventions.cut`` on the positives (the marked snake severed by taking out paddles
@@ -34,11 +39,16 @@ Path-256) is evaluated, unchanged, on:
   as a check on what balancing leaves, the marker-patch MLP, held out, before and after
   balancing). This part needs no checkpoint.
 
-The headline models (their checkpoints are not kept in the repository; the paths are where the
-campaigns write them, as `experiments/studies/pathx/results/*/zero_shot.json` name them):
+The six committed Pathfinder-32 exports (seeds 0-2, dense and butterfly 0.5; the run of
+``results/cue_tests_pf32``, 30 minutes on 2 CPU cores; results in the study's README):
 
-    python experiments/studies/pathx/cue_tests.py runs/pf32r/dense-bip/checkpoints/best.pt \
-        runs/pf32r/butterfly-bip/checkpoints/best.pt --labels dense butterfly --resolution 32 --workers 16 --out OUT/r32
+    OMP_NUM_THREADS=2 PYTHONPATH=. python experiments/studies/pathx/cue_tests.py experiments/lra/weights/dense-bip-s{0,1,2} \
+        experiments/lra/weights/butterfly-bip-s{0,1,2} --resolution 32 --num 3000 --balance-pool 8000 --swap 5 7.5 \
+        --device cpu --workers 2 --threads 2 --out experiments/studies/pathx/results/cue_tests_pf32
+
+The Path-X / Path-256 headline models (their checkpoints are not kept in the repository; the paths
+are where the campaigns write them, as `experiments/studies/pathx/results/*/zero_shot.json` name them):
+
     python experiments/studies/pathx/cue_tests.py pxstate/nb-cont-lr3e-4/runs/cont-lr3e-4-1-full/checkpoints/best.pt \
         pxstate/nb-cont-dense/runs/cont-dense-1-full/checkpoints/best.pt pxstate/nb-cont-bfly/runs/cont-bfly-1-full/checkpoints/best.pt \
         --labels dense-lr3e-4 dense butterfly --resolution 128 --workers 16 --out OUT/r128
@@ -62,6 +72,8 @@ import numpy as np
 from sparseflash.experiments.lra.checkpoints import load_checkpoint
 
 TASK_OF = {32: "pathfinder32", 64: "pathfinder64", 128: "pathx", 256: "path256"}
+STREAM = 57  # the generator stream of the intervention sets (weights.py's evaluation sets use 68)
+HELD_OUT = 56  # the untouched sets (issue 68): the final scores, used once
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cue_tests"
 
 
@@ -72,10 +84,10 @@ def _chunk(job):
     from sparseflash.experiments.lra.data import pathfinder as pf
     from sparseflash.experiments.lra.probe import marker_coords, marker_patches, patch_half
 
-    seed, chunk, count, fidelity, res, radius, n_paddles, controls = job
+    seed, chunk, count, fidelity, res, radius, n_paddles, controls, stream = job
     p = pf.params_for(res, "hard", fidelity)
     labels = [(chunk * pf.CHUNK[res] + i) % 2 for i in range(pf.CHUNK[res])]
-    made = pf.render_many(p, np.random.default_rng([seed, res, 56, chunk]), labels, True)[:count]
+    made = pf.render_many(p, np.random.default_rng([seed, res, stream, chunk]), labels, True)[:count]
     images = np.stack([img for img, _ in made]).astype(np.uint8)
     tips = np.asarray([[tuple(int(v) for v in t) for t in lay["tips"]] for _, lay in made], np.int16)
     changed, ok = np.zeros_like(images), np.zeros(len(made), bool)
@@ -99,8 +111,8 @@ def _chunk(job):
 
 def make_images(resolution: int, num: int, seed: int, *, fidelity: str = "release", workers: int = 1,
                 radius: float | None = None, n_paddles: int = 2, show_progress: bool = False,
-                controls: bool = True) -> dict:
-    """``num`` fresh hard images and what the tests need: ``images``, ``tips``, ``labels``,
+                controls: bool = True, stream: int = STREAM) -> dict:
+    """``num`` fresh hard images (generator stream ``stream``) and what the tests need: ``images``, ``tips``, ``labels``,
     ``changed`` (the cut / joined image, where ``ok``), ``ok``, ``coords`` ``[n, 4]``, ``cos`` ``[n]``,
     ``patches`` (`probe.marker_patches`); with ``controls`` also ``control`` / ``control_ok``
     (`interventions.control_cut` matched to the image's cut or join) and ``dashed`` / ``dashed_ok``
@@ -115,14 +127,14 @@ def make_images(resolution: int, num: int, seed: int, *, fidelity: str = "releas
         raise ValueError(f"num must be at least 2, got {num}")
     radius = iv.default_radius(resolution) if radius is None else float(radius)
     K = pf.CHUNK[resolution]
-    jobs = [(seed, c, min(K, num - c * K), fidelity, resolution, radius, n_paddles, controls)
+    jobs = [(seed, c, min(K, num - c * K), fidelity, resolution, radius, n_paddles, controls, stream)
             for c in range(-(-num // K))]
     parts = list(run_ordered(_chunk, jobs, workers, f"cue tests {resolution}px {fidelity}", total=num,
                              weight=lambda r: len(r[2]), show_progress=show_progress))
     keys = ("images", "tips", "labels", "changed", "ok", "coords", "cos", "patches", "control", "control_ok",
             "dashed", "dashed_ok")
     out = {k: np.concatenate([part[i] for part in parts]) for i, k in enumerate(keys)}
-    out.update(resolution=resolution, radius=radius, n_paddles=n_paddles, fidelity=fidelity, seed=seed)
+    out.update(resolution=resolution, radius=radius, n_paddles=n_paddles, fidelity=fidelity, seed=seed, stream=stream)
     return out
 
 
@@ -159,6 +171,20 @@ def balance_probe(data: dict, *, seed: int = 0, bins: int = 20, epochs: int = 60
 
 
 # ----------------------------------------------------------------------------- the models
+def checkpoint_file(path) -> Path:
+    """``path`` itself, or ``path/model.pt`` when ``path`` is an exported run's folder."""
+    path = Path(path)
+    return path / "model.pt" if path.is_dir() else path
+
+
+def default_label(path) -> str:
+    """A checkpoint's name in the table: an export's folder name (``.../weights/dense-bip-s0``), else the path."""
+    path = Path(path)
+    if path.is_dir():
+        return path.name
+    return path.parent.name if path.name == "model.pt" else str(path)
+
+
 def load_model(path: Path, resolution: int, device: str):
     """The checkpoint's model in eval mode (a task of ``resolution``; SDPA attention on a CPU).
 
@@ -172,6 +198,7 @@ def load_model(path: Path, resolution: int, device: str):
     from sparseflash.experiments.lra.model import load_pretrained
     from sparseflash.experiments.lra.train import build_model
 
+    path = checkpoint_file(path)
     ck = load_checkpoint(path)
     if "config" not in ck or "model" not in ck:
         raise SystemExit(f"{path}: not a training checkpoint (needs 'config' and 'model'); give a run's best.pt")
@@ -264,11 +291,15 @@ def score(pred: np.ndarray, pred_changed: np.ndarray, data: dict, swaps: dict, b
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoints", nargs="*", type=Path, help="best.pt of runs of the resolution's task (none: the probe part only)")
+    ap.add_argument("checkpoints", nargs="*", type=Path,
+                    help="best.pt of runs of the resolution's task, exported model.pt or their folders "
+                         "(experiments/lra/weights/<run>); none: the probe part only")
     ap.add_argument("--labels", nargs="*", default=None, help="a name for each checkpoint")
     ap.add_argument("--resolution", type=int, choices=tuple(TASK_OF), required=True)
     ap.add_argument("--num", type=int, default=2000, help="fresh images (default 2000)")
     ap.add_argument("--seed", type=int, default=2, help="their seed (default 2; training used 0, earlier fresh sets 1)")
+    ap.add_argument("--stream", type=int, default=STREAM,
+                    help=f"their generator stream (default {STREAM}; {HELD_OUT}: the untouched sets, for the final scores only)")
     ap.add_argument("--fidelity", choices=("release", "clean"), default="release")
     ap.add_argument("--radius", type=float, default=None,
                     help="nothing changes within this many px of a marker (default 1.5 x the probe's patch half-size)")
@@ -291,8 +322,8 @@ def main(argv=None) -> int:
     if a.n_paddles < 1:
         ap.error(f"--n-paddles must be at least 1, got {a.n_paddles}")
     for c in a.checkpoints:
-        if not c.is_file():
-            ap.error(f"checkpoint {c}: no such file")
+        if not checkpoint_file(c).is_file():
+            ap.error(f"checkpoint {c}: no such file" + (" (a folder without model.pt)" if c.is_dir() else ""))
     import torch
 
     from sparseflash.experiments.bench.results import write_tidy
@@ -306,12 +337,12 @@ def main(argv=None) -> int:
     swap_radii = a.swap if a.swap is not None else [float(math.ceil(RESOLUTIONS[a.resolution]["marker_radius"]) + 3)]
     t0 = time.perf_counter()
     data = make_images(a.resolution, a.num, a.seed, fidelity=a.fidelity, workers=a.workers, radius=a.radius,
-                       n_paddles=a.n_paddles)
+                       n_paddles=a.n_paddles, stream=a.stream)
     pool = make_images(a.resolution, a.balance_pool, a.seed + 100, fidelity=a.fidelity, workers=a.workers,
-                       radius=a.radius, n_paddles=a.n_paddles, controls=False)
+                       radius=a.radius, n_paddles=a.n_paddles, controls=False, stream=a.stream)
     balanced, probe_rows = balance_probe(pool, seed=a.seed)
     made_s = round(time.perf_counter() - t0, 1)
-    meta = {"resolution": a.resolution, "num": a.num, "seed": a.seed, "balance_pool": a.balance_pool,
+    meta = {"resolution": a.resolution, "num": a.num, "seed": a.seed, "stream": a.stream, "balance_pool": a.balance_pool,
             "balance_seed": a.seed + 100, "fidelity": a.fidelity, "radius": data["radius"], "n_paddles": a.n_paddles,
             "swap": swap_radii, "device": device, "images_s": made_s,
             "cut_positives": int(data["ok"][data["labels"] == 1].sum()), "positives": int((data["labels"] == 1).sum()),
@@ -331,13 +362,13 @@ def main(argv=None) -> int:
         pred_dashed = predict(model, data["dashed"][data["dashed_ok"]], device, a.batch_size)
         swaps = {k: (predict(model, im, device, a.batch_size), lab.astype(np.int64)) for k, (im, lab) in swap_sets.items()}
         bal = (predict(model, pool["images"][balanced], device, a.batch_size), pool["labels"][balanced].astype(np.int64))
-        label = a.labels[i] if a.labels else str(c)
+        label = a.labels[i] if a.labels else default_label(c)
         for r in score(pred, pred_changed, data, swaps, bal, pred_control, pred_dashed):
-            rows.append({"label": label, "checkpoint": str(c), "step": step, **r,
+            rows.append({"label": label, "checkpoint": str(checkpoint_file(c)), "step": step, **r,
                          "seconds": round(time.perf_counter() - t1, 1)})
     if rows:
         write_tidy(rows, meta, a.out, "cue_tests", "cue-tests/1")
-    print(f"\n{a.resolution} px {a.fidelity}, seed {a.seed}: {int(data['ok'].sum())} of {a.num} images cut or joined "
+    print(f"\n{a.resolution} px {a.fidelity}, seed {a.seed}, stream {a.stream}: {int(data['ok'].sum())} of {a.num} images cut or joined "
           f"(radius {data['radius']:g} px), balanced set {len(balanced)} of {a.balance_pool} images ({made_s} s)")
     for r in probe_rows:
         print(f"  probe {r['feature']:17s} on {r['set']:8s} ({r['n']:5d} images): {100 * r['acc']:.1f} +- {100 * r['se']:.1f}%")
