@@ -141,29 +141,38 @@ def _portable_case(d: int, causal=False, keylen=False, lists=False, dlse=False, 
         policy.interpreting, policy.TMA_MODE, dispatch.HOPPER_EXACT = saved
 
 
-def _portable_job(job) -> list:
-    out, label, d = job
+def _family_job(job) -> list:
+    """One case of a family (``portable`` or ``decode``) compiled and written out: the file names."""
+    out, family, label, d = job
+    cases, compile_case = {"portable": (PORTABLE_CASES, _portable_case), "decode": (DECODE_CASES, _decode_case)}[family]
     names = []
-    for name, ck in sorted(_portable_case(d, **PORTABLE_CASES[label][1]).items()):
-        names.append(f"portable-{name}-d{d}-{label}.ptx")
+    for name, ck in sorted(compile_case(d, **cases[label][1]).items()):
+        names.append(f"{family}-{name}-d{d}-{label}.ptx")
         with open(os.path.join(out, names[-1]), "w") as f:
             f.write(normalised(ck.asm["ptx"]))
     return names
 
 
-def dump_portable(out: str) -> None:
-    """The portable kernels' builds of every `PORTABLE_CASES` case (fwd_kernel, bwd_dq_kernel,
-    bwd_dkdv_kernel each), in processes of their own (SPARSEFLASH_PTX_JOBS, default the CPUs)."""
+def _dump_family(out: str, family: str, cases: dict):
+    """(label, head dim, file names) of every case of ``cases``, each compiled in a process of its own
+    (SPARSEFLASH_PTX_JOBS, default the CPUs), in order."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
-    jobs = [(out, label, d) for label, (dims, _) in PORTABLE_CASES.items() for d in dims]
+    jobs = [(out, family, label, d) for label, (dims, _) in cases.items() for d in dims]
     workers = int(os.environ.get("SPARSEFLASH_PTX_JOBS", "0")) or os.cpu_count() or 1
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for names in pool.map(_portable_job, jobs):
-            if len(names) != 3:
-                raise RuntimeError(f"expected three kernels, compiled {names}")
-            print(" ".join(names), flush=True)
+        for (_, _, label, d), names in zip(jobs, pool.map(_family_job, jobs)):
+            yield label, d, names
+
+
+def dump_portable(out: str) -> None:
+    """The portable kernels' builds of every `PORTABLE_CASES` case (fwd_kernel, bwd_dq_kernel,
+    bwd_dkdv_kernel each)."""
+    for _, _, names in _dump_family(out, "portable", PORTABLE_CASES):
+        if len(names) != 3:
+            raise RuntimeError(f"expected three kernels, compiled {names}")
+        print(" ".join(names), flush=True)
 
 
 # The decode kernels' cases: label -> (head dims, options of `_decode_case`). GQA 8 / 2 unless heads
@@ -232,33 +241,16 @@ def _decode_case(d: int, heads=(8, 2), seq_q=1, dtype="bfloat16", splits=2, lse=
     return compile_launches(lambda: [run() for run in runs], every=True)
 
 
-def _decode_job(job) -> list:
-    out, label, d = job
-    names = []
-    for name, ck in sorted(_decode_case(d, **DECODE_CASES[label][1]).items()):
-        names.append(f"decode-{name}-d{d}-{label}.ptx")
-        with open(os.path.join(out, names[-1]), "w") as f:
-            f.write(normalised(ck.asm["ptx"]))
-    return names
-
-
 def dump_decode(out: str) -> None:
-    """The decode kernels' builds of every `DECODE_CASES` case, in processes of their own
-    (SPARSEFLASH_PTX_JOBS, default the CPUs)."""
-    from concurrent.futures import ProcessPoolExecutor
-    import multiprocessing
-
-    jobs = [(out, label, d) for label, (dims, _) in DECODE_CASES.items() for d in dims]
-    workers = int(os.environ.get("SPARSEFLASH_PTX_JOBS", "0")) or os.cpu_count() or 1
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for (_, label, d), names in zip(jobs, pool.map(_decode_job, jobs)):
-            kw = DECODE_CASES[label][1]
-            if not any("split_kernel" in n for n in names) \
-                    or any("combine" in n for n in names) != (kw.get("splits", 2) > 1) \
-                    or any("bounds" in n for n in names) != kw.get("check", False) \
-                    or any("append" in n for n in names) != bool(kw.get("new")):
-                raise RuntimeError(f"{label} d{d}: unexpected kernels {names}")
-            print(" ".join(names), flush=True)
+    """The decode kernels' builds of every `DECODE_CASES` case."""
+    for label, d, names in _dump_family(out, "decode", DECODE_CASES):
+        kw = DECODE_CASES[label][1]
+        if not any("split_kernel" in n for n in names) \
+                or any("combine" in n for n in names) != (kw.get("splits", 2) > 1) \
+                or any("bounds" in n for n in names) != kw.get("check", False) \
+                or any("append" in n for n in names) != bool(kw.get("new")):
+            raise RuntimeError(f"{label} d{d}: unexpected kernels {names}")
+        print(" ".join(names), flush=True)
 
 
 def dump_hopper(out: str) -> None:
