@@ -10,6 +10,10 @@ Runs two forward + backward calls of the case (`compare.case`: 16 heads, bf16, 1
 with the variant's study overrides (`compare.VARIANTS`, set by `compare.variant`), so the second
 call's backward is the kernel to profile (the first compiles). `ncu_bwd summary` turns ncu's
 per-instruction samples into the stall reasons and the SASS lines that hold them. Needs an sm_90 GPU.
+
+``--provider fa4``: the same calls through FlashAttention-4 (`flash_attn.cute.flash_attn_func` on the
+[B, N, H, D] views of the same tensors; dense and causal cases), to profile its SM90 backward beside
+ours (ncu ``--kernel-name regex:BackwardSm90``: its main kernel, not the pre / post-processing).
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ def main(argv=None) -> int:
     ap.add_argument("case", type=_case_name, help="a compare case: dense-d128-16k, randomK-dD-Nk, localW-dD-Nk, ...")
     ap.add_argument("variant", nargs="?", default="ours", choices=sorted(VARIANTS))
     ap.add_argument("--calls", type=int, default=2, help="forward + backward calls (default 2: profile the last)")
+    ap.add_argument("--provider", choices=("ours", "fa4"), default="ours",
+                    help="ours (sparseflash.attention with the variant) or fa4 (dense and causal cases only)")
+    ap.add_argument("--list-kernels", action="store_true",
+                    help="print the names of the kernels one call launches (torch.profiler; not under ncu)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the Hopper backward runs on sm_90)")
@@ -41,13 +49,43 @@ def main(argv=None) -> int:
                    for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
+    if a.provider == "fa4":
+        if mask is not None:
+            ap.error(f"--provider fa4 takes dense and causal cases, not {a.case}")
+        from flash_attn.cute import flash_attn_func  # (on the device: ../shared/tools/fa4_parts.sh)
+
+        def call():
+            out, _lse = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+            torch.autograd.grad(out, (q, k, v), do.transpose(1, 2))
+
+        _run(call, a.calls, a.list_kernels)
+        print(f"{a.case} fa4: {a.calls} fwd+bwd calls", flush=True)
+        return 0
+
+    def call():
+        out = sparseflash.attention(q, k, v, mask=mask, causal=causal)
+        torch.autograd.grad(out, (q, k, v), do)
+
     with variant(VARIANTS[a.variant]):
-        for _ in range(a.calls):
-            out = sparseflash.attention(q, k, v, mask=mask, causal=causal)
-            torch.autograd.grad(out, (q, k, v), do)
-        torch.cuda.synchronize()
+        _run(call, a.calls, a.list_kernels)
     print(f"{a.case} {a.variant}: {a.calls} fwd+bwd calls", flush=True)
     return 0
+
+
+def _run(fn, calls: int, list_kernels: bool):
+    """``calls`` calls of ``fn``; with ``list_kernels``, the last one under torch.profiler, its kernels printed."""
+    for _ in range(calls - 1 if list_kernels else calls):
+        fn()
+    if list_kernels:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA":
+                print(f"kernel: {e.key}", flush=True)
+    torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
