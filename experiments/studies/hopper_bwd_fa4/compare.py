@@ -50,8 +50,8 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             # a causal walk in one loop testing every step (the default before the split), with either store
             "causal-one-loop": {"causal_split": False},
             "causal-one-loop-regstore": {"causal_split": False, "dkdv_tma": False},
-            # d=64: K and V of a warpgroup's keys as register A operands of S^T and dP^T (d=128 unchanged)
-            "kv-regs": {"kv_regs": True}}
+            # S^T and dP^T from zero; LSE and delta added after them (FMA in the exponent, add in dS^T)
+            "zero-start": {"zero_start": True}}
 
 
 @contextlib.contextmanager
