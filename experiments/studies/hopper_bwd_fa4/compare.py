@@ -49,9 +49,7 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             "onepass-regstore": {"MODE": "on", "dkdv_tma": False}, "portable": {"MODE": "off"},
             # a causal walk in one loop testing every step (the default before the split), with either store
             "causal-one-loop": {"causal_split": False},
-            "causal-one-loop-regstore": {"causal_split": False, "dkdv_tma": False},
-            # S^T and dP^T from zero; LSE and delta added after them (FMA in the exponent, add in dS^T)
-            "zero-start": {"zero_start": True}}
+            "causal-one-loop-regstore": {"causal_split": False, "dkdv_tma": False}}
 
 
 @contextlib.contextmanager

@@ -108,12 +108,9 @@ def q_step(head_dim: int) -> int:
 # {head_dim: 64 or 128}; "dkdv_tma": True / False, dK and dV stored by TMA or from registers
 # (default True where their layouts take descriptors); "causal_split": True / False, a causal walk in
 # two loops, its diagonal's steps first (masked) then the rest (no mask code), or one loop testing
-# each step (default True); "zero_start": True / False, S^T and dP^T start from zero and the step's LSE
-# and delta enter afterwards (an FMA in the exponent, an add in dS^T), instead of starting the
-# accumulators at -LSE / scale and -delta (a register copy of each start a step; default False).
-# Empty in normal use.
+# each step (default True). Empty in normal use.
 OVERRIDES: dict = {}
-OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split", "zero_start")
+OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split")
 
 
 def dq_order(n: int) -> tuple:
@@ -449,16 +446,14 @@ if GLUON_ERROR is None:
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                       STAGES: gl.constexpr, EXACT: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr,
                       DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr, DV_BNHD: gl.constexpr,
-                      CAUSAL_SPLIT: gl.constexpr, ZERO_START: gl.constexpr):
+                      CAUSAL_SPLIT: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; of each step's dQ, the
         columns of half WG (64-row steps) or the rows of half WG (128-row steps; DQ_N columns
         either way). Step j's dQ is computed during step j + 1 (and the tile's last after its
         walk), so a warpgroup never waits for the other's dS^T of the step it is on. EXACT: a step
         in a partial block zeroes P^T (and so dS^T) where its bit tile (Q_TILE, laid out as the
         column lists) is 0. DKDV_TMA: a tile's dK and dV go out through the dQ staging buffers
-        with TMA stores (else from registers). ZERO_START: S^T and dP^T start from zero (no register
-        holds a start before their issue), and the step's -LSE log2(e) and -delta (loaded from shared
-        memory while they run) enter the exponent's FMA and dS^T = P^T (dP^T - delta)."""
+        with TMA stores (else from registers)."""
         s_layout: gl.constexpr = wgmma_layout(QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
         q_layout: gl.constexpr = wgmma_layout(DQ_N)  # this warpgroup's dQ: [64, DQ_N] fp32
@@ -519,22 +514,18 @@ if GLUON_ERROR is None:
                             # queries, padded, stored negated: `delta_kernel`), so S^T - LSE / scale and dP^T -
                             # delta come out of the wgmmas: neither row vector stays live beside them, and the
                             # start is a broadcast (negating it here cost 32 FADDs a step before each issue).
-                            if ZERO_START:
-                                st = warpgroup_mma(k_w, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                                mbarrier.wait(do_ready.index(s), ph)
-                                dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                            else:
-                                st = warpgroup_mma(k_w, q_s.permute((1, 0)),
-                                                   gl.broadcast(zero_s, lse_bufs.index(s).load(s_layout))[1], is_async=True)
-                                mbarrier.wait(do_ready.index(s), ph)
-                                dpt = warpgroup_mma(v_w, do_s.permute((1, 0)),
-                                                    gl.broadcast(zero_s, dlt_bufs.index(s).load(s_layout))[1], is_async=True)
+                            # (Starting them at zero and adding -LSE log2(e) in the exponent's FMA and -delta
+                            # in dS^T saves these starts' register copies, 2 a score, but was 1.6-3.7% slower
+                            # at d=128 and on causal d=64 walks: more registers live, more spills;
+                            # experiments/studies/hopper_bwd_fa4/, session 6.)
+                            st = warpgroup_mma(k_w, q_s.permute((1, 0)),
+                                               gl.broadcast(zero_s, lse_bufs.index(s).load(s_layout))[1], is_async=True)
+                            mbarrier.wait(do_ready.index(s), ph)
+                            dpt = warpgroup_mma(v_w, do_s.permute((1, 0)),
+                                                gl.broadcast(zero_s, dlt_bufs.index(s).load(s_layout))[1], is_async=True)
                             cols = start_m + gl.arange(0, QT, layout=col_s)
                             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
-                            if ZERO_START:
-                                pt = gl.exp2(st * qk_scale + lse_bufs.index(s).load(s_layout))  # (+ -LSE log2(e))
-                            else:
-                                pt = gl.exp2(st * qk_scale)  # exp2((S^T * scale - LSE) * log2(e))
+                            pt = gl.exp2(st * qk_scale)  # exp2((S^T * scale - LSE) * log2(e))
                             if key_mask:
                                 pt = gl.where(gl.expand_dims(keys < kv_end, 1), pt, 0.0)
                             if CAUSAL:
@@ -550,12 +541,8 @@ if GLUON_ERROR is None:
                                     kw0 = (start_n % MASK_BK + WG * _HALF) // 32
                                     keep_t = _exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK)
                                     pt = gl.where(keep_t, pt, 0.0)
-                            if ZERO_START:
-                                dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
-                                ds16 = (pt * (dpt + dlt_bufs.index(s).load(s_layout))).to(dtype)  # (+ -delta)
-                            else:
-                                dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
-                                ds16 = (pt * dpt).to(dtype)
+                            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
+                            ds16 = (pt * dpt).to(dtype)
                             p_op = gl.convert_layout(pt.to(dtype), op_layout)
                             dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
                             # dS^T goes into buffer it % 2 once both warpgroups' dQ of two steps ago has read
@@ -638,7 +625,7 @@ if GLUON_ERROR is None:
                            stride_dvb, stride_dvh, stride_dvn,
                            MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, CAUSAL: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           SPLIT_BAND: gl.constexpr, ZERO_START: gl.constexpr, Q_IDX=None, Q_TILE=None, BITS=None, KEY_LEN=None, desc_dk=None,
+                           SPLIT_BAND: gl.constexpr, Q_IDX=None, Q_TILE=None, BITS=None, KEY_LEN=None, desc_dk=None,
                            desc_dv=None):
         """Optional features are named pointers, None when off: Q_IDX, the column lists (None: dense);
         Q_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_dk and
@@ -693,14 +680,14 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT, ZERO_START)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk, desc_dv,
                              Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT, ZERO_START)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -899,10 +886,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     # the float32 dQ sums as warpgroup shares in `dq_order`, zeroed by the delta launch (one launch
     # fewer than a fill of their own); the reducer adds each share as one box of a flat [*, dq_n] view
     acc = torch.empty(B * H * n_pad * D, device=q.device, dtype=torch.float32)
-    zero_start = bool(OVERRIDES.get("zero_start", False))
-    # the steps' row terms, stored negated: -LSE / scale and -delta as the accumulators' starts (see
-    # _bwd_consumer); ZERO_START: -LSE log2(e), added in the exponent's FMA
-    lse2, delta = delta_rows(o, do, lse, dlse, n_pad, LOG2E if zero_start else 1.0 / scale, acc)
+    lse2, delta = delta_rows(o, do, lse, dlse, n_pad, 1.0 / scale, acc)  # (the accumulators' start, see _bwd_consumer)
     dk, dv = new(k), new(v)
     sk, sv = dk.stride(), dv.stride()
     dq_m, dq_n = _dq_box(D, qt)
@@ -935,7 +919,6 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         stride_dkb=sk[0], stride_dkh=sk[1], stride_dkn=sk[2], stride_dvb=sv[0], stride_dvh=sv[1], stride_dvn=sv[2],
         MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal), STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, SPLIT_BAND=bool(OVERRIDES.get("causal_split", True)),
-        ZERO_START=zero_start,
         desc_dk=desc_dk, desc_dv=desc_dv, num_warps=4)
     dq = new(q)
     sq = dq.stride()
