@@ -108,12 +108,9 @@ def q_step(head_dim: int) -> int:
 # {head_dim: 64 or 128}; "dkdv_tma": True / False, dK and dV stored by TMA or from registers
 # (default True where their layouts take descriptors); "causal_split": True / False, a causal walk in
 # two loops, its diagonal's steps first (masked) then the rest (no mask code), or one loop testing
-# each step (default True); "late_fences": True / False, each of a step's two proxy fences just before
-# the arrive it guards, so the stores before it drain under the step's wgmmas (default True: 1.4-3.2% faster
-# backward on an H200, dense and causal, d 64 and 128; experiments/studies/hopper_bwd_fa4/, session 6).
-# Empty in normal use.
+# each step (default True). Empty in normal use.
 OVERRIDES: dict = {}
-OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split", "late_fences")
+OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split")
 
 
 def dq_order(n: int) -> tuple:
@@ -432,12 +429,6 @@ if GLUON_ERROR is None:
         fence_async_shared()
         mbarrier.arrive(dq_full.index(p % _DQ_BUFS))
 
-    @gluon.jit
-    def _dq_out(dq, dq_bufs, dq_full, dq_empty, p, WG: gl.constexpr, DQ_M: gl.constexpr, DQ_N: gl.constexpr,
-                DKDV_TMA: gl.constexpr):
-        """`_dq_stage` and `_dq_publish` at once."""
-        _dq_stage(dq, dq_bufs, dq_empty, p, WG, DQ_M, DQ_N, DKDV_TMA)
-        _dq_publish(dq_full, p)
 
     @gluon.jit
     def _ds_rows(ds_buf, WG: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -460,15 +451,14 @@ if GLUON_ERROR is None:
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                       STAGES: gl.constexpr, EXACT: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr,
                       DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr, DV_BNHD: gl.constexpr,
-                      CAUSAL_SPLIT: gl.constexpr, LATE_FENCES: gl.constexpr):
+                      CAUSAL_SPLIT: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; of each step's dQ, the
         columns of half WG (64-row steps) or the rows of half WG (128-row steps; DQ_N columns
         either way). Step j's dQ is computed during step j + 1 (and the tile's last after its
         walk), so a warpgroup never waits for the other's dS^T of the step it is on. EXACT: a step
         in a partial block zeroes P^T (and so dS^T) where its bit tile (Q_TILE, laid out as the
         column lists) is 0. DKDV_TMA: a tile's dK and dV go out through the dQ staging buffers
-        with TMA stores (else from registers). LATE_FENCES: a step's two proxy fences (dS^T, dQ
-        staging) each just before the arrive they guard, after later work, not right after the stores."""
+        with TMA stores (else from registers)."""
         s_layout: gl.constexpr = wgmma_layout(QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
         q_layout: gl.constexpr = wgmma_layout(DQ_N)  # this warpgroup's dQ: [64, DQ_N] fp32
@@ -569,10 +559,9 @@ if GLUON_ERROR is None:
                             ds_bufs.index(it % 2).slice(WG * _HALF, _HALF, dim=0).store(ds16)
                             ds_op = gl.convert_layout(ds16, op_layout)
                             # dS^T, written by this warpgroup, is read by both warpgroups' wgmma once it
-                            # arrives on ds_ready: fenced before that arrive (LATE_FENCES: after this
-                            # step's wgmmas are issued, so the stores drain under them)
-                            if not LATE_FENCES:
-                                fence_async_shared()
+                            # arrives on ds_ready: fenced just before that arrive, after this step's wgmmas
+                            # are issued, so the stores drain under them (a fence right after the stores
+                            # waited for them: 1.4-3.2% slower backward, experiments/studies/hopper_bwd_fa4/)
                             # With a previous step in the tile, its dQ (both dS^T halves are in the other
                             # buffer) is issued before dK, so it is stored while dK runs. (Each branch ends
                             # with dK and dV waited: an scf.if yields tensors, not wgmma tokens.)
@@ -581,22 +570,16 @@ if GLUON_ERROR is None:
                                 dq = warpgroup_mma(ds_prev, k_half, zero_q, use_acc=False, is_async=True)
                                 dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                                 r_vq = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p_op, ds_bufs, k_half, do_s))
-                                if LATE_FENCES:
-                                    fence_async_shared()
+                                fence_async_shared()
                                 mbarrier.arrive(ds_ready.index(it % 2))  # (after the dQ above has read its buffer)
-                                if LATE_FENCES:
-                                    # dQ's staging stores drain while dK finishes; then the fence finds them done
-                                    _dq_stage(r_vq[1], dq_bufs, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA)
-                                    r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
-                                    _dq_publish(dq_full, it - 1)
-                                else:
-                                    _dq_out(r_vq[1], dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA)
-                                    r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
+                                # dQ's staging stores drain while dK finishes; then its fence finds them done
+                                _dq_stage(r_vq[1], dq_bufs, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA)
+                                r_kv = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, r_vq[0], ds_op, q_s))
+                                _dq_publish(dq_full, it - 1)
                                 dk_w = r_kv[0]
                                 dv_w = r_kv[1]
                             else:
-                                if LATE_FENCES:
-                                    fence_async_shared()
+                                fence_async_shared()
                                 mbarrier.arrive(ds_ready.index(it % 2))
                                 dk_t = warpgroup_mma(ds_op, q_s, dk, is_async=True)
                                 r_kv0 = warpgroup_mma_wait(num_outstanding=0, deps=(dk_t, dv, ds_op, p_op, q_s, do_s))
@@ -612,14 +595,15 @@ if GLUON_ERROR is None:
                     dq = warpgroup_mma(_ds_rows(ds_bufs.index(pb), WG, QT, DQ_N, HEAD_DIM), k_half, zero_q,
                                        use_acc=False, is_async=True)
                     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_bufs, k_half))[0]
-                    _dq_out(dq, dq_bufs, dq_full, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA)
+                    _dq_stage(dq, dq_bufs, dq_empty, it - 1, WG, _HALF, DQ_N, DKDV_TMA)
+                    _dq_publish(dq_full, it - 1)
                 mbarrier.arrive(kv_empty)  # the loader may bring the next tile's K and V
                 # keys at or past kv_end take no part: their gradients are exactly zero
                 keys_a = start_n + r_a
                 keep = gl.expand_dims(keys_a < kv_end, 1)
                 if DKDV_TMA:
                     # Both staging buffers are free once the reducer has handed back steps it - 2 and
-                    # it - 1 (the tile's last, handed back at the tile's end): the waits `_dq_out`
+                    # it - 1 (the tile's last, handed back at the tile's end): the waits `_dq_stage`
                     # would make for steps it and it + 1. Each warpgroup writes only its own halves,
                     # in both roles, so its own store_wait orders the reuse.
                     mbarrier.wait(dq_empty.index(it % _DQ_BUFS), ((it // _DQ_BUFS) & 1) ^ 1)
@@ -654,7 +638,7 @@ if GLUON_ERROR is None:
                            stride_dvb, stride_dvh, stride_dvn,
                            MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, CAUSAL: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           SPLIT_BAND: gl.constexpr, LATE_FENCES: gl.constexpr, Q_IDX=None, Q_TILE=None, BITS=None, KEY_LEN=None, desc_dk=None,
+                           SPLIT_BAND: gl.constexpr, Q_IDX=None, Q_TILE=None, BITS=None, KEY_LEN=None, desc_dk=None,
                            desc_dv=None):
         """Optional features are named pointers, None when off: Q_IDX, the column lists (None: dense);
         Q_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_dk and
@@ -709,14 +693,14 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT, LATE_FENCES)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk, desc_dv,
                              Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT, LATE_FENCES)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -948,7 +932,6 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         stride_dkb=sk[0], stride_dkh=sk[1], stride_dkn=sk[2], stride_dvb=sv[0], stride_dvh=sv[1], stride_dvn=sv[2],
         MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal), STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, SPLIT_BAND=bool(OVERRIDES.get("causal_split", True)),
-        LATE_FENCES=bool(OVERRIDES.get("late_fences", True)),
         desc_dk=desc_dk, desc_dv=desc_dv, num_warps=4)
     dq = new(q)
     sq = dq.stride()
