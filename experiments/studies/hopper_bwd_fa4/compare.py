@@ -49,7 +49,9 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             "onepass-regstore": {"MODE": "on", "dkdv_tma": False}, "portable": {"MODE": "off"},
             # a causal walk in one loop testing every step (the default before the split), with either store
             "causal-one-loop": {"causal_split": False},
-            "causal-one-loop-regstore": {"causal_split": False, "dkdv_tma": False}}
+            "causal-one-loop-regstore": {"causal_split": False, "dkdv_tma": False},
+            # each step's accumulator starts loaded at the end of the step before
+            "prefetch-starts": {"prefetch_starts": True}}
 
 
 @contextlib.contextmanager
