@@ -41,7 +41,11 @@ For each pair (my query blocks, rank s) the plan keeps the key blocks of s that 
 (only those are sent: a window sends its halo, rank-aligned documents nothing) and, per stage, a
 `BlockMask` in local coordinates whose ``mask_mod`` maps local to global positions and evaluates the
 global predicate, so causality, windows and documents stay token-exact although a rank's blocks are not
-contiguous.
+contiguous. One exception: under plain causal attention (no mask, no segment ids, no padding) a rank's
+own stage is its whole shard against itself, and since a shard lists its blocks in ascending order that
+is exactly causal attention in local coordinates (`Plan.causal_stage`): it runs the kernels' causal walk,
+without block lists or the mask's bits (on an H200 the list walk with bits made a 2-GPU 512K causal
+stage's kernels 11-13% slower than half the one-GPU causal kernels).
 
 *The exchange* (`_Attention`, one autograd Function) is a pipeline of stages (`Plan.stages`). A rank's
 own needed blocks are one stage; the key blocks it needs from another rank s are cut into chunks of at
@@ -473,12 +477,14 @@ class _StageOps:
     """A stage's device side: ``mask`` (the sub-mask of its keys, over rows ``rows`` of the shard),
     ``rows`` (a slice of the shard's rows: from the first query block with a key block in the stage to the
     last; the stage computes and merges only these), ``keys`` (an own stage's keys in the shard), ``send``
-    (the sent blocks in the shard, where their gradients come back)."""
+    (the sent blocks in the shard, where their gradients come back). ``causal``: the stage is the whole
+    shard against itself under plain causal attention (`Plan.causal_stage`): ``mask`` is None and the
+    kernels run their causal walk, no block lists and no bits."""
 
-    __slots__ = ("mask", "rows", "keys", "send")
+    __slots__ = ("mask", "rows", "keys", "send", "causal")
 
-    def __init__(self, mask, rows, keys, send):
-        self.mask, self.rows, self.keys, self.send = mask, rows, keys, send
+    def __init__(self, mask, rows, keys, send, causal=False):
+        self.mask, self.rows, self.keys, self.send, self.causal = mask, rows, keys, send, causal
 
 
 class Plan:
@@ -511,6 +517,7 @@ class Plan:
         self._pred = pred
         self._user_mod = None if mask is None else mask.mask_mod  # (a layout's pairs are all on in its on blocks)
         self._seg = segment_ids
+        self._plain = mask is None and segment_ids is None
         self._cache: dict = {}
         self.bytes_sent = 0
         self.digest = self._digest(mask, segment_ids)
@@ -594,13 +601,26 @@ class Plan:
             own, remote = self.stages()
             out = []
             for st in own + remote:
-                mask, rows = self._sub_mask(st.source, device, st.blocks) if st.blocks else (None, None)
+                causal = self.causal_stage(st)
+                if causal:
+                    mask, rows = None, slice(0, self.local_len)
+                else:
+                    mask, rows = self._sub_mask(st.source, device, st.blocks) if st.blocks else (None, None)
                 out.append(_StageOps(mask, rows,
                                      self._local_index(st.blocks, device) if st.source == self.rank else None,
-                                     self._local_index(st.send_blocks, device) if st.send_blocks else None))
+                                     self._local_index(st.send_blocks, device) if st.send_blocks else None, causal))
             return out
 
         return self._cached(("ops", device), build)
+
+    def causal_stage(self, st) -> bool:
+        """Whether stage ``st`` is this rank's whole shard against itself under plain causal attention (a
+        causal plan without mask or segment ids, no padding): blocks hold consecutive positions and a shard
+        lists its blocks in ascending order, so in local coordinates the stage is exactly causal
+        attention of a square, and the kernels' causal walk (no block lists, no bits) computes it."""
+        mine = tuple(self.owned[self.rank])
+        return bool(self.causal and self._plain and st.source == self.rank and tuple(st.blocks) == mine
+                    and self.padded_len == self.seq_len and list(mine) == sorted(mine))
 
     def sub_mask(self, s: int, device, blocks: tuple | None = None) -> BlockMask:
         """The `BlockMask` of this rank's queries against key blocks ``blocks`` of rank ``s`` (default: all
@@ -863,40 +883,41 @@ class _Kernels:
 
             check_runnable(q)
 
-    def fwd(self, q, k, v, mask, i: int):
-        """(o [B, Hq, n, Dv] in q's dtype, lse float32 with -inf where no key of the stage is attended, state)."""
+    def fwd(self, q, k, v, mask, i: int, causal: bool = False):
+        """(o [B, Hq, n, Dv] in q's dtype, lse float32 with -inf where no key of the stage is attended, state).
+        ``causal``: plain causal attention (``mask`` None)."""
         if self.backend == "triton":
             from sparseflash.flash.autograd import exact_tables, flash_fwd_eager, mask_lists
 
             kv_idx, q_idx, bq, bk, density = mask_lists(mask, q.device)
             bits, kv_tile, q_tile = exact_tables(mask, True, q.device, kv_idx, q_idx, False)
-            o, lse, rng = flash_fwd_eager(q, k, v, kv_idx, None, None, None, None, self.scale, False, bq, bk,
+            o, lse, rng = flash_fwd_eager(q, k, v, kv_idx, None, None, None, None, self.scale, causal, bq, bk,
                                           self.p, density, None, 0.0, bits, kv_tile, q_tile)
             return o, lse.masked_fill_(lse == math.inf, -math.inf), rng
         from sparseflash.api import attention as sparse_attention
 
-        o, lse = sparse_attention(q, k, v, mask, scale=self.scale, dropout_p=self.p, generator=self._gen(q, i),
-                                  return_lse=True, backend="reference")
+        o, lse = sparse_attention(q, k, v, mask, causal=causal, scale=self.scale, dropout_p=self.p,
+                                  generator=self._gen(q, i), return_lse=True, backend="reference")
         return o, lse, None
 
     def _gen(self, q, i):
         return torch.Generator(q.device).manual_seed(self.seed + i) if self.p > 0 else None
 
-    def bwd(self, do, q, k, v, mask, out, lse, dlse, delta, state, i: int):
+    def bwd(self, do, q, k, v, mask, out, lse, dlse, delta, state, i: int, causal: bool = False):
         """(dq, dk, dv) of the stage's keys. ``lse``: the final LSE (+inf where nothing is attended: the
-        kernels' form, P = 0 there); ``delta``: rowsum(dO * O) (reference only)."""
+        kernels' form, P = 0 there); ``delta``: rowsum(dO * O) (reference only); ``causal`` as in `fwd`."""
         if self.backend == "triton":
             from sparseflash.flash.autograd import exact_tables, flash_bwd_impl, mask_lists
 
             kv_idx, q_idx, bq, bk, density = mask_lists(mask, q.device)
             bits, kv_tile, q_tile = exact_tables(mask, True, q.device, kv_idx, q_idx, False)
             return flash_bwd_impl(do, q, k, v, out, lse, dlse, kv_idx, q_idx, None, state, None, None, self.scale,
-                                  False, bq, bk, self.p, density, None, 0.0, bits, kv_tile, q_tile)
+                                  causal, bq, bk, self.p, density, None, 0.0, bits, kv_tile, q_tile)
         from sparseflash.api import attention as sparse_attention
 
         with torch.enable_grad():
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            o_s, lse_s = sparse_attention(qq, kk, vv, mask, scale=self.scale, dropout_p=self.p,
+            o_s, lse_s = sparse_attention(qq, kk, vv, mask, causal=causal, scale=self.scale, dropout_p=self.p,
                                           generator=self._gen(q, i), return_lse=True, backend="reference")
             some = torch.isfinite(lse) & torch.isfinite(lse_s)
             w = torch.where(some, torch.exp(lse_s.detach() - torch.where(some, lse, 0)), 0)
@@ -927,7 +948,7 @@ class _Attention(torch.autograd.Function):
 
         def compute(i, ks, vs):
             r = ops[i].rows
-            o_s, lse_s, states[i] = kern.fwd(_rows(q, r), ks, vs, ops[i].mask, i)
+            o_s, lse_s, states[i] = kern.fwd(_rows(q, r), ks, vs, ops[i].mask, i, causal=ops[i].causal)
             _merge_into(acc[:, :, r], lse[:, :, r], o_s, lse_s)
 
         fetch = _Fetch(plan, remote[0], ops[len(own)], k, v) if remote else None
@@ -968,7 +989,7 @@ class _Attention(torch.autograd.Function):
         def grads(i, ks, vs):
             r = ops[i].rows
             g = kern.bwd(_rows(do, r), _rows(q, r), ks, vs, ops[i].mask, _rows(out, r), _rows(lse_k, r),
-                         _rows(dlse, r), _rows(delta, r), ctx.states[i], i)
+                         _rows(dlse, r), _rows(delta, r), ctx.states[i], i, causal=ops[i].causal)
             dq[:, :, r] += g[0]
             return g[1], g[2]
 

@@ -47,7 +47,10 @@ def _cases(w):
     lay = torch.rand(1, 2, 10, 10, generator=g) < 0.3
     cases.append(("per-head-layout-N301", 301, 32, 2, 1, 16,
                   {"mask": BlockMask.from_layout(lay, 32, 301), "causal": True}, "reference"))
+    # whole-shard own stage under plain causal attention: the kernels' causal walk (`Plan.causal_stage`)
+    cases.append(("causal-whole-N640-stage64", 640, 32, 2, 1, 16, {"causal": True, "stage_tokens": 64}, "reference"))
     if w == 2:  # (the interpreter's kernels once: slow)
+        cases.append(("interpreter-causal-whole-N128", 128, 32, 2, 1, 16, {"causal": True}, "triton"))
         cases.append(("interpreter-docs-N90-stage32", 90, 32, 2, 1, 16, {"segment_ids": _docs([40, 50]),
                                                                           "stage_tokens": 32}, "triton"))
     return cases
@@ -70,6 +73,10 @@ def _check_case(rank, w, name, n, bs, hq, hk, d, kw, backend):
     ((o_ref * go).sum() + (lse_ref_f * gl).sum()).backward()
     # distributed
     plan = sfd.plan(n, None, block_size=bs, **kw)
+    own = plan.stages()[0]
+    causal_own = [plan.causal_stage(st) for st in own]
+    # the own stage runs as plain causal attention exactly when the plan is plain causal without padding
+    assert causal_own == ([True] if "causal-whole" in name else [False] * len(own)), (name, causal_own)
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
     o_l, lse_l = sfd.attention(plan.shard(qd), plan.shard(kd), plan.shard(vd), plan, return_lse=True,
                                backend=backend)
@@ -250,8 +257,8 @@ def _check_pipeline(rank, w):
             super().finish(*a)
 
     sfd._Fetch, sfd._Return = Fetch, Return
-    sfd._Kernels.fwd = lambda self, *a: log.append(("fwd", a[-1])) or spied[2](self, *a)
-    sfd._Kernels.bwd = lambda self, *a: log.append(("bwd", a[-1])) or spied[3](self, *a)
+    sfd._Kernels.fwd = lambda self, *a, **kw: log.append(("fwd", a[-1])) or spied[2](self, *a, **kw)
+    sfd._Kernels.bwd = lambda self, *a, **kw: log.append(("bwd", a[-1])) or spied[3](self, *a, **kw)
     saved = []
     try:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
