@@ -44,8 +44,8 @@ global predicate, so causality, windows and documents stay token-exact although 
 contiguous. One exception: under plain causal attention (no mask, no segment ids, no padding) a rank's
 own stage is its whole shard against itself, and since a shard lists its blocks in ascending order that
 is exactly causal attention in local coordinates (`Plan.causal_stage`): it runs the kernels' causal walk,
-without block lists or the mask's bits (on an H200 the list walk with bits made a 2-GPU 512K causal
-stage's kernels 11-13% slower than half the one-GPU causal kernels).
+without block lists or the mask's bits (a 2-GPU 512K causal profile on H200s, before this: the stages'
+kernels, own and remote, took 11-13% more than half the one-GPU causal kernels).
 
 *The exchange* (`_Attention`, one autograd Function) is a pipeline of stages (`Plan.stages`). A rank's
 own needed blocks are one stage; the key blocks it needs from another rank s are cut into chunks of at
