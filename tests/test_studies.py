@@ -589,6 +589,12 @@ def test_hopper_bwd_fa4_ncu_run_sets_the_variant_and_refuses_without_a_gpu(monke
     with compare.variant(compare.VARIANTS["ours-q64"]):
         assert hb.OVERRIDES == {"q_step": {64: 64}} and hb.MODE == "auto"
     assert hb.OVERRIDES == {} and hb.MODE == "auto"
+    from sparseflash.flash.hopper import forward as hf
+
+    monkeypatch.setattr(hf, "OVERRIDES", {})
+    with compare.variant(compare.VARIANTS["fwd-3wg-flat"]):  # the forward's overrides, under "fwd"
+        assert hf.OVERRIDES == {"consumers": 3, "flat": True} and hb.OVERRIDES == {}
+    assert hf.OVERRIDES == {}
     for argv in (["bogus-case"], ["dense-d64-4k", "no-such-variant"]):
         with pytest.raises(SystemExit) as e:
             ncu_run.main(argv)
@@ -605,7 +611,7 @@ def test_hopper_bwd_fa4_cases_variants_and_table(capsys):
     error), every variant names only knobs the backward has, a CPU run refuses with exit 2, and the
     table gives each row's speed relative to FA4's (FA4's time over the row's)."""
     from sparseflash.experiments.studies.hopper_bwd_fa4 import compare
-    from sparseflash.flash.hopper import backward as hb
+    from sparseflash.flash.hopper import backward as hb, forward as hf
 
     assert compare.case("causal-d64-4k") == (4096, 64, True, None)
     assert compare.case("random13-d128-16k") == (16384, 128, False, ("random", 13))
@@ -614,7 +620,8 @@ def test_hopper_bwd_fa4_cases_variants_and_table(capsys):
         compare.case("random-d96-16k")
     assert compare._mask(("random", 3), 4096, False, "cpu").layout.shape == (1, compare.HEADS, 32, 32)
     for over in compare.VARIANTS.values():
-        assert set(over) - {"MODE"} <= set(hb.OVERRIDE_KEYS) and over.get("MODE", "on") in ("on", "off")
+        assert set(over) - {"MODE", "fwd"} <= set(hb.OVERRIDE_KEYS) and over.get("MODE", "on") in ("on", "off")
+        assert set(over.get("fwd", {})) <= set(hf.OVERRIDE_KEYS)
     assert hb.OVERRIDES == {}
     with pytest.raises(SystemExit) as e:
         compare.main(["--out", "x", "--cases", "bogus"])

@@ -51,23 +51,31 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             "causal-one-loop": {"causal_split": False},
             "causal-one-loop-regstore": {"causal_split": False, "dkdv_tma": False},
             # each step's accumulator starts loaded at the end of the step before
-            "prefetch-starts": {"prefetch_starts": True}}
+            "prefetch-starts": {"prefetch_starts": True},
+            # the forward at d=64 without block lists: three consumer warpgroups (192-row q tiles) whose
+            # steps run S, softmax, PV in order (no in-warpgroup overlap, no issue turns: one P live);
+            # "fwd-2wg-flat": the same step order with the default two warpgroups
+            "fwd-3wg-flat": {"fwd": {"consumers": 3, "flat": True}}, "fwd-2wg-flat": {"fwd": {"flat": True}}}
 
 
 @contextlib.contextmanager
 def variant(over: dict):
-    """The backward's study overrides of a `VARIANTS` entry (``over``) and its MODE while the block
-    runs; both restored after it ({}: the production default)."""
-    from sparseflash.flash.hopper import backward as hb
+    """The study overrides of a `VARIANTS` entry (``over``) while the block runs: the backward's
+    (`hopper_bwd.OVERRIDES`) and its MODE, and under "fwd" the forward's (`hopper.OVERRIDES`); all
+    restored after it ({}: the production default)."""
+    from sparseflash.flash.hopper import backward as hb, forward as hf
 
     mode = hb.MODE
     hb.OVERRIDES.clear()
-    hb.OVERRIDES.update({k: v for k, v in over.items() if k != "MODE"})
+    hb.OVERRIDES.update({k: v for k, v in over.items() if k not in ("MODE", "fwd")})
+    hf.OVERRIDES.clear()
+    hf.OVERRIDES.update(over.get("fwd", {}))
     hb.MODE = over.get("MODE", mode)
     try:
         yield
     finally:
         hb.OVERRIDES.clear()
+        hf.OVERRIDES.clear()
         hb.MODE = mode
 
 

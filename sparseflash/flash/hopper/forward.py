@@ -102,23 +102,24 @@ if GLUON_ERROR is None:
         return t, bh // n_heads, bh % n_heads, pm
 
     @gluon.jit
-    def _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ: gl.constexpr,
+    def _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ: gl.constexpr, M_TILE: gl.constexpr,
                   DENSE: gl.constexpr):
         """Pointer to the row list of one head's q tile pm (block lists); None when dense."""
         p_list = KV_IDX
         if not DENSE:
             p_list = (KV_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
-                      + (pm * _TILE // MASK_BQ).to(gl.int64) * stride_im)
+                      + (pm * M_TILE // MASK_BQ).to(gl.int64) * stride_im)
         return p_list
 
     @gluon.jit
     def _steps(p_list, KEY_LEN, b, pm, seq_q, seq_k, n_kblocks, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
-               DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, WARPS: gl.constexpr):
+               DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, WARPS: gl.constexpr,
+               M_TILE: gl.constexpr):
         """(steps without an element mask, steps in all, kv_end, causal offset) of q tile pm's walk
         (``p_list``: its row list, `_row_list`; None when dense). Step j < j_full needs no mask;
         j_full <= j < j_valid masks keys at or past kv_end and, causal, above the bottom-right
         diagonal; later blocks are skipped."""
-        start_m = pm * _TILE
+        start_m = pm * M_TILE
         kv_end = seq_k
         if HAS_KEYLEN:
             kv_end = gl.minimum(gl.maximum(gl.load(KEY_LEN + b).to(gl.int32), 0), seq_k)
@@ -127,7 +128,7 @@ if GLUON_ERROR is None:
         causal_off = seq_k - seq_q
         if CAUSAL:
             full_end = gl.minimum(full_end, start_m + causal_off + 1)
-            valid_end = gl.minimum(valid_end, gl.minimum(start_m + _TILE, seq_q) + causal_off)
+            valid_end = gl.minimum(valid_end, gl.minimum(start_m + M_TILE, seq_q) + causal_off)
         if DENSE:
             j_full = gl.maximum(full_end, 0) // _TILE
             j_valid = (gl.maximum(valid_end, 0) + _TILE - 1) // _TILE
@@ -154,20 +155,28 @@ if GLUON_ERROR is None:
                 KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
                 n_tiles, m_tiles, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                 DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
-                Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr):
-        """1 warp: TMA loads of every tile's Q and the K/V tiles of its walk, in stream order."""
+                Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, M_TILE: gl.constexpr, QB: gl.constexpr):
+        """1 warp: TMA loads of every tile's Q (M_TILE rows) and the K/V tiles of its walk, in stream
+        order."""
         it = 0  # K/V tiles issued by this CTA so far: ring slot and phase
         n_done = 0  # tiles started: Q buffer and phase
         for base in range(0, n_tiles, gl.num_programs(0)):
             t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, CAUSAL)
             if t < n_tiles:
                 hk = h // group
-                p_list = _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ, DENSE)
+                p_list = _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ, M_TILE, DENSE)
                 j_full, j_valid, kv_end, causal_off = _steps(p_list, KEY_LEN, b, pm, seq_q, seq_k, n_kblocks, MASK_BK,
-                                                             NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 1)
+                                                             NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 1, M_TILE)
                 qi = n_done % 2
-                _fill(desc_q, tile_coord(b, h, pm * _TILE, Q_BNHD), q_ready.index(qi), q_empty.index(qi),
-                      q_bufs.index(qi), (n_done // 2) & 1)
+                if QB == 1:
+                    _fill(desc_q, tile_coord(b, h, pm * M_TILE, Q_BNHD), q_ready.index(qi), q_empty.index(qi),
+                          q_bufs.index(qi), (n_done // 2) & 1)
+                else:  # a tile's Q in QB boxes of M_TILE / QB rows, on one barrier
+                    mbarrier.wait(q_empty.index(qi), ((n_done // 2) & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(qi), QB * desc_q.block_type.nbytes)
+                    for i in gl.static_range(QB):
+                        tma_load(desc_q, tile_coord(b, h, pm * M_TILE + i * (M_TILE // QB), Q_BNHD), q_ready.index(qi),
+                                 q_bufs.index(qi * QB + i))
                 for j in range(j_valid):
                     start_n = list_start(p_list, j, DENSE, MASK_BK, _TILE)
                     s = it % STAGES
@@ -244,8 +253,13 @@ if GLUON_ERROR is None:
                   stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
                   WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                   NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
-                  STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr, EXACT: gl.constexpr):
-        """One consumer warpgroup (rows WG*64 .. WG*64+63 of each tile): wgmma, softmax, epilogue."""
+                  STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr, EXACT: gl.constexpr,
+                  NWG: gl.constexpr, QB: gl.constexpr, FLAT: gl.constexpr):
+        """One of NWG consumer warpgroups (rows WG*64 .. WG*64+63 of each tile of NWG * 64 rows):
+        wgmma, softmax, epilogue. The turn to issue passes from warpgroup WG to WG + 1 (mod NWG).
+        FLAT (a study's): each step in order, S = Q K^T, its softmax, O += P V, without turns and
+        without overlapping a step's softmax with the step before's P V (one P live, not two)."""
+        M_TILE: gl.constexpr = NWG * _HALF
         s_layout: gl.constexpr = wgmma_layout(_TILE)  # S: [64, 128] fp32
         o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # O: [64, HEAD_DIM] fp32
         p_layout: gl.constexpr = _p_layout(HEAD_DIM)  # P as the register operand of P V
@@ -257,17 +271,17 @@ if GLUON_ERROR is None:
         r_o = gl.arange(0, _HALF, layout=row_o) + WG * _HALF
         c_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         me = turn.index(WG)
-        other = turn.index(1 - WG)
+        other = turn.index((WG + 1) % NWG)
         it = 0
         n_turns = 0
         n_done = 0
         for base in range(0, n_tiles, gl.num_programs(0)):
             t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, CAUSAL)
             if t < n_tiles:
-                p_list = _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ, DENSE)
+                p_list = _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ, M_TILE, DENSE)
                 j_full, j_valid, kv_end, causal_off = _steps(p_list, KEY_LEN, b, pm, seq_q, seq_k, n_kblocks, MASK_BK,
-                                                             NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 4)
-                start_m = pm * _TILE
+                                                             NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 4, M_TILE)
+                start_m = pm * M_TILE
                 rows = start_m + r_s
                 p_tile = KV_TILE  # EXACT: the bit-tile indices, laid out as the row lists
                 if EXACT:
@@ -275,11 +289,34 @@ if GLUON_ERROR is None:
                               + (start_m // MASK_BQ).to(gl.int64) * stride_im)
                 qi = n_done % 2
                 mbarrier.wait(q_ready.index(qi), (n_done // 2) & 1)
-                q_s = q_bufs.index(qi).reshape([_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
+                if QB == 1:
+                    q_s = q_bufs.index(qi).reshape([M_TILE, HEAD_DIM]).slice(WG * _HALF, _HALF, dim=0)
+                else:  # (one 64-row box a warpgroup)
+                    q_s = q_bufs.index(qi * QB + WG).reshape([_HALF, HEAD_DIM])
                 m_i = gl.full([_HALF], float("-inf"), gl.float32, layout=row_s)
                 l_i = gl.zeros([_HALF], gl.float32, layout=row_s)
                 acc = gl.zeros([_HALF, HEAD_DIM], gl.float32, layout=o_layout)
-                if j_valid > 0:
+                if FLAT:
+                    for j in range(0, j_valid):
+                        s = it % STAGES
+                        ph = (it // STAGES) & 1
+                        k_s = k_bufs.index(s).reshape([_TILE, HEAD_DIM])
+                        v_s = v_bufs.index(s).reshape([_TILE, HEAD_DIM])
+                        mbarrier.wait(k_ready.index(s), ph)
+                        qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_s, k_s))[0]
+                        mbarrier.arrive(k_empty.index(s))
+                        p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, qk_scale, j, j_full, p_list, kv_end, causal_off,
+                                                           rows, p_tile, BITS, s_layout, DENSE, CAUSAL, MASK_BK, EXACT,
+                                                           MASK_BQ)
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                        p_op = gl.convert_layout(p.to(dtype), p_layout)
+                        mbarrier.wait(v_ready.index(s), ph)
+                        acc = warpgroup_mma(p_op, v_s, acc, is_async=True)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_s, p_op))[0]
+                        mbarrier.arrive(v_empty.index(s))
+                        it += 1
+                elif j_valid > 0:
                     # step 0: S_0 and its softmax only
                     s = it % STAGES
                     k_s = k_bufs.index(s).reshape([_TILE, HEAD_DIM])
@@ -359,7 +396,7 @@ if GLUON_ERROR is None:
                            stride_ib, stride_ih, stride_im, stride_ob, stride_oh, stride_om,
                            MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, CAUSAL: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           KV_IDX=None, KV_TILE=None, BITS=None, KEY_LEN=None, desc_o=None):
+                           NWG: gl.constexpr, FLAT: gl.constexpr, KV_IDX=None, KV_TILE=None, BITS=None, KEY_LEN=None, desc_o=None):
         """Optional features are named pointers, None when off: KV_IDX, the row lists (None: dense);
         KV_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_o, O
         stored by TMA (None: from registers, through O with its strides). The head dimension and each
@@ -372,12 +409,14 @@ if GLUON_ERROR is None:
         Q_BNHD: gl.constexpr = bnhd(desc_q)
         KV_BNHD: gl.constexpr = bnhd(desc_k)
         O_BNHD: gl.constexpr = bnhd(desc_o)
-        m_tiles = (seq_q + _TILE - 1) // _TILE
-        q_bufs = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
+        M_TILE: gl.constexpr = NWG * _HALF  # q rows a CTA: 64 a consumer warpgroup
+        QB: gl.constexpr = M_TILE // desc_q.block_type.shape[1 if Q_BNHD else 2]  # Q boxes a tile (TMA: powers of 2)
+        m_tiles = (seq_q + M_TILE - 1) // M_TILE
+        q_bufs = gl.allocate_shared_memory(desc_q.dtype, [2 * QB] + desc_q.block_type.shape, desc_q.layout)
         k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
         v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
-        if TMA_O:  # one [64, HEAD_DIM] half-tile of O per consumer warpgroup
-            o_bufs = gl.allocate_shared_memory(desc_o.dtype, [2] + desc_o.block_type.shape, desc_o.layout)
+        if TMA_O:  # one [64, HEAD_DIM] part of O per consumer warpgroup
+            o_bufs = gl.allocate_shared_memory(desc_o.dtype, [NWG] + desc_o.block_type.shape, desc_o.layout)
         else:
             o_bufs = q_bufs  # (unused)
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -386,41 +425,76 @@ if GLUON_ERROR is None:
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [NWG, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release a buffer
+            mbarrier.init(q_empty.index(i), count=NWG)  # every consumer warpgroup releases a buffer
+            mbarrier.init(turn.index(i), count=1)
+        for i in gl.static_range(2, NWG):
             mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=NWG)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=NWG)
         mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
         fence_async_shared()  # the barriers' initialisation is visible to TMA before the first load
         # (the argument tuples are written out: tuples built by concatenation inside a kernel turn
         # their constexpr entries into tensors)
-        gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                         desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
-                         stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                         0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                         EXACT)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                         desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
-                         stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                         1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                         EXACT)),
-            (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
-                       stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                       Q_BNHD, KV_BNHD)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        if NWG == 3:  # three consumer warpgroups (`fwd`'s 192-row tiles)
+            gl.warp_specialize([
+                (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                             desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
+                             stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
+                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                             EXACT, NWG, QB, FLAT)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                             desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
+                             stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
+                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                             EXACT, NWG, QB, FLAT)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                             desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
+                             stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
+                             2, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                             EXACT, NWG, QB, FLAT)),
+                (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                           v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
+                           stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
+                           Q_BNHD, KV_BNHD, M_TILE, QB)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                             desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
+                             stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
+                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                             EXACT, NWG, QB, FLAT)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                             desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
+                             stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
+                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                             EXACT, NWG, QB, FLAT)),
+                (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                           v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
+                           stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
+                           Q_BNHD, KV_BNHD, M_TILE, QB)),
+            ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 
 CONSUMER_REGS = 232  # second consumer warpgroup (setmaxnreg); the first takes what is left
+CONSUMER_REGS_3 = 160  # with three consumer warpgroups, the second and third (3 x 128 x 160 + the loader's fit)
 LOADER_REGS = 40
+
+# Launch settings a study can override (experiments/studies/hopper_bwd_fa4/compare.py): "consumers": 2
+# (default) or 3, q tiles of 64 rows a consumer warpgroup; 3 (192-row tiles, FlashAttention-4's tile at
+# d <= 64) only where a call has no block lists and head_dim 64, else 2; "flat": True / False, each step
+# S, softmax, P V in order without issue turns or in-warpgroup overlap (`_consumer`'s FLAT; default
+# False). Empty in normal use. (Three warpgroups with turns and overlap were 27-34% slower at d=64,
+# spilling with two P tiles live: experiments/studies/hopper/README.md.)
+OVERRIDES: dict = {}
+OVERRIDE_KEYS = ("consumers", "flat")
 
 
 def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
@@ -526,15 +600,20 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     if exact is not None and dense:
         raise ValueError("exact bits come with block lists (a dense call has none)")
     kv_tile, bits = (None, None) if exact is None else exact
+    nwg = 2
+    if OVERRIDES:  # (a study's: normal calls skip the check)
+        if not set(OVERRIDES) <= set(OVERRIDE_KEYS) or OVERRIDES.get("consumers", 2) not in (2, 3):
+            raise ValueError(f"hopper.OVERRIDES takes 'consumers' (2 or 3) and 'flat', got {OVERRIDES}")
+        nwg = 3 if OVERRIDES.get("consumers") == 3 and dense and D == 64 else 2
     so = o.stride()
     # O through shared memory and a TMA store where its layout takes a descriptor (faster, most on short
     # walks: experiments/studies/hopper/README.md, the TMA epilogue), else stored from registers
     o_lay = o_layout(o)
-    n_tiles = B * H * cdiv(Nq, TILE)
+    n_tiles = B * H * cdiv(Nq, 64 * nwg)
     if num_sms is None:
         num_sms = sm_count(q.device.index)
     grid = (max(1, min(n_tiles, num_sms)),)
-    desc_q = descriptor(q, lay[0], TILE)
+    desc_q = descriptor(q, lay[0], TILE if nwg == 2 else 64)  # (192 rows: three boxes, TMA boxes are powers of 2)
     binding.call(
         hopper_fwd_kernel, grid, desc_q=desc_q, desc_k=descriptor(k, lay[1], TILE), desc_v=descriptor(v, lay[2], TILE),
         desc_o=None if o_lay is None else descriptor(o, o_lay, TILE // 2), O=o, LSE=lse, KV_IDX=idx,
@@ -543,5 +622,6 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         stride_ib=i_strides[0], stride_ih=i_strides[1], stride_im=i_strides[2],
         stride_ob=so[0], stride_oh=so[1], stride_om=so[2],
         MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal),
-        STAGES=_stages(D), CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
+        STAGES=_stages(D), CONSUMER_REGS=CONSUMER_REGS_3 if nwg == 3 else CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+        NWG=nwg, FLAT=bool(OVERRIDES.get("flat", False)), num_warps=4)
     return o, lse
