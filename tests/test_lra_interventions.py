@@ -227,8 +227,9 @@ def test_cue_tests_command_on_a_tiny_model(tmp_path):
     assert rows[3]["n"] + rows[3]["n_skipped"] == 20 and rows[4]["n"] + rows[4]["n_skipped"] == 20
     assert rows[5]["n"] + rows[5]["n_skipped"] == 20
     probe = json.loads((tmp_path / "o" / "balance_probe.json").read_text())
-    assert {(r["set"], r["feature"]) for r in probe["rows"]} == {(s, f) for s in ("all", "balanced")
-                                                                 for f in ("coords", "paddle-directions", "patches")}
+    assert {(r["set"], r["feature"], r["learner"]) for r in probe["rows"]} == {
+        (s, f, lr) for s in ("all", "balanced") for f, lr in (("coords", "mlp"), ("paddle-directions", "threshold"),
+                                                               ("patches", "mlp"), ("patches", "cnn"), ("patches-r7", "cnn"))}
     assert probe["meta"]["cut_positives"] == rows[1]["n"] and probe["meta"]["commit"]
     assert probe["meta"]["stream"] == cue_tests.STREAM == 57 and cue_tests.HELD_OUT == 56
     held_out = cue_tests.make_images(32, 2, 2, controls=False, stream=cue_tests.HELD_OUT)["images"]

@@ -146,6 +146,29 @@ def test_probe_classifier_finds_a_planted_cue_and_nothing_in_noise():
     assert abs(acc - 0.5) < 3 * math.sqrt(0.25 / 400)
 
 
+def test_probe_cnn_finds_a_translated_patch_cue_and_nothing_in_noise():
+    """The second learner (`probe.fit_cnn`, two 7x7 patches as channels) learns a label carried by a
+    short bar's orientation at a random place in the first patch, and stays at chance (within 3 standard
+    errors) on labels independent of the patches."""
+    from sparseflash.experiments.lra.probe import fit_cnn
+
+    rng = np.random.default_rng(1)
+    n, side = 1600, 7
+    x = rng.random((n, 2, side, side)).astype(np.float32) * 0.3
+    y = rng.integers(0, 2, n)
+    for i in range(n):
+        r, c = rng.integers(1, side - 1, 2)
+        if y[i]:
+            x[i, 0, r - 1:r + 2, c] = 1.0  # vertical bar
+        else:
+            x[i, 0, r, c - 1:c + 2] = 1.0  # horizontal bar
+    x = x.reshape(n, -1)
+    assert fit_cnn(x[:1200], y[:1200], x[1200:], y[1200:], side=side, epochs=15) > 0.9
+    y_noise = rng.integers(0, 2, n)
+    acc = fit_cnn(x[:1200], y_noise[:1200], x[1200:], y_noise[1200:], side=side, epochs=15)
+    assert abs(acc - 0.5) < 3 * math.sqrt(0.25 / 400)
+
+
 def test_probe_data_and_command_on_tiny_data(tmp_path):
     """Features come from the true marker centres (the patch centre is a marker pixel), in raster
     order; the command writes its table and figure."""

@@ -142,14 +142,18 @@ def balance_probe(data: dict, *, seed: int = 0, bins: int = 20, epochs: int = 60
     """(indices of the balanced subset, probe rows): the shortcut probe's MLP (`probe.fit_mlp`) on
     the marker coordinates and on the marker patches, and the paddle-direction threshold rule
     (`rim_probe.threshold_accuracy`), each fitted on 75% and tested on 25%, on all images and on
-    the balanced subset (balanced on the coordinates and the paddle direction, not the patches)."""
+    the balanced subset (balanced on the coordinates and the paddle direction, not the patches).
+    A second learner on the patches (`probe.fit_cnn`, a small CNN, rows ``learner`` "cnn"): on the
+    probe's patches and on wider ones (radius + 2 px: the swap test's 7.5 px at 32 px)."""
     from sparseflash.experiments.lra.data.interventions import balance
-    from sparseflash.experiments.lra.probe import fit_mlp
+    from sparseflash.experiments.lra.probe import fit_cnn, fit_mlp, marker_patches, patch_half
     from sparseflash.experiments.studies.pathx.rim_probe import threshold_accuracy
 
     feats = np.concatenate([data["coords"], data["cos"][:, None]], 1)
     labels = data["labels"].astype(np.int64)
     keep = balance(feats, labels, bins=bins, seed=seed)
+    half = patch_half(data["resolution"])
+    wide = marker_patches(data["images"], data["tips"], half + 2)
     rows = []
     for name, idx in (("all", np.arange(len(labels))), ("balanced", keep)):
         perm = np.random.default_rng([seed, 7]).permutation(idx)
@@ -157,14 +161,19 @@ def balance_probe(data: dict, *, seed: int = 0, bins: int = 20, epochs: int = 60
         te, tr = perm[:n_test], perm[n_test:]
         if n_test < 2 or len(np.unique(labels[tr])) < 2:
             raise ValueError(f"the {name} set has {len(idx)} images: too few to probe (draw more with --balance-pool)")
-        for feature, acc in (("coords", fit_mlp(data["coords"][tr], labels[tr], data["coords"][te], labels[te],
-                                                epochs=epochs, seed=seed)),
-                             ("paddle-directions", threshold_accuracy(data["cos"][tr], labels[tr], data["cos"][te],
+        for feature, learner, acc in (
+                ("coords", "mlp", fit_mlp(data["coords"][tr], labels[tr], data["coords"][te], labels[te],
+                                          epochs=epochs, seed=seed)),
+                ("paddle-directions", "threshold", threshold_accuracy(data["cos"][tr], labels[tr], data["cos"][te],
                                                                       labels[te])),
-                             ("patches", fit_mlp(data["patches"][tr], labels[tr], data["patches"][te], labels[te],
-                                                 epochs=epochs, seed=seed))):
+                ("patches", "mlp", fit_mlp(data["patches"][tr], labels[tr], data["patches"][te], labels[te],
+                                           epochs=epochs, seed=seed)),
+                ("patches", "cnn", fit_cnn(data["patches"][tr], labels[tr], data["patches"][te], labels[te],
+                                           side=2 * half + 1, seed=seed)),
+                (f"patches-r{half + 2}", "cnn", fit_cnn(wide[tr], labels[tr], wide[te], labels[te],
+                                                         side=2 * half + 5, seed=seed))):
             rows.append({"resolution": data["resolution"], "fidelity": data["fidelity"], "set": name,
-                         "feature": feature, "n": int(len(idx)), "n_test": int(n_test),
+                         "feature": feature, "learner": learner, "n": int(len(idx)), "n_test": int(n_test),
                          "positives": float(labels[idx].mean()), "acc": round(float(acc), 4),
                          "se": round(math.sqrt(acc * (1 - acc) / n_test), 4)})
     return keep, rows
@@ -371,7 +380,7 @@ def main(argv=None) -> int:
     print(f"\n{a.resolution} px {a.fidelity}, seed {a.seed}, stream {a.stream}: {int(data['ok'].sum())} of {a.num} images cut or joined "
           f"(radius {data['radius']:g} px), balanced set {len(balanced)} of {a.balance_pool} images ({made_s} s)")
     for r in probe_rows:
-        print(f"  probe {r['feature']:17s} on {r['set']:8s} ({r['n']:5d} images): {100 * r['acc']:.1f} +- {100 * r['se']:.1f}%")
+        print(f"  probe {r['feature']:17s} {r['learner']:9s} on {r['set']:8s} ({r['n']:5d} images): {100 * r['acc']:.1f} +- {100 * r['se']:.1f}%")
     for r in rows:
         what = (f"follow {100 * r['follow']:.1f}% flip {100 * r['flip']:.1f}% (n {r['n']}, unchanged acc "
                 f"{100 * r['acc_unchanged']:.1f}%)" if "follow" in r else
