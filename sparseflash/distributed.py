@@ -461,6 +461,10 @@ def place(seq_len: int, world: int, mask=None, causal: bool = False, segment_ids
 
 # tokens of key / value one stage of the exchange moves at most (module docstring, "Memory")
 _STAGE_TOKENS = 1 << 16
+# A study switch (experiments/bench/context_parallel.py --own-stage-lists): False runs a plain causal plan's
+# own stage with block lists and the mask's bits like every other stage (`Plan.causal_stage`), for an A/B
+# of the causal walk there. True in normal use.
+CAUSAL_OWN_STAGE = True
 
 
 class _Stage:
@@ -619,7 +623,7 @@ class Plan:
         lists its blocks in ascending order, so in local coordinates the stage is exactly causal
         attention of a square, and the kernels' causal walk (no block lists, no bits) computes it."""
         mine = tuple(self.owned[self.rank])
-        return bool(self.causal and self._plain and st.source == self.rank and tuple(st.blocks) == mine
+        return bool(CAUSAL_OWN_STAGE and self.causal and self._plain and st.source == self.rank and tuple(st.blocks) == mine
                     and self.padded_len == self.seq_len and list(mine) == sorted(mine))
 
     def sub_mask(self, s: int, device, blocks: tuple | None = None) -> BlockMask:

@@ -391,6 +391,15 @@ def test_benchmark_script_smoke(tmp_path):
         assert float(r["work_max_over_mean"]) <= 1.1, r
         assert r["stage_tokens"] == "64" and r["peak_gib"] == r["extra_gib"] == "", r  # (no memory figures on CPU)
     assert not any(r["provider"].startswith("torch-cp") for r in rows)  # (CUDA only)
+    # the A/B switch: the own stage through block lists again, its rows beside the default's
+    res = subprocess.run(cmd[:cmd.index("--check-len")] + ["--skip-check", "--dense-lens", "256", "--sparse-lens", "",
+                                                           "--block", "32", "--heads", "2", "--dim", "16", "--reps", "1",
+                                                           "--warmup", "0", "--one-gpu-max", "0", "--own-stage-lists"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(out / "context_parallel.csv") as f:
+        both = {(r["provider"], r["case"]) for r in csv.DictReader(f) if r["kind"] == "time"}
+    assert {("sparseflash-cp", "dense-causal"), ("sparseflash-cp-lists", "dense-causal")} <= both
     assert (out / "context_parallel.png").exists()
     for name in ("butterfly-448-cp-rank0.txt", "butterfly-448-cp-rank1.txt", "window-448-1gpu.txt"):
         assert "Self CPU" in (out / "profile" / name).read_text(), name  # a profiler table

@@ -9,7 +9,8 @@
    one-GPU error plus 1e-3.
 2. Timings, fwd+bwd, bf16 (``--heads``, ``--dim``): dense causal at ``--dense-lens``; local window
    ``--window`` causal, documents (lengths drawn from 2K-64K) and butterfly at ``--sparse-lens``.
-   Providers: ``sparseflash-cp`` (this module, W GPUs, stages of ``--stage-tokens``), ``sparseflash-1gpu``
+   Providers: ``sparseflash-cp`` (this module, W GPUs, stages of ``--stage-tokens``; ``sparseflash-cp-lists``
+   with ``--own-stage-lists``: a causal plan's own stage through block lists and bits), ``sparseflash-1gpu``
    (rank 0 alone, the full sequence; skipped above ``--one-gpu-max``), ``torch-cp-allgather`` and
    ``torch-cp-alltoall`` (torch's ``context_parallel`` over SDPA's cuDNN backend, dense causal only, with
    each of its rotate methods (``--torch-methods``): all-gather the keys/values once, or pass them round
@@ -226,7 +227,7 @@ def check(args, base, device, rank, world):
         errs = [float((a - r).abs().max()) for a, r in zip(dist_vals, grads["ref64"])]
         one = [float((a - r).abs().max()) for a, r in zip(grads["1gpu"], grads["ref64"])]
         passed = all(e <= 2 * o1 + 1e-3 for e, o1 in zip(errs, one))
-        rows.append(dict(base, kind="check", case=kind, seq_len=n, provider="sparseflash-cp", err_out=errs[0],
+        rows.append(dict(base, kind="check", case=kind, seq_len=n, provider=_cp_name(args), err_out=errs[0],
                          err_dq=errs[1], err_dk=errs[2], err_dv=errs[3], err_1gpu_max=max(one), passed=passed,
                          placement=plan.placement))
     return rows
@@ -262,7 +263,7 @@ def timing(args, base, device, rank, world, kind, n):
     if args.profile:
         profile(step, os.path.join(args.out, "profile", f"{kind}-{n}-cp-rank{rank}.txt"), device)
     work = plan.work
-    rows.append(dict(base, kind="time", case=kind, seq_len=n, provider="sparseflash-cp", ms=ms, fwd_ms=fwd_ms,
+    rows.append(dict(base, kind="time", case=kind, seq_len=n, provider=_cp_name(args), ms=ms, fwd_ms=fwd_ms,
                      plan_bytes=int(planned.item()), sent_bytes=int(sent.item()),
                      work_max_over_mean=max(work) / max(1e-9, statistics.mean(work)), placement=plan.placement,
                      plan_s=plan_s, stage_tokens=plan.stage_blocks * args.block, **mem))
@@ -443,6 +444,12 @@ def write(out: str, rows: list) -> str:
     return path
 
 
+def _cp_name(args) -> str:
+    """The context-parallel rows' provider: ``sparseflash-cp``, or ``sparseflash-cp-lists`` with
+    ``--own-stage-lists`` (a causal plan's own stage through block lists and bits, as before its causal walk)."""
+    return "sparseflash-cp-lists" if args.own_stage_lists else "sparseflash-cp"
+
+
 def _lens(text):
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -466,6 +473,9 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--skip-torch-cp", action="store_true")
+    p.add_argument("--own-stage-lists", action="store_true",
+                   help="a plain causal plan's own stage through block lists and bits (sparseflash.distributed."
+                        "CAUSAL_OWN_STAGE = False; rows as provider sparseflash-cp-lists), for an A/B of its causal walk")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="also one fwd+bwd of each case under torch.profiler: OUT/profile/<case>-<N>-cp-rank<r>.txt and -1gpu.txt")
@@ -477,6 +487,8 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
+    if args.own_stage_lists:
+        sfd.CAUSAL_OWN_STAGE = False
     local = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":
         torch.cuda.set_device(local)
@@ -500,7 +512,7 @@ def main(argv=None):
         try:
             rows += timing(args, base, device, rank, world, kind, n)
         except torch.cuda.OutOfMemoryError as e:
-            rows.append(dict(base, kind="time", case=kind, seq_len=n, provider="sparseflash-cp",
+            rows.append(dict(base, kind="time", case=kind, seq_len=n, provider=_cp_name(args),
                              error=f"OutOfMemoryError: {str(e)[:120]}"))
             torch.cuda.empty_cache()
         if rank == 0:
