@@ -431,7 +431,6 @@ if GLUON_ERROR is None:
         fence_async_shared()
         mbarrier.arrive(dq_full.index(p % _DQ_BUFS))
 
-
     @gluon.jit
     def _starts(lse_bufs, dlt_bufs, q_ready, do_ready, it, have, STAGES: gl.constexpr, QT: gl.constexpr,
                 s_layout: gl.constexpr):
@@ -618,7 +617,7 @@ if GLUON_ERROR is None:
                             dv = dv_w
                             mbarrier.arrive(step_empty.index(s))
                             it += 1
-                            if PREFETCH_STARTS:  # the next step's starts, while this step's dK retires in the other warps
+                            if PREFETCH_STARTS:  # the next step's starts, its slot's wait and loads at this step's end
                                 nlse, ndlt = _starts(lse_bufs, dlt_bufs, q_ready, do_ready, it, jj + 1 < hi, STAGES, QT,
                                                      s_layout)
                 if it > it0:  # the tile's last dQ, before K goes

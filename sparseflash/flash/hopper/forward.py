@@ -248,10 +248,7 @@ if GLUON_ERROR is None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _consumer(q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                  desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
-                  stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
+    def _consumer(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                   NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                   STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr, EXACT: gl.constexpr,
                   NWG: gl.constexpr, QB: gl.constexpr, FLAT: gl.constexpr):
@@ -259,6 +256,9 @@ if GLUON_ERROR is None:
         wgmma, softmax, epilogue. The turn to issue passes from warpgroup WG to WG + 1 (mod NWG).
         FLAT (a study's): each step in order, S = Q K^T, its softmax, O += P V, without turns and
         without overlapping a step's softmax with the step before's P V (one P live, not two)."""
+        (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, desc_o, O, LSE,
+         KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im, stride_ob,
+         stride_oh, stride_om, n_tiles, m_tiles, qk_scale) = shared
         M_TILE: gl.constexpr = NWG * _HALF
         s_layout: gl.constexpr = wgmma_layout(_TILE)  # S: [64, 128] fp32
         o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # O: [64, HEAD_DIM] fp32
@@ -439,24 +439,19 @@ if GLUON_ERROR is None:
             mbarrier.init(v_empty.index(i), count=NWG)
         mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
         fence_async_shared()  # the barriers' initialisation is visible to TMA before the first load
-        # (the argument tuples are written out: tuples built by concatenation inside a kernel turn
-        # their constexpr entries into tensors)
+        # what every consumer warpgroup takes besides its constexprs, one tuple written once for both
+        # partition lists (constexprs stay out of it, and the lists are literals: a constexpr inside a
+        # tuple variable, or in tuples built by concatenation, becomes a tensor)
+        shared = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, desc_o, O,
+                  LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
+                  stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale)
         if NWG == 3:  # three consumer warpgroups (`fwd`'s 192-row tiles)
             gl.warp_specialize([
-                (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                             desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
-                             stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                (_consumer, (shared, 0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
                              EXACT, NWG, QB, FLAT)),
-                (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                             desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
-                             stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                (_consumer, (shared, 1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
                              EXACT, NWG, QB, FLAT)),
-                (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                             desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
-                             stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                             2, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                (_consumer, (shared, 2, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
                              EXACT, NWG, QB, FLAT)),
                 (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
@@ -465,15 +460,9 @@ if GLUON_ERROR is None:
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                             desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
-                             stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                             0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                (_consumer, (shared, 0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
                              EXACT, NWG, QB, FLAT)),
-                (_consumer, (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                             desc_o, O, LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib,
-                             stride_ih, stride_im, stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale,
-                             1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                (_consumer, (shared, 1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
                              EXACT, NWG, QB, FLAT)),
                 (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
