@@ -72,7 +72,7 @@ def test_bwd_study_overrides_named(monkeypatch):
     q = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 128)
     monkeypatch.setitem(hopper_bwd.OVERRIDES, "causal_spilt", True)
-    with pytest.raises(ValueError, match=r"OVERRIDES takes the keys \('q_step', 'dkdv_tma', 'causal_split', 'prefetch_starts'\), got "
+    with pytest.raises(ValueError, match=r"OVERRIDES takes the keys \('q_step', 'dkdv_tma', 'causal_split'\), got "
                                          r"\['causal_spilt'\]"):
         hopper_bwd.bwd(q, q, q, q, q, lse, None, None, None, 0.125, False, None, None, None, None)
 

@@ -50,8 +50,6 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             # a causal walk in one loop testing every step (the default before the split), with either store
             "causal-one-loop": {"causal_split": False},
             "causal-one-loop-regstore": {"causal_split": False, "dkdv_tma": False},
-            # each step's accumulator starts loaded at the end of the step before
-            "prefetch-starts": {"prefetch_starts": True},
             # the forward at d=64 without block lists: three consumer warpgroups (192-row q tiles) whose
             # steps run S, softmax, PV in order (no in-warpgroup overlap, no issue turns: one P live);
             # "fwd-2wg-flat": the same step order with the default two warpgroups

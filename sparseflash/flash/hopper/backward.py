@@ -108,11 +108,9 @@ def q_step(head_dim: int) -> int:
 # {head_dim: 64 or 128}; "dkdv_tma": True / False, dK and dV stored by TMA or from registers
 # (default True where their layouts take descriptors); "causal_split": True / False, a causal walk in
 # two loops, its diagonal's steps first (masked) then the rest (no mask code), or one loop testing
-# each step (default True); "prefetch_starts": True / False, a step's accumulator starts (its rows'
-# -LSE / scale and -delta) loaded from shared memory at the end of the step before, not just before its
-# wgmmas (default False). Empty in normal use.
+# each step (default True). Empty in normal use.
 OVERRIDES: dict = {}
-OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split", "prefetch_starts")
+OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split")
 
 
 def dq_order(n: int) -> tuple:
@@ -432,22 +430,6 @@ if GLUON_ERROR is None:
         mbarrier.arrive(dq_full.index(p % _DQ_BUFS))
 
     @gluon.jit
-    def _starts(lse_bufs, dlt_bufs, q_ready, do_ready, it, have, STAGES: gl.constexpr, QT: gl.constexpr,
-                s_layout: gl.constexpr):
-        """Step it's accumulator starts ([1, QT] each, -LSE / scale and -delta) once its Q and dO slot
-        is ready; zeros when ``have`` is False (no such step in this loop)."""
-        nlse = gl.zeros([1, QT], gl.float32, s_layout)
-        ndlt = gl.zeros([1, QT], gl.float32, s_layout)
-        if have:
-            s = it % STAGES
-            ph = (it // STAGES) & 1
-            mbarrier.wait(q_ready.index(s), ph)
-            mbarrier.wait(do_ready.index(s), ph)
-            nlse = lse_bufs.index(s).load(s_layout)
-            ndlt = dlt_bufs.index(s).load(s_layout)
-        return nlse, ndlt
-
-    @gluon.jit
     def _ds_rows(ds_buf, WG: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr, HEAD_DIM: gl.constexpr):
         """A of this warpgroup's dQ product, dS [64 queries, 128 keys], from a dS^T buffer [128 keys,
         QT queries]: every query of a 64-row step (each warpgroup then takes half of the columns),
@@ -468,15 +450,14 @@ if GLUON_ERROR is None:
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                       STAGES: gl.constexpr, EXACT: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr,
                       DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr, DV_BNHD: gl.constexpr,
-                      CAUSAL_SPLIT: gl.constexpr, PREFETCH_STARTS: gl.constexpr):
+                      CAUSAL_SPLIT: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; of each step's dQ, the
         columns of half WG (64-row steps) or the rows of half WG (128-row steps; DQ_N columns
         either way). Step j's dQ is computed during step j + 1 (and the tile's last after its
         walk), so a warpgroup never waits for the other's dS^T of the step it is on. EXACT: a step
         in a partial block zeroes P^T (and so dS^T) where its bit tile (Q_TILE, laid out as the
         column lists) is 0. DKDV_TMA: a tile's dK and dV go out through the dQ staging buffers
-        with TMA stores (else from registers). PREFETCH_STARTS: each step's accumulator starts are
-        loaded at the end of the step before (`_starts`)."""
+        with TMA stores (else from registers)."""
         s_layout: gl.constexpr = wgmma_layout(QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
         q_layout: gl.constexpr = wgmma_layout(DQ_N)  # this warpgroup's dQ: [64, DQ_N] fp32
@@ -526,16 +507,13 @@ if GLUON_ERROR is None:
                                 hi = j_part - j_skip
                             else:
                                 lo = j_part - j_skip
-                        if PREFETCH_STARTS:  # the first step's starts, loaded before the loop
-                            nlse, ndlt = _starts(lse_bufs, dlt_bufs, q_ready, do_ready, it, hi > lo, STAGES, QT, s_layout)
                         for jj in range(lo, hi):
                             j, start_m = _step(p_list, jj, j_skip, j_end, start_n, DENSE, MASK_BQ, QT, CAUSAL_SPLIT)
                             s = it % STAGES
                             ph = (it // STAGES) & 1
                             q_s = q_bufs.index(s).reshape([QT, HEAD_DIM])
                             do_s = do_bufs.index(s).reshape([QT, HEAD_DIM])
-                            if not PREFETCH_STARTS:
-                                mbarrier.wait(q_ready.index(s), ph)
+                            mbarrier.wait(q_ready.index(s), ph)
                             # The accumulators start at -LSE / scale and -delta ([1, QT] rows of the step's
                             # queries, padded, stored negated: `delta_kernel`), so S^T - LSE / scale and dP^T -
                             # delta come out of the wgmmas: neither row vector stays live beside them, and the
@@ -543,19 +521,13 @@ if GLUON_ERROR is None:
                             # (Starting them at zero and adding -LSE log2(e) in the exponent's FMA and -delta
                             # in dS^T saves these starts' register copies, 2 a score, but was 1.6-3.7% slower
                             # at d=128 and on causal d=64 walks: more registers live, more spills;
-                            # experiments/studies/hopper_bwd_fa4/, session 6.)
-                            # PREFETCH_STARTS: this step's starts were loaded (and its slot waited for) at the
-                            # end of the step before, so no shared-memory load latency precedes the issues
-                            if PREFETCH_STARTS:
-                                st = warpgroup_mma(k_w, q_s.permute((1, 0)), gl.broadcast(zero_s, nlse)[1], is_async=True)
-                                dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), gl.broadcast(zero_s, ndlt)[1],
-                                                    is_async=True)
-                            else:
-                                st = warpgroup_mma(k_w, q_s.permute((1, 0)),
-                                                   gl.broadcast(zero_s, lse_bufs.index(s).load(s_layout))[1], is_async=True)
-                                mbarrier.wait(do_ready.index(s), ph)
-                                dpt = warpgroup_mma(v_w, do_s.permute((1, 0)),
-                                                    gl.broadcast(zero_s, dlt_bufs.index(s).load(s_layout))[1], is_async=True)
+                            # experiments/studies/hopper_bwd_fa4/, session 6. Loading the next step's starts at the
+                            # end of the step before was 0.6-6.7% slower: session 7.)
+                            st = warpgroup_mma(k_w, q_s.permute((1, 0)),
+                                               gl.broadcast(zero_s, lse_bufs.index(s).load(s_layout))[1], is_async=True)
+                            mbarrier.wait(do_ready.index(s), ph)
+                            dpt = warpgroup_mma(v_w, do_s.permute((1, 0)),
+                                                gl.broadcast(zero_s, dlt_bufs.index(s).load(s_layout))[1], is_async=True)
                             cols = start_m + gl.arange(0, QT, layout=col_s)
                             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
                             pt = gl.exp2(st * qk_scale)  # exp2((S^T * scale - LSE) * log2(e))
@@ -617,9 +589,6 @@ if GLUON_ERROR is None:
                             dv = dv_w
                             mbarrier.arrive(step_empty.index(s))
                             it += 1
-                            if PREFETCH_STARTS:  # the next step's starts, its slot's wait and loads at this step's end
-                                nlse, ndlt = _starts(lse_bufs, dlt_bufs, q_ready, do_ready, it, jj + 1 < hi, STAGES, QT,
-                                                     s_layout)
                 if it > it0:  # the tile's last dQ, before K goes
                     pb = (it - 1) % 2
                     mbarrier.wait(ds_ready.index(pb), ((it - 1) // 2) & 1)
@@ -669,7 +638,7 @@ if GLUON_ERROR is None:
                            stride_dvb, stride_dvh, stride_dvn,
                            MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, CAUSAL: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           SPLIT_BAND: gl.constexpr, PREFETCH_STARTS: gl.constexpr, Q_IDX=None, Q_TILE=None, BITS=None, KEY_LEN=None, desc_dk=None,
+                           SPLIT_BAND: gl.constexpr, Q_IDX=None, Q_TILE=None, BITS=None, KEY_LEN=None, desc_dk=None,
                            desc_dv=None):
         """Optional features are named pointers, None when off: Q_IDX, the column lists (None: dense);
         Q_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_dk and
@@ -724,14 +693,14 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT, PREFETCH_STARTS)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk, desc_dv,
                              Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT, PREFETCH_STARTS)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -963,7 +932,6 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         stride_dkb=sk[0], stride_dkh=sk[1], stride_dkn=sk[2], stride_dvb=sv[0], stride_dvh=sv[1], stride_dvn=sv[2],
         MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal), STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, SPLIT_BAND=bool(OVERRIDES.get("causal_split", True)),
-        PREFETCH_STARTS=bool(OVERRIDES.get("prefetch_starts", False)),
         desc_dk=desc_dk, desc_dv=desc_dv, num_warps=4)
     dq = new(q)
     sq = dq.stride()
