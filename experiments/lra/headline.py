@@ -60,9 +60,9 @@ not kept). They are filled where the run's ``result.json`` or ``zero_shot.json``
 ``mean_tokens`` (Path-X, Path-256) or where every position is attended (no black-as-padding).
 
 Not in the table because no run file holds them: the Pathfinder-64 pretraining (test 72.08%,
-quoted from its log in RESULTS.md), and everything the issue asks for that has not finished (the
-density sweep's seeds 1 and 2, three of eight runs done so far in
-``studies/pathfinder-release/results/sweep-seeds/``; the cut test, cue-balanced sets, a test set used once).
+quoted from its log in RESULTS.md), the density sweep's seeds 1 and 2 (RESULTS.md's table,
+``studies/pathfinder-release/results/sweep-seeds/``), and everything the issue asks for that has not
+finished (interventions at 128 / 256 px, a test set used once).
 """
 
 from __future__ import annotations
