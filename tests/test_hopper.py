@@ -72,7 +72,7 @@ def test_bwd_study_overrides_named(monkeypatch):
     q = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 128)
     monkeypatch.setitem(hopper_bwd.OVERRIDES, "causal_spilt", True)
-    with pytest.raises(ValueError, match=r"OVERRIDES takes the keys \('q_step', 'dkdv_tma', 'causal_split'\), got "
+    with pytest.raises(ValueError, match=r"OVERRIDES takes the keys \('q_step', 'dkdv_tma', 'causal_split', 'grid_all'\), got "
                                          r"\['causal_spilt'\]"):
         hopper_bwd.bwd(q, q, q, q, q, lse, None, None, None, 0.125, False, None, None, None, None)
 
@@ -429,6 +429,25 @@ def test_gpu_bwd_dkdv_stores_agree(monkeypatch, hopper_spy, hopper_bwd_spy, caus
         dq_a, dq_b = got[0][0].float(), got[1][0].float()  # dQ: float32 sums in arrival order, then bf16
         assert (dq_a - dq_b).abs().max() <= 2 * 2.0 ** -7 * dq_a.abs().max()
     assert len(hopper_bwd_spy) == 4
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_bwd_grid_all_agrees(monkeypatch, hopper_spy, hopper_bwd_spy, causal):
+    """A study's non-persistent backward grid (`grid_all`: one CTA a key tile, or a causal pair of
+    them) gives the persistent grid's dK and dV bitwise, dQ within its float32 sum order, with more
+    units than SMs (256 at 4096 tokens, 8 kv heads, 2 batches) so the two grids differ."""
+    q, k, v, do = make_qkv(2, 8, 8, 4096, 4096, 128, torch.bfloat16, "cuda", seed=21)
+    got = []
+    for grid_all in (False, True):
+        monkeypatch.setitem(hopper_bwd.OVERRIDES, "grid_all", grid_all)
+        ts = [t.clone().requires_grad_() for t in (q, k, v)]
+        got.append(torch.autograd.grad(sparseflash.attention(*ts, causal=causal), ts, do))
+    for a, b in zip(got[0][1:], got[1][1:]):
+        assert torch.equal(a, b)
+    dq_a, dq_b = got[0][0].float(), got[1][0].float()
+    assert (dq_a - dq_b).abs().max() <= 2 * 2.0 ** -7 * dq_a.abs().max()
+    assert len(hopper_bwd_spy) == 2
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")

@@ -50,6 +50,8 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             # a causal walk in one loop testing every step (the default before the split), with either store
             "causal-one-loop": {"causal_split": False},
             "causal-one-loop-regstore": {"causal_split": False, "dkdv_tma": False},
+            # a non-persistent backward grid: one CTA a key tile (causal: a pair of them)
+            "bwd-grid-all": {"grid_all": True},
             # the forward at d=64 without block lists: three consumer warpgroups (192-row q tiles) whose
             # steps run S, softmax, PV in order (no in-warpgroup overlap, no issue turns: one P live);
             # "fwd-2wg-flat": the same step order with the default two warpgroups

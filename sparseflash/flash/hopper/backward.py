@@ -108,9 +108,11 @@ def q_step(head_dim: int) -> int:
 # {head_dim: 64 or 128}; "dkdv_tma": True / False, dK and dV stored by TMA or from registers
 # (default True where their layouts take descriptors); "causal_split": True / False, a causal walk in
 # two loops, its diagonal's steps first (masked) then the rest (no mask code), or one loop testing
-# each step (default True). Empty in normal use.
+# each step (default True); "grid_all": True, one CTA a unit of work (a key tile, a causal pair of them)
+# instead of a persistent grid of one CTA an SM, as FlashAttention-4 launches its backward (the head
+# groups kept as the persistent grid would run them; default False). Empty in normal use.
 OVERRIDES: dict = {}
-OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split")
+OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split", "grid_all")
 
 
 def dq_order(n: int) -> tuple:
@@ -912,6 +914,8 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
     n_units = n_bhk * ((n_kt + 1) // 2) if causal else n_tiles  # (causal: pairs of tiles, `_key_tile`)
     grid = max(1, min(n_units, num_sms))
     gh = _heads_per_group(n_units // n_bhk, n_bhk, grid)
+    if OVERRIDES.get("grid_all"):  # (a study's) every unit its own CTA, the hardware scheduling them
+        grid = n_units
     n_rounds = cdiv(n_units, grid) * (2 if causal else 1)
     lay_dk, lay_dv = hopper.tensor_layout(dk), hopper.tensor_layout(dv)
     # dK / dV by TMA store through the dQ staging buffers where their layouts take descriptors. A causal
