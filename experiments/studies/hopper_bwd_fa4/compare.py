@@ -55,7 +55,11 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             # the forward at d=64 without block lists: three consumer warpgroups (192-row q tiles) whose
             # steps run S, softmax, PV in order (no in-warpgroup overlap, no issue turns: one P live);
             # "fwd-2wg-flat": the same step order with the default two warpgroups
-            "fwd-3wg-flat": {"fwd": {"consumers": 3, "flat": True}}, "fwd-2wg-flat": {"fwd": {"flat": True}}}
+            "fwd-3wg-flat": {"fwd": {"consumers": 3, "flat": True}}, "fwd-2wg-flat": {"fwd": {"flat": True}},
+            # the causal forward's heads in sections of 2 / 4 / 8 (longest tiles first within each), so the
+            # K / V a section's CTAs re-read stay in L2 (all heads at once: 128 MB at 16K, d=128, 16 heads)
+            "fwd-sec2": {"fwd": {"sec_heads": 2}}, "fwd-sec4": {"fwd": {"sec_heads": 4}},
+            "fwd-sec8": {"fwd": {"sec_heads": 8}}}
 
 
 @contextlib.contextmanager

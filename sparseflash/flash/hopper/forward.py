@@ -78,7 +78,7 @@ if GLUON_ERROR is None:
         return gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(head_dim), k_width=2)
 
     @gluon.jit
-    def _tile_coords(base, n_tiles, m_tiles, n_heads, CAUSAL: gl.constexpr):
+    def _tile_coords(base, n_tiles, m_tiles, n_heads, sec_heads, CAUSAL: gl.constexpr):
         """This CTA's tile of the round starting at stream position ``base`` -> (tile index, batch,
         head, q tile); the tile index is >= n_tiles when the CTA has none in the last round.
 
@@ -86,15 +86,25 @@ if GLUON_ERROR is None:
         grow down the sequence, and that order would give a CTA tiles of about the same length in
         every round (G = 132 is 4 more than a 16K head's 128 tiles: 57% balance at 16K); instead the
         stream runs longest tiles first over all heads, dealt in a snake (round r goes p = 0..G-1
-        when r is even, G-1..0 when odd), so long and short tiles even out per CTA."""
+        when r is even, G-1..0 when odd), so long and short tiles even out per CTA. ``sec_heads``
+        (a study's; None: all heads at once): the causal stream runs (batch, head)s in sections of
+        that many, longest tiles first within each, so the K / V that a section's CTAs re-read
+        from block 0 on can stay in L2."""
         pid = gl.program_id(0)
         G = gl.num_programs(0)
         if CAUSAL:
             r = base // G
             t = base + gl.where(r % 2 == 0, pid, G - 1 - pid)
             n_bh = n_tiles // m_tiles
-            bh = t % n_bh
-            pm = m_tiles - 1 - t // n_bh
+            if sec_heads is None:
+                bh = t % n_bh
+                pm = m_tiles - 1 - t // n_bh
+            else:
+                sec = t // (sec_heads * m_tiles)
+                heads = gl.maximum(gl.minimum(sec_heads, n_bh - sec * sec_heads), 1)  # (the last may have fewer)
+                u = t - sec * sec_heads * m_tiles
+                bh = sec * sec_heads + u % heads
+                pm = m_tiles - 1 - u // heads
         else:
             t = base + pid
             bh = t // m_tiles
@@ -155,13 +165,13 @@ if GLUON_ERROR is None:
                 KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
                 n_tiles, m_tiles, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                 DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
-                Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, M_TILE: gl.constexpr, QB: gl.constexpr):
+                Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, M_TILE: gl.constexpr, QB: gl.constexpr, sec_heads):
         """1 warp: TMA loads of every tile's Q (M_TILE rows) and the K/V tiles of its walk, in stream
         order."""
         it = 0  # K/V tiles issued by this CTA so far: ring slot and phase
         n_done = 0  # tiles started: Q buffer and phase
         for base in range(0, n_tiles, gl.num_programs(0)):
-            t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, CAUSAL)
+            t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, sec_heads, CAUSAL)
             if t < n_tiles:
                 hk = h // group
                 p_list = _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ, M_TILE, DENSE)
@@ -248,7 +258,7 @@ if GLUON_ERROR is None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _consumer(shared, WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
+    def _consumer(shared, sec_heads, WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                   NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                   STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr, EXACT: gl.constexpr,
                   NWG: gl.constexpr, QB: gl.constexpr, FLAT: gl.constexpr):
@@ -276,7 +286,7 @@ if GLUON_ERROR is None:
         n_turns = 0
         n_done = 0
         for base in range(0, n_tiles, gl.num_programs(0)):
-            t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, CAUSAL)
+            t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, sec_heads, CAUSAL)
             if t < n_tiles:
                 p_list = _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ, M_TILE, DENSE)
                 j_full, j_valid, kv_end, causal_off = _steps(p_list, KEY_LEN, b, pm, seq_q, seq_k, n_kblocks, MASK_BK,
@@ -396,10 +406,12 @@ if GLUON_ERROR is None:
                            stride_ib, stride_ih, stride_im, stride_ob, stride_oh, stride_om,
                            MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, CAUSAL: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           NWG: gl.constexpr, FLAT: gl.constexpr, KV_IDX=None, KV_TILE=None, BITS=None, KEY_LEN=None, desc_o=None):
+                           NWG: gl.constexpr, FLAT: gl.constexpr, KV_IDX=None, KV_TILE=None, BITS=None, KEY_LEN=None, desc_o=None,
+                           sec_heads=None):
         """Optional features are named pointers, None when off: KV_IDX, the row lists (None: dense);
         KV_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_o, O
-        stored by TMA (None: from registers, through O with its strides). The head dimension and each
+        stored by TMA (None: from registers, through O with its strides); sec_heads (a study's), the
+        causal stream's (batch, head)s a section (`_tile_coords`). The head dimension and each
         tensor's memory order come from the descriptors."""
         DENSE: gl.constexpr = KV_IDX is None
         EXACT: gl.constexpr = BITS is not None
@@ -447,27 +459,27 @@ if GLUON_ERROR is None:
                   stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale)
         if NWG == 3:  # three consumer warpgroups (`fwd`'s 192-row tiles)
             gl.warp_specialize([
-                (_consumer, (shared, 0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                (_consumer, (shared, sec_heads, 0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
                              EXACT, NWG, QB, FLAT)),
-                (_consumer, (shared, 1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                (_consumer, (shared, sec_heads, 1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
                              EXACT, NWG, QB, FLAT)),
-                (_consumer, (shared, 2, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                (_consumer, (shared, sec_heads, 2, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
                              EXACT, NWG, QB, FLAT)),
                 (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
                            stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                           Q_BNHD, KV_BNHD, M_TILE, QB)),
+                           Q_BNHD, KV_BNHD, M_TILE, QB, sec_heads)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (shared, 0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                (_consumer, (shared, sec_heads, 0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
                              EXACT, NWG, QB, FLAT)),
-                (_consumer, (shared, 1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
+                (_consumer, (shared, sec_heads, 1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
                              EXACT, NWG, QB, FLAT)),
                 (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
                            stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                           Q_BNHD, KV_BNHD, M_TILE, QB)),
+                           Q_BNHD, KV_BNHD, M_TILE, QB, sec_heads)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -480,10 +492,11 @@ LOADER_REGS = 40
 # (default) or 3, q tiles of 64 rows a consumer warpgroup; 3 (192-row tiles, FlashAttention-4's tile at
 # d <= 64) only where a call has no block lists and head_dim 64, else 2; "flat": True / False, each step
 # S, softmax, P V in order without issue turns or in-warpgroup overlap (`_consumer`'s FLAT; default
-# False). Empty in normal use. (Three warpgroups with turns and overlap were 27-34% slower at d=64,
-# spilling with two P tiles live: experiments/studies/hopper/README.md.)
+# False); "sec_heads": an int, a causal call's (batch, head)s taken in sections of that many
+# (`_tile_coords`; default: all at once). Empty in normal use. (Three warpgroups with turns and overlap
+# were 27-34% slower at d=64, spilling with two P tiles live: experiments/studies/hopper/README.md.)
 OVERRIDES: dict = {}
-OVERRIDE_KEYS = ("consumers", "flat")
+OVERRIDE_KEYS = ("consumers", "flat", "sec_heads")
 
 
 def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
@@ -612,5 +625,6 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         stride_ob=so[0], stride_oh=so[1], stride_om=so[2],
         MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal),
         STAGES=_stages(D), CONSUMER_REGS=CONSUMER_REGS_3 if nwg == 3 else CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-        NWG=nwg, FLAT=bool(OVERRIDES.get("flat", False)), num_warps=4)
+        NWG=nwg, FLAT=bool(OVERRIDES.get("flat", False)), sec_heads=OVERRIDES.get("sec_heads") if causal else None,
+        num_warps=4)
     return o, lse
