@@ -176,6 +176,8 @@ def test_tiny_run_learns(tmp_path):
         ("15", "val", "current"), ("30", "val", "current"), ("30", "test", "final"), ("30", "test", "best")]
     for name in ("config.json", "summary.json", "train.csv", "checkpoints/last.pt", "checkpoints/best.pt"):
         assert (tmp_path / name).exists(), name
+    recorded = json.loads((tmp_path / "config.json").read_text())
+    assert recorded["commit"] == summary["commit"] and config_from_dict(recorded).to_dict()["task"] == recorded["task"]
 
 
 def test_dual_task_trains(tmp_path):

@@ -142,8 +142,10 @@ class ExperimentConfig:
 
 
 def config_from_dict(d: dict) -> ExperimentConfig:
-    """Inverse of `ExperimentConfig.to_dict` (JSON turns tuples into lists; they come back as tuples)."""
+    """Inverse of `ExperimentConfig.to_dict` (JSON turns tuples into lists; they come back as tuples). A
+    run's config.json also records the ``commit`` that began the run: not part of the config."""
     d = copy.deepcopy(d)
+    d.pop("commit", None)
     model = d.pop("model")
     if model.get("grid") is not None:
         model["grid"] = tuple(model["grid"])

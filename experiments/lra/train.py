@@ -11,7 +11,8 @@ What a run does: bf16 autocast on CUDA, AdamW (no decay on biases, norms and emb
 then linear / cosine / inverse-sqrt decay, gradient clipping; evaluation on val every
 ``eval_every`` steps and at the end of the schedule, and at the end on test with the final and the
 best-on-val weights; checkpoints ``OUT/checkpoints/{last,best}.pt``; ``OUT/metrics.jsonl`` plus
-``train.csv`` / ``eval.csv``; ``OUT/config.json`` and ``OUT/summary.json``. A command that fails
+``train.csv`` / ``eval.csv``; ``OUT/config.json`` (the config and the ``commit`` of the command that began
+the run) and ``OUT/summary.json``. A command that fails
 before its run recorded a step (a bad pattern, a checkpoint that cannot be read, an error in the
 first step) removes what it wrote, so the corrected command finds ``OUT`` as it was.
 
@@ -1088,7 +1089,8 @@ class _Run:
         if self.lead:
             self._make_folders()
             if not (resume and (self.out / "config.json").exists()):  # (checked against the checkpoint's above)
-                _write_json(self.out / "config.json", self.cfg.to_dict())
+                # (with the commit of the command that began the run; later commands: summary.json's segments)
+                _write_json(self.out / "config.json", {**self.cfg.to_dict(), "commit": self.commit})
                 self.wrote_config = True
         if self.ended is not None:
             return
