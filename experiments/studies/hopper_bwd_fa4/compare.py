@@ -52,10 +52,11 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             "causal-one-loop-regstore": {"causal_split": False, "dkdv_tma": False},
             # a non-persistent backward grid: one CTA a key tile (causal: a pair of them)
             "bwd-grid-all": {"grid_all": True},
-            # the forward at d=64 without block lists: three consumer warpgroups (192-row q tiles) whose
-            # steps run S, softmax, PV in order (no in-warpgroup overlap, no issue turns: one P live);
-            # "fwd-2wg-flat": the same step order with the default two warpgroups
-            "fwd-3wg-flat": {"fwd": {"consumers": 3, "flat": True}}, "fwd-2wg-flat": {"fwd": {"flat": True}},
+            # the forward at d=64 without block lists: "fwd-2wg", two ping-pong consumer warpgroups (the
+            # default before three flat ones); "fwd-2wg-flat": two warpgroups in the flat step order;
+            # "fwd-3wg-flat": three flat warpgroups (the default there)
+            "fwd-2wg": {"fwd": {"consumers": 2}}, "fwd-3wg-flat": {"fwd": {"consumers": 3, "flat": True}},
+            "fwd-2wg-flat": {"fwd": {"consumers": 2, "flat": True}},
             # the causal forward's heads in sections of 2 / 4 / 8 (longest tiles first within each), so the
             # K / V a section's CTAs re-read stay in L2 (all heads at once: 128 MB at 16K, d=128, 16 heads)
             "fwd-sec2": {"fwd": {"sec_heads": 2}}, "fwd-sec4": {"fwd": {"sec_heads": 4}},

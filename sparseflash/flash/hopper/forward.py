@@ -5,7 +5,8 @@ The portable kernels (`kernels.py`) run everywhere Triton does; on an H100 they 
 cores idle while the softmax runs, because one program's matmuls and its softmax are one
 dependent chain. This kernel takes FlashAttention-3's structure, written in Gluon:
 
-- one CTA = one q tile of 128 rows, three roles (``gl.warp_specialize``):
+- one CTA = one q tile of 128 rows (192 at head_dim 64 without block lists: three consumer
+  warpgroups, each step in order, see `OVERRIDES`' note), three roles (``gl.warp_specialize``):
   a 1-warp **loader** that TMA-loads Q (two buffers) and K, V (rings of STAGES slots, separate
   barriers for K and V so a K slot is refilled as soon as S = Q K^T has read it), and two
   **consumer warpgroups** of 4 warps, each owning 64 rows of the tile;
@@ -264,8 +265,9 @@ if GLUON_ERROR is None:
                   NWG: gl.constexpr, QB: gl.constexpr, FLAT: gl.constexpr):
         """One of NWG consumer warpgroups (rows WG*64 .. WG*64+63 of each tile of NWG * 64 rows):
         wgmma, softmax, epilogue. The turn to issue passes from warpgroup WG to WG + 1 (mod NWG).
-        FLAT (a study's): each step in order, S = Q K^T, its softmax, O += P V, without turns and
-        without overlapping a step's softmax with the step before's P V (one P live, not two)."""
+        FLAT (three warpgroups' order): each step in order, S = Q K^T, its softmax, O += P V, without
+        turns and without overlapping a step's softmax with the step before's P V (one P live, not
+        two); with three warpgroups the other two cover one's softmax."""
         (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, desc_o, O, LSE,
          KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im, stride_ob,
          stride_oh, stride_om, n_tiles, m_tiles, qk_scale) = shared
@@ -488,13 +490,15 @@ CONSUMER_REGS = 232  # second consumer warpgroup (setmaxnreg); the first takes w
 CONSUMER_REGS_3 = 160  # with three consumer warpgroups, the second and third (3 x 128 x 160 + the loader's fit)
 LOADER_REGS = 40
 
-# Launch settings a study can override (experiments/studies/hopper_bwd_fa4/compare.py): "consumers": 2
-# (default) or 3, q tiles of 64 rows a consumer warpgroup; 3 (192-row tiles, FlashAttention-4's tile at
-# d <= 64) only where a call has no block lists and head_dim 64, else 2; "flat": True / False, each step
-# S, softmax, P V in order without issue turns or in-warpgroup overlap (`_consumer`'s FLAT; default
-# False); "sec_heads": an int, a causal call's (batch, head)s taken in sections of that many
-# (`_tile_coords`; default: all at once). Empty in normal use. (Three warpgroups with turns and overlap
-# were 27-34% slower at d=64, spilling with two P tiles live: experiments/studies/hopper/README.md.)
+# Consumer warpgroups: at head_dim 64 without block lists three (192-row q tiles, FlashAttention-4's tile
+# there), each step S, softmax, P V in order (FLAT): 4-7% faster forwards than two ping-pong warpgroups at
+# 4K and 16K, dense and causal (1% slower at causal 4K), outputs bitwise equal
+# (experiments/studies/hopper_bwd_fa4/, session 7); elsewhere two, with turns and in-warpgroup overlap.
+# (Three with turns and overlap were 27-34% slower, spilling with two P tiles live; two flat 12-24%:
+# experiments/studies/hopper/README.md and hopper_bwd_fa4 session 7.)
+# A study can override: "consumers": 2 or 3 (3 taken only where the default would allow it), "flat":
+# True / False (default: flat with three); "sec_heads": an int, a causal call's (batch, head)s taken in
+# sections of that many (`_tile_coords`; default: all at once). Empty in normal use.
 OVERRIDES: dict = {}
 OVERRIDE_KEYS = ("consumers", "flat", "sec_heads")
 
@@ -602,11 +606,13 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     if exact is not None and dense:
         raise ValueError("exact bits come with block lists (a dense call has none)")
     kv_tile, bits = (None, None) if exact is None else exact
-    nwg = 2
+    wide = dense and D == 64  # three consumer warpgroups, 192-row tiles, flat steps
+    nwg, flat = (3, True) if wide else (2, False)
     if OVERRIDES:  # (a study's: normal calls skip the check)
-        if not set(OVERRIDES) <= set(OVERRIDE_KEYS) or OVERRIDES.get("consumers", 2) not in (2, 3):
+        if not set(OVERRIDES) <= set(OVERRIDE_KEYS) or OVERRIDES.get("consumers", nwg) not in (2, 3):
             raise ValueError(f"hopper.OVERRIDES takes 'consumers' (2 or 3) and 'flat', got {OVERRIDES}")
-        nwg = 3 if OVERRIDES.get("consumers") == 3 and dense and D == 64 else 2
+        nwg = 3 if OVERRIDES.get("consumers", nwg) == 3 and wide else 2
+        flat = bool(OVERRIDES.get("flat", nwg == 3))
     so = o.stride()
     # O through shared memory and a TMA store where its layout takes a descriptor (faster, most on short
     # walks: experiments/studies/hopper/README.md, the TMA epilogue), else stored from registers
@@ -625,6 +631,5 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         stride_ob=so[0], stride_oh=so[1], stride_om=so[2],
         MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal),
         STAGES=_stages(D), CONSUMER_REGS=CONSUMER_REGS_3 if nwg == 3 else CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-        NWG=nwg, FLAT=bool(OVERRIDES.get("flat", False)), sec_heads=OVERRIDES.get("sec_heads") if causal else None,
-        num_warps=4)
+        NWG=nwg, FLAT=flat, sec_heads=OVERRIDES.get("sec_heads") if causal else None, num_warps=4)
     return o, lse
