@@ -101,6 +101,37 @@ def test_bound_launch_keys_on_alignment_and_dtype(fake):
     assert len(kernel.launches) == 3
 
 
+def test_bound_launch_fills_tuples_of_tensors(fake):
+    """A tuple argument holding tensors (an optional part's tensors with its scalars, `Plan.packs`):
+    the call gives its tensors as a tuple; Triton gets the filled tuple, a bound launch the tuple
+    with the tensors' addresses, fresh each call (not the first call's), and the tensors'
+    alignments and dtypes are part of the bound launch's key."""
+    kernel, _ = fake
+    T = launch.TENSOR
+    plan = launch.Plan("stand_in_kernel", (5, 6), dict(A=T, B=T, n=48, x=0.5, C=7, E=(T, 3, T), num_warps=4),
+                       TileConfig(16, 16), False, torch.device("cuda"))
+    assert plan.tensors == ("A", "B") and plan.packs == (("E", (T, 3, T)),)
+
+    def tensors(offset=0):
+        e = torch.zeros(64, dtype=torch.int32)
+        return dict(_tensors(), E=(e[offset:offset + 8], torch.zeros(4)))
+
+    first = tensors()
+    launch.run(plan, first)
+    assert len(kernel.launches) == 1 and len(plan.bound) == 1
+    assert kernel.launches[0][1]["E"] == (first["E"][0], 3, first["E"][1])
+    second = tensors(offset=4)  # 16 bytes in: aligned as the first
+    launch.run(plan, second)
+    assert len(kernel.launches) == 1, "the second launch went through Triton again"
+    (compiled,) = kernel.compiled.values()
+    e0, e1 = second["E"]
+    assert compiled.runs[-1][-1] == (e0.data_ptr(), 3, e1.data_ptr())
+    launch.run(plan, tensors(offset=1))  # 4 bytes in: another specialisation, Triton's path
+    assert len(kernel.launches) == 2 and len(plan.bound) == 2
+    with pytest.raises(ValueError, match="more tensors"):
+        plan.arguments(dict(_tensors(), E=(e0, e1, e1)))
+
+
 def test_unbound_launches(fake, monkeypatch):
     """Triton's own path every time with FAST_LAUNCH off, for plans with TMA descriptors, under a
     launch hook (a profiler) and with the kernel's pre-run hooks."""
@@ -369,10 +400,12 @@ def test_portable_kernel_signatures():
     BLOCK_D derived from HEAD_DIM."""
     optional = {"KV_IDX", "Q_IDX", "stride_idx", "KV_TILE", "Q_TILE", "BITS", "KEY_LEN", "RNG", "drop_thresh", "DLSE",
                 "SEG_Q", "SEG_K", "stride_sqb", "stride_skb", "RANGES", "stride_rb", "SLOPES", "stride_slb"}
-    for name, most in (("fwd_kernel", 44), ("bwd_dq_kernel", 53), ("bwd_dkdv_kernel", 53)):
+    tuples = {"KV_IDX", "stride_idx", "MASK_BQ", "MASK_BK", "NB_P2", "GATHER", "exact", "KEY_LEN", "RNG", "drop_thresh",
+              "segments", "ranges", "alibi"}  # (the kernels already given their optional parts as tuples)
+    for name, most in (("fwd_kernel", 40), ("bwd_dq_kernel", 53), ("bwd_dkdv_kernel", 53)):
         ps = inspect.signature(getattr(kernels, name).fn).parameters
         assert len(ps) <= most, (name, len(ps))
         for n, p in ps.items():
-            if n in optional or n.startswith("DESC_") or (n == "drop_scale" and name != "fwd_kernel"):
+            if n in (tuples if "strides" in ps else optional) or n.startswith("DESC_") or (n == "drop_scale" and name != "fwd_kernel"):
                 assert p.default is None, (name, n)
-        assert "BLOCK_D" not in ps and "stride_qb" not in ps and "stride_q" in ps
+        assert "BLOCK_D" not in ps and "stride_qb" not in ps and ("stride_q" in ps or "strides" in ps)

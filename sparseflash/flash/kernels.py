@@ -347,9 +347,11 @@ def _seg_other(p_seg, start, o_t, seq, own_lo, own_hi):
 
 
 @triton.jit
-def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q):
+def _seg_rows(segments, i_b, o_m, seq_q):
     """For a program holding q tile o_m (forward, dQ): its segment ids [BLOCK_M], their range over
-    the real rows, and the key ids' row pointer (the inner loops' ``seg``)."""
+    the real rows, and the key ids' row pointer (the inner loops' ``seg``). ``segments``: the
+    kernels' (SEG_Q, SEG_K, stride_sqb, stride_skb)."""
+    SEG_Q, SEG_K, stride_sqb, stride_skb = segments
     m_row = o_m < seq_q
     b_sq = tl.load(SEG_Q + i_b * stride_sqb + o_m, mask=m_row, other=0)
     sq_lo, sq_hi = _seg_range(b_sq, m_row)
@@ -357,9 +359,10 @@ def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q):
 
 
 @triton.jit
-def _range_rows(RANGES, stride_rb, i_b, o_m, seq_q):
+def _range_rows(ranges, i_b, o_m, seq_q):
     """Key ranges of rows o_m: (start, end) int32 [BLOCK_M] each, read from the [B', 2, seq_q] table
-    RANGES; rows past seq_q get the empty range (0, 0)."""
+    RANGES of ``ranges`` (RANGES, stride_rb); rows past seq_q get the empty range (0, 0)."""
+    RANGES, stride_rb = ranges
     m_row = o_m < seq_q
     p = RANGES + i_b * stride_rb
     return tl.load(p + o_m, mask=m_row, other=0), tl.load(p + seq_q + o_m, mask=m_row, other=0)
@@ -422,9 +425,10 @@ def _tanh(x):
 
 
 @triton.jit
-def _alibi_slope(SLOPES, stride_slb, i_b, i_h):
-    """ALiBi's slope of batch i_b, query head i_h times log2(e) (SLOPES: float32 [B or 1, H_Q], batch
-    stride stride_slb)."""
+def _alibi_slope(alibi, i_b, i_h):
+    """ALiBi's slope of batch i_b, query head i_h times log2(e) (``alibi``: (SLOPES, stride_slb), the
+    float32 slopes [B or 1, H_Q] and their batch stride)."""
+    SLOPES, stride_slb = alibi
     return tl.load(SLOPES + i_b * stride_slb + i_h) * LOG2E
 
 
@@ -553,43 +557,44 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, j_lo, j_hi, start_m, o_m, o_d, 
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def fwd_kernel(Q, K, V, O, LSE, stride_q, stride_k, stride_v, stride_o,
-               H_Q, GROUP, seq_q, seq_k, qk_scale, drop_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-               ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
-               KV_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
-               KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None,
-               SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
-               SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None):
-    """stride_q, stride_k, stride_v, stride_o: each tensor's (batch, head, row, column) strides, the
-    first three divided by ALIGN (`_aligned`). KV_IDX (block lists; None: dense): the row lists
-    [B or 1, H or 1, q blocks, NB] (strides stride_idx), NB_P2 entries read as one vector, from
-    registers with GATHER (`_tile_start`). RNG (dropout; None: off): the int64 [3] seed and offset
-    tensor, with drop_thresh (`_philox_keep`); drop_scale: the kept values' scale, 1.0 without dropout.
-    DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
-    [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are None.
-    SEG_Q, SEG_K (SEGMENTS): int32 segment ids [B or 1, seq] (batch strides stride_sqb, stride_skb,
-    0 when shared); keys whose id differs from the query's are not attended.
-    RANGES (KEY_RANGES, never with SEGMENTS): int32 [B or 1, 2, seq_q] (batch stride stride_rb) of
-    each query's key range: query i attends keys start[i] <= j < end[i] only.
-    SOFTCAP, ALIBI: the score modifications (module docstring); ALIBI's slopes SLOPES [B or 1, H_Q]
-    (batch stride stride_slb).
-    Every pointer a variant does not read (lists when dense, KEY_LEN, the segment, range and slope
-    tables, RNG, the descriptors without TMA) is None: a constexpr, so each variant's code and
-    parameter list hold only what it uses, and each feature's flag (DENSE, DROPOUT, ...) is
-    derived from its pointer at the top of the body. SOFTCAP: the cap, None when off.
-    KV_TILE, BITS (EXACT; None otherwise): the bit-tile index of each row-list entry (int32, laid
-    out as KV_IDX) and the bit tiles (module docstring)."""
+def fwd_kernel(Q, K, V, O, LSE, strides, H_Q, GROUP, seq_q, seq_k, qk_scale, drop_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, SOFTCAP: tl.constexpr = None,
+               KV_IDX=None, stride_idx=None, MASK_BQ: tl.constexpr = None, MASK_BK: tl.constexpr = None,
+               NB_P2: tl.constexpr = None, GATHER: tl.constexpr = None, exact=None, KEY_LEN=None, RNG=None,
+               drop_thresh=None, segments=None, ranges=None, alibi=None, DESC_Q=None, DESC_K=None, DESC_V=None):
+    """strides: (stride_q, stride_k, stride_v, stride_o), each tensor's (batch, head, row, column)
+    strides as one tuple, the first three divided by ALIGN (`_aligned`; 1: not divided). drop_scale: the output's
+    scale, 1 / (1 - p) with dropout, 1.0 without.
+    Every optional part is None when off (a constexpr: no parameter, no code in that variant), its
+    flag derived from it at the top of the body:
+    - KV_IDX (block lists; None: dense): the row lists [B or 1, H or 1, q blocks, NB] (strides
+      stride_idx: batch, head, row), of mask blocks MASK_BQ x MASK_BK, NB_P2 entries read as one
+      vector, from registers with GATHER (`_tile_start`);
+    - exact (EXACT, with block lists): (KV_TILE, BITS), the bit-tile index of each row-list entry
+      (int32, laid out as KV_IDX) and the bit tiles (module docstring);
+    - KEY_LEN: each batch row's key count (None: seq_k);
+    - RNG (dropout): the int64 [3] seed and offset tensor, with drop_thresh (`_philox_keep`; a
+      parameter of its own: Triton's do_not_specialize does not reach into a tuple);
+    - segments (SEGMENTS): (SEG_Q, SEG_K, stride_sqb, stride_skb), int32 segment ids [B or 1, seq]
+      and their batch strides (0 when shared); keys whose id differs from the query's are not attended;
+    - ranges (KEY_RANGES, never with segments): (RANGES, stride_rb), int32 [B or 1, 2, seq_q] of each
+      query's key range: query i attends keys start[i] <= j < end[i] only;
+    - alibi (ALIBI): (SLOPES, stride_slb), ALiBi's float32 slopes [B or 1, H_Q] and their batch stride;
+      SOFTCAP: the cap (the score modifications: module docstring);
+    - DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
+      [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]); each a parameter of its own (triton 3.6's launcher
+      takes descriptors only as top-level arguments)."""
     BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
-    # every optional feature is on when its pointer is given (None: a constexpr, compiled out)
+    # every optional part is on when given (None: a constexpr, compiled out)
     DENSE: tl.constexpr = KV_IDX is None
     DROPOUT: tl.constexpr = RNG is not None
     TMA: tl.constexpr = DESC_Q is not None
-    SEGMENTS: tl.constexpr = SEG_Q is not None
-    KEY_RANGES: tl.constexpr = RANGES is not None
-    ALIBI: tl.constexpr = SLOPES is not None
-    EXACT: tl.constexpr = BITS is not None
+    SEGMENTS: tl.constexpr = segments is not None
+    KEY_RANGES: tl.constexpr = ranges is not None
+    ALIBI: tl.constexpr = alibi is not None
+    EXACT: tl.constexpr = exact is not None
+    stride_q, stride_k, stride_v, stride_o = strides
     stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
     stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
     stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
@@ -615,20 +620,21 @@ def fwd_kernel(Q, K, V, O, LSE, stride_q, stride_k, stride_v, stride_o,
         q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    seg, ranges, slope2, drop, tma, exact, walk = None, None, None, None, None, None, None
+    seg, rows, slope2, drop, tma, tiles, walk = None, None, None, None, None, None, None
     if SEGMENTS:
-        seg = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q)
+        seg = _seg_rows(segments, i_b, o_m, seq_q)
     if KEY_RANGES:
-        ranges = _range_rows(RANGES, stride_rb, i_b, o_m, seq_q)
+        rows = _range_rows(ranges, i_b, o_m, seq_q)
     if ALIBI:
-        slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h)
+        slope2 = _alibi_slope(alibi, i_b, i_h)
 
     kv_end, causal_off, full_end, valid_end = _row_bounds(KEY_LEN, i_b, start_m, seq_q, seq_k, BLOCK_M, CAUSAL)
     if not DENSE:
         walk = _row_walk(KV_IDX, stride_idx, i_b, i_h, start_m, seq_k, MASK_BQ, MASK_BK, NB_P2)
     j_full, j_valid = _row_tiles(walk, full_end, valid_end, BLOCK_N, MASK_BK)
     if EXACT:  # the tile table's row, laid out as the row list's
-        exact = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
+        KV_TILE, BITS = exact
+        tiles = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
     if DROPOUT:
         drop = (seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale)
     if TMA:
@@ -640,12 +646,12 @@ def fwd_kernel(Q, K, V, O, LSE, stride_q, stride_k, stride_v, stride_o,
     j_lo = 0  # TMA: one loop over every tile, masking from j_full on (see _fwd_inner)
     if not TMA:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, 0, j_full, start_m, o_m, o_d, seq_k, kv_end,
-                                   causal_off, stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
+                                   causal_off, stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, rows, slope2, tiles,
                                    False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER,
                                    SOFTCAP)
         j_lo = j_full
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end,
-                               causal_off, stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
+                               causal_off, stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, rows, slope2, tiles,
                                True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER,
                                SOFTCAP)
 
@@ -850,7 +856,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
             p_delta = DELTA + i_bh * seq_q
             slope2, walk, exact, drop, tma = None, None, None, None, None
             if ALIBI:
-                slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h)
+                slope2 = _alibi_slope((SLOPES, stride_slb), i_b, i_h)
             if DENSE:
                 j_skip = tl.maximum(skip_below, 0) // BLOCK_M
                 j_part = tl.minimum(tl.cdiv(tl.maximum(full_from, 0), BLOCK_M), tl.cdiv(seq_q, BLOCK_M))
@@ -1028,11 +1034,11 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, 
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
     seg, ranges, slope2, drop, tma, exact, walk = None, None, None, None, None, None, None
     if SEGMENTS:
-        seg = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q)
+        seg = _seg_rows((SEG_Q, SEG_K, stride_sqb, stride_skb), i_b, o_m, seq_q)
     if KEY_RANGES:
-        ranges = _range_rows(RANGES, stride_rb, i_b, o_m, seq_q)
+        ranges = _range_rows((RANGES, stride_rb), i_b, o_m, seq_q)
     if ALIBI:
-        slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h)
+        slope2 = _alibi_slope((SLOPES, stride_slb), i_b, i_h)
 
     kv_end, causal_off, full_end, valid_end = _row_bounds(KEY_LEN, i_b, start_m, seq_q, seq_k, BLOCK_M, CAUSAL)
     if not DENSE:

@@ -22,7 +22,8 @@ from sparseflash import _env
 
 __all__ = ["dot_precision", "cdiv", "aligned_strides", "GATHER_MAX", "gather", "list_args", "checked_rng",
            "drop_consts", "drop_args", "ExactTiles", "check_exact", "softcap_arg", "TENSOR", "table_args",
-           "table_layout", "table_tensors", "list_plan_args", "optional_tensors", "bwd_consts"]
+           "table_layout", "table_tensors", "table_packs", "table_pack_tensors", "list_plan_args", "optional_tensors",
+           "bwd_consts"]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -192,6 +193,31 @@ def table_args(segments, key_ranges, slopes) -> dict:
     return args
 
 
+def table_packs(segments, key_ranges, slopes) -> dict:
+    """The plan arguments of the optional tables of a call, one tuple each, None when off:
+    ``segments`` (TENSOR, TENSOR, stride_sqb, stride_skb): int32 (seg_q [1 or B, Nq], seg_k [1 or B,
+    Nk]) with unit last stride; ``ranges`` (TENSOR, stride_rb): the int32 key-range table [1 or B,
+    2, Nq] (contiguous; never with segments); ``alibi`` (TENSOR, stride_slb): ALiBi's float32 slopes
+    [1 or B, Hq] (contiguous). A call gives their tensors by `table_pack_tensors`."""
+    if segments is not None and key_ranges is not None:
+        raise ValueError("segment ids and key ranges are exclusive")
+    return dict(segments=None if segments is None else (TENSOR, TENSOR, *map(_batch_stride, segments)),
+                ranges=None if key_ranges is None else (TENSOR, _batch_stride(key_ranges)),
+                alibi=None if slopes is None else (TENSOR, _batch_stride(slopes)))
+
+
+def table_pack_tensors(segments, key_ranges, slopes) -> dict:
+    """The per-call tensors of the tables that are on, by parameter name: a tuple each (`table_packs`)."""
+    ts = {}
+    if segments is not None:
+        ts["segments"] = tuple(segments)
+    if key_ranges is not None:
+        ts["ranges"] = (key_ranges,)
+    if slopes is not None:
+        ts["alibi"] = (slopes,)
+    return ts
+
+
 def table_layout(segments, key_ranges, slopes) -> tuple:
     """What `table_args` reads of the tables (part of a plan's key)."""
     def lay(t):
@@ -211,13 +237,15 @@ def table_tensors(segments, key_ranges, slopes) -> dict:
     return ts
 
 
-def list_plan_args(idx, B, H, q, name: str) -> tuple[dict, int]:
-    """(plan arguments, NB_P2) of a block list parameter ``name`` and its (batch, head, row) strides
-    ``stride_idx``: both None for dense attention (``idx`` None)."""
+def list_plan_args(idx, B, H, q, name: str, mask_bq: int, mask_bk: int) -> dict:
+    """The plan arguments of the block lists: the list parameter ``name``, its (batch, head, row)
+    strides ``stride_idx``, the mask block MASK_BQ x MASK_BK, NB_P2 (the lists' vector length) and
+    GATHER (`gather`); all None for dense attention (``idx`` None), which reads none of them."""
     if idx is None:
-        return {name: None, "stride_idx": None}, 1
+        return {name: None, "stride_idx": None, "MASK_BQ": None, "MASK_BK": None, "NB_P2": None, "GATHER": None}
     _, st, nb_p2 = list_args(idx, B, H, q)
-    return {name: TENSOR, "stride_idx": st}, nb_p2
+    return {name: TENSOR, "stride_idx": st, "MASK_BQ": mask_bq, "MASK_BK": mask_bk, "NB_P2": nb_p2,
+            "GATHER": gather(nb_p2)}
 
 
 def optional_tensors(**named) -> dict:
