@@ -99,7 +99,7 @@ def main(names) -> None:
             kv_idx, q_idx, mb = index.kv_idx, index.q_idx, 128
             ex = operands.ExactTiles((eb.bits, eb.kv_tile, eb.q_tile))
         common = dict(Q=q, K=k, V=v, LSE=lse, KEY_LEN=klv, RNG=r, **operands.table_tensors(*s),
-                      **operands.table_pack_tensors(*s))
+                      **operands.table_pack_tensors(*s), **({} if r is None else dict(dropout=(r,))))
         for q_rows in (False, True):
             with tiles.tile_config(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(128, 64, 8, 3),
                                     dkdv=TileConfig(64, 128, 8, 3, q_rows=q_rows)):

@@ -969,29 +969,31 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, j_lo, j_hi, start_m, o_
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, stride_do, stride_o, stride_dq,
-                  H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-                  ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
-                  KV_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
-                  KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None, drop_scale=None, DLSE=None,
-                  SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
-                  SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None, DESC_O=None):
+def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, strides, H_Q, GROUP, seq_q, seq_k, scales,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, SOFTCAP: tl.constexpr = None,
+                  KV_IDX=None, stride_idx=None, MASK_BQ: tl.constexpr = None, MASK_BK: tl.constexpr = None,
+                  NB_P2: tl.constexpr = None, GATHER: tl.constexpr = None, exact=None, KEY_LEN=None, dropout=None,
+                  drop_thresh=None, DLSE=None, segments=None, ranges=None, alibi=None,
+                  DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None, DESC_O=None):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
-    DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA None. KV_TILE, BITS (EXACT): as the forward's. DLSE: the LSE's incoming gradient,
-    None when it has none. Flags from pointers as in the forward."""
+    strides: (stride_q, stride_k, stride_v, stride_do, stride_o, stride_dq), as the forward's.
+    scales: (qk_scale, sm_scale), the scores' scale in the log2 domain (sm_scale * log2(e)) and the
+    softmax scale. Optional parts as the forward's (None when off, the flag derived from each), and:
+    dropout: (RNG, drop_scale), the seed and offset tensor and the kept values' scale, with
+    drop_thresh; DLSE: the LSE's incoming gradient; DESC_* (TMA): 4-D descriptors as the forward's
+    (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N)."""
     BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     DENSE: tl.constexpr = KV_IDX is None
-    DROPOUT: tl.constexpr = RNG is not None
-    HAS_DLSE: tl.constexpr = DLSE is not None
+    DROPOUT: tl.constexpr = dropout is not None
     TMA: tl.constexpr = DESC_Q is not None
-    SEGMENTS: tl.constexpr = SEG_Q is not None
-    KEY_RANGES: tl.constexpr = RANGES is not None
-    ALIBI: tl.constexpr = SLOPES is not None
-    EXACT: tl.constexpr = BITS is not None
+    SEGMENTS: tl.constexpr = segments is not None
+    KEY_RANGES: tl.constexpr = ranges is not None
+    ALIBI: tl.constexpr = alibi is not None
+    EXACT: tl.constexpr = exact is not None
+    qk_scale, sm_scale = scales
+    stride_q, stride_k, stride_v, stride_do, stride_o, stride_dq = strides
     stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
     stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
     stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
@@ -1000,6 +1002,7 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, 
     stride_dqb, stride_dqh, stride_dqm, stride_dqd = _aligned(stride_dq, ALIGN)
     i_m = tl.program_id(0)
     if DROPOUT:
+        RNG, drop_scale = dropout
         seed_lo, seed_hi, rng_off = _rng_state(RNG)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H_Q).to(tl.int64)
@@ -1027,25 +1030,26 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, 
     p_row = i_bh.to(tl.int64) * seq_q + o_m
     b_lse = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * LOG2E
     b_delta = tl.sum(b_o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
-    if HAS_DLSE:
+    if DLSE is not None:
         b_delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
     tl.store(DELTA + p_row, b_delta, mask=o_m < seq_q)
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    seg, ranges, slope2, drop, tma, exact, walk = None, None, None, None, None, None, None
+    seg, rows, slope2, drop, tma, tiles, walk = None, None, None, None, None, None, None
     if SEGMENTS:
-        seg = _seg_rows((SEG_Q, SEG_K, stride_sqb, stride_skb), i_b, o_m, seq_q)
+        seg = _seg_rows(segments, i_b, o_m, seq_q)
     if KEY_RANGES:
-        ranges = _range_rows((RANGES, stride_rb), i_b, o_m, seq_q)
+        rows = _range_rows(ranges, i_b, o_m, seq_q)
     if ALIBI:
-        slope2 = _alibi_slope((SLOPES, stride_slb), i_b, i_h)
+        slope2 = _alibi_slope(alibi, i_b, i_h)
 
     kv_end, causal_off, full_end, valid_end = _row_bounds(KEY_LEN, i_b, start_m, seq_q, seq_k, BLOCK_M, CAUSAL)
     if not DENSE:
         walk = _row_walk(KV_IDX, stride_idx, i_b, i_h, start_m, seq_k, MASK_BQ, MASK_BK, NB_P2)
     j_full, j_valid = _row_tiles(walk, full_end, valid_end, BLOCK_N, MASK_BK)
-    if EXACT:
-        exact = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
+    if EXACT:  # the tile table's row, laid out as the row list's
+        KV_TILE, BITS = exact
+        tiles = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if DROPOUT:
@@ -1055,11 +1059,11 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, 
     j_lo = 0  # TMA: one loop over every tile, masking from j_full on
     if not TMA:
         dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                       stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
+                       stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, rows, slope2, tiles,
                        False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, SOFTCAP)
         j_lo = j_full
     dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                   stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
+                   stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, rows, slope2, tiles,
                    True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, SOFTCAP)
     tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_q)

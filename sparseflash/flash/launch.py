@@ -24,7 +24,7 @@ import torch
 from sparseflash._consts import LOG2E
 from sparseflash.flash import binding, dispatch, kernels, operands, tiles
 from sparseflash.flash.operands import (TENSOR, ExactTiles, aligned_strides, bwd_consts, cdiv, check_exact, checked_rng,
-                                       dot_precision, drop_args, list_args, list_plan_args, optional_tensors,
+                                       dot_precision, drop_args, drop_pack, list_args, list_plan_args, optional_tensors,
                                        softcap_arg, table_args, table_layout, table_pack_tensors, table_packs,
                                        table_tensors)
 
@@ -394,7 +394,8 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
     rng = None if dropout_p <= 0.0 else checked_rng(rng, q.device)
     tile_table, bits = (None, None) if exact is None else check_exact(exact, kv_idx, "kv_idx")
     run(plan, optional_tensors(Q=q, K=k, V=v, O=o, DO=do, LSE=lse, DLSE=dlse, DELTA=delta, DQ=dq, KV_IDX=kv_idx,
-                               KV_TILE=tile_table, BITS=bits, KEY_LEN=key_lengths, RNG=rng, **table_tensors(*tables),
+                               exact=None if exact is None else (tile_table, bits), KEY_LEN=key_lengths,
+                               dropout=None if rng is None else (rng,), **table_pack_tensors(*tables),
                                **_descs(plan.cfg, tma_plan, D, "dq", (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))))
     return dq
 
@@ -413,7 +414,6 @@ def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, ma
              has_dlse, softcap, exact):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    table_a = table_args(*tables)
     constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                        dropout_p > 0, tma_plan is not None)
@@ -421,10 +421,10 @@ def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, ma
     strides, align = aligned_strides(q, k, v, do, o, dq)
     tma = tiles.tma_taken(cfg, tma_plan)
     args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, O=TENSOR, DO=TENSOR, LSE=TENSOR, DLSE=TENSOR if has_dlse else None,
-                DELTA=TENSOR, DQ=TENSOR, **list_a, KV_TILE=TENSOR if exact else None,
-                BITS=TENSOR if exact else None, KEY_LEN=None if key_lengths is None else TENSOR, **table_a,
-                **_stride_args(("q", "k", "v", "do", "o", "dq"), strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E, sm_scale=scale,
-                **drop_args(dropout_p),
+                DELTA=TENSOR, DQ=TENSOR, **list_a, exact=(TENSOR, TENSOR) if exact else None,
+                KEY_LEN=None if key_lengths is None else TENSOR, **table_packs(*tables),
+                strides=_stride_tuples(6, strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk,
+                scales=(scale * LOG2E, scale), **drop_pack(dropout_p),
                 **_desc_args("dq", tma),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 **cfg.launch_options(), **constexprs, ALIGN=align)

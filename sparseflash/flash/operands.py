@@ -21,7 +21,7 @@ from sparseflash.flash import tiles
 from sparseflash import _env
 
 __all__ = ["dot_precision", "cdiv", "aligned_strides", "GATHER_MAX", "gather", "list_args", "checked_rng",
-           "drop_consts", "drop_args", "ExactTiles", "check_exact", "softcap_arg", "TENSOR", "table_args",
+           "drop_consts", "drop_args", "drop_pack", "ExactTiles", "check_exact", "softcap_arg", "TENSOR", "table_args",
            "table_layout", "table_tensors", "table_packs", "table_pack_tensors", "list_plan_args", "optional_tensors",
            "bwd_consts"]
 
@@ -123,6 +123,16 @@ def drop_args(dropout_p: float, scale_always: bool = False) -> dict:
         return dict(RNG=None, drop_thresh=None, drop_scale=1.0 if scale_always else None)
     thresh, scale = drop_consts(dropout_p)
     return dict(RNG=TENSOR, drop_thresh=thresh, drop_scale=scale)
+
+
+def drop_pack(dropout_p: float) -> dict:
+    """The backward kernels' plan arguments of dropout: ``dropout`` (TENSOR, drop_scale), the RNG
+    tensor of the call and the kept values' scale, and drop_thresh (`drop_consts`; a parameter of
+    its own, which the kernels do not specialise on); both None without dropout."""
+    if dropout_p <= 0.0:
+        return dict(dropout=None, drop_thresh=None)
+    thresh, scale = drop_consts(dropout_p)
+    return dict(dropout=(TENSOR, scale), drop_thresh=thresh)
 
 
 def drop_consts(dropout_p: float) -> tuple[int, float]:
