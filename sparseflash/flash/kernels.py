@@ -27,7 +27,7 @@ and, in backward, an LSE of +inf, which makes their probabilities exactly 0. Col
 Rows that attend to nothing keep a finite pivot (never ``-inf - -inf``): their output is 0, the
 LSE buffer holds +inf (the public API reports -inf), and backward gives them zero gradient.
 
-Packed documents (SEGMENTS, compiled out when off): each program loads the segment ids of its
+Packed documents (SEGMENTS, compiled out when off; the kernels' ``segments`` tuple): each program loads the segment ids of its
 own tile once; for every streamed tile it loads that tile's ids and, unless every id of both
 tiles is one and the same (one reduction per tile, `_seg_other`), ANDs ``seg_q == seg_k`` into
 the score mask. Block pairs sharing no document are not in the lists at all (the launcher's
@@ -35,14 +35,15 @@ caller prunes them per call, `autograd.segment_lists`). With segments even a "ma
 may leave a row without keys so far, so the forward keeps its pivot finite on every tile.
 
 Key ranges (KEY_RANGES, compiled out when off; never with SEGMENTS): query i attends keys
-``start[i] <= j < end[i]`` only, read from the int32 table RANGES [B', 2, seq_q]; every tile ANDs the range test into its mask (on top of causal and kv_end), and
+``start[i] <= j < end[i]`` only, read from the int32 table RANGES [B', 2, seq_q] (the kernels'
+``ranges`` tuple); every tile ANDs the range test into its mask (on top of causal and kv_end), and
 the forward keeps its pivot finite as with segments. Exact at token level for any ranges, e.g.
 flash-attn's varlen sequences with causal bottom-right aligned in each one
 (`sparseflash.segments.key_ranges_from_cu_seqlens`). Block pairs no range reaches are pruned from
 the lists per call (`autograd.segment_lists`).
 
-Exact masks (EXACT, compiled out when off: the KV_TILE / Q_TILE and BITS arguments are None
-then, so default kernels keep their signature and code): a mask built from a token-level
+Exact masks (EXACT, compiled out when off: the kernels' ``exact`` tuple, (KV_TILE or Q_TILE, BITS),
+is None then, so default kernels keep their signature and code): a mask built from a token-level
 definition carries one bit tile per partial block, ``[block_q, ceil(block_k / 32)]`` int32 words
 (`sparseflash.mask.ExactBits`), and an int32 table laid out as the row lists (KV_TILE, forward and
 dQ) and one as the column lists (Q_TILE, dK/dV) that gives each listed block's tile, -1 for a
@@ -55,7 +56,8 @@ pivot finite on every tile: a row may have seen no attended key so far, or none 
 Score modifications (compiled out when off; flash-attn's definitions, in this order, on the
 scaled score s of every computed pair before any mask): SOFTCAP (a constexpr, None when off: one
 variant per cap) makes ``s = SOFTCAP * tanh(s / SOFTCAP)``; ALIBI adds ``-slope[b, h] * |i + seq_k - seq_q - j|``
-with the float32 slopes SLOPES [B or 1, H_Q] (batch stride stride_slb), one load per program
+with the float32 slopes SLOPES [B or 1, H_Q] (the kernels' ``alibi`` tuple: SLOPES and its batch
+stride), one load per program
 (per query head in dK/dV). Backward
 recomputes both (nothing stored) and multiplies dS by tanh's derivative ``1 - tanh^2``; the
 slopes get no gradient. `_score_mod` does both, in the log2 domain of the scores.
@@ -777,29 +779,29 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_lo, j_hi, s
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,
-                    H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-                    Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
-                    Q_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
-                    Q_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None, drop_scale=None,
-                    SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
-                    SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None):
-    """Strides as the forward's (stride_idx: Q_IDX's, the column lists [B or 1, H or 1, k blocks, NB]).
-    DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA None. SEG_Q, SEG_K, RANGES, SLOPES: as the forward's.
-    Q_TILE, BITS (EXACT; None otherwise): the bit-tile index of each column-list entry (laid out
-    as Q_IDX) and the bit tiles. Flags from pointers as in the forward."""
+def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, strides, H_Q, H_KV, GROUP, seq_q, seq_k, scales,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                    DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr, ALIGN: tl.constexpr, SOFTCAP: tl.constexpr = None,
+                    Q_IDX=None, stride_idx=None, MASK_BQ: tl.constexpr = None, MASK_BK: tl.constexpr = None,
+                    NB_P2: tl.constexpr = None, GATHER: tl.constexpr = None, exact=None, KEY_LEN=None, dropout=None,
+                    drop_thresh=None, segments=None, ranges=None, alibi=None,
+                    DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None):
+    """strides: (stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv), as the forward's;
+    scales and dropout as the dQ kernel's. Q_IDX (block lists): the column lists [B or 1, H or 1,
+    k blocks, NB] (strides stride_idx); exact: (Q_TILE, BITS), the bit-tile index of each
+    column-list entry (laid out as Q_IDX) and the bit tiles. The other optional parts as the
+    forward's (None when off, the flag derived from each); DESC_* (TMA): 4-D descriptors as the
+    forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N)."""
     BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     DENSE: tl.constexpr = Q_IDX is None
-    HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
-    DROPOUT: tl.constexpr = RNG is not None
+    DROPOUT: tl.constexpr = dropout is not None
     TMA: tl.constexpr = DESC_Q is not None
-    SEGMENTS: tl.constexpr = SEG_Q is not None
-    KEY_RANGES: tl.constexpr = RANGES is not None
-    ALIBI: tl.constexpr = SLOPES is not None
-    EXACT: tl.constexpr = BITS is not None
+    SEGMENTS: tl.constexpr = segments is not None
+    KEY_RANGES: tl.constexpr = ranges is not None
+    ALIBI: tl.constexpr = alibi is not None
+    EXACT: tl.constexpr = exact is not None
+    qk_scale, sm_scale = scales
+    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv = strides
     stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
     stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
     stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
@@ -808,6 +810,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
     stride_dvb, stride_dvh, stride_dvn, stride_dvd = _aligned(stride_dv, ALIGN)
     i_n = tl.program_id(0)
     if DROPOUT:
+        RNG, drop_scale = dropout
         seed_lo, seed_hi, rng_off = _rng_state(RNG)
     i_bhk = tl.program_id(1)
     i_b = (i_bhk // H_KV).to(tl.int64)
@@ -826,15 +829,17 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
         b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :] * stride_vd,
                       mask=m_kv, other=0.0)
     kv_end = seq_k
-    if HAS_KEYLEN:
+    if KEY_LEN is not None:
         kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
     causal_off = seq_k - seq_q
     seg, p_rq = None, None
     if SEGMENTS:  # this k tile's ids, their range over the real keys, and the query ids' row
+        SEG_Q, SEG_K, stride_sqb, stride_skb = segments
         b_sk = tl.load(SEG_K + i_b * stride_skb + o_n, mask=o_n < seq_k, other=0)
         sk_lo, sk_hi = _seg_range(b_sk, o_n < seq_k)
         seg = (b_sk, sk_lo, sk_hi, SEG_Q + i_b * stride_sqb)
     if KEY_RANGES:  # the key-range table's row
+        RANGES, stride_rb = ranges
         p_rq = RANGES + i_b * stride_rb
     # Rows below skip_below see none of this tile's columns; rows from full_from on see all of them.
     skip_below = 0
@@ -854,9 +859,9 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
             p_do = DO + i_b * stride_dob + i_h * stride_doh + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod
             p_lse = LSE + i_bh * seq_q
             p_delta = DELTA + i_bh * seq_q
-            slope2, walk, exact, drop, tma = None, None, None, None, None
+            slope2, walk, tiles, drop, tma = None, None, None, None, None
             if ALIBI:
-                slope2 = _alibi_slope((SLOPES, stride_slb), i_b, i_h)
+                slope2 = _alibi_slope(alibi, i_b, i_h)
             if DENSE:
                 j_skip = tl.maximum(skip_below, 0) // BLOCK_M
                 j_part = tl.minimum(tl.cdiv(tl.maximum(full_from, 0), BLOCK_M), tl.cdiv(seq_q, BLOCK_M))
@@ -873,7 +878,8 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
                 j_end = n * SUB
                 walk = (p_idx, b_list)
             if EXACT:  # the tile table's column, laid out as the column list's
-                exact = (_list_row(Q_TILE, stride_idx, i_b, i_h, start_n // MASK_BK), BITS)
+                Q_TILE, BITS = exact
+                tiles = (_list_row(Q_TILE, stride_idx, i_b, i_h, start_n // MASK_BK), BITS)
             if DROPOUT:
                 drop = (seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale)
             if TMA:
@@ -881,12 +887,12 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
             j_hi = j_end if TMA else j_part  # TMA: one loop, the causal mask below j_part
             dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_skip, j_hi, start_n, o_n, o_d,
                                  seq_q, causal_off, stride_qm, stride_dom, qk_scale, drop, tma, j_part, seg, p_rq, slope2,
-                                 exact, CAUSAL, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
+                                 tiles, CAUSAL, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
                                  GATHER, SOFTCAP)
             if not TMA:
                 dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_part, j_end, start_n, o_n,
                                      o_d, seq_q, causal_off, stride_qm, stride_dom, qk_scale, drop, tma, j_part, seg, p_rq,
-                                     slope2, exact, False, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D,
+                                     slope2, tiles, False, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D,
                                      DOT_PREC, GATHER, SOFTCAP)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
     m_keep = (o_n < kv_end)[:, None]

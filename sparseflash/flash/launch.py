@@ -25,8 +25,7 @@ from sparseflash._consts import LOG2E
 from sparseflash.flash import binding, dispatch, kernels, operands, tiles
 from sparseflash.flash.operands import (TENSOR, ExactTiles, aligned_strides, bwd_consts, cdiv, check_exact, checked_rng,
                                        dot_precision, drop_args, drop_pack, list_args, list_plan_args, optional_tensors,
-                                       softcap_arg, table_args, table_layout, table_pack_tensors, table_packs,
-                                       table_tensors)
+                                       softcap_arg, table_layout, table_pack_tensors, table_packs)
 
 __all__ = ["fwd", "bwd", "bwd_dq", "bwd_dkdv", "hopper_fwd", "hopper_bwd", "plan_fwd", "plan_dq", "plan_dkdv", "run",
            "plan_state", "POISON_OUTPUTS", "Plan", "PLANS", "PLANS_MAX", "cached_plan", "bind_plan"]
@@ -203,7 +202,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     ``rng``: the `sparseflash.dropout.draw_rng` tensor, read when dropout_p > 0. ``work``: the
     call's estimated forward FLOPs, -1 unknown (`tiles.tma_plan`). ``segments``: int32 segment ids
     (seg_q, seg_k); ``key_ranges``: the int32 key-range table; ``slopes``: ALiBi's float32 [1 or B,
-    Hq] (`operands.table_args`). ``softcap``: > 0 soft-caps the scores (the kernels' SOFTCAP).
+    Hq] (`operands.table_packs`). ``softcap``: > 0 soft-caps the scores (the kernels' SOFTCAP).
     ``exact``: an `ExactTiles` (the kernels' EXACT). Whether the Hopper kernel runs the call
     instead is `dispatch.hopper_plan`'s choice."""
     B, Hq, Nq, D = q.shape
@@ -280,7 +279,7 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
     args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, O=TENSOR, LSE=TENSOR, **list_a, exact=(TENSOR, TENSOR) if exact else None,
                 KEY_LEN=None if key_lengths is None else TENSOR, **table_packs(*tables),
                 strides=_stride_tuples(4, strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E,
-                **drop_args(dropout_p, scale_always=True), **_desc_args("fwd", tma),
+                **drop_args(dropout_p), **_desc_args("fwd", tma),
                 HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 CAUSAL=causal, DOT_PREC=dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align,
                 **softcap_arg(softcap))
@@ -291,12 +290,6 @@ def _stride_tuples(n: int, strides: tuple) -> tuple:
     """The kernels' ``strides`` argument from `aligned_strides`' flat tuple of ``n`` 4-D tensors: one
     (batch, head, row, column) tuple per tensor, in the order of the kernel's tensor parameters."""
     return tuple(tuple(strides[4 * i:4 * i + 4]) for i in range(n))
-
-
-def _stride_args(names: tuple, strides: tuple) -> dict:
-    """The stride arguments of 4-D tensors ``names`` from `aligned_strides`' flat tuple: stride_{name},
-    the tensor's (batch, head, row, column) strides as one tuple."""
-    return {f"stride_{name}": tuple(strides[4 * i:4 * i + 4]) for i, name in enumerate(names)}
 
 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
@@ -342,7 +335,8 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     rng = None if dropout_p <= 0.0 else checked_rng(rng, q.device)
     tile_table, bits = (None, None) if exact is None else check_exact(exact, q_idx, "q_idx")
     run(plan, optional_tensors(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DK=dk, DV=dv, Q_IDX=q_idx,
-                               Q_TILE=tile_table, BITS=bits, KEY_LEN=key_lengths, RNG=rng, **table_tensors(*tables),
+                               exact=None if exact is None else (tile_table, bits), KEY_LEN=key_lengths,
+                               dropout=None if rng is None else (rng,), **table_pack_tensors(*tables),
                                **_descs(plan.cfg, tma_plan, D, "dkdv", (q, bm), (k, bn), (v, bn), (do, bm))))
     return dk, dv
 
@@ -361,7 +355,6 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
                exact):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    table_a = table_args(*tables)
     constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                        dropout_p > 0, tma_plan is not None)
@@ -369,10 +362,9 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
     strides, align = aligned_strides(q, k, v, do, dk, dv)
     tma = tiles.tma_taken(cfg, tma_plan)
     args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, DO=TENSOR, LSE=TENSOR, DELTA=TENSOR, DK=TENSOR, DV=TENSOR, **list_a,
-                Q_TILE=TENSOR if exact else None, BITS=TENSOR if exact else None,
-                KEY_LEN=None if key_lengths is None else TENSOR, **table_a,
-                **_stride_args(("q", "k", "v", "do", "dk", "dv"), strides), H_Q=Hq, H_KV=Hkv, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E, sm_scale=scale,
-                **drop_args(dropout_p),
+                exact=(TENSOR, TENSOR) if exact else None, KEY_LEN=None if key_lengths is None else TENSOR,
+                **table_packs(*tables), strides=_stride_tuples(6, strides), H_Q=Hq, H_KV=Hkv, GROUP=Hq // Hkv,
+                seq_q=Nq, seq_k=Nk, scales=(scale * LOG2E, scale), **drop_pack(dropout_p),
                 **_desc_args("dkdv", tma),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 **cfg.launch_options(), **constexprs, Q_ROWS=cfg.q_rows, ALIGN=align)
