@@ -474,15 +474,21 @@ def _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.cons
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-               stride_kn, stride_vn, qk_scale, drop, tma, j_mask, seg, ranges, slope2, exact,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               DOT_PREC: tl.constexpr, GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, kv, walk, j_lo, j_hi, j_mask, rows, bounds, qk_scale, drop, tma, seg, ranges, slope2,
+               exact, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+               GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+    # kv (p_k, p_v, stride_kn, stride_vn): the K and V tiles' pointers at key 0 and their row strides;
+    # rows (start_m, o_m, o_d): the held q tile's first row, its rows and columns; bounds (seq_k,
+    # kv_end, causal_off): `_row_bounds`'; tiles j_lo <= j < j_hi of the walk.
     # Optional parts, None when off (the flag derived from it): walk (p_idx, b_list) the block
     # list (`_tile_start`; None: dense), drop (seed_lo, seed_hi, offset, bh, drop_thresh, drop_scale),
     # tma (the two descriptors, batch, head), seg (the held tile's ids, their range, the streamed
     # ids' row), ranges, slope2 (ALiBi), exact (the tile table's row, the bit tiles).
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
+    p_k, p_v, stride_kn, stride_vn = kv
+    start_m, o_m, o_d = rows
+    seq_k, kv_end, causal_off = bounds
     DROPOUT: tl.constexpr = drop is not None
     TMA: tl.constexpr = tma is not None
     SEGMENTS: tl.constexpr = seg is not None
@@ -622,11 +628,11 @@ def fwd_kernel(Q, K, V, O, LSE, strides, H_Q, GROUP, seq_q, seq_k, qk_scale, dro
         q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    seg, rows, slope2, drop, tma, tiles, walk = None, None, None, None, None, None, None
+    seg, row_ranges, slope2, drop, tma, exact_row, walk = None, None, None, None, None, None, None
     if SEGMENTS:
         seg = _seg_rows(segments, i_b, o_m, seq_q)
     if KEY_RANGES:
-        rows = _range_rows(ranges, i_b, o_m, seq_q)
+        row_ranges = _range_rows(ranges, i_b, o_m, seq_q)
     if ALIBI:
         slope2 = _alibi_slope(alibi, i_b, i_h)
 
@@ -636,26 +642,27 @@ def fwd_kernel(Q, K, V, O, LSE, strides, H_Q, GROUP, seq_q, seq_k, qk_scale, dro
     j_full, j_valid = _row_tiles(walk, full_end, valid_end, BLOCK_N, MASK_BK)
     if EXACT:  # the tile table's row, laid out as the row list's
         KV_TILE, BITS = exact
-        tiles = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
+        exact_row = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
     if DROPOUT:
         drop = (seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale)
     if TMA:
         tma = (DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32))
 
+    kv = (p_k, p_v, stride_kn, stride_vn)
+    rows = (start_m, o_m, o_d)
+    bounds = (seq_k, kv_end, causal_off)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     j_lo = 0  # TMA: one loop over every tile, masking from j_full on (see _fwd_inner)
     if not TMA:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, 0, j_full, start_m, o_m, o_d, seq_k, kv_end,
-                                   causal_off, stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, rows, slope2, tiles,
-                                   False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER,
-                                   SOFTCAP)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, walk, 0, j_full, j_full, rows, bounds, qk_scale, drop, tma,
+                                   seg, row_ranges, slope2, exact_row, False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N,
+                                   HEAD_DIM, DOT_PREC, GATHER, SOFTCAP)
         j_lo = j_full
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end,
-                               causal_off, stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, rows, slope2, tiles,
-                               True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER,
-                               SOFTCAP)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, walk, j_lo, j_valid, j_full, rows, bounds, qk_scale, drop, tma,
+                               seg, row_ranges, slope2, exact_row, True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N,
+                               HEAD_DIM, DOT_PREC, GATHER, SOFTCAP)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc * (drop_scale / l_safe)[:, None]
@@ -668,15 +675,23 @@ def fwd_kernel(Q, K, V, O, LSE, strides, H_Q, GROUP, seq_q, seq_k, qk_scale, dro
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit
-def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
-                stride_qm, stride_dom, qk_scale, drop, tma, j_mask, seg, p_rq, slope2, exact,
+def _dkdv_inner(dk, dv, held, qs, walk, j_lo, j_hi, j_mask, cols, bounds, qk_scale, drop, tma, seg, p_rq, slope2, exact,
                 MASKED: tl.constexpr, Q_ROWS: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                DOT_PREC: tl.constexpr, GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+                GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+    # held (b_k, b_v): the held k tile's K and V; qs (p_q, p_do, p_lse, p_delta, stride_qm, stride_dom):
+    # the streamed Q, dO, LSE and delta rows' pointers at row 0 of this query head, Q's and dO's row
+    # strides; cols (start_n, o_n, o_d): the held tile's first key, its keys and columns; bounds
+    # (seq_q, causal_off).
     # Optional parts, None when off (the flag derived from it): walk (p_idx, b_list) the block
     # list (`_tile_start`; None: dense), drop (seed_lo, seed_hi, offset, bh, drop_thresh, drop_scale),
     # tma (the two descriptors, batch, head), seg (the held tile's ids, their range, the streamed
     # ids' row), p_rq (the key-range table's row), slope2 (ALiBi), exact (the tile table's row, the bit tiles).
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
+    b_k, b_v = held
+    p_q, p_do, p_lse, p_delta, stride_qm, stride_dom = qs
+    start_n, o_n, o_d = cols
+    seq_q, causal_off = bounds
     DROPOUT: tl.constexpr = drop is not None
     TMA: tl.constexpr = tma is not None
     SEGMENTS: tl.constexpr = seg is not None
@@ -850,6 +865,9 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, strides, H_Q, H_KV, GROUP, 
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    held = (b_k, b_v)
+    cols = (start_n, o_n, o_d)
+    bounds = (seq_q, causal_off)
     if start_n < kv_end:
         o_mt = tl.arange(0, BLOCK_M)
         for g in range(0, GROUP):
@@ -859,7 +877,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, strides, H_Q, H_KV, GROUP, 
             p_do = DO + i_b * stride_dob + i_h * stride_doh + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod
             p_lse = LSE + i_bh * seq_q
             p_delta = DELTA + i_bh * seq_q
-            slope2, walk, tiles, drop, tma = None, None, None, None, None
+            slope2, walk, exact_col, drop, tma = None, None, None, None, None
             if ALIBI:
                 slope2 = _alibi_slope(alibi, i_b, i_h)
             if DENSE:
@@ -879,21 +897,20 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, strides, H_Q, H_KV, GROUP, 
                 walk = (p_idx, b_list)
             if EXACT:  # the tile table's column, laid out as the column list's
                 Q_TILE, BITS = exact
-                tiles = (_list_row(Q_TILE, stride_idx, i_b, i_h, start_n // MASK_BK), BITS)
+                exact_col = (_list_row(Q_TILE, stride_idx, i_b, i_h, start_n // MASK_BK), BITS)
             if DROPOUT:
                 drop = (seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale)
             if TMA:
                 tma = (DESC_Q, DESC_DO, i_b.to(tl.int32), i_h.to(tl.int32))
             j_hi = j_end if TMA else j_part  # TMA: one loop, the causal mask below j_part
-            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_skip, j_hi, start_n, o_n, o_d,
-                                 seq_q, causal_off, stride_qm, stride_dom, qk_scale, drop, tma, j_part, seg, p_rq, slope2,
-                                 tiles, CAUSAL, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                 GATHER, SOFTCAP)
+            qs = (p_q, p_do, p_lse, p_delta, stride_qm, stride_dom)
+            dk, dv = _dkdv_inner(dk, dv, held, qs, walk, j_skip, j_hi, j_part, cols, bounds, qk_scale, drop, tma, seg,
+                                 p_rq, slope2, exact_col, CAUSAL, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                 DOT_PREC, GATHER, SOFTCAP)
             if not TMA:
-                dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_part, j_end, start_n, o_n,
-                                     o_d, seq_q, causal_off, stride_qm, stride_dom, qk_scale, drop, tma, j_part, seg, p_rq,
-                                     slope2, tiles, False, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D,
-                                     DOT_PREC, GATHER, SOFTCAP)
+                dk, dv = _dkdv_inner(dk, dv, held, qs, walk, j_part, j_end, j_part, cols, bounds, qk_scale, drop, tma,
+                                     seg, p_rq, slope2, exact_col, False, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N,
+                                     HEAD_DIM, DOT_PREC, GATHER, SOFTCAP)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
     m_keep = (o_n < kv_end)[:, None]
     dk = tl.where(m_keep, dk * sm_scale, 0.0)
@@ -905,15 +922,21 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, strides, H_Q, H_KV, GROUP, 
 
 
 @triton.jit
-def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-              stride_kn, stride_vn, qk_scale, drop, tma, j_mask, seg, ranges, slope2, exact,
+def _dq_inner(dq, held, kv, walk, j_lo, j_hi, j_mask, rows, bounds, qk_scale, drop, tma, seg, ranges, slope2, exact,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              DOT_PREC: tl.constexpr, GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+              GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+    # held (q, do, b_lse, b_delta): the held q tile's Q, dO, LSE (log2 domain) and delta; kv, rows,
+    # bounds as `_fwd_inner`'s.
     # Optional parts, None when off (the flag derived from it): walk (p_idx, b_list) the block
     # list (`_tile_start`; None: dense), drop (seed_lo, seed_hi, offset, bh, drop_thresh, drop_scale),
     # tma (the two descriptors, batch, head), seg (the held tile's ids, their range, the streamed
     # ids' row), ranges, slope2 (ALiBi), exact (the tile table's row, the bit tiles).
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
+    q, do, b_lse, b_delta = held
+    p_k, p_v, stride_kn, stride_vn = kv
+    start_m, o_m, o_d = rows
+    seq_k, kv_end, causal_off = bounds
     DROPOUT: tl.constexpr = drop is not None
     TMA: tl.constexpr = tma is not None
     SEGMENTS: tl.constexpr = seg is not None
@@ -1041,11 +1064,11 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, strides, H_Q, GROUP, seq_q, se
     tl.store(DELTA + p_row, b_delta, mask=o_m < seq_q)
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    seg, rows, slope2, drop, tma, tiles, walk = None, None, None, None, None, None, None
+    seg, row_ranges, slope2, drop, tma, exact_row, walk = None, None, None, None, None, None, None
     if SEGMENTS:
         seg = _seg_rows(segments, i_b, o_m, seq_q)
     if KEY_RANGES:
-        rows = _range_rows(ranges, i_b, o_m, seq_q)
+        row_ranges = _range_rows(ranges, i_b, o_m, seq_q)
     if ALIBI:
         slope2 = _alibi_slope(alibi, i_b, i_h)
 
@@ -1055,21 +1078,23 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, strides, H_Q, GROUP, seq_q, se
     j_full, j_valid = _row_tiles(walk, full_end, valid_end, BLOCK_N, MASK_BK)
     if EXACT:  # the tile table's row, laid out as the row list's
         KV_TILE, BITS = exact
-        tiles = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
+        exact_row = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if DROPOUT:
         drop = (seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale)
     if TMA:
         tma = (DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32))
+    held = (q, do, b_lse, b_delta)
+    kv = (p_k, p_v, stride_kn, stride_vn)
+    rows = (start_m, o_m, o_d)
+    bounds = (seq_k, kv_end, causal_off)
     j_lo = 0  # TMA: one loop over every tile, masking from j_full on
     if not TMA:
-        dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                       stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, rows, slope2, tiles,
-                       False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, SOFTCAP)
+        dq = _dq_inner(dq, held, kv, walk, 0, j_full, j_full, rows, bounds, qk_scale, drop, tma, seg, row_ranges, slope2, exact_row,
+                       False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, SOFTCAP)
         j_lo = j_full
-    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                   stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, rows, slope2, tiles,
-                   True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, SOFTCAP)
+    dq = _dq_inner(dq, held, kv, walk, j_lo, j_valid, j_full, rows, bounds, qk_scale, drop, tma, seg, row_ranges, slope2, exact_row,
+                   True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, SOFTCAP)
     tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_q)
