@@ -47,7 +47,7 @@ def compile_plan(plan, tensors: dict, target):
     """PTX of ``plan`` (a launch.Plan) with ``tensors`` (parameter name -> tensor) in its tensor
     arguments, compiled for ``target``."""
     fn = getattr(kernels, plan.kernel)
-    args = {**plan.args, **{n: tensors[n] for n in plan.tensors}}
+    args = plan.arguments(tensors)
     opts = dict(num_warps=args.pop("num_warps", 4), num_stages=args.pop("num_stages", 2))
     args.pop("maxnreg", None)
     sig, consts = {}, {}
@@ -98,16 +98,17 @@ def main(names) -> None:
             index, eb = mask.index(), mask.exact_bits()
             kv_idx, q_idx, mb = index.kv_idx, index.q_idx, 128
             ex = operands.ExactTiles((eb.bits, eb.kv_tile, eb.q_tile))
-        common = dict(Q=q, K=k, V=v, LSE=lse, KEY_LEN=klv, RNG=r, **operands.table_tensors(*s))
+        common = dict(Q=q, K=k, V=v, LSE=lse, KEY_LEN=klv, RNG=r, **operands.table_pack_tensors(*s),
+                      **({} if r is None else dict(dropout=(r,))))
         for q_rows in (False, True):
             with tiles.tile_config(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(128, 64, 8, 3),
                                     dkdv=TileConfig(64, 128, 8, 3, q_rows=q_rows)):
                 named = dict(tables=s, softcap=cap, exact=ex is not None)
                 jobs = [("dkdv", launch.plan_dkdv(do, q, k, v, dk, dv, q_idx, klv, 0.125, causal, mb, mb, p, **named),
                          dict(common, DO=do, DELTA=delta, DK=dk, DV=dv, Q_IDX=q_idx,
-                              **({} if ex is None else dict(Q_TILE=ex[2], BITS=ex[0]))))]
+                              **({} if ex is None else dict(exact=(ex[2], ex[0])))))]
                 if not q_rows:
-                    rows = dict(KV_IDX=kv_idx, **({} if ex is None else dict(KV_TILE=ex[1], BITS=ex[0])))
+                    rows = dict(KV_IDX=kv_idx, **({} if ex is None else dict(exact=(ex[1], ex[0]))))
                     jobs += [("fwd", launch.plan_fwd(q, k, v, o, kv_idx, klv, 0.125, causal, mb, mb, p, **named),
                               dict(common, O=o, **rows)),
                              ("dq", launch.plan_dq(do, q, k, v, o, dq, kv_idx, klv, 0.125, causal, mb, mb, p, **named),

@@ -101,6 +101,37 @@ def test_bound_launch_keys_on_alignment_and_dtype(fake):
     assert len(kernel.launches) == 3
 
 
+def test_bound_launch_fills_tuples_of_tensors(fake):
+    """A tuple argument holding tensors (an optional part's tensors with its scalars, `Plan.packs`):
+    the call gives its tensors as a tuple; Triton gets the filled tuple, a bound launch the tuple
+    with the tensors' addresses, fresh each call (not the first call's), and the tensors'
+    alignments and dtypes are part of the bound launch's key."""
+    kernel, _ = fake
+    T = launch.TENSOR
+    plan = launch.Plan("stand_in_kernel", (5, 6), dict(A=T, B=T, n=48, x=0.5, C=7, E=(T, 3, T), num_warps=4),
+                       TileConfig(16, 16), False, torch.device("cuda"))
+    assert plan.tensors == ("A", "B") and plan.packs == (("E", (T, 3, T)),)
+
+    def tensors(offset=0):
+        e = torch.zeros(64, dtype=torch.int32)
+        return dict(_tensors(), E=(e[offset:offset + 8], torch.zeros(4)))
+
+    first = tensors()
+    launch.run(plan, first)
+    assert len(kernel.launches) == 1 and len(plan.bound) == 1
+    assert kernel.launches[0][1]["E"] == (first["E"][0], 3, first["E"][1])
+    second = tensors(offset=4)  # 16 bytes in: aligned as the first
+    launch.run(plan, second)
+    assert len(kernel.launches) == 1, "the second launch went through Triton again"
+    (compiled,) = kernel.compiled.values()
+    e0, e1 = second["E"]
+    assert compiled.runs[-1][-1] == (e0.data_ptr(), 3, e1.data_ptr())
+    launch.run(plan, tensors(offset=1))  # 4 bytes in: another specialisation, Triton's path
+    assert len(kernel.launches) == 2 and len(plan.bound) == 2
+    with pytest.raises(ValueError, match="more tensors"):
+        plan.arguments(dict(_tensors(), E=(e0, e1, e1)))
+
+
 def test_unbound_launches(fake, monkeypatch):
     """Triton's own path every time with FAST_LAUNCH off, for plans with TMA descriptors, under a
     launch hook (a profiler) and with the kernel's pre-run hooks."""
@@ -363,16 +394,37 @@ def test_gpu_calls_match_triton(route, monkeypatch):
 
 
 def test_portable_kernel_signatures():
-    """The portable kernels take every optional feature as a named pointer (or its strides) that
-    defaults to None, the flag derived inside (dropout's threshold, and in backward its scale, go
-    with RNG); each tensor's strides as one tuple parameter (stride_q: batch, head, row, column);
-    BLOCK_D derived from HEAD_DIM."""
-    optional = {"KV_IDX", "Q_IDX", "stride_idx", "KV_TILE", "Q_TILE", "BITS", "KEY_LEN", "RNG", "drop_thresh", "DLSE",
-                "SEG_Q", "SEG_K", "stride_sqb", "stride_skb", "RANGES", "stride_rb", "SLOPES", "stride_slb"}
-    for name, most in (("fwd_kernel", 44), ("bwd_dq_kernel", 53), ("bwd_dkdv_kernel", 53)):
-        ps = inspect.signature(getattr(kernels, name).fn).parameters
-        assert len(ps) <= most, (name, len(ps))
-        for n, p in ps.items():
-            if n in optional or n.startswith("DESC_") or (n == "drop_scale" and name != "fwd_kernel"):
-                assert p.default is None, (name, n)
-        assert "BLOCK_D" not in ps and "stride_qb" not in ps and "stride_q" in ps
+    """The portable kernels (issue 67's kernel signatures) take at most 40 parameters: every tensor's
+    (batch, head, row, column) strides one tuple, all of them one parameter ``strides``; every optional
+    part a named parameter defaulting to None after the required ones (a table with its batch strides,
+    the exact tables, the backward's dropout as one tuple each), the flag derived inside: no HAS_* or
+    feature-flag parameters, no placeholder tensors, no numeric stand-ins (the block lists' MASK_BQ,
+    MASK_BK, NB_P2, GATHER are None when dense); BLOCK_D derived from HEAD_DIM. The plans give every
+    optional part as None or a value, and a dense default plan passes no stand-in."""
+    flags = {"DENSE", "DROPOUT", "TMA", "SEGMENTS", "KEY_RANGES", "ALIBI", "EXACT", "BLOCK_D"}
+    optional = {"SOFTCAP", "KV_IDX", "Q_IDX", "stride_idx", "MASK_BQ", "MASK_BK", "NB_P2", "GATHER", "exact", "KEY_LEN",
+                "RNG", "drop_thresh", "dropout", "DLSE", "segments", "ranges", "alibi"}
+    tensors = {"fwd_kernel": "Q K V O LSE", "bwd_dq_kernel": "Q K V O DO LSE DELTA DQ",
+               "bwd_dkdv_kernel": "Q K V DO LSE DELTA DK DV"}
+    for name, descs in (("fwd_kernel", 3), ("bwd_dq_kernel", 5), ("bwd_dkdv_kernel", 4)):
+        ps = list(inspect.signature(getattr(kernels, name).fn).parameters.values())
+        names = [p.name for p in ps]
+        assert len(ps) <= 40, (name, len(ps))
+        assert names[:len(tensors[name].split())] == tensors[name].split() and names[len(tensors[name].split())] == "strides"
+        assert not [n for n in names if n.startswith("HAS_") or n in flags or n.startswith("stride_")
+                    and n != "stride_idx"], name
+        given = [p.default is inspect.Parameter.empty for p in ps]
+        assert given == sorted(given, reverse=True), name  # the required ones first
+        assert all(p.default is None for p in ps if p.default is not inspect.Parameter.empty), name
+        descriptors = {n for n in names if n.startswith("DESC_")}
+        assert len(descriptors) == descs, name
+        assert {p.name for p in ps if p.default is None} == (optional & set(names)) | descriptors, name
+    q = torch.zeros(1, 2, 64, 16)
+    plans = (launch.plan_fwd(q, q, q, q, None, None, 0.25, False, None, None, 0.0),
+             launch.plan_dq(q, q, q, q, q, q, None, None, 0.25, False, None, None, 0.0),
+             launch.plan_dkdv(q, q, q, q, q, q, None, None, 0.25, False, None, None, 0.0))
+    for plan in plans:
+        off = {n for n in optional if n in plan.args and plan.args[n] is not None}
+        assert off == set(), (plan.kernel, off)  # dense, no tables, no dropout: nothing given for them
+        rows = {"LSE", "DELTA"}  # (the [B, H, N] float32 rows: no strides)
+        assert len(plan.args["strides"]) == len(set(tensors[plan.kernel].split()) - rows)

@@ -180,7 +180,7 @@ def test_portable_kernels_only(device, monkeypatch):
         sparseflash.attention(qq, k, v, backend="triton", **kw).backward(do)
         assert seen == [], kw
     # each plan has exactly one of the two: a cap (SOFTCAP) or the slopes' pointer (ALIBI is derived from it)
-    assert all(("SOFTCAP" in p.args) != (p.args["SLOPES"] is not None) for p in launch.PLANS.values())
+    assert all(("SOFTCAP" in p.args) != (p.args["alibi"] is not None) for p in launch.PLANS.values())
     monkeypatch.setattr(launch, "PLANS", {})
     qq = q.clone().requires_grad_()
     sparseflash.attention(qq, k, v, backend="triton").backward(do)
@@ -188,7 +188,7 @@ def test_portable_kernels_only(device, monkeypatch):
     o, _ = sparseflash.attention(qq, k, v, backend="triton", return_lse=True)  # the general path
     o.backward(do)
     assert "fwd" in seen and "bwd" in seen
-    assert not any("SOFTCAP" in p.args or p.args["SLOPES"] is not None for p in launch.PLANS.values())
+    assert not any("SOFTCAP" in p.args or p.args["alibi"] is not None for p in launch.PLANS.values())
 
 
 def test_bad_arguments_are_named():

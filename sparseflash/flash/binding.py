@@ -126,10 +126,7 @@ def call(kernel, grid: tuple, *pos, **args) -> None:
     if pos:
         args = dict(zip(_params(kernel)[0], pos), **args)
     device = current_device()
-    # (a scalar with its type: True == 1 == 1.0 as keys, but Triton types them apart)
-    spec = [(type(a), a) if type(a) in _SCALARS else (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
-            else (_desc_spec(a) or (type(a), a)) for a in args.values()]
-    key = (kernel, device, tuple(args), tuple(spec))
+    key = (kernel, device, tuple(args), tuple(map(_spec, args.values())))
     try:
         bound = CALLS.get(key)
     except TypeError:  # an argument that cannot be a key: Triton's own path
@@ -149,10 +146,40 @@ def call(kernel, grid: tuple, *pos, **args) -> None:
     run_c, function, meta, values, slots = bound
     values = list(values)
     for i, n in slots:
-        a = args[n]
-        values[i] = a.data_ptr() if isinstance(a, torch.Tensor) else a
+        values[i] = _addresses(args[n])
     g = tuple(grid) + (1, 1)
     run_c(g[0], g[1], g[2], raw_stream(device), function, meta, None, None, None, *values)
+
+
+def _spec(a):
+    """An argument's part of `call`'s key: a scalar with its type (True == 1 == 1.0 as keys, but
+    Triton types them apart), a tensor by dtype and 16-byte alignment, a descriptor by
+    `_desc_spec`, a tuple by its elements' (the kernels' strides; an optional part's tensors with
+    its scalars)."""
+    if type(a) in _SCALARS:
+        return type(a), a
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if type(a) is tuple:
+        return tuple, tuple(map(_spec, a))
+    return _desc_spec(a) or (type(a), a)
+
+
+def _holds_tensor(a) -> bool:
+    """Whether an argument is, or is a tuple holding, a tensor or a TMA descriptor: a bound launch
+    fills it in per call."""
+    if type(a) is tuple:
+        return any(map(_holds_tensor, a))
+    return isinstance(a, torch.Tensor) or _desc_spec(a) is not None
+
+
+def _addresses(a):
+    """An argument as a bound launch passes it: tensors as their addresses (inside tuples too)."""
+    if isinstance(a, torch.Tensor):
+        return a.data_ptr()
+    if type(a) is tuple:
+        return tuple(map(_addresses, a))
+    return a
 
 
 _HAS_CUDA = None
@@ -170,8 +197,8 @@ def has_cuda() -> bool:
 def bind(kernel, compiled, args: dict) -> tuple | None:
     """What a bound launch of ``kernel`` needs from its first launch with ``args`` (by parameter
     name; ``compiled`` the CompiledKernel Triton returned): (run, function, packed_metadata, every
-    parameter's value in order with None where a tensor or descriptor goes, (position, name) of
-    those), or None when it cannot be bound (pre-run hooks, TRITON_DEBUG, not a CompiledKernel, a
+    parameter's value in order with None where a tensor, a descriptor or a tuple holding one goes,
+    (position, name) of those), or None when it cannot be bound (pre-run hooks, TRITON_DEBUG, not a CompiledKernel, a
     parameter with neither an argument nor a default)."""
     if getattr(kernel, "pre_run_hooks", None) or runtime_knobs().debug:
         return None
@@ -184,7 +211,7 @@ def bind(kernel, compiled, args: dict) -> tuple | None:
     for i, (n, d) in enumerate(zip(names, defaults)):
         if n in args:
             a = args[n]
-            if isinstance(a, torch.Tensor) or _desc_spec(a) is not None:
+            if _holds_tensor(a):  # (a tuple holding one is filled in whole per call)
                 slots.append((i, n))
                 a = None
             values.append(a)

@@ -27,7 +27,7 @@ and, in backward, an LSE of +inf, which makes their probabilities exactly 0. Col
 Rows that attend to nothing keep a finite pivot (never ``-inf - -inf``): their output is 0, the
 LSE buffer holds +inf (the public API reports -inf), and backward gives them zero gradient.
 
-Packed documents (SEGMENTS, compiled out when off): each program loads the segment ids of its
+Packed documents (SEGMENTS, compiled out when off; the kernels' ``segments`` tuple): each program loads the segment ids of its
 own tile once; for every streamed tile it loads that tile's ids and, unless every id of both
 tiles is one and the same (one reduction per tile, `_seg_other`), ANDs ``seg_q == seg_k`` into
 the score mask. Block pairs sharing no document are not in the lists at all (the launcher's
@@ -35,14 +35,15 @@ caller prunes them per call, `autograd.segment_lists`). With segments even a "ma
 may leave a row without keys so far, so the forward keeps its pivot finite on every tile.
 
 Key ranges (KEY_RANGES, compiled out when off; never with SEGMENTS): query i attends keys
-``start[i] <= j < end[i]`` only, read from the int32 table RANGES [B', 2, seq_q]; every tile ANDs the range test into its mask (on top of causal and kv_end), and
+``start[i] <= j < end[i]`` only, read from the int32 table RANGES [B', 2, seq_q] (the kernels'
+``ranges`` tuple); every tile ANDs the range test into its mask (on top of causal and kv_end), and
 the forward keeps its pivot finite as with segments. Exact at token level for any ranges, e.g.
 flash-attn's varlen sequences with causal bottom-right aligned in each one
 (`sparseflash.segments.key_ranges_from_cu_seqlens`). Block pairs no range reaches are pruned from
 the lists per call (`autograd.segment_lists`).
 
-Exact masks (EXACT, compiled out when off: the KV_TILE / Q_TILE and BITS arguments are None
-then, so default kernels keep their signature and code): a mask built from a token-level
+Exact masks (EXACT, compiled out when off: the kernels' ``exact`` tuple, (KV_TILE or Q_TILE, BITS),
+is None then, so default kernels keep their signature and code): a mask built from a token-level
 definition carries one bit tile per partial block, ``[block_q, ceil(block_k / 32)]`` int32 words
 (`sparseflash.mask.ExactBits`), and an int32 table laid out as the row lists (KV_TILE, forward and
 dQ) and one as the column lists (Q_TILE, dK/dV) that gives each listed block's tile, -1 for a
@@ -55,7 +56,8 @@ pivot finite on every tile: a row may have seen no attended key so far, or none 
 Score modifications (compiled out when off; flash-attn's definitions, in this order, on the
 scaled score s of every computed pair before any mask): SOFTCAP (a constexpr, None when off: one
 variant per cap) makes ``s = SOFTCAP * tanh(s / SOFTCAP)``; ALIBI adds ``-slope[b, h] * |i + seq_k - seq_q - j|``
-with the float32 slopes SLOPES [B or 1, H_Q] (batch stride stride_slb), one load per program
+with the float32 slopes SLOPES [B or 1, H_Q] (the kernels' ``alibi`` tuple: SLOPES and its batch
+stride), one load per program
 (per query head in dK/dV). Backward
 recomputes both (nothing stored) and multiplies dS by tanh's derivative ``1 - tanh^2``; the
 slopes get no gradient. `_score_mod` does both, in the log2 domain of the scores.
@@ -347,9 +349,11 @@ def _seg_other(p_seg, start, o_t, seq, own_lo, own_hi):
 
 
 @triton.jit
-def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q):
+def _seg_rows(segments, i_b, o_m, seq_q):
     """For a program holding q tile o_m (forward, dQ): its segment ids [BLOCK_M], their range over
-    the real rows, and the key ids' row pointer (the inner loops' ``seg``)."""
+    the real rows, and the key ids' row pointer (the inner loops' ``seg``). ``segments``: the
+    kernels' (SEG_Q, SEG_K, stride_sqb, stride_skb)."""
+    SEG_Q, SEG_K, stride_sqb, stride_skb = segments
     m_row = o_m < seq_q
     b_sq = tl.load(SEG_Q + i_b * stride_sqb + o_m, mask=m_row, other=0)
     sq_lo, sq_hi = _seg_range(b_sq, m_row)
@@ -357,9 +361,10 @@ def _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q):
 
 
 @triton.jit
-def _range_rows(RANGES, stride_rb, i_b, o_m, seq_q):
+def _range_rows(ranges, i_b, o_m, seq_q):
     """Key ranges of rows o_m: (start, end) int32 [BLOCK_M] each, read from the [B', 2, seq_q] table
-    RANGES; rows past seq_q get the empty range (0, 0)."""
+    RANGES of ``ranges`` (RANGES, stride_rb); rows past seq_q get the empty range (0, 0)."""
+    RANGES, stride_rb = ranges
     m_row = o_m < seq_q
     p = RANGES + i_b * stride_rb
     return tl.load(p + o_m, mask=m_row, other=0), tl.load(p + seq_q + o_m, mask=m_row, other=0)
@@ -422,9 +427,10 @@ def _tanh(x):
 
 
 @triton.jit
-def _alibi_slope(SLOPES, stride_slb, i_b, i_h):
-    """ALiBi's slope of batch i_b, query head i_h times log2(e) (SLOPES: float32 [B or 1, H_Q], batch
-    stride stride_slb)."""
+def _alibi_slope(alibi, i_b, i_h):
+    """ALiBi's slope of batch i_b, query head i_h times log2(e) (``alibi``: (SLOPES, stride_slb), the
+    float32 slopes [B or 1, H_Q] and their batch stride)."""
+    SLOPES, stride_slb = alibi
     return tl.load(SLOPES + i_b * stride_slb + i_h) * LOG2E
 
 
@@ -468,15 +474,21 @@ def _masked_max(b_s, m_i, start_n, o_n, o_m, kv_end, causal_off, CAUSAL: tl.cons
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-               stride_kn, stride_vn, qk_scale, drop, tma, j_mask, seg, ranges, slope2, exact,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               DOT_PREC: tl.constexpr, GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, kv, walk, j_lo, j_hi, j_mask, rows, bounds, qk_scale, drop, tma, seg, ranges, slope2,
+               exact, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+               GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+    # kv (p_k, p_v, stride_kn, stride_vn): the K and V tiles' pointers at key 0 and their row strides;
+    # rows (start_m, o_m, o_d): the held q tile's first row, its rows and columns; bounds (seq_k,
+    # kv_end, causal_off): `_row_bounds`'; tiles j_lo <= j < j_hi of the walk.
     # Optional parts, None when off (the flag derived from it): walk (p_idx, b_list) the block
     # list (`_tile_start`; None: dense), drop (seed_lo, seed_hi, offset, bh, drop_thresh, drop_scale),
     # tma (the two descriptors, batch, head), seg (the held tile's ids, their range, the streamed
     # ids' row), ranges, slope2 (ALiBi), exact (the tile table's row, the bit tiles).
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
+    p_k, p_v, stride_kn, stride_vn = kv
+    start_m, o_m, o_d = rows
+    seq_k, kv_end, causal_off = bounds
     DROPOUT: tl.constexpr = drop is not None
     TMA: tl.constexpr = tma is not None
     SEGMENTS: tl.constexpr = seg is not None
@@ -553,43 +565,44 @@ def _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, j_lo, j_hi, start_m, o_m, o_d, 
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def fwd_kernel(Q, K, V, O, LSE, stride_q, stride_k, stride_v, stride_o,
-               H_Q, GROUP, seq_q, seq_k, qk_scale, drop_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-               ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
-               KV_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
-               KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None,
-               SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
-               SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None):
-    """stride_q, stride_k, stride_v, stride_o: each tensor's (batch, head, row, column) strides, the
-    first three divided by ALIGN (`_aligned`). KV_IDX (block lists; None: dense): the row lists
-    [B or 1, H or 1, q blocks, NB] (strides stride_idx), NB_P2 entries read as one vector, from
-    registers with GATHER (`_tile_start`). RNG (dropout; None: off): the int64 [3] seed and offset
-    tensor, with drop_thresh (`_philox_keep`); drop_scale: the kept values' scale, 1.0 without dropout.
-    DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
-    [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]). Without TMA they are None.
-    SEG_Q, SEG_K (SEGMENTS): int32 segment ids [B or 1, seq] (batch strides stride_sqb, stride_skb,
-    0 when shared); keys whose id differs from the query's are not attended.
-    RANGES (KEY_RANGES, never with SEGMENTS): int32 [B or 1, 2, seq_q] (batch stride stride_rb) of
-    each query's key range: query i attends keys start[i] <= j < end[i] only.
-    SOFTCAP, ALIBI: the score modifications (module docstring); ALIBI's slopes SLOPES [B or 1, H_Q]
-    (batch stride stride_slb).
-    Every pointer a variant does not read (lists when dense, KEY_LEN, the segment, range and slope
-    tables, RNG, the descriptors without TMA) is None: a constexpr, so each variant's code and
-    parameter list hold only what it uses, and each feature's flag (DENSE, DROPOUT, ...) is
-    derived from its pointer at the top of the body. SOFTCAP: the cap, None when off.
-    KV_TILE, BITS (EXACT; None otherwise): the bit-tile index of each row-list entry (int32, laid
-    out as KV_IDX) and the bit tiles (module docstring)."""
+def fwd_kernel(Q, K, V, O, LSE, strides, H_Q, GROUP, seq_q, seq_k, qk_scale, drop_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, SOFTCAP: tl.constexpr = None,
+               KV_IDX=None, stride_idx=None, MASK_BQ: tl.constexpr = None, MASK_BK: tl.constexpr = None,
+               NB_P2: tl.constexpr = None, GATHER: tl.constexpr = None, exact=None, KEY_LEN=None, RNG=None,
+               drop_thresh=None, segments=None, ranges=None, alibi=None, DESC_Q=None, DESC_K=None, DESC_V=None):
+    """strides: (stride_q, stride_k, stride_v, stride_o), each tensor's (batch, head, row, column)
+    strides as one tuple, the first three divided by ALIGN (`_aligned`; 1: not divided). drop_scale: the output's
+    scale, 1 / (1 - p) with dropout, 1.0 without.
+    Every optional part is None when off (a constexpr: no parameter, no code in that variant), its
+    flag derived from it at the top of the body:
+    - KV_IDX (block lists; None: dense): the row lists [B or 1, H or 1, q blocks, NB] (strides
+      stride_idx: batch, head, row), of mask blocks MASK_BQ x MASK_BK, NB_P2 entries read as one
+      vector, from registers with GATHER (`_tile_start`);
+    - exact (EXACT, with block lists): (KV_TILE, BITS), the bit-tile index of each row-list entry
+      (int32, laid out as KV_IDX) and the bit tiles (module docstring);
+    - KEY_LEN: each batch row's key count (None: seq_k);
+    - RNG (dropout): the int64 [3] seed and offset tensor, with drop_thresh (`_philox_keep`; a
+      parameter of its own: Triton's do_not_specialize does not reach into a tuple);
+    - segments (SEGMENTS): (SEG_Q, SEG_K, stride_sqb, stride_skb), int32 segment ids [B or 1, seq]
+      and their batch strides (0 when shared); keys whose id differs from the query's are not attended;
+    - ranges (KEY_RANGES, never with segments): (RANGES, stride_rb), int32 [B or 1, 2, seq_q] of each
+      query's key range: query i attends keys start[i] <= j < end[i] only;
+    - alibi (ALIBI): (SLOPES, stride_slb), ALiBi's float32 slopes [B or 1, H_Q] and their batch stride;
+      SOFTCAP: the cap (the score modifications: module docstring);
+    - DESC_Q, DESC_K, DESC_V (TMA): 4-D descriptors of Q, K and V ([B, H, N, HEAD_DIM], blocks
+      [1, 1, BLOCK_M or BLOCK_N, BLOCK_D]); each a parameter of its own (triton 3.6's launcher
+      takes descriptors only as top-level arguments)."""
     BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
-    # every optional feature is on when its pointer is given (None: a constexpr, compiled out)
+    # every optional part is on when given (None: a constexpr, compiled out)
     DENSE: tl.constexpr = KV_IDX is None
     DROPOUT: tl.constexpr = RNG is not None
     TMA: tl.constexpr = DESC_Q is not None
-    SEGMENTS: tl.constexpr = SEG_Q is not None
-    KEY_RANGES: tl.constexpr = RANGES is not None
-    ALIBI: tl.constexpr = SLOPES is not None
-    EXACT: tl.constexpr = BITS is not None
+    SEGMENTS: tl.constexpr = segments is not None
+    KEY_RANGES: tl.constexpr = ranges is not None
+    ALIBI: tl.constexpr = alibi is not None
+    EXACT: tl.constexpr = exact is not None
+    stride_q, stride_k, stride_v, stride_o = strides
     stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
     stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
     stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
@@ -615,39 +628,41 @@ def fwd_kernel(Q, K, V, O, LSE, stride_q, stride_k, stride_v, stride_o,
         q = tl.load(p_q, mask=(o_m < seq_q)[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    seg, ranges, slope2, drop, tma, exact, walk = None, None, None, None, None, None, None
+    seg, row_ranges, slope2, drop, tma, exact_row, walk = None, None, None, None, None, None, None
     if SEGMENTS:
-        seg = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q)
+        seg = _seg_rows(segments, i_b, o_m, seq_q)
     if KEY_RANGES:
-        ranges = _range_rows(RANGES, stride_rb, i_b, o_m, seq_q)
+        row_ranges = _range_rows(ranges, i_b, o_m, seq_q)
     if ALIBI:
-        slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h)
+        slope2 = _alibi_slope(alibi, i_b, i_h)
 
     kv_end, causal_off, full_end, valid_end = _row_bounds(KEY_LEN, i_b, start_m, seq_q, seq_k, BLOCK_M, CAUSAL)
     if not DENSE:
         walk = _row_walk(KV_IDX, stride_idx, i_b, i_h, start_m, seq_k, MASK_BQ, MASK_BK, NB_P2)
     j_full, j_valid = _row_tiles(walk, full_end, valid_end, BLOCK_N, MASK_BK)
     if EXACT:  # the tile table's row, laid out as the row list's
-        exact = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
+        KV_TILE, BITS = exact
+        exact_row = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
     if DROPOUT:
         drop = (seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale)
     if TMA:
         tma = (DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32))
 
+    kv = (p_k, p_v, stride_kn, stride_vn)
+    rows = (start_m, o_m, o_d)
+    bounds = (seq_k, kv_end, causal_off)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     j_lo = 0  # TMA: one loop over every tile, masking from j_full on (see _fwd_inner)
     if not TMA:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, 0, j_full, start_m, o_m, o_d, seq_k, kv_end,
-                                   causal_off, stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
-                                   False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER,
-                                   SOFTCAP)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, walk, 0, j_full, j_full, rows, bounds, qk_scale, drop, tma,
+                                   seg, row_ranges, slope2, exact_row, False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N,
+                                   HEAD_DIM, DOT_PREC, GATHER, SOFTCAP)
         j_lo = j_full
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, p_k, p_v, walk, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end,
-                               causal_off, stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
-                               True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER,
-                               SOFTCAP)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, walk, j_lo, j_valid, j_full, rows, bounds, qk_scale, drop, tma,
+                               seg, row_ranges, slope2, exact_row, True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N,
+                               HEAD_DIM, DOT_PREC, GATHER, SOFTCAP)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc * (drop_scale / l_safe)[:, None]
@@ -660,15 +675,23 @@ def fwd_kernel(Q, K, V, O, LSE, stride_q, stride_k, stride_v, stride_o,
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit
-def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_lo, j_hi, start_n, o_n, o_d, seq_q, causal_off,
-                stride_qm, stride_dom, qk_scale, drop, tma, j_mask, seg, p_rq, slope2, exact,
+def _dkdv_inner(dk, dv, held, qs, walk, j_lo, j_hi, j_mask, cols, bounds, qk_scale, drop, tma, seg, p_rq, slope2, exact,
                 MASKED: tl.constexpr, Q_ROWS: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                DOT_PREC: tl.constexpr, GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+                GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+    # held (b_k, b_v): the held k tile's K and V; qs (p_q, p_do, p_lse, p_delta, stride_qm, stride_dom):
+    # the streamed Q, dO, LSE and delta rows' pointers at row 0 of this query head, Q's and dO's row
+    # strides; cols (start_n, o_n, o_d): the held tile's first key, its keys and columns; bounds
+    # (seq_q, causal_off).
     # Optional parts, None when off (the flag derived from it): walk (p_idx, b_list) the block
     # list (`_tile_start`; None: dense), drop (seed_lo, seed_hi, offset, bh, drop_thresh, drop_scale),
     # tma (the two descriptors, batch, head), seg (the held tile's ids, their range, the streamed
     # ids' row), p_rq (the key-range table's row), slope2 (ALiBi), exact (the tile table's row, the bit tiles).
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
+    b_k, b_v = held
+    p_q, p_do, p_lse, p_delta, stride_qm, stride_dom = qs
+    start_n, o_n, o_d = cols
+    seq_q, causal_off = bounds
     DROPOUT: tl.constexpr = drop is not None
     TMA: tl.constexpr = tma is not None
     SEGMENTS: tl.constexpr = seg is not None
@@ -771,29 +794,29 @@ def _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_lo, j_hi, s
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv,
-                    H_Q, H_KV, GROUP, seq_q, seq_k, qk_scale, sm_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-                    Q_ROWS: tl.constexpr = False, ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
-                    Q_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
-                    Q_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None, drop_scale=None,
-                    SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
-                    SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None):
-    """Strides as the forward's (stride_idx: Q_IDX's, the column lists [B or 1, H or 1, k blocks, NB]).
-    DESC_* (TMA): 4-D descriptors as the forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA None. SEG_Q, SEG_K, RANGES, SLOPES: as the forward's.
-    Q_TILE, BITS (EXACT; None otherwise): the bit-tile index of each column-list entry (laid out
-    as Q_IDX) and the bit tiles. Flags from pointers as in the forward."""
+def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, strides, H_Q, H_KV, GROUP, seq_q, seq_k, scales,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                    DOT_PREC: tl.constexpr, Q_ROWS: tl.constexpr, ALIGN: tl.constexpr, SOFTCAP: tl.constexpr = None,
+                    Q_IDX=None, stride_idx=None, MASK_BQ: tl.constexpr = None, MASK_BK: tl.constexpr = None,
+                    NB_P2: tl.constexpr = None, GATHER: tl.constexpr = None, exact=None, KEY_LEN=None, dropout=None,
+                    drop_thresh=None, segments=None, ranges=None, alibi=None,
+                    DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None):
+    """strides: (stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv), as the forward's;
+    scales and dropout as the dQ kernel's. Q_IDX (block lists): the column lists [B or 1, H or 1,
+    k blocks, NB] (strides stride_idx); exact: (Q_TILE, BITS), the bit-tile index of each
+    column-list entry (laid out as Q_IDX) and the bit tiles. The other optional parts as the
+    forward's (None when off, the flag derived from each); DESC_* (TMA): 4-D descriptors as the
+    forward's (Q, dO in BLOCK_M rows, K, V in BLOCK_N)."""
     BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     DENSE: tl.constexpr = Q_IDX is None
-    HAS_KEYLEN: tl.constexpr = KEY_LEN is not None
-    DROPOUT: tl.constexpr = RNG is not None
+    DROPOUT: tl.constexpr = dropout is not None
     TMA: tl.constexpr = DESC_Q is not None
-    SEGMENTS: tl.constexpr = SEG_Q is not None
-    KEY_RANGES: tl.constexpr = RANGES is not None
-    ALIBI: tl.constexpr = SLOPES is not None
-    EXACT: tl.constexpr = BITS is not None
+    SEGMENTS: tl.constexpr = segments is not None
+    KEY_RANGES: tl.constexpr = ranges is not None
+    ALIBI: tl.constexpr = alibi is not None
+    EXACT: tl.constexpr = exact is not None
+    qk_scale, sm_scale = scales
+    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv = strides
     stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
     stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
     stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
@@ -802,6 +825,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
     stride_dvb, stride_dvh, stride_dvn, stride_dvd = _aligned(stride_dv, ALIGN)
     i_n = tl.program_id(0)
     if DROPOUT:
+        RNG, drop_scale = dropout
         seed_lo, seed_hi, rng_off = _rng_state(RNG)
     i_bhk = tl.program_id(1)
     i_b = (i_bhk // H_KV).to(tl.int64)
@@ -820,15 +844,17 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
         b_v = tl.load(V + i_b * stride_vb + i_hk * stride_vh + o_n.to(tl.int64)[:, None] * stride_vn + o_d[None, :] * stride_vd,
                       mask=m_kv, other=0.0)
     kv_end = seq_k
-    if HAS_KEYLEN:
+    if KEY_LEN is not None:
         kv_end = tl.minimum(tl.maximum(tl.load(KEY_LEN + i_b).to(tl.int32), 0), seq_k)
     causal_off = seq_k - seq_q
     seg, p_rq = None, None
     if SEGMENTS:  # this k tile's ids, their range over the real keys, and the query ids' row
+        SEG_Q, SEG_K, stride_sqb, stride_skb = segments
         b_sk = tl.load(SEG_K + i_b * stride_skb + o_n, mask=o_n < seq_k, other=0)
         sk_lo, sk_hi = _seg_range(b_sk, o_n < seq_k)
         seg = (b_sk, sk_lo, sk_hi, SEG_Q + i_b * stride_sqb)
     if KEY_RANGES:  # the key-range table's row
+        RANGES, stride_rb = ranges
         p_rq = RANGES + i_b * stride_rb
     # Rows below skip_below see none of this tile's columns; rows from full_from on see all of them.
     skip_below = 0
@@ -839,6 +865,9 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    held = (b_k, b_v)
+    cols = (start_n, o_n, o_d)
+    bounds = (seq_q, causal_off)
     if start_n < kv_end:
         o_mt = tl.arange(0, BLOCK_M)
         for g in range(0, GROUP):
@@ -848,9 +877,9 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
             p_do = DO + i_b * stride_dob + i_h * stride_doh + o_mt[:, None] * stride_dom + o_d[None, :] * stride_dod
             p_lse = LSE + i_bh * seq_q
             p_delta = DELTA + i_bh * seq_q
-            slope2, walk, exact, drop, tma = None, None, None, None, None
+            slope2, walk, exact_col, drop, tma = None, None, None, None, None
             if ALIBI:
-                slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h)
+                slope2 = _alibi_slope(alibi, i_b, i_h)
             if DENSE:
                 j_skip = tl.maximum(skip_below, 0) // BLOCK_M
                 j_part = tl.minimum(tl.cdiv(tl.maximum(full_from, 0), BLOCK_M), tl.cdiv(seq_q, BLOCK_M))
@@ -867,21 +896,21 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
                 j_end = n * SUB
                 walk = (p_idx, b_list)
             if EXACT:  # the tile table's column, laid out as the column list's
-                exact = (_list_row(Q_TILE, stride_idx, i_b, i_h, start_n // MASK_BK), BITS)
+                Q_TILE, BITS = exact
+                exact_col = (_list_row(Q_TILE, stride_idx, i_b, i_h, start_n // MASK_BK), BITS)
             if DROPOUT:
                 drop = (seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale)
             if TMA:
                 tma = (DESC_Q, DESC_DO, i_b.to(tl.int32), i_h.to(tl.int32))
             j_hi = j_end if TMA else j_part  # TMA: one loop, the causal mask below j_part
-            dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_skip, j_hi, start_n, o_n, o_d,
-                                 seq_q, causal_off, stride_qm, stride_dom, qk_scale, drop, tma, j_part, seg, p_rq, slope2,
-                                 exact, CAUSAL, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC,
-                                 GATHER, SOFTCAP)
+            qs = (p_q, p_do, p_lse, p_delta, stride_qm, stride_dom)
+            dk, dv = _dkdv_inner(dk, dv, held, qs, walk, j_skip, j_hi, j_part, cols, bounds, qk_scale, drop, tma, seg,
+                                 p_rq, slope2, exact_col, CAUSAL, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                 DOT_PREC, GATHER, SOFTCAP)
             if not TMA:
-                dk, dv = _dkdv_inner(dk, dv, b_k, b_v, p_q, p_do, p_lse, p_delta, walk, j_part, j_end, start_n, o_n,
-                                     o_d, seq_q, causal_off, stride_qm, stride_dom, qk_scale, drop, tma, j_part, seg, p_rq,
-                                     slope2, exact, False, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D,
-                                     DOT_PREC, GATHER, SOFTCAP)
+                dk, dv = _dkdv_inner(dk, dv, held, qs, walk, j_part, j_end, j_part, cols, bounds, qk_scale, drop, tma,
+                                     seg, p_rq, slope2, exact_col, False, Q_ROWS, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N,
+                                     HEAD_DIM, DOT_PREC, GATHER, SOFTCAP)
     # Keys at or past kv_end take no part in the attention: their gradients are exactly zero.
     m_keep = (o_n < kv_end)[:, None]
     dk = tl.where(m_keep, dk * sm_scale, 0.0)
@@ -893,15 +922,21 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_q, stride_k, stride_
 
 
 @triton.jit
-def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, j_lo, j_hi, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-              stride_kn, stride_vn, qk_scale, drop, tma, j_mask, seg, ranges, slope2, exact,
+def _dq_inner(dq, held, kv, walk, j_lo, j_hi, j_mask, rows, bounds, qk_scale, drop, tma, seg, ranges, slope2, exact,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              DOT_PREC: tl.constexpr, GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+              GATHER: tl.constexpr, SOFTCAP: tl.constexpr):
+    # held (q, do, b_lse, b_delta): the held q tile's Q, dO, LSE (log2 domain) and delta; kv, rows,
+    # bounds as `_fwd_inner`'s.
     # Optional parts, None when off (the flag derived from it): walk (p_idx, b_list) the block
     # list (`_tile_start`; None: dense), drop (seed_lo, seed_hi, offset, bh, drop_thresh, drop_scale),
     # tma (the two descriptors, batch, head), seg (the held tile's ids, their range, the streamed
     # ids' row), ranges, slope2 (ALiBi), exact (the tile table's row, the bit tiles).
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
+    q, do, b_lse, b_delta = held
+    p_k, p_v, stride_kn, stride_vn = kv
+    start_m, o_m, o_d = rows
+    seq_k, kv_end, causal_off = bounds
     DROPOUT: tl.constexpr = drop is not None
     TMA: tl.constexpr = tma is not None
     SEGMENTS: tl.constexpr = seg is not None
@@ -963,29 +998,31 @@ def _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, j_lo, j_hi, start_m, o_
 
 
 @triton.jit(do_not_specialize=_RNG_ARGS)
-def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, stride_do, stride_o, stride_dq,
-                  H_Q, GROUP, seq_q, seq_k, qk_scale, sm_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASK_BQ: tl.constexpr, MASK_BK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-                  ALIGN: tl.constexpr = 1, SOFTCAP: tl.constexpr = None,
-                  KV_IDX=None, stride_idx=None, NB_P2: tl.constexpr = 1, GATHER: tl.constexpr = False,
-                  KV_TILE=None, BITS=None, KEY_LEN=None, RNG=None, drop_thresh=None, drop_scale=None, DLSE=None,
-                  SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None,
-                  SLOPES=None, stride_slb=None, DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None, DESC_O=None):
+def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, strides, H_Q, GROUP, seq_q, seq_k, scales,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, SOFTCAP: tl.constexpr = None,
+                  KV_IDX=None, stride_idx=None, MASK_BQ: tl.constexpr = None, MASK_BK: tl.constexpr = None,
+                  NB_P2: tl.constexpr = None, GATHER: tl.constexpr = None, exact=None, KEY_LEN=None, dropout=None,
+                  drop_thresh=None, DLSE=None, segments=None, ranges=None, alibi=None,
+                  DESC_Q=None, DESC_K=None, DESC_V=None, DESC_DO=None, DESC_O=None):
     """dQ of a q tile, and first delta = rowsum(dO * O) - dLSE of its rows, which it stores for the
     dK/dV kernel (launched after it): no separate preprocessing pass over O and dO.
-    DESC_* (TMA): 4-D descriptors as the forward's (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N);
-    without TMA None. KV_TILE, BITS (EXACT): as the forward's. DLSE: the LSE's incoming gradient,
-    None when it has none. Flags from pointers as in the forward."""
+    strides: (stride_q, stride_k, stride_v, stride_do, stride_o, stride_dq), as the forward's.
+    scales: (qk_scale, sm_scale), the scores' scale in the log2 domain (sm_scale * log2(e)) and the
+    softmax scale. Optional parts as the forward's (None when off, the flag derived from each), and:
+    dropout: (RNG, drop_scale), the seed and offset tensor and the kept values' scale, with
+    drop_thresh; DLSE: the LSE's incoming gradient; DESC_* (TMA): 4-D descriptors as the forward's
+    (Q, dO, O in BLOCK_M rows, K, V in BLOCK_N)."""
     BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     DENSE: tl.constexpr = KV_IDX is None
-    DROPOUT: tl.constexpr = RNG is not None
-    HAS_DLSE: tl.constexpr = DLSE is not None
+    DROPOUT: tl.constexpr = dropout is not None
     TMA: tl.constexpr = DESC_Q is not None
-    SEGMENTS: tl.constexpr = SEG_Q is not None
-    KEY_RANGES: tl.constexpr = RANGES is not None
-    ALIBI: tl.constexpr = SLOPES is not None
-    EXACT: tl.constexpr = BITS is not None
+    SEGMENTS: tl.constexpr = segments is not None
+    KEY_RANGES: tl.constexpr = ranges is not None
+    ALIBI: tl.constexpr = alibi is not None
+    EXACT: tl.constexpr = exact is not None
+    qk_scale, sm_scale = scales
+    stride_q, stride_k, stride_v, stride_do, stride_o, stride_dq = strides
     stride_qb, stride_qh, stride_qm, stride_qd = _aligned(stride_q, ALIGN)
     stride_kb, stride_kh, stride_kn, stride_kd = _aligned(stride_k, ALIGN)
     stride_vb, stride_vh, stride_vn, stride_vd = _aligned(stride_v, ALIGN)
@@ -994,6 +1031,7 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, 
     stride_dqb, stride_dqh, stride_dqm, stride_dqd = _aligned(stride_dq, ALIGN)
     i_m = tl.program_id(0)
     if DROPOUT:
+        RNG, drop_scale = dropout
         seed_lo, seed_hi, rng_off = _rng_state(RNG)
     i_bh = tl.program_id(1)
     i_b = (i_bh // H_Q).to(tl.int64)
@@ -1021,39 +1059,42 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, stride_q, stride_k, stride_v, 
     p_row = i_bh.to(tl.int64) * seq_q + o_m
     b_lse = tl.load(LSE + p_row, mask=o_m < seq_q, other=float("inf")) * LOG2E
     b_delta = tl.sum(b_o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
-    if HAS_DLSE:
+    if DLSE is not None:
         b_delta -= tl.load(DLSE + p_row, mask=o_m < seq_q, other=0.0)
     tl.store(DELTA + p_row, b_delta, mask=o_m < seq_q)
     p_k = K + i_b * stride_kb + i_hk * stride_kh + o_n[:, None] * stride_kn + o_d[None, :] * stride_kd
     p_v = V + i_b * stride_vb + i_hk * stride_vh + o_n[:, None] * stride_vn + o_d[None, :] * stride_vd
-    seg, ranges, slope2, drop, tma, exact, walk = None, None, None, None, None, None, None
+    seg, row_ranges, slope2, drop, tma, exact_row, walk = None, None, None, None, None, None, None
     if SEGMENTS:
-        seg = _seg_rows(SEG_Q, SEG_K, stride_sqb, stride_skb, i_b, o_m, seq_q)
+        seg = _seg_rows(segments, i_b, o_m, seq_q)
     if KEY_RANGES:
-        ranges = _range_rows(RANGES, stride_rb, i_b, o_m, seq_q)
+        row_ranges = _range_rows(ranges, i_b, o_m, seq_q)
     if ALIBI:
-        slope2 = _alibi_slope(SLOPES, stride_slb, i_b, i_h)
+        slope2 = _alibi_slope(alibi, i_b, i_h)
 
     kv_end, causal_off, full_end, valid_end = _row_bounds(KEY_LEN, i_b, start_m, seq_q, seq_k, BLOCK_M, CAUSAL)
     if not DENSE:
         walk = _row_walk(KV_IDX, stride_idx, i_b, i_h, start_m, seq_k, MASK_BQ, MASK_BK, NB_P2)
     j_full, j_valid = _row_tiles(walk, full_end, valid_end, BLOCK_N, MASK_BK)
-    if EXACT:
-        exact = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
+    if EXACT:  # the tile table's row, laid out as the row list's
+        KV_TILE, BITS = exact
+        exact_row = (_list_row(KV_TILE, stride_idx, i_b, i_h, start_m // MASK_BQ), BITS)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if DROPOUT:
         drop = (seed_lo, seed_hi, rng_off, i_bh, drop_thresh, drop_scale)
     if TMA:
         tma = (DESC_K, DESC_V, i_b.to(tl.int32), i_hk.to(tl.int32))
+    held = (q, do, b_lse, b_delta)
+    kv = (p_k, p_v, stride_kn, stride_vn)
+    rows = (start_m, o_m, o_d)
+    bounds = (seq_k, kv_end, causal_off)
     j_lo = 0  # TMA: one loop over every tile, masking from j_full on
     if not TMA:
-        dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, 0, j_full, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                       stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
-                       False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, SOFTCAP)
+        dq = _dq_inner(dq, held, kv, walk, 0, j_full, j_full, rows, bounds, qk_scale, drop, tma, seg, row_ranges, slope2, exact_row,
+                       False, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, SOFTCAP)
         j_lo = j_full
-    dq = _dq_inner(dq, q, do, b_lse, b_delta, p_k, p_v, walk, j_lo, j_valid, start_m, o_m, o_d, seq_k, kv_end, causal_off,
-                   stride_kn, stride_vn, qk_scale, drop, tma, j_full, seg, ranges, slope2, exact,
-                   True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PREC, GATHER, SOFTCAP)
+    dq = _dq_inner(dq, held, kv, walk, j_lo, j_valid, j_full, rows, bounds, qk_scale, drop, tma, seg, row_ranges, slope2, exact_row,
+                   True, CAUSAL, MASK_BQ, MASK_BK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC, GATHER, SOFTCAP)
     tl.store(DQ + i_b * stride_dqb + i_h * stride_dqh + off_m * stride_dqm + o_mt[:, None] * stride_dqm + o_d[None, :] * stride_dqd,
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_q)

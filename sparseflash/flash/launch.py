@@ -24,8 +24,8 @@ import torch
 from sparseflash._consts import LOG2E
 from sparseflash.flash import binding, dispatch, kernels, operands, tiles
 from sparseflash.flash.operands import (TENSOR, ExactTiles, aligned_strides, bwd_consts, cdiv, check_exact, checked_rng,
-                                       dot_precision, drop_args, gather, list_args, list_plan_args, optional_tensors,
-                                       softcap_arg, table_args, table_layout, table_tensors)
+                                       dot_precision, drop_args, drop_pack, list_args, list_plan_args, optional_tensors,
+                                       softcap_arg, table_layout, table_pack_tensors, table_packs)
 
 __all__ = ["fwd", "bwd", "bwd_dq", "bwd_dkdv", "hopper_fwd", "hopper_bwd", "plan_fwd", "plan_dq", "plan_dkdv", "run",
            "plan_state", "POISON_OUTPUTS", "Plan", "PLANS", "PLANS_MAX", "cached_plan", "bind_plan"]
@@ -56,19 +56,43 @@ PLANS_MAX = 1024
 class Plan:
     """One kernel's launch for one key: ``args`` every argument by parameter name (constexprs and
     compile options included) with `operands.TENSOR` where a tensor of the call goes, None where
-    the variant reads nothing; ``tensors`` the names a call fills; ``tma`` whether the call's
-    tensors include TMA descriptors (built per call). ``bound``: `run`'s bound launches of this
-    plan; ``slots``: (position among the kernel's parameters, name) of each tensor, once bound."""
+    the variant reads nothing; ``tensors`` the names a call fills with a tensor; ``packs`` (name,
+    template) of each tuple argument holding TENSOR markers (an optional part's tensors with its
+    scalars, e.g. ``segments``: (TENSOR, TENSOR, batch stride, batch stride)), which a call fills
+    with a tuple of its tensors in the markers' order (`Plan.arguments`); ``tma`` whether the
+    call's tensors include TMA descriptors (built per call). ``bound``: `run`'s bound launches of
+    this plan; ``slots``: (position among the kernel's parameters, name) of each tensor and pack,
+    once bound."""
 
-    __slots__ = ("kernel", "grid", "args", "tensors", "cfg", "tma", "cuda", "bound", "slots")
+    __slots__ = ("kernel", "grid", "args", "tensors", "packs", "cfg", "tma", "cuda", "bound", "slots")
 
     def __init__(self, kernel: str, grid, args: dict, cfg, tma: bool, device: torch.device):
         # the kernel by name in kernels.py, looked up at each launch (tools may swap it)
         self.kernel, self.grid, self.args, self.cfg, self.tma = kernel, grid, args, cfg, tma
         self.tensors = tuple(n for n, a in args.items() if a is TENSOR)
+        self.packs = tuple((n, a) for n, a in args.items() if type(a) is tuple and any(x is TENSOR for x in a))
         self.cuda = device.type == "cuda"
         self.bound = {}
         self.slots = None
+
+    def arguments(self, tensors: dict) -> dict:
+        """Every argument by parameter name with the call's ``tensors`` in (a tensor per name of
+        ``tensors``, a tuple of tensors per name of ``packs``)."""
+        args = dict(self.args)
+        for n in self.tensors:
+            args[n] = tensors[n]
+        for n, template in self.packs:
+            args[n] = _filled(template, tensors[n])
+        return args
+
+
+def _filled(template: tuple, values) -> tuple:
+    """``template`` with its TENSOR markers replaced by ``values`` in order."""
+    it = iter(values)
+    out = tuple(next(it) if x is TENSOR else x for x in template)
+    if next(it, None) is not None:
+        raise ValueError(f"more tensors than the {sum(x is TENSOR for x in template)} this argument takes")
+    return out
 
 
 def plan_state() -> tuple:
@@ -101,7 +125,7 @@ def bind_plan(plan: Plan, kernel, compiled, args: dict) -> tuple | None:
     with None where a tensor's address goes, the compiled kernel), or None when it cannot be
     bound (`binding.bind`). Sets ``plan.slots`` on first use."""
     made = binding.bind(kernel, compiled, args)
-    if made is None or len(made[4]) != len(plan.tensors):
+    if made is None or len(made[4]) != len(plan.tensors) + len(plan.packs):
         return None
     plan.slots = made[4]
     return (*made[:4], compiled)
@@ -116,6 +140,8 @@ def run(plan: Plan, tensors: dict) -> tuple | None:
         ptrs = {n: tensors[n].data_ptr() for n in plan.tensors}
         key = (binding.current_device(), tuple(p & 15 == 0 for p in ptrs.values()),
                tuple(tensors[n].dtype for n in plan.tensors))
+        if plan.packs:  # (their tensors' alignments and dtypes join the key's; each pack goes whole)
+            key = _pack_key(plan, tensors, ptrs, key)
         bound = plan.bound.get(key)
         if bound is not None and binding.hooks_idle():
             run_c, function, meta, values = bound[:4]
@@ -125,9 +151,7 @@ def run(plan: Plan, tensors: dict) -> tuple | None:
             g = plan.grid
             run_c(g[0], g[1], 1, binding.raw_stream(key[0]), function, meta, None, None, None, *values)
             return key, bound
-    args = dict(plan.args)
-    for n in plan.tensors:
-        args[n] = tensors[n]
+    args = plan.arguments(tensors)
     kernel = getattr(kernels, plan.kernel)
     if plan.tma and plan.cuda:  # descriptors made per call: bound per combination by `call`
         binding.call(kernel, plan.grid, **args)
@@ -142,6 +166,19 @@ def run(plan: Plan, tensors: dict) -> tuple | None:
             plan.bound[key] = bound
             return key, bound
     return None
+
+
+def _pack_key(plan: Plan, tensors: dict, ptrs: dict, key: tuple) -> tuple:
+    """`run`'s bound-launch key with the packs' tensors in (their alignments, their dtypes), and
+    ``ptrs`` given each pack's value as the bound launch passes it (the tensors as addresses)."""
+    aligned, dtypes = list(key[1]), list(key[2])
+    for n, template in plan.packs:
+        ts = tensors[n]
+        addrs = [t.data_ptr() for t in ts]
+        aligned += [a & 15 == 0 for a in addrs]
+        dtypes += [t.dtype for t in ts]
+        ptrs[n] = _filled(template, addrs)
+    return key[0], tuple(aligned), tuple(dtypes)
 
 
 def _descs(cfg, tma_plan, D: int, kind: str, *tiles_) -> dict:
@@ -165,7 +202,7 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     ``rng``: the `sparseflash.dropout.draw_rng` tensor, read when dropout_p > 0. ``work``: the
     call's estimated forward FLOPs, -1 unknown (`tiles.tma_plan`). ``segments``: int32 segment ids
     (seg_q, seg_k); ``key_ranges``: the int32 key-range table; ``slopes``: ALiBi's float32 [1 or B,
-    Hq] (`operands.table_args`). ``softcap``: > 0 soft-caps the scores (the kernels' SOFTCAP).
+    Hq] (`operands.table_packs`). ``softcap``: > 0 soft-caps the scores (the kernels' SOFTCAP).
     ``exact``: an `ExactTiles` (the kernels' EXACT). Whether the Hopper kernel runs the call
     instead is `dispatch.hopper_plan`'s choice."""
     B, Hq, Nq, D = q.shape
@@ -182,8 +219,9 @@ def fwd(q, k, v, kv_idx, key_lengths, scale: float, causal: bool, mask_bq: int |
     rng = None if dropout_p <= 0.0 else checked_rng(rng, q.device)
     tile_table, bits = (None, None) if exact is None else check_exact(exact, kv_idx, "kv_idx")
     bm, bn = plan.cfg.block_m, plan.cfg.block_n
-    run(plan, optional_tensors(Q=q, K=k, V=v, O=o, LSE=lse, KV_IDX=kv_idx, KV_TILE=tile_table, BITS=bits,
-                               KEY_LEN=key_lengths, RNG=rng, **table_tensors(*tables),
+    run(plan, optional_tensors(Q=q, K=k, V=v, O=o, LSE=lse, KV_IDX=kv_idx,
+                               exact=None if exact is None else (tile_table, bits), KEY_LEN=key_lengths, RNG=rng,
+                               **table_pack_tensors(*tables),
                                **_descs(plan.cfg, tma_plan, D, "fwd", (q, bm), (k, bn), (v, bn))))
     return o, lse
 
@@ -235,26 +273,23 @@ def _fwd_plan(q, k, v, o, kv_idx, key_lengths, scale, causal, mask_bq, mask_bk, 
     Hkv, Nk = k.shape[1], k.shape[2]
     cfg = tiles.config("fwd", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                        dropout_p > 0.0, tma_plan is not None, any(t is not None for t in tables))
-    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX")
-    table_a = table_args(*tables)
+    list_a = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", mask_bq or cfg.block_m, mask_bk or cfg.block_n)
     strides, align = aligned_strides(q, k, v, o)
     tma = tiles.tma_taken(cfg, tma_plan)
-    args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, O=TENSOR, LSE=TENSOR, **list_a,
-                KV_TILE=TENSOR if exact else None, BITS=TENSOR if exact else None,
-                KEY_LEN=None if key_lengths is None else TENSOR, **table_a,
-                **_stride_args(("q", "k", "v", "o"), strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E,
-                **drop_args(dropout_p, scale_always=True), **_desc_args("fwd", tma),
+    args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, O=TENSOR, LSE=TENSOR, **list_a, exact=(TENSOR, TENSOR) if exact else None,
+                KEY_LEN=None if key_lengths is None else TENSOR, **table_packs(*tables),
+                strides=_stride_tuples(4, strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E,
+                **drop_args(dropout_p), **_desc_args("fwd", tma),
                 HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                MASK_BQ=mask_bq or cfg.block_m, MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
                 CAUSAL=causal, DOT_PREC=dot_precision(q.dtype), **cfg.launch_options(), ALIGN=align,
                 **softcap_arg(softcap))
     return Plan("fwd_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)
 
 
-def _stride_args(names: tuple, strides: tuple) -> dict:
-    """The stride arguments of 4-D tensors ``names`` from `aligned_strides`' flat tuple: stride_{name},
-    the tensor's (batch, head, row, column) strides as one tuple."""
-    return {f"stride_{name}": tuple(strides[4 * i:4 * i + 4]) for i, name in enumerate(names)}
+def _stride_tuples(n: int, strides: tuple) -> tuple:
+    """The kernels' ``strides`` argument from `aligned_strides`' flat tuple of ``n`` 4-D tensors: one
+    (batch, head, row, column) tuple per tensor, in the order of the kernel's tensor parameters."""
+    return tuple(tuple(strides[4 * i:4 * i + 4]) for i in range(n))
 
 
 def bwd(do, q, k, v, o, lse, dlse, kv_idx, q_idx, key_lengths, scale: float, causal: bool,
@@ -300,7 +335,8 @@ def bwd_dkdv(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_
     rng = None if dropout_p <= 0.0 else checked_rng(rng, q.device)
     tile_table, bits = (None, None) if exact is None else check_exact(exact, q_idx, "q_idx")
     run(plan, optional_tensors(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DK=dk, DV=dv, Q_IDX=q_idx,
-                               Q_TILE=tile_table, BITS=bits, KEY_LEN=key_lengths, RNG=rng, **table_tensors(*tables),
+                               exact=None if exact is None else (tile_table, bits), KEY_LEN=key_lengths,
+                               dropout=None if rng is None else (rng,), **table_pack_tensors(*tables),
                                **_descs(plan.cfg, tma_plan, D, "dkdv", (q, bm), (k, bn), (v, bn), (do, bm))))
     return dk, dv
 
@@ -319,21 +355,18 @@ def _dkdv_plan(do, q, k, v, dk, dv, q_idx, key_lengths, scale, causal, mask_bq, 
                exact):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    table_a = table_args(*tables)
     constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dkdv", D, q.device, mask_bq, mask_bk, q.dtype, None if q_idx is None else q_idx.shape[-2],
                        dropout_p > 0, tma_plan is not None)
-    list_a, nb_p2 = list_plan_args(q_idx, B, Hq, q, "Q_IDX")
+    list_a = list_plan_args(q_idx, B, Hq, q, "Q_IDX", mask_bq or cfg.block_m, mask_bk or cfg.block_n)
     strides, align = aligned_strides(q, k, v, do, dk, dv)
     tma = tiles.tma_taken(cfg, tma_plan)
     args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, DO=TENSOR, LSE=TENSOR, DELTA=TENSOR, DK=TENSOR, DV=TENSOR, **list_a,
-                Q_TILE=TENSOR if exact else None, BITS=TENSOR if exact else None,
-                KEY_LEN=None if key_lengths is None else TENSOR, **table_a,
-                **_stride_args(("q", "k", "v", "do", "dk", "dv"), strides), H_Q=Hq, H_KV=Hkv, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E, sm_scale=scale,
-                **drop_args(dropout_p),
+                exact=(TENSOR, TENSOR) if exact else None, KEY_LEN=None if key_lengths is None else TENSOR,
+                **table_packs(*tables), strides=_stride_tuples(6, strides), H_Q=Hq, H_KV=Hkv, GROUP=Hq // Hkv,
+                seq_q=Nq, seq_k=Nk, scales=(scale * LOG2E, scale), **drop_pack(dropout_p),
                 **_desc_args("dkdv", tma),
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
-                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 **cfg.launch_options(), **constexprs, Q_ROWS=cfg.q_rows, ALIGN=align)
     return Plan("bwd_dkdv_kernel", (cdiv(Nk, cfg.block_n), B * Hkv), args, cfg, tma, q.device)
 
@@ -353,7 +386,8 @@ def bwd_dq(do, q, k, v, lse, delta, key_lengths, scale, causal, mask_bq, mask_bk
     rng = None if dropout_p <= 0.0 else checked_rng(rng, q.device)
     tile_table, bits = (None, None) if exact is None else check_exact(exact, kv_idx, "kv_idx")
     run(plan, optional_tensors(Q=q, K=k, V=v, O=o, DO=do, LSE=lse, DLSE=dlse, DELTA=delta, DQ=dq, KV_IDX=kv_idx,
-                               KV_TILE=tile_table, BITS=bits, KEY_LEN=key_lengths, RNG=rng, **table_tensors(*tables),
+                               exact=None if exact is None else (tile_table, bits), KEY_LEN=key_lengths,
+                               dropout=None if rng is None else (rng,), **table_pack_tensors(*tables),
                                **_descs(plan.cfg, tma_plan, D, "dq", (q, bm), (k, bn), (v, bn), (do, bm), (o, bm))))
     return dq
 
@@ -372,20 +406,18 @@ def _dq_plan(do, q, k, v, o, dq, kv_idx, key_lengths, scale, causal, mask_bq, ma
              has_dlse, softcap, exact):
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    table_a = table_args(*tables)
     constexprs = bwd_consts(q, causal, softcap)
     cfg = tiles.config("dq", D, q.device, mask_bq, mask_bk, q.dtype, None if kv_idx is None else kv_idx.shape[-1],
                        dropout_p > 0, tma_plan is not None)
-    list_a, nb_p2 = list_plan_args(kv_idx, B, Hq, q, "KV_IDX")
+    list_a = list_plan_args(kv_idx, B, Hq, q, "KV_IDX", mask_bq or cfg.block_m, mask_bk or cfg.block_n)
     strides, align = aligned_strides(q, k, v, do, o, dq)
     tma = tiles.tma_taken(cfg, tma_plan)
     args = dict(Q=TENSOR, K=TENSOR, V=TENSOR, O=TENSOR, DO=TENSOR, LSE=TENSOR, DLSE=TENSOR if has_dlse else None,
-                DELTA=TENSOR, DQ=TENSOR, **list_a, KV_TILE=TENSOR if exact else None,
-                BITS=TENSOR if exact else None, KEY_LEN=None if key_lengths is None else TENSOR, **table_a,
-                **_stride_args(("q", "k", "v", "do", "o", "dq"), strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk, qk_scale=scale * LOG2E, sm_scale=scale,
-                **drop_args(dropout_p),
+                DELTA=TENSOR, DQ=TENSOR, **list_a, exact=(TENSOR, TENSOR) if exact else None,
+                KEY_LEN=None if key_lengths is None else TENSOR, **table_packs(*tables),
+                strides=_stride_tuples(6, strides), H_Q=Hq, GROUP=Hq // Hkv, seq_q=Nq, seq_k=Nk,
+                scales=(scale * LOG2E, scale), **drop_pack(dropout_p),
                 **_desc_args("dq", tma),
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_BQ=mask_bq or cfg.block_m,
-                MASK_BK=mask_bk or cfg.block_n, NB_P2=nb_p2, GATHER=gather(nb_p2),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 **cfg.launch_options(), **constexprs, ALIGN=align)
     return Plan("bwd_dq_kernel", (cdiv(Nq, cfg.block_m), B * Hq), args, cfg, tma, q.device)

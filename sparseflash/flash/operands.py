@@ -5,10 +5,11 @@ outputs, computed from a call's inputs (no policy: tiles and TMA are `sparseflas
   power-of-two alignment when it is 2, 4 or 8 (`aligned_strides`), for the kernels to multiply back.
 - Block lists as the kernels read them (`list_args`, `gather`), the dropout constants
   (`drop_consts`, `checked_rng`), the dot precision of a dtype (`dot_precision`).
-- The optional tables, each under its own parameter names (`table_args`, `table_tensors`: segment
-  ids, key ranges, ALiBi slopes), `ExactTiles` (`check_exact`), softcap (`softcap_arg`); `TENSOR`
-  marks a plan argument a call's tensor fills, None one it never reads (the kernels derive each
-  feature's flag from whether its pointer is None).
+- The optional tables, each one tuple parameter with its batch strides (`table_packs`,
+  `table_pack_tensors`: segment ids, key ranges, ALiBi slopes), `ExactTiles` (`check_exact`),
+  softcap (`softcap_arg`); `TENSOR` marks a plan argument (or a tuple argument's element) a call's
+  tensor fills, None one it never reads (the kernels derive each feature's flag from whether it is
+  None).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from sparseflash.flash import tiles
 from sparseflash import _env
 
 __all__ = ["dot_precision", "cdiv", "aligned_strides", "GATHER_MAX", "gather", "list_args", "checked_rng",
-           "drop_consts", "drop_args", "ExactTiles", "check_exact", "softcap_arg", "TENSOR", "table_args",
-           "table_layout", "table_tensors", "list_plan_args", "optional_tensors", "bwd_consts"]
+           "drop_consts", "drop_args", "drop_pack", "ExactTiles", "check_exact", "softcap_arg", "TENSOR",
+           "table_layout", "table_packs", "table_pack_tensors", "list_plan_args", "optional_tensors",
+           "bwd_consts"]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -115,13 +117,23 @@ def checked_rng(rng, device) -> torch.Tensor:
     return rng
 
 
-def drop_args(dropout_p: float, scale_always: bool = False) -> dict:
-    """The plan arguments of dropout: RNG (a tensor of the call), drop_thresh and drop_scale (`drop_consts`);
-    all None without dropout, but for drop_scale 1.0 with ``scale_always`` (the forward scales by it)."""
+def drop_args(dropout_p: float) -> dict:
+    """The forward's plan arguments of dropout: RNG (a tensor of the call) and drop_thresh
+    (`drop_consts`), None without dropout; drop_scale, the output's scale (1.0 without dropout)."""
     if dropout_p <= 0.0:
-        return dict(RNG=None, drop_thresh=None, drop_scale=1.0 if scale_always else None)
+        return dict(RNG=None, drop_thresh=None, drop_scale=1.0)
     thresh, scale = drop_consts(dropout_p)
     return dict(RNG=TENSOR, drop_thresh=thresh, drop_scale=scale)
+
+
+def drop_pack(dropout_p: float) -> dict:
+    """The backward kernels' plan arguments of dropout: ``dropout`` (TENSOR, drop_scale), the RNG
+    tensor of the call and the kept values' scale, and drop_thresh (`drop_consts`; a parameter of
+    its own, which the kernels do not specialise on); both None without dropout."""
+    if dropout_p <= 0.0:
+        return dict(dropout=None, drop_thresh=None)
+    thresh, scale = drop_consts(dropout_p)
+    return dict(dropout=(TENSOR, scale), drop_thresh=thresh)
 
 
 def drop_consts(dropout_p: float) -> tuple[int, float]:
@@ -161,10 +173,14 @@ def softcap_arg(softcap: float) -> dict:
 
 # ----------------------------------------------------------------------------- named arguments
 # A plan (`launch.Plan`) holds every kernel argument by its parameter name: the value of a
-# scalar, `TENSOR` where the call passes a tensor, None where the variant reads nothing (a
-# constexpr to Triton: the compiled kernel then has neither the parameter nor code for it, and
-# derives the feature's flag from it). Each optional table has its own parameters: segment ids (SEG_Q, SEG_K), key ranges (RANGES), ALiBi
-# slopes (SLOPES), the exact tables (KV_TILE / Q_TILE, BITS), dropout's RNG, key_lengths (KEY_LEN).
+# scalar, `TENSOR` where the call passes a tensor, a tuple with TENSOR markers where it passes a
+# tuple of tensors (an optional part's tensors with its scalars: `launch.Plan.packs`), None where
+# the variant reads nothing (a constexpr to Triton: the compiled kernel then has neither the
+# parameter nor code for it, and derives the feature's flag from it). The optional parts:
+# segments (SEG_Q, SEG_K and their batch strides), ranges (the key-range table, its batch stride),
+# alibi (the slopes, their batch stride), exact (the tile table KV_TILE / Q_TILE, BITS), the
+# backward's dropout (RNG, drop_scale; the forward's RNG and drop_thresh are parameters of their
+# own), key_lengths (KEY_LEN).
 
 TENSOR = object()  # marks a plan argument that takes a tensor of the call
 
@@ -173,51 +189,47 @@ def _batch_stride(t: torch.Tensor) -> int:
     return 0 if t.shape[0] == 1 else t.stride(0)
 
 
-def table_args(segments, key_ranges, slopes) -> dict:
-    """The plan arguments of the optional tables of a call. ``segments``: int32 (seg_q [1 or B,
-    Nq], seg_k [1 or B, Nk]) with unit last stride, or None; ``key_ranges``: the int32 table [1 or
-    B, 2, Nq] (contiguous; never with segments), or None; ``slopes``: ALiBi's float32 [1 or B, Hq]
-    (contiguous), or None."""
-    args = dict(SEG_Q=None, SEG_K=None, stride_sqb=None, stride_skb=None, RANGES=None, stride_rb=None, SLOPES=None,
-                stride_slb=None)
+def table_packs(segments, key_ranges, slopes) -> dict:
+    """The plan arguments of the optional tables of a call, one tuple each, None when off:
+    ``segments`` (TENSOR, TENSOR, stride_sqb, stride_skb): int32 (seg_q [1 or B, Nq], seg_k [1 or B,
+    Nk]) with unit last stride; ``ranges`` (TENSOR, stride_rb): the int32 key-range table [1 or B,
+    2, Nq] (contiguous; never with segments); ``alibi`` (TENSOR, stride_slb): ALiBi's float32 slopes
+    [1 or B, Hq] (contiguous). A call gives their tensors by `table_pack_tensors`."""
+    if segments is not None and key_ranges is not None:
+        raise ValueError("segment ids and key ranges are exclusive")
+    return dict(segments=None if segments is None else (TENSOR, TENSOR, *map(_batch_stride, segments)),
+                ranges=None if key_ranges is None else (TENSOR, _batch_stride(key_ranges)),
+                alibi=None if slopes is None else (TENSOR, _batch_stride(slopes)))
+
+
+def table_pack_tensors(segments, key_ranges, slopes) -> dict:
+    """The per-call tensors of the tables that are on, by parameter name: a tuple each (`table_packs`)."""
+    ts = {}
     if segments is not None:
-        if key_ranges is not None:
-            raise ValueError("segment ids and key ranges are exclusive")
-        sq, sk = segments
-        args.update(SEG_Q=TENSOR, SEG_K=TENSOR, stride_sqb=_batch_stride(sq), stride_skb=_batch_stride(sk))
+        ts["segments"] = tuple(segments)
     if key_ranges is not None:
-        args.update(RANGES=TENSOR, stride_rb=_batch_stride(key_ranges))
+        ts["ranges"] = (key_ranges,)
     if slopes is not None:
-        args.update(SLOPES=TENSOR, stride_slb=_batch_stride(slopes))
-    return args
+        ts["alibi"] = (slopes,)
+    return ts
 
 
 def table_layout(segments, key_ranges, slopes) -> tuple:
-    """What `table_args` reads of the tables (part of a plan's key)."""
+    """What `table_packs` reads of the tables (part of a plan's key)."""
     def lay(t):
         return None if t is None else (t.shape, t.stride())
     return (None if segments is None else (lay(segments[0]), lay(segments[1])), lay(key_ranges), lay(slopes))
 
 
-def table_tensors(segments, key_ranges, slopes) -> dict:
-    """The per-call tensors of the tables that are on, by parameter name."""
-    ts = {}
-    if segments is not None:
-        ts["SEG_Q"], ts["SEG_K"] = segments
-    if key_ranges is not None:
-        ts["RANGES"] = key_ranges
-    if slopes is not None:
-        ts["SLOPES"] = slopes
-    return ts
-
-
-def list_plan_args(idx, B, H, q, name: str) -> tuple[dict, int]:
-    """(plan arguments, NB_P2) of a block list parameter ``name`` and its (batch, head, row) strides
-    ``stride_idx``: both None for dense attention (``idx`` None)."""
+def list_plan_args(idx, B, H, q, name: str, mask_bq: int, mask_bk: int) -> dict:
+    """The plan arguments of the block lists: the list parameter ``name``, its (batch, head, row)
+    strides ``stride_idx``, the mask block MASK_BQ x MASK_BK, NB_P2 (the lists' vector length) and
+    GATHER (`gather`); all None for dense attention (``idx`` None), which reads none of them."""
     if idx is None:
-        return {name: None, "stride_idx": None}, 1
+        return {name: None, "stride_idx": None, "MASK_BQ": None, "MASK_BK": None, "NB_P2": None, "GATHER": None}
     _, st, nb_p2 = list_args(idx, B, H, q)
-    return {name: TENSOR, "stride_idx": st}, nb_p2
+    return {name: TENSOR, "stride_idx": st, "MASK_BQ": mask_bq, "MASK_BK": mask_bk, "NB_P2": nb_p2,
+            "GATHER": gather(nb_p2)}
 
 
 def optional_tensors(**named) -> dict:
