@@ -459,18 +459,20 @@ def test_gpu_bwd_grid_all_agrees(monkeypatch, hopper_spy, hopper_bwd_spy, causal
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_fwd_head_sections_agree(monkeypatch, hopper_spy, D):
     """A study's causal tile order in sections of (batch, head)s (`sec_heads`; 3 of 10, so the last
-    section has one) gives the default order's output and LSE bitwise (each tile's sums are the same;
+    section has one) and its grid of one CTA a tile (`one_tile`), alone and together, give the default
+    order's output and LSE bitwise (each tile's sums are the same;
     only which CTA runs it, and when, changes), with more tiles than SMs."""
     q, k, v, _ = make_qkv(2, 5, 5, 4000, 4000, D, torch.bfloat16, "cuda", seed=D + 5)
     got = []
-    for sec in (None, 3):
-        if sec is None:
-            monkeypatch.delitem(hopper.OVERRIDES, "sec_heads", raising=False)
-        else:
-            monkeypatch.setitem(hopper.OVERRIDES, "sec_heads", sec)
+    for over in ({}, {"sec_heads": 3}, {"one_tile": True}, {"one_tile": True, "sec_heads": 3}):
+        for key in hopper.OVERRIDE_KEYS:
+            monkeypatch.delitem(hopper.OVERRIDES, key, raising=False)
+        for key, value in over.items():
+            monkeypatch.setitem(hopper.OVERRIDES, key, value)
         got.append(sparseflash.attention(q, k, v, causal=True, return_lse=True))
-    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
-    assert len(hopper_spy) == 2
+    for o, lse in got[1:]:
+        assert torch.equal(got[0][0], o) and torch.equal(got[0][1], lse)
+    assert len(hopper_spy) == 4
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")

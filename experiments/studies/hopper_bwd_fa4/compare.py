@@ -60,7 +60,11 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             # the causal forward's heads in sections of 2 / 4 / 8 (longest tiles first within each), so the
             # K / V a section's CTAs re-read stay in L2 (all heads at once: 128 MB at 16K, d=128, 16 heads)
             "fwd-sec2": {"fwd": {"sec_heads": 2}}, "fwd-sec4": {"fwd": {"sec_heads": 4}},
-            "fwd-sec8": {"fwd": {"sec_heads": 8}}}
+            "fwd-sec8": {"fwd": {"sec_heads": 8}},
+            # one CTA a tile instead of a persistent grid (the hardware deals the tiles out as SMs free
+            # up, as FA4's causal forward does), all heads at once or in sections of 2 / 4 / 8
+            "fwd-one-tile": {"fwd": {"one_tile": True}},
+            **{f"fwd-one-tile-sec{s}": {"fwd": {"one_tile": True, "sec_heads": s}} for s in (2, 4, 8)}}
 
 
 @contextlib.contextmanager
