@@ -325,10 +325,17 @@ def decode_section(v: dict, rows, det_rows) -> None:
             + f"{len(sdpa_low)} of {len(low)} too")
     v["dec_copy_tbs"] = _span_or_dash([r["copy_gb_per_s"] / 1e3 for r in dense])
     v["dec_x_sdpa"] = _span_or_dash([r["ms"] / sdpa[at(r)]["ms"] for r in dense if at(r) in sdpa])
+    # the eager step (wall time of a call, host included) beside SDPA's at the goal's points
+    v["dec_eager_goal"] = f"{DECODE_EAGER_GOAL}×"
+    eager = [(r, _ratio(r.get("eager_ms"), sdpa[at(r)].get("eager_ms"))) for r in dense
+             if at(r) in sdpa and r["batch"] in (1, 16) and r["cache_len"] == 16384]
+    v["dec_eager"] = "; ".join(
+        f"B{r['batch']} x 16K {_num(r['eager_ms']) * 1e3:.0f} µs, {x:.2f}×" for r, x in eager if x is not None) or "not measured"
 
 
 DYNAMIC_FLEX_GOAL = 2.0  # per-call masks: the speed against Flex with its mask built per call that we aim at
 DECODE_BANDWIDTH_GOAL = 0.8  # decoding: the share of the copy bandwidth that we aim at
+DECODE_EAGER_GOAL = 1.2  # decoding: an eager step's wall time, at most this many times SDPA's (B1 and B16 x 16K)
 
 
 def _num(x) -> float | None:
