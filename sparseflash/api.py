@@ -345,6 +345,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
     if mask is not None and mask.__class__ is not BlockMask:
         mask = as_block_mask(mask)  # torch's FlexAttention BlockMask, converted; anything else raises
     exact = _check_exact(exact)
+    validated = False
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if not deterministic and segment_ids is None and key_ranges is None and softcap is None and alibi_slopes is None and not return_lse \
@@ -358,12 +359,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         if entry is not None:
             if entry.__class__ is fast.Miss:
                 resolved = _validated_scale(q, k, v, mask, causal, scale, key_lengths, check_key_lengths, backend)
+                validated = True  # (a key the short path then declines is not checked twice)
                 entry = fast.build(entry, q, k, v, mask, causal, resolved, key_lengths, resolved is not None)
             elif key_lengths is not None and _checks_lengths(check_key_lengths):
                 key_lengths_range(key_lengths, k.shape[2])  # (not while capturing: lookup says None then)
             if entry is not None:
                 return fast.call(entry, q, k, v, key_lengths, mask)
-    _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
+    if not validated:
+        _check_inputs(q, k, v, mask, causal, scale, key_lengths, dropout_p, check_key_lengths)
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[2], k.shape[2], q.device)
     ranges = check_key_ranges(key_ranges, q.shape[0], q.shape[2], k.shape[2], q.device)
     softcap = _check_softcap(softcap)

@@ -205,6 +205,24 @@ def test_steps_aside(spy, monkeypatch):
     assert len(mask.fast_entries) == 1 and len(fast.DENSE) == 2
 
 
+def test_a_declined_new_key_is_validated_once(monkeypatch):
+    """A new key that the short path then declines (here float64: the backend resolves to the
+    reference) goes on to the general path without its checks running a second time."""
+    from sparseflash import api
+
+    calls = []
+    real = api._check_inputs
+    monkeypatch.setattr(api, "_check_inputs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fast.clear()
+    q, k, v = (torch.randn(1, 2, 32, 16, dtype=torch.float64) for _ in range(3))
+    out = sparseflash.attention(q, k, v, causal=True)
+    assert len(calls) == 1
+    torch.testing.assert_close(out, ref_attention(q, k, v, causal=True))
+    sparseflash.attention(q, k, v, causal=True)  # the declined key's marker: the general path, checked once
+    assert len(calls) == 2
+    fast.clear()
+
+
 def _topk_masks(n_masks, seed, B=2, H=2, N=64, block=16, K=2):
     """Per-call masks of one shape (`BlockMask.from_indices` of random top-k ids, causal own blocks
     included as the selection gives them), with different contents."""
