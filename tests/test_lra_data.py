@@ -163,6 +163,31 @@ def test_write_listops_layout_splits_and_determinism(tmp_path):
     assert a["sizes"] == {"train": 300, "val": 60, "test": 60}
 
 
+def test_split_lengths_are_the_written_split_s(tmp_path):
+    """`split_lengths` counts, without writing, the tokens of the split `write_listops` writes with the
+    same arguments: equal lengths in order, the tsv's sha256, and the stream statistics the command prints."""
+    import hashlib
+
+    summary = lo.write_listops(tmp_path, train=120, val=30, test=40, seed=7, workers=1, show_progress=False)
+    for split, n in (("test", 40), ("val", 30)):
+        rec = lo.split_lengths(split, train=120, val=30, test=40, seed=7, bin_width=250)
+        tsv = tmp_path / "listops-1000" / f"basic_{split}.tsv"
+        assert rec["lengths"] == [len(lo.tokenize(t)) for t, _ in lo.read_tsv(tsv)]
+        assert rec["sha256"] == hashlib.sha256(tsv.read_bytes()).hexdigest()
+        assert rec["count"] == n and rec["mean"] == pytest.approx(np.mean(rec["lengths"]))
+        assert (rec["min"], rec["max"]) == (min(rec["lengths"]), max(rec["lengths"]))
+        assert sum(rec["histogram"].values()) == n and all(int(k) % 250 == 0 for k in rec["histogram"])
+        assert rec["generator"] == {"train": 120, "val": 30, "test": 40, "seed": 7, "min_len": 500, "max_len": 2000,
+                                    "max_depth": 10, "max_args": 10}
+        assert rec["stream"]["examples"] == 190
+        assert rec["stream"]["labels"] == {str(k): v for k, v in summary["labels"].items()}
+        assert rec["stream"]["mean_length"] == summary["mean_length"]
+    with pytest.raises(ValueError, match="split"):
+        lo.split_lengths("dev", train=10, val=2, test=2)
+    with pytest.raises(ValueError, match="test must be"):
+        lo.split_lengths("test", train=10, val=2, test=0)
+
+
 # ----------------------------------------------------------------------------------------- Pathfinder
 def test_pathfinder_parameters_are_lra_s():
     p = pf.params_for(32, "hard")

@@ -109,7 +109,7 @@ def test_cue_tests_rows_read_the_follow_rate(monkeypatch):
 def test_attended_length_and_effective_density(rows):
     """Each row's attended tokens and the pattern's density over them (the top-left corner the packed
     encoder runs): the full grid's density when every position is attended, more over fewer tokens;
-    empty only where no run file records the attended length (ListOps, black-as-padding Pathfinder-32)."""
+    empty only where nothing records the attended length (black-as-padding Pathfinder-32)."""
     model = {"pattern": "butterfly", "seq_len": 16384, "block_size": 128, "pattern_kwargs": {}}
     assert headline.effective_density(model, 16384) == pytest.approx(0.0625)
     assert headline.effective_density(model, 128) == 1.0  # one block: the diagonal is kept
@@ -117,7 +117,7 @@ def test_attended_length_and_effective_density(rows):
     for r in rows:
         if r["attended_tokens"] is None:
             assert r["effective_density"] is None
-            assert r["task"] == "listops" or (r["task"] == "pathfinder32" and r["run"] != "faithful-dense"), r["run"]
+            assert r["task"] == "pathfinder32" and r["run"] != "faithful-dense", r["run"]
             continue
         assert r["density"] <= r["effective_density"] <= 1
         assert r["effective_density"] == 1 if r["pattern"] == "dense" else r["effective_density"] > r["density"]
@@ -127,3 +127,57 @@ def test_attended_length_and_effective_density(rows):
     bfly = next(r for r in rows if r["run"] == "cont-bfly-1-full" and r["eval_set"] == "release-val")
     assert "a dense curriculum model continued 14,758 steps with butterfly 0.0625" in headline.render_table(rows)
     assert bfly["effective_density"] == pytest.approx(headline.effective_density(model, bfly["attended_tokens"]), abs=1e-4)
+
+
+def test_listops_rows_say_their_attended_length(rows):
+    """Every ListOps row carries the mean length of its test split (test_lengths.json) and the pattern's
+    corner at that mean, the same quantities as the other rows; the table and the README say them."""
+    rec = headline.listops_lengths()
+    assert rec is not None, f"{headline.LISTOPS_LENGTHS} is missing: run {headline.LISTOPS_COMMAND}"
+    lo = [r for r in rows if r["task"] == "listops"]
+    assert len(lo) == 4
+    for r in lo:
+        assert r["attended_tokens"] == round(rec["mean"], 1), r["run"]
+        model = headline._read_json(f"{headline._LO}/runs/{r['run']}/config.json")["model"]
+        assert r["effective_density"] == round(headline.effective_density(model, rec["mean"]), 4)
+        assert r["effective_density"] == 1 if r["pattern"] == "dense" else r["density"] < r["effective_density"] < 1
+    assert [r["effective_density"] for r in lo] == [1, 0.6543, 0.4074, 0.2099]  # 9 of 16 blocks at ~1034 tokens
+    assert "~1.03K tokens on average: there butterfly 0.5 / 0.25 / 0.125 keep 0.65 / 0.41 / 0.21 of the blocks" \
+        in headline.render_table(rows)
+    assert "down to 1/8 of the blocks (0.21 over its ~1.03K attended tokens)" in headline.render_readme(rows)
+    # the docstring's contrast: the mean over examples of each one's own corner
+    model = headline._read_json(f"{headline._LO}/runs/butterfly-d0.125-s0/config.json")["model"]
+    per_example = {}
+    for n in rec["lengths"]:
+        per_example.setdefault(math.ceil(n / 128), headline.effective_density(model, n))
+    mean = sum(per_example[math.ceil(n / 128)] for n in rec["lengths"]) / len(rec["lengths"])
+    assert f"{mean:.2f}" == "0.25" and "0.70 / 0.45 / 0.25 against 0.65 / 0.41 / 0.21" in headline.__doc__
+
+
+def test_listops_lengths_record_is_whole_and_checked():
+    """test_lengths.json: the sweep's generator arguments, 2,000 lengths whose summary it states, and
+    checks against the files the runs and the generation log left, every one equal and recomputable."""
+    rec = headline.listops_lengths()
+    lengths = rec["lengths"]
+    assert rec["generator"] == headline.LISTOPS_DATA and rec["split"] == "test" and rec["command"] == headline.LISTOPS_COMMAND
+    assert rec["count"] == len(lengths) == 2000 and rec["stream"]["examples"] == 100000
+    assert rec["mean"] == pytest.approx(sum(lengths) / 2000) and (rec["min"], rec["max"]) == (min(lengths), max(lengths))
+    assert 500 < rec["min"] and rec["max"] < 2000
+    assert sum(rec["histogram"].values()) == 2000
+    assert all(n == sum(int(k) <= x < int(k) + rec["bin_width"] for x in lengths) for k, n in rec["histogram"].items())
+    assert len(rec["checks"]) == 15 and all(c["equal"] for c in rec["checks"].values()), rec["checks"]
+    assert headline.listops_checks(rec) == rec["checks"]
+
+
+def test_record_listops_lengths_writes_the_record(tmp_path, monkeypatch):
+    """The command on a tiny set: the file is written with its lengths, and checks against the sweep's
+    files that do not hold (another size) make it fail instead of rebuilding the table."""
+    small = dict(headline.LISTOPS_DATA, train=100, val=20, test=30, seed=4)
+    out = tmp_path / "test_lengths.json"
+    monkeypatch.setattr(headline, "LISTOPS_DATA", small)
+    monkeypatch.setattr(headline, "LISTOPS_LENGTHS", str(out))
+    assert headline.main(["--record-listops-lengths"]) == 1
+    rec = headline.listops_lengths()
+    assert rec["generator"] == small and rec["count"] == len(rec["lengths"]) == 30
+    assert not rec["checks"]["dense-d1-s0: test count"]["equal"]
+    assert not rec["checks"]["log: label counts"]["equal"]

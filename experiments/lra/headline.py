@@ -2,6 +2,7 @@
 
     python -m sparseflash.experiments.lra.headline            # rewrite results/headline.csv, RESULTS.md's table, README's LRA sentences
     python -m sparseflash.experiments.lra.headline --check    # exit 1 when any of the three is stale
+    python -m sparseflash.experiments.lra.headline --record-listops-lengths   # regenerate ListOps' test lengths (~5 min)
 
 ``experiments/lra/results/headline.csv`` has one row per (task, training fidelity, evaluation
 set, pattern, density, seed, run): ``task`` (listops, pathfinder32, pathx, path256),
@@ -9,7 +10,8 @@ set, pattern, density, seed, run): ``task`` (listops, pathfinder32, pathx, path2
 ``eval_set``, ``pattern``, ``density`` (block density of the attention pattern as the run
 recorded it: over the full grid of ``seq_len`` positions), ``attended_tokens`` (the mean number of
 tokens an example of the evaluation set attends over: with black pixels as padding, the drawn
-pixels, packed to the front; without, every position), ``effective_density`` (the share of blocks
+pixels, packed to the front; without, every position; for ListOps its own length, the keys past it
+masked), ``effective_density`` (the share of blocks
 the pattern keeps over those tokens: its top-left corner of ceil(attended_tokens / block_size)
 blocks, which is what the packed encoder runs, `model.Encoder.pattern_corner`; 1 for dense),
 ``seed`` (the run's training seed), ``test_acc``, ``stderr`` (binomial,
@@ -52,12 +54,37 @@ its weights (``PF_RERUNS``: ``dense-bip-rerun``, ``butterfly-bip-rerun``; same s
 data): their release and clean rows are in the CSV, but not in the table, the seed statistics or
 the README's sentences, which stay those of the original seed-0 runs.
 
-``attended_tokens`` and ``effective_density`` are empty where no run file records the attended
-length: the ListOps runs (each example attends over its own length, padding keys masked; the
-lengths of the test examples are not kept) and the Pathfinder-32 runs with black pixels as
-padding (their files count the 1,024 positions, not the drawn pixels of the images, which were
-not kept). They are filled where the run's ``result.json`` or ``zero_shot.json`` row records
-``mean_tokens`` (Path-X, Path-256) or where every position is attended (no black-as-padding).
+``attended_tokens`` and ``effective_density`` are empty where nothing records the attended
+length: the Pathfinder-32 runs with black pixels as padding (their files count the 1,024
+positions, not the drawn pixels of the images, which were not kept). They are filled where the
+run's ``result.json`` or ``zero_shot.json`` row records ``mean_tokens`` (Path-X, Path-256), where
+every position is attended (no black-as-padding), and for ListOps from the lengths of its test
+split, regenerated (below).
+
+ListOps. The encoder runs the whole pattern of 2,048 positions (16 x 16 blocks of 128; mean
+pooling, no CLS token) with the keys past each example's length masked in every layer and the
+pooling over its real tokens only, so an example of L tokens is computed by the pattern's top-left
+corner of ceil(L / 128) blocks, the corner the packed encoder runs for the pixel tasks.
+``attended_tokens`` is the mean length of the 2,000 test examples and ``effective_density`` the
+corner at that mean, as for every other row (not the mean over examples of each one's own corner,
+which is higher, 0.70 / 0.45 / 0.25 against 0.65 / 0.41 / 0.21 for butterfly 0.5 / 0.25 / 0.125:
+short examples sit in the pattern's denser top-left blocks). The run files keep no lengths;
+``sweep-listops/test_lengths.json`` holds them, written by ``python -m
+sparseflash.experiments.lra.headline --record-listops-lengths`` (`record_listops_lengths`, ~5
+minutes of one core): it regenerates `LISTOPS_DATA`, the defaults of ``sparseflash lra data
+listops`` (seed 0, 96K / 2K / 2K), which is the command RESULTS.md gives for the sweep (the runs'
+``config.json`` has ``"data": {}`` and their command only ``--data data/lra``). The test split is
+the last 2,000 of one de-duplicated stream of 100,000, so the whole stream is generated. What
+verifies it (`listops_checks`, the file's ``checks``): no run file records a hash of its data, so
+the regenerated stream is compared with the one generation of these arguments whose statistics
+were kept, run_quick.sh's of 2026-11-22 (``results/train/log.txt``: acceptance, mean length and
+the ten label counts of all 100,000 examples, equal), and with the sweep's files (2,000 test and
+2,000 validation examples, and an epoch of 1,500 steps of 64: 96,000 training examples, up to
+the 63 a last partial batch would drop).
+That shows the generator still makes the data it made then, with the sizes the sweep read; that
+the sweep's own folder was generated with seed 0 and these arguments rests on the documented
+command, not on a recorded checksum. The file's ``sha256`` (of the test tsv as written) lets later
+data be checked against it.
 
 Not in the table because no run file holds them: the Pathfinder-64 pretraining (test 72.08%,
 quoted from its log in RESULTS.md), the density sweep's seeds 1 and 2 (RESULTS.md's table,
@@ -75,7 +102,8 @@ import sys
 from pathlib import Path
 
 __all__ = ["ROOT", "CSV", "COLUMNS", "PUBLISHED", "HISTORY", "build_rows", "write_csv", "read_csv",
-           "render_table", "render_readme", "update_block", "main"]
+           "render_table", "render_readme", "update_block", "main", "effective_density", "LISTOPS_DATA",
+           "LISTOPS_LENGTHS", "listops_lengths", "record_listops_lengths", "listops_checks"]
 
 ROOT = Path(__file__).resolve().parents[2]
 CSV = ROOT / "experiments" / "lra" / "results" / "headline.csv"
@@ -107,6 +135,16 @@ PF_RERUNS = ("dense-bip-rerun", "butterfly-bip-rerun")
 _PX = "experiments/studies/pathx/results/curriculum"
 _P256 = "experiments/studies/pathx/results/curriculum256"
 _LO = "experiments/lra/results/sweep-listops"
+# The data the ListOps sweep trained and was tested on: `sparseflash lra data listops --out DATA`
+# with its defaults (RESULTS.md's command for the sweep; the runs' config.json holds "data": {} and
+# no generator arguments), generated by code unchanged from 5725ef2 through the sweep's 50050e8 to
+# now. Its test split's token lengths are recorded in LISTOPS_LENGTHS by `record_listops_lengths`.
+LISTOPS_DATA = {"train": 96000, "val": 2000, "test": 2000, "seed": 0, "min_len": 500, "max_len": 2000,
+                "max_depth": 10, "max_args": 10}
+LISTOPS_LENGTHS = f"{_LO}/test_lengths.json"
+LISTOPS_COMMAND = "python -m sparseflash.experiments.lra.headline --record-listops-lengths"
+# the one generation of these arguments whose statistics were kept: run_quick.sh's, 2026-11-22
+_LISTOPS_LOG = "experiments/lra/results/train/log.txt"
 
 # Commits the run files do not record, from the history (see the module docstring).
 HISTORY = {
@@ -176,17 +214,76 @@ def effective_density(model: dict, tokens: float) -> float:
 
 def _attended(run_dir: str, mean_tokens=None) -> tuple:
     """(attended tokens, effective density) of ``run_dir``'s model on a set whose examples attend
-    over ``mean_tokens`` (recorded by the evaluation); without black-as-padding every position is
-    attended; (None, None) where nothing records the length (module docstring)."""
+    over ``mean_tokens`` (recorded by the evaluation, or for ListOps the mean length of its test
+    split, `listops_lengths`); pixels without black-as-padding attend every position; (None, None)
+    where nothing records the length (module docstring)."""
     model = _read_json(f"{run_dir}/config.json")["model"]
-    if not model.get("black_is_padding"):
-        if model.get("vocab_size") == 257 and model.get("grid"):  # pixels, none of them padding
-            mean_tokens = int(model["seq_len"])
-        else:
-            return None, None
+    if not model.get("black_is_padding") and model.get("vocab_size") == 257 and model.get("grid"):
+        mean_tokens = int(model["seq_len"])  # pixels, none of them padding
     if mean_tokens is None:
         return None, None
     return float(mean_tokens), effective_density(model, float(mean_tokens))
+
+
+def listops_lengths() -> dict | None:
+    """`LISTOPS_LENGTHS`: the token lengths of the ListOps sweep's test split (None before it is recorded)."""
+    return _read_json(LISTOPS_LENGTHS) if (ROOT / LISTOPS_LENGTHS).is_file() else None
+
+
+def record_listops_lengths(workers: int = 1) -> dict:
+    """Regenerate the ListOps sweep's data (`LISTOPS_DATA`; ~5 minutes of one core) and write its test
+    split's lengths, with `listops_checks` against what the run files and the generation log kept,
+    to `LISTOPS_LENGTHS`."""
+    import time
+
+    from sparseflash.experiments.lra.data.listops import split_lengths
+
+    t0 = time.perf_counter()
+    rec = split_lengths("test", **LISTOPS_DATA, workers=workers)
+    lengths = rec.pop("lengths")
+    rec = {"command": LISTOPS_COMMAND, "seconds": round(time.perf_counter() - t0, 1), **rec}
+    rec["checks"] = listops_checks(rec)
+    rec["lengths"] = lengths
+    text = json.dumps({k: v for k, v in rec.items() if k != "lengths"}, indent=1)
+    # the 2,000 lengths on one line, so the file stays short to read
+    text = text[:-2] + ',\n "lengths": ' + json.dumps(lengths, separators=(",", ":")) + "\n}\n"
+    (ROOT / LISTOPS_LENGTHS).write_text(text)
+    return rec
+
+
+def listops_checks(rec: dict) -> dict:
+    """What can be compared between a `split_lengths` record of `LISTOPS_DATA` and the files the
+    runs left: {check: {"kept": value in the files, "regenerated": value in ``rec``, "equal": bool}}.
+
+    No ListOps run file records a hash of its data. Kept are: the statistics the 2026-11-22 generation
+    with the same arguments printed (`_LISTOPS_LOG`: acceptance, mean length, label counts of all
+    100,000 examples; another folder than the sweep's, on another host), the sweep's test and
+    validation counts (eval.csv) and its epochs (train.csv: steps / steps per epoch, which is
+    train size // batch)."""
+    out = {}
+
+    def put(name, kept, regenerated):
+        out[name] = {"kept": kept, "regenerated": regenerated, "equal": kept == regenerated}
+
+    line = (ROOT / _LISTOPS_LOG).read_text().splitlines()[0]
+    m = re.search(r"acceptance ([\d.]+), mean length (\d+), labels (\{[^}]*\})", line)
+    if m is None:
+        raise LookupError(f"{_LISTOPS_LOG}: no ListOps generation line")
+    stream = rec["stream"]
+    put("log: acceptance (3 decimals)", m.group(1), f"{stream['acceptance']:.3f}")
+    put("log: mean length (rounded)", m.group(2), f"{stream['mean_length']:.0f}")
+    labels = {str(k): v for k, v in json.loads(re.sub(r"(\d+):", r'"\1":', m.group(3))).items()}
+    put("log: label counts", labels, stream["labels"])
+    for run in ("dense-d1-s0", "butterfly-d0.5-s0", "butterfly-d0.25-s0", "butterfly-d0.125-s0"):
+        d = f"{_LO}/runs/{run}"
+        n = {(r["split"]): int(r["n"]) for r in _csv_rows(f"{d}/eval.csv")}
+        put(f"{run}: test count", n["test"], rec["count"])
+        put(f"{run}: validation count", n["val"], rec["generator"]["val"])
+        batch = int(_read_json(f"{d}/config.json")["train"]["batch_size"])
+        last = _csv_rows(f"{d}/train.csv")[-1]
+        spe = rec["generator"]["train"] // batch
+        put(f"{run}: epoch at step {last['step']}", float(last["epoch"]), round(int(last["step"]) / spe, 4))
+    return out
 
 
 def _from_sweep(table: str, run: str, train_fidelity: str) -> dict:
@@ -194,9 +291,14 @@ def _from_sweep(table: str, run: str, train_fidelity: str) -> dict:
     r = next((r for r in _csv_rows(table) if r["run"] == run), None)
     if r is None:
         raise LookupError(f"{table}: no run {run!r}")
+    mean_tokens = None
+    if r["task"] == "listops" and str(Path(table).parent) == _LO and (lengths := listops_lengths()) is not None:
+        if lengths["count"] != int(r["test_n"]):
+            raise AssertionError(f"{LISTOPS_LENGTHS} holds {lengths['count']} lengths, {run} tested {r['test_n']}")
+        mean_tokens = lengths["mean"]
     return _row(r["task"], train_fidelity, "test" if r["task"] == "listops" else "release", r["pattern"],
                 r["density"], r["seed"], r["test_acc"], r["test_n"], _short(r["commit"]), r["gpu"], r["date"],
-                f"{table}#{run}", run, *_attended(str(Path(table).parent / "runs" / run)))
+                f"{table}#{run}", run, *_attended(str(Path(table).parent / "runs" / run), mean_tokens))
 
 
 def _segment_commits(summary: dict) -> str:
@@ -382,7 +484,7 @@ def render_table(rows) -> str:
         return f"{commits}; {gpus}; {dates}"
 
     out.append(f"| ListOps | {pub('listops')} | " + ", ".join(f"{_density(r['density'])} {_pm(r)}" for r in lo)
-               + f" (quick config, seed {lo[0]['seed']}) | — | {prov(lo)} |")
+               + f" (quick config, seed {lo[0]['seed']}{_listops_attended(lo)}) | — | {prov(lo)} |")
     rel = [r for r in pf if r["eval_set"] == "release"]
     cl = [r for r in pf if r["eval_set"] == "clean"]
     clean_trained = _one(rows, task="pathfinder32", train_fidelity="clean")
@@ -413,6 +515,18 @@ def render_table(rows) -> str:
                    + f" on {val[0]['n_test']:,} held-out images that also guided the curriculum (a validation set) | "
                    + "; ".join(cells) + f" | {prov(val)}; evaluations {prov(others)} |")
     return "\n".join(out + ["", PUBLISHED_NOTE])
+
+
+def _listops_attended(lo) -> str:
+    """``; an example attends over its own length, ~1.03K tokens on average: there butterfly 0.5 /
+    0.25 / 0.125 keep 0.65 / 0.41 / 0.21 of the blocks``, where the ListOps rows know their length."""
+    tokens = {r["attended_tokens"] for r in lo}
+    sparse = [r for r in lo if r["density"] < 1]
+    if len(tokens) != 1 or None in tokens or not sparse:
+        return ""
+    return (f"; an example attends over its own length, ~{tokens.pop() / 1000:.2f}K tokens on average: there "
+            + "butterfly " + " / ".join(f"{r['density']:g}" for r in sparse) + " keep "
+            + " / ".join(f"{r['effective_density']:.2f}" for r in sparse) + " of the blocks")
 
 
 def seed_stats(rows, pattern: str, eval_set: str) -> tuple[float, float, list[dict]]:
@@ -499,7 +613,8 @@ def render_readme(rows) -> str:
     n_pf = len(pf_d[2])
     return (
         f"On LRA ([experiments/lra/RESULTS.md](experiments/lra/RESULTS.md), `results/headline.csv`; one seed "
-        f"each, Pathfinder-32 {_WORDS.get(n_pf, n_pf)}) ListOps keeps {_span([r['test_acc'] for r in lo])}% down to 1/8 of the blocks. "
+        f"each, Pathfinder-32 {_WORDS.get(n_pf, n_pf)}) ListOps keeps {_span([r['test_acc'] for r in lo])}% down to "
+        f"1/8 of the blocks{_listops_sparsest(lo)}. "
         f"Pathfinder-32: {100 * pf_d[0]:.1f} ± {100 * pf_d[1]:.1f}% dense, {100 * pf_b[0]:.1f} ± {100 * pf_b[1]:.1f}% with butterfly "
         f"at half the blocks (seed 0: {_pct(pf['dense'], 1)} / {_pct(pf['butterfly'], 1)}%; published "
         f"{PUBLISHED['pathfinder32'][0]:g}–{PUBLISHED['pathfinder32'][1]:g}%) on the authors' generator's images "
@@ -515,6 +630,14 @@ def render_readme(rows) -> str:
         f"{p256['effective_density']:.2f} of the blocks over the attended tokens; {_pct(p256_fresh)}% on fresh images), {published_gap(rows):.1f} standard errors "
         f"below the published {PUBLISHED['path256'][1]:g}, with 2-D sin-cos positions ({chains[0]} of {chains[1]} "
         f"chains learned). All are at chance on clean images.")
+
+
+def _listops_sparsest(lo) -> str:
+    """`` (0.21 over its ~1.03K attended tokens)``: the sparsest ListOps row over what it attends."""
+    r = min(lo, key=lambda r: r["density"])
+    if r["effective_density"] is None:
+        return ""
+    return f" ({r['effective_density']:.2f} over its ~{r['attended_tokens'] / 1000:.2f}K attended tokens)"
 
 
 def _tokens(row) -> float:
@@ -572,7 +695,18 @@ def main(argv=None) -> int:
 
     ap = ArgumentParser(prog="python -m sparseflash.experiments.lra.headline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if headline.csv, RESULTS.md or README.md is stale")
+    ap.add_argument("--record-listops-lengths", action="store_true",
+                    help=f"regenerate the ListOps sweep's data (~5 minutes of one core) and write {LISTOPS_LENGTHS}, "
+                         "then rebuild as usual")
+    ap.add_argument("--workers", type=int, default=1, help="processes generating ListOps (--record-listops-lengths)")
     a = ap.parse_args(argv)
+    if a.record_listops_lengths:
+        rec = record_listops_lengths(a.workers)
+        bad = [k for k, c in rec["checks"].items() if not c["equal"]]
+        print(f"wrote {LISTOPS_LENGTHS}: {rec['count']} lengths, mean {rec['mean']:.1f}, in {rec['seconds']:.0f} s; "
+              + (f"checks that differ: {bad}" if bad else f"all {len(rec['checks'])} checks equal"))
+        if bad:
+            return 1
     rows = build_rows()
     want = {CSV: csv_text(rows)}
     results, readme = RESULTS_MD.read_text(), README.read_text()

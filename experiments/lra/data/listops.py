@@ -20,6 +20,10 @@ the time. Determinism: chunk c of accepted trees is drawn from ``random.Random``
 ``(seed, c)``; chunks are merged in order and de-duplicated, so the files depend on the seed and the
 sizes only, never on ``workers``.
 
+`split_lengths` counts the tokens of one split without writing the files (with the statistics
+`sparseflash lra data listops` prints and the split's sha256), so a set generated elsewhere can be
+measured, and compared with what its generation kept, on a CPU.
+
 `tokenize` / `evaluate` read the release text back the way LRA loaders do (parentheses removed,
 ``]`` kept as a token); `parse` additionally checks that the parentheses follow the release
 grammar exactly.
@@ -28,6 +32,8 @@ grammar exactly.
 from __future__ import annotations
 
 import csv
+import hashlib
+import io
 import os
 import random
 from collections import Counter
@@ -39,7 +45,7 @@ import numpy as np
 __all__ = [
     "OPERATORS", "END", "DIGITS", "VOCAB", "TOKEN_IDS", "Sample", "generate_tree", "to_text", "tokenize",
     "encode", "UnknownTokenError", "evaluate", "value_of", "parse", "tree_stats", "generate", "write_listops",
-    "read_tsv",
+    "read_tsv", "split_lengths",
 ]
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
@@ -327,28 +333,88 @@ def write_listops(out, *, train: int = 96000, val: int = 2000, test: int = 2000,
     Splits are consecutive slices of one de-duplicated stream, so they are disjoint. Returns a
     summary (paths, sizes, acceptance rate, mean length, label counts).
     """
-    sizes = {"train": train, "val": val, "test": test}
-    for k, v in sizes.items():
-        _check_int(k, v)
-    samples, stats = generate(sum(sizes.values()), seed=seed, min_len=min_len, max_len=max_len, max_depth=max_depth,
-                              max_args=max_args, workers=workers, show_progress=show_progress)
+    sizes, samples, stats = _generate_splits(train, val, test, seed=seed, min_len=min_len, max_len=max_len,
+                                             max_depth=max_depth, max_args=max_args, workers=workers,
+                                             show_progress=show_progress)
     folder = Path(out) / "listops-1000"
     folder.mkdir(parents=True, exist_ok=True)
-    start, paths = 0, {}
-    for split in _SPLITS:
-        part = samples[start:start + sizes[split]]
-        start += sizes[split]
+    paths = {}
+    for split, part in _split_parts(samples, sizes).items():
         path = folder / f"basic_{split}.tsv"
         tmp = path.with_suffix(".tsv.tmp")
         with open(tmp, "w", newline="") as f:
-            w = csv.writer(f, delimiter="\t", lineterminator="\n")
-            w.writerow(["Source", "Target"])
-            w.writerows((s.text, s.label) for s in part)
+            f.write(_tsv_text(part))
         os.replace(tmp, path)
         paths[split] = str(path)
+    return {"paths": paths, "sizes": sizes, "seed": seed, **_stream_stats(samples, stats)}
+
+
+def _generate_splits(train, val, test, **kwargs) -> tuple[dict, list[Sample], dict]:
+    sizes = {"train": train, "val": val, "test": test}
+    for k, v in sizes.items():
+        _check_int(k, v)
+    samples, stats = generate(sum(sizes.values()), **kwargs)
+    return sizes, samples, stats
+
+
+def _split_parts(samples: list[Sample], sizes: dict) -> dict[str, list[Sample]]:
+    """The splits as consecutive slices of the stream, in `_SPLITS` order."""
+    start, parts = 0, {}
+    for split in _SPLITS:
+        parts[split] = samples[start:start + sizes[split]]
+        start += sizes[split]
+    return parts
+
+
+def _tsv_text(part: list[Sample]) -> str:
+    """The text of one split's release tsv, exactly as `write_listops` writes it."""
+    buf = io.StringIO()
+    w = csv.writer(buf, delimiter="\t", lineterminator="\n")
+    w.writerow(["Source", "Target"])
+    w.writerows((s.text, s.label) for s in part)
+    return buf.getvalue()
+
+
+def _stream_stats(samples: list[Sample], stats: dict) -> dict:
     lengths = np.array([s.length for s in samples])
-    return {"paths": paths, "sizes": sizes, "seed": seed, **stats, "mean_length": float(lengths.mean()),
+    return {**stats, "mean_length": float(lengths.mean()),
             "labels": dict(sorted(Counter(s.label for s in samples).items()))}
+
+
+def split_lengths(split: str = "test", *, train: int = 96000, val: int = 2000, test: int = 2000, seed: int = 0,
+                  min_len: int = 500, max_len: int = 2000, max_depth: int = 10, max_args: int = 10, workers: int = 1,
+                  bin_width: int = 100, show_progress: bool = False) -> dict:
+    """The token lengths of one split of the data `write_listops` writes with these arguments, without
+    writing it: a record of the generator's arguments, the split's count, mean, min, max, a histogram
+    (bins of ``bin_width`` tokens, keyed by their lower edge), every length in order, the sha256 of the
+    split's tsv as `write_listops` writes it, and the statistics of the whole stream (``stream``: the
+    acceptance, mean length and label counts `sparseflash lra data listops` prints), so a record can be
+    compared with a log of the generation it stands for.
+
+    A split is a slice of one de-duplicated stream, so the whole stream is generated (the test split
+    of the full 96K/2K/2K set takes ~5 minutes of one core). A length counts what the model reads:
+    tokens without parentheses, digits, operators and ``]`` (`tokenize`); every one is below ``max_len``,
+    so with the default 2,000 the loader's cut at 2,000 tokens leaves every example whole.
+    """
+    if split not in _SPLITS:
+        raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
+    _check_int("bin_width", bin_width, 1)
+    generator = {"train": train, "val": val, "test": test, "seed": seed, "min_len": min_len, "max_len": max_len,
+                 "max_depth": max_depth, "max_args": max_args}
+    _check_int(split, generator[split], 1)  # before minutes of generation, not after
+    sizes, samples, stats = _generate_splits(train, val, test, seed=seed, min_len=min_len, max_len=max_len,
+                                             max_depth=max_depth, max_args=max_args, workers=workers,
+                                             show_progress=show_progress)
+    part = _split_parts(samples, sizes)[split]
+    lengths = [s.length for s in part]
+    hist = Counter(bin_width * (n // bin_width) for n in lengths)
+    stream = _stream_stats(samples, stats)
+    return {"split": split, "generator": generator, "count": len(lengths), "mean": float(np.mean(lengths)),
+            "min": min(lengths), "max": max(lengths), "bin_width": bin_width,
+            "histogram": {str(k): hist[k] for k in sorted(hist)},
+            "sha256": hashlib.sha256(_tsv_text(part).encode()).hexdigest(),
+            "stream": {"examples": len(samples), **stream, "labels": {str(k): v for k, v in stream["labels"].items()}},
+            "lengths": lengths}
 
 
 def read_tsv(path) -> list[tuple[str, int]]:
