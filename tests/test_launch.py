@@ -428,3 +428,26 @@ def test_portable_kernel_signatures():
         assert off == set(), (plan.kernel, off)  # dense, no tables, no dropout: nothing given for them
         rows = {"LSE", "DELTA"}  # (the [B, H, N] float32 rows: no strides)
         assert len(plan.args["strides"]) == len(set(tensors[plan.kernel].split()) - rows)
+
+
+def test_every_kernel_takes_at_most_40_parameters():
+    """Every kernel of every family (portable, Hopper where Gluon imports, decode) takes at most 40
+    parameters, its optional parts named and defaulting to None after the required ones."""
+    from sparseflash.flash import decode
+    from sparseflash.flash.hopper import backward as hopper_bwd, forward as hopper_fwd
+
+    found = {}
+    for mod in (kernels, decode, hopper_fwd, hopper_bwd):
+        for name in dir(mod):
+            fn = getattr(getattr(mod, name), "fn", None)
+            if name.endswith("_kernel") and callable(fn):
+                found[f"{mod.__name__.rsplit('.', 1)[-1]}.{name}"] = list(inspect.signature(fn).parameters.values())
+    assert {"kernels.fwd_kernel", "kernels.bwd_dq_kernel", "kernels.bwd_dkdv_kernel",
+            "decode.decode_split_kernel"} <= set(found)
+    if hopper_fwd.GLUON_ERROR is None:
+        assert {"forward.hopper_fwd_kernel", "backward.hopper_bwd_kernel"} <= set(found)
+    for name, ps in found.items():
+        assert len(ps) <= 40, (name, len(ps))
+        given = [p.default is inspect.Parameter.empty for p in ps]
+        assert given == sorted(given, reverse=True), name  # the required ones first
+        assert all(p.default is None for p in ps if p.default is not inspect.Parameter.empty), name

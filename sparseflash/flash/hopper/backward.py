@@ -635,17 +635,22 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def hopper_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_lse, desc_dlt, DK, DV,
-                           n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, n_pad, qk_scale,
-                           sm_scale, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh, stride_dkn,
-                           stride_dvb, stride_dvh, stride_dvn,
-                           MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, CAUSAL: gl.constexpr,
-                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           SPLIT_BAND: gl.constexpr, Q_IDX=None, Q_TILE=None, BITS=None, KEY_LEN=None, desc_dk=None,
-                           desc_dv=None):
+                           n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, n_pad, scales,
+                           strides, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
+                           CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           LOADER_REGS: gl.constexpr, SPLIT_BAND: gl.constexpr, Q_IDX=None, Q_TILE=None, BITS=None,
+                           KEY_LEN=None, desc_dk=None, desc_dv=None):
         """Optional features are named pointers, None when off: Q_IDX, the column lists (None: dense);
         Q_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_dk and
         desc_dv, dK and dV stored by TMA (None: from registers, through DK and DV with their strides).
+        ``scales``: (qk_scale, sm_scale); ``strides``: the [B, H, column] strides of the column lists
+        (and Q_TILE, laid out as they are), then DK's and DV's [B, H, N] strides, three tuples.
         The head dimension, the step and each tensor's memory order come from the descriptors."""
+        qk_scale, sm_scale = scales
+        idx_strides, dk_strides, dv_strides = strides  # (triton 3.6 takes no nested targets)
+        stride_ib, stride_ih, stride_in = idx_strides
+        stride_dkb, stride_dkh, stride_dkn = dk_strides
+        stride_dvb, stride_dvh, stride_dvn = dv_strides
         DENSE: gl.constexpr = Q_IDX is None
         EXACT: gl.constexpr = BITS is not None
         HAS_KEYLEN: gl.constexpr = KEY_LEN is not None
@@ -931,9 +936,8 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         desc_v=descriptor(v, lay[2], TILE), desc_do=descriptor(do, do_lay, qt), desc_dq=desc_dq,
         desc_lse=_row_descriptor(lse2, qt), desc_dlt=_row_descriptor(delta, qt), DK=dk, DV=dv, Q_IDX=idx,
         Q_TILE=q_tile, BITS=bits, KEY_LEN=key_lengths, n_tiles=n_tiles, n_rounds=n_rounds, n_bhk=n_bhk, gh=gh,
-        n_heads_kv=Hk, group=H // Hk, seq_q=Nq, seq_k=Nk, n_qblocks=n_qb, n_pad=n_pad, qk_scale=scale * LOG2E, sm_scale=scale,
-        stride_ib=i_strides[0], stride_ih=i_strides[1], stride_in=i_strides[2],
-        stride_dkb=sk[0], stride_dkh=sk[1], stride_dkn=sk[2], stride_dvb=sv[0], stride_dvh=sv[1], stride_dvn=sv[2],
+        n_heads_kv=Hk, group=H // Hk, seq_q=Nq, seq_k=Nk, n_qblocks=n_qb, n_pad=n_pad, scales=(scale * LOG2E, scale),
+        strides=(tuple(i_strides[:3]), tuple(sk[:3]), tuple(sv[:3])),
         MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal), STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, SPLIT_BAND=bool(OVERRIDES.get("causal_split", True)),
         desc_dk=desc_dk, desc_dv=desc_dv, num_warps=4)
