@@ -614,7 +614,7 @@ def test_plan_launches_bound_after_the_first(monkeypatch):
     args = dict(zip(names, split[9:]))
     assert args["Q"] == q.data_ptr() and args["K"] == kc.data_ptr() and args["seqlens"] == lens.data_ptr()
     assert args["leftpad"] is None and args["n_splits"] == 2 and args["Out"] is None  # (two splits: partials)
-    assert args["O_part"] is not None and args["LSE_part"] is not None and args["stride_k"] == kc.stride()
+    assert args["O_part"] is not None and args["LSE_part"] is not None and args["strides"][1] == kc.stride()
     q2 = torch.empty(q.numel() + 1)[1:].view_as(q).copy_(q)  # 4 bytes off 16-byte alignment
     call(q2)
     call(q2)
@@ -806,19 +806,20 @@ def test_decode_kernels_compile_for_sm90():
 
 
 def test_decode_kernel_signatures():
-    """The decode kernels take each tensor's strides as one tuple parameter (stride_q: batch, token, head,
-    column) and every optional part (the split kernel's outputs of one split or partials of several, the
-    LSE, key lengths, leftpad, batch index, block table, ALiBi, block lists, softcap, the window's bounds;
-    the check's and the append's vectors and table) as a named parameter defaulting to None after the
-    required ones, the flag derived inside: no HAS_* flags, no placeholder tensors, no numeric stand-ins
-    for "off"; BLOCK_D derived from HEAD_DIM."""
+    """The decode kernels take each tensor's strides as one tuple (stride_o: batch, token, head, column;
+    the split kernel's three inputs' as one parameter, strides) and every optional part (the split
+    kernel's outputs of one split or partials of several, the LSE, key lengths, leftpad, batch index,
+    block table, ALiBi, block lists, softcap, the window's bounds; the check's and the append's vectors
+    and table) as a named parameter defaulting to None after the required ones, the flag derived
+    inside: no HAS_* flags, no placeholder tensors, no numeric stand-ins for "off"; BLOCK_D derived
+    from HEAD_DIM."""
     from sparseflash.flash import decode
 
     flags = {"PAGED", "SPARSE", "DIRECT", "STORE_LSE", "BLOCK_D"}
     optional = {"Out", "stride_o", "LSE", "stride_lse", "O_part", "LSE_part", "seqlens", "leftpad", "batch_idx",
                 "block_table", "stride_tb", "PAGE", "alibi", "stride_ab", "blk_idx", "stride_idx", "blk_cnt",
                 "stride_cnt", "TILES_PER_BLOCK", "softcap", "left", "right", "n_rows", "n_pages", "n_table", "BLOCK_T"}
-    for name, most, strides in (("decode_split_kernel", 38, "stride_q"), ("decode_combine_kernel", 12, "stride_o"),
+    for name, most, strides in (("decode_split_kernel", 36, "strides"), ("decode_combine_kernel", 12, "stride_o"),
                                 ("decode_bounds_kernel", 15, None), ("decode_append_kernel", 16, "stride_k_new")):
         ps = list(inspect.signature(getattr(decode, name).fn).parameters.values())
         names = [p.name for p in ps]

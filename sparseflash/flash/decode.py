@@ -58,7 +58,7 @@ INTERPRETING = _env.interpreting()
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, stride_q, stride_k, stride_v, n_splits, q_back, seq_add, scale,
+    Q, K, V, strides, n_splits, q_back, seq_add, scale,
     SQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     Out=None, stride_o=None, LSE=None, stride_lse=None, O_part=None, LSE_part=None,
@@ -69,8 +69,8 @@ def decode_split_kernel(
     """One split of one (batch row, kv head): program ``(split, batch, kv head)``.
 
     Q ``[B, seq_q, H, D]``, K and V the cache ``[B_cache, N, Hk, D]`` or pages ``[pages, PAGE, Hk, D]``;
-    each tensor's strides one tuple in its own dimension order (stride_q: batch, token, head, column;
-    stride_k, stride_v: batch or page, row, head, column). A program reads its GQA group's ``SQ x G``
+    strides: their strides, one tuple per tensor in its own dimension order (Q: batch, token, head,
+    column; K, V: batch or page, row, head, column). A program reads its GQA group's ``SQ x G``
     query rows; q_back: the query tokens of later chunks (other launches) after this launch's.
     Every optional part is None when off (a constexpr: no code, no parameter), its flag derived here:
     - outputs: with one split ``Out`` ``[B, seq_q, H, D]`` (strides stride_o, as Q's) and, if the lse
@@ -90,6 +90,7 @@ def decode_split_kernel(
     DIRECT: tl.constexpr = O_part is None  # one split: the answer stored here, no partials
     PAGED: tl.constexpr = block_table is not None
     SPARSE: tl.constexpr = blk_idx is not None
+    stride_q, stride_k, stride_v = strides
     stride_qb, stride_qt, stride_qh, stride_qd = stride_q
     stride_kb, stride_kn, stride_kh, stride_kd = stride_k
     stride_vb, stride_vn, stride_vh, stride_vd = stride_v
@@ -518,9 +519,9 @@ class DecodePlan:
             t1 = min(SQ, t0 + step)
             sq, R = t1 - t0, (t1 - t0) * G
             BLOCK_M = max(16, next_pow2(R))
-            consts = dict(stride_q=tuple(q.stride()), stride_k=tuple(k_cache.stride()),
-                          stride_v=tuple(v_cache.stride()), n_splits=S, q_back=SQ - t1, seq_add=int(seq_add),
-                          scale=float(scale), SQ=sq, G=G, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PREC=prec,
+            consts = dict(strides=(tuple(q.stride()), tuple(k_cache.stride()), tuple(v_cache.stride())), n_splits=S,
+                          q_back=SQ - t1, seq_add=int(seq_add), scale=float(scale), SQ=sq, G=G, HEAD_DIM=D,
+                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PREC=prec,
                           **optional, num_warps=OVERRIDES.get("num_warps", 4), num_stages=stages)
             split = _Launch("decode_split_kernel", (S, B, Hk), names, consts)
             combine = None
