@@ -809,8 +809,8 @@ def test_decode_kernel_signatures():
     """The decode kernels take each tensor's strides as one tuple (stride_o: batch, token, head, column;
     the split kernel's three inputs' as one parameter, strides) and every optional part (the split
     kernel's outputs of one split or partials of several, the LSE, key lengths, leftpad, batch index,
-    block table, ALiBi, block lists, softcap, the window's bounds; the check's and the append's vectors
-    and table) as a named parameter defaulting to None after the required ones, the flag derived
+    block table, ALiBi, block lists, softcap, the window's bounds, the study switches' tickets and bounds
+    verdict; the check's and the append's vectors and table) as a named parameter defaulting to None after the required ones, the flag derived
     inside: no HAS_* flags, no placeholder tensors, no numeric stand-ins for "off"; BLOCK_D derived
     from HEAD_DIM."""
     from sparseflash.flash import decode
@@ -818,8 +818,9 @@ def test_decode_kernel_signatures():
     flags = {"PAGED", "SPARSE", "DIRECT", "STORE_LSE", "BLOCK_D"}
     optional = {"Out", "stride_o", "LSE", "stride_lse", "O_part", "LSE_part", "seqlens", "leftpad", "batch_idx",
                 "block_table", "stride_tb", "PAGE", "alibi", "stride_ab", "blk_idx", "stride_idx", "blk_cnt",
-                "stride_cnt", "TILES_PER_BLOCK", "softcap", "left", "right", "n_rows", "n_pages", "n_table", "BLOCK_T"}
-    for name, most, strides in (("decode_split_kernel", 36, "strides"), ("decode_combine_kernel", 12, "stride_o"),
+                "stride_cnt", "TILES_PER_BLOCK", "softcap", "left", "right", "n_rows", "n_pages", "n_table", "BLOCK_T",
+                "Tickets", "BLOCK_S", "Ok", "bounds"}
+    for name, most, strides in (("decode_split_kernel", 40, "strides"), ("decode_combine_kernel", 12, "stride_o"),
                                 ("decode_bounds_kernel", 15, None), ("decode_append_kernel", 16, "stride_k_new")):
         ps = list(inspect.signature(getattr(decode, name).fn).parameters.values())
         names = [p.name for p in ps]
