@@ -769,6 +769,16 @@ for q, cache, kw in variants:
                  alibi=kw.get("alibi"), blk_idx=blocks[0], blk_cnt=blocks[1])
     for launch in p.launches():
         compile_launch(launch, named)
+# the study switches (decode.OVERRIDES): the split kernel merging its 33 splits and checking the bounds
+decode.OVERRIDES.update(fused_combine=True)
+q = torch.zeros(B, 1, 8, D, dtype=torch.bfloat16)
+p = decode.plan(q, kc, kc, scale=0.1, window=(-1, -1), max_len=1024, num_splits=33, leftpad=True, batch_idx=True,
+                check=True)
+decode.OVERRIDES.clear()
+for launch in p.launches():
+    compile_launch(launch, dict(Q=q, K=kc, V=kc, O_part=torch.zeros(1), LSE_part=torch.zeros(1), Out=q,
+                                LSE=torch.zeros(1), seqlens=i32(B), leftpad=i32(B), batch_idx=i32(B),
+                                Tickets=i32(B * Hk), Ok=i32(1)))
 kn = torch.zeros(B, 3, Hk, D, dtype=torch.bfloat16)
 for cache, kw in ((kc, dict(batch_idx=True)), (pages.to(torch.bfloat16), dict(block_table=table))):
     a = decode.append(kn, kn, cache, cache, **kw)
@@ -783,8 +793,9 @@ for kw in (dict(leftpad=True, batch_idx=True), dict(block_table=table, page=64, 
 def test_decode_kernels_compile_for_sm90():
     """The decode kernels' compiled path (the interpreter never compiles them) builds for sm_90 without a GPU, for
     plans of each kind: splits and their combine, one split (lse not stored), a paged cache read whole, leftpad,
-    batch index, ALiBi, a window, softcap, block lists, chunked query blocks; the append into a cache by batch index
-    and into pages; the bounds check with every bound.
+    batch index, ALiBi, a window, softcap, block lists, chunked query blocks; with both study switches on (its 33
+    splits merged in the kernel, the bounds checked there); the append into a cache by batch index and into pages;
+    the bounds check with every bound.
     Triton's front end, its passes and the bundled ptxas, in a child process outside the interpreter."""
     import os
     import subprocess
@@ -801,8 +812,8 @@ def test_decode_kernels_compile_for_sm90():
     kernels = [line.split()[0] for line in r.stdout.splitlines()]
     # 3 splits: split + combine; one split: split; 40 x 4 rows in chunks of 64: (split + combine) x 3; two checks
     assert kernels == (["decode_split_kernel", "decode_combine_kernel", "decode_split_kernel"]
-                       + ["decode_split_kernel", "decode_combine_kernel"] * 3 + ["decode_append_kernel"] * 2
-                       + ["decode_bounds_kernel"] * 2), kernels
+                       + ["decode_split_kernel", "decode_combine_kernel"] * 3 + ["decode_split_kernel"]
+                       + ["decode_append_kernel"] * 2 + ["decode_bounds_kernel"] * 2), kernels
 
 
 def test_decode_kernel_signatures():
