@@ -41,7 +41,9 @@ needed). A paged cache's capacity is also read on the host, as flash-attn reads
 ``block_table``), unless ``SPARSEFLASH_CHECK_KEY_LENGTHS=0`` (`sparseflash.api.CHECK_KEY_LENGTHS`).
 Host reads are skipped while a CUDA graph is captured (the device check runs instead); where no kernel
 runs (a CPU without the interpreter) every bound is checked on the host, which costs no
-synchronisation there.
+synchronisation there. A study switch, ``decode.OVERRIDES["check_in_split"]`` (off by default), checks a
+read's bounds (no new keys, no pages) in the split kernel instead, which clamps its reads until the
+assert after it fails the call: one launch less.
 
 Host cost: the checks of shapes, dtypes and flags, and the split count, workspace and bound launches
 (`sparseflash.flash.decode.DecodePlan`), are made once per call key (`CallPlan`: the arguments' kinds,

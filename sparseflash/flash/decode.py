@@ -32,7 +32,9 @@ keys), computed in the kernel, so a call launches no index arithmetic of its own
 launches `decode_bounds_kernel`, one program that checks every row's lengths, leftpad, cache row and
 page ids and writes a verdict for ``torch._assert_async``: bad values fail on the device, with no host
 read. `Append` writes a call's new keys and values into the cache in one launch
-(`decode_append_kernel`).
+(`decode_append_kernel`). Two study switches (`OVERRIDES`, off by default) take launches out of a
+step: ``fused_combine`` (the split kernel's last program per (batch, kv head) merges the splits: no
+combine launch) and ``check_in_split`` (the split kernel writes the bounds verdict: no bounds launch).
 
 Forward only (flash-attn's decode has no backward). `sparseflash.kvcache` validates the inputs,
 applies rotary, and holds the plain-PyTorch reference of the same semantics.

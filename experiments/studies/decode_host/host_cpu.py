@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -153,20 +154,20 @@ def calls(batch: int):
     return dict(read=read, append=append)
 
 
-def switched(fn, overrides: dict):
-    """``fn`` that runs with ``overrides`` as decode.OVERRIDES (restored after)."""
+@contextmanager
+def switches(overrides: dict):
+    """decode.OVERRIDES set to ``overrides`` inside (restored after): set around a row's timed calls, so
+    a call pays no switching of its own."""
     from sparseflash.flash import decode
 
-    def run(*args):
-        saved = dict(decode.OVERRIDES)
+    saved = dict(decode.OVERRIDES)
+    decode.OVERRIDES.clear()
+    decode.OVERRIDES.update(overrides)
+    try:
+        yield
+    finally:
         decode.OVERRIDES.clear()
-        decode.OVERRIDES.update(overrides)
-        try:
-            return fn(*args)
-        finally:
-            decode.OVERRIDES.clear()
-            decode.OVERRIDES.update(saved)
-    return run
+        decode.OVERRIDES.update(saved)
 
 
 def _override(text: str) -> tuple:
@@ -220,21 +221,22 @@ def main(argv=None) -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             for name, call in calls(batch).items():
                 for variant, overrides in variants.items():
-                    fn = switched(call, overrides)
-                    fn()
-                    launches.clear()
-                    with _Ops() as ops, _Reads() as reads:
-                        out = fn()
+                    with switches(overrides):
+                        call()
+                        launches.clear()
+                        with _Ops() as ops, _Reads() as reads:
+                            out = call()
                     assert out.shape == (batch, 1, H, D) and sum(launches.values()) > 0, "the kernel path was not taken"
                     one = dict(launches)
                     rows.append(dict(call=name, batch=batch, variant=variant, overrides=overrides, cache_len=N,
                                      heads=H, kv_heads=HK, head_dim=D, aten_ops=sum(ops.ops.values()),
                                      host_reads=sum(reads.reads.values()), triton_launches=sum(one.values()),
                                      launches=one, ops=dict(ops.ops.most_common()), reads=dict(reads.reads), runs=[]))
-                    fns.append(fn)
+                    fns.append(call)
         for _ in range(args.repeats):  # each row's runs spread over the whole measurement (the CPU is shared)
             for r, fn in zip(rows, fns):
-                r["runs"].append(host_us(fn, args.calls))
+                with switches(r["overrides"]):
+                    r["runs"].append(host_us(fn, args.calls))
         for r, fn in zip(rows, fns):
             r["host_us_p10"], r["host_us_median"] = sorted(r["runs"])[len(r["runs"]) // 2]
             r["host_us_p10_best"] = min(p10 for p10, _ in r["runs"])  # (the run the machine disturbed least)
@@ -242,7 +244,8 @@ def main(argv=None) -> int:
                 from sparseflash.experiments.bench.timing import profile_text
 
                 print(f"--- {r['call']} B{r['batch']} {r['variant']}")
-                print(profile_text(fn, min(args.calls, 500), 20))
+                with switches(r["overrides"]):
+                    print(profile_text(fn, min(args.calls, 500), 20))
     finally:
         undo()
     from sparseflash.experiments.bench.results import environment
