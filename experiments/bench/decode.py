@@ -146,15 +146,15 @@ def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_
         keep = lay.repeat_interleave(BLOCK, -1)
     bytes_read = 2 * B * Hk * n_sel * BLOCK * D * torch.finfo(dtype).bits // 8
     want = _reference(q, k, v, keep)
+    from sparseflash.flash import decode
+
+    saved = dict(decode.OVERRIDES)
     for prov in providers:
         if prov == "sdpa" and sparse:
             continue
-        from sparseflash.flash import decode
-
-        decode.OVERRIDES.clear()  # (set for a whole provider's measurement: its calls pay no switching)
         try:
             if prov.startswith("sparseflash"):
-                decode.OVERRIDES.update(switches(prov))
+                decode.OVERRIDES.update(switches(prov))  # (for the provider's whole measurement: no switching a call)
                 fn = lambda: sparseflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, mask=mask)
             else:
                 qt, kt, vt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
@@ -186,11 +186,13 @@ def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_
                              eager_ms=float("nan"), max_err=float("nan")))
         finally:
             decode.OVERRIDES.clear()
+            decode.OVERRIDES.update(saved)
     # the study switches must change no bit of the answer (experiments/studies/decode_host)
     outs = {r["provider"]: r.pop("_out") for r in rows if "_out" in r}
-    for prov, out in outs.items():
-        if prov != "sparseflash" and "sparseflash" in outs:
-            next(r for r in rows if r["provider"] == prov)["bitwise_default"] = bool(torch.equal(out, outs["sparseflash"]))
+    default = outs.get("sparseflash")
+    for r in rows:
+        if r["provider"] in outs and r["provider"] != "sparseflash" and default is not None:
+            r["bitwise_default"] = bool(torch.equal(outs[r["provider"]], default))
     for r in rows:
         r.update(batch=B, cache_len=N, heads=H, kv_heads=Hk, head_dim=D, dtype=str(dtype)[6:],
                  mode="sparse" if sparse else "dense", density=n_sel / nkb, bytes_read=bytes_read)
