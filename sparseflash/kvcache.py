@@ -41,7 +41,9 @@ needed). A paged cache's capacity is also read on the host, as flash-attn reads
 ``block_table``), unless ``SPARSEFLASH_CHECK_KEY_LENGTHS=0`` (`sparseflash.api.CHECK_KEY_LENGTHS`).
 Host reads are skipped while a CUDA graph is captured (the device check runs instead); where no kernel
 runs (a CPU without the interpreter) every bound is checked on the host, which costs no
-synchronisation there.
+synchronisation there. A study switch, ``decode.OVERRIDES["check_in_split"]`` (off by default), checks a
+read's bounds (no new keys, no pages) in the split kernel instead, which clamps its reads until the
+assert after it fails the call: one launch less.
 
 Host cost: the checks of shapes, dtypes and flags, and the split count, workspace and bound launches
 (`sparseflash.flash.decode.DecodePlan`), are made once per call key (`CallPlan`: the arguments' kinds,
@@ -349,11 +351,19 @@ class CallPlan:
         self.host = "all" if HOST_CHECKS or not kernels_run else \
             "capacity" if paged and lens == "tensor" and api.CHECK_KEY_LENGTHS else None
         self.device_check = None
+        self.kernel = kernels_run and q.dtype != torch.float64 and D <= 256
+        # The study switch "check_in_split" (`decode.OVERRIDES`): a read without new keys or pages, whose
+        # bounds need only what the split kernel loads, is checked there (no bounds launch); an append
+        # writes at cache_seqlens before the split kernel runs, and page ids are read only by the check,
+        # so those keep the check before.
+        self.check_in_split = False
         if kernels_run and (lens == "tensor" or cache_leftpad is not None or cache_batch_idx is not None or paged):
-            self.device_check = decode.bounds_check(
-                dev, B, seqlens=lens is not None, leftpad=cache_leftpad is not None,
-                batch_idx=cache_batch_idx is not None, block_table=table, seq_add=SN if lens else cap,
-                max_len=cap, n_rows=k_cache.shape[0], n_pages=k_cache.shape[0], page=k_cache.shape[1])
+            self.check_in_split = self.kernel and not paged and not SN and bool(decode.OVERRIDES.get("check_in_split"))
+            if not self.check_in_split:
+                self.device_check = decode.bounds_check(
+                    dev, B, seqlens=lens is not None, leftpad=cache_leftpad is not None,
+                    batch_idx=cache_batch_idx is not None, block_table=table, seq_add=SN if lens else cap,
+                    max_len=cap, n_rows=k_cache.shape[0], n_pages=k_cache.shape[0], page=k_cache.shape[1])
             # (CUDA's device-side assert takes messages of under 255 characters: the bounds, briefly)
             self.message = _assert_message(
                 f"flash_attn_with_kvcache: out of bounds: cache_seqlens + seqlen_new ({SN}) in [0, {cap}]"
@@ -368,14 +378,14 @@ class CallPlan:
             k_seen = torch.empty(k.shape, dtype=k.dtype, device=dev) if self.rotary else k  # (rotated: a new k)
             self.append = decode.append(k_seen, v, k_cache, v_cache, batch_idx=cache_batch_idx is not None,
                                         block_table=table)
-        self.kernel = kernels_run and q.dtype != torch.float64 and D <= 256
         self.plan = None
         if self.kernel:
             self.plan = decode.plan(
                 q, k_cache, v_cache, scale=self.scale, window=self.window, softcap=self.softcap, alibi=alibi,
                 batch_idx=cache_batch_idx is not None, block_table=table, blocks=self.blocks,
                 seqlens=lens is not None, leftpad=cache_leftpad is not None, seq_add=SN if lens else cap,
-                num_splits=int(num_splits), max_len=cap, rows=MAX_ROWS, store_lse=return_softmax_lse)
+                num_splits=int(num_splits), max_len=cap, rows=MAX_ROWS, store_lse=return_softmax_lse,
+                check=self.check_in_split)
 
     def bounds_error(self, s_host: torch.Tensor) -> CacheBoundsError:
         return CacheBoundsError(f"cache_seqlens + seqlen_new ({self.SN}) must lie in [0, {self.cap}] ({self.what}), got "
@@ -416,15 +426,12 @@ class CallPlan:
             seqlens = torch.full((B,), s, dtype=torch.int32, device=dev)
         batch_idx, leftpad = _int32(cache_batch_idx, c_idx), _int32(cache_leftpad, c_pad)
         block_table = _int32(block_table, c_table)
+        verify = True  # (the device's verdict is asserted unless the host checked every bound)
         if self.host is not None and not _capturing(dev):
             self.check_on_host(seqlens, leftpad, batch_idx, block_table, k_cache.shape[0], k_cache.shape[1],
                                capacity_only=self.host == "capacity")
-            if self.host == "all":
-                check = None
-            else:
-                check = self.device_check
-        else:
-            check = self.device_check
+            verify = self.host != "all"
+        check = self.device_check if verify else None
         route = self.plan.route() if self.kernel else None  # (shared by this call's launches)
         if check is not None:  # before anything reads or writes at those positions
             torch._assert_async(check(seqlens, leftpad, batch_idx, block_table, route), self.message)
@@ -450,8 +457,10 @@ class CallPlan:
         if self.alibi_move:
             alibi = alibi.to(dev).contiguous()
         if self.kernel:
-            out, lse = self.plan(q, k_cache, v_cache, seqlens, leftpad, batch_idx, block_table, alibi, self.blocks,
-                                 route)
+            out, lse, ok = self.plan(q, k_cache, v_cache, seqlens, leftpad, batch_idx, block_table, alibi, self.blocks,
+                                     route)
+            if ok is not None and verify:  # (check_in_split: the split kernel's verdict, same message)
+                torch._assert_async(ok, self.message)
         else:
             seq_end = (seqlens + SN).to(torch.int32) if seqlens is not None else \
                 torch.full((B,), self.cap, dtype=torch.int32, device=dev)

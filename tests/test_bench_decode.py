@@ -42,5 +42,22 @@ def test_decode_bench_quick(tmp_path, capsys):
         ours = next(r for r in rows if (r["mode"], r["provider"], r["batch"]) == ("dense", "sparseflash", str(b)))
         sdpa = next(r for r in rows if (r["mode"], r["provider"], r["batch"]) == ("dense", "sdpa", str(b)))
         cells = line.split()
-        assert cells[:2] == [str(b), "256"]
-        assert float(cells[4]) == pytest.approx(float(ours["eager_ms"]) / float(sdpa["eager_ms"]), abs=0.006)
+        assert cells[:3] == [str(b), "256", "sparseflash"]
+        assert float(cells[5]) == pytest.approx(float(ours["eager_ms"]) / float(sdpa["eager_ms"]), abs=0.006)
+
+
+def test_decode_bench_measures_study_switches_beside_the_default(tmp_path, capsys):
+    """``sparseflash-NAME`` providers: the call with the decode study switches NAME on (decode_host.VARIANTS),
+    a row beside the default's at each point, marked whether its output is the default's bit for bit; the
+    switches off again after; an unknown NAME is refused before anything runs."""
+    from sparseflash.flash import decode as kernel
+
+    assert decode.main(["--out", str(tmp_path), "--quick", "--no-deterministic-check", "--cache-lens", "256",
+                        "--providers", "sparseflash,sparseflash-both,sdpa"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "decode.csv")))
+    both = [r for r in rows if r["provider"] == "sparseflash-both"]
+    assert len(both) == 4 and all(r["status"] == "ok" and r["bitwise_default"] == "True" for r in both)
+    assert kernel.OVERRIDES == {}
+    assert "sparseflash-both" in capsys.readouterr().out.splitlines()[-1]
+    with pytest.raises(SystemExit):
+        decode.main(["--out", str(tmp_path), "--quick", "--providers", "sparseflash-bogus"])

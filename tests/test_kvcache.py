@@ -614,7 +614,7 @@ def test_plan_launches_bound_after_the_first(monkeypatch):
     args = dict(zip(names, split[9:]))
     assert args["Q"] == q.data_ptr() and args["K"] == kc.data_ptr() and args["seqlens"] == lens.data_ptr()
     assert args["leftpad"] is None and args["n_splits"] == 2 and args["Out"] is None  # (two splits: partials)
-    assert args["O_part"] is not None and args["LSE_part"] is not None and args["stride_k"] == kc.stride()
+    assert args["O_part"] is not None and args["LSE_part"] is not None and args["strides"][1] == kc.stride()
     q2 = torch.empty(q.numel() + 1)[1:].view_as(q).copy_(q)  # 4 bytes off 16-byte alignment
     call(q2)
     call(q2)
@@ -769,6 +769,16 @@ for q, cache, kw in variants:
                  alibi=kw.get("alibi"), blk_idx=blocks[0], blk_cnt=blocks[1])
     for launch in p.launches():
         compile_launch(launch, named)
+# the study switches (decode.OVERRIDES): the split kernel merging its 33 splits and checking the bounds
+decode.OVERRIDES.update(fused_combine=True)
+q = torch.zeros(B, 1, 8, D, dtype=torch.bfloat16)
+p = decode.plan(q, kc, kc, scale=0.1, window=(-1, -1), max_len=1024, num_splits=33, leftpad=True, batch_idx=True,
+                check=True)
+decode.OVERRIDES.clear()
+for launch in p.launches():
+    compile_launch(launch, dict(Q=q, K=kc, V=kc, O_part=torch.zeros(1), LSE_part=torch.zeros(1), Out=q,
+                                LSE=torch.zeros(1), seqlens=i32(B), leftpad=i32(B), batch_idx=i32(B),
+                                Tickets=i32(B * Hk), Ok=i32(1)))
 kn = torch.zeros(B, 3, Hk, D, dtype=torch.bfloat16)
 for cache, kw in ((kc, dict(batch_idx=True)), (pages.to(torch.bfloat16), dict(block_table=table))):
     a = decode.append(kn, kn, cache, cache, **kw)
@@ -783,8 +793,9 @@ for kw in (dict(leftpad=True, batch_idx=True), dict(block_table=table, page=64, 
 def test_decode_kernels_compile_for_sm90():
     """The decode kernels' compiled path (the interpreter never compiles them) builds for sm_90 without a GPU, for
     plans of each kind: splits and their combine, one split (lse not stored), a paged cache read whole, leftpad,
-    batch index, ALiBi, a window, softcap, block lists, chunked query blocks; the append into a cache by batch index
-    and into pages; the bounds check with every bound.
+    batch index, ALiBi, a window, softcap, block lists, chunked query blocks; with both study switches on (its 33
+    splits merged in the kernel, the bounds checked there); the append into a cache by batch index and into pages;
+    the bounds check with every bound.
     Triton's front end, its passes and the bundled ptxas, in a child process outside the interpreter."""
     import os
     import subprocess
@@ -801,24 +812,26 @@ def test_decode_kernels_compile_for_sm90():
     kernels = [line.split()[0] for line in r.stdout.splitlines()]
     # 3 splits: split + combine; one split: split; 40 x 4 rows in chunks of 64: (split + combine) x 3; two checks
     assert kernels == (["decode_split_kernel", "decode_combine_kernel", "decode_split_kernel"]
-                       + ["decode_split_kernel", "decode_combine_kernel"] * 3 + ["decode_append_kernel"] * 2
-                       + ["decode_bounds_kernel"] * 2), kernels
+                       + ["decode_split_kernel", "decode_combine_kernel"] * 3 + ["decode_split_kernel"]
+                       + ["decode_append_kernel"] * 2 + ["decode_bounds_kernel"] * 2), kernels
 
 
 def test_decode_kernel_signatures():
-    """The decode kernels take each tensor's strides as one tuple parameter (stride_q: batch, token, head,
-    column) and every optional part (the split kernel's outputs of one split or partials of several, the
-    LSE, key lengths, leftpad, batch index, block table, ALiBi, block lists, softcap, the window's bounds;
-    the check's and the append's vectors and table) as a named parameter defaulting to None after the
-    required ones, the flag derived inside: no HAS_* flags, no placeholder tensors, no numeric stand-ins
-    for "off"; BLOCK_D derived from HEAD_DIM."""
+    """The decode kernels take each tensor's strides as one tuple (stride_o: batch, token, head, column;
+    the split kernel's three inputs' as one parameter, strides) and every optional part (the split
+    kernel's outputs of one split or partials of several, the LSE, key lengths, leftpad, batch index,
+    block table, ALiBi, block lists, softcap, the window's bounds, the study switches' tickets and bounds
+    verdict; the check's and the append's vectors and table) as a named parameter defaulting to None after the required ones, the flag derived
+    inside: no HAS_* flags, no placeholder tensors, no numeric stand-ins for "off"; BLOCK_D derived
+    from HEAD_DIM."""
     from sparseflash.flash import decode
 
     flags = {"PAGED", "SPARSE", "DIRECT", "STORE_LSE", "BLOCK_D"}
     optional = {"Out", "stride_o", "LSE", "stride_lse", "O_part", "LSE_part", "seqlens", "leftpad", "batch_idx",
                 "block_table", "stride_tb", "PAGE", "alibi", "stride_ab", "blk_idx", "stride_idx", "blk_cnt",
-                "stride_cnt", "TILES_PER_BLOCK", "softcap", "left", "right", "n_rows", "n_pages", "n_table", "BLOCK_T"}
-    for name, most, strides in (("decode_split_kernel", 38, "stride_q"), ("decode_combine_kernel", 12, "stride_o"),
+                "stride_cnt", "TILES_PER_BLOCK", "softcap", "left", "right", "n_rows", "n_pages", "n_table", "BLOCK_T",
+                "Tickets", "BLOCK_S", "Ok", "bounds"}
+    for name, most, strides in (("decode_split_kernel", 40, "strides"), ("decode_combine_kernel", 12, "stride_o"),
                                 ("decode_bounds_kernel", 15, None), ("decode_append_kernel", 16, "stride_k_new")):
         ps = list(inspect.signature(getattr(decode, name).fn).parameters.values())
         names = [p.name for p in ps]

@@ -647,14 +647,25 @@ def test_decode_host_times_the_decode_path_and_restores_it(tmp_path, capsys):
     before = (decode.decode_split_kernel, decode.sm_count, decode.bound_launches, binding.current_device,
               binding.raw_stream, decode.INTERPRETING, decode.PLANS, decode.CHECKS, decode.APPENDS,
               sparseflash.kvcache.PLANS)
-    assert host_cpu.main(["--out", str(tmp_path), "--calls", "5", "--batches", "1", "--label", "t"]) == 0
+    assert host_cpu.main(["--out", str(tmp_path), "--calls", "5", "--repeats", "1", "--batches", "1", "--label", "t",
+                          "--variants", "default,both"]) == 0
     rows = json.loads((tmp_path / "host_cpu_t.json").read_text())["rows"]
-    assert [(r["call"], r["batch"]) for r in rows] == [("read", 1), ("append", 1)]
+    assert [(r["call"], r["batch"], r["variant"]) for r in rows] == [
+        ("read", 1, "default"), ("read", 1, "both"), ("append", 1, "default"), ("append", 1, "both")]
     for r in rows:
         assert r["host_reads"] == 0 and r["host_us_p10"] > 0
-        assert r["launches"] == dict(decode_bounds_kernel=1, decode_split_kernel=1, decode_combine_kernel=1,
-                                     **({"decode_append_kernel": 1} if r["call"] == "append" else {}))
+        append = r["call"] == "append"
+        if r["variant"] == "default":
+            assert r["launches"] == dict(decode_bounds_kernel=1, decode_split_kernel=1, decode_combine_kernel=1,
+                                         **({"decode_append_kernel": 1} if append else {}))
+        else:  # the split kernel merges its splits, and checks a read's bounds (an append keeps its check)
+            assert r["launches"] == dict(decode_split_kernel=1, **(dict(decode_bounds_kernel=1, decode_append_kernel=1)
+                                                                   if append else {}))
+            assert r["overrides"] == dict(fused_combine=True, check_in_split=True)
     assert "host reads" in capsys.readouterr().out
+    assert decode.OVERRIDES == {}
+    with pytest.raises(SystemExit):
+        host_cpu.main(["--out", str(tmp_path), "--variants", "bogus"])
     after = (decode.decode_split_kernel, decode.sm_count, decode.bound_launches, binding.current_device,
              binding.raw_stream, decode.INTERPRETING, decode.PLANS, decode.CHECKS, decode.APPENDS,
              sparseflash.kvcache.PLANS)

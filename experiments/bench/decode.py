@@ -12,6 +12,9 @@ top-k selection gives). Providers:
 - ``flex``: ``torch.compile(flex_attention)`` with ``enable_gqa``, cache ``[batch, kv_heads, seq, d]``;
   sparse through a BlockMask of full blocks (``from_kv_blocks``, the 10% per query head).
 - ``sdpa``: ``scaled_dot_product_attention(enable_gqa=True)``, dense only.
+- ``sparseflash-NAME``: ``sparseflash`` with the decode study switches of ``NAME`` on
+  (`experiments.studies.decode_host.VARIANTS`: ``fused``, ``check``, ``both``), measured beside the
+  default in the same run (`sparseflash.flash.decode.OVERRIDES`; experiments/studies/decode_host).
 
 Time: GPU time per call from CUDA-graph replays (``do_bench_cudagraph`` median: no host cost; the
 cache is far larger than L2 from batch 4 / 16K on), and ``eager_ms``, the wall time per call of calls
@@ -109,6 +112,18 @@ def _reference(q, k, v, keep=None):
     return out
 
 
+def switches(provider: str) -> dict:
+    """The decode study switches of a ``sparseflash-NAME`` provider ({} for ``sparseflash``)."""
+    if provider == "sparseflash":
+        return {}
+    from sparseflash.experiments.studies.decode_host import VARIANTS
+
+    name = provider.removeprefix("sparseflash-")
+    if name not in VARIANTS:
+        raise ValueError(f"unknown provider {provider!r}: sparseflash-NAME takes NAME of {', '.join(VARIANTS)}")
+    return VARIANTS[name]
+
+
 def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_fn):
     """Rows of one (batch, cache length, dense or sparse) point, one per provider."""
     import torch.nn.functional as F
@@ -131,11 +146,15 @@ def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_
         keep = lay.repeat_interleave(BLOCK, -1)
     bytes_read = 2 * B * Hk * n_sel * BLOCK * D * torch.finfo(dtype).bits // 8
     want = _reference(q, k, v, keep)
+    from sparseflash.flash import decode
+
+    saved = dict(decode.OVERRIDES)
     for prov in providers:
         if prov == "sdpa" and sparse:
             continue
         try:
-            if prov == "sparseflash":
+            if prov.startswith("sparseflash"):
+                decode.OVERRIDES.update(switches(prov))  # (for the provider's whole measurement: no switching a call)
                 fn = lambda: sparseflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, mask=mask)
             else:
                 qt, kt, vt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
@@ -157,13 +176,23 @@ def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_
             got = fn()
             err = (got.float() - want).abs().max().item()
             ms = _time_ms(fn, device)
-            rows.append(dict(provider=prov, status="ok", ms=ms, eager_ms=_eager_step_ms(fn, device), max_err=err))
+            rows.append(dict(provider=prov, status="ok", ms=ms, eager_ms=_eager_step_ms(fn, device), max_err=err,
+                             **({"_out": got} if prov.startswith("sparseflash") else {})))
             del fn
         except Exception as e:  # a provider that cannot run a point gives a row that says why
             if device.type == "cuda" and "out of memory" in str(e):
                 torch.cuda.empty_cache()
             rows.append(dict(provider=prov, status=f"error: {type(e).__name__}: {str(e)[:120]}", ms=float("nan"),
                              eager_ms=float("nan"), max_err=float("nan")))
+        finally:
+            decode.OVERRIDES.clear()
+            decode.OVERRIDES.update(saved)
+    # the study switches must change no bit of the answer (experiments/studies/decode_host)
+    outs = {r["provider"]: r.pop("_out") for r in rows if "_out" in r}
+    default = outs.get("sparseflash")
+    for r in rows:
+        if r["provider"] in outs and r["provider"] != "sparseflash" and default is not None:
+            r["bitwise_default"] = bool(torch.equal(outs[r["provider"]], default))
     for r in rows:
         r.update(batch=B, cache_len=N, heads=H, kv_heads=Hk, head_dim=D, dtype=str(dtype)[6:],
                  mode="sparse" if sparse else "dense", density=n_sel / nkb, bytes_read=bytes_read)
@@ -227,11 +256,11 @@ def plot(rows, copy_bw, path: Path) -> None:
 
 
 def table(rows) -> str:
-    head = (f"{'mode':6} {'B':>3} {'cache':>7} {'provider':12} {'ms':>8} {'eager ms':>8} {'GB/s':>7} {'%copy':>6} "
+    head = (f"{'mode':6} {'B':>3} {'cache':>7} {'provider':18} {'ms':>8} {'eager ms':>8} {'GB/s':>7} {'%copy':>6} "
             f"{'max_err':>8}  status")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['mode']:6} {r['batch']:>3} {r['cache_len']:>7} {r['provider']:12} {r['ms']:>8.4f} "
+        lines.append(f"{r['mode']:6} {r['batch']:>3} {r['cache_len']:>7} {r['provider']:18} {r['ms']:>8.4f} "
                      f"{r['eager_ms']:>8.4f} {r['gb_per_s']:>7.0f} {r['pct_copy_bw']:>6.1f} {r['max_err']:>8.1e}  "
                      f"{r['status'][:40]}")
     return "\n".join(lines)
@@ -242,20 +271,24 @@ EAGER_GOAL = 1.2  # the eager step's wall time, at most this many times SDPA's (
 
 def against_sdpa(rows) -> str:
     """Per dense point measured for both: our eager step's wall time and GPU time beside SDPA's, as
-    ratios (ours / SDPA: under 1 is faster), the eager goal's points marked."""
+    ratios (ours / SDPA: under 1 is faster), the eager goal's points marked; a row per sparseflash
+    provider (the default and each ``sparseflash-NAME`` variant, with whether its output equals the
+    default's bit for bit)."""
     ok = [r for r in rows if r["status"] == "ok" and r["mode"] == "dense"]
     sdpa = {(r["batch"], r["cache_len"]): r for r in ok if r["provider"] == "sdpa"}
-    lines = [f"{'B':>3} {'cache':>7} {'eager ms':>9} {'SDPA':>8} {'x':>6} {'GPU ms':>8} {'SDPA':>8} {'x':>6}  "
-             f"(ours / SDPA; eager goal <= {EAGER_GOAL})"]
+    lines = [f"{'B':>3} {'cache':>7} {'provider':>18} {'eager ms':>9} {'SDPA':>8} {'x':>6} {'GPU ms':>8} {'SDPA':>8} "
+             f"{'x':>6}  (ours / SDPA; eager goal <= {EAGER_GOAL})"]
     for r in ok:
         s = sdpa.get((r["batch"], r["cache_len"]))
-        if r["provider"] != "sparseflash" or s is None:
+        if not r["provider"].startswith("sparseflash") or s is None:
             continue
         goal = (r["batch"], r["cache_len"]) in ((1, 16384), (16, 16384))
         xe, xg = r["eager_ms"] / s["eager_ms"], r["ms"] / s["ms"]
         mark = ("  goal " + ("met" if xe <= EAGER_GOAL else "missed")) if goal else ""
-        lines.append(f"{r['batch']:>3} {r['cache_len']:>7} {r['eager_ms']:>9.4f} {s['eager_ms']:>8.4f} {xe:>6.2f} "
-                     f"{r['ms']:>8.4f} {s['ms']:>8.4f} {xg:>6.2f}{mark}")
+        if "bitwise_default" in r:
+            mark += "  bitwise the default" if r["bitwise_default"] else "  DIFFERS from the default"
+        lines.append(f"{r['batch']:>3} {r['cache_len']:>7} {r['provider']:>18} {r['eager_ms']:>9.4f} "
+                     f"{s['eager_ms']:>8.4f} {xe:>6.2f} {r['ms']:>8.4f} {s['ms']:>8.4f} {xg:>6.2f}{mark}")
     return "\n".join(lines)
 
 
@@ -265,7 +298,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", metavar="DIR", help="only redraw DIR/decode.png from DIR/decode.json")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--cache-lens", default="4096,32768,262144")
-    ap.add_argument("--providers", default="sparseflash,flex,sdpa")
+    ap.add_argument("--providers", default="sparseflash,flex,sdpa",
+                    help="of sparseflash, flex, sdpa and sparseflash-NAME (the decode study switches NAME: fused, "
+                         "check, both)")
     ap.add_argument("--max-cache-gb", type=float, default=20.0, help="skip points whose K+V cache is larger")
     ap.add_argument("--no-deterministic-check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check of the script)")
@@ -288,6 +323,12 @@ def main(argv=None) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     lens = [int(x) for x in args.cache_lens.split(",")]
     providers = args.providers.split(",")
+    for p in providers:
+        if p.startswith("sparseflash-"):
+            try:
+                switches(p)
+            except ValueError as e:
+                ap.error(str(e))
     if args.quick:
         H, Hk, D, batches, lens = 4, 2, 16, [1, 2], [256]
         dtype = torch.float16 if device.type == "cuda" else torch.float32

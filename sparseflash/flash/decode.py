@@ -32,7 +32,9 @@ keys), computed in the kernel, so a call launches no index arithmetic of its own
 launches `decode_bounds_kernel`, one program that checks every row's lengths, leftpad, cache row and
 page ids and writes a verdict for ``torch._assert_async``: bad values fail on the device, with no host
 read. `Append` writes a call's new keys and values into the cache in one launch
-(`decode_append_kernel`).
+(`decode_append_kernel`). Two study switches (`OVERRIDES`, off by default) take launches out of a
+step: ``fused_combine`` (the split kernel's last program per (batch, kv head) merges the splits: no
+combine launch) and ``check_in_split`` (the split kernel writes the bounds verdict: no bounds launch).
 
 Forward only (flash-attn's decode has no backward). `sparseflash.kvcache` validates the inputs,
 applies rotary, and holds the plain-PyTorch reference of the same semantics.
@@ -58,19 +60,20 @@ INTERPRETING = _env.interpreting()
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, stride_q, stride_k, stride_v, n_splits, q_back, seq_add, scale,
+    Q, K, V, strides, n_splits, q_back, seq_add, scale,
     SQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     Out=None, stride_o=None, LSE=None, stride_lse=None, O_part=None, LSE_part=None,
     seqlens=None, leftpad=None, batch_idx=None, block_table=None, stride_tb=None, PAGE: tl.constexpr = None,
     alibi=None, stride_ab=None, blk_idx=None, stride_idx=None, blk_cnt=None, stride_cnt=None,
-    TILES_PER_BLOCK: tl.constexpr = None, softcap=None, left=None, right=None,
+    TILES_PER_BLOCK: tl.constexpr = None, softcap=None, left=None, right=None, Tickets=None,
+    BLOCK_S: tl.constexpr = None, Ok=None, bounds=None,
 ):
     """One split of one (batch row, kv head): program ``(split, batch, kv head)``.
 
     Q ``[B, seq_q, H, D]``, K and V the cache ``[B_cache, N, Hk, D]`` or pages ``[pages, PAGE, Hk, D]``;
-    each tensor's strides one tuple in its own dimension order (stride_q: batch, token, head, column;
-    stride_k, stride_v: batch or page, row, head, column). A program reads its GQA group's ``SQ x G``
+    strides: their strides, one tuple per tensor in its own dimension order (Q: batch, token, head,
+    column; K, V: batch or page, row, head, column). A program reads its GQA group's ``SQ x G``
     query rows; q_back: the query tokens of later chunks (other launches) after this launch's.
     Every optional part is None when off (a constexpr: no code, no parameter), its flag derived here:
     - outputs: with one split ``Out`` ``[B, seq_q, H, D]`` (strides stride_o, as Q's) and, if the lse
@@ -85,11 +88,24 @@ def decode_split_kernel(
     - blk_idx, blk_cnt (block lists; strides stride_idx, stride_cnt: batch, kv head): the sorted
       cache blocks of each (batch, kv head) and their counts; a block is TILES_PER_BLOCK key tiles;
     - softcap: the cap; left, right: the window's bounds (keys at most ``left`` before / ``right``
-      after the query)."""
+      after the query);
+    - Tickets (with partials, and Out, LSE as with one split; a study switch, `OVERRIDES`): int32
+      ``[B, Hk]`` counters, 0 at the launch; each program takes a ticket after writing its partial
+      and the one that draws the last merges the splits of its (batch, kv head) as
+      `decode_combine_kernel` does (BLOCK_S its split tile), stores the answer and puts the counter
+      back to 0: no combine launch;
+    - Ok (with bounds: ``(seq_max, n_rows)``; a study switch; not with block_table): int32 ``[1]``, the
+      bounds verdict `decode_bounds_kernel` would write for seqlens, leftpad and batch_idx, written by
+      program (0, 0, 0) for ``torch._assert_async`` after the launch; meanwhile every program clamps
+      its row's key end to ``seq_max + seq_add`` and its cache row to ``[0, n_rows)``, so a bad value
+      reads nothing outside the cache (a good one is unchanged)."""
     BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     DIRECT: tl.constexpr = O_part is None  # one split: the answer stored here, no partials
+    FUSED: tl.constexpr = Tickets is not None  # several: the last split of a (batch, kv head) merges them
+    CHECK: tl.constexpr = Ok is not None  # the bounds checked here (no bounds launch), every read clamped
     PAGED: tl.constexpr = block_table is not None
     SPARSE: tl.constexpr = blk_idx is not None
+    stride_q, stride_k, stride_v = strides
     stride_qb, stride_qt, stride_qh, stride_qd = stride_q
     stride_kb, stride_kn, stride_kh, stride_kd = stride_k
     stride_vb, stride_vn, stride_vh, stride_vd = stride_v
@@ -103,8 +119,16 @@ def decode_split_kernel(
     if leftpad is not None:
         start = tl.load(leftpad + i_b)
     end = i_b * 0 + seq_add
+    if CHECK:
+        seq_max, n_rows = bounds
+        if (i_s == 0) & (i_b == 0) & (i_hk == 0):
+            tl.store(Ok, _bounds_verdict(tl.num_programs(1), seq_add, seq_max, 64, seqlens, leftpad, batch_idx, n_rows,
+                                         None, None, None, None, None, None))
     if seqlens is not None:
-        end = tl.load(seqlens + i_b) + seq_add
+        if CHECK:  # (the verdict fails the call after the launch; until then read within the cache)
+            end = tl.minimum(tl.load(seqlens + i_b), seq_max) + seq_add
+        else:
+            end = tl.load(seqlens + i_b) + seq_add
     diag = end - SQ - q_back  # query t sits at key position t + diag (q_back: later queries of other launches)
 
     o_m = tl.arange(0, BLOCK_M)
@@ -140,7 +164,10 @@ def decode_split_kernel(
     u1 = tl.minimum(u0 + per_split, n_units)
 
     if batch_idx is not None:
-        cache_row = tl.load(batch_idx + i_b).to(tl.int64)
+        cache_row = tl.load(batch_idx + i_b)
+        if CHECK:
+            cache_row = tl.minimum(tl.maximum(cache_row, 0), n_rows - 1)
+        cache_row = cache_row.to(tl.int64)
     else:
         cache_row = i_b.to(tl.int64)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -209,6 +236,88 @@ def decode_split_kernel(
         base = ((i_b * n_kv_heads + i_hk) * n_splits + i_s).to(tl.int64) * R
         tl.store(O_part + (base + o_m[:, None]) * HEAD_DIM + o_d[None, :], b_o, mask=m_m[:, None] & m_d[None, :])
         tl.store(LSE_part + base + o_m, b_lse, mask=m_m)
+        if FUSED:
+            # Every program, an empty split's too, writes its partial and then takes a ticket, so the one
+            # that draws n_splits - 1 comes after every partial of its (batch, kv head) is written. On the
+            # GPU: the barrier orders all this program's threads' partial stores before the ticket, whose
+            # acq_rel atomic (one thread, gpu scope) releases them and acquires the others' (the pattern of
+            # a serial split-K reduction's semaphore); Triton shares the ticket with the other threads
+            # through shared memory behind a barrier, and the partials are read at L2 (.cg), never from
+            # an L1 line an earlier call left. The interpreter runs programs one after another, so only
+            # the GPU tests check this ordering.
+            tl.debug_barrier()
+            p_t = Tickets + i_b * n_kv_heads + i_hk
+            ticket = tl.atomic_add(p_t, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_splits - 1:
+                i_bh = i_b * n_kv_heads + i_hk
+                BLOCK_W: tl.constexpr = merge_rows(BLOCK_S, BLOCK_M, BLOCK_N)
+                for i_r in range(R):  # the combine kernel's arithmetic, row by row: bitwise its answer
+                    out, lse = _merge_row(O_part, LSE_part, i_bh, i_r, n_splits, R, HEAD_DIM, BLOCK_S, ".cg", BLOCK_W)
+                    _store_row(Out, stride_o, LSE, stride_lse, i_b, i_hk, i_r, out, lse, G, HEAD_DIM)
+                tl.store(p_t, 0)  # the next call, or a CUDA graph's next replay, counts from 0 again
+
+
+@triton.constexpr_function
+def merge_rows(block_s, block_m, block_n):
+    """Rows of the fused merge's tile of partial outputs (`decode_split_kernel`'s Tickets): BLOCK_S
+    doubled until it differs from the split kernel's other tiles of BLOCK_D columns (BLOCK_M query
+    rows, BLOCK_N keys). Triton gives every memory access of one shape in a kernel the widest
+    per-thread vector among them: a [BLOCK_N, BLOCK_D] tile of partials would take the 16-bit key
+    tile's 8 columns a thread, so its rows would be spread over other threads and summed in another
+    order than `decode_combine_kernel`'s. Padded with empty splits (weight 0) to a shape of its own,
+    it gets the combine's layout, the same partial sums in each thread, then added zeros."""
+    rows = block_s
+    while rows in (block_m, block_n):
+        rows *= 2
+    return rows
+
+
+@triton.jit
+def _merge_row(O_part, LSE_part, i_bh, i_r, n_splits, R: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_S: tl.constexpr, CACHE: tl.constexpr, BLOCK_W: tl.constexpr):
+    """``(o [BLOCK_D] float32, lse)`` of row i_r of (batch * kv heads) i_bh from its splits' partials
+    (`decode_split_kernel`'s layout): ``lse = log sum_s exp(lse_s)``, ``o = sum_s exp(lse_s - lse)
+    o_s``; 0 and -inf for a row no split attends. BLOCK_S: the splits' tile; BLOCK_W (>= BLOCK_S) the
+    rows of the partial outputs' tile (`merge_rows`); CACHE: the partials' loads' cache modifier."""
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
+    o_s = tl.arange(0, BLOCK_S)
+    m_s = o_s < n_splits
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    rows = (i_bh * n_splits + o_s).to(tl.int64) * R + i_r  # [BLOCK_S]
+    b_lse = tl.load(LSE_part + rows, mask=m_s, other=float("-inf"), cache_modifier=CACHE)
+    m = tl.max(b_lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    b_w = tl.exp(b_lse - m_use)  # 0 for empty splits
+    total = tl.sum(b_w, 0)
+    if BLOCK_W != BLOCK_S:  # the same weights, and 0 for the rows past BLOCK_S
+        o_s = tl.arange(0, BLOCK_W)
+        m_s = o_s < n_splits
+        rows = (i_bh * n_splits + o_s).to(tl.int64) * R + i_r  # [BLOCK_W]
+        b_w = tl.exp(tl.load(LSE_part + rows, mask=m_s, other=float("-inf"), cache_modifier=CACHE) - m_use)
+    b_o = tl.load(O_part + rows[:, None] * HEAD_DIM + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0,
+                  cache_modifier=CACHE)
+    out = tl.sum(b_w[:, None] * b_o, 0) / tl.where(total > 0.0, total, 1.0)  # [BLOCK_D]
+    lse = tl.where(total > 0.0, m_use + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _store_row(Out, stride_o, LSE, stride_lse, i_b, i_hk, i_r, out, lse, G: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Row i_r (token-major: ``t * G + g``) of batch i_b, kv head i_hk: its output in Out (strides
+    stride_o: batch, token, head, column) and, when LSE is not None, its lse (stride_lse: batch, head,
+    token)."""
+    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
+    stride_ob, stride_ot, stride_oh, stride_od = stride_o
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    t = i_r // G
+    h = i_hk * G + i_r % G
+    tl.store(Out + i_b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + o_d * stride_od,
+             out.to(Out.dtype.element_ty), mask=m_d)
+    if LSE is not None:
+        stride_lb, stride_lh, stride_lt = stride_lse
+        tl.store(LSE + i_b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_lt, lse)
 
 
 @triton.jit
@@ -220,47 +329,20 @@ def decode_combine_kernel(
     """The answer of one row from its splits' partials (`decode_split_kernel`): program ``(row,
     batch * kv heads)``; Out and stride_o as the split kernel's; LSE (strides stride_lse), None when
     the lse is not wanted."""
-    BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
-    stride_ob, stride_ot, stride_oh, stride_od = stride_o
     i_r = tl.program_id(0)  # a row of the partials: (batch, kv head, row)
     i_bh = tl.program_id(1)  # batch * kv heads
     R: tl.constexpr = SQ * G
     i_b = i_bh // n_kv_heads
     i_hk = i_bh % n_kv_heads
-    o_s = tl.arange(0, BLOCK_S)
-    m_s = o_s < n_splits
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_DIM
-    rows = (i_bh * n_splits + o_s).to(tl.int64) * R + i_r  # [BLOCK_S]
-    b_lse = tl.load(LSE_part + rows, mask=m_s, other=float("-inf"))
-    m = tl.max(b_lse, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    b_w = tl.exp(b_lse - m_use)  # 0 for empty splits
-    total = tl.sum(b_w, 0)
-    b_o = tl.load(O_part + rows[:, None] * HEAD_DIM + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
-    out = tl.sum(b_w[:, None] * b_o, 0) / tl.where(total > 0.0, total, 1.0)  # [BLOCK_D]
-    lse = tl.where(total > 0.0, m_use + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
-    t = i_r // G
-    h = i_hk * G + i_r % G
-    tl.store(Out + i_b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + o_d * stride_od,
-             out.to(Out.dtype.element_ty), mask=m_d)
-    if LSE is not None:
-        stride_lb, stride_lh, stride_lt = stride_lse
-        tl.store(LSE + i_b.to(tl.int64) * stride_lb + h * stride_lh + t * stride_lt, lse)
+    out, lse = _merge_row(O_part, LSE_part, i_bh, i_r, n_splits, R, HEAD_DIM, BLOCK_S, "", BLOCK_S)
+    _store_row(Out, stride_o, LSE, stride_lse, i_b, i_hk, i_r, out, lse, G, HEAD_DIM)
 
 
 @triton.jit
-def decode_bounds_kernel(
-    Ok, n_batch, seq_add, seq_max, BLOCK_B: tl.constexpr,
-    seqlens=None, leftpad=None, batch_idx=None, n_rows=None, block_table=None, stride_tb=None, n_pages=None,
-    n_table=None, PAGE: tl.constexpr = None, BLOCK_T: tl.constexpr = None,
-):
-    """``Ok[0] = 1`` when every batch row's bounds hold, else 0 (one program): ``0 <= seqlens[b] <=
-    seq_max``; ``0 <= leftpad[b] <= seqlens[b] + seq_add``; ``0 <= batch_idx[b] < n_rows``; the page
-    ids ``block_table[b, :ceil((seqlens[b] + seq_add) / PAGE)]`` in ``[0, n_pages)``. Each vector
-    checked is None when the call has none (seqlens None: every length 0); n_rows comes with
-    batch_idx, and the table's batch stride stride_tb, n_pages, its n_table columns, PAGE and
-    BLOCK_T (the columns read at once) with block_table."""
+def _bounds_verdict(n_batch, seq_add, seq_max, BLOCK_B: tl.constexpr, seqlens, leftpad, batch_idx, n_rows, block_table,
+                    stride_tb, n_pages, n_table, PAGE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """1 when every batch row's bounds hold, else 0 (int32): `decode_bounds_kernel`'s check, its
+    arguments as there (the tensors not checked None), BLOCK_B batch rows read at once."""
     b_bad = tl.zeros([BLOCK_B], tl.int32)
     for b0 in range(0, n_batch, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)
@@ -287,7 +369,23 @@ def decode_bounds_kernel(
                 b_out = ((b_pg < 0) | (b_pg >= n_pages)).to(tl.int32)
                 b_ok = b_ok & (tl.sum(b_out, 1) == 0)
         b_bad += (m_b & ~b_ok).to(tl.int32)
-    tl.store(Ok, (tl.sum(b_bad, 0) == 0).to(tl.int32))
+    return (tl.sum(b_bad, 0) == 0).to(tl.int32)
+
+
+@triton.jit
+def decode_bounds_kernel(
+    Ok, n_batch, seq_add, seq_max, BLOCK_B: tl.constexpr,
+    seqlens=None, leftpad=None, batch_idx=None, n_rows=None, block_table=None, stride_tb=None, n_pages=None,
+    n_table=None, PAGE: tl.constexpr = None, BLOCK_T: tl.constexpr = None,
+):
+    """``Ok[0] = 1`` when every batch row's bounds hold, else 0 (one program): ``0 <= seqlens[b] <=
+    seq_max``; ``0 <= leftpad[b] <= seqlens[b] + seq_add``; ``0 <= batch_idx[b] < n_rows``; the page
+    ids ``block_table[b, :ceil((seqlens[b] + seq_add) / PAGE)]`` in ``[0, n_pages)``. Each vector
+    checked is None when the call has none (seqlens None: every length 0); n_rows comes with
+    batch_idx, and the table's batch stride stride_tb, n_pages, its n_table columns, PAGE and
+    BLOCK_T (the columns read at once) with block_table."""
+    tl.store(Ok, _bounds_verdict(n_batch, seq_add, seq_max, BLOCK_B, seqlens, leftpad, batch_idx, n_rows, block_table,
+                                 stride_tb, n_pages, n_table, PAGE, BLOCK_T))
 
 
 @triton.jit
@@ -333,7 +431,11 @@ def decode_append_kernel(
 
 
 # Launch settings of the split kernel, overridable by a study (experiments/studies/decode_splits): keys
-# "num_warps", "num_stages", "block_n" (the key tile, dense caches only). Empty in normal use.
+# "num_warps", "num_stages", "block_n" (the key tile, dense caches only). Study switches of the launches
+# per call (experiments/studies/decode_host), off until a GPU measures them: "fused_combine" (with several
+# splits the split kernel merges them itself: no combine launch) and "check_in_split" (`sparseflash.kvcache`:
+# a read without new keys or pages has its bounds checked by the split kernel: no bounds launch). Empty in
+# normal use.
 OVERRIDES: dict = {}
 
 
@@ -380,7 +482,7 @@ _PLANS_MAX = 256
 
 # the split kernel's tensor parameters, in the order `DecodePlan.__call__` passes them
 _SPLIT_TENSORS = ("Q", "K", "V", "O_part", "LSE_part", "Out", "LSE", "seqlens", "leftpad", "batch_idx",
-                  "block_table", "alibi", "blk_idx", "blk_cnt")
+                  "block_table", "alibi", "blk_idx", "blk_cnt", "Tickets", "Ok")
 
 
 def bound_launches(device: torch.device) -> bool:
@@ -456,11 +558,12 @@ def _workspace(store: dict, cuda: bool, stream, make):
 class DecodePlan:
     """The launches of one decode call shape (`plan`): the split count ``splits``, the query chunks of
     at most ``rows`` rows (tokens x GQA group) each with its split launch and, with more than one
-    split, its combine launch (one split stores the answer itself: no combine), and the float32
-    partials, made once per stream."""
+    split, its combine launch (one split stores the answer itself: no combine; ``fused``: the split
+    kernel merges, `OVERRIDES`), and the scratch made once per stream: the float32 partials and, when
+    fused, the tickets, one int32 set per query chunk, 0 when made and after every launch."""
 
     def __init__(self, q, k_cache, v_cache, *, scale, window, softcap, alibi, batch_idx, block_table, blocks, seqlens,
-                 leftpad, seq_add, num_splits, max_len, rows, store_lse):
+                 leftpad, seq_add, num_splits, max_len, rows, store_lse, check=False):
         B, SQ, H, D = q.shape
         Hk = k_cache.shape[2]
         G = H // Hk
@@ -479,6 +582,10 @@ class DecodePlan:
             n_units = math.ceil(max_len / BLOCK_N)
         S = self.splits = num_splits if num_splits > 0 else pick_splits(B, Hk, n_units, q.device)
         direct = S == 1
+        fused = self.fused = not direct and bool(OVERRIDES.get("fused_combine"))
+        if check and paged:
+            raise ValueError("check: a paged cache's page ids are checked by decode_bounds_kernel")
+        self.check = check
         left, right = window
         prec = "upcast" if q.dtype == torch.float32 or INTERPRETING else "native"  # (interpreter: bf16 dot is wrong)
         # Pipeline depth: a dense cache read in one split per (batch, kv head) (many programs, e.g. batch 64
@@ -489,16 +596,21 @@ class DecodePlan:
         # one-split cases this rule also covers (paged caches, several query tokens, d 256, short caches).
         stages = OVERRIDES.get("num_stages", 2 if direct and blocks is None else 3)
         # (the split kernel's optional parameters are given only when on: `decode_split_kernel`)
-        present = dict(O_part=not direct, LSE_part=not direct, Out=direct, LSE=direct and store_lse, seqlens=seqlens,
-                       leftpad=leftpad, batch_idx=batch_idx, block_table=paged, alibi=alibi is not None,
-                       blk_idx=blocks is not None, blk_cnt=blocks is not None)
+        present = dict(O_part=not direct, LSE_part=not direct, Out=direct or fused, LSE=(direct or fused) and store_lse,
+                       seqlens=seqlens, leftpad=leftpad, batch_idx=batch_idx, block_table=paged,
+                       alibi=alibi is not None, blk_idx=blocks is not None, blk_cnt=blocks is not None, Tickets=fused,
+                       Ok=check)
         self.take = tuple(i for i, n in enumerate(_SPLIT_TENSORS) if present.get(n, True))
         names = tuple(_SPLIT_TENSORS[i] for i in self.take)
         out_strides = (SQ * H * D, H * D, D, 1)  # out [B, SQ, H, D] and lse [B, H, SQ], made contiguous
         lse_strides = (H * SQ, SQ, 1)
         optional = {}
-        if direct:
+        if direct or fused:
             optional.update(stride_o=out_strides, **(dict(stride_lse=lse_strides) if store_lse else {}))
+        if fused:
+            optional.update(BLOCK_S=max(2, next_pow2(S)))  # (the combine kernel's split tile: its sums' order)
+        if check:
+            optional.update(bounds=(int(max_len - seq_add), k_cache.shape[0]))
         if paged:
             optional.update(stride_tb=block_table.stride(0), PAGE=k_cache.shape[1])
         if alibi is not None:
@@ -518,13 +630,13 @@ class DecodePlan:
             t1 = min(SQ, t0 + step)
             sq, R = t1 - t0, (t1 - t0) * G
             BLOCK_M = max(16, next_pow2(R))
-            consts = dict(stride_q=tuple(q.stride()), stride_k=tuple(k_cache.stride()),
-                          stride_v=tuple(v_cache.stride()), n_splits=S, q_back=SQ - t1, seq_add=int(seq_add),
-                          scale=float(scale), SQ=sq, G=G, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PREC=prec,
+            consts = dict(strides=(tuple(q.stride()), tuple(k_cache.stride()), tuple(v_cache.stride())), n_splits=S,
+                          q_back=SQ - t1, seq_add=int(seq_add), scale=float(scale), SQ=sq, G=G, HEAD_DIM=D,
+                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PREC=prec,
                           **optional, num_warps=OVERRIDES.get("num_warps", 4), num_stages=stages)
             split = _Launch("decode_split_kernel", (S, B, Hk), names, consts)
             combine = None
-            if not direct:
+            if not direct and not fused:
                 combine = _Launch("decode_combine_kernel", (R, B * Hk),
                                   ("O_part", "LSE_part", "Out") + (("LSE",) if store_lse else ()),
                                   dict(stride_o=out_strides, n_splits=S, n_kv_heads=Hk, SQ=sq, G=G, HEAD_DIM=D,
@@ -533,11 +645,23 @@ class DecodePlan:
             self.chunks.append((t0, t1, split, combine))
         self.n_part = 0 if direct else B * Hk * S * step * G * D  # partials [B, Hk, S, R, D], then [B, Hk, S, R]
         self.n_lse_part = 0 if direct else B * Hk * S * step * G
+        self.n_tickets = B * Hk if fused else 0  # per query chunk
+        self.no_tickets = (None,) * len(self.chunks)
+        self.scratch = bool(self.n_part or check)
         self.work = {}
 
-    def _partials(self):
-        buf = torch.empty(self.n_part + self.n_lse_part, device=self.device, dtype=torch.float32)
-        return buf[:self.n_part], buf[self.n_part:]
+    def _scratch(self):
+        """(float32 partials, their lse, per query chunk its tickets or None, the bounds verdict or
+        None), each part None or empty when the plan has none; the tickets zero-filled."""
+        o_part = lse_part = flags = None
+        if self.n_part:
+            buf = torch.empty(self.n_part + self.n_lse_part, device=self.device, dtype=torch.float32)
+            o_part, lse_part = buf[:self.n_part], buf[self.n_part:]
+        n, chunks = self.n_tickets, len(self.chunks)
+        if n or self.check:
+            flags = torch.zeros(n * chunks + self.check, device=self.device, dtype=torch.int32)
+        tickets = tuple(flags[i * n:(i + 1) * n] for i in range(chunks)) if n else self.no_tickets
+        return o_part, lse_part, tickets, flags[n * chunks:] if self.check else None
 
     def launches(self) -> list:
         """The plan's launches (their ``bound`` launchers, per alignment, once bound)."""
@@ -550,32 +674,34 @@ class DecodePlan:
     def __call__(self, q, k_cache, v_cache, seqlens=None, leftpad=None, batch_idx=None, block_table=None, alibi=None,
                  blocks=None, route=None):
         """``(out [batch, seq_q, nheads, headdim] in q's dtype, lse float32 [batch, nheads, seq_q] or None
-        without ``store_lse``)`` of one call; the tensors as the plan was made for (`plan`)."""
+        without ``store_lse``, the bounds verdict int32 [1] for ``torch._assert_async`` or None without
+        ``check``)`` of one call; the tensors as the plan was made for (`plan`)."""
         B, SQ, H, D = self.shape
         out = torch.empty(B, SQ, H, D, device=self.device, dtype=self.dtype)
         lse = torch.empty(B, H, SQ, device=self.device, dtype=torch.float32) if self.store_lse else None
         stream, index = route or _route(self.cuda, self.bindable)
-        o_part = lse_part = None
-        if self.n_part:
-            o_part, lse_part = _workspace(self.work, self.cuda, stream, self._partials)
+        o_part = lse_part = ok = None
+        tickets = self.no_tickets
+        if self.scratch:
+            o_part, lse_part, tickets, ok = _workspace(self.work, self.cuda, stream, self._scratch)
         idx, cnt = (blocks[0], blocks[1]) if blocks is not None else (None, None)
         launch_on = stream if index is not None else None
         one = len(self.chunks) == 1
-        for t0, t1, split, combine in self.chunks:
+        for (t0, t1, split, combine), tk in zip(self.chunks, tickets):
             qc, oc, lc = (q, out, lse) if one else (q[:, t0:t1], out[:, t0:t1], None if lse is None else lse[:, :, t0:t1])
             every = (qc, k_cache, v_cache, o_part, lse_part, oc, lc, seqlens, leftpad, batch_idx, block_table, alibi,
-                     idx, cnt)
+                     idx, cnt, tk, ok)
             split(launch_on, index, [every[i] for i in self.take])
             if combine is not None:
                 combine(launch_on, index, (o_part, lse_part, oc) if lc is None else (o_part, lse_part, oc, lc))
-        return out, lse
+        return out, lse, ok
 
 
 def plan(q, k_cache, v_cache, *, scale: float, window: tuple[int, int], softcap: float | None = None,
          alibi: torch.Tensor | None = None, batch_idx: bool = False, block_table: torch.Tensor | None = None,
          blocks: tuple[torch.Tensor, torch.Tensor, int] | None = None, seqlens: bool = True, leftpad: bool = False,
          seq_add: int = 0, num_splits: int = 0, max_len: int | None = None, rows: int = 64,
-         store_lse: bool = True) -> DecodePlan:
+         store_lse: bool = True, check: bool = False) -> DecodePlan:
     """The `DecodePlan` of a call (made once per key, then shared).
 
     Args:
@@ -591,6 +717,9 @@ def plan(q, k_cache, v_cache, *, scale: float, window: tuple[int, int], softcap:
         max_len: an upper bound of the rows' key ends (the cache's capacity), for the split count.
         rows: query rows (tokens x GQA group) per launch; longer query blocks run in chunks.
         store_lse: whether the call wants the lse.
+        check: the split kernel checks the bounds of seqlens (``<= max_len - seq_add``), leftpad and
+            batch_idx (``< k_cache.shape[0]``) and returns the verdict (`decode_split_kernel`'s Ok; no
+            paged cache): a study switch of `sparseflash.kvcache`.
     """
     paged = block_table is not None
     cap = max_len if max_len is not None else (block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1])
@@ -598,7 +727,7 @@ def plan(q, k_cache, v_cache, *, scale: float, window: tuple[int, int], softcap:
            tuple(window), softcap, None if alibi is None else (alibi.shape, alibi.stride()), batch_idx,
            None if block_table is None else (block_table.shape, block_table.stride()),
            None if blocks is None else (blocks[0].shape, blocks[0].stride(), blocks[1].stride(), blocks[2]),
-           seqlens, leftpad, seq_add, num_splits, cap, rows, store_lse, tuple(sorted(OVERRIDES.items())))
+           seqlens, leftpad, seq_add, num_splits, cap, rows, store_lse, check, tuple(sorted(OVERRIDES.items())))
     p = PLANS.get(key)
     if p is None:
         if len(PLANS) >= _PLANS_MAX:
@@ -606,7 +735,7 @@ def plan(q, k_cache, v_cache, *, scale: float, window: tuple[int, int], softcap:
         p = PLANS[key] = DecodePlan(q, k_cache, v_cache, scale=scale, window=window, softcap=softcap, alibi=alibi,
                                     batch_idx=batch_idx, block_table=block_table, blocks=blocks, seqlens=seqlens,
                                     leftpad=leftpad, seq_add=seq_add, num_splits=num_splits, max_len=cap, rows=rows,
-                                    store_lse=store_lse)
+                                    store_lse=store_lse, check=check)
     return p
 
 

@@ -2,6 +2,7 @@
 question, method, answer).
 
     python -m sparseflash.experiments.studies.decode_host.host_cpu --out DIR [--label after] [--calls 2000]
+        [--variants default,both] [--overrides KEY=VALUE ...]
 
 The issue's decode shapes (GQA 32 query heads / 8 kv heads, d 128, bf16, one query token, a 16K cache) at
 batch 1 and 16, on CPU tensors, in two calls: ``read`` (``cache_seqlens`` a tensor, no new keys: the
@@ -11,10 +12,13 @@ launchers are made to take their bound route (an H200's 132 SMs for the split co
 every line of Python and every torch op between the call and the C launcher: what a GPU host pays per
 call on top of its launches. Per call: host µs (10th percentile and median of ``--calls`` calls after
 warm-up, the 10th as other work on a shared machine only ever adds time; of the median of ``--repeats``
-such runs, spread over the whole measurement), the aten ops it dispatches
-(on a GPU each one that computes is a launch or an allocation), the Triton launches, and the host reads
-(``.cpu()``, ``.item()``, ``.tolist()``, ``bool()`` / ``int()`` of a tensor: each a device-to-host copy
-and a stream synchronisation on a GPU, free here). Writes DIR/host_cpu[_LABEL].json and prints a table.
+such runs, spread over the whole measurement; "best": the least 10th percentile of those runs), the aten
+ops it dispatches (on a GPU each one that computes is a launch or an allocation), the Triton launches,
+and the host reads (``.cpu()``, ``.item()``, ``.tolist()``, ``bool()`` / ``int()`` of a tensor: each a
+device-to-host copy and a stream synchronisation on a GPU, free here). ``--variants``: the same calls
+under each named set of `sparseflash.flash.decode.OVERRIDES` study switches (`decode_host.VARIANTS`;
+``--overrides`` adds one of its own, "custom"), their rows timed in turn in the same run. Writes
+DIR/host_cpu[_LABEL].json and prints a table.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparseflash.cmdline import ArgumentParser, positive_int, run_command
+from sparseflash.experiments.studies.decode_host import VARIANTS
 
 H, HK, D, N = 32, 8, 128, 16384
 BATCHES = (1, 16)
@@ -148,6 +154,30 @@ def calls(batch: int):
     return dict(read=read, append=append)
 
 
+@contextmanager
+def switches(overrides: dict):
+    """decode.OVERRIDES set to ``overrides`` inside (restored after): set around a row's timed calls, so
+    a call pays no switching of its own."""
+    from sparseflash.flash import decode
+
+    saved = dict(decode.OVERRIDES)
+    decode.OVERRIDES.clear()
+    decode.OVERRIDES.update(overrides)
+    try:
+        yield
+    finally:
+        decode.OVERRIDES.clear()
+        decode.OVERRIDES.update(saved)
+
+
+def _override(text: str) -> tuple:
+    """KEY=VALUE, the value an int (1: on) or else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"expected KEY=VALUE, got {text!r}")
+    return key, int(value) if value.lstrip("-").isdigit() else value
+
+
 def host_us(fn, n: int) -> tuple[float, float]:
     """(10th percentile, median) µs of ``n`` calls of ``fn`` after 50 warm-up calls."""
     for _ in range(50):
@@ -170,7 +200,18 @@ def main(argv=None) -> int:
                     help="timed runs of --calls calls per row, spread over the rows (the median run is reported)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--profile", action="store_true", help="also print the top functions of each call by own time")
+    ap.add_argument("--variants", default="default",
+                    help=f"comma-separated sets of decode study switches, of {', '.join(VARIANTS)}")
+    ap.add_argument("--overrides", nargs="+", type=_override, default=[], metavar="KEY=VALUE",
+                    help="one more variant, 'custom': these decode.OVERRIDES (e.g. fused_combine=1 check_in_split=1)")
     args = ap.parse_args(argv)
+    variants = {}
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            ap.error(f"--variants: unknown {name!r}; known: {', '.join(VARIANTS)}")
+        variants[name] = VARIANTS[name]
+    if args.overrides:
+        variants["custom"] = dict(args.overrides)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel path for CPU tensors (its launches stubbed)
     torch.set_num_threads(1)
     launches = Counter()
@@ -178,28 +219,33 @@ def main(argv=None) -> int:
     rows, fns = [], []
     try:
         for batch in (int(b) for b in args.batches.split(",")):
-            for name, fn in calls(batch).items():
-                fn()
-                launches.clear()
-                with _Ops() as ops, _Reads() as reads:
-                    out = fn()
-                assert out.shape == (batch, 1, H, D) and sum(launches.values()) > 0, "the kernel path was not taken"
-                one = dict(launches)
-                rows.append(dict(call=name, batch=batch, cache_len=N, heads=H, kv_heads=HK, head_dim=D,
-                                 aten_ops=sum(ops.ops.values()), host_reads=sum(reads.reads.values()),
-                                 triton_launches=sum(one.values()), launches=one, ops=dict(ops.ops.most_common()),
-                                 reads=dict(reads.reads), runs=[]))
-                fns.append(fn)
+            for name, call in calls(batch).items():
+                for variant, overrides in variants.items():
+                    with switches(overrides):
+                        call()
+                        launches.clear()
+                        with _Ops() as ops, _Reads() as reads:
+                            out = call()
+                    assert out.shape == (batch, 1, H, D) and sum(launches.values()) > 0, "the kernel path was not taken"
+                    one = dict(launches)
+                    rows.append(dict(call=name, batch=batch, variant=variant, overrides=overrides, cache_len=N,
+                                     heads=H, kv_heads=HK, head_dim=D, aten_ops=sum(ops.ops.values()),
+                                     host_reads=sum(reads.reads.values()), triton_launches=sum(one.values()),
+                                     launches=one, ops=dict(ops.ops.most_common()), reads=dict(reads.reads), runs=[]))
+                    fns.append(call)
         for _ in range(args.repeats):  # each row's runs spread over the whole measurement (the CPU is shared)
             for r, fn in zip(rows, fns):
-                r["runs"].append(host_us(fn, args.calls))
+                with switches(r["overrides"]):
+                    r["runs"].append(host_us(fn, args.calls))
         for r, fn in zip(rows, fns):
             r["host_us_p10"], r["host_us_median"] = sorted(r["runs"])[len(r["runs"]) // 2]
+            r["host_us_p10_best"] = min(p10 for p10, _ in r["runs"])  # (the run the machine disturbed least)
             if args.profile:
                 from sparseflash.experiments.bench.timing import profile_text
 
-                print(f"--- {r['call']} B{r['batch']}")
-                print(profile_text(fn, min(args.calls, 500), 20))
+                print(f"--- {r['call']} B{r['batch']} {r['variant']}")
+                with switches(r["overrides"]):
+                    print(profile_text(fn, min(args.calls, 500), 20))
     finally:
         undo()
     from sparseflash.experiments.bench.results import environment
@@ -210,10 +256,11 @@ def main(argv=None) -> int:
     meta = dict(environment(torch.device("cpu")), label=args.label, calls=args.calls)
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {path}")
-    print(f"{'call':>7} {'B':>3} {'us p10':>7} {'median':>7} {'aten ops':>8} {'host reads':>10} {'launches':>8}")
+    print(f"{'call':>7} {'B':>3} {'variant':>8} {'us p10':>7} {'median':>7} {'best':>6} {'aten ops':>8} "
+          f"{'host reads':>10} {'launches':>8}")
     for r in rows:
-        print(f"{r['call']:>7} {r['batch']:>3} {r['host_us_p10']:>7.1f} {r['host_us_median']:>7.1f} {r['aten_ops']:>8} "
-              f"{r['host_reads']:>10} {r['triton_launches']:>8}")
+        print(f"{r['call']:>7} {r['batch']:>3} {r['variant']:>8} {r['host_us_p10']:>7.1f} {r['host_us_median']:>7.1f} "
+              f"{r['host_us_p10_best']:>6.1f} {r['aten_ops']:>8} {r['host_reads']:>10} {r['triton_launches']:>8}")
     return 0
 
 

@@ -1,0 +1,292 @@
+"""The decode study switches (`sparseflash.flash.decode.OVERRIDES`), off by default:
+
+- ``fused_combine``: with several splits the split kernel merges them itself (the last program of
+  each (batch, kv head) by a ticket), no combine launch;
+- ``check_in_split``: a read without new keys or pages has its bounds checked by the split kernel,
+  no bounds launch.
+
+Each, and both, must give the default path's out and lse bit for bit (same arithmetic, same order),
+launch only what they claim, leave the tickets at 0 after every call, and fail every bad bound with
+the default's message. CPU: the kernels under the Triton interpreter (programs run one after another,
+so the tickets' ordering between programs is only exercised on a GPU); GPU: the same comparisons at
+the decode bench's shapes, repeated, and in a CUDA graph."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import sparseflash
+from sparseflash import BlockMask
+from sparseflash.flash import decode
+
+interpreted_kernels = pytest.mark.skipif(not sparseflash._env.interpreting(),
+                                         reason="drives the decode kernels on CPU tensors under the interpreter")
+
+SWITCHES = {"fused": dict(fused_combine=True), "check": dict(check_in_split=True),
+            "both": dict(fused_combine=True, check_in_split=True)}
+
+
+def _call(switches: dict, *args, **kw):
+    """flash_attn_with_kvcache with ``switches`` in decode.OVERRIDES for this call only."""
+    saved = dict(decode.OVERRIDES)
+    decode.OVERRIDES.update(switches)
+    try:
+        return sparseflash.flash_attn_with_kvcache(*args, **kw)
+    finally:
+        decode.OVERRIDES.clear()
+        decode.OVERRIDES.update(saved)
+
+
+def _tickets_at_zero():
+    """Every fused plan's tickets, on every stream, are back at 0."""
+    seen = 0
+    for p in decode.PLANS.values():
+        for _, _, tickets, _ in p.work.values():
+            for t in tickets:
+                if t is not None:
+                    seen += 1
+                    assert not t.any(), t
+    return seen
+
+
+class _Counting:
+    """A kernel whose launches are counted and run."""
+
+    def __init__(self, kernel, counts, name):
+        self.kernel, self.counts, self.name = kernel, counts, name
+        self.fn, self.pre_run_hooks = kernel.fn, []
+
+    def __getitem__(self, grid):
+        self.counts[self.name] += 1
+        return self.kernel[grid]
+
+
+def _inputs(B, SQ, H, Hk, D, N, seed, dtype=torch.float32, device="cpu", rows=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, SQ, H, D, generator=g).to(device, dtype)
+    kc, vc = (torch.randn(rows or B, N, Hk, D, generator=g).to(device, dtype) for _ in range(2))
+    return q, kc, vc
+
+
+# (id, B, SQ, H, Hk, D, N, cache_seqlens, splits, extra): awkward on purpose (GQA, one and several
+# splits, an empty row, leftpad, batch_idx, a window, query chunks, the lse not wanted)
+CASES = [
+    ("B1-Q1-S1", 1, 1, 4, 2, 16, 40, [33], 1, {}),
+    ("B1-Q1-S2-gqa4", 1, 1, 8, 2, 16, 200, [200], 2, {}),
+    ("B3-Q4-S5-leftpad-bidx-empty", 3, 4, 4, 2, 16, 160, [150, 0, 77], 5,
+     dict(cache_leftpad=[3, 0, 70], cache_batch_idx=[2, 0, 3], causal=True)),
+    ("B3-Q1-S3-window-nolse", 3, 1, 6, 3, 32, 96, [90, 5, 64], 3, dict(window_size=(20, 0), lse=False)),
+    ("B2-Q9-S2-chunks", 2, 9, 8, 1, 16, 64, [60, 30], 2, dict(chunks=True)),
+]
+
+
+@interpreted_kernels
+@pytest.mark.parametrize("switch", list(SWITCHES))
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_switches_are_bitwise_the_default(case, switch, monkeypatch):
+    """out and lse equal the default's bit for bit; the launches are the default's less the ones the
+    switch removes (the combine with several splits; the bounds check of a read); tickets back at 0."""
+    name, B, SQ, H, Hk, D, N, lens, splits, extra = case
+    extra = dict(extra)
+    lse = extra.pop("lse", True)
+    if extra.pop("chunks", False):
+        monkeypatch.setattr(sparseflash.kvcache, "MAX_ROWS", 16)  # 9 tokens x 8 heads: query chunks of 2 tokens
+    rows = 4 if "cache_batch_idx" in extra else None
+    q, kc, vc = _inputs(B, SQ, H, Hk, D, N, seed=N + B, rows=rows)
+    kw = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32), num_splits=splits, return_softmax_lse=lse,
+              **{k: torch.tensor(v, dtype=torch.int32) if k.startswith("cache_") else v for k, v in extra.items()})
+    want = _call({}, q, kc, vc, **kw)
+    counts = Counter()
+    for k in ("decode_split_kernel", "decode_combine_kernel", "decode_bounds_kernel"):
+        monkeypatch.setattr(decode, k, _Counting(getattr(decode, k), counts, k))
+    for _ in range(2):  # the second call reuses the plan, its tickets and verdict
+        got = _call(SWITCHES[switch], q, kc, vc, **kw)
+        for a, b in zip(got, want) if lse else ((got, want),):
+            assert torch.equal(a, b), name
+    chunks = -(-SQ // max(1, sparseflash.kvcache.MAX_ROWS // (H // Hk)))
+    fused = "fused_combine" in SWITCHES[switch]
+    bounds = "check_in_split" not in SWITCHES[switch]
+    assert counts == Counter(decode_split_kernel=2 * chunks,
+                             **({"decode_combine_kernel": 2 * chunks} if splits > 1 and not fused else {}),
+                             **({"decode_bounds_kernel": 2} if bounds else {})), counts
+    assert _tickets_at_zero() >= (chunks if splits > 1 and fused else 0)
+    if lse:
+        assert not torch.isnan(got[0]).any() and not torch.isnan(got[1]).any()
+        if 0 in lens:  # a row that attends nothing: 0 and -inf, never NaN
+            b = lens.index(0)
+            assert not got[0][b].any() and torch.isneginf(got[1][b]).all()
+
+
+@interpreted_kernels
+@pytest.mark.parametrize("switch", ["fused", "both"])
+def test_fused_merge_of_block_lists_paged_and_appends(switch):
+    """The fused merge under the split kernel's other modes: block lists (mask=), a paged cache and an
+    append (both keep the bounds launch: page ids are read only by the check, and an append writes at
+    cache_seqlens before the split kernel runs), bit for bit the default's, the cache appended alike."""
+    from test_kvcache import _paged
+
+    B, H, Hk, D, N, bs = 2, 4, 2, 16, 128, 16
+    q, kc, vc = _inputs(B, 1, H, Hk, D, N, seed=7)
+    lens = torch.tensor([100, 128], dtype=torch.int32)
+    lay = torch.rand(B, Hk, 1, N // bs, generator=torch.Generator().manual_seed(1)) < 0.5
+    mask = BlockMask.from_layout(lay, block_size=(16, bs), seq_q=1, seq_k=N)
+    kw = dict(cache_seqlens=lens, mask=mask, num_splits=3, return_softmax_lse=True)
+    for a, b in zip(_call(SWITCHES[switch], q, kc, vc, **kw), _call({}, q, kc, vc, **kw)):
+        assert torch.equal(a, b)
+    kp, vp, table = _paged(kc, vc, 8)
+    kn, vn = (torch.randn(B, 2, Hk, D, generator=torch.Generator().manual_seed(s)) for s in (2, 3))
+    lens = torch.tensor([40, 126], dtype=torch.int32)
+    caches = []
+    for sw in (SWITCHES[switch], {}):
+        a, b = kp.clone(), vp.clone()
+        caches.append((a, b, _call(sw, q, a, b, kn, vn, cache_seqlens=lens, block_table=table, causal=True,
+                                   num_splits=4, return_softmax_lse=True)))
+    (a1, b1, got), (a2, b2, want) = caches
+    assert torch.equal(a1, a2) and torch.equal(b1, b2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert _tickets_at_zero() >= 2
+
+
+def _i32(*x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+@interpreted_kernels
+@pytest.mark.parametrize("switch", ["check", "both"])
+def test_check_in_split_fails_every_bad_bound(switch, monkeypatch):
+    """With the check in the split kernel, every bad cache_seqlens / leftpad / batch index the default's
+    device check fails (test_kvcache's, and each in the last of three rows, and in row 69 of 70, past
+    the first 64 rows the check reads at once) fails the call with the same message, with no bounds
+    launch for a read; good values make no host read. An append keeps its bounds launch before
+    anything is written."""
+    from test_kvcache import _HostReads, _small
+
+    q, kc, vc, kn, vn = _small()
+    sw = SWITCHES[switch]
+    device_msg = r"out of bounds: cache_seqlens \+ seqlen_new .*SPARSEFLASH_KVCACHE_HOST_CHECKS=1"
+    counts = Counter()
+    monkeypatch.setattr(decode, "decode_bounds_kernel", _Counting(decode.decode_bounds_kernel, counts, "bounds"))
+    good = [dict(cache_seqlens=_i32(3, 8)), dict(cache_seqlens=_i32(3, 5), cache_leftpad=_i32(0, 5)),
+            dict(cache_seqlens=_i32(3, 5), cache_batch_idx=_i32(1, 0)), dict(cache_leftpad=_i32(2, 8))]
+    bad = [dict(cache_seqlens=_i32(3, 9)), dict(cache_seqlens=_i32(-1, 3)),
+           dict(cache_seqlens=_i32(3, 5), cache_leftpad=_i32(0, 6)),
+           dict(cache_seqlens=_i32(3, 5), cache_leftpad=_i32(-1, 0)),
+           dict(cache_seqlens=_i32(3, 5), cache_batch_idx=_i32(0, 2)),
+           dict(cache_seqlens=_i32(3, 5), cache_batch_idx=_i32(-1, 0)), dict(cache_leftpad=_i32(0, 9))]
+    for kw in good:
+        with _HostReads() as reads:
+            got = _call(sw, q, kc, vc, num_splits=2, **kw)
+        assert reads.n == 0 and torch.equal(got, _call({}, q, kc, vc, num_splits=2, **kw)), kw
+    for kw in bad:
+        for splits in (1, 2):
+            with pytest.raises(RuntimeError, match=device_msg):
+                _call(sw, q, kc, vc, num_splits=splits, **kw)
+    assert counts["bounds"] == len(good)  # (the default's calls above)
+    q3, kc3, vc3 = _inputs(3, 1, 4, 2, 16, 8, seed=1, rows=3)
+    for kw in (dict(cache_seqlens=_i32(3, 5, 9)), dict(cache_seqlens=_i32(3, 5, 2), cache_leftpad=_i32(0, 0, 3)),
+               dict(cache_seqlens=_i32(3, 5, 2), cache_batch_idx=_i32(0, 1, 3))):
+        with pytest.raises(RuntimeError, match=device_msg):
+            _call(sw, q3, kc3, vc3, num_splits=2, **kw)
+    q70, kc70, vc70 = _inputs(70, 1, 2, 1, 16, 4, seed=2)
+    lens = torch.full((70,), 4, dtype=torch.int32)
+    _call(sw, q70, kc70, vc70, cache_seqlens=lens)
+    lens[69] = 5
+    with pytest.raises(RuntimeError, match=device_msg):
+        _call(sw, q70, kc70, vc70, cache_seqlens=lens)
+    for kw in (dict(cache_seqlens=_i32(3, 7)), dict(cache_seqlens=_i32(-2, 3))):  # appends: checked before
+        a, b = kc.clone(), vc.clone()
+        with pytest.raises(RuntimeError, match=device_msg):
+            _call(sw, q, a, b, kn, vn, **kw)
+        assert torch.equal(a, kc) and torch.equal(b, vc), kw  # nothing appended
+    assert counts["bounds"] == len(good) + 2
+
+
+@interpreted_kernels
+def test_check_in_split_reads_within_the_cache():
+    """Until the assert fails the call, the split kernel has run with the bad values: it clamps each
+    row's key end to the cache's length and its cache row into the cache, so it reads nothing past
+    them (here NaN lies just past the cache's rows and length, and every output stays finite) and
+    writes verdict 0; good rows' outputs are unchanged."""
+    B, H, Hk, D, N = 3, 4, 2, 16, 48
+    q, _, _ = _inputs(B, 1, H, Hk, D, N, seed=5)
+    g = torch.Generator().manual_seed(6)
+    big_k, big_v = (torch.full((B + 2, N + 16, Hk, D), float("nan")) for _ in range(2))
+    for t in (big_k, big_v):
+        t[:B + 1, :N] = torch.randn(B + 1, N, Hk, D, generator=g)
+    kc, vc = big_k[:B + 1, :N], big_v[:B + 1, :N]  # cache rows of N keys, NaN right after each
+    lens, idx = _i32(48, 60, 20), _i32(0, 1, 4)  # row 1 too long, row 2's cache row past the cache
+    for splits in (1, 3):
+        p = decode.plan(q, kc, vc, scale=0.25, window=(-1, -1), batch_idx=True, num_splits=splits, max_len=N,
+                        check=True)
+        out, lse, ok = p(q, kc, vc, lens, None, idx)
+        assert int(ok) == 0 and torch.isfinite(out).all() and torch.isfinite(lse).all()
+        good, _, ok = p(q, kc, vc, _i32(48, 40, 20), None, _i32(0, 1, 2))
+        assert int(ok) == 1 and torch.equal(out[0], good[0])
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+GPU_CASES = [  # (B, SQ, H, Hk, D, N, splits (0: the default count), dtype): the bench's shapes and awkward ones
+    (1, 1, 32, 8, 128, 16384, 0, torch.bfloat16),  # 33 splits (132 SMs): the merge tile padded past BLOCK_N
+    (16, 1, 32, 8, 128, 16384, 0, torch.bfloat16),  # 3 splits
+    (1, 1, 32, 8, 128, 65536, 0, torch.bfloat16),
+    (4, 1, 32, 8, 128, 16384, 0, torch.float16),  # 9 splits: BLOCK_S 16 = BLOCK_M
+    (3, 4, 16, 4, 64, 4096, 17, torch.bfloat16),
+    (2, 1, 8, 8, 128, 8192, 65, torch.float16),
+    (3, 2, 8, 2, 256, 2048, 5, torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch", list(SWITCHES))
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"B{c[0]}-Q{c[1]}-H{c[2]}/{c[3]}-D{c[4]}-N{c[5]}-S{c[6]}-{str(c[7])[6:]}"
+                                                  for c in GPU_CASES])
+def test_switches_are_bitwise_the_default_on_cuda(case, switch):
+    """On CUDA (the compiled kernels, programs running at once: the tickets' ordering is exercised):
+    out and lse bit for bit the default's, over 20 calls of each (a late or stale partial would show
+    in some), an empty row and leftpad / batch index included; tickets back at 0."""
+    B, SQ, H, Hk, D, N, splits, dtype = case
+    q, kc, vc = _inputs(B, SQ, H, Hk, D, N, seed=B * N, dtype=dtype, device="cuda", rows=B + 1)
+    lens = torch.randint(N // 2, N + 1, (B,), generator=torch.Generator().manual_seed(B), dtype=torch.int32)
+    if B > 1:
+        lens[1] = 0
+    kw = dict(cache_seqlens=lens.cuda(), num_splits=splits, return_softmax_lse=True)
+    if B > 2:
+        kw.update(cache_leftpad=(lens // 4).cuda(), cache_batch_idx=torch.arange(B, 0, -1, dtype=torch.int32).cuda())
+    want = _call({}, q, kc, vc, **kw)
+    for _ in range(20):
+        got = _call(SWITCHES[switch], q, kc, vc, **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.cuda.synchronize()
+    _tickets_at_zero()
+    if B > 1:
+        assert not got[0][1].any() and torch.isneginf(got[1][1]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["fused", "both"])
+def test_switches_in_a_cuda_graph(switch):
+    """A decode step with the switches captured in a CUDA graph (its own tickets and verdict, zeroed when
+    captured and put back to 0 by each replay) and replayed with new lengths gives the default eager
+    call's out and lse bit for bit."""
+    B, H, Hk, D, N = 2, 32, 8, 128, 16384
+    q, kc, vc = _inputs(B, 1, H, Hk, D, N, seed=3, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor([N - 100, 5000], dtype=torch.int32, device="cuda")
+    kw = dict(cache_seqlens=lens, return_softmax_lse=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            _call(SWITCHES[switch], q, kc, vc, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = _call(SWITCHES[switch], q, kc, vc, **kw)
+    for step in range(5):
+        lens.sub_(7)
+        graph.replay()
+        want_o, want_lse = _call({}, q, kc, vc, **kw)
+        assert torch.equal(out, want_o) and torch.equal(lse, want_lse), step
