@@ -476,6 +476,26 @@ def test_gpu_fwd_head_sections_agree(monkeypatch, hopper_spy, D):
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("D, mask_on, causal", [(128, False, True), (128, False, False), (64, True, True), (128, True, False)])
+def test_gpu_fwd_named_turns_agree(monkeypatch, hopper_spy, D, mask_on, causal):
+    """A study's turns between the two ping-pong warpgroups by named barriers (`named_turns`) give the
+    mbarrier turns' output and LSE bitwise (the turn orders issue only), over several persistent rounds
+    (more tiles than SMs), an empty tile's walk (key lengths) and d=64 with block lists (two warpgroups)."""
+    q, k, v, _ = make_qkv(3, 6, 3, 3000, 3000, D, torch.bfloat16, "cuda", seed=D + 9)
+    kl = torch.tensor([3000, 1, 2048], device="cuda")
+    mask = random_mask(3000, 4, block_size=128, heads=6, seed=5, device="cuda") if mask_on else None
+    got = []
+    for named in (False, True):
+        if named:
+            monkeypatch.setitem(hopper.OVERRIDES, "named_turns", True)
+        else:
+            monkeypatch.delitem(hopper.OVERRIDES, "named_turns", raising=False)
+        got.append(sparseflash.attention(q, k, v, mask=mask, causal=causal, key_lengths=kl, return_lse=True))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert len(hopper_spy) == 2
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 def test_gpu_bwd_64_row_steps_at_d64(monkeypatch, hopper_spy, hopper_bwd_spy):
     """The backward's 64-row steps at d=64 (`q_step`'s other size, which studies compare with the
     default 128-row steps): causal, GQA, key_lengths, a block list, against the float64 reference."""

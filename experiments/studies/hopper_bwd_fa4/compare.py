@@ -64,7 +64,10 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             # one CTA a tile instead of a persistent grid (the hardware deals the tiles out as SMs free
             # up, as FA4's causal forward does), all heads at once or in sections of 2 / 4 / 8
             "fwd-one-tile": {"fwd": {"one_tile": True}},
-            **{f"fwd-one-tile-sec{s}": {"fwd": {"one_tile": True, "sec_heads": s}} for s in (2, 4, 8)}}
+            **{f"fwd-one-tile-sec{s}": {"fwd": {"one_tile": True, "sec_heads": s}} for s in (2, 4, 8)},
+            # the two ping-pong warpgroups pass the turn by named barriers (no warpgroup bar.sync an arrive)
+            "fwd-named-turns": {"fwd": {"named_turns": True}},
+            "fwd-named-turns-one-tile": {"fwd": {"named_turns": True, "one_tile": True}}}
 
 
 @contextlib.contextmanager

@@ -259,12 +259,49 @@ if GLUON_ERROR is None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
+    def _named_barrier(BAR: gl.constexpr, ARRIVE: gl.constexpr):
+        """A hardware named barrier of the two consumer warpgroups (256 threads), met by this warpgroup:
+        ``bar.arrive`` (go on) or ``bar.sync`` (wait for the other's arrive). Ids 14 and 15: Triton's
+        own barriers of these partitions take the low ids (0-2 in the forward's PTX)."""
+        x = gl.full([128], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))  # one element a thread
+        if ARRIVE:
+            if BAR == 14:
+                asm: gl.constexpr = "bar.arrive 14, 256;\n\tmov.b32 $0, $1;"
+            else:
+                asm: gl.constexpr = "bar.arrive 15, 256;\n\tmov.b32 $0, $1;"
+        else:
+            if BAR == 14:
+                asm: gl.constexpr = "bar.sync 14, 256;\n\tmov.b32 $0, $1;"
+            else:
+                asm: gl.constexpr = "bar.sync 15, 256;\n\tmov.b32 $0, $1;"
+        gl.inline_asm_elementwise(asm, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _turn_wait(me, n_turns, WG: gl.constexpr, NAMED: gl.constexpr):
+        """Wait for this warpgroup's turn to issue: its mbarrier's next phase, or (NAMED) its named
+        barrier (14 + WG), which the other warpgroup's pass completes. Gluon's mbarrier arrive has the
+        warpgroup meet at a bar.sync before one thread arrives; a named barrier's arrive does not wait."""
+        if NAMED:
+            _named_barrier(14 + WG, False)
+        else:
+            mbarrier.wait(me, n_turns & 1)
+
+    @gluon.jit
+    def _turn_pass(other, WG: gl.constexpr, NAMED: gl.constexpr):
+        """Pass the turn to the other warpgroup (`_turn_wait`)."""
+        if NAMED:
+            _named_barrier(15 - WG, True)
+        else:
+            mbarrier.arrive(other)
+
+    @gluon.jit
     def _consumer(shared, sec_heads, WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                   NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                   STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr, EXACT: gl.constexpr,
-                  NWG: gl.constexpr, QB: gl.constexpr, FLAT: gl.constexpr):
+                  NWG: gl.constexpr, QB: gl.constexpr, FLAT: gl.constexpr, NAMED_TURNS: gl.constexpr):
         """One of NWG consumer warpgroups (rows WG*64 .. WG*64+63 of each tile of NWG * 64 rows):
-        wgmma, softmax, epilogue. The turn to issue passes from warpgroup WG to WG + 1 (mod NWG).
+        wgmma, softmax, epilogue. The turn to issue passes from warpgroup WG to WG + 1 (mod NWG), by
+        mbarriers, or (NAMED_TURNS, two warpgroups: a study's) by hardware named barriers (`_turn_wait`).
         FLAT (three warpgroups' order): each step in order, S = Q K^T, its softmax, O += P V, without
         turns and without overlapping a step's softmax with the step before's P V (one P live, not
         two); with three warpgroups the other two cover one's softmax."""
@@ -287,6 +324,8 @@ if GLUON_ERROR is None:
         it = 0
         n_turns = 0
         n_done = 0
+        if NAMED_TURNS and WG == 1:
+            _turn_pass(other, WG, NAMED_TURNS)  # warpgroup 0 issues first
         for base in range(0, n_tiles, gl.num_programs(0)):
             t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, sec_heads, CAUSAL)
             if t < n_tiles:
@@ -333,9 +372,9 @@ if GLUON_ERROR is None:
                     s = it % STAGES
                     k_s = k_bufs.index(s).reshape([_TILE, HEAD_DIM])
                     mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
-                    mbarrier.wait(me, n_turns & 1)
+                    _turn_wait(me, n_turns, WG, NAMED_TURNS)
                     qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                    mbarrier.arrive(other)
+                    _turn_pass(other, WG, NAMED_TURNS)
                     n_turns += 1
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_s, k_s))[0]
                     mbarrier.arrive(k_empty.index(s))
@@ -351,12 +390,12 @@ if GLUON_ERROR is None:
                         k_s = k_bufs.index(s).reshape([_TILE, HEAD_DIM])
                         v_prev = v_bufs.index(s_prev).reshape([_TILE, HEAD_DIM])
                         mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
-                        mbarrier.wait(me, n_turns & 1)
+                        _turn_wait(me, n_turns, WG, NAMED_TURNS)
                         qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                         mbarrier.wait(v_ready.index(s_prev), ph_prev)
                         acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
-                        mbarrier.arrive(other)
+                        _turn_pass(other, WG, NAMED_TURNS)
                         n_turns += 1
                         # wgmma groups retire in order: S_j is done, P_{j-1} V_{j-1} may still run
                         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_s, k_s))[0]
@@ -373,11 +412,11 @@ if GLUON_ERROR is None:
                         ph_prev = (it // STAGES) & 1
                         it += 1
                     v_prev = v_bufs.index(s_prev).reshape([_TILE, HEAD_DIM])
-                    mbarrier.wait(me, n_turns & 1)
+                    _turn_wait(me, n_turns, WG, NAMED_TURNS)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                     mbarrier.wait(v_ready.index(s_prev), ph_prev)
                     acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
-                    mbarrier.arrive(other)
+                    _turn_pass(other, WG, NAMED_TURNS)
                     n_turns += 1
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_prev, p_op))[0]
                     mbarrier.arrive(v_empty.index(s_prev))
@@ -400,6 +439,8 @@ if GLUON_ERROR is None:
                 lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * _LN2)
                 gl.store(LSE + (b * n_heads + h).to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
                 n_done += 1
+        if NAMED_TURNS and WG == 0:
+            _turn_wait(me, n_turns, WG, NAMED_TURNS)  # the last pass of warpgroup 1: both barriers end even
         if TMA_O:
             tma.store_wait(0)  # (shared memory must outlive the last store's read)
 
@@ -408,8 +449,8 @@ if GLUON_ERROR is None:
                            stride_ib, stride_ih, stride_im, stride_ob, stride_oh, stride_om,
                            MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, CAUSAL: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           NWG: gl.constexpr, FLAT: gl.constexpr, KV_IDX=None, KV_TILE=None, BITS=None, KEY_LEN=None, desc_o=None,
-                           sec_heads=None):
+                           NWG: gl.constexpr, FLAT: gl.constexpr, NAMED_TURNS: gl.constexpr, KV_IDX=None, KV_TILE=None,
+                           BITS=None, KEY_LEN=None, desc_o=None, sec_heads=None):
         """Optional features are named pointers, None when off: KV_IDX, the row lists (None: dense);
         KV_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_o, O
         stored by TMA (None: from registers, through O with its strides); sec_heads (a study's), the
@@ -451,7 +492,8 @@ if GLUON_ERROR is None:
             mbarrier.init(k_empty.index(i), count=NWG)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=NWG)
-        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+        if not NAMED_TURNS:
+            mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
         fence_async_shared()  # the barriers' initialisation is visible to TMA before the first load
         # what every consumer warpgroup takes besides its constexprs, one tuple written once for both
         # partition lists (constexprs stay out of it, and the lists are literals: a constexpr inside a
@@ -462,11 +504,11 @@ if GLUON_ERROR is None:
         if NWG == 3:  # three consumer warpgroups (`fwd`'s 192-row tiles)
             gl.warp_specialize([
                 (_consumer, (shared, sec_heads, 0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                             EXACT, NWG, QB, FLAT)),
+                             EXACT, NWG, QB, FLAT, NAMED_TURNS)),
                 (_consumer, (shared, sec_heads, 1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                             EXACT, NWG, QB, FLAT)),
+                             EXACT, NWG, QB, FLAT, NAMED_TURNS)),
                 (_consumer, (shared, sec_heads, 2, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                             EXACT, NWG, QB, FLAT)),
+                             EXACT, NWG, QB, FLAT, NAMED_TURNS)),
                 (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
                            stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
@@ -475,9 +517,9 @@ if GLUON_ERROR is None:
         else:
             gl.warp_specialize([
                 (_consumer, (shared, sec_heads, 0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                             EXACT, NWG, QB, FLAT)),
+                             EXACT, NWG, QB, FLAT, NAMED_TURNS)),
                 (_consumer, (shared, sec_heads, 1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                             EXACT, NWG, QB, FLAT)),
+                             EXACT, NWG, QB, FLAT, NAMED_TURNS)),
                 (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
                            stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
@@ -501,9 +543,12 @@ LOADER_REGS = 40
 # sections of that many (`_tile_coords`; default: all at once); "one_tile": True, a grid of one CTA a tile
 # (not persistent: the hardware hands tiles to SMs as they free up, in stream order, so a causal stream's
 # longest-first order balances itself, with or without sections; Nsight Compute at causal d=128 16K: our
-# persistent grid hits L2 on 74% of loads against FA4's 95% with one CTA a tile). Empty in normal use.
+# persistent grid hits L2 on 74% of loads against FA4's 95% with one CTA a tile); "named_turns": True, two
+# ping-pong warpgroups pass the turn by hardware named barriers instead of mbarriers (Gluon's mbarrier arrive
+# has the warpgroup meet at a bar.sync first: 7% of the consumers' stall samples at causal d=128 16K sit
+# there, FA4's 0.1%). Empty in normal use.
 OVERRIDES: dict = {}
-OVERRIDE_KEYS = ("consumers", "flat", "sec_heads", "one_tile")
+OVERRIDE_KEYS = ("consumers", "flat", "sec_heads", "one_tile", "named_turns")
 
 
 def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
@@ -634,5 +679,5 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         stride_ob=so[0], stride_oh=so[1], stride_om=so[2],
         MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal),
         STAGES=_stages(D), CONSUMER_REGS=CONSUMER_REGS_3 if nwg == 3 else CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-        NWG=nwg, FLAT=flat, sec_heads=OVERRIDES.get("sec_heads") if causal else None, num_warps=4)
+        NWG=nwg, FLAT=flat, NAMED_TURNS=bool(OVERRIDES.get("named_turns")) and nwg == 2 and not flat, sec_heads=OVERRIDES.get("sec_heads") if causal else None, num_warps=4)
     return o, lse
