@@ -290,3 +290,35 @@ def test_switches_in_a_cuda_graph(switch):
         graph.replay()
         want_o, want_lse = _call({}, q, kc, vc, **kw)
         assert torch.equal(out, want_o) and torch.equal(lse, want_lse), step
+
+
+def test_balanced_splits_spread_the_programs_evenly(monkeypatch):
+    """`balanced_splits` (a study switch of `decode.pick_splits`): on 132 SMs batch 4 x 8 kv heads takes 12
+    splits (384 programs, 2.91 an SM) where the default takes 9 (288, 2.18: some SMs 3, some 2); counts
+    that already spread evenly (batch 1, 16, 64) stay; a short cache's cap still holds; the answer is the
+    same attention (another summation order) under the interpreter."""
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    got = {}
+    for on in (False, True):
+        if on:
+            monkeypatch.setitem(decode.OVERRIDES, "balanced_splits", True)
+        got[on] = {(B, n): decode.pick_splits(B, 8, n, dev) for B in (1, 4, 16, 64) for n in (64, 256, 4096)}
+    assert got[False][(4, 256)] == 9 and got[True][(4, 256)] == 12
+    for key, s in got[True].items():
+        B, n = key
+        p = B * 8 * s / 132
+        assert s >= got[False][key] and s <= max(1, min(n // 4, 128))
+        assert p >= 0.95 * -(-p // 1) or s == got[False][key], key
+        if B != 4:
+            assert s == got[False][key], key
+    monkeypatch.setattr(decode, "sm_count", lambda device: 4)  # (the interpreter's count)
+    q = torch.randn(3, 1, 8, 64)  # 3 programs of one kv head: 3 splits by default (9 on 4 SMs), 4 balanced
+    kc, vc = torch.randn(3, 1024, 1, 64), torch.randn(3, 1024, 1, 64)
+    lens = torch.tensor([1024, 300, 7], dtype=torch.int32)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setitem(decode.OVERRIDES, "balanced_splits", on)
+        assert decode.pick_splits(3, 1, 16, dev) == (4 if on else 3)
+        outs.append(sparseflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -434,8 +434,8 @@ def decode_append_kernel(
 # "num_warps", "num_stages", "block_n" (the key tile, dense caches only). Study switches of the launches
 # per call (experiments/studies/decode_host), off until a GPU measures them: "fused_combine" (with several
 # splits the split kernel merges them itself: no combine launch) and "check_in_split" (`sparseflash.kvcache`:
-# a read without new keys or pages has its bounds checked by the split kernel: no bounds launch). Empty in
-# normal use.
+# a read without new keys or pages has its bounds checked by the split kernel: no bounds launch); and of the
+# split count, "balanced_splits" (`pick_splits`). Empty in normal use.
 OVERRIDES: dict = {}
 
 
@@ -448,10 +448,22 @@ def sm_count(device: torch.device) -> int:
 
 def pick_splits(batch: int, kv_heads: int, n_units: int, device: torch.device, min_units: int = 4) -> int:
     """num_splits=0: enough programs for about two waves over the SMs, each split keeping at least
-    ``min_units`` tiles (so short caches are not cut into tiles of overhead); at most 128."""
+    ``min_units`` tiles (so short caches are not cut into tiles of overhead); at most 128.
+
+    With the study switch ``OVERRIDES["balanced_splits"]``: the fewest splits from that count up whose
+    programs spread over the SMs within 5% of evenly (programs / SMs at least 0.95 of its ceiling), where
+    some do. The programs of a read are all resident at once, so an SM given one more than the others
+    sets the time: batch 4 x 8 kv heads with 9 splits is 288 programs, 2.18 an SM (some 3, some 2: 27%
+    longer than even); 12 splits, 2.91 an SM."""
     programs = batch * kv_heads
-    want = math.ceil(2 * sm_count(device) / programs)
-    return max(1, min(want, n_units // min_units if n_units >= min_units else 1, 128))
+    sms = sm_count(device)
+    top = min(n_units // min_units if n_units >= min_units else 1, 128)
+    want = max(1, min(math.ceil(2 * sms / programs), top))
+    if OVERRIDES.get("balanced_splits"):
+        for s in range(want, min(4 * want, top) + 1):
+            if programs * s / sms >= 0.95 * math.ceil(programs * s / sms):
+                return s
+    return want
 
 
 def decode_block_n(block_size: int | None, block_d: int = 128) -> int:

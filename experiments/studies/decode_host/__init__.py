@@ -3,4 +3,4 @@
 measure beside the default."""
 
 VARIANTS = {"default": {}, "fused": dict(fused_combine=True), "check": dict(check_in_split=True),
-            "both": dict(fused_combine=True, check_in_split=True)}
+            "both": dict(fused_combine=True, check_in_split=True), "balanced": dict(balanced_splits=True)}
