@@ -5,6 +5,7 @@ public API (outputs and gradients; the GPU tests run the backward on block lists
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -66,6 +67,31 @@ def test_compiles_for_sm90(kernel, consumer_regs, sm90_compiles):
         assert r["shared"] <= 227 * 1024, r
         if kernel == "bwd":  # dK / dV by TMA store on every walk (causal ones in two loops)
             assert r["tma_stores"] > 0, r
+
+
+@pytest.mark.skipif(not (ptxas_available() and gluon_hopper_available()), reason="needs ptxas and gluon's hopper module")
+def test_named_turns_build_for_sm90(tmp_path):
+    """The forward's study switch `named_turns` builds for sm_90 (two ping-pong warpgroups: d=128, block
+    lists) without spills, meeting hardware named barriers 14 and 15 with 256 threads in pairs (an arrive
+    by one warpgroup for each sync by the other, plus warpgroup 1's first pass and warpgroup 0's last
+    wait), and the default build uses neither id: Triton's own barriers must keep off them."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys\nfrom sparseflash.flash.hopper import forward\n"
+            "from sparseflash.experiments.studies.hopper.compile_check import main\n"
+            f"for named, out in ((False, {str(tmp_path / 'default')!r}), (True, {str(tmp_path / 'named')!r})):\n"
+            "    forward.OVERRIDES['named_turns'] = named\n"
+            "    main(['--kernel', 'fwd', '--json', '--seq', '300', '--head-dims', '128', '--cases', 'sparse256 causal',\n"
+            "          '--dump', out])\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
+    assert len(rows) == 2 and all(r[0]["status"] == "ok" and r[0]["local"] == 0 for r in rows), out.stderr[-3000:]
+    ptx = {k: (tmp_path / k / "fwd_d128_sparse256_causal.ptx").read_text() for k in ("default", "named")}
+    ids = re.compile(r"\bbar(?:rier)?\.(?:sync|arrive)(?:\.\w+)*\s+(\d+)")
+    found = set(ids.findall(ptx["default"]))
+    assert {"0", "1"} <= found and not {"14", "15"} & found, found
+    named = {k.replace(" ", "_"): len(re.findall(rf"bar\.{k}, 256;", ptx["named"])) for k in
+             ("sync 14", "arrive 14", "sync 15", "arrive 15")}
+    assert named["sync_15"] == named["arrive_15"] > 0 and named["sync_14"] == named["arrive_14"] == named["sync_15"] + 1, named
 
 
 def test_bwd_study_overrides_named(monkeypatch):
