@@ -237,11 +237,12 @@ def record_listops_lengths(workers: int = 1) -> dict:
     import time
 
     from sparseflash.experiments.lra.data.listops import split_lengths
+    from sparseflash.experiments.lra.provenance import code_commit
 
     t0 = time.perf_counter()
     rec = split_lengths("test", **LISTOPS_DATA, workers=workers)
     lengths = rec.pop("lengths")
-    rec = {"command": LISTOPS_COMMAND, "seconds": round(time.perf_counter() - t0, 1), **rec}
+    rec = {"command": LISTOPS_COMMAND, "commit": code_commit(), "seconds": round(time.perf_counter() - t0, 1), **rec}
     rec["checks"] = listops_checks(rec)
     rec["lengths"] = lengths
     text = json.dumps({k: v for k, v in rec.items() if k != "lengths"}, indent=1)
