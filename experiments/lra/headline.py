@@ -239,10 +239,10 @@ def record_listops_lengths(workers: int = 1) -> dict:
     from sparseflash.experiments.lra.data.listops import split_lengths
     from sparseflash.experiments.lra.provenance import code_commit
 
-    t0 = time.perf_counter()
+    commit, t0 = code_commit(), time.perf_counter()  # (the code as the run began)
     rec = split_lengths("test", **LISTOPS_DATA, workers=workers)
     lengths = rec.pop("lengths")
-    rec = {"command": LISTOPS_COMMAND, "commit": code_commit(), "seconds": round(time.perf_counter() - t0, 1), **rec}
+    rec = {"command": LISTOPS_COMMAND, "commit": commit, "seconds": round(time.perf_counter() - t0, 1), **rec}
     rec["checks"] = listops_checks(rec)
     rec["lengths"] = lengths
     text = json.dumps({k: v for k, v in rec.items() if k != "lengths"}, indent=1)
