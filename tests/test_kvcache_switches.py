@@ -21,6 +21,7 @@ import torch
 import sparseflash
 from sparseflash import BlockMask
 from sparseflash.flash import decode
+from test_kvcache import _Counting  # (the kernel stand-in that counts its launches)
 
 interpreted_kernels = pytest.mark.skipif(not sparseflash._env.interpreting(),
                                          reason="drives the decode kernels on CPU tensors under the interpreter")
@@ -50,18 +51,6 @@ def _tickets_at_zero():
                     seen += 1
                     assert not t.any(), t
     return seen
-
-
-class _Counting:
-    """A kernel whose launches are counted and run."""
-
-    def __init__(self, kernel, counts, name):
-        self.kernel, self.counts, self.name = kernel, counts, name
-        self.fn, self.pre_run_hooks = kernel.fn, []
-
-    def __getitem__(self, grid):
-        self.counts[self.name] += 1
-        return self.kernel[grid]
 
 
 def _inputs(B, SQ, H, Hk, D, N, seed, dtype=torch.float32, device="cpu", rows=None):

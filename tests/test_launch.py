@@ -394,7 +394,8 @@ def test_gpu_calls_match_triton(route, monkeypatch):
 
 
 def test_portable_kernel_signatures():
-    """The portable kernels (issue 67's kernel signatures) take at most 40 parameters: every tensor's
+    """The portable kernels take at most 40 parameters (a signature a reader can hold in mind, each
+    optional part one named argument): every tensor's
     (batch, head, row, column) strides one tuple, all of them one parameter ``strides``; every optional
     part a named parameter defaulting to None after the required ones (a table with its batch strides,
     the exact tables, the backward's dropout as one tuple each), the flag derived inside: no HAS_* or
