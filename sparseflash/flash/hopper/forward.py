@@ -656,18 +656,23 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     kv_tile, bits = (None, None) if exact is None else exact
     wide = dense and D == 64  # three consumer warpgroups, 192-row tiles, flat steps
     nwg, flat = (3, True) if wide else (2, False)
-    if OVERRIDES:  # (a study's: normal calls skip the check)
+    named = one_tile = False
+    sec = None
+    if OVERRIDES:  # (a study's: normal calls skip the check and the lookups)
         if not set(OVERRIDES) <= set(OVERRIDE_KEYS) or OVERRIDES.get("consumers", nwg) not in (2, 3):
             raise ValueError(f"hopper.OVERRIDES takes {OVERRIDE_KEYS} ('consumers': 2 or 3), got {OVERRIDES}")
         nwg = 3 if OVERRIDES.get("consumers", nwg) == 3 and wide else 2
         flat = bool(OVERRIDES.get("flat", nwg == 3))
+        named = bool(OVERRIDES.get("named_turns")) and nwg == 2 and not flat  # (turns exist only there)
+        one_tile = bool(OVERRIDES.get("one_tile"))
+        sec = OVERRIDES.get("sec_heads") if causal else None
     so = o.stride()
     # O through shared memory and a TMA store where its layout takes a descriptor (faster, most on short
     # walks: experiments/studies/hopper/README.md, the TMA epilogue), else stored from registers
     o_lay = o_layout(o)
     n_tiles = B * H * cdiv(Nq, 64 * nwg)
     if num_sms is None:
-        num_sms = n_tiles if OVERRIDES.get("one_tile") else sm_count(q.device.index)
+        num_sms = n_tiles if one_tile else sm_count(q.device.index)
     grid = (max(1, min(n_tiles, num_sms)),)
     desc_q = descriptor(q, lay[0], TILE if nwg == 2 else 64)  # (192 rows: three boxes, TMA boxes are powers of 2)
     binding.call(
@@ -679,5 +684,5 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         stride_ob=so[0], stride_oh=so[1], stride_om=so[2],
         MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal),
         STAGES=_stages(D), CONSUMER_REGS=CONSUMER_REGS_3 if nwg == 3 else CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-        NWG=nwg, FLAT=flat, NAMED_TURNS=bool(OVERRIDES.get("named_turns")) and nwg == 2 and not flat, sec_heads=OVERRIDES.get("sec_heads") if causal else None, num_warps=4)
+        NWG=nwg, FLAT=flat, NAMED_TURNS=named, sec_heads=sec, num_warps=4)
     return o, lse
