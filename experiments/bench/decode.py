@@ -13,7 +13,7 @@ top-k selection gives). Providers:
   sparse through a BlockMask of full blocks (``from_kv_blocks``, the 10% per query head).
 - ``sdpa``: ``scaled_dot_product_attention(enable_gqa=True)``, dense only.
 - ``sparseflash-NAME``: ``sparseflash`` with the decode study switches of ``NAME`` on
-  (`experiments.studies.decode_host.VARIANTS`: ``fused``, ``check``, ``both``), measured beside the
+  (`experiments.studies.decode_host.VARIANTS`: ``fused``, ``check``, ``both``, ``balanced``), measured beside the
   default in the same run (`sparseflash.flash.decode.OVERRIDES`; experiments/studies/decode_host).
 
 Time: GPU time per call from CUDA-graph replays (``do_bench_cudagraph`` median: no host cost; the
@@ -187,7 +187,8 @@ def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_
         finally:
             decode.OVERRIDES.clear()
             decode.OVERRIDES.update(saved)
-    # the study switches must change no bit of the answer (experiments/studies/decode_host)
+    # whether a study switch changes any bit of the answer (the launch switches must not; another split
+    # count, "balanced", sums in another order: experiments/studies/decode_host)
     outs = {r["provider"]: r.pop("_out") for r in rows if "_out" in r}
     default = outs.get("sparseflash")
     for r in rows:
@@ -300,7 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-lens", default="4096,32768,262144")
     ap.add_argument("--providers", default="sparseflash,flex,sdpa",
                     help="of sparseflash, flex, sdpa and sparseflash-NAME (the decode study switches NAME: fused, "
-                         "check, both)")
+                         "check, both, balanced)")
     ap.add_argument("--max-cache-gb", type=float, default=20.0, help="skip points whose K+V cache is larger")
     ap.add_argument("--no-deterministic-check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check of the script)")
