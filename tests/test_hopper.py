@@ -94,6 +94,28 @@ def test_named_turns_build_for_sm90(tmp_path):
     assert named["sync_15"] == named["arrive_15"] > 0 and named["sync_14"] == named["arrive_14"] == named["sync_15"] + 1, named
 
 
+@pytest.mark.skipif(not (ptxas_available() and gluon_hopper_available()), reason="needs ptxas and gluon's hopper module")
+def test_dynamic_schedule_builds_for_sm90(tmp_path):
+    """The forward's dynamic schedule builds for sm_90 without spills (three consumer warpgroups at d=64,
+    two at d=128), with one lane of the loader warp taking each next tile and one resetting the counters
+    (atomic adds and exchanges), and the static build has no atomics."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys\nfrom sparseflash.flash.hopper import forward\n"
+            "from sparseflash.experiments.studies.hopper.compile_check import main\n"
+            f"for dyn, out in ((False, {str(tmp_path / 'static')!r}), (True, {str(tmp_path / 'dynamic')!r})):\n"
+            "    forward.OVERRIDES['dynamic'] = dyn\n"
+            "    main(['--kernel', 'fwd', '--json', '--seq', '300', '--cases', 'causal+keylen', '--dump', out])\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
+    assert len(rows) == 2 and all(len(r) == 2 and all(x["status"] == "ok" and x["local"] == 0 for x in r) for r in rows), \
+        out.stderr[-3000:]
+    for d in (64, 128):
+        ptx = {k: (tmp_path / k / f"fwd_d{d}_causal+keylen.ptx").read_text() for k in ("static", "dynamic")}
+        assert "atom." not in ptx["static"]
+        atoms = re.findall(r"atom\.global\.gpu\.acq_rel\.(add|exch)", ptx["dynamic"])
+        assert sorted(atoms) == ["add", "add", "exch", "exch"], atoms
+
+
 def test_bwd_study_overrides_named(monkeypatch):
     """A study override the backward does not know is refused by name before anything runs."""
     q = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
@@ -519,6 +541,34 @@ def test_gpu_fwd_named_turns_agree(monkeypatch, hopper_spy, D, mask_on, causal):
         got.append(sparseflash.attention(q, k, v, mask=mask, causal=causal, key_lengths=kl, return_lse=True))
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
     assert len(hopper_spy) == 2
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("D, mask_on, causal, groups", [(128, False, True, 6), (64, False, True, 3), (128, True, False, 6),
+                                                        (64, True, True, 2), (128, False, False, 6)])
+def test_gpu_fwd_dynamic_schedule_agrees(monkeypatch, hopper_spy, D, mask_on, causal, groups):
+    """The dynamic schedule (each CTA takes its next tile from a counter) gives the static schedule's
+    output and LSE bitwise, with causal sections of 1, 2 and all heads and of `_section`'s size, over many
+    more tiles than SMs, GQA, key lengths with an empty walk; and every launch leaves its counters zero
+    (the next launch on the stream starts from them)."""
+    q, k, v, _ = make_qkv(3, 6, groups, 3000, 3000, D, torch.bfloat16, "cuda", seed=D + 13)
+    kl = torch.tensor([3000, 1, 2048], device="cuda")
+    mask = random_mask(3000, 4, block_size=128, heads=6, seed=7, device="cuda") if mask_on else None
+    runs = [{"dynamic": False}, {"dynamic": True}, {"dynamic": True, "sec_heads": 1}, {"dynamic": True, "sec_heads": 2},
+            {"dynamic": True, "sec_heads": None}]
+    got = []
+    for over in runs:
+        for key in ("dynamic", "sec_heads"):
+            monkeypatch.delitem(hopper.OVERRIDES, key, raising=False)
+        for key, value in over.items():
+            monkeypatch.setitem(hopper.OVERRIDES, key, value)
+        for _ in range(2):  # (the second launch reads the counters the first left)
+            got.append(sparseflash.attention(q, k, v, mask=mask, causal=causal, key_lengths=kl, return_lse=True))
+    torch.cuda.synchronize()
+    for o, lse in got[1:]:
+        assert torch.equal(got[0][0], o) and torch.equal(got[0][1], lse)
+    assert len(hopper_spy) == 2 * len(runs)
+    assert hopper._COUNTERS and all(int(c.abs().sum()) == 0 for c in hopper._COUNTERS.values())
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")

@@ -79,23 +79,30 @@ if GLUON_ERROR is None:
         return gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(head_dim), k_width=2)
 
     @gluon.jit
-    def _tile_coords(base, n_tiles, m_tiles, n_heads, sec_heads, CAUSAL: gl.constexpr):
-        """This CTA's tile of the round starting at stream position ``base`` -> (tile index, batch,
-        head, q tile); the tile index is >= n_tiles when the CTA has none in the last round.
-
-        Without causal, CTA p takes tiles p, p + G, ... in (batch, head, q tile) order. Causal rows
-        grow down the sequence, and that order would give a CTA tiles of about the same length in
-        every round (G = 132 is 4 more than a 16K head's 128 tiles: 57% balance at 16K); instead the
-        stream runs longest tiles first over all heads, dealt in a snake (round r goes p = 0..G-1
-        when r is even, G-1..0 when odd), so long and short tiles even out per CTA. ``sec_heads``
-        (a study's; None: all heads at once): the causal stream runs (batch, head)s in sections of
-        that many, longest tiles first within each, so the K / V that a section's CTAs re-read
-        from block 0 on can stay in L2."""
+    def _stream_pos(base, CAUSAL: gl.constexpr):
+        """This CTA's position in the tile stream in the round starting at ``base`` (a static
+        schedule). Without causal, CTA p takes positions p, p + G, ...; causal, the rounds are dealt
+        in a snake (round r goes p = 0..G-1 when r is even, G-1..0 when odd): the causal stream runs
+        longest tiles first (`_tile_at`), so long and short tiles even out per CTA (G = 132 is 4 more
+        than a 16K head's 128 tiles: in stream order a CTA would get tiles of about the same length in
+        every round, 57% balance at 16K)."""
         pid = gl.program_id(0)
         G = gl.num_programs(0)
         if CAUSAL:
             r = base // G
             t = base + gl.where(r % 2 == 0, pid, G - 1 - pid)
+        else:
+            t = base + pid
+        return t
+
+    @gluon.jit
+    def _tile_at(t, n_tiles, m_tiles, n_heads, sec_heads, CAUSAL: gl.constexpr):
+        """(batch, head, q tile) at stream position ``t`` < n_tiles. Without causal the stream runs
+        (batch, head, q tile) in order. Causal, longest tiles first over the (batch, head)s, all at
+        once (``sec_heads`` None) or in sections of ``sec_heads`` (batch, head)s, longest first within
+        each, so the K / V that a section's CTAs re-read from block 0 on stay in L2 (sections need
+        the dynamic schedule: dealt statically they unbalance the CTAs, `fwd`)."""
+        if CAUSAL:
             n_bh = n_tiles // m_tiles
             if sec_heads is None:
                 bh = t % n_bh
@@ -107,10 +114,32 @@ if GLUON_ERROR is None:
                 bh = sec * sec_heads + u % heads
                 pm = m_tiles - 1 - u // heads
         else:
-            t = base + pid
             bh = t // m_tiles
             pm = t % m_tiles
-        return t, bh // n_heads, bh % n_heads, pm
+        return bh // n_heads, bh % n_heads, pm
+
+    @gluon.jit
+    def _more(t, base, n_tiles, DYN: gl.constexpr):
+        """Whether a CTA's stream goes on: dynamic, while the last tile taken exists; static, while
+        rounds are left (a CTA may have no tile in the last one)."""
+        if DYN:
+            go = t < n_tiles
+        else:
+            go = base < n_tiles
+        return go
+
+    @gluon.jit
+    def _put_tile(tile_ids, slot, t):
+        """The loader's note of the tile whose Q goes into buffer ``slot`` (dynamic schedule), written
+        before the barrier that tells the consumers Q is there."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        tile_ids.index(slot).store(gl.zeros([1], gl.int32, layout=lay) + t)
+
+    @gluon.jit
+    def _get_tile(tile_ids, slot):
+        """A consumer warpgroup's read of `_put_tile`'s note (after waiting for that Q buffer)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        return gl.max(tile_ids.index(slot).load(lay), axis=0)
 
     @gluon.jit
     def _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ: gl.constexpr, M_TILE: gl.constexpr,
@@ -166,28 +195,35 @@ if GLUON_ERROR is None:
                 KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
                 n_tiles, m_tiles, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                 DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr, STAGES: gl.constexpr,
-                Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, M_TILE: gl.constexpr, QB: gl.constexpr, sec_heads):
+                Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, M_TILE: gl.constexpr, QB: gl.constexpr, sec_heads,
+                SCHED, tile_ids, DYN: gl.constexpr):
         """1 warp: TMA loads of every tile's Q (M_TILE rows) and the K/V tiles of its walk, in stream
-        order."""
+        order. DYN (the dynamic schedule): after its first tile (its program id) the CTA takes the
+        next stream position from the counter SCHED[0], and notes each tile in ``tile_ids`` for the
+        consumers."""
         it = 0  # K/V tiles issued by this CTA so far: ring slot and phase
         n_done = 0  # tiles started: Q buffer and phase
-        for base in range(0, n_tiles, gl.num_programs(0)):
-            t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, sec_heads, CAUSAL)
+        G = gl.num_programs(0)
+        base = 0
+        t = _stream_pos(base, CAUSAL)
+        if DYN:
+            t = gl.program_id(0)
+        while _more(t, base, n_tiles, DYN):
             if t < n_tiles:
+                b, h, pm = _tile_at(t, n_tiles, m_tiles, n_heads, sec_heads, CAUSAL)
                 hk = h // group
                 p_list = _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ, M_TILE, DENSE)
                 j_full, j_valid, kv_end, causal_off = _steps(p_list, KEY_LEN, b, pm, seq_q, seq_k, n_kblocks, MASK_BK,
                                                              NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 1, M_TILE)
                 qi = n_done % 2
-                if QB == 1:
-                    _fill(desc_q, tile_coord(b, h, pm * M_TILE, Q_BNHD), q_ready.index(qi), q_empty.index(qi),
-                          q_bufs.index(qi), (n_done // 2) & 1)
-                else:  # a tile's Q in QB boxes of M_TILE / QB rows, on one barrier
-                    mbarrier.wait(q_empty.index(qi), ((n_done // 2) & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(qi), QB * desc_q.block_type.nbytes)
-                    for i in gl.static_range(QB):
-                        tma_load(desc_q, tile_coord(b, h, pm * M_TILE + i * (M_TILE // QB), Q_BNHD), q_ready.index(qi),
-                                 q_bufs.index(qi * QB + i))
+                mbarrier.wait(q_empty.index(qi), ((n_done // 2) & 1) ^ 1)
+                if DYN:
+                    _put_tile(tile_ids, qi, t)
+                # a tile's Q in QB boxes of M_TILE / QB rows, on one barrier
+                mbarrier.expect(q_ready.index(qi), QB * desc_q.block_type.nbytes)
+                for i in gl.static_range(QB):
+                    tma_load(desc_q, tile_coord(b, h, pm * M_TILE + i * (M_TILE // QB), Q_BNHD), q_ready.index(qi),
+                             q_bufs.index(qi * QB + i))
                 for j in range(j_valid):
                     start_n = list_start(p_list, j, DENSE, MASK_BK, _TILE)
                     s = it % STAGES
@@ -196,6 +232,21 @@ if GLUON_ERROR is None:
                     _fill(desc_v, tile_coord(b, hk, start_n, KV_BNHD), v_ready.index(s), v_empty.index(s), v_bufs.index(s), ph)
                     it += 1
                 n_done += 1
+            base += G
+            if DYN:  # the next tile: the first the counter has not handed out (G + the tiles taken after the first G)
+                t = G + gl.atomic_add(SCHED, 1)
+            else:
+                t = _stream_pos(base, CAUSAL)
+        if DYN:
+            # past the stream: the consumers wake to a tile index >= n_tiles and stop; the last CTA to get
+            # here resets the counters for the next launch (every CTA has taken its last tile by then)
+            qi = n_done % 2
+            mbarrier.wait(q_empty.index(qi), ((n_done // 2) & 1) ^ 1)
+            _put_tile(tile_ids, qi, t)
+            mbarrier.arrive(q_ready.index(qi))
+            if gl.atomic_add(SCHED + 1, 1) == G - 1:
+                gl.atomic_xchg(SCHED, 0)
+                gl.atomic_xchg(SCHED + 1, 0)
 
     @gluon.jit
     def _band_mask(qk, start_n, kv_end, causal_off, rows, s_layout: gl.constexpr, CAUSAL: gl.constexpr):
@@ -298,16 +349,18 @@ if GLUON_ERROR is None:
     def _consumer(shared, sec_heads, WG: gl.constexpr, HEAD_DIM: gl.constexpr, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr,
                   NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                   STAGES: gl.constexpr, TMA_O: gl.constexpr, O_BNHD: gl.constexpr, EXACT: gl.constexpr,
-                  NWG: gl.constexpr, QB: gl.constexpr, FLAT: gl.constexpr, NAMED_TURNS: gl.constexpr):
+                  NWG: gl.constexpr, QB: gl.constexpr, FLAT: gl.constexpr, NAMED_TURNS: gl.constexpr,
+                  DYN: gl.constexpr):
         """One of NWG consumer warpgroups (rows WG*64 .. WG*64+63 of each tile of NWG * 64 rows):
         wgmma, softmax, epilogue. The turn to issue passes from warpgroup WG to WG + 1 (mod NWG), by
         mbarriers, or (NAMED_TURNS, two warpgroups: a study's) by hardware named barriers (`_turn_wait`).
         FLAT (three warpgroups' order): each step in order, S = Q K^T, its softmax, O += P V, without
         turns and without overlapping a step's softmax with the step before's P V (one P live, not
-        two); with three warpgroups the other two cover one's softmax."""
+        two); with three warpgroups the other two cover one's softmax. DYN (the dynamic schedule): each
+        tile is the one the loader noted with its Q (`_put_tile`)."""
         (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, desc_o, O, LSE,
          KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im, stride_ob,
-         stride_oh, stride_om, n_tiles, m_tiles, qk_scale) = shared
+         stride_oh, stride_om, n_tiles, m_tiles, qk_scale, tile_ids) = shared
         M_TILE: gl.constexpr = NWG * _HALF
         s_layout: gl.constexpr = wgmma_layout(_TILE)  # S: [64, 128] fp32
         o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # O: [64, HEAD_DIM] fp32
@@ -326,9 +379,15 @@ if GLUON_ERROR is None:
         n_done = 0
         if NAMED_TURNS and WG == 1:
             _turn_pass(other, WG, NAMED_TURNS)  # warpgroup 0 issues first
-        for base in range(0, n_tiles, gl.num_programs(0)):
-            t, b, h, pm = _tile_coords(base, n_tiles, m_tiles, n_heads, sec_heads, CAUSAL)
+        G = gl.num_programs(0)
+        base = 0
+        t = _stream_pos(base, CAUSAL)
+        if DYN:  # the loader's note of the first tile (`_put_tile`)
+            mbarrier.wait(q_ready.index(0), 0)
+            t = _get_tile(tile_ids, 0)
+        while _more(t, base, n_tiles, DYN):
             if t < n_tiles:
+                b, h, pm = _tile_at(t, n_tiles, m_tiles, n_heads, sec_heads, CAUSAL)
                 p_list = _row_list(KV_IDX, b, h, pm, stride_ib, stride_ih, stride_im, MASK_BQ, M_TILE, DENSE)
                 j_full, j_valid, kv_end, causal_off = _steps(p_list, KEY_LEN, b, pm, seq_q, seq_k, n_kblocks, MASK_BK,
                                                              NB_P2, DENSE, CAUSAL, HAS_KEYLEN, 4, M_TILE)
@@ -439,6 +498,13 @@ if GLUON_ERROR is None:
                 lse = gl.where(empty, float("inf"), (m_i + gl.log2(l_safe)) * _LN2)
                 gl.store(LSE + (b * n_heads + h).to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
                 n_done += 1
+            base += G
+            if DYN:  # the next tile, as the loader noted it with its Q (an index >= n_tiles: the end)
+                qn = n_done % 2
+                mbarrier.wait(q_ready.index(qn), (n_done // 2) & 1)
+                t = _get_tile(tile_ids, qn)
+            else:
+                t = _stream_pos(base, CAUSAL)
         if NAMED_TURNS and WG == 0:
             _turn_wait(me, n_turns, WG, NAMED_TURNS)  # the last pass of warpgroup 1: both barriers end even
         if TMA_O:
@@ -450,15 +516,17 @@ if GLUON_ERROR is None:
                            MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr, CAUSAL: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            NWG: gl.constexpr, FLAT: gl.constexpr, NAMED_TURNS: gl.constexpr, KV_IDX=None, KV_TILE=None,
-                           BITS=None, KEY_LEN=None, desc_o=None, sec_heads=None):
+                           BITS=None, KEY_LEN=None, desc_o=None, sec_heads=None, SCHED=None):
         """Optional features are named pointers, None when off: KV_IDX, the row lists (None: dense);
         KV_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_o, O
         stored by TMA (None: from registers, through O with its strides); sec_heads (a study's), the
-        causal stream's (batch, head)s a section (`_tile_coords`). The head dimension and each
-        tensor's memory order come from the descriptors."""
+        causal stream's (batch, head)s a section (`_tile_at`); SCHED, int32 [2] counters of the dynamic
+        schedule (zero before the launch, left zero after it; None: the static one, `_stream_pos`).
+        The head dimension and each tensor's memory order come from the descriptors."""
         DENSE: gl.constexpr = KV_IDX is None
         EXACT: gl.constexpr = BITS is not None
         HAS_KEYLEN: gl.constexpr = KEY_LEN is not None
+        DYN: gl.constexpr = SCHED is not None
         TMA_O: gl.constexpr = desc_o is not None
         HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
         Q_BNHD: gl.constexpr = bnhd(desc_q)
@@ -481,6 +549,8 @@ if GLUON_ERROR is None:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [NWG, 1], mbarrier.MBarrierLayout())
+        # the dynamic schedule's tile of each Q buffer (`_put_tile`)
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=NWG)  # every consumer warpgroup releases a buffer
@@ -500,30 +570,30 @@ if GLUON_ERROR is None:
         # tuple variable, or in tuples built by concatenation, becomes a tensor)
         shared = (q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, desc_o, O,
                   LSE, KV_IDX, KV_TILE, BITS, KEY_LEN, n_heads, seq_q, seq_k, n_kblocks, stride_ib, stride_ih, stride_im,
-                  stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale)
+                  stride_ob, stride_oh, stride_om, n_tiles, m_tiles, qk_scale, tile_ids)
         if NWG == 3:  # three consumer warpgroups (`fwd`'s 192-row tiles)
             gl.warp_specialize([
                 (_consumer, (shared, sec_heads, 0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                             EXACT, NWG, QB, FLAT, NAMED_TURNS)),
+                             EXACT, NWG, QB, FLAT, NAMED_TURNS, DYN)),
                 (_consumer, (shared, sec_heads, 1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                             EXACT, NWG, QB, FLAT, NAMED_TURNS)),
+                             EXACT, NWG, QB, FLAT, NAMED_TURNS, DYN)),
                 (_consumer, (shared, sec_heads, 2, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                             EXACT, NWG, QB, FLAT, NAMED_TURNS)),
+                             EXACT, NWG, QB, FLAT, NAMED_TURNS, DYN)),
                 (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
                            stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                           Q_BNHD, KV_BNHD, M_TILE, QB, sec_heads)),
+                           Q_BNHD, KV_BNHD, M_TILE, QB, sec_heads, SCHED, tile_ids, DYN)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (shared, sec_heads, 0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                             EXACT, NWG, QB, FLAT, NAMED_TURNS)),
+                             EXACT, NWG, QB, FLAT, NAMED_TURNS, DYN)),
                 (_consumer, (shared, sec_heads, 1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES, TMA_O, O_BNHD,
-                             EXACT, NWG, QB, FLAT, NAMED_TURNS)),
+                             EXACT, NWG, QB, FLAT, NAMED_TURNS, DYN)),
                 (_loader, (desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                            v_empty, KV_IDX, KEY_LEN, n_heads, group, seq_q, seq_k, n_kblocks, stride_ib, stride_ih,
                            stride_im, n_tiles, m_tiles, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                           Q_BNHD, KV_BNHD, M_TILE, QB, sec_heads)),
+                           Q_BNHD, KV_BNHD, M_TILE, QB, sec_heads, SCHED, tile_ids, DYN)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -547,14 +617,23 @@ LOADER_REGS = 40
 # ping-pong warpgroups pass the turn by hardware named barriers instead of mbarriers (Gluon's mbarrier arrive
 # has the warpgroup meet at a bar.sync first: 7% of the consumers' stall samples at causal d=128 16K sit
 # there, FA4's 0.1%). Empty in normal use.
+# "dynamic": True / False, the dynamic schedule (`DYNAMIC`) on every call / off; with it, causal calls take
+# sections of `_section`'s size unless "sec_heads" says otherwise.
 OVERRIDES: dict = {}
-OVERRIDE_KEYS = ("consumers", "flat", "sec_heads", "one_tile", "named_turns")
+OVERRIDE_KEYS = ("consumers", "flat", "sec_heads", "one_tile", "named_turns", "dynamic")
+
+# Which calls take the dynamic schedule: "causal", "all" or "off" (SPARSEFLASH_HOPPER_DYNAMIC). Each CTA of
+# the persistent grid takes its next tile from a counter as it finishes one, so causal sections of heads
+# (K / V kept in L2) stay balanced; the static schedule deals the tiles out in rounds.
+DYNAMIC = _env.text("SPARSEFLASH_HOPPER_DYNAMIC", "off")
 
 
 def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
     """Why this kernel cannot run a forward call, or None when it can."""
     if MODE not in ("auto", "off"):
         raise ValueError(f"hopper.MODE (SPARSEFLASH_HOPPER) must be 'auto' or 'off', got {MODE!r}")
+    if DYNAMIC not in ("off", "causal", "all"):
+        raise ValueError(f"hopper.DYNAMIC (SPARSEFLASH_HOPPER_DYNAMIC) must be 'off', 'causal' or 'all', got {DYNAMIC!r}")
     if MODE == "off":
         return "SPARSEFLASH_HOPPER=off"
     if GLUON_ERROR is not None:
@@ -657,7 +736,8 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     wide = dense and D == 64  # three consumer warpgroups, 192-row tiles, flat steps
     nwg, flat = (3, True) if wide else (2, False)
     named = one_tile = False
-    sec = None
+    dyn = DYNAMIC == "causal" and causal or DYNAMIC == "all"
+    sec = _section(B * H, Nk, D, k.element_size(), H // Hk) if dyn and causal else None
     if OVERRIDES:  # (a study's: normal calls skip the check and the lookups)
         if not set(OVERRIDES) <= set(OVERRIDE_KEYS) or OVERRIDES.get("consumers", nwg) not in (2, 3):
             raise ValueError(f"hopper.OVERRIDES takes {OVERRIDE_KEYS} ('consumers': 2 or 3), got {OVERRIDES}")
@@ -665,7 +745,12 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         flat = bool(OVERRIDES.get("flat", nwg == 3))
         named = bool(OVERRIDES.get("named_turns")) and nwg == 2 and not flat  # (turns exist only there)
         one_tile = bool(OVERRIDES.get("one_tile"))
-        sec = OVERRIDES.get("sec_heads") if causal else None
+        dyn = bool(OVERRIDES.get("dynamic", dyn)) and not one_tile
+        if causal and "sec_heads" in OVERRIDES:
+            sec = OVERRIDES["sec_heads"]
+        elif causal and "dynamic" in OVERRIDES:
+            sec = _section(B * H, Nk, D, k.element_size(), H // Hk) if dyn else None
+    sched = _counters(q.device) if dyn else None  # (None while a graph is captured: the static schedule)
     so = o.stride()
     # O through shared memory and a TMA store where its layout takes a descriptor (faster, most on short
     # walks: experiments/studies/hopper/README.md, the TMA epilogue), else stored from registers
@@ -684,5 +769,39 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         stride_ob=so[0], stride_oh=so[1], stride_om=so[2],
         MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal),
         STAGES=_stages(D), CONSUMER_REGS=CONSUMER_REGS_3 if nwg == 3 else CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-        NWG=nwg, FLAT=flat, NAMED_TURNS=named, sec_heads=sec, num_warps=4)
+        NWG=nwg, FLAT=flat, NAMED_TURNS=named, sec_heads=sec, SCHED=sched, num_warps=4)
     return o, lse
+
+
+# Bytes of K and V that a causal section's CTAs share: sections this size (2 heads at 16K, d=128, bf16)
+# were fastest of 1-8 heads with one CTA a tile (experiments/studies/hopper_bwd_fa4, session 9).
+SECTION_BYTES = 16 << 20
+
+
+def _section(n_bh: int, seq_k: int, head_dim: int, esz: int, group: int):
+    """The (batch, head)s a causal section of the dynamic schedule (`_tile_at`): as many as share
+    `SECTION_BYTES` of K and V (heads of one GQA group share theirs), None when that is all of them."""
+    per_head = 2 * seq_k * head_dim * esz / group
+    sec = max(1, int(SECTION_BYTES // per_head))
+    return None if sec >= n_bh else sec
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device):
+    """The dynamic schedule's int32 [2] counters (next stream position, CTAs done) for the current
+    stream of ``device``: zeroed once, and each launch leaves them zero (its last CTA resets them),
+    so launches on one stream, which run one after another, share them. None while the stream is
+    capturing a CUDA graph and has none yet (allocating there would tie them to the graph): that
+    launch takes the static schedule."""
+    if device.type != "cuda":  # (the sm_90 compile check's CPU stand-in tensors)
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device)
+    key = (device.index, stream.cuda_stream)
+    c = _COUNTERS.get(key)
+    if c is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        c = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return c
