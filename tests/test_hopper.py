@@ -116,6 +116,27 @@ def test_dynamic_schedule_builds_for_sm90(tmp_path):
         assert sorted(atoms) == ["add", "add", "exch", "exch"], atoms
 
 
+def test_dynamic_schedule_sections():
+    """Causal sections (`_section`): the heads whose K and V make SECTION_BYTES on short walks; all heads at
+    once (None) on walks longer than SECTION_MAX_TILES q tiles or when one section would hold them all."""
+    mb = 1 << 20
+    assert hopper.SECTION_BYTES == 16 * mb and hopper.SECTION_MAX_TILES == 32
+    assert hopper._section(64, 32, 4096, 128, 2, 1) == 8  # 2 MB of K and V a head
+    assert hopper._section(64, 22, 4096, 64, 2, 1) == 16
+    assert hopper._section(64, 32, 4096, 128, 2, 4) == 32  # GQA: four heads share one K / V
+    assert hopper._section(16, 128, 16384, 128, 2, 1) is None  # long walks
+    assert hopper._section(8, 32, 4096, 128, 2, 1) is None  # one section would hold every head
+    assert hopper._section(4, 8, 1 << 20, 128, 2, 1) == 1
+
+
+def test_dynamic_switch_named(monkeypatch):
+    """A schedule switch value that does not exist is refused by name."""
+    monkeypatch.setattr(hopper, "DYNAMIC", "sometimes")
+    q = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="SPARSEFLASH_HOPPER_DYNAMIC"):
+        hopper.unsupported(q, q, q)
+
+
 def test_bwd_study_overrides_named(monkeypatch):
     """A study override the backward does not know is refused by name before anything runs."""
     q = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)

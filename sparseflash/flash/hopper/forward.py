@@ -15,9 +15,10 @@ dependent chain. This kernel takes FlashAttention-3's structure, written in Gluo
   the tensor cores busy;
 - **in-warpgroup overlap**: step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together and
   computes the softmax of S_j while the second one runs (O is rescaled before that issue);
-- **persistent** grid of one CTA per SM walking q tiles p, p + G, ...; barrier phases are counted
-  over the CTA's whole stream, so the next tile's Q and first K/V tiles load during the current
-  tile's last steps and epilogue;
+- **persistent** grid of one CTA per SM walking q tiles p, p + G, ... (the static schedule), or taking
+  each next tile from a counter (the dynamic schedule, `DYNAMIC`: causal calls with short walks, whose
+  heads run in sections that keep their K / V in L2); barrier phases are counted over the CTA's whole
+  stream, so the next tile's Q and first K/V tiles load during the current tile's last steps and epilogue;
 - **epilogue**: each warpgroup writes its half of O into shared memory and one TMA
   store takes it out, so the next tile starts without waiting on global stores (an O whose layout
   TMA cannot take is stored from registers).
@@ -617,23 +618,24 @@ LOADER_REGS = 40
 # ping-pong warpgroups pass the turn by hardware named barriers instead of mbarriers (Gluon's mbarrier arrive
 # has the warpgroup meet at a bar.sync first: 7% of the consumers' stall samples at causal d=128 16K sit
 # there, FA4's 0.1%). Empty in normal use.
-# "dynamic": True / False, the dynamic schedule (`DYNAMIC`) on every call / off; with it, causal calls take
-# sections of `_section`'s size unless "sec_heads" says otherwise.
+# "dynamic": True / False, the dynamic schedule (`DYNAMIC`) on every call / on none; causal calls then
+# take `_section`'s sections (or none) unless "sec_heads" says otherwise.
 OVERRIDES: dict = {}
 OVERRIDE_KEYS = ("consumers", "flat", "sec_heads", "one_tile", "named_turns", "dynamic")
 
-# Which calls take the dynamic schedule: "causal", "all" or "off" (SPARSEFLASH_HOPPER_DYNAMIC). Each CTA of
-# the persistent grid takes its next tile from a counter as it finishes one, so causal sections of heads
-# (K / V kept in L2) stay balanced; the static schedule deals the tiles out in rounds.
-DYNAMIC = _env.text("SPARSEFLASH_HOPPER_DYNAMIC", "off")
+# Which calls take the dynamic schedule (SPARSEFLASH_HOPPER_DYNAMIC): "auto", causal calls whose walks
+# take sections (`_section`); "all", every call; "off", none. Each CTA of the persistent grid takes its
+# next tile from a counter as it finishes one, so causal sections of heads (K / V kept in L2) stay
+# balanced; the static schedule deals the tiles out in rounds, which sections would unbalance.
+DYNAMIC = _env.text("SPARSEFLASH_HOPPER_DYNAMIC", "auto")
 
 
 def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
     """Why this kernel cannot run a forward call, or None when it can."""
     if MODE not in ("auto", "off"):
         raise ValueError(f"hopper.MODE (SPARSEFLASH_HOPPER) must be 'auto' or 'off', got {MODE!r}")
-    if DYNAMIC not in ("off", "causal", "all"):
-        raise ValueError(f"hopper.DYNAMIC (SPARSEFLASH_HOPPER_DYNAMIC) must be 'off', 'causal' or 'all', got {DYNAMIC!r}")
+    if DYNAMIC not in ("auto", "all", "off"):
+        raise ValueError(f"hopper.DYNAMIC (SPARSEFLASH_HOPPER_DYNAMIC) must be 'auto', 'all' or 'off', got {DYNAMIC!r}")
     if MODE == "off":
         return "SPARSEFLASH_HOPPER=off"
     if GLUON_ERROR is not None:
@@ -736,26 +738,30 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     wide = dense and D == 64  # three consumer warpgroups, 192-row tiles, flat steps
     nwg, flat = (3, True) if wide else (2, False)
     named = one_tile = False
-    dyn = DYNAMIC == "causal" and causal or DYNAMIC == "all"
-    sec = _section(B * H, Nk, D, k.element_size(), H // Hk) if dyn and causal else None
+    m_tiles = cdiv(Nq, 64 * nwg)
+    sec = _section(B * H, m_tiles, Nk, D, k.element_size(), H // Hk) if causal and DYNAMIC != "off" else None
+    dyn = sec is not None or DYNAMIC == "all"
     if OVERRIDES:  # (a study's: normal calls skip the check and the lookups)
         if not set(OVERRIDES) <= set(OVERRIDE_KEYS) or OVERRIDES.get("consumers", nwg) not in (2, 3):
             raise ValueError(f"hopper.OVERRIDES takes {OVERRIDE_KEYS} ('consumers': 2 or 3), got {OVERRIDES}")
         nwg = 3 if OVERRIDES.get("consumers", nwg) == 3 and wide else 2
+        m_tiles = cdiv(Nq, 64 * nwg)
         flat = bool(OVERRIDES.get("flat", nwg == 3))
         named = bool(OVERRIDES.get("named_turns")) and nwg == 2 and not flat  # (turns exist only there)
         one_tile = bool(OVERRIDES.get("one_tile"))
         dyn = bool(OVERRIDES.get("dynamic", dyn)) and not one_tile
-        if causal and "sec_heads" in OVERRIDES:
+        if not causal:
+            sec = None
+        elif "sec_heads" in OVERRIDES:
             sec = OVERRIDES["sec_heads"]
-        elif causal and "dynamic" in OVERRIDES:
-            sec = _section(B * H, Nk, D, k.element_size(), H // Hk) if dyn else None
+        else:
+            sec = _section(B * H, m_tiles, Nk, D, k.element_size(), H // Hk) if dyn else None
     sched = _counters(q.device) if dyn else None  # (None while a graph is captured: the static schedule)
     so = o.stride()
     # O through shared memory and a TMA store where its layout takes a descriptor (faster, most on short
     # walks: experiments/studies/hopper/README.md, the TMA epilogue), else stored from registers
     o_lay = o_layout(o)
-    n_tiles = B * H * cdiv(Nq, 64 * nwg)
+    n_tiles = B * H * m_tiles
     if num_sms is None:
         num_sms = n_tiles if one_tile else sm_count(q.device.index)
     grid = (max(1, min(n_tiles, num_sms)),)
@@ -773,14 +779,21 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     return o, lse
 
 
-# Bytes of K and V that a causal section's CTAs share: sections this size (2 heads at 16K, d=128, bf16)
-# were fastest of 1-8 heads with one CTA a tile (experiments/studies/hopper_bwd_fa4, session 9).
+# Causal sections of the dynamic schedule (experiments/studies/hopper_bwd_fa4, session 9; H200, bf16, 16
+# heads): the (batch, head)s whose K and V make SECTION_BYTES, on walks of at most SECTION_MAX_TILES q tiles.
+# At 4K x 4 (32 tiles a walk) sections of 4-8 heads cut the causal forward by 11% at d=128 (0.549 -> 0.488
+# ms) and 2.5% at d=64; at 16K (128 tiles) every section size tried (1, 2, 4 heads) was 15-36% slower than
+# all heads at once, which is as fast as the static schedule there.
 SECTION_BYTES = 16 << 20
+SECTION_MAX_TILES = 32
 
 
-def _section(n_bh: int, seq_k: int, head_dim: int, esz: int, group: int):
+def _section(n_bh: int, m_tiles: int, seq_k: int, head_dim: int, esz: int, group: int):
     """The (batch, head)s a causal section of the dynamic schedule (`_tile_at`): as many as share
-    `SECTION_BYTES` of K and V (heads of one GQA group share theirs), None when that is all of them."""
+    `SECTION_BYTES` of K and V (heads of one GQA group share theirs); None (all heads at once) when
+    that is all of them or a walk has more than `SECTION_MAX_TILES` q tiles (``m_tiles``)."""
+    if m_tiles > SECTION_MAX_TILES:
+        return None
     per_head = 2 * seq_k * head_dim * esz / group
     sec = max(1, int(SECTION_BYTES // per_head))
     return None if sec >= n_bh else sec
