@@ -30,20 +30,22 @@ it). The bounds below are checked (flash-attn checks only a paged cache's capaci
 Bounds: ``0 <= cache_seqlens`` and ``cache_seqlens + seqlen_new <= `` the cache's length (a paged
 cache's capacity), ``0 <= cache_leftpad <= cache_seqlens + seqlen_new``, ``cache_batch_idx`` within the
 cache's rows, the page ids in use within the pages. A tensor's values are checked on the device, with
-no host read: one small kernel (`sparseflash.flash.decode.BoundsCheck`) and ``torch._assert_async``,
-before anything is read or written. A bad value fails the call loudly, with a message that lists the
-bounds: at once on a CPU (a RuntimeError); on CUDA a device-side assert, which ends the process's CUDA
-context. The debug switch ``SPARSEFLASH_KVCACHE_HOST_CHECKS=1`` (`HOST_CHECKS`) reads them back and
-raises an error that names the argument and, for ``cache_seqlens``, its values (`CacheBoundsError`,
-ValueError): one synchronisation per call. An int ``cache_seqlens`` is checked on the host (no read
+no host read: one small kernel (`sparseflash.flash.decode.BoundsCheck`; for a read, the split kernel
+itself: below) and ``torch._assert_async``, before anything is read or written. A bad value fails the
+call loudly, with a message that lists the bounds: at once on a CPU (a RuntimeError); on CUDA a
+device-side assert, which ends the process's CUDA context. The debug switch
+``SPARSEFLASH_KVCACHE_HOST_CHECKS=1`` (`HOST_CHECKS`) reads them back and raises an error that names the
+argument and, for ``cache_seqlens``, its values (`CacheBoundsError`, ValueError): one synchronisation
+per call. An int ``cache_seqlens`` is checked on the host (no read
 needed). A paged cache's capacity is also read on the host, as flash-attn reads
 ``max(cache_seqlens)`` for one, with its error (`CacheBoundsError`, a RuntimeError naming
 ``block_table``), unless ``SPARSEFLASH_CHECK_KEY_LENGTHS=0`` (`sparseflash.api.CHECK_KEY_LENGTHS`).
 Host reads are skipped while a CUDA graph is captured (the device check runs instead); where no kernel
 runs (a CPU without the interpreter) every bound is checked on the host, which costs no
-synchronisation there. A study switch, ``decode.OVERRIDES["check_in_split"]`` (off by default), checks a
-read's bounds (no new keys, no pages) in the split kernel instead, which clamps its reads until the
-assert after it fails the call: one launch less.
+synchronisation there. A read (no new keys, no pages) has its bounds checked by the split kernel itself,
+which clamps its reads until the assert after it fails the call: one launch less (the switch
+``check_in_split``, on by default; ``decode.OVERRIDES["check_in_split"] = False`` launches the check
+before, as an append or a paged cache always does).
 
 Host cost: the checks of shapes, dtypes and flags, and the split count, workspace and bound launches
 (`sparseflash.flash.decode.DecodePlan`), are made once per call key (`CallPlan`: the arguments' kinds,
@@ -352,13 +354,13 @@ class CallPlan:
             "capacity" if paged and lens == "tensor" and api.CHECK_KEY_LENGTHS else None
         self.device_check = None
         self.kernel = kernels_run and q.dtype != torch.float64 and D <= 256
-        # The study switch "check_in_split" (`decode.OVERRIDES`): a read without new keys or pages, whose
-        # bounds need only what the split kernel loads, is checked there (no bounds launch); an append
-        # writes at cache_seqlens before the split kernel runs, and page ids are read only by the check,
-        # so those keep the check before.
+        # The switch "check_in_split" (on unless `decode.OVERRIDES` sets it False): a read without new keys
+        # or pages, whose bounds need only what the split kernel loads, is checked there (no bounds launch);
+        # an append writes at cache_seqlens before the split kernel runs, and page ids are read only by the
+        # check, so those keep the check before.
         self.check_in_split = False
         if kernels_run and (lens == "tensor" or cache_leftpad is not None or cache_batch_idx is not None or paged):
-            self.check_in_split = self.kernel and not paged and not SN and bool(decode.OVERRIDES.get("check_in_split"))
+            self.check_in_split = self.kernel and not paged and not SN and decode.switch("check_in_split")
             if not self.check_in_split:
                 self.device_check = decode.bounds_check(
                     dev, B, seqlens=lens is not None, leftpad=cache_leftpad is not None,

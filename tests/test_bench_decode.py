@@ -47,17 +47,25 @@ def test_decode_bench_quick(tmp_path, capsys):
 
 
 def test_decode_bench_measures_study_switches_beside_the_default(tmp_path, capsys):
-    """``sparseflash-NAME`` providers: the call with the decode study switches NAME on (decode_host.VARIANTS),
-    a row beside the default's at each point, marked whether its output is the default's bit for bit; the
-    switches off again after; an unknown NAME is refused before anything runs."""
+    """``sparseflash-NAME`` providers: the call with the decode switches of NAME set (decode_host.VARIANTS:
+    ``old`` the default before fdc55a7's H200 measurement, ``fused`` the study switch fused_combine on), a
+    row beside the default's at each point, marked whether its output is the default's bit for bit (here
+    both are: at these sizes the balanced split count is the old one, and the launch switches keep the
+    order); OVERRIDES empty again after; an unknown NAME is refused before anything runs."""
+    from sparseflash.experiments.studies.decode_host import VARIANTS
     from sparseflash.flash import decode as kernel
 
+    assert VARIANTS["old"] == dict(balanced_splits=False, check_in_split=False)
+    assert set(VARIANTS["old"]) | set(VARIANTS["fused"]) == set(kernel.SWITCH_DEFAULTS)
+    assert all(kernel.SWITCH_DEFAULTS[k] != v for over in VARIANTS.values() for k, v in over.items())  # (each changes)
     assert decode.main(["--out", str(tmp_path), "--quick", "--no-deterministic-check", "--cache-lens", "256",
-                        "--providers", "sparseflash,sparseflash-both,sdpa"]) == 0
+                        "--providers", "sparseflash,sparseflash-old,sparseflash-fused,sdpa"]) == 0
     rows = list(csv.DictReader(open(tmp_path / "decode.csv")))
-    both = [r for r in rows if r["provider"] == "sparseflash-both"]
-    assert len(both) == 4 and all(r["status"] == "ok" and r["bitwise_default"] == "True" for r in both)
+    for name in ("sparseflash-old", "sparseflash-fused"):
+        var = [r for r in rows if r["provider"] == name]
+        assert len(var) == 4 and all(r["status"] == "ok" and r["bitwise_default"] == "True" for r in var), name
+    assert all(r["bitwise_default"] == "" for r in rows if r["provider"] in ("sparseflash", "sdpa"))
     assert kernel.OVERRIDES == {}
-    assert "sparseflash-both" in capsys.readouterr().out.splitlines()[-1]
+    assert "sparseflash-fused" in capsys.readouterr().out.splitlines()[-1]
     with pytest.raises(SystemExit):
         decode.main(["--out", str(tmp_path), "--quick", "--providers", "sparseflash-bogus"])

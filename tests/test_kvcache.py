@@ -542,7 +542,9 @@ class _Counting:
 @pytest.mark.parametrize("splits", [1, 3])
 def test_one_split_launches_no_combine(splits, monkeypatch):
     """With one split the split kernel stores the answer (and lse) itself: no combine launch, no float32
-    partials; with three, one combine. Both give the reference's answer."""
+    partials; with three, one combine. The split kernel checks a read's bounds (no bounds launch; with
+    ``decode.OVERRIDES["check_in_split"] = False`` the check is its own launch). Both give the reference's
+    answer."""
     from collections import Counter
 
     from sparseflash.flash import decode
@@ -554,8 +556,14 @@ def test_one_split_launches_no_combine(splits, monkeypatch):
     lens = torch.tensor([300, 123], dtype=torch.int32)
     out, lse = sparseflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits,
                                                   return_softmax_lse=True)
+    assert counts == Counter(decode_split_kernel=1, **({"decode_combine_kernel": 1} if splits > 1 else {}))
+    monkeypatch.setitem(decode.OVERRIDES, "check_in_split", False)
+    counts.clear()
+    again = sparseflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits,
+                                                return_softmax_lse=True)
     assert counts == Counter(decode_split_kernel=1, decode_bounds_kernel=1,
                              **({"decode_combine_kernel": 1} if splits > 1 else {}))
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
     plan = next(p for p in decode.PLANS.values() if p.splits == splits and p.shape == (2, 1, 4, 16))
     assert (plan.n_part == 0) == (splits == 1)
     ref_o, ref_lse = decode_reference(q.double(), kc.double(), vc.double(), torch.zeros(2, dtype=torch.int32), lens,
@@ -603,26 +611,33 @@ def test_plan_launches_bound_after_the_first(monkeypatch):
     q, kc, vc, _, _ = _small(N=300)
     lens = torch.tensor([300, 123], dtype=torch.int32)
     call = lambda qq: sparseflash.flash_attn_with_kvcache(qq, kc, vc, cache_seqlens=lens, num_splits=2)  # noqa: E731
-    call(q)
-    assert [n for n, _ in launched] == ["decode_bounds_kernel", "decode_split_kernel", "decode_combine_kernel"]
+    call(q)  # (a read: the split kernel checks the bounds, no bounds launch)
+    assert [n for n, _ in launched] == ["decode_split_kernel", "decode_combine_kernel"]
     assert not runs
     call(q)
-    assert len(launched) == 3 and len(runs) == 3
-    split = runs[1]
+    assert len(launched) == 2 and len(runs) == 2
+    split = runs[0]
     assert split[:4] == (2, 2, 2, 55) and split[4:9] == (7, (4, 1, 0), None, None, None)
     names = list(inspect.signature(decode.decode_split_kernel.fn).parameters)
     args = dict(zip(names, split[9:]))
     assert args["Q"] == q.data_ptr() and args["K"] == kc.data_ptr() and args["seqlens"] == lens.data_ptr()
     assert args["leftpad"] is None and args["n_splits"] == 2 and args["Out"] is None  # (two splits: partials)
     assert args["O_part"] is not None and args["LSE_part"] is not None and args["strides"][1] == kc.stride()
+    assert args["Ok"] is not None  # (the verdict, asserted after)
     q2 = torch.empty(q.numel() + 1)[1:].view_as(q).copy_(q)  # 4 bytes off 16-byte alignment
     call(q2)
     call(q2)
-    assert len(launched) == 4 and launched[-1][0] == "decode_split_kernel" and len(runs) == 3 + 2 + 3
+    assert len(launched) == 3 and launched[-1][0] == "decode_split_kernel" and len(runs) == 2 + 1 + 2
     assert dict(zip(names, runs[-2][9:]))["Q"] == q2.data_ptr()
     monkeypatch.setattr(binding, "FAST_LAUNCH", False)
     call(q)
-    assert len(launched) == 7 and len(runs) == 8
+    assert len(launched) == 5 and len(runs) == 5
+    monkeypatch.setitem(decode.OVERRIDES, "check_in_split", False)  # the bounds check its own launch, bound alike
+    monkeypatch.setattr(binding, "FAST_LAUNCH", True)
+    call(q)
+    call(q)
+    assert [n for n, _ in launched[5:]] == ["decode_bounds_kernel", "decode_split_kernel", "decode_combine_kernel"]
+    assert len(runs) == 5 + 3
 
 
 def test_append_and_index_vectors_in_any_layout(device):
@@ -769,7 +784,8 @@ for q, cache, kw in variants:
                  alibi=kw.get("alibi"), blk_idx=blocks[0], blk_cnt=blocks[1])
     for launch in p.launches():
         compile_launch(launch, named)
-# the study switches (decode.OVERRIDES): the split kernel merging its 33 splits and checking the bounds
+# the study switch fused_combine (decode.OVERRIDES): the split kernel merging its 33 splits, and checking the
+# bounds (as it does by default for a read)
 decode.OVERRIDES.update(fused_combine=True)
 q = torch.zeros(B, 1, 8, D, dtype=torch.bfloat16)
 p = decode.plan(q, kc, kc, scale=0.1, window=(-1, -1), max_len=1024, num_splits=33, leftpad=True, batch_idx=True,
@@ -793,8 +809,9 @@ for kw in (dict(leftpad=True, batch_idx=True), dict(block_table=table, page=64, 
 def test_decode_kernels_compile_for_sm90():
     """The decode kernels' compiled path (the interpreter never compiles them) builds for sm_90 without a GPU, for
     plans of each kind: splits and their combine, one split (lse not stored), a paged cache read whole, leftpad,
-    batch index, ALiBi, a window, softcap, block lists, chunked query blocks; with both study switches on (its 33
-    splits merged in the kernel, the bounds checked there); the append into a cache by batch index and into pages;
+    batch index, ALiBi, a window, softcap, block lists, chunked query blocks; with the study switch fused_combine
+    on (its 33 splits merged in the kernel) and the bounds checked there (as by default for a read); the append
+    into a cache by batch index and into pages;
     the bounds check with every bound.
     Triton's front end, its passes and the bundled ptxas, in a child process outside the interpreter."""
     import os

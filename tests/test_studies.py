@@ -637,8 +637,9 @@ def test_hopper_bwd_fa4_cases_variants_and_table(capsys):
 
 def test_decode_host_times_the_decode_path_and_restores_it(tmp_path, capsys):
     """decode_host/host_cpu.py times flash_attn_with_kvcache's host path with the decode kernels stubbed
-    (bound route, no host read; launches: bounds check, (append,) split, combine), and leaves the
-    modules it patched as it found them."""
+    (bound route, no host read; launches of the default: a read's split kernel (which checks the bounds)
+    and combine; an append's bounds check, append, split, combine; of the variant ``old``: the bounds check
+    before a read too; of ``fused``: no combine), and leaves the modules it patched as it found them."""
     from sparseflash.experiments.studies.decode_host import host_cpu
     from sparseflash.flash import binding, decode
 
@@ -648,20 +649,20 @@ def test_decode_host_times_the_decode_path_and_restores_it(tmp_path, capsys):
               binding.raw_stream, decode.INTERPRETING, decode.PLANS, decode.CHECKS, decode.APPENDS,
               sparseflash.kvcache.PLANS)
     assert host_cpu.main(["--out", str(tmp_path), "--calls", "5", "--repeats", "1", "--batches", "1", "--label", "t",
-                          "--variants", "default,both"]) == 0
+                          "--variants", "default,old,fused"]) == 0
     rows = json.loads((tmp_path / "host_cpu_t.json").read_text())["rows"]
     assert [(r["call"], r["batch"], r["variant"]) for r in rows] == [
-        ("read", 1, "default"), ("read", 1, "both"), ("append", 1, "default"), ("append", 1, "both")]
+        (c, 1, v) for c in ("read", "append") for v in ("default", "old", "fused")]
     for r in rows:
         assert r["host_reads"] == 0 and r["host_us_p10"] > 0
         append = r["call"] == "append"
-        if r["variant"] == "default":
-            assert r["launches"] == dict(decode_bounds_kernel=1, decode_split_kernel=1, decode_combine_kernel=1,
-                                         **({"decode_append_kernel": 1} if append else {}))
-        else:  # the split kernel merges its splits, and checks a read's bounds (an append keeps its check)
-            assert r["launches"] == dict(decode_split_kernel=1, **(dict(decode_bounds_kernel=1, decode_append_kernel=1)
-                                                                   if append else {}))
-            assert r["overrides"] == dict(fused_combine=True, check_in_split=True)
+        bounds = append or r["variant"] == "old"  # (an append keeps its check before the write)
+        combine = r["variant"] != "fused"  # (fused: the split kernel merges its 33 splits)
+        assert r["launches"] == dict(decode_split_kernel=1, **({"decode_bounds_kernel": 1} if bounds else {}),
+                                     **({"decode_combine_kernel": 1} if combine else {}),
+                                     **({"decode_append_kernel": 1} if append else {})), r
+        assert r["overrides"] == dict(default={}, old=dict(balanced_splits=False, check_in_split=False),
+                                      fused=dict(fused_combine=True))[r["variant"]]
     assert "host reads" in capsys.readouterr().out
     assert decode.OVERRIDES == {}
     with pytest.raises(SystemExit):

@@ -12,9 +12,13 @@ top-k selection gives). Providers:
 - ``flex``: ``torch.compile(flex_attention)`` with ``enable_gqa``, cache ``[batch, kv_heads, seq, d]``;
   sparse through a BlockMask of full blocks (``from_kv_blocks``, the 10% per query head).
 - ``sdpa``: ``scaled_dot_product_attention(enable_gqa=True)``, dense only.
-- ``sparseflash-NAME``: ``sparseflash`` with the decode study switches of ``NAME`` on
-  (`experiments.studies.decode_host.VARIANTS`: ``fused``, ``check``, ``both``, ``balanced``), measured beside the
-  default in the same run (`sparseflash.flash.decode.OVERRIDES`; experiments/studies/decode_host).
+- ``sparseflash-NAME``: ``sparseflash`` with the decode switches of ``NAME`` set
+  (`experiments.studies.decode_host.VARIANTS`), measured beside the default in the same run
+  (`sparseflash.flash.decode.OVERRIDES`; experiments/studies/decode_host): ``old``, the default before
+  the H200 measurement of fdc55a7 (the bounds check its own launch, the split count unbalanced);
+  ``unbalanced`` and ``host-check``, each of those alone; ``fused``, the study switch ``fused_combine``
+  on (the split kernel merges its splits). A variant's call also sorts its OVERRIDES into the call key
+  (about 1 µs of host time that the default does not pay).
 
 Time: GPU time per call from CUDA-graph replays (``do_bench_cudagraph`` median: no host cost; the
 cache is far larger than L2 from batch 4 / 16K on), and ``eager_ms``, the wall time per call of calls
@@ -113,7 +117,7 @@ def _reference(q, k, v, keep=None):
 
 
 def switches(provider: str) -> dict:
-    """The decode study switches of a ``sparseflash-NAME`` provider ({} for ``sparseflash``)."""
+    """The decode switches of a ``sparseflash-NAME`` provider ({} for ``sparseflash``, the default)."""
     if provider == "sparseflash":
         return {}
     from sparseflash.experiments.studies.decode_host import VARIANTS
@@ -187,8 +191,9 @@ def run_point(B, N, H, Hk, D, dtype, device, sparse: bool, providers, gen, flex_
         finally:
             decode.OVERRIDES.clear()
             decode.OVERRIDES.update(saved)
-    # whether a study switch changes any bit of the answer (the launch switches must not; another split
-    # count, "balanced", sums in another order: experiments/studies/decode_host)
+    # whether a variant changes any bit of the answer: the launch switches ("host-check", "fused") must
+    # not; the unbalanced split count ("old", "unbalanced") sums in another order where it differs from the
+    # balanced one (on an H200: batch 4; experiments/studies/decode_host)
     outs = {r["provider"]: r.pop("_out") for r in rows if "_out" in r}
     default = outs.get("sparseflash")
     for r in rows:
@@ -300,8 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--cache-lens", default="4096,32768,262144")
     ap.add_argument("--providers", default="sparseflash,flex,sdpa",
-                    help="of sparseflash, flex, sdpa and sparseflash-NAME (the decode study switches NAME: fused, "
-                         "check, both, balanced)")
+                    help="of sparseflash, flex, sdpa and sparseflash-NAME (the decode switches NAME: old, "
+                         "unbalanced, host-check, fused)")
     ap.add_argument("--max-cache-gb", type=float, default=20.0, help="skip points whose K+V cache is larger")
     ap.add_argument("--no-deterministic-check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU check of the script)")

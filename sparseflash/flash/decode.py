@@ -32,9 +32,11 @@ keys), computed in the kernel, so a call launches no index arithmetic of its own
 launches `decode_bounds_kernel`, one program that checks every row's lengths, leftpad, cache row and
 page ids and writes a verdict for ``torch._assert_async``: bad values fail on the device, with no host
 read. `Append` writes a call's new keys and values into the cache in one launch
-(`decode_append_kernel`). Two study switches (`OVERRIDES`, off by default) take launches out of a
-step: ``fused_combine`` (the split kernel's last program per (batch, kv head) merges the splits: no
-combine launch) and ``check_in_split`` (the split kernel writes the bounds verdict: no bounds launch).
+(`decode_append_kernel`). For a read without new keys or pages the split kernel writes the bounds
+verdict itself (``check_in_split``, on by default since an H200 measured it: no bounds launch), and the
+split count spreads the programs evenly over the SMs (``balanced_splits``, on by default: `pick_splits`);
+a study turns either off in `OVERRIDES`. A study switch, off by default: ``fused_combine`` (the split
+kernel's last program per (batch, kv head) merges the splits: no combine launch; slower on an H200).
 
 Forward only (flash-attn's decode has no backward). `sparseflash.kvcache` validates the inputs,
 applies rotary, and holds the plain-PyTorch reference of the same semantics.
@@ -94,11 +96,11 @@ def decode_split_kernel(
       and the one that draws the last merges the splits of its (batch, kv head) as
       `decode_combine_kernel` does (BLOCK_S its split tile), stores the answer and puts the counter
       back to 0: no combine launch;
-    - Ok (with bounds: ``(seq_max, n_rows)``; a study switch; not with block_table): int32 ``[1]``, the
-      bounds verdict `decode_bounds_kernel` would write for seqlens, leftpad and batch_idx, written by
-      program (0, 0, 0) for ``torch._assert_async`` after the launch; meanwhile every program clamps
-      its row's key end to ``seq_max + seq_add`` and its cache row to ``[0, n_rows)``, so a bad value
-      reads nothing outside the cache (a good one is unchanged)."""
+    - Ok (with bounds: ``(seq_max, n_rows)``; `sparseflash.kvcache`'s reads, by default; not with
+      block_table): int32 ``[1]``, the bounds verdict `decode_bounds_kernel` would write for seqlens,
+      leftpad and batch_idx, written by program (0, 0, 0) for ``torch._assert_async`` after the launch;
+      meanwhile every program clamps its row's key end to ``seq_max + seq_add`` and its cache row to
+      ``[0, n_rows)``, so a bad value reads nothing outside the cache (a good one is unchanged)."""
     BLOCK_D: tl.constexpr = block_d(HEAD_DIM)
     DIRECT: tl.constexpr = O_part is None  # one split: the answer stored here, no partials
     FUSED: tl.constexpr = Tickets is not None  # several: the last split of a (batch, kv head) merges them
@@ -431,12 +433,22 @@ def decode_append_kernel(
 
 
 # Launch settings of the split kernel, overridable by a study (experiments/studies/decode_splits): keys
-# "num_warps", "num_stages", "block_n" (the key tile, dense caches only). Study switches of the launches
-# per call (experiments/studies/decode_host), off until a GPU measures them: "fused_combine" (with several
-# splits the split kernel merges them itself: no combine launch) and "check_in_split" (`sparseflash.kvcache`:
-# a read without new keys or pages has its bounds checked by the split kernel: no bounds launch); and of the
-# split count, "balanced_splits" (`pick_splits`). Empty in normal use.
+# "num_warps", "num_stages", "block_n" (the key tile, dense caches only). Switches of the launches per call
+# and the split count (experiments/studies/decode_host), read with their defaults (`SWITCH_DEFAULTS`):
+# "check_in_split" (`sparseflash.kvcache`: a read without new keys or pages has its bounds checked by the
+# split kernel: no bounds launch) and "balanced_splits" (`pick_splits`), on by default since an H200
+# measured them (fdc55a7: check as fast on the GPU, less host time; balanced 9-12% less GPU time at batch
+# 4, the same elsewhere); a study sets either False for the previous behaviour. "fused_combine" (with
+# several splits the split kernel merges them itself: no combine launch), off: slower on the H200. Empty in
+# normal use (then every switch is its default; a plan's key holds OVERRIDES' items).
 OVERRIDES: dict = {}
+SWITCH_DEFAULTS = {"check_in_split": True, "balanced_splits": True, "fused_combine": False}
+
+
+def switch(name: str) -> bool:
+    """Whether the decode switch ``name`` (a key of `SWITCH_DEFAULTS`) is on: OVERRIDES' value, else its
+    default."""
+    return bool(OVERRIDES.get(name, SWITCH_DEFAULTS[name]))
 
 
 def sm_count(device: torch.device) -> int:
@@ -450,16 +462,18 @@ def pick_splits(batch: int, kv_heads: int, n_units: int, device: torch.device, m
     """num_splits=0: enough programs for about two waves over the SMs, each split keeping at least
     ``min_units`` tiles (so short caches are not cut into tiles of overhead); at most 128.
 
-    With the study switch ``OVERRIDES["balanced_splits"]``: the fewest splits from that count up whose
-    programs spread over the SMs within 5% of evenly (programs / SMs at least 0.95 of its ceiling), where
-    some do. The programs of a read are all resident at once, so an SM given one more than the others
-    sets the time: batch 4 x 8 kv heads with 9 splits is 288 programs, 2.18 an SM (some 3, some 2: 27%
-    longer than even); 12 splits, 2.91 an SM."""
+    Then, balanced (the switch ``balanced_splits``, on unless ``OVERRIDES["balanced_splits"]`` is False):
+    the fewest splits from that count up (to 4x it) whose programs spread over the SMs within 5% of evenly
+    (programs / SMs at least 0.95 of its ceiling), where some do. The programs of a read are all resident
+    at once, so an SM given one more than the others sets the time: batch 4 x 8 kv heads with 9 splits is
+    288 programs, 2.18 an SM (some 3, some 2: 27% longer than even); 12 splits, 2.91 an SM. On an H200
+    (132 SMs) this changes batch 4 only among the decode bench's points, and cut its GPU time 9-12%
+    (experiments/studies/decode_host, results/h200_switches)."""
     programs = batch * kv_heads
     sms = sm_count(device)
     top = min(n_units // min_units if n_units >= min_units else 1, 128)
     want = max(1, min(math.ceil(2 * sms / programs), top))
-    if OVERRIDES.get("balanced_splits"):
+    if switch("balanced_splits"):
         for s in range(want, min(4 * want, top) + 1):
             if programs * s / sms >= 0.95 * math.ceil(programs * s / sms):
                 return s
@@ -594,7 +608,7 @@ class DecodePlan:
             n_units = math.ceil(max_len / BLOCK_N)
         S = self.splits = num_splits if num_splits > 0 else pick_splits(B, Hk, n_units, q.device)
         direct = S == 1
-        fused = self.fused = not direct and bool(OVERRIDES.get("fused_combine"))
+        fused = self.fused = not direct and switch("fused_combine")
         if check and paged:
             raise ValueError("check: a paged cache's page ids are checked by decode_bounds_kernel")
         self.check = check
@@ -731,7 +745,7 @@ def plan(q, k_cache, v_cache, *, scale: float, window: tuple[int, int], softcap:
         store_lse: whether the call wants the lse.
         check: the split kernel checks the bounds of seqlens (``<= max_len - seq_add``), leftpad and
             batch_idx (``< k_cache.shape[0]``) and returns the verdict (`decode_split_kernel`'s Ok; no
-            paged cache): a study switch of `sparseflash.kvcache`.
+            paged cache): what `sparseflash.kvcache` asks for a read (its switch ``check_in_split``).
     """
     paged = block_table is not None
     cap = max_len if max_len is not None else (block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1])

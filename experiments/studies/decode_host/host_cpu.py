@@ -16,7 +16,7 @@ such runs, spread over the whole measurement; "best": the least 10th percentile 
 ops it dispatches (on a GPU each one that computes is a launch or an allocation), the Triton launches,
 and the host reads (``.cpu()``, ``.item()``, ``.tolist()``, ``bool()`` / ``int()`` of a tensor: each a
 device-to-host copy and a stream synchronisation on a GPU, free here). ``--variants``: the same calls
-under each named set of `sparseflash.flash.decode.OVERRIDES` study switches (`decode_host.VARIANTS`;
+under each named set of `sparseflash.flash.decode.OVERRIDES` switches (`decode_host.VARIANTS`;
 ``--overrides`` adds one of its own, "custom"), their rows timed in turn in the same run. Writes
 DIR/host_cpu[_LABEL].json and prints a table.
 """
@@ -201,9 +201,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--profile", action="store_true", help="also print the top functions of each call by own time")
     ap.add_argument("--variants", default="default",
-                    help=f"comma-separated sets of decode study switches, of {', '.join(VARIANTS)}")
+                    help=f"comma-separated sets of decode switches, of {', '.join(VARIANTS)}")
     ap.add_argument("--overrides", nargs="+", type=_override, default=[], metavar="KEY=VALUE",
-                    help="one more variant, 'custom': these decode.OVERRIDES (e.g. fused_combine=1 check_in_split=1)")
+                    help="one more variant, 'custom': these decode.OVERRIDES (e.g. fused_combine=1 check_in_split=0)")
     args = ap.parse_args(argv)
     variants = {}
     for name in args.variants.split(","):
@@ -256,10 +256,10 @@ def main(argv=None) -> int:
     meta = dict(environment(torch.device("cpu")), label=args.label, calls=args.calls)
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     print(f"wrote {path}")
-    print(f"{'call':>7} {'B':>3} {'variant':>8} {'us p10':>7} {'median':>7} {'best':>6} {'aten ops':>8} "
+    print(f"{'call':>7} {'B':>3} {'variant':>10} {'us p10':>7} {'median':>7} {'best':>6} {'aten ops':>8} "
           f"{'host reads':>10} {'launches':>8}")
     for r in rows:
-        print(f"{r['call']:>7} {r['batch']:>3} {r['variant']:>8} {r['host_us_p10']:>7.1f} {r['host_us_median']:>7.1f} "
+        print(f"{r['call']:>7} {r['batch']:>3} {r['variant']:>10} {r['host_us_p10']:>7.1f} {r['host_us_median']:>7.1f} "
               f"{r['host_us_p10_best']:>6.1f} {r['aten_ops']:>8} {r['host_reads']:>10} {r['triton_launches']:>8}")
     return 0
 
