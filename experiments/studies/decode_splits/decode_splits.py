@@ -78,6 +78,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="folder for the results (required unless --plot)")
     ap.add_argument("--plot", metavar="DIR", help="only redraw DIR/decode_splits.png from DIR/decode_splits.json")
     ap.add_argument("--quick", action="store_true", help="one small point, two settings (a CPU check of the script)")
+    ap.add_argument("--points", default=None, help="BxN points, comma-separated (default: "
+                    + ",".join(f"{b}x{n}" for b, n in POINTS) + ")")
+    ints = dict(type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--splits", default=SPLITS, help=f"num_splits values (0: the default's pick; default {SPLITS})", **ints)
+    ap.add_argument("--warps", default=WARPS, help=f"num_warps values (default {WARPS})", **ints)
+    ap.add_argument("--stages", default=STAGES, help=f"num_stages values (default {STAGES})", **ints)
+    ap.add_argument("--tiles", default=TILES, help=f"key tiles (default {TILES})", **ints)
+    ap.add_argument("--no-flex", action="store_true", help="leave compiled FlexAttention out (SDPA stays)")
     args = ap.parse_args(argv)
     if args.plot:
         print(plot(Path(args.plot)))
@@ -93,11 +101,19 @@ def main(argv=None) -> int:
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     H, Hk, D, dtype = 32, 8, 128, torch.bfloat16
-    points, settings = POINTS, list(itertools.product(SPLITS, WARPS, STAGES, TILES))
+    points = POINTS
+    if args.points:
+        try:
+            points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points.split(",")]
+        except ValueError:
+            ap.error(f"--points takes BxN points like 1x16384,4x16384, got {args.points!r}")
+        if any(len(p) != 2 or min(p) < 1 for p in points):
+            ap.error(f"--points takes BxN points with B, N >= 1, got {args.points!r}")
+    settings = list(itertools.product(args.splits, args.warps, args.stages, args.tiles))
     if args.quick:
         points, settings, H, Hk, D = [(2, 256)], [(0, 4, 3, 64), (2, 4, 2, 32)], 4, 2, 16
     flex = None
-    if dev.type == "cuda":
+    if dev.type == "cuda" and not args.no_flex:
         from torch.nn.attention.flex_attention import flex_attention
 
         flex = torch.compile(flex_attention, dynamic=False)
@@ -127,7 +143,8 @@ def main(argv=None) -> int:
 
         if dev.type == "cuda":
             add("sdpa", lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2))
-            add("flex", lambda: flex(qt, kt, vt, enable_gqa=True).transpose(1, 2))
+            if flex is not None:
+                add("flex", lambda: flex(qt, kt, vt, enable_gqa=True).transpose(1, 2))
         for splits, warps, stages, tile in settings:
             decode.OVERRIDES.update(num_warps=warps, num_stages=stages, block_n=tile)
             try:
