@@ -73,7 +73,11 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             "fwd-dyn": {"fwd": {"dynamic": True}},
             **{f"fwd-dyn-sec{s}": {"fwd": {"dynamic": True, "sec_heads": s}} for s in (1, 2, 4, 8)},
             "fwd-dyn-all": {"fwd": {"dynamic": True, "sec_heads": None}},
-            "fwd-static": {"fwd": {"dynamic": False}}}
+            "fwd-static": {"fwd": {"dynamic": False}},
+            # three consumer warpgroups at d=64 with turns and in-warpgroup overlap (FA4's configuration there),
+            # spill-free since the loader keeps 32 registers; and the flat default with the loader's old 40
+            "fwd-3wg-overlap": {"fwd": {"consumers": 3, "flat": False}},
+            "fwd-3wg-lr40": {"fwd": {"loader_regs": 40}}}
 
 
 @contextlib.contextmanager

@@ -602,6 +602,10 @@ if GLUON_ERROR is None:
 CONSUMER_REGS = 232  # second consumer warpgroup (setmaxnreg); the first takes what is left
 CONSUMER_REGS_3 = 160  # with three consumer warpgroups, the second and third (3 x 128 x 160 + the loader's fit)
 LOADER_REGS = 40
+# With three consumer warpgroups the loader's warpgroup gives up more, so that all three keep 160 (at 40 the
+# first, Gluon's default partition, got what was left: 152, and the in-warpgroup overlap spilled 120 bytes a
+# thread on triton 3.6's ptxas; at 32 none, as FlashAttention-4's 3 x 160 + 32)
+LOADER_REGS_3 = 32
 
 # Consumer warpgroups: at head_dim 64 without block lists three (192-row q tiles, FlashAttention-4's tile
 # there), each step S, softmax, P V in order (FLAT): 4-7% faster forwards than two ping-pong warpgroups at
@@ -621,7 +625,8 @@ LOADER_REGS = 40
 # "dynamic": True / False, the dynamic schedule (`DYNAMIC`) on every call / on none; causal calls then
 # take `_section`'s sections (or none) unless "sec_heads" says otherwise.
 OVERRIDES: dict = {}
-OVERRIDE_KEYS = ("consumers", "flat", "sec_heads", "one_tile", "named_turns", "dynamic")
+# "loader_regs": the loader warpgroup's setmaxnreg (default `LOADER_REGS`, `LOADER_REGS_3` with three consumers).
+OVERRIDE_KEYS = ("consumers", "flat", "sec_heads", "one_tile", "named_turns", "dynamic", "loader_regs")
 
 # Which calls take the dynamic schedule (SPARSEFLASH_HOPPER_DYNAMIC): "auto", causal calls whose walks
 # take sections (`_section`); "all", every call; "off", none. Each CTA of the persistent grid takes its
@@ -756,6 +761,9 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
             sec = OVERRIDES["sec_heads"]
         else:
             sec = _section(B * H, m_tiles, Nk, D, k.element_size(), H // Hk) if dyn else None
+    loader_regs = LOADER_REGS_3 if nwg == 3 else LOADER_REGS
+    if OVERRIDES and "loader_regs" in OVERRIDES:
+        loader_regs = OVERRIDES["loader_regs"]
     sched = _counters(q.device) if dyn else None  # (None while a graph is captured: the static schedule)
     so = o.stride()
     # O through shared memory and a TMA store where its layout takes a descriptor (faster, most on short
@@ -774,7 +782,7 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         stride_ib=i_strides[0], stride_ih=i_strides[1], stride_im=i_strides[2],
         stride_ob=so[0], stride_oh=so[1], stride_om=so[2],
         MASK_BQ=mask_bq or TILE, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal),
-        STAGES=_stages(D), CONSUMER_REGS=CONSUMER_REGS_3 if nwg == 3 else CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+        STAGES=_stages(D), CONSUMER_REGS=CONSUMER_REGS_3 if nwg == 3 else CONSUMER_REGS, LOADER_REGS=loader_regs,
         NWG=nwg, FLAT=flat, NAMED_TURNS=named, sec_heads=sec, SCHED=sched, num_warps=4)
     return o, lse
 
