@@ -207,7 +207,7 @@ def test_cuda_graph_replays_draw_fresh_bits(monkeypatch):
     index = mask.index("cuda")
     for rng, got in replays:
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        o, _ = FlashAttentionFunction.apply(qq, kk, vv, index.kv_idx, index.q_idx, None, rng, None, None,
+        o, _ = FlashAttentionFunction.apply(None, qq, kk, vv, None, index.kv_idx, index.q_idx, rng, None, None,
                                             64 ** -0.5, False, 128, 128, 0.3, -1.0)
         want = (o, *torch.autograd.grad(o, (qq, kk, vv), do))
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):

@@ -119,6 +119,28 @@ def test_repeat_calls_match_the_general_path(setting, spy, monkeypatch):
 
 
 @interp
+def test_one_autograd_function_for_both_paths(spy):
+    """The short path and the general path record the same autograd Function
+    (`FlashAttentionFunction`: given the cached entry, or the general arguments); no other Python
+    Function is left in sparseflash.flash (the C++ node of the native plans aside)."""
+    from sparseflash.flash import autograd
+
+    (o_fast, *_), _ = _call("mask", 0)
+    assert spy["hits"] == 1
+    fast.ENABLED = False
+    try:
+        (o_general, *_), _ = _call("mask", 0)
+    finally:
+        fast.ENABLED = True
+    assert spy["hits"] == 1
+    assert type(o_fast.grad_fn) is type(o_general.grad_fn)
+    assert type(o_fast.grad_fn).__name__ == autograd.FlashAttentionFunction.__name__ + "Backward"
+    functions = [name for module in (fast, autograd) for name, obj in vars(module).items()
+                 if isinstance(obj, type) and issubclass(obj, torch.autograd.Function)]
+    assert functions == ["FlashAttentionFunction"] * 2  # (fast imports the one autograd defines)
+
+
+@interp
 def test_no_grad_and_partial_grad_and_do_layouts(spy):
     """Without autograd (no_grad, inputs without grad) the forward is served without a Function;
     with only q needing grad only dq is computed by autograd's rules; a gradient with another

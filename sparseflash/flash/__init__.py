@@ -1,7 +1,8 @@
 """Triton block-sparse FlashAttention, one op in four layers (public function first):
 
 - `sparseflash.attention` (api.py): validation, the short path of repeated calls, dispatch here;
-- autograd.py: the torch.library ops, `FlashAttentionFunction` (autograd) and `flash_attention`;
+- autograd.py: the torch.library ops, `FlashAttentionFunction` (the one autograd Function, of the
+  general path and of the short path's entries) and `flash_attention`;
 - launch.py: the launchers (`fwd`, `bwd`: plans, grids, outputs, the launch), which ask
   dispatch.py whether the Hopper Gluon kernels run a call (hopper/: forward.py forward, backward.py
   backward, hopper/common.py their shared helpers) and otherwise take tiles and TMA from tiles.py

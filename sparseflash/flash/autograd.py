@@ -123,9 +123,20 @@ def _op(custom, impl):
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale,
-    causal, mask_bq, mask_bk, dropout_p, density[, slopes, softcap, bits, kv_tile, q_tile, deterministic,
-    ranges]); lse holds +inf for rows that attend to nothing. ``slopes``: ALiBi's float32 [1 or B, Hq]
+    """The one autograd Function of `sparseflash.attention`, for both ways a call reaches the kernels:
+
+    - general: ``o, lse = FlashAttentionFunction.apply(None, q, k, v, key_lengths, kv_idx, q_idx, rng, seg_q,
+      seg_k, scale, causal, mask_bq, mask_bk, dropout_p, density[, slopes, softcap, bits, kv_tile, q_tile,
+      deterministic, ranges])``: forward and backward through the ops ``sparseflash::flash_fwd`` /
+      ``flash_bwd`` (their implementations `flash_fwd_eager` / `flash_bwd_impl` directly in eager mode) ->
+      `launch.fwd` / `launch.bwd`. lse holds +inf for rows that attend to nothing.
+    - short path: ``o = FlashAttentionFunction.apply(entry, q, k, v, key_lengths[, kv_idx, q_idx])``, ``entry``
+      a cached `fast.Entry` (the plan of a repeated eager call: its scalars and bound launches); ``kv_idx``,
+      ``q_idx``: a per-call mask's lists for this call (kept for its backward: the entry is shared by every
+      call of its shapes, whose forwards may all run before the first backward), left out: the entry's own.
+      Forward and backward run the entry's launches (`fast.Entry.forward`, `backward`); one output.
+
+    The arguments: ``slopes``: ALiBi's float32 [1 or B, Hq]
     or None (no gradient); ``softcap``: a float, 0 off; ``deterministic``: the backward adds without
     atomics (bitwise repeatable). ``seg_q``, ``seg_k``: int32 segment ids [1 or B, seq] (packed
     documents), both or neither; ``ranges``: the int32 key-range table [1 or B, 2, seq_q]
@@ -136,9 +147,14 @@ class FlashAttentionFunction(torch.autograd.Function):
     aligned with ``kv_idx`` / ``q_idx`` (`sparseflash.mask.ExactBits`): token-exact partial blocks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
-                dropout_p, density, slopes=None, softcap=0.0, bits=None, kv_tile=None, q_tile=None,
-                deterministic=False, ranges=None):
+    def forward(ctx, entry, q, k, v, key_lengths, kv_idx=None, q_idx=None, rng=None, seg_q=None, seg_k=None, scale=None,
+                causal=False, mask_bq=0, mask_bk=0, dropout_p=0.0, density=1.0, slopes=None, softcap=0.0, bits=None,
+                kv_tile=None, q_tile=None, deterministic=False, ranges=None):
+        ctx.entry = entry
+        if entry is not None:  # the short path: the entry's launches (its key fixed everything else)
+            o, lse = entry.forward(q, k, v, key_lengths, kv_idx)
+            ctx.save_for_backward(q, k, v, o, lse, key_lengths, kv_idx, q_idx)
+            return o  # (an unused output's gradient arrives materialised: zeros)
         o, lse, rng = _op(torch.ops.sparseflash.flash_fwd, flash_fwd_eager)(q, k, v, kv_idx, key_lengths, rng, seg_q, seg_k,
                                                                        scale, causal, mask_bq, mask_bk, dropout_p, density,
                                                                        slopes, softcap, bits, kv_tile, q_tile, ranges)
@@ -149,7 +165,12 @@ class FlashAttentionFunction(torch.autograd.Function):
         return o, lse
 
     @staticmethod
-    def backward(ctx, do, dlse):
+    def backward(ctx, do, dlse=None):
+        entry = ctx.entry
+        if entry is not None:
+            q, k, v, o, lse, key_lengths, kv_idx, q_idx = ctx.saved_tensors
+            dq, dk, dv = entry.backward(do, q, k, v, o, lse, key_lengths, kv_idx, q_idx)
+            return None, dq, dk, dv, None, None, None  # (the Nones past the inputs given are dropped)
         q, k, v, o, lse, rng, kv_idx, q_idx, key_lengths, seg_q, seg_k, slopes, bits, kv_tile, q_tile, ranges = \
             ctx.saved_tensors
         scale, causal, mask_bq, mask_bk, dropout_p, density, softcap, deterministic = ctx.params
@@ -159,7 +180,7 @@ class FlashAttentionFunction(torch.autograd.Function):
                                                                      rng, seg_q, seg_k, scale, causal, mask_bq, mask_bk,
                                                                      dropout_p, density, slopes, softcap, bits, kv_tile,
                                                                      q_tile, deterministic, ranges)
-        return (dq, dk, dv) + (None,) * 19
+        return (None, dq, dk, dv) + (None,) * 19
 
 
 def _tables(seg_q: Optional[Tensor], seg_k: Optional[Tensor], ranges: Optional[Tensor],
@@ -281,7 +302,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | None = No
     if seg_k is not None and seg_k is seg_q:
         seg_k = seg_k.view_as(seg_k)
     slopes = None if alibi_slopes is None else alibi_slopes.detach().to(torch.float32).contiguous()
-    o, lse = FlashAttentionFunction.apply(q, k, v, kv_idx, q_idx, key_lengths, rng, seg_q, seg_k, scale, causal,
+    o, lse = FlashAttentionFunction.apply(None, q, k, v, key_lengths, kv_idx, q_idx, rng, seg_q, seg_k, scale, causal,
                                           mask_bq, mask_bk, float(dropout_p), float(density), slopes,
                                           float(softcap or 0.0), bits, kv_tile, q_tile, bool(deterministic), key_ranges)
     if return_lse:

@@ -3,8 +3,9 @@
 One unit with its C++ half (`sparseflash.flash.native`, `_native.cpp`), entered here only:
 `sparseflash.attention` calls `lookup` (None: the call takes the general path; a `Miss`: its key is
 new, and after validating the call the caller asks `build` for the entry), then `call`. This module calls `launch`, `autograd`
-and `native` through their public names; none of them calls back (a native plan's backward
-fallback is a callable this module hands it with the plan).
+and `native` through their public names; none of them imports it (`autograd.FlashAttentionFunction`
+calls the `Entry` this module hands it with a call, a native plan's backward fallback is a callable
+this module hands it with the plan).
 
 A model calls attention with the same shapes, layouts, mask and scalars step after step. The
 first call of each such combination goes the general way (the caller's validation, `flash_attention`,
@@ -12,9 +13,10 @@ the launchers' plans) and leaves an `Entry` keyed by everything that validation 
 plans read: shapes, strides, dtypes and devices of q, k, v and key_lengths, the mask (its own
 cache, `BlockMask.fast_entries`, so entries go with the mask), causal and scale with their types, the
 launchers' module state. A later call with the same key skips validation and planning: it
-allocates the outputs and runs the launchers' plans (`launch.run`, by parameter name); under autograd one
-`torch.autograd.Function` with five inputs carries it (`_FastFunction`), without autograd
-(no_grad, inference, inputs that need no grad) none does. On CUDA, once the entry's forward is
+allocates the outputs and runs the launchers' plans (`launch.run`, by parameter name); under autograd the
+general path's own Function carries it, given the entry in place of the general arguments
+(`autograd.FlashAttentionFunction`: one autograd Function for both), without autograd (no_grad,
+inference, inputs that need no grad) none does. On CUDA, once the entry's forward is
 bound and the C++ module is built, the entry's `native.Plan` serves its calls instead: the same
 kernels launched from C++, with a C++ autograd node whose backward runs the dQ and dK/dV launches
 of each dO layout the Python backward has bound (`sparseflash.flash.native`); what it has no
@@ -52,7 +54,7 @@ from torch.autograd import forward_ad as _forward_ad
 
 from sparseflash._compat import check_interpreter_versions
 from sparseflash.flash import binding, launch, native, tiles
-from sparseflash.flash.autograd import check_runnable, estimate_work, mask_lists
+from sparseflash.flash.autograd import FlashAttentionFunction, check_runnable, estimate_work, mask_lists
 from sparseflash.mask import BlockMask
 from sparseflash import _env
 
@@ -161,18 +163,22 @@ class Entry:
         # delta, a third of what torch.empty(shape, device=, dtype=) costs on the host
         self.rows = torch.empty((), device=q.device, dtype=torch.float32).expand(q.shape[:3])
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kl: Tensor | None, lists=None) -> tuple[Tensor, Tensor]:
-        """``lists``: a per-call mask's (kv_idx, q_idx) for this call (None: the entry's own)."""
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kl: Tensor | None, kv_idx: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """(o, lse) of a call; ``kv_idx``: a per-call mask's row lists for this call (None: the entry's own)."""
         o = torch.empty_like(q)
         lse = torch.empty_like(self.rows)
         if launch.POISON_OUTPUTS:
             o.fill_(float("nan"))
             lse.fill_(float("nan"))
-        self.fwd((q, k, v, o, lse, kl), None if lists is None else {"KV_IDX": lists[0]})
+        self.fwd((q, k, v, o, lse, kl), None if kv_idx is None else {"KV_IDX": kv_idx})
         return o, lse
 
-    def backward(self, do, q, k, v, o, lse, kl, lists=None) -> tuple[Tensor, Tensor, Tensor]:
-        kv_idx, q_idx = (self.kv_idx, self.q_idx) if lists is None else lists
+    def backward(self, do, q, k, v, o, lse, kl, kv_idx=None, q_idx=None) -> tuple[Tensor, Tensor, Tensor]:
+        """(dq, dk, dv); ``kv_idx``, ``q_idx``: a per-call mask's lists for this call (None: the entry's own)."""
+        lists = kv_idx is not None
+        if not lists:
+            kv_idx, q_idx = self.kv_idx, self.q_idx
         pair = self.bwd.get(do.stride(), _NO) if do.dtype == q.dtype else None
         if pair is _NO:
             if len(self.bwd) >= 8:
@@ -189,8 +195,8 @@ class Entry:
             for t in (delta, dq, dk, dv):
                 t.fill_(float("nan"))
         ts = (q, k, v, o, lse, kl, do, delta, dq, dk, dv)
-        pair[0](ts, None if lists is None else {"KV_IDX": kv_idx})
-        pair[1](ts, None if lists is None else {"Q_IDX": q_idx})
+        pair[0](ts, {"KV_IDX": kv_idx} if lists else None)
+        pair[1](ts, {"Q_IDX": q_idx} if lists else None)
         if self.native:
             self._native_bwd(do, pair)
         return dq, dk, dv
@@ -248,25 +254,6 @@ class NativeFallback:
         kv_idx, q_idx, scale, causal, mask_bq, mask_bk, work = self.args
         return launch.bwd(do, q, k, v, o, lse, None, kv_idx, q_idx, kl, scale, causal, mask_bq, mask_bk, 0.0, None,
                           work=work)
-
-
-class _FastFunction(torch.autograd.Function):
-    """o = _FastFunction.apply(entry, q, k, v, key_lengths, lists): the eager short path under autograd
-    (``lists``: a per-call mask's (kv_idx, q_idx), kept for this call's backward: the entry is shared by
-    every call of its shapes, whose forwards may all run before the first backward)."""
-
-    @staticmethod
-    def forward(ctx, entry, q, k, v, kl, lists=None):
-        o, lse = entry.forward(q, k, v, kl, lists)
-        ctx.save_for_backward(q, k, v, o, lse, kl)
-        ctx.entry, ctx.lists = entry, lists
-        return o  # (an unused output's gradient arrives materialised: zeros)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, kl = ctx.saved_tensors
-        dq, dk, dv = ctx.entry.backward(do, q, k, v, o, lse, kl, ctx.lists)
-        return None, dq, dk, dv, None, None
 
 
 class Miss:
@@ -336,10 +323,10 @@ def build(miss: Miss, q, k, v, mask, causal, scale: float, key_lengths, triton: 
 def call(entry: Entry, q, k, v, key_lengths, mask: BlockMask | None = None) -> Tensor:
     """The output of a call that `entry` serves (its key_lengths already checked as asked);
     ``mask``: the call's, whose lists a per-call mask's entry launches with."""
-    lists = None
+    kv_idx = q_idx = None  # the entry's own lists
     if entry.dynamic:  # (its block sizes are in the key: checked when the entry was built)
         index = mask.index(q.device)
-        lists = index.kv_idx, index.q_idx
+        kv_idx, q_idx = index.kv_idx, index.q_idx
     nat = entry.native  # (False for a per-call mask's entry)
     if nat is None:
         nat = entry.make_native()
@@ -353,8 +340,10 @@ def call(entry: Entry, q, k, v, key_lengths, mask: BlockMask | None = None) -> T
             if err:
                 raise RuntimeError(err)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FastFunction.apply(entry, q, k, v, key_lengths, lists)
-    return entry.forward(q, k, v, key_lengths, lists)[0]
+        if kv_idx is None:
+            return FlashAttentionFunction.apply(entry, q, k, v, key_lengths)
+        return FlashAttentionFunction.apply(entry, q, k, v, key_lengths, kv_idx, q_idx)
+    return entry.forward(q, k, v, key_lengths, kv_idx)[0]  # nothing to differentiate: no autograd node
 
 
 def make_entry(q, k, v, mask, causal, scale, kl):

@@ -133,7 +133,8 @@ def main(argv=None) -> int:
 
     from sparseflash.flash.autograd import FlashAttentionFunction
 
-    ctx = SimpleNamespace(saved_tensors=(q, k, v, o, lse, torch.empty(3, dtype=torch.int64, device=dev), kv_idx, q_idx,
+    ctx = SimpleNamespace(entry=None,  # (the general path's backward: no short-path entry)
+                          saved_tensors=(q, k, v, o, lse, torch.empty(3, dtype=torch.int64, device=dev), kv_idx, q_idx,
                                          None, None, None, None, None, None, None, None),
                           params=(scale, False, mb or 0, mb or 0, 0.0, density, 0.0, False))
 
