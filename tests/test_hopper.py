@@ -570,8 +570,7 @@ def test_gpu_fwd_named_turns_agree(monkeypatch, hopper_spy, D, mask_on, causal):
 def test_gpu_fwd_dynamic_schedule_agrees(monkeypatch, hopper_spy, D, mask_on, causal, groups):
     """The dynamic schedule (each CTA takes its next tile from a counter) gives the static schedule's
     output and LSE bitwise, with causal sections of 1, 2 and all heads and of `_section`'s size, over many
-    more tiles than SMs, GQA, key lengths with an empty walk; and every launch leaves its counters zero
-    (the next launch on the stream starts from them)."""
+    more tiles than SMs, GQA, key lengths with an empty walk."""
     q, k, v, _ = make_qkv(3, 6, groups, 3000, 3000, D, torch.bfloat16, "cuda", seed=D + 13)
     kl = torch.tensor([3000, 1, 2048], device="cuda")
     mask = random_mask(3000, 4, block_size=128, heads=6, seed=7, device="cuda") if mask_on else None
@@ -589,7 +588,6 @@ def test_gpu_fwd_dynamic_schedule_agrees(monkeypatch, hopper_spy, D, mask_on, ca
     for o, lse in got[1:]:
         assert torch.equal(got[0][0], o) and torch.equal(got[0][1], lse)
     assert len(hopper_spy) == 2 * len(runs)
-    assert hopper._COUNTERS and all(int(c.abs().sum()) == 0 for c in hopper._COUNTERS.values())
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")

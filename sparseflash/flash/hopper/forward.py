@@ -764,7 +764,7 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     loader_regs = LOADER_REGS_3 if nwg == 3 else LOADER_REGS
     if OVERRIDES and "loader_regs" in OVERRIDES:
         loader_regs = OVERRIDES["loader_regs"]
-    sched = _counters(q.device) if dyn else None  # (None while a graph is captured: the static schedule)
+    sched = _counters(q.device) if dyn else None
     so = o.stride()
     # O through shared memory and a TMA store where its layout takes a descriptor (faster, most on short
     # walks: experiments/studies/hopper/README.md, the TMA epilogue), else stored from registers
@@ -807,22 +807,9 @@ def _section(n_bh: int, m_tiles: int, seq_k: int, head_dim: int, esz: int, group
     return None if sec >= n_bh else sec
 
 
-_COUNTERS: dict = {}
-
-
 def _counters(device):
-    """The dynamic schedule's int32 [2] counters (next stream position, CTAs done) for the current
-    stream of ``device``: zeroed once, and each launch leaves them zero (its last CTA resets them),
-    so launches on one stream, which run one after another, share them. None while the stream is
-    capturing a CUDA graph and has none yet (allocating there would tie them to the graph): that
-    launch takes the static schedule."""
-    if device.type != "cuda":  # (the sm_90 compile check's CPU stand-in tensors)
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    stream = torch.cuda.current_stream(device)
-    key = (device.index, stream.cuda_stream)
-    c = _COUNTERS.get(key)
-    if c is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        c = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return c
+    """The dynamic schedule's int32 [2] counters (next stream position, CTAs done), zeroed for this
+    call (one memset; captured with the launch in a CUDA graph). A buffer per call, not per stream:
+    launches on different streams may run at once, and a graph is captured on a stream of its own.
+    (The kernel's last CTA also puts them back to zero.)"""
+    return torch.zeros(2, dtype=torch.int32, device=device)
