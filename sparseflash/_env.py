@@ -6,6 +6,7 @@ attribute directly. Values read at import are marked so; the others on every use
 |---|---|---|---|
 | ``TRITON_INTERPRET`` | 0 / 1 | `interpreting()` (on use); `kernels.INTERPRET`, `tiles.INTERPRETING` (import) | the Triton interpreter runs the kernels on CPU tensors |
 | ``SPARSEFLASH_HOPPER`` | auto / off | `flash.hopper.forward.MODE` | off: the portable kernels everywhere |
+| ``SPARSEFLASH_HOPPER_DYNAMIC`` | off / auto / all | `flash.hopper.forward.DYNAMIC` | the Hopper forward's dynamic tile schedule: never / causal calls with short walks, in head sections / every call |
 | ``SPARSEFLASH_HOPPER_BWD`` | auto / on / off | `flash.hopper.backward.MODE` | the one-pass Hopper backward: by its dispatch rule / always / never |
 | ``SPARSEFLASH_HOPPER_EXACT`` | on / off | `flash.dispatch.HOPPER_EXACT` | calls with exact-mask bits may take the Hopper kernels |
 | ``SPARSEFLASH_TMA`` | auto / on / off | `flash.tiles.TMA_MODE` | TMA descriptor loads on sm_90+ |

@@ -117,16 +117,16 @@ def test_dynamic_schedule_builds_for_sm90(tmp_path):
 
 
 def test_dynamic_schedule_sections():
-    """Causal sections (`_section`): the heads whose K and V make SECTION_BYTES on short walks; all heads at
+    """Causal sections (`section`): the heads whose K and V make SECTION_BYTES on short walks; all heads at
     once (None) on walks longer than SECTION_MAX_TILES q tiles or when one section would hold them all."""
     mb = 1 << 20
     assert hopper.SECTION_BYTES == 16 * mb and hopper.SECTION_MAX_TILES == 32
-    assert hopper._section(64, 32, 4096, 128, 2, 1) == 8  # 2 MB of K and V a head
-    assert hopper._section(64, 22, 4096, 64, 2, 1) == 16
-    assert hopper._section(64, 32, 4096, 128, 2, 4) == 32  # GQA: four heads share one K / V
-    assert hopper._section(16, 128, 16384, 128, 2, 1) is None  # long walks
-    assert hopper._section(8, 32, 4096, 128, 2, 1) is None  # one section would hold every head
-    assert hopper._section(4, 8, 1 << 20, 128, 2, 1) == 1
+    assert hopper.section(64, 32, 4096, 128, 2, 1) == 8  # 2 MB of K and V a head
+    assert hopper.section(64, 22, 4096, 64, 2, 1) == 16
+    assert hopper.section(64, 32, 4096, 128, 2, 4) == 32  # GQA: four heads share one K / V
+    assert hopper.section(16, 128, 16384, 128, 2, 1) is None  # long walks
+    assert hopper.section(8, 32, 4096, 128, 2, 1) is None  # one section would hold every head
+    assert hopper.section(4, 8, 1 << 20, 128, 2, 1) == 1
 
 
 def test_dynamic_switch_named(monkeypatch):
@@ -569,7 +569,7 @@ def test_gpu_fwd_named_turns_agree(monkeypatch, hopper_spy, D, mask_on, causal):
                                                         (64, True, True, 2), (128, False, False, 6)])
 def test_gpu_fwd_dynamic_schedule_agrees(monkeypatch, hopper_spy, D, mask_on, causal, groups):
     """The dynamic schedule (each CTA takes its next tile from a counter) gives the static schedule's
-    output and LSE bitwise, with causal sections of 1, 2 and all heads and of `_section`'s size, over many
+    output and LSE bitwise, with causal sections of 1, 2 and all heads and of `section`'s size, over many
     more tiles than SMs, GQA, key lengths with an empty walk."""
     q, k, v, _ = make_qkv(3, 6, groups, 3000, 3000, D, torch.bfloat16, "cuda", seed=D + 13)
     kl = torch.tensor([3000, 1, 2048], device="cuda")

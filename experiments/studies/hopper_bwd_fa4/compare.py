@@ -69,7 +69,7 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             "fwd-named-turns": {"fwd": {"named_turns": True}},
             "fwd-named-turns-one-tile": {"fwd": {"named_turns": True, "one_tile": True}},
             # the dynamic schedule (each CTA of the persistent grid takes its next tile from a counter):
-            # causal sections of `forward._section`'s size, or of 1 / 2 / 4 / 8 / all (batch, head)s
+            # causal sections of `forward.section`'s size, or of 1 / 2 / 4 / 8 / all (batch, head)s
             "fwd-dyn": {"fwd": {"dynamic": True}},
             **{f"fwd-dyn-sec{s}": {"fwd": {"dynamic": True, "sec_heads": s}} for s in (1, 2, 4, 8)},
             "fwd-dyn-all": {"fwd": {"dynamic": True, "sec_heads": None}},

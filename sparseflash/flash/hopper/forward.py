@@ -16,8 +16,8 @@ dependent chain. This kernel takes FlashAttention-3's structure, written in Gluo
 - **in-warpgroup overlap**: step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together and
   computes the softmax of S_j while the second one runs (O is rescaled before that issue);
 - **persistent** grid of one CTA per SM walking q tiles p, p + G, ... (the static schedule), or taking
-  each next tile from a counter (the dynamic schedule, `DYNAMIC`: causal calls with short walks, whose
-  heads run in sections that keep their K / V in L2); barrier phases are counted over the CTA's whole
+  each next tile from a counter (the dynamic schedule, `DYNAMIC`, a switch: causal calls with short walks,
+  whose heads run in sections that keep their K / V in L2); barrier phases are counted over the CTA's whole
   stream, so the next tile's Q and first K/V tiles load during the current tile's last steps and epilogue;
 - **epilogue**: each warpgroup writes its half of O into shared memory and one TMA
   store takes it out, so the next tile starts without waiting on global stores (an O whose layout
@@ -48,7 +48,7 @@ from sparseflash import _env
 from sparseflash.flash import binding
 from sparseflash.flash.operands import cdiv
 
-__all__ = ["fwd", "plan", "unsupported", "layouts", "tensor_layout", "GLUON_ERROR", "MODE", "TILE"]
+__all__ = ["fwd", "plan", "unsupported", "layouts", "tensor_layout", "section", "GLUON_ERROR", "MODE", "DYNAMIC", "TILE"]
 
 if GLUON_ERROR is None:  # (the guarded import, and the helpers the backward shares: `common`)
     from triton.experimental import gluon
@@ -623,16 +623,18 @@ LOADER_REGS_3 = 32
 # has the warpgroup meet at a bar.sync first: 7% of the consumers' stall samples at causal d=128 16K sit
 # there, FA4's 0.1%). Empty in normal use.
 # "dynamic": True / False, the dynamic schedule (`DYNAMIC`) on every call / on none; causal calls then
-# take `_section`'s sections (or none) unless "sec_heads" says otherwise.
+# take `section`'s sections (or none) unless "sec_heads" says otherwise.
 OVERRIDES: dict = {}
 # "loader_regs": the loader warpgroup's setmaxnreg (default `LOADER_REGS`, `LOADER_REGS_3` with three consumers).
 OVERRIDE_KEYS = ("consumers", "flat", "sec_heads", "one_tile", "named_turns", "dynamic", "loader_regs")
 
 # Which calls take the dynamic schedule (SPARSEFLASH_HOPPER_DYNAMIC): "auto", causal calls whose walks
-# take sections (`_section`); "all", every call; "off", none. Each CTA of the persistent grid takes its
+# take sections (`section`); "all", every call; "off", none. Each CTA of the persistent grid takes its
 # next tile from a counter as it finishes one, so causal sections of heads (K / V kept in L2) stay
-# balanced; the static schedule deals the tiles out in rounds, which sections would unbalance.
-DYNAMIC = _env.text("SPARSEFLASH_HOPPER_DYNAMIC", "auto")
+# balanced; the static schedule deals the tiles out in rounds, which sections would unbalance. "off" by
+# default until a GPU has measured "auto" with counters zeroed per call (the per-stream counters it was
+# measured with left a CUDA graph captured on another stream with sections and no counters: slower).
+DYNAMIC = _env.text("SPARSEFLASH_HOPPER_DYNAMIC", "off")
 
 
 def unsupported(q, k, v, *, mask_bq=None, mask_bk=None, dropout_p=0.0, seg=None) -> str | None:
@@ -744,7 +746,7 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
     nwg, flat = (3, True) if wide else (2, False)
     named = one_tile = False
     m_tiles = cdiv(Nq, 64 * nwg)
-    sec = _section(B * H, m_tiles, Nk, D, k.element_size(), H // Hk) if causal and DYNAMIC != "off" else None
+    sec = section(B * H, m_tiles, Nk, D, k.element_size(), H // Hk) if causal and DYNAMIC != "off" else None
     dyn = sec is not None or DYNAMIC == "all"
     if OVERRIDES:  # (a study's: normal calls skip the check and the lookups)
         if not set(OVERRIDES) <= set(OVERRIDE_KEYS) or OVERRIDES.get("consumers", nwg) not in (2, 3):
@@ -760,7 +762,7 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
         elif "sec_heads" in OVERRIDES:
             sec = OVERRIDES["sec_heads"]
         else:
-            sec = _section(B * H, m_tiles, Nk, D, k.element_size(), H // Hk) if dyn else None
+            sec = section(B * H, m_tiles, Nk, D, k.element_size(), H // Hk) if dyn else None
     loader_regs = LOADER_REGS_3 if nwg == 3 else LOADER_REGS
     if OVERRIDES and "loader_regs" in OVERRIDES:
         loader_regs = OVERRIDES["loader_regs"]
@@ -790,13 +792,15 @@ def fwd(q, k, v, o, lse, lists, key_lengths, scale: float, causal: bool, mask_bq
 # Causal sections of the dynamic schedule (experiments/studies/hopper_bwd_fa4, session 9; H200, bf16, 16
 # heads): the (batch, head)s whose K and V make SECTION_BYTES, on walks of at most SECTION_MAX_TILES q tiles.
 # At 4K x 4 (32 tiles a walk) sections of 4-8 heads cut the causal forward by 11% at d=128 (0.549 -> 0.488
-# ms) and 2.5% at d=64; at 16K (128 tiles) every section size tried (1, 2, 4 heads) was 15-36% slower than
-# all heads at once, which is as fast as the static schedule there.
+# ms) and 2.5% at d=64. The 16K rows that set SECTION_MAX_TILES (sections 15-36% slower) match the static
+# schedule with sections to 0.1-0.6%, which is what a launch without counters ran then; Nsight Compute of
+# one launch with sections of 2 at 16K: 1.55 ms, L2 hits 96% (static, all heads: 1.66 ms, 74%). To be
+# remeasured with counters per call; the limit is likely to go.
 SECTION_BYTES = 16 << 20
 SECTION_MAX_TILES = 32
 
 
-def _section(n_bh: int, m_tiles: int, seq_k: int, head_dim: int, esz: int, group: int):
+def section(n_bh: int, m_tiles: int, seq_k: int, head_dim: int, esz: int, group: int):
     """The (batch, head)s a causal section of the dynamic schedule (`_tile_at`): as many as share
     `SECTION_BYTES` of K and V (heads of one GQA group share theirs); None (all heads at once) when
     that is all of them or a walk has more than `SECTION_MAX_TILES` q tiles (``m_tiles``)."""
