@@ -142,8 +142,8 @@ def test_bwd_study_overrides_named(monkeypatch):
     q = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 128)
     monkeypatch.setitem(hopper_bwd.OVERRIDES, "causal_spilt", True)
-    with pytest.raises(ValueError, match=r"OVERRIDES takes the keys \('q_step', 'dkdv_tma', 'causal_split', 'grid_all'\), got "
-                                         r"\['causal_spilt'\]"):
+    with pytest.raises(ValueError, match=r"OVERRIDES takes the keys \('q_step', 'dkdv_tma', 'causal_split', 'grid_all', "
+                                         r"'dp_zero'\), got \['causal_spilt'\]"):
         hopper_bwd.bwd(q, q, q, q, q, lse, None, None, None, 0.125, False, None, None, None, None)
 
 
@@ -588,6 +588,20 @@ def test_gpu_fwd_dynamic_schedule_agrees(monkeypatch, hopper_spy, D, mask_on, ca
     for o, lse in got[1:]:
         assert torch.equal(got[0][0], o) and torch.equal(got[0][1], lse)
     assert len(hopper_spy) == 2 * len(runs)
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("D, mask_on, causal", [(128, False, True), (64, False, False), (128, True, False), (64, True, True)])
+def test_gpu_bwd_dp_zero_against_reference(monkeypatch, hopper_spy, hopper_bwd_spy, D, mask_on, causal):
+    """The backward with dP^T started at zero and -delta added after its wgmma (the study switch
+    `dp_zero`): gradients against the float64 reference, GQA, key lengths, block lists."""
+    monkeypatch.setitem(hopper_bwd.OVERRIDES, "dp_zero", True)
+    q, k, v, do = make_qkv(2, 4, 2, 1000, 1000, D, torch.bfloat16, "cuda", seed=D + 21)
+    mask = random_mask(1000, 3, block_size=128, heads=4, seed=6, device="cuda") if mask_on else None
+    kl = torch.tensor([1000, 611], device="cuda")
+    check_attention(lambda a, b, c: sparseflash.attention(a, b, c, mask=mask, causal=causal, key_lengths=kl),
+                    q, k, v, do, mask=mask, causal=causal, key_lengths=kl)
+    assert hopper_bwd_spy, "the Hopper backward did not run"
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")

@@ -52,6 +52,8 @@ VARIANTS = {"ours": {}, "ours-q64": {"q_step": {64: 64}}, "ours-q128": {"q_step"
             "causal-one-loop-regstore": {"causal_split": False, "dkdv_tma": False},
             # a non-persistent backward grid: one CTA a key tile (causal: a pair of them)
             "bwd-grid-all": {"grid_all": True},
+            # dP^T started at zero, -delta added after (no injected warpgroup wait between S^T and dP^T)
+            "bwd-dp-zero": {"dp_zero": True},
             # the forward at d=64 without block lists: "fwd-2wg", two ping-pong consumer warpgroups (the
             # default before three flat ones); "fwd-2wg-flat": two warpgroups in the flat step order;
             # "fwd-3wg-flat": three flat warpgroups (the default there)

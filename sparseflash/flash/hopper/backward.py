@@ -110,9 +110,11 @@ def q_step(head_dim: int) -> int:
 # two loops, its diagonal's steps first (masked) then the rest (no mask code), or one loop testing
 # each step (default True); "grid_all": True, one CTA a unit of work (a key tile, a causal pair of them)
 # instead of a persistent grid of one CTA an SM, as FlashAttention-4 launches its backward (the head
-# groups kept as the persistent grid would run them; default False). Empty in normal use.
+# groups kept as the persistent grid would run them; default False); "dp_zero": True, dP^T starts at zero
+# and -delta is added after its wgmma (default False: it starts at -delta; see `_bwd_consumer`). Empty in
+# normal use.
 OVERRIDES: dict = {}
-OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split", "grid_all")
+OVERRIDE_KEYS = ("q_step", "dkdv_tma", "causal_split", "grid_all", "dp_zero")
 
 
 def dq_order(n: int) -> tuple:
@@ -452,14 +454,15 @@ if GLUON_ERROR is None:
                       NB_P2: gl.constexpr, DENSE: gl.constexpr, CAUSAL: gl.constexpr, HAS_KEYLEN: gl.constexpr,
                       STAGES: gl.constexpr, EXACT: gl.constexpr, QT: gl.constexpr, DQ_N: gl.constexpr,
                       DKDV_TMA: gl.constexpr, DK_BNHD: gl.constexpr, DV_BNHD: gl.constexpr,
-                      CAUSAL_SPLIT: gl.constexpr):
+                      CAUSAL_SPLIT: gl.constexpr, DP_ZERO: gl.constexpr):
         """One consumer warpgroup: keys WG*64 .. WG*64+63 of each tile; of each step's dQ, the
         columns of half WG (64-row steps) or the rows of half WG (128-row steps; DQ_N columns
         either way). Step j's dQ is computed during step j + 1 (and the tile's last after its
         walk), so a warpgroup never waits for the other's dS^T of the step it is on. EXACT: a step
         in a partial block zeroes P^T (and so dS^T) where its bit tile (Q_TILE, laid out as the
         column lists) is 0. DKDV_TMA: a tile's dK and dV go out through the dQ staging buffers
-        with TMA stores (else from registers)."""
+        with TMA stores (else from registers). DP_ZERO (a study's): dP^T starts at zero and -delta is
+        added after its wgmma (not the accumulator's start: see the step)."""
         s_layout: gl.constexpr = wgmma_layout(QT)  # S^T, dP^T: [64 keys, QT queries] fp32
         a_layout: gl.constexpr = wgmma_layout(HEAD_DIM)  # dK, dV: [64 keys, HEAD_DIM] fp32
         q_layout: gl.constexpr = wgmma_layout(DQ_N)  # this warpgroup's dQ: [64, DQ_N] fp32
@@ -528,8 +531,16 @@ if GLUON_ERROR is None:
                             st = warpgroup_mma(k_w, q_s.permute((1, 0)),
                                                gl.broadcast(zero_s, lse_bufs.index(s).load(s_layout))[1], is_async=True)
                             mbarrier.wait(do_ready.index(s), ph)
-                            dpt = warpgroup_mma(v_w, do_s.permute((1, 0)),
-                                                gl.broadcast(zero_s, dlt_bufs.index(s).load(s_layout))[1], is_async=True)
+                            # (DP_ZERO: triton 3.6's ptxas injects a warpgroup wait between the S^T and the
+                            # dP^T wgmmas of one of the two consumer warpgroups when dP^T starts at -delta
+                            # (C7517 in every backward build), so that warpgroup runs them one after the
+                            # other; started at zero, it does not)
+                            if DP_ZERO:
+                                dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                            else:
+                                dpt = warpgroup_mma(v_w, do_s.permute((1, 0)),
+                                                    gl.broadcast(zero_s, dlt_bufs.index(s).load(s_layout))[1],
+                                                    is_async=True)
                             cols = start_m + gl.arange(0, QT, layout=col_s)
                             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, k_w, q_s))[0]
                             pt = gl.exp2(st * qk_scale)  # exp2((S^T * scale - LSE) * log2(e))
@@ -549,6 +560,8 @@ if GLUON_ERROR is None:
                                     keep_t = _exact_keep_t(BITS, tb, kw0, cols, s_layout, MASK_BQ, MASK_BK)
                                     pt = gl.where(keep_t, pt, 0.0)
                             dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, v_w, do_s))[0]
+                            if DP_ZERO:
+                                dpt = dpt + dlt_bufs.index(s).load(s_layout)  # (-delta, stored negated)
                             ds16 = (pt * dpt).to(dtype)
                             p_op = gl.convert_layout(pt.to(dtype), op_layout)
                             dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
@@ -638,8 +651,8 @@ if GLUON_ERROR is None:
                            n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k, n_qblocks, n_pad, scales,
                            strides, MASK_BQ: gl.constexpr, MASK_BK: gl.constexpr, NB_P2: gl.constexpr,
                            CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           LOADER_REGS: gl.constexpr, SPLIT_BAND: gl.constexpr, Q_IDX=None, Q_TILE=None, BITS=None,
-                           KEY_LEN=None, desc_dk=None, desc_dv=None):
+                           LOADER_REGS: gl.constexpr, SPLIT_BAND: gl.constexpr, DP_ZERO: gl.constexpr, Q_IDX=None,
+                           Q_TILE=None, BITS=None, KEY_LEN=None, desc_dk=None, desc_dv=None):
         """Optional features are named pointers, None when off: Q_IDX, the column lists (None: dense);
         Q_TILE and BITS, the exact-mask bit tiles and their bits; KEY_LEN, key_lengths; desc_dk and
         desc_dv, dK and dV stored by TMA (None: from registers, through DK and DV with their strides).
@@ -700,14 +713,14 @@ if GLUON_ERROR is None:
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              0, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT, DP_ZERO)),
             (_bwd_consumer, (q_bufs, do_bufs, lse_bufs, dlt_bufs, k_buf, v_buf, ds_bufs, dq_bufs, kv_ready, kv_empty,
                              q_ready, do_ready, step_empty, ds_ready, dq_full, dq_empty, DK, DV, desc_dk, desc_dv,
                              Q_IDX, Q_TILE, BITS, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group,
                              seq_q, seq_k, n_qblocks, stride_ib, stride_ih, stride_in, stride_dkb, stride_dkh,
                              stride_dkn, stride_dvb, stride_dvh, stride_dvn, qk_scale, sm_scale,
                              1, HEAD_DIM, MASK_BQ, MASK_BK, NB_P2, DENSE, CAUSAL, HAS_KEYLEN, STAGES,
-                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT)),
+                             EXACT, QT, DQ_N, DKDV_TMA, DK_BNHD, DV_BNHD, CAUSAL_SPLIT, DP_ZERO)),
             (_bwd_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_dlt, q_bufs, do_bufs, lse_bufs, dlt_bufs,
                            k_buf, v_buf, kv_ready, kv_empty, q_ready, do_ready, step_empty, Q_IDX, KEY_LEN, n_tiles, n_rounds, n_bhk, gh, n_heads_kv, group, seq_q, seq_k,
                            n_qblocks,
@@ -940,7 +953,7 @@ def bwd(do, q, k, v, o, lse, dlse, lists, key_lengths, scale: float, causal: boo
         strides=(tuple(i_strides[:3]), tuple(sk[:3]), tuple(sv[:3])),
         MASK_BQ=mask_q, MASK_BK=mask_bk or TILE, NB_P2=max(2, nb_p2), CAUSAL=bool(causal), STAGES=_stages(D),
         CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, SPLIT_BAND=bool(OVERRIDES.get("causal_split", True)),
-        desc_dk=desc_dk, desc_dv=desc_dv, num_warps=4)
+        DP_ZERO=bool(OVERRIDES.get("dp_zero", False)), desc_dk=desc_dk, desc_dv=desc_dv, num_warps=4)
     dq = new(q)
     sq = dq.stride()
     binding.call(dq_cast_kernel, (cdiv(Nq, CAST_ROWS), B * H), ACC=acc, DQ=dq, stride_qb=sq[0], stride_qh=sq[1],
