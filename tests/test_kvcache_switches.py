@@ -18,7 +18,6 @@ GPU: the same comparisons at the decode bench's shapes, repeated, and in a CUDA 
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -44,21 +43,9 @@ def _on(switch: str, name: str) -> bool:
     return SWITCHES[switch].get(name, decode.SWITCH_DEFAULTS[name])
 
 
-@contextmanager
-def _switched(switches: dict):
-    """``switches`` in decode.OVERRIDES inside (restored after)."""
-    saved = dict(decode.OVERRIDES)
-    decode.OVERRIDES.update(switches)
-    try:
-        yield
-    finally:
-        decode.OVERRIDES.clear()
-        decode.OVERRIDES.update(saved)
-
-
 def _call(switches: dict, *args, **kw):
     """flash_attn_with_kvcache with ``switches`` in decode.OVERRIDES for this call only."""
-    with _switched(switches):
+    with decode.overridden(switches):
         return sparseflash.flash_attn_with_kvcache(*args, **kw)
 
 
@@ -318,7 +305,7 @@ def test_balanced_splits_spread_the_programs_evenly(monkeypatch):
 
     got = {"default": counts()}
     for on in (False, True):
-        with _switched(dict(balanced_splits=on)):
+        with decode.overridden(dict(balanced_splits=on)):
             got[on] = counts()
     assert got["default"] == got[True]
     assert got[False][(4, 256)] == 9 and got[True][(4, 256)] == 12
@@ -338,7 +325,7 @@ def test_balanced_splits_spread_the_programs_evenly(monkeypatch):
     ref_o, ref_lse = decode_reference(q.double(), kc.double(), vc.double(), torch.zeros(3, dtype=torch.int32), lens,
                                       scale=0.125, window=(-1, -1))
     for switches, splits in (({}, 4), (dict(balanced_splits=False), 3)):
-        with _switched(switches):
+        with decode.overridden(switches):
             assert decode.pick_splits(3, 1, 16, dev) == splits
         out, lse = _call(switches, q, kc, vc, cache_seqlens=lens, return_softmax_lse=True)
         torch.testing.assert_close(out.double(), ref_o, rtol=1e-5, atol=1e-5)
@@ -365,7 +352,7 @@ def test_split_counts_give_the_reference_on_cuda(B):
     ref_o, ref_lse = decode_reference(q, kc, vc, torch.zeros_like(lens), lens, scale=D ** -0.5, window=(-1, -1))
     splits, outs = {}, {}
     for name, switches in (("balanced", {}), ("unbalanced", dict(balanced_splits=False))):
-        with _switched(switches):
+        with decode.overridden(switches):
             splits[name] = decode.pick_splits(B, Hk, N // 64, q.device)
         out, lse = outs[name] = _call(switches, q, kc, vc, **kw)
         torch.testing.assert_close(out.float(), ref_o.float(), rtol=2e-2, atol=2e-3)

@@ -45,6 +45,7 @@ applies rotary, and holds the plain-PyTorch reference of the same semantics.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from functools import reduce
 from operator import or_
 
@@ -443,6 +444,20 @@ def decode_append_kernel(
 # normal use (then every switch is its default; a plan's key holds OVERRIDES' items).
 OVERRIDES: dict = {}
 SWITCH_DEFAULTS = {"check_in_split": True, "balanced_splits": True, "fused_combine": False}
+
+
+@contextmanager
+def overridden(overrides: dict):
+    """`OVERRIDES` set to exactly ``overrides`` inside the block, restored after (a study's or a test's
+    variant; normal calls leave OVERRIDES empty)."""
+    saved = dict(OVERRIDES)
+    OVERRIDES.clear()
+    OVERRIDES.update(overrides)
+    try:
+        yield
+    finally:
+        OVERRIDES.clear()
+        OVERRIDES.update(saved)
 
 
 def switch(name: str) -> bool:

@@ -33,17 +33,11 @@ CASES = [("B1", 1, {}), ("B4", 4, {}), ("B16", 16, {}), ("B3-leftpad-bidx", 3, d
 
 @contextmanager
 def _switches(overrides: dict):
-    """decode.OVERRIDES set to ``overrides`` inside (restored after)."""
+    """decode.OVERRIDES set to ``overrides`` inside (restored after); yields the decode module."""
     from sparseflash.flash import decode
 
-    saved = dict(decode.OVERRIDES)
-    decode.OVERRIDES.clear()
-    decode.OVERRIDES.update(overrides)
-    try:
+    with decode.overridden(overrides):
         yield decode
-    finally:
-        decode.OVERRIDES.clear()
-        decode.OVERRIDES.update(saved)
 
 
 def splits(batch: int, overrides: dict | None = None) -> int:

@@ -29,7 +29,6 @@ import statistics
 import sys
 import time
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -154,20 +153,12 @@ def calls(batch: int):
     return dict(read=read, append=append)
 
 
-@contextmanager
 def switches(overrides: dict):
     """decode.OVERRIDES set to ``overrides`` inside (restored after): set around a row's timed calls, so
     a call pays no switching of its own."""
     from sparseflash.flash import decode
 
-    saved = dict(decode.OVERRIDES)
-    decode.OVERRIDES.clear()
-    decode.OVERRIDES.update(overrides)
-    try:
-        yield
-    finally:
-        decode.OVERRIDES.clear()
-        decode.OVERRIDES.update(saved)
+    return decode.overridden(overrides)
 
 
 def _override(text: str) -> tuple:
